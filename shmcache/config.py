@@ -1,0 +1,203 @@
+"""Where shmcache keeps its objects, how names are checked, and how much memory there really is.
+
+Every name of a shared-memory object comes from :func:`segment_name`, so the CLI can list them and
+tests can check for leaks. One environment variable, ``SHMCACHE_DIR``, moves the whole namespace:
+the registry directory, the lock files and the prefix of every segment name. Parallel test runs and
+parallel jobs therefore never collide (mosaicml/streaming#884).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InvalidArgument, NotOwner
+
+__all__ = [
+    "ENV_DIR",
+    "ENV_SESSION",
+    "ENV_SPILL_DIR",
+    "Namespace",
+    "namespace",
+    "validate_name",
+    "resolve_session_name",
+    "MemoryLimits",
+    "memory_limits",
+    "SHM_ROOT",
+]
+
+ENV_DIR = "SHMCACHE_DIR"
+ENV_SESSION = "SHMCACHE_SESSION"
+ENV_SPILL_DIR = "SHMCACHE_SPILL_DIR"
+SHM_ROOT = "/dev/shm"
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def validate_name(value: object, what: str = "session") -> str:
+    """Return ``value`` if it is a valid session or cache name, else raise naming the rule."""
+    if not isinstance(value, str):
+        raise InvalidArgument(
+            f"{what} name must be a str, got {type(value).__name__} {value!r}; "
+            f"use 1-64 characters from A-Z a-z 0-9 _ . -"
+        )
+    if not _NAME_RE.fullmatch(value) or set(value) == {"."}:
+        raise InvalidArgument(
+            f"invalid {what} name {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . - "
+            f"(no '/', no spaces, not '.' or '..')"
+        )
+    return value
+
+
+def resolve_session_name(session: object) -> str:
+    """``"auto"`` means ``$SHMCACHE_SESSION`` if set (the launcher sets it), else ``"default"``."""
+    if session is None or session == "auto":
+        env = os.environ.get(ENV_SESSION)
+        if env:
+            return validate_name(env, f"session (from ${ENV_SESSION})")
+        return "default"
+    return validate_name(session, "session")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """One user's (or one test's) private world: a registry directory and a segment-name prefix."""
+
+    root: Path
+    prefix: str
+
+    def segment_name(self, *parts: str) -> str:
+        """The posix_ipc name ('/...') of a shared-memory object; ``parts`` are validated names.
+
+        Parts are joined with '+', a character session and cache names cannot contain, so the
+        prefix of one session never matches another's ('a' vs 'a-b').
+        """
+        return "/" + "+".join((self.prefix, *parts))
+
+    def shm_path(self, name: str) -> Path:
+        return Path(SHM_ROOT) / name.lstrip("/")
+
+    def owned_segments(self) -> list[str]:
+        """Names of every shared-memory object of this namespace that exists now."""
+        try:
+            entries = os.listdir(SHM_ROOT)
+        except FileNotFoundError:
+            return []
+        head = self.prefix + "+"
+        return sorted("/" + e for e in entries if e.startswith(head))
+
+    @property
+    def sessions_dir(self) -> Path:
+        return self.root / "sessions"
+
+
+def _default_root() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK):
+        return Path(runtime) / "shmcache"
+    return Path("/tmp") / f"shmcache-{os.getuid()}"
+
+
+def namespace() -> Namespace:
+    """The namespace in force now: ``$SHMCACHE_DIR`` or a per-user default, created mode 0700."""
+    raw = os.environ.get(ENV_DIR)
+    root = Path(raw).expanduser() if raw else _default_root()
+    root = root.absolute()
+    _ensure_private_dir(root)
+    digest = hashlib.blake2b(str(root.resolve()).encode(), digest_size=4).hexdigest()
+    return Namespace(root=root, prefix=f"shmcache-{os.getuid()}-{digest}")
+
+
+def _ensure_private_dir(path: Path) -> None:
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except PermissionError as exc:
+        raise NotOwner(
+            f"cannot create the shmcache directory {path}: {exc.strerror}; "
+            f"set ${ENV_DIR} to a directory you own"
+        ) from None
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise NotOwner(
+            f"the shmcache directory {path} belongs to uid {st.st_uid}, not to you (uid "
+            f"{os.getuid()}); set ${ENV_DIR} to a directory you own"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"${ENV_DIR}={path} is not a directory; point it at a directory")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """What limits the cache's memory, in bytes (None where that limit does not apply)."""
+
+    mem_available: int | None
+    cgroup_limit: int | None
+    cgroup_free: int | None
+    shm_total: int | None
+    shm_free: int | None
+
+    @property
+    def available(self) -> int:
+        """The smallest of the limits that apply: what the cache can really use."""
+        known = [v for v in (self.mem_available, self.cgroup_free, self.shm_free) if v is not None]
+        return max(0, min(known)) if known else 0
+
+    def auto_capacity(self) -> int:
+        """``size=0``: 80% of what is really available (DESIGN.md section 4)."""
+        return int(self.available * 0.8)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    if not text or text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    # cgroup v1 reports "no limit" as a huge number near 2**63.
+    return None if value >= 1 << 60 else value
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _cgroup_limits() -> tuple[int | None, int | None]:
+    limit = _read_int("/sys/fs/cgroup/memory.max")
+    usage = _read_int("/sys/fs/cgroup/memory.current")
+    if limit is None:  # cgroup v1
+        limit = _read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+        usage = _read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes")
+    if limit is None:
+        return None, None
+    return limit, max(0, limit - (usage or 0))
+
+
+def memory_limits() -> MemoryLimits:
+    limit, free = _cgroup_limits()
+    try:
+        st = os.statvfs(SHM_ROOT)
+        shm_total, shm_free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    except OSError:
+        shm_total = shm_free = None
+    return MemoryLimits(_mem_available(), limit, free, shm_total, shm_free)

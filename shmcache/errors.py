@@ -1,0 +1,95 @@
+"""Every error shmcache raises.
+
+Each leaf subclasses ``ShmcacheError`` and the builtin it refines, so callers can catch either
+(``except MemoryError`` still catches ``CacheFull``). Messages say what happened, where, the value,
+and how to fix it. Errors cross process boundaries (DataLoader workers, the launcher), so each one
+pickles: they keep their message as the only constructor argument.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ShmcacheError",
+    "InvalidArgument",
+    "SessionNotFound",
+    "SessionExists",
+    "CacheNotFound",
+    "CacheMismatch",
+    "CacheFull",
+    "ItemTooLarge",
+    "SharedMemoryFull",
+    "LockTimeout",
+    "NotOwner",
+    "CorruptSegment",
+    "EncodeError",
+    "SpillError",
+    "PrefetchError",
+    "PrefetchStall",
+]
+
+
+class ShmcacheError(Exception):
+    """Base class of every shmcache error."""
+
+    def __reduce__(self):  # one-argument constructor: survives pickling across processes
+        return (type(self), (str(self),))
+
+
+class InvalidArgument(ShmcacheError, ValueError):
+    """An argument has the wrong type or value; the message names it and the fix."""
+
+
+class SessionNotFound(ShmcacheError, LookupError):
+    """No session of that name exists in this namespace."""
+
+
+class SessionExists(ShmcacheError, FileExistsError):
+    """A session of that name already exists."""
+
+
+class CacheNotFound(ShmcacheError, LookupError):
+    """No cache of that name exists in the session."""
+
+
+class CacheMismatch(ShmcacheError, ValueError):
+    """A cache of that name exists but holds a different dataset (another fingerprint)."""
+
+
+class CacheFull(ShmcacheError, MemoryError):
+    """The cache reached its memory cap (only raised where refusing is not an option)."""
+
+
+class ItemTooLarge(ShmcacheError, MemoryError):
+    """One item is larger than the whole cache can ever hold."""
+
+
+class SharedMemoryFull(ShmcacheError, MemoryError):
+    """``/dev/shm`` itself has no room left (ENOSPC from posix_fallocate)."""
+
+
+class LockTimeout(ShmcacheError, TimeoutError):
+    """A lock held by a live process was not released in time."""
+
+
+class NotOwner(ShmcacheError, PermissionError):
+    """A shared-memory object or lock file belongs to another user."""
+
+
+class CorruptSegment(ShmcacheError, RuntimeError):
+    """A shared-memory segment's header is not one shmcache wrote (or is from another version)."""
+
+
+class EncodeError(ShmcacheError, TypeError):
+    """A value cannot be stored: not encodable and not picklable."""
+
+
+class SpillError(ShmcacheError, OSError):
+    """The spill directory is missing, not a directory or not writable."""
+
+
+class PrefetchError(ShmcacheError, RuntimeError):
+    """The prefetch producer failed; the message names the batch where it happened."""
+
+
+class PrefetchStall(ShmcacheError, TimeoutError):
+    """The prefetch producer made no progress within its timeout."""

@@ -1,0 +1,154 @@
+"""Cross-process locks that the kernel releases when their holder dies.
+
+NOTE [lock files]
+    Every cross-process lock in shmcache is an ``flock`` on a small file in the namespace
+    directory. The kernel drops it the moment the holding process dies, however it dies, so a
+    SIGKILLed holder never blocks anyone (a POSIX semaphore would stay at 0 forever). Lock files
+    are opened with O_CLOEXEC, once per process: after ``fork`` the child shares the parent's open
+    file description (and so its lock), so a child always re-opens its own descriptor before use.
+    The same mechanism judges liveness: a process holds a *slot lock* for its whole life, and
+    anyone can test whether the slot's owner is alive with a non-blocking attempt - never with a
+    PID, which the kernel reuses.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+from pathlib import Path
+
+from .errors import LockTimeout, NotOwner
+
+__all__ = ["FileLock", "LivenessSlot", "slot_is_alive", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def _open_lock_file(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except PermissionError:
+        raise NotOwner(
+            f"cannot open lock file {path}: permission denied; it belongs to another user - "
+            f"set $SHMCACHE_DIR to a directory of your own"
+        ) from None
+
+
+class FileLock:
+    """An exclusive ``flock`` on ``path`` with a timeout; usable from threads and after fork."""
+
+    def __init__(self, path: str | os.PathLike, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = ""):
+        self.path = Path(path)
+        self.timeout_s = timeout_s
+        self.what = what or f"lock {self.path.name}"
+        self._fd = -1
+        self._pid = -1
+        self._thread_lock = threading.Lock()  # flock does not exclude threads sharing one fd
+
+    def acquire(self, timeout_s: float | None = None) -> None:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        if self._pid != os.getpid():  # first use, or a forked child: the inherited fd is shared
+            self._fd = _open_lock_file(self.path)
+            self._pid = os.getpid()
+            self._thread_lock = threading.Lock()
+        if not self._thread_lock.acquire(timeout=max(timeout, 0)):
+            raise LockTimeout(f"timed out after {timeout:.1f}s waiting for {self.what} (another thread holds it)")
+        try:
+            fd = self._fd
+            delay = 20e-6
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return
+                except BlockingIOError:
+                    pass
+                if time.monotonic() >= deadline:
+                    raise LockTimeout(
+                        f"timed out after {timeout:.1f}s waiting for {self.what} ({self.path}): a "
+                        f"live process holds it (a dead one would have released it); find it with "
+                        f"`fuser {self.path}`"
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+        except BaseException:
+            self._thread_lock.release()
+            raise
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._thread_lock.release()
+
+    def __enter__(self) -> FileLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def close(self) -> None:
+        if self._fd >= 0 and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd, self._pid = -1, -1
+
+
+def slot_is_alive(path: Path) -> bool:
+    """True if a live process holds the slot lock at ``path`` (see NOTE [lock files])."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as exc:  # pragma: no cover - exotic filesystems
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            return True
+        raise
+    finally:
+        os.close(fd)  # closing drops our lock, if we got it
+    return False
+
+
+class LivenessSlot:
+    """Slot ``k`` in ``directory``, held by this process for its whole life.
+
+    The first free ``<k>.lock`` is taken with a non-blocking flock; the owner's PID is written
+    into it for display only. Counters indexed by the slot number are then written by one live
+    process at a time, which makes them race-free without atomic instructions.
+    """
+
+    def __init__(self, directory: Path, max_slots: int):
+        self.directory = Path(directory)
+        self.pid = os.getpid()
+        for k in range(max_slots):
+            path = self.directory / f"{k}.lock"
+            fd = _open_lock_file(path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{self.pid}\n".encode(), 0)
+            self.index, self.path, self._fd = k, path, fd
+            return
+        raise LockTimeout(
+            f"all {max_slots} process slots in {self.directory} are held by live processes; "
+            f"close caches you no longer use (cache.close())"
+        )
+
+    def release(self) -> None:
+        if self._fd >= 0 and self.pid == os.getpid():
+            os.close(self._fd)  # the kernel drops the lock with the last descriptor
+        self._fd = -1
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close the inherited descriptor without touching the parent's lock."""
+        if self._fd >= 0:
+            os.close(self._fd)  # the parent's descriptor keeps the open file, and so the lock
+        self._fd = -1

@@ -1,0 +1,243 @@
+"""The session registry: named sessions in a namespace directory, and the processes attached to them.
+
+NOTE [session lifecycle]
+    A session is a directory ``<root>/sessions/<name>/`` holding ``session.json``, ``caches/``
+    (one ``<cache>.json`` and one ``<cache>.lock`` per cache) and ``slots/`` (one liveness lock per
+    attached process, see NOTE [lock files]). Creation happens under ``<root>/registry.lock``: the
+    creator builds the directory under a temporary name and renames it into place last, so nobody
+    ever sees a half-made session. Sessions outlive their processes (the next run must find the
+    cache) until ``destroy``, which unlinks every segment whose name carries the session's prefix,
+    also under the registry lock. A session whose creator died mid-way leaves only a temporary
+    directory, which ``gc`` removes; so do segments of caches or sessions that no longer exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .config import Namespace, namespace, validate_name
+from .errors import InvalidArgument, SessionExists, SessionNotFound, ShmcacheError
+from .locks import FileLock, LivenessSlot, slot_is_alive
+
+__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "SEP", "MAX_SLOTS"]
+
+#: Separator inside segment names (see Namespace.segment_name).
+SEP = "+"
+MAX_SLOTS = 256
+_VERSION = 1
+
+
+@dataclass
+class SessionInfo:
+    name: str
+    created: float
+    uid: int
+    creator_pid: int
+    spill_dir: str | None = None
+    version: int = _VERSION
+    path: Path = field(default=Path(), compare=False)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("path")
+        return d
+
+
+@dataclass
+class GcReport:
+    removed_segments: list[str] = field(default_factory=list)
+    removed_dirs: list[str] = field(default_factory=list)
+    removed_locks: list[str] = field(default_factory=list)
+    reclaimed_entries: int = 0
+    reclaimed_bytes: int = 0
+    removed_spill_files: list[str] = field(default_factory=list)
+
+
+class SessionRegistry:
+    """Create, find, list and destroy sessions of one namespace (``$SHMCACHE_DIR``)."""
+
+    def __init__(self, ns: Namespace | None = None, *, timeout_s: float = 60.0):
+        self.ns = ns or namespace()
+        self.ns.sessions_dir.mkdir(mode=0o700, exist_ok=True)
+        self._lock = FileLock(self.ns.root / "registry.lock", timeout_s=timeout_s, what="the session registry lock")
+
+    # --- paths ------------------------------------------------------------------------------
+
+    def session_dir(self, name: str) -> Path:
+        return self.ns.sessions_dir / validate_name(name, "session")
+
+    def segment_prefix(self, session: str) -> str:
+        """Every segment of ``session`` has a name starting with this (see Namespace.segment_name)."""
+        return self.ns.segment_name(session) + SEP
+
+    # --- queries ----------------------------------------------------------------------------
+
+    def exists(self, name: str) -> bool:
+        return (self.session_dir(name) / "session.json").is_file()
+
+    def get(self, name: str) -> SessionInfo:
+        path = self.session_dir(name)
+        try:
+            raw = json.loads((path / "session.json").read_text())
+        except FileNotFoundError:
+            known = ", ".join(s.name for s in self.list()) or "none"
+            raise SessionNotFound(
+                f"no session {name!r} in {self.ns.root} (sessions: {known}); create it with "
+                f"`shmcache new {name}` or use session='auto'"
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise ShmcacheError(
+                f"session {name!r} has an unreadable {path / 'session.json'} ({exc}); remove it "
+                f"with `shmcache destroy {name}`"
+            ) from None
+        return SessionInfo(**{k: raw[k] for k in raw if k in SessionInfo.__dataclass_fields__}, path=path)
+
+    def list(self) -> list[SessionInfo]:
+        out = []
+        for entry in sorted(self.ns.sessions_dir.iterdir()):
+            if entry.name.startswith(".") or not (entry / "session.json").is_file():
+                continue
+            try:
+                out.append(self.get(entry.name))
+            except ShmcacheError:
+                continue
+        return out
+
+    def live_pids(self, name: str) -> list[int]:
+        """PIDs of the processes attached to session ``name`` right now (judged by their slot locks)."""
+        slots = self.session_dir(name) / "slots"
+        pids = []
+        for path in sorted(slots.glob("*.lock")):
+            if slot_is_alive(path):
+                try:
+                    pids.append(int(path.read_text().split()[0]))
+                except (OSError, ValueError, IndexError):
+                    pids.append(-1)
+        return pids
+
+    def cache_names(self, name: str) -> list[str]:
+        return sorted(p.stem for p in (self.session_dir(name) / "caches").glob("*.json"))
+
+    # --- changes ----------------------------------------------------------------------------
+
+    def create(self, name: str | None = None, *, spill_dir: str | os.PathLike | None = None,
+               exist_ok: bool = False) -> SessionInfo:
+        """Create a session (a random name when ``name`` is None) and return it."""
+        if name is None:
+            name = "s-" + secrets.token_hex(4)
+        validate_name(name, "session")
+        if spill_dir is not None:
+            spill_dir = str(Path(spill_dir).expanduser().absolute())
+        with self._lock:
+            if self.exists(name):
+                if exist_ok:
+                    return self.get(name)
+                raise SessionExists(
+                    f"session {name!r} already exists in {self.ns.root}; attach to it with "
+                    f"session={name!r}, or `shmcache destroy {name}` first"
+                )
+            info = SessionInfo(name=name, created=time.time(), uid=os.getuid(),
+                               creator_pid=os.getpid(), spill_dir=spill_dir)
+            final = self.session_dir(name)
+            tmp = self.ns.sessions_dir / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+            tmp.mkdir(mode=0o700)
+            (tmp / "caches").mkdir(mode=0o700)
+            (tmp / "slots").mkdir(mode=0o700)
+            _write_json(tmp / "session.json", info.to_json())
+            if final.exists():  # a directory without session.json: debris of a dead creator
+                shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)  # published: from here on, others see a complete session
+            info.path = final
+            return info
+
+    def ensure(self, name: str, *, spill_dir: str | os.PathLike | None = None) -> SessionInfo:
+        """The session ``name``, created on first use."""
+        if self.exists(name):
+            return self.get(name)
+        return self.create(name, spill_dir=spill_dir, exist_ok=True)
+
+    def destroy(self, name: str, *, force: bool = False) -> list[str]:
+        """Drop session ``name`` and everything in it; returns the segment names it unlinked."""
+        validate_name(name, "session")
+        with self._lock:
+            if not self.session_dir(name).exists():
+                self.get(name)  # raises SessionNotFound with the list of sessions
+            pids = [p for p in self.live_pids(name) if p != os.getpid()]
+            if pids and not force:
+                raise InvalidArgument(
+                    f"session {name!r} is in use by {len(pids)} live process(es) (pids "
+                    f"{', '.join(map(str, pids))}); stop them first, or pass force=True "
+                    f"(`shmcache destroy --force {name}`)"
+                )
+            removed = self._unlink_segments(self.segment_prefix(name))
+            for spill in self._spill_dirs_of(name):
+                shutil.rmtree(spill, ignore_errors=True)
+            shutil.rmtree(self.session_dir(name), ignore_errors=True)
+            return removed
+
+    def attach_process(self, name: str) -> LivenessSlot:
+        """Hold a liveness slot in session ``name`` for as long as this process uses it."""
+        return LivenessSlot(self.session_dir(name) / "slots", MAX_SLOTS)
+
+    def gc(self) -> GcReport:
+        """Remove what dead processes left behind: orphan segments, half-made sessions, stale locks."""
+        report = GcReport()
+        with self._lock:
+            live = {s.name for s in self.list()}
+            for entry in self.ns.sessions_dir.iterdir():
+                if entry.name.startswith(".") and ".tmp-" in entry.name:
+                    shutil.rmtree(entry, ignore_errors=True)
+                    report.removed_dirs.append(str(entry))
+            for seg in self.ns.owned_segments():
+                session = seg[len(self.ns.segment_name()) + 1:].split(SEP, 1)[0]
+                if session not in live:
+                    report.removed_segments += self._unlink_segments(seg)
+            for name in live:
+                for path in (self.session_dir(name) / "slots").glob("*.lock"):
+                    if not slot_is_alive(path):
+                        path.unlink(missing_ok=True)
+                        report.removed_locks.append(str(path))
+        return report
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _unlink_segments(self, prefix: str) -> list[str]:
+        removed = []
+        for seg in self.ns.owned_segments():
+            if seg.startswith(prefix):
+                try:
+                    os.unlink(self.ns.shm_path(seg))
+                    removed.append(seg)
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    def _spill_dirs_of(self, name: str) -> list[Path]:
+        """Spill directories of every cache of the session (each cache spills into its own folder)."""
+        out = []
+        for cache in self.cache_names(name):
+            try:
+                meta = json.loads((self.session_dir(name) / "caches" / f"{cache}.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if meta.get("spill_path"):
+                out.append(Path(meta["spill_path"]))
+        return out
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write ``path`` atomically (temporary file + rename), mode 0600."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.rename(tmp, path)
+
+
+write_json = _write_json

@@ -1,0 +1,86 @@
+"""Shared fixtures: every test runs in its own shmcache namespace and must leave nothing behind.
+
+The autouse fixture points ``$SHMCACHE_DIR`` at a fresh directory, so segment names, lock files and
+the registry of one test never meet another's (or a parallel run's). At teardown it destroys every
+session still registered there - which exercises ``destroy`` on every test - and then fails the test
+if any shared-memory object of the namespace is still in ``/dev/shm``, or any child process it
+started is still alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from shmcache.config import ENV_DIR, ENV_SESSION, ENV_SPILL_DIR, namespace
+
+
+def _children(pid: int) -> set[int]:
+    """Direct and indirect children of ``pid`` (from /proc), so a test can't leave processes behind."""
+    kids: set[int] = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return kids
+    parent_of: dict[int, int] = {}
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z":  # zombies are reaped by whoever owns them; they hold nothing
+            continue
+        parent_of[int(e)] = int(fields[1])
+    frontier = {pid}
+    while frontier:
+        nxt = {c for c, p in parent_of.items() if p in frontier} - kids
+        kids |= nxt
+        frontier = nxt
+    return kids
+
+
+@pytest.fixture(autouse=True)
+def shm_namespace(tmp_path, monkeypatch):
+    root = tmp_path / "shmcache-ns"
+    monkeypatch.setenv(ENV_DIR, str(root))
+    monkeypatch.delenv(ENV_SESSION, raising=False)
+    monkeypatch.delenv(ENV_SPILL_DIR, raising=False)
+    ns = namespace()
+    before = _children(os.getpid())
+    yield ns
+
+    problems = []
+    deadline = time.monotonic() + 5.0
+    stray = _children(os.getpid()) - before
+    while stray and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stray = _children(os.getpid()) - before
+    if stray:
+        problems.append(f"child processes left running: {sorted(stray)}")
+        for pid in stray:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    from shmcache.registry import SessionRegistry  # imported late: tests of config run without it
+
+    registry = SessionRegistry(ns)
+    for info in registry.list():
+        registry.destroy(info.name, force=True)
+    left = ns.owned_segments()
+    if left:
+        problems.append(f"segments left in /dev/shm after destroying every session: {left}")
+        for name in left:
+            try:
+                os.unlink(ns.shm_path(name))
+            except FileNotFoundError:
+                pass
+    if problems:
+        pytest.fail("; ".join(problems))
