@@ -1,0 +1,60 @@
+"""Per-process state that must not survive ``fork``: liveness slots held in each session.
+
+After a fork the child shares its parent's open lock files, and so its slots (NOTE [lock files]).
+``generation()`` changes in every forked child, so objects that cache per-process state (a
+store's counter slot) notice and take their own; the inherited descriptors are closed without
+releasing the parent's locks.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .locks import LivenessSlot
+
+__all__ = ["generation", "slot", "attached_slot"]
+
+_generation = 0
+_slots: dict[tuple[str, str], LivenessSlot] = {}
+_lock = threading.Lock()
+
+
+def generation() -> int:
+    return _generation
+
+
+def slot(registry, session: str) -> int:
+    """This process's slot number in ``session`` (taken on first use, held until exit)."""
+    key = (str(registry.ns.root), session)
+    s = _slots.get(key)
+    if s is None:
+        with _lock:
+            s = _slots.get(key)
+            if s is None:
+                s = registry.attach_process(session)
+                _slots[key] = s
+    return s.index
+
+
+def attached_slot(root: str, session: str) -> LivenessSlot | None:
+    return _slots.get((root, session))
+
+
+def release_all() -> None:
+    """Give up every slot (tests, and processes that detach from all caches)."""
+    for s in _slots.values():
+        s.release()
+    _slots.clear()
+
+
+def _after_fork_in_child() -> None:
+    global _generation, _lock
+    _generation += 1
+    _lock = threading.Lock()
+    for s in _slots.values():
+        s.forget_after_fork()
+    _slots.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,444 @@
+"""Process machinery of the launcher: start the workers, watch them, shut them all down together.
+
+``shmcache.launch`` is the command line; this module knows nothing of arguments or sessions. It
+must not import torch (the launcher stays light; only the workers import it).
+
+NOTE [launcher shutdown]
+    The protocol that guarantees no worker outlives the job, and that the exit status names the
+    root cause. Every loop and signal path in this module points back here.
+
+    1. Start. Each worker is spawned from the main thread into a session of its own (setsid, as
+       torchrun does), so one ``killpg`` reaches the worker and everything it started (DataLoader
+       workers, compilers), and a Ctrl-C typed in the terminal reaches only the launcher, which
+       then coordinates. In the child, before exec, ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` asks the
+       kernel to kill the worker when its parent goes away, even if the launcher is SIGKILLed
+       (pytorch#76287). The signal fires when the parent *thread* that forked exits, which is why
+       workers are spawned only from the main thread. The child then checks that its parent is
+       still the launcher: one that died between fork and prctl would never send the signal.
+       PR_SET_PDEATHSIG is Linux-only and covers the worker process itself, not its children;
+       those die with the worker's process group in steps 3-4, or by their own parent-death
+       checks (DataLoader workers have one) if the launcher was SIGKILLed.
+    2. Watch. The launcher sleeps in ``select`` on a wakeup pipe (``signal.set_wakeup_fd``), so
+       SIGCHLD and the signals it forwards wake it at once; every wait still has a timeout, after
+       which it re-checks everything, so a lost wakeup costs latency, never a hang.
+    3. A worker exits. It is first *peeked at* with ``waitid(WNOWAIT)``, which leaves it a zombie:
+       while it is unreaped its PID cannot be reused, so its process-group ID still names only
+       its own group. Anything left in that group is SIGKILLed (its parent is gone, it would be
+       an orphan), and only then is the worker reaped. Exit code 0: keep watching. Any other
+       status, from a worker the launcher had not signalled, is the *first failure*: go to 4.
+    4. Shut down. Every live worker's process group gets SIGTERM (or the signal the launcher
+       received, see 5), and the launcher keeps watching as in 2 for up to the grace period
+       (``--shutdown-timeout``); then the groups still alive get SIGKILL, and the launcher waits
+       a bounded time to reap them. A second signal to the launcher during the grace period
+       (Ctrl-C twice) skips the rest of it.
+    5. Signals to the launcher. SIGINT, SIGTERM and SIGHUP are forwarded as themselves (a worker
+       sees Ctrl-C as KeyboardInterrupt, as it would without a launcher), with the escalation of
+       4; the launcher then exits with 128 + the signal number (130 for Ctrl-C).
+    6. Report. A summary goes to stderr, root cause first: the first failed rank, its PID and
+       exit code or signal name, the error its ``@record``-decorated entry point wrote to
+       ``$TORCHELASTIC_ERROR_FILE`` if any, then every other rank and what happened to it.
+       The exit status is the first failure's (128 + signal number for a signal).
+    7. Handlers and the wakeup descriptor are restored on the way out, so ``main()`` can run
+       inside a test process and leave it as it was.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["WorkerSpec", "WorkerResult", "RunOutcome", "run_workers", "FORWARDED_SIGNALS"]
+
+#: Signals the launcher forwards to every worker (NOTE [launcher shutdown], 5).
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+#: Longest sleep between two checks of the workers when nothing wakes the launcher up.
+POLL_INTERVAL_S = 0.5
+#: How long to wait for SIGKILLed workers to be reaped before reporting them as unreaped.
+REAP_TIMEOUT_S = 5.0
+
+_PR_SET_PDEATHSIG = 1
+_LAUNCHER = "shmcache.launch"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What to run for one rank: the full command line and the full environment."""
+
+    rank: int
+    argv: Sequence[str]
+    env: dict[str, str]
+    error_file: str | None = None  # where torch's @record writes the worker's exception
+
+
+@dataclass
+class WorkerResult:
+    """One worker's fate, filled in as the launcher watches it."""
+
+    rank: int
+    pid: int
+    returncode: int | None = None  # Popen's convention: -N when killed by signal N
+    signals_sent: list[tuple[int, float]] = field(default_factory=list)  # (signal, s into shutdown)
+    signalled_before_exit: bool = False
+    error_message: str | None = None
+
+    @property
+    def failed_on_its_own(self) -> bool:
+        return self.returncode not in (None, 0) and not self.signalled_before_exit
+
+
+@dataclass
+class RunOutcome:
+    """Everything the launcher knows once every worker is gone (or could not be reaped)."""
+
+    workers: list[WorkerResult]
+    first_failure: WorkerResult | None = None
+    received_signal: int | None = None
+    start_error: str | None = None
+    start_error_code: int = 1
+    grace_s: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every worker exited 0; else the root cause's status (NOTE [launcher shutdown], 6)."""
+        if self.received_signal is not None:
+            return 128 + self.received_signal
+        if self.start_error is not None:
+            return self.start_error_code
+        if self.first_failure is not None:
+            return _exit_status(self.first_failure.returncode)
+        if any(w.returncode is None for w in self.workers):
+            return 1  # a worker could not be reaped: not a success
+        return 0
+
+    @property
+    def root_cause(self) -> WorkerResult | None:
+        """The worker to blame, unless a signal to the launcher or a failed start came first."""
+        if self.received_signal is None and self.start_error is None:
+            return self.first_failure
+        return None
+
+    def summary(self) -> list[str]:
+        """Lines for stderr, root cause first; empty when every worker exited 0."""
+        if self.exit_code == 0:
+            return []
+        lines = list(self._root_cause_lines())
+        for w in sorted(self.workers, key=lambda w: w.rank):
+            if w is not self.root_cause:
+                lines.append(f"{_LAUNCHER}: rank {w.rank} (pid {w.pid}): {self._fate_of(w)}")
+        lines.append(f"{_LAUNCHER}: exit status {self.exit_code}")
+        return lines
+
+    def _root_cause_lines(self) -> Iterator[str]:
+        if self.received_signal is not None:
+            name = _signal_name(self.received_signal)
+            yield f"{_LAUNCHER}: received {name}; forwarded it to every worker"
+        elif self.start_error is not None:
+            yield f"{_LAUNCHER}: {self.start_error}"
+        elif self.root_cause is not None:
+            w = self.root_cause
+            yield f"{_LAUNCHER}: rank {w.rank} (pid {w.pid}) failed first: {_describe(w.returncode)}"
+            if w.error_message:
+                yield f"{_LAUNCHER}:     {w.error_message}"
+
+    def _fate_of(self, w: WorkerResult) -> str:
+        if w.returncode is None:
+            return "could not be reaped (stuck in the kernel?); check it with `ps -o stat,cmd -p PID`"
+        if not w.signalled_before_exit:
+            if w.returncode == 0:
+                return "exited 0"
+            return f"also failed: {_describe(w.returncode)}"
+        sent = ", then ".join(
+            _signal_name(signo) + (f" after {at_s:.1f} s" if at_s >= 0.05 else "")
+            for signo, at_s in w.signals_sent
+        )
+        return f"terminated by launcher ({sent}): {_describe(w.returncode)}"
+
+
+def run_workers(specs: Sequence[WorkerSpec], *, shutdown_timeout_s: float) -> RunOutcome:
+    """Start one process per spec and watch them until all are gone (NOTE [launcher shutdown])."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "shmcache.launch must run in the main thread: it installs signal handlers, and "
+            "PR_SET_PDEATHSIG ties the workers' lives to the thread that spawned them"
+        )
+    with _SignalWakeup() as wakeup:
+        group = _WorkerGroup(wakeup, shutdown_timeout_s)
+        try:
+            group.start(specs)
+            group.watch()
+        finally:
+            group.kill_all_now()  # only does something if watch() was interrupted by an error
+        return group.outcome
+
+
+# --- the watch loop ---------------------------------------------------------------------------
+
+
+class _WorkerGroup:
+    """The workers of one launch and the state of the shutdown protocol."""
+
+    def __init__(self, wakeup: _SignalWakeup, shutdown_timeout_s: float):
+        self._wakeup = wakeup
+        self._grace_s = shutdown_timeout_s
+        self._running: dict[int, tuple[subprocess.Popen, WorkerResult, WorkerSpec]] = {}
+        self._signals_handled = 0  # how many of wakeup.received were acted upon
+        self._shutdown_started: float | None = None
+        self._kill_deadline: float | None = None  # set when the SIGKILL went out
+        self.outcome = RunOutcome(workers=[], grace_s=shutdown_timeout_s)
+
+    def start(self, specs: Sequence[WorkerSpec]) -> None:
+        """Spawn every worker; stop early if a signal arrives or one cannot start."""
+        parent_death = _ParentDeathSignal()
+        for spec in specs:
+            if self._wakeup.received:
+                return  # Ctrl-C while starting: watch() shuts down what was started
+            try:
+                proc = subprocess.Popen(
+                    list(spec.argv), env=spec.env, start_new_session=True, preexec_fn=parent_death
+                )
+            except OSError as exc:
+                self.outcome.start_error = f"rank {spec.rank} could not start {spec.argv[0]!r}: {exc}"
+                self.outcome.start_error_code = _start_failure_status(exc)
+                self._begin_shutdown(signal.SIGTERM)
+                return
+            result = WorkerResult(rank=spec.rank, pid=proc.pid)
+            self.outcome.workers.append(result)
+            self._running[proc.pid] = (proc, result, spec)
+
+    def watch(self) -> None:
+        """Loop until every worker is reaped (NOTE [launcher shutdown], 2-5)."""
+        while self._running:
+            self._wakeup.wait(self._next_timeout())
+            self._reap_exited()
+            self._handle_received_signals()
+            if self.outcome.first_failure is not None:
+                self._begin_shutdown(signal.SIGTERM)
+            if self._grace_is_over():
+                self._kill_running()
+            if self._kill_deadline is not None and time.monotonic() >= self._kill_deadline:
+                return  # NOTE [launcher shutdown], 4: unreaped workers are reported, not waited on
+
+    def kill_all_now(self) -> None:
+        """Last resort on the way out: nothing started here may outlive the launcher."""
+        for proc, _result, _spec in self._running.values():
+            _signal_group(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + REAP_TIMEOUT_S
+        for proc, result, spec in list(self._running.values()):
+            try:
+                returncode = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
+            self._record_exit(proc, result, spec, returncode)
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def _next_timeout(self) -> float:
+        if self._shutdown_started is None or self._kill_deadline is not None:
+            return POLL_INTERVAL_S
+        grace_left = self._shutdown_started + self._grace_s - time.monotonic()
+        return max(0.0, min(POLL_INTERVAL_S, grace_left))
+
+    def _reap_exited(self) -> None:
+        """NOTE [launcher shutdown], 3: peek, clear the worker's group, then reap."""
+        for pid, (proc, result, spec) in list(self._running.items()):
+            if not _has_exited(proc):
+                continue
+            _signal_group(pid, signal.SIGKILL)  # its leftovers; the zombie keeps the group ID ours
+            try:
+                returncode = proc.wait(timeout=REAP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # pragma: no cover - a zombie is reaped at once
+                continue
+            self._record_exit(proc, result, spec, returncode)
+            if result.failed_on_its_own and self.outcome.first_failure is None:
+                self.outcome.first_failure = result
+
+    def _record_exit(
+        self, proc: subprocess.Popen, result: WorkerResult, spec: WorkerSpec, returncode: int
+    ) -> None:
+        result.returncode = returncode
+        result.signalled_before_exit = bool(result.signals_sent)
+        if returncode != 0 and spec.error_file:
+            result.error_message = read_error_file(spec.error_file)
+        self._running.pop(proc.pid, None)
+
+    def _handle_received_signals(self) -> None:
+        """NOTE [launcher shutdown], 5: the first signal starts a shutdown, any later one ends it."""
+        for signo in self._wakeup.received[self._signals_handled:]:
+            self._signals_handled += 1
+            if self._shutdown_started is None:
+                self.outcome.received_signal = signo
+                self._begin_shutdown(signo)
+            else:
+                self._kill_running()
+
+    def _begin_shutdown(self, signo: int) -> None:
+        """NOTE [launcher shutdown], 4: the first signal to every group, and the grace clock."""
+        if self._shutdown_started is None:
+            self._shutdown_started = time.monotonic()
+            self._send_to_running(signo)
+
+    def _grace_is_over(self) -> bool:
+        if self._shutdown_started is None:
+            return False
+        return time.monotonic() >= self._shutdown_started + self._grace_s
+
+    def _kill_running(self) -> None:
+        if self._kill_deadline is None:
+            self._send_to_running(signal.SIGKILL)
+            self._kill_deadline = time.monotonic() + REAP_TIMEOUT_S
+
+    def _send_to_running(self, signo: int) -> None:
+        started = self._shutdown_started if self._shutdown_started is not None else time.monotonic()
+        at_s = time.monotonic() - started
+        for proc, result, _spec in self._running.values():
+            result.signals_sent.append((signo, at_s))
+            _signal_group(proc.pid, signo)
+
+
+# --- signals ----------------------------------------------------------------------------------
+
+
+class _SignalWakeup:
+    """Record forwarded signals and wake the watch loop on them and on SIGCHLD (NOTE, 2 and 7)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._read_fd = self._write_fd = -1
+        self._old_wakeup_fd = -1
+        self._old_handlers: dict[int, object] = {}
+
+    def __enter__(self) -> _SignalWakeup:
+        self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._old_wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        for signo in (*FORWARDED_SIGNALS, signal.SIGCHLD):
+            # The wakeup pipe is only written for signals that have a Python handler.
+            self._old_handlers[signo] = signal.signal(signo, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signo, handler in self._old_handlers.items():
+            # None: the old handler was not set from Python; the default is the best guess.
+            signal.signal(signo, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
+        signal.set_wakeup_fd(self._old_wakeup_fd)
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+    def _on_signal(self, signo: int, _frame: object) -> None:
+        if signo != signal.SIGCHLD:  # SIGCHLD only needs to wake the loop up
+            self.received.append(signo)
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleep until a signal arrives or ``timeout_s`` passes; the caller re-checks everything."""
+        readable, _, _ = select.select([self._read_fd], [], [], timeout_s)
+        if readable:
+            try:
+                while os.read(self._read_fd, 512):
+                    pass
+            except BlockingIOError:
+                pass
+
+
+class _ParentDeathSignal:
+    """``preexec_fn`` for workers: die with the launcher (NOTE [launcher shutdown], 1).
+
+    Everything that can fail or allocate much (loading libc) happens in the parent, at creation;
+    the call in the forked child is two system calls.
+    """
+
+    def __init__(self) -> None:
+        self._launcher_pid = os.getpid()
+        try:
+            self._prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):  # not Linux: no parent-death signal to ask for
+            self._prctl = None
+
+    def __call__(self) -> None:
+        if self._prctl is not None:
+            self._prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != self._launcher_pid:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- small helpers ----------------------------------------------------------------------------
+
+
+def _has_exited(proc: subprocess.Popen) -> bool:
+    """True once ``proc`` has exited, without reaping it (NOTE [launcher shutdown], 3)."""
+    try:
+        status = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already (by Popen itself): let Popen tell
+        return proc.poll() is not None
+    return status is not None
+
+
+def _signal_group(pid: int, signo: int) -> None:
+    """Send ``signo`` to worker ``pid``'s process group, and to ``pid`` if it left the group."""
+    try:
+        os.killpg(pid, signo)
+        if os.getpgid(pid) != pid:  # the worker moved itself into another group
+            os.kill(pid, signo)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is empty already (or holds only someone else's setuid program)
+
+
+def read_error_file(path: str) -> str | None:
+    """The message torch's ``@record`` wrote for a failed worker, with where it was raised."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, str):
+        return message
+    if not isinstance(message, dict) or not isinstance(message.get("message"), str):
+        return None
+    where = _innermost_frame(message.get("extraInfo", {}).get("py_callstack", ""))
+    return f"{message['message']} ({where})" if where else message["message"]
+
+
+def _innermost_frame(traceback_text: object) -> str | None:
+    if not isinstance(traceback_text, str):
+        return None
+    frames = [ln.strip() for ln in traceback_text.splitlines() if ln.strip().startswith("File ")]
+    return frames[-1] if frames else None
+
+
+def _describe(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        return f"signal {_signal_name(-returncode)}"
+    return f"exit code {returncode}"
+
+
+def _signal_name(signo: int) -> str:
+    try:
+        return signal.Signals(signo).name
+    except ValueError:
+        return f"signal {signo}"
+
+
+def _exit_status(returncode: int | None) -> int:
+    """A shell's convention: 128 + N for a process killed by signal N."""
+    if returncode is None:
+        return 1
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _start_failure_status(exc: OSError) -> int:
+    """A shell's convention: 127 for a missing program, 126 for one that cannot be executed."""
+    if isinstance(exc, FileNotFoundError):
+        return 127
+    if isinstance(exc, PermissionError):
+        return 126
+    return 1

@@ -1,0 +1,81 @@
+"""Slab allocator: size classes, one data segment per class, chunks handed out in O(1).
+
+A record of ``n`` bytes goes to the smallest size class that holds it. Up to 4 KiB the classes are
+every multiple of 64 bytes; above, 32 classes per doubling, so a chunk wastes under 1/32 of its
+size - and fixed-shape samples (one size) get a class whose chunk is their exact size rounded to 64
+bytes. Each class owns one data segment where chunk ``k`` starts at ``DATA_OFF + k * chunk_size``:
+that fixed stride is what lets a batch of one field be gathered with one vectorised copy.
+
+A class segment is sized to the cache's whole capacity with ftruncate (sparse: free) and committed
+with posix_fallocate in steps as chunks are handed out (NOTE [segment lifecycle]): shared memory
+used tracks the payload, not the segment size. Steps grow with the class (1/32 of what it already
+holds, 64 KiB to 4 MiB), so the slack at the end stays within a few percent.
+
+All allocator state lives in the cache's meta segment (see store.MetaLayout) and is changed only
+under the cache's lock; the store's intent record makes each allocation undoable if its writer dies
+(NOTE [publish order] in store.py).
+"""
+
+from __future__ import annotations
+
+import struct
+
+__all__ = ["size_class", "MAX_CLASSES", "DATA_OFF", "ClassTable", "commit_step_chunks"]
+
+MAX_CLASSES = 1024
+DATA_OFF = 4096  # data starts one page into a class segment: the header sits alone on page 0
+_U64x4 = struct.Struct("QQQQ")  # chunk_size, bump (next unused chunk), committed chunks, reserved
+_U64 = struct.Struct("Q")
+
+
+def size_class(nbytes: int) -> tuple[int, int]:
+    """``(class id, chunk size)`` for a record of ``nbytes`` bytes."""
+    units = max(1, -(-nbytes // 64))
+    if units <= 64:
+        return units, units * 64
+    e = (units - 1).bit_length() - 1  # units in (2**e, 2**(e+1)]
+    step = 1 << (e - 5)
+    k = -(-units // step)  # 33..64
+    cls = 64 + (e - 6) * 32 + (k - 32)
+    if cls >= MAX_CLASSES:
+        raise OverflowError(f"a record of {nbytes} bytes is beyond the largest size class")
+    return cls, k * step * 64
+
+
+def commit_step_chunks(chunk_size: int) -> int:
+    """How many chunks to commit at a time: 64 KiB worth (at least one). Small enough that the
+    slack at the end of a class is negligible, large enough that small records don't pay a
+    posix_fallocate call each."""
+    return max(1, (64 << 10) // chunk_size)
+
+
+class ClassTable:
+    """The per-class allocator records inside the meta segment (one 32-byte record per class)."""
+
+    def __init__(self, buf, offset: int):
+        self.buf = buf
+        self.offset = offset
+
+    def _off(self, cls: int) -> int:
+        return self.offset + 32 * cls
+
+    def get(self, cls: int) -> tuple[int, int, int]:
+        """``(chunk size, bump, committed chunks)``; chunk size 0 means the class is unused."""
+        return _U64x4.unpack_from(self.buf, self._off(cls))[:3]
+
+    def chunk_size(self, cls: int) -> int:
+        return _U64.unpack_from(self.buf, self._off(cls))[0]
+
+    def create(self, cls: int, chunk_size: int) -> None:
+        _U64x4.pack_into(self.buf, self._off(cls), chunk_size, 0, 0, 0)
+
+    def set_bump(self, cls: int, bump: int) -> None:
+        """Chunks below ``bump`` are handed out. A rollback restores the previous value, which is
+        why no free list is needed: no chunk is ever freed except by undoing its allocation."""
+        _U64.pack_into(self.buf, self._off(cls) + 8, bump)
+
+    def set_committed(self, cls: int, committed: int) -> None:
+        _U64.pack_into(self.buf, self._off(cls) + 16, committed)
+
+    def used_classes(self) -> list[int]:
+        return [c for c in range(1, MAX_CLASSES) if self.chunk_size(c)]

@@ -1,0 +1,333 @@
+"""Encode samples as a small header plus raw buffers; decode them without pickle.
+
+NOTE [record format]
+    A record is what one cache entry's bytes hold, in shared memory or in a spill file::
+
+        0   u32 layout id (INLINE: the layout bytes are stored in the record itself)
+        4   u32 key length (keys other than ints; 0 for int keys)
+        8   u32 inline layout length (0 unless INLINE)
+        12  u32 reserved
+        16  fixed-size scalars, 8 bytes each (int64, float64, bool, None takes none)
+        ..  variable-length leaves (str, bytes, pickled objects), then arrays, each 64-byte aligned
+        ..  the inline layout bytes, if any, then the key bytes - last, so that offsets of the data
+            never depend on the key or on where the layout lives.
+
+    The *layout* is the structure of the sample with every leaf's kind, dtype, shape, length and
+    offset: a marshal'd nested tuple. Samples of one fixed structure (an image and a label) share
+    one layout, so each process compiles a decoder for it once, and a batch of them can be gathered
+    field by field with one vectorised copy (store.get_batch). Layouts are interned per cache in a
+    shared table; the record carries only the id. Everything starts 64-byte aligned: the chunk does,
+    and arrays sit at 64-byte offsets inside it.
+
+Torch tensors are a registered extension (see :func:`register_type`), so this module never imports
+torch: the torch layer registers the tensor handler when it is imported.
+"""
+
+from __future__ import annotations
+
+import marshal
+import pickle
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .errors import EncodeError
+
+__all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "RECORD_HEADER",
+           "INLINE", "ALIGN", "Leaf"]
+
+INLINE = 0xFFFFFFFF
+ALIGN = 64
+RECORD_HEADER = struct.Struct("<IIII")
+_I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
+_U64 = struct.Struct("<Q")
+
+# Leaf and node tags inside a layout.
+_INT, _FLOAT, _BOOL, _NONE, _STR, _BYTES, _PICKLE, _ARRAY, _EXT = "ifbnsypae"
+_TUPLE, _LIST, _DICT = "TLD"
+
+# Extension types (torch.Tensor): tag -> (type, to_parts, from_parts)
+_EXT_TO: dict[type, tuple[str, Callable]] = {}
+_EXT_FROM: dict[str, Callable] = {}
+
+
+def register_type(tp: type, tag: str, to_parts: Callable, from_parts: Callable) -> None:
+    """Teach the codec a type: ``to_parts(x) -> (meta: str, shape: tuple, uint8 ndarray)`` and
+    ``from_parts(meta, shape, uint8 ndarray) -> x``."""
+    _EXT_TO[tp] = (tag, to_parts)
+    _EXT_FROM[tag] = from_parts
+
+
+class Encoded:
+    """A value ready to be written: its layout bytes, body length and the pieces to copy."""
+
+    __slots__ = ("layout", "body_len", "scalars", "pieces")
+
+    def __init__(self, layout: bytes, body_len: int, scalars: bytes, pieces: list):
+        self.layout = layout
+        self.body_len = body_len  # header + scalars + variable leaves + arrays, padded
+        self.scalars = scalars  # packed at offset 16
+        self.pieces = pieces  # [(offset, buffer)] for variable leaves and arrays
+
+    def record_len(self, key_len: int, inline: bool) -> int:
+        return self.body_len + (len(self.layout) if inline else 0) + key_len
+
+    def write(self, dst: memoryview, layout_id: int, key: bytes) -> int:
+        """Write the whole record into ``dst`` (at least ``record_len`` bytes); return its length."""
+        inline = layout_id == INLINE
+        extra = self.layout if inline else b""
+        RECORD_HEADER.pack_into(dst, 0, layout_id, len(key), len(extra), 0)
+        n = len(self.scalars)
+        dst[16:16 + n] = self.scalars
+        for off, piece in self.pieces:
+            mv = memoryview(piece).cast("B")
+            dst[off:off + mv.nbytes] = mv
+        end = self.body_len
+        if extra:
+            dst[end:end + len(extra)] = extra
+            end += len(extra)
+        dst[end:end + len(key)] = key
+        return end + len(key)
+
+
+class _Builder:
+    def __init__(self):
+        self.scalars: list[tuple[str, Any]] = []
+        self.var: list[tuple[int, bytes]] = []  # (index in var list, bytes) -> offsets fixed later
+        self.arrays: list[np.ndarray] = []
+
+    def node(self, x: Any, path: str) -> tuple:
+        tp = type(x)
+        if tp is int or tp is np.int64:
+            if -(1 << 63) <= x < (1 << 63):
+                self.scalars.append((_INT, int(x)))
+                return (_INT, len(self.scalars) - 1)
+            return self._pickled(x, path)
+        if tp is float or tp is np.float64:
+            self.scalars.append((_FLOAT, float(x)))
+            return (_FLOAT, len(self.scalars) - 1)
+        if tp is bool or tp is np.bool_:
+            self.scalars.append((_BOOL, bool(x)))
+            return (_BOOL, len(self.scalars) - 1)
+        if x is None:
+            return (_NONE,)
+        if tp is str:
+            b = x.encode("utf-8", "surrogatepass")
+            self.var.append((len(self.var), b))
+            return (_STR, len(self.var) - 1, len(b))
+        if tp is bytes:
+            self.var.append((len(self.var), x))
+            return (_BYTES, len(self.var) - 1, len(x))
+        if tp is tuple:
+            return (_TUPLE, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
+        if tp is list:
+            return (_LIST, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
+        if tp is dict and all(type(k) in (str, int) for k in x):
+            return (_DICT, tuple((k, self.node(v, f"{path}[{k!r}]")) for k, v in x.items()))
+        if tp is np.ndarray and not x.dtype.hasobject and x.dtype.fields is None:
+            arr = np.ascontiguousarray(x)
+            self.arrays.append(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8))
+            return (_ARRAY, arr.dtype.str, tuple(arr.shape), len(self.arrays) - 1)
+        ext = _EXT_TO.get(tp)
+        if ext is not None:
+            tag, to_parts = ext
+            parts = to_parts(x)
+            if parts is not None:
+                meta, shape, raw = parts
+                self.arrays.append(raw)
+                return (_EXT, tag, meta, tuple(shape), len(self.arrays) - 1)
+        return self._pickled(x, path)
+
+    def _pickled(self, x: Any, path: str) -> tuple:
+        try:
+            b = pickle.dumps(x, protocol=5)
+        except Exception as exc:
+            raise EncodeError(
+                f"cannot store {path or 'the value'} of type {type(x).__name__}: it is neither an "
+                f"array, tensor, number, str, bytes or container of them, nor picklable ({exc}); "
+                f"return plain arrays/tensors from the dataset or transform"
+            ) from None
+        self.var.append((len(self.var), b))
+        return (_PICKLE, len(self.var) - 1, len(b))
+
+
+def _place(node: tuple, scalar_off: list[int], var_off: list[int], arr_off: list[int]) -> tuple:
+    """Replace list indices in ``node`` by absolute record offsets."""
+    tag = node[0]
+    if tag in (_INT, _FLOAT, _BOOL):
+        return (tag, scalar_off[node[1]])
+    if tag in (_STR, _BYTES, _PICKLE):
+        return (tag, var_off[node[1]], node[2])
+    if tag == _ARRAY:
+        return (tag, node[1], node[2], arr_off[node[3]])
+    if tag == _EXT:
+        return (tag, node[1], node[2], node[3], arr_off[node[4]])
+    if tag in (_TUPLE, _LIST):
+        return (tag, tuple(_place(c, scalar_off, var_off, arr_off) for c in node[1]))
+    if tag == _DICT:
+        return (tag, tuple((k, _place(c, scalar_off, var_off, arr_off)) for k, c in node[1]))
+    return node
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def encode(value: Any, path: str = "") -> Encoded:
+    """Encode ``value``; raises EncodeError (naming ``path``) if it cannot be stored."""
+    b = _Builder()
+    tree = b.node(value, path)
+    scalar_off = [16 + 8 * i for i in range(len(b.scalars))]
+    pos = 16 + 8 * len(b.scalars)
+    var_off = []
+    pieces: list[tuple[int, Any]] = []
+    for _, data in b.var:
+        var_off.append(pos)
+        pieces.append((pos, data))
+        pos += len(data)
+    arr_off = []
+    for arr in b.arrays:
+        pos = _align(pos)
+        arr_off.append(pos)
+        pieces.append((pos, arr))
+        pos += arr.nbytes
+    layout = marshal.dumps(_place(tree, scalar_off, var_off, arr_off), 4)
+    scalars = b"".join(
+        _I64.pack(v) if t == _INT else _F64.pack(v) if t == _FLOAT else _U64.pack(int(v))
+        for t, v in b.scalars
+    )
+    return Encoded(layout, pos, scalars, pieces)
+
+
+# --- decoding ------------------------------------------------------------------------------------
+
+_DECODERS: dict[bytes, Callable] = {}
+
+
+def decoder_for(layout: bytes) -> Callable[[Any], Any]:
+    """A compiled decoder for ``layout``: ``fn(record_buffer) -> value`` (cached per process)."""
+    fn = _DECODERS.get(layout)
+    if fn is None:
+        fn = _compile(marshal.loads(layout))
+        _DECODERS[layout] = fn
+    return fn
+
+
+def _compile(node: tuple) -> Callable:
+    """Turn a layout node into a closure ``fn(buf) -> value``.
+
+    ``buf`` is the record as a buffer: a private bytearray (values come out writable and owned) or
+    a read-only memoryview of shared memory (zero-copy, read-only arrays).
+    """
+    tag = node[0]
+    if tag == _INT:
+        unpack, off = _I64.unpack_from, node[1]
+        return lambda buf: unpack(buf, off)[0]
+    if tag == _FLOAT:
+        unpack, off = _F64.unpack_from, node[1]
+        return lambda buf: unpack(buf, off)[0]
+    if tag == _BOOL:
+        off = node[1]
+        return lambda buf: buf[off] != 0
+    if tag == _NONE:
+        return lambda buf: None
+    if tag == _STR:
+        off, n = node[1], node[2]
+        return lambda buf: bytes(buf[off:off + n]).decode("utf-8", "surrogatepass")
+    if tag == _BYTES:
+        off, n = node[1], node[2]
+        return lambda buf: bytes(buf[off:off + n])
+    if tag == _PICKLE:
+        off, n = node[1], node[2]
+        return lambda buf: pickle.loads(buf[off:off + n])
+    if tag == _ARRAY:
+        dtype, shape, off = np.dtype(node[1]), node[2], node[3]
+        return lambda buf: np.ndarray(shape, dtype, buf, off)
+    if tag == _EXT:
+        ext, meta, shape, off = node[1], node[2], node[3], node[4]
+        from_parts = _EXT_FROM.get(ext)
+        if from_parts is None:
+            raise EncodeError(f"a cached value holds a {ext!r} object but its handler is not loaded; "
+                              f"import shmcache.dataset (it registers torch tensors)")
+        n = _ext_nbytes(meta, shape)
+        return lambda buf: from_parts(meta, shape, np.ndarray((n,), np.uint8, buf, off))
+    if tag in (_TUPLE, _LIST):
+        parts = [_compile(c) for c in node[1]]
+        if len(parts) == 2:  # the common (sample, label) pair, without a comprehension
+            a, b = parts
+            if tag == _TUPLE:
+                return lambda buf: (a(buf), b(buf))
+            return lambda buf: [a(buf), b(buf)]
+        if tag == _TUPLE:
+            return lambda buf: tuple([p(buf) for p in parts])
+        return lambda buf: [p(buf) for p in parts]
+    if tag == _DICT:
+        items = [(k, _compile(c)) for k, c in node[1]]
+        return lambda buf: {k: p(buf) for k, p in items}
+    raise EncodeError(f"unknown layout tag {tag!r}: the cache was written by another shmcache version")
+
+
+def _ext_nbytes(meta: str, shape: tuple) -> int:
+    itemsize = int(meta.rsplit(":", 1)[1])  # extension meta strings end with ":<itemsize>"
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
+
+
+def decode(record: Any, layout: bytes) -> Any:
+    """Decode one record (a buffer starting at the record header)."""
+    return decoder_for(layout)(record)
+
+
+# --- layout introspection for the vectorised batch path ----------------------------------------
+
+
+class Leaf:
+    """One leaf of a layout: where it sits in the record and how to view a column of them."""
+
+    __slots__ = ("tag", "offset", "nbytes", "dtype", "shape", "meta", "ext")
+
+    def __init__(self, tag, offset, nbytes, dtype=None, shape=(), meta=None, ext=None):
+        self.tag, self.offset, self.nbytes = tag, offset, nbytes
+        self.dtype, self.shape, self.meta, self.ext = dtype, shape, meta, ext
+
+
+def leaves(layout: bytes) -> tuple[tuple, list[Leaf]]:
+    """The layout's tree (with leaf indices in place of leaves) and its list of leaves."""
+    out: list[Leaf] = []
+
+    def walk(node):
+        tag = node[0]
+        if tag in (_TUPLE, _LIST):
+            return (tag, tuple(walk(c) for c in node[1]))
+        if tag == _DICT:
+            return (tag, tuple((k, walk(c)) for k, c in node[1]))
+        if tag == _INT:
+            out.append(Leaf(tag, node[1], 8, np.dtype("<i8")))
+        elif tag == _FLOAT:
+            out.append(Leaf(tag, node[1], 8, np.dtype("<f8")))
+        elif tag == _BOOL:
+            out.append(Leaf(tag, node[1], 1, np.dtype("?")))
+        elif tag == _ARRAY:
+            dt = np.dtype(node[1])
+            out.append(Leaf(tag, node[3], int(np.prod(node[2], dtype=np.int64)) * dt.itemsize, dt, node[2]))
+        elif tag == _EXT:
+            out.append(Leaf(tag, node[4], _ext_nbytes(node[2], node[3]), None, node[3], node[2], node[1]))
+        elif tag == _NONE:
+            out.append(Leaf(tag, 0, 0))
+        else:  # str, bytes, pickle: decoded per item
+            out.append(Leaf(tag, node[1], node[2]))
+        return ("leaf", len(out) - 1)
+
+    tree = walk(marshal.loads(layout))
+    return tree, out
+
+
+def ext_from_parts(tag: str) -> Callable:
+    return _EXT_FROM[tag]
+
+
+def leaf_decoder(leaf: Leaf) -> Callable:
+    """Decoder of one str / bytes / pickle leaf, for records that are otherwise gathered as columns."""
+    return _compile((leaf.tag, leaf.offset, leaf.nbytes))

@@ -1,0 +1,533 @@
+"""``ShmDatasetCache``: the public face of shmcache for PyTorch (DESIGN.md section 1).
+
+It binds one named cache of a session (``store.CacheStore``) and adds what PyTorch users need:
+wrapping map-style and iterable datasets, batches collated like ``default_collate`` (gathered
+straight into caller buffers such as pinned memory), warm-up with a progress bar, and tensors as a
+first-class sample type (registered with the codec here, so the layers below never import torch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
+
+from . import codec
+from .config import ENV_SPILL_DIR, resolve_session_name, validate_name
+from .errors import EncodeError, InvalidArgument
+from .store import MISSING, CacheStore
+
+__all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
+
+ENV_SIZE_MB = "SHMCACHE_SIZE_MB"
+ENV_SPILLING = "SHMCACHE_SPILLING"
+_MAX_SIZE_MB = 1 << 30  # 1 PiB: anything larger is a unit mistake
+
+
+# --- tensors in the codec -------------------------------------------------------------------------
+
+
+def _tensor_to_parts(t: torch.Tensor):
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
+        return None  # pickled instead
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), raw
+
+
+def _tensor_from_parts(meta: str, shape: tuple, raw: np.ndarray) -> torch.Tensor:
+    dtype = getattr(torch, meta.split(":", 1)[0])
+    if raw.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    if raw.flags.writeable:
+        flat = torch.from_numpy(raw)
+    else:  # zero-copy read (copy=False): the caller promised not to write into it
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(raw)
+    return flat.view(dtype).reshape(shape)
+
+
+codec.register_type(torch.Tensor, "torch", _tensor_to_parts, _tensor_from_parts)
+codec.register_type(torch.nn.Parameter, "torch", _tensor_to_parts, _tensor_from_parts)
+
+
+# --- arguments ------------------------------------------------------------------------------------
+
+
+def _check_size(size: Any) -> int:
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+        raise InvalidArgument(f"size must be an int number of MB (0 = automatic), got "
+                              f"{type(size).__name__} {size!r}")
+    if size < 0 or size > _MAX_SIZE_MB:
+        raise InvalidArgument(f"size={size} MB is out of range: give 0 (80% of the memory really "
+                              f"available) or a positive number of megabytes")
+    return int(size)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _fingerprint(dataset: Any, transform: Callable | None, samples: Sequence) -> str:
+    """Identity of a dataset: its type, length, transform and a few encoded samples."""
+    h = hashlib.blake2b(digest_size=8)
+    tp = type(dataset)
+    h.update(f"{tp.__module__}.{tp.__qualname__}|{_len_or_none(dataset)}".encode())
+    if transform is not None:
+        h.update(f"|{getattr(transform, '__module__', '')}.{getattr(transform, '__qualname__', type(transform).__qualname__)}".encode())
+    for s in samples:
+        enc = codec.encode(s)
+        h.update(enc.layout)
+        h.update(enc.scalars)
+        for _, piece in enc.pieces:
+            h.update(memoryview(piece).cast("B"))
+    return h.hexdigest()
+
+
+def _len_or_none(ds: Any) -> int | None:
+    try:
+        return len(ds)
+    except TypeError:
+        return None
+
+
+def _default_name(dataset: Any, fingerprint: str) -> str:
+    base = "".join(c if c.isalnum() or c in "_.-" else "_" for c in type(dataset).__name__)[:40]
+    return validate_name(f"{base}-{fingerprint[:12]}", "cache")
+
+
+# --- the cache ------------------------------------------------------------------------------------
+
+
+class ShmDatasetCache:
+    """One cache in shared memory, shared by every process of the machine that opens it.
+
+    Args:
+        session: ``"auto"`` (``$SHMCACHE_SESSION``, else ``"default"``) or a session name.
+        name: the cache's name in the session; None: a fingerprint of the wrapped dataset.
+        size: memory cap in MB; 0: 80% of what is really available (``$SHMCACHE_SIZE_MB`` if set).
+        spilling: when memory is full, spill to zstd files on disk (True) or stop admitting.
+        spill_dir: where spill files live (default: the session's, then ``$SHMCACHE_SPILL_DIR``).
+        copy: hits return private, writable copies (True, safe) or zero-copy read-only views.
+    """
+
+    def __init__(self, session: str = "auto", name: str | None = None, size: int = 0,
+                 spilling: bool = False, spill_dir: str | os.PathLike | None = None, *,
+                 copy: bool = True, lock_timeout_s: float = 60.0):
+        self.session = resolve_session_name(session)
+        if name is not None:
+            validate_name(name, "cache")
+        size = _check_size(size)
+        if size == 0 and os.environ.get(ENV_SIZE_MB):
+            size = _check_size(int(os.environ[ENV_SIZE_MB]))
+        if not isinstance(spilling, bool):
+            raise InvalidArgument(f"spilling must be True or False, got {spilling!r}")
+        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+            raise InvalidArgument(f"spill_dir must be a path, got {type(spill_dir).__name__}")
+        self.size_mb = size
+        self.spilling = spilling or _env_flag(ENV_SPILLING)
+        self.spill_dir = spill_dir if spill_dir is not None else os.environ.get(ENV_SPILL_DIR)
+        self.copy = bool(copy)
+        self.lock_timeout_s = lock_timeout_s
+        self.name = name
+        self._store: CacheStore | None = None
+        self._fingerprint: str | None = None
+        self._spill_cfg = self._check_spill_config() if self.spilling else None
+        if name is not None:
+            self._open(name, None, 0)
+
+    def _check_spill_config(self):
+        from .spill_wiring import resolve_spill  # the spill layer (imports zstandard lazily)
+        return resolve_spill(self)
+
+    # --- binding to a store --------------------------------------------------------------------
+
+    def _open(self, name: str, fingerprint: str | None, table_hint: int) -> CacheStore:
+        self._store = CacheStore(self.session, name, capacity_bytes=self.size_mb << 20,
+                                 fingerprint=fingerprint, table_hint=table_hint,
+                                 lock_timeout_s=self.lock_timeout_s)
+        self.name, self._fingerprint = name, fingerprint
+        if self._spill_cfg is not None:
+            self._spill_cfg.attach(self._store)
+        return self._store
+
+    @property
+    def store(self) -> CacheStore:
+        """The underlying store (opened on first use as cache ``"default"`` if never bound)."""
+        return self._ensure_open()
+
+    # --- wrapping datasets ----------------------------------------------------------------------
+
+    def wrap(self, dataset: Any, transform: Callable | None = None):
+        """A dataset that reads through this cache: map-style or iterable, same items as ``dataset``."""
+        if transform is not None and not callable(transform):
+            raise InvalidArgument(f"transform must be callable, got {type(transform).__name__}")
+        if isinstance(dataset, IterableDataset) or (not hasattr(dataset, "__getitem__")
+                                                    and isinstance(dataset, Iterable)):
+            first = next(iter(dataset), None)
+            samples = [] if first is None else [transform(first) if transform else first]
+            self._bind(dataset, transform, samples, table_hint=0)
+            return CachedIterableDataset(self, dataset, transform)
+        if not hasattr(dataset, "__getitem__") or _len_or_none(dataset) is None:
+            raise InvalidArgument(
+                f"wrap() takes a map-style dataset (with __getitem__ and __len__) or an iterable "
+                f"dataset, got {type(dataset).__name__}"
+            )
+        n = len(dataset)
+        probe = sorted({0, n // 2, n - 1}) if n else []
+        samples = [_compute(dataset, transform, i) for i in probe]
+        self._bind(dataset, transform, samples, table_hint=n)
+        for i, s in zip(probe, samples):  # computed anyway: keep them
+            self._store.put(i, s)
+        return CachedDataset(self, dataset, transform)
+
+    def _bind(self, dataset, transform, samples, table_hint: int) -> None:
+        fp = _fingerprint(dataset, transform, samples)
+        if self._store is None:
+            self._open(self.name or _default_name(dataset, fp), fp, table_hint)
+        elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset
+            self._store.bind_fingerprint(fp)
+            self._fingerprint = fp
+        elif self._fingerprint != fp:
+            raise InvalidArgument(
+                f"this ShmDatasetCache already caches another dataset in {self.session}/"
+                f"{self.name}; wrap each dataset with its own ShmDatasetCache(...)"
+            )
+
+    # --- single items ----------------------------------------------------------------------------
+
+    def get(self, key: int | str | bytes, fn: Callable | None = None) -> Any:
+        """The cached value of ``key``; on a miss ``fn(key)``, stored (KeyError if ``fn`` is None)."""
+        value = self.store.lookup(key, self.copy)
+        if value is not MISSING:
+            return value
+        if fn is None:
+            raise KeyError(key)
+        value = fn(key)
+        self.put(key, value)
+        return value
+
+    def put(self, key: int | str | bytes, value: Any) -> bool:
+        """Store ``value`` under ``key`` (kept if present). False if the cache was full."""
+        return self.store.put(key, value)
+
+    def __getitem__(self, key):
+        return self.get(key)
+
+    def __contains__(self, key) -> bool:
+        return self.store.contains(key)
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    # --- batches -----------------------------------------------------------------------------------
+
+    def get_batch(self, keys: Sequence, fn: Callable | None = None, out: Any = None) -> Any:
+        """Values of ``keys`` collated like ``default_collate`` (stacked tensors).
+
+        Misses are computed with ``fn(key)`` and stored, or raise a KeyError naming them. With
+        ``out`` (a structure of tensors shaped like the batch, e.g. pinned buffers), the batch is
+        gathered straight into it and ``out`` is returned.
+        """
+        store = self.store
+        ints = _as_int_keys(keys)
+        if ints is not None:
+            batch = self._gather(store, ints, out)
+            if batch is None and fn is not None:
+                self._fill_missing(store, keys, fn)
+                batch = self._gather(store, ints, out)
+            if batch is not None:
+                return batch
+        values, missing = store.lookup_batch(keys, self.copy)
+        if missing:
+            if fn is None:
+                raise KeyError(f"{len(missing)} of {len(keys)} keys are not cached: "
+                               f"{[keys[i] for i in missing[:10]]}; pass fn= to compute them")
+            for i in missing:
+                values[i] = fn(keys[i])
+                store.put(keys[i], values[i])
+        batch = default_collate(values)
+        if out is not None:
+            _copy_into(out, batch)
+            return out
+        return batch
+
+    def _gather(self, store: CacheStore, keys: np.ndarray, out: Any):
+        leaves_out = None
+        if out is not None:
+            leaves_out = [t.numpy() if isinstance(t, torch.Tensor) else t for t in _flatten(out)]
+        got = store.gather_ints(keys, leaves_out)
+        if got is None:
+            return None
+        tree, leaves, columns = got
+        if out is not None:
+            return out
+        return _build(tree, [_to_tensor(c, leaf) for c, leaf in zip(columns, leaves)])
+
+    def _fill_missing(self, store: CacheStore, keys: Sequence, fn: Callable) -> None:
+        for k in keys:
+            if not store.contains(k):
+                store.put(k, fn(k))
+
+    # --- housekeeping --------------------------------------------------------------------------
+
+    def warmup(self, dataset: Any, progress: bool = True, desc: str | None = None) -> int:
+        """Fill the cache with every item of ``dataset`` (wrapped or not); returns items computed.
+
+        Each local rank starts at its own offset and skips what is already cached, so N processes
+        warming up together compute each item about once.
+        """
+        ds = dataset if isinstance(dataset, (CachedDataset, CachedIterableDataset)) else self.wrap(dataset)
+        if isinstance(ds, CachedIterableDataset):
+            count = 0
+            for _ in _progress(ds, progress, desc or f"warmup {self.name}", None):
+                count += 1
+            return count
+        n = len(ds)
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        start = (n * rank) // world
+        order = np.concatenate([np.arange(start, n), np.arange(0, start)]).astype(np.int64)
+        store, computed = self.store, 0
+        bar = _progress(None, progress, desc or f"warmup {self.name}", n)
+        for lo in range(0, n, 4096):
+            chunk = order[lo:lo + 4096]
+            w0, _ = store._refresh().index.lookup_ints(chunk)
+            for i in chunk[w0 == 0].tolist():
+                if not store.contains(i):
+                    store.put(i, ds._compute(i))
+                    computed += 1
+            if bar is not None:
+                bar.update(len(chunk))
+        if bar is not None:
+            bar.close()
+        return computed
+
+    def stats(self) -> dict:
+        """Counters shared by every process (keys of DESIGN.md section 5)."""
+        return self.store.stats()
+
+    def clear(self) -> None:
+        self.store.clear()
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+    def __enter__(self) -> ShmDatasetCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ShmDatasetCache(session={self.session!r}, name={self.name!r}, size={self.size_mb})"
+
+    # --- pickling (DataLoader workers re-attach lazily by name) ------------------------------
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_store"] = None
+        return state
+
+    def _ensure_open(self) -> CacheStore:
+        """The store, re-attached by name in a process that received this cache pickled."""
+        if self._store is None:
+            self._open(self.name or "default", self._fingerprint, 0)
+        return self._store
+
+
+# --- wrapped datasets -----------------------------------------------------------------------------
+
+
+def _compute(dataset, transform, index):
+    sample = dataset[index]
+    return transform(sample) if transform is not None else sample
+
+
+class CachedDataset(Dataset):
+    """A map-style dataset whose items come from the cache (computed once, by any process)."""
+
+    def __init__(self, cache: ShmDatasetCache, dataset: Any, transform: Callable | None):
+        self.cache = cache
+        self.dataset = dataset
+        self.transform = transform
+        self._len = len(dataset)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _index(self, i: Any) -> int:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            if isinstance(i, torch.Tensor) and i.numel() == 1 and not i.is_floating_point():
+                i = int(i)
+            else:
+                raise TypeError(f"dataset indices must be integers, not {type(i).__name__}")
+        i = int(i)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"index {i} out of range for a dataset of {self._len} items")
+        return i
+
+    def _compute(self, i: int) -> Any:
+        return _compute(self.dataset, self.transform, i)
+
+    def __getitem__(self, i):
+        if isinstance(i, (list, np.ndarray)) or (isinstance(i, torch.Tensor) and i.dim() == 1):
+            # DataLoader(ds, sampler=BatchSampler(...), batch_size=None): a whole batch per call,
+            # collated by the vectorised path (the DataLoader then does no collation of its own)
+            return self.get_batch(i)
+        i = self._index(i)
+        store = self.cache._ensure_open()
+        value = store.lookup(i, self.cache.copy)
+        if value is MISSING:
+            value = self._compute(i)
+            try:
+                store.put(i, value)
+            except EncodeError as exc:
+                raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
+        return value
+
+    def __getitems__(self, indices: Sequence) -> list:
+        """The DataLoader's batch hook: one batch lookup, misses computed and stored."""
+        idx = [self._index(i) for i in indices]
+        store = self.cache._ensure_open()
+        values, missing = store.lookup_batch(idx, self.cache.copy)
+        for j in missing:
+            values[j] = self._compute(idx[j])
+            try:
+                store.put(idx[j], values[j])
+            except EncodeError as exc:
+                raise EncodeError(f"sample {idx[j]} of {type(self.dataset).__name__}: {exc}") from None
+        return values
+
+    def get_batch(self, indices: Sequence, out: Any = None) -> Any:
+        """A collated batch (the vectorised path), misses computed from the dataset."""
+        idx = [self._index(i) for i in indices]
+        return self.cache.get_batch(idx, fn=self._compute, out=out)
+
+    def __getstate__(self) -> dict:
+        return self.__dict__.copy()  # the cache pickles by name (ShmDatasetCache.__getstate__)
+
+
+class CachedIterableDataset(IterableDataset):
+    """An iterable dataset: the first full pass records, later passes replay from the cache.
+
+    Each stream (rank x DataLoader worker) records its own sequence under its own keys, with a
+    completion marker written only after a full pass; a pass that was cut short, or finds an item
+    missing, reads the source again and fills the gaps.
+    """
+
+    def __init__(self, cache: ShmDatasetCache, dataset: Iterable, transform: Callable | None):
+        self.cache = cache
+        self.dataset = dataset
+        self.transform = transform
+
+    def _stream(self) -> str:
+        info = get_worker_info()
+        worker = f"{info.id}of{info.num_workers}" if info is not None else "main"
+        return f"{os.environ.get('RANK', '0')}.{worker}"
+
+    def __iter__(self):
+        store = self.cache._ensure_open()
+        stream = self._stream()
+        marker = f"__stream__:{stream}"
+        total = store.lookup(marker, count=False)
+        if total is not MISSING:
+            for i in range(total):
+                value = store.lookup(f"{stream}:{i}", self.cache.copy)
+                if value is MISSING:
+                    yield from self._record(store, stream, marker, skip=i)
+                    return
+                yield value
+            return
+        yield from self._record(store, stream, marker, skip=0)
+
+    def _record(self, store: CacheStore, stream: str, marker: str, skip: int):
+        count = 0
+        for i, sample in enumerate(self.dataset):
+            count = i + 1
+            if i < skip:
+                continue  # already yielded from the cache in this pass
+            value = self.transform(sample) if self.transform is not None else sample
+            store.put(f"{stream}:{i}", value)
+            yield value
+        store.put(marker, count)  # only after a full pass
+
+
+# --- collation helpers ---------------------------------------------------------------------------
+
+
+def _as_int_keys(keys: Sequence) -> np.ndarray | None:
+    if isinstance(keys, np.ndarray) and keys.dtype.kind in "iu":
+        return keys.astype(np.int64, copy=False)
+    if isinstance(keys, torch.Tensor) and not keys.is_floating_point():
+        return keys.cpu().numpy().astype(np.int64, copy=False)
+    try:
+        if keys and all(type(k) is int for k in keys):
+            return np.fromiter(keys, np.int64, len(keys))
+    except (OverflowError, TypeError):
+        return None
+    return None
+
+
+def _to_tensor(column: Any, leaf: codec.Leaf) -> Any:
+    if column is None or isinstance(column, list):
+        return column
+    if leaf.tag == "e":
+        from_parts = codec.ext_from_parts(leaf.ext)
+        return from_parts(leaf.meta, (len(column), *leaf.shape), column.reshape(-1))
+    return torch.from_numpy(column)
+
+
+def _build(tree: tuple, leaves: list) -> Any:
+    tag = tree[0]
+    if tag == "leaf":
+        return leaves[tree[1]]
+    if tag == "T":
+        return tuple(_build(c, leaves) for c in tree[1])
+    if tag == "L":
+        return [_build(c, leaves) for c in tree[1]]
+    return {k: _build(c, leaves) for k, c in tree[1]}
+
+
+def _flatten(out: Any) -> list:
+    if isinstance(out, (tuple, list)):
+        return [leaf for x in out for leaf in _flatten(x)]
+    if isinstance(out, dict):
+        return [leaf for x in out.values() for leaf in _flatten(x)]
+    return [out]
+
+
+def _copy_into(out: Any, batch: Any) -> None:
+    if isinstance(out, torch.Tensor):
+        out.copy_(batch if isinstance(batch, torch.Tensor) else torch.as_tensor(batch))
+    elif isinstance(out, np.ndarray):
+        out[...] = batch
+    elif isinstance(out, (tuple, list)):
+        for o, b in zip(out, batch):
+            _copy_into(o, b)
+    elif isinstance(out, dict):
+        for k in out:
+            _copy_into(out[k], batch[k])
+
+
+def _progress(iterable, enabled: bool, desc: str, total: int | None):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    if iterable is None:
+        return tqdm(total=total, desc=desc, unit="item", dynamic_ncols=True)
+    return tqdm(iterable, desc=desc, unit="item", total=total, dynamic_ncols=True)

@@ -1,0 +1,143 @@
+"""The shared index: an open-addressing hash table in shared memory, read without locks.
+
+Each entry is three native 8-byte words, 8-byte aligned::
+
+    w0  state: READY (bit 0), INT_KEY (bit 1), SPILLED (bit 2) | layout id << 8 | length << 32
+    w1  the key itself for int keys (two's complement), else a 64-bit hash of the key bytes
+    w2  where the record is: size class << 48 | chunk   (spilled: file id << 48 | file offset)
+
+An entry goes from EMPTY (w0 == 0) to READY in one aligned 8-byte store of w0, after w1, w2 and
+the record's bytes were written (NOTE [publish order] in store.py). Entries are never changed or
+removed while their table is current, so a reader that sees READY reads w1, w2 and the record and
+gets complete data; probing stops at the first EMPTY entry. Readers load w0 *before* the other
+words, in a separate load: one memcpy of all three could load w2 first and w0 last.
+
+int keys hash with Fibonacci hashing (a multiply), so a batch of int keys is looked up with numpy
+in a few vectorised probe rounds. Other keys (str, bytes) store a 64-bit blake2b hash; the record
+ends with the key bytes, which the store compares to rule out collisions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+
+__all__ = ["TableView", "key_bytes", "key_hash", "READY", "INT_KEY", "SPILLED", "ENTRY_BYTES",
+           "TABLE_OFF", "MAX_LOAD"]
+
+READY, INT_KEY, SPILLED = 1, 2, 4
+ENTRY_BYTES = 24
+TABLE_OFF = 128  # entries start here in the table segment; capacity is stored at offset 64
+MAX_LOAD = 0.7  # linear probing: ~2 probes per hit on average at this load
+_M64 = (1 << 64) - 1
+_FIB = 0x9E3779B97F4A7C15
+_Q = struct.Struct("Q")
+_QQ = struct.Struct("QQ")
+
+
+def key_bytes(key: object) -> tuple[int, bytes]:
+    """``(w1, key bytes)``: the word stored in the table and the bytes stored in the record.
+
+    int keys store themselves (key bytes empty); str and bytes keys store a hash and keep their
+    bytes, tagged so that ``"a"`` and ``b"a"`` differ.
+    """
+    tp = type(key)
+    if tp is int or isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        k = int(key)
+        if not -(1 << 63) <= k < (1 << 63):
+            raise OverflowError(f"int key {k} does not fit in 64 bits; use a str key")
+        return k & _M64, b""
+    if tp is str:
+        kb = b"s" + key.encode("utf-8", "surrogatepass")
+    elif tp is bytes:
+        kb = b"b" + key
+    else:
+        raise TypeError(f"cache keys are int, str or bytes, not {tp.__name__} ({key!r})")
+    return key_hash(kb), kb
+
+
+def key_hash(kb: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little")
+
+
+class TableView:
+    """Lock-free reads of one table segment (and, under the cache lock, inserts)."""
+
+    def __init__(self, buf):
+        self.buf = buf
+        self.capacity = _Q.unpack_from(buf, 64)[0]
+        self.shift = 64 - (self.capacity.bit_length() - 1)
+        self.mask = self.capacity - 1
+        self.words = np.ndarray((self.capacity, 3), np.uint64, buf, TABLE_OFF)
+
+    @staticmethod
+    def init(buf, capacity: int) -> None:
+        assert capacity & (capacity - 1) == 0, "table capacity is a power of two"
+        _Q.pack_into(buf, 64, capacity)
+
+    @staticmethod
+    def bytes_for(capacity: int) -> int:
+        return TABLE_OFF + capacity * ENTRY_BYTES
+
+    def home(self, w1: int) -> int:
+        return ((w1 * _FIB) & _M64) >> self.shift
+
+    def find(self, w1: int, int_key: bool) -> tuple[int, int, int]:
+        """``(position, w0, w2)`` of the READY entry whose key word is ``w1``, or of the EMPTY
+        entry where it would go (w0 == 0). str/bytes keys may match several hashes in theory: the
+        caller verifies the key bytes and calls :meth:`find_from` to go on."""
+        return self.find_from(self.home(w1), w1, int_key)
+
+    def find_from(self, pos: int, w1: int, int_key: bool) -> tuple[int, int, int]:
+        buf, mask = self.buf, self.mask
+        want = READY | INT_KEY if int_key else READY
+        unpack, unpack2 = _Q.unpack_from, _QQ.unpack_from
+        while True:
+            off = TABLE_OFF + ENTRY_BYTES * pos
+            w0 = unpack(buf, off)[0]  # first, on its own: see the module docstring
+            if w0 == 0:
+                return pos, 0, 0
+            if w0 & 3 == want:
+                k, w2 = unpack2(buf, off + 8)
+                if k == w1:
+                    return pos, w0, w2
+            pos = (pos + 1) & mask
+
+    def publish(self, pos: int, w0: int, w1: int, w2: int) -> None:
+        """Fill EMPTY entry ``pos``: w1 and w2 first, then w0 in one aligned store (caller holds the lock)."""
+        off = TABLE_OFF + ENTRY_BYTES * pos
+        _QQ.pack_into(self.buf, off + 8, w1, w2)
+        _Q.pack_into(self.buf, off, w0)  # native format: one 8-byte store, not eight byte stores
+
+    def entries(self):
+        """Every READY entry as ``(w0, w1, w2)`` (for rebuilding and for gc)."""
+        w = self.words
+        ready = np.flatnonzero(w[:, 0] & np.uint64(READY))
+        for i in ready:
+            yield int(w[i, 0]), int(w[i, 1]), int(w[i, 2])
+
+    def lookup_ints(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Vectorised lookup of int64 ``keys``: ``(w0, w2)`` arrays, w0 == 0 where a key is absent."""
+        w = self.words
+        k = keys.astype(np.uint64, copy=False)
+        pos = (k * np.uint64(_FIB)) >> np.uint64(self.shift)
+        w0 = np.zeros(len(k), np.uint64)
+        w2 = np.zeros(len(k), np.uint64)
+        todo = np.arange(len(k))
+        want = np.uint64(READY | INT_KEY)
+        mask = np.uint64(self.mask)
+        while len(todo):
+            p = pos[todo]
+            s0 = w[p, 0]  # state words first, in their own gather
+            s1 = w[p, 1]
+            hit = ((s0 & np.uint64(3)) == want) & (s1 == k[todo])
+            if hit.any():
+                idx = todo[hit]
+                w0[idx] = s0[hit]
+                w2[idx] = w[p[hit], 2]
+            go_on = ~hit & (s0 != 0)
+            todo = todo[go_on]
+            pos[todo] = (pos[todo] + np.uint64(1)) & mask
+        return w0, w2

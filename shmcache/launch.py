@@ -1,0 +1,476 @@
+"""python -m shmcache.launch: start N training processes on this machine around one shmcache session.
+
+A drop-in for ``torchrun --standalone`` on one node: it creates the shmcache session first, so every
+process finds it, then starts the processes with the environment ``init_process_group("env://")``
+reads, and stops them all together when one fails or when it is interrupted.
+
+Usage::
+
+    python -m shmcache.launch [options] script.py [script arguments...]
+    python -m shmcache.launch [options] -m package.module [module arguments...]
+    python -m shmcache.launch [options] --no-python program [program arguments...]
+
+Everything after the script (or module, or program) is passed to it verbatim, including arguments
+that look like options and ``--``; no ``--local-rank`` is added (read ``$LOCAL_RANK``).
+
+Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
+
+    --nproc N               processes on this node (also --nproc-per-node, --nproc_per_node);
+                            an integer >= 1, or auto (one per visible CUDA device, else 1),
+                            gpu (one per visible CUDA device), cpu (one per CPU core). Default 1.
+    --session NAME          the shmcache session the processes share, created if missing.
+                            Default: $SHMCACHE_SESSION, else "default". 1-64 of A-Z a-z 0-9 _ . -
+    --size MB               memory cap of the caches, in MB (0: automatic); sets $SHMCACHE_SIZE_MB
+    --spilling              spill to disk when memory is full; sets $SHMCACHE_SPILLING=1. Needs a
+                            spill directory: --spill-dir, the session's, or $SHMCACHE_SPILL_DIR
+    --spill-dir DIR         where spill segments go (created if missing); sets $SHMCACHE_SPILL_DIR
+                            and becomes the spill directory of a session created now
+    --destroy-session       destroy the session (and everything cached in it) once every process
+                            is gone; by default it stays, for the next run to find
+    --shutdown-timeout S    seconds a process gets between SIGTERM and SIGKILL. Default 10
+    --master-addr A         address of rank 0 for init_process_group. Default 127.0.0.1
+    --master-port P         port of rank 0. Default: a free port of this machine
+    --nnodes N, --node-rank K
+                            several machines, one launcher on each (see launch/slurm.sbatch):
+                            RANK = K * nproc + LOCAL_RANK, WORLD_SIZE = N * nproc. Needs
+                            --master-addr and --master-port. Each machine has its own cache.
+    --run-id ID             $TORCHELASTIC_RUN_ID (also --rdzv-id). Default: a fresh UUID on one
+                            node, "<master-addr>:<master-port>" on several (the same everywhere)
+    --standalone            accepted and ignored (torchrun's flag; one node is what this does)
+    -m, --module            run a module, as ``python -m``
+    --no-python             run the program directly, not through Python
+    -h, --help              print this manual
+
+Each process gets, on top of the launcher's own environment (torchrun's set for one node)::
+
+    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK,
+    ROLE_WORLD_SIZE, ROLE_NAME=default, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID,
+    TORCHELASTIC_RESTART_COUNT=0, TORCHELASTIC_MAX_RESTARTS=0, TORCHELASTIC_USE_AGENT_STORE=False
+    (rank 0 hosts the rendezvous store: there is no torchrun agent), TORCHELASTIC_ERROR_FILE
+    (where torch's ``@record`` writes an exception, which the failure summary then quotes),
+    SHMCACHE_SESSION, and, unless already set, OMP_NUM_THREADS=1 and
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=1. With the options above: SHMCACHE_SIZE_MB,
+    SHMCACHE_SPILLING=1, SHMCACHE_SPILL_DIR. The launcher reads SHMCACHE_SESSION,
+    SHMCACHE_SPILL_DIR and SHMCACHE_DIR (the namespace: see shmcache.config), and passes them on.
+
+Failures: when a process exits with a non-zero status or dies of a signal, every other process
+gets SIGTERM, then SIGKILL after --shutdown-timeout. Ctrl-C (SIGINT), SIGTERM and SIGHUP sent to
+the launcher are forwarded to every process, with the same escalation; a second one kills at
+once. Each process runs in a process group of its own, which dies with it, and on Linux it is
+killed by the kernel if the launcher itself is killed. A summary on stderr names the root cause
+first: the first rank that failed, its PID, exit code or signal name (and its exception, when
+its entry point is decorated with torch.distributed.elastic.multiprocessing.errors.record). See
+NOTE [launcher shutdown] in shmcache/_procs.py.
+
+Exit status::
+
+    0          every process exited 0
+    1          the launcher could not prepare the session (the message says why), or a process
+               could not be reaped
+    2          bad command line (the message names the argument)
+    126, 127   the program could not be executed / was not found
+    N          the first failing process's exit code
+    128 + S    the first failing process died of signal S (139: SIGSEGV), or the launcher got
+               signal S (130: Ctrl-C, 143: SIGTERM)
+
+Examples::
+
+    python -m shmcache.launch --nproc 4 train.py --epochs 10
+    python -m shmcache.launch --nproc-per-node auto --session imagenet --size 65536 train.py
+    python -m shmcache.launch --nproc 2 --spilling --spill-dir /scratch/spill -m mypkg.train
+    python -m shmcache.launch --nproc 8 --session tmp --destroy-session train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._procs import WorkerSpec, run_workers
+from .config import ENV_SESSION, ENV_SPILL_DIR, resolve_session_name
+from .errors import InvalidArgument, ShmcacheError
+from .locks import LivenessSlot
+from .registry import SessionRegistry
+
+__all__ = ["main", "ENV_SIZE_MB", "ENV_SPILLING"]
+
+#: Read by the cache as the default of ``size`` (MB) and ``spilling``.
+ENV_SIZE_MB = "SHMCACHE_SIZE_MB"
+ENV_SPILLING = "SHMCACHE_SPILLING"
+
+PROG = "python -m shmcache.launch"
+USAGE = (
+    f"{PROG} [--nproc N] [--session NAME] [--size MB] [--spilling] [--spill-dir DIR]\n"
+    f"       [--destroy-session] [--shutdown-timeout S] [--master-addr A] [--master-port P]\n"
+    f"       [-m | --no-python] script.py [args...]     (-h for the manual)"
+)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything the command line decided, checked; nothing started yet."""
+
+    session: str
+    nproc: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    run_id: str
+    command: list[str]  # the worker's argv
+    shmcache_env: dict[str, str]  # SHMCACHE_* for every worker
+    spill_dir: str | None
+    destroy_session: bool
+    shutdown_timeout_s: float
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the launcher; returns the exit status (see the module docstring)."""
+    parser = _build_parser()
+    try:
+        plan = _plan(parser, list(sys.argv[1:] if argv is None else argv))
+        registry, slot = _prepare_session(plan)
+    except SystemExit as exc:  # argparse's way out (-h, or a usage error): report, don't raise
+        return exc.code if isinstance(exc.code, int) else 2
+    except ShmcacheError as exc:  # the namespace or registry is unusable: the message says why
+        print(f"{PROG}: error: cannot prepare the session: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with tempfile.TemporaryDirectory(prefix="shmcache-launch-") as error_dir:
+            specs = _worker_specs(plan, error_dir)
+            outcome = run_workers(specs, shutdown_timeout_s=plan.shutdown_timeout_s)
+    finally:
+        slot.release()
+        if plan.destroy_session:
+            _destroy_session(registry, plan.session)
+    for line in outcome.summary():
+        print(line, file=sys.stderr)
+    return outcome.exit_code
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+class _PrintManual(argparse.Action):
+    """-h prints the module docstring: the manual is written once."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        print(__doc__)
+        parser.exit(0)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, usage=USAGE, add_help=False, allow_abbrev=False)
+    p.add_argument("-h", "--help", action=_PrintManual, nargs=0)
+    p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc",
+                   type=_parse_nproc, default=1, metavar="N")
+    p.add_argument("--nnodes", type=_positive_int, default=1, metavar="N")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=_non_negative_int,
+                   default=0, metavar="K")
+    p.add_argument("--session", metavar="NAME")
+    p.add_argument("--size", type=_non_negative_int, metavar="MB")
+    p.add_argument("--spilling", action="store_true")
+    p.add_argument("--spill-dir", "--spill_dir", dest="spill_dir", metavar="DIR")
+    p.add_argument("--destroy-session", "--destroy_session", dest="destroy_session",
+                   action="store_true")
+    p.add_argument("--shutdown-timeout", "--shutdown_timeout", dest="shutdown_timeout",
+                   type=_non_negative_float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S")
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", metavar="A")
+    p.add_argument("--master-port", "--master_port", dest="master_port", type=_port, metavar="P")
+    p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", metavar="ID")
+    p.add_argument("--standalone", action="store_true")
+    p.add_argument("-m", "--module", action="store_true")
+    p.add_argument("--no-python", "--no_python", dest="no_python", action="store_true")
+    return p
+
+
+def _split_script(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split argv into the launcher's options and ``script args...``.
+
+    Done by hand because argparse's REMAINDER drops a ``--`` that belongs to the script
+    (python/cpython#61252), and script arguments must arrive verbatim.
+    """
+    takes_value = {
+        opt for action in parser._actions if action.nargs != 0 for opt in action.option_strings
+    }
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv[:i], argv[i + 1:]
+        if not token.startswith("-") or token == "-":
+            return argv[:i], argv[i:]
+        i += 2 if token in takes_value else 1  # "--opt=value" is one token
+    return argv, []
+
+
+def _plan(parser: argparse.ArgumentParser, argv: list[str]) -> LaunchPlan:
+    """Parse and check the whole command line; every problem ends in parser.error (exit 2)."""
+    launcher_argv, script_argv = _split_script(parser, argv)
+    args = parser.parse_args(launcher_argv)
+    if not script_argv:
+        parser.error("the script to run is missing: put it after the options, e.g. "
+                     "`--nproc 2 train.py` (or `-m package.module`)")
+    command = _worker_command(parser, args, script_argv)
+    session = _session_name(parser, args.session)
+    master_addr, master_port, run_id = _rendezvous(parser, args)
+    spill_dir = _spill_dir(parser, args.spill_dir) if args.spill_dir else None
+    if args.spilling:
+        _check_spilling_has_a_dir(parser, session, spill_dir)
+    return LaunchPlan(
+        session=session, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+        master_addr=master_addr, master_port=master_port, run_id=run_id, command=command,
+        shmcache_env=_shmcache_env(session, args.size, args.spilling, spill_dir),
+        spill_dir=spill_dir, destroy_session=args.destroy_session,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+
+def _worker_command(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                    script_argv: list[str]) -> list[str]:
+    script, *rest = script_argv
+    if args.module and args.no_python:
+        parser.error("argument -m/--module: not allowed with --no-python (a module runs through "
+                     "Python); drop one of them")
+    if args.module:
+        return [sys.executable, "-u", "-m", script, *rest]  # -u: torchrun's choice, lines interleave
+    if args.no_python:
+        if os.sep not in script and not shutil.which(script):
+            parser.error(f"argument --no-python: program {script!r} is not on $PATH; give its path")
+        if os.sep in script and not os.access(script, os.X_OK):
+            parser.error(f"argument --no-python: {script!r} is not an executable file; check the "
+                         f"path, or `chmod +x` it")
+        return script_argv
+    if not os.path.isfile(script):
+        parser.error(f"argument script: {script!r} is not a file (from {os.getcwd()}); check the "
+                     f"path, or use -m for a module, --no-python for a program")
+    return [sys.executable, "-u", script, *rest]
+
+
+def _session_name(parser: argparse.ArgumentParser, given: str | None) -> str:
+    try:
+        return resolve_session_name(given) if given is not None else resolve_session_name("auto")
+    except InvalidArgument as exc:
+        origin = "--session" if given is not None else f"${ENV_SESSION}"
+        parser.error(f"argument {origin}: {exc}")
+
+
+def _rendezvous(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int, str]:
+    """MASTER_ADDR, MASTER_PORT and the run ID, the same on every node."""
+    if args.node_rank >= args.nnodes:
+        parser.error(f"argument --node-rank: {args.node_rank} is not below --nnodes "
+                     f"{args.nnodes}; node ranks go from 0 to nnodes - 1")
+    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+        parser.error("argument --nnodes: several nodes need --master-addr and --master-port "
+                     "(rank 0's host and a port that is free there), the same on every node")
+    addr = args.master_addr or "127.0.0.1"
+    port = args.master_port or _free_port()
+    if args.run_id:
+        run_id = args.run_id
+    else:
+        run_id = str(uuid.uuid4()) if args.nnodes == 1 else f"{addr}:{port}"
+    return addr, port, run_id
+
+
+def _spill_dir(parser: argparse.ArgumentParser, raw: str) -> str:
+    """--spill-dir as an absolute path to a writable directory (created if missing)."""
+    path = Path(raw).expanduser().absolute()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"argument --spill-dir: cannot create {str(path)!r}: {exc.strerror}; give "
+                     f"a directory you can write to")
+    if not os.access(path, os.W_OK | os.X_OK):
+        parser.error(f"argument --spill-dir: {str(path)!r} is not writable; give a directory "
+                     f"you can write to")
+    return str(path)
+
+
+def _check_spilling_has_a_dir(parser: argparse.ArgumentParser, session: str,
+                              spill_dir: str | None) -> None:
+    registry = SessionRegistry()
+    existing = registry.get(session) if registry.exists(session) else None
+    if existing is not None and existing.spill_dir and spill_dir and existing.spill_dir != spill_dir:
+        parser.error(f"argument --spill-dir: session {session!r} already spills to "
+                     f"{existing.spill_dir!r}, not {spill_dir!r}; drop --spill-dir, or "
+                     f"`shmcache destroy {session}` first")
+    if spill_dir or (existing is not None and existing.spill_dir) or os.environ.get(ENV_SPILL_DIR):
+        return
+    parser.error(f"argument --spilling: no spill directory; pass --spill-dir DIR or set "
+                 f"${ENV_SPILL_DIR}")
+
+
+def _shmcache_env(session: str, size_mb: int | None, spilling: bool,
+                  spill_dir: str | None) -> dict[str, str]:
+    """SHMCACHE_* for the workers: the cache reads them as the defaults of its arguments."""
+    env = {ENV_SESSION: session}
+    if size_mb is not None:
+        env[ENV_SIZE_MB] = str(size_mb)
+    if spilling:
+        env[ENV_SPILLING] = "1"
+    if spill_dir is not None:
+        env[ENV_SPILL_DIR] = spill_dir
+    return env
+
+
+# --- argument types (their messages follow "argument --x: ") ----------------------------------
+
+
+def _parse_nproc(text: str) -> int:
+    if text in ("auto", "gpu", "cpu"):
+        return _nproc_keyword(text)
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of processes; use an integer >= 1, or auto, gpu, cpu"
+        ) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} processes: use an integer >= 1")
+    return n
+
+
+def _nproc_keyword(word: str) -> int:
+    if word == "cpu":
+        return os.cpu_count() or 1
+    gpus = _cuda_device_count()
+    if word == "gpu" and gpus == 0:
+        raise argparse.ArgumentTypeError(
+            "'gpu', but no CUDA device is visible (check $CUDA_VISIBLE_DEVICES and nvidia-smi); "
+            "give a number, or use auto"
+        )
+    return gpus or 1
+
+
+def _cuda_device_count() -> int:
+    """Visible CUDA devices, without importing torch (the launcher stays light)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = 0
+        for entry in visible.split(","):
+            if not entry.strip() or entry.strip().startswith("-"):
+                break  # CUDA stops at the first invalid entry ("-1" hides every device)
+            count += 1
+        return count
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: use an integer >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: use an integer >= 0")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: use a finite number of seconds >= 0")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value}: a port is between 1 and 65535 (0: a free one)")
+    return value
+
+
+# --- the session and the workers --------------------------------------------------------------
+
+
+def _prepare_session(plan: LaunchPlan) -> tuple[SessionRegistry, LivenessSlot]:
+    """The session exists before any worker starts, with the launcher attached to it.
+
+    The launcher holds a liveness slot for the whole job, so `shmcache ls` shows the job and a
+    plain `shmcache destroy` refuses to pull the session from under it.
+    """
+    registry = SessionRegistry()
+    registry.ensure(plan.session, spill_dir=plan.spill_dir)
+    return registry, registry.attach_process(plan.session)
+
+
+def _destroy_session(registry: SessionRegistry, session: str) -> None:
+    """--destroy-session, after every worker is gone; a failure here must not hide theirs."""
+    try:
+        registry.destroy(session, force=True)
+    except ShmcacheError as exc:
+        print(f"{PROG}: warning: could not destroy session {session!r}: {exc}", file=sys.stderr)
+
+
+def _worker_specs(plan: LaunchPlan, error_dir: str) -> list[WorkerSpec]:
+    specs = []
+    for local_rank in range(plan.nproc):
+        error_file = os.path.join(error_dir, f"error-{local_rank}.json")
+        env = {**os.environ, **_rank_env(plan, local_rank), **plan.shmcache_env,
+               "TORCHELASTIC_ERROR_FILE": error_file}
+        rank = plan.node_rank * plan.nproc + local_rank
+        specs.append(WorkerSpec(rank=rank, argv=plan.command, env=env, error_file=error_file))
+    return specs
+
+
+def _rank_env(plan: LaunchPlan, local_rank: int) -> dict[str, str]:
+    """torchrun's worker environment for a static rendezvous (checked against it in the tests)."""
+    rank = plan.node_rank * plan.nproc + local_rank
+    world_size = plan.nnodes * plan.nproc
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(plan.nproc),
+        "GROUP_RANK": str(plan.node_rank),
+        "GROUP_WORLD_SIZE": str(plan.nnodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": plan.master_addr,
+        "MASTER_PORT": str(plan.master_port),
+        "TORCHELASTIC_RUN_ID": plan.run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        # "True" would make every rank a client of a store that torchrun's agent hosts; here
+        # there is no agent, so rank 0 hosts it.
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+
+
+def _free_port() -> int:
+    """A port nobody listens on now (torchrun does the same; rank 0 binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Shared-memory segments: posix_ipc objects in ``/dev/shm``, mapped with mmap.
+
+NOTE [segment lifecycle]
+    * Create: ``O_CREAT|O_EXCL`` with size 0 (posix_ipc truncates - and on failure unlinks - when
+      given a size, even for an attacher), ``fchmod`` to 0600 (posix_ipc's mode is subject to the
+      umask), ``ftruncate`` to the full virtual size (sparse: costs nothing), then
+      ``posix_fallocate`` of every byte range *before* anything touches it. On a full tmpfs,
+      ``ftruncate`` + ``mmap`` succeed and the first write kills the process with SIGBUS;
+      ``posix_fallocate`` raises ENOSPC instead (PyTorch #5040, #108861). The header's ready word
+      is written last.
+    * Attach: open with size 0 and check the header (magic, version, size, ready); never
+      truncate, resize or unlink what another process created.
+    * Unlink: only after checking that the name still refers to the inode we mapped: a name can
+      be recreated while old mappings live on, and unlinking the new one would split processes
+      between two different segments.
+    Creation and unlinking of a cache's segments happen under that cache's lock, so an attacher
+    never sees a half-made segment unless its creator died - which the ready word tells.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+
+import posix_ipc
+
+from .errors import CorruptSegment, NotOwner, SharedMemoryFull
+
+__all__ = ["Segment", "HEADER_BYTES", "PAGE"]
+
+MAGIC = 0x31484341434D4853  # b"SHMCACH1" little-endian
+VERSION = 1
+HEADER_BYTES = 64
+PAGE = mmap.PAGESIZE
+# magic u64, version u32, kind u32, size u64, ready u64 (native order: 8-byte aligned stores)
+_HEADER = struct.Struct("QIIQQ")
+_READY = 0x5245414459  # "READY"
+
+
+def _shm_hint() -> str:
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+        total = st.f_blocks * st.f_frsize
+        where = f"/dev/shm has {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB"
+    except OSError:
+        where = "/dev/shm is not available"
+    return (f"{where}; free space there (`shmcache gc`, `shmcache destroy`), give the cache a smaller "
+            f"size=, enable spilling=True, or in Docker raise --shm-size")
+
+
+class Segment:
+    """One mapped shared-memory object. ``buf`` is the writable mmap of the whole segment."""
+
+    def __init__(self, name: str, shm: posix_ipc.SharedMemory, size: int, kind: int):
+        self.name = name
+        self.size = size
+        self.kind = kind
+        self._fd = shm.fd
+        self._inode = os.fstat(self._fd).st_ino
+        self.buf = mmap.mmap(self._fd, size)
+        self.committed = 0  # bytes known committed by this process (a hint; the allocator tracks truth)
+
+    # --- creation and attachment -----------------------------------------------------------
+
+    @classmethod
+    def create(cls, name: str, size: int, *, kind: int = 0, commit: int = HEADER_BYTES) -> Segment:
+        """Create ``name`` with a virtual ``size``; commit its first ``commit`` bytes."""
+        size = _round_up(max(size, HEADER_BYTES), PAGE)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+        try:
+            os.fchmod(shm.fd, 0o600)
+            os.ftruncate(shm.fd, size)
+            _fallocate(shm.fd, 0, _round_up(max(commit, HEADER_BYTES), PAGE), name)
+            seg = cls(name, shm, size, kind)
+        except BaseException:
+            shm.close_fd()
+            shm.unlink()  # ours: created exclusively just above
+            raise
+        seg.committed = _round_up(max(commit, HEADER_BYTES), PAGE)
+        _HEADER.pack_into(seg.buf, 0, MAGIC, VERSION, kind, size, 0)
+        struct.pack_into("Q", seg.buf, 24, _READY)  # published last
+        return seg
+
+    @classmethod
+    def attach(cls, name: str, *, kind: int | None = None) -> Segment:
+        """Map an existing segment, checking its header. Raises FileNotFoundError if absent."""
+        try:
+            shm = posix_ipc.SharedMemory(name, 0, size=0)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(errno.ENOENT, "no such shared-memory segment", name) from None
+        except posix_ipc.PermissionsError:
+            raise NotOwner(
+                f"shared-memory segment {name} belongs to another user (mode 0600); use your own "
+                f"namespace: set $SHMCACHE_DIR to a directory you own"
+            ) from None
+        try:
+            st = os.fstat(shm.fd)
+            if st.st_uid != os.getuid():
+                raise NotOwner(f"shared-memory segment {name} belongs to uid {st.st_uid}, not to you")
+            if st.st_size < HEADER_BYTES:
+                raise CorruptSegment(f"segment {name} is {st.st_size} bytes: its creator died before sizing it")
+            seg = cls(name, shm, st.st_size, -1)
+        except BaseException:
+            shm.close_fd()
+            raise
+        magic, version, seg_kind, size, ready = _HEADER.unpack_from(seg.buf, 0)
+        if magic != MAGIC or ready != _READY or size != st.st_size:
+            seg.close()
+            raise CorruptSegment(
+                f"segment {name} has no valid shmcache header (magic {magic:#x}, ready {ready:#x}); "
+                f"its creator died while making it or another program wrote it - run `shmcache gc`"
+            )
+        if version != VERSION:
+            seg.close()
+            raise CorruptSegment(f"segment {name} is format version {version}; this shmcache reads {VERSION}")
+        if kind is not None and seg_kind != kind:
+            seg.close()
+            raise CorruptSegment(f"segment {name} is of kind {seg_kind}, expected {kind}")
+        seg.kind = seg_kind
+        return seg
+
+    # --- memory ------------------------------------------------------------------------------
+
+    def commit(self, offset: int, length: int) -> None:
+        """Back ``[offset, offset+length)`` with real pages before anything touches it (no SIGBUS)."""
+        _fallocate(self._fd, offset, length, self.name)
+
+    def resident_bytes(self) -> int:
+        """Bytes of /dev/shm this segment really uses (allocated blocks, not its virtual size)."""
+        return os.fstat(self._fd).st_blocks * 512
+
+    # --- teardown ----------------------------------------------------------------------------
+
+    def unlink(self) -> bool:
+        """Unlink the name if it still refers to our inode (see NOTE [segment lifecycle])."""
+        path = "/dev/shm/" + self.name.lstrip("/")
+        try:
+            if os.stat(path).st_ino != self._inode:
+                return False
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        """Drop the mapping. Views handed out keep the memory alive; it is released with them."""
+        try:
+            self.buf.close()
+        except BufferError:
+            pass  # exported views (zero-copy reads) still use it; the mmap dies with them
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _fallocate(fd: int, offset: int, length: int, name: str) -> None:
+    if length <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise SharedMemoryFull(
+                f"no room in /dev/shm for {length / 2**20:.1f} MiB more of segment {name}: "
+                f"{_shm_hint()}"
+            ) from None
+        raise

@@ -1,0 +1,683 @@
+"""The cache store: one named cache of a session, shared by every process that opens it.
+
+Objects of one cache (names from Namespace.segment_name; ``g`` is the generation, ``v`` the table
+version)::
+
+    +root          epoch word (generation << 32 | table version), capacity
+    +g<g>+meta     counters, allocator classes, layout table, the intent record
+    +g<g>+t<v>     the hash table (index.py)
+    +g<g>+c<k>     the data segment of size class k (allocator.py)
+
+NOTE [publish order]
+    Readers never lock. Writers hold the cache's lock file (NOTE [lock files]) while they
+    allocate, copy and publish, in this order:
+
+      1. write the *intent* (phase 1: what is about to be allocated, and the class's old bump);
+      2. allocate the chunk (move the class's bump) and copy the record into it;
+      3. write the entry's key and location words, then its state word READY in one aligned
+         8-byte store - from here readers see a complete record;
+      4. phase 2: the new totals (items, bytes) are assigned, not added, so redoing them is harmless;
+      5. clear the intent.
+
+    A writer can die anywhere (SIGKILL); the kernel then releases the lock, and whoever takes it
+    next - a writer, or ``shmcache gc`` - finds the intent and repairs: if the entry never became
+    READY, it restores the class's bump (the chunk is free again: nothing leaked, nothing visible);
+    if it did, it re-assigns the totals. Readers never saw a half-written record, because a record
+    becomes reachable only by step 3, and memory that was reachable is never reused within a
+    generation: ``clear()`` starts a new generation in new segments, and table growth builds a new
+    table. Processes still holding old mappings keep reading consistent (old) data until their next
+    operation sees the new epoch word.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import codec
+from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
+from .config import Namespace, memory_limits, namespace, validate_name
+from .errors import (CacheMismatch, CorruptSegment, InvalidArgument, ItemTooLarge,
+                     SharedMemoryFull, ShmcacheError)
+from .index import INT_KEY, READY, SPILLED, TableView, key_bytes, MAX_LOAD
+from .locks import FileLock
+from .registry import MAX_SLOTS, SEP, SessionRegistry, write_json
+from .segment import HEADER_BYTES, PAGE, Segment
+from . import _process
+
+__all__ = ["CacheStore", "STAT_KEYS"]
+
+log = logging.getLogger("shmcache")
+
+KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4
+_Q = struct.Struct("Q")
+_M48 = (1 << 48) - 1
+MIN_TABLE = 1024
+MAX_RECORD = (1 << 32) - 1
+
+
+class MetaLayout:
+    """Byte offsets inside a meta segment (one per generation)."""
+
+    ITEMS_MEM, BYTES_MEM, COMMITTED, CAPACITY = 64, 72, 80, 88
+    ITEMS_DISK, BYTES_DISK, BYTES_DISK_RAW, N_LAYOUTS, TABLE_ITEMS = 96, 104, 112, 120, 128
+    # intent record (NOTE [publish order]): phase, table position, class, chunk, old bump,
+    # new items, new bytes
+    INTENT = 192
+    COUNTERS = 4096  # MAX_SLOTS x (hits, misses, rejected, corrupt)
+    CLASSES = COUNTERS + MAX_SLOTS * 32
+    LAYOUTS = CLASSES + MAX_CLASSES * 32
+    MAX_LAYOUTS, LAYOUT_BYTES = 128, 512
+    SIZE = LAYOUTS + MAX_LAYOUTS * LAYOUT_BYTES
+
+
+M = MetaLayout
+_INTENT = struct.Struct("QQQQQQQ")  # phase, table position, class, old bump, items, bytes, table items
+INLINE24 = 0xFFFFFF  # layout id field in an entry meaning "layout stored inline in the record"
+
+STAT_KEYS = ("session", "name", "items_mem", "items_disk", "bytes_mem", "bytes_disk",
+             "bytes_disk_raw", "avg_item_bytes", "hits", "misses", "rejected", "capacity_bytes")
+
+
+@dataclass
+class _Gen:
+    """This process's mappings of one generation."""
+
+    gen: int
+    version: int
+    meta: Segment
+    table: Segment
+    index: TableView
+    classes: ClassTable
+    data: dict  # class id -> (Segment, read-only memoryview, chunk size)
+    layouts: dict  # layout id -> (layout bytes, decoder)
+
+
+class _Full(Exception):
+    """Internal: the cache (or /dev/shm) has no room for this record."""
+
+
+class CacheStore:
+    """One cache (``session``/``name``); see the module docstring for what lives where."""
+
+    def __init__(self, session: str, name: str, *, capacity_bytes: int = 0,
+                 fingerprint: str | None = None, table_hint: int = 0,
+                 ns: Namespace | None = None, lock_timeout_s: float = 60.0,
+                 extra_meta: dict | None = None):
+        self.session = validate_name(session, "session")
+        self.name = validate_name(name, "cache")
+        self.ns = ns or namespace()
+        self.registry = SessionRegistry(self.ns)
+        self.registry.ensure(self.session)
+        sdir = self.registry.session_dir(self.session)
+        self.meta_path = sdir / "caches" / f"{self.name}.json"
+        self.lock = FileLock(sdir / "caches" / f"{self.name}.lock", timeout_s=lock_timeout_s,
+                             what=f"the lock of cache {self.session}/{self.name}")
+        self._base = self.ns.segment_name(self.session, self.name)
+        self._gen: _Gen | None = None
+        self._epoch = -1
+        self._counters = [0, 0, 0, 0]  # hits, misses, rejected, corrupt: this process's totals
+        self._counter_off = -1
+        self._proc_gen = -1
+        self._shm_full_logged = False
+        self.spill = None  # set by the spill layer when spilling is on
+        with self.lock:
+            self._root = self._open_root(capacity_bytes, fingerprint, table_hint, extra_meta or {})
+        self.capacity_bytes = _Q.unpack_from(self._root.buf, 72)[0]
+        self._refresh()
+
+    # --- opening ------------------------------------------------------------------------------
+
+    def _seg_name(self, *parts: str) -> str:
+        return self._base + SEP + SEP.join(parts)
+
+    def _open_root(self, capacity_bytes: int, fingerprint: str | None, table_hint: int,
+                   extra_meta: dict) -> Segment:
+        name = self._seg_name("root")
+        try:
+            root = Segment.attach(name, kind=KIND_ROOT)
+        except FileNotFoundError:
+            root = None
+        except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
+            _unlink_name(self.ns, name)
+            root = None
+        if root is not None:
+            self._check_fingerprint(fingerprint)
+            return root
+        self._unlink_matching(SEP)  # debris of an earlier incarnation of this cache
+        capacity = capacity_bytes or memory_limits().auto_capacity()
+        if capacity < M.SIZE + PAGE:
+            raise InvalidArgument(
+                f"the cache {self.session}/{self.name} would get {capacity / 2**20:.2f} MiB, too "
+                f"little to hold anything; give it size= (MB) of at least 1, and check "
+                f"`shmcache info` for what limits memory here"
+            )
+        root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
+        _Q.pack_into(root.buf, 72, capacity)
+        self._create_generation(root, 1, capacity, table_hint)
+        write_json(self.meta_path, {
+            "session": self.session, "name": self.name, "fingerprint": fingerprint,
+            "created": time.time(), "capacity_bytes": capacity, **extra_meta,
+        })
+        return root
+
+    def bind_fingerprint(self, fingerprint: str) -> None:
+        """Record which dataset this cache holds (first binding), or raise if it holds another."""
+        with self.lock:
+            self._check_fingerprint(fingerprint)
+            meta = self._read_meta()
+            if meta.get("fingerprint") is None:
+                meta["fingerprint"] = fingerprint
+                write_json(self.meta_path, meta)
+
+    def _read_meta(self) -> dict:
+        try:
+            return json.loads(self.meta_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _check_fingerprint(self, fingerprint: str | None) -> None:
+        if fingerprint is None:
+            return
+        known = self._read_meta().get("fingerprint")
+        if known and known != fingerprint:
+            raise CacheMismatch(
+                f"cache {self.session}/{self.name} holds another dataset (fingerprint {known}, "
+                f"this one is {fingerprint}); use another name=, let shmcache name it "
+                f"(name=None), or drop the old one with cache.clear() / `shmcache destroy "
+                f"{self.session}`"
+            )
+
+    def _create_generation(self, root: Segment, gen: int, capacity: int, table_hint: int) -> None:
+        """Make the meta and table segments of ``gen`` and publish it (caller holds the lock)."""
+        meta = Segment.create(self._seg_name(f"g{gen}", "meta"), M.SIZE, kind=KIND_META, commit=M.SIZE)
+        cap = _table_capacity(table_hint)
+        table = Segment.create(self._seg_name(f"g{gen}", "t1"), TableView.bytes_for(cap),
+                               kind=KIND_TABLE, commit=TableView.bytes_for(cap))
+        TableView.init(table.buf, cap)
+        _Q.pack_into(meta.buf, M.CAPACITY, capacity)
+        _Q.pack_into(meta.buf, M.COMMITTED, M.SIZE + TableView.bytes_for(cap))
+        meta.close()
+        table.close()
+        _Q.pack_into(root.buf, 64, (gen << 32) | 1)  # the epoch word: published last
+
+    # --- generations ----------------------------------------------------------------------------
+
+    def _refresh(self) -> _Gen:
+        """Map the generation and table version the root announces now (if not mapped already)."""
+        for _ in range(100):
+            epoch = _Q.unpack_from(self._root.buf, 64)[0]
+            if epoch == self._epoch and self._gen is not None:
+                return self._gen
+            try:
+                self._map_epoch(epoch)
+                return self._gen
+            except FileNotFoundError:
+                time.sleep(0.001)  # a clear() or a table growth is replacing it right now
+        raise CorruptSegment(f"cache {self.session}/{self.name}: the root names segments that do not "
+                             f"exist; run `shmcache gc`")
+
+    def _map_epoch(self, epoch: int) -> None:
+        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
+        old = self._gen
+        if old is not None and old.gen == gen:
+            table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
+            old.table.close()
+            old.table, old.index, old.version = table, TableView(table.buf), version
+        else:
+            meta = Segment.attach(self._seg_name(f"g{gen}", "meta"), kind=KIND_META)
+            try:
+                table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
+            except BaseException:
+                meta.close()
+                raise
+            self._gen = _Gen(gen, version, meta, table, TableView(table.buf),
+                             ClassTable(meta.buf, M.CLASSES), {}, {})
+            if old is not None:
+                _close_gen(old)
+            self._proc_gen = -1  # counters live in the new meta: re-read our slot's totals
+        self._epoch = epoch
+
+    def _data(self, g: _Gen, cls: int) -> tuple:
+        entry = g.data.get(cls)
+        if entry is None:
+            seg = Segment.attach(self._seg_name(f"g{g.gen}", f"c{cls}"), kind=KIND_DATA)
+            entry = (seg, memoryview(seg.buf).toreadonly(), g.classes.chunk_size(cls))
+            g.data[cls] = entry
+        return entry
+
+    def _layout(self, g: _Gen, lid: int) -> tuple[bytes, Callable]:
+        item = g.layouts.get(lid)
+        if item is None:
+            off = M.LAYOUTS + lid * M.LAYOUT_BYTES
+            n = struct.unpack_from("I", g.meta.buf, off)[0]
+            raw = bytes(g.meta.buf[off + 4:off + 4 + n])
+            item = (raw, codec.decoder_for(raw))
+            g.layouts[lid] = item
+        return item
+
+    # --- counters (NOTE [lock files]: one slot per live process, so no atomics are needed) -----
+
+    def _count(self, which: int, n: int = 1) -> None:
+        g = self._gen
+        if self._proc_gen != _process.generation():
+            slot = _process.slot(self.registry, self.session)
+            self._counter_off = M.COUNTERS + 32 * slot
+            self._counters = list(struct.unpack_from("QQQQ", g.meta.buf, self._counter_off))
+            self._proc_gen = _process.generation()
+        self._counters[which] += n
+        _Q.pack_into(g.meta.buf, self._counter_off + 8 * which, self._counters[which])
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def _find(self, g: _Gen, key: Any) -> tuple[int, int, int, bytes]:
+        """``(w0, w2, position, key bytes)``; w0 == 0 when absent."""
+        w1, kb = key_bytes(key)
+        index = g.index
+        pos, w0, w2 = index.find(w1, not kb)
+        while w0 and kb:  # a hash matched: compare the key bytes stored at the end of the record
+            if self._record_key(g, w0, w2, len(kb)) == kb:
+                break
+            pos, w0, w2 = index.find_from((pos + 1) & index.mask, w1, False)
+        return w0, w2, pos, kb
+
+    def _record_key(self, g: _Gen, w0: int, w2: int, n: int) -> bytes | None:
+        if w0 & SPILLED:
+            return self.spill.record_key(w0, w2, n) if self.spill else None
+        seg, view, chunk = self._data(g, w2 >> 48)
+        end = DATA_OFF + (w2 & _M48) * chunk + (w0 >> 32)
+        return bytes(view[end - n:end])
+
+    def _decode(self, g: _Gen, w0: int, w2: int, copy: bool) -> Any:
+        if w0 & SPILLED:
+            buf = self.spill.read(w0, w2)
+            if buf is None:
+                return _CORRUPT
+        else:
+            seg, view, chunk = self._data(g, w2 >> 48)
+            start = DATA_OFF + (w2 & _M48) * chunk
+            view = view[start:start + (w0 >> 32)]
+            buf = bytearray(view) if copy else view
+        lid = (w0 >> 8) & INLINE24
+        if lid == INLINE24:
+            _, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(buf, 0)
+            end = len(buf) - key_len
+            return codec.decode(buf, bytes(buf[end - lay_len:end]))
+        return self._layout(g, lid)[1](buf)
+
+    def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
+        """The cached value of ``key``, or ``MISSING``."""
+        g = self._gen if _Q.unpack_from(self._root.buf, 64)[0] == self._epoch else self._refresh()
+        w0, w2, _, _ = self._find(g, key)
+        if w0:
+            value = self._decode(g, w0, w2, copy)
+            if value is not _CORRUPT:
+                if count:
+                    self._count(0)
+                return value
+            self._count(3)
+        if count:
+            self._count(1)
+        return MISSING
+
+    def contains(self, key: Any) -> bool:
+        return self._find(self._refresh(), key)[0] != 0
+
+    # --- writes ----------------------------------------------------------------------------------
+
+    def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
+        """Store ``value`` under ``key`` unless present. False if it was not admitted (full)."""
+        enc = encoded or codec.encode(value, f"the value of key {key!r}")
+        w1, kb = key_bytes(key)
+        with self.lock:
+            g = self._refresh()
+            self._repair(g)
+            w0, _, pos, _ = self._find(g, key)
+            if w0:
+                return True  # another process stored it first: stored once
+            if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
+                g = self._grow_table(g)
+                w0, _, pos, _ = self._find(g, key)
+            try:
+                self._insert(g, pos, w1, kb, enc)
+                return True
+            except _Full:
+                if self.spill is not None and self.spill.put(self, g, pos, w1, kb, enc):
+                    return True
+                self._count(2)
+                return False
+
+    def _insert(self, g: _Gen, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
+        lid = self._intern_layout(g, enc.layout)
+        nbytes = enc.record_len(len(kb), lid == INLINE24)
+        if nbytes > min(self.capacity_bytes, MAX_RECORD):
+            raise ItemTooLarge(
+                f"an item of {nbytes / 2**20:.1f} MiB can never fit in cache {self.session}/"
+                f"{self.name} of {self.capacity_bytes / 2**20:.1f} MiB; raise size= (MB) above "
+                f"{nbytes / 2**20 * 1.1:.0f}, or store smaller samples"
+            )
+        cls, chunk_size = size_class(nbytes)
+        seg = self._class_segment(g, cls, chunk_size)
+        chunk_size_, bump, committed = g.classes.get(cls)
+        if bump >= committed:
+            committed = self._commit(g, cls, seg, chunk_size, committed)
+        meta = g.meta.buf
+        items = _Q.unpack_from(meta, M.ITEMS_MEM)[0] + 1
+        total = _Q.unpack_from(meta, M.BYTES_MEM)[0] + nbytes
+        _INTENT.pack_into(meta, M.INTENT, 0, pos, cls, bump, items, total, _table_items(g) + 1)
+        _Q.pack_into(meta, M.INTENT, 1)  # phase 1: allocating (undo restores the bump)
+        g.classes.set_bump(cls, bump + 1)
+        start = DATA_OFF + bump * chunk_size
+        with memoryview(seg.buf) as mv:
+            enc.write(mv[start:start + nbytes], lid if lid != INLINE24 else codec.INLINE, kb)
+        w0 = READY | (0 if kb else INT_KEY) | (lid << 8) | (nbytes << 32)
+        g.index.publish(pos, w0, w1, (cls << 48) | bump)
+        _Q.pack_into(meta, M.INTENT, 2)  # phase 2: published (redo the totals)
+        _apply_totals(meta, items, total, _table_items(g) + 1)
+        _Q.pack_into(meta, M.INTENT, 0)
+
+    def _repair(self, g: _Gen) -> int:
+        """Undo or finish the last writer's work if it died mid-way (NOTE [publish order])."""
+        meta = g.meta.buf
+        phase = _Q.unpack_from(meta, M.INTENT)[0]
+        if phase == 0:
+            return 0
+        _, pos, cls, old_bump, items, total, table_items = _INTENT.unpack_from(meta, M.INTENT)
+        w0 = _Q.unpack_from(g.index.buf, 128 + 24 * pos)[0]
+        if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
+            _apply_totals(meta, items, total, table_items)
+            reclaimed = 0
+        else:  # never visible: give the chunk back
+            g.classes.set_bump(cls, old_bump)
+            reclaimed = 1
+        _Q.pack_into(meta, M.INTENT, 0)
+        log.info("cache %s/%s: repaired an entry left by a dead writer (%s)", self.session,
+                 self.name, "reclaimed its chunk" if reclaimed else "counted it")
+        return reclaimed
+
+    def repair(self) -> int:
+        """Take the lock and repair what a dead writer left (``shmcache gc``); 1 if a chunk was reclaimed."""
+        with self.lock:
+            return self._repair(self._refresh())
+
+    def _intern_layout(self, g: _Gen, layout: bytes) -> int:
+        cache = g.layouts
+        for lid, (raw, _) in cache.items():
+            if raw == layout:
+                return lid
+        n = _Q.unpack_from(g.meta.buf, M.N_LAYOUTS)[0]
+        for lid in range(n):
+            if self._layout(g, lid)[0] == layout:
+                return lid
+        if n >= M.MAX_LAYOUTS or len(layout) > M.LAYOUT_BYTES - 4:
+            return INLINE24
+        off = M.LAYOUTS + n * M.LAYOUT_BYTES
+        struct.pack_into("I", g.meta.buf, off, len(layout))
+        g.meta.buf[off + 4:off + 4 + len(layout)] = layout
+        _Q.pack_into(g.meta.buf, M.N_LAYOUTS, n + 1)  # after the bytes: readers never see it half-made
+        return n
+
+    def _class_segment(self, g: _Gen, cls: int, chunk_size: int) -> Segment:
+        if g.classes.chunk_size(cls):
+            return self._data(g, cls)[0]
+        name = self._seg_name(f"g{g.gen}", f"c{cls}")
+        _unlink_name(self.ns, name)  # debris of a writer that died before registering the class
+        try:
+            seg = Segment.create(name, DATA_OFF + self.capacity_bytes + chunk_size, kind=KIND_DATA,
+                                 commit=PAGE)
+        except SharedMemoryFull as exc:
+            self._log_shm_full(exc)
+            raise _Full from None
+        g.classes.create(cls, chunk_size)
+        g.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size)
+        return seg
+
+    def _commit(self, g: _Gen, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
+        """Commit more chunks of class ``cls`` within the cap; raise _Full when there is no room."""
+        meta = g.meta.buf
+        used = _Q.unpack_from(meta, M.COMMITTED)[0]
+        step = commit_step_chunks(chunk_size)
+        room = (self.capacity_bytes - used) // chunk_size
+        if room < 1:
+            raise _Full
+        step = min(step, room)
+        try:
+            seg.commit(DATA_OFF + committed * chunk_size, step * chunk_size)
+        except SharedMemoryFull as exc:
+            self._log_shm_full(exc)
+            raise _Full from None
+        g.classes.set_committed(cls, committed + step)
+        _Q.pack_into(meta, M.COMMITTED, used + step * chunk_size)
+        return committed + step
+
+    def _log_shm_full(self, exc: Exception) -> None:
+        if not self._shm_full_logged:
+            self._shm_full_logged = True
+            log.warning("cache %s/%s stops growing: %s", self.session, self.name, exc)
+
+    def _grow_table(self, g: _Gen) -> _Gen:
+        """Rebuild the table at twice the size as a new version (caller holds the lock)."""
+        cap = g.index.capacity * 2
+        version = g.version + 1
+        name = self._seg_name(f"g{g.gen}", f"t{version}")
+        _unlink_name(self.ns, name)
+        size = TableView.bytes_for(cap)
+        table = Segment.create(name, size, kind=KIND_TABLE, commit=size)
+        TableView.init(table.buf, cap)
+        new = TableView(table.buf)
+        for w0, w1, w2 in g.index.entries():
+            pos = _first_empty(new, w1)  # keys are unique: the first EMPTY slot on its path
+            new.publish(pos, w0, w1, w2)
+        table.close()
+        meta = g.meta.buf
+        used = _Q.unpack_from(meta, M.COMMITTED)[0]
+        _Q.pack_into(meta, M.COMMITTED, used + size - TableView.bytes_for(cap // 2))
+        old = g.table
+        _Q.pack_into(self._root.buf, 64, (g.gen << 32) | version)  # publish
+        old.unlink()
+        return self._refresh()
+
+    # --- batches ---------------------------------------------------------------------------------
+
+    def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
+        """Values for ``keys`` (MISSING where absent) and the positions of the misses."""
+        g = self._refresh()
+        values: list = [MISSING] * len(keys)
+        missing = []
+        for i, key in enumerate(keys):
+            w0, w2, _, _ = self._find(g, key)
+            v = self._decode(g, w0, w2, copy) if w0 else MISSING
+            if v is _CORRUPT:
+                self._count(3)
+                v = MISSING
+            if v is MISSING:
+                missing.append(i)
+            else:
+                values[i] = v
+        self._count(0, len(keys) - len(missing))
+        if missing:
+            self._count(1, len(missing))
+        return values, missing
+
+    def gather_ints(self, keys: np.ndarray, out: list | None = None):
+        """Vectorised batch of int keys that share one layout and one size class, all in memory.
+
+        Returns ``(tree, leaves, columns)`` - the layout tree, its leaves (codec.Leaf) and one
+        stacked array per leaf - or None
+        when the batch is not uniform (the caller falls back to :meth:`lookup_batch`). ``out``:
+        optional list of arrays, one per leaf, to gather into (e.g. pinned host buffers).
+        """
+        g = self._refresh()
+        w0, w2 = g.index.lookup_ints(keys)
+        if len(keys) == 0 or not w0.all():
+            return None
+        first0, first2 = int(w0[0]), int(w2[0])
+        if first0 & SPILLED or ((w0 ^ w0[0]) & np.uint64(0xFFFFFF04)).any() \
+                or ((w2 >> np.uint64(48)) != np.uint64(first2 >> 48)).any():
+            return None  # spilled, or several layouts/classes in one batch
+        lid = (first0 >> 8) & INLINE24
+        if lid == INLINE24:
+            return None
+        layout = self._layout(g, lid)[0]
+        tree, leaves = codec.leaves(layout)
+        seg, _, chunk = self._data(g, first2 >> 48)
+        chunks = (w2 & np.uint64(_M48)).astype(np.intp)
+        rows = np.ndarray((int(chunks.max()) + 1, chunk), np.uint8, seg.buf, DATA_OFF)
+        columns = []
+        for i, leaf in enumerate(leaves):
+            columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None))
+        self._count(0, len(keys))
+        return tree, leaves, columns
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        g = self._refresh()
+        meta = g.meta.buf
+        items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
+        items_disk, bytes_disk, bytes_disk_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
+        counters = np.ndarray((MAX_SLOTS, 4), np.uint64, meta, M.COUNTERS).sum(axis=0)
+        items = items_mem + items_disk
+        return {
+            "session": self.session, "name": self.name,
+            "items_mem": items_mem, "items_disk": items_disk,
+            "bytes_mem": bytes_mem, "bytes_disk": bytes_disk, "bytes_disk_raw": bytes_disk_raw,
+            "avg_item_bytes": (bytes_mem + bytes_disk_raw) // items if items else 0,
+            "hits": int(counters[0]), "misses": int(counters[1]), "rejected": int(counters[2]),
+            "corrupt": int(counters[3]),
+            "capacity_bytes": self.capacity_bytes, "committed_bytes": committed,
+            "shm_bytes": self.shm_bytes(),
+        }
+
+    def shm_bytes(self) -> int:
+        """Bytes of /dev/shm that this cache's segments really occupy (allocated pages)."""
+        total = 0
+        for name in self.ns.owned_segments():
+            if name.startswith(self._base + SEP):
+                try:
+                    total += os.stat(self.ns.shm_path(name)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+        return total
+
+    def __len__(self) -> int:
+        meta = self._refresh().meta.buf
+        return _Q.unpack_from(meta, M.ITEMS_MEM)[0] + _Q.unpack_from(meta, M.ITEMS_DISK)[0]
+
+    def clear(self) -> None:
+        """Drop every item: a new generation in new segments; old mappings stay valid for readers."""
+        with self.lock:
+            g = self._refresh()
+            if self.spill is not None:
+                self.spill.clear()
+            self._create_generation(self._root, g.gen + 1, self.capacity_bytes, g.index.capacity)
+            self._unlink_matching(f"{SEP}g{g.gen}{SEP}")
+            self._refresh()
+
+    def close(self) -> None:
+        if self._gen is not None:
+            _close_gen(self._gen)
+            self._gen = None
+        self._epoch = -1
+        if self._root is not None:
+            self._root.close()
+            self._root = None
+        self.lock.close()
+
+    def destroy(self) -> None:
+        """Remove this cache from its session (segments, metadata and spill files)."""
+        with self.lock:
+            if self.spill is not None:
+                self.spill.destroy()
+            self._unlink_matching(SEP)
+            self.meta_path.unlink(missing_ok=True)
+        self.close()
+
+    def _unlink_matching(self, infix: str) -> None:
+        head = self._base + SEP
+        for name in self.ns.owned_segments():
+            if name.startswith(head) and (infix == SEP or infix in name[len(self._base):]):
+                _unlink_name(self.ns, name)
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()
+_CORRUPT: Any = object()
+
+
+def _gather_leaf(rows: np.ndarray, chunks: np.ndarray, leaf: codec.Leaf, out):
+    """One field of every record in the batch, stacked: a single vectorised copy."""
+    n = len(chunks)
+    if leaf.tag == "n":
+        return None
+    if leaf.tag in ("i", "f", "b", "a", "e"):
+        column = rows[:, leaf.offset:leaf.offset + leaf.nbytes]  # strided view, one row per chunk
+        if out is not None:
+            _gather_rows(column, chunks, out.reshape(n, -1).view(np.uint8))
+            return out
+        flat = column[chunks]  # fancy indexing walks the strides: one copy per row
+        if leaf.tag == "e":
+            return flat
+        return flat.view(leaf.dtype).reshape((n, *leaf.shape))
+    decode = codec.leaf_decoder(leaf)  # str / bytes / pickle: per item
+    return [decode(rows[c]) for c in chunks]
+
+
+def _gather_rows(column: np.ndarray, chunks: np.ndarray, dst: np.ndarray) -> None:
+    """Gather rows of a strided view into ``dst`` without a temporary (large rows: a loop is fine,
+    small rows: one fancy-index copy into a temporary that stays in cache)."""
+    if column.shape[1] >= 16384:
+        for i, c in enumerate(chunks):
+            dst[i] = column[c]
+    else:
+        dst[...] = column[chunks]
+
+
+def _first_empty(index: TableView, w1: int) -> int:
+    pos = index.home(w1)
+    while _Q.unpack_from(index.buf, 128 + 24 * pos)[0]:
+        pos = (pos + 1) & index.mask
+    return pos
+
+
+def _apply_totals(meta, items: int, total: int, table_items: int) -> None:
+    _Q.pack_into(meta, M.ITEMS_MEM, items)
+    _Q.pack_into(meta, M.BYTES_MEM, total)
+    _Q.pack_into(meta, M.TABLE_ITEMS, table_items)
+
+
+def _table_items(g: _Gen) -> int:
+    return _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0]
+
+
+def _table_capacity(hint: int) -> int:
+    want = max(MIN_TABLE, int(hint / MAX_LOAD) + 1)
+    return 1 << (want - 1).bit_length()
+
+
+def _close_gen(g: _Gen) -> None:
+    for seg, view, _ in g.data.values():
+        view.release()
+        seg.close()
+    g.meta.close()
+    g.table.close()
+
+
+def _unlink_name(ns: Namespace, name: str) -> None:
+    try:
+        os.unlink(ns.shm_path(name))
+    except FileNotFoundError:
+        pass
