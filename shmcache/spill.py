@@ -379,11 +379,14 @@ class SpillStore:
         )
 
     def _own(self) -> None:
-        """After fork: forget the parent's descriptors and locks (see NOTE [lock files])."""
-        if self._pid == os.getpid():
-            if self._closed:
-                raise SpillError(f"the spill store at {self.path} is closed; open a new SpillStore")
-            return
+        """Every public method starts here: notice a fork, refuse a closed store."""
+        if self._pid != os.getpid():
+            self._forget_inherited()
+        if self._closed:
+            raise SpillError(f"the spill store at {self.path} is closed; open a new SpillStore")
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: drop the parent's descriptors and locks (see NOTE [lock files])."""
         for fd in [w.fd for w in self._writers.values()] + list(self._readers.values()):
             os.close(fd)  # no LOCK_UN: the parent's descriptor keeps its lock
         self._reset_process_state()
@@ -623,7 +626,8 @@ class SpillStore:
         ``records``, ``bytes_disk`` (stored) and ``bytes_disk_raw`` count this process's appends;
         the store keeps the cross-process totals in shared memory from the returned SpillLocs.
         """
-        self._own()
+        if self._pid != os.getpid():
+            self._forget_inherited()
         sizes = []
         for file_id in self.file_ids():
             try:
@@ -639,17 +643,16 @@ class SpillStore:
 
     def close(self) -> None:
         """Release this process's slot files (recording their clean end) and read handles."""
-        if self._closed:
-            return
-        if self._pid == os.getpid():
-            with self._open_lock:
-                writers, readers = list(self._writers.values()), list(self._readers.values())
-                self._writers, self._readers = {}, {}
-            for writer in writers:
-                with writer.lock:
-                    _close_writer(writer)
-            for fd in readers:
-                os.close(fd)
+        if self._pid != os.getpid():
+            self._forget_inherited()
+        with self._open_lock:
+            writers, readers = list(self._writers.values()), list(self._readers.values())
+            self._writers, self._readers = {}, {}
+        for writer in writers:
+            with writer.lock:
+                _close_writer(writer)
+        for fd in readers:
+            os.close(fd)
         self._closed = True
 
     def destroy(self) -> None:
@@ -779,9 +782,9 @@ def _take_over(fd: int, path: Path) -> int:
 
 
 def _write_file_header(fd: int, clean_end: int) -> None:
-    head = _FILE_HDR.pack(FILE_MAGIC, FORMAT_VERSION, ALIGN, 0, clean_end, 0)
-    crc = zlib.crc32(head[:24])
-    _pwritev_all(fd, [_FILE_HDR.pack(FILE_MAGIC, FORMAT_VERSION, ALIGN, 0, clean_end, crc)], 0)
+    fields = (FILE_MAGIC, FORMAT_VERSION, ALIGN, 0, clean_end)
+    crc = zlib.crc32(_FILE_HDR.pack(*fields, 0)[:24])
+    _pwritev_all(fd, [_FILE_HDR.pack(*fields, crc)], 0)
 
 
 def _read_file_header(fd: int, path: Path) -> int:
@@ -821,7 +824,7 @@ def _scan(fd: int, size: int, verify: bool) -> tuple[int, int, int]:
         end = pos + _record_bytes(head.key_len, head.stored_len)
         if end > size:  # a record the writer did not finish
             break
-        if verify and not _body_ok(fd, pos + end - pos - head.stored_len - _pad(head.stored_len), head):
+        if verify and not _body_ok(fd, pos + RECORD_HEADER_BYTES + head.key_len + _pad(head.key_len), head):
             corrupt += 1
         records += 1
         pos = end

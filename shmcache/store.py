@@ -46,13 +46,14 @@ import numpy as np
 from . import codec
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
 from .config import Namespace, memory_limits, namespace, validate_name
-from .errors import (CacheMismatch, CorruptSegment, InvalidArgument, ItemTooLarge,
-                     SharedMemoryFull, ShmcacheError)
+from .errors import (CacheMismatch, CacheNotFound, CorruptSegment, InvalidArgument,
+                     ItemTooLarge, SharedMemoryFull)
 from .index import INT_KEY, READY, SPILLED, TableView, key_bytes, MAX_LOAD
 from .locks import FileLock
 from .registry import MAX_SLOTS, SEP, SessionRegistry, write_json
 from .segment import HEADER_BYTES, PAGE, Segment
 from . import _process
+from ._faults import ARMED as _CRASH_TESTS, crash_point
 
 __all__ = ["CacheStore", "STAT_KEYS"]
 
@@ -112,12 +113,15 @@ class CacheStore:
     def __init__(self, session: str, name: str, *, capacity_bytes: int = 0,
                  fingerprint: str | None = None, table_hint: int = 0,
                  ns: Namespace | None = None, lock_timeout_s: float = 60.0,
-                 extra_meta: dict | None = None):
+                 extra_meta: dict | None = None, create: bool = True):
         self.session = validate_name(session, "session")
         self.name = validate_name(name, "cache")
         self.ns = ns or namespace()
         self.registry = SessionRegistry(self.ns)
-        self.registry.ensure(self.session)
+        if create:
+            self.registry.ensure(self.session)
+        else:
+            self.registry.get(self.session)  # SessionNotFound, naming the sessions there are
         sdir = self.registry.session_dir(self.session)
         self.meta_path = sdir / "caches" / f"{self.name}.json"
         self.lock = FileLock(sdir / "caches" / f"{self.name}.lock", timeout_s=lock_timeout_s,
@@ -130,8 +134,10 @@ class CacheStore:
         self._proc_gen = -1
         self._shm_full_logged = False
         self.spill = None  # set by the spill layer when spilling is on
+        self._root = None
         with self.lock:
-            self._root = self._open_root(capacity_bytes, fingerprint, table_hint, extra_meta or {})
+            self._root = self._open_root(capacity_bytes, fingerprint, table_hint, extra_meta or {},
+                                         create)
         self.capacity_bytes = _Q.unpack_from(self._root.buf, 72)[0]
         self._refresh()
 
@@ -141,7 +147,7 @@ class CacheStore:
         return self._base + SEP + SEP.join(parts)
 
     def _open_root(self, capacity_bytes: int, fingerprint: str | None, table_hint: int,
-                   extra_meta: dict) -> Segment:
+                   extra_meta: dict, create: bool) -> Segment:
         name = self._seg_name("root")
         try:
             root = Segment.attach(name, kind=KIND_ROOT)
@@ -153,6 +159,11 @@ class CacheStore:
         if root is not None:
             self._check_fingerprint(fingerprint)
             return root
+        if not create:
+            raise CacheNotFound(
+                f"no cache {self.name!r} in session {self.session!r} (caches: "
+                f"{', '.join(self.registry.cache_names(self.session)) or 'none'})"
+            )
         self._unlink_matching(SEP)  # debris of an earlier incarnation of this cache
         capacity = capacity_bytes or memory_limits().auto_capacity()
         if capacity < M.SIZE + PAGE:
@@ -339,6 +350,8 @@ class CacheStore:
         enc = encoded or codec.encode(value, f"the value of key {key!r}")
         w1, kb = key_bytes(key)
         with self.lock:
+            if _CRASH_TESTS:
+                crash_point("locked")
             g = self._refresh()
             self._repair(g)
             w0, _, pos, _ = self._find(g, key)
@@ -376,12 +389,21 @@ class CacheStore:
         _INTENT.pack_into(meta, M.INTENT, 0, pos, cls, bump, items, total, _table_items(g) + 1)
         _Q.pack_into(meta, M.INTENT, 1)  # phase 1: allocating (undo restores the bump)
         g.classes.set_bump(cls, bump + 1)
+        if _CRASH_TESTS:
+            crash_point("allocated")
         start = DATA_OFF + bump * chunk_size
         with memoryview(seg.buf) as mv:
+            if _CRASH_TESTS:  # die with half of the record written
+                mv[start:start + nbytes // 2] = b"\xee" * (nbytes // 2)
+                crash_point("mid_copy")
             enc.write(mv[start:start + nbytes], lid if lid != INLINE24 else codec.INLINE, kb)
         w0 = READY | (0 if kb else INT_KEY) | (lid << 8) | (nbytes << 32)
+        if _CRASH_TESTS:
+            crash_point("before_publish")
         g.index.publish(pos, w0, w1, (cls << 48) | bump)
         _Q.pack_into(meta, M.INTENT, 2)  # phase 2: published (redo the totals)
+        if _CRASH_TESTS:
+            crash_point("after_publish")
         _apply_totals(meta, items, total, _table_items(g) + 1)
         _Q.pack_into(meta, M.INTENT, 0)
 
@@ -404,10 +426,24 @@ class CacheStore:
                  self.name, "reclaimed its chunk" if reclaimed else "counted it")
         return reclaimed
 
-    def repair(self) -> int:
-        """Take the lock and repair what a dead writer left (``shmcache gc``); 1 if a chunk was reclaimed."""
+    def collect_garbage(self) -> tuple[int, list[str]]:
+        """``shmcache gc`` for this cache: repair a dead writer's entry and unlink segments of
+        generations or table versions that are no longer current (a clear() or a table growth
+        whose process died before it unlinked them). Returns (chunks reclaimed, names removed)."""
         with self.lock:
-            return self._repair(self._refresh())
+            g = self._refresh()
+            reclaimed = self._repair(g)
+            keep = {self._seg_name("root"), self._seg_name(f"g{g.gen}", "meta"),
+                    self._seg_name(f"g{g.gen}", f"t{g.version}")}
+            keep |= {self._seg_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
+            removed = []
+            for name in self.ns.owned_segments():
+                if name.startswith(self._base + SEP) and name not in keep:
+                    _unlink_name(self.ns, name)
+                    removed.append(name)
+            if self.spill is not None:
+                self.spill.collect_garbage()
+            return reclaimed, removed
 
     def _intern_layout(self, g: _Gen, layout: bytes) -> int:
         cache = g.layouts
@@ -482,6 +518,8 @@ class CacheStore:
         used = _Q.unpack_from(meta, M.COMMITTED)[0]
         _Q.pack_into(meta, M.COMMITTED, used + size - TableView.bytes_for(cap // 2))
         old = g.table
+        if _CRASH_TESTS:
+            crash_point("table_built")
         _Q.pack_into(self._root.buf, 64, (g.gen << 32) | version)  # publish
         old.unlink()
         return self._refresh()
@@ -580,6 +618,8 @@ class CacheStore:
             if self.spill is not None:
                 self.spill.clear()
             self._create_generation(self._root, g.gen + 1, self.capacity_bytes, g.index.capacity)
+            if _CRASH_TESTS:
+                crash_point("cleared_before_unlink")
             self._unlink_matching(f"{SEP}g{g.gen}{SEP}")
             self._refresh()
 

@@ -1,0 +1,277 @@
+"""``shmcache``: inspect and manage sessions and caches (like MindSpore's ``cache_admin``).
+
+Commands::
+
+    shmcache stat [SESSION] [--json]     one row per cache: items and bytes in memory and on disk,
+                                         average item size, hits, misses
+    shmcache ls [--json]                 the sessions, with owner, age, live processes, memory
+    shmcache new [NAME] [--spill-dir D]  create a session and print its name
+    shmcache destroy NAME [--force]      drop a session and everything in it
+    shmcache gc [--json]                 reclaim what dead processes left behind
+    shmcache info [--json]               limits and configuration
+
+Everything happens in the namespace of ``$SHMCACHE_DIR`` (default: a per-user directory). This
+module never imports torch, so it starts fast. Exit codes: 0 success, 1 an error shmcache
+explains, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import sys
+import time
+
+from .config import ENV_SPILL_DIR, memory_limits, namespace
+from .errors import InvalidArgument, ShmcacheError
+from .registry import SessionRegistry
+
+__all__ = ["main"]
+
+
+def _size(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _age(seconds: float) -> str:
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    fmt = lambda cells: "  ".join(c.rjust(w) if i in right else c.ljust(w)  # noqa: E731
+                                  for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *map(fmt, rows)])
+
+
+def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
+    from .store import CacheStore  # numpy, no torch
+
+    out = []
+    for name in registry.cache_names(session):
+        try:
+            store = CacheStore(session, name, ns=registry.ns, create=False, lock_timeout_s=5)
+        except ShmcacheError as exc:
+            out.append({"session": session, "name": name, "error": str(exc)})
+            continue
+        try:
+            _attach_spill(store)
+            out.append(store.stats())
+        finally:
+            store.close()
+    return out
+
+
+def _attach_spill(store) -> None:
+    """Let stat and gc see spilled items (no-op when the cache never spilled)."""
+    try:
+        from .spill_wiring import attach_existing
+    except ImportError:
+        return
+    attach_existing(store)
+
+
+# --- commands -------------------------------------------------------------------------------------
+
+
+def cmd_stat(args, registry: SessionRegistry) -> int:
+    sessions = [registry.get(args.session).name] if args.session else [s.name for s in registry.list()]
+    rows = [st for s in sessions for st in _cache_stats(registry, s)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        where = f"session {args.session!r}" if args.session else f"any session in {registry.ns.root}"
+        print(f"no caches in {where}")
+        return 0
+    headers = ["session", "cache", "items mem", "items disk", "bytes mem", "bytes disk",
+               "avg item", "hits", "misses", "rejected"]
+    table = []
+    for st in rows:
+        if "error" in st:
+            table.append([st["session"], st["name"], "error: " + st["error"][:60]] + [""] * 7)
+            continue
+        table.append([st["session"], st["name"], str(st["items_mem"]), str(st["items_disk"]),
+                      _size(st["bytes_mem"]), _size(st["bytes_disk"]), _size(st["avg_item_bytes"]),
+                      str(st["hits"]), str(st["misses"]), str(st["rejected"])])
+    print(_table(headers, table, right=set(range(2, 10))))
+    return 0
+
+
+def cmd_ls(args, registry: SessionRegistry) -> int:
+    rows = []
+    now = time.time()
+    for info in registry.list():
+        prefix = registry.segment_prefix(info.name)
+        mem = 0
+        for seg in registry.ns.owned_segments():
+            if seg.startswith(prefix):
+                try:
+                    mem += os.stat(registry.ns.shm_path(seg)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+        try:
+            owner = pwd.getpwuid(info.uid).pw_name
+        except KeyError:
+            owner = str(info.uid)
+        rows.append({"session": info.name, "owner": owner, "created": info.created,
+                     "age_s": round(now - info.created, 1), "live_processes": len(registry.live_pids(info.name)),
+                     "caches": len(registry.cache_names(info.name)), "shm_bytes": mem,
+                     "spill_dir": info.spill_dir})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"no sessions in {registry.ns.root}")
+        return 0
+    print(_table(["session", "owner", "age", "live procs", "caches", "memory"],
+                 [[r["session"], r["owner"], _age(r["age_s"]), str(r["live_processes"]),
+                   str(r["caches"]), _size(r["shm_bytes"])] for r in rows], right={2, 3, 4, 5}))
+    return 0
+
+
+def cmd_new(args, registry: SessionRegistry) -> int:
+    spill = args.spill_dir
+    if spill is not None:
+        from .spill import check_spill_dir
+
+        spill = str(check_spill_dir(spill))
+    info = registry.create(args.name, spill_dir=spill)
+    print(info.name)
+    return 0
+
+
+def cmd_destroy(args, registry: SessionRegistry) -> int:
+    removed = registry.destroy(args.name, force=args.force)
+    print(f"destroyed session {args.name!r} ({len(removed)} segments removed)")
+    return 0
+
+
+def cmd_gc(args, registry: SessionRegistry) -> int:
+    from .store import CacheStore
+
+    report = registry.gc()
+    reclaimed, stale = 0, []
+    for info in registry.list():
+        for name in registry.cache_names(info.name):
+            try:
+                store = CacheStore(info.name, name, ns=registry.ns, create=False, lock_timeout_s=10)
+            except ShmcacheError:
+                continue
+            try:
+                _attach_spill(store)
+                n, removed = store.collect_garbage()
+            finally:
+                store.close()
+            reclaimed += n
+            stale += removed
+    result = {"removed_segments": report.removed_segments + stale,
+              "removed_dirs": report.removed_dirs, "removed_locks": report.removed_locks,
+              "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files}
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"gc: {len(result['removed_segments'])} orphaned segments removed, "
+              f"{reclaimed} half-written entries reclaimed, {len(report.removed_dirs)} half-made "
+              f"sessions and {len(report.removed_locks)} stale slot locks removed, "
+              f"{len(report.removed_spill_files)} orphaned spill files removed")
+    return 0
+
+
+def cmd_info(args, registry: SessionRegistry) -> int:
+    lim = memory_limits()
+    ns = registry.ns
+    spill = os.environ.get(ENV_SPILL_DIR)
+    spill_free = None
+    if spill:
+        try:
+            st = os.statvfs(spill)
+            spill_free = st.f_bavail * st.f_frsize
+        except OSError:
+            pass
+    from . import __version__
+
+    info = {
+        "version": __version__, "namespace": str(ns.root), "segment_prefix": ns.prefix,
+        "shm_total_bytes": lim.shm_total, "shm_free_bytes": lim.shm_free,
+        "mem_available_bytes": lim.mem_available, "cgroup_limit_bytes": lim.cgroup_limit,
+        "cgroup_free_bytes": lim.cgroup_free, "auto_capacity_bytes": lim.auto_capacity(),
+        "spill_dir": spill, "spill_free_bytes": spill_free,
+        "sessions": len(registry.list()), "segments": len(ns.owned_segments()),
+    }
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    lines = [
+        ("version", info["version"]), ("namespace", f"{ns.root}  ($SHMCACHE_DIR)"),
+        ("segment prefix", f"/dev/shm/{ns.prefix}+..."),
+        ("/dev/shm", f"{_size(lim.shm_free)} free of {_size(lim.shm_total)}"),
+        ("MemAvailable", _size(lim.mem_available)),
+        ("cgroup memory.max", _size(lim.cgroup_limit) if lim.cgroup_limit else "no limit"),
+        ("automatic cap (size=0)", f"{_size(lim.auto_capacity())}  (80% of the smallest above)"),
+        ("spill dir", f"{spill}  ({_size(spill_free)} free)" if spill else "not set ($SHMCACHE_SPILL_DIR)"),
+        ("sessions / segments", f"{info['sessions']} / {info['segments']}"),
+    ]
+    width = max(len(k) for k, _ in lines)
+    print("\n".join(f"{k.ljust(width)}  {v}" for k, v in lines))
+    return 0
+
+
+# --- entry point --------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shmcache", description="Inspect and manage shmcache sessions and caches.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("stat", help="one row per cache (items, bytes, hits, misses)")
+    s.add_argument("session", nargs="?", help="only this session")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=cmd_stat)
+    s = sub.add_parser("ls", help="list sessions")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_ls)
+    s = sub.add_parser("new", help="create a session and print its name")
+    s.add_argument("name", nargs="?", help="session name (default: a random one)")
+    s.add_argument("--spill-dir", help="default spill directory of the session's caches")
+    s.set_defaults(func=cmd_new)
+    s = sub.add_parser("destroy", help="drop a session and everything in it")
+    s.add_argument("name")
+    s.add_argument("--force", action="store_true", help="even if live processes are attached")
+    s.set_defaults(func=cmd_destroy)
+    s = sub.add_parser("gc", help="reclaim what dead processes left behind")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_gc)
+    s = sub.add_parser("info", help="limits and configuration")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args, SessionRegistry(namespace()))
+    except InvalidArgument as exc:
+        print(f"shmcache {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ShmcacheError as exc:
+        print(f"shmcache {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `shmcache stat | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
