@@ -12,8 +12,9 @@ removed while their table is current, so a reader that sees READY reads w1, w2 a
 gets complete data; probing stops at the first EMPTY entry. Readers load w0 *before* the other
 words, in a separate load: one memcpy of all three could load w2 first and w0 last.
 
-int keys hash with Fibonacci hashing (a multiply), so a batch of int keys is looked up with numpy
-in a few vectorised probe rounds. Other keys (str, bytes) store a 64-bit blake2b hash; the record
+An int key below the table's capacity lives at its own position (dataset indices 0..N-1 then
+never collide: one probe each); other int keys hash with Fibonacci hashing (a multiply). So a batch
+of dataset indices is looked up with a couple of numpy gathers. Other keys (str, bytes) store a 64-bit blake2b hash; the record
 ends with the key bytes, which the store compares to rule out collisions.
 """
 
@@ -82,6 +83,8 @@ class TableView:
         return TABLE_OFF + capacity * ENTRY_BYTES
 
     def home(self, w1: int) -> int:
+        if w1 < self.capacity:
+            return w1
         return ((w1 * _FIB) & _M64) >> self.shift
 
     def find(self, w1: int, int_key: bool) -> tuple[int, int, int]:
@@ -122,7 +125,13 @@ class TableView:
         """Vectorised lookup of int64 ``keys``: ``(w0, w2)`` arrays, w0 == 0 where a key is absent."""
         w = self.words
         k = keys.astype(np.uint64, copy=False)
-        pos = (k * np.uint64(_FIB)) >> np.uint64(self.shift)
+        cap = np.uint64(self.capacity)
+        if len(k) and k.max() < cap:  # dataset indices: each at its own position, one probe
+            s0 = w[k, 0]  # state words first, in their own gather
+            s1 = w[k, 1]
+            if ((s0 & np.uint64(3)) == np.uint64(READY | INT_KEY)).all() and (s1 == k).all():
+                return s0, w[k, 2]
+        pos = np.where(k < cap, k, (k * np.uint64(_FIB)) >> np.uint64(self.shift))
         w0 = np.zeros(len(k), np.uint64)
         w2 = np.zeros(len(k), np.uint64)
         todo = np.arange(len(k))

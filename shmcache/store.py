@@ -101,6 +101,7 @@ class _Gen:
     classes: ClassTable
     data: dict  # class id -> (Segment, read-only memoryview, chunk size)
     layouts: dict  # layout id -> (layout bytes, decoder)
+    columns: dict  # layout id -> (tree, leaves) for the batch path
 
 
 class _Full(Exception):
@@ -252,7 +253,7 @@ class CacheStore:
                 meta.close()
                 raise
             self._gen = _Gen(gen, version, meta, table, TableView(table.buf),
-                             ClassTable(meta.buf, M.CLASSES), {}, {})
+                             ClassTable(meta.buf, M.CLASSES), {}, {}, {})
             if old is not None:
                 _close_gen(old)
             self._proc_gen = -1  # counters live in the new meta: re-read our slot's totals
@@ -555,21 +556,26 @@ class CacheStore:
         optional list of arrays, one per leaf, to gather into (e.g. pinned host buffers).
         """
         g = self._refresh()
-        w0, w2 = g.index.lookup_ints(keys)
-        if len(keys) == 0 or not w0.all():
+        if len(keys) == 0:
             return None
+        w0, w2 = g.index.lookup_ints(keys)
         first0, first2 = int(w0[0]), int(w2[0])
-        if first0 & SPILLED or ((w0 ^ w0[0]) & np.uint64(0xFFFFFF04)).any() \
-                or ((w2 >> np.uint64(48)) != np.uint64(first2 >> 48)).any():
-            return None  # spilled, or several layouts/classes in one batch
+        # all present, in memory, one layout, one class: the w0 words agree on the flags and layout
+        # bits (READY must be set), and the w2 words on the class bits
+        if not first0 & READY or first0 & SPILLED or ((w0 ^ w0[0]) & np.uint64(0xFFFFFFFF)).any() \
+                or ((w2 ^ w2[0]) >> np.uint64(48)).any():
+            return None
         lid = (first0 >> 8) & INLINE24
         if lid == INLINE24:
             return None
-        layout = self._layout(g, lid)[0]
-        tree, leaves = codec.leaves(layout)
-        seg, _, chunk = self._data(g, first2 >> 48)
+        shape = g.columns.get(lid)
+        if shape is None:
+            shape = g.columns[lid] = codec.leaves(self._layout(g, lid)[0])
+        tree, leaves = shape
+        cls = first2 >> 48
+        seg, _, chunk = self._data(g, cls)
         chunks = (w2 & np.uint64(_M48)).astype(np.intp)
-        rows = np.ndarray((int(chunks.max()) + 1, chunk), np.uint8, seg.buf, DATA_OFF)
+        rows = np.ndarray((g.classes.get(cls)[1], chunk), np.uint8, seg.buf, DATA_OFF)
         columns = []
         for i, leaf in enumerate(leaves):
             columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None))

@@ -1,0 +1,27 @@
+"""The README's quick start holds exactly two commands, and CI runs the second one verbatim."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def quick_start_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+
+
+def test_quick_start_has_two_commands_with_torch_pinned():
+    commands = quick_start_commands()
+    assert len(commands) == 2, commands
+    for cmd in commands:
+        assert "\n" not in cmd
+        assert "torch==2.13.0" in cmd, "every install step pins torch (no CUDA wheels)"
+    assert "shmcache.launch --nproc 2" in commands[0]
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert quick_start_commands()[1] in ci
