@@ -94,6 +94,15 @@ def _fingerprint(dataset: Any, transform: Callable | None, samples: Sequence) ->
     return h.hexdigest()
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Bit-for-bit equality of two samples, through the codec (works for any nesting)."""
+    ea, eb = codec.encode(a), codec.encode(b)
+    if ea.layout != eb.layout or ea.scalars != eb.scalars:
+        return False
+    return all(memoryview(x).cast("B") == memoryview(y).cast("B")
+               for (_, x), (_, y) in zip(ea.pieces, eb.pieces))
+
+
 def _len_or_none(ds: Any) -> int | None:
     try:
         return len(ds)
@@ -186,6 +195,12 @@ class ShmDatasetCache:
         n = len(dataset)
         probe = sorted({0, n // 2, n - 1}) if n else []
         samples = [_compute(dataset, transform, i) for i in probe]
+        if samples and not _same(samples[0], _compute(dataset, transform, probe[0])):
+            raise InvalidArgument(
+                f"{type(dataset).__name__}[0] differs between two reads: the dataset (or transform) "
+                f"is random, and a cache would freeze one draw; cache the deterministic part "
+                f"(cache.wrap(ds, transform=decode)) and apply random augmentation on top"
+            )
         self._bind(dataset, transform, samples, table_hint=n)
         for i, s in zip(probe, samples):  # computed anyway: keep them
             self._store.put(i, s)
@@ -244,8 +259,10 @@ class ShmDatasetCache:
         if ints is not None:
             batch = self._gather(store, ints, out)
             if batch is None and fn is not None:
-                self._fill_missing(store, keys, fn)
-                batch = self._gather(store, ints, out)
+                computed = self._fill_missing(store, keys, fn)
+                batch = self._gather(store, ints, out, count=False)
+                if batch is not None:
+                    store.count_lookups(hits=len(keys) - computed, misses=computed)
             if batch is not None:
                 return batch
         values, missing = store.lookup_batch(keys, self.copy)
@@ -262,11 +279,11 @@ class ShmDatasetCache:
             return out
         return batch
 
-    def _gather(self, store: CacheStore, keys: np.ndarray, out: Any):
+    def _gather(self, store: CacheStore, keys: np.ndarray, out: Any, count: bool = True):
         leaves_out = None
         if out is not None:
             leaves_out = [t.numpy() if isinstance(t, torch.Tensor) else t for t in _flatten(out)]
-        got = store.gather_ints(keys, leaves_out)
+        got = store.gather_ints(keys, leaves_out, count=count)
         if got is None:
             return None
         tree, leaves, columns = got
@@ -274,10 +291,14 @@ class ShmDatasetCache:
             return out
         return _build(tree, [_to_tensor(c, leaf) for c, leaf in zip(columns, leaves)])
 
-    def _fill_missing(self, store: CacheStore, keys: Sequence, fn: Callable) -> None:
+    def _fill_missing(self, store: CacheStore, keys: Sequence, fn: Callable) -> int:
+        """Compute and store the keys that are not cached; returns how many."""
+        computed = 0
         for k in keys:
             if not store.contains(k):
                 store.put(k, fn(k))
+                computed += 1
+        return computed
 
     # --- housekeeping --------------------------------------------------------------------------
 
@@ -321,8 +342,10 @@ class ShmDatasetCache:
         self.store.clear()
 
     def close(self) -> None:
+        """Unmap this process's view (the cache itself stays for others; use again to re-attach)."""
         if self._store is not None:
             self._store.close()
+            self._store = None
 
     def __enter__(self) -> ShmDatasetCache:
         return self
@@ -412,10 +435,14 @@ class CachedDataset(Dataset):
                 raise EncodeError(f"sample {idx[j]} of {type(self.dataset).__name__}: {exc}") from None
         return values
 
-    def get_batch(self, indices: Sequence, out: Any = None) -> Any:
-        """A collated batch (the vectorised path), misses computed from the dataset."""
+    def get_batch(self, indices: Sequence, fn: Callable | None = None, out: Any = None) -> Any:
+        """A collated batch (the vectorised path), misses computed from the dataset (or ``fn``).
+
+        Same signature as ``ShmDatasetCache.get_batch``, so a wrapped dataset can feed
+        ``PrefetchRing.from_cache(ds, key_batches)`` directly.
+        """
         idx = [self._index(i) for i in indices]
-        return self.cache.get_batch(idx, fn=self._compute, out=out)
+        return self.cache.get_batch(idx, fn=fn or self._compute, out=out)
 
     def __getstate__(self) -> dict:
         return self.__dict__.copy()  # the cache pickles by name (ShmDatasetCache.__getstate__)

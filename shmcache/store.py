@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -134,6 +135,7 @@ class CacheStore:
         self._counter_off = -1
         self._proc_gen = -1
         self._shm_full_logged = False
+        self._map_lock = threading.Lock()
         self.spill = None  # set by the spill layer when spilling is on
         self._root = None
         with self.lock:
@@ -226,12 +228,17 @@ class CacheStore:
 
     def _refresh(self) -> _Gen:
         """Map the generation and table version the root announces now (if not mapped already)."""
+        if self._root is None:
+            raise InvalidArgument(f"cache {self.session}/{self.name} was closed in this process; "
+                                  f"open it again")
         for _ in range(100):
             epoch = _Q.unpack_from(self._root.buf, 64)[0]
             if epoch == self._epoch and self._gen is not None:
                 return self._gen
             try:
-                self._map_epoch(epoch)
+                with self._map_lock:  # a prefetch thread and the main thread may both get here
+                    if epoch != self._epoch or self._gen is None:
+                        self._map_epoch(epoch)
                 return self._gen
             except FileNotFoundError:
                 time.sleep(0.001)  # a clear() or a table growth is replacing it right now
@@ -547,7 +554,14 @@ class CacheStore:
             self._count(1, len(missing))
         return values, missing
 
-    def gather_ints(self, keys: np.ndarray, out: list | None = None):
+    def count_lookups(self, hits: int = 0, misses: int = 0) -> None:
+        """Count lookups that a caller resolved itself (a batch filled, then gathered)."""
+        if hits:
+            self._count(0, hits)
+        if misses:
+            self._count(1, misses)
+
+    def gather_ints(self, keys: np.ndarray, out: list | None = None, count: bool = True):
         """Vectorised batch of int keys that share one layout and one size class, all in memory.
 
         Returns ``(tree, leaves, columns)`` - the layout tree, its leaves (codec.Leaf) and one
@@ -579,7 +593,8 @@ class CacheStore:
         columns = []
         for i, leaf in enumerate(leaves):
             columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None))
-        self._count(0, len(keys))
+        if count:
+            self._count(0, len(keys))
         return tree, leaves, columns
 
     # --- bookkeeping ------------------------------------------------------------------------------
