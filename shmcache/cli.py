@@ -76,10 +76,8 @@ def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
 
 def _attach_spill(store) -> None:
     """Let stat and gc see spilled items (no-op when the cache never spilled)."""
-    try:
-        from .spill_wiring import attach_existing
-    except ImportError:
-        return
+    from .spilling import attach_existing
+
     attach_existing(store)
 
 
@@ -177,6 +175,9 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
                 store.close()
             reclaimed += n
             stale += removed
+    from .spilling import remove_orphans
+
+    report.removed_spill_files += remove_orphans(registry.ns, {s.name for s in registry.list()})
     result = {"removed_segments": report.removed_segments + stale,
               "removed_dirs": report.removed_dirs, "removed_locks": report.removed_locks,
               "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files}
@@ -186,7 +187,7 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
         print(f"gc: {len(result['removed_segments'])} orphaned segments removed, "
               f"{reclaimed} half-written entries reclaimed, {len(report.removed_dirs)} half-made "
               f"sessions and {len(report.removed_locks)} stale slot locks removed, "
-              f"{len(report.removed_spill_files)} orphaned spill files removed")
+              f"{len(report.removed_spill_files)} orphaned spill folders removed")
     return 0
 
 

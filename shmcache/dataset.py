@@ -151,13 +151,13 @@ class ShmDatasetCache:
         self.name = name
         self._store: CacheStore | None = None
         self._fingerprint: str | None = None
-        self._spill_cfg = self._check_spill_config() if self.spilling else None
+        if self.spilling:  # a missing or unusable spill directory is an error now, not later
+            from .registry import SessionRegistry
+            from .spilling import resolve_spill_dir
+
+            resolve_spill_dir(self.spill_dir, SessionRegistry().ensure(self.session).spill_dir)
         if name is not None:
             self._open(name, None, 0)
-
-    def _check_spill_config(self):
-        from .spill_wiring import resolve_spill  # the spill layer (imports zstandard lazily)
-        return resolve_spill(self)
 
     # --- binding to a store --------------------------------------------------------------------
 
@@ -166,8 +166,10 @@ class ShmDatasetCache:
                                  fingerprint=fingerprint, table_hint=table_hint,
                                  lock_timeout_s=self.lock_timeout_s)
         self.name, self._fingerprint = name, fingerprint
-        if self._spill_cfg is not None:
-            self._spill_cfg.attach(self._store)
+        if self.spilling:
+            from . import spilling
+
+            spilling.attach(self._store, self.spill_dir)
         return self._store
 
     @property

@@ -83,7 +83,10 @@ class MetaLayout:
 
 
 M = MetaLayout
-_INTENT = struct.Struct("QQQQQQQ")  # phase, table position, class, old bump, items, bytes, table items
+# phase, table position, class (SPILL_CLASS: a spilled record), old bump, then the totals after
+# this write: items, bytes, raw bytes (disk only) and table items
+_INTENT = struct.Struct("QQQQQQQQ")
+SPILL_CLASS = 0xFFFF
 INLINE24 = 0xFFFFFF  # layout id field in an entry meaning "layout stored inline in the record"
 
 STAT_KEYS = ("session", "name", "items_mem", "items_disk", "bytes_mem", "bytes_disk",
@@ -298,27 +301,24 @@ class CacheStore:
 
     # --- reads ---------------------------------------------------------------------------------
 
-    def _find(self, g: _Gen, key: Any) -> tuple[int, int, int, bytes]:
-        """``(w0, w2, position, key bytes)``; w0 == 0 when absent."""
+    def _find(self, g: _Gen, key: Any) -> tuple[int, int, int, bytes, int]:
+        """``(w0, w2, position, key bytes, w1)``; w0 == 0 when absent."""
         w1, kb = key_bytes(key)
         index = g.index
         pos, w0, w2 = index.find(w1, not kb)
-        while w0 and kb:  # a hash matched: compare the key bytes stored at the end of the record
-            if self._record_key(g, w0, w2, len(kb)) == kb:
+        # a hash matched: compare the key bytes stored at the end of the record (a spilled record
+        # is checked against the key when it is read)
+        while w0 and kb and not w0 & SPILLED:
+            seg, view, chunk = self._data(g, w2 >> 48)
+            end = DATA_OFF + (w2 & _M48) * chunk + (w0 >> 32)
+            if view[end - len(kb):end] == kb:
                 break
             pos, w0, w2 = index.find_from((pos + 1) & index.mask, w1, False)
-        return w0, w2, pos, kb
+        return w0, w2, pos, kb, w1
 
-    def _record_key(self, g: _Gen, w0: int, w2: int, n: int) -> bytes | None:
+    def _decode(self, g: _Gen, w0: int, w2: int, copy: bool, w1: int = 0, kb: bytes = b"") -> Any:
         if w0 & SPILLED:
-            return self.spill.record_key(w0, w2, n) if self.spill else None
-        seg, view, chunk = self._data(g, w2 >> 48)
-        end = DATA_OFF + (w2 & _M48) * chunk + (w0 >> 32)
-        return bytes(view[end - n:end])
-
-    def _decode(self, g: _Gen, w0: int, w2: int, copy: bool) -> Any:
-        if w0 & SPILLED:
-            buf = self.spill.read(w0, w2)
+            buf = self.spill.read(w0, w2, w1, kb) if self.spill is not None else None
             if buf is None:
                 return _CORRUPT
         else:
@@ -336,9 +336,9 @@ class CacheStore:
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
         g = self._gen if _Q.unpack_from(self._root.buf, 64)[0] == self._epoch else self._refresh()
-        w0, w2, _, _ = self._find(g, key)
+        w0, w2, _, kb, w1 = self._find(g, key)
         if w0:
-            value = self._decode(g, w0, w2, copy)
+            value = self._decode(g, w0, w2, copy, w1, kb)
             if value is not _CORRUPT:
                 if count:
                     self._count(0)
@@ -347,6 +347,27 @@ class CacheStore:
         if count:
             self._count(1)
         return MISSING
+
+    def publish_spilled(self, g: _Gen, pos: int, w1: int, kb: bytes, lid: int, file_id: int,
+                        offset: int, stored: int, raw: int, replace: bool) -> None:
+        """Publish a record that the spill layer wrote to disk (caller holds the lock); same
+        intent protocol as a record in memory (NOTE [publish order])."""
+        meta = g.meta.buf
+        items, total, raw_total = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
+        new = 0 if replace else 1  # a replaced corrupt record is still one item
+        table_items = _table_items(g) + new
+        _INTENT.pack_into(meta, M.INTENT, 0, pos, SPILL_CLASS, 0, items + new, total + stored,
+                          raw_total + raw, table_items)
+        _Q.pack_into(meta, M.INTENT, 1)
+        w0 = READY | SPILLED | (0 if kb else INT_KEY) | (lid << 8) | (stored << 32)
+        g.index.publish(pos, w0, w1, (file_id << 48) | offset)
+        _Q.pack_into(meta, M.INTENT, 2)
+        _apply_totals(meta, SPILL_CLASS, items + new, total + stored, raw_total + raw, table_items)
+        _Q.pack_into(meta, M.INTENT, 0)
+
+    def intern_layout(self, g: _Gen, layout: bytes) -> int:
+        """The layout id of ``layout`` in generation ``g`` (caller holds the lock)."""
+        return self._intern_layout(g, layout)
 
     def contains(self, key: Any) -> bool:
         return self._find(self._refresh(), key)[0] != 0
@@ -362,12 +383,14 @@ class CacheStore:
                 crash_point("locked")
             g = self._refresh()
             self._repair(g)
-            w0, _, pos, _ = self._find(g, key)
+            w0, w2, pos, _, _ = self._find(g, key)
+            if w0 and w0 & SPILLED and self.spill is not None and not self.spill.readable(w0, w2, w1, kb):
+                return self.spill.put(self, g, pos, w1, kb, enc, replace=True)  # a corrupt record
             if w0:
                 return True  # another process stored it first: stored once
             if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
                 g = self._grow_table(g)
-                w0, _, pos, _ = self._find(g, key)
+                w0, _, pos, _, _ = self._find(g, key)
             try:
                 self._insert(g, pos, w1, kb, enc)
                 return True
@@ -394,7 +417,7 @@ class CacheStore:
         meta = g.meta.buf
         items = _Q.unpack_from(meta, M.ITEMS_MEM)[0] + 1
         total = _Q.unpack_from(meta, M.BYTES_MEM)[0] + nbytes
-        _INTENT.pack_into(meta, M.INTENT, 0, pos, cls, bump, items, total, _table_items(g) + 1)
+        _INTENT.pack_into(meta, M.INTENT, 0, pos, cls, bump, items, total, 0, _table_items(g) + 1)
         _Q.pack_into(meta, M.INTENT, 1)  # phase 1: allocating (undo restores the bump)
         g.classes.set_bump(cls, bump + 1)
         if _CRASH_TESTS:
@@ -412,7 +435,7 @@ class CacheStore:
         _Q.pack_into(meta, M.INTENT, 2)  # phase 2: published (redo the totals)
         if _CRASH_TESTS:
             crash_point("after_publish")
-        _apply_totals(meta, items, total, _table_items(g) + 1)
+        _apply_totals(meta, cls, items, total, 0, _table_items(g) + 1)
         _Q.pack_into(meta, M.INTENT, 0)
 
     def _repair(self, g: _Gen) -> int:
@@ -421,10 +444,12 @@ class CacheStore:
         phase = _Q.unpack_from(meta, M.INTENT)[0]
         if phase == 0:
             return 0
-        _, pos, cls, old_bump, items, total, table_items = _INTENT.unpack_from(meta, M.INTENT)
+        _, pos, cls, old_bump, items, total, raw, table_items = _INTENT.unpack_from(meta, M.INTENT)
         w0 = _Q.unpack_from(g.index.buf, 128 + 24 * pos)[0]
         if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
-            _apply_totals(meta, items, total, table_items)
+            _apply_totals(meta, cls, items, total, raw, table_items)
+            reclaimed = 0
+        elif cls == SPILL_CLASS:  # a spill record nobody points to: dead bytes on disk, no chunk
             reclaimed = 0
         else:  # never visible: give the chunk back
             g.classes.set_bump(cls, old_bump)
@@ -540,8 +565,8 @@ class CacheStore:
         values: list = [MISSING] * len(keys)
         missing = []
         for i, key in enumerate(keys):
-            w0, w2, _, _ = self._find(g, key)
-            v = self._decode(g, w0, w2, copy) if w0 else MISSING
+            w0, w2, _, kb, w1 = self._find(g, key)
+            v = self._decode(g, w0, w2, copy, w1, kb) if w0 else MISSING
             if v is _CORRUPT:
                 self._count(3)
                 v = MISSING
@@ -645,6 +670,9 @@ class CacheStore:
             self._refresh()
 
     def close(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
         if self._gen is not None:
             _close_gen(self._gen)
             self._gen = None
@@ -714,9 +742,12 @@ def _first_empty(index: TableView, w1: int) -> int:
     return pos
 
 
-def _apply_totals(meta, items: int, total: int, table_items: int) -> None:
-    _Q.pack_into(meta, M.ITEMS_MEM, items)
-    _Q.pack_into(meta, M.BYTES_MEM, total)
+def _apply_totals(meta, cls: int, items: int, total: int, raw: int, table_items: int) -> None:
+    if cls == SPILL_CLASS:
+        struct.pack_into("QQQ", meta, M.ITEMS_DISK, items, total, raw)
+    else:
+        _Q.pack_into(meta, M.ITEMS_MEM, items)
+        _Q.pack_into(meta, M.BYTES_MEM, total)
     _Q.pack_into(meta, M.TABLE_ITEMS, table_items)
 
 

@@ -1,0 +1,166 @@
+"""Spilling: when a cache's memory is full, new records go to zstd spill files (spill.py).
+
+This joins the store and the spill files. A spilled entry in the index has the SPILLED flag; its
+location word holds the spill file (the writer's liveness slot) and the offset, and its length
+field holds the *stored* length, so any process can read any spilled record with one ``pread``.
+The record written is the codec's record (layout id, scalars, buffers, key), exactly as it would
+be in memory; the spill layer adds its own key, lengths and checksums around it, so a truncated
+or corrupted record is a miss, never wrong data. A spilled record replaces a corrupt one in place:
+readers that see the old or the new location words verify what they read, so any mix is safe.
+
+Where spill files go: ``spill_dir`` given to the cache, else the session's (``shmcache new
+--spill-dir``), else ``$SHMCACHE_SPILL_DIR``. Each cache spills into its own folder inside it,
+named after the namespace, session and cache, so parallel jobs never share files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import struct
+from pathlib import Path
+
+from . import _process, codec
+from .config import ENV_SPILL_DIR
+from .errors import SpillError
+from .index import INT_KEY, READY, SPILLED
+from .registry import SEP, write_json
+from .spill import SpillFull, SpillStore, check_spill_dir
+
+__all__ = ["CacheSpill", "resolve_spill_dir", "attach_existing"]
+
+log = logging.getLogger("shmcache")
+_M48 = (1 << 48) - 1
+_Q = struct.Struct("Q")
+
+
+def resolve_spill_dir(spill_dir, session_spill_dir: str | None) -> Path:
+    """The spill directory in force, checked (exists or is created, is a directory, is writable)."""
+    chosen = spill_dir or session_spill_dir or os.environ.get(ENV_SPILL_DIR)
+    if not chosen:
+        raise SpillError(
+            "spilling=True needs a spill directory: pass spill_dir=... (or `shmcache new NAME "
+            f"--spill-dir DIR` for the session), or set ${ENV_SPILL_DIR}"
+        )
+    return check_spill_dir(chosen)
+
+
+def _spill_path(store, base: Path) -> Path:
+    return base / f"{store.ns.prefix}{SEP}{store.session}{SEP}{store.name}"
+
+
+class CacheSpill:
+    """The spill files of one cache, attached to its store (``store.spill``)."""
+
+    def __init__(self, store, path: Path, *, level: int = 1):
+        self.store = store
+        self.path = path
+        self.files = SpillStore(path, level=level)
+        self.disabled = False  # set after a full disk: stop spilling, keep serving
+        meta = store._read_meta()
+        if meta.get("spill_path") != str(path):
+            meta["spill_path"] = str(path)  # so `destroy` and `gc` find the files
+            write_json(store.meta_path, meta)
+
+    # --- writing (the store's lock is held) ---------------------------------------------------
+
+    def put(self, store, g, pos: int, w1: int, kb: bytes, enc: codec.Encoded, *, replace: bool = False) -> bool:
+        """Spill one record and publish it at table position ``pos``. False if it cannot spill."""
+        if self.disabled:
+            return False
+        lid = store.intern_layout(g, enc.layout)
+        record = bytearray(enc.record_len(len(kb), lid == 0xFFFFFF))
+        enc.write(memoryview(record), codec.INLINE if lid == 0xFFFFFF else lid, kb)
+        slot = _process.slot(store.registry, store.session)
+        try:
+            loc = self.files.append(slot, _spill_key(w1, kb), record)
+        except SpillFull as exc:
+            self.disabled = True
+            log.warning("cache %s/%s stops spilling: %s", store.session, store.name, exc)
+            return False
+        except SpillError as exc:
+            self.disabled = True
+            log.warning("cache %s/%s stops spilling after a write error: %s", store.session, store.name, exc)
+            return False
+        if loc.stored_len >= 1 << 32 or loc.offset > _M48:
+            return False
+        store.publish_spilled(g, pos, w1, kb, lid, loc.file_id, loc.offset, loc.stored_len,
+                              loc.raw_len, replace)
+        return True
+
+    # --- reading (no lock) -----------------------------------------------------------------
+
+    def read(self, w0: int, w2: int, w1: int, kb: bytes) -> bytearray | None:
+        return self.files.read((w2 >> 48, w2 & _M48, w0 >> 32), _spill_key(w1, kb))
+
+    def readable(self, w0: int, w2: int, w1: int, kb: bytes) -> bool:
+        return self.read(w0, w2, w1, kb) is not None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        self.files.destroy()
+        self.files = SpillStore(self.path, level=self.files.level)
+        self.disabled = False
+
+    def destroy(self) -> None:
+        self.files.destroy()
+
+    def close(self) -> None:
+        self.files.close()
+
+    def collect_garbage(self) -> None:
+        self.files.recover()
+
+
+def _spill_key(w1: int, kb: bytes) -> bytes:
+    """The key the spill record carries: the index word, then the key bytes (none for ints)."""
+    return w1.to_bytes(8, "little") + kb
+
+
+def attach(store, spill_dir, *, level: int = 1) -> CacheSpill:
+    """Turn spilling on for ``store`` (``spill_dir`` None: the session's, then the environment's)."""
+    base = resolve_spill_dir(spill_dir, store.registry.get(store.session).spill_dir)
+    _remember_base(store.ns, base)
+    spill = CacheSpill(store, _spill_path(store, base), level=level)
+    store.spill = spill
+    return spill
+
+
+def attach_existing(store) -> None:
+    """Let a reader (``shmcache stat``, ``gc``) see a cache's spill files, if it ever spilled."""
+    path = store._read_meta().get("spill_path")
+    if path and Path(path).is_dir():
+        store.spill = CacheSpill(store, Path(path))
+
+
+def _remember_base(ns, base: Path) -> None:
+    """Note a spill directory in the namespace, so ``gc`` can look there after a session is gone."""
+    listing = ns.root / "spill_dirs"
+    known = set(listing.read_text().split("\n")) if listing.exists() else set()
+    if str(base) not in known:
+        fd = os.open(listing, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(f"{base}\n")  # one short append: atomic for concurrent writers
+
+
+def remove_orphans(ns, live_sessions: set[str]) -> list[str]:
+    """Spill folders of this namespace whose session no longer exists (``shmcache gc``)."""
+    listing = ns.root / "spill_dirs"
+    bases = {Path(p) for p in listing.read_text().split("\n") if p} if listing.exists() else set()
+    removed = []
+    head = ns.prefix + SEP
+    for base in sorted(bases):
+        try:
+            entries = list(base.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name.startswith(head) and entry.name[len(head):].split(SEP, 1)[0] not in live_sessions:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(str(entry))
+    return removed
+
+
+assert READY | INT_KEY | SPILLED == 7  # the flags this module relies on (index.py)
