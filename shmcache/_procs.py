@@ -104,11 +104,10 @@ class RunOutcome:
     received_signal: int | None = None
     start_error: str | None = None
     start_error_code: int = 1
-    grace_s: float = 0.0
 
     @property
     def exit_code(self) -> int:
-        """0 when every worker exited 0; else the root cause's status (NOTE [launcher shutdown], 6)."""
+        """0 when every worker exited 0, else the root cause's (NOTE [launcher shutdown], 6)."""
         if self.received_signal is not None:
             return 128 + self.received_signal
         if self.start_error is not None:
@@ -145,13 +144,14 @@ class RunOutcome:
             yield f"{_LAUNCHER}: {self.start_error}"
         elif self.root_cause is not None:
             w = self.root_cause
-            yield f"{_LAUNCHER}: rank {w.rank} (pid {w.pid}) failed first: {_describe(w.returncode)}"
+            what = _describe(w.returncode)
+            yield f"{_LAUNCHER}: rank {w.rank} (pid {w.pid}) failed first: {what}"
             if w.error_message:
                 yield f"{_LAUNCHER}:     {w.error_message}"
 
     def _fate_of(self, w: WorkerResult) -> str:
         if w.returncode is None:
-            return "could not be reaped (stuck in the kernel?); check it with `ps -o stat,cmd -p PID`"
+            return f"could not be reaped (stuck in the kernel?); see `ps -o stat,cmd -p {w.pid}`"
         if not w.signalled_before_exit:
             if w.returncode == 0:
                 return "exited 0"
@@ -193,7 +193,7 @@ class _WorkerGroup:
         self._signals_handled = 0  # how many of wakeup.received were acted upon
         self._shutdown_started: float | None = None
         self._kill_deadline: float | None = None  # set when the SIGKILL went out
-        self.outcome = RunOutcome(workers=[], grace_s=shutdown_timeout_s)
+        self.outcome = RunOutcome(workers=[])
 
     def start(self, specs: Sequence[WorkerSpec]) -> None:
         """Spawn every worker; stop early if a signal arrives or one cannot start."""
@@ -206,7 +206,8 @@ class _WorkerGroup:
                     list(spec.argv), env=spec.env, start_new_session=True, preexec_fn=parent_death
                 )
             except OSError as exc:
-                self.outcome.start_error = f"rank {spec.rank} could not start {spec.argv[0]!r}: {exc}"
+                program = spec.argv[0]
+                self.outcome.start_error = f"rank {spec.rank} could not start {program!r}: {exc}"
                 self.outcome.start_error_code = _start_failure_status(exc)
                 self._begin_shutdown(signal.SIGTERM)
                 return
@@ -271,7 +272,7 @@ class _WorkerGroup:
         self._running.pop(proc.pid, None)
 
     def _handle_received_signals(self) -> None:
-        """NOTE [launcher shutdown], 5: the first signal starts a shutdown, any later one ends it."""
+        """NOTE [launcher shutdown], 5: a first signal starts a shutdown, a later one ends it."""
         for signo in self._wakeup.received[self._signals_handled:]:
             self._signals_handled += 1
             if self._shutdown_started is None:
@@ -327,7 +328,8 @@ class _SignalWakeup:
     def __exit__(self, *exc_info: object) -> None:
         for signo, handler in self._old_handlers.items():
             # None: the old handler was not set from Python; the default is the best guess.
-            signal.signal(signo, signal.SIG_DFL if handler is None else handler)  # type: ignore[arg-type]
+            restored = signal.SIG_DFL if handler is None else handler
+            signal.signal(signo, restored)  # type: ignore[arg-type]
         signal.set_wakeup_fd(self._old_wakeup_fd)
         os.close(self._read_fd)
         os.close(self._write_fd)

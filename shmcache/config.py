@@ -21,6 +21,8 @@ __all__ = [
     "ENV_DIR",
     "ENV_SESSION",
     "ENV_SPILL_DIR",
+    "ENV_SIZE_MB",
+    "ENV_SPILLING",
     "Namespace",
     "namespace",
     "validate_name",
@@ -33,6 +35,8 @@ __all__ = [
 ENV_DIR = "SHMCACHE_DIR"
 ENV_SESSION = "SHMCACHE_SESSION"
 ENV_SPILL_DIR = "SHMCACHE_SPILL_DIR"
+ENV_SIZE_MB = "SHMCACHE_SIZE_MB"  # default size= of caches (the launcher's --size)
+ENV_SPILLING = "SHMCACHE_SPILLING"  # "1": default spilling=True (the launcher's --spilling)
 SHM_ROOT = "/dev/shm"
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")

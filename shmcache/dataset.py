@@ -19,14 +19,12 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 
 from . import codec
-from .config import ENV_SPILL_DIR, resolve_session_name, validate_name
+from .config import ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name, validate_name
 from .errors import EncodeError, InvalidArgument
 from .store import MISSING, CacheStore
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
-ENV_SIZE_MB = "SHMCACHE_SIZE_MB"
-ENV_SPILLING = "SHMCACHE_SPILLING"
 _MAX_SIZE_MB = 1 << 30  # 1 PiB: anything larger is a unit mistake
 
 

@@ -1,4 +1,4 @@
-"""python -m shmcache.launch: start N training processes on this machine around one shmcache session.
+"""python -m shmcache.launch: start N training processes around one shmcache session.
 
 A drop-in for ``torchrun --standalone`` on one node: it creates the shmcache session first, so every
 process finds it, then starts the processes with the environment ``init_process_group("env://")``
@@ -26,7 +26,8 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
     --spill-dir DIR         where spill segments go (created if missing); sets $SHMCACHE_SPILL_DIR
                             and becomes the spill directory of a session created now
     --destroy-session       destroy the session (and everything cached in it) once every process
-                            is gone; by default it stays, for the next run to find
+                            is gone, even if other jobs still use it; by default it stays, for
+                            the next run to find
     --shutdown-timeout S    seconds a process gets between SIGTERM and SIGKILL. Default 10
     --master-addr A         address of rank 0 for init_process_group. Default 127.0.0.1
     --master-port P         port of rank 0. Default: a free port of this machine
@@ -95,16 +96,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._procs import WorkerSpec, run_workers
-from .config import ENV_SESSION, ENV_SPILL_DIR, resolve_session_name
+from .config import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name
 from .errors import InvalidArgument, ShmcacheError
 from .locks import LivenessSlot
 from .registry import SessionRegistry
 
-__all__ = ["main", "ENV_SIZE_MB", "ENV_SPILLING"]
+__all__ = ["main"]
 
 #: Read by the cache as the default of ``size`` (MB) and ``spilling``.
-ENV_SIZE_MB = "SHMCACHE_SIZE_MB"
-ENV_SPILLING = "SHMCACHE_SPILLING"
 
 PROG = "python -m shmcache.launch"
 USAGE = (
@@ -224,8 +223,8 @@ def _plan(parser: argparse.ArgumentParser, argv: list[str]) -> LaunchPlan:
     session = _session_name(parser, args.session)
     master_addr, master_port, run_id = _rendezvous(parser, args)
     spill_dir = _spill_dir(parser, args.spill_dir) if args.spill_dir else None
-    if args.spilling:
-        _check_spilling_has_a_dir(parser, session, spill_dir)
+    if args.spilling or spill_dir:
+        _check_spill_settings(parser, session, spill_dir, args.spilling)
     return LaunchPlan(
         session=session, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=master_addr, master_port=master_port, run_id=run_id, command=command,
@@ -242,7 +241,7 @@ def _worker_command(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error("argument -m/--module: not allowed with --no-python (a module runs through "
                      "Python); drop one of them")
     if args.module:
-        return [sys.executable, "-u", "-m", script, *rest]  # -u: torchrun's choice, lines interleave
+        return [sys.executable, "-u", "-m", script, *rest]  # -u as torchrun: whole lines interleave
     if args.no_python:
         if os.sep not in script and not shutil.which(script):
             parser.error(f"argument --no-python: program {script!r} is not on $PATH; give its path")
@@ -269,7 +268,7 @@ def _rendezvous(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tu
     if args.node_rank >= args.nnodes:
         parser.error(f"argument --node-rank: {args.node_rank} is not below --nnodes "
                      f"{args.nnodes}; node ranks go from 0 to nnodes - 1")
-    if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+    if args.nnodes > 1 and (args.master_addr is None or not args.master_port):
         parser.error("argument --nnodes: several nodes need --master-addr and --master-port "
                      "(rank 0's host and a port that is free there), the same on every node")
     addr = args.master_addr or "127.0.0.1"
@@ -295,15 +294,17 @@ def _spill_dir(parser: argparse.ArgumentParser, raw: str) -> str:
     return str(path)
 
 
-def _check_spilling_has_a_dir(parser: argparse.ArgumentParser, session: str,
-                              spill_dir: str | None) -> None:
+def _check_spill_settings(parser: argparse.ArgumentParser, session: str, spill_dir: str | None,
+                          spilling: bool) -> None:
+    """--spill-dir agrees with the session's; --spilling has a directory from somewhere."""
     registry = SessionRegistry()
     existing = registry.get(session) if registry.exists(session) else None
-    if existing is not None and existing.spill_dir and spill_dir and existing.spill_dir != spill_dir:
+    session_spill_dir = existing.spill_dir if existing is not None else None
+    if session_spill_dir and spill_dir and session_spill_dir != spill_dir:
         parser.error(f"argument --spill-dir: session {session!r} already spills to "
-                     f"{existing.spill_dir!r}, not {spill_dir!r}; drop --spill-dir, or "
+                     f"{session_spill_dir!r}, not {spill_dir!r}; drop --spill-dir, or "
                      f"`shmcache destroy {session}` first")
-    if spill_dir or (existing is not None and existing.spill_dir) or os.environ.get(ENV_SPILL_DIR):
+    if not spilling or spill_dir or session_spill_dir or os.environ.get(ENV_SPILL_DIR):
         return
     parser.error(f"argument --spilling: no spill directory; pass --spill-dir DIR or set "
                  f"${ENV_SPILL_DIR}")
