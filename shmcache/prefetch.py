@@ -7,15 +7,17 @@
 
 A background thread fills a fixed ring of ``depth`` slots. Each slot owns, per tensor leaf of the
 batch, a host buffer (pinned when the device is CUDA) and a device buffer, allocated on the first
-batch and reused for every later one: the source batch is copied into the slot's pinned buffer (or,
-with :meth:`PrefetchRing.from_cache`, gathered straight into it by ``cache.get_batch(keys, out=...)``:
-shared memory -> pinned -> device, one host copy), and the host-to-device copy is issued with
-``non_blocking=True`` on a side stream. The consumer's stream waits for that copy on the GPU; the
-training loop's host thread never waits for a copy. See NOTE [ring slot reuse].
+batch and reused for every later one: the source batch is copied into the slot's pinned buffer
+(or, with :meth:`PrefetchRing.from_cache`, gathered straight into it by
+``cache.get_batch(keys, out=...)``: shared memory -> pinned -> device, one host copy), and the
+host-to-device copy is issued with ``non_blocking=True`` on a side stream. The consumer's stream
+waits for that copy on the GPU; the training loop's host thread never waits for a copy. See
+NOTE [ring slot reuse].
 
 Batches are nested ``dict`` / ``list`` / ``tuple`` / namedtuple structures. Tensor and numeric numpy
 leaves go through the slots (numpy arrays come out as torch tensors); every other leaf (python
-scalars, strings, None) is passed through unchanged.
+scalars, strings, None) is passed through unchanged. Feed host batches: a tensor already on the
+GPU is copied through the slot's pinned buffer like any other (a round trip, correct but slow).
 
 Lifetime - the one rule to know: a yielded batch is a view into its slot's buffers, and it stays
 valid until the consumer asks for the next batch (on CUDA: GPU work enqueued on the then-current
@@ -49,63 +51,70 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from shmcache.errors import InvalidArgument, PrefetchError, PrefetchStall
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 __all__ = ["PrefetchRing"]
 
 # NOTE [ring slot reuse]
 #
-# The ring has `depth` slots; batch i lives in slot k = i % depth. A slot owns, per tensor leaf, a host
-# buffer (pinned on CUDA) and a device buffer, reused for every batch, plus two CUDA events:
+# The ring has `depth` slots; batch i lives in slot k = i % depth. A slot owns, per tensor leaf, a
+# host buffer (pinned on CUDA) and a device buffer, reused for every batch, plus two CUDA events:
 #   copy_done      recorded by the producer on its side stream after the slot's H2D copies;
-#   consumer_done  recorded by the consumer on its current stream when it moves past the slot's batch;
+#   consumer_done  recorded by the consumer on its current stream when it moves past the batch;
 # and a host-side state FREE -> FILLED(i) -> HELD -> FREE, guarded by the ring's condition variable.
 #
 # Producer (background thread), for batch i:
 #   1. waits (host) until slot k is FREE: the consumer has asked for batch i-depth+1, so it has
 #      finished *enqueueing* its work on batch i-depth, the slot's previous batch;
-#   2. waits (host, polling copy_done) until the previous H2D copy out of slot k's pinned buffers has
-#      finished: the DMA engine reads pinned memory asynchronously, so only now may the host write it;
+#   2. waits (host, polling copy_done) until the previous H2D copy out of slot k's pinned buffers
+#      has finished: the DMA engine reads pinned memory asynchronously, so only now may the host
+#      write it;
 #   3. copies (or gathers, via cache.get_batch(out=...)) batch i into the pinned buffers;
-#   4. on the side stream: wait_event(consumer_done), then the non_blocking H2D copies into the device
-#      buffers, then records copy_done. The GPU therefore starts overwriting the device buffers only
-#      after every kernel the consumer enqueued on batch i-depth has run;
+#   4. on the side stream: wait_event(consumer_done), then the non_blocking H2D copies into the
+#      device buffers, then records copy_done. The GPU therefore starts overwriting the device
+#      buffers only after every kernel the consumer enqueued on batch i-depth has run;
 #   5. marks slot k FILLED(i) and notifies.
 # Consumer, for batch i: waits (host) for FILLED(i) - for the producer to have *enqueued* the copy,
-# never for the copy itself -, makes its current stream wait_event(copy_done) (on the GPU), marks the
-# slot HELD and yields views of the device buffers. When it asks for batch i+1 it records consumer_done
-# on its current stream and only then marks slot k FREE (so step 1 happens-after that record).
+# never for the copy itself -, makes its current stream wait_event(copy_done) (on the GPU), marks
+# the slot HELD and yields views of the device buffers. When it asks for batch i+1 it records
+# consumer_done on its current stream and only then marks slot k FREE (so step 1 happens-after
+# that record).
 #
-# Why that is safe: pinned buffers are rewritten only after copy_done (2); device buffers are rewritten
-# only by side-stream work ordered after consumer_done (4), which follows every kernel the consumer
-# enqueued on the batch on its stream; the consumer's kernels run after the copy (copy_done). Only (2)
-# blocks a host thread, and it is the producer's, not the training loop's.
+# Why that is safe: pinned buffers are rewritten only after copy_done (2); device buffers are
+# rewritten only by side-stream work ordered after consumer_done (4), which follows every kernel
+# the consumer enqueued on the batch on its stream; the consumer's kernels run after the copy
+# (copy_done). Only (2) blocks a host thread, and it is the producer's, not the training loop's.
 #
-# record_stream: buffers are reused, never freed, while a pass runs, so reuse needs no record_stream;
-# the events above order it. But a device buffer does go back to the caching allocator when its slot
-# grows or the ring closes, while consumer kernels may still read it (or the consumer still holds a
-# view of it). The allocator would then hand that memory to the next allocation on the side stream
-# without waiting for the consumer's stream. So every device buffer handed to the consumer is marked
-# with record_stream(consumer stream): the allocator delays reuse until the consumer's work is done.
+# record_stream: buffers are reused, never freed, while a pass runs, so reuse needs no
+# record_stream; the events above order it. But a device buffer does go back to the caching
+# allocator when its slot grows or the ring closes, while consumer kernels may still read it (or
+# the consumer still holds a view of it). The allocator would then hand that memory to the next
+# allocation on the side stream without waiting for the consumer's stream. So every device buffer
+# handed to the consumer is marked with record_stream(consumer stream): the allocator delays reuse
+# until the consumer's work is done.
 #
 # Passes and close: a new pass (iter() again) or close() first stops and joins the producer, then
-# records consumer_done on the stopping thread's current stream for the HELD slot and marks every slot
-# FREE, so a batch still held when the pass stopped is protected like any other. Stopping because of a stall does
-# not join (the producer is stuck inside the source); the next pass refuses to start until it is gone.
+# records consumer_done on the stopping thread's current stream for the HELD slot and marks every
+# slot FREE, so a batch still held when the pass stopped is protected like any other. Stopping
+# because of a stall does not join (the producer is stuck inside the source); the next pass
+# refuses to start until it is gone.
 #
-# The lifetime rule in the module docstring is this protocol seen from the user: once the consumer asks
-# for batch i+1, slot k may be refilled.
+# The lifetime rule in the module docstring is this protocol seen from the user: once the consumer
+# asks for batch i+1, slot k may be refilled.
 
 _POLL_S = 0.05  # a blocked wait re-checks the stop flag this often (a stop also notifies at once)
 _EVENT_POLL_S = 0.0002  # producer's poll of copy_done (usually long finished by the time it looks)
 _JOIN_TIMEOUT_S = 10.0  # how long stopping waits for a producer that is inside the source
 _MAX_CACHED_VIEWS = 256  # per slot; views are cached so a steady shape costs no view ops
-_ALIGN_BYTES = 64  # buffer sizes are rounded to cache lines (DESIGN.md 6: aligned copies are faster)
+_ALIGN_BYTES = 64  # buffer sizes round up to cache lines (DESIGN.md 6: aligned copies are faster)
 _THREAD_NAME = "shmcache-prefetch"
 
 _FREE, _FILLED, _HELD = "free", "filled", "held"
@@ -141,9 +150,9 @@ def rebuild_batch(spec: Any, leaves: Iterator[Any]) -> Any:
     if kind == "map":
         mapping_type, keys = aux
         try:  # keep OrderedDict & co; fall back to dict for mappings that can't be built from pairs
-            return mapping_type(zip(keys, values))
+            return mapping_type(zip(keys, values, strict=True))
         except TypeError:
-            return dict(zip(keys, values))
+            return dict(zip(keys, values, strict=True))
     if kind == "namedtuple":
         return aux(*values)
     return values if kind == "list" else tuple(values)
@@ -155,7 +164,7 @@ _NUMPY_TO_TORCH: dict[np.dtype, torch.dtype | None] = {}
 
 
 def _torch_dtype_of(array: np.ndarray) -> torch.dtype | None:
-    """The torch dtype of a numpy array, or None when torch has none (object, str, other byte order)."""
+    """The torch dtype of a numpy array, or None where torch has none (object, str, byte order)."""
     if array.dtype not in _NUMPY_TO_TORCH:
         try:
             _NUMPY_TO_TORCH[array.dtype] = torch.from_numpy(np.empty(0, array.dtype)).dtype
@@ -191,7 +200,7 @@ def _copy_leaf(destination: torch.Tensor, leaf: torch.Tensor | np.ndarray) -> No
 
 
 class _Slot:
-    """One ring position: reusable host/device buffers (one flat byte buffer per leaf) and events."""
+    """One ring position: reusable host/device buffers (a flat byte buffer per leaf) and events."""
 
     def __init__(self, cuda: bool) -> None:
         self.state = _FREE
@@ -342,27 +351,28 @@ class PrefetchRing:
 
     @property
     def buffer_allocations(self) -> int:
-        """Slot buffers allocated so far (host and device); flat once every slot saw its largest batch."""
+        """Slot buffers allocated so far (host and device); flat once each slot saw its largest."""
         return self._allocations
 
     def __len__(self) -> int:
         return len(self._source)  # type: ignore[arg-type]  # TypeError when the source has no len
 
     def __iter__(self) -> Iterator[Any]:
-        source_iterator = iter(self._source)  # here, not in the thread: DataLoader workers start here
+        # iter() here, not in the thread: a DataLoader starts its workers from the caller's thread
+        source_iterator = iter(self._source)
         pass_ = self._start_pass(source_iterator)
         return _RingIterator(self, pass_)
 
     def close(self) -> None:
-        """Stop and join the producer and release the buffers. Idempotent; iterating again restarts."""
+        """Stop and join the producer, release the buffers. Idempotent; iterating again restarts."""
         if self._active is not None:
             self._stop_pass(self._active, join=True)
         with self._cond:
-            if self._active is None:  # a producer stuck in the source keeps its slots until it leaves
+            if self._active is None:  # a producer stuck in the source keeps its slots meanwhile
                 self._slots = []
                 self._layout = None
 
-    def __enter__(self) -> PrefetchRing:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -395,7 +405,7 @@ class PrefetchRing:
         return pass_
 
     def _stop_pass(self, pass_: _Pass, *, join: bool) -> None:
-        """Tell the producer to stop; with ``join``, wait for it and free the slots for the next pass."""
+        """Tell the producer to stop; with ``join``, wait for it and free the slots."""
         with self._cond:
             pass_.stopped = True
             self._cond.notify_all()
@@ -411,16 +421,16 @@ class PrefetchRing:
                 self._active = None
 
     def _reset_slots(self) -> None:
-        """After a pass: every slot FREE, ordered after the stopping thread's work (see the NOTE)."""
+        """After a pass: every slot FREE, ordered after the stopping thread's work (see NOTE)."""
         for slot in self._slots:
             if self._cuda and slot.state == _HELD:
-                slot.consumer_done.record(torch.cuda.current_stream(self._device))
+                self._record_consumer_done(slot)
             slot.state, slot.index, slot.batch, slot.device_leaves = _FREE, -1, None, []
 
     # -- consumer side of NOTE [ring slot reuse] -------------------------------------------------
 
     def _wait_filled(self, pass_: _Pass, index: int) -> _Slot | None:
-        """Slot holding batch ``index``, or None at the end; raises the producer's error at its batch."""
+        """The slot holding batch ``index``, or None at the end; a producer error is raised here."""
         deadline = time.monotonic() + self._timeout_s
         with self._cond:
             while True:
@@ -438,13 +448,14 @@ class PrefetchRing:
                 if remaining <= 0:
                     raise PrefetchStall(
                         f"prefetch producer made no progress for {self._timeout_s:g} s while the "
-                        f"consumer waited for batch {index}; the source (or cache.get_batch) is stuck "
-                        f"or slower than that: fix the source, or pass a larger timeout_s"
+                        f"consumer waited for batch {index}; the source (or cache.get_batch) is "
+                        f"stuck or slower than that: fix the source, or pass a larger timeout_s"
                     )
                 self._cond.wait(min(remaining, _POLL_S))
 
     def _hand_over(self, slot: _Slot) -> Any:
         if self._cuda:
+            assert slot.copy_done is not None  # CUDA slots have their events
             stream = torch.cuda.current_stream(self._device)
             stream.wait_event(slot.copy_done)  # on the GPU: the host does not wait for the copy
             for buffer in slot.device_leaves:
@@ -457,9 +468,14 @@ class PrefetchRing:
             if pass_.stopped or slot.state != _HELD:
                 return  # the pass is over; _reset_slots orders the slot for the next one
             if self._cuda:
-                slot.consumer_done.record(torch.cuda.current_stream(self._device))
+                self._record_consumer_done(slot)
             slot.state = _FREE
             self._cond.notify_all()
+
+    def _record_consumer_done(self, slot: _Slot) -> None:
+        """Mark the end of the consumer's work on the slot's batch, on the stream that does it."""
+        assert slot.consumer_done is not None  # CUDA slots have their events
+        slot.consumer_done.record(torch.cuda.current_stream(self._device))
 
     # -- producer side ---------------------------------------------------------------------------
 
@@ -479,7 +495,7 @@ class PrefetchRing:
                     self._fill(pass_, slot, item)
                     if not self._publish(pass_, slot, index):
                         return
-        except BaseException as exc:  # carried to the consumer, raised at this batch
+        except BaseException as exc:  # noqa: BLE001  # carried to the consumer, raised at its batch
             self._finish(pass_, index, exc)
         finally:
             _close_iterator(source_iterator)
@@ -509,7 +525,7 @@ class PrefetchRing:
             self._cond.notify_all()
 
     def _fill(self, pass_: _Pass, slot: _Slot, item: Any) -> None:
-        """Steps 2-4 of NOTE [ring slot reuse]: batch ``item`` into the slot's host, then device buffers."""
+        """Steps 2-4 of NOTE [ring slot reuse]: ``item`` into host, then device buffers."""
         if self._cuda and not self._wait_copy_done(pass_, slot):
             return
         staged = self._gather(slot, item) if self._cache is not None else self._stage(slot, item)
@@ -517,6 +533,8 @@ class PrefetchRing:
         slot.batch = rebuild_batch(staged.spec, iter(leaves))
 
     def _wait_copy_done(self, pass_: _Pass, slot: _Slot) -> bool:
+        """Step 2: the previous H2D copy out of the pinned buffers is done (False: pass stopped)."""
+        assert slot.copy_done is not None  # CUDA slots have their events
         while not slot.copy_done.query():
             if pass_.stopped:
                 return False
@@ -524,7 +542,7 @@ class PrefetchRing:
         return True
 
     def _stage(self, slot: _Slot, batch: Any) -> _Staged:
-        """Copy a source batch's array leaves into the slot's host buffers; pass the others through."""
+        """Copy a batch's array leaves into the slot's host buffers; pass other leaves through."""
         leaves: list[Any] = []
         staged = _Staged(flatten_batch(batch, leaves))
         for position, leaf in enumerate(leaves):
@@ -564,8 +582,10 @@ class PrefetchRing:
             isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch_size
             for leaf in leaves
         )
-        layouts = [(leaf.dtype, tuple(leaf.shape[1:])) for leaf in leaves] if self._gatherable else []
-        self._layout = (spec, layouts)
+        if not self._gatherable:
+            self._layout = (spec, [])
+            return
+        self._layout = (spec, [(leaf.dtype, tuple(leaf.shape[1:])) for leaf in leaves])
 
     def _upload(self, slot: _Slot, staged: _Staged) -> list[Any]:
         """Step 4: the H2D copies on the side stream, after the consumer's last use of the slot."""
@@ -589,7 +609,7 @@ class PrefetchRing:
     def _view(
         self, slot: _Slot, kind: str, position: int, dtype: torch.dtype, shape: tuple[int, ...]
     ) -> torch.Tensor:
-        """A ``shape``/``dtype`` view of the slot's flat buffer for one leaf; grows it when too small."""
+        """A ``shape``/``dtype`` view of one leaf's flat buffer in the slot; grows a short one."""
         key = (kind, position, dtype, shape)
         view = slot.views.get(key)
         if view is not None:
@@ -622,7 +642,7 @@ def _close_iterator(iterator: Iterator[Any]) -> None:
     if callable(close):
         try:
             close()
-        except Exception:  # a source that fails while closing must not hide the real outcome
+        except Exception:  # noqa: BLE001, S110  # the pass is over; its outcome is already recorded
             pass
 
 
@@ -636,7 +656,8 @@ def _producer_error(error: BaseException, index: int) -> PrefetchError:
 def _check_depth_and_timeout(depth: int, timeout_s: float) -> None:
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise InvalidArgument(
-            f"depth must be an int >= 1 (the number of ring slots; 2 = double buffering); got {depth!r}"
+            f"depth must be an int >= 1 (the number of ring slots; 2 = double buffering); "
+            f"got {depth!r}"
         )
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
         raise InvalidArgument(
@@ -657,7 +678,8 @@ def _resolve_device(device: torch.device | str | int | None) -> torch.device:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise InvalidArgument(
-            f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device; got {device!r} ({exc})"
+            f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device; got {device!r} "
+            f"({exc})"
         ) from exc
     if resolved.type == "cpu":
         return resolved

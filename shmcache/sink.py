@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ import torch
 from shmcache.errors import InvalidArgument
 from shmcache.prefetch import flatten_batch, rebuild_batch
 
-__all__ = ["SinkResult", "sink_loop", "LossMonitor", "TimeMonitor"]
+__all__ = ["LossMonitor", "SinkResult", "TimeMonitor", "sink_loop"]
 
 StepFn = Callable[[Any], Any]
 Callback = Callable[["SinkResult"], Any]
@@ -76,12 +76,14 @@ def sink_loop(
     graph_warmup_steps: int = 3,
     raise_on_nonfinite: bool = True,
 ) -> list[SinkResult]:
-    """Train ``epochs`` sinks of ``step_fn`` over ``batches``; one host sync and callback round each.
+    """Train ``epochs`` sinks of ``step_fn`` over ``batches``, with one host sync per sink.
 
-    Returns one :class:`SinkResult` per sink (per epoch). See the module docstring for ``sink_size``,
-    non-finite losses and ``graph``.
+    Returns one :class:`SinkResult` per sink (per epoch). See the module docstring for
+    ``sink_size``, non-finite losses and ``graph``.
     """
-    callback_list = _check_arguments(step_fn, epochs, sink_size, callbacks, graph, graph_warmup_steps)
+    callback_list = _check_arguments(
+        step_fn, epochs, sink_size, callbacks, graph, graph_warmup_steps
+    )
     step = _GraphedStep(step_fn, graph_warmup_steps) if graph else step_fn
     endless = _endless(batches) if sink_size > 0 else None
     results: list[SinkResult] = []
@@ -92,7 +94,10 @@ def sink_loop(
             else:
                 sink_batches = _one_pass(batches, epoch)
             done = results[-1].global_step if results else 0
-            result = _run_sink(step, sink_batches, epoch, done)
+            try:
+                result = _run_sink(step, sink_batches, epoch, done)
+            finally:
+                _close(sink_batches)  # a failing step must not leave a pass (and its ring) running
             results.append(result)
             for callback in callback_list:
                 callback(result)
@@ -180,8 +185,8 @@ def _one_pass(batches: Iterable[Any], epoch: int) -> Iterator[Any]:
         _close(iterator)
 
 
-def _endless(batches: Iterable[Any]) -> Iterator[Any]:
-    """``batches`` traversed again and again (sink_size>0): epochs continue where the last stopped."""
+def _endless(batches: Iterable[Any]) -> Generator[Any, None, None]:
+    """``batches`` traversed again and again (sink_size>0): each epoch goes on where one ended."""
     while True:
         iterator = iter(batches)
         try:
@@ -240,7 +245,7 @@ class _GraphedStep:
             self._load(spec, leaves)
         assert self._graph is not None and self._static_loss is not None
         self._graph.replay()
-        return self._static_loss.detach().clone()  # the static loss is overwritten by the next replay
+        return self._static_loss.detach().clone()  # the next replay overwrites the static loss
 
     def _eager_on_side_stream(self, batch: Any) -> Any:
         # PyTorch's capture recipe: warm up on a side stream so lazily created state (optimizer
@@ -255,10 +260,16 @@ class _GraphedStep:
 
     def _capture(self, spec: Any, leaves: list[Any]) -> None:
         self._spec = spec
-        self._static_leaves = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self._static_leaves = [
+            leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
+        ]
         static_batch = rebuild_batch(spec, iter(self._static_leaves))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # records, does not run: the replay after it runs this step
+        # thread_local: a PrefetchRing's producer thread keeps querying events, copying and maybe
+        # allocating pinned memory during the capture; under the default "global" mode any of those
+        # in another thread invalidates the capture. The capture itself records, it does not run:
+        # the replay that follows runs this step.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             loss = self._step_fn(static_batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InvalidArgument(
@@ -274,14 +285,14 @@ class _GraphedStep:
                 "graph=True replays a graph captured for one batch structure, and this batch's "
                 "structure differs; feed batches of one structure, or pass graph=False"
             )
-        for position, (static, leaf) in enumerate(zip(self._static_leaves, leaves)):
+        for position, (static, leaf) in enumerate(zip(self._static_leaves, leaves, strict=True)):
             if not isinstance(static, torch.Tensor):
                 continue  # frozen at capture (see the module docstring)
-            if not isinstance(leaf, torch.Tensor) or leaf.shape != static.shape or leaf.dtype != static.dtype:
+            if _describe(leaf) != _describe(static):
                 raise InvalidArgument(
-                    f"graph=True replays a graph captured for fixed shapes; leaf {position} of this "
-                    f"batch is {_describe(leaf)} but the captured one is {_describe(static)}. Drop "
-                    f"the short last batch (DataLoader(drop_last=True)) or pass graph=False"
+                    f"graph=True replays a graph captured for fixed shapes; leaf {position} of "
+                    f"this batch is {_describe(leaf)} but the captured one is {_describe(static)}. "
+                    f"Drop the short last batch (DataLoader(drop_last=True)) or pass graph=False"
                 )
             static.copy_(leaf, non_blocking=True)
 
@@ -346,7 +357,8 @@ def _check_callbacks(callbacks: Any) -> list[Callback]:
         callback_list = list(callbacks)
     except TypeError:
         raise InvalidArgument(
-            f"callbacks must be a callable or a sequence of callables; got {type(callbacks).__name__}"
+            f"callbacks must be a callable or a sequence of callables; "
+            f"got {type(callbacks).__name__}"
         ) from None
     for position, callback in enumerate(callback_list):
         if not callable(callback):
