@@ -17,6 +17,7 @@ __all__ = ["generation", "slot", "attached_slot"]
 
 _generation = 0
 _slots: dict[tuple[str, str], LivenessSlot] = {}
+_counters: dict[str, list[int]] = {}
 _lock = threading.Lock()
 
 
@@ -37,6 +38,15 @@ def slot(registry, session: str) -> int:
     return s.index
 
 
+def counters(key: str, initial) -> list[int]:
+    """This process's counter totals for one cache generation, shared by every store object of
+    the process (they write one slot: separate totals would overwrite each other)."""
+    c = _counters.get(key)
+    if c is None:
+        c = _counters[key] = list(initial())
+    return c
+
+
 def attached_slot(root: str, session: str) -> LivenessSlot | None:
     return _slots.get((root, session))
 
@@ -55,6 +65,7 @@ def _after_fork_in_child() -> None:
     for s in _slots.values():
         s.forget_after_fork()
     _slots.clear()
+    _counters.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

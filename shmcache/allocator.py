@@ -1,9 +1,8 @@
 """Slab allocator: size classes, one data segment per class, chunks handed out in O(1).
 
 A record of ``n`` bytes goes to the smallest size class that holds it. Up to 4 KiB the classes are
-every multiple of 64 bytes; above, 32 classes per doubling, so a chunk wastes under 1/32 of its
-size - and fixed-shape samples (one size) get a class whose chunk is their exact size rounded to 64
-bytes. Each class owns one data segment where chunk ``k`` starts at ``DATA_OFF + k * chunk_size``:
+every multiple of 64 bytes (a record gets a chunk of its exact size rounded up to 64 bytes); above,
+32 classes per doubling, so a chunk wastes under 1/32 of its size (a 150 KB image: 0.6%). Each class owns one data segment where chunk ``k`` starts at ``DATA_OFF + k * chunk_size``:
 that fixed stride is what lets a batch of one field be gathered with one vectorised copy.
 
 A class segment is sized to the cache's whole capacity with ftruncate (sparse: free) and committed

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import re
+import secrets
 import shutil
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -79,10 +82,11 @@ log = logging.getLogger("shmcache")
 # Why the body check is not a plain crc32: zlib.crc32 runs at ~4-5 GiB/s on this machine, slower
 # than a page-cache read, so it would cap reads of raw records at well under half the disk limit.
 # Stored bytes under 8 KiB use crc32; longer ones use crc32 over the uint64 wrapping sums of each
-# 4 KiB block (then crc32 of the tail bytes), ~25-50 GiB/s. That still catches every single-bit
-# flip, every corruption inside one 8-byte word, and reordered, zeroed or misdirected blocks (with
-# 2^-32 odds of a miss, like crc32); it is weaker than crc32 only against two compensating flips
-# in one block. Truncation is caught by the lengths before any checksum.
+# 4 KiB block (the last one partial), then over the last <8 bytes: one numpy pass, ~25-50 GiB/s.
+# That still catches every single-bit flip, every corruption inside one 8-byte word, and
+# reordered, zeroed or misdirected blocks (a miss has 2^-32 odds, as with crc32); it is weaker
+# than crc32 only against compensating flips inside one block. Truncation is caught by the
+# lengths before any checksum.
 #
 # Writing. The owner of a slot holds an exclusive flock on its file from its first append until
 # close(); the kernel drops it when the owner dies, however it dies. Only the lock holder changes
@@ -106,8 +110,14 @@ log = logging.getLogger("shmcache")
 # Reading takes no lock and trusts nothing: it re-checks magic, head check, key, lengths and body
 # check, and turns any failure into a miss - counted, logged once per location, never returned,
 # never a zstd exception. A location that outlived its record (a stale index entry) reads another
-# key or garbage, and is a miss too. Durability across power loss is not a goal: the index lives
-# in shared memory, which does not survive a reboot either.
+# key or garbage, and is a miss too (counted as key_mismatches when the record there is intact).
+# A reader keeps one descriptor per file; after a miss it checks whether the path now names
+# another inode (the directory was destroyed and re-created) and, if so, re-opens and retries once.
+# Durability across power loss is not a goal: the index lives in shared memory, which does not
+# survive a reboot either.
+#
+# Scope: one SpillStore object per directory and process is enough; it is thread-safe (appends
+# to one slot serialise on a per-slot lock; reads share nothing but descriptors) and fork-aware.
 
 FILE_MAGIC = b"SHMCSPL\x00"
 RECORD_MAGIC = b"SpRc"
@@ -126,12 +136,22 @@ MAX_SLOTS = 1 << 16  # file_id fits 16 bits in the index entry
 MAX_KEY_BYTES = (1 << 16) - 1
 _BLOCK_WORDS = 512  # body check: one uint64 sum per 4 KiB block ...
 _CRC_BELOW = 8192  # ... for stored bytes this long; shorter ones are faster with plain crc32
+_WORD = np.dtype("<u8")
 _SCAN_READ = 512  # bytes read per record header while scanning: header plus a typical key
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _FILE_RE = re.compile(r"(\d+)\.spill")
 _MAX_LOGGED = 4096  # corrupt locations remembered for log-once
+_COUNTERS = (
+    "records",
+    "bytes_disk",
+    "bytes_disk_raw",
+    "reads",
+    "reads_decompressed",
+    "corrupt_reads",
+    "key_mismatches",
+)
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = Union[bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alias, also on 3.10
 
 
 class SpillFull(SpillError):
@@ -197,10 +217,19 @@ def _body_check(data: Buffer) -> int:
     n = len(data)
     if n < _CRC_BELOW:
         return zlib.crc32(data)
-    whole = n - n % (8 * _BLOCK_WORDS)
-    words = np.frombuffer(data, dtype="<u8", count=whole // 8)
-    sums = words.reshape(-1, _BLOCK_WORDS).sum(axis=1, dtype=np.uint64)  # wraps mod 2**64
-    return zlib.crc32(memoryview(data)[whole:], zlib.crc32(sums.astype("<u8", copy=False)))
+    words = np.frombuffer(data, dtype=_WORD, count=n // 8)
+    sums = np.add.reduceat(words, _block_starts(len(words)))  # wraps mod 2**64
+    if sys.byteorder != "little":  # pragma: no cover - the format is little-endian everywhere
+        sums = sums.astype(_WORD)
+    return zlib.crc32(memoryview(data)[len(words) * 8 :], zlib.crc32(sums.tobytes()))  # one word per 4 KiB: tiny
+
+
+@functools.lru_cache(maxsize=256)
+def _block_starts(n_words: int) -> np.ndarray:
+    """Where each 4 KiB block starts, in words (cached: items of one dataset share a few sizes)."""
+    starts = np.arange(0, n_words, _BLOCK_WORDS)
+    starts.flags.writeable = False
+    return starts
 
 
 def _head_check(head: Buffer, key: Buffer) -> int:
@@ -212,8 +241,7 @@ def _byte_view(obj: Buffer, what: str) -> memoryview:
         view = memoryview(obj)
     except TypeError:
         raise InvalidArgument(
-            f"{what} must be bytes-like (bytes, bytearray, memoryview, a numpy array), got "
-            f"{type(obj).__name__}"
+            f"{what} must be bytes-like (bytes, bytearray, memoryview, a numpy array), got {type(obj).__name__}"
         ) from None
     if not view.c_contiguous:
         raise InvalidArgument(f"{what} must be C-contiguous; pass a contiguous copy (np.ascontiguousarray)")
@@ -231,7 +259,9 @@ def _as_key(key: Buffer) -> bytes:
 
 def _check_slot(slot: int) -> int:
     if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < MAX_SLOTS:
-        raise InvalidArgument(f"spill slot must be an int in [0, {MAX_SLOTS}), got {slot!r}; pass the process's liveness slot")
+        raise InvalidArgument(
+            f"spill slot must be an int in [0, {MAX_SLOTS}), got {slot!r}; pass the process's liveness slot"
+        )
     return slot
 
 
@@ -247,9 +277,14 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     return views
 
 
-def _preadv_all(fd: int, bufs: Iterable[Buffer], offset: int) -> bool:
+def _preadv_all(fd: int, bufs: list[Buffer], offset: int) -> bool:
     """Fill ``bufs`` from ``offset``; False if the file ends first."""
-    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    want = sum(map(len, bufs))  # callers pass byte buffers (bytearray, or a view cast to "B")
+    got = os.preadv(fd, bufs, offset)
+    if got == want:  # the usual case: one syscall
+        return True
+    views = _advance([memoryview(b).cast("B") for b in bufs if len(b)], got)
+    offset += got
     while views:
         n = os.preadv(fd, views, offset)
         if n == 0:
@@ -309,7 +344,7 @@ def check_spill_dir(path: str | os.PathLike) -> Path:
 
 
 def _probe_writable(p: Path) -> None:
-    probe = p / f".probe-{os.getpid()}-{threading.get_ident()}"
+    probe = p / f".probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as exc:
@@ -358,7 +393,7 @@ class SpillStore:
         lock_timeout_s: float = 10.0,
     ):
         if not isinstance(level, int) or isinstance(level, bool) or not 1 <= level <= 22:
-            raise InvalidArgument(f"zstd level must be an int in 1..22 (1-3 recommended: reads are CPU-bound), got {level!r}")
+            raise InvalidArgument(f"zstd level must be an int in 1..22, got {level!r}; use 1-3 (reads are CPU-bound)")
         self.path = check_spill_dir(path) if create else _existing_dir(path)
         _ensure_private(self.path)
         self.level = level
@@ -370,13 +405,12 @@ class SpillStore:
         self._pid = os.getpid()
         self._writers: dict[int, _Writer] = {}
         self._readers: dict[int, int] = {}
+        self._retired: list[int] = []  # reader descriptors of files replaced under us
         self._open_lock = threading.Lock()  # guards the two dicts while files are opened
         self._writer_open_lock = threading.Lock()  # may wait for a flock: kept off the read path
         self._ctx = _Contexts()
         self._logged: set[tuple[int, int]] = set()
-        self._counts = dict.fromkeys(
-            ("records", "bytes_disk", "bytes_disk_raw", "reads", "reads_decompressed", "corrupt_reads", "key_mismatches"), 0
-        )
+        self._counts = dict.fromkeys(_COUNTERS, 0)
 
     def _own(self) -> None:
         """Every public method starts here: notice a fork, refuse a closed store."""
@@ -387,7 +421,7 @@ class SpillStore:
 
     def _forget_inherited(self) -> None:
         """In a forked child: drop the parent's descriptors and locks (see NOTE [lock files])."""
-        for fd in [w.fd for w in self._writers.values()] + list(self._readers.values()):
+        for fd in [w.fd for w in self._writers.values()] + [*self._readers.values(), *self._retired]:
             os.close(fd)  # no LOCK_UN: the parent's descriptor keeps its lock
         self._reset_process_state()
 
@@ -424,7 +458,9 @@ class SpillStore:
                 _truncate_quietly(writer.fd, offset)  # drop the partial record: the file stays valid
                 raise _write_error(exc, writer.path) from None
             writer.end = offset + size
-        self._count(records=1, bytes_disk=len(stored), bytes_disk_raw=len(raw))
+        self._count("records")
+        self._count("bytes_disk", len(stored))
+        self._count("bytes_disk_raw", len(raw))
         return SpillLoc(slot, offset, len(stored), len(raw))
 
     def _encode(self, raw: memoryview) -> tuple[int, Buffer]:
@@ -438,7 +474,8 @@ class SpillStore:
 
     @staticmethod
     def _pack_head(flags: int, key: bytes, raw_len: int, stored: Buffer) -> bytes:
-        head = _REC_HDR.pack(RECORD_MAGIC, RECORD_VERSION, flags, len(key), raw_len, len(stored), _body_check(stored), 0)
+        fields = (RECORD_MAGIC, RECORD_VERSION, flags, len(key), raw_len, len(stored), _body_check(stored))
+        head = _REC_HDR.pack(*fields, 0)
         return head[:_HEAD_CHECKED] + struct.pack("<I", _head_check(head, key))
 
     def _writer(self, slot: int) -> _Writer:
@@ -510,39 +547,20 @@ class SpillStore:
         return self._decompress_into(body, view, file_id, offset)
 
     def _fetch(self, file_id: int, offset: int, key: bytes, body: Buffer) -> _Head | None:
-        """Read header, key and stored bytes in one preadv and check them all; None on a miss."""
-        self._count(reads=1)
+        """Read header, key and stored bytes (into ``body``) and check them all; None on a miss."""
+        self._count("reads")
         fd = self._reader_fd(file_id)
-        if fd is None:
-            return self._miss(file_id, offset, "its spill file is missing")
-        head_buf = bytearray(RECORD_HEADER_BYTES + len(key) + _pad(len(key)))
-        try:
-            complete = offset >= FILE_HEADER_BYTES and _preadv_all(fd, [head_buf, body], offset)
-        except OSError as exc:
-            return self._miss(file_id, offset, f"read failed: {exc.strerror}")
-        if not complete:
-            return self._miss(file_id, offset, "the record is cut short (file truncated, or a bad location)")
-        head = _Head._make(_REC_HDR.unpack_from(head_buf))
-        problem = _head_problem(head, head_buf, key, len(body))
-        if problem is not None:
-            return self._miss(file_id, offset, problem, mismatch=self._is_other_key(fd, offset, head, key))
-        if _body_check(body) != head.body_check:
-            return self._miss(file_id, offset, "the stored bytes fail their checksum")
-        return head
-
-    def _is_other_key(self, fd: int, offset: int, head: _Head, key: bytes) -> bool:
-        """True if the record is intact but holds another key (a stale location, not damage)."""
-        if head.magic != RECORD_MAGIC or head.version != RECORD_VERSION:
-            return False
-        try:
-            disk_key = os.pread(fd, head.key_len, offset + RECORD_HEADER_BYTES)
-        except OSError:
-            return False
-        raw = _REC_HDR.pack(*head)
-        return disk_key != key and len(disk_key) == head.key_len and _head_check(raw, disk_key) == head.head_check
+        head, why = _load_record(fd, offset, key, body)
+        if why is not None and fd is not None and self._forget_if_replaced(file_id, fd):
+            fd = self._reader_fd(file_id)  # the directory was re-created under us: read the new file
+            head, why = _load_record(fd, offset, key, body)
+        if why is None:
+            return head
+        self._miss(file_id, offset, why, mismatch=fd is not None and _holds_other_key(fd, offset, key))
+        return None
 
     def _decompress_into(self, src: Buffer, out: memoryview | bytearray, file_id: int, offset: int) -> bool:
-        self._count(reads_decompressed=1)
+        self._count("reads_decompressed")
         view = memoryview(out)
         filled = 0
         try:
@@ -573,19 +591,36 @@ class SpillStore:
                     self._readers[file_id] = fd
         return fd
 
+    def _forget_if_replaced(self, file_id: int, fd: int) -> bool:
+        """True (and the cached descriptor closed) if ``file_id``'s path is no longer our file."""
+        try:
+            replaced = os.stat(self.file_path(file_id)).st_ino != os.fstat(fd).st_ino
+        except FileNotFoundError:
+            replaced = True
+        if replaced:
+            with self._open_lock:
+                if self._readers.get(file_id) == fd:
+                    # Closed only by close(): another thread may be reading through it right now, and
+                    # a closed number can be reused at once for another file.
+                    self._retired.append(self._readers.pop(file_id))
+        return replaced
+
     def _miss(self, file_id: int, offset: int, why: str, *, mismatch: bool = False) -> None:
         """Count a failed read and log it once per location; always returns None."""
         if mismatch:  # a stale location, not damage: counted, logged at debug level only
-            self._count(key_mismatches=1)
+            self._count("key_mismatches")
             log.debug("spill record %s@%d holds another key (%s): a miss", file_id, offset, why)
             return None
-        self._count(corrupt_reads=1)
+        self._count("corrupt_reads")
         where = (file_id, offset)
         if where not in self._logged and len(self._logged) < _MAX_LOGGED:
             self._logged.add(where)
             log.warning(
                 "corrupt spill record in %s at offset %d: %s; treated as a miss (the item is "
-                "recomputed from the source)", self.file_path(file_id), offset, why,
+                "recomputed from the source)",
+                self.file_path(file_id),
+                offset,
+                why,
             )
         return None
 
@@ -636,18 +671,16 @@ class SpillStore:
                 pass
         return {**self._counts, "files": len(sizes), "file_bytes": sum(sizes)}
 
-    def _count(self, **deltas: int) -> None:
-        counts = self._counts  # plain ints: under the GIL a lost update between threads is rare, and harmless
-        for name, delta in deltas.items():
-            counts[name] += delta
+    def _count(self, name: str, delta: int = 1) -> None:
+        self._counts[name] += delta  # not atomic across threads: a rare lost update in a statistic
 
     def close(self) -> None:
         """Release this process's slot files (recording their clean end) and read handles."""
         if self._pid != os.getpid():
             self._forget_inherited()
         with self._open_lock:
-            writers, readers = list(self._writers.values()), list(self._readers.values())
-            self._writers, self._readers = {}, {}
+            writers, readers = list(self._writers.values()), [*self._readers.values(), *self._retired]
+            self._writers, self._readers, self._retired = {}, {}, []
         for writer in writers:
             with writer.lock:
                 _close_writer(writer)
@@ -674,7 +707,8 @@ class SpillStore:
     def _cctx(self) -> zstandard.ZstdCompressor:
         ctx = self._ctx
         if ctx.cctx is None:
-            ctx.cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True, write_checksum=False, write_dict_id=False)
+            # The frame carries its content size; no zstd checksum: the record's body check covers it.
+            ctx.cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True, write_checksum=False)
         return ctx.cctx
 
     def _dctx(self) -> zstandard.ZstdDecompressor:
@@ -699,7 +733,10 @@ def _ensure_private(p: Path) -> None:
     """Spill files are the user's data: the directory must be ours, and nobody else's to list."""
     st = p.stat()
     if st.st_uid != os.getuid():
-        raise SpillError(f"spill directory {p} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); pass a spill_dir of your own")
+        raise SpillError(
+            f"spill directory {p} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+            f"pass a spill_dir of your own"
+        )
     if st.st_mode & 0o077:
         os.chmod(p, 0o700)
 
@@ -726,6 +763,35 @@ def _head_problem(head: _Head, head_buf: bytearray, key: bytes, stored_len: int)
     if disk_key != key:
         return "it holds another key"
     return _length_problem(head, stored_len)
+
+
+def _load_record(fd: int | None, offset: int, key: bytes, body: Buffer) -> tuple[_Head | None, str | None]:
+    """One preadv of header, key and stored bytes, then every check: (header, None) or (None, why)."""
+    if fd is None:
+        return None, "its spill file is missing"
+    if offset < FILE_HEADER_BYTES:
+        return None, "the location points into the file header"
+    head_buf = bytearray(RECORD_HEADER_BYTES + len(key) + _pad(len(key)))
+    try:
+        complete = _preadv_all(fd, [head_buf, body], offset)
+    except OSError as exc:
+        return None, f"read failed: {exc.strerror}"
+    if not complete:
+        return None, "the record is cut short (file truncated, or a bad location)"
+    head = _Head._make(_REC_HDR.unpack_from(head_buf))
+    problem = _head_problem(head, head_buf, key, len(body))
+    if problem is None and _body_check(body) != head.body_check:
+        problem = "the stored bytes fail their checksum"
+    return (head, None) if problem is None else (None, problem)
+
+
+def _holds_other_key(fd: int, offset: int, key: bytes) -> bool:
+    """True if an intact record for another key starts at ``offset``: a stale location, not damage."""
+    try:
+        found = _read_record_head(fd, offset, os.fstat(fd).st_size)
+    except OSError:
+        return False
+    return found is not None and found[1] != key
 
 
 def _length_problem(head: _Head, stored_len: int | None = None) -> str | None:
@@ -776,6 +842,8 @@ def _take_over(fd: int, path: Path) -> int:
             log.info("spill file %s: truncating a torn tail of %d bytes left by a writer that died", path, size - end)
             os.ftruncate(fd, end)
         _write_file_header(fd, clean_end=0)  # until our close(), the end is not known to be clean
+    except SpillError:  # not a spill file: an OSError too, but not a write failure
+        raise
     except OSError as exc:
         raise _write_error(exc, path) from None
     return end
@@ -818,9 +886,10 @@ def _scan(fd: int, size: int, verify: bool) -> tuple[int, int, int]:
     """Walk the records: (end of the last valid one, records, records failing the body check)."""
     pos, records, corrupt = FILE_HEADER_BYTES, 0, 0
     while True:
-        head = _read_record_head(fd, pos, size)
-        if head is None:
+        found = _read_record_head(fd, pos, size)
+        if found is None:
             break
+        head = found[0]
         end = pos + _record_bytes(head.key_len, head.stored_len)
         if end > size:  # a record the writer did not finish
             break
@@ -831,20 +900,23 @@ def _scan(fd: int, size: int, verify: bool) -> tuple[int, int, int]:
     return pos, records, corrupt
 
 
-def _read_record_head(fd: int, pos: int, size: int) -> _Head | None:
-    """The header at ``pos`` if it is complete and passes its check, else None (the tail)."""
+def _read_record_head(fd: int, pos: int, size: int) -> tuple[_Head, bytes] | None:
+    """(header, key) of the record at ``pos`` if its header is complete and checks out, else None."""
     if pos + RECORD_HEADER_BYTES > size:
         return None
     buf = os.pread(fd, _SCAN_READ, pos)
+    if len(buf) < RECORD_HEADER_BYTES:
+        return None
     head = _Head._make(_REC_HDR.unpack_from(buf))
     if head.magic != RECORD_MAGIC or head.version != RECORD_VERSION:
         return None
     key_end = RECORD_HEADER_BYTES + head.key_len
     if len(buf) < key_end:
         buf += os.pread(fd, key_end - len(buf), pos + len(buf))
-    if len(buf) < key_end or _head_check(buf, buf[RECORD_HEADER_BYTES:key_end]) != head.head_check:
+    key = buf[RECORD_HEADER_BYTES:key_end]
+    if len(buf) < key_end or _head_check(buf, key) != head.head_check or _length_problem(head):
         return None
-    return head if _length_problem(head) is None else None
+    return head, key
 
 
 def _body_ok(fd: int, body_pos: int, head: _Head) -> bool:

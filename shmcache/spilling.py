@@ -101,6 +101,12 @@ class CacheSpill:
 
     def clear(self) -> None:
         self.files.destroy()
+        self.reopen()
+
+    def reopen(self) -> None:
+        """Start afresh on the current spill folder (after a clear() here or in another process:
+        appending to files that were deleted would write records nobody can find)."""
+        self.files.close()
         self.files = SpillStore(self.path, level=self.files.level)
         self.disabled = False
 

@@ -266,6 +266,8 @@ class CacheStore:
                              ClassTable(meta.buf, M.CLASSES), {}, {}, {})
             if old is not None:
                 _close_gen(old)
+                if self.spill is not None:  # clear() elsewhere replaced the spill files too
+                    self.spill.reopen()
             self._proc_gen = -1  # counters live in the new meta: re-read our slot's totals
         self._epoch = epoch
 
@@ -293,8 +295,10 @@ class CacheStore:
         g = self._gen
         if self._proc_gen != _process.generation():
             slot = _process.slot(self.registry, self.session)
-            self._counter_off = M.COUNTERS + 32 * slot
-            self._counters = list(struct.unpack_from("QQQQ", g.meta.buf, self._counter_off))
+            off = M.COUNTERS + 32 * slot
+            key = f"{self.ns.root}{self._base}+g{g.gen}+{slot}"
+            self._counters = _process.counters(key, lambda: struct.unpack_from("QQQQ", g.meta.buf, off))
+            self._counter_off = off
             self._proc_gen = _process.generation()
         self._counters[which] += n
         _Q.pack_into(g.meta.buf, self._counter_off + 8 * which, self._counters[which])
@@ -403,13 +407,16 @@ class CacheStore:
     def _insert(self, g: _Gen, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
         lid = self._intern_layout(g, enc.layout)
         nbytes = enc.record_len(len(kb), lid == INLINE24)
-        if nbytes > min(self.capacity_bytes, MAX_RECORD):
-            raise ItemTooLarge(
-                f"an item of {nbytes / 2**20:.1f} MiB can never fit in cache {self.session}/"
-                f"{self.name} of {self.capacity_bytes / 2**20:.1f} MiB; raise size= (MB) above "
-                f"{nbytes / 2**20 * 1.1:.0f}, or store smaller samples"
-            )
         cls, chunk_size = size_class(nbytes)
+        room = self.capacity_bytes - M.SIZE - TableView.bytes_for(g.index.capacity)
+        if chunk_size > min(room, MAX_RECORD):  # would not fit even in the empty cache
+            need = (chunk_size + M.SIZE + TableView.bytes_for(g.index.capacity)) / 2**20
+            raise ItemTooLarge(
+                f"an item of {nbytes / 2**20:.2f} MiB can never fit in cache {self.session}/"
+                f"{self.name} of {self.capacity_bytes / 2**20:.2f} MiB (its index takes "
+                f"{(self.capacity_bytes - room) / 2**20:.2f} MiB); give it size= (MB) of at least "
+                f"{int(need) + 1}, or store smaller samples"
+            )
         seg = self._class_segment(g, cls, chunk_size)
         chunk_size_, bump, committed = g.classes.get(cls)
         if bump >= committed:
