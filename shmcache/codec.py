@@ -47,6 +47,7 @@ _U64 = struct.Struct("<Q")
 
 # Leaf and node tags inside a layout.
 _INT, _FLOAT, _BOOL, _NONE, _STR, _BYTES, _PICKLE, _ARRAY, _EXT = "ifbnsypae"
+_NPSCALAR = "g"  # a numpy scalar (np.float32(1.5)): stored like a 0-d array, returned as a scalar
 _TUPLE, _LIST, _DICT = "TLD"
 
 # Extension types (torch.Tensor): tag -> (type, to_parts, from_parts)
@@ -101,17 +102,20 @@ class _Builder:
 
     def node(self, x: Any, path: str) -> tuple:
         tp = type(x)
-        if tp is int or tp is np.int64:
+        if tp is int:
             if -(1 << 63) <= x < (1 << 63):
-                self.scalars.append((_INT, int(x)))
+                self.scalars.append((_INT, x))
                 return (_INT, len(self.scalars) - 1)
             return self._pickled(x, path)
-        if tp is float or tp is np.float64:
-            self.scalars.append((_FLOAT, float(x)))
+        if tp is float:
+            self.scalars.append((_FLOAT, x))
             return (_FLOAT, len(self.scalars) - 1)
-        if tp is bool or tp is np.bool_:
-            self.scalars.append((_BOOL, bool(x)))
+        if tp is bool:
+            self.scalars.append((_BOOL, x))
             return (_BOOL, len(self.scalars) - 1)
+        if isinstance(x, np.generic) and not x.dtype.hasobject and x.dtype.fields is None:
+            self.arrays.append(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+            return (_NPSCALAR, x.dtype.str, (), len(self.arrays) - 1)
         if x is None:
             return (_NONE,)
         if tp is str:
@@ -128,7 +132,8 @@ class _Builder:
         if tp is dict and all(type(k) in (str, int) for k in x):
             return (_DICT, tuple((k, self.node(v, f"{path}[{k!r}]")) for k, v in x.items()))
         if tp is np.ndarray and not x.dtype.hasobject and x.dtype.fields is None:
-            arr = np.ascontiguousarray(x)
+            # (ascontiguousarray would turn a 0-d array into shape (1,))
+            arr = x if x.flags.c_contiguous else np.ascontiguousarray(x)
             self.arrays.append(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8))
             return (_ARRAY, arr.dtype.str, tuple(arr.shape), len(self.arrays) - 1)
         ext = _EXT_TO.get(tp)
@@ -161,7 +166,7 @@ def _place(node: tuple, scalar_off: list[int], var_off: list[int], arr_off: list
         return (tag, scalar_off[node[1]])
     if tag in (_STR, _BYTES, _PICKLE):
         return (tag, var_off[node[1]], node[2])
-    if tag == _ARRAY:
+    if tag in (_ARRAY, _NPSCALAR):
         return (tag, node[1], node[2], arr_off[node[3]])
     if tag == _EXT:
         return (tag, node[1], node[2], node[3], arr_off[node[4]])
@@ -244,8 +249,14 @@ def _compile(node: tuple) -> Callable:
         off, n = node[1], node[2]
         return lambda buf: pickle.loads(buf[off:off + n])
     if tag == _ARRAY:
+        # frombuffer, not np.ndarray(buffer=...): it holds a buffer export on the mapping, so a
+        # zero-copy view keeps the memory mapped (mmap.close() refuses) for as long as it lives
         dtype, shape, off = np.dtype(node[1]), node[2], node[3]
-        return lambda buf: np.ndarray(shape, dtype, buf, off)
+        count = int(np.prod(shape, dtype=np.int64))
+        return lambda buf: np.frombuffer(buf, dtype, count, off).reshape(shape)
+    if tag == _NPSCALAR:
+        dtype, off = np.dtype(node[1]), node[3]
+        return lambda buf: np.frombuffer(buf, dtype, 1, off)[0]
     if tag == _EXT:
         ext, meta, shape, off = node[1], node[2], node[3], node[4]
         from_parts = _EXT_FROM.get(ext)
@@ -253,7 +264,7 @@ def _compile(node: tuple) -> Callable:
             raise EncodeError(f"a cached value holds a {ext!r} object but its handler is not loaded; "
                               f"import shmcache.dataset (it registers torch tensors)")
         n = _ext_nbytes(meta, shape)
-        return lambda buf: from_parts(meta, shape, np.ndarray((n,), np.uint8, buf, off))
+        return lambda buf: from_parts(meta, shape, np.frombuffer(buf, np.uint8, n, off))
     if tag in (_TUPLE, _LIST):
         parts = [_compile(c) for c in node[1]]
         if len(parts) == 2:  # the common (sample, label) pair, without a comprehension
@@ -309,9 +320,9 @@ def leaves(layout: bytes) -> tuple[tuple, list[Leaf]]:
             out.append(Leaf(tag, node[1], 8, np.dtype("<f8")))
         elif tag == _BOOL:
             out.append(Leaf(tag, node[1], 1, np.dtype("?")))
-        elif tag == _ARRAY:
+        elif tag in (_ARRAY, _NPSCALAR):
             dt = np.dtype(node[1])
-            out.append(Leaf(tag, node[3], int(np.prod(node[2], dtype=np.int64)) * dt.itemsize, dt, node[2]))
+            out.append(Leaf(_ARRAY, node[3], int(np.prod(node[2], dtype=np.int64)) * dt.itemsize, dt, node[2]))
         elif tag == _EXT:
             out.append(Leaf(tag, node[4], _ext_nbytes(node[2], node[3]), None, node[3], node[2], node[1]))
         elif tag == _NONE:

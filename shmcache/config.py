@@ -49,10 +49,10 @@ def validate_name(value: object, what: str = "session") -> str:
             f"{what} name must be a str, got {type(value).__name__} {value!r}; "
             f"use 1-64 characters from A-Z a-z 0-9 _ . -"
         )
-    if not _NAME_RE.fullmatch(value) or set(value) == {"."}:
+    if not _NAME_RE.fullmatch(value) or value.startswith("."):
         raise InvalidArgument(
             f"invalid {what} name {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . - "
-            f"(no '/', no spaces, not '.' or '..')"
+            f"(no '/', no spaces, not starting with '.')"
         )
     return value
 
@@ -106,9 +106,10 @@ def _default_root() -> Path:
     return Path("/tmp") / f"shmcache-{os.getuid()}"
 
 
-def namespace() -> Namespace:
-    """The namespace in force now: ``$SHMCACHE_DIR`` or a per-user default, created mode 0700."""
-    raw = os.environ.get(ENV_DIR)
+def namespace(root: str | os.PathLike | None = None) -> Namespace:
+    """The namespace at ``root``, else the one in force now (``$SHMCACHE_DIR`` or a per-user
+    default); its directory is created mode 0700."""
+    raw = root if root is not None else os.environ.get(ENV_DIR)
     root = Path(raw).expanduser() if raw else _default_root()
     root = root.absolute()
     _ensure_private_dir(root)
@@ -117,6 +118,9 @@ def namespace() -> Namespace:
 
 
 def _ensure_private_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise InvalidArgument(f"${ENV_DIR}={path} is not a directory; point it at a directory "
+                              f"(it is created if missing)")
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except PermissionError as exc:
@@ -125,13 +129,13 @@ def _ensure_private_dir(path: Path) -> None:
             f"set ${ENV_DIR} to a directory you own"
         ) from None
     st = path.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidArgument(f"${ENV_DIR}={path} is not a directory; point it at a directory")
     if st.st_uid != os.getuid():
         raise NotOwner(
             f"the shmcache directory {path} belongs to uid {st.st_uid}, not to you (uid "
             f"{os.getuid()}); set ${ENV_DIR} to a directory you own"
         )
-    if not stat.S_ISDIR(st.st_mode):
-        raise InvalidArgument(f"${ENV_DIR}={path} is not a directory; point it at a directory")
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
 

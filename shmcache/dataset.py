@@ -9,8 +9,8 @@ first-class sample type (registered with the codec here, so the layers below nev
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -19,13 +19,14 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 
 from . import codec
-from .config import ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name, validate_name
+from .config import (ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, namespace, resolve_session_name,
+                     validate_name)
 from .errors import EncodeError, InvalidArgument
 from .store import MISSING, CacheStore
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
-_MAX_SIZE_MB = 1 << 30  # 1 PiB: anything larger is a unit mistake
+_MAX_SIZE_MB = 1 << 26  # 64 TiB: anything larger is a unit mistake (bytes given as MB)
 
 
 # --- tensors in the codec -------------------------------------------------------------------------
@@ -37,7 +38,7 @@ def _tensor_to_parts(t: torch.Tensor):
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    t = t.resolve_conj().resolve_neg().contiguous()
     raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
     return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), raw
 
@@ -46,12 +47,10 @@ def _tensor_from_parts(meta: str, shape: tuple, raw: np.ndarray) -> torch.Tensor
     dtype = getattr(torch, meta.split(":", 1)[0])
     if raw.size == 0:
         return torch.empty(shape, dtype=dtype)
-    if raw.flags.writeable:
-        flat = torch.from_numpy(raw)
-    else:  # zero-copy read (copy=False): the caller promised not to write into it
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.from_numpy(raw)
+    # A read-only buffer is a zero-copy read (copy=False) of shared memory. torch has no read-only
+    # tensors, and one in-place op on a view would change the cache for every process: tensors
+    # are always copied (numpy arrays stay zero-copy, read-only).
+    flat = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
     return flat.view(dtype).reshape(shape)
 
 
@@ -62,25 +61,41 @@ codec.register_type(torch.nn.Parameter, "torch", _tensor_to_parts, _tensor_from_
 # --- arguments ------------------------------------------------------------------------------------
 
 
-def _check_size(size: Any) -> int:
+def _check_size(size: Any, what: str = "size") -> int:
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-        raise InvalidArgument(f"size must be an int number of MB (0 = automatic), got "
+        raise InvalidArgument(f"{what} must be an int number of MB (0 = automatic), got "
                               f"{type(size).__name__} {size!r}")
     if size < 0 or size > _MAX_SIZE_MB:
-        raise InvalidArgument(f"size={size} MB is out of range: give 0 (80% of the memory really "
-                              f"available) or a positive number of megabytes")
+        raise InvalidArgument(f"{what}={size} MB is out of range: give 0 (80% of the memory really "
+                              f"available) or a number of megabytes up to {_MAX_SIZE_MB} "
+                              f"(size is in MB, not bytes)")
     return int(size)
+
+
+def _size_from_env() -> int:
+    raw = os.environ.get(ENV_SIZE_MB, "").strip()
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidArgument(f"${ENV_SIZE_MB}={raw!r} is not an int number of MB; set it to e.g. "
+                              f"4096, or unset it") from None
+    return _check_size(value, f"${ENV_SIZE_MB}")
 
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+_DIGEST_LIMIT = 256 << 20  # bytes of dataset attributes hashed at most (then: shapes only)
+
+
 def _fingerprint(dataset: Any, transform: Callable | None, samples: Sequence) -> str:
-    """Identity of a dataset: its type, length, transform and a few encoded samples."""
+    """Identity of a dataset: its type, length, transform, its plain-data attributes (file lists,
+    label arrays: a corrected label changes it) and a few encoded samples."""
     h = hashlib.blake2b(digest_size=8)
     tp = type(dataset)
     h.update(f"{tp.__module__}.{tp.__qualname__}|{_len_or_none(dataset)}".encode())
+    _digest_attributes(h, getattr(dataset, "__dict__", {}), [0])
     if transform is not None:
         h.update(f"|{getattr(transform, '__module__', '')}.{getattr(transform, '__qualname__', type(transform).__qualname__)}".encode())
     for s in samples:
@@ -90,6 +105,32 @@ def _fingerprint(dataset: Any, transform: Callable | None, samples: Sequence) ->
         for _, piece in enc.pieces:
             h.update(memoryview(piece).cast("B"))
     return h.hexdigest()
+
+
+def _digest_attributes(h, value: Any, budget: list[int], depth: int = 0) -> None:
+    """Hash plain data (numbers, strings, arrays, tensors and containers of them) reachable from a
+    dataset's attributes. Objects, handles and modules are skipped: they are not the data, and
+    their state may differ from process to process (an open file, a lazily built memo)."""
+    if depth > 4:
+        return
+    if isinstance(value, (str, bytes, int, float, bool, type(None))):
+        h.update(repr(value).encode("utf-8", "surrogatepass")[:1 << 16])
+    elif isinstance(value, (np.ndarray, torch.Tensor)):
+        arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+        h.update(f"{arr.dtype}{arr.shape}".encode())
+        if not arr.dtype.hasobject and budget[0] + arr.nbytes <= _DIGEST_LIMIT:
+            budget[0] += arr.nbytes
+            h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    elif isinstance(value, dict):
+        for k in sorted(value, key=repr)[:100_000]:
+            if isinstance(k, str) and k.startswith("_"):
+                continue  # private state (memos, handles, counters)
+            h.update(repr(k).encode())
+            _digest_attributes(h, value[k], budget, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        h.update(f"[{len(value)}".encode())
+        for v in value[:100_000]:
+            _digest_attributes(h, v, budget, depth + 1)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -136,7 +177,7 @@ class ShmDatasetCache:
             validate_name(name, "cache")
         size = _check_size(size)
         if size == 0 and os.environ.get(ENV_SIZE_MB):
-            size = _check_size(int(os.environ[ENV_SIZE_MB]))
+            size = _size_from_env()
         if not isinstance(spilling, bool):
             raise InvalidArgument(f"spilling must be True or False, got {spilling!r}")
         if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
@@ -149,11 +190,15 @@ class ShmDatasetCache:
         self.name = name
         self._store: CacheStore | None = None
         self._fingerprint: str | None = None
+        # the namespace travels with the cache (pickled to workers): a forkserver or spawn child
+        # may see another $SHMCACHE_DIR, and would otherwise build an empty twin of the cache
+        self._ns_root = str(namespace().root)
         if self.spilling:  # a missing or unusable spill directory is an error now, not later
             from .registry import SessionRegistry
             from .spilling import resolve_spill_dir
 
-            resolve_spill_dir(self.spill_dir, SessionRegistry().ensure(self.session).spill_dir)
+            registry = SessionRegistry(namespace())
+            resolve_spill_dir(self.spill_dir, registry.ensure(self.session).spill_dir)
         if name is not None:
             self._open(name, None, 0)
 
@@ -162,7 +207,7 @@ class ShmDatasetCache:
     def _open(self, name: str, fingerprint: str | None, table_hint: int) -> CacheStore:
         self._store = CacheStore(self.session, name, capacity_bytes=self.size_mb << 20,
                                  fingerprint=fingerprint, table_hint=table_hint,
-                                 lock_timeout_s=self.lock_timeout_s)
+                                 lock_timeout_s=self.lock_timeout_s, ns=self._ns_root)
         self.name, self._fingerprint = name, fingerprint
         if self.spilling:
             from . import spilling
@@ -183,8 +228,9 @@ class ShmDatasetCache:
             raise InvalidArgument(f"transform must be callable, got {type(transform).__name__}")
         if isinstance(dataset, IterableDataset) or (not hasattr(dataset, "__getitem__")
                                                     and isinstance(dataset, Iterable)):
-            first = next(iter(dataset), None)
-            samples = [] if first is None else [transform(first) if transform else first]
+            # the first items identify a stream (the dataset's attributes too, see _fingerprint)
+            head = list(itertools.islice(iter(dataset), 16))
+            samples = [transform(x) if transform else x for x in head]
             self._bind(dataset, transform, samples, table_hint=0)
             return CachedIterableDataset(self, dataset, transform)
         if not hasattr(dataset, "__getitem__") or _len_or_none(dataset) is None:
@@ -195,6 +241,11 @@ class ShmDatasetCache:
         n = len(dataset)
         probe = sorted({0, n // 2, n - 1}) if n else []
         samples = [_compute(dataset, transform, i) for i in probe]
+        for i, sample in zip(probe, samples):
+            try:
+                codec.encode(sample)
+            except EncodeError as exc:
+                raise EncodeError(f"sample {i} of {type(dataset).__name__}: {exc}") from None
         if samples and not _same(samples[0], _compute(dataset, transform, probe[0])):
             raise InvalidArgument(
                 f"{type(dataset).__name__}[0] differs between two reads: the dataset (or transform) "
@@ -283,6 +334,12 @@ class ShmDatasetCache:
         leaves_out = None
         if out is not None:
             leaves_out = [t.numpy() if isinstance(t, torch.Tensor) else t for t in _flatten(out)]
+            if not store.out_matches(keys, leaves_out):  # another dtype or shape: convert instead
+                batch = self._gather(store, keys, None, count)
+                if batch is not None:
+                    _copy_into(out, batch)
+                    return out
+                return None
         got = store.gather_ints(keys, leaves_out, count=count)
         if got is None:
             return None
@@ -522,9 +579,7 @@ def _build(tree: tuple, leaves: list) -> Any:
     tag = tree[0]
     if tag == "leaf":
         return leaves[tree[1]]
-    if tag == "T":
-        return tuple(_build(c, leaves) for c in tree[1])
-    if tag == "L":
+    if tag in ("T", "L"):  # default_collate returns a list for a batch of tuples too
         return [_build(c, leaves) for c in tree[1]]
     return {k: _build(c, leaves) for k, c in tree[1]}
 
@@ -539,7 +594,11 @@ def _flatten(out: Any) -> list:
 
 def _copy_into(out: Any, batch: Any) -> None:
     if isinstance(out, torch.Tensor):
-        out.copy_(batch if isinstance(batch, torch.Tensor) else torch.as_tensor(batch))
+        src = batch if isinstance(batch, torch.Tensor) else torch.as_tensor(batch)
+        if src.shape != out.shape:
+            raise InvalidArgument(f"out= has a tensor of shape {tuple(out.shape)} where the batch "
+                                  f"has {tuple(src.shape)}; size out= like the batch")
+        out.copy_(src)
     elif isinstance(out, np.ndarray):
         out[...] = batch
     elif isinstance(out, (tuple, list)):

@@ -25,6 +25,7 @@ from .errors import LockTimeout, NotOwner
 __all__ = ["FileLock", "LivenessSlot", "slot_is_alive", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
+_REOPEN = threading.Lock()
 
 
 def _open_lock_file(path: Path) -> int:
@@ -48,13 +49,20 @@ class FileLock:
         self._pid = -1
         self._thread_lock = threading.Lock()  # flock does not exclude threads sharing one fd
 
+    def _open_in_this_process(self) -> None:
+        """First use, or first use in a forked child (whose inherited fd shares the parent's
+        lock): open our own descriptor. Serialised, so threads racing here agree on one."""
+        with _REOPEN:
+            if self._pid != os.getpid():
+                self._fd = _open_lock_file(self.path)
+                self._thread_lock = threading.Lock()
+                self._pid = os.getpid()
+
     def acquire(self, timeout_s: float | None = None) -> None:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        if self._pid != os.getpid():  # first use, or a forked child: the inherited fd is shared
-            self._fd = _open_lock_file(self.path)
-            self._pid = os.getpid()
-            self._thread_lock = threading.Lock()
+        if self._pid != os.getpid():
+            self._open_in_this_process()
         if not self._thread_lock.acquire(timeout=max(timeout, 0)):
             raise LockTimeout(f"timed out after {timeout:.1f}s waiting for {self.what} (another thread holds it)")
         try:
@@ -95,14 +103,21 @@ class FileLock:
         self._fd, self._pid = -1, -1
 
 
-def slot_is_alive(path: Path) -> bool:
-    """True if a live process holds the slot lock at ``path`` (see NOTE [lock files])."""
+def slot_is_alive(path: Path, *, unlink_if_dead: bool = False) -> bool:
+    """True if a live process holds the slot lock at ``path`` (see NOTE [lock files]).
+
+    With ``unlink_if_dead``, a dead slot's file is removed *while we hold its lock*: a process
+    that opened it just before has to notice (LivenessSlot checks the inode after locking),
+    instead of holding a lock on a file nobody else can see.
+    """
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if unlink_if_dead and _same_file(fd, path):
+            os.unlink(path)
     except BlockingIOError:
         return True
     except OSError as exc:  # pragma: no cover - exotic filesystems
@@ -112,6 +127,13 @@ def slot_is_alive(path: Path) -> bool:
     finally:
         os.close(fd)  # closing drops our lock, if we got it
     return False
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 class LivenessSlot:
@@ -125,21 +147,26 @@ class LivenessSlot:
     def __init__(self, directory: Path, max_slots: int):
         self.directory = Path(directory)
         self.pid = os.getpid()
-        for k in range(max_slots):
+        k = 0
+        while k < max_slots:
             path = self.directory / f"{k}.lock"
             fd = _open_lock_file(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
+                k += 1
                 continue
+            if not _same_file(fd, path):  # gc unlinked it between our open and our lock
+                os.close(fd)
+                continue  # the same k again, on a fresh file
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{self.pid}\n".encode(), 0)
             self.index, self.path, self._fd = k, path, fd
             return
         raise LockTimeout(
-            f"all {max_slots} process slots in {self.directory} are held by live processes; "
-            f"close caches you no longer use (cache.close())"
+            f"all {max_slots} process slots in {self.directory} are held by live processes "
+            f"(each process that reads a cache of the session holds one until it exits)"
         )
 
     def release(self) -> None:

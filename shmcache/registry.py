@@ -29,7 +29,7 @@ __all__ = ["SessionInfo", "SessionRegistry", "GcReport", "SEP", "MAX_SLOTS"]
 
 #: Separator inside segment names (see Namespace.segment_name).
 SEP = "+"
-MAX_SLOTS = 256
+MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
 _VERSION = 1
 
 
@@ -102,7 +102,7 @@ class SessionRegistry:
         out = []
         for entry in sorted(self.ns.sessions_dir.iterdir()):
             if entry.name.startswith(".") or not (entry / "session.json").is_file():
-                continue
+                continue  # a session being made or destroyed (names never start with '.')
             try:
                 out.append(self.get(entry.name))
             except ShmcacheError:
@@ -152,6 +152,10 @@ class SessionRegistry:
             _write_json(tmp / "session.json", info.to_json())
             if final.exists():  # a directory without session.json: debris of a dead creator
                 shutil.rmtree(final, ignore_errors=True)
+            # segments under this name are debris of a destroy that was killed half-way: they
+            # must not come back to life as caches of the new session
+            self._unlink_segments(self.segment_prefix(name), roots_only=True)
+            self._unlink_segments(self.segment_prefix(name))
             os.rename(tmp, final)  # published: from here on, others see a complete session
             info.path = final
             return info
@@ -163,7 +167,13 @@ class SessionRegistry:
         return self.create(name, spill_dir=spill_dir, exist_ok=True)
 
     def destroy(self, name: str, *, force: bool = False) -> list[str]:
-        """Drop session ``name`` and everything in it; returns the segment names it unlinked."""
+        """Drop session ``name`` and everything in it; returns the segment names it unlinked.
+
+        Crash-safe order: the session directory is renamed away first (the session is gone for
+        everyone at once, and a half-removed directory is gc's to finish), then every cache's
+        root segment is unlinked before its other segments (a cache without its root is debris
+        that nobody opens and gc removes).
+        """
         validate_name(name, "session")
         with self._lock:
             if not self.session_dir(name).exists():
@@ -175,10 +185,14 @@ class SessionRegistry:
                     f"{', '.join(map(str, pids))}); stop them first, or pass force=True "
                     f"(`shmcache destroy --force {name}`)"
                 )
-            removed = self._unlink_segments(self.segment_prefix(name))
-            for spill in self._spill_dirs_of(name):
+            spill_dirs = self._spill_dirs_of(name)
+            doomed = self.ns.sessions_dir / f".{name}.tmp-destroy-{os.getpid()}-{secrets.token_hex(3)}"
+            os.rename(self.session_dir(name), doomed)
+            prefix = self.segment_prefix(name)
+            removed = self._unlink_segments(prefix, roots_only=True) + self._unlink_segments(prefix)
+            for spill in spill_dirs:
                 shutil.rmtree(spill, ignore_errors=True)
-            shutil.rmtree(self.session_dir(name), ignore_errors=True)
+            shutil.rmtree(doomed, ignore_errors=True)
             return removed
 
     def attach_process(self, name: str) -> LivenessSlot:
@@ -186,7 +200,8 @@ class SessionRegistry:
         return LivenessSlot(self.session_dir(name) / "slots", MAX_SLOTS)
 
     def gc(self) -> GcReport:
-        """Remove what dead processes left behind: orphan segments, half-made sessions, stale locks."""
+        """Remove what dead processes left behind: orphan segments, half-made or half-destroyed
+        sessions, dead slot locks, unfinished metadata files."""
         report = GcReport()
         with self._lock:
             live = {s.name for s in self.list()}
@@ -199,18 +214,41 @@ class SessionRegistry:
                 if session not in live:
                     report.removed_segments += self._unlink_segments(seg)
             for name in live:
-                for path in (self.session_dir(name) / "slots").glob("*.lock"):
-                    if not slot_is_alive(path):
-                        path.unlink(missing_ok=True)
+                sdir = self.session_dir(name)
+                for path in (sdir / "slots").glob("*.lock"):
+                    if not slot_is_alive(path, unlink_if_dead=True):
                         report.removed_locks.append(str(path))
+                for path in (sdir / "caches").glob(".*.tmp"):  # a writer died mid-write_json
+                    path.unlink(missing_ok=True)
+                report.removed_segments += self._remove_rootless_caches(name)
         return report
+
+    def _remove_rootless_caches(self, session: str) -> list[str]:
+        """Segments of caches whose root is gone (a destroy or a creation cut short)."""
+        prefix = self.segment_prefix(session)
+        by_cache: dict[str, list[str]] = {}
+        for seg in self.ns.owned_segments():
+            if seg.startswith(prefix):
+                by_cache.setdefault(seg[len(prefix):].split(SEP, 1)[0], []).append(seg)
+        removed = []
+        for cache, segs in by_cache.items():
+            root = f"{prefix}{cache}{SEP}root"
+            if root in segs:
+                continue
+            lock = FileLock(self.session_dir(session) / "caches" / f"{cache}.lock", timeout_s=5,
+                            what=f"the lock of cache {session}/{cache}")
+            with lock:  # a creator holds it while it makes the root: never race one
+                if not self.ns.shm_path(root).exists():
+                    removed += self._unlink_segments(f"{prefix}{cache}{SEP}")
+            lock.close()
+        return removed
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _unlink_segments(self, prefix: str) -> list[str]:
+    def _unlink_segments(self, prefix: str, *, roots_only: bool = False) -> list[str]:
         removed = []
         for seg in self.ns.owned_segments():
-            if seg.startswith(prefix):
+            if seg.startswith(prefix) and (not roots_only or seg.endswith(SEP + "root")):
                 try:
                     os.unlink(self.ns.shm_path(seg))
                     removed.append(seg)

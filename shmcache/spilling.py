@@ -22,6 +22,7 @@ import struct
 from pathlib import Path
 
 from . import _process, codec
+from ._faults import ARMED as _CRASH_TESTS, crash_point
 from .config import ENV_SPILL_DIR
 from .errors import SpillError
 from .index import INT_KEY, READY, SPILLED
@@ -85,6 +86,8 @@ class CacheSpill:
             return False
         if loc.stored_len >= 1 << 32 or loc.offset > _M48:
             return False
+        if _CRASH_TESTS:
+            crash_point("spilled")  # record on disk, not yet in the index
         store.publish_spilled(g, pos, w1, kb, lid, loc.file_id, loc.offset, loc.stored_len,
                               loc.raw_len, replace)
         return True

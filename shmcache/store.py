@@ -48,7 +48,7 @@ from . import codec
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
 from .config import Namespace, memory_limits, namespace, validate_name
 from .errors import (CacheMismatch, CacheNotFound, CorruptSegment, InvalidArgument,
-                     ItemTooLarge, SharedMemoryFull)
+                     ItemTooLarge, LockTimeout, SharedMemoryFull)
 from .index import INT_KEY, READY, SPILLED, TableView, key_bytes, MAX_LOAD
 from .locks import FileLock
 from .registry import MAX_SLOTS, SEP, SessionRegistry, write_json
@@ -62,6 +62,7 @@ log = logging.getLogger("shmcache")
 
 KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4
 _Q = struct.Struct("Q")
+_KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.RECORD_HEADER)
 _M48 = (1 << 48) - 1
 MIN_TABLE = 1024
 MAX_RECORD = (1 << 32) - 1
@@ -117,11 +118,11 @@ class CacheStore:
 
     def __init__(self, session: str, name: str, *, capacity_bytes: int = 0,
                  fingerprint: str | None = None, table_hint: int = 0,
-                 ns: Namespace | None = None, lock_timeout_s: float = 60.0,
+                 ns: Namespace | str | None = None, lock_timeout_s: float = 60.0,
                  extra_meta: dict | None = None, create: bool = True):
         self.session = validate_name(session, "session")
         self.name = validate_name(name, "cache")
-        self.ns = ns or namespace()
+        self.ns = ns if isinstance(ns, Namespace) else namespace(ns)
         self.registry = SessionRegistry(self.ns)
         if create:
             self.registry.ensure(self.session)
@@ -138,6 +139,7 @@ class CacheStore:
         self._counter_off = -1
         self._proc_gen = -1
         self._shm_full_logged = False
+        self._shm_full_until = 0.0
         self._map_lock = threading.Lock()
         self.spill = None  # set by the spill layer when spilling is on
         self._root = None
@@ -162,6 +164,11 @@ class CacheStore:
         except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
             _unlink_name(self.ns, name)
             root = None
+        if root is not None and _Q.unpack_from(root.buf, 64)[0] == 0:
+            # its creator died after making it, before the first generation: finish the job
+            self._unlink_matching(f"{SEP}g1{SEP}")
+            self._create_generation(root, 1, _Q.unpack_from(root.buf, 72)[0],
+                                    _table_capacity(table_hint))
         if root is not None:
             self._check_fingerprint(fingerprint)
             return root
@@ -178,13 +185,14 @@ class CacheStore:
                 f"little to hold anything; give it size= (MB) of at least 1, and check "
                 f"`shmcache info` for what limits memory here"
             )
-        root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
-        _Q.pack_into(root.buf, 72, capacity)
-        self._create_generation(root, 1, capacity, table_hint)
+        # the metadata first: a creator that dies later leaves a cache that stat and gc can see
         write_json(self.meta_path, {
             "session": self.session, "name": self.name, "fingerprint": fingerprint,
             "created": time.time(), "capacity_bytes": capacity, **extra_meta,
         })
+        root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
+        _Q.pack_into(root.buf, 72, capacity)
+        self._create_generation(root, 1, capacity, _table_capacity(table_hint))
         return root
 
     def bind_fingerprint(self, fingerprint: str) -> None:
@@ -214,10 +222,11 @@ class CacheStore:
                 f"{self.session}`"
             )
 
-    def _create_generation(self, root: Segment, gen: int, capacity: int, table_hint: int) -> None:
-        """Make the meta and table segments of ``gen`` and publish it (caller holds the lock)."""
+    def _create_generation(self, root: Segment, gen: int, capacity: int, cap: int) -> None:
+        """Make the meta and table (``cap`` entries) of ``gen`` and publish it (caller holds the
+        lock). Leftovers of an attempt whose process died are removed first."""
+        self._unlink_matching(f"{SEP}g{gen}{SEP}")
         meta = Segment.create(self._seg_name(f"g{gen}", "meta"), M.SIZE, kind=KIND_META, commit=M.SIZE)
-        cap = _table_capacity(table_hint)
         table = Segment.create(self._seg_name(f"g{gen}", "t1"), TableView.bytes_for(cap),
                                kind=KIND_TABLE, commit=TableView.bytes_for(cap))
         TableView.init(table.buf, cap)
@@ -294,14 +303,22 @@ class CacheStore:
     def _count(self, which: int, n: int = 1) -> None:
         g = self._gen
         if self._proc_gen != _process.generation():
-            slot = _process.slot(self.registry, self.session)
+            try:
+                slot = _process.slot(self.registry, self.session)
+            except LockTimeout as exc:  # every slot taken: serve, but count nowhere
+                log.warning("cache %s/%s: this process's hits and misses are not counted: %s",
+                            self.session, self.name, exc)
+                self._counters, self._counter_off = [0, 0, 0, 0], -1
+                self._proc_gen = _process.generation()
+                return
             off = M.COUNTERS + 32 * slot
             key = f"{self.ns.root}{self._base}+g{g.gen}+{slot}"
             self._counters = _process.counters(key, lambda: struct.unpack_from("QQQQ", g.meta.buf, off))
             self._counter_off = off
             self._proc_gen = _process.generation()
         self._counters[which] += n
-        _Q.pack_into(g.meta.buf, self._counter_off + 8 * which, self._counters[which])
+        if self._counter_off >= 0:
+            _Q.pack_into(g.meta.buf, self._counter_off + 8 * which, self._counters[which])
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -314,8 +331,9 @@ class CacheStore:
         # is checked against the key when it is read)
         while w0 and kb and not w0 & SPILLED:
             seg, view, chunk = self._data(g, w2 >> 48)
-            end = DATA_OFF + (w2 & _M48) * chunk + (w0 >> 32)
-            if view[end - len(kb):end] == kb:
+            start = DATA_OFF + (w2 & _M48) * chunk
+            end = start + (w0 >> 32)
+            if _KEY_LEN.unpack_from(view, start + 4)[0] == len(kb) and view[end - len(kb):end] == kb:
                 break
             pos, w0, w2 = index.find_from((pos + 1) & index.mask, w1, False)
         return w0, w2, pos, kb, w1
@@ -340,9 +358,12 @@ class CacheStore:
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
         g = self._gen if _Q.unpack_from(self._root.buf, 64)[0] == self._epoch else self._refresh()
-        w0, w2, _, kb, w1 = self._find(g, key)
+        try:
+            w0, w2, _, kb, w1 = self._find(g, key)
+            value = self._decode(g, w0, w2, copy, w1, kb) if w0 else MISSING
+        except FileNotFoundError:  # a clear() elsewhere unlinked a segment we had yet to map
+            w0, value = 0, MISSING
         if w0:
-            value = self._decode(g, w0, w2, copy, w1, kb)
             if value is not _CORRUPT:
                 if count:
                     self._count(0)
@@ -374,7 +395,10 @@ class CacheStore:
         return self._intern_layout(g, layout)
 
     def contains(self, key: Any) -> bool:
-        return self._find(self._refresh(), key)[0] != 0
+        try:
+            return self._find(self._refresh(), key)[0] != 0
+        except FileNotFoundError:  # cleared meanwhile
+            return False
 
     # --- writes ----------------------------------------------------------------------------------
 
@@ -392,10 +416,10 @@ class CacheStore:
                 return self.spill.put(self, g, pos, w1, kb, enc, replace=True)  # a corrupt record
             if w0:
                 return True  # another process stored it first: stored once
-            if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
-                g = self._grow_table(g)
-                w0, _, pos, _, _ = self._find(g, key)
             try:
+                if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
+                    g = self._grow_table(g)
+                    w0, _, pos, _, _ = self._find(g, key)
                 self._insert(g, pos, w1, kb, enc)
                 return True
             except _Full:
@@ -473,6 +497,7 @@ class CacheStore:
         with self.lock:
             g = self._refresh()
             reclaimed = self._repair(g)
+            self._recount_committed(g)
             keep = {self._seg_name("root"), self._seg_name(f"g{g.gen}", "meta"),
                     self._seg_name(f"g{g.gen}", f"t{g.version}")}
             keep |= {self._seg_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
@@ -508,8 +533,8 @@ class CacheStore:
         name = self._seg_name(f"g{g.gen}", f"c{cls}")
         _unlink_name(self.ns, name)  # debris of a writer that died before registering the class
         try:
-            seg = Segment.create(name, DATA_OFF + self.capacity_bytes + chunk_size, kind=KIND_DATA,
-                                 commit=PAGE)
+            virtual = min(self.capacity_bytes, memory_limits().shm_total or self.capacity_bytes)
+            seg = Segment.create(name, DATA_OFF + virtual + chunk_size, kind=KIND_DATA, commit=PAGE)
         except SharedMemoryFull as exc:
             self._log_shm_full(exc)
             raise _Full from None
@@ -519,6 +544,8 @@ class CacheStore:
 
     def _commit(self, g: _Gen, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
         """Commit more chunks of class ``cls`` within the cap; raise _Full when there is no room."""
+        if time.monotonic() < self._shm_full_until:
+            raise _Full  # /dev/shm was full a moment ago: don't ask the kernel on every miss
         meta = g.meta.buf
         used = _Q.unpack_from(meta, M.COMMITTED)[0]
         step = commit_step_chunks(chunk_size)
@@ -536,6 +563,7 @@ class CacheStore:
         return committed + step
 
     def _log_shm_full(self, exc: Exception) -> None:
+        self._shm_full_until = time.monotonic() + 1.0
         if not self._shm_full_logged:
             self._shm_full_logged = True
             log.warning("cache %s/%s stops growing: %s", self.session, self.name, exc)
@@ -547,22 +575,34 @@ class CacheStore:
         name = self._seg_name(f"g{g.gen}", f"t{version}")
         _unlink_name(self.ns, name)
         size = TableView.bytes_for(cap)
-        table = Segment.create(name, size, kind=KIND_TABLE, commit=size)
+        try:
+            table = Segment.create(name, size, kind=KIND_TABLE, commit=size)
+        except SharedMemoryFull as exc:
+            self._log_shm_full(exc)
+            raise _Full from None
         TableView.init(table.buf, cap)
         new = TableView(table.buf)
         for w0, w1, w2 in g.index.entries():
             pos = _first_empty(new, w1)  # keys are unique: the first EMPTY slot on its path
             new.publish(pos, w0, w1, w2)
         table.close()
-        meta = g.meta.buf
-        used = _Q.unpack_from(meta, M.COMMITTED)[0]
-        _Q.pack_into(meta, M.COMMITTED, used + size - TableView.bytes_for(cap // 2))
         old = g.table
         if _CRASH_TESTS:
             crash_point("table_built")
         _Q.pack_into(self._root.buf, 64, (g.gen << 32) | version)  # publish
         old.unlink()
-        return self._refresh()
+        g = self._refresh()
+        self._recount_committed(g)
+        return g
+
+    def _recount_committed(self, g: _Gen) -> None:
+        """Set the committed total from what it is made of (after a growth, and in gc: a writer
+        killed between two of its updates must not skew it for good)."""
+        total = M.SIZE + TableView.bytes_for(g.index.capacity)
+        for cls in g.classes.used_classes():
+            chunk, _, committed = g.classes.get(cls)
+            total += chunk * committed
+        _Q.pack_into(g.meta.buf, M.COMMITTED, total)
 
     # --- batches ---------------------------------------------------------------------------------
 
@@ -572,8 +612,11 @@ class CacheStore:
         values: list = [MISSING] * len(keys)
         missing = []
         for i, key in enumerate(keys):
-            w0, w2, _, kb, w1 = self._find(g, key)
-            v = self._decode(g, w0, w2, copy, w1, kb) if w0 else MISSING
+            try:
+                w0, w2, _, kb, w1 = self._find(g, key)
+                v = self._decode(g, w0, w2, copy, w1, kb) if w0 else MISSING
+            except FileNotFoundError:  # cleared meanwhile
+                v = MISSING
             if v is _CORRUPT:
                 self._count(3)
                 v = MISSING
@@ -592,6 +635,31 @@ class CacheStore:
             self._count(0, hits)
         if misses:
             self._count(1, misses)
+
+    def out_matches(self, keys: np.ndarray, out: list) -> bool:
+        """True if ``out`` (one array per leaf) has the dtypes and shapes of a batch of ``keys``."""
+        g = self._refresh()
+        w0, _ = g.index.lookup_ints(keys[:1])
+        lid = (int(w0[0]) >> 8) & INLINE24
+        if not w0[0] or lid == INLINE24:
+            return False
+        shape = g.columns.get(lid)
+        if shape is None:
+            shape = g.columns[lid] = codec.leaves(self._layout(g, lid)[0])
+        leaves = shape[1]
+        if len(out) != len(leaves):
+            return False
+        n = len(keys)
+        for arr, leaf in zip(out, leaves):
+            if leaf.tag in ("i", "f", "b", "a") and (arr.dtype != leaf.dtype or arr.shape != (n, *leaf.shape)):
+                return False
+            if leaf.tag == "e" and (arr.nbytes != n * leaf.nbytes or arr.shape[:1] != (n,)):
+                return False
+            if leaf.tag not in ("i", "f", "b", "a", "e"):
+                return False
+            if not arr.flags.c_contiguous:
+                return False
+        return True
 
     def gather_ints(self, keys: np.ndarray, out: list | None = None, count: bool = True):
         """Vectorised batch of int keys that share one layout and one size class, all in memory.
@@ -619,7 +687,10 @@ class CacheStore:
             shape = g.columns[lid] = codec.leaves(self._layout(g, lid)[0])
         tree, leaves = shape
         cls = first2 >> 48
-        seg, _, chunk = self._data(g, cls)
+        try:
+            seg, _, chunk = self._data(g, cls)
+        except FileNotFoundError:  # cleared meanwhile: the caller's slow path sees misses
+            return None
         chunks = (w2 & np.uint64(_M48)).astype(np.intp)
         rows = np.ndarray((g.classes.get(cls)[1], chunk), np.uint8, seg.buf, DATA_OFF)
         columns = []

@@ -1,0 +1,162 @@
+"""Helpers shared by the benchmarks: robust statistics, the environment line, sizes, tables.
+
+Statistics are medians and p90s, never means: on a shared machine one descheduled run drags a mean
+anywhere, a median stays put.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "median",
+    "p90",
+    "fmt_rate",
+    "fmt_bytes",
+    "fmt_ratio",
+    "fmt_s",
+    "allocated_bytes",
+    "shm_usage",
+    "free_loopback_port",
+    "package_version",
+    "environment",
+    "environment_line",
+    "markdown_table",
+]
+
+
+def median(values: Iterable[float]) -> float:
+    vals = [v for v in values if v is not None]
+    return float(np.median(vals)) if vals else float("nan")
+
+
+def p90(values: Iterable[float]) -> float:
+    vals = [v for v in values if v is not None]
+    return float(np.percentile(vals, 90)) if vals else float("nan")
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and np.isfinite(x)
+
+
+def fmt_rate(x: float | None) -> str:
+    """Items/s with three significant digits and k/M suffixes: 1.23M, 45.6k, 789."""
+    if not _finite(x):
+        return "—"
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if not _finite(n):
+        return "—"
+    for scale, suffix in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.3g} {suffix}"
+    return f"{int(n)} B"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return f"{x:.2g}×" if _finite(x) else "—"
+
+
+def fmt_s(x: float | None) -> str:
+    return f"{x:.3g}" if _finite(x) else "—"
+
+
+def allocated_bytes(path: str | os.PathLike) -> int:
+    """Bytes really allocated under ``path`` (st_blocks, so sparse files count what they use)."""
+    p = Path(path)
+    if not p.exists():
+        return 0
+    if p.is_file():
+        return p.stat().st_blocks * 512
+    total = 0
+    for root, _dirs, files in os.walk(p):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def shm_usage() -> tuple[int, int]:
+    """(size, free) of /dev/shm in bytes."""
+    st = os.statvfs("/dev/shm")
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def free_loopback_port() -> int:
+    """A free TCP port on 127.0.0.1 (loopback only: nothing of the benchmark listens elsewhere)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def package_version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _mem_total() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Versions, CPUs, memory and /dev/shm: what a reader needs to judge the numbers."""
+    shm_size, shm_free = shm_usage()
+    env = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": package_version("torch"),
+        "cpus": f"{len(os.sched_getaffinity(0))} usable of {os.cpu_count()} ({_cpu_model()})",
+        "mem": fmt_bytes(_mem_total()),
+        "/dev/shm": f"{fmt_bytes(shm_size)} ({fmt_bytes(shm_free)} free)",
+        "loadavg": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+        "kernel": platform.release(),
+    }
+    env.update(extra or {})
+    return env
+
+
+def environment_line(env: dict[str, str]) -> str:
+    return "env: " + "; ".join(f"{k} {v}" for k, v in env.items()) + f"; argv {' '.join(sys.argv[1:])}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: str | None = None) -> str:
+    """A GitHub markdown table; ``align`` is one char per column, 'l' or 'r' (default: first l, rest r)."""
+    align = align or "l" + "r" * (len(headers) - 1)
+    sep = ["---" if a == "l" else "--:" for a in align]
+    lines = [headers, sep, *rows]
+    return "\n".join("| " + " | ".join(str(c) for c in line) + " |" for line in lines)

@@ -1,0 +1,145 @@
+"""Source values that encode their key, and the invariant check every crash and stress test ends with.
+
+A value is built from its key alone (``value_for``), so any process can verify what it read: a torn
+record, a record of another key, or garbage left by a writer that died mid-copy never compares
+equal. ``check_store`` inspects a quiescent cache (no writer running) through its shared structures
+and returns the list of broken invariants (empty when sound), in the spirit of diskcache's
+``cache.check()``: the test fails on what is wrong, not only on "it survived".
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+
+import numpy as np
+
+from shmcache.allocator import commit_step_chunks
+from shmcache.index import INT_KEY, SPILLED, TableView, key_bytes
+from shmcache.store import MISSING, M, CacheStore
+
+__all__ = ["SIZES", "value_for", "fixed_value", "same_value", "check_store", "cache_segments",
+           "intent_phase"]
+
+# Record sizes spanning several size classes: 64-byte classes, the doubling classes, and a few
+# records large enough to need their own commit step.
+SIZES = (8, 100, 333, 1000, 2500, 4100, 9000, 33000, 70000)
+_M48 = (1 << 48) - 1
+
+
+def _pattern(key, size: int) -> bytes:
+    seed = repr(key).encode()
+    reps = -(-size // len(seed))
+    return (seed * reps)[:size]
+
+
+def value_for(key):
+    """The source value of ``key``: its type and size vary with the key, its bytes encode it."""
+    h = key if isinstance(key, int) else sum(key.encode() if isinstance(key, str) else key)
+    size = SIZES[h % len(SIZES)]
+    kind = h % 3
+    if kind == 0:
+        return _pattern(key, size)
+    if kind == 1:
+        return np.frombuffer(_pattern(key, size), np.uint8).copy()
+    return {"key": key, "payload": _pattern(key, size), "n": size}
+
+
+def fixed_value(key, size: int = 3000) -> bytes:
+    """Same-size records (one size class): what the chunk-reclaim tests need."""
+    return _pattern(key, size)
+
+
+def same_value(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and a.shape == b.shape and bool((a == b).all()))
+    return type(a) is type(b) and a == b
+
+
+def intent_phase(store: CacheStore) -> int:
+    g = store._refresh()
+    return struct.unpack_from("Q", g.meta.buf, M.INTENT)[0]
+
+
+def cache_segments(store: CacheStore) -> set[str]:
+    head = store._base + "+"
+    return {n for n in store.ns.owned_segments() if n.startswith(head)}
+
+
+def check_store(store: CacheStore, keys=None, source=value_for, *, after_gc: bool = True) -> list[str]:
+    """Every invariant of a quiescent, non-spilling cache that must hold after a crash was repaired.
+
+    ``keys``: the universe of keys that may be stored; each one present must read back equal to
+    ``source(key)``, and the present ones must be exactly the table's entries.
+    """
+    problems: list[str] = []
+    g = store._refresh()
+    meta = g.meta.buf
+    items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
+    table_items = struct.unpack_from("Q", meta, M.TABLE_ITEMS)[0]
+    phase = struct.unpack_from("Q", meta, M.INTENT)[0]
+    entries = list(g.index.entries())
+    if after_gc and phase != 0:
+        problems.append(f"intent record left at phase {phase} after gc/repair")
+    if any(w0 & SPILLED for w0, _, _ in entries):
+        problems.append("spilled entries in a cache without spilling")
+    if items_mem != len(entries):
+        problems.append(f"items_mem {items_mem} != {len(entries)} READY entries")
+    if table_items != len(entries):
+        problems.append(f"table items {table_items} != {len(entries)} READY entries")
+    record_bytes = sum(w0 >> 32 for w0, _, _ in entries)
+    if bytes_mem != record_bytes:
+        problems.append(f"bytes_mem {bytes_mem} != {record_bytes}, the sum of the READY records")
+    # each key once (int keys store themselves; str/bytes keys are checked through `keys` below)
+    dup = [w1 for (_, w1), n in Counter((w0 & INT_KEY, w1) for w0, w1, _ in entries).items() if n > 1]
+    if dup:
+        problems.append(f"{len(dup)} keys stored more than once: {dup[:5]}")
+    # the allocator: every chunk below a class's bump is referenced by exactly one entry
+    by_class: dict[int, list[int]] = {}
+    for _, _, w2 in entries:
+        by_class.setdefault(w2 >> 48, []).append(w2 & _M48)
+    expect_committed = M.SIZE + TableView.bytes_for(g.index.capacity)
+    for cls in g.classes.used_classes():
+        chunk, bump, committed_chunks = g.classes.get(cls)
+        expect_committed += committed_chunks * chunk
+        chunks = sorted(by_class.pop(cls, []))
+        if chunks != list(range(bump)):
+            leaked = sorted(set(range(bump)) - set(chunks))
+            problems.append(f"class {cls} (chunk {chunk}): bump {bump} but {len(chunks)} referenced "
+                            f"chunks; leaked {leaked[:8]}{'...' if len(leaked) > 8 else ''}; "
+                            f"shared {len(chunks) - len(set(chunks))}")
+        if bump > committed_chunks:
+            problems.append(f"class {cls}: bump {bump} beyond its {committed_chunks} committed chunks")
+        if committed_chunks - bump > commit_step_chunks(chunk):
+            problems.append(f"class {cls}: {committed_chunks - bump} committed chunks unused, more "
+                            f"than one commit step ({commit_step_chunks(chunk)})")
+    if by_class:
+        problems.append(f"entries point into unregistered classes {sorted(by_class)}")
+    if committed != expect_committed:
+        problems.append(f"committed_bytes {committed} != {expect_committed} (meta + current table + "
+                        f"committed chunks): off by {committed - expect_committed}")
+    if after_gc:
+        want = {store._seg_name("root"), store._seg_name(f"g{g.gen}", "meta"),
+                store._seg_name(f"g{g.gen}", f"t{g.version}")}
+        want |= {store._seg_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
+        have = cache_segments(store)
+        if have != want:
+            problems.append(f"segments: unexpected {sorted(have - want)}, missing {sorted(want - have)}")
+    if keys is not None:
+        present = 0
+        for key in keys:
+            v = store.lookup(key, count=False)
+            if v is MISSING:
+                continue
+            present += 1
+            if not same_value(v, source(key)):
+                problems.append(f"key {key!r} reads {str(v)[:60]}, not its source value")
+        if present != len(entries):
+            problems.append(f"{present} of the keys are present but the table has {len(entries)} "
+                            f"entries (an entry nobody published, or a key stored twice)")
+        int_words = {key_bytes(k)[0] for k in keys if isinstance(k, int)}
+        stray = [w1 for w0, w1, _ in entries if w0 & INT_KEY and w1 not in int_words]
+        if stray:
+            problems.append(f"entries for int keys never written: {stray[:5]}")
+    return problems

@@ -1,0 +1,379 @@
+"""The codec: every supported value round-trips bit for bit, through a bare record buffer and through
+the store (interned and inline layouts, copy=True and copy=False); unstorable values are refused
+with an EncodeError that names where they sit.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import subprocess
+import sys
+from collections import OrderedDict, namedtuple
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import shmcache.dataset  # noqa: F401  (registers torch tensors with the codec)
+from shmcache import codec
+from shmcache.errors import EncodeError
+from shmcache.store import MISSING, CacheStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from _workers import assert_same  # noqa: E402
+
+Point = namedtuple("Point", "x y")
+
+
+def record_roundtrip(value, key: bytes = b""):
+    """Encode into a fresh record (layout stored inline) and decode from a private buffer."""
+    enc = codec.encode(value)
+    n = enc.record_len(len(key), True)
+    buf = bytearray(n + 7)  # slack after the record: decoding must not depend on the buffer's end
+    assert enc.write(memoryview(buf), codec.INLINE, key) == n
+    return codec.decode(buf, enc.layout)
+
+
+@pytest.fixture
+def store():
+    s = CacheStore("codec", "values", capacity_bytes=64 << 20)
+    yield s
+    s.close()
+
+
+def store_roundtrip(store, value, key=0):
+    assert store.put(key, value)
+    got_copy = store.lookup(key, copy=True)
+    got_view = store.lookup(key, copy=False)
+    return got_copy, got_view
+
+
+# --- values ------------------------------------------------------------------------------------
+
+_rng = np.random.default_rng(7)
+
+
+def _random_array(dtype, shape) -> np.ndarray:
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    if dt.kind == "b":
+        return (_rng.integers(0, 2, n) == 1).reshape(shape)
+    raw = _rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8).tobytes()
+    arr = np.frombuffer(raw, dt).reshape(shape).copy()
+    if dt.kind in "fc":  # NaN payloads survive too, but keep a few NaNs of each sign around
+        arr.reshape(-1)[:1] = np.nan
+    return arr
+
+
+NUMPY_DTYPES = [
+    "?", "i1", "u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8", "<c8", "<c16",
+    "<f16" if np.dtype(np.longdouble).itemsize == 16 else "<f8", "<M8[ns]", "<m8[s]", "<U5", "|S3",
+    "|V4", ">i2", ">u4", ">i8", ">f4", ">f8", ">c16", ">M8[us]", ">U3",
+]
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES)
+@pytest.mark.parametrize("shape", [(0,), (7,), (3, 0, 2), (2, 3, 5)], ids=str)
+def test_numpy_every_dtype_and_shape_roundtrips(dtype, shape):
+    arr = _random_array(dtype, shape)
+    assert_same(record_roundtrip(arr), arr)
+
+
+def test_numpy_zero_dim_arrays_keep_their_shape():
+    """``np.array(5)`` has shape (); it must not come back as shape (1,) (np.ascontiguousarray
+    promotes 0-d arrays to 1-d)."""
+    wrong = []
+    for dtype in NUMPY_DTYPES:
+        arr = _random_array(dtype, ())
+        got = record_roundtrip(arr)
+        if got.shape != () or got.tobytes() != arr.tobytes() or got.dtype.str != arr.dtype.str:
+            wrong.append(f"{dtype}: shape {got.shape}")
+    assert not wrong, f"0-d arrays changed: {wrong}"
+
+
+@pytest.mark.parametrize("make", [
+    lambda a: a[::2],
+    lambda a: a[:, ::-1],
+    lambda a: a.T,
+    lambda a: np.asfortranarray(a),
+    lambda a: a[1:, 2:],
+    lambda a: np.broadcast_to(a[:1], (5, 6)),
+    lambda a: a.view(">i4").byteswap(),  # big-endian, non-native layout in memory
+], ids=["step", "reversed", "transposed", "fortran", "offset", "broadcast", "big-endian"])
+def test_numpy_non_contiguous_views_roundtrip(make):
+    base = np.arange(30, dtype=np.int32).reshape(5, 6)
+    arr = make(base)
+    got = record_roundtrip(arr)
+    assert_same(got, np.ascontiguousarray(arr))
+    assert got.flags.c_contiguous
+
+
+def test_numpy_array_payload_is_64_byte_aligned_in_the_record():
+    enc = codec.encode((1, "abc", np.zeros(3, np.uint8), np.ones(5, np.float32)))
+    offsets = [off for off, piece in enc.pieces if isinstance(piece, np.ndarray)]
+    assert offsets and all(off % 64 == 0 for off in offsets)
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
+    torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2,
+], ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (2, 3, 4)], ids=str)
+def test_torch_every_dtype_and_shape_roundtrips(dtype, shape):
+    n = int(np.prod(shape, dtype=np.int64))
+    if dtype is torch.bool:
+        t = torch.from_numpy(_rng.integers(0, 2, n) == 1).reshape(shape)
+    else:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        raw = torch.from_numpy(_rng.integers(0, 256, n * itemsize, dtype=np.uint8))
+        t = raw.view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+    assert_same(record_roundtrip(t), t)
+
+
+@pytest.mark.parametrize("make", [
+    lambda t: t.T,
+    lambda t: t[:, ::2],
+    lambda t: t[1:],
+    lambda t: t.expand(4, 3, 6)[1],
+    lambda t: t.reshape(1, 3, 3, 2).contiguous(memory_format=torch.channels_last),
+    lambda t: t.clone().requires_grad_(True),
+    lambda t: (t * 2).requires_grad_(True) * 1.0,  # non-leaf with a graph
+    lambda t: torch.nn.Parameter(t.clone()),
+], ids=["transposed", "step", "offset", "expanded", "channels-last", "requires-grad",
+        "non-leaf", "parameter"])
+def test_torch_views_and_autograd_tensors_roundtrip_values(make):
+    t = make(torch.arange(18, dtype=torch.float32).reshape(3, 6))
+    got = record_roundtrip(t)
+    assert isinstance(got, torch.Tensor)
+    assert got.dtype == t.dtype and got.shape == t.shape
+    assert torch.equal(got, t.detach())
+    assert got.grad_fn is None, "a cached sample must not drag an autograd graph along"
+
+
+def test_torch_conjugate_view_roundtrips():
+    """``x.conj()`` is a lazy view (conj bit); the codec must store the conjugated values."""
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    got = record_roundtrip(x.conj())
+    assert torch.equal(got, torch.tensor([1 - 2j, 3 + 4j], dtype=torch.complex64))
+
+
+def test_torch_negative_view_roundtrips():
+    """``x.conj().imag`` is a lazy negative view (neg bit); the codec must store the negated values."""
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    neg = x.conj().imag
+    assert neg.is_neg()
+    got = record_roundtrip(neg)
+    assert torch.equal(got, torch.tensor([-2.0, 4.0]))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch's own, on unpickling
+def test_torch_sparse_tensor_roundtrips_through_pickle():
+    t = torch.sparse_coo_tensor([[0, 2], [1, 0]], [3.0, 4.0], (3, 3))
+    got = record_roundtrip(t)
+    assert got.is_sparse and torch.equal(got.to_dense(), t.to_dense())
+
+
+PY_VALUES = {
+    "ints": [0, 1, -1, 2**63 - 1, -(2**63), 2**63, -(2**63) - 1, 10**100, -(10**100)],
+    "floats": [0.0, -0.0, 1.5, math.inf, -math.inf, math.nan, -math.nan, 5e-324, sys.float_info.max],
+    "bools": [True, False],
+    "none": None,
+    "strs": ["", "héllo", "日本語", "🎉 emoji", "\ud800 lone surrogate \udfff", "nul\x00inside",
+             "x" * 100000],
+    "bytes": [b"", b"\x00\xff" * 1000, bytes(range(256))],
+}
+
+
+@pytest.mark.parametrize("name", list(PY_VALUES))
+def test_python_scalars_roundtrip(name):
+    value = PY_VALUES[name]
+    assert_same(record_roundtrip(value), value)
+
+
+def test_float_nan_payload_bits_survive():
+    weird = struct_unpack_d(b"\x01\x00\x00\x00\x00\x00\xf8\x7f")  # a quiet NaN with a payload
+    assert_same(record_roundtrip(weird), weird)
+
+
+def struct_unpack_d(raw: bytes) -> float:
+    import struct
+
+    return struct.unpack("<d", raw)[0]
+
+
+def test_numpy_scalars_keep_their_type():
+    """``dataset[i]`` returning ``np.int64(3)`` must not come back from the cache as a Python int
+    (``label.item()``, ``label.dtype`` would break between the first and the second epoch)."""
+    for value in (np.int64(3), np.float64(0.25), np.bool_(True), np.float32(1.5), np.int32(-4),
+                  np.uint8(200)):
+        got = record_roundtrip(value)
+        assert type(got) is type(value), f"{type(value).__name__} came back as {type(got).__name__}"
+        assert got == value
+
+
+def test_nested_containers_roundtrip():
+    value = {
+        "image": np.arange(12, dtype=np.uint8).reshape(3, 4),
+        "meta": {"id": 7, "name": "sample-7", 3: [1.5, None, True], "empty": {}},
+        "pair": (torch.ones(2, dtype=torch.bfloat16), [b"raw", ("deep", ((),))]),
+        "list": [[], (), [np.float64, 1]],  # a type object goes through pickle
+        "two": [1, 2],
+        "one": (np.zeros(0, np.int16),),
+    }
+    assert_same(record_roundtrip(value), value)
+
+
+def test_deep_nesting_roundtrips():
+    value: object = 0
+    for i in range(200):
+        value = [value, i] if i % 2 else (value,)
+    assert_same(record_roundtrip(value), value)
+
+
+def test_dict_key_order_and_non_string_keys_roundtrip():
+    value = {"b": 1, "a": 2, 10: 3, -1: 4}
+    got = record_roundtrip(value)
+    assert list(got.items()) == list(value.items())
+    odd = {(1, 2): "tuple key", 1.5: "float key", True: "bool key"}  # pickled as a whole
+    assert_same(record_roundtrip(odd), odd)
+
+
+@pytest.mark.parametrize("value", [
+    Point(1, np.arange(3)), OrderedDict(b=1, a=2), bytearray(b"abc"), frozenset({1, 2}),
+    {1, 2, 3}, complex(1, -2), range(3, 9, 2), np.ma.masked_array([1, 2], mask=[0, 1]),
+    np.array([(1, 2.0)], dtype=[("a", "<i4"), ("b", "<f8")]), np.array([1, "x", None], dtype=object),
+], ids=["namedtuple", "ordereddict", "bytearray", "frozenset", "set", "complex", "range",
+        "masked", "structured", "object-array"])
+def test_other_picklable_values_roundtrip_with_their_type(value):
+    got = record_roundtrip(value)
+    assert type(got) is type(value)
+    if isinstance(value, np.ma.MaskedArray):  # its pickle is not byte-stable; compare the parts
+        assert np.array_equal(got.data, value.data) and np.array_equal(got.mask, value.mask)
+    else:
+        assert pickle.dumps(got, protocol=5) == pickle.dumps(value, protocol=5)
+
+
+# --- refused values ----------------------------------------------------------------------------
+
+
+def test_unpicklable_value_raises_encode_error_naming_the_path():
+    value = {"image": np.zeros(3), "hooks": [1, lambda: 0]}
+    with pytest.raises(EncodeError) as info:
+        codec.encode(value, "sample 12")
+    msg = str(info.value)
+    assert "sample 12['hooks'][1]" in msg and "function" in msg
+    assert isinstance(info.value, TypeError)
+
+
+def test_unpicklable_value_through_the_store_names_the_key(store):
+    with pytest.raises(EncodeError, match=r"key 'k-9'.*\[0\]"):
+        store.put("k-9", (memoryview(b"abc"), 1))
+    with pytest.raises(EncodeError, match=r"key 41"):
+        store.put(41, {"lock": __import__("threading").Lock()})
+    assert store.lookup("k-9") is MISSING and store.lookup(41) is MISSING
+    assert store.stats()["items_mem"] == 0
+
+
+def test_encode_error_pickles():
+    err = EncodeError("cannot store x")
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is EncodeError and str(again) == "cannot store x"
+
+
+# --- through the store: copy semantics ----------------------------------------------------------
+
+
+STORE_VALUES = [
+    np.arange(24, dtype=">f8").reshape(2, 3, 4),
+    (np.arange(5, dtype=np.int16), 3, "label"),
+    {"x": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "y": torch.tensor(1 + 1j)},
+    [None, True, 2**70, b"bytes", -0.0],
+    "just a string",
+    np.zeros((0, 4), np.float32),
+    torch.zeros((), dtype=torch.int64),
+]
+
+
+@pytest.mark.parametrize("i", range(len(STORE_VALUES)))
+def test_store_roundtrip_copy_and_view(store, i):
+    value = STORE_VALUES[i]
+    got_copy, got_view = store_roundtrip(store, value, key=i)
+    assert_same(got_copy, value)
+    assert_same(got_view, value)
+
+
+def test_copy_true_returns_private_writable_arrays(store):
+    value = (np.arange(100, dtype=np.int64), {"t": torch.arange(4, dtype=torch.float32)})
+    store.put(1, value)
+    arr, d = store.lookup(1, copy=True)
+    assert arr.flags.writeable
+    arr[:] = -1
+    d["t"].fill_(99.0)
+    again_arr, again_d = store.lookup(1, copy=True)
+    assert np.array_equal(again_arr, np.arange(100))
+    assert torch.equal(again_d["t"], torch.arange(4, dtype=torch.float32))
+    other = CacheStore("codec", "values")  # and another mapping of the cache agrees
+    try:
+        assert np.array_equal(other.lookup(1)[0], np.arange(100))
+    finally:
+        other.close()
+
+
+def test_copy_false_returns_read_only_numpy_views(store):
+    store.put(2, {"a": np.arange(10, dtype=np.float32), "b": [np.ones((2, 2), np.uint8)]})
+    got = store.lookup(2, copy=False)
+    for arr in (got["a"], got["b"][0]):
+        assert not arr.flags.writeable
+        with pytest.raises(ValueError):
+            arr[0] = 5
+    assert np.array_equal(store.lookup(2)["a"], np.arange(10, dtype=np.float32))
+
+
+_VIEW_SCRIPT = r"""
+import sys
+import numpy as np
+from shmcache.store import CacheStore
+
+a = CacheStore("codec", "views", capacity_bytes=16 << 20)
+want = np.arange(1000, dtype=np.int64)
+a.put(5, want)
+view = a.lookup(5, copy=False)
+if sys.argv[1] == "clear":  # another store object clears; this one then maps the new generation
+    b = CacheStore("codec", "views")
+    b.clear()
+    b.put(5, np.full(1000, -7, np.int64))
+    assert (a.lookup(5) == -7).all()
+    b.close()
+else:
+    a.close()
+print("equal" if np.array_equal(view, want) else "changed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "clear"])
+def test_zero_copy_views_outlive_clear_and_close(how):
+    """A view handed out with copy=False stays readable, with the same bytes, after its store is
+    closed, or after another store object clears the cache and this one moves to the new
+    generation (store.py: "old mappings stay valid for readers"). Run in a child: a dangling view
+    is a segfault."""
+    proc = subprocess.run([sys.executable, "-c", _VIEW_SCRIPT, how], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, f"exit {proc.returncode} (-11 = SIGSEGV): {proc.stderr[-2000:]}"
+    assert proc.stdout.strip() == "equal"
+
+
+def test_many_layouts_and_huge_layouts_roundtrip(store):
+    """More distinct layouts than the shared layout table holds, and layouts too large for a slot,
+    are stored inline in the record: they still round-trip."""
+    values = {}
+    for i in range(200):
+        values[i] = {f"field_{i}": np.full(i % 7, i, np.int32), "n": i}
+    values[1000] = {f"a_rather_long_field_name_{j}": j for j in range(120)}  # layout >> 512 bytes
+    for k, v in values.items():
+        assert store.put(k, v)
+    for k, v in values.items():
+        assert_same(store.lookup(k), v, f"key {k}")
+        assert_same(store.lookup(k, copy=False), v, f"key {k} (view)")

@@ -1,0 +1,582 @@
+"""ShmDatasetCache in one process: wrapping, the item and batch paths against the source, the
+fingerprint (different datasets never share a cache silently, the same one finds its cache),
+capacity as users see it, pickling, and bad arguments at every public entry point."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, default_collate
+
+from shmcache import ShmDatasetCache
+from shmcache.errors import CacheMismatch, EncodeError, InvalidArgument, ItemTooLarge, ShmcacheError
+from shmcache.store import STAT_KEYS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from _workers import FixedDataset, TorchDataset, VarDataset, assert_same, fixed_sample  # noqa: E402
+
+
+class Labelled(Dataset):
+    """Samples (array, label) whose labels come from a list attribute (think: a label file)."""
+
+    def __init__(self, labels):
+        self.labels = list(labels)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return np.full(4, i, np.int32), self.labels[i]
+
+
+class Stream(IterableDataset):
+    def __init__(self, items):
+        self.items = list(items)
+        self.passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(self.items)
+
+
+class Unpicklable(Dataset):
+    """Samples ``bad`` hold a lambda (not storable); wrap() reads samples 0, 5 and 9 itself."""
+
+    def __init__(self, bad=(0,)):
+        self.bad = set(bad)
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return (np.zeros(2), (lambda: i) if i in self.bad else i)
+
+
+def _cache(**kw):
+    kw.setdefault("session", "ds")
+    kw.setdefault("size", 64)
+    return ShmDatasetCache(**kw)
+
+
+# --- reading through the cache ---------------------------------------------------------------
+
+
+def test_wrapped_map_dataset_equals_the_source():
+    src = VarDataset(200, 10, 3000)
+    with _cache() as cache:
+        ds = cache.wrap(src)
+        assert len(ds) == 200
+        for epoch in range(2):
+            for i in range(200):
+                assert_same(ds[i], src[i], f"epoch {epoch} item {i}")
+        assert_same(ds[-1], src[199])
+        assert_same(ds[np.int64(3)], src[3])
+        assert_same(ds[torch.tensor(4)], src[4])
+        st = cache.stats()
+        assert st["items_mem"] == 200
+        assert st["hits"] == 200 + 3 + 3 and st["misses"] == 197  # the 3 probes were stored by wrap
+
+
+def test_second_pass_reads_the_cache_not_the_source():
+    src = FixedDataset(50, 64)
+    with _cache() as cache:
+        ds = cache.wrap(src)
+        [ds[i] for i in range(50)]
+        calls = src.calls
+        [ds[i] for i in range(50)]
+        ds.__getitems__(list(range(50)))
+        ds.get_batch(list(range(50)))
+        assert src.calls == calls
+
+
+def test_transform_is_cached_and_called_once_per_item():
+    calls = []
+
+    def double(sample):
+        calls.append(sample[1])
+        return sample[0].astype(np.int32) * 2, sample[1]
+
+    src = FixedDataset(30, 16)
+    with _cache() as cache:
+        ds = cache.wrap(src, transform=double)
+        for _ in range(3):
+            for i in range(30):
+                arr, label = ds[i]
+                want = fixed_sample(i, 16)
+                assert np.array_equal(arr, want[0].astype(np.int32) * 2) and label == want[1]
+        assert len(calls) == 30 + 1  # wrap() reads sample 0 twice (its randomness check)
+
+
+@pytest.mark.parametrize("bad", [3.0, "1", None, [[1]], (1, 2), True])
+def test_bad_indices(bad):
+    with _cache() as cache:
+        ds = cache.wrap(FixedDataset(5, 8))
+        with pytest.raises((TypeError, IndexError)):
+            ds[bad]
+
+
+@pytest.mark.parametrize("i", [5, 6, -6, 2**40])
+def test_out_of_range_indices(i):
+    with _cache() as cache:
+        ds = cache.wrap(FixedDataset(5, 8))
+        with pytest.raises(IndexError, match=str(i if i >= 0 else i + 5)):
+            ds[i]
+
+
+def test_getitems_returns_uncollated_samples():
+    src = FixedDataset(20, 32)
+    with _cache() as cache:
+        ds = cache.wrap(src)
+        got = ds.__getitems__([3, 0, 19, 3])
+        assert isinstance(got, list) and len(got) == 4
+        for g, i in zip(got, [3, 0, 19, 3]):
+            assert_same(g, src[i])
+
+
+@pytest.mark.parametrize("make", [FixedDataset, TorchDataset], ids=["numpy", "torch"])
+def test_batch_path_equals_default_collate_of_the_source(make):
+    """ds[list] / get_batch: "collated like default_collate" - same structure, container types,
+    dtypes and values, whether the batch was a miss (computed) or a hit (gathered)."""
+    src = make(40)
+    idx = [7, 1, 39, 20, 7]
+    want = default_collate([src[i] for i in idx])
+    with _cache() as cache:
+        ds = cache.wrap(src)
+        for attempt in ("miss", "hit"):
+            got = ds[idx]
+            assert_same(got, want, attempt)
+        assert_same(ds.get_batch(np.array(idx)), want)
+        assert_same(ds[torch.tensor(idx)], want)
+
+
+def test_get_batch_gathers_into_out_buffers():
+    src = FixedDataset(30, 48)
+    idx = list(range(0, 30, 3))
+    with _cache() as cache:
+        ds = cache.wrap(src)
+        [ds[i] for i in idx]
+        out = [torch.empty((len(idx), 48), dtype=torch.uint8), torch.empty(len(idx), dtype=torch.int64)]
+        got = cache.get_batch(idx, out=out)
+        assert got is out
+        want = default_collate([src[i] for i in idx])
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+        fresh = [torch.zeros_like(out[0]), torch.zeros_like(out[1])]
+        ds.get_batch([i + 1 for i in idx], out=fresh)  # misses computed, then gathered into out
+        want = default_collate([src[i + 1] for i in idx])
+        assert torch.equal(fresh[0], want[0]) and torch.equal(fresh[1], want[1])
+
+
+def test_get_batch_with_missing_keys_and_no_fn_names_them():
+    with _cache(name="kv") as cache:
+        cache.put(1, (np.zeros(3), 1))
+        cache.put(2, (np.zeros(3), 2))
+        with pytest.raises(KeyError) as info:
+            cache.get_batch([1, 777, 2, 888])
+        msg = str(info.value)
+        assert "777" in msg and "888" in msg and "fn=" in msg
+        with pytest.raises(KeyError, match="'nope'"):
+            cache.get_batch(["nope", 1])
+        got = cache.get_batch([1, 777], fn=lambda k: (np.ones(3), k))
+        assert torch.equal(got[1], torch.tensor([1, 777]))
+        assert 777 in cache
+
+
+def test_get_put_getitem_contains_len():
+    with _cache(name="kv") as cache:
+        assert len(cache) == 0 and 5 not in cache
+        with pytest.raises(KeyError):
+            cache[5]
+        assert cache.get(5, lambda k: {"k": k, "sq": k * k}) == {"k": 5, "sq": 25}
+        assert cache.get(5, lambda k: pytest.fail("recomputed a cached key")) == {"k": 5, "sq": 25}
+        assert cache[5] == {"k": 5, "sq": 25} and 5 in cache
+        assert cache.put("s", [1, 2]) is True and cache["s"] == [1, 2]
+        assert cache.put(b"s", "other") and cache[b"s"] == "other" and cache["s"] == [1, 2]
+        assert len(cache) == 3
+
+
+@pytest.mark.parametrize("key", [1.5, True, (1,), None, [1], np.float64(2.0)])
+def test_keys_of_the_wrong_type_name_the_type(key):
+    with _cache(name="kv") as cache:
+        for call in (lambda: cache.get(key, lambda k: 1), lambda: cache.put(key, 1),
+                     lambda: cache[key], lambda: key in cache,
+                     lambda: cache.get_batch([0, key], fn=lambda k: 1)):
+            with pytest.raises(TypeError, match=type(key).__name__):
+                call()
+        assert len(cache) == 0
+
+
+def test_copy_false_returns_read_only_arrays_and_copy_true_private_ones():
+    with _cache(name="cp", copy=False) as view_cache, _cache(name="cp") as copy_cache:
+        view_cache.put(1, {"a": np.arange(5)})
+        ro = view_cache[1]["a"]
+        assert not ro.flags.writeable
+        rw = copy_cache[1]["a"]
+        rw[:] = 0
+        assert np.array_equal(view_cache[1]["a"], np.arange(5))
+
+
+def test_warmup_fills_everything_once():
+    src = FixedDataset(300, 40)
+    with _cache() as cache:
+        ds = cache.wrap(src)
+        calls = src.calls
+        computed = cache.warmup(ds, progress=False)
+        assert computed == 297  # the probes of wrap() were already there
+        assert src.calls - calls == 297
+        assert len(cache) == 300
+        assert cache.warmup(ds, progress=False) == 0
+        for i in (0, 150, 299):
+            assert_same(ds[i], src[i])
+
+
+def test_clear_drops_everything_for_every_handle():
+    src = FixedDataset(20, 40)
+    with _cache() as cache:
+        ds = cache.wrap(src)
+        [ds[i] for i in range(20)]
+        other = _cache(name=cache.name)
+        assert len(other) == 20
+        cache.clear()
+        assert len(other) == 0 and 3 not in other
+        assert_same(ds[3], src[3])  # recomputed from the source
+        assert len(other) == 1
+        other.close()
+
+
+def test_close_then_use_reattaches():
+    with _cache(name="reopen") as cache:
+        cache.put(1, "one")
+    assert cache[1] == "one"
+    cache.close()
+    cache.close()
+
+
+def test_stats_have_the_designed_keys():
+    with _cache(name="st") as cache:
+        cache.put(1, np.zeros(10))
+        st = cache.stats()
+        assert set(STAT_KEYS) <= set(st)
+        assert st["items_mem"] == 1 and st["session"] == "ds" and st["name"] == "st"
+        assert st["capacity_bytes"] == 64 << 20
+
+
+def test_iterable_dataset_records_then_replays():
+    src = Stream([np.full(3, i) for i in range(10)])
+    with _cache() as cache:
+        it = cache.wrap(src)
+        passes = src.passes
+        first = list(it)
+        assert src.passes == passes + 1
+        second = list(it)
+        assert src.passes == passes + 1, "the second pass read the source again"
+        for a, b, c in zip(first, second, src.items):
+            assert_same(a, c)
+            assert_same(b, c)
+        assert len(second) == 10
+
+
+# --- capacity as users see it ---------------------------------------------------------------------
+
+
+def test_tiny_cache_stops_admitting_but_still_returns_values():
+    src = FixedDataset(2000, 1024)
+    with _cache(size=1) as cache:
+        ds = cache.wrap(src)
+        for i in range(2000):
+            assert_same(ds[i], src[i])
+        st = cache.stats()
+        assert 0 < st["items_mem"] < 1000
+        assert st["rejected"] == 2000 - st["items_mem"]
+        for i in range(1990, 2000):
+            assert_same(ds[i], src[i])  # still served (from the source)
+        assert cache.get(10**6, lambda k: "fresh") == "fresh"
+
+
+def test_item_larger_than_the_cap_raises_naming_the_size():
+    with _cache(size=1, name="small") as cache:
+        with pytest.raises(ItemTooLarge, match=r"\b3(\.0+)? MiB"):
+            cache.put(1, np.zeros(3 << 20, np.uint8))
+        with pytest.raises(ItemTooLarge, match="size="):
+            cache.get(2, lambda k: np.zeros(3 << 20, np.uint8))
+
+
+# --- fingerprints -------------------------------------------------------------------------------
+
+
+def test_different_datasets_get_different_caches():
+    a, b = FixedDataset(100, 16, seed=1), FixedDataset(100, 16, seed=2)
+    ca, cb = _cache(), _cache()
+    da, db = ca.wrap(a), cb.wrap(b)
+    assert ca.name != cb.name
+    for i in (0, 5, 99):
+        assert_same(da[i], a[i])
+        assert_same(db[i], b[i])
+    assert_same(_cache().wrap(FixedDataset(101, 16, seed=1))[5], FixedDataset(101, 16, seed=1)[5])
+    ca.close()
+    cb.close()
+
+
+def test_same_dataset_in_a_new_cache_object_finds_its_cache():
+    src = FixedDataset(100, 16)
+    first = _cache()
+    ds = first.wrap(src)
+    [ds[i] for i in range(100)]
+    first.close()
+    again_src = FixedDataset(100, 16)
+    second = _cache()
+    ds2 = second.wrap(again_src)
+    assert second.name == first.name
+    for i in range(100):
+        assert_same(ds2[i], src[i])
+    assert again_src.calls == 4  # only wrap()'s probes and its randomness check
+    assert second.stats()["items_mem"] == 100
+    second.close()
+
+
+def test_same_explicit_name_for_another_dataset_is_a_mismatch():
+    with _cache(name="explicit") as c1:
+        c1.wrap(FixedDataset(10, 16, seed=1))
+    with _cache(name="explicit") as c2:
+        with pytest.raises(CacheMismatch, match="name="):
+            c2.wrap(FixedDataset(10, 16, seed=2))
+    with _cache(name="explicit") as c3:  # the right dataset still binds
+        assert_same(c3.wrap(FixedDataset(10, 16, seed=1))[4], FixedDataset(10, 16, seed=1)[4])
+
+
+def test_one_cache_object_refuses_a_second_dataset():
+    with _cache() as cache:
+        cache.wrap(FixedDataset(10, 16, seed=1))
+        with pytest.raises(InvalidArgument, match="another dataset"):
+            cache.wrap(FixedDataset(10, 16, seed=2))
+
+
+def test_different_transforms_get_different_caches():
+    src = FixedDataset(10, 16)
+    c1, c2 = _cache(), _cache()
+    d1 = c1.wrap(src, transform=lambda s: (s[0], s[1] + 1))
+    d2 = c2.wrap(src, transform=lambda s: (s[0], s[1] + 2))
+    assert c1.name != c2.name
+    assert d1[3][1] + 1 == d2[3][1]
+    c1.close()
+    c2.close()
+
+
+def test_relabelled_dataset_does_not_reuse_the_old_cache():
+    """Version 2 of a dataset fixes a few labels in the middle (same class, same length, same
+    first/middle/last samples): it must not be served version 1's cached labels."""
+    v1 = Labelled([i % 10 for i in range(100)])
+    fixed = [i % 10 for i in range(100)]
+    fixed[17], fixed[63] = 99, 99
+    v2 = Labelled(fixed)
+    c1 = _cache()
+    d1 = c1.wrap(v1)
+    [d1[i] for i in range(100)]
+    c2 = _cache()
+    d2 = c2.wrap(v2)
+    assert d2[17][1] == 99 and d2[63][1] == 99, "served the labels of another dataset"
+    c1.close()
+    c2.close()
+
+
+def test_iterable_datasets_with_the_same_first_item_do_not_share_a_cache():
+    """Two streams that start alike (a CSV header line, a BOS token) are still different data."""
+    c1, c2 = _cache(), _cache()
+    s1 = c1.wrap(Stream(["header", "a", "b"]))
+    assert list(s1) == ["header", "a", "b"]
+    s2 = c2.wrap(Stream(["header", "x", "y", "z"]))
+    assert list(s2) == ["header", "x", "y", "z"]
+    c1.close()
+    c2.close()
+
+
+def test_random_datasets_are_refused_at_wrap():
+    class Noisy(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return np.random.rand(3)
+
+    with _cache() as cache:
+        with pytest.raises(InvalidArgument, match="random"):
+            cache.wrap(Noisy())
+
+
+# --- pickling -------------------------------------------------------------------------------------
+
+
+def test_wrapped_dataset_pickles_by_name_and_reattaches():
+    src = FixedDataset(50, 16)
+    with _cache() as cache:
+        ds = cache.wrap(src)
+        [ds[i] for i in range(50)]
+        blob = pickle.dumps(ds)
+        assert len(blob) - len(pickle.dumps(src)) < 2048, "the wrapper pickles more than names"
+        clone = pickle.loads(blob)
+        assert clone.cache._store is None  # attaches lazily
+        hits, calls = cache.stats()["hits"], clone.dataset.calls
+        for i in range(50):
+            assert_same(clone[i], fixed_sample(i, 16))
+        assert cache.stats()["hits"] == hits + 50
+        assert clone.dataset.calls == calls  # nothing recomputed in the clone
+        clone.cache.close()
+
+
+def test_unpickled_wrapper_finds_its_cache_whatever_shmcache_dir_says(monkeypatch, tmp_path):
+    """A wrapped dataset "pickles by name": a worker whose $SHMCACHE_DIR differs from its parent's
+    (a forkserver started before the variable was set) must reach the same cache, not build an
+    empty twin in another namespace."""
+    from shmcache.config import ENV_DIR, namespace
+
+    src = FixedDataset(20, 16)
+    cache = _cache()
+    ds = cache.wrap(src)
+    [ds[i] for i in range(20)]
+    blob = pickle.dumps(ds)
+    home = os.environ[ENV_DIR]
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "elsewhere"))
+    other = namespace()
+    try:
+        clone = pickle.loads(blob)
+        calls = clone.dataset.calls
+        for i in range(20):
+            assert_same(clone[i], fixed_sample(i, 16))
+        clone.cache.close()
+        assert clone.dataset.calls == calls, "the clone recomputed what the cache holds"
+        assert other.owned_segments() == [], "an empty twin of the cache appeared elsewhere"
+    finally:
+        from shmcache.registry import SessionRegistry
+
+        for info in SessionRegistry(other).list():
+            SessionRegistry(other).destroy(info.name, force=True)
+        monkeypatch.setenv(ENV_DIR, home)
+        cache.close()
+
+
+# --- bad arguments ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [-1, True, False, "10", 1.5, None, 2**31, 10**12])
+def test_bad_size_is_refused_naming_size(size):
+    with pytest.raises(InvalidArgument, match="size"):
+        ShmDatasetCache(session="ds", name="x", size=size)
+
+
+def test_a_byte_count_given_as_size_is_a_clear_error():
+    """size is in MB; size=10**9 (someone meant bytes) must give an error naming size, not an
+    OSError from mmap at the first put."""
+    with pytest.raises(ShmcacheError, match="size"):
+        cache = ShmDatasetCache(session="ds", name="bytes-meant", size=10**9)
+        cache.put(1, np.zeros(10))
+
+
+def test_bad_size_from_the_environment_names_the_variable(monkeypatch):
+    for env in ("lots", "1.5", "-3"):
+        monkeypatch.setenv("SHMCACHE_SIZE_MB", env)
+        with pytest.raises(InvalidArgument, match="SHMCACHE_SIZE_MB"):
+            ShmDatasetCache(session="ds", name="envsize")
+    monkeypatch.setenv("SHMCACHE_SIZE_MB", "3")
+    with ShmDatasetCache(session="ds", name="envsize") as cache:
+        cache.put(1, 1)
+        assert cache.stats()["capacity_bytes"] == 3 << 20
+
+
+@pytest.mark.parametrize("session", ["a/b", "..", "", "x" * 65, 5, b"s", "a b"])
+def test_bad_session_is_refused_naming_session(session, shm_namespace):
+    with pytest.raises(InvalidArgument, match="session"):
+        ShmDatasetCache(session=session, name="x")
+    assert shm_namespace.owned_segments() == []
+
+
+@pytest.mark.parametrize("name", ["a/b", "..", "", "x" * 65, 5, b"s", "a+b"])
+def test_bad_cache_name_is_refused_naming_cache(name, shm_namespace):
+    with pytest.raises(InvalidArgument, match="cache"):
+        ShmDatasetCache(session="ds", name=name)
+    assert shm_namespace.owned_segments() == []
+
+
+def test_session_auto_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SHMCACHE_SESSION", "from-env")
+    with ShmDatasetCache(name="x", size=8) as cache:
+        cache.put(1, 1)
+        assert cache.stats()["session"] == "from-env"
+    monkeypatch.setenv("SHMCACHE_SESSION", "bad/name")
+    with pytest.raises(InvalidArgument, match="SHMCACHE_SESSION"):
+        ShmDatasetCache(name="x")
+
+
+@pytest.mark.parametrize("transform", [5, "upper", [len]])
+def test_transform_must_be_callable(transform):
+    with _cache() as cache:
+        with pytest.raises(InvalidArgument, match="transform"):
+            cache.wrap(FixedDataset(3, 8), transform=transform)
+
+
+@pytest.mark.parametrize("thing", [5, None, object(), 3.5])
+def test_wrap_of_a_non_dataset_is_refused(thing):
+    with _cache() as cache:
+        with pytest.raises(InvalidArgument, match="dataset"):
+            cache.wrap(thing)
+
+
+def test_unpicklable_samples_name_the_sample():
+    with _cache() as cache:
+        ds = cache.wrap(Unpicklable(bad=(7, 8)))
+        with pytest.raises(EncodeError, match=r"sample 7\b.*Unpicklable"):
+            ds[7]
+        with pytest.raises(EncodeError, match=r"sample 8\b"):
+            ds.__getitems__([1, 8])
+    with _cache() as cache:
+        with pytest.raises(EncodeError) as info:
+            cache.wrap(Unpicklable(bad=(0,)))  # wrap() reads sample 0 itself
+        assert "sample 0" in str(info.value) and "Unpicklable" in str(info.value)
+
+
+# --- out buffers and zero-copy tensors --------------------------------------------------------
+
+
+def test_get_batch_into_out_buffers_of_another_dtype_converts_or_refuses():
+    """Gathering int labels into a float64 buffer must give 0., 1., 2. (like tensor.copy_, which
+    the non-vectorised path uses) or raise - never the int64 bits reinterpreted as doubles."""
+    with _cache(name="out-dtype") as cache:
+        for k in range(4):
+            cache.put(k, (np.full(3, k, np.uint8), k))
+        out = [torch.empty((4, 3), dtype=torch.uint8), torch.zeros(4, dtype=torch.float64)]
+        try:
+            cache.get_batch([0, 1, 2, 3], out=out)
+        except (InvalidArgument, TypeError, ValueError):
+            return
+        assert out[1].tolist() == [0.0, 1.0, 2.0, 3.0], f"labels came out as {out[1].tolist()}"
+
+
+_WRITE_INTO_VIEW = r"""
+import torch
+from shmcache import ShmDatasetCache
+view = ShmDatasetCache(session="ds", name="zc", copy=False)
+t = view[1]
+print("got", type(t).__name__, flush=True)
+try:
+    t.add_(100)      # a user normalising a batch in place
+except Exception as exc:
+    print("refused", type(exc).__name__, flush=True)
+"""
+
+
+def test_writing_into_a_zero_copy_tensor_cannot_change_the_cache():
+    """copy=False promises "zero-copy read-only views"; torch has no read-only tensors, so an
+    in-place op on a hit must fail (an exception, or even a crash of that process) rather than
+    silently change the sample for every process of the machine."""
+    import subprocess
+
+    with _cache(name="zc") as cache:
+        cache.put(1, torch.arange(4))
+        proc = subprocess.run([sys.executable, "-c", _WRITE_INTO_VIEW], capture_output=True,
+                              text=True, timeout=60)
+        assert "got Tensor" in proc.stdout, proc.stderr[-2000:]
+        assert torch.equal(cache[1], torch.arange(4)), f"the cache now holds {cache[1].tolist()}"

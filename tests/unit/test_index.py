@@ -1,0 +1,213 @@
+"""The shared index: which keys are the same key, which are not, growth of the table while other
+store objects keep reading, and the vectorised int lookup agreeing with the scalar one.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+import numpy as np
+import pytest
+
+import shmcache.index as index_mod
+from shmcache.index import READY, INT_KEY, TableView, key_bytes, key_hash
+from shmcache.store import MISSING, CacheStore
+
+INT_EDGES = [0, 1, -1, 2, 1023, 1024, 1025, 2**31, -(2**31), 2**32 + 5, 2**62, 2**63 - 1, -(2**63),
+             -(2**63) + 1]
+
+
+@pytest.fixture
+def store():
+    s = CacheStore("idx", "keys", capacity_bytes=32 << 20)
+    yield s
+    s.close()
+
+
+# --- key identity -----------------------------------------------------------------------------
+
+
+def test_int_keys_including_extremes_are_distinct_and_found(store):
+    for k in INT_EDGES:
+        assert store.put(k, ("int", k))
+    for k in INT_EDGES:
+        assert store.lookup(k) == ("int", k), k
+    assert len(store) == len(INT_EDGES)
+    assert store.lookup(3) is MISSING and store.lookup(-2) is MISSING
+
+
+def test_numpy_integer_keys_are_the_same_key_as_python_ints(store):
+    store.put(np.int64(-5), "a")
+    store.put(7, "b")
+    assert store.lookup(-5) == "a"
+    assert store.lookup(np.uint16(7)) == "b" and store.lookup(np.int32(7)) == "b"
+    assert len(store) == 2
+
+
+def test_int_keys_beyond_64_bits_are_refused(store):
+    for k in (2**63, -(2**63) - 1, 10**30):
+        with pytest.raises(OverflowError, match="64 bits"):
+            store.put(k, 1)
+        with pytest.raises(OverflowError):
+            store.lookup(k)
+    assert len(store) == 0
+
+
+@pytest.mark.parametrize("key", [1.0, True, False, None, (1, 2), [1], np.float32(1), np.bool_(True),
+                                 bytearray(b"a"), 1j])
+def test_keys_of_other_types_are_refused_naming_the_type(store, key):
+    with pytest.raises(TypeError, match=type(key).__name__):
+        store.put(key, 1)
+    with pytest.raises(TypeError, match=type(key).__name__):
+        store.lookup(key)
+    assert len(store) == 0
+
+
+def test_str_and_bytes_of_the_same_text_are_different_keys(store):
+    pairs = [("a", b"a"), ("", b""), ("héllo", "héllo".encode()), ("97", b"97")]
+    for s, b in pairs:
+        store.put(s, ("str", s))
+    for s, b in pairs:
+        assert store.lookup(b) is MISSING, b
+        store.put(b, ("bytes", b))
+    for s, b in pairs:
+        assert store.lookup(s) == ("str", s)
+        assert store.lookup(b) == ("bytes", b)
+    assert store.lookup(97) is MISSING  # and the int is a third key
+    assert len(store) == 2 * len(pairs)
+
+
+def test_unicode_normal_forms_and_surrogates_are_distinct_keys(store):
+    nfc, nfd = unicodedata.normalize("NFC", "é"), unicodedata.normalize("NFD", "é")
+    keys = [nfc, nfd, "\ud800", "\udc00", "\ud800\udc00", "𐀀", "a\x00", "a"]
+    for i, k in enumerate(keys):
+        store.put(k, i)
+    assert [store.lookup(k) for k in keys] == list(range(len(keys)))
+
+
+def test_int_key_equal_to_a_string_hash_is_another_key(store):
+    """An int key stores itself in the word where str keys store their hash: the INT_KEY flag
+    keeps them apart."""
+    w1, _ = key_bytes("collide")
+    as_int = w1 - (1 << 64) if w1 >= 1 << 63 else w1
+    store.put("collide", "the string")
+    assert store.lookup(as_int) is MISSING
+    store.put(as_int, "the int")
+    assert store.lookup("collide") == "the string"
+    assert store.lookup(as_int) == "the int"
+
+
+def test_hash_collisions_between_str_and_bytes_keys_are_resolved(store, monkeypatch):
+    """Every str/bytes key hashing to the same word: the store must compare the whole key, not a
+    suffix of the record (``"ab"`` and ``b"zsab"`` share their last key bytes)."""
+    monkeypatch.setattr(index_mod, "key_hash", lambda kb: 12345)
+    store.put(b"zsab", "bytes zsab")
+    assert store.lookup("ab") is MISSING, "a different key with the same hash matched"
+    store.put("ab", "str ab")
+    store.put("b", "str b")
+    store.put(b"ab", "bytes ab")
+    assert store.lookup("ab") == "str ab"
+    assert store.lookup("b") == "str b"
+    assert store.lookup(b"ab") == "bytes ab"
+    assert store.lookup(b"zsab") == "bytes zsab"
+    assert len(store) == 4
+
+
+def test_key_hash_is_stable():
+    """Hashes live in shared memory across processes and runs: they must not depend on
+    PYTHONHASHSEED (blake2b, not hash())."""
+    assert key_hash(b"sabc") == int.from_bytes(
+        __import__("hashlib").blake2b(b"sabc", digest_size=8).digest(), "little")
+    assert key_bytes("abc") == (key_hash(b"sabc"), b"sabc")
+    assert key_bytes(b"abc") == (key_hash(b"babc"), b"babc")
+    assert key_bytes(-1) == ((1 << 64) - 1, b"")
+
+
+# --- the table itself ---------------------------------------------------------------------------
+
+
+def _table(capacity: int) -> TableView:
+    buf = bytearray(TableView.bytes_for(capacity))
+    TableView.init(buf, capacity)
+    return TableView(buf)
+
+
+def _insert(t: TableView, key: int) -> None:
+    w1 = key & ((1 << 64) - 1)
+    pos, w0, _ = t.find(w1, True)
+    assert w0 == 0
+    t.publish(pos, READY | INT_KEY | (64 << 32), w1, key * 3 & ((1 << 48) - 1))
+
+
+def test_lookup_ints_agrees_with_find_including_collisions_and_wraparound():
+    t = _table(256)
+    rng = np.random.default_rng(3)
+    keys = list(range(0, 100, 3)) + [255, 256, 257, -1, -256] + rng.integers(-2**62, 2**62, 60).tolist()
+    for k in keys:
+        _insert(t, k)
+    probe = np.array(keys + [1, 4, 258, -2, 2**61 + 1], dtype=np.int64)
+    w0, w2 = t.lookup_ints(probe)
+    for k, a, b in zip(probe.tolist(), w0.tolist(), w2.tolist()):
+        _, f0, f2 = t.find(k & ((1 << 64) - 1), True)
+        assert (a, b) == (f0, f2), k
+        assert (a != 0) == (k in keys), k
+        if a:
+            assert b == k * 3 & ((1 << 48) - 1)
+    assert len(list(t.entries())) == len(keys)
+
+
+def test_lookup_ints_on_dataset_indices_with_one_missing():
+    t = _table(1024)
+    for k in range(500):
+        if k != 250:
+            _insert(t, k)
+    w0, _ = t.lookup_ints(np.arange(500, dtype=np.int64))
+    assert (w0 != 0).sum() == 499 and w0[250] == 0
+
+
+def test_entry_words_are_native_8_byte_aligned():
+    t = _table(1024)
+    assert t.words.ctypes.data % 8 == 0
+    assert TableView.bytes_for(1024) == 128 + 1024 * 24
+
+
+# --- growth ------------------------------------------------------------------------------------
+
+
+def test_growth_keeps_every_key_and_readers_holding_old_store_objects_keep_reading(shm_namespace):
+    writer = CacheStore("idx", "grow", capacity_bytes=64 << 20)
+    reader = CacheStore("idx", "grow")  # opened before any growth: maps table version 1
+    first = reader._refresh().index.capacity
+    ints = list(range(-50, 2500)) + [2**63 - 1 - i for i in range(50)]
+    strs = [f"key-{i}" for i in range(600)]
+    for i, k in enumerate(ints):
+        writer.put(k, k * 2)
+        if i % 500 == 0:  # the reader keeps up while the table grows under it
+            assert reader.lookup(k) == k * 2
+            assert reader.lookup(ints[i // 2]) == ints[i // 2] * 2
+    for k in strs:
+        writer.put(k, k.upper())
+    assert writer._refresh().index.capacity >= 4 * first, "the table never grew"
+    for k in ints:
+        assert reader.lookup(k) == k * 2, k
+    for k in strs:
+        assert reader.lookup(k) == k.upper(), k
+    w0, _ = reader._refresh().index.lookup_ints(np.array(ints, dtype=np.int64))
+    assert (w0 != 0).all()
+    assert len(reader) == len(ints) + len(strs)
+    late = CacheStore("idx", "grow")  # opened after growth
+    assert late.lookup(2**63 - 1) == (2**63 - 1) * 2
+    tables = [n for n in shm_namespace.owned_segments() if n.rsplit("+", 1)[1].startswith("t")]
+    assert len(tables) == 1, f"old table versions left behind: {tables}"
+    for s in (writer, reader, late):
+        s.close()
+
+
+def test_table_hint_sizes_the_table_so_dataset_indices_never_grow_it():
+    s = CacheStore("idx", "hinted", capacity_bytes=64 << 20, table_hint=5000)
+    cap = s._refresh().index.capacity
+    for k in range(5000):
+        s.put(k, k)
+    assert s._refresh().index.capacity == cap
+    assert s._refresh().version == 1
+    s.close()

@@ -1,0 +1,189 @@
+"""flock locks: exclusion between processes and threads, timeouts that name the lock, a forked
+child never shares its parent's lock, release when the holder exits, liveness slots."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from shmcache.errors import LockTimeout
+from shmcache.locks import FileLock, LivenessSlot, slot_is_alive
+
+_HOLD = r"""
+import sys, time
+from shmcache.locks import FileLock
+lock = FileLock(sys.argv[1])
+lock.acquire()
+print("held", flush=True)
+sys.stdin.read()          # hold until the parent closes our stdin, then exit WITHOUT releasing
+"""
+
+
+def _holder(path):
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_other_process_excludes_then_exit_releases(tmp_path):
+    path = tmp_path / "x.lock"
+    proc = _holder(path)
+    try:
+        lock = FileLock(path, what="the test lock")
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout) as info:
+            lock.acquire(timeout_s=0.3)
+        assert time.monotonic() - t0 >= 0.29
+        assert "the test lock" in str(info.value) and str(path) in str(info.value)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    t0 = time.monotonic()
+    lock.acquire(timeout_s=5)  # the kernel dropped the dead holder's lock
+    assert time.monotonic() - t0 < 1.0
+    lock.release()
+    lock.close()
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["used-before", "first-use-in-threads"])
+def test_threads_sharing_one_lock_object_exclude_each_other(tmp_path, warm, monkeypatch):
+    """FileLock is "usable from threads": threads that share one lock object (a store used by a
+    prefetch thread and the main thread) never overlap inside it - also when their very first
+    acquire happens at the same time (opening the file is slowed down to make that likely)."""
+    import shmcache.locks as locks_mod
+
+    real_open = locks_mod._open_lock_file
+
+    def slow_open(path):
+        time.sleep(0.02)
+        return real_open(path)
+
+    monkeypatch.setattr(locks_mod, "_open_lock_file", slow_open)
+    lock = FileLock(tmp_path / "t.lock", timeout_s=1)
+    if warm:
+        with lock:
+            pass
+    inside, overlaps, errors = [0], [], []
+    start = threading.Barrier(4)
+
+    def work():
+        try:
+            start.wait(timeout=10)
+            for _ in range(200):
+                with lock:
+                    inside[0] += 1
+                    if inside[0] != 1:
+                        overlaps.append(inside[0])
+                    time.sleep(0)
+                    inside[0] -= 1
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    assert not overlaps, f"{len(overlaps)} times more than one thread held the lock"
+    lock.close()
+
+
+def test_thread_timeout_names_the_other_thread(tmp_path):
+    lock = FileLock(tmp_path / "t.lock", what="thread test lock")
+    lock.acquire()
+    err = []
+    t = threading.Thread(target=lambda: _try(lock, err))
+    t.start()
+    t.join(timeout=10)
+    lock.release()
+    assert err and isinstance(err[0], LockTimeout) and "thread test lock" in str(err[0])
+    lock.close()
+
+
+def _try(lock, err):
+    try:
+        lock.acquire(timeout_s=0.1)
+        lock.release()
+    except LockTimeout as exc:
+        err.append(exc)
+
+
+def test_forked_child_does_not_share_the_parents_lock(tmp_path):
+    """After fork the child shares the parent's open file description; it must re-open its own, so
+    the parent's held lock excludes the child."""
+    lock = FileLock(tmp_path / "f.lock")
+    lock.acquire()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            lock.acquire(timeout_s=0.2)
+            os.write(w, b"GOT IT")
+        except LockTimeout:
+            os.write(w, b"timeout")
+        except BaseException:
+            os.write(w, b"error")
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 100)
+    os.close(r)
+    os.waitpid(pid, 0)
+    lock.release()
+    assert got == b"timeout"
+    # and once released, a forked child takes it
+    pid = os.fork()
+    if pid == 0:
+        try:
+            lock.acquire(timeout_s=2)
+            lock.release()
+            os._exit(0)
+        except BaseException:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    lock.close()
+
+
+def test_lock_files_are_mode_0600_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        lock = FileLock(tmp_path / "m.lock")
+        with lock:
+            pass
+        (tmp_path / "slots").mkdir()
+        slot = LivenessSlot(tmp_path / "slots", 4)
+    finally:
+        os.umask(old)
+    for p in (tmp_path / "m.lock", slot.path):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+    slot.release()
+    lock.close()
+
+
+def test_liveness_slots(tmp_path):
+    a = LivenessSlot(tmp_path, 3)
+    b = LivenessSlot(tmp_path, 3)
+    c = LivenessSlot(tmp_path, 3)
+    assert sorted([a.index, b.index, c.index]) == [0, 1, 2]
+    assert a.path.read_text().split()[0] == str(os.getpid())
+    with pytest.raises(LockTimeout, match="3 process slots"):
+        LivenessSlot(tmp_path, 3)
+    assert slot_is_alive(b.path)
+    b.release()
+    assert not slot_is_alive(b.path)
+    assert not slot_is_alive(tmp_path / "nonexistent.lock")
+    d = LivenessSlot(tmp_path, 3)
+    assert d.index == b.index  # freed slots are reused
+    for s in (a, c, d):
+        s.release()

@@ -1,0 +1,215 @@
+"""The session registry: create / get / list / destroy, names that cannot escape the namespace,
+destroy that touches only its own session's segments, liveness by slot locks, gc."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmcache.errors import InvalidArgument, SessionExists, SessionNotFound, ShmcacheError
+from shmcache.registry import SessionRegistry
+from shmcache.store import CacheStore
+
+HELPERS = str(Path(__file__).resolve().parents[1] / "integration")
+
+BAD_NAMES = ["", "a/b", "..", ".", "...", "../etc", "/abs", "x" * 65, "a b", "tab\t", "new\nline",
+             "a+b", "é", "semi;colon", "*", "a\x00b"]
+
+
+@pytest.fixture
+def reg(shm_namespace):
+    return SessionRegistry(shm_namespace)
+
+
+def _cache_with_items(session, name, n=3):
+    s = CacheStore(session, name, capacity_bytes=4 << 20)
+    for i in range(n):
+        s.put(i, np.full(100, i))
+    return s
+
+
+def test_create_get_list_destroy(reg, shm_namespace):
+    info = reg.create("alpha")
+    assert info.name == "alpha" and info.uid == os.getuid() and info.creator_pid == os.getpid()
+    assert reg.get("alpha").created == pytest.approx(info.created)
+    assert [s.name for s in reg.list()] == ["alpha"]
+    assert reg.exists("alpha") and not reg.exists("beta")
+    sdir = reg.session_dir("alpha")
+    assert stat.S_IMODE(sdir.stat().st_mode) == 0o700
+    assert stat.S_IMODE((sdir / "session.json").stat().st_mode) == 0o600
+    store = _cache_with_items("alpha", "c")
+    store.close()
+    assert reg.cache_names("alpha") == ["c"]
+    removed = reg.destroy("alpha")
+    assert removed and all("+alpha+" in n for n in removed)
+    assert not reg.exists("alpha") and reg.list() == []
+    assert shm_namespace.owned_segments() == []
+
+
+def test_random_names_are_valid_and_distinct(reg):
+    names = {reg.create().name for _ in range(5)}
+    assert len(names) == 5
+    assert {s.name for s in reg.list()} == names
+
+
+def test_create_existing_raises_and_exist_ok_returns_it(reg):
+    reg.create("dup")
+    with pytest.raises(SessionExists, match="dup") as info:
+        reg.create("dup")
+    assert isinstance(info.value, FileExistsError)
+    assert reg.create("dup", exist_ok=True).name == "dup"
+    assert reg.ensure("dup").name == "dup" and reg.ensure("fresh").name == "fresh"
+
+
+def test_unknown_session_errors_list_what_exists(reg):
+    reg.create("known-one")
+    with pytest.raises(SessionNotFound, match="known-one") as info:
+        reg.get("missing")
+    assert "missing" in str(info.value) and isinstance(info.value, LookupError)
+    with pytest.raises(SessionNotFound, match="missing"):
+        reg.destroy("missing")
+
+
+@pytest.mark.parametrize("bad", BAD_NAMES + [None, 5, b"bytes", ["a"]])
+def test_bad_session_names_are_refused_everywhere(reg, bad, shm_namespace):
+    calls = [reg.get, reg.destroy, reg.ensure, reg.session_dir]
+    if bad is not None:  # create(None) means "a random name"
+        calls.append(reg.create)
+    for call in calls:
+        with pytest.raises(InvalidArgument, match="session") as info:
+            call(bad)
+        assert "A-Z" in str(info.value)  # says what a valid name is
+    assert list(shm_namespace.sessions_dir.iterdir()) == []
+
+
+def test_name_of_64_characters_is_fine(reg):
+    assert reg.create("x" * 64).name == "x" * 64
+
+
+def test_session_names_starting_with_a_dot_are_refused(reg):
+    """Names starting with '.' are the registry's own (sessions being made or destroyed), which
+    list() skips: a session named '.hidden' would be invisible to `ls` and to destroy, so it is
+    refused at creation with the rule named."""
+    with pytest.raises(InvalidArgument, match="starting with '.'"):
+        reg.create(".hidden")
+    reg.create("visible")
+    assert [s.name for s in reg.list()] == ["visible"]
+
+
+def test_destroy_touches_only_its_own_session(reg, shm_namespace):
+    """Session 'a' must not take 'a-b', 'a.b' or 'ab' with it (segment names are prefixes)."""
+    stores = {s: _cache_with_items(s, "c") for s in ("a", "a-b", "a.b", "ab", "b")}
+    before = {s: [n for n in shm_namespace.owned_segments() if f"+{s}+" in n] for s in stores}
+    reg.destroy("a", force=True)
+    after = shm_namespace.owned_segments()
+    assert not [n for n in after if "+a+" in n]
+    for s in ("a-b", "a.b", "ab", "b"):
+        assert set(before[s]) <= set(after), f"destroying 'a' removed segments of {s!r}"
+        assert stores[s].lookup(2) is not None and (stores[s].lookup(2) == 2).all()
+    for s in stores.values():
+        s.close()
+
+
+def test_live_pids_and_destroy_refuses_a_session_in_use(reg):
+    reg.create("busy")
+    code = f"import sys; sys.path.insert(0, {HELPERS!r}); import _workers; " \
+           f"_workers.hold_slot_until_stdin_closes('busy')"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "attached"
+        assert proc.pid in reg.live_pids("busy")
+        with pytest.raises(InvalidArgument, match=str(proc.pid)) as info:
+            reg.destroy("busy")
+        assert "force" in str(info.value)
+        assert reg.exists("busy")
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    assert proc.pid not in reg.live_pids("busy")
+    reg.destroy("busy")  # nobody attached now
+    assert not reg.exists("busy")
+
+
+def test_this_process_does_not_block_its_own_destroy(reg):
+    from shmcache import _process
+
+    reg.create("mine")
+    _process.slot(reg, "mine")
+    assert os.getpid() in reg.live_pids("mine")
+    reg.destroy("mine")
+    assert not reg.exists("mine")
+
+
+def test_gc_removes_debris_and_keeps_what_is_live(reg, shm_namespace):
+    import posix_ipc
+
+    reg.create("live")
+    store = _cache_with_items("live", "c")
+    keep = set(shm_namespace.owned_segments())
+    # an orphan segment of a session that no longer exists
+    ghost = shm_namespace.segment_name("ghost", "cache", "root")
+    posix_ipc.SharedMemory(ghost, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
+    # a half-made session of a creator that died before renaming it into place
+    tmp = shm_namespace.sessions_dir / ".half.tmp-999999-abc"
+    tmp.mkdir()
+    # a stale slot lock (nobody holds it)
+    stale = reg.session_dir("live") / "slots" / "200.lock"
+    stale.write_text("999999\n")
+    report = reg.gc()
+    assert ghost in report.removed_segments
+    assert str(tmp) in report.removed_dirs and not tmp.exists()
+    assert str(stale) in report.removed_locks and not stale.exists()
+    assert set(shm_namespace.owned_segments()) == keep
+    assert (store.lookup(1) == 1).all()
+    again = reg.gc()
+    assert again.removed_segments == [] and again.removed_dirs == [] and again.removed_locks == []
+    store.close()
+
+
+def test_unreadable_session_json_is_reported_and_skipped_by_list(reg):
+    reg.create("good")
+    reg.create("broken")
+    (reg.session_dir("broken") / "session.json").write_text("{not json")
+    assert [s.name for s in reg.list()] == ["good"]
+    with pytest.raises(ShmcacheError, match="destroy broken"):
+        reg.get("broken")
+    reg.destroy("broken")
+    assert not reg.session_dir("broken").exists()
+
+
+def test_everything_in_the_namespace_is_private_whatever_the_umask(shm_namespace):
+    """Files 0600 and directories 0700 (registry, sessions, cache metadata, lock files, slots),
+    and segments 0600 - even with umask 0."""
+    from shmcache import _process
+
+    old = os.umask(0)
+    try:
+        reg = SessionRegistry(shm_namespace)
+        reg.create("private")
+        store = _cache_with_items("private", "c")
+        store.lookup(1)  # takes a liveness slot
+        store.clear()
+        store.put(1, np.zeros(10))
+        _process.slot(reg, "private")
+    finally:
+        os.umask(old)
+    wrong = []
+    for path in [shm_namespace.root, *shm_namespace.root.rglob("*")]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        want = 0o700 if path.is_dir() else 0o600
+        if mode != want:
+            wrong.append(f"{path.relative_to(shm_namespace.root)}: {oct(mode)}")
+    for name in shm_namespace.owned_segments():
+        mode = stat.S_IMODE(os.stat(shm_namespace.shm_path(name)).st_mode)
+        if mode != 0o600:
+            wrong.append(f"{name}: {oct(mode)}")
+    assert not wrong, wrong
+    store.close()

@@ -1,0 +1,136 @@
+"""Shared-memory segments: headers are checked on attach, objects are private (0600, whatever the
+umask), memory is committed lazily, and a name is never unlinked unless it is still ours."""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+
+import posix_ipc
+import pytest
+
+from shmcache.errors import CorruptSegment
+from shmcache.segment import HEADER_BYTES, MAGIC, PAGE, VERSION, Segment
+
+
+@pytest.fixture
+def name(shm_namespace):
+    n = shm_namespace.segment_name("segtest", "one")
+    yield n
+    try:
+        posix_ipc.unlink_shared_memory(n)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def _raw(name: str, data: bytes, size: int | None = None) -> None:
+    """A shared-memory object written by 'another program' (or a creator that died mid-way)."""
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+    try:
+        os.ftruncate(shm.fd, len(data) if size is None else size)
+        os.pwrite(shm.fd, data, 0)
+    finally:
+        shm.close_fd()
+
+
+def _header(magic=MAGIC, version=VERSION, kind=3, size=PAGE, ready=0x5245414459) -> bytes:
+    return struct.pack("QIIQQ", magic, version, kind, size, ready).ljust(PAGE, b"\0")
+
+
+def test_create_attach_share_bytes(name):
+    a = Segment.create(name, 3 * PAGE, kind=7, commit=PAGE)
+    b = Segment.attach(name, kind=7)
+    assert b.size == a.size == 3 * PAGE and b.kind == 7
+    a.buf[HEADER_BYTES:HEADER_BYTES + 5] = b"hello"
+    assert bytes(b.buf[HEADER_BYTES:HEADER_BYTES + 5]) == b"hello"
+    a.close()
+    b.close()
+
+
+def test_attach_missing_raises_file_not_found(name):
+    with pytest.raises(FileNotFoundError):
+        Segment.attach(name)
+
+
+def test_attach_with_wrong_kind_is_corrupt_and_leaves_the_segment_alone(name):
+    a = Segment.create(name, PAGE, kind=2)
+    with pytest.raises(CorruptSegment, match="kind 2"):
+        Segment.attach(name, kind=3)
+    b = Segment.attach(name, kind=2)  # still there, still valid
+    assert b.kind == 2
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("data,why", [
+    (os.urandom(PAGE), "garbage"),
+    (_header(magic=0x1234), "magic"),
+    (_header(ready=0), "not ready"),
+    (_header(version=VERSION + 1), "version"),
+    (_header(size=2 * PAGE), "size mismatch"),
+    (b"\0" * 10, "too small"),
+    (b"", "empty"),
+])
+def test_attach_with_a_bad_header_is_corrupt_and_not_unlinked(name, data, why):
+    _raw(name, data)
+    with pytest.raises(CorruptSegment) as info:
+        Segment.attach(name)
+    assert name.lstrip("/") in str(info.value) or name in str(info.value), why
+    path = "/dev/shm/" + name.lstrip("/")
+    assert os.stat(path).st_size == len(data), "attach must never truncate or resize"
+
+
+def test_create_over_an_existing_name_fails_and_keeps_it(name):
+    a = Segment.create(name, PAGE, kind=1)
+    a.buf[HEADER_BYTES] = 42
+    with pytest.raises(posix_ipc.ExistentialError):
+        Segment.create(name, 4 * PAGE, kind=1)
+    b = Segment.attach(name, kind=1)
+    assert b.size == PAGE and b.buf[HEADER_BYTES] == 42
+    a.close()
+    b.close()
+
+
+def test_segments_are_mode_0600_whatever_the_umask(name):
+    old = os.umask(0)
+    try:
+        seg = Segment.create(name, PAGE)
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE(os.stat("/dev/shm/" + name.lstrip("/")).st_mode)
+    assert mode == 0o600, oct(mode)
+    seg.close()
+
+
+def test_memory_is_committed_lazily(name):
+    seg = Segment.create(name, 64 << 20, commit=PAGE)
+    assert seg.size == 64 << 20
+    assert seg.resident_bytes() <= 2 * PAGE, "a new segment must not commit its virtual size"
+    seg.commit(1 << 20, 1 << 20)
+    assert (1 << 20) <= seg.resident_bytes() <= (1 << 20) + 2 * PAGE
+    seg.buf[(1 << 20) + 5] = 7  # committed pages are writable
+    seg.close()
+
+
+def test_unlink_checks_the_inode(name):
+    """A name recreated by someone else after we mapped it is not ours to unlink."""
+    old = Segment.create(name, PAGE)
+    posix_ipc.unlink_shared_memory(name)
+    new = Segment.create(name, PAGE)
+    assert old.unlink() is False
+    assert os.path.exists("/dev/shm/" + name.lstrip("/"))
+    assert new.unlink() is True
+    assert not os.path.exists("/dev/shm/" + name.lstrip("/"))
+    assert new.unlink() is False  # twice: harmless
+    old.close()
+    new.close()
+
+
+def test_close_is_idempotent_and_leaves_the_object(name):
+    seg = Segment.create(name, PAGE)
+    seg.close()
+    seg.close()
+    again = Segment.attach(name)
+    assert again.size == PAGE
+    again.close()
