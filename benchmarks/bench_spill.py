@@ -17,7 +17,7 @@ SpillStore and then, repeatedly and in turn, times one pass over every record wi
 and prints the median of each as GB/s of raw (decoded) bytes on one core, and spill read divided
 by the lower of the two limits (target >= 0.7). The page cache is warm (nothing is dropped: root
 is not assumed), so "plain read" is a memory-copy limit, the hardest one to get near. Photos come
-from /work/shared/data if it exists, else shmcache/data, else a synthetic smooth image; Pillow
+from examples/data, else a synthetic smooth image; Pillow
 decodes them (pip install pillow), or the synthetic image is used.
 
 Results (2 vCPUs shared with other jobs, load average ~3.5; absolute GB/s vary with the load, the
@@ -25,7 +25,7 @@ ratios are stable across runs because the methods take turns):
 
     python 3.11.7 | numpy 2.4.6 | zstandard 0.25.0 (libzstd 1.5.7) | Pillow 13.0.0 | 2 CPUs (AMD EPYC),
     one thread | spill dir on ext4 (/), 76 GiB free there, /dev/shm 24 GiB | page cache warm | photos:
-    /work/shared/data (2 photos)
+    examples/data (2 photos)
     128 MB per kind, zstd level 1, 7 timed passes per method
             kind | recs |    KB | ratio |  raw | zstd/rd | append |  read |  into |  zstd | plain | read/lim | into/lim
     image crops  |  891 |   151 |  1.29 |   8% |    0.92 |   0.21 |  0.74 |  0.76 |  0.80 | 19.72 |     0.92 |     0.95
@@ -63,7 +63,7 @@ sys.path.insert(0, str(REPO))
 
 from shmcache.spill import SpillStore  # noqa: E402
 
-DATA_DIRS = (Path("/work/shared/data"), REPO / "shmcache" / "data")
+DATA_DIRS = (REPO / "examples" / "data",)
 PHOTOS = ("china.jpg", "flower.jpg")
 CROP = 224
 

@@ -6,7 +6,7 @@ pickle and get the same bytes as the process that filled a cache.
 
 - ``cifar``: 32×32×3 random pixels (3 KiB), 50,000 items (``--quick``: 5,000).
 - ``imagenet``: 224×224×3 random pixels (147 KiB), 2,000 items (``--quick``: 300).
-- ``photos``: crops of two real JPEG photographs (``benchmarks/data``), decoded with PIL, cropped at a
+- ``photos``: crops of two real JPEG photographs (``examples/data``), decoded with PIL, cropped at a
   seeded random box and resized to 224×224 on every access: the decode-heavy case a cache removes.
   2,000 items (``--quick``: 300).
 """
@@ -21,7 +21,7 @@ import numpy as np
 
 __all__ = ["Workload", "SyntheticImages", "PhotoCrops", "WORKLOADS", "make_workload"]
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "examples" / "data"
 PHOTOS = ("china.jpg", "flower.jpg")
 LABEL_BYTES = 8  # an int label counts as one int64 in a collated batch
 
