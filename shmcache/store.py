@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -141,6 +142,7 @@ class CacheStore:
         self._shm_full_logged = False
         self._shm_full_until = 0.0
         self._map_lock = threading.Lock()
+        self._buffers = _BatchBuffers()
         self.spill = None  # set by the spill layer when spilling is on
         self._root = None
         with self.lock:
@@ -695,7 +697,8 @@ class CacheStore:
         rows = np.ndarray((g.classes.get(cls)[1], chunk), np.uint8, seg.buf, DATA_OFF)
         columns = []
         for i, leaf in enumerate(leaves):
-            columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None))
+            columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None,
+                                        self._buffers))
         if count:
             self._count(0, len(keys))
         return tree, leaves, columns
@@ -785,7 +788,34 @@ MISSING: Any = _Missing()
 _CORRUPT: Any = object()
 
 
-def _gather_leaf(rows: np.ndarray, chunks: np.ndarray, leaf: codec.Leaf, out):
+class _BatchBuffers:
+    """Recycled output buffers for large batches gathered without ``out=``.
+
+    A fresh batch above glibc's mmap threshold (32 MiB: 256 images of 150 KB) is new memory every
+    time, and the page faults of its first touch cost as much as the copy itself. A buffer is
+    handed out again once nothing references it any more - the batch (and every tensor or view
+    made from it) was dropped: its reference count is back to the pool's own.
+    """
+
+    MIN_BYTES = 4 << 20
+    PER_SHAPE = 4
+
+    def __init__(self):
+        self._free: dict[tuple, list[np.ndarray]] = {}
+
+    def take(self, shape: tuple) -> np.ndarray:
+        pool = self._free.setdefault(shape, [])
+        for arr in pool:
+            if sys.getrefcount(arr) == 3:  # the list, the loop variable, getrefcount's argument
+                return arr
+        arr = np.empty(shape, np.uint8)
+        if len(pool) >= self.PER_SHAPE:
+            pool.pop(0)  # forget the oldest (whoever holds it keeps it alive)
+        pool.append(arr)
+        return arr
+
+
+def _gather_leaf(rows: np.ndarray, chunks: np.ndarray, leaf: codec.Leaf, out, buffers: _BatchBuffers):
     """One field of every record in the batch, stacked: a single vectorised copy."""
     n = len(chunks)
     if leaf.tag == "n":
@@ -795,7 +825,11 @@ def _gather_leaf(rows: np.ndarray, chunks: np.ndarray, leaf: codec.Leaf, out):
         if out is not None:
             _gather_rows(column, chunks, out.reshape(n, -1).view(np.uint8))
             return out
-        flat = column[chunks]  # fancy indexing walks the strides: one copy per row
+        if n * leaf.nbytes >= _BatchBuffers.MIN_BYTES:
+            flat = buffers.take((n, leaf.nbytes))
+            _gather_rows(column, chunks, flat)
+        else:
+            flat = column[chunks]  # fancy indexing walks the strides: one copy per row
         if leaf.tag == "e":
             return flat
         return flat.view(leaf.dtype).reshape((n, *leaf.shape))
