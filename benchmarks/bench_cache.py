@@ -25,6 +25,7 @@ single 3 KB get < 3 us.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import platform
 import sys
@@ -90,6 +91,12 @@ def bench_workload(label: str, n: int, shape: tuple, batch: int, repeats: int, r
         for j, i in enumerate(k.tolist()):
             y_img[j] = images[i]
         np.take(labels, k, out=y_lab)
+    # the same gather from a MAP_SHARED mapping: shared memory has 4 KiB pages (no transparent
+    # huge pages for shmem here), so a random gather pays a TLB miss per item that private,
+    # THP-backed memory does not - the part of the gap that no cache in /dev/shm can close
+    shared = np.ndarray(images.shape, np.uint8, mmap.mmap(-1, images.nbytes))
+    shared[...] = images
+    yard_shared = timed(lambda: (shared[k := next_keys()], labels[k]), repeats)
     take = timed(lambda: (np.take(images, k := next_keys(), axis=0, out=y_img),
                           np.take(labels, k, out=y_lab)), repeats)
     rows_t = timed(rowwise, repeats)
@@ -130,6 +137,7 @@ def bench_workload(label: str, n: int, shape: tuple, batch: int, repeats: int, r
     y, y_out = np.median(yard), np.median(yard_out)
     for name, t, base in (("yardstick: numpy gather, new array", yard, y),
                           ("yardstick: numpy gather into out", yard_out, y_out),
+                          ("numpy gather from MAP_SHARED memory", yard_shared, y),
                           ("in-process dict + stack", dct, y), ("uncached source", src, y),
                           ("shmcache get_batch", shm, y),
                           ("shmcache get_batch(out=)", shm_out, y_out)):
