@@ -160,3 +160,12 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align:
     sep = ["---" if a == "l" else "--:" for a in align]
     lines = [headers, sep, *rows]
     return "\n".join("| " + " | ".join(str(c) for c in line) + " |" for line in lines)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A plain aligned text table (the bench_*.py scripts' output)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))

@@ -35,6 +35,7 @@ import time
 import numpy as np
 import torch
 
+from _common import print_table  # noqa: E402  (benchmarks/ is on sys.path: the script's folder)
 from shmcache import ShmDatasetCache
 from shmcache.registry import SessionRegistry
 
@@ -165,11 +166,7 @@ def main(argv=None) -> int:
         bench_workload("3 KB", 50000, (32, 32, 3), 256, 200, rows)
         bench_workload("150 KB", 2000, (224, 224, 3), 256, 40, rows)
     headers = ("items", "method", "median/batch", "p90/batch", "GB/s", "x yardstick")
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print_table(headers, rows)
     return 0
 
 

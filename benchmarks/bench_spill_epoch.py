@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from datasets import PhotoCrops  # noqa: E402
 
+from _common import print_table  # noqa: E402  (benchmarks/ is on sys.path: the script's folder)
 from shmcache import ShmDatasetCache  # noqa: E402
 from shmcache.registry import SessionRegistry  # noqa: E402
 
@@ -93,11 +94,7 @@ def main(argv=None) -> int:
           f"random-order epoch of ds[i], one process")
     headers = ("payload", "items", "source/s", "memory/s", "spill/s", "spill vs source",
                "spill cost vs memory", "on disk", "zstd ratio")
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print_table(headers, rows)
     return 0
 
 

@@ -18,11 +18,12 @@ import fcntl
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import LockTimeout, NotOwner
 
-__all__ = ["FileLock", "LivenessSlot", "slot_is_alive", "DEFAULT_TIMEOUT_S"]
+__all__ = ["FileLock", "LivenessSlot", "slot_is_alive", "flock_within", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _REOPEN = threading.Lock()
@@ -36,6 +37,25 @@ def _open_lock_file(path: Path) -> int:
             f"cannot open lock file {path}: permission denied; it belongs to another user - "
             f"set $SHMCACHE_DIR to a directory of your own"
         ) from None
+
+
+def flock_within(fd: int, timeout_s: float, timed_out: Callable[[], Exception],
+                 first_sleep_s: float = 20e-6) -> None:
+    """Take an exclusive flock on ``fd``, polling with a growing sleep; raise ``timed_out()``
+    after ``timeout_s``. (A blocking flock cannot time out; a holder that died has released it
+    already, so a long wait always means a live holder - which the error should name.)"""
+    deadline = time.monotonic() + timeout_s
+    delay = first_sleep_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        if time.monotonic() >= deadline:
+            raise timed_out()
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
 
 
 class FileLock:
@@ -66,22 +86,11 @@ class FileLock:
         if not self._thread_lock.acquire(timeout=max(timeout, 0)):
             raise LockTimeout(f"timed out after {timeout:.1f}s waiting for {self.what} (another thread holds it)")
         try:
-            fd = self._fd
-            delay = 20e-6
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return
-                except BlockingIOError:
-                    pass
-                if time.monotonic() >= deadline:
-                    raise LockTimeout(
-                        f"timed out after {timeout:.1f}s waiting for {self.what} ({self.path}): a "
-                        f"live process holds it (a dead one would have released it); find it with "
-                        f"`fuser {self.path}`"
-                    )
-                time.sleep(delay)
-                delay = min(delay * 2, 0.01)
+            flock_within(self._fd, max(0.0, deadline - time.monotonic()), lambda: LockTimeout(
+                f"timed out after {timeout:.1f}s waiting for {self.what} ({self.path}): a "
+                f"live process holds it (a dead one would have released it); find it with "
+                f"`fuser {self.path}`"
+            ))
         except BaseException:
             self._thread_lock.release()
             raise

@@ -39,6 +39,7 @@ import numpy as np
 import zstandard
 
 from .errors import InvalidArgument, LockTimeout, SpillError
+from .locks import flock_within
 
 __all__ = [
     "SpillStore",
@@ -810,22 +811,11 @@ def _length_problem(head: _Head, stored_len: int | None = None) -> str | None:
 
 def _flock_wait(fd: int, path: Path, slot: int, timeout_s: float) -> None:
     """Take the slot file's lock; only gc (briefly) or a live owner of the same slot holds it."""
-    deadline = time.monotonic() + timeout_s
-    delay = 1e-3
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-        if time.monotonic() >= deadline:
-            raise LockTimeout(
-                f"spill file {path} stayed locked for {timeout_s:.1f}s: another live process "
-                f"writes slot {slot}; each process must append with its own liveness slot "
-                f"(find the holder with `fuser {path}`)"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
+    flock_within(fd, timeout_s, lambda: LockTimeout(
+        f"spill file {path} stayed locked for {timeout_s:.1f}s: another live process "
+        f"writes slot {slot}; each process must append with its own liveness slot "
+        f"(find the holder with `fuser {path}`)"
+    ), first_sleep_s=1e-3)
 
 
 def _take_over(fd: int, path: Path) -> int:
