@@ -2,17 +2,18 @@
 
 A record of ``n`` bytes goes to the smallest size class that holds it. Up to 4 KiB the classes are
 every multiple of 64 bytes (a record gets a chunk of its exact size rounded up to 64 bytes); above,
-32 classes per doubling, so a chunk wastes under 1/32 of its size (a 150 KB image: 0.6%). Each class owns one data segment where chunk ``k`` starts at ``DATA_OFF + k * chunk_size``:
-that fixed stride is what lets a batch of one field be gathered with one vectorised copy.
+32 classes per doubling, so a chunk wastes under 1/32 of its size (a 150 KB image: 0.6%). Each
+class owns one data segment where chunk ``k`` starts at ``DATA_OFF + k * chunk_size``: that fixed
+stride is what lets a batch of one field be gathered with one vectorised copy.
 
-A class segment is sized to the cache's whole capacity with ftruncate (sparse: free) and committed
-with posix_fallocate in steps as chunks are handed out (NOTE [segment lifecycle]): shared memory
-used tracks the payload, not the segment size. Steps grow with the class (1/32 of what it already
-holds, 64 KiB to 4 MiB), so the slack at the end stays within a few percent.
+A class segment is sized to the cache's capacity with ftruncate (sparse: free) and committed with
+posix_fallocate 64 KiB (or one chunk, if larger) at a time as chunks are handed out (NOTE [segment
+lifecycle]): shared memory used tracks the payload, not the segment size.
 
 All allocator state lives in the cache's meta segment (see store.MetaLayout) and is changed only
 under the cache's lock; the store's intent record makes each allocation undoable if its writer dies
-(NOTE [publish order] in store.py).
+(NOTE [publish order] in store.py). No chunk is ever freed except by undoing its allocation, so
+the state of a class is its chunk size, a bump index and the number of chunks committed.
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 
 from . import codec
-from .config import (ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, namespace, resolve_session_name,
-                     validate_name)
+from .config import ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, namespace, resolve_session_name, validate_name
 from .errors import EncodeError, InvalidArgument
 from .store import MISSING, CacheStore
 
@@ -97,7 +96,8 @@ def _fingerprint(dataset: Any, transform: Callable | None, samples: Sequence) ->
     h.update(f"{tp.__module__}.{tp.__qualname__}|{_len_or_none(dataset)}".encode())
     _digest_attributes(h, getattr(dataset, "__dict__", {}), [0])
     if transform is not None:
-        h.update(f"|{getattr(transform, '__module__', '')}.{getattr(transform, '__qualname__', type(transform).__qualname__)}".encode())
+        name = getattr(transform, "__qualname__", type(transform).__qualname__)
+        h.update(f"|{getattr(transform, '__module__', '')}.{name}".encode())
     for s in samples:
         enc = codec.encode(s)
         h.update(enc.layout)

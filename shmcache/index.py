@@ -14,8 +14,9 @@ words, in a separate load: one memcpy of all three could load w2 first and w0 la
 
 An int key below the table's capacity lives at its own position (dataset indices 0..N-1 then
 never collide: one probe each); other int keys hash with Fibonacci hashing (a multiply). So a batch
-of dataset indices is looked up with a couple of numpy gathers. Other keys (str, bytes) store a 64-bit blake2b hash; the record
-ends with the key bytes, which the store compares to rule out collisions.
+of dataset indices is looked up with a couple of numpy gathers. Other keys (str, bytes) store a
+64-bit blake2b hash; the record ends with the key bytes (and its header holds their length), which
+the store compares to rule out collisions.
 """
 
 from __future__ import annotations

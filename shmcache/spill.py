@@ -28,7 +28,6 @@ import shutil
 import struct
 import sys
 import threading
-import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass

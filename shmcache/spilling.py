@@ -22,7 +22,8 @@ import struct
 from pathlib import Path
 
 from . import _process, codec
-from ._faults import ARMED as _CRASH_TESTS, crash_point
+from ._faults import ARMED as _CRASH_TESTS
+from ._faults import crash_point
 from .config import ENV_SPILL_DIR
 from .errors import SpillError
 from .index import INT_KEY, READY, SPILLED

@@ -40,22 +40,28 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import codec
+from . import _process, codec
+from ._faults import ARMED as _CRASH_TESTS
+from ._faults import crash_point
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
 from .config import Namespace, memory_limits, namespace, validate_name
-from .errors import (CacheMismatch, CacheNotFound, CorruptSegment, InvalidArgument,
-                     ItemTooLarge, LockTimeout, SharedMemoryFull)
-from .index import INT_KEY, READY, SPILLED, TableView, key_bytes, MAX_LOAD
+from .errors import (
+    CacheMismatch,
+    CacheNotFound,
+    CorruptSegment,
+    InvalidArgument,
+    ItemTooLarge,
+    LockTimeout,
+    SharedMemoryFull,
+)
+from .index import ENTRY_BYTES, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
 from .locks import FileLock
 from .registry import MAX_SLOTS, SEP, SessionRegistry, write_json
-from .segment import HEADER_BYTES, PAGE, Segment
-from . import _process
-from ._faults import ARMED as _CRASH_TESTS, crash_point
+from .segment import PAGE, Segment
 
 __all__ = ["CacheStore", "STAT_KEYS"]
 
@@ -478,7 +484,7 @@ class CacheStore:
         if phase == 0:
             return 0
         _, pos, cls, old_bump, items, total, raw, table_items = _INTENT.unpack_from(meta, M.INTENT)
-        w0 = _Q.unpack_from(g.index.buf, 128 + 24 * pos)[0]
+        w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]
         if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
             _apply_totals(meta, cls, items, total, raw, table_items)
             reclaimed = 0
@@ -849,7 +855,7 @@ def _gather_rows(column: np.ndarray, chunks: np.ndarray, dst: np.ndarray) -> Non
 
 def _first_empty(index: TableView, w1: int) -> int:
     pos = index.home(w1)
-    while _Q.unpack_from(index.buf, 128 + 24 * pos)[0]:
+    while _Q.unpack_from(index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]:
         pos = (pos + 1) & index.mask
     return pos
 
