@@ -43,7 +43,7 @@ class PhotoCrops(Dataset):
         side = int(rng.integers(min(w, h) // 3, min(w, h)))
         x, y = int(rng.integers(0, w - side + 1)), int(rng.integers(0, h - side + 1))
         crop = img.crop((x, y, x + side, y + side)).resize((self.size, self.size), self._image.BILINEAR)
-        return np.asarray(crop, dtype=np.uint8), label
+        return np.array(crop, dtype=np.uint8), label  # a writable array (np.asarray of PIL: read-only)
 
 
 class Digits(Dataset):
