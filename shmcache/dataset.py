@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 
 from . import codec
 from .config import ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, namespace, resolve_session_name, validate_name
-from .errors import EncodeError, InvalidArgument
+from .errors import CacheMismatch, EncodeError, InvalidArgument
 from .store import MISSING, CacheStore
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
@@ -167,11 +168,14 @@ class ShmDatasetCache:
         spilling: when memory is full, spill to zstd files on disk (True) or stop admitting.
         spill_dir: where spill files live (default: the session's, then ``$SHMCACHE_SPILL_DIR``).
         copy: hits return private, writable copies (True, safe) or zero-copy read-only views.
+        verify: the fraction of hits of a wrapped map-style dataset that are recomputed from the
+            source and compared bit for bit (0: never); a difference raises CacheMismatch. An
+            opt-in check that the dataset is deterministic and the cache is not stale.
     """
 
     def __init__(self, session: str = "auto", name: str | None = None, size: int = 0,
                  spilling: bool = False, spill_dir: str | os.PathLike | None = None, *,
-                 copy: bool = True, lock_timeout_s: float = 60.0):
+                 copy: bool = True, verify: float = 0.0, lock_timeout_s: float = 60.0):
         self.session = resolve_session_name(session)
         if name is not None:
             validate_name(name, "cache")
@@ -186,6 +190,10 @@ class ShmDatasetCache:
         self.spilling = spilling or _env_flag(ENV_SPILLING)
         self.spill_dir = spill_dir if spill_dir is not None else os.environ.get(ENV_SPILL_DIR)
         self.copy = bool(copy)
+        if isinstance(verify, bool) or not isinstance(verify, (int, float)) or not 0 <= verify <= 1:
+            raise InvalidArgument(f"verify must be a fraction of hits between 0 and 1 (e.g. 0.01), "
+                                  f"got {verify!r}")
+        self.verify = float(verify)
         self.lock_timeout_s = lock_timeout_s
         self.name = name
         self._store: CacheStore | None = None
@@ -477,7 +485,18 @@ class CachedDataset(Dataset):
                 store.put(i, value)
             except EncodeError as exc:
                 raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
+        elif self.cache.verify and random.random() < self.cache.verify:
+            self._verify(i, value)
         return value
+
+    def _verify(self, i: int, cached: Any) -> None:
+        if not _same(cached, self._compute(i)):
+            raise CacheMismatch(
+                f"sample {i} of {type(self.dataset).__name__} differs from its cached copy in "
+                f"{self.cache.session}/{self.cache.name}: the dataset changed since it was cached, "
+                f"or it is not deterministic; drop the stale cache (cache.clear()), and keep random "
+                f"augmentation outside the cache"
+            )
 
     def __getitems__(self, indices: Sequence) -> list:
         """The DataLoader's batch hook: one batch lookup, misses computed and stored."""

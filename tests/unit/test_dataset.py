@@ -580,3 +580,46 @@ def test_writing_into_a_zero_copy_tensor_cannot_change_the_cache():
                               text=True, timeout=60)
         assert "got Tensor" in proc.stdout, proc.stderr[-2000:]
         assert torch.equal(cache[1], torch.arange(4)), f"the cache now holds {cache[1].tolist()}"
+
+
+# --- verify= ------------------------------------------------------------------------------------
+
+
+class Drifting(Dataset):
+    """Deterministic until told otherwise: then item 5 changes (a stale cache)."""
+
+    def __init__(self):
+        self.shift = 0
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return np.full(4, i + (self.shift if i == 5 else 0)), i
+
+
+def test_verify_recomputes_hits_and_catches_a_stale_cache():
+    src = Drifting()
+    with _cache(name="verify", verify=1.0) as cache:
+        ds = cache.wrap(src)
+        for i in range(10):
+            ds[i]
+        for i in range(10):  # hits, all recomputed and equal
+            assert ds[i][1] == i
+        src.shift = 7  # the source changed under the cache
+        with pytest.raises(CacheMismatch, match=r"sample 5 .*clear\(\)"):
+            ds[5]
+        assert ds[4][1] == 4
+
+
+def test_verify_off_by_default_and_validated():
+    with pytest.raises(InvalidArgument, match="verify"):
+        ShmDatasetCache(session="ds", verify=2)
+    with pytest.raises(InvalidArgument, match="verify"):
+        ShmDatasetCache(session="ds", verify=True)
+    src = Drifting()
+    with _cache(name="noverify") as cache:
+        ds = cache.wrap(src)
+        ds[5]
+        src.shift = 7
+        assert ds[5][0][0] == 5  # no check: the cached value
