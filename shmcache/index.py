@@ -26,6 +26,8 @@ import struct
 
 import numpy as np
 
+from .errors import CorruptSegment
+
 __all__ = ["TableView", "key_bytes", "key_hash", "READY", "INT_KEY", "SPILLED", "ENTRY_BYTES",
            "TABLE_OFF", "MAX_LOAD"]
 
@@ -98,7 +100,7 @@ class TableView:
         buf, mask = self.buf, self.mask
         want = READY | INT_KEY if int_key else READY
         unpack, unpack2 = _Q.unpack_from, _QQ.unpack_from
-        while True:
+        for _ in range(self.capacity):  # the load stays <= MAX_LOAD: an EMPTY entry comes first
             off = TABLE_OFF + ENTRY_BYTES * pos
             w0 = unpack(buf, off)[0]  # first, on its own: see the module docstring
             if w0 == 0:
@@ -108,6 +110,8 @@ class TableView:
                 if k == w1:
                     return pos, w0, w2
             pos = (pos + 1) & mask
+        raise CorruptSegment(f"the index table has no empty entry (capacity {self.capacity}): it "
+                             f"was filled past its load limit; run `shmcache gc`, or clear the cache")
 
     def publish(self, pos: int, w0: int, w1: int, w2: int) -> None:
         """Fill EMPTY entry ``pos``: w1 and w2 first, then w0 in one aligned store (caller holds the lock)."""

@@ -74,6 +74,8 @@ class FileLock:
         lock): open our own descriptor. Serialised, so threads racing here agree on one."""
         with _REOPEN:
             if self._pid != os.getpid():
+                if self._fd >= 0:  # inherited: closing our copy leaves the parent's lock alone
+                    os.close(self._fd)
                 self._fd = _open_lock_file(self.path)
                 self._thread_lock = threading.Lock()
                 self._pid = os.getpid()

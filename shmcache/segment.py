@@ -26,6 +26,7 @@ import struct
 
 import posix_ipc
 
+from .config import SHM_ROOT
 from .errors import CorruptSegment, NotOwner, SharedMemoryFull
 
 __all__ = ["Segment", "HEADER_BYTES", "PAGE"]
@@ -52,16 +53,20 @@ def _shm_hint() -> str:
 
 
 class Segment:
-    """One mapped shared-memory object. ``buf`` is the writable mmap of the whole segment."""
+    """One mapped shared-memory object. ``buf`` is the writable mmap of the whole segment.
+
+    The mapping is never unmapped explicitly: another thread of the process may be reading it
+    (through ``buf`` or an array over it) while this one moves on to a new generation. It goes
+    when the last reference to it does. The descriptor is closed as soon as the mapping exists
+    (mmap keeps a duplicate of its own): ``commit`` reopens the object by name when it needs one.
+    """
 
     def __init__(self, name: str, shm: posix_ipc.SharedMemory, size: int, kind: int):
         self.name = name
         self.size = size
         self.kind = kind
-        self._fd = shm.fd
-        self._inode = os.fstat(self._fd).st_ino
-        self.buf = mmap.mmap(self._fd, size)
-        self.committed = 0  # bytes known committed by this process (a hint; the allocator tracks truth)
+        self._inode = os.fstat(shm.fd).st_ino
+        self.buf = mmap.mmap(shm.fd, size)
 
     # --- creation and attachment -----------------------------------------------------------
 
@@ -75,11 +80,17 @@ class Segment:
             os.ftruncate(shm.fd, size)
             _fallocate(shm.fd, 0, _round_up(max(commit, HEADER_BYTES), PAGE), name)
             seg = cls(name, shm, size, kind)
-        except BaseException:
-            shm.close_fd()
+        except OSError as exc:
             shm.unlink()  # ours: created exclusively just above
+            if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):  # address space, descriptors
+                raise SharedMemoryFull(f"cannot map segment {name} of {size / 2**30:.1f} GiB: "
+                                       f"{exc.strerror}; give the cache a smaller size=") from None
             raise
-        seg.committed = _round_up(max(commit, HEADER_BYTES), PAGE)
+        except BaseException:
+            shm.unlink()
+            raise
+        finally:
+            shm.close_fd()
         _HEADER.pack_into(seg.buf, 0, MAGIC, VERSION, kind, size, 0)
         struct.pack_into("Q", seg.buf, 24, _READY)  # published last
         return seg
@@ -103,9 +114,13 @@ class Segment:
             if st.st_size < HEADER_BYTES:
                 raise CorruptSegment(f"segment {name} is {st.st_size} bytes: its creator died before sizing it")
             seg = cls(name, shm, st.st_size, -1)
-        except BaseException:
-            shm.close_fd()
+        except OSError as exc:
+            if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
+                raise SharedMemoryFull(f"cannot map segment {name}: {exc.strerror}; this process "
+                                       f"has too many mappings or descriptors") from None
             raise
+        finally:
+            shm.close_fd()
         magic, version, seg_kind, size, ready = _HEADER.unpack_from(seg.buf, 0)
         if magic != MAGIC or ready != _READY or size != st.st_size:
             seg.close()
@@ -126,17 +141,22 @@ class Segment:
 
     def commit(self, offset: int, length: int) -> None:
         """Back ``[offset, offset+length)`` with real pages before anything touches it (no SIGBUS)."""
-        _fallocate(self._fd, offset, length, self.name)
-
-    def resident_bytes(self) -> int:
-        """Bytes of /dev/shm this segment really uses (allocated blocks, not its virtual size)."""
-        return os.fstat(self._fd).st_blocks * 512
+        try:
+            shm = posix_ipc.SharedMemory(self.name, 0, size=0)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(errno.ENOENT, "shared-memory segment was removed", self.name) from None
+        try:
+            if os.fstat(shm.fd).st_ino != self._inode:  # replaced by name: never touch another object
+                raise FileNotFoundError(errno.ENOENT, "shared-memory segment was replaced", self.name)
+            _fallocate(shm.fd, offset, length, self.name)
+        finally:
+            shm.close_fd()
 
     # --- teardown ----------------------------------------------------------------------------
 
     def unlink(self) -> bool:
         """Unlink the name if it still refers to our inode (see NOTE [segment lifecycle])."""
-        path = "/dev/shm/" + self.name.lstrip("/")
+        path = os.path.join(SHM_ROOT, self.name.lstrip("/"))
         try:
             if os.stat(path).st_ino != self._inode:
                 return False
@@ -146,14 +166,8 @@ class Segment:
             return False
 
     def close(self) -> None:
-        """Drop the mapping. Views handed out keep the memory alive; it is released with them."""
-        try:
-            self.buf.close()
-        except BufferError:
-            pass  # exported views (zero-copy reads) still use it; the mmap dies with them
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Nothing to release by hand: the mapping goes with the last reference to it (see the
+        class docstring), the descriptor is closed already. Kept so that owners can say so."""
 
 
 def _round_up(n: int, m: int) -> int:

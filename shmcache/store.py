@@ -148,6 +148,7 @@ class CacheStore:
         self._shm_full_logged = False
         self._shm_full_until = 0.0
         self._map_lock = threading.Lock()
+        self._lock_gen = _process.generation()
         self._buffers = _BatchBuffers()
         self.spill = None  # set by the spill layer when spilling is on
         self._root = None
@@ -155,6 +156,15 @@ class CacheStore:
             self._root = self._open_root(capacity_bytes, fingerprint, table_hint, extra_meta or {},
                                          create)
         self.capacity_bytes = _Q.unpack_from(self._root.buf, 72)[0]
+        if capacity_bytes and capacity_bytes != self.capacity_bytes:
+            log.warning("cache %s/%s exists with a cap of %.0f MiB; size=%.0f MiB applies only to a "
+                        "new cache (clear() keeps the cap: destroy the session to change it)",
+                        self.session, self.name, self.capacity_bytes / 2**20, capacity_bytes / 2**20)
+        if create:
+            try:  # attached from now on: `shmcache ls` counts us, `destroy` waits for us
+                _process.slot(self.registry, self.session)
+            except LockTimeout:
+                pass  # served without a slot; _count says so when it first counts
         self._refresh()
 
     # --- opening ------------------------------------------------------------------------------
@@ -255,6 +265,9 @@ class CacheStore:
             epoch = _Q.unpack_from(self._root.buf, 64)[0]
             if epoch == self._epoch and self._gen is not None:
                 return self._gen
+            if self._lock_gen != _process.generation():  # forked: a thread of the parent may
+                self._map_lock = threading.Lock()        # have held it at the fork
+                self._lock_gen = _process.generation()
             try:
                 with self._map_lock:  # a prefetch thread and the main thread may both get here
                     if epoch != self._epoch or self._gen is None:
@@ -270,8 +283,9 @@ class CacheStore:
         old = self._gen
         if old is not None and old.gen == gen:
             table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
-            old.table.close()
-            old.table, old.index, old.version = table, TableView(table.buf), version
+            # a new _Gen, not an update in place: a thread inside a lookup keeps the one it has
+            self._gen = _Gen(gen, version, old.meta, table, TableView(table.buf), old.classes,
+                             old.data, old.layouts, old.columns)
         else:
             meta = Segment.attach(self._seg_name(f"g{gen}", "meta"), kind=KIND_META)
             try:
@@ -424,10 +438,14 @@ class CacheStore:
                 return self.spill.put(self, g, pos, w1, kb, enc, replace=True)  # a corrupt record
             if w0:
                 return True  # another process stored it first: stored once
-            try:
-                if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
+            if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
+                try:
                     g = self._grow_table(g)
-                    w0, _, pos, _, _ = self._find(g, key)
+                except _Full:  # the index cannot grow: nothing more is admitted, not even to disk
+                    self._count(2)
+                    return False
+                w0, _, pos, _, _ = self._find(g, key)
+            try:
                 self._insert(g, pos, w1, kb, enc)
                 return True
             except _Full:
@@ -879,11 +897,11 @@ def _table_capacity(hint: int) -> int:
 
 
 def _close_gen(g: _Gen) -> None:
-    for seg, view, _ in g.data.values():
-        view.release()
-        seg.close()
-    g.meta.close()
-    g.table.close()
+    """Forget a generation's mappings. Nothing is unmapped by hand: another thread may still be
+    inside a lookup or a gather on them; they go with the last reference (segment.Segment)."""
+    g.data.clear()
+    g.layouts.clear()
+    g.columns.clear()
 
 
 def _unlink_name(ns: Namespace, name: str) -> None:
