@@ -13,7 +13,7 @@ import threading
 
 from .locks import LivenessSlot
 
-__all__ = ["generation", "slot", "attached_slot"]
+__all__ = ["generation", "slot", "counters", "release_all"]
 
 _generation = 0
 _slots: dict[tuple[str, str], LivenessSlot] = {}
@@ -45,10 +45,6 @@ def counters(key: str, initial) -> list[int]:
     if c is None:
         c = _counters[key] = list(initial())
     return c
-
-
-def attached_slot(root: str, session: str) -> LivenessSlot | None:
-    return _slots.get((root, session))
 
 
 def release_all() -> None:

@@ -38,6 +38,7 @@ ENV_SPILL_DIR = "SHMCACHE_SPILL_DIR"
 ENV_SIZE_MB = "SHMCACHE_SIZE_MB"  # default size= of caches (the launcher's --size)
 ENV_SPILLING = "SHMCACHE_SPILLING"  # "1": default spilling=True (the launcher's --spilling)
 SHM_ROOT = "/dev/shm"
+SEP = "+"  # joins the parts of segment names: a character session and cache names cannot contain
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -80,7 +81,7 @@ class Namespace:
         Parts are joined with '+', a character session and cache names cannot contain, so the
         prefix of one session never matches another's ('a' vs 'a-b').
         """
-        return "/" + "+".join((self.prefix, *parts))
+        return "/" + SEP.join((self.prefix, *parts))
 
     def shm_path(self, name: str) -> Path:
         return Path(SHM_ROOT) / name.lstrip("/")
@@ -91,7 +92,7 @@ class Namespace:
             entries = os.listdir(SHM_ROOT)
         except FileNotFoundError:
             return []
-        head = self.prefix + "+"
+        head = self.prefix + SEP
         return sorted("/" + e for e in entries if e.startswith(head))
 
     @property

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 
 from . import codec
-from .config import ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, namespace, resolve_session_name, validate_name
+from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
 from .errors import CacheMismatch, EncodeError, InvalidArgument
 from .store import MISSING, CacheStore
 
@@ -86,6 +86,7 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+_VERIFY_RNG = random.Random()  # its own: verify= must not shift the user's seeded random streams
 _DIGEST_LIMIT = 256 << 20  # bytes of dataset attributes hashed at most (then: shapes only)
 
 
@@ -188,7 +189,7 @@ class ShmDatasetCache:
             raise InvalidArgument(f"spill_dir must be a path, got {type(spill_dir).__name__}")
         self.size_mb = size
         self.spilling = spilling or _env_flag(ENV_SPILLING)
-        self.spill_dir = spill_dir if spill_dir is not None else os.environ.get(ENV_SPILL_DIR)
+        self.spill_dir = spill_dir  # None: the session's, then $SHMCACHE_SPILL_DIR (spilling.py)
         self.copy = bool(copy)
         if isinstance(verify, bool) or not isinstance(verify, (int, float)) or not 0 <= verify <= 1:
             raise InvalidArgument(f"verify must be a fraction of hits between 0 and 1 (e.g. 0.01), "
@@ -236,6 +237,12 @@ class ShmDatasetCache:
             raise InvalidArgument(f"transform must be callable, got {type(transform).__name__}")
         if isinstance(dataset, IterableDataset) or (not hasattr(dataset, "__getitem__")
                                                     and isinstance(dataset, Iterable)):
+            if iter(dataset) is dataset:
+                raise InvalidArgument(
+                    f"wrap() needs a re-iterable dataset (an IterableDataset or a container), not a "
+                    f"one-shot iterator ({type(dataset).__name__}): a cache replays later passes, "
+                    f"and reading its first items to name the cache would consume them"
+                )
             # the first items identify a stream (the dataset's attributes too, see _fingerprint)
             head = list(itertools.islice(iter(dataset), 16))
             samples = [transform(x) if transform else x for x in head]
@@ -313,15 +320,12 @@ class ShmDatasetCache:
         ``out`` (a structure of tensors shaped like the batch, e.g. pinned buffers), the batch is
         gathered straight into it and ``out`` is returned.
         """
+        if len(keys) == 0:
+            raise InvalidArgument("get_batch() needs at least one key; got an empty sequence")
         store = self.store
         ints = _as_int_keys(keys)
-        if ints is not None:
+        if ints is not None:  # the vectorised path: every key cached, one layout, in memory
             batch = self._gather(store, ints, out)
-            if batch is None and fn is not None:
-                computed = self._fill_missing(store, keys, fn)
-                batch = self._gather(store, ints, out, count=False)
-                if batch is not None:
-                    store.count_lookups(hits=len(keys) - computed, misses=computed)
             if batch is not None:
                 return batch
         values, missing = store.lookup_batch(keys, self.copy)
@@ -338,32 +342,23 @@ class ShmDatasetCache:
             return out
         return batch
 
-    def _gather(self, store: CacheStore, keys: np.ndarray, out: Any, count: bool = True):
-        leaves_out = None
+    def _gather(self, store: CacheStore, keys: np.ndarray, out: Any):
+        arrays = None
         if out is not None:
-            leaves_out = [t.numpy() if isinstance(t, torch.Tensor) else t for t in _flatten(out)]
-            if not store.out_matches(keys, leaves_out):  # another dtype or shape: convert instead
-                batch = self._gather(store, keys, None, count)
+            arrays, dtypes, shapes = _out_leaves(out)
+            if not store.out_matches(keys, arrays, dtypes, shapes):  # another dtype or shape:
+                batch = self._gather(store, keys, None)               # convert, like copy_ does
                 if batch is not None:
                     _copy_into(out, batch)
                     return out
                 return None
-        got = store.gather_ints(keys, leaves_out, count=count)
+        got = store.gather_ints(keys, arrays)
         if got is None:
             return None
         tree, leaves, columns = got
         if out is not None:
             return out
         return _build(tree, [_to_tensor(c, leaf) for c, leaf in zip(columns, leaves)])
-
-    def _fill_missing(self, store: CacheStore, keys: Sequence, fn: Callable) -> int:
-        """Compute and store the keys that are not cached; returns how many."""
-        computed = 0
-        for k in keys:
-            if not store.contains(k):
-                store.put(k, fn(k))
-                computed += 1
-        return computed
 
     # --- housekeeping --------------------------------------------------------------------------
 
@@ -485,7 +480,7 @@ class CachedDataset(Dataset):
                 store.put(i, value)
             except EncodeError as exc:
                 raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
-        elif self.cache.verify and random.random() < self.cache.verify:
+        elif self.cache.verify and _VERIFY_RNG.random() < self.cache.verify:
             self._verify(i, value)
         return value
 
@@ -503,6 +498,11 @@ class CachedDataset(Dataset):
         idx = [self._index(i) for i in indices]
         store = self.cache._ensure_open()
         values, missing = store.lookup_batch(idx, self.cache.copy)
+        if self.cache.verify:
+            hits = set(range(len(idx))) - set(missing)
+            for j in hits:
+                if _VERIFY_RNG.random() < self.cache.verify:
+                    self._verify(idx[j], values[j])
         for j in missing:
             values[j] = self._compute(idx[j])
             try:
@@ -601,6 +601,29 @@ def _build(tree: tuple, leaves: list) -> Any:
     if tag in ("T", "L"):  # default_collate returns a list for a batch of tuples too
         return [_build(c, leaves) for c in tree[1]]
     return {k: _build(c, leaves) for k, c in tree[1]}
+
+
+def _out_leaves(out: Any) -> tuple[list, list, list]:
+    """``out``'s leaves as numpy arrays over the same memory (any dtype: through a uint8 view
+    where numpy has no such dtype, e.g. bfloat16), with their torch dtype names and shapes."""
+    arrays, dtypes, shapes = [], [], []
+    for t in _flatten(out):
+        if isinstance(t, torch.Tensor):
+            if t.device.type != "cpu":
+                raise InvalidArgument(f"out= tensors must be in CPU memory (pinned is fine), got one on "
+                                      f"{t.device}; gather on the host and copy, or use PrefetchRing")
+            arrays.append(t.detach().view(torch.uint8).numpy() if t.dtype == torch.bfloat16
+                          else t.detach().numpy())
+            dtypes.append(str(t.dtype).removeprefix("torch."))
+            shapes.append(tuple(t.shape))
+        elif isinstance(t, np.ndarray):
+            arrays.append(t)
+            dtypes.append(None)
+            shapes.append(t.shape)
+        else:
+            raise InvalidArgument(f"out= holds a {type(t).__name__}; give tensors or arrays shaped "
+                                  f"like the batch")
+    return arrays, dtypes, shapes
 
 
 def _flatten(out: Any) -> list:

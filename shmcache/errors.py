@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "ShmcacheError",
     "InvalidArgument",
+    "InvalidKey",
     "SessionNotFound",
     "SessionExists",
     "CacheNotFound",
@@ -37,6 +38,10 @@ class ShmcacheError(Exception):
 
 class InvalidArgument(ShmcacheError, ValueError):
     """An argument has the wrong type or value; the message names it and the fix."""
+
+
+class InvalidKey(InvalidArgument, TypeError):
+    """A cache key that is not an int (64-bit), a str or bytes."""
 
 
 class SessionNotFound(ShmcacheError, LookupError):

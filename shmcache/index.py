@@ -26,12 +26,13 @@ import struct
 
 import numpy as np
 
-from .errors import CorruptSegment
+from .errors import CorruptSegment, InvalidKey
 
-__all__ = ["TableView", "key_bytes", "key_hash", "READY", "INT_KEY", "SPILLED", "ENTRY_BYTES",
+__all__ = ["TableView", "key_bytes", "key_hash", "READY", "INT_KEY", "SPILLED", "INLINE24", "ENTRY_BYTES",
            "TABLE_OFF", "MAX_LOAD"]
 
 READY, INT_KEY, SPILLED = 1, 2, 4
+INLINE24 = 0xFFFFFF  # layout id field of an entry whose record carries its layout inline
 ENTRY_BYTES = 24
 TABLE_OFF = 128  # entries start here in the table segment; capacity is stored at offset 64
 MAX_LOAD = 0.7  # linear probing: ~2 probes per hit on average at this load
@@ -51,14 +52,15 @@ def key_bytes(key: object) -> tuple[int, bytes]:
     if tp is int or isinstance(key, (int, np.integer)) and not isinstance(key, bool):
         k = int(key)
         if not -(1 << 63) <= k < (1 << 63):
-            raise OverflowError(f"int key {k} does not fit in 64 bits; use a str key")
+            raise InvalidKey(f"int key {k} does not fit in 64 bits; use a str key (str({k}))")
         return k & _M64, b""
     if tp is str:
         kb = b"s" + key.encode("utf-8", "surrogatepass")
     elif tp is bytes:
         kb = b"b" + key
     else:
-        raise TypeError(f"cache keys are int, str or bytes, not {tp.__name__} ({key!r})")
+        raise InvalidKey(f"cache keys are int, str or bytes, not {tp.__name__} ({key!r}); convert "
+                         f"it, e.g. str(key) or int(key)")
     return key_hash(kb), kb
 
 

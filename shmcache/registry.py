@@ -21,14 +21,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .config import Namespace, namespace, validate_name
+from .config import SEP, Namespace, namespace, validate_name
 from .errors import InvalidArgument, SessionExists, SessionNotFound, ShmcacheError
 from .locks import FileLock, LivenessSlot, slot_is_alive
 
 __all__ = ["SessionInfo", "SessionRegistry", "GcReport", "SEP", "MAX_SLOTS"]
 
-#: Separator inside segment names (see Namespace.segment_name).
-SEP = "+"
 MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
 _VERSION = 1
 
@@ -218,8 +216,13 @@ class SessionRegistry:
                 for path in (sdir / "slots").glob("*.lock"):
                     if not slot_is_alive(path, unlink_if_dead=True):
                         report.removed_locks.append(str(path))
-                for path in (sdir / "caches").glob(".*.tmp"):  # a writer died mid-write_json
-                    path.unlink(missing_ok=True)
+                for path in (sdir / "caches").glob(".*.json.*.tmp"):  # a writer died in write_json
+                    cache = path.name[1:].split(".json.", 1)[0]
+                    lock = FileLock(sdir / "caches" / f"{cache}.lock", timeout_s=5,
+                                    what=f"the lock of cache {name}/{cache}")
+                    with lock:  # cache metadata is written under it: a live writer is not racing us
+                        path.unlink(missing_ok=True)
+                    lock.close()
                 report.removed_segments += self._remove_rootless_caches(name)
         return report
 

@@ -431,6 +431,10 @@ class SpillStore:
     def __repr__(self) -> str:
         return f"SpillStore({str(self.path)!r}, level={self.level})"
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def file_path(self, file_id: int) -> Path:
         return self.path / f"{file_id}.spill"
 

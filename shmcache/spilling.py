@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 from pathlib import Path
 
 from . import _process, codec
@@ -26,11 +27,11 @@ from ._faults import ARMED as _CRASH_TESTS
 from ._faults import crash_point
 from .config import ENV_SPILL_DIR
 from .errors import SpillError
-from .index import INT_KEY, READY, SPILLED
+from .index import INLINE24, INT_KEY, READY, SPILLED
 from .registry import SEP, write_json
 from .spill import SpillFull, SpillStore, check_spill_dir
 
-__all__ = ["CacheSpill", "resolve_spill_dir", "attach_existing"]
+__all__ = ["CacheSpill", "resolve_spill_dir", "attach", "attach_existing", "remove_orphans"]
 
 log = logging.getLogger("shmcache")
 _M48 = (1 << 48) - 1
@@ -58,12 +59,18 @@ class CacheSpill:
     def __init__(self, store, path: Path, *, level: int = 1):
         self.store = store
         self.path = path
-        self.files = SpillStore(path, level=level)
+        self.level = level
         self.disabled = False  # set after a full disk: stop spilling, keep serving
-        meta = store._read_meta()
-        if meta.get("spill_path") != str(path):
-            meta["spill_path"] = str(path)  # so `destroy` and `gc` find the files
-            write_json(store.meta_path, meta)
+        with store.lock:  # the cache's metadata is only ever rewritten under its lock
+            meta = store.read_meta()
+            if meta.get("spill_path") != str(path):
+                meta["spill_path"] = str(path)  # so `destroy` and `gc` find the files
+                write_json(store.meta_path, meta)
+
+    @property
+    def files(self) -> SpillStore:
+        """The process's SpillStore for this folder (shared by every handle of the process)."""
+        return _shared_files(self.path, self.level)
 
     # --- writing (the store's lock is held) ---------------------------------------------------
 
@@ -72,8 +79,8 @@ class CacheSpill:
         if self.disabled:
             return False
         lid = store.intern_layout(g, enc.layout)
-        record = bytearray(enc.record_len(len(kb), lid == 0xFFFFFF))
-        enc.write(memoryview(record), codec.INLINE if lid == 0xFFFFFF else lid, kb)
+        record = bytearray(enc.record_len(len(kb), lid == INLINE24))
+        enc.write(memoryview(record), codec.INLINE if lid == INLINE24 else lid, kb)
         slot = _process.slot(store.registry, store.session)
         try:
             loc = self.files.append(slot, _spill_key(w1, kb), record)
@@ -104,24 +111,46 @@ class CacheSpill:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def clear(self) -> None:
-        self.files.destroy()
+        _drop_shared_files(self.path, destroy=True)
         self.reopen()
 
     def reopen(self) -> None:
         """Start afresh on the current spill folder (after a clear() here or in another process:
         appending to files that were deleted would write records nobody can find)."""
-        self.files.close()
-        self.files = SpillStore(self.path, level=self.files.level)
+        _drop_shared_files(self.path)
         self.disabled = False
 
     def destroy(self) -> None:
-        self.files.destroy()
+        _drop_shared_files(self.path, destroy=True)
 
     def close(self) -> None:
-        self.files.close()
+        """This handle is done; the process's SpillStore stays for its other handles."""
 
     def collect_garbage(self) -> None:
         self.files.recover()
+
+
+# One SpillStore per spill folder and process: every cache handle of the process appends through
+# it. Two stores would both append to the process's slot file and wait on each other's flock.
+_FILES: dict[str, SpillStore] = {}
+_FILES_LOCK = threading.Lock()
+
+
+def _shared_files(path: Path, level: int) -> SpillStore:
+    with _FILES_LOCK:
+        files = _FILES.get(str(path))
+        if files is None or files.closed:
+            files = _FILES[str(path)] = SpillStore(path, level=level)
+        return files
+
+
+def _drop_shared_files(path: Path, destroy: bool = False) -> None:
+    with _FILES_LOCK:
+        files = _FILES.pop(str(path), None)
+    if files is not None:
+        files.destroy() if destroy else files.close()
+    elif destroy:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _spill_key(w1: int, kb: bytes) -> bytes:
@@ -140,7 +169,7 @@ def attach(store, spill_dir, *, level: int = 1) -> CacheSpill:
 
 def attach_existing(store) -> None:
     """Let a reader (``shmcache stat``, ``gc``) see a cache's spill files, if it ever spilled."""
-    path = store._read_meta().get("spill_path")
+    path = store.read_meta().get("spill_path")
     if path and Path(path).is_dir():
         store.spill = CacheSpill(store, Path(path))
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
+import shutil
 import struct
 import sys
 import threading
@@ -57,8 +59,9 @@ from .errors import (
     ItemTooLarge,
     LockTimeout,
     SharedMemoryFull,
+    ShmcacheError,
 )
-from .index import ENTRY_BYTES, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
+from .index import ENTRY_BYTES, INLINE24, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
 from .locks import FileLock
 from .registry import MAX_SLOTS, SEP, SessionRegistry, write_json
 from .segment import PAGE, Segment
@@ -95,7 +98,6 @@ M = MetaLayout
 # this write: items, bytes, raw bytes (disk only) and table items
 _INTENT = struct.Struct("QQQQQQQQ")
 SPILL_CLASS = 0xFFFF
-INLINE24 = 0xFFFFFF  # layout id field in an entry meaning "layout stored inline in the record"
 
 STAT_KEYS = ("session", "name", "items_mem", "items_disk", "bytes_mem", "bytes_disk",
              "bytes_disk_raw", "avg_item_bytes", "hits", "misses", "rejected", "capacity_bytes")
@@ -120,13 +122,25 @@ class _Full(Exception):
     """Internal: the cache (or /dev/shm) has no room for this record."""
 
 
+# NOTE [publish order] relies on x86-64's ordering of loads and stores (a reader that loads READY
+# sees the stores made before it). Python has no memory barriers; elsewhere (aarch64) a reader
+# could see READY before the record - so we refuse, unless told the risk is taken knowingly.
+_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
 class CacheStore:
     """One cache (``session``/``name``); see the module docstring for what lives where."""
 
     def __init__(self, session: str, name: str, *, capacity_bytes: int = 0,
                  fingerprint: str | None = None, table_hint: int = 0,
                  ns: Namespace | str | None = None, lock_timeout_s: float = 60.0,
-                 extra_meta: dict | None = None, create: bool = True):
+                 create: bool = True):
+        if not _ORDERED and os.environ.get("SHMCACHE_UNORDERED_OK") != "1":
+            raise ShmcacheError(
+                f"shmcache's lock-free reads rely on x86-64 memory ordering; this is "
+                f"{platform.machine()}, where a reader could see a record before its bytes. Set "
+                f"SHMCACHE_UNORDERED_OK=1 to run anyway (not verified on this architecture)"
+            )
         self.session = validate_name(session, "session")
         self.name = validate_name(name, "cache")
         self.ns = ns if isinstance(ns, Namespace) else namespace(ns)
@@ -153,8 +167,7 @@ class CacheStore:
         self.spill = None  # set by the spill layer when spilling is on
         self._root = None
         with self.lock:
-            self._root = self._open_root(capacity_bytes, fingerprint, table_hint, extra_meta or {},
-                                         create)
+            self._root = self._open_root(capacity_bytes, fingerprint, table_hint, create)
         self.capacity_bytes = _Q.unpack_from(self._root.buf, 72)[0]
         if capacity_bytes and capacity_bytes != self.capacity_bytes:
             log.warning("cache %s/%s exists with a cap of %.0f MiB; size=%.0f MiB applies only to a "
@@ -173,7 +186,7 @@ class CacheStore:
         return self._base + SEP + SEP.join(parts)
 
     def _open_root(self, capacity_bytes: int, fingerprint: str | None, table_hint: int,
-                   extra_meta: dict, create: bool) -> Segment:
+                   create: bool) -> Segment:
         name = self._seg_name("root")
         try:
             root = Segment.attach(name, kind=KIND_ROOT)
@@ -182,11 +195,14 @@ class CacheStore:
         except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
             _unlink_name(self.ns, name)
             root = None
-        if root is not None and _Q.unpack_from(root.buf, 64)[0] == 0:
-            # its creator died after making it, before the first generation: finish the job
-            self._unlink_matching(f"{SEP}g1{SEP}")
-            self._create_generation(root, 1, _Q.unpack_from(root.buf, 72)[0],
-                                    _table_capacity(table_hint))
+        if root is not None and not self._generation_exists(root):
+            # its creator died after making it, before the first generation; or a destroy died
+            # after unlinking some segments: what is left is debris - start the cache afresh
+            log.warning("cache %s/%s was left half-made or half-destroyed by a process that died; "
+                        "it starts empty", self.session, self.name)
+            capacity = _Q.unpack_from(root.buf, 72)[0]
+            self._unlink_matching(SEP, keep=name)
+            self._create_generation(root, 1, capacity, _table_capacity(table_hint))
         if root is not None:
             self._check_fingerprint(fingerprint)
             return root
@@ -206,23 +222,31 @@ class CacheStore:
         # the metadata first: a creator that dies later leaves a cache that stat and gc can see
         write_json(self.meta_path, {
             "session": self.session, "name": self.name, "fingerprint": fingerprint,
-            "created": time.time(), "capacity_bytes": capacity, **extra_meta,
+            "created": time.time(), "capacity_bytes": capacity,
         })
         root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
         _Q.pack_into(root.buf, 72, capacity)
         self._create_generation(root, 1, capacity, _table_capacity(table_hint))
         return root
 
+    def _generation_exists(self, root: Segment) -> bool:
+        """The meta and table segments the root's epoch word names are there (caller holds the
+        lock, so nobody is making or removing them)."""
+        epoch = _Q.unpack_from(root.buf, 64)[0]
+        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
+        return gen > 0 and all(self.ns.shm_path(self._seg_name(f"g{gen}", part)).exists()
+                               for part in ("meta", f"t{version}"))
+
     def bind_fingerprint(self, fingerprint: str) -> None:
         """Record which dataset this cache holds (first binding), or raise if it holds another."""
         with self.lock:
             self._check_fingerprint(fingerprint)
-            meta = self._read_meta()
+            meta = self.read_meta()
             if meta.get("fingerprint") is None:
                 meta["fingerprint"] = fingerprint
                 write_json(self.meta_path, meta)
 
-    def _read_meta(self) -> dict:
+    def read_meta(self) -> dict:
         try:
             return json.loads(self.meta_path.read_text())
         except (OSError, ValueError):
@@ -231,7 +255,7 @@ class CacheStore:
     def _check_fingerprint(self, fingerprint: str | None) -> None:
         if fingerprint is None:
             return
-        known = self._read_meta().get("fingerprint")
+        known = self.read_meta().get("fingerprint")
         if known and known != fingerprint:
             raise CacheMismatch(
                 f"cache {self.session}/{self.name} holds another dataset (fingerprint {known}, "
@@ -655,15 +679,9 @@ class CacheStore:
             self._count(1, len(missing))
         return values, missing
 
-    def count_lookups(self, hits: int = 0, misses: int = 0) -> None:
-        """Count lookups that a caller resolved itself (a batch filled, then gathered)."""
-        if hits:
-            self._count(0, hits)
-        if misses:
-            self._count(1, misses)
-
-    def out_matches(self, keys: np.ndarray, out: list) -> bool:
-        """True if ``out`` (one array per leaf) has the dtypes and shapes of a batch of ``keys``."""
+    def out_matches(self, keys: np.ndarray, out: list, dtypes: list, shapes: list) -> bool:
+        """True if ``out`` (one array per leaf; ``dtypes``: the torch dtype name of a tensor out,
+        else None; ``shapes``: their shapes) can receive a batch of ``keys`` byte for byte."""
         g = self._refresh()
         w0, _ = g.index.lookup_ints(keys[:1])
         lid = (int(w0[0]) >> 8) & INLINE24
@@ -676,18 +694,19 @@ class CacheStore:
         if len(out) != len(leaves):
             return False
         n = len(keys)
-        for arr, leaf in zip(out, leaves):
-            if leaf.tag in ("i", "f", "b", "a") and (arr.dtype != leaf.dtype or arr.shape != (n, *leaf.shape)):
+        for arr, dtype, arr_shape, leaf in zip(out, dtypes, shapes, leaves):
+            if leaf.tag not in ("i", "f", "b", "a", "e") or not arr.flags.c_contiguous:
                 return False
-            if leaf.tag == "e" and (arr.nbytes != n * leaf.nbytes or arr.shape[:1] != (n,)):
+            if arr_shape != (n, *leaf.shape):
                 return False
-            if leaf.tag not in ("i", "f", "b", "a", "e"):
-                return False
-            if not arr.flags.c_contiguous:
+            if leaf.tag == "e":
+                if dtype != leaf.meta.split(":", 1)[0] or arr.nbytes != n * leaf.nbytes:
+                    return False
+            elif arr.dtype != leaf.dtype:
                 return False
         return True
 
-    def gather_ints(self, keys: np.ndarray, out: list | None = None, count: bool = True):
+    def gather_ints(self, keys: np.ndarray, out: list | None = None):
         """Vectorised batch of int keys that share one layout and one size class, all in memory.
 
         Returns ``(tree, leaves, columns)`` - the layout tree, its leaves (codec.Leaf) and one
@@ -723,8 +742,7 @@ class CacheStore:
         for i, leaf in enumerate(leaves):
             columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None,
                                         self._buffers))
-        if count:
-            self._count(0, len(keys))
+        self._count(0, len(keys))
         return tree, leaves, columns
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -768,6 +786,8 @@ class CacheStore:
             g = self._refresh()
             if self.spill is not None:
                 self.spill.clear()
+            elif self.read_meta().get("spill_path"):  # spilled by others; this handle doesn't spill
+                shutil.rmtree(self.read_meta()["spill_path"], ignore_errors=True)
             self._create_generation(self._root, g.gen + 1, self.capacity_bytes, g.index.capacity)
             if _CRASH_TESTS:
                 crash_point("cleared_before_unlink")
@@ -790,16 +810,20 @@ class CacheStore:
     def destroy(self) -> None:
         """Remove this cache from its session (segments, metadata and spill files)."""
         with self.lock:
+            spill_path = self.read_meta().get("spill_path")
+            self.meta_path.unlink(missing_ok=True)
+            _unlink_name(self.ns, self._seg_name("root"))  # first: the cache is gone at once
+            self._unlink_matching(SEP)
             if self.spill is not None:
                 self.spill.destroy()
-            self._unlink_matching(SEP)
-            self.meta_path.unlink(missing_ok=True)
+            elif spill_path:
+                shutil.rmtree(spill_path, ignore_errors=True)
         self.close()
 
-    def _unlink_matching(self, infix: str) -> None:
+    def _unlink_matching(self, infix: str, keep: str = "") -> None:
         head = self._base + SEP
         for name in self.ns.owned_segments():
-            if name.startswith(head) and (infix == SEP or infix in name[len(self._base):]):
+            if name.startswith(head) and name != keep and (infix == SEP or infix in name[len(self._base):]):
                 _unlink_name(self.ns, name)
 
 
@@ -826,17 +850,24 @@ class _BatchBuffers:
 
     def __init__(self):
         self._free: dict[tuple, list[np.ndarray]] = {}
+        # what the count reads for a buffer only the pool holds, measured through the same code
+        # path (so it holds whatever an interpreter version borrows or adds)
+        self._alone = _refs([np.empty(1)], 0)
 
     def take(self, shape: tuple) -> np.ndarray:
         pool = self._free.setdefault(shape, [])
-        for arr in pool:
-            if sys.getrefcount(arr) == 3:  # the list, the loop variable, getrefcount's argument
-                return arr
+        for i in range(len(pool)):
+            if _refs(pool, i) <= self._alone:
+                return pool[i]
         arr = np.empty(shape, np.uint8)
         if len(pool) >= self.PER_SHAPE:
             pool.pop(0)  # forget the oldest (whoever holds it keeps it alive)
         pool.append(arr)
         return arr
+
+
+def _refs(pool: list, i: int) -> int:
+    return sys.getrefcount(pool[i])
 
 
 def _gather_leaf(rows: np.ndarray, chunks: np.ndarray, leaf: codec.Leaf, out, buffers: _BatchBuffers):

@@ -189,7 +189,7 @@ def test_clear_and_destroy_delete_spill_files(tmp_path):
     assert not any(f.stat().st_size > 64 for f in _spill_files(tmp_path))
     for i in range(60):
         store.put(i, sample(i))
-    path = Path(store._read_meta()["spill_path"])
+    path = Path(store.read_meta()["spill_path"])
     store.close()
     from shmcache.registry import SessionRegistry
 

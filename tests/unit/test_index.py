@@ -9,6 +9,8 @@ import unicodedata
 import numpy as np
 import pytest
 
+from shmcache.errors import InvalidKey
+
 import shmcache.index as index_mod
 from shmcache.index import READY, INT_KEY, TableView, key_bytes, key_hash
 from shmcache.store import MISSING, CacheStore
@@ -46,9 +48,9 @@ def test_numpy_integer_keys_are_the_same_key_as_python_ints(store):
 
 def test_int_keys_beyond_64_bits_are_refused(store):
     for k in (2**63, -(2**63) - 1, 10**30):
-        with pytest.raises(OverflowError, match="64 bits"):
+        with pytest.raises(InvalidKey, match="64 bits"):
             store.put(k, 1)
-        with pytest.raises(OverflowError):
+        with pytest.raises(InvalidKey):
             store.lookup(k)
     assert len(store) == 0
 
@@ -56,7 +58,7 @@ def test_int_keys_beyond_64_bits_are_refused(store):
 @pytest.mark.parametrize("key", [1.0, True, False, None, (1, 2), [1], np.float32(1), np.bool_(True),
                                  bytearray(b"a"), 1j])
 def test_keys_of_other_types_are_refused_naming_the_type(store, key):
-    with pytest.raises(TypeError, match=type(key).__name__):
+    with pytest.raises(InvalidKey, match=type(key).__name__):  # also a TypeError, a ShmcacheError
         store.put(key, 1)
     with pytest.raises(TypeError, match=type(key).__name__):
         store.lookup(key)
