@@ -14,6 +14,7 @@ __all__ = [
     "InvalidKey",
     "SessionNotFound",
     "SessionExists",
+    "SessionInUse",
     "CacheNotFound",
     "CacheMismatch",
     "CacheFull",
@@ -46,6 +47,10 @@ class InvalidKey(InvalidArgument, TypeError):
 
 class SessionNotFound(ShmcacheError, LookupError):
     """No session of that name exists in this namespace."""
+
+
+class SessionInUse(ShmcacheError, RuntimeError):
+    """The session has live processes attached (destroy it with force=True, or stop them)."""
 
 
 class SessionExists(ShmcacheError, FileExistsError):

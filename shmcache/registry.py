@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import SEP, Namespace, namespace, validate_name
-from .errors import InvalidArgument, SessionExists, SessionNotFound, ShmcacheError
+from .errors import SessionExists, SessionInUse, SessionNotFound, ShmcacheError
 from .locks import FileLock, LivenessSlot, slot_is_alive
 
 __all__ = ["SessionInfo", "SessionRegistry", "GcReport", "SEP", "MAX_SLOTS"]
@@ -178,7 +178,7 @@ class SessionRegistry:
                 self.get(name)  # raises SessionNotFound with the list of sessions
             pids = [p for p in self.live_pids(name) if p != os.getpid()]
             if pids and not force:
-                raise InvalidArgument(
+                raise SessionInUse(
                     f"session {name!r} is in use by {len(pids)} live process(es) (pids "
                     f"{', '.join(map(str, pids))}); stop them first, or pass force=True "
                     f"(`shmcache destroy --force {name}`)"

@@ -26,7 +26,9 @@ NOTE [publish order]
     becomes reachable only by step 3, and memory that was reachable is never reused within a
     generation: ``clear()`` starts a new generation in new segments, and table growth builds a new
     table. Processes still holding old mappings keep reading consistent (old) data until their next
-    operation sees the new epoch word.
+    operation sees the new epoch word. The one entry that is ever rewritten in place is a spilled
+    one whose record turned out corrupt: readers verify every spilled record they read (key,
+    lengths, checksum), so any mix of old and new location words is a right value or a miss.
 """
 
 from __future__ import annotations

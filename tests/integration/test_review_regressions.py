@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from shmcache import ShmDatasetCache
-from shmcache.errors import CacheMismatch, InvalidArgument, SharedMemoryFull
+from shmcache.errors import CacheMismatch, InvalidArgument, SessionInUse, SharedMemoryFull
 from shmcache.registry import SessionRegistry
 from shmcache.segment import Segment
 from shmcache.store import CacheStore
@@ -156,7 +156,7 @@ def test_a_process_that_only_writes_counts_as_attached():
     try:
         assert p.stdout.readline().strip() == "ready"
         assert p.pid in SessionRegistry().live_pids("w")
-        with pytest.raises(InvalidArgument, match="in use"):
+        with pytest.raises(SessionInUse, match="in use"):
             SessionRegistry().destroy("w")
     finally:
         p.stdin.close()

@@ -145,7 +145,7 @@ def test_destroy_refuses_a_session_in_use_without_force(capsys):
     try:
         assert proc.stdout.readline().strip() == "attached"
         got, _, err = run(capsys, "destroy", "busy")
-        assert got == 2 and str(proc.pid) in err and "--force" in err
+        assert got == 1 and str(proc.pid) in err and "--force" in err  # 1: not a usage error
         assert SessionRegistry().exists("busy")
         got, _, _ = run(capsys, "destroy", "--force", "busy")
         assert got == 0 and not SessionRegistry().exists("busy")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmcache.errors import InvalidArgument, SessionExists, SessionNotFound, ShmcacheError
+from shmcache.errors import InvalidArgument, SessionExists, SessionInUse, SessionNotFound, ShmcacheError
 from shmcache.registry import SessionRegistry
 from shmcache.store import CacheStore
 
@@ -125,7 +125,7 @@ def test_live_pids_and_destroy_refuses_a_session_in_use(reg):
     try:
         assert proc.stdout.readline().strip() == "attached"
         assert proc.pid in reg.live_pids("busy")
-        with pytest.raises(InvalidArgument, match=str(proc.pid)) as info:
+        with pytest.raises(SessionInUse, match=str(proc.pid)) as info:
             reg.destroy("busy")
         assert "force" in str(info.value)
         assert reg.exists("busy")
