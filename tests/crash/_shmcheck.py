@@ -9,14 +9,16 @@ and returns the list of broken invariants (empty when sound), in the spirit of d
 
 from __future__ import annotations
 
+import json
 import struct
 from collections import Counter
 
 import numpy as np
 
+from shmcache import cli
 from shmcache.allocator import commit_step_chunks
 from shmcache.index import INT_KEY, SPILLED, TableView, key_bytes
-from shmcache.store import MISSING, M, CacheStore
+from shmcache.store import MISSING, CacheStore, M
 
 __all__ = ["SIZES", "value_for", "fixed_value", "same_value", "check_store", "cache_segments",
            "intent_phase"]
@@ -25,6 +27,13 @@ __all__ = ["SIZES", "value_for", "fixed_value", "same_value", "check_store", "ca
 # records large enough to need their own commit step.
 SIZES = (8, 100, 333, 1000, 2500, 4100, 9000, 33000, 70000)
 _M48 = (1 << 48) - 1
+
+
+def gc_json(capsys) -> dict:
+    """Run `shmcache gc --json` in-process and return its report."""
+    capsys.readouterr()
+    assert cli.main(["gc", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
 
 
 def _pattern(key, size: int) -> bytes:

@@ -27,6 +27,22 @@ from _shmcheck import fixed_value, same_value, value_for
 DEADLINE_S = 60.0  # no worker waits longer than this for anything
 
 
+
+def _fallocate_fails_after(ok_calls: int) -> list[int]:
+    """In this process only: posix_fallocate works ``ok_calls`` times, then raises ENOSPC, as on a
+    tmpfs that another process filled. Returns the call counter (one-element list)."""
+    real = os.posix_fallocate
+    calls = [0]
+
+    def fallocate(fd, offset, length):
+        calls[0] += 1
+        if calls[0] > ok_calls:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, length)
+
+    os.posix_fallocate = fallocate
+    return calls
+
 def _touch(path) -> None:
     Path(path).touch()
 
@@ -454,8 +470,8 @@ def op_cycle(names, seed, cap):
 def op_slot_churn(session, seconds):
     """Take and release a liveness slot over and over; after each take, check that the slot is
     visibly ours: its file still names our lock and live_pids() reports us."""
-    from shmcache.registry import MAX_SLOTS, SessionRegistry
     from shmcache.locks import LivenessSlot
+    from shmcache.registry import MAX_SLOTS, SessionRegistry
 
     reg = SessionRegistry()
     slots_dir = reg.session_dir(session) / "slots"
@@ -503,16 +519,7 @@ def op_enospc(session, cache, cap, ok_calls, keys, kind="mixed"):
     from shmcache.store import MISSING
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
-    real = os.posix_fallocate
-    calls = [0]
-
-    def fallocate(fd, offset, length):
-        calls[0] += 1
-        if calls[0] > ok_calls:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, offset, length)
-
-    os.posix_fallocate = fallocate
+    calls = _fallocate_fails_after(ok_calls)
     s = _store(session, cache, cap)
     admitted = rejected = bad = 0
     errors = []
@@ -550,16 +557,7 @@ def op_torch_enospc(session, ok_calls, n):
     from shmcache import ShmDatasetCache
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
-    real = os.posix_fallocate
-    calls = [0]
-
-    def fallocate(fd, offset, length):
-        calls[0] += 1
-        if calls[0] > ok_calls:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, offset, length)
-
-    os.posix_fallocate = fallocate
+    calls = _fallocate_fails_after(ok_calls)
 
     cache = ShmDatasetCache(session=session, name="tiny", size=64)
     source = lambda i: torch.tensor([i, i * 2], dtype=torch.int32)  # noqa: E731
@@ -611,9 +609,9 @@ def _reap(pid: int, timeout_s: float, kill_after: float | None) -> dict:
 
 
 def zygote() -> None:
+    import shmcache.cli  # noqa: F401
     import shmcache.registry  # noqa: F401  (imported once; children start warm)
     import shmcache.store  # noqa: F401
-    import shmcache.cli  # noqa: F401
 
     children: set[int] = set()
     proto = os.fdopen(os.dup(1), "w", buffering=1)

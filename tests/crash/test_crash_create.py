@@ -14,10 +14,10 @@ import time
 
 import posix_ipc
 import pytest
-
 from _procs_util import Zygote, release_barrier, status_of, wait_for
 from _shmcheck import cache_segments, check_store, same_value, value_for
-from shmcache import _process, cli
+
+from shmcache import cli
 from shmcache.errors import CacheNotFound
 from shmcache.registry import SessionRegistry
 from shmcache.store import MISSING, CacheStore
@@ -25,12 +25,6 @@ from shmcache.store import MISSING, CacheStore
 C = "c"
 CAP = 64 << 20
 N = 8
-
-
-@pytest.fixture(autouse=True)
-def _own_slots():
-    yield
-    _process.release_all()
 
 
 def _lock_path(ns, session: str, cache: str = C):

@@ -11,28 +11,15 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from _procs_util import Zygote, status_of, wait_for
-from _shmcheck import cache_segments, check_store, same_value, value_for
-from shmcache import _process, cli
-from shmcache.store import MIN_TABLE, MISSING, CacheStore
+from _shmcheck import cache_segments, check_store, gc_json, same_value, value_for
+
 from shmcache.index import MAX_LOAD
+from shmcache.store import MIN_TABLE, MISSING, CacheStore
 
 S, C = "gens", "c"
 CAP = 64 << 20
 BEFORE_GROWTH = int(MIN_TABLE * MAX_LOAD)  # items a first table holds; the next put grows it
-
-
-@pytest.fixture(autouse=True)
-def _own_slots():
-    yield
-    _process.release_all()
-
-
-def _gc_json(capsys) -> dict:
-    capsys.readouterr()
-    assert cli.main(["gc", "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def _fill_to_growth(store: CacheStore) -> list[int]:
@@ -61,7 +48,7 @@ def test_table_built_kill_leaves_a_working_cache_and_gc_removes_the_orphan(tmp_p
     assert store.lookup(BEFORE_GROWTH, count=False) is MISSING
     assert all(same_value(store.lookup(k, count=False), value_for(k)) for k in keys)
 
-    result = _gc_json(capsys)
+    result = gc_json(capsys)
     assert sorted(result["removed_segments"]) == sorted(orphans)
     assert cache_segments(store) == segments
 
@@ -93,7 +80,7 @@ def test_table_built_kill_does_not_inflate_committed_bytes(tmp_path, capsys):
     store = CacheStore(S, C, capacity_bytes=CAP)
     keys = _fill_to_growth(store)
     _die_at_table_built(tmp_path, BEFORE_GROWTH)
-    _gc_json(capsys)
+    gc_json(capsys)
     assert store.put(BEFORE_GROWTH, value_for(BEFORE_GROWTH))
     assert check_store(store, keys + [BEFORE_GROWTH]) == []
 
@@ -118,7 +105,7 @@ def test_cleared_before_unlink_kill_leaves_a_working_cache_and_gc_removes_the_ol
         assert z.run("put", S, C, keys[:50], CAP)[0] == 0
     assert all(same_value(store.lookup(k, count=False), value_for(k)) for k in keys[:50])
 
-    result = _gc_json(capsys)
+    result = gc_json(capsys)
     assert sorted(result["removed_segments"]) == sorted(old_gen)
     assert check_store(store, keys) == []
 

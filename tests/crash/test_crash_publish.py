@@ -14,10 +14,10 @@ import sys
 import time
 
 import pytest
-
 from _procs_util import Zygote, crash_env, status_of, wait_for
-from _shmcheck import check_store, fixed_value, intent_phase, same_value, value_for
-from shmcache import _process, cli
+from _shmcheck import check_store, fixed_value, gc_json, intent_phase, same_value, value_for
+
+from shmcache import _process
 from shmcache.allocator import commit_step_chunks
 from shmcache.store import MISSING, CacheStore
 
@@ -32,12 +32,6 @@ UNPUBLISHED = {"allocated", "mid_copy", "before_publish"}  # dies after allocati
 def _own_slots():
     yield
     _process.release_all()  # the slots this test process took (hit/miss counters)
-
-
-def _gc_json(capsys) -> dict:
-    capsys.readouterr()
-    assert cli.main(["gc", "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def _lock_wait_s(store: CacheStore) -> float:
@@ -88,7 +82,7 @@ def test_sigkilled_writer_is_invisible_and_repaired(point, tmp_path, capsys):
     assert report["bad"] == [], f"the reader read torn or foreign values: {report['bad']}"
     assert report["hits"] > 0
 
-    result = _gc_json(capsys)
+    result = gc_json(capsys)
     assert result["reclaimed_entries"] == (1 if point in UNPUBLISHED else 0)
     assert result["removed_segments"] == []
     assert check_store(store, universe) == []

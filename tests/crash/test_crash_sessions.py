@@ -9,34 +9,21 @@ files flat.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import time
 
 import pytest
-
 from _procs_util import Procs, Zygote, status_of, wait_for
-from _shmcheck import SIZES, check_store, same_value, value_for
-from shmcache import _process, cli
+from _shmcheck import SIZES, check_store, gc_json, same_value, value_for
+
+from shmcache import _process
 from shmcache.errors import CacheNotFound
 from shmcache.registry import SessionRegistry
 from shmcache.store import MISSING, CacheStore
 
 CAP = 64 << 20
-
-
-@pytest.fixture(autouse=True)
-def _own_slots():
-    yield
-    _process.release_all()
-
-
-def _gc_json(capsys) -> dict:
-    capsys.readouterr()
-    assert cli.main(["gc", "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def test_kill_9_a_torch_job_and_start_it_again(tmp_path, capsys):
@@ -57,7 +44,7 @@ def test_kill_9_a_torch_job_and_start_it_again(tmp_path, capsys):
         for p in members:
             assert procs.finish(p, 10)[0] == -9
     assert reg.live_pids(session) == [], "dead processes are still counted as attached"
-    stale = _gc_json(capsys)["removed_locks"]
+    stale = gc_json(capsys)["removed_locks"]
     assert len(stale) == 3, f"gc should remove the three dead slot locks, removed {stale}"
     assert list((reg.session_dir(session) / "slots").glob("*.lock")) == []
 
@@ -107,9 +94,9 @@ def test_kill_9_a_busy_job_repeatedly(tmp_path, capsys):
                 "the restarted job must find every item the killed one cached"
             store.close()
             if rnd == 1:
-                _gc_json(capsys)
+                gc_json(capsys)
     # the writes of random keys that were in flight: finish or undo them, then check everything
-    _gc_json(capsys)
+    gc_json(capsys)
     store = CacheStore(session, cache, create=False)
     assert check_store(store) == []
     assert not list((reg.session_dir(session) / "slots").glob("*.lock"))
@@ -127,7 +114,7 @@ def test_destroy_killed_half_way_leaves_nothing_gc_cannot_remove(tmp_path, capsy
         status, _ = z.run("die_destroying", "doomed")
     assert status == -9, status_of(status)
     assert SessionRegistry().list() == []
-    _gc_json(capsys)
+    gc_json(capsys)
     left = [str(p.relative_to(shm_namespace.root)) for p in shm_namespace.sessions_dir.rglob("*")]
     assert left == [], f"a destroyed session's files outlive `shmcache gc`: {left}"
     assert shm_namespace.owned_segments() == []
@@ -153,7 +140,7 @@ def test_destroy_killed_while_unlinking_segments_leaves_no_broken_cache(tmp_path
         assert len(store) == 0 and store.lookup(3) is MISSING
         assert store.put(3, value_for(3)) and store.lookup(3) == value_for(3)
         store.close()
-    _gc_json(capsys)
+    gc_json(capsys)
     store = CacheStore("half", "c")
     assert check_store(store, [3]) == []
     store.close()
@@ -209,12 +196,12 @@ def test_create_attach_destroy_cycles_with_random_kills_stay_flat(cycles, tmp_pa
             assert files <= max_files, f"cycle {i}: {files} files: {_files(shm_namespace.root)}"
             if i % 10 == 9:
                 _process.release_all()
-                _gc_json(capsys)
+                gc_json(capsys)
                 debris = _debris(shm_namespace)
                 assert debris == [], f"cycle {i}: left behind after `shmcache gc`: {debris}"
     assert killed >= cycles // 4  # enough kills to mean something (timing decides how many land)
     # every surviving session is sound, and destroying them all leaves nothing at all
-    _gc_json(capsys)
+    gc_json(capsys)
     reg = SessionRegistry()
     for info in reg.list():
         for name in reg.cache_names(info.name):
@@ -226,7 +213,7 @@ def test_create_attach_destroy_cycles_with_random_kills_stay_flat(cycles, tmp_pa
             store.close()
         _process.release_all()
         reg.destroy(info.name)
-    _gc_json(capsys)
+    gc_json(capsys)
     assert shm_namespace.owned_segments() == []
     assert _files(shm_namespace.root) == ["registry.lock"], \
         f"files left after destroying every session: {_files(shm_namespace.root)}"

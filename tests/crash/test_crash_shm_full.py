@@ -14,10 +14,9 @@ import subprocess
 import time
 
 import pytest
-
 from _procs_util import Procs, Zygote, status_of
 from _shmcheck import check_store, fixed_value
-from shmcache import _process
+
 from shmcache.errors import InvalidArgument, ItemTooLarge
 from shmcache.store import MISSING, CacheStore
 
@@ -25,12 +24,6 @@ S, C = "full", "c"
 CAP = 64 << 20
 # posix_fallocate calls a new cache makes before its first item: root, meta, first table
 NEW_CACHE_CALLS = 3
-
-
-@pytest.fixture(autouse=True)
-def _own_slots():
-    yield
-    _process.release_all()
 
 
 def _enospc(tmp_path, ok_calls, keys, kind="mixed"):

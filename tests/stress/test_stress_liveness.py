@@ -18,6 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crash"))
 
 from _procs_util import Zygote  # noqa: E402
+
 from shmcache.registry import SessionRegistry  # noqa: E402
 
 

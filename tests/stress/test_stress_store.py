@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crash"))
 
 from _procs_util import Zygote, release_barrier, status_of  # noqa: E402
 from _shmcheck import check_store  # noqa: E402
+
 from shmcache import _process, cli  # noqa: E402
 from shmcache.store import CacheStore  # noqa: E402
 

@@ -1,0 +1,12 @@
+"""Crash tests: each test gives up the liveness slots its own process took (the processes it kills
+hold their own), so slot counts and `live_pids` start clean for the next test."""
+
+import pytest
+
+from shmcache import _process
+
+
+@pytest.fixture(autouse=True)
+def _own_slots():
+    yield
+    _process.release_all()
