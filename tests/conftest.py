@@ -45,6 +45,17 @@ def _children(pid: int) -> set[int]:
     return kids
 
 
+@pytest.fixture(scope="session", autouse=True)
+def resource_tracker_started_first():
+    """multiprocessing's resource tracker is a child that lives as long as the test run. Started
+    here, before any test, it is never mistaken for a process that a test left behind - whichever
+    test happens to be the first to use multiprocessing (a DataLoader with workers, spawn)."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def shm_namespace(tmp_path, monkeypatch):
     root = tmp_path / "shmcache-ns"

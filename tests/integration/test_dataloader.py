@@ -32,14 +32,6 @@ BATCH = 32
 START_METHODS = ["fork", "spawn", "forkserver"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def resource_tracker_started_before_the_tests():
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
-    yield
-
-
 @pytest.fixture
 def start_method(request, shm_namespace):
     method = request.param

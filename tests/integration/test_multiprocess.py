@@ -10,21 +10,12 @@ import multiprocessing
 import os
 import queue as queue_mod
 
-import pytest
 
 from shmcache import ShmDatasetCache
 from shmcache.store import CacheStore
 
 import _workers
 from _workers import FixedDataset, VarDataset, value_for_key
-
-
-@pytest.fixture(scope="module", autouse=True)
-def resource_tracker_started_before_the_tests():
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
-    yield
 
 
 def _run(ctx, target, args_for_rank, nprocs, timeout_s=100):
