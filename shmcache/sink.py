@@ -188,16 +188,7 @@ def _one_pass(batches: Iterable[Any], epoch: int) -> Iterator[Any]:
 def _endless(batches: Iterable[Any]) -> Generator[Any, None, None]:
     """``batches`` traversed again and again (sink_size>0): each epoch goes on where one ended."""
     while True:
-        iterator = iter(batches)
-        try:
-            count = 0
-            for batch in iterator:
-                count += 1
-                yield batch
-        finally:
-            _close(iterator)
-        if count == 0:
-            raise _empty_batches_error(batches, None)
+        yield from _one_pass(batches, None)
 
 
 def _empty_batches_error(batches: Iterable[Any], epoch: int | None) -> InvalidArgument:
