@@ -90,7 +90,7 @@ _VERIFY_RNG = random.Random()  # its own: verify= must not shift the user's seed
 _DIGEST_LIMIT = 256 << 20  # bytes of dataset attributes hashed at most (then: shapes only)
 
 
-def _fingerprint(dataset: Any, transform: Callable | None, samples: Sequence) -> str:
+def _fingerprint(dataset: Any, transform: Callable | None, samples: Sequence[codec.Encoded]) -> str:
     """Identity of a dataset: its type, length, transform, its plain-data attributes (file lists,
     label arrays: a corrected label changes it) and a few encoded samples."""
     h = hashlib.blake2b(digest_size=8)
@@ -100,8 +100,7 @@ def _fingerprint(dataset: Any, transform: Callable | None, samples: Sequence) ->
     if transform is not None:
         name = getattr(transform, "__qualname__", type(transform).__qualname__)
         h.update(f"|{getattr(transform, '__module__', '')}.{name}".encode())
-    for s in samples:
-        enc = codec.encode(s)
+    for enc in samples:  # already encoded (wrap() stores them too)
         h.update(enc.layout)
         h.update(enc.scalars)
         for _, piece in enc.pieces:
@@ -136,8 +135,9 @@ def _digest_attributes(h, value: Any, budget: list[int], depth: int = 0) -> None
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Bit-for-bit equality of two samples, through the codec (works for any nesting)."""
-    ea, eb = codec.encode(a), codec.encode(b)
+    """Bit-for-bit equality of two samples (or their encodings), through the codec."""
+    ea = a if isinstance(a, codec.Encoded) else codec.encode(a)
+    eb = b if isinstance(b, codec.Encoded) else codec.encode(b)
     if ea.layout != eb.layout or ea.scalars != eb.scalars:
         return False
     return all(memoryview(x).cast("B") == memoryview(y).cast("B")
@@ -245,7 +245,7 @@ class ShmDatasetCache:
                 )
             # the first items identify a stream (the dataset's attributes too, see _fingerprint)
             head = list(itertools.islice(iter(dataset), 16))
-            samples = [transform(x) if transform else x for x in head]
+            samples = [codec.encode(transform(x) if transform else x) for x in head]
             self._bind(dataset, transform, samples, table_hint=0)
             return CachedIterableDataset(self, dataset, transform)
         if not hasattr(dataset, "__getitem__") or _len_or_none(dataset) is None:
@@ -255,10 +255,10 @@ class ShmDatasetCache:
             )
         n = len(dataset)
         probe = sorted({0, n // 2, n - 1}) if n else []
-        samples = [_compute(dataset, transform, i) for i in probe]
-        for i, sample in zip(probe, samples):
+        samples = []  # encoded once: to check them, to fingerprint the dataset, to store them
+        for i in probe:
             try:
-                codec.encode(sample)
+                samples.append(codec.encode(_compute(dataset, transform, i)))
             except EncodeError as exc:
                 raise EncodeError(f"sample {i} of {type(dataset).__name__}: {exc}") from None
         if samples and not _same(samples[0], _compute(dataset, transform, probe[0])):
@@ -268,8 +268,8 @@ class ShmDatasetCache:
                 f"(cache.wrap(ds, transform=decode)) and apply random augmentation on top"
             )
         self._bind(dataset, transform, samples, table_hint=n)
-        for i, s in zip(probe, samples):  # computed anyway: keep them
-            self._store.put(i, s)
+        for i, enc in zip(probe, samples):  # computed anyway: keep them
+            self._store.put(i, None, encoded=enc)
         return CachedDataset(self, dataset, transform)
 
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
@@ -463,8 +463,30 @@ class CachedDataset(Dataset):
             raise IndexError(f"index {i} out of range for a dataset of {self._len} items")
         return i
 
+    def _indices(self, indices: Any) -> np.ndarray:
+        """A batch of indices as int64, negatives wrapped and bounds checked in one numpy pass
+        (the batch path must not pay a Python call per index)."""
+        if isinstance(indices, torch.Tensor):
+            indices = indices.cpu().numpy()
+        arr = np.asarray(indices)
+        if arr.dtype.kind not in "iu" or arr.ndim != 1:
+            return np.fromiter((self._index(i) for i in indices), np.int64)  # mixed: one by one
+        arr = arr.astype(np.int64)
+        arr = np.where(arr < 0, arr + self._len, arr)
+        bad = (arr < 0) | (arr >= self._len)
+        if bad.any():
+            raise IndexError(f"index {int(np.asarray(indices)[bad][0])} out of range for a dataset "
+                             f"of {self._len} items")
+        return arr
+
     def _compute(self, i: int) -> Any:
-        return _compute(self.dataset, self.transform, i)
+        return _compute(self.dataset, self.transform, int(i))
+
+    def _store_computed(self, store: CacheStore, i: int, value: Any) -> None:
+        try:
+            store.put(i, value)
+        except EncodeError as exc:
+            raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
 
     def __getitem__(self, i):
         if isinstance(i, (list, np.ndarray)) or (isinstance(i, torch.Tensor) and i.dim() == 1):
@@ -476,10 +498,7 @@ class CachedDataset(Dataset):
         value = store.lookup(i, self.cache.copy)
         if value is MISSING:
             value = self._compute(i)
-            try:
-                store.put(i, value)
-            except EncodeError as exc:
-                raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
+            self._store_computed(store, i, value)
         elif self.cache.verify and _VERIFY_RNG.random() < self.cache.verify:
             self._verify(i, value)
         return value
@@ -495,7 +514,7 @@ class CachedDataset(Dataset):
 
     def __getitems__(self, indices: Sequence) -> list:
         """The DataLoader's batch hook: one batch lookup, misses computed and stored."""
-        idx = [self._index(i) for i in indices]
+        idx = self._indices(indices).tolist()
         store = self.cache._ensure_open()
         values, missing = store.lookup_batch(idx, self.cache.copy)
         if self.cache.verify:
@@ -505,10 +524,7 @@ class CachedDataset(Dataset):
                     self._verify(idx[j], values[j])
         for j in missing:
             values[j] = self._compute(idx[j])
-            try:
-                store.put(idx[j], values[j])
-            except EncodeError as exc:
-                raise EncodeError(f"sample {idx[j]} of {type(self.dataset).__name__}: {exc}") from None
+            self._store_computed(store, idx[j], values[j])
         return values
 
     def get_batch(self, indices: Sequence, fn: Callable | None = None, out: Any = None) -> Any:
@@ -517,8 +533,7 @@ class CachedDataset(Dataset):
         Same signature as ``ShmDatasetCache.get_batch``, so a wrapped dataset can feed
         ``PrefetchRing.from_cache(ds, key_batches)`` directly.
         """
-        idx = [self._index(i) for i in indices]
-        return self.cache.get_batch(idx, fn=fn or self._compute, out=out)
+        return self.cache.get_batch(self._indices(indices), fn=fn or self._compute, out=out)
 
     def __getstate__(self) -> dict:
         return self.__dict__.copy()  # the cache pickles by name (ShmDatasetCache.__getstate__)

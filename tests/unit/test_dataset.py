@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from shmcache import ShmDatasetCache
 from shmcache.errors import CacheMismatch, EncodeError, InvalidArgument, ItemTooLarge, ShmcacheError
@@ -610,6 +610,17 @@ def test_verify_recomputes_hits_and_catches_a_stale_cache():
         with pytest.raises(CacheMismatch, match=r"sample 5 .*clear\(\)"):
             ds[5]
         assert ds[4][1] == 4
+
+
+def test_verify_also_checks_the_dataloader_batch_hook():
+    """A DataLoader fetches through __getitems__, not __getitem__: verify= must run there too."""
+    src = Drifting()
+    with _cache(name="verify-batch", verify=1.0) as cache:
+        ds = cache.wrap(src)
+        list(DataLoader(ds, batch_size=5))  # fills
+        src.shift = 7
+        with pytest.raises(CacheMismatch, match="sample 5"):
+            list(DataLoader(ds, batch_size=5))
 
 
 def test_verify_off_by_default_and_validated():
