@@ -106,7 +106,7 @@ class Procs:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(5)
-            raise AssertionError(f"worker {p.args[2]} (pid {p.pid}) still running after {timeout_s}s")
+            raise AssertionError(f"worker {p.args[2]} (pid {p.pid}) still running after {timeout_s}s") from None
         finally:
             for f in (p.stderr, p.stdout):
                 if f is not None:

@@ -139,7 +139,7 @@ def test_half_made_root_is_left_alone_while_its_creator_holds_the_lock(tmp_path,
         res = z.run("open", session, C, CAP, 1.0)[1]
         assert res["type"] == "LockTimeout", res
         assert str(lock) in res["error"]
-        assert 0.9 < res["waited_s"] < 5
+        assert 0.9 < res["waited_s"] < 10
         assert os.stat(shm_namespace.shm_path(root_name)).st_ino == root_ino, \
             "the attacher touched a root whose creator is alive"
         z.kill(holder)

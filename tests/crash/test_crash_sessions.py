@@ -35,7 +35,7 @@ def test_kill_9_a_torch_job_and_start_it_again(tmp_path, capsys):
         ready = [tmp_path / f"ready1.{i}" for i in range(3)]
         members = [procs.start("torch_job", session, n, str(counter), str(r), True) for r in ready]
         for r, p in zip(ready, members):
-            wait_for(lambda: r.exists() or p.poll() is not None, 60, "a job member to fill the cache")
+            wait_for(lambda r=r, p=p: r.exists() or p.poll() is not None, 60, "a job member to fill the cache")
             assert p.poll() is None, f"job member died: {status_of(p.returncode)}"
         reg = SessionRegistry()
         assert sorted(reg.live_pids(session)) == sorted(p.pid for p in members)

@@ -20,11 +20,10 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from _workers import HERE, FixedDataset, TorchDataset, fixed_sample
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 from shmcache import ShmDatasetCache
-
-from _workers import HERE, FixedDataset, TorchDataset, fixed_sample
 
 N = 384
 NBYTES = 256

@@ -10,12 +10,11 @@ import multiprocessing
 import os
 import queue as queue_mod
 
+import _workers
+from _workers import FixedDataset, VarDataset, value_for_key
 
 from shmcache import ShmDatasetCache
 from shmcache.store import CacheStore
-
-import _workers
-from _workers import FixedDataset, VarDataset, value_for_key
 
 
 def _run(ctx, target, args_for_rank, nprocs, timeout_s=100):

@@ -30,7 +30,7 @@ def test_ring_from_real_cache_cold_then_warm():
     ds = cache.wrap(Squares())
     key_batches = [list(range(lo, min(lo + 16, 103))) for lo in range(0, 103, 16)]  # short last batch
     with PrefetchRing.from_cache(ds, key_batches, depth=2) as ring:
-        for epoch in range(2):  # cold (computed through fn), then warm (gathered from memory)
+        for _epoch in range(2):  # cold (computed through fn), then warm (gathered from memory)
             seen = []
             for x, y in ring:
                 assert torch.equal(x, (y * y).view(-1, 1, 1).expand(-1, 4, 5))

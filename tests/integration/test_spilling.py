@@ -14,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmcache import ShmDatasetCache
+from shmcache import ShmDatasetCache, spilling
 from shmcache.errors import SpillError
 from shmcache.store import MISSING, CacheStore
-from shmcache import spilling
 
 ITEMS = 400
 ITEM_BYTES = 40_000  # 400 items x 40 KB = 16 MB of payload for a 4 MB cache

@@ -9,8 +9,15 @@ import stat
 import numpy as np
 import pytest
 
-from shmcache.config import (ENV_DIR, ENV_SESSION, MemoryLimits, memory_limits, namespace,
-                             resolve_session_name, validate_name)
+from shmcache.config import (
+    ENV_DIR,
+    ENV_SESSION,
+    MemoryLimits,
+    memory_limits,
+    namespace,
+    resolve_session_name,
+    validate_name,
+)
 from shmcache.errors import InvalidArgument, NotOwner
 from shmcache.registry import SessionRegistry
 from shmcache.store import MISSING, CacheStore

@@ -9,10 +9,9 @@ import unicodedata
 import numpy as np
 import pytest
 
-from shmcache.errors import InvalidKey
-
 import shmcache.index as index_mod
-from shmcache.index import READY, INT_KEY, TableView, key_bytes, key_hash
+from shmcache.errors import InvalidKey
+from shmcache.index import INT_KEY, READY, TableView, key_bytes, key_hash
 from shmcache.store import MISSING, CacheStore
 
 INT_EDGES = [0, 1, -1, 2, 1023, 1024, 1025, 2**31, -(2**31), 2**32 + 5, 2**62, 2**63 - 1, -(2**63),
@@ -67,9 +66,9 @@ def test_keys_of_other_types_are_refused_naming_the_type(store, key):
 
 def test_str_and_bytes_of_the_same_text_are_different_keys(store):
     pairs = [("a", b"a"), ("", b""), ("héllo", "héllo".encode()), ("97", b"97")]
-    for s, b in pairs:
+    for s, _ in pairs:
         store.put(s, ("str", s))
-    for s, b in pairs:
+    for _, b in pairs:
         assert store.lookup(b) is MISSING, b
         store.put(b, ("bytes", b))
     for s, b in pairs:

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from shmcache import codec
-from shmcache.errors import (CacheMismatch, CacheNotFound, InvalidArgument, ItemTooLarge,
-                             SessionNotFound)
+from shmcache.errors import CacheMismatch, CacheNotFound, InvalidArgument, ItemTooLarge, SessionNotFound
 from shmcache.index import key_bytes
 from shmcache.store import MISSING, STAT_KEYS, CacheStore
 
