@@ -147,7 +147,7 @@ def test_hundred_kills_between_allocation_and_publish_leak_no_chunk(tmp_path):
 
 @pytest.mark.parametrize("lock", ["cache", "registry"])
 def test_waiters_get_the_lock_as_soon_as_its_holder_is_sigkilled(lock, tmp_path):
-    """Scenario 3: processes blocked on a lock whose holder is SIGKILLed proceed within a second."""
+    """Scenario 3: processes blocked on a lock whose holder is SIGKILLed proceed at once, not after their lock timeout."""
     CacheStore(S, C, capacity_bytes=CAP).close()
     held = tmp_path / "held"
     with Zygote(tmp_path / "z") as z:
@@ -168,7 +168,8 @@ def test_waiters_get_the_lock_as_soon_as_its_holder_is_sigkilled(lock, tmp_path)
         for pid, out in waiters:
             assert z.wait(pid, 10) == 0
             res = json.loads(out.read_text())
-            assert res["done_at"] - killed_at < 2.0, f"a waiter took {res['done_at'] - killed_at:.2f}s"
+            # well under the waiters' 30 s lock timeout; wide enough for a loaded 2-core CI machine
+            assert res["done_at"] - killed_at < 5.0, f"a waiter took {res['done_at'] - killed_at:.2f}s"
     if lock == "cache":
         store = CacheStore(S, C, create=False)
         assert check_store(store, list(range(500, 503))) == []
