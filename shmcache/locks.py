@@ -9,6 +9,12 @@ NOTE [lock files]
     The same mechanism judges liveness: a process holds a *slot lock* for its whole life, and
     anyone can test whether the slot's owner is alive with a non-blocking attempt - never with a
     PID, which the kernel reuses.
+
+    Two implementations, one mechanism. The session registry's lock is taken rarely (creating,
+    attaching or destroying a session), so it is filelock's ``FileLock`` (:class:`RegistryLock`).
+    A cache's lock is taken on every ``put``, so :class:`FileLock` here keeps its descriptor open
+    for the life of the process; filelock opens and closes the file on every acquire. Both are an
+    exclusive ``flock`` on the whole file, so the two would even exclude each other on one path.
 """
 
 from __future__ import annotations
@@ -21,22 +27,28 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import filelock
+
 from .errors import LockTimeout, NotOwner
 
-__all__ = ["FileLock", "LivenessSlot", "slot_is_alive", "flock_within", "DEFAULT_TIMEOUT_S"]
+__all__ = ["FileLock", "RegistryLock", "LivenessSlot", "slot_is_alive", "flock_within", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _REOPEN = threading.Lock()
+
+
+def _not_owner(path: Path) -> NotOwner:
+    return NotOwner(
+        f"cannot open lock file {path}: permission denied; it belongs to another user - "
+        f"set $SHMCACHE_DIR to a directory of your own"
+    )
 
 
 def _open_lock_file(path: Path) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except PermissionError:
-        raise NotOwner(
-            f"cannot open lock file {path}: permission denied; it belongs to another user - "
-            f"set $SHMCACHE_DIR to a directory of your own"
-        ) from None
+        raise _not_owner(path) from None
 
 
 def flock_within(fd: int, timeout_s: float, timed_out: Callable[[], Exception],
@@ -88,11 +100,8 @@ class FileLock:
         if not self._thread_lock.acquire(timeout=max(timeout, 0)):
             raise LockTimeout(f"timed out after {timeout:.1f}s waiting for {self.what} (another thread holds it)")
         try:
-            flock_within(self._fd, max(0.0, deadline - time.monotonic()), lambda: LockTimeout(
-                f"timed out after {timeout:.1f}s waiting for {self.what} ({self.path}): a "
-                f"live process holds it (a dead one would have released it); find it with "
-                f"`fuser {self.path}`"
-            ))
+            flock_within(self._fd, max(0.0, deadline - time.monotonic()),
+                         lambda: _held_elsewhere(self.what, self.path, timeout))
         except BaseException:
             self._thread_lock.release()
             raise
@@ -112,6 +121,58 @@ class FileLock:
         if self._fd >= 0 and self._pid == os.getpid():
             os.close(self._fd)
         self._fd, self._pid = -1, -1
+
+
+def _held_elsewhere(what: str, path: Path, timeout_s: float) -> LockTimeout:
+    return LockTimeout(
+        f"timed out after {timeout_s:.1f}s waiting for {what} ({path}): a live process holds it "
+        f"(a dead one would have released it); find it with `fuser {path}`"
+    )
+
+
+class RegistryLock:
+    """filelock's ``FileLock`` on ``path`` (mode 0600), raising :class:`LockTimeout` after ``timeout_s``.
+
+    Not reentrant, like :class:`FileLock`. A forked child builds its own filelock object: the
+    inherited one would count the parent's hold as its own (filelock is reentrant per object).
+    """
+
+    POLL_S = 0.005  # the registry lock is held for milliseconds: filelock's 50 ms default is too coarse
+
+    def __init__(self, path: str | os.PathLike, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = ""):
+        self.path = Path(path)
+        self.timeout_s = timeout_s
+        self.what = what or f"lock {self.path.name}"
+        self._lock: filelock.FileLock | None = None
+        self._pid = -1
+
+    def acquire(self, timeout_s: float | None = None) -> None:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self._pid != os.getpid():
+            with _REOPEN:  # threads racing to the first acquire must share one filelock object
+                if self._pid != os.getpid():
+                    # thread_local (the default): threads of one process exclude each other too
+                    self._lock, self._pid = filelock.FileLock(self.path, mode=0o600), os.getpid()
+        try:
+            self._lock.acquire(timeout=max(timeout, 0.0), poll_interval=self.POLL_S)
+        except filelock.Timeout:
+            raise _held_elsewhere(self.what, self.path, timeout) from None
+        except PermissionError:
+            raise _not_owner(self.path) from None
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> RegistryLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def close(self) -> None:
+        """Nothing is kept open between holds (filelock closes the file on release); here so that
+        both lock classes can be used the same way."""
 
 
 def slot_is_alive(path: Path, *, unlink_if_dead: bool = False) -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .config import SEP, Namespace, namespace, validate_name
 from .errors import SessionExists, SessionInUse, SessionNotFound, ShmcacheError
-from .locks import FileLock, LivenessSlot, slot_is_alive
+from .locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
 
 __all__ = ["SessionInfo", "SessionRegistry", "GcReport", "SEP", "MAX_SLOTS"]
 
@@ -63,7 +63,8 @@ class SessionRegistry:
     def __init__(self, ns: Namespace | None = None, *, timeout_s: float = 60.0):
         self.ns = ns or namespace()
         self.ns.sessions_dir.mkdir(mode=0o700, exist_ok=True)
-        self._lock = FileLock(self.ns.root / "registry.lock", timeout_s=timeout_s, what="the session registry lock")
+        self._lock = RegistryLock(self.ns.root / "registry.lock", timeout_s=timeout_s,
+                                  what="the session registry lock")
 
     # --- paths ------------------------------------------------------------------------------
 

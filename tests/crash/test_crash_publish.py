@@ -147,7 +147,8 @@ def test_hundred_kills_between_allocation_and_publish_leak_no_chunk(tmp_path):
 
 @pytest.mark.parametrize("lock", ["cache", "registry"])
 def test_waiters_get_the_lock_as_soon_as_its_holder_is_sigkilled(lock, tmp_path):
-    """Scenario 3: processes blocked on a lock whose holder is SIGKILLed proceed at once, not after their lock timeout."""
+    """Scenario 3: processes blocked on a lock whose holder is SIGKILLed proceed at once, not after
+    their lock timeout."""
     CacheStore(S, C, capacity_bytes=CAP).close()
     held = tmp_path / "held"
     with Zygote(tmp_path / "z") as z:

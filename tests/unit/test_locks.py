@@ -1,5 +1,8 @@
 """flock locks: exclusion between processes and threads, timeouts that name the lock, a forked
-child never shares its parent's lock, release when the holder exits, liveness slots."""
+child never shares its parent's lock, release when the holder exits, liveness slots.
+
+Each lock test runs against both lock classes: our own FileLock (a cache's lock) and RegistryLock
+(filelock's, for the session registry)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import time
 import pytest
 
 from shmcache.errors import LockTimeout
-from shmcache.locks import FileLock, LivenessSlot, slot_is_alive
+from shmcache.locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
+
+LOCK_CLASSES = pytest.mark.parametrize("Lock", [FileLock, RegistryLock])
 
 _HOLD = r"""
 import sys, time
@@ -32,11 +37,12 @@ def _holder(path):
     return proc
 
 
-def test_other_process_excludes_then_exit_releases(tmp_path):
+@LOCK_CLASSES
+def test_other_process_excludes_then_exit_releases(tmp_path, Lock):
     path = tmp_path / "x.lock"
     proc = _holder(path)
     try:
-        lock = FileLock(path, what="the test lock")
+        lock = Lock(path, what="the test lock")
         t0 = time.monotonic()
         with pytest.raises(LockTimeout) as info:
             lock.acquire(timeout_s=0.3)
@@ -53,8 +59,9 @@ def test_other_process_excludes_then_exit_releases(tmp_path):
     lock.close()
 
 
+@LOCK_CLASSES
 @pytest.mark.parametrize("warm", [True, False], ids=["used-before", "first-use-in-threads"])
-def test_threads_sharing_one_lock_object_exclude_each_other(tmp_path, warm, monkeypatch):
+def test_threads_sharing_one_lock_object_exclude_each_other(tmp_path, warm, monkeypatch, Lock):
     """FileLock is "usable from threads": threads that share one lock object (a store used by a
     prefetch thread and the main thread) never overlap inside it - also when their very first
     acquire happens at the same time (opening the file is slowed down to make that likely)."""
@@ -67,7 +74,14 @@ def test_threads_sharing_one_lock_object_exclude_each_other(tmp_path, warm, monk
         return real_open(path)
 
     monkeypatch.setattr(locks_mod, "_open_lock_file", slow_open)
-    lock = FileLock(tmp_path / "t.lock", timeout_s=1)
+    real_filelock = locks_mod.filelock.FileLock
+
+    def slow_filelock(*args, **kwargs):
+        time.sleep(0.02)
+        return real_filelock(*args, **kwargs)
+
+    monkeypatch.setattr(locks_mod.filelock, "FileLock", slow_filelock)
+    lock = Lock(tmp_path / "t.lock", timeout_s=1)
     if warm:
         with lock:
             pass
@@ -97,8 +111,9 @@ def test_threads_sharing_one_lock_object_exclude_each_other(tmp_path, warm, monk
     lock.close()
 
 
-def test_thread_timeout_names_the_other_thread(tmp_path):
-    lock = FileLock(tmp_path / "t.lock", what="thread test lock")
+@LOCK_CLASSES
+def test_thread_timeout_names_the_lock(tmp_path, Lock):
+    lock = Lock(tmp_path / "t.lock", what="thread test lock")
     lock.acquire()
     err = []
     t = threading.Thread(target=lambda: _try(lock, err))
@@ -117,10 +132,11 @@ def _try(lock, err):
         err.append(exc)
 
 
-def test_forked_child_does_not_share_the_parents_lock(tmp_path):
-    """After fork the child shares the parent's open file description; it must re-open its own, so
-    the parent's held lock excludes the child."""
-    lock = FileLock(tmp_path / "f.lock")
+@LOCK_CLASSES
+def test_forked_child_does_not_share_the_parents_lock(tmp_path, Lock):
+    """After fork the child shares the parent's open file description (and a reentrant lock's
+    count); it must take its own, so the parent's held lock excludes the child."""
+    lock = Lock(tmp_path / "f.lock")
     lock.acquire()
     r, w = os.pipe()
     pid = os.fork()
@@ -158,17 +174,42 @@ def test_forked_child_does_not_share_the_parents_lock(tmp_path):
 def test_lock_files_are_mode_0600_whatever_the_umask(tmp_path):
     old = os.umask(0)
     try:
-        lock = FileLock(tmp_path / "m.lock")
-        with lock:
-            pass
+        locks = [FileLock(tmp_path / "m.lock"), RegistryLock(tmp_path / "r.lock")]
+        for lock in locks:
+            with lock:
+                pass
         (tmp_path / "slots").mkdir()
         slot = LivenessSlot(tmp_path / "slots", 4)
     finally:
         os.umask(old)
-    for p in (tmp_path / "m.lock", slot.path):
+    for p in (tmp_path / "m.lock", tmp_path / "r.lock", slot.path):
         assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
     slot.release()
-    lock.close()
+    for lock in locks:
+        lock.close()
+
+
+def test_registry_lock_held_by_a_filelock_user_times_out_with_shmcache_error(tmp_path):
+    """Another process's filelock.FileLock on the registry path excludes us; the error is ours."""
+    import filelock
+
+    other = filelock.FileLock(tmp_path / "reg.lock")  # thread-local: this thread's hold
+    lock = RegistryLock(tmp_path / "reg.lock", what="the session registry lock")
+    errors = []
+
+    def attempt():
+        try:
+            lock.acquire(timeout_s=0.2)
+        except LockTimeout as exc:
+            errors.append(exc)
+
+    with other:
+        t = threading.Thread(target=attempt)
+        t.start()
+        t.join(timeout=10)
+    assert len(errors) == 1 and "the session registry lock" in str(errors[0])
+    with lock:  # free once the other holder let go
+        pass
 
 
 def test_liveness_slots(tmp_path):
