@@ -130,11 +130,33 @@ def _held_elsewhere(what: str, path: Path, timeout_s: float) -> LockTimeout:
     )
 
 
+class _ForkAwareFileLock(filelock.FileLock):
+    """filelock's lock whose finaliser does nothing in a forked child.
+
+    filelock 3.x releases a dropped lock in ``__del__`` with ``LOCK_UN`` - and in a child that
+    inherited the parent's held descriptor, that unlocks the *parent's* lock (the two share one
+    open file description). filelock 4 checks the creating PID itself; this does it for 3.x.
+    """
+
+    # No __init__ here: filelock 3.x passes a subclass only the arguments its __init__ names.
+
+    def __del__(self) -> None:
+        if self.__dict__.get("_created_in") == os.getpid():
+            super().__del__()
+
+
+def _fork_aware_filelock(path: Path) -> _ForkAwareFileLock:
+    lock = _ForkAwareFileLock(path, mode=0o600)
+    lock._created_in = os.getpid()
+    return lock
+
+
 class RegistryLock:
     """filelock's ``FileLock`` on ``path`` (mode 0600), raising :class:`LockTimeout` after ``timeout_s``.
 
     Not reentrant, like :class:`FileLock`. A forked child builds its own filelock object: the
-    inherited one would count the parent's hold as its own (filelock is reentrant per object).
+    inherited one would count the parent's hold as its own (filelock is reentrant per object),
+    and dropping it must not unlock the parent (see _ForkAwareFileLock).
     """
 
     POLL_S = 0.005  # the registry lock is held for milliseconds: filelock's 50 ms default is too coarse
@@ -143,7 +165,7 @@ class RegistryLock:
         self.path = Path(path)
         self.timeout_s = timeout_s
         self.what = what or f"lock {self.path.name}"
-        self._lock: filelock.FileLock | None = None
+        self._lock: _ForkAwareFileLock | None = None
         self._pid = -1
 
     def acquire(self, timeout_s: float | None = None) -> None:
@@ -152,7 +174,7 @@ class RegistryLock:
             with _REOPEN:  # threads racing to the first acquire must share one filelock object
                 if self._pid != os.getpid():
                     # thread_local (the default): threads of one process exclude each other too
-                    self._lock, self._pid = filelock.FileLock(self.path, mode=0o600), os.getpid()
+                    self._lock, self._pid = _fork_aware_filelock(self.path), os.getpid()
         try:
             self._lock.acquire(timeout=max(timeout, 0.0), poll_interval=self.POLL_S)
         except filelock.Timeout:

@@ -74,13 +74,13 @@ def test_threads_sharing_one_lock_object_exclude_each_other(tmp_path, warm, monk
         return real_open(path)
 
     monkeypatch.setattr(locks_mod, "_open_lock_file", slow_open)
-    real_filelock = locks_mod.filelock.FileLock
+    real_filelock = locks_mod._fork_aware_filelock
 
     def slow_filelock(*args, **kwargs):
         time.sleep(0.02)
         return real_filelock(*args, **kwargs)
 
-    monkeypatch.setattr(locks_mod.filelock, "FileLock", slow_filelock)
+    monkeypatch.setattr(locks_mod, "_fork_aware_filelock", slow_filelock)
     lock = Lock(tmp_path / "t.lock", timeout_s=1)
     if warm:
         with lock:
