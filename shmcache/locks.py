@@ -154,9 +154,10 @@ def _fork_aware_filelock(path: Path) -> _ForkAwareFileLock:
 class RegistryLock:
     """filelock's ``FileLock`` on ``path`` (mode 0600), raising :class:`LockTimeout` after ``timeout_s``.
 
-    Not reentrant, like :class:`FileLock`. A forked child builds its own filelock object: the
-    inherited one would count the parent's hold as its own (filelock is reentrant per object),
-    and dropping it must not unlock the parent (see _ForkAwareFileLock).
+    Reentrant within one thread (filelock counts the holds); other threads and other processes
+    are excluded. A forked child builds its own filelock object: the inherited one would count a
+    hold of the parent's as its own, and dropping it must not unlock the parent (see
+    _ForkAwareFileLock).
     """
 
     POLL_S = 0.005  # the registry lock is held for milliseconds: filelock's 50 ms default is too coarse
