@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 
 from . import codec
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
-from .errors import CacheMismatch, EncodeError, InvalidArgument
+from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey
 from .store import MISSING, CacheStore
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
@@ -452,7 +452,8 @@ class CachedDataset(Dataset):
 
     def _index(self, i: Any) -> int:
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            if isinstance(i, torch.Tensor) and i.numel() == 1 and not i.is_floating_point():
+            if isinstance(i, torch.Tensor) and i.numel() == 1 and not (
+                    i.dtype == torch.bool or i.is_floating_point() or i.is_complex()):
                 i = int(i)
             else:
                 raise TypeError(f"dataset indices must be integers, not {type(i).__name__}")
@@ -466,12 +467,12 @@ class CachedDataset(Dataset):
     def _indices(self, indices: Any) -> np.ndarray:
         """A batch of indices as int64, negatives wrapped and bounds checked in one numpy pass
         (the batch path must not pay a Python call per index)."""
-        if isinstance(indices, torch.Tensor):
-            indices = indices.cpu().numpy()
-        arr = np.asarray(indices)
-        if arr.dtype.kind not in "iu" or arr.ndim != 1:
-            return np.fromiter((self._index(i) for i in indices), np.int64)  # mixed: one by one
-        arr = arr.astype(np.int64)
+        arr = _integer_array(indices, "dataset indices", TypeError)
+        if arr is None:  # a list: fine if numpy makes it an integer array, else one by one
+            arr = np.asarray(indices)
+            if arr.dtype.kind not in "iu" or arr.ndim != 1:
+                return np.fromiter((self._index(i) for i in indices), np.int64)
+        arr = _as_int64(arr, lambda i: IndexError(f"index {i} out of range for a dataset of {self._len} items"))
         arr = np.where(arr < 0, arr + self._len, arr)
         bad = (arr < 0) | (arr >= self._len)
         if bad.any():
@@ -587,13 +588,46 @@ class CachedIterableDataset(IterableDataset):
 # --- collation helpers ---------------------------------------------------------------------------
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _integer_array(values: Any, what: str, error: type[Exception]) -> np.ndarray | None:
+    """An ndarray or tensor of ``what`` as a 1-D integer numpy array (None for anything else, such
+    as a list). Raises ``error`` naming the problem for bool, float or complex values and for
+    arrays that are not 1-D: a float array silently truncated to ints would read other items."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
+            raise error(f"{what} must be integers, not a tensor of {values.dtype}")
+        values = values.cpu().numpy()
+    if not isinstance(values, np.ndarray):
+        return None
+    if values.dtype.kind not in "iu":
+        raise error(f"{what} must be integers, not an array of {values.dtype}"
+                    + ("; pass str keys as a list" if values.dtype.kind in "US" else ""))
+    if values.ndim != 1:
+        raise error(f"{what} must be a 1-D sequence, not an array of shape {tuple(values.shape)}")
+    return values
+
+
+def _as_int64(values: np.ndarray, out_of_range: Callable[[int], Exception]) -> np.ndarray:
+    """``values`` as int64; a uint64 above 2**63-1 raises ``out_of_range(value)`` instead of
+    wrapping around to a negative number (which would silently read another item)."""
+    if values.dtype.kind == "u" and values.dtype.itemsize == 8 and values.size:
+        big = values > _INT64_MAX
+        if big.any():
+            raise out_of_range(int(values[big][0]))
+    return values.astype(np.int64, copy=False)
+
+
 def _as_int_keys(keys: Sequence) -> np.ndarray | None:
-    if isinstance(keys, np.ndarray) and keys.dtype.kind in "iu":
-        return keys.astype(np.int64, copy=False)
-    if isinstance(keys, torch.Tensor) and not keys.is_floating_point():
-        return keys.cpu().numpy().astype(np.int64, copy=False)
+    """Cache keys as one int64 array for the vectorised path, or None for keys looked up one by
+    one (str, bytes, mixed, or ints beyond 64 bits: those raise InvalidKey there)."""
+    arr = _integer_array(keys, "an array of cache keys", InvalidKey)
+    if arr is not None:
+        return _as_int64(arr, lambda k: InvalidKey(
+            f"int key {k} does not fit in a signed 64-bit integer; use a str key (str({k}))"))
     try:
-        if keys and all(type(k) is int for k in keys):
+        if all(type(k) is int for k in keys):
             return np.fromiter(keys, np.int64, len(keys))
     except (OverflowError, TypeError):
         return None

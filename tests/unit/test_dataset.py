@@ -211,6 +211,54 @@ def test_keys_of_the_wrong_type_name_the_type(key):
         assert len(cache) == 0
 
 
+_NOT_INTEGERS = [
+    np.array([1.0, 2.0]), np.array([True, False]), np.array([[1, 2]]), np.array(["1", "2"]),
+    torch.tensor([1.0, 2.0]), torch.tensor([True, False]), torch.tensor([1 + 0j, 2 + 0j]),
+]
+
+
+@pytest.mark.parametrize("keys", _NOT_INTEGERS, ids=lambda k: f"{type(k).__name__}-{k.dtype}-{k.ndim}d")
+def test_key_arrays_that_do_not_hold_integers_are_refused_not_truncated(keys):
+    """A float or bool array read as ints would return other items (1.9 -> 1, True -> 1)."""
+    with _cache(name="kv") as cache:
+        cache.put(1, "one")
+        cache.put(2, "two")
+        with pytest.raises(InvalidArgument, match="must be (integers|a 1-D sequence)"):
+            cache.get_batch(keys)
+
+
+@pytest.mark.parametrize("keys", [np.array([2**64 - 1], np.uint64), torch.tensor([2**63], dtype=torch.uint64),
+                                  np.array([1, 2**63], np.uint64)])
+def test_uint64_keys_beyond_int64_are_refused_not_wrapped_to_negative_keys(keys):
+    with _cache(name="kv") as cache:
+        cache.put(-1, "minus one")  # 2**64-1 wrapped to int64 is -1
+        cache.put(-(2**63), "min")  # 2**63 wrapped is -2**63
+        cache.put(1, "one")
+        with pytest.raises(InvalidArgument, match="does not fit"):
+            cache.get_batch(keys)
+    with _cache(name="kv2") as cache:
+        cache.put(1, "one")
+        assert cache.get_batch(np.array([1, 1], np.uint64)) == ["one", "one"]  # in range: fine
+
+
+@pytest.mark.parametrize("indices", [[2**64 - 1], np.array([2**64 - 4], np.uint64),
+                                     torch.tensor([2**63], dtype=torch.uint64)])
+def test_batch_indices_beyond_int64_are_out_of_range_not_counted_from_the_end(indices):
+    with _cache() as cache:
+        ds = cache.wrap(Labelled(range(4)))
+        for call in (lambda: ds[indices], lambda: ds.__getitems__(indices), lambda: ds.get_batch(indices)):
+            with pytest.raises(IndexError, match="out of range"):
+                call()
+
+
+@pytest.mark.parametrize("index", [torch.tensor(True), torch.tensor([1.0]), torch.tensor([True, False])])
+def test_bool_and_float_tensor_indices_are_refused(index):
+    with _cache() as cache:
+        ds = cache.wrap(Labelled(range(4)))
+        with pytest.raises(TypeError, match="must be integers"):
+            ds[index]
+
+
 def test_copy_false_returns_read_only_arrays_and_copy_true_private_ones():
     with _cache(name="cp", copy=False) as view_cache, _cache(name="cp") as copy_cache:
         view_cache.put(1, {"a": np.arange(5)})
