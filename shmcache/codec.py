@@ -339,6 +339,31 @@ def ext_from_parts(tag: str) -> Callable:
     return _EXT_FROM[tag]
 
 
+def to_parts(x: Any) -> tuple | None:
+    """``(meta, shape, uint8 ndarray)`` of a value of a registered type; None if it has none."""
+    ext = _EXT_TO.get(type(x))
+    return ext[1](x) if ext is not None else None
+
+
+def pickled_offsets(layout: bytes) -> set[int]:
+    """Record offsets of the pickled leaves of an encoded value (see ``Encoded.pieces``)."""
+    found: set[int] = set()
+
+    def walk(node: tuple) -> None:
+        tag = node[0]
+        if tag == _PICKLE:
+            found.add(node[1])
+        elif tag in (_TUPLE, _LIST):
+            for child in node[1]:
+                walk(child)
+        elif tag == _DICT:
+            for _, child in node[1]:
+                walk(child)
+
+    walk(marshal.loads(layout))
+    return found
+
+
 def leaf_decoder(leaf: Leaf) -> Callable:
     """Decoder of one str / bytes / pickle leaf, for records that are otherwise gathered as columns."""
     return _compile((leaf.tag, leaf.offset, leaf.nbytes))

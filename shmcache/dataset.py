@@ -8,7 +8,6 @@ first-class sample type (registered with the codec here, so the layers below nev
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import random
@@ -22,6 +21,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 from . import codec
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
 from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey
+from .fingerprint import fingerprint, length_or_none
 from .store import MISSING, CacheStore
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
@@ -87,51 +87,6 @@ def _env_flag(name: str) -> bool:
 
 
 _VERIFY_RNG = random.Random()  # its own: verify= must not shift the user's seeded random streams
-_DIGEST_LIMIT = 256 << 20  # bytes of dataset attributes hashed at most (then: shapes only)
-
-
-def _fingerprint(dataset: Any, transform: Callable | None, samples: Sequence[codec.Encoded]) -> str:
-    """Identity of a dataset: its type, length, transform, its plain-data attributes (file lists,
-    label arrays: a corrected label changes it) and a few encoded samples."""
-    h = hashlib.blake2b(digest_size=8)
-    tp = type(dataset)
-    h.update(f"{tp.__module__}.{tp.__qualname__}|{_len_or_none(dataset)}".encode())
-    _digest_attributes(h, getattr(dataset, "__dict__", {}), [0])
-    if transform is not None:
-        name = getattr(transform, "__qualname__", type(transform).__qualname__)
-        h.update(f"|{getattr(transform, '__module__', '')}.{name}".encode())
-    for enc in samples:  # already encoded (wrap() stores them too)
-        h.update(enc.layout)
-        h.update(enc.scalars)
-        for _, piece in enc.pieces:
-            h.update(memoryview(piece).cast("B"))
-    return h.hexdigest()
-
-
-def _digest_attributes(h, value: Any, budget: list[int], depth: int = 0) -> None:
-    """Hash plain data (numbers, strings, arrays, tensors and containers of them) reachable from a
-    dataset's attributes. Objects, handles and modules are skipped: they are not the data, and
-    their state may differ from process to process (an open file, a lazily built memo)."""
-    if depth > 4:
-        return
-    if isinstance(value, (str, bytes, int, float, bool, type(None))):
-        h.update(repr(value).encode("utf-8", "surrogatepass")[:1 << 16])
-    elif isinstance(value, (np.ndarray, torch.Tensor)):
-        arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
-        h.update(f"{arr.dtype}{arr.shape}".encode())
-        if not arr.dtype.hasobject and budget[0] + arr.nbytes <= _DIGEST_LIMIT:
-            budget[0] += arr.nbytes
-            h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-    elif isinstance(value, dict):
-        for k in sorted(value, key=repr)[:100_000]:
-            if isinstance(k, str) and k.startswith("_"):
-                continue  # private state (memos, handles, counters)
-            h.update(repr(k).encode())
-            _digest_attributes(h, value[k], budget, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        h.update(f"[{len(value)}".encode())
-        for v in value[:100_000]:
-            _digest_attributes(h, v, budget, depth + 1)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -142,13 +97,6 @@ def _same(a: Any, b: Any) -> bool:
         return False
     return all(memoryview(x).cast("B") == memoryview(y).cast("B")
                for (_, x), (_, y) in zip(ea.pieces, eb.pieces))
-
-
-def _len_or_none(ds: Any) -> int | None:
-    try:
-        return len(ds)
-    except TypeError:
-        return None
 
 
 def _default_name(dataset: Any, fingerprint: str) -> str:
@@ -248,7 +196,7 @@ class ShmDatasetCache:
             samples = [codec.encode(transform(x) if transform else x) for x in head]
             self._bind(dataset, transform, samples, table_hint=0)
             return CachedIterableDataset(self, dataset, transform)
-        if not hasattr(dataset, "__getitem__") or _len_or_none(dataset) is None:
+        if not hasattr(dataset, "__getitem__") or length_or_none(dataset) is None:
             raise InvalidArgument(
                 f"wrap() takes a map-style dataset (with __getitem__ and __len__) or an iterable "
                 f"dataset, got {type(dataset).__name__}"
@@ -273,7 +221,7 @@ class ShmDatasetCache:
         return CachedDataset(self, dataset, transform)
 
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
-        fp = _fingerprint(dataset, transform, samples)
+        fp = fingerprint(dataset, transform, samples)
         if self._store is None:
             self._open(self.name or _default_name(dataset, fp), fp, table_hint)
         elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset

@@ -23,6 +23,7 @@ RANK = {
     "_process": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3, "spill": 3,
     "store": 4,
     "spilling": 5,  # wires spill segments into the store; used by the torch layer and the CLI
+    "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "dataset": 6, "prefetch": 6, "sink": 7,
     "cli": 8, "launch": 8, "_procs": 1,
 }

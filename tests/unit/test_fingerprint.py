@@ -1,0 +1,155 @@
+"""The dataset fingerprint (shmcache/fingerprint.py, NOTE [fingerprint]): it separates datasets and
+transforms that differ where the probe samples cannot see it, and it is the same in every process,
+whatever the string hash seed, the process id or a call counter."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from shmcache import ShmDatasetCache, codec
+from shmcache.fingerprint import fingerprint
+
+PROBES = (0, 2, 3)  # what wrap() reads of a 4-item dataset: 0, n // 2 and n - 1
+
+
+class Private(Dataset):
+    """Items come from a private list; the probes see items 0, 2 and 3 only."""
+
+    def __init__(self, items, **state):
+        self._items = list(items)
+        self.__dict__.update(state)
+
+    def __len__(self):
+        return len(self._items)
+
+    def __getitem__(self, i):
+        return np.full(2, self._items[i])
+
+
+def _fp(dataset, transform=None) -> str:
+    samples = [codec.encode(transform(dataset[i]) if transform else dataset[i]) for i in PROBES]
+    return fingerprint(dataset, transform, samples)
+
+
+def test_private_data_attributes_separate_datasets_the_probes_cannot_tell_apart():
+    assert _fp(Private([0, 1, 2, 3])) != _fp(Private([0, 99, 2, 3]))
+    assert _fp(Private([0, 1, 2, 3])) == _fp(Private([0, 1, 2, 3]))
+
+
+def test_private_numbers_do_not_split_one_dataset_into_per_process_caches():
+    a = Private([0, 1, 2, 3], _pid=os.getpid(), _rank=0, _calls=7)
+    b = Private([0, 1, 2, 3], _pid=os.getpid() + 1, _rank=1, _calls=0)
+    assert _fp(a) == _fp(b)
+    assert _fp(Private([0, 1, 2, 3], rank=0)) != _fp(Private([0, 1, 2, 3], rank=1))  # public: data
+
+
+def test_objects_in_attributes_are_skipped_not_hashed_by_address():
+    class Handle:
+        pass
+
+    assert _fp(Private([0, 1, 2, 3], _env=Handle(), files={"x": Handle()})) == \
+        _fp(Private([0, 1, 2, 3], _env=Handle(), files={"x": Handle()}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float16, torch.int64])
+def test_tensor_attributes_of_any_dtype_count_by_value(dtype):
+    emb = torch.zeros(4, dtype=dtype)
+    other = emb.clone()
+    other[1] = 1
+    assert _fp(Private([0, 1, 2, 3], emb=emb)) == _fp(Private([0, 1, 2, 3], emb=emb.clone()))
+    assert _fp(Private([0, 1, 2, 3], emb=emb)) != _fp(Private([0, 1, 2, 3], emb=other))
+
+
+@pytest.mark.parametrize("tensor", [torch.zeros(3, 3).to_sparse(),
+                                    torch.empty(3, device="meta"),
+                                    torch.zeros(2, dtype=torch.complex64).conj()],
+                         ids=["sparse", "meta", "conj"])
+def test_tensor_attributes_the_codec_cannot_take_apart_still_wrap(tensor):
+    with ShmDatasetCache(session="fp", size=16) as cache:
+        ds = cache.wrap(Private([0, 1, 2, 3], extra=tensor))
+        assert ds[1].tolist() == [1, 1]
+
+
+def test_transforms_count_by_their_code_and_the_data_they_close_over():
+    ds = Private([0, 1, 2, 3])
+    first, second = (lambda x: x * 1 if x[0] != 1 else x * 5), (lambda x: x * 1 if x[0] != 1 else x * 7)
+    assert _fp(ds, first) != _fp(ds, second)  # same probes (item 1 is not one), other code
+
+    def scaled(k):
+        return lambda x: x * k
+
+    assert _fp(ds, scaled(2)) != _fp(ds, scaled(3))
+    assert _fp(ds, scaled(2)) == _fp(ds, scaled(2))
+    assert _fp(ds, functools.partial(np.multiply, 2)) != _fp(ds, functools.partial(np.multiply, 3))
+
+
+class Scale:
+    def __init__(self, k):
+        self.k = k
+
+    def __call__(self, x):
+        return x * self.k
+
+
+class Compose:
+    def __init__(self, transforms):
+        self.transforms = transforms
+
+    def __call__(self, x):
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+
+def test_callable_objects_count_by_type_and_attributes_through_a_compose():
+    ds = Private([0, 0, 0, 0])  # every item is 0: the probes agree whatever the scale
+    assert _fp(ds, Compose([Scale(2), Scale(3)])) != _fp(ds, Compose([Scale(2), Scale(4)]))
+    assert _fp(ds, Compose([Scale(2), Scale(3)])) == _fp(ds, Compose([Scale(2), Scale(3)]))
+
+
+_OTHER_PROCESS = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from torch.utils.data import Dataset
+    from shmcache import codec
+    from shmcache.fingerprint import fingerprint
+
+    class Tagged(Dataset):
+        def __init__(self):
+            self.vocab = {"cat", "dog", "emu", "yak"}
+            self.meta = {"cat": 1, "dog": 2}
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"x": np.arange(3) + i, "tags": {"a", "b", "c", str(i)}}  # a set: pickled
+
+    def keep(sample):
+        return sample if sample["x"][0] not in {"no", "nope", "nah", "nix", "nil", "non", "nein", "njet"} else None
+
+    ds = Tagged()
+    print(fingerprint(ds, keep, [codec.encode(keep(ds[i])) for i in (0, 2, 3)]))
+""")
+
+
+def test_the_same_dataset_gets_the_same_fingerprint_whatever_the_string_hash_seed(tmp_path):
+    """Sets in samples (pickled), in attributes and in a transform's constants are ordered by the
+    hash seed, which differs per process: the name of the cache must not."""
+    script = tmp_path / "fp.py"
+    script.write_text(_OTHER_PROCESS)
+    seen = set()
+    for seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        seen.add(subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                                check=True, timeout=120).stdout.strip())
+    assert len(seen) == 1, seen
