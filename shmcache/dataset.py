@@ -293,7 +293,11 @@ class ShmDatasetCache:
     def _gather(self, store: CacheStore, keys: np.ndarray, out: Any):
         arrays = None
         if out is not None:
-            arrays, dtypes, shapes = _out_leaves(out)
+            layout = store.batch_layout(keys)
+            if layout is None:
+                return None
+            # out's leaves in the record's order: a dict out is matched by key, never by position
+            arrays, dtypes, shapes = _out_leaves(_flatten_like(out, layout[0]))
             if not store.out_matches(keys, arrays, dtypes, shapes):  # another dtype or shape:
                 batch = self._gather(store, keys, None)               # convert, like copy_ does
                 if batch is not None:
@@ -600,11 +604,11 @@ def _build(tree: tuple, leaves: list) -> Any:
     return {k: _build(c, leaves) for k, c in tree[1]}
 
 
-def _out_leaves(out: Any) -> tuple[list, list, list]:
+def _out_leaves(leaves: list) -> tuple[list, list, list]:
     """``out``'s leaves as numpy arrays over the same memory (any dtype: through a uint8 view
     where numpy has no such dtype, e.g. bfloat16), with their torch dtype names and shapes."""
     arrays, dtypes, shapes = [], [], []
-    for t in _flatten(out):
+    for t in leaves:
         if isinstance(t, torch.Tensor):
             if t.device.type != "cpu":
                 raise InvalidArgument(f"out= tensors must be in CPU memory (pinned is fine), got one on "
@@ -623,29 +627,58 @@ def _out_leaves(out: Any) -> tuple[list, list, list]:
     return arrays, dtypes, shapes
 
 
-def _flatten(out: Any) -> list:
-    if isinstance(out, (tuple, list)):
-        return [leaf for x in out for leaf in _flatten(x)]
-    if isinstance(out, dict):
-        return [leaf for x in out.values() for leaf in _flatten(x)]
-    return [out]
+def _flatten_like(out: Any, tree: tuple, path: str = "out") -> list:
+    """The leaves of ``out`` in the order of the record's layout ``tree``; InvalidArgument naming
+    the place where ``out`` is shaped unlike the batch (a missing field would stay unfilled)."""
+    tag = tree[0]
+    if tag == "leaf":
+        return [out]
+    if tag in ("T", "L"):
+        if not isinstance(out, (tuple, list)) or len(out) != len(tree[1]):
+            raise _unlike(path, out, f"a sequence of {len(tree[1])} fields")
+        return [leaf for i, (o, c) in enumerate(zip(out, tree[1])) for leaf in _flatten_like(o, c, f"{path}[{i}]")]
+    keys = [k for k, _ in tree[1]]
+    if not isinstance(out, dict) or set(out) != set(keys):
+        raise _unlike(path, out, f"a dict with keys {keys}")
+    return [leaf for k, c in tree[1] for leaf in _flatten_like(out[k], c, f"{path}[{k!r}]")]
 
 
-def _copy_into(out: Any, batch: Any) -> None:
-    if isinstance(out, torch.Tensor):
-        src = batch if isinstance(batch, torch.Tensor) else torch.as_tensor(batch)
-        if src.shape != out.shape:
-            raise InvalidArgument(f"out= has a tensor of shape {tuple(out.shape)} where the batch "
-                                  f"has {tuple(src.shape)}; size out= like the batch")
-        out.copy_(src)
-    elif isinstance(out, np.ndarray):
-        out[...] = batch
+def _unlike(path: str, out: Any, batch_has: str) -> InvalidArgument:
+    has = (f"a dict with keys {list(out)}" if isinstance(out, dict) else
+           f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else
+           f"a {type(out).__name__}")
+    return InvalidArgument(f"{path} is {has} where the batch has {batch_has}; shape out= like the batch")
+
+
+def _copy_into(out: Any, batch: Any, path: str = "out") -> None:
+    """Copy a collated ``batch`` into ``out``, field by field, converting dtypes like ``copy_``;
+    InvalidArgument (nothing half-copied is returned) where the two are shaped differently."""
+    if isinstance(out, (torch.Tensor, np.ndarray)):
+        if not isinstance(batch, (torch.Tensor, np.ndarray)):
+            what = f"a {type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (list, tuple, dict)) else "")
+            raise InvalidArgument(f"{path} is one {type(out).__name__} where the batch has {what}; "
+                                  f"give one buffer per field, shaped like the batch")
+        if tuple(batch.shape) != tuple(out.shape):
+            raise InvalidArgument(f"{path} has shape {tuple(out.shape)} where the batch has "
+                                  f"{tuple(batch.shape)}; size out= like the batch")
+        if isinstance(out, torch.Tensor):
+            out.copy_(torch.as_tensor(batch))
+        else:
+            out[...] = batch.numpy() if isinstance(batch, torch.Tensor) else batch
     elif isinstance(out, (tuple, list)):
-        for o, b in zip(out, batch):
-            _copy_into(o, b)
+        if not isinstance(batch, (tuple, list)) or len(batch) != len(out):
+            raise _unlike(path, out, f"a {type(batch).__name__}" + (
+                f" of {len(batch)}" if isinstance(batch, (tuple, list, dict)) else ""))
+        for i, (o, b) in enumerate(zip(out, batch)):
+            _copy_into(o, b, f"{path}[{i}]")
     elif isinstance(out, dict):
+        if not isinstance(batch, dict) or set(batch) != set(out):
+            raise _unlike(path, out, f"a dict with keys {list(batch)}" if isinstance(batch, dict)
+                          else f"a {type(batch).__name__}")
         for k in out:
-            _copy_into(out[k], batch[k])
+            _copy_into(out[k], batch[k], f"{path}[{k!r}]")
+    else:
+        raise InvalidArgument(f"{path} is a {type(out).__name__}; give tensors or arrays shaped like the batch")
 
 
 def _progress(iterable, enabled: bool, desc: str, total: int | None):

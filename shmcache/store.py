@@ -681,17 +681,26 @@ class CacheStore:
             self._count(1, len(missing))
         return values, missing
 
-    def out_matches(self, keys: np.ndarray, out: list, dtypes: list, shapes: list) -> bool:
-        """True if ``out`` (one array per leaf; ``dtypes``: the torch dtype name of a tensor out,
-        else None; ``shapes``: their shapes) can receive a batch of ``keys`` byte for byte."""
+    def batch_layout(self, keys: np.ndarray) -> tuple | None:
+        """``(tree, leaves)`` of the record of ``keys[0]`` (see codec.leaves): the structure a
+        vectorised batch of ``keys`` would have. None if that key is not cached with a shared layout."""
         g = self._refresh()
         w0, _ = g.index.lookup_ints(keys[:1])
         lid = (int(w0[0]) >> 8) & INLINE24
         if not w0[0] or lid == INLINE24:
-            return False
+            return None
         shape = g.columns.get(lid)
         if shape is None:
             shape = g.columns[lid] = codec.leaves(self._layout(g, lid)[0])
+        return shape
+
+    def out_matches(self, keys: np.ndarray, out: list, dtypes: list, shapes: list) -> bool:
+        """True if ``out`` (one array per leaf, in the record's leaf order; ``dtypes``: the torch
+        dtype name of a tensor out, else None; ``shapes``: their shapes) can receive a batch of
+        ``keys`` byte for byte."""
+        shape = self.batch_layout(keys)
+        if shape is None:
+            return False
         leaves = shape[1]
         if len(out) != len(leaves):
             return False

@@ -603,6 +603,35 @@ def test_get_batch_into_out_buffers_of_another_dtype_converts_or_refuses():
         assert out[1].tolist() == [0.0, 1.0, 2.0, 3.0], f"labels came out as {out[1].tolist()}"
 
 
+def test_dict_out_buffers_are_matched_by_key_not_by_position():
+    """An out= dict built in another key order than the samples must still get each field."""
+    with _cache(name="out-dict") as cache:
+        for k in range(4):
+            cache.put(k, {"a": np.full(3, k, np.float32), "b": np.full(3, -k, np.float32)})
+        out = {"b": torch.zeros(4, 3), "a": torch.zeros(4, 3)}
+        got = cache.get_batch([0, 1, 2, 3], out=out)
+        assert got is out
+        assert out["a"][:, 0].tolist() == [0, 1, 2, 3] and out["b"][:, 0].tolist() == [0, -1, -2, -3]
+
+
+@pytest.mark.parametrize("out, where", [
+    (lambda: [torch.zeros(4, 2, 3, dtype=torch.uint8)], "out is a list of 1"),  # the labels would stay unfilled
+    (lambda: [torch.zeros(4, 2, 3, dtype=torch.uint8), torch.zeros(4, dtype=torch.int64), torch.zeros(1)],
+     "out is a list of 3"),
+    (lambda: torch.zeros(4, 2, 3), "out is a Tensor"),
+    (lambda: {"img": torch.zeros(4, 2, 3)}, "out is a dict"),
+    (lambda: [np.zeros((4, 2, 2), np.uint8), np.zeros(4, np.int64)], r"out\[0\] has shape \(4, 2, 2\)"),
+    (lambda: [torch.zeros(4, 2, 3), torch.zeros(5)], r"out\[1\] has shape \(5,\)"),
+], ids=["too-few", "too-many", "one-tensor", "dict-for-tuple", "numpy-shape", "converted-shape"])
+def test_out_shaped_unlike_the_batch_names_the_place(out, where):
+    with _cache(name="out-shape") as cache:
+        for k in range(4):
+            cache.put(k, (np.full((2, 3), k, np.uint8), k))
+        for keys in ([0, 1, 2, 3], [0, 1, 2, 9]):  # the vectorised path, then the per-item one
+            with pytest.raises(InvalidArgument, match=where):
+                cache.get_batch(keys, out=out(), fn=lambda k: (np.full((2, 3), k, np.uint8), k))
+
+
 _WRITE_INTO_VIEW = r"""
 import torch
 from shmcache import ShmDatasetCache
