@@ -474,11 +474,16 @@ class CacheStore:
             try:
                 self._insert(g, pos, w1, kb, enc)
                 return True
+            except ItemTooLarge:
+                if self.spill is None:
+                    raise
+                # never fits in memory, but a spill file takes any size: full only if the disk is
             except _Full:
-                if self.spill is not None and self.spill.put(self, g, pos, w1, kb, enc):
-                    return True
-                self._count(2)
-                return False
+                pass
+            if self.spill is not None and self.spill.put(self, g, pos, w1, kb, enc):
+                return True
+            self._count(2)
+            return False
 
     def _insert(self, g: _Gen, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
         lid = self._intern_layout(g, enc.layout)

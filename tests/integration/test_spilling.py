@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from shmcache import ShmDatasetCache, spilling
-from shmcache.errors import SpillError
+from shmcache.errors import ItemTooLarge, SpillError
 from shmcache.store import MISSING, CacheStore
 
 ITEMS = 400
@@ -178,6 +178,19 @@ def test_disk_full_while_spilling_stops_spilling_and_keeps_serving(tmp_path, mon
         v = store.lookup(i)
         assert v is MISSING or np.array_equal(v[0], sample(i)[0])
     store.close()
+
+
+def test_item_larger_than_memory_goes_to_disk_when_spilling(tmp_path):
+    """ItemTooLarge is for caches that cannot spill: a spill file takes an item of any size."""
+    big = np.arange(3 << 20, dtype=np.uint32).view(np.uint8)[: 5 << 20]  # 5 MiB, cap 1 MiB
+    with ShmDatasetCache(session="big", size=1, spilling=True, spill_dir=tmp_path / "spill") as cache:
+        assert cache.put(0, big) is True
+        assert cache.get(1, lambda k: big[::-1].copy())[0] == big[-1]  # computed, stored, returned
+        assert cache.stats()["items_disk"] == 2
+        assert np.array_equal(cache[0], big) and np.array_equal(cache[1], big[::-1])
+    with ShmDatasetCache(session="big", name="nospill", size=1) as cache:
+        with pytest.raises(ItemTooLarge, match="size="):
+            cache.put(0, big)
 
 
 def test_clear_and_destroy_delete_spill_files(tmp_path):
