@@ -85,7 +85,8 @@ def _attach_spill(store) -> None:
 
 
 def cmd_stat(args, registry: SessionRegistry) -> int:
-    sessions = [registry.get(args.session).name] if args.session else [s.name for s in registry.list()]
+    sessions = ([registry.get(args.session).name] if args.session is not None
+                else [s.name for s in registry.list()])
     rows = [st for s in sessions for st in _cache_stats(registry, s)]
     if args.json:
         print(json.dumps(rows, indent=1))

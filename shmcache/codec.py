@@ -184,7 +184,11 @@ def _align(n: int) -> int:
 def encode(value: Any, path: str = "") -> Encoded:
     """Encode ``value``; raises EncodeError (naming ``path``) if it cannot be stored."""
     b = _Builder()
-    tree = b.node(value, path)
+    try:
+        tree = b.node(value, path)
+    except RecursionError:  # nested deeper than the layout walks can go: the whole value is pickled
+        b = _Builder()
+        tree = b._pickled(value, path)
     scalar_off = [16 + 8 * i for i in range(len(b.scalars))]
     pos = 16 + 8 * len(b.scalars)
     var_off = []

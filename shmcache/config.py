@@ -50,10 +50,10 @@ def validate_name(value: object, what: str = "session") -> str:
             f"{what} name must be a str, got {type(value).__name__} {value!r}; "
             f"use 1-64 characters from A-Z a-z 0-9 _ . -"
         )
-    if not _NAME_RE.fullmatch(value) or value.startswith("."):
+    if not _NAME_RE.fullmatch(value) or value.startswith((".", "-")):
         raise InvalidArgument(
             f"invalid {what} name {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . - "
-            f"(no '/', no spaces, not starting with '.')"
+            f"(no '/', no spaces, not starting with '.' or '-')"
         )
     return value
 
@@ -128,6 +128,11 @@ def _ensure_private_dir(path: Path) -> None:
         raise NotOwner(
             f"cannot create the shmcache directory {path}: {exc.strerror}; "
             f"set ${ENV_DIR} to a directory you own"
+        ) from None
+    except OSError as exc:  # a parent that is a file, a read-only or pseudo filesystem (/proc)
+        raise InvalidArgument(
+            f"cannot create the shmcache directory {path} (${ENV_DIR}): {exc.strerror}; "
+            f"point ${ENV_DIR} at a writable directory of your own"
         ) from None
     st = path.stat()
     if not stat.S_ISDIR(st.st_mode):

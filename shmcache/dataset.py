@@ -138,12 +138,18 @@ class ShmDatasetCache:
         self.size_mb = size
         self.spilling = spilling or _env_flag(ENV_SPILLING)
         self.spill_dir = spill_dir  # None: the session's, then $SHMCACHE_SPILL_DIR (spilling.py)
-        self.copy = bool(copy)
+        if not isinstance(copy, bool):
+            raise InvalidArgument(f"copy must be True or False, got {copy!r}")
+        self.copy = copy
         if isinstance(verify, bool) or not isinstance(verify, (int, float)) or not 0 <= verify <= 1:
             raise InvalidArgument(f"verify must be a fraction of hits between 0 and 1 (e.g. 0.01), "
                                   f"got {verify!r}")
         self.verify = float(verify)
-        self.lock_timeout_s = lock_timeout_s
+        if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, (int, float)) \
+                or not 0 < lock_timeout_s < float("inf"):
+            raise InvalidArgument(f"lock_timeout_s must be a positive number of seconds (e.g. 60), "
+                                  f"got {lock_timeout_s!r}")
+        self.lock_timeout_s = float(lock_timeout_s)
         self.name = name
         self._store: CacheStore | None = None
         self._fingerprint: str | None = None

@@ -329,6 +329,8 @@ def check_spill_dir(path: str | os.PathLike) -> Path:
     """
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgument(f"spill_dir must be a path (str or os.PathLike), got {type(path).__name__} {path!r}")
+    if not os.fspath(path).strip():  # Path("") is the current directory: never what was meant
+        raise InvalidArgument(f"spill_dir is empty ({path!r}); give the directory for spill files")
     p = Path(path).expanduser().absolute()
     if p.exists() and not p.is_dir():
         raise SpillError(f"spill_dir {p} exists but is not a directory; remove it, or pass another spill_dir")

@@ -127,7 +127,8 @@ def test_new_and_destroy(capsys, shm_namespace):
 @pytest.mark.parametrize("argv,code", [
     (["new", "a/b"], 2), (["new", ".."], 2), (["new", "x" * 65], 2), (["destroy", "nosuch"], 1),
     (["destroy", "../etc"], 2), (["stat", "a/b"], 2), ([], 2), (["bogus"], 2),
-    (["stat", "--bogus"], 2), (["destroy"], 2), (["new", "a", "b"], 2),
+    (["stat", "--bogus"], 2), (["destroy"], 2), (["new", "a", "b"], 2), (["stat", ""], 2),
+    (["new", "--", "-rf"], 2), (["new", "s", "--spill-dir", ""], 2),
 ])
 def test_bad_arguments_exit_codes(capsys, argv, code):
     got, out, err = run(capsys, *argv)

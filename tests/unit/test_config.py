@@ -23,13 +23,13 @@ from shmcache.registry import SessionRegistry
 from shmcache.store import MISSING, CacheStore
 
 
-@pytest.mark.parametrize("good", ["a", "A-z_0.9", "x" * 64, "default", "run.2024-01-01", "-x", "_"])
+@pytest.mark.parametrize("good", ["a", "A-z_0.9", "x" * 64, "default", "run.2024-01-01", "x-", "_"])
 def test_valid_names(good):
     assert validate_name(good, "cache") == good
 
 
 @pytest.mark.parametrize("bad", ["", "/", "a/b", "..", ".", "x" * 65, "a b", "a+b", "ü", "a\n",
-                                 "\na", "a\\b", "~"])
+                                 "\na", "a\\b", "~", "-rf", "--all"])  # a leading '-' reads as a CLI option
 def test_invalid_names_name_the_argument_and_the_rule(bad):
     with pytest.raises(InvalidArgument) as info:
         validate_name(bad, "cache")
@@ -101,10 +101,12 @@ def test_two_namespaces_never_see_each_others_sessions_or_segments(tmp_path, mon
         store_a.close()
 
 
-def test_shmcache_dir_that_is_a_file_gets_a_clear_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["file", "under-a-file", "proc"])
+def test_shmcache_dir_that_cannot_be_a_directory_gets_a_clear_error(tmp_path, monkeypatch, where):
     f = tmp_path / "not-a-dir"
     f.write_text("")
-    monkeypatch.setenv(ENV_DIR, str(f))
+    path = {"file": f, "under-a-file": f / "sub", "proc": "/proc/shmcache-test"}[where]
+    monkeypatch.setenv(ENV_DIR, str(path))
     with pytest.raises(InvalidArgument, match="SHMCACHE_DIR"):
         namespace()
 

@@ -549,6 +549,28 @@ def test_bad_cache_name_is_refused_naming_cache(name, shm_namespace):
     assert shm_namespace.owned_segments() == []
 
 
+@pytest.mark.parametrize("kw", [{"copy": "no"}, {"copy": 0}, {"copy": None}, {"lock_timeout_s": "x"},
+                                {"lock_timeout_s": None}, {"lock_timeout_s": 0}, {"lock_timeout_s": -1},
+                                {"lock_timeout_s": float("nan")}, {"lock_timeout_s": True}])
+def test_bad_copy_and_lock_timeout_are_refused_naming_them(kw, shm_namespace):
+    with pytest.raises(InvalidArgument, match=next(iter(kw))):
+        ShmDatasetCache(session="ds", name="x", **kw)
+    assert shm_namespace.owned_segments() == []
+
+
+def test_values_nested_too_deep_for_the_layout_are_pickled_or_refused_clearly():
+    with _cache(name="deep") as cache:
+        for depth, storable in ((450, True), (5000, False)):
+            value = 1
+            for _ in range(depth):
+                value = [value]
+            if storable:
+                assert cache.put(depth, value) and cache[depth] == value
+            else:
+                with pytest.raises(EncodeError, match=f"key {depth}"):
+                    cache.put(depth, value)
+
+
 def test_session_auto_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("SHMCACHE_SESSION", "from-env")
     with ShmDatasetCache(name="x", size=8) as cache:
