@@ -3,10 +3,14 @@
 Objects of one cache (names from Namespace.segment_name; ``g`` is the generation, ``v`` the table
 version)::
 
-    +root          epoch word (generation << 32 | table version), capacity
-    +g<g>+meta     counters, allocator classes, layout table, the intent record
-    +g<g>+t<v>     the hash table (index.py)
-    +g<g>+c<k>     the data segment of size class k (allocator.py)
+    +root            epoch word (generation << 32 | table version), capacity, incarnation
+    +<i>+g<g>+meta   counters, allocator classes, layout table, the intent record
+    +<i>+g<g>+t<v>   the hash table (index.py)
+    +<i>+g<g>+c<k>   the data segment of size class k (allocator.py)
+
+``i`` is the root's incarnation: a random word drawn when the root is made. A process that still
+maps a destroyed cache's root (``destroy --force`` under it) keeps its own names, so it can never
+attach, grow or unlink the segments of the cache made again under the same name; it sees misses.
 
 NOTE [publish order]
     Readers never lock. Writers hold the cache's lock file (NOTE [lock files]) while they
@@ -37,6 +41,7 @@ import json
 import logging
 import os
 import platform
+import secrets
 import shutil
 import struct
 import sys
@@ -74,6 +79,7 @@ log = logging.getLogger("shmcache")
 
 KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4
 _Q = struct.Struct("Q")
+_ROOT_INCARNATION = 80  # root words: 64 the epoch, 72 the capacity, 80 the incarnation
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.RECORD_HEADER)
 _M48 = (1 << 48) - 1
 MIN_TABLE = 1024
@@ -168,6 +174,7 @@ class CacheStore:
         self._buffers = _BatchBuffers()
         self.spill = None  # set by the spill layer when spilling is on
         self._root = None
+        self._incarnation = 0  # the root's (set when it is opened; see the module docstring)
         with self.lock:
             self._root = self._open_root(capacity_bytes, fingerprint, table_hint, create)
         self.capacity_bytes = _Q.unpack_from(self._root.buf, 72)[0]
@@ -185,13 +192,33 @@ class CacheStore:
     # --- opening ------------------------------------------------------------------------------
 
     def _seg_name(self, *parts: str) -> str:
-        return self._base + SEP + SEP.join(parts)
+        """The name of the root (``"root"``), or of a segment of this incarnation of the cache."""
+        if parts == ("root",):
+            return self._base + SEP + "root"
+        return self._base + SEP + SEP.join((f"{self._incarnation:08x}", *parts))
+
+    def _adopt(self, root: Segment) -> Segment:
+        self._incarnation = _Q.unpack_from(root.buf, _ROOT_INCARNATION)[0]
+        return root
+
+    def _destroyed_under_us(self) -> CacheNotFound | None:
+        """The error to raise if this cache's root is gone or is another incarnation's now."""
+        try:
+            live = Segment.attach(self._seg_name("root"), kind=KIND_ROOT)
+            same = _Q.unpack_from(live.buf, _ROOT_INCARNATION)[0] == self._incarnation
+            live.close()
+        except (FileNotFoundError, CorruptSegment):
+            same = False
+        if same:
+            return None
+        return CacheNotFound(f"cache {self.session}/{self.name} was destroyed while this process used it "
+                             f"(`shmcache destroy --force`?); open it again (a new ShmDatasetCache)")
 
     def _open_root(self, capacity_bytes: int, fingerprint: str | None, table_hint: int,
                    create: bool) -> Segment:
         name = self._seg_name("root")
         try:
-            root = Segment.attach(name, kind=KIND_ROOT)
+            root = self._adopt(Segment.attach(name, kind=KIND_ROOT))
         except FileNotFoundError:
             root = None
         except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
@@ -228,6 +255,8 @@ class CacheStore:
         })
         root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
         _Q.pack_into(root.buf, 72, capacity)
+        _Q.pack_into(root.buf, _ROOT_INCARNATION, secrets.randbits(32))
+        self._adopt(root)
         self._create_generation(root, 1, capacity, _table_capacity(table_hint))
         return root
 
@@ -269,7 +298,7 @@ class CacheStore:
     def _create_generation(self, root: Segment, gen: int, capacity: int, cap: int) -> None:
         """Make the meta and table (``cap`` entries) of ``gen`` and publish it (caller holds the
         lock). Leftovers of an attempt whose process died are removed first."""
-        self._unlink_matching(f"{SEP}g{gen}{SEP}")
+        self._unlink_matching(self._seg_name(f"g{gen}", ""))
         meta = Segment.create(self._seg_name(f"g{gen}", "meta"), M.SIZE, kind=KIND_META, commit=M.SIZE)
         table = Segment.create(self._seg_name(f"g{gen}", "t1"), TableView.bytes_for(cap),
                                kind=KIND_TABLE, commit=TableView.bytes_for(cap))
@@ -474,6 +503,9 @@ class CacheStore:
             try:
                 self._insert(g, pos, w1, kb, enc)
                 return True
+            except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
+                raise self._destroyed_under_us() or CorruptSegment(
+                    f"cache {self.session}/{self.name} lost a data segment; run `shmcache gc`") from None
             except ItemTooLarge:
                 if self.spill is None:
                     raise
@@ -807,7 +839,7 @@ class CacheStore:
             self._create_generation(self._root, g.gen + 1, self.capacity_bytes, g.index.capacity)
             if _CRASH_TESTS:
                 crash_point("cleared_before_unlink")
-            self._unlink_matching(f"{SEP}g{g.gen}{SEP}")
+            self._unlink_matching(self._seg_name(f"g{g.gen}", ""))
             self._refresh()
 
     def close(self) -> None:
@@ -836,10 +868,11 @@ class CacheStore:
                 shutil.rmtree(spill_path, ignore_errors=True)
         self.close()
 
-    def _unlink_matching(self, infix: str, keep: str = "") -> None:
-        head = self._base + SEP
+    def _unlink_matching(self, prefix: str, keep: str = "") -> None:
+        """Unlink this cache's segments whose names start with ``prefix`` (``SEP``: all of them)."""
+        head = self._base + SEP if prefix == SEP else prefix
         for name in self.ns.owned_segments():
-            if name.startswith(head) and name != keep and (infix == SEP or infix in name[len(self._base):]):
+            if name.startswith(head) and name != keep:
                 _unlink_name(self.ns, name)
 
 

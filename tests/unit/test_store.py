@@ -345,3 +345,39 @@ def test_reads_work_when_every_process_slot_of_the_session_is_taken(store):
     finally:
         for fd in held:
             os.close(fd)
+
+
+def _stamped(k: int) -> np.ndarray:
+    return np.full(1000, k % 251, np.uint8)  # one size class for every key: chunks alias by offset
+
+
+def test_a_handle_that_outlives_a_forced_destroy_never_touches_the_cache_made_again(shm_namespace):
+    """``destroy --force`` under a live reader, then the same session and cache made again (with
+    other values under the same keys): the old handle gets misses, never the new cache's bytes,
+    and its writes never show up in (or damage) the new cache."""
+    from shmcache.registry import SessionRegistry
+
+    writer = CacheStore("again", "c", capacity_bytes=8 << 20)
+    for k in range(200):
+        writer.put(k, _stamped(k))
+    writer.close()
+    stale = CacheStore("again", "c", create=False)  # maps root, meta and table; no data yet
+    assert len(stale) == 200
+    SessionRegistry().destroy("again", force=True)
+    new = CacheStore("again", "c", capacity_bytes=8 << 20)
+    for k in range(200):
+        new.put(k, _stamped(k + 7))  # the same keys, other values, the same chunks
+    for k in range(200):
+        got = stale.lookup(k)
+        assert got is MISSING or np.array_equal(got, _stamped(k)), f"key {k}: the new cache's bytes"
+    for k in (500, 501):  # its data segment is gone: a clear error, never a write into the new cache
+        with pytest.raises(CacheNotFound, match="destroyed while this process used it"):
+            stale.put(k, _stamped(99))
+    assert stale.put(7, _stamped(99))  # a key of its own (old) table: "stored", and nowhere else
+    fresh = CacheStore("again", "c", create=False)
+    assert fresh.lookup(500) is MISSING
+    for k in range(200):
+        assert np.array_equal(fresh.lookup(k), _stamped(k + 7)), f"key {k} was damaged"
+    for s in (stale, new, fresh):
+        s.close()
+    SessionRegistry().destroy("again", force=True)
