@@ -10,6 +10,11 @@ NOTE [lock files]
     anyone can test whether the slot's owner is alive with a non-blocking attempt - never with a
     PID, which the kernel reuses.
 
+    A forked child closes every inherited lock descriptor at once (``close_in_forked_children``),
+    not on its first use of the lock: a child that never takes the lock - a read-only DataLoader
+    worker - would otherwise keep the open file description, and so a lock its parent held, alive
+    after the parent died. Closing our copy never releases the parent's lock (no ``LOCK_UN``).
+
     Two implementations, one mechanism. The session registry's lock is taken rarely (creating,
     attaching or destroying a session), so it is filelock's ``FileLock`` (:class:`RegistryLock`).
     A cache's lock is taken on every ``put``, so :class:`FileLock` here keeps its descriptor open
@@ -24,6 +29,7 @@ import fcntl
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,10 +37,28 @@ import filelock
 
 from .errors import LockTimeout, NotOwner
 
-__all__ = ["FileLock", "RegistryLock", "LivenessSlot", "slot_is_alive", "flock_within", "DEFAULT_TIMEOUT_S"]
+__all__ = ["FileLock", "RegistryLock", "LivenessSlot", "slot_is_alive", "flock_within", "DEFAULT_TIMEOUT_S",
+           "close_in_forked_children"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _REOPEN = threading.Lock()
+_HOLDERS_OF_DESCRIPTORS: weakref.WeakSet = weakref.WeakSet()
+
+
+def close_in_forked_children(obj) -> None:
+    """Have ``obj.after_fork_in_child()`` run in every forked child, first thing after the fork:
+    it must close the inherited descriptors that carry locks (see NOTE [lock files])."""
+    _HOLDERS_OF_DESCRIPTORS.add(obj)
+
+
+def _after_fork_in_child() -> None:
+    global _REOPEN
+    _REOPEN = threading.Lock()  # another thread of the parent may have held it at the fork
+    for obj in list(_HOLDERS_OF_DESCRIPTORS):
+        obj.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _not_owner(path: Path) -> NotOwner:
@@ -80,6 +104,13 @@ class FileLock:
         self._fd = -1
         self._pid = -1
         self._thread_lock = threading.Lock()  # flock does not exclude threads sharing one fd
+        close_in_forked_children(self)
+
+    def after_fork_in_child(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # our copy only: the parent's descriptor keeps its lock
+        self._fd, self._pid = -1, -1  # the next acquire opens this process's own
+        self._thread_lock = threading.Lock()
 
     def _open_in_this_process(self) -> None:
         """First use, or first use in a forked child (whose inherited fd shares the parent's

@@ -38,7 +38,7 @@ import numpy as np
 import zstandard
 
 from .errors import InvalidArgument, LockTimeout, SpillError
-from .locks import flock_within
+from .locks import close_in_forked_children, flock_within
 
 __all__ = [
     "SpillStore",
@@ -402,6 +402,11 @@ class SpillStore:
         self.lock_timeout_s = lock_timeout_s
         self._closed = False
         self._reset_process_state()
+        close_in_forked_children(self)
+
+    def after_fork_in_child(self) -> None:
+        if self._pid != os.getpid():
+            self._forget_inherited()
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()

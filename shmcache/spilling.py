@@ -136,6 +136,14 @@ _FILES: dict[str, SpillStore] = {}
 _FILES_LOCK = threading.Lock()
 
 
+def _new_files_lock_in_child() -> None:
+    global _FILES_LOCK
+    _FILES_LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_files_lock_in_child)
+
+
 def _shared_files(path: Path, level: int) -> SpillStore:
     with _FILES_LOCK:
         files = _FILES.get(str(path))

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from _forks import die_holding_after_forking_an_idle_child, reap
 
 from shmcache.errors import LockTimeout
 from shmcache.locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
@@ -228,3 +229,24 @@ def test_liveness_slots(tmp_path):
     assert d.index == b.index  # freed slots are reused
     for s in (a, c, d):
         s.release()
+
+
+def test_a_forked_child_that_never_takes_the_lock_does_not_keep_a_dead_parents_lock(tmp_path):
+    """The kernel releases a lock when the last descriptor of its open file description closes;
+    a child that inherited one and never used the lock must not be that last descriptor."""
+    path = tmp_path / "c.lock"
+    lock = FileLock(path)
+
+    def hold():
+        lock.acquire()
+        return lock.release
+
+    child = die_holding_after_forking_an_idle_child(hold, tmp_path / "child.pid")
+    try:
+        os.kill(child, 0)  # the idle child is alive...
+        other = FileLock(path)
+        other.acquire(timeout_s=2)  # ...and the dead parent's lock is free anyway
+        other.release()
+        other.close()
+    finally:
+        reap(child)

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _forks import die_holding_after_forking_an_idle_child, reap
 
 from shmcache import spill
 from shmcache.errors import InvalidArgument, LockTimeout, SpillError
@@ -692,3 +694,55 @@ def test_check_spill_dir_rejects_non_paths():
 def test_create_false_needs_an_existing_directory(tmp_path):
     with pytest.raises(SpillError, match="no spill directory at"):
         SpillStore(tmp_path / "missing", create=False)
+
+
+def test_a_forked_child_that_never_writes_does_not_keep_a_dead_writers_slot(tmp_path):
+    """The slot file's flock goes with its writer, even if an idle forked child inherited it."""
+    path = tmp_path / "spill"
+    store = SpillStore(path, lock_timeout_s=2)
+
+    def hold():
+        store.append(0, b"k", b"v" * 100)  # takes slot 0's flock, keeps it until close
+        return lambda: None
+
+    child = die_holding_after_forking_an_idle_child(hold, tmp_path / "child.pid")
+    try:
+        os.kill(child, 0)
+        takeover = SpillStore(path, lock_timeout_s=2)
+        loc = takeover.append(0, b"next", b"w" * 100)  # LockTimeout if the child kept the slot
+        assert takeover.read(loc, b"next") == b"w" * 100
+        takeover.close()
+    finally:
+        reap(child)
+
+
+def test_a_fork_while_another_thread_holds_the_spill_folder_lock_does_not_hang_the_child(tmp_path):
+    import threading
+
+    from shmcache import spilling
+
+    held, done = threading.Event(), threading.Event()
+
+    def holder():
+        with spilling._FILES_LOCK:
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                signal.alarm(10)  # a hang ends as SIGALRM, not as a stuck test
+                spilling._shared_files(tmp_path / "spill", 1)
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+        t.join()
+    assert os.waitstatus_to_exitcode(status) == 0, "the child hung on a lock the parent's thread held"
