@@ -104,6 +104,7 @@ class FileLock:
         self._fd = -1
         self._pid = -1
         self._thread_lock = threading.Lock()  # flock does not exclude threads sharing one fd
+        self.reopened = 0  # times the file at ``path`` was found replaced (see acquire)
         close_in_forked_children(self)
 
     def after_fork_in_child(self) -> None:
@@ -112,14 +113,14 @@ class FileLock:
         self._fd, self._pid = -1, -1  # the next acquire opens this process's own
         self._thread_lock = threading.Lock()
 
-    def _open_in_this_process(self) -> None:
-        """First use, or first use in a forked child (whose inherited fd shares the parent's
-        lock): open our own descriptor. Serialised, so threads racing here agree on one."""
+    def _enter_this_process(self) -> None:
+        """First use, or first use in a forked child: a thread lock of this process's own (the
+        descriptor is opened under it). Serialised, so threads racing here agree on one."""
         with _REOPEN:
             if self._pid != os.getpid():
                 if self._fd >= 0:  # inherited: closing our copy leaves the parent's lock alone
                     os.close(self._fd)
-                self._fd = _open_lock_file(self.path)
+                self._fd = -1
                 self._thread_lock = threading.Lock()
                 self._pid = os.getpid()
 
@@ -127,12 +128,24 @@ class FileLock:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         if self._pid != os.getpid():
-            self._open_in_this_process()
+            self._enter_this_process()
         if not self._thread_lock.acquire(timeout=max(timeout, 0)):
             raise LockTimeout(f"timed out after {timeout:.1f}s waiting for {self.what} (another thread holds it)")
         try:
-            flock_within(self._fd, max(0.0, deadline - time.monotonic()),
-                         lambda: _held_elsewhere(self.what, self.path, timeout))
+            if self._fd < 0:
+                self._fd = _open_lock_file(self.path)
+            while True:
+                flock_within(self._fd, max(0.0, deadline - time.monotonic()),
+                             lambda: _held_elsewhere(self.what, self.path, timeout))
+                if _same_file(self._fd, self.path):
+                    return
+                # The file was removed (its session destroyed) or replaced while we held it open:
+                # a lock on it excludes nobody any more. Lock the file that is there now;
+                # FileNotFoundError when its directory is gone too.
+                os.close(self._fd)
+                self._fd = -1
+                self._fd = _open_lock_file(self.path)
+                self.reopened += 1
         except BaseException:
             self._thread_lock.release()
             raise

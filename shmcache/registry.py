@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import SEP, Namespace, namespace, validate_name
-from .errors import SessionExists, SessionInUse, SessionNotFound, ShmcacheError
+from .errors import LockTimeout, SessionExists, SessionInUse, SessionNotFound, ShmcacheError
 from .locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
 
 __all__ = ["SessionInfo", "SessionRegistry", "GcReport", "SEP", "MAX_SLOTS"]
@@ -186,13 +186,33 @@ class SessionRegistry:
                 )
             spill_dirs = self._spill_dirs_of(name)
             doomed = self.ns.sessions_dir / f".{name}.tmp-destroy-{os.getpid()}-{secrets.token_hex(3)}"
-            os.rename(self.session_dir(name), doomed)
-            prefix = self.segment_prefix(name)
-            removed = self._unlink_segments(prefix, roots_only=True) + self._unlink_segments(prefix)
+            held = self._hold_cache_locks(name)
+            try:
+                os.rename(self.session_dir(name), doomed)
+                prefix = self.segment_prefix(name)
+                removed = self._unlink_segments(prefix, roots_only=True) + self._unlink_segments(prefix)
+            finally:
+                for lock in held:  # a writer waiting on one finds its lock file gone (FileLock.acquire)
+                    lock.release()
+                    lock.close()
             for spill in spill_dirs:
                 shutil.rmtree(spill, ignore_errors=True)
             shutil.rmtree(doomed, ignore_errors=True)
             return removed
+
+    def _hold_cache_locks(self, session: str, timeout_s: float = 10.0) -> list[FileLock]:
+        """Every cache lock of ``session`` that can be had within ``timeout_s``: no write is in
+        flight while the session goes (``force`` goes on without a lock whose holder is stuck)."""
+        held, deadline = [], time.monotonic() + timeout_s
+        for path in sorted((self.session_dir(session) / "caches").glob("*.lock")):
+            lock = FileLock(path, what=f"the lock of cache {session}/{path.stem}")
+            try:
+                lock.acquire(timeout_s=max(0.0, deadline - time.monotonic()))
+            except (LockTimeout, FileNotFoundError):
+                lock.close()
+                continue
+            held.append(lock)
+        return held
 
     def attach_process(self, name: str) -> LivenessSlot:
         """Hold a liveness slot in session ``name`` for as long as this process uses it."""

@@ -61,7 +61,7 @@ class CacheSpill:
         self.path = path
         self.level = level
         self.disabled = False  # set after a full disk: stop spilling, keep serving
-        with store.lock:  # the cache's metadata is only ever rewritten under its lock
+        with store.locked():  # the cache's metadata is only ever rewritten under its lock
             meta = store.read_meta()
             if meta.get("spill_path") != str(path):
                 meta["spill_path"] = str(path)  # so `destroy` and `gc` find the files

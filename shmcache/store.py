@@ -37,6 +37,7 @@ NOTE [publish order]
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -65,6 +66,7 @@ from .errors import (
     InvalidArgument,
     ItemTooLarge,
     LockTimeout,
+    SessionNotFound,
     SharedMemoryFull,
     ShmcacheError,
 )
@@ -175,8 +177,16 @@ class CacheStore:
         self.spill = None  # set by the spill layer when spilling is on
         self._root = None
         self._incarnation = 0  # the root's (set when it is opened; see the module docstring)
-        with self.lock:
+        try:
+            self.lock.acquire()
+        except FileNotFoundError:  # the session's directory went away under us
+            raise SessionNotFound(f"session {self.session!r} was destroyed while cache {self.name!r} "
+                                  f"was being opened in it; open it again") from None
+        try:
             self._root = self._open_root(capacity_bytes, fingerprint, table_hint, create)
+        finally:
+            self.lock.release()
+        self._lock_reopened = self.lock.reopened
         self.capacity_bytes = _Q.unpack_from(self._root.buf, 72)[0]
         if capacity_bytes and capacity_bytes != self.capacity_bytes:
             log.warning("cache %s/%s exists with a cap of %.0f MiB; size=%.0f MiB applies only to a "
@@ -187,6 +197,8 @@ class CacheStore:
                 _process.slot(self.registry, self.session)
             except LockTimeout:
                 pass  # served without a slot; _count says so when it first counts
+            except FileNotFoundError:  # its slots directory is gone: destroyed just now
+                raise self._destroyed() from None
         self._refresh()
 
     # --- opening ------------------------------------------------------------------------------
@@ -201,6 +213,24 @@ class CacheStore:
         self._incarnation = _Q.unpack_from(root.buf, _ROOT_INCARNATION)[0]
         return root
 
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the cache's lock, and make sure it is still the lock of the cache this handle
+        opened: a lock file found replaced means the session was destroyed (and maybe made again)."""
+        try:
+            self.lock.acquire()
+        except FileNotFoundError:  # the session's directory is gone: only a destroy removes it
+            raise self._destroyed() from None
+        try:
+            if self.lock.reopened != self._lock_reopened:
+                stale = self._destroyed_under_us()
+                if stale is not None:
+                    raise stale
+                self._lock_reopened = self.lock.reopened
+            yield
+        finally:
+            self.lock.release()
+
     def _destroyed_under_us(self) -> CacheNotFound | None:
         """The error to raise if this cache's root is gone or is another incarnation's now."""
         try:
@@ -209,8 +239,9 @@ class CacheStore:
             live.close()
         except (FileNotFoundError, CorruptSegment):
             same = False
-        if same:
-            return None
+        return None if same else self._destroyed()
+
+    def _destroyed(self) -> CacheNotFound:
         return CacheNotFound(f"cache {self.session}/{self.name} was destroyed while this process used it "
                              f"(`shmcache destroy --force`?); open it again (a new ShmDatasetCache)")
 
@@ -270,7 +301,7 @@ class CacheStore:
 
     def bind_fingerprint(self, fingerprint: str) -> None:
         """Record which dataset this cache holds (first binding), or raise if it holds another."""
-        with self.lock:
+        with self.locked():
             self._check_fingerprint(fingerprint)
             meta = self.read_meta()
             if meta.get("fingerprint") is None:
@@ -330,6 +361,9 @@ class CacheStore:
                 return self._gen
             except FileNotFoundError:
                 time.sleep(0.001)  # a clear() or a table growth is replacing it right now
+        stale = self._destroyed_under_us()
+        if stale is not None:
+            raise stale
         raise CorruptSegment(f"cache {self.session}/{self.name}: the root names segments that do not "
                              f"exist; run `shmcache gc`")
 
@@ -483,7 +517,7 @@ class CacheStore:
         """Store ``value`` under ``key`` unless present. False if it was not admitted (full)."""
         enc = encoded or codec.encode(value, f"the value of key {key!r}")
         w1, kb = key_bytes(key)
-        with self.lock:
+        with self.locked():
             if _CRASH_TESTS:
                 crash_point("locked")
             g = self._refresh()
@@ -583,7 +617,7 @@ class CacheStore:
         """``shmcache gc`` for this cache: repair a dead writer's entry and unlink segments of
         generations or table versions that are no longer current (a clear() or a table growth
         whose process died before it unlinked them). Returns (chunks reclaimed, names removed)."""
-        with self.lock:
+        with self.locked():
             g = self._refresh()
             reclaimed = self._repair(g)
             self._recount_committed(g)
@@ -830,7 +864,7 @@ class CacheStore:
 
     def clear(self) -> None:
         """Drop every item: a new generation in new segments; old mappings stay valid for readers."""
-        with self.lock:
+        with self.locked():
             g = self._refresh()
             if self.spill is not None:
                 self.spill.clear()
@@ -857,7 +891,7 @@ class CacheStore:
 
     def destroy(self) -> None:
         """Remove this cache from its session (segments, metadata and spill files)."""
-        with self.lock:
+        with self.locked():
             spill_path = self.read_meta().get("spill_path")
             self.meta_path.unlink(missing_ok=True)
             _unlink_name(self.ns, self._seg_name("root"))  # first: the cache is gone at once
