@@ -304,7 +304,7 @@ class ShmDatasetCache:
                 return None
             # out's leaves in the record's order: a dict out is matched by key, never by position
             arrays, dtypes, shapes = _out_leaves(_flatten_like(out, layout[0]))
-            if not store.out_matches(keys, arrays, dtypes, shapes):  # another dtype or shape:
+            if not store.out_matches(keys, arrays, dtypes, shapes, layout):  # another dtype or shape:
                 batch = self._gather(store, keys, None)               # convert, like copy_ does
                 if batch is not None:
                     _copy_into(out, batch)

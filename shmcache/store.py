@@ -765,11 +765,12 @@ class CacheStore:
             shape = g.columns[lid] = codec.leaves(self._layout(g, lid)[0])
         return shape
 
-    def out_matches(self, keys: np.ndarray, out: list, dtypes: list, shapes: list) -> bool:
+    def out_matches(self, keys: np.ndarray, out: list, dtypes: list, shapes: list,
+                    layout: tuple | None = None) -> bool:
         """True if ``out`` (one array per leaf, in the record's leaf order; ``dtypes``: the torch
         dtype name of a tensor out, else None; ``shapes``: their shapes) can receive a batch of
-        ``keys`` byte for byte."""
-        shape = self.batch_layout(keys)
+        ``keys`` byte for byte. ``layout``: what ``batch_layout(keys)`` returned, if known."""
+        shape = layout or self.batch_layout(keys)
         if shape is None:
             return False
         leaves = shape[1]
