@@ -178,6 +178,16 @@ _SCRIPT = textwrap.dedent(r"""
 """)
 
 
+# CPython's resource tracker sometimes finds one of multiprocessing's own semaphores (the
+# DataLoader's queues, "/mp-...") unlinked already when it cleans up at exit, and warns
+# (python/cpython#114062). It is not a leak, and not ours: shmcache makes no such semaphores.
+_CPYTHON_SEMAPHORE_RACE = re.compile(
+    r"Traceback \(most recent call last\):\n(?:  .*\n)+FileNotFoundError: \[Errno 2\] No such file or "
+    r"directory\n\nDuring handling of the above exception, another exception occurred:\n\n"
+    r"Traceback \(most recent call last\):\n(?:  .*\n)+UserWarning: resource_tracker: '/mp-\w+': "
+    r"\[Errno 2\] No such file or directory\n")
+
+
 def test_a_whole_program_exits_without_leak_warnings(tmp_path):
     """The resource tracker reports leaked semaphores or shared memory only when the program exits:
     run one to its end and read its stderr."""
@@ -187,4 +197,5 @@ def test_a_whole_program_exits_without_leak_warnings(tmp_path):
                           text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "STATS 256 259 253" in proc.stdout, proc.stdout  # 3 probe hits + 256, 253 misses
-    assert proc.stderr == "", proc.stderr[-3000:]
+    stderr = _CPYTHON_SEMAPHORE_RACE.sub("", proc.stderr)
+    assert stderr == "", stderr[-3000:]
