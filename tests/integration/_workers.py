@@ -8,9 +8,11 @@ Not a test module (the leading underscore keeps pytest from collecting it).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
+import subprocess
 import sys
 import traceback
 
@@ -249,3 +251,19 @@ def hold_slot_until_stdin_closes(session: str) -> None:
     _process.slot(registry, session)
     print("attached", flush=True)
     sys.stdin.read()
+
+
+@contextlib.contextmanager
+def process_attached_to(session: str):
+    """A subprocess attached to ``session`` (it holds a liveness slot) until the block ends."""
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); import _workers; "
+            f"_workers.hold_slot_until_stdin_closes({session!r})")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "attached"
+        yield proc
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        proc.stdout.close()

@@ -16,7 +16,8 @@ from shmcache.cli import main
 from shmcache.registry import SessionRegistry
 from shmcache.store import STAT_KEYS, CacheStore
 
-HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration"))
+from _workers import process_attached_to  # noqa: E402
 
 
 def run(capsys, *argv):
@@ -139,21 +140,12 @@ def test_bad_arguments_exit_codes(capsys, argv, code):
 
 def test_destroy_refuses_a_session_in_use_without_force(capsys):
     SessionRegistry().create("busy")
-    code = f"import sys; sys.path.insert(0, {HELPERS!r}); import _workers; " \
-           f"_workers.hold_slot_until_stdin_closes('busy')"
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "attached"
+    with process_attached_to("busy") as proc:
         got, _, err = run(capsys, "destroy", "busy")
         assert got == 1 and str(proc.pid) in err and "--force" in err  # 1: not a usage error
         assert SessionRegistry().exists("busy")
         got, _, _ = run(capsys, "destroy", "--force", "busy")
         assert got == 0 and not SessionRegistry().exists("busy")
-    finally:
-        proc.stdin.close()
-        proc.wait(timeout=30)
-        proc.stdout.close()
 
 
 def test_gc_reports_what_it_removed(capsys, populated, shm_namespace):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,8 @@ from shmcache.errors import InvalidArgument, SessionExists, SessionInUse, Sessio
 from shmcache.registry import SessionRegistry
 from shmcache.store import CacheStore
 
-HELPERS = str(Path(__file__).resolve().parents[1] / "integration")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from _workers import process_attached_to  # noqa: E402
 
 BAD_NAMES = ["", "a/b", "..", ".", "...", "../etc", "/abs", "x" * 65, "a b", "tab\t", "new\nline",
              "a+b", "é", "semi;colon", "*", "a\x00b"]
@@ -118,21 +118,12 @@ def test_destroy_touches_only_its_own_session(reg, shm_namespace):
 
 def test_live_pids_and_destroy_refuses_a_session_in_use(reg):
     reg.create("busy")
-    code = f"import sys; sys.path.insert(0, {HELPERS!r}); import _workers; " \
-           f"_workers.hold_slot_until_stdin_closes('busy')"
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "attached"
+    with process_attached_to("busy") as proc:
         assert proc.pid in reg.live_pids("busy")
         with pytest.raises(SessionInUse, match=str(proc.pid)) as info:
             reg.destroy("busy")
         assert "force" in str(info.value)
         assert reg.exists("busy")
-    finally:
-        proc.stdin.close()
-        proc.wait(timeout=30)
-        proc.stdout.close()
     assert proc.pid not in reg.live_pids("busy")
     reg.destroy("busy")  # nobody attached now
     assert not reg.exists("busy")
