@@ -304,7 +304,7 @@ class ShmDatasetCache:
                 return None
             # out's leaves in the record's order: a dict out is matched by key, never by position
             arrays, dtypes, shapes = _out_leaves(_flatten_like(out, layout[0]))
-            if not store.out_matches(keys, arrays, dtypes, shapes, layout):  # another dtype or shape:
+            if not store.out_matches(layout, len(keys), arrays, dtypes, shapes):  # another dtype/shape:
                 batch = self._gather(store, keys, None)               # convert, like copy_ does
                 if batch is not None:
                     _copy_into(out, batch)
@@ -649,11 +649,17 @@ def _flatten_like(out: Any, tree: tuple, path: str = "out") -> list:
     return [leaf for k, c in tree[1] for leaf in _flatten_like(out[k], c, f"{path}[{k!r}]")]
 
 
+def _described(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"a dict with keys {list(value)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
 def _unlike(path: str, out: Any, batch_has: str) -> InvalidArgument:
-    has = (f"a dict with keys {list(out)}" if isinstance(out, dict) else
-           f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else
-           f"a {type(out).__name__}")
-    return InvalidArgument(f"{path} is {has} where the batch has {batch_has}; shape out= like the batch")
+    return InvalidArgument(f"{path} is {_described(out)} where the batch has {batch_has}; give one "
+                           f"buffer per field, shaped like the batch")
 
 
 def _copy_into(out: Any, batch: Any, path: str = "out") -> None:
@@ -661,9 +667,7 @@ def _copy_into(out: Any, batch: Any, path: str = "out") -> None:
     InvalidArgument (nothing half-copied is returned) where the two are shaped differently."""
     if isinstance(out, (torch.Tensor, np.ndarray)):
         if not isinstance(batch, (torch.Tensor, np.ndarray)):
-            what = f"a {type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (list, tuple, dict)) else "")
-            raise InvalidArgument(f"{path} is one {type(out).__name__} where the batch has {what}; "
-                                  f"give one buffer per field, shaped like the batch")
+            raise _unlike(path, out, _described(batch))
         if tuple(batch.shape) != tuple(out.shape):
             raise InvalidArgument(f"{path} has shape {tuple(out.shape)} where the batch has "
                                   f"{tuple(batch.shape)}; size out= like the batch")
@@ -673,14 +677,12 @@ def _copy_into(out: Any, batch: Any, path: str = "out") -> None:
             out[...] = batch.numpy() if isinstance(batch, torch.Tensor) else batch
     elif isinstance(out, (tuple, list)):
         if not isinstance(batch, (tuple, list)) or len(batch) != len(out):
-            raise _unlike(path, out, f"a {type(batch).__name__}" + (
-                f" of {len(batch)}" if isinstance(batch, (tuple, list, dict)) else ""))
+            raise _unlike(path, out, _described(batch))
         for i, (o, b) in enumerate(zip(out, batch)):
             _copy_into(o, b, f"{path}[{i}]")
     elif isinstance(out, dict):
         if not isinstance(batch, dict) or set(batch) != set(out):
-            raise _unlike(path, out, f"a dict with keys {list(batch)}" if isinstance(batch, dict)
-                          else f"a {type(batch).__name__}")
+            raise _unlike(path, out, _described(batch))
         for k in out:
             _copy_into(out[k], batch[k], f"{path}[{k!r}]")
     else:

@@ -166,7 +166,10 @@ class _Digest:
             if isinstance(v, (list, tuple)) and any(callable(x) for x in v[:_MAX_ITEMS]):
                 self.h.update(f"[{len(v)}".encode())  # Compose(transforms=[...])
                 for x in v[:_MAX_ITEMS]:
-                    self.function(x, depth + 1) if callable(x) else self.data(x, depth + 1)
+                    if callable(x):
+                        self.function(x, depth + 1)
+                    else:
+                        self.data(x, depth + 1)
             elif callable(v) and not isinstance(v, type):
                 self.function(v, depth + 1)
             else:

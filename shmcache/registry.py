@@ -205,7 +205,7 @@ class SessionRegistry:
         flight while the session goes (``force`` goes on without a lock whose holder is stuck)."""
         held, deadline = [], time.monotonic() + timeout_s
         for path in sorted((self.session_dir(session) / "caches").glob("*.lock")):
-            lock = FileLock(path, what=f"the lock of cache {session}/{path.stem}")
+            lock = self.cache_lock(session, path.stem)
             try:
                 lock.acquire(timeout_s=max(0.0, deadline - time.monotonic()))
             except (LockTimeout, FileNotFoundError):
@@ -213,6 +213,11 @@ class SessionRegistry:
                 continue
             held.append(lock)
         return held
+
+    def cache_lock(self, session: str, cache: str, timeout_s: float = 5.0) -> FileLock:
+        """The lock of cache ``cache`` of ``session``: its writers, gc and destroy take it."""
+        return FileLock(self.session_dir(session) / "caches" / f"{cache}.lock", timeout_s=timeout_s,
+                        what=f"the lock of cache {session}/{cache}")
 
     def attach_process(self, name: str) -> LivenessSlot:
         """Hold a liveness slot in session ``name`` for as long as this process uses it."""
@@ -239,8 +244,7 @@ class SessionRegistry:
                         report.removed_locks.append(str(path))
                 for path in (sdir / "caches").glob(".*.json.*.tmp"):  # a writer died in write_json
                     cache = path.name[1:].split(".json.", 1)[0]
-                    lock = FileLock(sdir / "caches" / f"{cache}.lock", timeout_s=5,
-                                    what=f"the lock of cache {name}/{cache}")
+                    lock = self.cache_lock(name, cache)
                     with lock:  # cache metadata is written under it: a live writer is not racing us
                         path.unlink(missing_ok=True)
                     lock.close()
@@ -259,8 +263,7 @@ class SessionRegistry:
             root = f"{prefix}{cache}{SEP}root"
             if root in segs:
                 continue
-            lock = FileLock(self.session_dir(session) / "caches" / f"{cache}.lock", timeout_s=5,
-                            what=f"the lock of cache {session}/{cache}")
+            lock = self.cache_lock(session, cache)
             with lock:  # a creator holds it while it makes the root: never race one
                 if not self.ns.shm_path(root).exists():
                     removed += self._unlink_segments(f"{prefix}{cache}{SEP}")

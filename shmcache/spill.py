@@ -381,9 +381,9 @@ class _Contexts(threading.local):
 class SpillStore:
     """Append-only spill files in ``path``, one per writer slot; see NOTE [spill records].
 
-    Thread-safe; after ``fork`` the child drops what it inherited (without touching the parent's
-    locks) and re-opens lazily, so one object may be shared with DataLoader workers. It pickles as
-    its path and settings.
+    Thread-safe; in a forked child it drops what it inherited at once (without touching the
+    parent's locks: NOTE [lock files]) and re-opens lazily, so one object may be shared with
+    DataLoader workers. It pickles as its path and settings.
     """
 
     def __init__(
@@ -405,11 +405,9 @@ class SpillStore:
         close_in_forked_children(self)
 
     def after_fork_in_child(self) -> None:
-        if self._pid != os.getpid():
-            self._forget_inherited()
+        self._forget_inherited()
 
     def _reset_process_state(self) -> None:
-        self._pid = os.getpid()
         self._writers: dict[int, _Writer] = {}
         self._readers: dict[int, int] = {}
         self._retired: list[int] = []  # reader descriptors of files replaced under us
@@ -420,9 +418,7 @@ class SpillStore:
         self._counts = dict.fromkeys(_COUNTERS, 0)
 
     def _own(self) -> None:
-        """Every public method starts here: notice a fork, refuse a closed store."""
-        if self._pid != os.getpid():
-            self._forget_inherited()
+        """Every public method starts here: refuse a closed store (forks: after_fork_in_child)."""
         if self._closed:
             raise SpillError(f"the spill store at {self.path} is closed; open a new SpillStore")
 
@@ -672,8 +668,6 @@ class SpillStore:
         ``records``, ``bytes_disk`` (stored) and ``bytes_disk_raw`` count this process's appends;
         the store keeps the cross-process totals in shared memory from the returned SpillLocs.
         """
-        if self._pid != os.getpid():
-            self._forget_inherited()
         sizes = []
         for file_id in self.file_ids():
             try:
@@ -687,8 +681,6 @@ class SpillStore:
 
     def close(self) -> None:
         """Release this process's slot files (recording their clean end) and read handles."""
-        if self._pid != os.getpid():
-            self._forget_inherited()
         with self._open_lock:
             writers, readers = list(self._writers.values()), [*self._readers.values(), *self._retired]
             self._writers, self._readers, self._retired = {}, {}, []

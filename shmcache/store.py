@@ -71,7 +71,6 @@ from .errors import (
     ShmcacheError,
 )
 from .index import ENTRY_BYTES, INLINE24, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
-from .locks import FileLock
 from .registry import MAX_SLOTS, SEP, SessionRegistry, write_json
 from .segment import PAGE, Segment
 
@@ -161,8 +160,7 @@ class CacheStore:
             self.registry.get(self.session)  # SessionNotFound, naming the sessions there are
         sdir = self.registry.session_dir(self.session)
         self.meta_path = sdir / "caches" / f"{self.name}.json"
-        self.lock = FileLock(sdir / "caches" / f"{self.name}.lock", timeout_s=lock_timeout_s,
-                             what=f"the lock of cache {self.session}/{self.name}")
+        self.lock = self.registry.cache_lock(self.session, self.name, lock_timeout_s)
         self._base = self.ns.segment_name(self.session, self.name)
         self._gen: _Gen | None = None
         self._epoch = -1
@@ -261,7 +259,7 @@ class CacheStore:
             log.warning("cache %s/%s was left half-made or half-destroyed by a process that died; "
                         "it starts empty", self.session, self.name)
             capacity = _Q.unpack_from(root.buf, 72)[0]
-            self._unlink_matching(SEP, keep=name)
+            self._unlink_matching(self._base + SEP, keep=name)
             self._create_generation(root, 1, capacity, _table_capacity(table_hint))
         if root is not None:
             self._check_fingerprint(fingerprint)
@@ -271,7 +269,7 @@ class CacheStore:
                 f"no cache {self.name!r} in session {self.session!r} (caches: "
                 f"{', '.join(self.registry.cache_names(self.session)) or 'none'})"
             )
-        self._unlink_matching(SEP)  # debris of an earlier incarnation of this cache
+        self._unlink_matching(self._base + SEP)  # debris of an earlier incarnation of this cache
         capacity = capacity_bytes or memory_limits().auto_capacity()
         if capacity < M.SIZE + PAGE:
             raise InvalidArgument(
@@ -543,7 +541,7 @@ class CacheStore:
             except ItemTooLarge:
                 if self.spill is None:
                     raise
-                # never fits in memory, but a spill file takes any size: full only if the disk is
+                # it can never fit in memory, but a spill file takes any size: spill it below
             except _Full:
                 pass
             if self.spill is not None and self.spill.put(self, g, pos, w1, kb, enc):
@@ -765,18 +763,14 @@ class CacheStore:
             shape = g.columns[lid] = codec.leaves(self._layout(g, lid)[0])
         return shape
 
-    def out_matches(self, keys: np.ndarray, out: list, dtypes: list, shapes: list,
-                    layout: tuple | None = None) -> bool:
+    @staticmethod
+    def out_matches(layout: tuple, n: int, out: list, dtypes: list, shapes: list) -> bool:
         """True if ``out`` (one array per leaf, in the record's leaf order; ``dtypes``: the torch
         dtype name of a tensor out, else None; ``shapes``: their shapes) can receive a batch of
-        ``keys`` byte for byte. ``layout``: what ``batch_layout(keys)`` returned, if known."""
-        shape = layout or self.batch_layout(keys)
-        if shape is None:
-            return False
-        leaves = shape[1]
+        ``n`` records of ``layout`` (what ``batch_layout`` returned) byte for byte."""
+        leaves = layout[1]
         if len(out) != len(leaves):
             return False
-        n = len(keys)
         for arr, dtype, arr_shape, leaf in zip(out, dtypes, shapes, leaves):
             if leaf.tag not in ("i", "f", "b", "a", "e") or not arr.flags.c_contiguous:
                 return False
@@ -896,7 +890,7 @@ class CacheStore:
             spill_path = self.read_meta().get("spill_path")
             self.meta_path.unlink(missing_ok=True)
             _unlink_name(self.ns, self._seg_name("root"))  # first: the cache is gone at once
-            self._unlink_matching(SEP)
+            self._unlink_matching(self._base + SEP)
             if self.spill is not None:
                 self.spill.destroy()
             elif spill_path:
@@ -904,10 +898,9 @@ class CacheStore:
         self.close()
 
     def _unlink_matching(self, prefix: str, keep: str = "") -> None:
-        """Unlink this cache's segments whose names start with ``prefix`` (``SEP``: all of them)."""
-        head = self._base + SEP if prefix == SEP else prefix
+        """Unlink the segments whose names start with ``prefix`` (one of this cache's), but ``keep``."""
         for name in self.ns.owned_segments():
-            if name.startswith(head) and name != keep:
+            if name.startswith(prefix) and name != keep:
                 _unlink_name(self.ns, name)
 
 
