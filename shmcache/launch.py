@@ -149,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcome = run_workers(specs, shutdown_timeout_s=plan.shutdown_timeout_s)
     finally:
         slot.release()
+        registry.mark_used(plan.session)  # `shmcache gc --idle-for` counts from the job's end
         if plan.destroy_session:
             _destroy_session(registry, plan.session)
     for line in outcome.summary():
