@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import socket
 import sys
@@ -164,8 +165,15 @@ class _PrintManual(argparse.Action):
     """-h prints the module docstring: the manual is written once."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
-        print(__doc__)
+        print(manual())
         parser.exit(0)
+
+
+def manual() -> str:
+    """The module docstring as plain text: it is reStructuredText (for the API docs), whose
+    literal-block marker ``::`` becomes one colon and whose ``literals`` lose their backquotes;
+    the layout stays."""
+    return re.sub(r"::$", ":", __doc__ or "", flags=re.MULTILINE).replace("``", "")
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -307,6 +307,10 @@ def test_help_is_the_manual(capsys):
     out = capsys.readouterr().out
     for section in ("Usage", "Options", "Exit status", "Examples", "SHMCACHE_SESSION"):
         assert section in out
+    # plain text, not reStructuredText: no literal markers, no double backquotes
+    assert "``" not in out and not [ln for ln in out.splitlines() if ln.rstrip().endswith("::")]
+    assert "Usage:\n\n    python -m shmcache.launch [options] script.py" in out  # the layout stays
+    assert "run a module, as python -m" in out
 
 
 def test_launcher_does_not_import_torch():
