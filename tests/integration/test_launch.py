@@ -529,3 +529,18 @@ def test_cache_sh_passes_on_the_job_status_and_rejects_bad_options(tmp_path):
 @needs_bash
 def test_slurm_recipe_is_valid_bash():
     subprocess.run([bash, "-n", str(REPO / "launch" / "slurm.sbatch")], check=True, timeout=30)
+
+
+@needs_bash
+def test_cache_sh_prints_the_statistics_table_once(tmp_path):
+    # examples/train.py prints `shmcache stat` itself when run alone; under cache.sh, which prints
+    # it after the job, the table must not appear twice
+    env = {**os.environ, "PYTHON": sys.executable}
+    r = subprocess.run([bash, str(REPO / "launch" / "cache.sh"), "-s", "once", "--destroy",
+                        str(REPO / "examples" / "train.py"), "--tasks", "digits", "--digit-epochs", "1"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "test accuracy" in r.stdout
+    assert r.stdout.count("== shmcache stat once ==") == 1
+    assert [ln.split()[:2] for ln in r.stdout.splitlines()].count(["session", "cache"]) == 1, r.stdout
+    assert not SessionRegistry().exists("once")
