@@ -57,11 +57,14 @@ Each process gets, on top of the launcher's own environment (torchrun's set for 
 Failures: when a process exits with a non-zero status or dies of a signal, every other process
 gets SIGTERM, then SIGKILL after --shutdown-timeout. Ctrl-C (SIGINT), SIGTERM and SIGHUP sent to
 the launcher are forwarded to every process, with the same escalation; a second one kills at
-once. Each process runs in a process group of its own, which dies with it, and on Linux it is
-killed by the kernel if the launcher itself is killed. A summary on stderr names the root cause
-first: the first rank that failed, its PID, exit code or signal name (and its exception, when
-its entry point is decorated with torch.distributed.elastic.multiprocessing.errors.record). See
-NOTE [launcher shutdown] in shmcache/_procs.py.
+once. Each process runs in a process group of its own, which dies with it. If the launcher
+itself is killed, even by SIGKILL, the kernel kills each process (Linux's PR_SET_PDEATHSIG) and a
+small guard process the launcher started kills each process group: what the processes started
+dies too, unless it left the group (setsid, start_new_session=True). A summary on stderr names
+the root cause first: the first rank that failed, its PID, exit code or signal name (and its
+exception, when its entry point is decorated with
+torch.distributed.elastic.multiprocessing.errors.record). See NOTE [launcher shutdown] in
+shmcache/_procs.py.
 
 Exit status::
 

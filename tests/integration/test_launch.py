@@ -482,6 +482,22 @@ def test_launcher_sigkilled_takes_its_workers_down(tmp_path, launcher):
     assert wait_gone(pids, timeout_s=5) == []
 
 
+def test_launcher_sigkilled_takes_the_children_of_its_workers_down(tmp_path, launcher):
+    """A worker's own child (not a DataLoader worker: no parent-death check of its own) dies
+    too: the launcher's guard kills each worker's process group (NOTE [launcher shutdown], 8)."""
+    proc = launcher("--nproc", "2", str(SCRIPTS / "behave.py"), str(tmp_path), "with-child", "with-child")
+    pids = read_pids(tmp_path, "pid", 2)
+    children = [int((tmp_path / f"child-{r}").read_text()) for r in range(2)]
+    proc.kill()
+    proc.wait(timeout=10)  # not communicate(): a surviving child would hold its pipes open
+    try:
+        assert wait_gone([*pids, *children], timeout_s=5) == []
+    finally:
+        for pid in children:  # before the fix: do not leave them behind
+            if not is_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 # --- recipes ----------------------------------------------------------------------------------
 
 
