@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from typing import Any
 
 from .locks import LivenessSlot
 
@@ -18,7 +19,7 @@ __all__ = ["generation", "slot", "counters", "release_all"]
 
 _generation = 0
 _slots: dict[tuple[str, str], LivenessSlot] = {}
-_registries: dict[tuple[str, str], object] = {}  # the registry each slot was taken through
+_registries: dict[tuple[str, str], Any] = {}  # the registry each slot was taken through
 _counters: dict[str, list[int]] = {}
 _lock = threading.Lock()
 
