@@ -8,8 +8,10 @@ releasing the parent's locks.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+from typing import Any
 
 from .locks import LivenessSlot
 
@@ -17,6 +19,7 @@ __all__ = ["generation", "slot", "counters", "release_all"]
 
 _generation = 0
 _slots: dict[tuple[str, str], LivenessSlot] = {}
+_registries: dict[tuple[str, str], Any] = {}  # the registry each slot was taken through
 _counters: dict[str, list[int]] = {}
 _lock = threading.Lock()
 
@@ -35,6 +38,7 @@ def slot(registry, session: str) -> int:
             if s is None:
                 s = registry.attach_process(session)
                 _slots[key] = s
+                _registries[key] = registry
     return s.index
 
 
@@ -49,9 +53,18 @@ def counters(key: str, initial) -> list[int]:
 
 def release_all() -> None:
     """Give up every slot (tests, and processes that detach from all caches)."""
+    _mark_used()
     for s in _slots.values():
         s.release()
     _slots.clear()
+    _registries.clear()
+
+
+def _mark_used() -> None:
+    """Detaching is a use: ``gc --idle-for`` counts idle time from here, not from the attach
+    (NOTE [session lifecycle] in registry.py, last use). Runs at a clean exit too."""
+    for (_root, session), registry in list(_registries.items()):
+        registry.mark_used(session)
 
 
 def _after_fork_in_child() -> None:
@@ -61,7 +74,9 @@ def _after_fork_in_child() -> None:
     for s in _slots.values():
         s.forget_after_fork()
     _slots.clear()
+    _registries.clear()
     _counters.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_mark_used)

@@ -57,11 +57,14 @@ Each process gets, on top of the launcher's own environment (torchrun's set for 
 Failures: when a process exits with a non-zero status or dies of a signal, every other process
 gets SIGTERM, then SIGKILL after --shutdown-timeout. Ctrl-C (SIGINT), SIGTERM and SIGHUP sent to
 the launcher are forwarded to every process, with the same escalation; a second one kills at
-once. Each process runs in a process group of its own, which dies with it, and on Linux it is
-killed by the kernel if the launcher itself is killed. A summary on stderr names the root cause
-first: the first rank that failed, its PID, exit code or signal name (and its exception, when
-its entry point is decorated with torch.distributed.elastic.multiprocessing.errors.record). See
-NOTE [launcher shutdown] in shmcache/_procs.py.
+once. Each process runs in a process group of its own, which dies with it. If the launcher
+itself is killed, even by SIGKILL, the kernel kills each process (Linux's PR_SET_PDEATHSIG) and a
+small guard process the launcher started kills each process group: what the processes started
+dies too, unless it left the group (setsid, start_new_session=True). A summary on stderr names
+the root cause first: the first rank that failed, its PID, exit code or signal name (and its
+exception, when its entry point is decorated with
+torch.distributed.elastic.multiprocessing.errors.record). See NOTE [launcher shutdown] in
+shmcache/_procs.py.
 
 Exit status::
 
@@ -86,6 +89,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import socket
 import sys
@@ -149,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcome = run_workers(specs, shutdown_timeout_s=plan.shutdown_timeout_s)
     finally:
         slot.release()
+        registry.mark_used(plan.session)  # `shmcache gc --idle-for` counts from the job's end
         if plan.destroy_session:
             _destroy_session(registry, plan.session)
     for line in outcome.summary():
@@ -163,8 +168,15 @@ class _PrintManual(argparse.Action):
     """-h prints the module docstring: the manual is written once."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
-        print(__doc__)
+        print(manual())
         parser.exit(0)
+
+
+def manual() -> str:
+    """The module docstring as plain text: it is reStructuredText (for the API docs), whose
+    literal-block marker ``::`` becomes one colon and whose ``literals`` lose their backquotes;
+    the layout stays."""
+    return re.sub(r"::$", ":", __doc__ or "", flags=re.MULTILINE).replace("``", "")
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,20 @@ NOTE [session lifecycle]
     cache) until ``destroy``, which unlinks every segment whose name carries the session's prefix,
     also under the registry lock. A session whose creator died mid-way leaves only a temporary
     directory, which ``gc`` removes; so do segments of caches or sessions that no longer exist.
+
+    Last use. ``<root>/sessions/<name>/last_used`` is an empty file whose mtime says when a
+    process last used the session: every attach touches it, so does a clean exit (``_process``)
+    and ``destroy_idle`` when it finds the session in use; while a process is attached the session
+    is in use *now*. No lock guards it: it only ever moves forward, and a lost touch can only make
+    a session look older, never make one with a live process go (``destroy_idle`` skips those).
+
+    Attaching races with destroying. ``destroy`` checks for live slots, renames the directory away,
+    then checks the slots again in the renamed directory: a process that took a slot in between
+    is seen there, the directory goes back, and the destroy is refused (unless forced). A process
+    that tries to take a slot while the directory is away finds no file; it then waits for the
+    registry lock, which the destroy holds, and tries again: it attaches if the session is back,
+    and gets FileNotFoundError (the session is gone) if not. So an attach either wins, or comes
+    after the destroy's decision; never does a destroy pull a session from under an attached process.
 """
 
 from __future__ import annotations
@@ -22,10 +36,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import SEP, Namespace, namespace, validate_name
-from .errors import LockTimeout, SessionExists, SessionInUse, SessionNotFound, ShmcacheError
+from .errors import InvalidArgument, LockTimeout, SessionExists, SessionInUse, SessionNotFound, ShmcacheError
 from .locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
 
-__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "SEP", "MAX_SLOTS"]
+__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "SEP", "MAX_SLOTS"]
 
 MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
 _VERSION = 1
@@ -55,6 +69,16 @@ class GcReport:
     reclaimed_entries: int = 0
     reclaimed_bytes: int = 0
     removed_spill_files: list[str] = field(default_factory=list)
+
+
+@dataclass
+class IdleSession:
+    """A session that ``destroy_idle`` destroyed: nobody had used it for ``idle_s`` seconds."""
+
+    name: str
+    last_used: float
+    idle_s: float
+    removed_segments: list[str] = field(default_factory=list)
 
 
 class SessionRegistry:
@@ -110,20 +134,36 @@ class SessionRegistry:
 
     def live_pids(self, name: str) -> list[int]:
         """PIDs of the processes attached to session ``name`` right now (judged by their slot locks)."""
-        slots = self.session_dir(name) / "slots"
-        pids = []
-        for path in sorted(slots.glob("*.lock")):
-            if slot_is_alive(path):
-                try:
-                    pids.append(int(path.read_text().split()[0]))
-                except (OSError, ValueError, IndexError):
-                    pids.append(-1)
-        return pids
+        return _live_pids_in(self.session_dir(name) / "slots")
+
+    def last_used(self, name: str) -> float:
+        """When a process last used session ``name`` (epoch seconds); now while one is attached
+        (NOTE [session lifecycle], last use)."""
+        if self.live_pids(name):
+            return time.time()
+        return self._recorded_use(self.get(name))
+
+    def _recorded_use(self, info: SessionInfo) -> float:
+        try:
+            return os.stat(self.session_dir(info.name) / "last_used").st_mtime
+        except FileNotFoundError:  # never attached (or made before last_used existed)
+            return info.created
 
     def cache_names(self, name: str) -> list[str]:
         return sorted(p.stem for p in (self.session_dir(name) / "caches").glob("*.json"))
 
     # --- changes ----------------------------------------------------------------------------
+
+    def mark_used(self, name: str) -> None:
+        """Record that session ``name`` is used now (NOTE [session lifecycle], last use)."""
+        path = self.session_dir(name) / "last_used"
+        try:
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        except OSError:
+            pass  # the session is gone, or its directory is read-only: a lost touch only ages it
 
     def create(self, name: str | None = None, *, spill_dir: str | os.PathLike | None = None,
                exist_ok: bool = False) -> SessionInfo:
@@ -179,16 +219,18 @@ class SessionRegistry:
                 self.get(name)  # raises SessionNotFound with the list of sessions
             pids = [p for p in self.live_pids(name) if p != os.getpid()]
             if pids and not force:
-                raise SessionInUse(
-                    f"session {name!r} is in use by {len(pids)} live process(es) (pids "
-                    f"{', '.join(map(str, pids))}); stop them first, or pass force=True "
-                    f"(`shmcache destroy --force {name}`)"
-                )
+                raise _in_use(name, pids)
             spill_dirs = self._spill_dirs_of(name)
             doomed = self.ns.sessions_dir / f".{name}.tmp-destroy-{os.getpid()}-{secrets.token_hex(3)}"
             held = self._hold_cache_locks(name)
             try:
                 os.rename(self.session_dir(name), doomed)
+                # NOTE [session lifecycle], attaching races with destroying: a slot taken since
+                # the check above is seen here, and that process wins
+                late = [p for p in _live_pids_in(doomed / "slots") if p != os.getpid()]
+                if late and not force:
+                    os.rename(doomed, self.session_dir(name))
+                    raise _in_use(name, late)
                 prefix = self.segment_prefix(name)
                 removed = self._unlink_segments(prefix, roots_only=True) + self._unlink_segments(prefix)
             finally:
@@ -220,8 +262,44 @@ class SessionRegistry:
                         what=f"the lock of cache {session}/{cache}")
 
     def attach_process(self, name: str) -> LivenessSlot:
-        """Hold a liveness slot in session ``name`` for as long as this process uses it."""
-        return LivenessSlot(self.session_dir(name) / "slots", MAX_SLOTS)
+        """Hold a liveness slot in session ``name`` for as long as this process uses it.
+
+        FileNotFoundError: the session was destroyed (NOTE [session lifecycle], attaching races
+        with destroying)."""
+        slots = self.session_dir(name) / "slots"
+        try:
+            slot = LivenessSlot(slots, MAX_SLOTS)
+        except FileNotFoundError:  # a destroy has the directory away: wait for its decision
+            with self._lock:
+                slot = LivenessSlot(slots, MAX_SLOTS)
+        self.mark_used(name)
+        return slot
+
+    def destroy_idle(self, idle_for_s: float) -> list[IdleSession]:
+        """Destroy every session that no live process is attached to and that nobody has used
+        for ``idle_for_s`` seconds or more (NOTE [session lifecycle], last use); returns them.
+
+        A session in use is never destroyed, however old: ``destroy`` checks again after taking
+        the directory away, so a process attaching at that moment wins.
+        """
+        if not idle_for_s >= 0:
+            raise InvalidArgument(f"idle_for_s={idle_for_s!r}: a duration in seconds is >= 0")
+        destroyed = []
+        with self._lock:
+            for info in self.list():
+                if self.live_pids(info.name):
+                    self.mark_used(info.name)  # seen in use: idle from now at the earliest
+                    continue
+                last = self._recorded_use(info)
+                idle_s = time.time() - last
+                if idle_s < idle_for_s:
+                    continue
+                try:
+                    removed = self.destroy(info.name)  # reentrant: we hold the registry lock
+                except SessionInUse:
+                    continue  # a process attached just now
+                destroyed.append(IdleSession(info.name, last, idle_s, removed))
+        return destroyed
 
     def gc(self) -> GcReport:
         """Remove what dead processes left behind: orphan segments, half-made or half-destroyed
@@ -294,6 +372,27 @@ class SessionRegistry:
             if meta.get("spill_path"):
                 out.append(Path(meta["spill_path"]))
         return out
+
+
+def _in_use(name: str, pids: list[int]) -> SessionInUse:
+    # Library callers read this; the CLI words the fix its own way (cli.cmd_destroy).
+    return SessionInUse(
+        f"session {name!r} is in use by {len(pids)} live process(es) (pids "
+        f"{', '.join(map(str, pids))}); stop them first, or pass force=True to destroy it anyway "
+        f"(their caches vanish under them)"
+    )
+
+
+def _live_pids_in(slots: Path) -> list[int]:
+    """PIDs of the live holders of the slot locks in ``slots``; -1 for one whose file is unreadable."""
+    pids = []
+    for path in sorted(slots.glob("*.lock")):
+        if slot_is_alive(path):
+            try:
+                pids.append(int(path.read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pids.append(-1)
+    return pids
 
 
 def _write_json(path: Path, data: dict) -> None:

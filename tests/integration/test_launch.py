@@ -307,6 +307,10 @@ def test_help_is_the_manual(capsys):
     out = capsys.readouterr().out
     for section in ("Usage", "Options", "Exit status", "Examples", "SHMCACHE_SESSION"):
         assert section in out
+    # plain text, not reStructuredText: no literal markers, no double backquotes
+    assert "``" not in out and not [ln for ln in out.splitlines() if ln.rstrip().endswith("::")]
+    assert "Usage:\n\n    python -m shmcache.launch [options] script.py" in out  # the layout stays
+    assert "run a module, as python -m" in out
 
 
 def test_launcher_does_not_import_torch():
@@ -478,6 +482,22 @@ def test_launcher_sigkilled_takes_its_workers_down(tmp_path, launcher):
     assert wait_gone(pids, timeout_s=5) == []
 
 
+def test_launcher_sigkilled_takes_the_children_of_its_workers_down(tmp_path, launcher):
+    """A worker's own child (not a DataLoader worker: no parent-death check of its own) dies
+    too: the launcher's guard kills each worker's process group (NOTE [launcher shutdown], 8)."""
+    proc = launcher("--nproc", "2", str(SCRIPTS / "behave.py"), str(tmp_path), "with-child", "with-child")
+    pids = read_pids(tmp_path, "pid", 2)
+    children = [int((tmp_path / f"child-{r}").read_text()) for r in range(2)]
+    proc.kill()
+    proc.wait(timeout=10)  # not communicate(): a surviving child would hold its pipes open
+    try:
+        assert wait_gone([*pids, *children], timeout_s=5) == []
+    finally:
+        for pid in children:  # before the fix: do not leave them behind
+            if not is_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 # --- recipes ----------------------------------------------------------------------------------
 
 
@@ -525,3 +545,18 @@ def test_cache_sh_passes_on_the_job_status_and_rejects_bad_options(tmp_path):
 @needs_bash
 def test_slurm_recipe_is_valid_bash():
     subprocess.run([bash, "-n", str(REPO / "launch" / "slurm.sbatch")], check=True, timeout=30)
+
+
+@needs_bash
+def test_cache_sh_prints_the_statistics_table_once(tmp_path):
+    # examples/train.py prints `shmcache stat` itself when run alone; under cache.sh, which prints
+    # it after the job, the table must not appear twice
+    env = {**os.environ, "PYTHON": sys.executable}
+    r = subprocess.run([bash, str(REPO / "launch" / "cache.sh"), "-s", "once", "--destroy",
+                        str(REPO / "examples" / "train.py"), "--tasks", "digits", "--digit-epochs", "1"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "test accuracy" in r.stdout
+    assert r.stdout.count("== shmcache stat once ==") == 1
+    assert [ln.split()[:2] for ln in r.stdout.splitlines()].count(["session", "cache"]) == 1, r.stdout
+    assert not SessionRegistry().exists("once")
