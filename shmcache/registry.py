@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import shutil
+import struct
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,10 +25,16 @@ from pathlib import Path
 from .config import SEP, Namespace, namespace, validate_name
 from .errors import LockTimeout, SessionExists, SessionInUse, SessionNotFound, ShmcacheError
 from .locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
+from .segment import Segment
 
-__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "SEP", "MAX_SLOTS"]
+__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "SEP", "MAX_SLOTS", "ROOT_EPOCH", "DESTROYED", "retire_root"]
 
 MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
+# A cache root's epoch word (store.py) and its tombstone: whoever removes a cache writes DESTROYED
+# there before unlinking anything, so every process that still maps the root - and compares that
+# word on every lookup anyway - sees at once that its cache is gone (NOTE [publish order]).
+ROOT_EPOCH = 64
+DESTROYED = (1 << 64) - 1
 _VERSION = 1
 
 
@@ -233,7 +240,8 @@ class SessionRegistry:
                 if entry.name.startswith(".") and ".tmp-" in entry.name:
                     shutil.rmtree(entry, ignore_errors=True)
                     report.removed_dirs.append(str(entry))
-            for seg in self.ns.owned_segments():
+            # roots first: each is tombstoned before anything of its cache goes (retire_root)
+            for seg in sorted(self.ns.owned_segments(), key=lambda n: not n.endswith(SEP + "root")):
                 session = seg[len(self.ns.segment_name()) + 1:].split(SEP, 1)[0]
                 if session not in live:
                     report.removed_segments += self._unlink_segments(seg)
@@ -276,6 +284,8 @@ class SessionRegistry:
         removed = []
         for seg in self.ns.owned_segments():
             if seg.startswith(prefix) and (not roots_only or seg.endswith(SEP + "root")):
+                if seg.endswith(SEP + "root"):
+                    retire_root(seg)
                 try:
                     os.unlink(self.ns.shm_path(seg))
                     removed.append(seg)
@@ -294,6 +304,17 @@ class SessionRegistry:
             if meta.get("spill_path"):
                 out.append(Path(meta["spill_path"]))
         return out
+
+
+def retire_root(name: str) -> None:
+    """Write the tombstone into the epoch word of cache root ``name`` (before it is unlinked)."""
+    try:
+        root = Segment.attach(name)
+    except (OSError, ShmcacheError):  # gone, or never finished (no reader maps it): unlink it
+        return
+    if root.size >= ROOT_EPOCH + 8:
+        struct.pack_into("Q", root.buf, ROOT_EPOCH, DESTROYED)
+    root.close()
 
 
 def _write_json(path: Path, data: dict) -> None:

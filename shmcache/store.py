@@ -10,7 +10,7 @@ version)::
 
 ``i`` is the root's incarnation: a random word drawn when the root is made. A process that still
 maps a destroyed cache's root (``destroy --force`` under it) keeps its own names, so it can never
-attach, grow or unlink the segments of the cache made again under the same name; it sees misses.
+attach, grow or unlink the segments of the cache made again under the same name.
 
 NOTE [publish order]
     Readers never lock. Writers hold the cache's lock file (NOTE [lock files]) while they
@@ -33,6 +33,16 @@ NOTE [publish order]
     operation sees the new epoch word. The one entry that is ever rewritten in place is a spilled
     one whose record turned out corrupt: readers verify every spilled record they read (key,
     lengths, checksum), so any mix of old and new location words is a right value or a miss.
+
+    Destroying. Whoever removes a cache (``CacheStore.destroy``, ``SessionRegistry.destroy``,
+    ``gc`` of a dead session's segments) first writes the tombstone DESTROYED into its root's epoch
+    word, then unlinks the root, then the rest (registry.retire_root). Unlinked segments stay
+    mapped in the processes that use them, so without it an old handle would go on returning the
+    destroyed values; with it, the word every lookup already compares changes, and the handle maps
+    an empty private generation instead: its reads miss, and ``locked()`` refuses its writes with
+    CacheNotFound. A reader that compared the word just before the tombstone returns a value that
+    was current when it looked (as with ``clear()``). An opener that finds a tombstoned root under
+    the lock finishes the dead destroy (unlinks it) and makes a new incarnation.
 """
 
 from __future__ import annotations
@@ -71,7 +81,7 @@ from .errors import (
     ShmcacheError,
 )
 from .index import ENTRY_BYTES, INLINE24, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
-from .registry import MAX_SLOTS, SEP, SessionRegistry, write_json
+from .registry import DESTROYED, MAX_SLOTS, ROOT_EPOCH, SEP, SessionRegistry, write_json
 from .segment import PAGE, Segment
 
 __all__ = ["CacheStore", "STAT_KEYS"]
@@ -225,6 +235,8 @@ class CacheStore:
                 if stale is not None:
                     raise stale
                 self._lock_reopened = self.lock.reopened
+            if self._root is not None and _Q.unpack_from(self._root.buf, ROOT_EPOCH)[0] == DESTROYED:
+                raise self._destroyed()  # its root was tombstoned: this cache is gone
             yield
         finally:
             self.lock.release()
@@ -252,6 +264,9 @@ class CacheStore:
             root = None
         except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
             _unlink_name(self.ns, name)
+            root = None
+        if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED:
+            root.unlink()  # tombstoned by a destroy that died before it unlinked it: finish that
             root = None
         if root is not None and not self._generation_exists(root):
             # its creator died after making it, before the first generation; or a destroy died
@@ -366,8 +381,15 @@ class CacheStore:
                              f"exist; run `shmcache gc`")
 
     def _map_epoch(self, epoch: int) -> None:
-        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
         old = self._gen
+        if epoch == DESTROYED:  # tombstoned (NOTE [publish order]): every read is a miss from now on
+            self._gen = _destroyed_gen()
+            self._proc_gen = -1  # its counters went with it (_count)
+            self._epoch = epoch
+            if old is not None:
+                _close_gen(old)
+            return
+        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
         if old is not None and old.gen == gen:
             table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
             # a new _Gen, not an update in place: a thread inside a lookup keeps the one it has
@@ -412,6 +434,10 @@ class CacheStore:
     def _count(self, which: int, n: int = 1) -> None:
         g = self._gen
         if self._proc_gen != _process.generation():
+            if g.gen == _DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
+                self._counters, self._counter_off = [0, 0, 0, 0], -1
+                self._proc_gen = _process.generation()
+                return
             try:
                 slot = _process.slot(self.registry, self.session)
             except LockTimeout as exc:  # every slot taken: serve, but count nowhere
@@ -839,7 +865,7 @@ class CacheStore:
             "hits": int(counters[0]), "misses": int(counters[1]), "rejected": int(counters[2]),
             "corrupt": int(counters[3]),
             "capacity_bytes": self.capacity_bytes, "committed_bytes": committed,
-            "shm_bytes": self.shm_bytes(),
+            "shm_bytes": self.shm_bytes() if g.gen != _DEAD_GEN else 0,  # not the cache made again
         }
 
     def shm_bytes(self) -> int:
@@ -888,6 +914,8 @@ class CacheStore:
         """Remove this cache from its session (segments, metadata and spill files)."""
         with self.locked():
             spill_path = self.read_meta().get("spill_path")
+            # the tombstone first: every handle still mapping this root misses from now on
+            _Q.pack_into(self._root.buf, ROOT_EPOCH, DESTROYED)
             self.meta_path.unlink(missing_ok=True)
             _unlink_name(self.ns, self._seg_name("root"))  # first: the cache is gone at once
             self._unlink_matching(self._base + SEP)
@@ -1002,6 +1030,28 @@ def _table_items(g: _Gen) -> int:
 def _table_capacity(hint: int) -> int:
     want = max(MIN_TABLE, int(hint / MAX_LOAD) + 1)
     return 1 << (want - 1).bit_length()
+
+
+class _Private:
+    """Process-private memory in place of a segment (the generation of a destroyed cache)."""
+
+    def __init__(self, size: int):
+        self.buf = bytearray(size)
+
+    def close(self) -> None:
+        pass
+
+
+_DEAD_GEN = DESTROYED >> 32  # never a real generation (they count up from 1)
+
+
+def _destroyed_gen() -> _Gen:
+    """What a handle maps once its cache's root is tombstoned: an empty generation in private
+    memory, so every read path (lookup, batches, contains, len, stats) finds nothing."""
+    meta, table = _Private(M.SIZE), _Private(TableView.bytes_for(8))
+    TableView.init(table.buf, 8)
+    return _Gen(_DEAD_GEN, 0, meta, table, TableView(table.buf), ClassTable(meta.buf, M.CLASSES),
+                {}, {}, {})
 
 
 def _close_gen(g: _Gen) -> None:

@@ -363,13 +363,17 @@ def test_a_handle_that_outlives_a_forced_destroy_never_touches_the_cache_made_ag
     writer.close()
     stale = CacheStore("again", "c", create=False)  # maps root, meta and table; no data yet
     assert len(stale) == 200
+    warm = CacheStore("again", "c", create=False)  # maps the data too: it could read old bytes
+    assert all(np.array_equal(warm.lookup(k), _stamped(k)) for k in range(200))
     SessionRegistry().destroy("again", force=True)
     new = CacheStore("again", "c", capacity_bytes=8 << 20)
     for k in range(200):
         new.put(k, _stamped(k + 7))  # the same keys, other values, the same chunks
     for k in range(200):
-        got = stale.lookup(k)
-        assert got is MISSING or np.array_equal(got, _stamped(k)), f"key {k}: the new cache's bytes"
+        assert stale.lookup(k) is MISSING, f"key {k}: the new cache's bytes"
+        assert warm.lookup(k) is MISSING, f"key {k}: the destroyed cache's bytes"
+    assert warm.gather_ints(np.arange(200)) is None and warm.lookup_batch(list(range(200)))[1] == list(range(200))
+    assert len(warm) == 0 and not warm.contains(3)
     for k in (500, 7):  # a clear error (its lock file was replaced), never a write into the new cache
         with pytest.raises(CacheNotFound, match="destroyed while this process used it"):
             stale.put(k, _stamped(99))
@@ -381,6 +385,6 @@ def test_a_handle_that_outlives_a_forced_destroy_never_touches_the_cache_made_ag
     assert fresh.lookup(500) is MISSING
     for k in range(200):
         assert np.array_equal(fresh.lookup(k), _stamped(k + 7)), f"key {k} was damaged"
-    for s in (stale, new, fresh):
+    for s in (stale, warm, new, fresh):
         s.close()
     SessionRegistry().destroy("again", force=True)
