@@ -43,6 +43,14 @@ NOTE [publish order]
     CacheNotFound. A reader that compared the word just before the tombstone returns a value that
     was current when it looked (as with ``clear()``). An opener that finds a tombstoned root under
     the lock finishes the dead destroy (unlinks it) and makes a new incarnation.
+
+    Opening. The root is made READY-last (segment.py), then its capacity and incarnation words,
+    then the first generation, and its epoch word is published last. So an opener attaches the
+    root without the lock when its epoch word names a generation whose meta and table exist: a
+    writer stopped while holding the lock (SIGSTOP, a debugger) never blocks readers or workers
+    that re-attach. Only a root that is missing, half-made, tombstoned or without its generation
+    sends the opener to the lock, to create or repair it. A put that cannot get the lock
+    within its timeout serves its value uncached (counted as rejected; CacheStore._write_locked).
 """
 
 from __future__ import annotations
@@ -94,6 +102,7 @@ _ROOT_INCARNATION = 80  # root words: 64 the epoch, 72 the capacity, 80 the inca
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.RECORD_HEADER)
 _M48 = (1 << 48) - 1
 MIN_TABLE = 1024
+_STUCK_COOLDOWN_S = 30.0  # puts stop waiting for a lock that a live process keeps (_write_locked)
 MAX_RECORD = (1 << 32) - 1
 
 
@@ -185,15 +194,21 @@ class CacheStore:
         self.spill = None  # set by the spill layer when spilling is on
         self._root = None
         self._incarnation = 0  # the root's (set when it is opened; see the module docstring)
-        try:
-            self.lock.acquire()
-        except FileNotFoundError:  # the session's directory went away under us
-            raise SessionNotFound(f"session {self.session!r} was destroyed while cache {self.name!r} "
-                                  f"was being opened in it; open it again") from None
-        try:
-            self._root = self._open_root(capacity_bytes, fingerprint, table_hint, create)
-        finally:
-            self.lock.release()
+        self._lock_stuck_until = 0.0  # puts try the lock without waiting until then (_write_locked)
+        self._lock_stuck_logged = False
+        # a whole cache opens without the lock (NOTE [publish order]: Opening): a writer stopped
+        # while it holds the lock must not block readers and re-attaching workers
+        self._root = self._attach_whole_root(fingerprint)
+        if self._root is None:  # missing, half-made or tombstoned: create or repair, under the lock
+            try:
+                self.lock.acquire()
+            except FileNotFoundError:  # the session's directory went away under us
+                raise SessionNotFound(f"session {self.session!r} was destroyed while cache {self.name!r} "
+                                      f"was being opened in it; open it again") from None
+            try:
+                self._root = self._open_root(capacity_bytes, fingerprint, table_hint, create)
+            finally:
+                self.lock.release()
         self._lock_reopened = self.lock.reopened
         self.capacity_bytes = _Q.unpack_from(self._root.buf, 72)[0]
         if capacity_bytes and capacity_bytes != self.capacity_bytes:
@@ -225,8 +240,40 @@ class CacheStore:
     def locked(self):
         """Hold the cache's lock, and make sure it is still the lock of the cache this handle
         opened: a lock file found replaced means the session was destroyed (and maybe made again)."""
+        self._acquire(None)
         try:
-            self.lock.acquire()
+            yield
+        finally:
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def _write_locked(self):
+        """``locked()`` for a put: yields False, holding nothing, when the lock cannot be had - a
+        live process keeps it (stopped, in a debugger), and the caller serves its value uncached.
+        After one full wait, puts only try without waiting until a try has not failed for
+        _STUCK_COOLDOWN_S: a stuck lock costs one timeout, not one per miss."""
+        try:
+            self._acquire(0.0 if time.monotonic() < self._lock_stuck_until else None)
+        except LockTimeout as exc:
+            self._lock_stuck_until = time.monotonic() + _STUCK_COOLDOWN_S
+            if not self._lock_stuck_logged:
+                self._lock_stuck_logged = True
+                log.warning("cache %s/%s: %s; new values are served uncached (counted as rejected), "
+                            "and writes stop waiting for it until it is free", self.session, self.name, exc)
+            yield False
+            return
+        if self._lock_stuck_logged:
+            self._lock_stuck_logged, self._lock_stuck_until = False, 0.0
+            log.info("cache %s/%s: its lock is free again; new values are cached", self.session, self.name)
+        try:
+            yield True
+        finally:
+            self.lock.release()
+
+    def _acquire(self, timeout_s: float | None) -> None:
+        """Take the lock for ``locked()``: CacheNotFound if this handle's cache was destroyed."""
+        try:
+            self.lock.acquire(timeout_s)
         except FileNotFoundError:  # the session's directory is gone: only a destroy removes it
             raise self._destroyed() from None
         try:
@@ -237,9 +284,9 @@ class CacheStore:
                 self._lock_reopened = self.lock.reopened
             if self._root is not None and _Q.unpack_from(self._root.buf, ROOT_EPOCH)[0] == DESTROYED:
                 raise self._destroyed()  # its root was tombstoned: this cache is gone
-            yield
-        finally:
+        except BaseException:
             self.lock.release()
+            raise
 
     def _destroyed_under_us(self) -> CacheNotFound | None:
         """The error to raise if this cache's root is gone or is another incarnation's now."""
@@ -254,6 +301,19 @@ class CacheStore:
     def _destroyed(self) -> CacheNotFound:
         return CacheNotFound(f"cache {self.session}/{self.name} was destroyed while this process used it "
                              f"(`shmcache destroy --force`?); open it again (a new ShmDatasetCache)")
+
+    def _attach_whole_root(self, fingerprint: str | None) -> Segment | None:
+        """The root, attached without the lock, if its epoch word names a generation whose meta
+        and table exist (NOTE [publish order]: Opening); None when only the lock can tell."""
+        try:
+            root = self._adopt(Segment.attach(self._seg_name("root"), kind=KIND_ROOT))
+        except (FileNotFoundError, CorruptSegment):
+            return None
+        if _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED or not self._generation_exists(root):
+            root.close()
+            return None
+        self._check_fingerprint(fingerprint)
+        return root
 
     def _open_root(self, capacity_bytes: int, fingerprint: str | None, table_hint: int,
                    create: bool) -> Segment:
@@ -305,8 +365,9 @@ class CacheStore:
         return root
 
     def _generation_exists(self, root: Segment) -> bool:
-        """The meta and table segments the root's epoch word names are there (caller holds the
-        lock, so nobody is making or removing them)."""
+        """The meta and table segments the root's epoch word names are there. Under the lock nobody
+        is making or removing them; without it, a clear() may replace them right after (_refresh
+        copes), or make this False for a moment (the opener then asks under the lock)."""
         epoch = _Q.unpack_from(root.buf, 64)[0]
         gen, version = epoch >> 32, epoch & 0xFFFFFFFF
         return gen > 0 and all(self.ns.shm_path(self._seg_name(f"g{gen}", part)).exists()
@@ -314,6 +375,8 @@ class CacheStore:
 
     def bind_fingerprint(self, fingerprint: str) -> None:
         """Record which dataset this cache holds (first binding), or raise if it holds another."""
+        if self.read_meta().get("fingerprint") == fingerprint:
+            return  # recorded already: nothing to write, no lock to wait for
         with self.locked():
             self._check_fingerprint(fingerprint)
             meta = self.read_meta()
@@ -538,10 +601,14 @@ class CacheStore:
     # --- writes ----------------------------------------------------------------------------------
 
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
-        """Store ``value`` under ``key`` unless present. False if it was not admitted (full)."""
+        """Store ``value`` under ``key`` unless present. False if it was not admitted: the cache is
+        full, or a live process keeps its lock beyond the lock timeout (see _write_locked)."""
         enc = encoded or codec.encode(value, f"the value of key {key!r}")
         w1, kb = key_bytes(key)
-        with self.locked():
+        with self._write_locked() as locked:
+            if not locked:  # a live process keeps the lock: the caller serves the value uncached
+                self._count(2)
+                return False
             if _CRASH_TESTS:
                 crash_point("locked")
             g = self._refresh()

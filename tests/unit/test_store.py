@@ -388,3 +388,38 @@ def test_a_handle_that_outlives_a_forced_destroy_never_touches_the_cache_made_ag
     for s in (stale, warm, new, fresh):
         s.close()
     SessionRegistry().destroy("again", force=True)
+
+
+def test_a_put_that_cannot_get_the_lock_is_served_uncached_and_waits_once(shm_namespace, caplog):
+    """A live holder keeps the cache lock (a second open file description: flock excludes it as it
+    would another process). The first put waits its timeout and gives up (False, counted as
+    rejected, one log line naming the lock and `fuser`); the next ones only try, without waiting;
+    once the lock is free they store again, and a new stuck spell is a new condition."""
+    import fcntl
+    import time
+
+    store = CacheStore("s", "c", capacity_bytes=8 << 20, lock_timeout_s=0.5)
+    lock = shm_namespace.sessions_dir / "s" / "caches" / "c.lock"
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        assert store.put(1, b"one") is False
+        assert time.monotonic() - t0 >= 0.5
+        t0 = time.monotonic()
+        assert store.put(2, b"two") is False and store.put(3, b"three") is False
+        assert time.monotonic() - t0 < 0.2, "a put waited again for a lock known to be stuck"
+        stuck = [r.getMessage() for r in caplog.records if "fuser" in r.getMessage()]
+        assert len(stuck) == 1 and str(lock) in stuck[0], stuck
+        assert store.stats()["rejected"] == 3 and store.lookup(1) is MISSING
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        assert store.put(2, b"two") is True and store.lookup(2) == b"two"
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        assert store.put(4, b"four") is False
+        assert time.monotonic() - t0 >= 0.5, "the lock was free in between: a new spell waits again"
+        assert len([r for r in caplog.records if "fuser" in r.getMessage()]) == 2
+    finally:
+        os.close(fd)
+    assert store.put(4, b"four") is True
+    store.close()
