@@ -181,14 +181,16 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
     report.removed_spill_files += remove_orphans(registry.ns, {s.name for s in registry.list()})
     result = {"removed_segments": report.removed_segments + stale,
               "removed_dirs": report.removed_dirs, "removed_locks": report.removed_locks,
-              "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files}
+              "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files,
+              "removed_caches": report.removed_caches}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         print(f"gc: {len(result['removed_segments'])} orphaned segments removed, "
               f"{reclaimed} half-written entries reclaimed, {len(report.removed_dirs)} half-made "
               f"sessions and {len(report.removed_locks)} stale slot locks removed, "
-              f"{len(report.removed_spill_files)} orphaned spill folders removed")
+              f"{len(report.removed_spill_files)} orphaned spill folders removed, "
+              f"{len(report.removed_caches)} caches that were never made forgotten")
     return 0
 
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import SEP, Namespace, namespace, validate_name
-from .errors import LockTimeout, SessionExists, SessionInUse, SessionNotFound, ShmcacheError
+from .errors import CorruptSegment, LockTimeout, SessionExists, SessionInUse, SessionNotFound, ShmcacheError
 from .locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
 from .segment import Segment
 
@@ -62,6 +62,7 @@ class GcReport:
     reclaimed_entries: int = 0
     reclaimed_bytes: int = 0
     removed_spill_files: list[str] = field(default_factory=list)
+    removed_caches: list[str] = field(default_factory=list)  # "session/cache" of caches never made
 
 
 class SessionRegistry:
@@ -256,8 +257,36 @@ class SessionRegistry:
                     with lock:  # cache metadata is written under it: a live writer is not racing us
                         path.unlink(missing_ok=True)
                     lock.close()
+                report.removed_caches += self._remove_caches_without_root(name)
                 report.removed_segments += self._remove_rootless_caches(name)
         return report
+
+    def _remove_caches_without_root(self, session: str) -> list[str]:
+        """The json of every cache that has no usable root - a creation that failed or was killed
+        before it made its root, a destroy killed after its tombstone - and that nobody holds the
+        lock of (a creator holds it from before its json until its cache is whole): such a json
+        would be an error row in `shmcache stat` forever. Returns "session/cache" of each."""
+        prefix, removed = self.segment_prefix(session), []
+        for path in sorted((self.session_dir(session) / "caches").glob("*.json")):
+            cache = path.stem
+            root = f"{prefix}{cache}{SEP}root"
+            if _root_in_use(root):
+                continue
+            lock = self.cache_lock(session, cache)
+            try:
+                lock.acquire(timeout_s=0)
+            except (LockTimeout, FileNotFoundError):  # being created or written right now: not debris
+                lock.close()
+                continue
+            try:
+                if not _root_in_use(root):
+                    self._unlink_segments(f"{prefix}{cache}{SEP}")
+                    path.unlink(missing_ok=True)
+                    removed.append(f"{session}/{cache}")
+            finally:
+                lock.release()
+                lock.close()
+        return removed
 
     def _remove_rootless_caches(self, session: str) -> list[str]:
         """Segments of caches whose root is gone (a destroy or a creation cut short)."""
@@ -304,6 +333,19 @@ class SessionRegistry:
             if meta.get("spill_path"):
                 out.append(Path(meta["spill_path"]))
         return out
+
+
+def _root_in_use(name: str) -> bool:
+    """Cache root ``name`` exists, finished and not tombstoned (retire_root)."""
+    try:
+        root = Segment.attach(name)
+    except (FileNotFoundError, CorruptSegment):
+        return False
+    except (OSError, ShmcacheError):  # another user's, no memory to map it: cannot tell, keep it
+        return True
+    in_use = root.size < ROOT_EPOCH + 8 or struct.unpack_from("Q", root.buf, ROOT_EPOCH)[0] != DESTROYED
+    root.close()
+    return in_use
 
 
 def retire_root(name: str) -> None:

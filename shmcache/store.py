@@ -357,11 +357,16 @@ class CacheStore:
             "session": self.session, "name": self.name, "fingerprint": fingerprint,
             "created": time.time(), "capacity_bytes": capacity,
         })
-        root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
-        _Q.pack_into(root.buf, 72, capacity)
-        _Q.pack_into(root.buf, _ROOT_INCARNATION, secrets.randbits(32))
-        self._adopt(root)
-        self._create_generation(root, 1, capacity, _table_capacity(table_hint))
+        try:
+            root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
+            _Q.pack_into(root.buf, 72, capacity)
+            _Q.pack_into(root.buf, _ROOT_INCARNATION, secrets.randbits(32))
+            self._adopt(root)
+            self._create_generation(root, 1, capacity, _table_capacity(table_hint))
+        except BaseException:  # no room, killed by a signal: take back what this attempt made (we
+            self._unlink_matching(self._base + SEP)  # hold the lock; its epoch word was never
+            self.meta_path.unlink(missing_ok=True)  # published, so nobody attached it)
+            raise
         return root
 
     def _generation_exists(self, root: Segment) -> bool:

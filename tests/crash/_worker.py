@@ -330,6 +330,17 @@ def op_die_destroying(session, after="session.json"):
     return {"survived": True}
 
 
+def op_create_without_room(session, cache, cap, ok_calls):
+    """Create a cache in a process whose /dev/shm fills up after ``ok_calls`` posix_fallocate
+    calls (0: the root cannot be made, 1: the meta, 2: the table); report the error."""
+    _fallocate_fails_after(ok_calls)
+    try:
+        _store(session, cache, cap)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "error": str(exc)}
+    return {"type": None}
+
+
 def op_slow_creator(session, cache, cap, suffix, started_path, go_path, key):
     """A creator that stalls (holding the cache lock) right before it makes ``...suffix``."""
     _patch_segment_create(suffix, lambda: (_touch(started_path), _wait_file(go_path)))

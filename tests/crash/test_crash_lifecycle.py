@@ -3,15 +3,19 @@ the cache lock, and a creation that fails half-way."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import numpy as np
+import pytest
 from _procs_util import Procs, Zygote, status_of, wait_for
 from _worker import stuck_lock_items
 
-from shmcache import ShmDatasetCache
+from shmcache import ShmDatasetCache, cli
+from shmcache.registry import SessionRegistry
+from shmcache.store import MISSING, CacheStore
 
 S, C, N = "stuck", "c", 20
 
@@ -60,3 +64,60 @@ def test_a_writer_stopped_holding_the_lock_blocks_neither_opening_nor_serving(tm
     assert cache.put(10**6, np.zeros(100, np.int16))
     assert 10**6 in cache
     cache.close()
+
+
+def _stat_rows(capsys) -> list[dict]:
+    capsys.readouterr()
+    assert cli.main(["stat", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("ok_calls,fails_at", [(0, "root"), (1, "meta"), (2, "table")])
+def test_a_creation_that_fails_leaves_no_cache_behind(ok_calls, fails_at, tmp_path, capsys, shm_namespace):
+    """Before: the cache's json (written first) stayed, and `shmcache stat` showed an error row for
+    it forever (or a cache that nobody made, once stat repaired the half-made root). Now the
+    creator removes what it made on its error path: no json, no segment, no row."""
+    SessionRegistry().create(S)
+    with Zygote(tmp_path / "z") as z:
+        status, res = z.run("create_without_room", S, C, 16 << 20, ok_calls)
+    assert status == 0 and res["type"] == "SharedMemoryFull", (fails_at, res)
+    assert _stat_rows(capsys) == [], f"a creation that failed at its {fails_at} left a cache behind"
+    assert SessionRegistry().cache_names(S) == []
+    assert [n for n in shm_namespace.owned_segments() if f"+{S}+{C}+" in n] == []
+    store = CacheStore(S, C, capacity_bytes=16 << 20)  # and the cache can be made afterwards
+    assert store.put(1, b"one") and store.lookup(1) == b"one"
+    store.close()
+
+
+def test_gc_removes_the_json_of_a_creator_killed_before_its_root(tmp_path, capsys, shm_namespace):
+    """The creator wrote the json and was SIGKILLed before it made the root: `shmcache stat` shows
+    an error row for it, and `shmcache gc` - which takes the cache's lock, so no live creator is
+    racing it - removes the json: no row afterwards."""
+    SessionRegistry().create(S)
+    with Zygote(tmp_path / "z") as z:
+        status, _ = z.run("die_creating", S, C, 16 << 20, "+root", "open")
+    assert status == -9, status_of(status)
+    assert [r["name"] for r in _stat_rows(capsys) if "error" in r] == [C]
+    capsys.readouterr()
+    assert cli.main(["gc", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed_caches"] == [f"{S}/{C}"]
+    assert _stat_rows(capsys) == [], "`shmcache gc` left the json of a cache that was never made"
+    assert SessionRegistry().cache_names(S) == []
+
+
+def test_gc_leaves_a_cache_being_created_alone(tmp_path, capsys, shm_namespace):
+    """A creator that holds the cache lock between its json and its root (alive, just slow): gc
+    must not take its json away."""
+    started, go = tmp_path / "started", tmp_path / "go"
+    SessionRegistry().create(S)
+    with Zygote(tmp_path / "z") as z:
+        creator, out = z.spawn("slow_creator", S, C, 16 << 20, "+root", str(started), str(go), 1)
+        wait_for(started.exists, 30, "the creator to be half-way")
+        capsys.readouterr()
+        assert cli.main(["gc"]) == 0
+        assert SessionRegistry().cache_names(S) == [C], "gc removed the json of a live creator"
+        go.touch()
+        assert z.wait(creator, 30) == 0, json.loads(out.read_text())
+    store = CacheStore(S, C, create=False)
+    assert store.lookup(1) is not MISSING
+    store.close()
