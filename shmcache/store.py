@@ -335,7 +335,10 @@ class CacheStore:
                         "it starts empty", self.session, self.name)
             capacity = _Q.unpack_from(root.buf, 72)[0]
             self._unlink_matching(self._base + SEP, keep=name)
-            self._create_generation(root, 1, capacity, _table_capacity(table_hint))
+            # a generation number this root never named: a handle still mapping the lost one must
+            # see the epoch word change, never new segments under the names it maps lazily
+            gen = (_Q.unpack_from(root.buf, ROOT_EPOCH)[0] >> 32) + 1
+            self._create_generation(root, gen, capacity, _table_capacity(table_hint))
         if root is not None:
             self._check_fingerprint(fingerprint)
             return root

@@ -423,3 +423,26 @@ def test_a_put_that_cannot_get_the_lock_is_served_uncached_and_waits_once(shm_na
         os.close(fd)
     assert store.put(4, b"four") is True
     store.close()
+
+
+def test_a_cache_restarted_after_losing_its_generation_never_reuses_its_names(shm_namespace):
+    """The segments of a cache's generation vanished under its root (what an older destroy killed
+    half-way left). The next opener starts it afresh - under a generation number the root never
+    named: a handle that still maps the lost table must not map the new data segment by name
+    and read other values at its old offsets."""
+    writer = CacheStore("lost", "c", capacity_bytes=8 << 20)
+    for k in range(50):
+        writer.put(k, _stamped(k))
+    writer.close()
+    old = CacheStore("lost", "c", create=False)  # maps the table, not the data yet
+    for name in shm_namespace.owned_segments():
+        if "+g1+" in name:
+            os.unlink(shm_namespace.shm_path(name))
+    new = CacheStore("lost", "c")  # repairs under the lock
+    for k in reversed(range(50)):  # other values, in other chunks
+        new.put(k, _stamped(k + 7))
+    for k in range(50):
+        got = old.lookup(k)  # the handle follows the cache (same incarnation): its value now
+        assert got is MISSING or np.array_equal(got, _stamped(k + 7)), f"key {k}: another key's bytes"
+    old.close()
+    new.close()
