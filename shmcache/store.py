@@ -366,9 +366,11 @@ class CacheStore:
             _Q.pack_into(root.buf, _ROOT_INCARNATION, secrets.randbits(32))
             self._adopt(root)
             self._create_generation(root, 1, capacity, _table_capacity(table_hint))
-        except BaseException:  # no room, killed by a signal: take back what this attempt made (we
-            self._unlink_matching(self._base + SEP)  # hold the lock; its epoch word was never
-            self.meta_path.unlink(missing_ok=True)  # published, so nobody attached it)
+        except BaseException:
+            # no room, or interrupted: take back what this attempt made, json last (we hold the
+            # lock, and the epoch word was never published, so nobody attached any of it)
+            self._unlink_matching(self._base + SEP)
+            self.meta_path.unlink(missing_ok=True)
             raise
         return root
 
