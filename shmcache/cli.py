@@ -218,6 +218,7 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
     result = {"removed_segments": report.removed_segments + stale,
               "removed_dirs": report.removed_dirs, "removed_locks": report.removed_locks,
               "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files,
+              "removed_caches": report.removed_caches,
               "destroyed_idle_sessions": [{"session": s.name, "last_used": round(s.last_used, 1),
                                            "idle_s": round(s.idle_s, 1),
                                            "removed_segments": s.removed_segments} for s in idle]}
@@ -231,7 +232,8 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
         print(f"gc: {len(result['removed_segments'])} orphaned segments removed, "
               f"{reclaimed} half-written entries reclaimed, {len(report.removed_dirs)} half-made "
               f"sessions removed, {len(report.removed_locks)} slot files of exited processes "
-              f"cleared, {len(report.removed_spill_files)} orphaned spill folders removed")
+              f"cleared, {len(report.removed_spill_files)} orphaned spill folders removed, "
+              f"{len(report.removed_caches)} caches that were never made forgotten")
     return 0
 
 

@@ -31,17 +31,33 @@ import json
 import os
 import secrets
 import shutil
+import struct
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import SEP, Namespace, namespace, validate_name
-from .errors import InvalidArgument, LockTimeout, SessionExists, SessionInUse, SessionNotFound, ShmcacheError
+from .errors import (
+    CorruptSegment,
+    InvalidArgument,
+    LockTimeout,
+    SessionExists,
+    SessionInUse,
+    SessionNotFound,
+    ShmcacheError,
+)
 from .locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
+from .segment import Segment
 
-__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "SEP", "MAX_SLOTS"]
+__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "SEP", "MAX_SLOTS", "ROOT_EPOCH",
+           "DESTROYED", "retire_root"]
 
 MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
+# A cache root's epoch word (store.py) and its tombstone: whoever removes a cache writes DESTROYED
+# there before unlinking anything, so every process that still maps the root - and compares that
+# word on every lookup anyway - sees at once that its cache is gone (NOTE [publish order]).
+ROOT_EPOCH = 64
+DESTROYED = (1 << 64) - 1
 _VERSION = 1
 
 
@@ -69,6 +85,7 @@ class GcReport:
     reclaimed_entries: int = 0
     reclaimed_bytes: int = 0
     removed_spill_files: list[str] = field(default_factory=list)
+    removed_caches: list[str] = field(default_factory=list)  # "session/cache" of caches never made
 
 
 @dataclass
@@ -311,7 +328,8 @@ class SessionRegistry:
                 if entry.name.startswith(".") and ".tmp-" in entry.name:
                     shutil.rmtree(entry, ignore_errors=True)
                     report.removed_dirs.append(str(entry))
-            for seg in self.ns.owned_segments():
+            # roots first: each is tombstoned before anything of its cache goes (retire_root)
+            for seg in sorted(self.ns.owned_segments(), key=lambda n: not n.endswith(SEP + "root")):
                 session = seg[len(self.ns.segment_name()) + 1:].split(SEP, 1)[0]
                 if session not in live:
                     report.removed_segments += self._unlink_segments(seg)
@@ -326,8 +344,36 @@ class SessionRegistry:
                     with lock:  # cache metadata is written under it: a live writer is not racing us
                         path.unlink(missing_ok=True)
                     lock.close()
+                report.removed_caches += self._remove_caches_without_root(name)
                 report.removed_segments += self._remove_rootless_caches(name)
         return report
+
+    def _remove_caches_without_root(self, session: str) -> list[str]:
+        """The json of every cache that has no usable root - a creation that failed or was killed
+        before it made its root, a destroy killed after its tombstone - and that nobody holds the
+        lock of (a creator holds it from before its json until its cache is whole): such a json
+        would be an error row in `shmcache stat` forever. Returns "session/cache" of each."""
+        prefix, removed = self.segment_prefix(session), []
+        for path in sorted((self.session_dir(session) / "caches").glob("*.json")):
+            cache = path.stem
+            root = f"{prefix}{cache}{SEP}root"
+            if _root_in_use(root):
+                continue
+            lock = self.cache_lock(session, cache)
+            try:
+                lock.acquire(timeout_s=0)
+            except (LockTimeout, FileNotFoundError):  # being created or written right now: not debris
+                lock.close()
+                continue
+            try:
+                if not _root_in_use(root):
+                    self._unlink_segments(f"{prefix}{cache}{SEP}")
+                    path.unlink(missing_ok=True)
+                    removed.append(f"{session}/{cache}")
+            finally:
+                lock.release()
+                lock.close()
+        return removed
 
     def _remove_rootless_caches(self, session: str) -> list[str]:
         """Segments of caches whose root is gone (a destroy or a creation cut short)."""
@@ -354,6 +400,8 @@ class SessionRegistry:
         removed = []
         for seg in self.ns.owned_segments():
             if seg.startswith(prefix) and (not roots_only or seg.endswith(SEP + "root")):
+                if seg.endswith(SEP + "root"):
+                    retire_root(seg)
                 try:
                     os.unlink(self.ns.shm_path(seg))
                     removed.append(seg)
@@ -393,6 +441,30 @@ def _live_pids_in(slots: Path) -> list[int]:
             except (OSError, ValueError, IndexError):
                 pids.append(-1)
     return pids
+
+
+def _root_in_use(name: str) -> bool:
+    """Cache root ``name`` exists, finished and not tombstoned (retire_root)."""
+    try:
+        root = Segment.attach(name)
+    except (FileNotFoundError, CorruptSegment):
+        return False
+    except (OSError, ShmcacheError):  # another user's, no memory to map it: cannot tell, keep it
+        return True
+    in_use = root.size < ROOT_EPOCH + 8 or struct.unpack_from("Q", root.buf, ROOT_EPOCH)[0] != DESTROYED
+    root.close()
+    return in_use
+
+
+def retire_root(name: str) -> None:
+    """Write the tombstone into the epoch word of cache root ``name`` (before it is unlinked)."""
+    try:
+        root = Segment.attach(name)
+    except (OSError, ShmcacheError):  # gone, or never finished (no reader maps it): unlink it
+        return
+    if root.size >= ROOT_EPOCH + 8:
+        struct.pack_into("Q", root.buf, ROOT_EPOCH, DESTROYED)
+    root.close()
 
 
 def _write_json(path: Path, data: dict) -> None:

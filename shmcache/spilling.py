@@ -61,6 +61,8 @@ class CacheSpill:
         self.path = path
         self.level = level
         self.disabled = False  # set after a full disk: stop spilling, keep serving
+        if store.read_meta().get("spill_path") == str(path):
+            return  # recorded already (a re-attaching process): no lock to wait for
         with store.locked():  # the cache's metadata is only ever rewritten under its lock
             meta = store.read_meta()
             if meta.get("spill_path") != str(path):

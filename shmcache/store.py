@@ -10,7 +10,7 @@ version)::
 
 ``i`` is the root's incarnation: a random word drawn when the root is made. A process that still
 maps a destroyed cache's root (``destroy --force`` under it) keeps its own names, so it can never
-attach, grow or unlink the segments of the cache made again under the same name; it sees misses.
+attach, grow or unlink the segments of the cache made again under the same name.
 
 NOTE [publish order]
     Readers never lock. Writers hold the cache's lock file (NOTE [lock files]) while they
@@ -33,6 +33,24 @@ NOTE [publish order]
     operation sees the new epoch word. The one entry that is ever rewritten in place is a spilled
     one whose record turned out corrupt: readers verify every spilled record they read (key,
     lengths, checksum), so any mix of old and new location words is a right value or a miss.
+
+    Destroying. Whoever removes a cache (``CacheStore.destroy``, ``SessionRegistry.destroy``,
+    ``gc`` of a dead session's segments) first writes the tombstone DESTROYED into its root's epoch
+    word, then unlinks the root, then the rest (registry.retire_root). Unlinked segments stay
+    mapped in the processes that use them, so without it an old handle would go on returning the
+    destroyed values; with it, the word every lookup already compares changes, and the handle maps
+    an empty private generation instead: its reads miss, and ``locked()`` refuses its writes with
+    CacheNotFound. A reader that compared the word just before the tombstone returns a value that
+    was current when it looked (as with ``clear()``). An opener that finds a tombstoned root under
+    the lock finishes the dead destroy (unlinks it) and makes a new incarnation.
+
+    Opening. The root is made READY-last (segment.py), then its capacity and incarnation words,
+    then the first generation, and its epoch word is published last. So an opener attaches the
+    root without the lock when its epoch word names a generation whose meta and table exist: a
+    writer stopped while holding the lock (SIGSTOP, a debugger) never blocks readers or workers
+    that re-attach. Only a root that is missing, half-made, tombstoned or without its generation
+    sends the opener to the lock, to create or repair it. A put that cannot get the lock
+    within its timeout serves its value uncached (counted as rejected; CacheStore._write_locked).
 """
 
 from __future__ import annotations
@@ -71,7 +89,7 @@ from .errors import (
     ShmcacheError,
 )
 from .index import ENTRY_BYTES, INLINE24, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
-from .registry import MAX_SLOTS, SEP, SessionRegistry, write_json
+from .registry import DESTROYED, MAX_SLOTS, ROOT_EPOCH, SEP, SessionRegistry, write_json
 from .segment import PAGE, Segment
 
 __all__ = ["CacheStore", "STAT_KEYS"]
@@ -84,6 +102,7 @@ _ROOT_INCARNATION = 80  # root words: 64 the epoch, 72 the capacity, 80 the inca
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.RECORD_HEADER)
 _M48 = (1 << 48) - 1
 MIN_TABLE = 1024
+_STUCK_COOLDOWN_S = 30.0  # puts stop waiting for a lock that a live process keeps (_write_locked)
 MAX_RECORD = (1 << 32) - 1
 
 
@@ -175,15 +194,21 @@ class CacheStore:
         self.spill = None  # set by the spill layer when spilling is on
         self._root = None
         self._incarnation = 0  # the root's (set when it is opened; see the module docstring)
-        try:
-            self.lock.acquire()
-        except FileNotFoundError:  # the session's directory went away under us
-            raise SessionNotFound(f"session {self.session!r} was destroyed while cache {self.name!r} "
-                                  f"was being opened in it; open it again") from None
-        try:
-            self._root = self._open_root(capacity_bytes, fingerprint, table_hint, create)
-        finally:
-            self.lock.release()
+        self._lock_stuck_until = 0.0  # puts try the lock without waiting until then (_write_locked)
+        self._lock_stuck_logged = False
+        # a whole cache opens without the lock (NOTE [publish order]: Opening): a writer stopped
+        # while it holds the lock must not block readers and re-attaching workers
+        self._root = self._attach_whole_root(fingerprint)
+        if self._root is None:  # missing, half-made or tombstoned: create or repair, under the lock
+            try:
+                self.lock.acquire()
+            except FileNotFoundError:  # the session's directory went away under us
+                raise SessionNotFound(f"session {self.session!r} was destroyed while cache {self.name!r} "
+                                      f"was being opened in it; open it again") from None
+            try:
+                self._root = self._open_root(capacity_bytes, fingerprint, table_hint, create)
+            finally:
+                self.lock.release()
         self._lock_reopened = self.lock.reopened
         self.capacity_bytes = _Q.unpack_from(self._root.buf, 72)[0]
         if capacity_bytes and capacity_bytes != self.capacity_bytes:
@@ -215,8 +240,40 @@ class CacheStore:
     def locked(self):
         """Hold the cache's lock, and make sure it is still the lock of the cache this handle
         opened: a lock file found replaced means the session was destroyed (and maybe made again)."""
+        self._acquire(None)
         try:
-            self.lock.acquire()
+            yield
+        finally:
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def _write_locked(self):
+        """``locked()`` for a put: yields False, holding nothing, when the lock cannot be had - a
+        live process keeps it (stopped, in a debugger), and the caller serves its value uncached.
+        After one full wait, puts only try without waiting until a try has not failed for
+        _STUCK_COOLDOWN_S: a stuck lock costs one timeout, not one per miss."""
+        try:
+            self._acquire(0.0 if time.monotonic() < self._lock_stuck_until else None)
+        except LockTimeout as exc:
+            self._lock_stuck_until = time.monotonic() + _STUCK_COOLDOWN_S
+            if not self._lock_stuck_logged:
+                self._lock_stuck_logged = True
+                log.warning("cache %s/%s: %s; new values are served uncached (counted as rejected), "
+                            "and writes stop waiting for it until it is free", self.session, self.name, exc)
+            yield False
+            return
+        if self._lock_stuck_logged:
+            self._lock_stuck_logged, self._lock_stuck_until = False, 0.0
+            log.info("cache %s/%s: its lock is free again; new values are cached", self.session, self.name)
+        try:
+            yield True
+        finally:
+            self.lock.release()
+
+    def _acquire(self, timeout_s: float | None) -> None:
+        """Take the lock for ``locked()``: CacheNotFound if this handle's cache was destroyed."""
+        try:
+            self.lock.acquire(timeout_s)
         except FileNotFoundError:  # the session's directory is gone: only a destroy removes it
             raise self._destroyed() from None
         try:
@@ -225,9 +282,11 @@ class CacheStore:
                 if stale is not None:
                     raise stale
                 self._lock_reopened = self.lock.reopened
-            yield
-        finally:
+            if self._root is not None and _Q.unpack_from(self._root.buf, ROOT_EPOCH)[0] == DESTROYED:
+                raise self._destroyed()  # its root was tombstoned: this cache is gone
+        except BaseException:
             self.lock.release()
+            raise
 
     def _destroyed_under_us(self) -> CacheNotFound | None:
         """The error to raise if this cache's root is gone or is another incarnation's now."""
@@ -243,6 +302,19 @@ class CacheStore:
         return CacheNotFound(f"cache {self.session}/{self.name} was destroyed while this process used it "
                              f"(`shmcache destroy --force`?); open it again (a new ShmDatasetCache)")
 
+    def _attach_whole_root(self, fingerprint: str | None) -> Segment | None:
+        """The root, attached without the lock, if its epoch word names a generation whose meta
+        and table exist (NOTE [publish order]: Opening); None when only the lock can tell."""
+        try:
+            root = self._adopt(Segment.attach(self._seg_name("root"), kind=KIND_ROOT))
+        except (FileNotFoundError, CorruptSegment):
+            return None
+        if _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED or not self._generation_exists(root):
+            root.close()
+            return None
+        self._check_fingerprint(fingerprint)
+        return root
+
     def _open_root(self, capacity_bytes: int, fingerprint: str | None, table_hint: int,
                    create: bool) -> Segment:
         name = self._seg_name("root")
@@ -253,6 +325,9 @@ class CacheStore:
         except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
             _unlink_name(self.ns, name)
             root = None
+        if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED:
+            root.unlink()  # tombstoned by a destroy that died before it unlinked it: finish that
+            root = None
         if root is not None and not self._generation_exists(root):
             # its creator died after making it, before the first generation; or a destroy died
             # after unlinking some segments: what is left is debris - start the cache afresh
@@ -260,7 +335,10 @@ class CacheStore:
                         "it starts empty", self.session, self.name)
             capacity = _Q.unpack_from(root.buf, 72)[0]
             self._unlink_matching(self._base + SEP, keep=name)
-            self._create_generation(root, 1, capacity, _table_capacity(table_hint))
+            # a generation number this root never named: a handle still mapping the lost one must
+            # see the epoch word change, never new segments under the names it maps lazily
+            gen = (_Q.unpack_from(root.buf, ROOT_EPOCH)[0] >> 32) + 1
+            self._create_generation(root, gen, capacity, _table_capacity(table_hint))
         if root is not None:
             self._check_fingerprint(fingerprint)
             return root
@@ -282,16 +360,24 @@ class CacheStore:
             "session": self.session, "name": self.name, "fingerprint": fingerprint,
             "created": time.time(), "capacity_bytes": capacity,
         })
-        root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
-        _Q.pack_into(root.buf, 72, capacity)
-        _Q.pack_into(root.buf, _ROOT_INCARNATION, secrets.randbits(32))
-        self._adopt(root)
-        self._create_generation(root, 1, capacity, _table_capacity(table_hint))
+        try:
+            root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
+            _Q.pack_into(root.buf, 72, capacity)
+            _Q.pack_into(root.buf, _ROOT_INCARNATION, secrets.randbits(32))
+            self._adopt(root)
+            self._create_generation(root, 1, capacity, _table_capacity(table_hint))
+        except BaseException:
+            # no room, or interrupted: take back what this attempt made, json last (we hold the
+            # lock, and the epoch word was never published, so nobody attached any of it)
+            self._unlink_matching(self._base + SEP)
+            self.meta_path.unlink(missing_ok=True)
+            raise
         return root
 
     def _generation_exists(self, root: Segment) -> bool:
-        """The meta and table segments the root's epoch word names are there (caller holds the
-        lock, so nobody is making or removing them)."""
+        """The meta and table segments the root's epoch word names are there. Under the lock nobody
+        is making or removing them; without it, a clear() may replace them right after (_refresh
+        copes), or make this False for a moment (the opener then asks under the lock)."""
         epoch = _Q.unpack_from(root.buf, 64)[0]
         gen, version = epoch >> 32, epoch & 0xFFFFFFFF
         return gen > 0 and all(self.ns.shm_path(self._seg_name(f"g{gen}", part)).exists()
@@ -299,6 +385,8 @@ class CacheStore:
 
     def bind_fingerprint(self, fingerprint: str) -> None:
         """Record which dataset this cache holds (first binding), or raise if it holds another."""
+        if self.read_meta().get("fingerprint") == fingerprint:
+            return  # recorded already: nothing to write, no lock to wait for
         with self.locked():
             self._check_fingerprint(fingerprint)
             meta = self.read_meta()
@@ -366,8 +454,15 @@ class CacheStore:
                              f"exist; run `shmcache gc`")
 
     def _map_epoch(self, epoch: int) -> None:
-        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
         old = self._gen
+        if epoch == DESTROYED:  # tombstoned (NOTE [publish order]): every read is a miss from now on
+            self._gen = _destroyed_gen()
+            self._proc_gen = -1  # its counters went with it (_count)
+            self._epoch = epoch
+            if old is not None:
+                _close_gen(old)
+            return
+        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
         if old is not None and old.gen == gen:
             table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
             # a new _Gen, not an update in place: a thread inside a lookup keeps the one it has
@@ -412,6 +507,10 @@ class CacheStore:
     def _count(self, which: int, n: int = 1) -> None:
         g = self._gen
         if self._proc_gen != _process.generation():
+            if g.gen == _DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
+                self._counters, self._counter_off = [0, 0, 0, 0], -1
+                self._proc_gen = _process.generation()
+                return
             try:
                 slot = _process.slot(self.registry, self.session)
             except LockTimeout as exc:  # every slot taken: serve, but count nowhere
@@ -512,10 +611,14 @@ class CacheStore:
     # --- writes ----------------------------------------------------------------------------------
 
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
-        """Store ``value`` under ``key`` unless present. False if it was not admitted (full)."""
+        """Store ``value`` under ``key`` unless present. False if it was not admitted: the cache is
+        full, or a live process keeps its lock beyond the lock timeout (see _write_locked)."""
         enc = encoded or codec.encode(value, f"the value of key {key!r}")
         w1, kb = key_bytes(key)
-        with self.locked():
+        with self._write_locked() as locked:
+            if not locked:  # a live process keeps the lock: the caller serves the value uncached
+                self._count(2)
+                return False
             if _CRASH_TESTS:
                 crash_point("locked")
             g = self._refresh()
@@ -839,7 +942,7 @@ class CacheStore:
             "hits": int(counters[0]), "misses": int(counters[1]), "rejected": int(counters[2]),
             "corrupt": int(counters[3]),
             "capacity_bytes": self.capacity_bytes, "committed_bytes": committed,
-            "shm_bytes": self.shm_bytes(),
+            "shm_bytes": self.shm_bytes() if g.gen != _DEAD_GEN else 0,  # not the cache made again
         }
 
     def shm_bytes(self) -> int:
@@ -888,6 +991,8 @@ class CacheStore:
         """Remove this cache from its session (segments, metadata and spill files)."""
         with self.locked():
             spill_path = self.read_meta().get("spill_path")
+            # the tombstone first: every handle still mapping this root misses from now on
+            _Q.pack_into(self._root.buf, ROOT_EPOCH, DESTROYED)
             self.meta_path.unlink(missing_ok=True)
             _unlink_name(self.ns, self._seg_name("root"))  # first: the cache is gone at once
             self._unlink_matching(self._base + SEP)
@@ -1002,6 +1107,28 @@ def _table_items(g: _Gen) -> int:
 def _table_capacity(hint: int) -> int:
     want = max(MIN_TABLE, int(hint / MAX_LOAD) + 1)
     return 1 << (want - 1).bit_length()
+
+
+class _Private:
+    """Process-private memory in place of a segment (the generation of a destroyed cache)."""
+
+    def __init__(self, size: int):
+        self.buf = bytearray(size)
+
+    def close(self) -> None:
+        pass
+
+
+_DEAD_GEN = DESTROYED >> 32  # never a real generation (they count up from 1)
+
+
+def _destroyed_gen() -> _Gen:
+    """What a handle maps once its cache's root is tombstoned: an empty generation in private
+    memory, so every read path (lookup, batches, contains, len, stats) finds nothing."""
+    meta, table = _Private(M.SIZE), _Private(TableView.bytes_for(8))
+    TableView.init(table.buf, 8)
+    return _Gen(_DEAD_GEN, 0, meta, table, TableView(table.buf), ClassTable(meta.buf, M.CLASSES),
+                {}, {}, {})
 
 
 def _close_gen(g: _Gen) -> None:
