@@ -32,6 +32,8 @@ __all__ = [
     "MemoryLimits",
     "memory_limits",
     "SHM_ROOT",
+    "make_private_dir",
+    "squatter_error",
 ]
 
 ENV_DIR = "SHMCACHE_DIR"
@@ -89,17 +91,58 @@ class Namespace:
         return Path(SHM_ROOT) / name.lstrip("/")
 
     def owned_segments(self) -> list[str]:
-        """Names of every shared-memory object of this namespace that exists now."""
+        """Names of every shared-memory object of this namespace that exists now.
+
+        Only regular files of our uid: a name is a claim anyone can make in /dev/shm (1777), so
+        another user's file, FIFO or symlink that squats our prefix is never listed - hence never
+        unlinked by gc, destroy or clear, which root could otherwise do to anyone's file.
+        """
         try:
             entries = os.listdir(SHM_ROOT)
         except FileNotFoundError:
             return []
         head = self.prefix + SEP
-        return sorted("/" + e for e in entries if e.startswith(head))
+        return sorted("/" + e for e in entries if e.startswith(head) and _ours(os.path.join(SHM_ROOT, e)))
+
+    def unlink_segment(self, name: str) -> bool:
+        """Unlink segment ``name`` if it is a file of ours; True if it was removed.
+
+        The owner is checked with lstat first: /dev/shm is sticky, so once a file is ours nobody
+        else can replace it before the unlink."""
+        path = self.shm_path(name)
+        if not _ours(path):
+            return False
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
 
     @property
     def sessions_dir(self) -> Path:
         return self.root / "sessions"
+
+
+def _ours(path: str | os.PathLike) -> bool:
+    """A regular file of our uid (lstat: a symlink is never followed)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+
+def squatter_error(path: str | os.PathLike, st: os.stat_result) -> NotOwner:
+    """The error for a name of ours in /dev/shm that holds another user's file, FIFO or symlink."""
+    kind = ("symlink" if stat.S_ISLNK(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode)
+            else "file" if stat.S_ISREG(st.st_mode) else "special file")
+    return NotOwner(
+        f"the shared-memory name {path} is taken by a {kind} of uid {st.st_uid} ({_user(st.st_uid)}), "
+        f"not by a segment shmcache made for you (uid {os.getuid()}): another user squats it - an "
+        f"attack or a leftover of theirs; shmcache never opens, follows or removes it. Remove it "
+        f"(as root, after checking it: rm {path}), or use another namespace: set ${ENV_DIR} to a "
+        f"directory you own"
+    )
 
 
 def _default_root() -> Path:

@@ -276,11 +276,8 @@ class SessionRegistry:
         removed = []
         for seg in self.ns.owned_segments():
             if seg.startswith(prefix) and (not roots_only or seg.endswith(SEP + "root")):
-                try:
-                    os.unlink(self.ns.shm_path(seg))
+                if self.ns.unlink_segment(seg):  # a file of ours only: never another user's squat
                     removed.append(seg)
-                except FileNotFoundError:
-                    pass
         return removed
 
     def _spill_dirs_of(self, name: str) -> list[Path]:

@@ -1013,7 +1013,4 @@ def _close_gen(g: _Gen) -> None:
 
 
 def _unlink_name(ns: Namespace, name: str) -> None:
-    try:
-        os.unlink(ns.shm_path(name))
-    except FileNotFoundError:
-        pass
+    ns.unlink_segment(name)  # only a file of ours: never another user's squat
