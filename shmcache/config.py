@@ -139,7 +139,7 @@ def squatter_error(path: str | os.PathLike, st: os.stat_result) -> NotOwner:
     return NotOwner(
         f"the shared-memory name {path} is taken by a {kind} of uid {st.st_uid} ({_user(st.st_uid)}), "
         f"not by a segment shmcache made for you (uid {os.getuid()}): another user squats it - an "
-        f"attack or a leftover of theirs; shmcache never opens, follows or removes it. Remove it "
+        f"attack or a leftover of theirs; shmcache does not use, follow or remove it. Remove it "
         f"(as root, after checking it: rm {path}), or use another namespace: set ${ENV_DIR} to a "
         f"directory you own"
     )

@@ -5,7 +5,7 @@ A :class:`SpillStore` owns one directory (one per cache). Every process appends 
 holds); any process reads any file. Items are compressed with zstd at a low level and stored raw
 when that does not save at least 5%, so incompressible items cost no decompression::
 
-    store = SpillStore(spill_dir)                   # creates the directory, mode 0700
+    store = SpillStore(spill_dir / "c")             # makes the folder c (0700) in an existing dir
     loc = store.append(slot, key, payload)          # -> SpillLoc(file_id, offset, stored_len, raw_len)
     data = store.read(loc, key)                     # a bytearray, or None: a miss, never wrong data
     ok = store.read_into(loc, key, out)             # straight into a caller buffer of raw_len bytes

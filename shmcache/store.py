@@ -477,7 +477,7 @@ class CacheStore:
                 if count:
                     self._count(0)
                 return value
-            if self._still_current(g):  # else a clear() dropped the record under us: a plain miss
+            if self.is_current(g.gen):  # else a clear() dropped the record under us: a plain miss
                 self._count(3)
         if count:
             self._count(1)
@@ -504,12 +504,9 @@ class CacheStore:
         """The layout id of ``layout`` in generation ``g`` (caller holds the lock)."""
         return self._intern_layout(g, layout)
 
-    def _still_current(self, g: _Gen) -> bool:
-        """Generation ``g`` is still the cache's (no clear() replaced it since it was mapped)."""
-        return _Q.unpack_from(self._root.buf, 64)[0] >> 32 == g.gen
-
     def is_current(self, gen: int) -> bool:
-        """Generation ``gen`` is still the cache's: the spill layer asks after a failed read."""
+        """Generation ``gen`` is still the cache's (no clear() replaced it): asked after a failed
+        read of a spilled record, which is damage only if its generation is still in force."""
         root = self._root
         return root is not None and _Q.unpack_from(root.buf, 64)[0] >> 32 == gen
 
@@ -749,7 +746,7 @@ class CacheStore:
             except FileNotFoundError:  # cleared meanwhile
                 v = MISSING
             if v is _CORRUPT:
-                if self._still_current(g):  # else cleared under us: a plain miss
+                if self.is_current(g.gen):  # else cleared under us: a plain miss
                     self._count(3)
                 v = MISSING
             if v is MISSING:
