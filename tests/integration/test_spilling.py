@@ -365,6 +365,11 @@ def test_a_read_racing_a_clear_is_a_quiet_miss(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="shmcache"):
         for w0, w2, _, kb, w1 in found:  # what a lookup that found its entry just before does next
             assert other._decode(g, w0, w2, True, w1, kb) is _CORRUPT  # a miss, never a wrong value
+        for i in range(60, 120):  # new spill files at the old names, other records at the old offsets
+            store.put(i, sample(i))
+        assert store.stats()["items_disk"] > 0
+        for w0, w2, _, kb, w1 in found:
+            assert other._decode(g, w0, w2, True, w1, kb) is _CORRUPT
         assert not other.is_current(g.gen)  # so lookup counts such a failed read as a plain miss
         for i in spilled:
             assert other.lookup(i) is MISSING
