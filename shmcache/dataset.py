@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -138,6 +139,10 @@ class ShmDatasetCache:
         self.size_mb = size
         self.spilling = spilling or _env_flag(ENV_SPILLING)
         self.spill_dir = spill_dir  # None: the session's, then $SHMCACHE_SPILL_DIR (spilling.py)
+        if spill_dir is not None and not self.spilling:  # a forgotten spilling=True: say so once
+            warnings.warn(f"spill_dir={os.fspath(spill_dir)!r} has no effect without spilling=True "
+                          f"(or $SHMCACHE_SPILLING=1): nothing is spilled; pass spilling=True, or drop "
+                          f"spill_dir", UserWarning, stacklevel=2)
         if not isinstance(copy, bool):
             raise InvalidArgument(f"copy must be True or False, got {copy!r}")
         self.copy = copy

@@ -23,8 +23,8 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
     --size MB               memory cap of the caches, in MB (0: automatic); sets $SHMCACHE_SIZE_MB
     --spilling              spill to disk when memory is full; sets $SHMCACHE_SPILLING=1. Needs a
                             spill directory: --spill-dir, the session's, or $SHMCACHE_SPILL_DIR
-    --spill-dir DIR         where spill segments go (created if missing); sets $SHMCACHE_SPILL_DIR
-                            and becomes the spill directory of a session created now
+    --spill-dir DIR         where spill files go (an existing directory: never created, a typo
+                            would fill another disk); sets $SHMCACHE_SPILL_DIR and becomes the spill directory of a session created now
     --destroy-session       destroy the session (and everything cached in it) once every process
                             is gone, even if other jobs still use it; by default it stays, for
                             the next run to find
@@ -101,9 +101,10 @@ from pathlib import Path
 
 from ._procs import WorkerSpec, run_workers
 from .config import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name
-from .errors import InvalidArgument, ShmcacheError
+from .errors import InvalidArgument, ShmcacheError, SpillError
 from .locks import LivenessSlot
 from .registry import SessionRegistry
+from .spill import check_spill_dir
 
 __all__ = ["main"]
 
@@ -293,17 +294,12 @@ def _rendezvous(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tu
 
 
 def _spill_dir(parser: argparse.ArgumentParser, raw: str) -> str:
-    """--spill-dir as an absolute path to a writable directory (created if missing)."""
-    path = Path(raw).expanduser().absolute()
+    """--spill-dir as an absolute path to an existing, writable directory: the library's own check
+    (spill.check_spill_dir), so the launcher and the cache accept and refuse the same paths."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"argument --spill-dir: cannot create {str(path)!r}: {exc.strerror}; give "
-                     f"a directory you can write to")
-    if not os.access(path, os.W_OK | os.X_OK):
-        parser.error(f"argument --spill-dir: {str(path)!r} is not writable; give a directory "
-                     f"you can write to")
-    return str(path)
+        return str(check_spill_dir(raw))
+    except (SpillError, InvalidArgument) as exc:
+        parser.error(f"argument --spill-dir: {exc}")
 
 
 def _check_spill_settings(parser: argparse.ArgumentParser, session: str, spill_dir: str | None,

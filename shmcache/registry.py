@@ -402,11 +402,8 @@ class SessionRegistry:
             if seg.startswith(prefix) and (not roots_only or seg.endswith(SEP + "root")):
                 if seg.endswith(SEP + "root"):
                     retire_root(seg)
-                try:
-                    os.unlink(self.ns.shm_path(seg))
+                if self.ns.unlink_segment(seg):  # a file of ours only: never another user's squat
                     removed.append(seg)
-                except FileNotFoundError:
-                    pass
         return removed
 
     def _spill_dirs_of(self, name: str) -> list[Path]:

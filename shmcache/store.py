@@ -548,7 +548,7 @@ class CacheStore:
 
     def _decode(self, g: _Gen, w0: int, w2: int, copy: bool, w1: int = 0, kb: bytes = b"") -> Any:
         if w0 & SPILLED:
-            buf = self.spill.read(w0, w2, w1, kb) if self.spill is not None else None
+            buf = self.spill.read(w0, w2, w1, kb, g.gen) if self.spill is not None else None
             if buf is None:
                 return _CORRUPT
         else:
@@ -576,7 +576,8 @@ class CacheStore:
                 if count:
                     self._count(0)
                 return value
-            self._count(3)
+            if self.is_current(g.gen):  # else a clear() dropped the record under us: a plain miss
+                self._count(3)
         if count:
             self._count(1)
         return MISSING
@@ -601,6 +602,12 @@ class CacheStore:
     def intern_layout(self, g: _Gen, layout: bytes) -> int:
         """The layout id of ``layout`` in generation ``g`` (caller holds the lock)."""
         return self._intern_layout(g, layout)
+
+    def is_current(self, gen: int) -> bool:
+        """Generation ``gen`` is still the cache's (no clear() replaced it): asked after a failed
+        read of a spilled record, which is damage only if its generation is still in force."""
+        root = self._root
+        return root is not None and _Q.unpack_from(root.buf, 64)[0] >> 32 == gen
 
     def contains(self, key: Any) -> bool:
         try:
@@ -842,7 +849,8 @@ class CacheStore:
             except FileNotFoundError:  # cleared meanwhile
                 v = MISSING
             if v is _CORRUPT:
-                self._count(3)
+                if self.is_current(g.gen):  # else cleared under us: a plain miss
+                    self._count(3)
                 v = MISSING
             if v is MISSING:
                 missing.append(i)
@@ -964,11 +972,14 @@ class CacheStore:
         """Drop every item: a new generation in new segments; old mappings stay valid for readers."""
         with self.locked():
             g = self._refresh()
+            self._create_generation(self._root, g.gen + 1, self.capacity_bytes, g.index.capacity)
+            # The spill files go after the new generation is published: a reader whose read of
+            # them fails then sees the generation moved on - a plain miss, not damage to report.
+            # (Writers wait for our lock, so nothing of the new generation is in them yet.)
             if self.spill is not None:
                 self.spill.clear()
             elif self.read_meta().get("spill_path"):  # spilled by others; this handle doesn't spill
                 shutil.rmtree(self.read_meta()["spill_path"], ignore_errors=True)
-            self._create_generation(self._root, g.gen + 1, self.capacity_bytes, g.index.capacity)
             if _CRASH_TESTS:
                 crash_point("cleared_before_unlink")
             self._unlink_matching(self._seg_name(f"g{g.gen}", ""))
@@ -1140,7 +1151,4 @@ def _close_gen(g: _Gen) -> None:
 
 
 def _unlink_name(ns: Namespace, name: str) -> None:
-    try:
-        os.unlink(ns.shm_path(name))
-    except FileNotFoundError:
-        pass
+    ns.unlink_segment(name)  # only a file of ours: never another user's squat

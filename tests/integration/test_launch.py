@@ -202,6 +202,7 @@ def test_worker_env_matches_torchrun(tmp_path):
 
 def test_session_and_cache_settings_reach_workers(tmp_path, shm_namespace):
     spill = tmp_path / "spill" / "nested"
+    spill.mkdir(parents=True)
     assert run_main("--nproc", "2", "--session", "job1", "--size", "64", "--spilling",
                     "--spill-dir", str(spill), str(SCRIPTS / "env_dump.py"), str(tmp_path)) == 0
     for record in dumps(tmp_path, 2):
@@ -359,6 +360,8 @@ def test_spilling_error_names_both_ways(capsys):
 
 def test_spilling_uses_the_session_or_environment_spill_dir(tmp_path, monkeypatch):
     behave = [str(SCRIPTS / "behave.py"), str(tmp_path), "exit0"]
+    (tmp_path / "s").mkdir()
+    (tmp_path / "env-spill").mkdir()
     SessionRegistry().create("has-spill", spill_dir=tmp_path / "s")
     assert run_main("--spilling", "--session", "has-spill", *behave) == 0
     monkeypatch.setenv("SHMCACHE_SPILL_DIR", str(tmp_path / "env-spill"))
@@ -370,6 +373,13 @@ def test_spill_dir_must_be_a_directory_and_agree_with_the_session(tmp_path, caps
     a_file.write_text("")
     assert main(["--spill-dir", str(a_file), str(SCRIPTS / "behave.py")]) == 2
     assert "argument --spill-dir" in capsys.readouterr().err
+    typo = tmp_path / "no-such" / "spill"  # never created: a typo would fill another disk
+    assert main(["--spill-dir", str(typo), str(SCRIPTS / "behave.py")]) == 2
+    err = capsys.readouterr().err
+    assert f"spill_dir {typo} does not exist; create it first (mkdir -p {typo})" in err, err
+    assert not (tmp_path / "no-such").exists()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
     SessionRegistry().create("spills", spill_dir=tmp_path / "one")
     assert main(["--session", "spills", "--spill-dir", str(tmp_path / "two"),
                  str(SCRIPTS / "behave.py")]) == 2
