@@ -108,6 +108,10 @@ class NodeAffineSampler(DistributedSampler):
                                   f"and takes no sampler") from None
         world, group_rank, source = _world()
         from_env = rank is None and nproc_per_node is None
+        world_fix = ("pass the number of processes" if num_replicas is not None
+                     else f"it is the number of processes, read from {source}")
+        rank_fix = ("pass this process's rank" if rank is not None
+                    else f"it is this process's rank, read from {source}")
         if num_replicas is None:
             num_replicas = 1 if world is None else world
         if rank is None:
@@ -116,9 +120,8 @@ class NodeAffineSampler(DistributedSampler):
                                       f"neither a process group nor $RANK is set; pass rank=, or "
                                       f"start the processes with torchrun or python -m shmcache.launch")
             rank = 0 if group_rank is None else group_rank
-        self.num_replicas = _int_arg(num_replicas, "num_replicas", 1,
-                                     f"it is the number of processes (taken from {source})")
-        self.rank = _int_arg(rank, "rank", 0, f"it is this process's rank (taken from {source})")
+        self.num_replicas = _int_arg(num_replicas, "num_replicas", 1, world_fix)
+        self.rank = _int_arg(rank, "rank", 0, rank_fix)
         if self.rank >= self.num_replicas:
             raise InvalidArgument(f"NodeAffineSampler: rank={self.rank} is not below "
                                   f"num_replicas={self.num_replicas}; ranks are 0 to "
@@ -163,9 +166,10 @@ class NodeAffineSampler(DistributedSampler):
         return p
 
     def _check_layout(self) -> None:
-        """Node k must be ranks k*P .. k*P+P-1 (torchrun's layout). A launcher that numbers ranks
-        otherwise (Slurm's cyclic distribution) would give one node the parts of several: every
-        sample still read once, but the caches would miss as with DistributedSampler."""
+        """Node k must be ranks k*P .. k*P+P-1 (torchrun's layout). Under a launcher that numbers
+        ranks otherwise (Slurm's cyclic distribution) the processes of one machine would read the
+        parts of several nodes: every sample still read, but each machine's cache would fill with
+        several parts and miss as with DistributedSampler."""
         local = _env_int("LOCAL_RANK")
         if local is not None and local != self.local_rank:
             raise InvalidArgument(
