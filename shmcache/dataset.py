@@ -39,7 +39,12 @@ def _tensor_to_parts(t: torch.Tensor):
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.resolve_conj().resolve_neg().contiguous()
-    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    if not t.numel():
+        return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), np.empty(0, np.uint8)
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:  # one element: contiguous() keeps any stride, and view(uint8) needs 1
+        flat = flat.as_strided((1,), (1,))
+    raw = flat.view(torch.uint8).numpy()
     return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), raw
 
 

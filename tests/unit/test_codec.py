@@ -153,6 +153,23 @@ def test_torch_views_and_autograd_tensors_roundtrip_values(make):
     assert got.grad_fn is None, "a cached sample must not drag an autograd graph along"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64])
+@pytest.mark.parametrize("make", [
+    lambda t: t[::2][:1],                       # size 1, stride 2: contiguous() keeps the stride
+    lambda t: t.reshape(2, 4)[:1, ::2][:, :1],  # size-1 dims with odd strides
+    lambda t: t[:1].expand(5),                  # stride 0
+    lambda t: t[:1].reshape(1, 1).expand(1, 3)[:, :1],
+    lambda t: t[::2][:0],                       # zero-size with a stride
+    lambda t: t.reshape(2, 4)[:, ::3][:1],
+    lambda t: t.reshape(8, 1)[::4],             # trailing size-1 dim
+], ids=["size1-step", "size1-dims", "expanded", "expanded-size1", "zero-size", "2d-step", "trailing-1"])
+def test_tensors_with_odd_strides_and_size_one_dims_roundtrip(make, dtype):
+    t = make(torch.arange(8).to(dtype))
+    got = record_roundtrip(t)
+    assert got.dtype == t.dtype and got.shape == t.shape
+    assert torch.equal(got, t)
+
+
 def test_torch_conjugate_view_roundtrips():
     """``x.conj()`` is a lazy view (conj bit); the codec must store the conjugated values."""
     x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
