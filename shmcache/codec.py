@@ -36,7 +36,7 @@ import numpy as np
 from .errors import EncodeError
 
 __all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "RECORD_HEADER",
-           "INLINE", "ALIGN", "Leaf"]
+           "INLINE", "ALIGN", "Leaf", "MAX_DECODERS", "cached_decoders", "clear_decoders"]
 
 INLINE = 0xFFFFFFFF
 ALIGN = 64
@@ -213,6 +213,11 @@ def encode(value: Any, path: str = "") -> Encoded:
 
 # --- decoding ------------------------------------------------------------------------------------
 
+# Compiled decoders of this process, by layout. Bounded: a str's length is part of its layout, so
+# samples with variable-length str fields make a new layout almost every time (37,929 decoders,
+# +87 MiB, for 100k such samples). When full, the oldest entry goes (first in, first out: a hit
+# pays no bookkeeping); a layout read again after that is compiled again (microseconds).
+MAX_DECODERS = 1024
 _DECODERS: dict[bytes, Callable] = {}
 
 
@@ -221,8 +226,23 @@ def decoder_for(layout: bytes) -> Callable[[Any], Any]:
     fn = _DECODERS.get(layout)
     if fn is None:
         fn = _compile(marshal.loads(layout))
+        if len(_DECODERS) >= MAX_DECODERS:
+            try:
+                del _DECODERS[next(iter(_DECODERS))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread changed it meanwhile
+                pass
         _DECODERS[layout] = fn
     return fn
+
+
+def cached_decoders() -> int:
+    """How many compiled decoders this process holds (at most ``MAX_DECODERS``)."""
+    return len(_DECODERS)
+
+
+def clear_decoders() -> None:
+    """Forget every compiled decoder of this process (``clear()`` of a cache calls it)."""
+    _DECODERS.clear()
 
 
 def _compile(node: tuple) -> Callable:

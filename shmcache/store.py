@@ -870,6 +870,7 @@ class CacheStore:
                 crash_point("cleared_before_unlink")
             self._unlink_matching(self._seg_name(f"g{g.gen}", ""))
             self._refresh()
+        codec.clear_decoders()  # the old generation's layouts are gone: free their decoders
 
     def close(self) -> None:
         if self.spill is not None:

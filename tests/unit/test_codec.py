@@ -394,3 +394,21 @@ def test_many_layouts_and_huge_layouts_roundtrip(store):
     for k, v in values.items():
         assert_same(store.lookup(k), v, f"key {k}")
         assert_same(store.lookup(k, copy=False), v, f"key {k} (view)")
+
+
+def test_decoder_cache_stays_bounded_for_variable_length_str_fields_and_clear_frees_it(store):
+    """Every distinct str length is another layout (and so another compiled decoder); past the
+    shared layout table they are inline, and 100k samples once grew the per-process cache to
+    ~38k decoders (+87 MiB per process)."""
+    codec.clear_decoders()
+    for i in range(100_000):
+        value = {"path": "p" * (i % 317), "caption": "c" * (i % 331), "label": i}
+        assert store.put(i, value)
+        if i % 7 == 0:
+            assert store.lookup(i) == value
+    assert store.lookup(99_999) == {"path": "p" * (99_999 % 317), "caption": "c" * (99_999 % 331),
+                                    "label": 99_999}
+    assert codec.cached_decoders() <= codec.MAX_DECODERS
+    store.clear()
+    assert codec.cached_decoders() == 0
+
