@@ -328,17 +328,20 @@ class ShmDatasetCache:
     def warmup(self, dataset: Any, progress: bool = True, desc: str | None = None) -> int:
         """Fill the cache with every item of ``dataset`` (wrapped or not); returns items computed.
 
+        Only local rank 0 (``$LOCAL_RANK`` unset or 0) draws the progress bar.
+
         Each local rank starts at its own offset and skips what is already cached, so N processes
         warming up together compute each item about once.
         """
         ds = dataset if isinstance(dataset, (CachedDataset, CachedIterableDataset)) else self.wrap(dataset)
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        progress = progress and rank == 0  # one bar per machine, not one per process
         if isinstance(ds, CachedIterableDataset):
             count = 0
             for _ in _progress(ds, progress, desc or f"warmup {self.name}", None):
                 count += 1
             return count
         n = len(ds)
-        rank = int(os.environ.get("LOCAL_RANK", 0))
         world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         start = (n * rank) // world
         order = np.concatenate([np.arange(start, n), np.arange(0, start)]).astype(np.int64)

@@ -283,6 +283,20 @@ def test_warmup_fills_everything_once():
             assert_same(ds[i], src[i])
 
 
+@pytest.mark.parametrize("local_rank, bar", [(None, True), ("0", True), ("1", False), ("3", False)])
+def test_only_local_rank_0_draws_the_warmup_progress_bar(monkeypatch, capfd, local_rank, bar):
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with _cache() as cache:
+        cache.warmup(FixedDataset(50, 8), progress=True, desc="warming")
+        assert len(cache) == 50
+    err = capfd.readouterr().err
+    assert ("warming" in err) == bar, err
+
+
 def test_clear_drops_everything_for_every_handle():
     src = FixedDataset(20, 40)
     with _cache() as cache:
