@@ -446,6 +446,16 @@ def test_relabelled_dataset_does_not_reuse_the_old_cache():
     c2.close()
 
 
+def test_dataset_relabelled_past_item_100000_does_not_reuse_the_old_cache():
+    """The fingerprint used to stop at 100,000 list items: a fix at item 250,000 was served stale."""
+    labels = [i % 10 for i in range(300_000)]
+    with _cache() as c1:
+        assert c1.wrap(Labelled(labels))[250_000][1] == 0
+    labels[250_000] = 99
+    with _cache() as c2:
+        assert c2.wrap(Labelled(labels))[250_000][1] == 99, "served the labels of another dataset"
+
+
 def test_iterable_datasets_with_the_same_first_item_do_not_share_a_cache():
     """Two streams that start alike (a CSV header line, a BOS token) are still different data."""
     c1, c2 = _cache(), _cache()
