@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -117,7 +117,9 @@ class ShmDatasetCache:
 
     Args:
         session: ``"auto"`` (``$SHMCACHE_SESSION``, else ``"default"``) or a session name.
-        name: the cache's name in the session; None: a fingerprint of the wrapped dataset.
+        name: the cache's name in the session; None: a fingerprint of the wrapped dataset, so an
+            unnamed cache must ``wrap()`` a dataset before ``get``/``put``/``[]`` (which refuse
+            otherwise: two unnamed caches of different functions must not share one cache).
         size: memory cap in MB; 0: 80% of what is really available (``$SHMCACHE_SIZE_MB`` if set).
         spilling: when memory is full, spill to zstd files on disk (True) or stop admitting.
         spill_dir: where spill files live (default: the session's, then ``$SHMCACHE_SPILL_DIR``).
@@ -158,6 +160,7 @@ class ShmDatasetCache:
         self.name = name
         self._store: CacheStore | None = None
         self._fingerprint: str | None = None
+        self._closed = False
         # the namespace travels with the cache (pickled to workers): a forkserver or spawn child
         # may see another $SHMCACHE_DIR, and would otherwise build an empty twin of the cache
         self._ns_root = str(namespace().root)
@@ -173,6 +176,8 @@ class ShmDatasetCache:
     # --- binding to a store --------------------------------------------------------------------
 
     def _open(self, name: str, fingerprint: str | None, table_hint: int) -> CacheStore:
+        if self._closed:
+            raise self._closed_error()
         self._store = CacheStore(self.session, name, capacity_bytes=self.size_mb << 20,
                                  fingerprint=fingerprint, table_hint=table_hint,
                                  lock_timeout_s=self.lock_timeout_s, ns=self._ns_root)
@@ -185,7 +190,7 @@ class ShmDatasetCache:
 
     @property
     def store(self) -> CacheStore:
-        """The underlying store (opened on first use as cache ``"default"`` if never bound)."""
+        """The underlying store (opened on first use; see ``_ensure_open``)."""
         return self._ensure_open()
 
     # --- wrapping datasets ----------------------------------------------------------------------
@@ -196,17 +201,7 @@ class ShmDatasetCache:
             raise InvalidArgument(f"transform must be callable, got {type(transform).__name__}")
         if isinstance(dataset, IterableDataset) or (not hasattr(dataset, "__getitem__")
                                                     and isinstance(dataset, Iterable)):
-            if iter(dataset) is dataset:
-                raise InvalidArgument(
-                    f"wrap() needs a re-iterable dataset (an IterableDataset or a container), not a "
-                    f"one-shot iterator ({type(dataset).__name__}): a cache replays later passes, "
-                    f"and reading its first items to name the cache would consume them"
-                )
-            # the first items identify a stream (the dataset's attributes too, see _fingerprint)
-            head = list(itertools.islice(iter(dataset), 16))
-            samples = [codec.encode(transform(x) if transform else x) for x in head]
-            self._bind(dataset, transform, samples, table_hint=0)
-            return CachedIterableDataset(self, dataset, transform)
+            return self._wrap_iterable(dataset, transform)
         if not hasattr(dataset, "__getitem__") or length_or_none(dataset) is None:
             raise InvalidArgument(
                 f"wrap() takes a map-style dataset (with __getitem__ and __len__) or an iterable "
@@ -231,6 +226,30 @@ class ShmDatasetCache:
             self._store.put(i, None, encoded=enc)
         return CachedDataset(self, dataset, transform)
 
+    def _wrap_iterable(self, dataset: Iterable, transform: Callable | None) -> CachedIterableDataset:
+        """With a name, the stream is not read here. Without one, its first 16 items name the
+        cache (with the dataset's attributes, NOTE [fingerprint]); they are read from the
+        iterator the first pass then goes on with, so a stream that cannot be read twice (a
+        queue, a socket behind ``__iter__``) loses nothing."""
+        one_shot = isinstance(dataset, Iterator)  # (calling iter() would open a stream)
+        if self.name is not None or self._fingerprint is not None:
+            self._bind(dataset, transform, [], table_hint=0)
+            return CachedIterableDataset(self, dataset, transform, one_shot=one_shot)
+        if one_shot:
+            raise InvalidArgument(
+                f"wrap() of a one-shot iterator ({type(dataset).__name__}) needs a name: without "
+                f"one the cache would be named after its first items, which two different streams "
+                f"can share; give ShmDatasetCache(name=...) (the stream is then not read until the "
+                f"first pass), or wrap a re-iterable dataset (an IterableDataset or a container)"
+            )
+        it = iter(dataset)
+        head = list(itertools.islice(it, 16))
+        samples = [codec.encode(transform(x) if transform else x) for x in head]
+        self._bind(dataset, transform, samples, table_hint=0)
+        wrapped = CachedIterableDataset(self, dataset, transform)
+        wrapped._pending = (head, it)  # the first pass starts with them (this process only)
+        return wrapped
+
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
         fp = fingerprint(dataset, transform, samples)
         if self._store is None:
@@ -248,7 +267,10 @@ class ShmDatasetCache:
 
     def get(self, key: int | str | bytes, fn: Callable | None = None) -> Any:
         """The cached value of ``key``; on a miss ``fn(key)``, stored (KeyError if ``fn`` is None)."""
-        value = self.store.lookup(key, self.copy)
+        store = self._store
+        if store is None:
+            store = self._ensure_open()
+        value = store.lookup(key, self.copy)
         if value is not MISSING:
             return value
         if fn is None:
@@ -368,10 +390,20 @@ class ShmDatasetCache:
         self.store.clear()
 
     def close(self) -> None:
-        """Unmap this process's view (the cache itself stays for others; use again to re-attach)."""
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        """Unmap this process's view and detach from the session (its liveness slot is released
+        once no other open cache of this process uses the session, so ``shmcache destroy`` works
+        without ``--force``). The cache itself stays for others. This object and the datasets it
+        wrapped are then unusable: every use raises; open a new ShmDatasetCache."""
+        self._closed = True
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+    def _closed_error(self) -> InvalidArgument:
+        return InvalidArgument(
+            f"this ShmDatasetCache ({self.session}/{self.name or 'unnamed'}) was closed; create a "
+            f"new one (ShmDatasetCache(session={self.session!r}, name={self.name!r})) to use the "
+            f"cache again")
 
     def __enter__(self) -> ShmDatasetCache:
         return self
@@ -392,7 +424,16 @@ class ShmDatasetCache:
     def _ensure_open(self) -> CacheStore:
         """The store, re-attached by name in a process that received this cache pickled."""
         if self._store is None:
-            self._open(self.name or "default", self._fingerprint, 0)
+            if self._closed:
+                raise self._closed_error()
+            if self.name is None:
+                raise InvalidArgument(
+                    f"this ShmDatasetCache in session {self.session!r} has no name, and get(), "
+                    f"put(), [], len() and stats() cannot tell which function or dataset its "
+                    f"values come from (two unnamed caches would share one cache); give it one: "
+                    f"ShmDatasetCache(name='train'), or wrap(dataset) first (it is then named "
+                    f"after the dataset)")
+            self._open(self.name, self._fingerprint, 0)
         return self._store
 
 
@@ -512,12 +553,45 @@ class CachedIterableDataset(IterableDataset):
     Each stream (rank x DataLoader worker) records its own sequence under its own keys, with a
     completion marker written only after a full pass; a pass that was cut short, or finds an item
     missing, reads the source again and fills the gaps.
+
+    DataLoader workers: each worker gets its own copy of the dataset and records what *its* copy
+    yields, under its own keys (``RANK.<worker id>of<num_workers>``). An unsharded stream is thus
+    read, yielded and stored once per worker (what PyTorch does with any IterableDataset), so
+    shard it in the source's ``__iter__`` with ``torch.utils.data.get_worker_info()`` (for example
+    ``itertools.islice(items, info.id, None, info.num_workers)``); a different ``num_workers`` (or
+    world size) records anew.
     """
 
-    def __init__(self, cache: ShmDatasetCache, dataset: Iterable, transform: Callable | None):
+    def __init__(self, cache: ShmDatasetCache, dataset: Iterable, transform: Callable | None,
+                 one_shot: bool = False):
         self.cache = cache
         self.dataset = dataset
         self.transform = transform
+        self._one_shot = one_shot  # a plain iterator: one pass of the source, ever
+        self._pending: tuple[list, Any] | None = None  # items wrap() read, and their iterator
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_pending"] = None  # the items wrap() read belong to this process's first pass
+        return state
+
+    def _source(self):
+        """The source for a recording pass: the items wrap() read, then the rest of their
+        iterator (first pass in this process), else a fresh iterator of the dataset."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            head, it = pending
+            return itertools.chain(head, it)
+        if self._one_shot:
+            if getattr(self, "_consumed", False):
+                raise InvalidArgument(
+                    f"the one-shot iterator ({type(self.dataset).__name__}) wrapped as "
+                    f"{self.cache.session}/{self.cache.name} was read once already, and the cache "
+                    f"does not hold all of it (the first pass stopped early, or the cache was "
+                    f"full), so it cannot be replayed; wrap a re-iterable dataset (an "
+                    f"IterableDataset or a container), or finish the first pass")
+            self._consumed = True
+        return iter(self.dataset)
 
     def _stream(self) -> str:
         info = get_worker_info()
@@ -530,6 +604,7 @@ class CachedIterableDataset(IterableDataset):
         marker = f"__stream__:{stream}"
         total = store.lookup(marker, count=False)
         if total is not MISSING:
+            self._pending = None
             for i in range(total):
                 value = store.lookup(f"{stream}:{i}", self.cache.copy)
                 if value is MISSING:
@@ -541,7 +616,7 @@ class CachedIterableDataset(IterableDataset):
 
     def _record(self, store: CacheStore, stream: str, marker: str, skip: int):
         count = 0
-        for i, sample in enumerate(self.dataset):
+        for i, sample in enumerate(self._source()):
             count = i + 1
             if i < skip:
                 continue  # already yielded from the cache in this pass
