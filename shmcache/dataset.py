@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 
-from . import codec
+from . import _pil, codec  # noqa: F401  (_pil registers PIL images with the codec, lazily)
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
 from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey
 from .fingerprint import fingerprint, length_or_none
@@ -161,6 +162,7 @@ class ShmDatasetCache:
         self._store: CacheStore | None = None
         self._fingerprint: str | None = None
         self._closed = False
+        self._warned_pickle = False  # one warning per cache object when samples are pickled
         # the namespace travels with the cache (pickled to workers): a forkserver or spawn child
         # may see another $SHMCACHE_DIR, and would otherwise build an empty twin of the cache
         self._ns_root = str(namespace().root)
@@ -223,7 +225,7 @@ class ShmDatasetCache:
             )
         self._bind(dataset, transform, samples, table_hint=n)
         for i, enc in zip(probe, samples):  # computed anyway: keep them
-            self._store.put(i, None, encoded=enc)
+            self._put(self._store, i, None, enc)
         return CachedDataset(self, dataset, transform)
 
     def _wrap_iterable(self, dataset: Iterable, transform: Callable | None) -> CachedIterableDataset:
@@ -281,7 +283,24 @@ class ShmDatasetCache:
 
     def put(self, key: int | str | bytes, value: Any) -> bool:
         """Store ``value`` under ``key`` (kept if present). False if the cache was full."""
-        return self.store.put(key, value)
+        return self._put(self.store, key, value)
+
+    def _put(self, store: CacheStore, key: Any, value: Any, enc: codec.Encoded | None = None) -> bool:
+        """``store.put``, warning once per cache when a sample had to be pickled."""
+        if enc is None:
+            enc = codec.encode(value, f"the value of key {key!r}")
+        if enc.pickled and not self._warned_pickle:
+            self._warn_pickled(enc.pickled)
+        return store.put(key, None, encoded=enc)
+
+    def _warn_pickled(self, types: tuple) -> None:
+        self._warned_pickle = True
+        warnings.warn(
+            f"cache {self.session}/{self.name}: samples holding {', '.join(types)} are stored with "
+            f"pickle: slower to store and read than arrays, often larger, and never zero-copy or "
+            f"gathered as a batch; return numpy arrays or tensors from the dataset or transform "
+            f"(np.asarray(x), torch.as_tensor(x)) (warned once per cache)",
+            UserWarning, stacklevel=3)
 
     def __getitem__(self, key):
         return self.get(key)
@@ -316,7 +335,7 @@ class ShmDatasetCache:
                                f"{[keys[i] for i in missing[:10]]}; pass fn= to compute them")
             for i in missing:
                 values[i] = fn(keys[i])
-                store.put(keys[i], values[i])
+                self._put(store, keys[i], values[i])
         batch = default_collate(values)
         if out is not None:
             _copy_into(out, batch)
@@ -374,7 +393,7 @@ class ShmDatasetCache:
             w0, _ = store._refresh().index.lookup_ints(chunk)
             for i in chunk[w0 == 0].tolist():
                 if not store.contains(i):
-                    store.put(i, ds._compute(i))
+                    self._put(store, i, ds._compute(i))
                     computed += 1
             if bar is not None:
                 bar.update(len(chunk))
@@ -492,7 +511,7 @@ class CachedDataset(Dataset):
 
     def _store_computed(self, store: CacheStore, i: int, value: Any) -> None:
         try:
-            store.put(i, value)
+            self.cache._put(store, i, value)
         except EncodeError as exc:
             raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
 
@@ -621,7 +640,7 @@ class CachedIterableDataset(IterableDataset):
             if i < skip:
                 continue  # already yielded from the cache in this pass
             value = self.transform(sample) if self.transform is not None else sample
-            store.put(f"{stream}:{i}", value)
+            self.cache._put(store, f"{stream}:{i}", value)
             yield value
         store.put(marker, count)  # only after a full pass
 

@@ -412,3 +412,78 @@ def test_decoder_cache_stays_bounded_for_variable_length_str_fields_and_clear_fr
     store.clear()
     assert codec.cached_decoders() == 0
 
+
+# --- PIL images (shmcache/_pil.py) ---------------------------------------------------------------
+
+_PIL_MODES = sorted(__import__("shmcache._pil", fromlist=["MODES"]).MODES)
+
+
+def _random_image(mode, size=(7, 5)):
+    from PIL import Image
+
+    n = len(Image.new(mode, size).tobytes())
+    return Image.frombytes(mode, size, _rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+
+
+def _same_image(got, want):
+    from PIL import Image
+
+    assert isinstance(got, Image.Image), type(got)
+    assert (got.mode, got.size) == (want.mode, want.size)
+    assert got.tobytes() == want.tobytes()  # pixel for pixel (bytes: NaN pixels of mode F too)
+
+
+@pytest.mark.parametrize("mode", _PIL_MODES)
+def test_pil_images_of_every_claimed_mode_are_stored_as_pixels_not_pickles(store, mode):
+    img = _random_image(mode)
+    enc = codec.encode(img)
+    assert enc.pickled == () and not codec.pickled_offsets(enc.layout)
+    _same_image(record_roundtrip(img), img)
+    for got in store_roundtrip(store, {"img": img, "label": 3}):
+        _same_image(got["img"], img)
+        assert got["label"] == 3
+
+
+def test_pil_images_opened_from_files_and_empty_ones_roundtrip(tmp_path, store):
+    from PIL import Image
+
+    _random_image("RGB", (16, 9)).save(tmp_path / "x.png")
+    opened = Image.open(tmp_path / "x.png")  # a PngImageFile: a subclass of Image.Image
+    assert type(opened) is not Image.Image
+    assert codec.encode(opened).pickled == ()
+    _same_image(record_roundtrip(opened), opened.convert("RGB"))
+    _same_image(store_roundtrip(store, Image.new("L", (0, 0)))[0], Image.new("L", (0, 0)))
+
+
+@pytest.mark.parametrize("mode", ["P", "PA"])
+def test_palette_images_fall_back_to_pickle_and_keep_their_palette(mode):
+    img = _random_image(mode)
+    img.putpalette(list(range(256)) * 3)
+    enc = codec.encode(img)
+    assert any(name.endswith("Image") for name in enc.pickled), enc.pickled
+    got = record_roundtrip(img)
+    _same_image(got, img)
+    assert got.getpalette() == img.getpalette()
+
+
+def test_a_process_that_never_imported_pil_decodes_pil_records(tmp_path):
+    """The handler registers lazily; a DataLoader worker that only reads must still find it."""
+    code = (
+        "import sys\n"
+        "import shmcache.dataset\n"
+        "from shmcache import codec\n"
+        "assert 'PIL' not in sys.modules, 'importing shmcache imported PIL'\n"
+        "layout, record = open(sys.argv[1], 'rb').read(), open(sys.argv[2], 'rb').read()\n"
+        "got = codec.decode(bytearray(record), layout)\n"
+        "print(type(got).__name__, got.mode, got.size, got.tobytes().hex())\n"
+    )
+    img = _random_image("RGB")
+    enc = codec.encode(img)
+    buf = bytearray(enc.record_len(0, True))
+    enc.write(memoryview(buf), codec.INLINE, b"")
+    (tmp_path / "layout").write_bytes(enc.layout)
+    (tmp_path / "record").write_bytes(bytes(buf))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "layout"), str(tmp_path / "record")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["Image", "RGB", "(7,", "5)", img.tobytes().hex()]

@@ -58,6 +58,9 @@ class Unpicklable(Dataset):
         return (np.zeros(2), (lambda: i) if i in self.bad else i)
 
 
+Point = __import__("collections").namedtuple("Point", "x y")  # pickled (not a plain tuple)
+
+
 def _cache(**kw):
     kw.setdefault("session", "ds")
     kw.setdefault("size", 64)
@@ -444,6 +447,53 @@ def test_an_unnamed_one_shot_iterator_is_refused_naming_name():
     with _cache() as cache:
         with pytest.raises(InvalidArgument, match=r"one-shot iterator.*name="):
             cache.wrap(iter([1, 2, 3]))
+
+
+class Photos(Dataset):
+    """torchvision's default: samples are (PIL image, label)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        pixels = np.random.default_rng(i).integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        return Image.fromarray(pixels), i
+
+
+def test_pil_samples_are_stored_as_pixels_and_come_back_as_images():
+    """A 224x224 RGB image was pickled at 5.7x its pixels (and read back through pickle)."""
+    from PIL import Image
+
+    src = Photos()
+    with _cache() as cache:
+        ds = cache.wrap(src)
+        for i in range(8):
+            img, label = ds[i]
+            want = src[i][0]
+            assert isinstance(img, Image.Image) and (img.mode, img.size, label) == ("RGB", (224, 224), i)
+            assert img.tobytes() == want.tobytes()
+        per_item = cache.stats()["bytes_mem"] / 8
+        assert per_item <= 1.02 * 224 * 224 * 3, per_item
+
+
+def test_samples_that_fall_back_to_pickle_warn_once_per_cache_naming_the_type_and_the_fix():
+    import warnings
+
+    with _cache(name="pickled") as cache:
+        with pytest.warns(UserWarning, match=r"ds/pickled: samples holding set are stored with pickle.*np\.asarray"):
+            cache.put(1, {"tags": {"a", "b"}})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per cache: no second warning
+            cache.put(2, {"tags": {"c"}})
+            cache.get(3, lambda k: {"tags": {"d"}})
+            cache.put(4, np.zeros(3))
+        assert cache[1] == {"tags": {"a", "b"}}
+    with _cache() as cache:  # another cache warns again, also through a wrapped dataset
+        with pytest.warns(UserWarning, match=r"samples holding test_dataset.Point are stored with pickle"):
+            ds = cache.wrap(Labelled([Point(i, i) for i in range(4)]))
+        assert ds[2][1] == Point(2, 2)
 
 
 # --- capacity as users see it ---------------------------------------------------------------------
