@@ -361,12 +361,13 @@ def test_close_detaches_the_process_when_its_last_cache_of_the_session_closes():
 def test_unnamed_caches_refuse_get_and_put_instead_of_sharing_one_cache():
     """Both used to be cache "default": val.get(0, f_val) returned train's value."""
     train, val = ShmDatasetCache(session="ds", size=16), ShmDatasetCache(session="ds", size=16)
+    calls = [lambda c: c.get(0, lambda k: "train"), lambda c: c.put(0, "x"), lambda c: c[0],
+             lambda c: 0 in c, lambda c: len(c), lambda c: c.stats(),
+             lambda c: c.get_batch([0], fn=lambda k: k), lambda c: c.clear()]
     for cache in (train, val):
-        for call in (lambda: cache.get(0, lambda k: "train"), lambda: cache.put(0, "x"),
-                     lambda: cache[0], lambda: 0 in cache, lambda: len(cache), lambda: cache.stats(),
-                     lambda: cache.get_batch([0], fn=lambda k: k), lambda: cache.clear()):
+        for call in calls:
             with pytest.raises(InvalidArgument, match=r"has no name.*ShmDatasetCache\(name="):
-                call()
+                call(cache)
         cache.close()
     with ShmDatasetCache(session="ds", size=16) as named_by_wrap:  # wrap() names it: then get works
         named_by_wrap.wrap(Labelled(range(4)))
