@@ -152,7 +152,7 @@ class _Digest:
                 value, (types.ModuleType, type)) and not callable(value):
             if id(value) not in self._seen:  # an object (a wrapped dataset): type and attributes
                 self._seen.add(id(value))
-                self._object(value, depth + 1)
+                self._object(value, depth + 1, data_only=True)
 
     def _items(self, items: Sequence, depth: int) -> None:
         """Every item of a list or tuple, in bulk where a run of items is homogeneous."""
@@ -235,7 +235,9 @@ class _Digest:
         else:  # a builtin, a class or a callable object (torchvision's Compose, Resize(...))
             self._object(fn, depth)
 
-    def _object(self, obj: Any, depth: int) -> None:
+    def _object(self, obj: Any, depth: int, data_only: bool = False) -> None:
+        """Type and attributes of ``obj``: a callable's all of them, a data object's (a dataset
+        inside a dataset) without private numbers, as for the dataset (NOTE [fingerprint])."""
         tp = type(obj)
         self.h.update(f"{tp.__module__}.{getattr(tp, '__qualname__', tp.__name__)}".encode())
         if isinstance(obj, (types.BuiltinFunctionType, type)):
@@ -246,7 +248,7 @@ class _Digest:
             return
         for k in _sorted_keys(attrs):
             v = attrs[k]
-            if isinstance(k, str) and k.startswith("_") and _is_number(v):
+            if data_only and isinstance(k, str) and k.startswith("_") and _is_number(v):
                 continue  # self._pid, self._calls: per-process state (NOTE [fingerprint])
             self.h.update(_key_repr(k).encode())
             if isinstance(v, (list, tuple)) and len(v) <= _COMPOSE_MAX and any(map(callable, v)):
