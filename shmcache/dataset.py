@@ -249,7 +249,7 @@ class ShmDatasetCache:
         samples = [codec.encode(transform(x) if transform else x) for x in head]
         self._bind(dataset, transform, samples, table_hint=0)
         wrapped = CachedIterableDataset(self, dataset, transform)
-        wrapped._pending = (head, it)  # the first pass starts with them (this process only)
+        wrapped._pending = (os.getpid(), head, it)  # the first pass of this process starts with them
         return wrapped
 
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
@@ -587,7 +587,7 @@ class CachedIterableDataset(IterableDataset):
         self.dataset = dataset
         self.transform = transform
         self._one_shot = one_shot  # a plain iterator: one pass of the source, ever
-        self._pending: tuple[list, Any] | None = None  # items wrap() read, and their iterator
+        self._pending: tuple[int, list, Any] | None = None  # pid, items wrap() read, their iterator
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -598,9 +598,10 @@ class CachedIterableDataset(IterableDataset):
         """The source for a recording pass: the items wrap() read, then the rest of their
         iterator (first pass in this process), else a fresh iterator of the dataset."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            head, it = pending
-            return itertools.chain(head, it)
+        # not in a DataLoader worker, even a forked one that inherited it: a worker opens its own
+        # iterator (a source that shards by get_worker_info() must see the worker)
+        if pending is not None and pending[0] == os.getpid() and get_worker_info() is None:
+            return itertools.chain(pending[1], pending[2])
         if self._one_shot:
             if getattr(self, "_consumed", False):
                 raise InvalidArgument(
