@@ -15,11 +15,12 @@ from typing import Any
 
 from .locks import LivenessSlot
 
-__all__ = ["generation", "slot", "counters", "release_all"]
+__all__ = ["generation", "slot", "attach", "detach", "counters", "release_all"]
 
 _generation = 0
 _slots: dict[tuple[str, str], LivenessSlot] = {}
 _registries: dict[tuple[str, str], Any] = {}  # the registry each slot was taken through
+_users: dict[tuple[str, str], int] = {}  # open stores of this process per (namespace, session)
 _counters: dict[str, list[int]] = {}
 _lock = threading.Lock()
 
@@ -42,6 +43,38 @@ def slot(registry, session: str) -> int:
     return s.index
 
 
+def attach(registry, session: str) -> int:
+    """``slot()``, counting one more open store of this process in ``session``: the slot is
+    released when the last of them calls ``detach``."""
+    index = slot(registry, session)
+    key = (str(registry.ns.root), session)
+    with _lock:
+        _users[key] = _users.get(key, 0) + 1
+    return index
+
+
+def detach(registry, session: str) -> None:
+    """One store of ``session`` closed; the last one gives up the process's slot, so the process
+    no longer counts as attached (``shmcache destroy`` without ``--force`` then succeeds)."""
+    key = (str(registry.ns.root), session)
+    with _lock:
+        left = _users.get(key, 0) - 1
+        if left > 0:
+            _users[key] = left
+            return
+        _users.pop(key, None)
+        s = _slots.pop(key, None)
+        if s is None:
+            return
+        _registries.pop(key, None)
+        # the counter totals of the slot go with it: another process may take it and count on
+        prefix, suffix = key[0] + registry.ns.segment_name(session, ""), f"+{s.index}"
+        for k in [k for k in _counters if k.startswith(prefix) and k.endswith(suffix)]:
+            del _counters[k]
+    registry.mark_used(session)  # detaching is a use (NOTE [session lifecycle], last use)
+    s.release()
+
+
 def counters(key: str, initial) -> list[int]:
     """This process's counter totals for one cache generation, shared by every store object of
     the process (they write one slot: separate totals would overwrite each other)."""
@@ -58,6 +91,7 @@ def release_all() -> None:
         s.release()
     _slots.clear()
     _registries.clear()
+    _users.clear()
 
 
 def _mark_used() -> None:
@@ -75,6 +109,7 @@ def _after_fork_in_child() -> None:
         s.forget_after_fork()
     _slots.clear()
     _registries.clear()
+    _users.clear()
     _counters.clear()
 
 

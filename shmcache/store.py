@@ -215,9 +215,11 @@ class CacheStore:
             log.warning("cache %s/%s exists with a cap of %.0f MiB; size=%.0f MiB applies only to a "
                         "new cache (clear() keeps the cap: destroy the session to change it)",
                         self.session, self.name, self.capacity_bytes / 2**20, capacity_bytes / 2**20)
+        self._attached = -1  # the process generation in which this store counts as a user
         if create:
             try:  # attached from now on: `shmcache ls` counts us, `destroy` waits for us
-                _process.slot(self.registry, self.session)
+                _process.attach(self.registry, self.session)
+                self._attached = _process.generation()
             except LockTimeout:
                 pass  # served without a slot; _count says so when it first counts
             except FileNotFoundError:  # its slots directory is gone: destroyed just now
@@ -984,6 +986,7 @@ class CacheStore:
                 crash_point("cleared_before_unlink")
             self._unlink_matching(self._seg_name(f"g{g.gen}", ""))
             self._refresh()
+        codec.clear_decoders()  # the old generation's layouts are gone: free their decoders
 
     def close(self) -> None:
         if self.spill is not None:
@@ -997,6 +1000,9 @@ class CacheStore:
             self._root.close()
             self._root = None
         self.lock.close()
+        if self._attached == _process.generation():  # (a forked child never attached this one)
+            self._attached = -1
+            _process.detach(self.registry, self.session)
 
     def destroy(self) -> None:
         """Remove this cache from its session (segments, metadata and spill files)."""

@@ -191,7 +191,7 @@ def test_disk_full_while_spilling_stops_spilling_and_keeps_serving(tmp_path, mon
 def test_item_larger_than_memory_goes_to_disk_when_spilling(tmp_path):
     """ItemTooLarge is for caches that cannot spill: a spill file takes an item of any size."""
     big = np.arange(3 << 20, dtype=np.uint32).view(np.uint8)[: 5 << 20]  # 5 MiB, cap 1 MiB
-    with ShmDatasetCache(session="big", size=1, spilling=True, spill_dir=tmp_path) as cache:
+    with ShmDatasetCache(session="big", name="spills", size=1, spilling=True, spill_dir=tmp_path) as cache:
         assert cache.put(0, big) is True
         assert cache.get(1, lambda k: big[::-1].copy())[0] == big[-1]  # computed, stored, returned
         assert cache.stats()["items_disk"] == 2

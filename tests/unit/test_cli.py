@@ -149,6 +149,41 @@ def test_destroy_refuses_a_session_in_use_without_force(capsys):
         assert got == 0 and not SessionRegistry().exists("busy")
 
 
+_OPEN_THEN_CLOSE = """
+import sys
+from shmcache import ShmDatasetCache
+cache = ShmDatasetCache(session="closing", name="c", size=8)
+cache.put(1, "one")
+print("open", flush=True)
+sys.stdin.readline()
+cache.close()
+print("closed", flush=True)
+sys.stdin.read()  # keeps running, detached
+"""
+
+
+def test_destroy_without_force_succeeds_once_the_process_closed_its_caches():
+    """close() used to leave the process attached, so destroy without --force refused."""
+    proc = subprocess.Popen([sys.executable, "-c", _OPEN_THEN_CLOSE], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        destroy = [sys.executable, "-m", "shmcache", "destroy", "closing"]
+        busy = subprocess.run(destroy, capture_output=True, text=True, timeout=60)
+        assert busy.returncode == 1 and str(proc.pid) in busy.stderr  # attached while open
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "closed"
+        done = subprocess.run(destroy, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert not SessionRegistry().exists("closing")
+        assert proc.poll() is None, "the process is still running"
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+
+
 def test_gc_reports_what_it_removed(capsys, populated, shm_namespace):
     ghost = shm_namespace.segment_name("ghost", "c", "root")
     posix_ipc.SharedMemory(ghost, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
