@@ -247,7 +247,8 @@ def test_a_real_cgroup_limit_is_seen_by_shmcache_info(tmp_path):
                 f.write(value)
         except OSError as exc:
             pytest.skip(f"cannot set {limit_file} in {d} (memory controller not enabled?): {exc.strerror}")
-        script = (f"import os, sys, pathlib; pathlib.Path({os.path.join(d, 'cgroup.procs')!r}).write_text(str(os.getpid())); "
+        procs = os.path.join(d, "cgroup.procs")
+        script = (f"import os, sys, pathlib; pathlib.Path({procs!r}).write_text(str(os.getpid())); "
                   f"from shmcache.cli import main; sys.exit(main(['info', '--json']))")
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
