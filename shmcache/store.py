@@ -732,9 +732,9 @@ class CacheStore:
         meta = g.meta.buf
         used = _Q.unpack_from(meta, M.COMMITTED)[0]
         step = commit_step_chunks(chunk_size)
-        shm_total, shm_free = _shm_space()
-        keep = 0
-        if self.spill is not None and not self.spill.disabled:
+        keep = shm_free = 0
+        if self.spill is not None and not self.spill.disabled:  # one statvfs, when spilling only
+            shm_total, shm_free = _shm_space()
             keep = _index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))
         room = (self.capacity_bytes - keep - used) // chunk_size
         if room >= 1 and self._sizing() == AUTO:  # the session's caches together
