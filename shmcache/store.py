@@ -43,9 +43,12 @@ NOTE [memory limits]
       the process's cgroup, /dev/shm's free space; config.memory_limits) when the session's
       first auto-sized cache is made, kept in the session's ``auto_capacity`` file
       (SessionRegistry.auto_capacity) so caches made later share it rather than each taking 80%
-      of what is left. Every auto-sized cache checks, at each commit step, what all segments of
-      the session really occupy in /dev/shm (st_blocks, as ``shmcache ls`` counts) against it:
-      together they stay within it (an index growth, a few bytes per item, is not checked).
+      of what is left. An auto-sized cache checks what all segments of the session really
+      occupy in /dev/shm (st_blocks, as ``shmcache ls`` counts) against it, again each time its
+      process has committed 1/16 of what was left at the last look (so the checks grow frequent
+      as the session fills) or 50 ms have passed: together they stay within it, give or take
+      what more than 16 processes committing within the same 50 ms could add, and an index
+      growth (a few bytes per item), which is not checked.
       Caches with their own size= are counted in that sum but keep their own caps.
     * Memory full at creation (the automatic cap below one page of data): the cache is made with
       no room for data (root word 88 = AUTO_NONE), every item is rejected or spilled, and that is
@@ -173,6 +176,8 @@ class CacheStore:
     """One cache (``session``/``name``); see the module docstring for what lives where."""
 
     uncached = False  # see UncachedStore
+    _session_budget, _session_until = 0, 0.0  # what may be committed, until when, before the
+    # session's caches are summed again (_commit)
 
     def __init__(self, session: str, name: str, *, capacity_bytes: int = 0,
                  fingerprint: str | None = None, table_hint: int = 0,
@@ -737,9 +742,16 @@ class CacheStore:
             shm_total, shm_free = _shm_space()
             keep = _index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))
         room = (self.capacity_bytes - keep - used) // chunk_size
-        if room >= 1 and self._sizing() == AUTO:  # the session's caches together
+        if room >= 1 and self._sizing() == AUTO and (self._session_budget < min(step, room) * chunk_size
+                                                     or time.monotonic() > self._session_until):
+            # the session's caches together: what they occupy is summed again once this process
+            # has committed 1/16 of what was left at the last look, or 50 ms later (NOTE [memory
+            # limits])
             session_bytes = self._session_shm_bytes()
-            room = min(room, (self.capacity_bytes - keep - session_bytes) // chunk_size)
+            left = self.capacity_bytes - keep - session_bytes
+            room = min(room, left // chunk_size)
+            self._session_budget = max(0, left // 16)
+            self._session_until = time.monotonic() + 0.05
             if room < 1:
                 self._shm_full_until = time.monotonic() + 1.0  # don't list /dev/shm on every miss
                 self._log_memory_full(
@@ -764,6 +776,7 @@ class CacheStore:
             raise _Full from None
         g.classes.set_committed(cls, committed + step)
         _Q.pack_into(meta, M.COMMITTED, used + step * chunk_size)
+        self._session_budget = max(0, self._session_budget - step * chunk_size)
         return committed + step
 
     def _sizing(self) -> int:
