@@ -254,7 +254,8 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         "version": __version__, "namespace": str(ns.root), "segment_prefix": ns.prefix,
         "shm_total_bytes": lim.shm_total, "shm_free_bytes": lim.shm_free,
         "mem_available_bytes": lim.mem_available, "cgroup_limit_bytes": lim.cgroup_limit,
-        "cgroup_free_bytes": lim.cgroup_free, "auto_capacity_bytes": lim.auto_capacity(),
+        "cgroup_free_bytes": lim.cgroup_free, "cgroup_limit_file": lim.cgroup_file,
+        "auto_capacity_bytes": lim.auto_capacity(),
         "spill_dir": spill, "spill_free_bytes": spill_free,
         "sessions": len(registry.list()), "segments": len(ns.owned_segments()),
     }
@@ -266,7 +267,8 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         ("segment prefix", f"/dev/shm/{ns.prefix}+..."),
         ("/dev/shm", f"{_size(lim.shm_free)} free of {_size(lim.shm_total)}"),
         ("MemAvailable", _size(lim.mem_available)),
-        ("cgroup memory.max", _size(lim.cgroup_limit) if lim.cgroup_limit else "no limit"),
+        ("cgroup memory limit", f"{_size(lim.cgroup_limit)} ({_size(lim.cgroup_free)} free; "
+                                f"{lim.cgroup_file})" if lim.cgroup_limit else "no limit"),
         ("automatic cap (size=0)", f"{_size(lim.auto_capacity())}  (80% of the smallest above)"),
         ("spill dir", f"{spill}  ({_size(spill_free)} free)" if spill else "not set ($SHMCACHE_SPILL_DIR)"),
         ("sessions / segments", f"{info['sessions']} / {info['segments']}"),

@@ -21,13 +21,13 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 
 from . import _pil, codec  # noqa: F401  (_pil registers PIL images with the codec, lazily)
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
-from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey
+from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey, SharedMemoryFull
 from .fingerprint import fingerprint, length_or_none
-from .store import MISSING, CacheStore
+from .store import MISSING, CacheStore, UncachedStore
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
-_MAX_SIZE_MB = 1 << 26  # 64 TiB: anything larger is a unit mistake (bytes given as MB)
+_MAX_SIZE_MB = 1 << 26  # 64 TiB: anything larger is a unit mistake (bytes given as MiB)
 
 
 # --- tensors in the codec -------------------------------------------------------------------------
@@ -69,12 +69,12 @@ codec.register_type(torch.nn.Parameter, "torch", _tensor_to_parts, _tensor_from_
 
 def _check_size(size: Any, what: str = "size") -> int:
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-        raise InvalidArgument(f"{what} must be an int number of MB (0 = automatic), got "
+        raise InvalidArgument(f"{what} must be an int number of MiB (0 = automatic), got "
                               f"{type(size).__name__} {size!r}")
     if size < 0 or size > _MAX_SIZE_MB:
-        raise InvalidArgument(f"{what}={size} MB is out of range: give 0 (80% of the memory really "
-                              f"available) or a number of megabytes up to {_MAX_SIZE_MB} "
-                              f"(size is in MB, not bytes)")
+        raise InvalidArgument(f"{what}={size} MiB is out of range: give 0 (80% of the memory really "
+                              f"available) or a number of MiB up to {_MAX_SIZE_MB} "
+                              f"(size is in MiB, not bytes)")
     return int(size)
 
 
@@ -83,7 +83,7 @@ def _size_from_env() -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise InvalidArgument(f"${ENV_SIZE_MB}={raw!r} is not an int number of MB; set it to e.g. "
+        raise InvalidArgument(f"${ENV_SIZE_MB}={raw!r} is not an int number of MiB; set it to e.g. "
                               f"4096, or unset it") from None
     return _check_size(value, f"${ENV_SIZE_MB}")
 
@@ -121,7 +121,9 @@ class ShmDatasetCache:
         name: the cache's name in the session; None: a fingerprint of the wrapped dataset, so an
             unnamed cache must ``wrap()`` a dataset before ``get``/``put``/``[]`` (which refuse
             otherwise: two unnamed caches of different functions must not share one cache).
-        size: memory cap in MB; 0: 80% of what is really available (``$SHMCACHE_SIZE_MB`` if set).
+        size: memory cap in MiB; 0 (``$SHMCACHE_SIZE_MB`` if set): the automatic cap, 80% of the
+            memory really available when the session's first such cache is made, shared by
+            every cache of the session made with size=0.
         spilling: when memory is full, spill to zstd files on disk (True) or stop admitting.
         spill_dir: where spill files live (default: the session's, then ``$SHMCACHE_SPILL_DIR``).
         copy: hits return private, writable copies (True, safe) or zero-copy read-only views.
@@ -184,11 +186,14 @@ class ShmDatasetCache:
     def _open(self, name: str, fingerprint: str | None, table_hint: int) -> CacheStore:
         if self._closed:
             raise self._closed_error()
-        self._store = CacheStore(self.session, name, capacity_bytes=self.size_mb << 20,
-                                 fingerprint=fingerprint, table_hint=table_hint,
-                                 lock_timeout_s=self.lock_timeout_s, ns=self._ns_root)
+        try:
+            self._store = CacheStore(self.session, name, capacity_bytes=self.size_mb << 20,
+                                     fingerprint=fingerprint, table_hint=table_hint,
+                                     lock_timeout_s=self.lock_timeout_s, ns=self._ns_root)
+        except SharedMemoryFull as exc:  # not even the cache's own segments fit: serve uncached
+            self._store = UncachedStore(self.session, name, exc)
         self.name, self._fingerprint = name, fingerprint
-        if self.spilling:
+        if self.spilling and not self._store.uncached:
             from . import spilling
 
             spilling.attach(self._store, self.spill_dir)
@@ -387,6 +392,8 @@ class ShmDatasetCache:
                 count += 1
             return count
         n = len(ds)
+        if self.store.uncached:  # nowhere to keep them (logged when it was opened)
+            return 0
         world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         start = (n * rank) // world
         order = np.concatenate([np.arange(start, n), np.arange(0, start)]).astype(np.int64)

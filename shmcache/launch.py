@@ -20,7 +20,7 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
                             gpu (one per visible CUDA device), cpu (one per CPU core). Default 1.
     --session NAME          the shmcache session the processes share, created if missing.
                             Default: $SHMCACHE_SESSION, else "default". 1-64 of A-Z a-z 0-9 _ . -
-    --size MB               memory cap of the caches, in MB (0: automatic); sets $SHMCACHE_SIZE_MB
+    --size MIB              memory cap of each cache, in MiB (0: automatic); sets $SHMCACHE_SIZE_MB
     --spilling              spill to disk when memory is full; sets $SHMCACHE_SPILLING=1. Needs a
                             spill directory: --spill-dir, the session's, or $SHMCACHE_SPILL_DIR
     --spill-dir DIR         where spill files go (an existing directory: never created, a typo
@@ -108,11 +108,11 @@ from .spill import check_spill_dir
 
 __all__ = ["main"]
 
-#: Read by the cache as the default of ``size`` (MB) and ``spilling``.
+#: Read by the cache as the default of ``size`` (MiB) and ``spilling``.
 
 PROG = "python -m shmcache.launch"
 USAGE = (
-    f"{PROG} [--nproc N] [--session NAME] [--size MB] [--spilling] [--spill-dir DIR]\n"
+    f"{PROG} [--nproc N] [--session NAME] [--size MIB] [--spilling] [--spill-dir DIR]\n"
     f"       [--destroy-session] [--shutdown-timeout S] [--master-addr A] [--master-port P]\n"
     f"       [-m | --no-python] script.py [args...]     (-h for the manual)"
 )
@@ -189,7 +189,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=_non_negative_int,
                    default=0, metavar="K")
     p.add_argument("--session", metavar="NAME")
-    p.add_argument("--size", type=_non_negative_int, metavar="MB")
+    p.add_argument("--size", type=_non_negative_int, metavar="MIB")
     p.add_argument("--spilling", action="store_true")
     p.add_argument("--spill-dir", "--spill_dir", dest="spill_dir", metavar="DIR")
     p.add_argument("--destroy-session", "--destroy_session", dest="destroy_session",

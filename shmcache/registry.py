@@ -33,6 +33,7 @@ import secrets
 import shutil
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -277,6 +278,31 @@ class SessionRegistry:
         """The lock of cache ``cache`` of ``session``: its writers, gc and destroy take it."""
         return FileLock(self.session_dir(session) / "caches" / f"{cache}.lock", timeout_s=timeout_s,
                         what=f"the lock of cache {session}/{cache}")
+
+    def auto_capacity(self, name: str, compute: Callable[[], int], floor: int) -> int:
+        """The automatic cap (size=0) that the caches of session ``name`` share (NOTE [memory
+        limits] in store.py): ``compute()`` by the first auto-sized cache, kept in the session's
+        ``auto_capacity`` file, so that caches made later share it instead of each taking 80% of
+        what is left. The first writer wins (a hard link fails if the name exists: no lock is
+        needed, and none is taken under the cache lock our caller holds). A value below
+        ``floor`` (memory full right now) is not kept: the next cache asks again."""
+        path = self.session_dir(name) / "auto_capacity"
+        try:
+            return int(path.read_text())
+        except (FileNotFoundError, ValueError):
+            pass
+        cap = compute()
+        if cap < floor:
+            return cap
+        tmp = path.with_name(f".auto_capacity.{os.getpid()}.{secrets.token_hex(3)}.tmp")
+        tmp.write_text(str(cap))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another cache was first: its value is the session's
+            return int(path.read_text() or cap)
+        finally:
+            tmp.unlink()
+        return cap
 
     def attach_process(self, name: str) -> LivenessSlot:
         """Hold a liveness slot in session ``name`` for as long as this process uses it.

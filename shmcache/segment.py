@@ -50,7 +50,7 @@ def _shm_hint() -> str:
     except OSError:
         where = "/dev/shm is not available"
     return (f"{where}; free space there (`shmcache gc`, `shmcache destroy`), give the cache a smaller "
-            f"size=, enable spilling=True, or in Docker raise --shm-size")
+            f"size=, or in Docker raise --shm-size")
 
 
 class Segment:
@@ -217,7 +217,7 @@ def _fallocate(fd: int, offset: int, length: int, name: str) -> None:
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise SharedMemoryFull(
-                f"no room in /dev/shm for {length / 2**20:.1f} MiB more of segment {name}: "
+                f"no room in /dev/shm for {length / 2**10:.0f} KiB more of segment {name}: "
                 f"{_shm_hint()}"
             ) from None
         raise

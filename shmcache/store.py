@@ -51,6 +51,38 @@ NOTE [publish order]
     that re-attach. Only a root that is missing, half-made, tombstoned or without its generation
     sends the opener to the lock, to create or repair it. A put that cannot get the lock
     within its timeout serves its value uncached (counted as rejected; CacheStore._write_locked).
+
+NOTE [memory limits]
+    What a cache may take of shared memory is checked where it grows: at each commit step of a
+    data segment (``_commit``: 64 KiB or one chunk at a time, so the checks below are rare).
+
+    * ``size=`` (MiB) given: the cache's own cap (root word 72); meta, index and data count.
+    * ``size=0``: the *session's* automatic cap - 80% of what is really available (MemAvailable,
+      the process's cgroup, /dev/shm's free space; config.memory_limits) when the session's
+      first auto-sized cache is made, kept in the session's ``auto_capacity`` file
+      (SessionRegistry.auto_capacity) so caches made later share it rather than each taking 80%
+      of what is left. An auto-sized cache checks what all segments of the session really
+      occupy in /dev/shm (st_blocks, as ``shmcache ls`` counts) against it, again each time its
+      process has committed 1/16 of what was left at the last look (so the checks grow frequent
+      as the session fills) or 50 ms have passed: together they stay within it, give or take
+      what more than 16 processes committing within the same 50 ms could add, and an index
+      growth (a few bytes per item), which is not checked.
+      Caches with their own size= are counted in that sum but keep their own caps.
+    * Memory full at creation (the automatic cap below one page of data): the cache is made with
+      no room for data (root word 88 = AUTO_NONE), every item is rejected or spilled, and that is
+      said once. If not even the cache's own segments fit, CacheStore raises SharedMemoryFull,
+      having removed what it made; ShmDatasetCache then serves from an UncachedStore (computes
+      from the source, counts the rejections in the process).
+    * Spilling on: spilled records are found through the index, which lives in shared memory and
+      doubles as it fills (the old and the new table coexist during a growth). So data admission
+      into memory stops early enough to leave a reserve - 1/16 of the cap or of /dev/shm,
+      whichever is smaller, at least 1 MiB (at most a quarter), at most 256 MiB - free both under
+      the cap and in /dev/shm. A reserve of R bytes lets the index double until a new table no
+      longer fits beside the old one: about 11,000 spilled items per MiB of reserve (a 64 MiB
+      /dev/shm keeps 4 MiB: ~45,000 spilled items; a cache of 4 GiB or more keeps 256 MiB: ~2.9
+      million; more when the index was already large when memory filled). Beyond that, and when
+      others fill /dev/shm meanwhile, new items are rejected (counted, said once). ``wrap()`` of a
+      map-style dataset sizes the index for all its items up front: it never grows.
 """
 
 from __future__ import annotations
@@ -76,7 +108,7 @@ from . import _process, codec
 from ._faults import ARMED as _CRASH_TESTS
 from ._faults import crash_point
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
-from .config import Namespace, memory_limits, namespace, validate_name
+from .config import SHM_ROOT, Namespace, memory_limits, namespace, validate_name
 from .errors import (
     CacheMismatch,
     CacheNotFound,
@@ -92,13 +124,15 @@ from .index import ENTRY_BYTES, INLINE24, INT_KEY, MAX_LOAD, READY, SPILLED, TAB
 from .registry import DESTROYED, MAX_SLOTS, ROOT_EPOCH, SEP, SessionRegistry, write_json
 from .segment import PAGE, Segment
 
-__all__ = ["CacheStore", "STAT_KEYS"]
+__all__ = ["CacheStore", "UncachedStore", "STAT_KEYS"]
 
 log = logging.getLogger("shmcache")
 
 KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4
 _Q = struct.Struct("Q")
-_ROOT_INCARNATION = 80  # root words: 64 the epoch, 72 the capacity, 80 the incarnation
+_ROOT_INCARNATION = 80  # root words: 64 the epoch, 72 the capacity, 80 the incarnation, 88 the sizing
+_ROOT_SIZING = 88  # how the cap was set (NOTE [memory limits]): one of the three below
+SIZED, AUTO, AUTO_NONE = 0, 1, 2  # size= given; size=0; size=0 on a full machine: nothing in memory
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.RECORD_HEADER)
 _M48 = (1 << 48) - 1
 MIN_TABLE = 1024
@@ -122,6 +156,7 @@ class MetaLayout:
 
 
 M = MetaLayout
+_MIN_CAPACITY = M.SIZE + PAGE  # a cap below this holds nothing
 # phase, table position, class (SPILL_CLASS: a spilled record), old bump, then the totals after
 # this write: items, bytes, raw bytes (disk only) and table items
 _INTENT = struct.Struct("QQQQQQQQ")
@@ -158,6 +193,10 @@ _ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x8
 
 class CacheStore:
     """One cache (``session``/``name``); see the module docstring for what lives where."""
+
+    uncached = False  # see UncachedStore
+    _session_budget, _session_until = 0, 0.0  # what may be committed, until when, before the
+    # session's caches are summed again (_commit)
 
     def __init__(self, session: str, name: str, *, capacity_bytes: int = 0,
                  fingerprint: str | None = None, table_hint: int = 0,
@@ -350,12 +389,17 @@ class CacheStore:
                 f"{', '.join(self.registry.cache_names(self.session)) or 'none'})"
             )
         self._unlink_matching(self._base + SEP)  # debris of an earlier incarnation of this cache
-        capacity = capacity_bytes or memory_limits().auto_capacity()
-        if capacity < M.SIZE + PAGE:
+        sizing, capacity = SIZED, capacity_bytes
+        if not capacity:  # size=0: the session's automatic cap (NOTE [memory limits])
+            sizing, capacity = AUTO, self.registry.auto_capacity(
+                self.session, lambda: memory_limits().auto_capacity(), _MIN_CAPACITY)
+            if capacity < _MIN_CAPACITY:  # memory is full now: a cache that holds nothing in memory
+                sizing, capacity = AUTO_NONE, _MIN_CAPACITY
+        if capacity < _MIN_CAPACITY:
             raise InvalidArgument(
                 f"the cache {self.session}/{self.name} would get {capacity / 2**20:.2f} MiB, too "
-                f"little to hold anything; give it size= (MB) of at least 1, and check "
-                f"`shmcache info` for what limits memory here"
+                f"little to hold anything; give it size= (MiB) of at least 1, or size=0 for the "
+                f"automatic cap (`shmcache info` shows what limits memory here)"
             )
         # the metadata first: a creator that dies later leaves a cache that stat and gc can see
         write_json(self.meta_path, {
@@ -366,6 +410,7 @@ class CacheStore:
             root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
             _Q.pack_into(root.buf, 72, capacity)
             _Q.pack_into(root.buf, _ROOT_INCARNATION, secrets.randbits(32))
+            _Q.pack_into(root.buf, _ROOT_SIZING, sizing)
             self._adopt(root)
             self._create_generation(root, 1, capacity, _table_capacity(table_hint))
         except BaseException:
@@ -374,7 +419,20 @@ class CacheStore:
             self._unlink_matching(self._base + SEP)
             self.meta_path.unlink(missing_ok=True)
             raise
+        if sizing == AUTO_NONE:  # said once, here: a cache that could not be made says it above us
+            self._log_no_memory()
         return root
+
+    def _log_no_memory(self) -> None:
+        lim = memory_limits()
+        log.warning(
+            "cache %s/%s gets no memory: the automatic cap (size=0) is 80%% of what is free, and "
+            "/dev/shm has %.1f MiB free of %.1f MiB (MemAvailable %.0f MiB, cgroup %s); its items go to "
+            "disk if spilling is on, else are computed from the source, not cached. "
+            "Free /dev/shm (`shmcache gc`, `shmcache destroy`), or in Docker raise --shm-size",
+            self.session, self.name, (lim.shm_free or 0) / 2**20, (lim.shm_total or 0) / 2**20,
+            (lim.mem_available or 0) / 2**20,
+            f"{lim.cgroup_free / 2**20:.0f} MiB free" if lim.cgroup_limit else "no limit")
 
     def _generation_exists(self, root: Segment) -> bool:
         """The meta and table segments the root's epoch word names are there. Under the lock nobody
@@ -667,11 +725,13 @@ class CacheStore:
         cls, chunk_size = size_class(nbytes)
         room = self.capacity_bytes - M.SIZE - TableView.bytes_for(g.index.capacity)
         if chunk_size > min(room, MAX_RECORD):  # would not fit even in the empty cache
+            if self._sizing() != SIZED and chunk_size <= MAX_RECORD:
+                raise _Full  # size=0 on a machine short of memory: nothing to fix in size=
             need = (chunk_size + M.SIZE + TableView.bytes_for(g.index.capacity)) / 2**20
             raise ItemTooLarge(
                 f"an item of {nbytes / 2**20:.2f} MiB can never fit in cache {self.session}/"
                 f"{self.name} of {self.capacity_bytes / 2**20:.2f} MiB (its index takes "
-                f"{(self.capacity_bytes - room) / 2**20:.2f} MiB); give it size= (MB) of at least "
+                f"{(self.capacity_bytes - room) / 2**20:.2f} MiB); give it size= (MiB) of at least "
                 f"{int(need) + 1}, or store smaller samples"
             )
         seg = self._class_segment(g, cls, chunk_size)
@@ -776,14 +836,43 @@ class CacheStore:
         return seg
 
     def _commit(self, g: _Gen, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
-        """Commit more chunks of class ``cls`` within the cap; raise _Full when there is no room."""
+        """Commit more chunks of class ``cls`` within the cap; raise _Full when there is no room
+        (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling)."""
         if time.monotonic() < self._shm_full_until:
             raise _Full  # /dev/shm was full a moment ago: don't ask the kernel on every miss
         meta = g.meta.buf
         used = _Q.unpack_from(meta, M.COMMITTED)[0]
         step = commit_step_chunks(chunk_size)
-        room = (self.capacity_bytes - used) // chunk_size
+        keep = shm_free = 0
+        if self.spill is not None and not self.spill.disabled:  # one statvfs, when spilling only
+            shm_total, shm_free = _shm_space()
+            keep = _index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))
+        room = (self.capacity_bytes - keep - used) // chunk_size
+        if room >= 1 and self._sizing() == AUTO and (self._session_budget < min(step, room) * chunk_size
+                                                     or time.monotonic() > self._session_until):
+            # the session's caches together: what they occupy is summed again once this process
+            # has committed 1/16 of what was left at the last look, or 50 ms later (NOTE [memory
+            # limits])
+            session_bytes = self._session_shm_bytes()
+            left = self.capacity_bytes - keep - session_bytes
+            room = min(room, left // chunk_size)
+            self._session_budget = max(0, left // 16)
+            self._session_until = time.monotonic() + 0.05
+            if room < 1:
+                self._shm_full_until = time.monotonic() + 1.0  # don't list /dev/shm on every miss
+                self._log_memory_full(
+                    f"the caches of session {self.session} hold {session_bytes / 2**20:.1f} MiB of "
+                    f"shared memory, their automatic cap (size=0) is {self.capacity_bytes / 2**20:.1f} "
+                    f"MiB for all of them together")
+        if room >= 1 and keep:  # /dev/shm keeps room for the index of what goes to disk
+            room = min(room, (shm_free - keep) // chunk_size)
+            if room < 1:
+                self._shm_full_until = time.monotonic() + 1.0
         if room < 1:
+            if keep:
+                self._log_memory_full(f"memory is full ({used / 2**20:.1f} MiB committed; "
+                                      f"{keep / 2**20:.1f} MiB of shared memory kept for the index "
+                                      f"of spilled items)")
             raise _Full
         step = min(step, room)
         try:
@@ -793,13 +882,39 @@ class CacheStore:
             raise _Full from None
         g.classes.set_committed(cls, committed + step)
         _Q.pack_into(meta, M.COMMITTED, used + step * chunk_size)
+        self._session_budget = max(0, self._session_budget - step * chunk_size)
         return committed + step
+
+    def _sizing(self) -> int:
+        """How this cache's cap was set: SIZED, AUTO or AUTO_NONE (the root's word)."""
+        return _Q.unpack_from(self._root.buf, _ROOT_SIZING)[0]
+
+    def _session_shm_bytes(self) -> int:
+        """Bytes of /dev/shm that every cache of this session really occupies (allocated pages)."""
+        prefix = self.registry.segment_prefix(self.session)
+        total = 0
+        for name in self.ns.owned_segments():
+            if name.startswith(prefix):
+                try:
+                    total += os.stat(self.ns.shm_path(name)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+        return total
 
     def _log_shm_full(self, exc: Exception) -> None:
         self._shm_full_until = time.monotonic() + 1.0
-        if not self._shm_full_logged:
-            self._shm_full_logged = True
-            log.warning("cache %s/%s stops growing: %s", self.session, self.name, exc)
+        self._log_memory_full(str(exc))
+
+    def _log_memory_full(self, why: str) -> None:
+        """Say once that memory is full, and what happens to new items now."""
+        if self._shm_full_logged:
+            return
+        self._shm_full_logged = True
+        if self.spill is not None and not self.spill.disabled:
+            then = f"new items go to disk (spill files in {self.spill.path})"
+        else:
+            then = "new items are not cached (spilling=True would keep them on disk)"
+        log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)
 
     def _grow_table(self, g: _Gen) -> _Gen:
         """Rebuild the table at twice the size as a new version (caller holds the lock)."""
@@ -1026,6 +1141,69 @@ class CacheStore:
                 _unlink_name(self.ns, name)
 
 
+class UncachedStore:
+    """A cache that could not be made: not even its own segments fit in /dev/shm (or the process
+    could not map them). It has the methods the dataset layer calls on a CacheStore: every lookup
+    misses, every put is refused and counted as rejected (in this process: there is no shared
+    memory for counters), so a training run computes its items from the source instead of
+    stopping. Said once, in the log, with what to do about it."""
+
+    uncached = True
+
+    def __init__(self, session: str, name: str, reason: Exception):
+        self.session, self.name = session, name
+        self.capacity_bytes = 0
+        self.spill = None
+        self._counters = [0, 0, 0]  # hits, misses, rejected
+        log.warning("cache %s/%s is not cached: %s; its items are computed from the source", session,
+                    name, reason)
+
+    def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
+        if count:
+            self._counters[1] += 1
+        return MISSING
+
+    def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
+        self._counters[1] += len(keys)
+        return [MISSING] * len(keys), list(range(len(keys)))
+
+    def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
+        if encoded is None:
+            codec.encode(value, f"the value of key {key!r}")  # what is not cacheable says so anyway
+        self._counters[2] += 1
+        return False
+
+    def contains(self, key: Any) -> bool:
+        return False
+
+    def batch_layout(self, keys: np.ndarray) -> None:
+        return None
+
+    def gather_ints(self, keys: np.ndarray, out: list | None = None) -> None:
+        return None
+
+    out_matches = CacheStore.out_matches
+
+    def bind_fingerprint(self, fingerprint: str) -> None:
+        """Nothing is stored, so nothing can be another dataset's."""
+
+    def stats(self) -> dict:
+        st = dict.fromkeys(STAT_KEYS, 0)
+        st.update(session=self.session, name=self.name, hits=self._counters[0],
+                  misses=self._counters[1], rejected=self._counters[2], corrupt=0,
+                  committed_bytes=0, shm_bytes=0, uncached=True)
+        return st
+
+    def __len__(self) -> int:
+        return 0
+
+    def clear(self) -> None:
+        """Nothing to drop."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 class _Missing:
     def __repr__(self) -> str:
         return "MISSING"
@@ -1119,6 +1297,22 @@ def _apply_totals(meta, cls: int, items: int, total: int, raw: int, table_items:
 
 def _table_items(g: _Gen) -> int:
     return _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0]
+
+
+def _shm_space() -> tuple[int, int]:
+    """``(total, free)`` bytes of /dev/shm (one statvfs)."""
+    try:
+        st = os.statvfs(SHM_ROOT)
+    except OSError:
+        return 0, 0
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _index_reserve(limit: int) -> int:
+    """Shared memory a spilling cache of ``limit`` bytes (its cap, or /dev/shm if smaller) leaves
+    free for its index: 1/16 of it, at least 1 MiB (at most a quarter), at most 256 MiB
+    (NOTE [memory limits])."""
+    return min(max(limit // 16, 1 << 20), limit // 4, 256 << 20)
 
 
 def _table_capacity(hint: int) -> int:

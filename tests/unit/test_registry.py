@@ -314,3 +314,30 @@ def test_attaching_while_a_destroy_has_the_directory_away_waits_for_its_decision
 def test_destroy_idle_refuses_a_negative_duration(reg):
     with pytest.raises(InvalidArgument, match="-1"):
         reg.destroy_idle(-1)
+
+
+def test_the_session_automatic_cap_is_fixed_by_its_first_auto_sized_cache(reg):
+    """size=0: the first auto-sized cache of a session fixes the cap they all share; caches made
+    later (when less is free) get the same, not 80% of what is left. A cap computed while memory
+    is full is not kept: the next cache asks again."""
+    reg.create("s")
+    calls = []
+
+    def compute(value):
+        return lambda: calls.append(value) or value
+
+    assert reg.auto_capacity("s", compute(10), floor=100) == 10  # below the floor: not kept
+    assert reg.auto_capacity("s", compute(500 << 20), floor=100) == 500 << 20
+    assert reg.auto_capacity("s", compute(100 << 20), floor=100) == 500 << 20
+    assert calls == [10, 500 << 20]
+    a = CacheStore("s", "a")
+    b = CacheStore("s", "b")
+    sized = CacheStore("s", "sized", capacity_bytes=8 << 20)
+    assert a.capacity_bytes == b.capacity_bytes == 500 << 20
+    assert sized.capacity_bytes == 8 << 20
+    for store in (a, b, sized):
+        store.close()
+    reg.destroy("s")
+    reg.create("s")  # a new session computes its own
+    assert reg.auto_capacity("s", compute(200 << 20), floor=100) == 200 << 20
+    assert [p.name for p in reg.session_dir("s").iterdir() if p.name.endswith(".tmp")] == []
