@@ -18,15 +18,17 @@ explains, 2 bad usage.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pwd
+import shutil
 import sys
 import time
 
 from .config import ENV_SPILL_DIR, memory_limits, namespace
-from .errors import InvalidArgument, ShmcacheError
-from .registry import SessionRegistry
+from .errors import CorruptSegment, InvalidArgument, ShmcacheError
+from .registry import SEP, SessionRegistry
 
 __all__ = ["main"]
 
@@ -162,26 +164,37 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
     from .store import CacheStore
 
     report = registry.gc()
-    reclaimed, stale = 0, []
+    reclaimed, stale, dropped, recounted = 0, [], [], []
     for info in registry.list():
         for name in registry.cache_names(info.name):
+            cache = f"{info.name}/{name}"
             try:
                 store = CacheStore(info.name, name, ns=registry.ns, create=False, lock_timeout_s=10)
+            except CorruptSegment as exc:  # a segment header is damaged: the cache cannot open
+                _drop_unopenable(registry, info.name, name)
+                dropped.append({"cache": cache, "reason": str(exc)})
+                continue
             except ShmcacheError:
                 continue
+            done: dict = {}
             try:
                 _attach_spill(store)
-                n, removed = store.collect_garbage()
+                n, removed = store.collect_garbage(done)  # repairs, or drops a damaged generation
             finally:
                 store.close()
             reclaimed += n
             stale += removed
+            if done.get("dropped"):
+                dropped.append({"cache": cache, "reason": done["dropped"]})
+            if done.get("recounted"):
+                recounted.append({"cache": cache, "counters": done["recounted"]})
     from .spilling import remove_orphans
 
     report.removed_spill_files += remove_orphans(registry.ns, {s.name for s in registry.list()})
     result = {"removed_segments": report.removed_segments + stale,
               "removed_dirs": report.removed_dirs, "removed_locks": report.removed_locks,
-              "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files}
+              "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files,
+              "dropped_caches": dropped, "recounted_caches": recounted}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -189,7 +202,33 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
               f"{reclaimed} half-written entries reclaimed, {len(report.removed_dirs)} half-made "
               f"sessions and {len(report.removed_locks)} stale slot locks removed, "
               f"{len(report.removed_spill_files)} orphaned spill folders removed")
+        for d in dropped:
+            print(f"gc: cache {d['cache']} was damaged and is dropped (now empty; its contents are "
+                  f"recomputed on use): {d['reason']}")
+        for d in recounted:
+            print(f"gc: cache {d['cache']}: recounted {', '.join(d['counters'])}")
     return 0
+
+
+def _drop_unopenable(registry: SessionRegistry, session: str, cache: str) -> None:
+    """Remove every segment (root first) and the spill files of a cache whose segments do not even
+    open: the next open makes it again, empty (it is a cache: its contents are recomputed)."""
+    ns = registry.ns
+    prefix = ns.segment_name(session, cache) + SEP
+    lock = registry.cache_lock(session, cache)
+    try:
+        with lock:
+            names = [n for n in ns.owned_segments() if n.startswith(prefix)]
+            for name in sorted(names, key=lambda n: not n.endswith(SEP + "root")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(ns.shm_path(name))
+            meta = registry.session_dir(session) / "caches" / f"{cache}.json"
+            with contextlib.suppress(OSError, ValueError):
+                spill = json.loads(meta.read_text()).get("spill_path")
+                if spill:
+                    shutil.rmtree(spill, ignore_errors=True)
+    finally:
+        lock.close()
 
 
 def cmd_info(args, registry: SessionRegistry) -> int:
