@@ -513,10 +513,14 @@ class CacheStore:
         pos, w0, w2 = index.find(w1, not kb)
         # a hash matched: compare the key bytes stored at the end of the record (a spilled record
         # is checked against the key when it is read)
+        probes = 0
         while w0 and kb and not w0 & SPILLED:
             rec = self._record(g, w0, w2, w1, kb)
             if _KEY_LEN.unpack_from(rec, 4)[0] == len(kb) and rec[len(rec) - len(kb):] == kb:
                 break
+            probes += 1
+            if probes >= index.capacity:  # around the whole table: no EMPTY entry ends the probe
+                raise index.corrupt()
             pos, w0, w2 = index.find_from((pos + 1) & index.mask, w1, False)
         return w0, w2, pos, kb, w1
 

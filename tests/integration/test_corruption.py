@@ -20,7 +20,7 @@ import pytest
 
 from shmcache import ShmDatasetCache
 from shmcache.errors import CorruptSegment
-from shmcache.index import INLINE24, INT_KEY, READY, TABLE_OFF
+from shmcache.index import INLINE24, INT_KEY, READY, key_bytes
 from shmcache.store import _INTENT, MISSING, CacheStore, MetaLayout
 
 S, C, N = "dmg", "c", 40
@@ -397,4 +397,22 @@ def test_a_segment_header_that_does_not_open_is_dropped_by_gc(writer):
     with pytest.raises(CorruptSegment) as exc:
         reader()
     assert g.meta.name in str(exc.value)
+    assert_works_after_gc()
+
+
+def test_a_table_full_of_one_str_key_hash_is_corrupt_segment_not_a_hang(writer):
+    g = writer._refresh()
+    w0, w2, *_ = writer._find(g, "s3")
+    words = g.index.words
+    free = words[:, 0] == 0
+    words[free, 1] = np.uint64(key_bytes("absent")[0])  # every entry: the hash of "absent"...
+    words[free, 2] = np.uint64(w2)  # ...pointing at the record of "s3" (its key bytes differ)
+    words[free, 0] = np.uint64(w0)
+    r = reader()
+    try:
+        with pytest.raises(CorruptSegment) as exc:
+            r.lookup("absent")
+        assert_corrupt(exc, g.table.name)
+    finally:
+        r.close()
     assert_works_after_gc()
