@@ -497,7 +497,10 @@ class CacheStore:
                 return
             off = M.COUNTERS + 32 * slot
             key = f"{self.ns.root}{self._base}+g{g.gen}+{slot}"
-            self._counters = _process.counters(key, lambda: struct.unpack_from("QQQQ", g.meta.buf, off))
+            # a total of garbage (a damaged slot) restarts at 0: a stat, not worth failing reads over,
+            # and one at the top of the word would overflow on the next count (struct.error)
+            self._counters = _process.counters(key, lambda: [c if c < 1 << 62 else 0 for c in
+                                                             struct.unpack_from("QQQQ", g.meta.buf, off)])
             self._counter_off = off
             self._proc_gen = _process.generation()
         self._counters[which] += n

@@ -416,3 +416,13 @@ def test_a_table_full_of_one_str_key_hash_is_corrupt_segment_not_a_hang(writer):
     finally:
         r.close()
     assert_works_after_gc()
+
+
+def test_hit_counters_of_garbage_do_not_break_reads(writer):
+    g = writer._refresh()
+    start, end = MetaLayout.COUNTERS, MetaLayout.CLASSES
+    g.meta.buf[start:end] = b"\xff" * (end - start)  # every process slot's hits, misses...
+    code = ("from shmcache.store import CacheStore; s = CacheStore('dmg', 'c', create=False); "
+            "v = s.lookup(5); assert v[1] == 5, v; s.lookup(10_000); s.close()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
