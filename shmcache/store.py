@@ -137,9 +137,9 @@ class _Gen:
     table: Segment
     index: TableView
     classes: ClassTable
-    data: dict  # class id -> (Segment, read-only memoryview, chunk size)
-    layouts: dict  # layout id -> (layout bytes, decoder)
-    columns: dict  # layout id -> (tree, leaves) for the batch path
+    data: dict  # class id -> (Segment, read-only memoryview, chunk size, chunks committed as last seen)
+    layouts: dict  # layout id -> (layout bytes, decoder, end of its last leaf)
+    columns: dict  # layout id -> (tree, leaves, end of the last leaf) for the batch path
 
 
 class _Full(Exception):
