@@ -551,10 +551,14 @@ class CacheStore:
             raise
         except _UNDECODABLE as exc:
             where = "a spill file" if w0 & SPILLED else self._seg_name(f"g{g.gen}", f"c{w2 >> 48}")
-            raise CorruptSegment(
-                f"cache {self.session}/{self.name}: the record of key {_key_repr(w1, kb)} in {where} "
-                f"cannot be decoded ({exc!r}); its bytes are damaged. Clear the cache (cache.clear(), "
-                f"or `shmcache destroy {self.session}`): its contents are recomputed on use") from None
+            raise self._undecodable(f"the record of key {_key_repr(w1, kb)} in {where}", exc) from None
+
+    def _undecodable(self, what: str, exc: Exception) -> CorruptSegment:
+        """A record whose bytes do not decode: gc checks metadata, not every record, so the fix
+        given is a clear."""
+        return CorruptSegment(f"cache {self.session}/{self.name}: {what} cannot be decoded ({exc!r}); its "
+                              f"bytes are damaged. Clear the cache (cache.clear(), or `shmcache destroy "
+                              f"{self.session}`): its contents are recomputed on use")
 
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
@@ -1053,9 +1057,15 @@ class CacheStore:
         seg, _, chunk, committed = entry
         rows = np.ndarray((committed, chunk), np.uint8, seg.buf, DATA_OFF)
         columns = []
-        for i, leaf in enumerate(leaves):
-            columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None,
-                                        self._buffers))
+        try:  # str, bytes and pickled leaves decode per item: damaged bytes raise there
+            for i, leaf in enumerate(leaves):
+                columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None,
+                                            self._buffers))
+        except ShmcacheError:
+            raise
+        except _UNDECODABLE as exc:
+            raise self._undecodable(f"a record of the batch of keys from {int(keys[0])} in {seg.name}",
+                                    exc) from None
         self._count(0, len(keys))
         return tree, leaves, columns
 

@@ -426,3 +426,21 @@ def test_hit_counters_of_garbage_do_not_break_reads(writer):
             "v = s.lookup(5); assert v[1] == 5, v; s.lookup(10_000); s.close()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_damaged_pickled_bytes_in_a_vectorised_batch_are_corrupt_segment():
+    cache = ShmDatasetCache(session=S, name=C, size=16)
+    try:
+        for i in range(N):
+            cache.put(i, (np.full(4, i, np.uint8), {i}))  # a set: a pickled leaf, decoded per item
+        g = cache.store._refresh()
+        rec = _record(g, cache.store, 7)
+        rec[16:24] = b"\xff" * 8  # the start of its pickle
+        with pytest.raises(CorruptSegment) as exc:
+            cache.get_batch(list(range(N)))
+        assert g.meta.name.rsplit("+", 1)[0] in str(exc.value) and "cache.clear()" in str(exc.value)
+        cache.clear()
+        cache.put(7, (np.full(4, 7, np.uint8), {7}))
+        assert cache.get(7)[1] == {7}
+    finally:
+        cache.close()
