@@ -440,7 +440,7 @@ class CacheStore:
         cls = w2 >> 48
         entry = g.data.get(cls) or self._data(g, cls)
         chunk, n = w2 & _M48, w0 >> 32
-        if chunk >= entry[3] or not _MIN_RECORD <= n <= entry[2]:
+        if chunk >= entry[3] or not 16 <= n <= entry[2]:  # 16: _MIN_RECORD, as a constant
             entry = self._committed(g, cls, entry)  # more may have been committed since
             if chunk >= entry[3] or not _MIN_RECORD <= n <= entry[2]:
                 raise self._corrupt(f"the entry of key {_key_repr(w1, kb)} in {g.table.name} points at "
@@ -543,10 +543,7 @@ class CacheStore:
                 if not 0 <= end - lay_len < end:
                     raise ValueError(f"an inline layout of {lay_len} bytes and a key of {key_len}")
                 return codec.decode(buf, bytes(buf[end - lay_len:end]))
-            layout = self._layout(g, lid)
-            if len(buf) < layout[2]:
-                raise ValueError(f"{len(buf)} bytes, shorter than its layout's {layout[2]}")
-            return layout[1](buf)
+            return self._layout(g, lid)[1](buf)  # a record too short for it raises (codec)
         except ShmcacheError:
             raise
         except _UNDECODABLE as exc:

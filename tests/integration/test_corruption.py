@@ -444,3 +444,18 @@ def test_damaged_pickled_bytes_in_a_vectorised_batch_are_corrupt_segment():
         assert cache.get(7)[1] == {7}
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("value_", ["x" * 40, b"y" * 40])
+def test_a_length_cut_short_is_corrupt_segment_not_a_truncated_value(writer, value_):
+    assert writer.put(200, value_)
+    g = writer._refresh()
+    e = entry(g, 200)
+    e[0] = (int(e[0]) & 0xFFFFFFFF) | (20 << 32)  # 20 of its 56 bytes
+    r = reader()
+    try:
+        with pytest.raises(CorruptSegment) as exc:
+            r.lookup(200)
+        assert "200" in str(exc.value)
+    finally:
+        r.close()
