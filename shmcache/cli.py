@@ -28,7 +28,7 @@ import sys
 import time
 
 from .config import ENV_SPILL_DIR, memory_limits, namespace
-from .errors import InvalidArgument, SessionInUse, ShmcacheError
+from .errors import CorruptSegment, InvalidArgument, SessionInUse, ShmcacheError
 from .registry import SessionRegistry
 
 __all__ = ["main"]
@@ -198,27 +198,38 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
 
     idle = registry.destroy_idle(args.idle_for) if args.idle_for is not None else []
     report = registry.gc()
-    reclaimed, stale = 0, []
+    reclaimed, stale, dropped, recounted = 0, [], [], []
     for info in registry.list():
         for name in registry.cache_names(info.name):
+            cache = f"{info.name}/{name}"
             try:
                 store = CacheStore(info.name, name, ns=registry.ns, create=False, lock_timeout_s=10)
+            except CorruptSegment as exc:  # a segment header is damaged: the cache cannot open
+                registry.drop_cache_contents(info.name, name)
+                dropped.append({"cache": cache, "reason": str(exc)})
+                continue
             except ShmcacheError:
                 continue
+            done: dict = {}
             try:
                 _attach_spill(store)
-                n, removed = store.collect_garbage()
+                n, removed = store.collect_garbage(done)  # repairs, or drops a damaged generation
             finally:
                 store.close()
             reclaimed += n
             stale += removed
+            if done.get("dropped"):
+                dropped.append({"cache": cache, "reason": done["dropped"]})
+            if done.get("recounted"):
+                recounted.append({"cache": cache, "counters": done["recounted"]})
     from .spilling import remove_orphans
 
     report.removed_spill_files += remove_orphans(registry.ns, {s.name for s in registry.list()})
     result = {"removed_segments": report.removed_segments + stale,
               "removed_dirs": report.removed_dirs, "removed_locks": report.removed_locks,
               "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files,
-              "removed_caches": report.removed_caches,
+              "removed_caches": report.removed_caches, "dropped_caches": dropped,
+              "recounted_caches": recounted,
               "destroyed_idle_sessions": [{"session": s.name, "last_used": round(s.last_used, 1),
                                            "idle_s": round(s.idle_s, 1),
                                            "removed_segments": s.removed_segments} for s in idle]}
@@ -234,6 +245,11 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
               f"sessions removed, {len(report.removed_locks)} slot files of exited processes "
               f"cleared, {len(report.removed_spill_files)} orphaned spill folders removed, "
               f"{len(report.removed_caches)} caches that were never made forgotten")
+        for d in dropped:
+            print(f"gc: cache {d['cache']} was damaged and is dropped (now empty; its contents are "
+                  f"recomputed on use): {d['reason']}")
+        for d in recounted:
+            print(f"gc: cache {d['cache']}: recounted {', '.join(d['counters'])}")
     return 0
 
 

@@ -309,12 +309,18 @@ def _compile(node: tuple) -> Callable:
         return lambda buf: buf[off] != 0
     if tag == _NONE:
         return lambda buf: None
-    if tag == _STR:
+    if tag in (_STR, _BYTES):
+        # the one kind of leaf that a record too short for its layout (damage) would otherwise
+        # truncate silently: slicing clamps, where numpy and struct raise
         off, n = node[1], node[2]
-        return lambda buf: bytes(buf[off:off + n]).decode("utf-8", "surrogatepass")
-    if tag == _BYTES:
-        off, n = node[1], node[2]
-        return lambda buf: bytes(buf[off:off + n])
+        text = tag == _STR
+
+        def var_leaf(buf):
+            b = bytes(buf[off:off + n])
+            if len(b) != n:
+                raise ValueError(f"a leaf of {n} bytes at offset {off} in a record of {len(buf)}")
+            return b.decode("utf-8", "surrogatepass") if text else b
+        return var_leaf
     if tag == _PICKLE:
         off, n = node[1], node[2]
         return lambda buf: pickle.loads(buf[off:off + n])

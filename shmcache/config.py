@@ -190,8 +190,9 @@ def make_private_dir(path: Path, what: str, fix: str) -> None:
     and its parent may be shared (sticky /tmp, a 1777 scratch disk). Another user can plant a
     symlink there before we come, so that root chmods /tmp to 0700 and writes into it. mkdir never
     follows a symlink; an existing entry is opened with O_NOFOLLOW (only a symlink that our own uid
-    made is followed) and judged by fstat of what was opened, and a mode that is too open is fixed with fchmod on that descriptor. Once verified, the
-    directory is ours in a sticky parent, so nobody else can rename or replace it.
+    made is followed) and judged by fstat of what was opened, and a mode that is too open is fixed
+    with fchmod on that descriptor. Once verified, the directory is ours in a sticky parent, so
+    nobody else can rename or replace it.
 
     Raises NotOwner (a symlink, or a directory of another user: named as a likely attack, with
     ``fix``), NotADirectoryError (something else is there), or the OSError of mkdir.

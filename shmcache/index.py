@@ -71,12 +71,20 @@ def key_hash(kb: bytes) -> int:
 class TableView:
     """Lock-free reads of one table segment (and, under the cache lock, inserts)."""
 
-    def __init__(self, buf):
+    def __init__(self, buf, name: str = "the index table"):
         self.buf = buf
-        self.capacity = _Q.unpack_from(buf, 64)[0]
-        self.shift = 64 - (self.capacity.bit_length() - 1)
-        self.mask = self.capacity - 1
-        self.words = np.ndarray((self.capacity, 3), np.uint64, buf, TABLE_OFF)
+        self.name = name  # the table segment's, for messages
+        cap = _Q.unpack_from(buf, 64)[0]
+        # a capacity that is no power of two or does not fit the segment is damage: the view then
+        # has no entries, so every probe raises CorruptSegment saying so (and gc drops the table)
+        self.damage = None
+        if cap < 1 or cap & (cap - 1) or TABLE_OFF + cap * ENTRY_BYTES > len(buf):
+            self.damage = f"its header gives a capacity of {cap} entries, which does not fit its {len(buf)} bytes"
+            cap = 0
+        self.capacity = cap
+        self.shift = 64 - max(cap.bit_length() - 1, 0)
+        self.mask = max(cap - 1, 0)
+        self.words = np.ndarray((cap, 3), np.uint64, buf, TABLE_OFF)
 
     @staticmethod
     def init(buf, capacity: int) -> None:
@@ -112,8 +120,15 @@ class TableView:
                 if k == w1:
                     return pos, w0, w2
             pos = (pos + 1) & mask
-        raise CorruptSegment(f"the index table has no empty entry (capacity {self.capacity}): it "
-                             f"was filled past its load limit; run `shmcache gc`, or clear the cache")
+        raise self.corrupt()
+
+    def corrupt(self) -> CorruptSegment:
+        """The error of a probe that found no EMPTY entry: the load stays <= MAX_LOAD, so the
+        table was damaged (or its header is)."""
+        what = self.damage or (f"it has no empty entry in {self.capacity}, though it is never filled "
+                               f"past {MAX_LOAD:.0%}")
+        return CorruptSegment(f"index table {self.name} is damaged: {what}; run `shmcache gc` (it "
+                              f"will drop this cache's contents; they are recomputed on use)")
 
     def publish(self, pos: int, w0: int, w1: int, w2: int) -> None:
         """Fill EMPTY entry ``pos``: w1 and w2 first, then w0 in one aligned store (caller holds the lock)."""
@@ -144,7 +159,9 @@ class TableView:
         todo = np.arange(len(k))
         want = np.uint64(READY | INT_KEY)
         mask = np.uint64(self.mask)
-        while len(todo):
+        for _ in range(self.capacity):  # bounded as find_from is: an EMPTY entry comes first
+            if not len(todo):
+                return w0, w2
             p = pos[todo]
             s0 = w[p, 0]  # state words first, in their own gather
             s1 = w[p, 1]
@@ -156,4 +173,6 @@ class TableView:
             go_on = ~hit & (s0 != 0)
             todo = todo[go_on]
             pos[todo] = (pos[todo] + np.uint64(1)) & mask
+        if len(todo):
+            raise self.corrupt()
         return w0, w2

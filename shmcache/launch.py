@@ -24,7 +24,8 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
     --spilling              spill to disk when memory is full; sets $SHMCACHE_SPILLING=1. Needs a
                             spill directory: --spill-dir, the session's, or $SHMCACHE_SPILL_DIR
     --spill-dir DIR         where spill files go (an existing directory: never created, a typo
-                            would fill another disk); sets $SHMCACHE_SPILL_DIR and becomes the spill directory of a session created now
+                            would fill another disk); sets $SHMCACHE_SPILL_DIR and becomes the
+                            spill directory of a session created now
     --destroy-session       destroy the session (and everything cached in it) once every process
                             is gone, even if other jobs still use it; by default it stays, for
                             the next run to find
@@ -97,7 +98,6 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from ._procs import WorkerSpec, run_workers
 from .config import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name

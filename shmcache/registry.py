@@ -401,6 +401,27 @@ class SessionRegistry:
                 lock.close()
         return removed
 
+    def drop_cache_contents(self, session: str, cache: str) -> list[str]:
+        """Remove every segment (roots tombstoned first) and the spill folder of cache ``cache``,
+        keeping its metadata: for a cache whose segments no longer open (a damaged header). The
+        next open makes it again, empty - it is a cache, its contents are recomputed on use.
+        Returns the segment names removed."""
+        lock = self.cache_lock(session, cache)
+        try:
+            with lock:
+                prefix = self.ns.segment_name(session, cache) + SEP
+                removed = self._unlink_segments(prefix, roots_only=True) + self._unlink_segments(prefix)
+                meta = self.session_dir(session) / "caches" / f"{cache}.json"
+                try:
+                    spill = json.loads(meta.read_text()).get("spill_path")
+                except (OSError, ValueError):
+                    spill = None
+                if spill:
+                    shutil.rmtree(spill, ignore_errors=True)
+        finally:
+            lock.close()
+        return removed
+
     def _remove_rootless_caches(self, session: str) -> list[str]:
         """Segments of caches whose root is gone (a destroy or a creation cut short)."""
         prefix = self.segment_prefix(session)

@@ -52,6 +52,16 @@ NOTE [publish order]
     sends the opener to the lock, to create or repair it. A put that cannot get the lock
     within its timeout serves its value uncached (counted as rejected; CacheStore._write_locked).
 
+    Damage (a stray write into /dev/shm, a hostile process of the same user) must never turn into
+    a wrong value or a moved bump. Readers check each entry before following it: a class in use,
+    a chunk below the committed count, a length within the chunk, a layout id the meta segment
+    holds (_record, _layout; on the batch path with numpy over the batch). The repairer checks the
+    intent is one a writer can leave: phase 1 or 2, a position inside the table, a class in use (or
+    SPILL_CLASS), an old bump equal to the class's bump or one less, phase 2 only with its entry
+    READY, totals at most one item on. Anything else raises CorruptSegment and touches nothing;
+    ``shmcache gc`` (collect_garbage) finds the same damage and replaces the generation by an
+    empty one, as clear() does.
+
 NOTE [memory limits]
     What a cache may take of shared memory is checked where it grows: at each commit step of a
     data segment (``_commit``: 64 KiB or one chunk at a time, so the checks below are rare).
@@ -91,6 +101,7 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import platform
 import secrets
 import shutil
@@ -138,6 +149,10 @@ _M48 = (1 << 48) - 1
 MIN_TABLE = 1024
 _STUCK_COOLDOWN_S = 30.0  # puts stop waiting for a lock that a live process keeps (_write_locked)
 MAX_RECORD = (1 << 32) - 1
+_MIN_RECORD = codec.RECORD_HEADER.size
+# what decoding damaged bytes raises (marshal, struct, numpy, pickle, utf-8): CorruptSegment instead
+_UNDECODABLE = (ValueError, TypeError, OverflowError, IndexError, KeyError, EOFError, struct.error,
+                RecursionError, pickle.UnpicklingError)
 
 
 class MetaLayout:
@@ -176,9 +191,9 @@ class _Gen:
     table: Segment
     index: TableView
     classes: ClassTable
-    data: dict  # class id -> (Segment, read-only memoryview, chunk size)
-    layouts: dict  # layout id -> (layout bytes, decoder)
-    columns: dict  # layout id -> (tree, leaves) for the batch path
+    data: dict  # class id -> (Segment, read-only memoryview, chunk size, chunks committed as last seen)
+    layouts: dict  # layout id -> (layout bytes, decoder, end of its last leaf)
+    columns: dict  # layout id -> (tree, leaves, end of the last leaf) for the batch path
 
 
 class _Full(Exception):
@@ -526,7 +541,7 @@ class CacheStore:
         if old is not None and old.gen == gen:
             table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
             # a new _Gen, not an update in place: a thread inside a lookup keeps the one it has
-            self._gen = _Gen(gen, version, old.meta, table, TableView(table.buf), old.classes,
+            self._gen = _Gen(gen, version, old.meta, table, TableView(table.buf, table.name), old.classes,
                              old.data, old.layouts, old.columns)
         else:
             meta = Segment.attach(self._seg_name(f"g{gen}", "meta"), kind=KIND_META)
@@ -535,7 +550,7 @@ class CacheStore:
             except BaseException:
                 meta.close()
                 raise
-            self._gen = _Gen(gen, version, meta, table, TableView(table.buf),
+            self._gen = _Gen(gen, version, meta, table, TableView(table.buf, table.name),
                              ClassTable(meta.buf, M.CLASSES), {}, {}, {})
             if old is not None:
                 _close_gen(old)
@@ -545,22 +560,82 @@ class CacheStore:
         self._epoch = epoch
 
     def _data(self, g: _Gen, cls: int) -> tuple:
+        """``(segment, read-only view, chunk size, chunks committed when last checked)`` of size
+        class ``cls``, mapped on first use (its class record checked by :meth:`_committed`)."""
         entry = g.data.get(cls)
         if entry is None:
+            if not (0 < cls < MAX_CLASSES and g.classes.chunk_size(cls)):
+                raise self._corrupt(f"an entry of {g.table.name} names size class {cls}, which holds "
+                                    f"no chunks in {g.meta.name}")
             seg = Segment.attach(self._seg_name(f"g{g.gen}", f"c{cls}"), kind=KIND_DATA)
-            entry = (seg, memoryview(seg.buf).toreadonly(), g.classes.chunk_size(cls))
-            g.data[cls] = entry
+            entry = self._committed(g, cls, (seg, memoryview(seg.buf).toreadonly(), 0, 0))
         return entry
 
-    def _layout(self, g: _Gen, lid: int) -> tuple[bytes, Callable]:
+    def _committed(self, g: _Gen, cls: int, entry: tuple) -> tuple:
+        """``entry`` of :meth:`_data` with the class record read again from meta and checked: a
+        chunk size the allocator gives that class, ``bump <= committed``, and committed chunks
+        inside the segment. Called when an entry points past what this process saw committed."""
+        seg, view = entry[:2]
+        chunk, bump, committed = g.classes.get(cls)
+        try:
+            ok = size_class(chunk) == (cls, chunk)
+        except OverflowError:
+            ok = False
+        if not ok or bump > committed or DATA_OFF + committed * chunk > seg.size:
+            raise self._corrupt(f"the record of size class {cls} in {g.meta.name} is damaged (chunks of "
+                                f"{chunk} bytes, {bump} handed out of {committed} committed, in "
+                                f"{seg.name} of {seg.size} bytes)")
+        entry = g.data[cls] = (seg, view, chunk, committed)
+        return entry
+
+    def _record(self, g: _Gen, w0: int, w2: int, w1: int, kb: bytes) -> memoryview:
+        """The bytes of the in-memory record that entry (w0, w2) points at. The entry is checked
+        first with a few int compares: a damaged one (issue 8) names a class, a chunk or a length
+        the allocator never handed out, where reading would return zeros or another record."""
+        cls = w2 >> 48
+        entry = g.data.get(cls) or self._data(g, cls)
+        chunk, n = w2 & _M48, w0 >> 32
+        if chunk >= entry[3] or not 16 <= n <= entry[2]:  # 16: _MIN_RECORD, as a constant
+            entry = self._committed(g, cls, entry)  # more may have been committed since
+            if chunk >= entry[3] or not _MIN_RECORD <= n <= entry[2]:
+                raise self._corrupt(f"the entry of key {_key_repr(w1, kb)} in {g.table.name} points at "
+                                    f"{n} bytes in chunk {chunk} of size class {cls}, which has "
+                                    f"{entry[3]} chunks of {entry[2]} bytes committed")
+        start = DATA_OFF + chunk * entry[2]
+        return entry[1][start:start + n]
+
+    def _layout(self, g: _Gen, lid: int) -> tuple[bytes, Callable, int]:
+        """``(layout bytes, decoder, the end of its last leaf)`` of layout ``lid``, checked on
+        first use: an id the table never gave out or bytes that are not a layout are damage."""
         item = g.layouts.get(lid)
         if item is None:
+            meta = g.meta.buf
+            count = _Q.unpack_from(meta, M.N_LAYOUTS)[0]
+            if lid >= min(count, M.MAX_LAYOUTS):
+                raise self._corrupt(f"an entry of {g.table.name} names layout {lid}, but {g.meta.name} "
+                                    f"holds {count} layouts (at most {M.MAX_LAYOUTS})")
             off = M.LAYOUTS + lid * M.LAYOUT_BYTES
-            n = struct.unpack_from("I", g.meta.buf, off)[0]
-            raw = bytes(g.meta.buf[off + 4:off + 4 + n])
-            item = (raw, codec.decoder_for(raw))
+            n = struct.unpack_from("I", meta, off)[0]
+            raw = bytes(meta[off + 4:off + 4 + min(n, M.LAYOUT_BYTES - 4)])
+            try:
+                if n > M.LAYOUT_BYTES - 4:
+                    raise ValueError(f"a length of {n} bytes in a slot of {M.LAYOUT_BYTES - 4}")
+                leaves = codec.leaves(raw)[1]
+                item = (raw, codec.decoder_for(raw),
+                        max((leaf.offset + leaf.nbytes for leaf in leaves), default=0))
+            except ShmcacheError:
+                raise
+            except _UNDECODABLE as exc:
+                raise self._corrupt(f"layout {lid} in {g.meta.name} is damaged ({exc!r})") from None
             g.layouts[lid] = item
         return item
+
+    def _corrupt(self, what: str, fix: str = "it will drop this cache's contents; they are "
+                                             "recomputed on use") -> CorruptSegment:
+        """The error for damaged shared memory; `shmcache gc` finds the same damage and drops the
+        generation (or recounts counters: collect_garbage), so that is the fix the message gives."""
+        return CorruptSegment(f"cache {self.session}/{self.name}: {what}; its shared memory is damaged. "
+                              f"Run `shmcache gc` ({fix})")
 
     # --- counters (NOTE [lock files]: one slot per live process, so no atomics are needed) -----
 
@@ -581,7 +656,10 @@ class CacheStore:
                 return
             off = M.COUNTERS + 32 * slot
             key = f"{self.ns.root}{self._base}+g{g.gen}+{slot}"
-            self._counters = _process.counters(key, lambda: struct.unpack_from("QQQQ", g.meta.buf, off))
+            # a total of garbage (a damaged slot) restarts at 0: a stat, not worth failing reads over,
+            # and one at the top of the word would overflow on the next count (struct.error)
+            self._counters = _process.counters(key, lambda: [c if c < 1 << 62 else 0 for c in
+                                                             struct.unpack_from("QQQQ", g.meta.buf, off)])
             self._counter_off = off
             self._proc_gen = _process.generation()
         self._counters[which] += n
@@ -597,12 +675,14 @@ class CacheStore:
         pos, w0, w2 = index.find(w1, not kb)
         # a hash matched: compare the key bytes stored at the end of the record (a spilled record
         # is checked against the key when it is read)
+        probes = 0
         while w0 and kb and not w0 & SPILLED:
-            seg, view, chunk = self._data(g, w2 >> 48)
-            start = DATA_OFF + (w2 & _M48) * chunk
-            end = start + (w0 >> 32)
-            if _KEY_LEN.unpack_from(view, start + 4)[0] == len(kb) and view[end - len(kb):end] == kb:
+            rec = self._record(g, w0, w2, w1, kb)
+            if _KEY_LEN.unpack_from(rec, 4)[0] == len(kb) and rec[len(rec) - len(kb):] == kb:
                 break
+            probes += 1
+            if probes >= index.capacity:  # around the whole table: no EMPTY entry ends the probe
+                raise index.corrupt()
             pos, w0, w2 = index.find_from((pos + 1) & index.mask, w1, False)
         return w0, w2, pos, kb, w1
 
@@ -612,16 +692,29 @@ class CacheStore:
             if buf is None:
                 return _CORRUPT
         else:
-            seg, view, chunk = self._data(g, w2 >> 48)
-            start = DATA_OFF + (w2 & _M48) * chunk
-            view = view[start:start + (w0 >> 32)]
+            view = self._record(g, w0, w2, w1, kb)
             buf = bytearray(view) if copy else view
         lid = (w0 >> 8) & INLINE24
-        if lid == INLINE24:
-            _, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(buf, 0)
-            end = len(buf) - key_len
-            return codec.decode(buf, bytes(buf[end - lay_len:end]))
-        return self._layout(g, lid)[1](buf)
+        try:  # a damaged record must not decode to a raw exception (issue 8); free unless raised
+            if lid == INLINE24:
+                _, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(buf, 0)
+                end = len(buf) - key_len
+                if not 0 <= end - lay_len < end:
+                    raise ValueError(f"an inline layout of {lay_len} bytes and a key of {key_len}")
+                return codec.decode(buf, bytes(buf[end - lay_len:end]))
+            return self._layout(g, lid)[1](buf)  # a record too short for it raises (codec)
+        except ShmcacheError:
+            raise
+        except _UNDECODABLE as exc:
+            where = "a spill file" if w0 & SPILLED else self._seg_name(f"g{g.gen}", f"c{w2 >> 48}")
+            raise self._undecodable(f"the record of key {_key_repr(w1, kb)} in {where}", exc) from None
+
+    def _undecodable(self, what: str, exc: Exception) -> CorruptSegment:
+        """A record whose bytes do not decode: gc checks metadata, not every record, so the fix
+        given is a clear."""
+        return CorruptSegment(f"cache {self.session}/{self.name}: {what} cannot be decoded ({exc!r}); its "
+                              f"bytes are damaged. Clear the cache (cache.clear(), or `shmcache destroy "
+                              f"{self.session}`): its contents are recomputed on use")
 
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
@@ -735,12 +828,17 @@ class CacheStore:
                 f"{int(need) + 1}, or store smaller samples"
             )
         seg = self._class_segment(g, cls, chunk_size)
+        self._committed(g, cls, g.data[cls])  # a damaged class record must not place this record
         chunk_size_, bump, committed = g.classes.get(cls)
         if bump >= committed:
             committed = self._commit(g, cls, seg, chunk_size, committed)
         meta = g.meta.buf
         items = _Q.unpack_from(meta, M.ITEMS_MEM)[0] + 1
         total = _Q.unpack_from(meta, M.BYTES_MEM)[0] + nbytes
+        if items > g.index.capacity or _table_items(g) >= g.index.capacity or total >> 63:
+            raise self._corrupt(f"the counters in {g.meta.name} are impossible ({items - 1} items and "
+                                f"{total - nbytes} bytes in memory, {_table_items(g)} entries, in a "
+                                f"table of {g.index.capacity})", fix="it recounts them")
         _INTENT.pack_into(meta, M.INTENT, 0, pos, cls, bump, items, total, 0, _table_items(g) + 1)
         _Q.pack_into(meta, M.INTENT, 1)  # phase 1: allocating (undo restores the bump)
         g.classes.set_bump(cls, bump + 1)
@@ -768,7 +866,11 @@ class CacheStore:
         phase = _Q.unpack_from(meta, M.INTENT)[0]
         if phase == 0:
             return 0
-        _, pos, cls, old_bump, items, total, raw, table_items = _INTENT.unpack_from(meta, M.INTENT)
+        intent = _INTENT.unpack_from(meta, M.INTENT)
+        _, pos, cls, old_bump, items, total, raw, table_items = intent
+        wrong = self._impossible_intent(g, *intent)
+        if wrong:  # restoring that bump would hand out live chunks again: touch nothing
+            raise self._corrupt(f"the intent record in {g.meta.name} is impossible: {wrong}")
         w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]
         if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
             _apply_totals(meta, cls, items, total, raw, table_items)
@@ -783,13 +885,61 @@ class CacheStore:
                  self.name, "reclaimed its chunk" if reclaimed else "counted it")
         return reclaimed
 
-    def collect_garbage(self) -> tuple[int, list[str]]:
+    def _impossible_intent(self, g: _Gen, phase: int, pos: int, cls: int, old_bump: int, items: int,
+                           total: int, raw: int, table_items: int) -> str:
+        """Why the intent record cannot be one a writer left (NOTE [publish order]), or "". A
+        writer dies with the bump where it found it or one on; phase 2 comes after its entry is
+        READY; its totals are the current ones or one item more."""
+        meta = g.meta.buf
+        if phase not in (1, 2):
+            return f"phase {phase} (a writer writes 1 or 2)"
+        if pos >= g.index.capacity:
+            return f"table position {pos} (the table has {g.index.capacity} entries)"
+        ready = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0] & READY
+        if phase == 2 and not ready:
+            return f"phase 2 (published) with entry {pos} of {g.table.name} empty"
+        if cls == SPILL_CLASS:
+            now_items, now_total, now_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
+            most = total  # spilled sizes are not bounded by a chunk
+        elif 0 < cls < MAX_CLASSES and g.classes.chunk_size(cls):
+            most, bump, _ = g.classes.get(cls)
+            if not ready and old_bump not in (bump, bump - 1):
+                return f"old bump {old_bump} of size class {cls}, whose bump is {bump}"
+            now_items, now_total = struct.unpack_from("QQ", meta, M.ITEMS_MEM)
+            now_raw = raw
+        else:
+            return f"size class {cls} (not in use)"
+        now_table = _table_items(g)
+        if items - now_items not in (0, 1) or table_items - now_table not in (0, 1) \
+                or not 0 <= total - now_total <= most or raw < now_raw:
+            return (f"totals of {items} items, {total} bytes and {table_items} entries after a write "
+                    f"to {now_items} items, {now_total} bytes and {now_table} entries")
+        return ""
+
+    def collect_garbage(self, report: dict | None = None) -> tuple[int, list[str]]:
         """``shmcache gc`` for this cache: repair a dead writer's entry and unlink segments of
         generations or table versions that are no longer current (a clear() or a table growth
-        whose process died before it unlinked them). Returns (chunks reclaimed, names removed)."""
+        whose process died before it unlinked them). Returns (chunks reclaimed, names removed).
+
+        Damaged shared memory (issue 8: an impossible intent, an entry, class record or layout
+        the allocator never wrote, a table with no EMPTY entry) cannot be repaired entry by entry:
+        the generation is dropped for a new empty one (it is a cache: the data is recomputed), and
+        ``report["dropped"]`` says why. Item counters that disagree with the table are recounted
+        (``report["recounted"]``)."""
+        report = {} if report is None else report
         with self.locked():
-            g = self._refresh()
-            reclaimed = self._repair(g)
+            try:
+                g = self._refresh()
+                reclaimed = self._repair(g)
+                damage = self._damage(g)
+            except CorruptSegment as exc:
+                damage, reclaimed = str(exc), 0
+            if damage:
+                self._drop_generation(damage)
+                report["dropped"] = damage
+                g = self._refresh()
+            else:
+                report["recounted"] = self._recount_items(g)
             self._recount_committed(g)
             keep = {self._seg_name("root"), self._seg_name(f"g{g.gen}", "meta"),
                     self._seg_name(f"g{g.gen}", f"t{g.version}")}
@@ -803,12 +953,87 @@ class CacheStore:
                 self.spill.collect_garbage()
             return reclaimed, removed
 
+    def _damage(self, g: _Gen) -> str:
+        """What is damaged in generation ``g``, or "" (gc; caller holds the lock). Every READY
+        entry is checked as readers check one, with numpy over the whole table."""
+        if g.index.damage:
+            raise g.index.corrupt()
+        count = _Q.unpack_from(g.meta.buf, M.N_LAYOUTS)[0]
+        if count > M.MAX_LAYOUTS:
+            return f"{g.meta.name} counts {count} layouts, more than its {M.MAX_LAYOUTS} slots"
+        for lid in range(count):
+            self._layout(g, lid)  # raises CorruptSegment on a damaged one
+        chunk = np.zeros(MAX_CLASSES + 1, np.uint64)  # class MAX_CLASSES: "not in use"
+        committed = np.zeros(MAX_CLASSES + 1, np.uint64)
+        for cls in g.classes.used_classes():
+            try:
+                entry = self._committed(g, cls, self._data(g, cls))
+            except FileNotFoundError:
+                return f"the data segment of size class {cls} is missing"
+            chunk[cls], committed[cls] = entry[2], entry[3]
+        w = g.index.words
+        s0, w2 = w[:, 0], w[:, 2]
+        if (s0 != 0).all():
+            raise g.index.corrupt()
+        ready = (s0 & np.uint64(READY)) != 0
+        if ((s0 != 0) & ~ready).any() or (s0 & np.uint64(0xF8)).any():
+            return f"{g.table.name} holds entries with state bits no writer sets"
+        lid = (s0 >> np.uint64(8)) & np.uint64(INLINE24)
+        bad_lid = ready & (lid >= np.uint64(count)) & (lid != np.uint64(INLINE24))
+        mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
+        cls = np.minimum(w2 >> np.uint64(48), np.uint64(MAX_CLASSES)).astype(np.intp)
+        n = s0 >> np.uint64(32)
+        bad = mem & (((w2 & np.uint64(_M48)) >= committed[cls]) | (n > chunk[cls])
+                     | (n < np.uint64(_MIN_RECORD)))
+        if bad.any() or bad_lid.any():
+            pos = int(np.flatnonzero(bad | bad_lid)[0])
+            return (f"entry {pos} of {g.table.name} points where no record is (words "
+                    f"{int(s0[pos]):#x}, {int(w2[pos]):#x})")
+        return ""
+
+    def _recount_items(self, g: _Gen) -> list[str]:
+        """Set the item counters that the table's entries determine; the names of those that were
+        wrong (a damaged meta segment: len() and stats would lie, and a wrong entry count would
+        grow the table on every write)."""
+        s0 = g.index.words[:, 0]
+        ready = (s0 & np.uint64(READY)) != 0
+        mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
+        right = {M.TABLE_ITEMS: int(ready.sum()), M.ITEMS_MEM: int(mem.sum()),
+                 M.BYTES_MEM: int((s0[mem] >> np.uint64(32)).sum()),
+                 M.ITEMS_DISK: int((ready & ~mem).sum())}
+        names = {M.TABLE_ITEMS: "table entries", M.ITEMS_MEM: "items in memory",
+                 M.BYTES_MEM: "bytes in memory", M.ITEMS_DISK: "items on disk"}
+        wrong = []
+        for off, value in right.items():
+            if _Q.unpack_from(g.meta.buf, off)[0] != value:
+                wrong.append(f"{names[off]} ({_Q.unpack_from(g.meta.buf, off)[0]}, now {value})")
+                _Q.pack_into(g.meta.buf, off, value)
+        if wrong:
+            log.warning("cache %s/%s: gc recounted %s", self.session, self.name, ", ".join(wrong))
+        return wrong
+
+    def _drop_generation(self, why: str) -> None:
+        """Replace a damaged generation by a new empty one (caller holds the lock): the fix that
+        CorruptSegment messages promise. Old segments go with gc's sweep of non-current names."""
+        gen = (_Q.unpack_from(self._root.buf, 64)[0] >> 32) + 1
+        g = self._gen
+        cap = g.index.capacity if g is not None and g.index.capacity else MIN_TABLE
+        if self.spill is not None:
+            self.spill.clear()
+        elif self.read_meta().get("spill_path"):
+            shutil.rmtree(self.read_meta()["spill_path"], ignore_errors=True)
+        self._create_generation(self._root, gen if gen < 1 << 32 else 1, self.capacity_bytes, cap)
+        log.warning("cache %s/%s was damaged (%s); gc dropped its contents (they are recomputed on "
+                    "use)", self.session, self.name, why)
+
     def _intern_layout(self, g: _Gen, layout: bytes) -> int:
         cache = g.layouts
-        for lid, (raw, _) in cache.items():
+        for lid, (raw, *_) in cache.items():
             if raw == layout:
                 return lid
         n = _Q.unpack_from(g.meta.buf, M.N_LAYOUTS)[0]
+        if n > M.MAX_LAYOUTS:
+            raise self._corrupt(f"{g.meta.name} counts {n} layouts, more than its {M.MAX_LAYOUTS} slots")
         for lid in range(n):
             if self._layout(g, lid)[0] == layout:
                 return lid
@@ -832,7 +1057,7 @@ class CacheStore:
             self._log_shm_full(exc)
             raise _Full from None
         g.classes.create(cls, chunk_size)
-        g.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size)
+        g.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size, 0)
         return seg
 
     def _commit(self, g: _Gen, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
@@ -986,9 +1211,14 @@ class CacheStore:
         lid = (int(w0[0]) >> 8) & INLINE24
         if not w0[0] or lid == INLINE24:
             return None
+        return self._columns(g, lid)
+
+    def _columns(self, g: _Gen, lid: int) -> tuple:
+        """``(tree, leaves, end of the last leaf)`` of layout ``lid`` for the batch path."""
         shape = g.columns.get(lid)
         if shape is None:
-            shape = g.columns[lid] = codec.leaves(self._layout(g, lid)[0])
+            raw, _, end = self._layout(g, lid)  # checked there: codec.leaves takes it as sound
+            shape = g.columns[lid] = (*codec.leaves(raw), end)
         return shape
 
     @staticmethod
@@ -1024,29 +1254,43 @@ class CacheStore:
             return None
         w0, w2 = g.index.lookup_ints(keys)
         first0, first2 = int(w0[0]), int(w2[0])
-        # all present, in memory, one layout, one class: the w0 words agree on the flags and layout
-        # bits (READY must be set), and the w2 words on the class bits
-        if not first0 & READY or first0 & SPILLED or ((w0 ^ w0[0]) & np.uint64(0xFFFFFFFF)).any() \
+        # all present, in memory, one layout, one class: the w0 words are equal (READY set; one
+        # layout and int keys make one record length), and the w2 words agree on the class bits
+        if not first0 & READY or first0 & SPILLED or (w0 != w0[0]).any() \
                 or ((w2 ^ w2[0]) >> np.uint64(48)).any():
             return None
         lid = (first0 >> 8) & INLINE24
         if lid == INLINE24:
             return None
-        shape = g.columns.get(lid)
-        if shape is None:
-            shape = g.columns[lid] = codec.leaves(self._layout(g, lid)[0])
-        tree, leaves = shape
+        tree, leaves, end = self._columns(g, lid)
         cls = first2 >> 48
         try:
-            seg, _, chunk = self._data(g, cls)
+            entry = g.data.get(cls) or self._data(g, cls)
         except FileNotFoundError:  # cleared meanwhile: the caller's slow path sees misses
             return None
         chunks = (w2 & np.uint64(_M48)).astype(np.intp)
-        rows = np.ndarray((g.classes.get(cls)[1], chunk), np.uint8, seg.buf, DATA_OFF)
+        # the checks of _record, for the whole batch at once: every chunk committed, the one
+        # length within a chunk and long enough for the layout (issue 8: never zeros or a neighbour)
+        top, n = int(chunks.max()), first0 >> 32
+        if top >= entry[3] or not max(end, _MIN_RECORD) <= n <= entry[2]:
+            entry = self._committed(g, cls, entry)
+            if top >= entry[3] or not max(end, _MIN_RECORD) <= n <= entry[2]:
+                raise self._corrupt(f"an entry of {g.table.name} in a batch of keys from {int(keys[0])} "
+                                    f"points at {n} bytes in chunk {top} of size class {cls}, which "
+                                    f"has {entry[3]} chunks of {entry[2]} bytes committed (layout "
+                                    f"{lid} needs {end})")
+        seg, _, chunk, committed = entry
+        rows = np.ndarray((committed, chunk), np.uint8, seg.buf, DATA_OFF)
         columns = []
-        for i, leaf in enumerate(leaves):
-            columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None,
-                                        self._buffers))
+        try:  # str, bytes and pickled leaves decode per item: damaged bytes raise there
+            for i, leaf in enumerate(leaves):
+                columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None,
+                                            self._buffers))
+        except ShmcacheError:
+            raise
+        except _UNDECODABLE as exc:
+            raise self._undecodable(f"a record of the batch of keys from {int(keys[0])} in {seg.name}",
+                                    exc) from None
         self._count(0, len(keys))
         return tree, leaves, columns
 
@@ -1281,9 +1525,18 @@ def _gather_rows(column: np.ndarray, chunks: np.ndarray, dst: np.ndarray) -> Non
 
 def _first_empty(index: TableView, w1: int) -> int:
     pos = index.home(w1)
-    while _Q.unpack_from(index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]:
+    for _ in range(index.capacity):  # bounded, as every probe of shared memory is
+        if not _Q.unpack_from(index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]:
+            return pos
         pos = (pos + 1) & index.mask
-    return pos
+    raise index.corrupt()
+
+
+def _key_repr(w1: int, kb: bytes) -> str:
+    """The key of an entry, for messages: ``kb`` is its tagged bytes (empty for int keys)."""
+    if not kb:
+        return str(w1 - (1 << 64) if w1 >> 63 else w1)
+    return repr(kb[1:].decode("utf-8", "surrogatepass") if kb[:1] == b"s" else kb[1:])
 
 
 def _apply_totals(meta, cls: int, items: int, total: int, raw: int, table_items: int) -> None:

@@ -207,7 +207,8 @@ def test_squatted_segment_name_is_a_clear_error_and_never_unlinked(attacker_uid,
     err = out["err"]
     assert err.startswith("NotOwner"), out
     assert out["root"] in err and f"uid {attacker_uid}" in err and "SHMCACHE_DIR" in err, err
-    assert sorted(out["left"]) == sorted(os.path.basename(p) for p in (out["root"], out["root"].replace("+s+", "+gone+"))), out
+    squats = (out["root"], out["root"].replace("+s+", "+gone+"))
+    assert sorted(out["left"]) == sorted(os.path.basename(p) for p in squats), out
     assert out["owners"] == [attacker_uid, attacker_uid]
     assert out["destroyed"] == [] and out["gc"] == [] and out["gc_cli"]["rc"] == 0, out
     assert out["owned"] == []  # another user's file is never "ours", whatever its name
