@@ -301,6 +301,24 @@ def op_die_creating(session, cache, cap, suffix, then="open"):
     return {"survived": True}
 
 
+def op_die_after_creating(session, cache, cap, suffix):
+    """SIGKILL this process right after it created the segment ``...suffix`` (its header ready),
+    before it wrote anything into it: a creator dying between two of its statements."""
+    from shmcache import segment
+
+    orig = segment.Segment.create.__func__
+
+    def create(cls, name, *a, **k):
+        seg = orig(cls, name, *a, **k)
+        if name.endswith(suffix):
+            _die()
+        return seg
+
+    segment.Segment.create = classmethod(create)
+    _store(session, cache, cap)
+    return {"survived": True}
+
+
 def op_die_in_rename(session, cache, cap):
     """SIGKILL this process at its first os.rename: for a new cache in an existing session, that
     is when write_json() publishes ``<cache>.json`` - after the segments were made."""
