@@ -384,6 +384,12 @@ class CacheStore:
         if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED:
             root.unlink()  # tombstoned by a destroy that died before it unlinked it: finish that
             root = None
+        if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == 0:
+            # its creator died before publishing the first generation, maybe before writing the
+            # cap (a cache of 0 bytes for good): nobody ever read it - make it afresh, below
+            log.info("cache %s/%s: its creator died while making it; made again", self.session, self.name)
+            root.unlink()
+            root = None
         if root is not None and not self._generation_exists(root):
             # its creator died after making it, before the first generation; or a destroy died
             # after unlinking some segments: what is left is debris - start the cache afresh
