@@ -304,6 +304,22 @@ class SessionRegistry:
             tmp.unlink()
         return cap
 
+    def raise_auto_capacity(self, name: str, cap: int) -> int:
+        """Raise the automatic cap of session ``name`` to ``cap`` if that is more than it is; the
+        cap in force after (NOTE [memory limits] in store.py: memory was short when it was set).
+        Replaced atomically; two raisers at once both write what they measured a moment apart."""
+        path = self.session_dir(name) / "auto_capacity"
+        try:
+            now = int(path.read_text())
+        except (FileNotFoundError, ValueError):
+            now = 0
+        if cap <= now:
+            return now
+        tmp = path.with_name(f".auto_capacity.{os.getpid()}.{secrets.token_hex(3)}.tmp")
+        tmp.write_text(str(cap))
+        os.replace(tmp, path)
+        return cap
+
     def attach_process(self, name: str) -> LivenessSlot:
         """Hold a liveness slot in session ``name`` for as long as this process uses it.
 

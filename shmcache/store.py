@@ -78,6 +78,11 @@ NOTE [memory limits]
       what more than 16 processes committing within the same 50 ms could add, and an index
       growth (a few bytes per item), which is not checked.
       Caches with their own size= are counted in that sum but keep their own caps.
+      The cap was measured once; memory short at that moment must not shrink the session for
+      good: an auto-sized cache that finds no room asks again (at most once a second per handle,
+      _raise_auto_cap) and raises the session's cap - the file, then its root's words 72 and 88 -
+      to 80% of what is available now plus what the session holds, if that is more. Its data
+      segments are sized for all of /dev/shm (sparse), so a raised cap can be committed.
     * Memory full at creation (the automatic cap below one page of data): the cache is made with
       no room for data (root word 88 = AUTO_NONE), every item is rejected or spilled, and that is
       said once. If not even the cache's own segments fit, CacheStore raises SharedMemoryFull,
@@ -242,6 +247,7 @@ class CacheStore:
         self._proc_gen = -1
         self._shm_full_logged = False
         self._shm_full_until = 0.0
+        self._auto_retry_at = 0.0  # an auto-sized cache found full asks again then (_raise_auto_cap)
         self._map_lock = threading.Lock()
         self._lock_gen = _process.generation()
         self._buffers = _BatchBuffers()
@@ -823,6 +829,8 @@ class CacheStore:
         nbytes = enc.record_len(len(kb), lid == INLINE24)
         cls, chunk_size = size_class(nbytes)
         room = self.capacity_bytes - M.SIZE - TableView.bytes_for(g.index.capacity)
+        if chunk_size > min(room, MAX_RECORD) and self._raise_auto_cap():
+            room = self.capacity_bytes - M.SIZE - TableView.bytes_for(g.index.capacity)
         if chunk_size > min(room, MAX_RECORD):  # would not fit even in the empty cache
             if self._sizing() != SIZED and chunk_size <= MAX_RECORD:
                 raise _Full  # size=0 on a machine short of memory: nothing to fix in size=
@@ -1057,7 +1065,10 @@ class CacheStore:
         name = self._seg_name(f"g{g.gen}", f"c{cls}")
         _unlink_name(self.ns, name)  # debris of a writer that died before registering the class
         try:
-            virtual = min(self.capacity_bytes, memory_limits().shm_total or self.capacity_bytes)
+            shm_total = memory_limits().shm_total or self.capacity_bytes
+            # size=0: the cap may rise later (_raise_auto_cap), so the segment is sized for all of
+            # /dev/shm (sparse: address space only); size= is a cap for good
+            virtual = min(self.capacity_bytes, shm_total) if self._sizing() == SIZED else shm_total
             seg = Segment.create(name, DATA_OFF + virtual + chunk_size, kind=KIND_DATA, commit=PAGE)
         except SharedMemoryFull as exc:
             self._log_shm_full(exc)
@@ -1099,6 +1110,11 @@ class CacheStore:
             room = min(room, (shm_free - keep) // chunk_size)
             if room < 1:
                 self._shm_full_until = time.monotonic() + 1.0
+        # never past the segment's virtual size (made for the cap of its time: a cap that rose)
+        room = min(room, (seg.size - DATA_OFF) // chunk_size - committed)
+        if room < 1 and self._raise_auto_cap():
+            self._shm_full_until = 0.0
+            return self._commit(g, cls, seg, chunk_size, committed)
         if room < 1:
             if keep:
                 self._log_memory_full(f"memory is full ({used / 2**20:.1f} MiB committed; "
@@ -1115,6 +1131,27 @@ class CacheStore:
         _Q.pack_into(meta, M.COMMITTED, used + step * chunk_size)
         self._session_budget = max(0, self._session_budget - step * chunk_size)
         return committed + step
+
+    def _raise_auto_cap(self) -> bool:
+        """An auto-sized cache (size=0) has no room: if the session's cap was set while memory was
+        short and memory is free now, raise it (NOTE [memory limits]); True if it rose. Asked at
+        most once a second per handle; caller holds the lock."""
+        if self._sizing() == SIZED or time.monotonic() < self._auto_retry_at:
+            return False
+        self._auto_retry_at = time.monotonic() + 1.0
+        cap = _Q.unpack_from(self._root.buf, 72)[0]  # raised by another process already?
+        if cap <= self.capacity_bytes:
+            held = self._session_shm_bytes()
+            cap = self.registry.raise_auto_capacity(self.session, memory_limits().auto_capacity(held))
+            if cap < _MIN_CAPACITY or cap <= self.capacity_bytes:
+                return False
+            _Q.pack_into(self._root.buf, 72, cap)
+            _Q.pack_into(self._root.buf, _ROOT_SIZING, AUTO)  # after the cap: AUTO_NONE no more
+        log.info("cache %s/%s: memory is free again; the automatic cap rises from %.1f to %.1f MiB",
+                 self.session, self.name, self.capacity_bytes / 2**20, cap / 2**20)
+        self.capacity_bytes = cap
+        self._session_budget, self._shm_full_logged = 0, False
+        return True
 
     def _sizing(self) -> int:
         """How this cache's cap was set: SIZED, AUTO or AUTO_NONE (the root's word)."""
