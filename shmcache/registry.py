@@ -299,9 +299,12 @@ class SessionRegistry:
         try:
             os.link(tmp, path)
         except FileExistsError:  # another cache was first: its value is the session's
-            return int(path.read_text() or cap)
+            try:
+                return int(path.read_text())
+            except ValueError:  # damaged (truncated, overwritten): what we measured replaces it
+                os.replace(tmp, path)
         finally:
-            tmp.unlink()
+            tmp.unlink(missing_ok=True)
         return cap
 
     def raise_auto_capacity(self, name: str, cap: int) -> int:
