@@ -54,8 +54,11 @@ NOTE [publish order]
 
     Damage (a stray write into /dev/shm, a hostile process of the same user) must never turn into
     a wrong value or a moved bump. Readers check each entry before following it: a class in use,
-    a chunk below the committed count, a length within the chunk, a layout id the meta segment
-    holds (_record, _layout; on the batch path with numpy over the batch). The repairer checks the
+    a chunk below the class's bump, a length within the chunk, a layout id the meta segment
+    holds (_record, _layout; on the batch path with numpy over the batch). Handed out, not merely
+    committed: a committed chunk above the bump holds zeros. Sound in every legitimate state: an
+    entry is READY only after its chunk's bump step, and a bump goes back (repair) only for a
+    chunk no entry ever pointed at. The repairer checks the
     intent is one a writer can leave: phase 1 or 2, a position inside the table, a class in use (or
     SPILL_CLASS), an old bump equal to the class's bump or one less, phase 2 only with its entry
     READY, totals at most one item on. Anything else raises CorruptSegment and touches nothing;
@@ -196,7 +199,7 @@ class _Gen:
     table: Segment
     index: TableView
     classes: ClassTable
-    data: dict  # class id -> (Segment, read-only memoryview, chunk size, chunks committed as last seen)
+    data: dict  # class id -> (Segment, read-only memoryview, chunk size, chunks handed out as last seen)
     layouts: dict  # layout id -> (layout bytes, decoder, end of its last leaf)
     columns: dict  # layout id -> (tree, leaves, end of the last leaf) for the batch path
 
@@ -572,7 +575,7 @@ class CacheStore:
         self._epoch = epoch
 
     def _data(self, g: _Gen, cls: int) -> tuple:
-        """``(segment, read-only view, chunk size, chunks committed when last checked)`` of size
+        """``(segment, read-only view, chunk size, chunks handed out when last checked)`` of size
         class ``cls``, mapped on first use (its class record checked by :meth:`_committed`)."""
         entry = g.data.get(cls)
         if entry is None:
@@ -586,7 +589,9 @@ class CacheStore:
     def _committed(self, g: _Gen, cls: int, entry: tuple) -> tuple:
         """``entry`` of :meth:`_data` with the class record read again from meta and checked: a
         chunk size the allocator gives that class, ``bump <= committed``, and committed chunks
-        inside the segment. Called when an entry points past what this process saw committed."""
+        inside the segment. Called when an entry points past what this process saw handed out.
+        The bump, not the committed count: a committed chunk above the bump was never written, and
+        an entry pointing there would read as a record of zeros."""
         seg, view = entry[:2]
         chunk, bump, committed = g.classes.get(cls)
         try:
@@ -597,7 +602,7 @@ class CacheStore:
             raise self._corrupt(f"the record of size class {cls} in {g.meta.name} is damaged (chunks of "
                                 f"{chunk} bytes, {bump} handed out of {committed} committed, in "
                                 f"{seg.name} of {seg.size} bytes)")
-        entry = g.data[cls] = (seg, view, chunk, committed)
+        entry = g.data[cls] = (seg, view, chunk, bump)
         return entry
 
     def _record(self, g: _Gen, w0: int, w2: int, w1: int, kb: bytes) -> memoryview:
@@ -608,11 +613,11 @@ class CacheStore:
         entry = g.data.get(cls) or self._data(g, cls)
         chunk, n = w2 & _M48, w0 >> 32
         if chunk >= entry[3] or not 16 <= n <= entry[2]:  # 16: _MIN_RECORD, as a constant
-            entry = self._committed(g, cls, entry)  # more may have been committed since
+            entry = self._committed(g, cls, entry)  # more may have been handed out since
             if chunk >= entry[3] or not _MIN_RECORD <= n <= entry[2]:
                 raise self._corrupt(f"the entry of key {_key_repr(w1, kb)} in {g.table.name} points at "
-                                    f"{n} bytes in chunk {chunk} of size class {cls}, which has "
-                                    f"{entry[3]} chunks of {entry[2]} bytes committed")
+                                    f"{n} bytes in chunk {chunk} of size class {cls}, which has handed "
+                                    f"out {entry[3]} chunks of {entry[2]} bytes")
         start = DATA_OFF + chunk * entry[2]
         return entry[1][start:start + n]
 
@@ -978,13 +983,13 @@ class CacheStore:
         for lid in range(count):
             self._layout(g, lid)  # raises CorruptSegment on a damaged one
         chunk = np.zeros(MAX_CLASSES + 1, np.uint64)  # class MAX_CLASSES: "not in use"
-        committed = np.zeros(MAX_CLASSES + 1, np.uint64)
+        handed = np.zeros(MAX_CLASSES + 1, np.uint64)
         for cls in g.classes.used_classes():
             try:
                 entry = self._committed(g, cls, self._data(g, cls))
             except FileNotFoundError:
                 return f"the data segment of size class {cls} is missing"
-            chunk[cls], committed[cls] = entry[2], entry[3]
+            chunk[cls], handed[cls] = entry[2], entry[3]
         w = g.index.words
         s0, w2 = w[:, 0], w[:, 2]
         if (s0 != 0).all():
@@ -997,7 +1002,7 @@ class CacheStore:
         mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
         cls = np.minimum(w2 >> np.uint64(48), np.uint64(MAX_CLASSES)).astype(np.intp)
         n = s0 >> np.uint64(32)
-        bad = mem & (((w2 & np.uint64(_M48)) >= committed[cls]) | (n > chunk[cls])
+        bad = mem & (((w2 & np.uint64(_M48)) >= handed[cls]) | (n > chunk[cls])
                      | (n < np.uint64(_MIN_RECORD)))
         if bad.any() or bad_lid.any():
             pos = int(np.flatnonzero(bad | bad_lid)[0])
@@ -1312,7 +1317,7 @@ class CacheStore:
         except FileNotFoundError:  # cleared meanwhile: the caller's slow path sees misses
             return None
         chunks = (w2 & np.uint64(_M48)).astype(np.intp)
-        # the checks of _record, for the whole batch at once: every chunk committed, the one
+        # the checks of _record, for the whole batch at once: every chunk handed out, the one
         # length within a chunk and long enough for the layout (issue 8: never zeros or a neighbour)
         top, n = int(chunks.max()), first0 >> 32
         if top >= entry[3] or not max(end, _MIN_RECORD) <= n <= entry[2]:
@@ -1320,10 +1325,10 @@ class CacheStore:
             if top >= entry[3] or not max(end, _MIN_RECORD) <= n <= entry[2]:
                 raise self._corrupt(f"an entry of {g.table.name} in a batch of keys from {int(keys[0])} "
                                     f"points at {n} bytes in chunk {top} of size class {cls}, which "
-                                    f"has {entry[3]} chunks of {entry[2]} bytes committed (layout "
+                                    f"has handed out {entry[3]} chunks of {entry[2]} bytes (layout "
                                     f"{lid} needs {end})")
-        seg, _, chunk, committed = entry
-        rows = np.ndarray((committed, chunk), np.uint8, seg.buf, DATA_OFF)
+        seg, _, chunk, handed_out = entry
+        rows = np.ndarray((handed_out, chunk), np.uint8, seg.buf, DATA_OFF)
         columns = []
         try:  # str, bytes and pickled leaves decode per item: damaged bytes raise there
             for i, leaf in enumerate(leaves):
