@@ -469,3 +469,19 @@ def test_a_length_cut_short_is_corrupt_segment_not_a_truncated_value(writer, val
         assert "200" in str(exc.value)
     finally:
         r.close()
+
+
+def test_garbage_item_counters_make_len_corrupt_segment_not_overflow_error(writer):
+    """len() of a cache whose item counter is garbage raised a raw OverflowError (a length beyond
+    sys.maxsize); it is damage that gc recounts."""
+    g = writer._refresh()
+    _Q.pack_into(g.meta.buf, MetaLayout.ITEMS_MEM, (1 << 63) + 12345)
+    cache = ShmDatasetCache(session=S, name=C)
+    try:
+        with pytest.raises(CorruptSegment) as exc:
+            len(cache)
+        assert_corrupt(exc, g.meta.name)
+    finally:
+        cache.close()
+    assert "recounted" in gc().stdout
+    assert_works_after_gc(dropped=False)
