@@ -1374,8 +1374,12 @@ class CacheStore:
         return total
 
     def __len__(self) -> int:
-        meta = self._refresh().meta.buf
-        return _Q.unpack_from(meta, M.ITEMS_MEM)[0] + _Q.unpack_from(meta, M.ITEMS_DISK)[0]
+        g = self._refresh()
+        n = _Q.unpack_from(g.meta.buf, M.ITEMS_MEM)[0] + _Q.unpack_from(g.meta.buf, M.ITEMS_DISK)[0]
+        if n > g.index.capacity:  # every item has an entry: more is garbage (len() cannot return it)
+            raise self._corrupt(f"the item counters in {g.meta.name} say {n} items, in a table of "
+                                f"{g.index.capacity} entries", fix="it recounts them")
+        return n
 
     def clear(self) -> None:
         """Drop every item: a new generation in new segments; old mappings stay valid for readers."""
