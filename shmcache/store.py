@@ -396,9 +396,13 @@ class CacheStore:
         if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == 0:
             # its creator died before publishing the first generation, maybe before writing the
             # cap (a cache of 0 bytes for good): nobody ever read it - make it afresh, below
-            log.info("cache %s/%s: its creator died while making it; made again", self.session, self.name)
+            log.info("cache %s/%s: its creator died while making it; what it made is removed",
+                     self.session, self.name)
             root.unlink()
             root = None
+            self._unlink_matching(self._base + SEP)
+            if not create:  # the cache was never made: forget it, as gc does (no error row in stat)
+                self.meta_path.unlink(missing_ok=True)
         if root is not None and not self._generation_exists(root):
             # its creator died after making it, before the first generation; or a destroy died
             # after unlinking some segments: what is left is debris - start the cache afresh
