@@ -84,7 +84,7 @@ NOTE [memory limits]
       The cap was measured once; memory short at that moment must not shrink the session for
       good: an auto-sized cache that finds no room asks again (at most once a second per handle,
       _raise_auto_cap) and raises the session's cap - the file, then its root's words 72 and 88 -
-      to 80% of what is available now plus what the session holds, if that is more. Its data
+      to 80% of what is available now plus what the session holds, if that is 1/8 more. Its data
       segments are sized for all of /dev/shm (sparse), so a raised cap can be committed.
     * Memory full at creation (the automatic cap below one page of data): the cache is made with
       no room for data (root word 88 = AUTO_NONE), every item is rejected or spilled, and that is
@@ -1150,10 +1150,10 @@ class CacheStore:
         self._auto_retry_at = time.monotonic() + 1.0
         cap = _Q.unpack_from(self._root.buf, 72)[0]  # raised by another process already?
         if cap <= self.capacity_bytes:
-            held = self._session_shm_bytes()
-            cap = self.registry.raise_auto_capacity(self.session, memory_limits().auto_capacity(held))
-            if cap < _MIN_CAPACITY or cap <= self.capacity_bytes:
-                return False
+            now = memory_limits().auto_capacity(self._session_shm_bytes())
+            if now <= self.capacity_bytes + self.capacity_bytes // 8:  # the cap as measured, give or
+                return False  # take what the session's own metadata and rounding make: kept
+            cap = self.registry.raise_auto_capacity(self.session, now)
             _Q.pack_into(self._root.buf, 72, cap)
             _Q.pack_into(self._root.buf, _ROOT_SIZING, AUTO)  # after the cap: AUTO_NONE no more
         log.info("cache %s/%s: memory is free again; the automatic cap rises from %.1f to %.1f MiB",
