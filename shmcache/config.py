@@ -284,7 +284,7 @@ class MemoryLimits:
         return max(0, min(known)) if known else 0
 
     def auto_capacity(self) -> int:
-        """``size=0``: 80% of what is really available (DESIGN.md section 4)."""
+        """``size=0``: 80% of what is really available (docs/design.md §6)."""
         return int(self.available * 0.8)
 
 

@@ -1,4 +1,4 @@
-"""``ShmDatasetCache``: the public face of shmcache for PyTorch (DESIGN.md section 1).
+"""``ShmDatasetCache``: the public face of shmcache for PyTorch (docs/design.md §1).
 
 It binds one named cache of a session (``store.CacheStore``) and adds what PyTorch users need:
 wrapping map-style and iterable datasets, batches collated like ``default_collate`` (gathered
@@ -413,7 +413,7 @@ class ShmDatasetCache:
         return computed
 
     def stats(self) -> dict:
-        """Counters shared by every process (keys of DESIGN.md section 5)."""
+        """Counters shared by every process (keys: docs/design.md §10)."""
         return self.store.stats()
 
     def clear(self) -> None:
