@@ -11,12 +11,15 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
+from torch.utils.data._utils.collate import default_collate_fn_map
+from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from . import codec
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
@@ -318,6 +321,36 @@ class ShmDatasetCache:
             return out
         return _build(tree, [_to_tensor(c, leaf) for c, leaf in zip(columns, leaves)])
 
+    def _gather_collated(self, store: CacheStore, keys: np.ndarray) -> Any:
+        """The batch of int ``keys`` exactly as ``default_collate`` makes it from the samples
+        (NOTE [collated batch]), gathered by the vectorised path; None when the batch is not all
+        cached in memory with one layout, or holds a field default_collate would not stack the
+        same way (None, pickled objects, dtypes torch lacks): the caller then goes item by item."""
+        layout = store.batch_layout(keys)
+        if layout is None:
+            return None
+        tree, leaves = layout
+        dtypes = [_collated_dtype(leaf) for leaf in leaves]
+        if None in dtypes:
+            return None
+        n = len(keys)
+        if get_worker_info() is None:
+            got = store.gather_ints(keys)
+            if got is None:
+                return None
+            columns = [c if d is str else _to_tensor(c, leaf) for c, leaf, d in zip(got[2], leaves, dtypes)]
+        else:
+            # in a DataLoader worker the batch crosses a queue: put it in shared memory straight
+            # away, as default_collate does there, so it is sent as a file descriptor, not copied
+            columns = [None if d is str else _shared_tensor(d, (n, *leaf.shape)) for leaf, d in zip(leaves, dtypes)]
+            arrays = [None if t is None else t.view(torch.uint8).numpy().reshape(n, leaf.nbytes)
+                      for t, leaf in zip(columns, leaves)]
+            got = store.gather_ints(keys, arrays)
+            if got is None:
+                return None
+            columns = [c if t is None else t for c, t in zip(got[2], columns)]
+        return _build_collated(tree, columns, False)
+
     # --- housekeeping --------------------------------------------------------------------------
 
     def warmup(self, dataset: Any, progress: bool = True, desc: str | None = None) -> int:
@@ -472,14 +505,22 @@ class CachedDataset(Dataset):
             )
 
     def __getitems__(self, indices: Sequence) -> list:
-        """The DataLoader's batch hook: one batch lookup, misses computed and stored."""
-        idx = self._indices(indices).tolist()
-        store = self.cache._ensure_open()
-        values, missing = store.lookup_batch(idx, self.cache.copy)
-        if self.cache.verify:
+        """The DataLoader's batch hook: the batch gathered by the vectorised path when the
+        DataLoader collates with default_collate (NOTE [collated batch]); else the samples from
+        one batch lookup. Misses are computed and stored."""
+        idx = self._indices(indices)
+        cache = self.cache
+        store = cache._ensure_open()
+        if not cache.verify and _collates_by_default(sys._getframe(1)):
+            batch = cache._gather_collated(store, idx)
+            if batch is not None:
+                return [_Collated(batch)] * len(idx)
+        idx = idx.tolist()
+        values, missing = store.lookup_batch(idx, cache.copy)
+        if cache.verify:
             hits = set(range(len(idx))) - set(missing)
             for j in hits:
-                if _VERIFY_RNG.random() < self.cache.verify:
+                if _VERIFY_RNG.random() < cache.verify:
                     self._verify(idx[j], values[j])
         for j in missing:
             values[j] = self._compute(idx[j])
@@ -541,6 +582,90 @@ class CachedIterableDataset(IterableDataset):
             store.put(f"{stream}:{i}", value)
             yield value
         store.put(marker, count)  # only after a full pass
+
+
+# --- the DataLoader's default collation (NOTE [collated batch]) ------------------------------------
+
+# NOTE [collated batch]
+#     ``DataLoader(ds, batch_size=B)`` calls ``ds.__getitems__(indices)`` and hands what it returns
+#     to its ``collate_fn`` (torch.utils.data._utils.fetch._MapDatasetFetcher.fetch). Samples one by
+#     one, stacked again by default_collate, cost 5-10x the vectorised gather. So when the caller is
+#     torch's fetcher and its collate_fn is default_collate itself, __getitems__ gathers the batch
+#     already collated and returns it as a list of n references to one ``_Collated`` marker;
+#     default_collate looks only at ``type(batch[0])``, finds ``_Collated`` in its
+#     ``default_collate_fn_map`` (registered below: a private type, so nobody else's collation
+#     changes) and returns the batch. ``_gather_collated`` builds exactly what default_collate would
+#     (dtypes, shapes, dict/list/tuple types), and refuses (None: item by item) what it cannot.
+#     Any other caller - a custom collate_fn, a wrapper around default_collate, a direct call, a
+#     torch whose fetcher looks different - gets the plain list of samples, as before.
+
+
+class _Collated:
+    """Every element of a batch that __getitems__ returned already collated."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+
+def _collate_gathered(batch: list, *, collate_fn_map: dict | None = None) -> Any:
+    return batch[0].batch
+
+
+default_collate_fn_map[_Collated] = _collate_gathered
+
+_FETCH_CODE = getattr(getattr(_MapDatasetFetcher, "fetch", None), "__code__", None)
+
+
+def _collates_by_default(frame: Any) -> bool:
+    """True if ``frame`` (__getitems__'s caller) is torch's map-style fetcher collating with
+    default_collate (NOTE [collated batch])."""
+    if frame.f_code is not _FETCH_CODE:
+        return False
+    fetcher = frame.f_locals.get("self")
+    return getattr(fetcher, "collate_fn", None) is default_collate
+
+
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
+def _collated_dtype(leaf: codec.Leaf) -> Any:
+    """The torch dtype default_collate gives a column of ``leaf`` (str for str/bytes: a list of
+    them), or None where its result would differ from a stacked column (None, pickled objects) or
+    torch has no such dtype (default_collate raises there: the item-by-item path lets it)."""
+    tag = leaf.tag
+    if tag in ("s", "y"):
+        return str
+    if tag == "e":
+        return getattr(torch, leaf.meta.split(":", 1)[0], None)
+    if tag not in ("i", "f", "b", "a"):
+        return None
+    key = leaf.dtype.str
+    if key not in _TORCH_DTYPES:
+        try:
+            _TORCH_DTYPES[key] = torch.from_numpy(np.empty(0, leaf.dtype)).dtype
+        except (TypeError, ValueError):
+            _TORCH_DTYPES[key] = None
+    return _TORCH_DTYPES[key]
+
+
+def _shared_tensor(dtype: Any, shape: tuple) -> torch.Tensor:
+    """An uninitialised tensor in shared memory (what default_collate stacks into in a worker)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
+
+
+def _build_collated(tree: tuple, columns: list, in_sequence: bool) -> Any:
+    """default_collate's structure: a list for tuples and lists, a dict for dicts; str and bytes
+    fields stay a list of them - a tuple inside a tuple or list sample (it transposes with zip)."""
+    tag = tree[0]
+    if tag == "leaf":
+        column = columns[tree[1]]
+        return tuple(column) if in_sequence and isinstance(column, list) else column
+    if tag in ("T", "L"):
+        return [_build_collated(c, columns, True) for c in tree[1]]
+    return {k: _build_collated(c, columns, False) for k, c in tree[1]}
 
 
 # --- collation helpers ---------------------------------------------------------------------------
