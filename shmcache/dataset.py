@@ -246,7 +246,7 @@ class ShmDatasetCache:
 
     def get(self, key: int | str | bytes, fn: Callable | None = None) -> Any:
         """The cached value of ``key``; on a miss ``fn(key)``, stored (KeyError if ``fn`` is None)."""
-        value = self.store.lookup(key, self.copy)
+        value = (self._store if self._store is not None else self._ensure_open()).lookup(key, self.copy)
         if value is not MISSING:
             return value
         if fn is None:
@@ -481,17 +481,19 @@ class CachedDataset(Dataset):
             raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
 
     def __getitem__(self, i):
-        if isinstance(i, (list, np.ndarray)) or (isinstance(i, torch.Tensor) and i.dim() == 1):
-            # DataLoader(ds, sampler=BatchSampler(...), batch_size=None): a whole batch per call,
-            # collated by the vectorised path (the DataLoader then does no collation of its own)
-            return self.get_batch(i)
-        i = self._index(i)
-        store = self.cache._ensure_open()
-        value = store.lookup(i, self.cache.copy)
+        if type(i) is not int or not 0 <= i < self._len:  # a plain index needs no more checks
+            if isinstance(i, (list, np.ndarray)) or (isinstance(i, torch.Tensor) and i.dim() == 1):
+                # DataLoader(ds, sampler=BatchSampler(...), batch_size=None): a whole batch per
+                # call, collated by the vectorised path (the DataLoader then does no collation)
+                return self.get_batch(i)
+            i = self._index(i)
+        cache = self.cache
+        store = cache._store if cache._store is not None else cache._ensure_open()
+        value = store.lookup(i, cache.copy)
         if value is MISSING:
             value = self._compute(i)
             self._store_computed(store, i, value)
-        elif self.cache.verify and _VERIFY_RNG.random() < self.cache.verify:
+        elif cache.verify and _VERIFY_RNG.random() < cache.verify:
             self._verify(i, value)
         return value
 

@@ -80,6 +80,7 @@ log = logging.getLogger("shmcache")
 
 KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4
 _Q = struct.Struct("Q")
+_QQ = struct.Struct("QQ")
 _ROOT_INCARNATION = 80  # root words: 64 the epoch, 72 the capacity, 80 the incarnation
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.RECORD_HEADER)
 _M48 = (1 << 48) - 1
@@ -123,7 +124,7 @@ class _Gen:
     index: TableView
     classes: ClassTable
     data: dict  # class id -> (Segment, read-only memoryview, chunk size)
-    layouts: dict  # layout id -> (layout bytes, decoder)
+    layouts: dict  # layout id -> (layout bytes, decoder, decoder of a private copy)
     columns: dict  # layout id -> (tree, leaves) for the batch path
 
 
@@ -403,7 +404,7 @@ class CacheStore:
             off = M.LAYOUTS + lid * M.LAYOUT_BYTES
             n = struct.unpack_from("I", g.meta.buf, off)[0]
             raw = bytes(g.meta.buf[off + 4:off + 4 + n])
-            item = (raw, codec.decoder_for(raw))
+            item = (raw, codec.decoder_for(raw), codec.decoder_for(raw, private=True))
             g.layouts[lid] = item
         return item
 
@@ -467,6 +468,30 @@ class CacheStore:
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
         g = self._gen if _Q.unpack_from(self._root.buf, 64)[0] == self._epoch else self._refresh()
+        if type(key) is int and 0 <= key < g.index.capacity:
+            # the hot path, inlined (a hit of a dataset index costs ~2x a plain row copy): the key
+            # sits at its own position (index.py), in memory, with an interned layout whose
+            # decoder and data segment this process already has; anything else goes the long way.
+            # It is _find + _decode for that case: a check added there belongs here too.
+            buf = g.index.buf
+            off = TABLE_OFF + ENTRY_BYTES * key
+            w0 = _Q.unpack_from(buf, off)[0]  # first, on its own: see index.py
+            if w0 & 7 == READY | INT_KEY:  # and not SPILLED
+                k, w2 = _QQ.unpack_from(buf, off + 8)
+                data = g.data.get(w2 >> 48)
+                layout = g.layouts.get((w0 >> 8) & INLINE24)
+                if k == key and data is not None and layout is not None:
+                    start = DATA_OFF + (w2 & _M48) * data[2]
+                    view = data[1][start:start + (w0 >> 32)]
+                    value = layout[2](bytearray(view)) if copy else layout[1](view)
+                    if count:
+                        if self._proc_gen == _process._generation and self._counter_off >= 0:
+                            counters = self._counters
+                            counters[0] += 1
+                            _Q.pack_into(g.meta.buf, self._counter_off, counters[0])
+                        else:
+                            self._count(0)
+                    return value
         try:
             w0, w2, _, kb, w1 = self._find(g, key)
             value = self._decode(g, w0, w2, copy, w1, kb) if w0 else MISSING
@@ -633,8 +658,8 @@ class CacheStore:
 
     def _intern_layout(self, g: _Gen, layout: bytes) -> int:
         cache = g.layouts
-        for lid, (raw, _) in cache.items():
-            if raw == layout:
+        for lid, item in cache.items():
+            if item[0] == layout:
                 return lid
         n = _Q.unpack_from(g.meta.buf, M.N_LAYOUTS)[0]
         for lid in range(n):

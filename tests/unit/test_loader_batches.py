@@ -172,3 +172,26 @@ def test_direct_getitems_call_returns_samples():
         ds[i]
     assert_same(ds.__getitems__(ORDER), [sample("nested", i) for i in ORDER])
     cache.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_single_hits_equal_the_source_and_are_private(kind):
+    """The inlined hit path (store.lookup) and the generated decoders give the source's samples,
+    as writable private copies (copy=True) or read-only views (copy=False)."""
+    src = Samples(kind)
+    for copy in (True, False):
+        cache = ShmDatasetCache(session="loader", name=f"{kind}-{int(copy)}", size=16, copy=copy)
+        ds = cache.wrap(src)
+        for _ in range(2):  # a miss (computed), then hits (the first one maps the layout)
+            for i in (0, 7, 39, 7):
+                got = ds[i]
+                assert_same(got, src[i])
+                assert_same(cache.get(i), src[i])
+        arrays = [v for v in (got if isinstance(got, (tuple, list)) else [got]) if isinstance(v, np.ndarray)]
+        for a in arrays:
+            if copy and a.size:
+                a[...] = 0
+            elif kind in GATHERED:  # (pickled samples come out of pickle.loads: writable)
+                assert not a.flags.writeable or not a.size
+        assert_same(ds[7], src[7])
+        cache.close()
