@@ -11,7 +11,9 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import secrets
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -321,11 +323,12 @@ class ShmDatasetCache:
             return out
         return _build(tree, [_to_tensor(c, leaf) for c, leaf in zip(columns, leaves)])
 
-    def _gather_collated(self, store: CacheStore, keys: np.ndarray) -> Any:
+    def _gather_collated(self, store: CacheStore, keys: np.ndarray, sent_from: Any = None) -> Any:
         """The batch of int ``keys`` exactly as ``default_collate`` makes it from the samples
         (NOTE [collated batch]), gathered by the vectorised path; None when the batch is not all
         cached in memory with one layout, or holds a field default_collate would not stack the
-        same way (None, pickled objects, dtypes torch lacks): the caller then goes item by item."""
+        same way (None, pickled objects, dtypes torch lacks): the caller then goes item by item.
+        ``sent_from``: the CachedDataset asking, in a DataLoader worker (see the code)."""
         layout = store.batch_layout(keys)
         if layout is None:
             return None
@@ -334,6 +337,10 @@ class ShmDatasetCache:
         if None in dtypes:
             return None
         n = len(keys)
+        if sent_from is not None:
+            # in a DataLoader worker: a warm batch crosses the queue as its keys, and the main
+            # process gathers it from the cache itself (NOTE [collated batch])
+            return _Keys(sent_from, keys) if store.all_in_memory(keys) else None
         if get_worker_info() is None:
             got = store.gather_ints(keys)
             if got is None:
@@ -437,6 +444,10 @@ class CachedDataset(Dataset):
         self.dataset = dataset
         self.transform = transform
         self._len = len(dataset)
+        # names this dataset to the main process when a worker sends a batch as its keys (NOTE
+        # [collated batch]); copies pickled to workers keep it
+        self._token = secrets.token_hex(8)
+        _register(self)
 
     def __len__(self) -> int:
         return self._len
@@ -464,6 +475,8 @@ class CachedDataset(Dataset):
             if arr.dtype.kind not in "iu" or arr.ndim != 1:
                 return np.fromiter((self._index(i) for i in indices), np.int64)
         arr = _as_int64(arr, lambda i: IndexError(f"index {i} out of range for a dataset of {self._len} items"))
+        if not arr.size or (arr.min() >= 0 and arr.max() < self._len):  # the common case: 2 reductions
+            return arr
         arr = np.where(arr < 0, arr + self._len, arr)
         bad = (arr < 0) | (arr >= self._len)
         if bad.any():
@@ -514,10 +527,16 @@ class CachedDataset(Dataset):
         cache = self.cache
         store = cache._ensure_open()
         if not cache.verify and _collates_by_default(sys._getframe(1)):
-            batch = cache._gather_collated(store, idx)
+            batch = cache._gather_collated(store, idx, self if get_worker_info() is not None else None)
             if batch is not None:
                 return [_Collated(batch)] * len(idx)
-        idx = idx.tolist()
+        return self._samples(idx)
+
+    def _samples(self, keys: np.ndarray) -> list:
+        """The samples of ``keys`` from one batch lookup (verified if asked); misses computed and stored."""
+        cache = self.cache
+        store = cache._ensure_open()
+        idx = keys.tolist()
         values, missing = store.lookup_batch(idx, cache.copy)
         if cache.verify:
             hits = set(range(len(idx))) - set(missing)
@@ -539,6 +558,10 @@ class CachedDataset(Dataset):
 
     def __getstate__(self) -> dict:
         return self.__dict__.copy()  # the cache pickles by name (ShmDatasetCache.__getstate__)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _register(self)  # a worker's copy, or a copy made in this process: either serves the token
 
 
 class CachedIterableDataset(IterableDataset):
@@ -600,6 +623,16 @@ class CachedIterableDataset(IterableDataset):
 #     (dtypes, shapes, dict/list/tuple types), and refuses (None: item by item) what it cannot.
 #     Any other caller - a custom collate_fn, a wrapper around default_collate, a direct call, a
 #     torch whose fetcher looks different - gets the plain list of samples, as before.
+#
+#     In a DataLoader worker the collated batch would cross the worker's queue pickled: tensors
+#     moved to a new shared-memory segment, sent by file descriptor, mapped again by the main
+#     process - more work than the gather itself, for data that is in shared memory already. So a
+#     worker that finds every key of a batch in memory with one layout (store.all_in_memory)
+#     returns a ``_Keys`` batch instead: it pickles as the dataset's token and the keys, and
+#     unpickling it in the main process (or its pin-memory thread) gathers the batch there, from
+#     the CachedDataset registered under that token (``_LIVE``). If the cache lost items meanwhile
+#     (clear()), the main process reads them item by item, computing misses. A worker's own
+#     misses, cold epochs and every other sample type are computed in the worker as before.
 
 
 class _Collated:
@@ -616,6 +649,40 @@ def _collate_gathered(batch: list, *, collate_fn_map: dict | None = None) -> Any
 
 
 default_collate_fn_map[_Collated] = _collate_gathered
+
+# token -> the CachedDatasets of this process that carry it (copies of one dataset, same cache)
+_LIVE: dict[str, weakref.WeakSet] = {}
+
+
+def _register(ds: CachedDataset) -> None:
+    _LIVE.setdefault(ds._token, weakref.WeakSet()).add(ds)
+
+
+class _Keys:
+    """A warm batch in a worker: pickled as its keys, gathered where it is unpickled."""
+
+    __slots__ = ("ds", "keys")
+
+    def __init__(self, ds: CachedDataset, keys: np.ndarray):
+        self.ds, self.keys = ds, keys
+
+    def __reduce__(self):
+        return _gather_sent, (self.ds._token, self.keys.tobytes())
+
+
+def _gather_sent(token: str, raw: bytes) -> Any:
+    """Unpickling a ``_Keys`` batch: gather it here (NOTE [collated batch])."""
+    ds = next(iter(_LIVE.get(token, ())), None)
+    if ds is None:  # the DataLoader holds its dataset: only a process that is not its parent gets here
+        raise InvalidArgument(f"a DataLoader batch arrived for a CachedDataset (token {token}) "
+                              f"that this process no longer holds; keep the dataset alive while "
+                              f"its DataLoader runs")
+    keys = np.frombuffer(raw, np.int64)
+    store = ds.cache._ensure_open()
+    batch = ds.cache._gather_collated(store, keys)
+    if batch is None:  # cleared since the worker looked: item by item, computing misses
+        batch = default_collate(ds._samples(keys))
+    return batch
 
 _FETCH_CODE = getattr(getattr(_MapDatasetFetcher, "fetch", None), "__code__", None)
 

@@ -195,3 +195,56 @@ def test_single_hits_equal_the_source_and_are_private(kind):
                 assert not a.flags.writeable or not a.size
         assert_same(ds[7], src[7])
         cache.close()
+
+
+def _sent(ds, keys):
+    """What a DataLoader worker sends for a warm batch, as the main process receives it."""
+    import pickle
+
+    from shmcache.dataset import _Keys
+
+    return pickle.loads(pickle.dumps(_Keys(ds, np.asarray(keys, np.int64))))
+
+
+def test_a_batch_sent_as_keys_is_gathered_where_it_is_unpickled():
+    src = Samples("nested")
+    cache = ShmDatasetCache(session="loader", name="sent", size=16)
+    ds = cache.wrap(src)
+    for i in range(len(src)):
+        ds[i]
+    want = default_collate([src[i] for i in ORDER])
+    st = cache.stats()
+    assert_same(_sent(ds, ORDER), want)
+    assert cache.stats()["hits"] - st["hits"] == len(ORDER)
+    # cleared between the worker's look and the main process's gather: read item by item, misses
+    # computed and stored again
+    cache.clear()
+    assert_same(_sent(ds, ORDER), want)
+    assert len(cache) == len(set(ORDER))
+    cache.close()
+
+
+def test_a_copy_of_the_dataset_serves_its_batches():
+    """The token names every copy of the dataset in this process (a deepcopy outliving the
+    original included); a process holding none says so."""
+    import copy
+    import gc
+
+    from shmcache.dataset import _gather_sent
+    from shmcache.errors import InvalidArgument
+
+    src = Samples("numpy")
+    cache = ShmDatasetCache(session="loader", name="copies", size=16)
+    ds = cache.wrap(src)
+    for i in range(len(src)):
+        ds[i]
+    twin = copy.deepcopy(ds)
+    token = ds._token
+    del ds
+    gc.collect()
+    assert_same(_sent(twin, ORDER), default_collate([src[i] for i in ORDER]))
+    del twin
+    gc.collect()
+    with pytest.raises(InvalidArgument, match=f"token {token}.*keep the dataset alive"):
+        _gather_sent(token, np.arange(3, dtype=np.int64).tobytes())
+    cache.close()
