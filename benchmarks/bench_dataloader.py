@@ -11,7 +11,8 @@ rows: the cache's batch path (``ds.get_batch(idx)``, random idx), ``np.take`` of
 from an in-RAM array, a bulk copy of as many bytes from a contiguous block of an array larger than
 the CPU caches into a preallocated buffer, and single items: ``ds[i]``, ``cache.get(i)`` against
 ``arr[i].copy()``. Each row: median items/s over passes, p90 of the time per batch (per item for
-single gets), and ratios against the baselines of the same item size.
+single gets), and ratios against the baselines of the same item size. Passes of all rows are
+interleaved, so load drift on a shared machine hits every row of a ratio alike.
 """
 
 from __future__ import annotations
@@ -49,19 +50,26 @@ class InRam(Dataset):
         return self.x[i], int(self.y[i])
 
 
-def passes(run_pass, repeats: int) -> tuple[list[float], list[float]]:
-    """Items/s of each pass and the time of every batch (s); ``run_pass`` yields batch sizes."""
-    rates, times = [], []
+def passes(runs: dict, repeats: int) -> dict:
+    """Items/s of each pass and the time of every batch (s) of each row; ``runs[name]()`` yields
+    batch sizes. Passes are interleaved (row A, row B, ..., then again): on a shared machine the
+    load drifts, and every row of a ratio should see the same drift."""
+    out = {name: ([], []) for name in runs}
+    for run in runs.values():
+        for _ in run():  # warm: page faults, worker start-up, first mappings
+            pass
     for _ in range(repeats):
-        n, t0 = 0, time.perf_counter()
-        last = t0
-        for size in run_pass():
-            now = time.perf_counter()
-            times.append(now - last)
-            last = now
-            n += size
-        rates.append(n / (time.perf_counter() - t0))
-    return rates, times
+        for name, run in runs.items():
+            rates, times = out[name]
+            n, t0 = 0, time.perf_counter()
+            last = t0
+            for size in run():
+                now = time.perf_counter()
+                times.append(now - last)
+                last = now
+                n += size
+            rates.append(n / (time.perf_counter() - t0))
+    return out
 
 
 def loader_pass(loader):
@@ -116,32 +124,28 @@ def measure_size(label: str, shape: tuple, n: int, repeats: int, workers: bool, 
                                             dtype=np.uint8).reshape(-1, item)
     dst = np.empty((BATCH, item), np.uint8)
     flat = x.reshape(n, -1)
-    rows = {}
-
-    def add(name, run, reps=repeats):
-        run()  # warm: the first pass pays page faults and worker start-up
-        rows[name] = passes(run, reps)
+    runs = {}
 
     def loader(ds_, w):
         return DataLoader(ds_, batch_size=BATCH, shuffle=True, num_workers=w, persistent_workers=w > 0)
 
-    add("bulk copy (memory, not cache)", bulk_pass(big, dst, nb, rng))
-    add("np.take, random rows in RAM", batches_pass(lambda i: np.take(flat, i, axis=0), n, nb, rng))
-    add("cache batch path ds.get_batch", batches_pass(ds.get_batch, n, nb, rng))
-    add("DataLoader TensorDataset nw=0", loader_pass(loader(tensors, 0)))
-    add("DataLoader source nw=0", loader_pass(loader(source, 0)))
-    add("DataLoader cached nw=0", loader_pass(loader(ds, 0)))
+    runs["bulk copy (memory, not cache)"] = bulk_pass(big, dst, nb, rng)
+    runs["np.take, random rows in RAM"] = batches_pass(lambda i: np.take(flat, i, axis=0), n, nb, rng)
+    runs["cache batch path ds.get_batch"] = batches_pass(ds.get_batch, n, nb, rng)
+    runs["DataLoader TensorDataset nw=0"] = loader_pass(loader(tensors, 0))
+    runs["DataLoader source nw=0"] = loader_pass(loader(source, 0))
+    runs["DataLoader cached nw=0"] = loader_pass(loader(ds, 0))
     if workers:
-        for name, d in (("DataLoader source nw=2", source), ("DataLoader TensorDataset nw=2", tensors),
-                        ("DataLoader cached nw=2", ds)):
-            ld = loader(d, 2)
-            add(name, loader_pass(ld))
-            del ld
+        runs["DataLoader source nw=2"] = loader_pass(loader(source, 2))
+        runs["DataLoader TensorDataset nw=2"] = loader_pass(loader(tensors, 2))
+        runs["DataLoader cached nw=2"] = loader_pass(loader(ds, 2))
     if label == "3KB":
         calls = 20000 if n > 10000 else 5000
-        add("single arr[i].copy()", single_pass(lambda i: x[i].copy(), n, calls, rng))
-        add("single ds[i]", single_pass(ds.__getitem__, n, calls, rng))
-        add("single cache.get(i)", single_pass(cache.get, n, calls, rng))
+        runs["single arr[i].copy()"] = single_pass(lambda i: x[i].copy(), n, calls, rng)
+        runs["single ds[i]"] = single_pass(ds.__getitem__, n, calls, rng)
+        runs["single cache.get(i)"] = single_pass(cache.get, n, calls, rng)
+    rows = passes(runs, repeats)
+    runs.clear()  # the loaders' persistent workers exit with them
     cache.close()
     return rows
 
@@ -165,7 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-workers", action="store_true", help="skip the num_workers=2 rows")
     args = p.parse_args(argv)
     os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="shmcache-bench-"))
-    repeats = 2 if args.quick else 5
+    repeats = 2 if args.quick else 7
     sizes = [("3KB", (32, 32, 3), 2048 if args.quick else 20480),
              ("150KB", (224, 224, 3), 512 if args.quick else 1536)]
     session = f"bench-dataloader-{os.getpid()}"

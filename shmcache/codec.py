@@ -269,7 +269,8 @@ def _compile_flat(node: tuple, private: bool) -> Callable | None:
                 raise EncodeError(f"a cached value holds a {n[1]!r} object but its handler is not "
                                   f"loaded; import shmcache.dataset (it registers torch tensors)")
             size = _ext_nbytes(n[2], n[3])
-            raw = f"_nd(({size},), _u8, buf, {int(n[4])})" if private and size else f"_fb(buf, _u8, {size}, {int(n[4])})"
+            off = int(n[4])
+            raw = f"_nd(({size},), _u8, buf, {off})" if private and size else f"_fb(buf, _u8, {size}, {off})"
             return f"{const(from_parts)}({const(n[2])}, {const(tuple(n[3]))}, {raw})"
         if tag == _TUPLE:
             return "(" + "".join(expr(c) + ", " for c in n[1]) + ")"

@@ -30,7 +30,8 @@ def sample(kind: str, i: int):
     if kind == "dict":
         return {"x": torch.from_numpy(img), "y": i, "name": f"n{i:02d}"}
     if kind == "nested":
-        return {"a": (torch.full((2,), i, dtype=torch.bfloat16), [i, f"s{i:02d}", np.arange(i % 3 + 2, dtype=np.int16)[:2]]),
+        pair = np.arange(i % 3 + 2, dtype=np.int16)[:2]
+        return {"a": (torch.full((2,), i, dtype=torch.bfloat16), [i, f"s{i:02d}", pair]),
                 "b": {"c": img.astype(np.float64), "d": (f"t{i:02d}",)}}
     if kind == "list":
         return [img, float(i), torch.tensor(i, dtype=torch.int32)]
