@@ -469,7 +469,10 @@ class CachedDataset(Dataset):
     def _indices(self, indices: Any) -> np.ndarray:
         """A batch of indices as int64, negatives wrapped and bounds checked in one numpy pass
         (the batch path must not pay a Python call per index)."""
-        arr = _integer_array(indices, "dataset indices", TypeError)
+        if type(indices) is list:  # a sampler's list of ints: fromiter is 3x faster than asarray
+            arr = _plain_ints(indices)
+        else:
+            arr = _integer_array(indices, "dataset indices", TypeError)
         if arr is None:  # a list: fine if numpy makes it an integer array, else one by one
             arr = np.asarray(indices)
             if arr.dtype.kind not in "iu" or arr.ndim != 1:
@@ -778,6 +781,11 @@ def _as_int_keys(keys: Sequence) -> np.ndarray | None:
     if arr is not None:
         return _as_int64(arr, lambda k: InvalidKey(
             f"int key {k} does not fit in a signed 64-bit integer; use a str key (str({k}))"))
+    return _plain_ints(keys)
+
+
+def _plain_ints(keys: Sequence) -> np.ndarray | None:
+    """``keys`` as int64 if every one is a plain int that fits; else None."""
     try:
         if all(type(k) is int for k in keys):
             return np.fromiter(keys, np.int64, len(keys))
