@@ -10,6 +10,7 @@ every read is a hit. At the end it prints ``shmcache stat`` for the session.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -50,7 +51,8 @@ def main() -> int:
     print(f"epoch 1 through the cache:          {first:7.2f} s   (fills what is missing)")
     print(f"epoch 2 through the cache:          {second:7.2f} s   ({uncached / second:.0f}x faster than uncached)")
     print(f"items cached: {st['items_mem']}, hits {st['hits']}, misses {st['misses']}\n")
-    subprocess.run([sys.executable, "-m", "shmcache", "stat", args.session], check=False)
+    if not os.environ.get("CACHE_SH_PRINTS_STAT"):  # launch/cache.sh prints it after us
+        subprocess.run([sys.executable, "-m", "shmcache", "stat", args.session], check=False)
     if not args.keep:
         SessionRegistry().destroy(args.session, force=True)
     return 0

@@ -177,7 +177,7 @@ def main() -> int:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-    if rank == 0:
+    if rank == 0 and not os.environ.get("CACHE_SH_PRINTS_STAT"):  # launch/cache.sh prints it after us
         session = os.environ.get("SHMCACHE_SESSION", "default")
         subprocess.run([sys.executable, "-m", "shmcache", "stat", session], check=False)
         print(f"\nThe cache stays for the next run (it will read it). Drop it: shmcache destroy {session}")

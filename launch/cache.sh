@@ -22,6 +22,8 @@ is created if missing and kept for the next run), then prints `shmcache stat SES
   -h, --help           this help
 
 Environment: PYTHON (default python3), SHMCACHE_DIR (the namespace), SHMCACHE_SPILL_DIR.
+The job sees CACHE_SH_PRINTS_STAT=1: a script that prints `shmcache stat` at its end (as
+examples/train.py does) can leave it to this script, so the table appears once.
 Exit status: the launcher's (see `python -m shmcache.launch -h`).
 
 Example:
@@ -58,6 +60,8 @@ while [ $# -gt 0 ]; do
 done
 [ $# -gt 0 ] || die "no script given; usage: launch/cache.sh [options] script.py [args...] (see -h)"
 
+# This script prints the statistics once the job is done: tell the job not to (examples/*.py).
+export CACHE_SH_PRINTS_STAT=1
 status=0
 "$PYTHON" -m shmcache.launch --nproc "$NPROC" --session "$SESSION" \
     ${launcher_opts[@]+"${launcher_opts[@]}"} -- "$@" || status=$?

@@ -15,6 +15,7 @@ _LAZY = {
     "ShmDatasetCache": "dataset",
     "CachedDataset": "dataset",
     "CachedIterableDataset": "dataset",
+    "NodeAffineSampler": "sampler",
     "PrefetchRing": "prefetch",
     "sink_loop": "sink",
     "SinkResult": "sink",

@@ -16,8 +16,8 @@ NOTE [launcher shutdown]
        workers are spawned only from the main thread. The child then checks that its parent is
        still the launcher: one that died between fork and prctl would never send the signal.
        PR_SET_PDEATHSIG is Linux-only and covers the worker process itself, not its children;
-       those die with the worker's process group in steps 3-4, or by their own parent-death
-       checks (DataLoader workers have one) if the launcher was SIGKILLed.
+       those die with the worker's process group in steps 3-4, or by the guard (8) if the
+       launcher was SIGKILLed.
     2. Watch. The launcher sleeps in ``select`` on a wakeup pipe (``signal.set_wakeup_fd``), so
        SIGCHLD and the signals it forwards wake it at once; every wait still has a timeout, after
        which it re-checks everything, so a lost wakeup costs latency, never a hang.
@@ -40,6 +40,19 @@ NOTE [launcher shutdown]
        The exit status is the first failure's (128 + signal number for a signal).
     7. Handlers and the wakeup descriptor are restored on the way out, so ``main()`` can run
        inside a test process and leave it as it was.
+    8. The guard. A SIGKILLed launcher runs no code, and PR_SET_PDEATHSIG kills only the
+       workers, not what they started. So before any worker, the launcher starts a guard: a
+       tiny Python process in a session of its own, reading a pipe whose only writer is the
+       launcher. The launcher writes ``+PGID`` when a worker starts and ``-PGID`` when it is
+       about to reap one (the zombie still holds the ID, so the guard never holds an ID the
+       kernel may have reused), and ``done`` once every worker is gone. End of file without
+       ``done`` means the launcher died: the guard SIGKILLs every process group it still holds
+       - each worker's children and grandchildren, which stay in the group - and exits.
+       What escapes: a descendant that left its worker's process group (``setsid``,
+       ``setpgid``: daemons, ``start_new_session=True``), anything started in the microseconds
+       between a worker's spawn and its ``+PGID`` line, and everything if the guard itself is
+       SIGKILLed first (``kill -9 -- -PGID`` of the launcher's group does not reach it; a Slurm
+       or systemd cgroup kill takes everything anyway).
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -170,8 +184,12 @@ def run_workers(specs: Sequence[WorkerSpec], *, shutdown_timeout_s: float) -> Ru
             "shmcache.launch must run in the main thread: it installs signal handlers, and "
             "PR_SET_PDEATHSIG ties the workers' lives to the thread that spawned them"
         )
-    with _SignalWakeup() as wakeup:
-        group = _WorkerGroup(wakeup, shutdown_timeout_s)
+    try:
+        guard = _Guard()
+    except OSError as exc:
+        return RunOutcome(workers=[], start_error=f"could not start the guard process ({exc})")
+    with guard, _SignalWakeup() as wakeup:
+        group = _WorkerGroup(wakeup, shutdown_timeout_s, guard)
         try:
             group.start(specs)
             group.watch()
@@ -186,8 +204,9 @@ def run_workers(specs: Sequence[WorkerSpec], *, shutdown_timeout_s: float) -> Ru
 class _WorkerGroup:
     """The workers of one launch and the state of the shutdown protocol."""
 
-    def __init__(self, wakeup: _SignalWakeup, shutdown_timeout_s: float):
+    def __init__(self, wakeup: _SignalWakeup, shutdown_timeout_s: float, guard: _Guard):
         self._wakeup = wakeup
+        self._guard = guard
         self._grace_s = shutdown_timeout_s
         self._running: dict[int, tuple[subprocess.Popen, WorkerResult, WorkerSpec]] = {}
         self._signals_handled = 0  # how many of wakeup.received were acted upon
@@ -211,6 +230,7 @@ class _WorkerGroup:
                 self.outcome.start_error_code = _start_failure_status(exc)
                 self._begin_shutdown(signal.SIGTERM)
                 return
+            self._guard.hold(proc.pid)  # its process group: setsid made the worker its leader
             result = WorkerResult(rank=spec.rank, pid=proc.pid)
             self.outcome.workers.append(result)
             self._running[proc.pid] = (proc, result, spec)
@@ -254,6 +274,7 @@ class _WorkerGroup:
             if not _has_exited(proc):
                 continue
             _signal_group(pid, signal.SIGKILL)  # its leftovers; the zombie keeps the group ID ours
+            self._guard.release(pid)  # while the zombie still holds the ID (NOTE, 8)
             try:
                 returncode = proc.wait(timeout=REAP_TIMEOUT_S)
             except subprocess.TimeoutExpired:  # pragma: no cover - a zombie is reaped at once
@@ -347,6 +368,61 @@ class _SignalWakeup:
                     pass
             except BlockingIOError:
                 pass
+
+
+#: The guard's program (NOTE [launcher shutdown], 8). ``python -I -S``: no site, no shmcache import.
+_GUARD_PROGRAM = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+groups = set()
+for line in sys.stdin:
+    if line == "done\\n":
+        sys.exit(0)
+    (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
+for pgid in groups:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class _Guard:
+    """The process that kills the workers' groups if the launcher dies (NOTE [launcher shutdown], 8)."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _GUARD_PROGRAM], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1,
+        )
+
+    def hold(self, pgid: int) -> None:
+        self._send(f"+{pgid}")
+
+    def release(self, pgid: int) -> None:
+        self._send(f"-{pgid}")
+
+    def _send(self, line: str) -> None:
+        try:
+            self._proc.stdin.write(line + "\n")
+        except OSError:  # the guard was killed: the workers still have PR_SET_PDEATHSIG
+            pass
+
+    def __enter__(self) -> _Guard:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Every worker is gone (or reported unreaped): tell the guard to leave them alone."""
+        self._send("done")
+        try:
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=REAP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # pragma: no cover - it exits on "done" at once
+            self._proc.kill()
+            self._proc.wait()
 
 
 class _ParentDeathSignal:

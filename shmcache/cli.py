@@ -4,10 +4,13 @@ Commands::
 
     shmcache stat [SESSION] [--json]     one row per cache: items and bytes in memory and on disk,
                                          average item size, hits, misses
-    shmcache ls [--json]                 the sessions, with owner, age, live processes, memory
+    shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
+                                         memory
     shmcache new [NAME] [--spill-dir D]  create a session and print its name
     shmcache destroy NAME [--force]      drop a session and everything in it
-    shmcache gc [--json]                 reclaim what dead processes left behind
+    shmcache gc [--idle-for D] [--json]  reclaim what dead processes left behind; with --idle-for
+                                         (90s, 30m, 12h, 1d, 2w), also destroy the sessions
+                                         nobody has used for that long
     shmcache info [--json]               limits and configuration
 
 Everything happens in the namespace of ``$SHMCACHE_DIR`` (default: a per-user directory). This
@@ -25,7 +28,7 @@ import sys
 import time
 
 from .config import ENV_SPILL_DIR, memory_limits, namespace
-from .errors import InvalidArgument, ShmcacheError
+from .errors import InvalidArgument, SessionInUse, ShmcacheError
 from .registry import SessionRegistry
 
 __all__ = ["main"]
@@ -47,6 +50,27 @@ def _age(seconds: float) -> str:
         if seconds >= span:
             return f"{seconds / span:.0f}{unit}"
     return f"{seconds:.0f}s"
+
+
+def _ago(seconds: float | None) -> str:
+    return "in use" if seconds is None else f"{_age(seconds)} ago"
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _duration(text: str) -> float:
+    """``90s``, ``30m``, ``12h``, ``1d``, ``2w`` -> seconds (argparse type: a bad one exits 2)."""
+    number, unit = text.strip()[:-1], text.strip()[-1:].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _DURATION_UNITS or not number or not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: write a number and a unit, s, m, h, d or w "
+            f"(90s, 30m, 12h, 1d, 2w)")
+    return value * _DURATION_UNITS[unit]
 
 
 def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
@@ -125,8 +149,11 @@ def cmd_ls(args, registry: SessionRegistry) -> int:
             owner = pwd.getpwuid(info.uid).pw_name
         except KeyError:
             owner = str(info.uid)
+        live = len(registry.live_pids(info.name))
+        last_used = now if live else registry.last_used(info.name)
         rows.append({"session": info.name, "owner": owner, "created": info.created,
-                     "age_s": round(now - info.created, 1), "live_processes": len(registry.live_pids(info.name)),
+                     "age_s": round(now - info.created, 1), "last_used": round(last_used, 1),
+                     "idle_s": round(max(0.0, now - last_used), 1), "live_processes": live,
                      "caches": len(registry.cache_names(info.name)), "shm_bytes": mem,
                      "spill_dir": info.spill_dir})
     if args.json:
@@ -135,9 +162,10 @@ def cmd_ls(args, registry: SessionRegistry) -> int:
     if not rows:
         print(f"no sessions in {registry.ns.root}")
         return 0
-    print(_table(["session", "owner", "age", "live procs", "caches", "memory"],
-                 [[r["session"], r["owner"], _age(r["age_s"]), str(r["live_processes"]),
-                   str(r["caches"]), _size(r["shm_bytes"])] for r in rows], right={2, 3, 4, 5}))
+    print(_table(["session", "owner", "age", "last used", "live procs", "caches", "memory"],
+                 [[r["session"], r["owner"], _age(r["age_s"]),
+                   _ago(None if r["live_processes"] else r["idle_s"]), str(r["live_processes"]),
+                   str(r["caches"]), _size(r["shm_bytes"])] for r in rows], right={2, 3, 4, 5, 6}))
     return 0
 
 
@@ -153,7 +181,14 @@ def cmd_new(args, registry: SessionRegistry) -> int:
 
 
 def cmd_destroy(args, registry: SessionRegistry) -> int:
-    removed = registry.destroy(args.name, force=args.force)
+    try:
+        removed = registry.destroy(args.name, force=args.force)
+    except SessionInUse:  # the library's message says force=True: say what to type here
+        pids = ", ".join(map(str, registry.live_pids(args.name))) or "none left now: try again"
+        raise SessionInUse(
+            f"session {args.name!r} is in use by live processes (pids {pids}); stop them first, "
+            f"or destroy it anyway with `shmcache destroy --force {args.name}` (their caches "
+            f"vanish under them)") from None
     print(f"destroyed session {args.name!r} ({len(removed)} segments removed)")
     return 0
 
@@ -161,6 +196,7 @@ def cmd_destroy(args, registry: SessionRegistry) -> int:
 def cmd_gc(args, registry: SessionRegistry) -> int:
     from .store import CacheStore
 
+    idle = registry.destroy_idle(args.idle_for) if args.idle_for is not None else []
     report = registry.gc()
     reclaimed, stale = 0, []
     for info in registry.list():
@@ -181,14 +217,23 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
     report.removed_spill_files += remove_orphans(registry.ns, {s.name for s in registry.list()})
     result = {"removed_segments": report.removed_segments + stale,
               "removed_dirs": report.removed_dirs, "removed_locks": report.removed_locks,
-              "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files}
+              "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files,
+              "removed_caches": report.removed_caches,
+              "destroyed_idle_sessions": [{"session": s.name, "last_used": round(s.last_used, 1),
+                                           "idle_s": round(s.idle_s, 1),
+                                           "removed_segments": s.removed_segments} for s in idle]}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
+        for s in idle:
+            print(f"gc: destroyed session {s.name!r}, unused for {_age(s.idle_s)} "
+                  f"({len(s.removed_segments)} segments removed)")
+        # slot files of exited processes are normal leftovers (a clean exit leaves one too)
         print(f"gc: {len(result['removed_segments'])} orphaned segments removed, "
               f"{reclaimed} half-written entries reclaimed, {len(report.removed_dirs)} half-made "
-              f"sessions and {len(report.removed_locks)} stale slot locks removed, "
-              f"{len(report.removed_spill_files)} orphaned spill folders removed")
+              f"sessions removed, {len(report.removed_locks)} slot files of exited processes "
+              f"cleared, {len(report.removed_spill_files)} orphaned spill folders removed, "
+              f"{len(report.removed_caches)} caches that were never made forgotten")
     return 0
 
 
@@ -209,7 +254,8 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         "version": __version__, "namespace": str(ns.root), "segment_prefix": ns.prefix,
         "shm_total_bytes": lim.shm_total, "shm_free_bytes": lim.shm_free,
         "mem_available_bytes": lim.mem_available, "cgroup_limit_bytes": lim.cgroup_limit,
-        "cgroup_free_bytes": lim.cgroup_free, "auto_capacity_bytes": lim.auto_capacity(),
+        "cgroup_free_bytes": lim.cgroup_free, "cgroup_limit_file": lim.cgroup_file,
+        "auto_capacity_bytes": lim.auto_capacity(),
         "spill_dir": spill, "spill_free_bytes": spill_free,
         "sessions": len(registry.list()), "segments": len(ns.owned_segments()),
     }
@@ -221,7 +267,8 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         ("segment prefix", f"/dev/shm/{ns.prefix}+..."),
         ("/dev/shm", f"{_size(lim.shm_free)} free of {_size(lim.shm_total)}"),
         ("MemAvailable", _size(lim.mem_available)),
-        ("cgroup memory.max", _size(lim.cgroup_limit) if lim.cgroup_limit else "no limit"),
+        ("cgroup memory limit", f"{_size(lim.cgroup_limit)} ({_size(lim.cgroup_free)} free; "
+                                f"{lim.cgroup_file})" if lim.cgroup_limit else "no limit"),
         ("automatic cap (size=0)", f"{_size(lim.auto_capacity())}  (80% of the smallest above)"),
         ("spill dir", f"{spill}  ({_size(spill_free)} free)" if spill else "not set ($SHMCACHE_SPILL_DIR)"),
         ("sessions / segments", f"{info['sessions']} / {info['segments']}"),
@@ -236,27 +283,32 @@ def cmd_info(args, registry: SessionRegistry) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shmcache", description="Inspect and manage shmcache sessions and caches.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           help="what to do; `shmcache COMMAND -h` for its arguments")
     s = sub.add_parser("stat", help="one row per cache (items, bytes, hits, misses)")
     s.add_argument("session", nargs="?", help="only this session")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_stat)
-    s = sub.add_parser("ls", help="list sessions")
-    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("ls", help="list sessions (owner, age, last use, live processes, memory)")
+    s.add_argument("--json", action="store_true", help="machine-readable output (last_used in epoch seconds, idle_s)")
     s.set_defaults(func=cmd_ls)
     s = sub.add_parser("new", help="create a session and print its name")
     s.add_argument("name", nargs="?", help="session name (default: a random one)")
     s.add_argument("--spill-dir", help="default spill directory of the session's caches")
     s.set_defaults(func=cmd_new)
     s = sub.add_parser("destroy", help="drop a session and everything in it")
-    s.add_argument("name")
-    s.add_argument("--force", action="store_true", help="even if live processes are attached")
+    s.add_argument("name", help="the session to destroy (see `shmcache ls`)")
+    s.add_argument("--force", action="store_true",
+                   help="even if live processes are attached (their caches vanish under them)")
     s.set_defaults(func=cmd_destroy)
     s = sub.add_parser("gc", help="reclaim what dead processes left behind")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--idle-for", type=_duration, metavar="DURATION",
+                   help="also destroy the sessions no live process is attached to and nobody has "
+                        "used for DURATION or longer: a number and s, m, h, d or w (90s, 30m, 12h, 1d, 2w)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_gc)
     s = sub.add_parser("info", help="limits and configuration")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_info)
     return p
 

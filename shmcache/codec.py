@@ -36,7 +36,7 @@ import numpy as np
 from .errors import EncodeError
 
 __all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "RECORD_HEADER",
-           "INLINE", "ALIGN", "Leaf"]
+           "INLINE", "ALIGN", "Leaf", "MAX_DECODERS", "cached_decoders", "clear_decoders"]
 
 INLINE = 0xFFFFFFFF
 ALIGN = 64
@@ -53,25 +53,65 @@ _TUPLE, _LIST, _DICT = "TLD"
 # Extension types (torch.Tensor): tag -> (type, to_parts, from_parts)
 _EXT_TO: dict[type, tuple[str, Callable]] = {}
 _EXT_FROM: dict[str, Callable] = {}
+_EXT_BASES: dict[type, tuple[str, Callable]] = {}  # registered with subclasses=True
+_LAZY: dict[str, Callable] = {}  # tag -> a loader that registers it (imports its package)
+_LAZY_MODULES: dict[str, str] = {}  # top-level package of the type -> tag
 
 
-def register_type(tp: type, tag: str, to_parts: Callable, from_parts: Callable) -> None:
-    """Teach the codec a type: ``to_parts(x) -> (meta: str, shape: tuple, uint8 ndarray)`` and
-    ``from_parts(meta, shape, uint8 ndarray) -> x``."""
+def register_type(tp: type, tag: str, to_parts: Callable, from_parts: Callable, *,
+                  subclasses: bool = False) -> None:
+    """Teach the codec a type: ``to_parts(x) -> (meta: str, shape: tuple, uint8 ndarray)`` (None:
+    pickle this one) and ``from_parts(meta, shape, uint8 ndarray) -> x``; ``meta`` ends with
+    ``":<itemsize>"``. With ``subclasses``, subclasses of ``tp`` are handled too (PIL's
+    JpegImageFile is an Image.Image)."""
     _EXT_TO[tp] = (tag, to_parts)
     _EXT_FROM[tag] = from_parts
+    if subclasses:
+        _EXT_BASES[tp] = (tag, to_parts)
+
+
+def register_lazy(tag: str, package: str, loader: Callable[[], None]) -> None:
+    """Register the type of ``tag`` only when needed: ``loader()`` (which imports ``package`` and
+    calls register_type) runs the first time a value whose type comes from ``package`` is
+    encoded, or a record holding a ``tag`` value is decoded. Optional packages (Pillow) are
+    thus never imported by shmcache for users who do not use them."""
+    _LAZY[tag] = loader
+    _LAZY_MODULES[package] = tag
+
+
+def _load(tag: str) -> None:
+    loader = _LAZY.pop(tag, None)
+    if loader is not None:
+        loader()
+
+
+def _unregistered(tp: type) -> tuple[str, Callable] | None:
+    """The handler of a type not registered itself: a lazily registered one, or a subclass of a
+    type registered with subclasses=True (then remembered for the exact type)."""
+    package = (getattr(tp, "__module__", None) or "").split(".", 1)[0]
+    if package in _LAZY_MODULES:
+        _load(_LAZY_MODULES[package])
+    ext = _EXT_TO.get(tp)
+    if ext is None:
+        for base, handler in _EXT_BASES.items():
+            if issubclass(tp, base):
+                ext = _EXT_TO[tp] = handler
+                break
+    return ext
 
 
 class Encoded:
     """A value ready to be written: its layout bytes, body length and the pieces to copy."""
 
-    __slots__ = ("layout", "body_len", "scalars", "pieces")
+    __slots__ = ("layout", "body_len", "scalars", "pieces", "pickled")
 
-    def __init__(self, layout: bytes, body_len: int, scalars: bytes, pieces: list):
+    def __init__(self, layout: bytes, body_len: int, scalars: bytes, pieces: list,
+                 pickled: tuple = ()):
         self.layout = layout
         self.body_len = body_len  # header + scalars + variable leaves + arrays, padded
         self.scalars = scalars  # packed at offset 16
         self.pieces = pieces  # [(offset, buffer)] for variable leaves and arrays
+        self.pickled = pickled  # names of the types stored with pickle (slow): the torch layer warns
 
     def record_len(self, key_len: int, inline: bool) -> int:
         return self.body_len + (len(self.layout) if inline else 0) + key_len
@@ -99,6 +139,7 @@ class _Builder:
         self.scalars: list[tuple[str, Any]] = []
         self.var: list[tuple[int, bytes]] = []  # (index in var list, bytes) -> offsets fixed later
         self.arrays: list[np.ndarray] = []
+        self.pickled: list[str] = []
 
     def node(self, x: Any, path: str) -> tuple:
         tp = type(x)
@@ -137,6 +178,8 @@ class _Builder:
             self.arrays.append(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8))
             return (_ARRAY, arr.dtype.str, tuple(arr.shape), len(self.arrays) - 1)
         ext = _EXT_TO.get(tp)
+        if ext is None:
+            ext = _unregistered(tp)
         if ext is not None:
             tag, to_parts = ext
             parts = to_parts(x)
@@ -156,6 +199,9 @@ class _Builder:
                 f"return plain arrays/tensors from the dataset or transform"
             ) from None
         self.var.append((len(self.var), b))
+        name = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
+        if name not in self.pickled:
+            self.pickled.append(name)
         return (_PICKLE, len(self.var) - 1, len(b))
 
 
@@ -208,11 +254,16 @@ def encode(value: Any, path: str = "") -> Encoded:
         _I64.pack(v) if t == _INT else _F64.pack(v) if t == _FLOAT else _U64.pack(int(v))
         for t, v in b.scalars
     )
-    return Encoded(layout, pos, scalars, pieces)
+    return Encoded(layout, pos, scalars, pieces, tuple(b.pickled))
 
 
 # --- decoding ------------------------------------------------------------------------------------
 
+# Compiled decoders of this process, by layout. Bounded: a str's length is part of its layout, so
+# samples with variable-length str fields make a new layout almost every time (37,929 decoders,
+# +87 MiB, for 100k such samples). When full, the oldest entry goes (first in, first out: a hit
+# pays no bookkeeping); a layout read again after that is compiled again (microseconds).
+MAX_DECODERS = 1024
 _DECODERS: dict[tuple[bytes, bool], Callable] = {}
 
 
@@ -223,8 +274,23 @@ def decoder_for(layout: bytes, private: bool = False) -> Callable[[Any], Any]:
     if fn is None:
         node = marshal.loads(layout)
         fn = _compile_flat(node, private) or _compile(node, private)
+        if len(_DECODERS) >= MAX_DECODERS:
+            try:
+                del _DECODERS[next(iter(_DECODERS))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread changed it meanwhile
+                pass
         _DECODERS[(layout, private)] = fn
     return fn
+
+
+def cached_decoders() -> int:
+    """How many compiled decoders this process holds (at most ``MAX_DECODERS``)."""
+    return len(_DECODERS)
+
+
+def clear_decoders() -> None:
+    """Forget every compiled decoder of this process (``clear()`` of a cache calls it)."""
+    _DECODERS.clear()
 
 
 def _compile_flat(node: tuple, private: bool) -> Callable | None:
@@ -334,6 +400,9 @@ def _compile(node: tuple, private: bool = False) -> Callable:
     if tag == _EXT:
         ext, meta, shape, off = node[1], node[2], node[3], node[4]
         from_parts = _EXT_FROM.get(ext)
+        if from_parts is None and ext in _LAZY:
+            _load(ext)
+            from_parts = _EXT_FROM.get(ext)
         if from_parts is None:
             raise EncodeError(f"a cached value holds a {ext!r} object but its handler is not loaded; "
                               f"import shmcache.dataset (it registers torch tensors)")
@@ -413,12 +482,14 @@ def leaves(layout: bytes) -> tuple[tuple, list[Leaf]]:
 
 
 def ext_from_parts(tag: str) -> Callable:
+    if tag not in _EXT_FROM:
+        _load(tag)
     return _EXT_FROM[tag]
 
 
 def to_parts(x: Any) -> tuple | None:
     """``(meta, shape, uint8 ndarray)`` of a value of a registered type; None if it has none."""
-    ext = _EXT_TO.get(type(x))
+    ext = _EXT_TO.get(type(x)) or _unregistered(type(x))
     return ext[1](x) if ext is not None else None
 
 

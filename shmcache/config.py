@@ -8,8 +8,10 @@ parallel jobs therefore never collide (mosaicml/streaming#884).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import pwd
 import re
 import stat
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ __all__ = [
     "MemoryLimits",
     "memory_limits",
     "SHM_ROOT",
+    "make_private_dir",
+    "squatter_error",
 ]
 
 ENV_DIR = "SHMCACHE_DIR"
@@ -87,17 +91,58 @@ class Namespace:
         return Path(SHM_ROOT) / name.lstrip("/")
 
     def owned_segments(self) -> list[str]:
-        """Names of every shared-memory object of this namespace that exists now."""
+        """Names of every shared-memory object of this namespace that exists now.
+
+        Only regular files of our uid: a name is a claim anyone can make in /dev/shm (1777), so
+        another user's file, FIFO or symlink that squats our prefix is never listed - hence never
+        unlinked by gc, destroy or clear, which root could otherwise do to anyone's file.
+        """
         try:
             entries = os.listdir(SHM_ROOT)
         except FileNotFoundError:
             return []
         head = self.prefix + SEP
-        return sorted("/" + e for e in entries if e.startswith(head))
+        return sorted("/" + e for e in entries if e.startswith(head) and _ours(os.path.join(SHM_ROOT, e)))
+
+    def unlink_segment(self, name: str) -> bool:
+        """Unlink segment ``name`` if it is a file of ours; True if it was removed.
+
+        The owner is checked with lstat first: /dev/shm is sticky, so once a file is ours nobody
+        else can replace it before the unlink."""
+        path = self.shm_path(name)
+        if not _ours(path):
+            return False
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
 
     @property
     def sessions_dir(self) -> Path:
         return self.root / "sessions"
+
+
+def _ours(path: str | os.PathLike) -> bool:
+    """A regular file of our uid (lstat: a symlink is never followed)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+
+def squatter_error(path: str | os.PathLike, st: os.stat_result) -> NotOwner:
+    """The error for a name of ours in /dev/shm that holds another user's file, FIFO or symlink."""
+    kind = ("symlink" if stat.S_ISLNK(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode)
+            else "file" if stat.S_ISREG(st.st_mode) else "special file")
+    return NotOwner(
+        f"the shared-memory name {path} is taken by a {kind} of uid {st.st_uid} ({_user(st.st_uid)}), "
+        f"not by a segment shmcache made for you (uid {os.getuid()}): another user squats it - an "
+        f"attack or a leftover of theirs; shmcache does not use, follow or remove it. Remove it "
+        f"(as root, after checking it: rm {path}), or use another namespace: set ${ENV_DIR} to a "
+        f"directory you own"
+    )
 
 
 def _default_root() -> Path:
@@ -119,31 +164,102 @@ def namespace(root: str | os.PathLike | None = None) -> Namespace:
 
 
 def _ensure_private_dir(path: Path) -> None:
-    if path.exists() and not path.is_dir():
-        raise InvalidArgument(f"${ENV_DIR}={path} is not a directory; point it at a directory "
-                              f"(it is created if missing)")
+    fix = f"set ${ENV_DIR} (or $XDG_RUNTIME_DIR) to a directory you own"
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the user's own path: as given
+        make_private_dir(path, "the shmcache directory", fix)
+    except NotADirectoryError:
+        raise InvalidArgument(f"${ENV_DIR}={path} is not a directory; point it at a directory "
+                              f"(it is created if missing)") from None
+    except NotOwner:
+        raise
     except PermissionError as exc:
-        raise NotOwner(
-            f"cannot create the shmcache directory {path}: {exc.strerror}; "
-            f"set ${ENV_DIR} to a directory you own"
-        ) from None
+        raise NotOwner(f"cannot create the shmcache directory {path}: {exc.strerror}; {fix}") from None
     except OSError as exc:  # a parent that is a file, a read-only or pseudo filesystem (/proc)
         raise InvalidArgument(
             f"cannot create the shmcache directory {path} (${ENV_DIR}): {exc.strerror}; "
             f"point ${ENV_DIR} at a writable directory of your own"
         ) from None
-    st = path.stat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise InvalidArgument(f"${ENV_DIR}={path} is not a directory; point it at a directory")
-    if st.st_uid != os.getuid():
-        raise NotOwner(
-            f"the shmcache directory {path} belongs to uid {st.st_uid}, not to you (uid "
-            f"{os.getuid()}); set ${ENV_DIR} to a directory you own"
+
+
+def make_private_dir(path: Path, what: str, fix: str) -> None:
+    """Create ``path`` mode 0700, or accept it if it already is a directory of ours; never follow
+    a symlink there, never chmod by path.
+
+    Why so careful: the path is predictable (``/tmp/shmcache-0``, ``<spill_dir>/<prefix>+s+c``)
+    and its parent may be shared (sticky /tmp, a 1777 scratch disk). Another user can plant a
+    symlink there before we come, so that root chmods /tmp to 0700 and writes into it. mkdir never
+    follows a symlink; an existing entry is opened with O_NOFOLLOW (only a symlink that our own uid
+    made is followed) and judged by fstat of what was opened, and a mode that is too open is fixed with fchmod on that descriptor. Once verified, the
+    directory is ours in a sticky parent, so nobody else can rename or replace it.
+
+    Raises NotOwner (a symlink, or a directory of another user: named as a likely attack, with
+    ``fix``), NotADirectoryError (something else is there), or the OSError of mkdir.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        if not _own_symlink(path):
+            raise _not_a_dir(path, what, fix) from None
+        fd = os.open(path, flags)  # a symlink of our own making (`ln -s /scratch/me ~/ns`): followed
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise NotOwner(
+                f"{what} {path} belongs to uid {st.st_uid} ({_user(st.st_uid)}), not to you (uid "
+                f"{os.getuid()}): another user made it - a squat or an attack; shmcache does not use, "
+                f"chmod or remove it. Remove it (as root, after checking it), or {fix}"
+            )
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)  # the descriptor we checked, not a path that could be swapped
+    finally:
+        os.close(fd)
+
+
+def _own_symlink(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid()
+
+
+def _not_a_dir(path: Path, what: str, fix: str) -> OSError:
+    """The error for something at ``path`` that is not a directory (lstat: never followed)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:  # gone meanwhile: say what we were told
+        return NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return NotOwner(
+            f"{what} {path} is a symlink (to {target}, made by uid {st.st_uid} ({_user(st.st_uid)})); "
+            f"shmcache never follows a symlink it did not make: one planted there is an attack to "
+            f"make shmcache chmod or write into its target. Remove it (rm {path}), or {fix}"
         )
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    if st.st_uid != os.getuid():
+        return NotOwner(
+            f"{what} {path} is not a directory but a file of uid {st.st_uid} ({_user(st.st_uid)}): "
+            f"another user put it there (a squat or an attack). Remove it (as root), or {fix}"
+        )
+    return NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no such user"
 
 
 # --- memory -------------------------------------------------------------------------------------
@@ -158,6 +274,7 @@ class MemoryLimits:
     cgroup_free: int | None
     shm_total: int | None
     shm_free: int | None
+    cgroup_file: str | None = None  # the file the binding cgroup limit was read from
 
     @property
     def available(self) -> int:
@@ -196,22 +313,90 @@ def _mem_available() -> int | None:
     return None
 
 
-def _cgroup_limits() -> tuple[int | None, int | None]:
-    limit = _read_int("/sys/fs/cgroup/memory.max")
-    usage = _read_int("/sys/fs/cgroup/memory.current")
-    if limit is None:  # cgroup v1
-        limit = _read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes")
-        usage = _read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes")
-    if limit is None:
-        return None, None
-    return limit, max(0, limit - (usage or 0))
+# cgroup files: (limit, usage) under a v2 directory and a v1 memory-controller directory
+_CGROUP_FILES = {"cgroup2": ("memory.max", "memory.current"),
+                 "cgroup": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+_CGROUP_DEFAULT_MOUNTS = {"cgroup2": ("/", "/sys/fs/cgroup"), "cgroup": ("/", "/sys/fs/cgroup/memory")}
 
 
-def memory_limits() -> MemoryLimits:
-    limit, free = _cgroup_limits()
+def _cgroup_paths(proc_self: str) -> dict[str, str]:
+    """The process's own cgroup, per kind ("cgroup2": v2's ``0::/path``; "cgroup": the v1
+    hierarchy that has the memory controller, ``N:...memory...:/path``)."""
+    try:
+        text = Path(proc_self, "cgroup").read_text()
+    except OSError:
+        return {}
+    paths = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            paths["cgroup2"] = path
+        elif "memory" in controllers.split(","):
+            paths["cgroup"] = path
+    return paths
+
+
+def _cgroup_mounts(proc_self: str) -> dict[str, tuple[str, str]]:
+    """Where each kind of cgroup tree is mounted: ``(root inside the hierarchy, mount point)``
+    from mountinfo. A container without a cgroup namespace mounts its own cgroup (root
+    ``/docker/<id>``) while /proc/self/cgroup names the full path: the root is cut off it."""
+    mounts: dict[str, tuple[str, str]] = {}
+    try:
+        text = Path(proc_self, "mountinfo").read_text()
+    except OSError:
+        return dict(_CGROUP_DEFAULT_MOUNTS)
+    for line in text.splitlines():
+        left, _, right = line.partition(" - ")
+        fields, fs = left.split(), right.split()
+        if len(fields) < 5 or len(fs) < 3 or fs[0] not in _CGROUP_FILES or fs[0] in mounts:
+            continue
+        if fs[0] == "cgroup" and "memory" not in fs[2].split(","):
+            continue
+        mounts[fs[0]] = (_unescape(fields[3]), _unescape(fields[4]))
+    return mounts or dict(_CGROUP_DEFAULT_MOUNTS)
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: spaces and the like are written as octal escapes (``\\040``)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _cgroup_limits(proc_self: str = "/proc/self") -> tuple[int | None, int | None, str | None]:
+    """``(limit, free, file)`` of the tightest memory limit on this process: its own cgroup's
+    and every ancestor's (v2 and v1), as a Slurm job or a container sets them. ``proc_self``:
+    where ``cgroup`` and ``mountinfo`` are read (tests point it at a fake tree)."""
+    paths, mounts = _cgroup_paths(proc_self), _cgroup_mounts(proc_self)
+    best: tuple[int, int, str] | None = None
+    for kind, (limit_name, usage_name) in _CGROUP_FILES.items():
+        if kind not in mounts:
+            continue
+        root, point = mounts[kind]
+        path = paths.get(kind, "/")
+        inside = path == root or path.startswith(root.rstrip("/") + "/")
+        rel = path[len(root):] if inside else ""  # outside the mount's view: its top is ours
+        top = Path(point)
+        here = top / rel.strip("/")
+        for directory in (here, *here.parents):
+            limit = _read_int(str(directory / limit_name))
+            if limit is not None:
+                free = max(0, limit - (_read_int(str(directory / usage_name)) or 0))
+                if best is None or free < best[1]:
+                    best = (limit, free, str(directory / limit_name))
+            if directory == top:
+                break
+    if best is None:
+        return None, None, None
+    return best
+
+
+def memory_limits(proc_self: str = "/proc/self") -> MemoryLimits:
+    limit, free, source = _cgroup_limits(proc_self)
     try:
         st = os.statvfs(SHM_ROOT)
         shm_total, shm_free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     except OSError:
         shm_total = shm_free = None
-    return MemoryLimits(_mem_available(), limit, free, shm_total, shm_free)
+    return MemoryLimits(_mem_available(), limit, free, shm_total, shm_free, source)

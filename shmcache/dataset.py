@@ -13,8 +13,9 @@ import os
 import random
 import secrets
 import sys
+import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,15 +24,15 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 from torch.utils.data._utils.collate import default_collate_fn_map
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
-from . import codec
+from . import _pil, codec  # noqa: F401  (_pil registers PIL images with the codec, lazily)
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
-from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey
+from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey, SharedMemoryFull
 from .fingerprint import fingerprint, length_or_none
-from .store import MISSING, CacheStore
+from .store import MISSING, CacheStore, UncachedStore
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
-_MAX_SIZE_MB = 1 << 26  # 64 TiB: anything larger is a unit mistake (bytes given as MB)
+_MAX_SIZE_MB = 1 << 26  # 64 TiB: anything larger is a unit mistake (bytes given as MiB)
 
 
 # --- tensors in the codec -------------------------------------------------------------------------
@@ -44,7 +45,12 @@ def _tensor_to_parts(t: torch.Tensor):
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.resolve_conj().resolve_neg().contiguous()
-    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    if not t.numel():
+        return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), np.empty(0, np.uint8)
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:  # one element: contiguous() keeps any stride, and view(uint8) needs 1
+        flat = flat.as_strided((1,), (1,))
+    raw = flat.view(torch.uint8).numpy()
     return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), raw
 
 
@@ -68,12 +74,12 @@ codec.register_type(torch.nn.Parameter, "torch", _tensor_to_parts, _tensor_from_
 
 def _check_size(size: Any, what: str = "size") -> int:
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-        raise InvalidArgument(f"{what} must be an int number of MB (0 = automatic), got "
+        raise InvalidArgument(f"{what} must be an int number of MiB (0 = automatic), got "
                               f"{type(size).__name__} {size!r}")
     if size < 0 or size > _MAX_SIZE_MB:
-        raise InvalidArgument(f"{what}={size} MB is out of range: give 0 (80% of the memory really "
-                              f"available) or a number of megabytes up to {_MAX_SIZE_MB} "
-                              f"(size is in MB, not bytes)")
+        raise InvalidArgument(f"{what}={size} MiB is out of range: give 0 (80% of the memory really "
+                              f"available) or a number of MiB up to {_MAX_SIZE_MB} "
+                              f"(size is in MiB, not bytes)")
     return int(size)
 
 
@@ -82,7 +88,7 @@ def _size_from_env() -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise InvalidArgument(f"${ENV_SIZE_MB}={raw!r} is not an int number of MB; set it to e.g. "
+        raise InvalidArgument(f"${ENV_SIZE_MB}={raw!r} is not an int number of MiB; set it to e.g. "
                               f"4096, or unset it") from None
     return _check_size(value, f"${ENV_SIZE_MB}")
 
@@ -117,8 +123,12 @@ class ShmDatasetCache:
 
     Args:
         session: ``"auto"`` (``$SHMCACHE_SESSION``, else ``"default"``) or a session name.
-        name: the cache's name in the session; None: a fingerprint of the wrapped dataset.
-        size: memory cap in MB; 0: 80% of what is really available (``$SHMCACHE_SIZE_MB`` if set).
+        name: the cache's name in the session; None: a fingerprint of the wrapped dataset, so an
+            unnamed cache must ``wrap()`` a dataset before ``get``/``put``/``[]`` (which refuse
+            otherwise: two unnamed caches of different functions must not share one cache).
+        size: memory cap in MiB; 0 (``$SHMCACHE_SIZE_MB`` if set): the automatic cap, 80% of the
+            memory really available when the session's first such cache is made, shared by
+            every cache of the session made with size=0.
         spilling: when memory is full, spill to zstd files on disk (True) or stop admitting.
         spill_dir: where spill files live (default: the session's, then ``$SHMCACHE_SPILL_DIR``).
         copy: hits return private, writable copies (True, safe) or zero-copy read-only views.
@@ -143,6 +153,10 @@ class ShmDatasetCache:
         self.size_mb = size
         self.spilling = spilling or _env_flag(ENV_SPILLING)
         self.spill_dir = spill_dir  # None: the session's, then $SHMCACHE_SPILL_DIR (spilling.py)
+        if spill_dir is not None and not self.spilling:  # a forgotten spilling=True: say so once
+            warnings.warn(f"spill_dir={os.fspath(spill_dir)!r} has no effect without spilling=True "
+                          f"(or $SHMCACHE_SPILLING=1): nothing is spilled; pass spilling=True, or drop "
+                          f"spill_dir", UserWarning, stacklevel=2)
         if not isinstance(copy, bool):
             raise InvalidArgument(f"copy must be True or False, got {copy!r}")
         self.copy = copy
@@ -158,6 +172,8 @@ class ShmDatasetCache:
         self.name = name
         self._store: CacheStore | None = None
         self._fingerprint: str | None = None
+        self._closed = False
+        self._warned_pickle = False  # one warning per cache object when samples are pickled
         # the namespace travels with the cache (pickled to workers): a forkserver or spawn child
         # may see another $SHMCACHE_DIR, and would otherwise build an empty twin of the cache
         self._ns_root = str(namespace().root)
@@ -173,11 +189,16 @@ class ShmDatasetCache:
     # --- binding to a store --------------------------------------------------------------------
 
     def _open(self, name: str, fingerprint: str | None, table_hint: int) -> CacheStore:
-        self._store = CacheStore(self.session, name, capacity_bytes=self.size_mb << 20,
-                                 fingerprint=fingerprint, table_hint=table_hint,
-                                 lock_timeout_s=self.lock_timeout_s, ns=self._ns_root)
+        if self._closed:
+            raise self._closed_error()
+        try:
+            self._store = CacheStore(self.session, name, capacity_bytes=self.size_mb << 20,
+                                     fingerprint=fingerprint, table_hint=table_hint,
+                                     lock_timeout_s=self.lock_timeout_s, ns=self._ns_root)
+        except SharedMemoryFull as exc:  # not even the cache's own segments fit: serve uncached
+            self._store = UncachedStore(self.session, name, exc)
         self.name, self._fingerprint = name, fingerprint
-        if self.spilling:
+        if self.spilling and not self._store.uncached:
             from . import spilling
 
             spilling.attach(self._store, self.spill_dir)
@@ -185,7 +206,7 @@ class ShmDatasetCache:
 
     @property
     def store(self) -> CacheStore:
-        """The underlying store (opened on first use as cache ``"default"`` if never bound)."""
+        """The underlying store (opened on first use; see ``_ensure_open``)."""
         return self._ensure_open()
 
     # --- wrapping datasets ----------------------------------------------------------------------
@@ -196,17 +217,7 @@ class ShmDatasetCache:
             raise InvalidArgument(f"transform must be callable, got {type(transform).__name__}")
         if isinstance(dataset, IterableDataset) or (not hasattr(dataset, "__getitem__")
                                                     and isinstance(dataset, Iterable)):
-            if iter(dataset) is dataset:
-                raise InvalidArgument(
-                    f"wrap() needs a re-iterable dataset (an IterableDataset or a container), not a "
-                    f"one-shot iterator ({type(dataset).__name__}): a cache replays later passes, "
-                    f"and reading its first items to name the cache would consume them"
-                )
-            # the first items identify a stream (the dataset's attributes too, see _fingerprint)
-            head = list(itertools.islice(iter(dataset), 16))
-            samples = [codec.encode(transform(x) if transform else x) for x in head]
-            self._bind(dataset, transform, samples, table_hint=0)
-            return CachedIterableDataset(self, dataset, transform)
+            return self._wrap_iterable(dataset, transform)
         if not hasattr(dataset, "__getitem__") or length_or_none(dataset) is None:
             raise InvalidArgument(
                 f"wrap() takes a map-style dataset (with __getitem__ and __len__) or an iterable "
@@ -228,8 +239,32 @@ class ShmDatasetCache:
             )
         self._bind(dataset, transform, samples, table_hint=n)
         for i, enc in zip(probe, samples):  # computed anyway: keep them
-            self._store.put(i, None, encoded=enc)
+            self._put(self._store, i, None, enc)
         return CachedDataset(self, dataset, transform)
+
+    def _wrap_iterable(self, dataset: Iterable, transform: Callable | None) -> CachedIterableDataset:
+        """With a name, the stream is not read here. Without one, its first 16 items name the
+        cache (with the dataset's attributes, NOTE [fingerprint]); they are read from the
+        iterator the first pass then goes on with, so a stream that cannot be read twice (a
+        queue, a socket behind ``__iter__``) loses nothing."""
+        one_shot = isinstance(dataset, Iterator)  # (calling iter() would open a stream)
+        if self.name is not None or self._fingerprint is not None:
+            self._bind(dataset, transform, [], table_hint=0)
+            return CachedIterableDataset(self, dataset, transform, one_shot=one_shot)
+        if one_shot:
+            raise InvalidArgument(
+                f"wrap() of a one-shot iterator ({type(dataset).__name__}) needs a name: without "
+                f"one the cache would be named after its first items, which two different streams "
+                f"can share; give ShmDatasetCache(name=...) (the stream is then not read until the "
+                f"first pass), or wrap a re-iterable dataset (an IterableDataset or a container)"
+            )
+        it = iter(dataset)
+        head = list(itertools.islice(it, 16))
+        samples = [codec.encode(transform(x) if transform else x) for x in head]
+        self._bind(dataset, transform, samples, table_hint=0)
+        wrapped = CachedIterableDataset(self, dataset, transform)
+        wrapped._pending = (os.getpid(), head, it)  # the first pass of this process starts with them
+        return wrapped
 
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
         fp = fingerprint(dataset, transform, samples)
@@ -248,7 +283,10 @@ class ShmDatasetCache:
 
     def get(self, key: int | str | bytes, fn: Callable | None = None) -> Any:
         """The cached value of ``key``; on a miss ``fn(key)``, stored (KeyError if ``fn`` is None)."""
-        value = (self._store if self._store is not None else self._ensure_open()).lookup(key, self.copy)
+        store = self._store
+        if store is None:
+            store = self._ensure_open()
+        value = store.lookup(key, self.copy)
         if value is not MISSING:
             return value
         if fn is None:
@@ -259,7 +297,24 @@ class ShmDatasetCache:
 
     def put(self, key: int | str | bytes, value: Any) -> bool:
         """Store ``value`` under ``key`` (kept if present). False if the cache was full."""
-        return self.store.put(key, value)
+        return self._put(self.store, key, value)
+
+    def _put(self, store: CacheStore, key: Any, value: Any, enc: codec.Encoded | None = None) -> bool:
+        """``store.put``, warning once per cache when a sample had to be pickled."""
+        if enc is None:
+            enc = codec.encode(value, f"the value of key {key!r}")
+        if enc.pickled and not self._warned_pickle:
+            self._warn_pickled(enc.pickled)
+        return store.put(key, None, encoded=enc)
+
+    def _warn_pickled(self, types: tuple) -> None:
+        self._warned_pickle = True
+        warnings.warn(
+            f"cache {self.session}/{self.name}: samples holding {', '.join(types)} are stored with "
+            f"pickle: slower to store and read than arrays, often larger, and never zero-copy or "
+            f"gathered as a batch; return numpy arrays or tensors from the dataset or transform "
+            f"(np.asarray(x), torch.as_tensor(x)) (warned once per cache)",
+            UserWarning, stacklevel=3)
 
     def __getitem__(self, key):
         return self.get(key)
@@ -294,7 +349,7 @@ class ShmDatasetCache:
                                f"{[keys[i] for i in missing[:10]]}; pass fn= to compute them")
             for i in missing:
                 values[i] = fn(keys[i])
-                store.put(keys[i], values[i])
+                self._put(store, keys[i], values[i])
         batch = default_collate(values)
         if out is not None:
             _copy_into(out, batch)
@@ -363,17 +418,22 @@ class ShmDatasetCache:
     def warmup(self, dataset: Any, progress: bool = True, desc: str | None = None) -> int:
         """Fill the cache with every item of ``dataset`` (wrapped or not); returns items computed.
 
+        Only local rank 0 (``$LOCAL_RANK`` unset or 0) draws the progress bar.
+
         Each local rank starts at its own offset and skips what is already cached, so N processes
         warming up together compute each item about once.
         """
         ds = dataset if isinstance(dataset, (CachedDataset, CachedIterableDataset)) else self.wrap(dataset)
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        progress = progress and rank == 0  # one bar per machine, not one per process
         if isinstance(ds, CachedIterableDataset):
             count = 0
             for _ in _progress(ds, progress, desc or f"warmup {self.name}", None):
                 count += 1
             return count
         n = len(ds)
-        rank = int(os.environ.get("LOCAL_RANK", 0))
+        if self.store.uncached:  # nowhere to keep them (logged when it was opened)
+            return 0
         world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         start = (n * rank) // world
         order = np.concatenate([np.arange(start, n), np.arange(0, start)]).astype(np.int64)
@@ -384,7 +444,7 @@ class ShmDatasetCache:
             w0, _ = store._refresh().index.lookup_ints(chunk)
             for i in chunk[w0 == 0].tolist():
                 if not store.contains(i):
-                    store.put(i, ds._compute(i))
+                    self._put(store, i, ds._compute(i))
                     computed += 1
             if bar is not None:
                 bar.update(len(chunk))
@@ -400,10 +460,20 @@ class ShmDatasetCache:
         self.store.clear()
 
     def close(self) -> None:
-        """Unmap this process's view (the cache itself stays for others; use again to re-attach)."""
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        """Unmap this process's view and detach from the session (its liveness slot is released
+        once no other open cache of this process uses the session, so ``shmcache destroy`` works
+        without ``--force``). The cache itself stays for others. This object and the datasets it
+        wrapped are then unusable: every use raises; open a new ShmDatasetCache."""
+        self._closed = True
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+    def _closed_error(self) -> InvalidArgument:
+        return InvalidArgument(
+            f"this ShmDatasetCache ({self.session}/{self.name or 'unnamed'}) was closed; create a "
+            f"new one (ShmDatasetCache(session={self.session!r}, name={self.name!r})) to use the "
+            f"cache again")
 
     def __enter__(self) -> ShmDatasetCache:
         return self
@@ -424,7 +494,16 @@ class ShmDatasetCache:
     def _ensure_open(self) -> CacheStore:
         """The store, re-attached by name in a process that received this cache pickled."""
         if self._store is None:
-            self._open(self.name or "default", self._fingerprint, 0)
+            if self._closed:
+                raise self._closed_error()
+            if self.name is None:
+                raise InvalidArgument(
+                    f"this ShmDatasetCache in session {self.session!r} has no name, and get(), "
+                    f"put(), [], len() and stats() cannot tell which function or dataset its "
+                    f"values come from (two unnamed caches would share one cache); give it one: "
+                    f"ShmDatasetCache(name='train'), or wrap(dataset) first (it is then named "
+                    f"after the dataset)")
+            self._open(self.name, self._fingerprint, 0)
         return self._store
 
 
@@ -492,7 +571,7 @@ class CachedDataset(Dataset):
 
     def _store_computed(self, store: CacheStore, i: int, value: Any) -> None:
         try:
-            store.put(i, value)
+            self.cache._put(store, i, value)
         except EncodeError as exc:
             raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
 
@@ -573,12 +652,46 @@ class CachedIterableDataset(IterableDataset):
     Each stream (rank x DataLoader worker) records its own sequence under its own keys, with a
     completion marker written only after a full pass; a pass that was cut short, or finds an item
     missing, reads the source again and fills the gaps.
+
+    DataLoader workers: each worker gets its own copy of the dataset and records what *its* copy
+    yields, under its own keys (``RANK.<worker id>of<num_workers>``). An unsharded stream is thus
+    read, yielded and stored once per worker (what PyTorch does with any IterableDataset), so
+    shard it in the source's ``__iter__`` with ``torch.utils.data.get_worker_info()`` (for example
+    ``itertools.islice(items, info.id, None, info.num_workers)``); a different ``num_workers`` (or
+    world size) records anew.
     """
 
-    def __init__(self, cache: ShmDatasetCache, dataset: Iterable, transform: Callable | None):
+    def __init__(self, cache: ShmDatasetCache, dataset: Iterable, transform: Callable | None,
+                 one_shot: bool = False):
         self.cache = cache
         self.dataset = dataset
         self.transform = transform
+        self._one_shot = one_shot  # a plain iterator: one pass of the source, ever
+        self._pending: tuple[int, list, Any] | None = None  # pid, items wrap() read, their iterator
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_pending"] = None  # the items wrap() read belong to this process's first pass
+        return state
+
+    def _source(self):
+        """The source for a recording pass: the items wrap() read, then the rest of their
+        iterator (first pass in this process), else a fresh iterator of the dataset."""
+        pending, self._pending = self._pending, None
+        # not in a DataLoader worker, even a forked one that inherited it: a worker opens its own
+        # iterator (a source that shards by get_worker_info() must see the worker)
+        if pending is not None and pending[0] == os.getpid() and get_worker_info() is None:
+            return itertools.chain(pending[1], pending[2])
+        if self._one_shot:
+            if getattr(self, "_consumed", False):
+                raise InvalidArgument(
+                    f"the one-shot iterator ({type(self.dataset).__name__}) wrapped as "
+                    f"{self.cache.session}/{self.cache.name} was read once already, and the cache "
+                    f"does not hold all of it (the first pass stopped early, or the cache was "
+                    f"full), so it cannot be replayed; wrap a re-iterable dataset (an "
+                    f"IterableDataset or a container), or finish the first pass")
+            self._consumed = True
+        return iter(self.dataset)
 
     def _stream(self) -> str:
         info = get_worker_info()
@@ -591,6 +704,7 @@ class CachedIterableDataset(IterableDataset):
         marker = f"__stream__:{stream}"
         total = store.lookup(marker, count=False)
         if total is not MISSING:
+            self._pending = None
             for i in range(total):
                 value = store.lookup(f"{stream}:{i}", self.cache.copy)
                 if value is MISSING:
@@ -602,12 +716,12 @@ class CachedIterableDataset(IterableDataset):
 
     def _record(self, store: CacheStore, stream: str, marker: str, skip: int):
         count = 0
-        for i, sample in enumerate(self.dataset):
+        for i, sample in enumerate(self._source()):
             count = i + 1
             if i < skip:
                 continue  # already yielded from the cache in this pass
             value = self.transform(sample) if self.transform is not None else sample
-            store.put(f"{stream}:{i}", value)
+            self.cache._put(store, f"{stream}:{i}", value)
             yield value
         store.put(marker, count)  # only after a full pass
 

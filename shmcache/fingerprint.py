@@ -7,18 +7,28 @@ NOTE [fingerprint]
 
     - the dataset's type and length;
     - its plain-data attributes (file lists, label arrays): numbers, str, bytes, arrays, tensors
-      (any dtype) and lists, tuples, dicts and sets of them. Other objects (file handles, database
-      environments, locks) are skipped: their state differs from process to process. Private
-      attributes count too (``self._items``), except plain numbers: ``self._pid``, ``self._rank``
-      or a call counter would give every process its own cache;
+      (any dtype) and lists, tuples, dicts and sets of them, hashed completely (an edit anywhere in
+      a 1.28M-item list of paths changes the name): homogeneous runs of numbers, str and bytes in
+      bulk, as one buffer each, arrays by their bytes (a file-backed ``np.memmap`` by its file:
+      path, offset, size and modification time, so a 100 GB image file is not read). Python
+      objects in attributes (a wrapped dataset, a Subset's source) count by type and attributes,
+      the same way; objects without a ``__dict__`` (file handles, database environments, locks)
+      are skipped: their state differs from process to process. Private attributes count too
+      (``self._items``), except plain numbers: ``self._pid``, ``self._rank`` or a call counter
+      would give every process its own cache;
     - the transform by what it does: a function's code, constants, defaults and the plain data it
       closes over; a callable object's type and attributes (a Compose and the transforms in it);
     - the encoded probe samples (items 0, n/2 and n-1), except the bytes of pickled leaves, whose
       pickles of sets and dicts follow the string hash seed of the process (only their type and
       length count).
 
+    The same digest of a function names an unnamed cache used through ``get(key, fn)``
+    (``function_fingerprint``): a bound method counts its object, a closure the objects it closes
+    over (``lambda k: self.dataset[k]`` counts ``self.dataset``'s attributes).
+
     It stays a heuristic: two datasets that differ only in state it skips, and agree on the probe
-    samples, still look the same. ``verify=`` (recompute a share of the hits) catches that.
+    samples, still look the same; so does data nested deeper than ``_MAX_DEPTH`` levels.
+    ``verify=`` (recompute a share of the hits) catches that.
 """
 
 from __future__ import annotations
@@ -26,7 +36,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import marshal
+import operator
+import os
 import types
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,11 +48,14 @@ import torch
 
 from . import codec
 
-__all__ = ["fingerprint", "length_or_none"]
+__all__ = ["fingerprint", "function_fingerprint", "length_or_none"]
 
-_DIGEST_LIMIT = 256 << 20  # bytes of array data hashed at most (then: dtypes and shapes only)
 _MAX_DEPTH = 6
-_MAX_ITEMS = 100_000  # elements of one container hashed at most
+_CHUNK = 1 << 16  # items of a list hashed in one bulk step (bounds the temporary arrays)
+_CRC_FROM = 16 << 20  # arrays this large are hashed by crc32 per chunk (3x blake2b's speed here)
+_CRC_CHUNK = 64 << 20
+_ROW_MAX = 16  # tuples up to this length, in a list of them, are hashed column by column
+_COMPOSE_MAX = 256  # a list attribute this short is checked for callables (Compose([...]))
 
 
 def fingerprint(dataset: Any, transform: Callable | None, samples: Sequence[codec.Encoded]) -> str:
@@ -65,6 +81,15 @@ def fingerprint(dataset: Any, transform: Callable | None, samples: Sequence[code
     return h.hexdigest()
 
 
+def function_fingerprint(fn: Callable) -> str:
+    """A 16-hex-digit identity of what ``fn`` computes (code, closure, bound object); the same in
+    every process that defines ``fn`` alike. Names an unnamed cache used through ``get``."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"get|")
+    _Digest(h).function(fn)
+    return h.hexdigest()
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float, complex, np.number, np.bool_))
 
@@ -86,39 +111,98 @@ def length_or_none(ds: Any) -> int | None:
 
 
 class _Digest:
-    """Feeds plain data and callables into one hash, with a budget for array bytes."""
+    """Feeds plain data and callables into one hash."""
 
     def __init__(self, h):
         self.h = h
-        self.array_bytes = 0
         self._seen: set[int] = set()  # objects and functions already entered: cycles end here
 
     def data(self, value: Any, depth: int = 0) -> None:
-        """Plain data reachable from ``value``; anything else is skipped (see NOTE [fingerprint])."""
+        """Plain data reachable from ``value``, completely; see NOTE [fingerprint]."""
         h = self.h
         if depth > _MAX_DEPTH:
             return
-        if isinstance(value, (str, bytes, int, float, bool, complex, type(None))):
-            h.update(repr(value).encode("utf-8", "surrogatepass")[:1 << 16])
+        if isinstance(value, str):
+            h.update(f"s{len(value)}:".encode())
+            h.update(value.encode("utf-8", "surrogatepass"))
+        elif isinstance(value, bytes):
+            h.update(f"y{len(value)}:".encode())
+            h.update(value)
+        elif isinstance(value, (int, float, bool, complex, type(None))):
+            h.update(repr(value).encode())
         elif isinstance(value, np.generic):
             h.update(repr(value.item() if value.dtype.kind != "O" else type(value)).encode()[:1 << 16])
         elif isinstance(value, np.ndarray):
-            self._array(value)
+            self._array(value, depth)
         elif isinstance(value, torch.Tensor):
             self._tensor(value)
         elif isinstance(value, dict):
             h.update(f"{{{len(value)}".encode())
-            for k in sorted(value, key=_key_repr)[:_MAX_ITEMS]:
-                h.update(_key_repr(k).encode("utf-8", "surrogatepass"))
-                self.data(value[k], depth + 1)
+            keys = _sorted_keys(value)
+            plain = len(set(map(type, keys))) == 1 and type(keys[0]) in (str, int)
+            self._items(keys if plain else [_key_repr(k) for k in keys], depth)
+            self._items([value[k] for k in keys], depth)
         elif isinstance(value, (list, tuple)):
             h.update(f"[{len(value)}".encode())
-            for v in value[:_MAX_ITEMS]:
-                self.data(v, depth + 1)
+            self._items(value, depth)
         elif isinstance(value, (set, frozenset)):  # no order of its own: sorted by repr
             h.update(f"({len(value)}".encode())
-            for r in sorted(map(_key_repr, value))[:_MAX_ITEMS]:
-                h.update(r.encode("utf-8", "surrogatepass"))
+            self._items(sorted(map(_key_repr, value)), depth)
+        elif isinstance(getattr(value, "__dict__", None), dict) and not isinstance(
+                value, (types.ModuleType, type)) and not callable(value):
+            if id(value) not in self._seen:  # an object (a wrapped dataset): type and attributes
+                self._seen.add(id(value))
+                self._object(value, depth + 1, data_only=True)
+
+    def _items(self, items: Sequence, depth: int) -> None:
+        """Every item of a list or tuple, in bulk where a run of items is homogeneous."""
+        for lo in range(0, len(items), _CHUNK):
+            chunk = items[lo:lo + _CHUNK]
+            if not self._column(chunk, depth):
+                for v in chunk:
+                    self.data(v, depth + 1)
+
+    def _column(self, items: Sequence, depth: int) -> bool:
+        """Hash ``items`` as one buffer if they are all ints, floats, bools, str or bytes (or
+        tuples of one length: column by column); False if not (the caller hashes each item)."""
+        h = self.h
+        kinds = set(map(type, items))
+        if len(kinds) != 1:
+            return False
+        tp = kinds.pop()
+        if tp is int:
+            try:
+                arr = np.array(items, np.int64)
+            except OverflowError:
+                return False
+            h.update(b"I")
+            h.update(arr)
+        elif tp is float:
+            h.update(b"F")
+            h.update(np.array(items, np.float64))
+        elif tp is bool:
+            h.update(b"B")
+            h.update(np.array(items, np.bool_))
+        elif tp is str or tp is bytes:
+            joined = ("\0" if tp is str else b"\0").join(items)
+            if tp is str:
+                joined = joined.encode("utf-8", "surrogatepass")
+            h.update(b"S" if tp is str else b"Y")
+            if b"\0" in joined:  # a separator inside an item: the lengths tell the items apart
+                h.update(np.fromiter(map(len, items), np.int64, len(items)))
+            h.update(joined)
+        elif tp in (tuple, list) and depth < _MAX_DEPTH and len(items) > 1 \
+                and len(items[0]) <= _ROW_MAX and len(set(map(len, items))) == 1:
+            # many short rows of one length ((path, label) pairs): one column at a time
+            h.update(f"{'T' if tp is tuple else 'L'}{len(items[0])}".encode())
+            for j in range(len(items[0])):
+                col = list(map(operator.itemgetter(j), items))  # (zip(*items) is slower)
+                if not self._column(col, depth + 1):
+                    for v in col:
+                        self.data(v, depth + 2)
+        else:
+            return False
+        return True
 
     def function(self, fn: Any, depth: int = 0) -> None:
         """What ``fn`` does: code and the plain data it uses (see NOTE [fingerprint])."""
@@ -151,7 +235,9 @@ class _Digest:
         else:  # a builtin, a class or a callable object (torchvision's Compose, Resize(...))
             self._object(fn, depth)
 
-    def _object(self, obj: Any, depth: int) -> None:
+    def _object(self, obj: Any, depth: int, data_only: bool = False) -> None:
+        """Type and attributes of ``obj``: a callable's all of them, a data object's (a dataset
+        inside a dataset) without private numbers, as for the dataset (NOTE [fingerprint])."""
         tp = type(obj)
         self.h.update(f"{tp.__module__}.{getattr(tp, '__qualname__', tp.__name__)}".encode())
         if isinstance(obj, (types.BuiltinFunctionType, type)):
@@ -160,12 +246,14 @@ class _Digest:
         attrs = getattr(obj, "__dict__", None)
         if not isinstance(attrs, dict):
             return
-        for k in sorted(attrs, key=_key_repr)[:_MAX_ITEMS]:
+        for k in _sorted_keys(attrs):
             v = attrs[k]
+            if data_only and isinstance(k, str) and k.startswith("_") and _is_number(v):
+                continue  # self._pid, self._calls: per-process state (NOTE [fingerprint])
             self.h.update(_key_repr(k).encode())
-            if isinstance(v, (list, tuple)) and any(callable(x) for x in v[:_MAX_ITEMS]):
+            if isinstance(v, (list, tuple)) and len(v) <= _COMPOSE_MAX and any(map(callable, v)):
                 self.h.update(f"[{len(v)}".encode())  # Compose(transforms=[...])
-                for x in v[:_MAX_ITEMS]:
+                for x in v:
                     if callable(x):
                         self.function(x, depth + 1)
                     else:
@@ -184,11 +272,22 @@ class _Digest:
             else:
                 self.h.update(_const_bytes(const))
 
-    def _array(self, arr: np.ndarray) -> None:
-        self.h.update(f"{arr.dtype}{arr.shape}".encode())
-        if not arr.dtype.hasobject and self.array_bytes + arr.nbytes <= _DIGEST_LIMIT:
-            self.array_bytes += arr.nbytes
-            self.h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    def _array(self, arr: np.ndarray, depth: int = 0) -> None:
+        h = self.h
+        h.update(f"{arr.dtype}{arr.shape}".encode())
+        if arr.dtype.hasobject:  # an object array (pandas .values of str): its items
+            self._items(arr.ravel().tolist(), depth)
+            return
+        source = _mapped_file(arr)
+        if source is not None:  # a file-backed array: the file's identity, not its bytes
+            h.update(source)
+            return
+        flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        if flat.nbytes < _CRC_FROM:
+            h.update(flat)
+            return
+        for lo in range(0, flat.nbytes, _CRC_CHUNK):
+            h.update(zlib.crc32(flat[lo:lo + _CRC_CHUNK]).to_bytes(4, "little"))
 
     def _tensor(self, t: torch.Tensor) -> None:
         self.h.update(f"{t.dtype}{tuple(t.shape)}{t.layout}".encode())
@@ -198,6 +297,32 @@ class _Digest:
             return
         if parts is not None:
             self._array(parts[2])
+
+
+def _sorted_keys(d: dict) -> list:
+    """The keys of ``d`` in an order that is the same in every process (str or int keys: their
+    own order, fast; mixed keys: by a process-independent repr)."""
+    kinds = set(map(type, d))
+    if len(kinds) == 1 and kinds <= {str, int}:
+        return sorted(d)
+    return sorted(d, key=_key_repr)
+
+
+def _mapped_file(arr: np.ndarray) -> bytes | None:
+    """Path, offset, size and modification time of the file a ``np.memmap`` maps (None for an
+    array in memory): an edit of the file changes its modification time."""
+    if not isinstance(arr, np.memmap) or not getattr(arr, "filename", None):
+        return None
+    base = arr
+    while isinstance(getattr(base, "base", None), np.ndarray):
+        base = base.base
+    try:
+        st = os.stat(arr.filename)
+    except OSError:
+        return None
+    start = arr.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    return (f"memmap:{arr.filename}:{arr.offset}+{start}:{arr.strides}:{st.st_size}:"
+            f"{st.st_mtime_ns}").encode("utf-8", "surrogatepass")
 
 
 def _const_bytes(const: Any) -> bytes:

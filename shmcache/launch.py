@@ -20,11 +20,11 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
                             gpu (one per visible CUDA device), cpu (one per CPU core). Default 1.
     --session NAME          the shmcache session the processes share, created if missing.
                             Default: $SHMCACHE_SESSION, else "default". 1-64 of A-Z a-z 0-9 _ . -
-    --size MB               memory cap of the caches, in MB (0: automatic); sets $SHMCACHE_SIZE_MB
+    --size MIB              memory cap of each cache, in MiB (0: automatic); sets $SHMCACHE_SIZE_MB
     --spilling              spill to disk when memory is full; sets $SHMCACHE_SPILLING=1. Needs a
                             spill directory: --spill-dir, the session's, or $SHMCACHE_SPILL_DIR
-    --spill-dir DIR         where spill segments go (created if missing); sets $SHMCACHE_SPILL_DIR
-                            and becomes the spill directory of a session created now
+    --spill-dir DIR         where spill files go (an existing directory: never created, a typo
+                            would fill another disk); sets $SHMCACHE_SPILL_DIR and becomes the spill directory of a session created now
     --destroy-session       destroy the session (and everything cached in it) once every process
                             is gone, even if other jobs still use it; by default it stays, for
                             the next run to find
@@ -57,11 +57,14 @@ Each process gets, on top of the launcher's own environment (torchrun's set for 
 Failures: when a process exits with a non-zero status or dies of a signal, every other process
 gets SIGTERM, then SIGKILL after --shutdown-timeout. Ctrl-C (SIGINT), SIGTERM and SIGHUP sent to
 the launcher are forwarded to every process, with the same escalation; a second one kills at
-once. Each process runs in a process group of its own, which dies with it, and on Linux it is
-killed by the kernel if the launcher itself is killed. A summary on stderr names the root cause
-first: the first rank that failed, its PID, exit code or signal name (and its exception, when
-its entry point is decorated with torch.distributed.elastic.multiprocessing.errors.record). See
-NOTE [launcher shutdown] in shmcache/_procs.py.
+once. Each process runs in a process group of its own, which dies with it. If the launcher
+itself is killed, even by SIGKILL, the kernel kills each process (Linux's PR_SET_PDEATHSIG) and a
+small guard process the launcher started kills each process group: what the processes started
+dies too, unless it left the group (setsid, start_new_session=True). A summary on stderr names
+the root cause first: the first rank that failed, its PID, exit code or signal name (and its
+exception, when its entry point is decorated with
+torch.distributed.elastic.multiprocessing.errors.record). See NOTE [launcher shutdown] in
+shmcache/_procs.py.
 
 Exit status::
 
@@ -86,6 +89,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import socket
 import sys
@@ -97,17 +101,18 @@ from pathlib import Path
 
 from ._procs import WorkerSpec, run_workers
 from .config import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name
-from .errors import InvalidArgument, ShmcacheError
+from .errors import InvalidArgument, ShmcacheError, SpillError
 from .locks import LivenessSlot
 from .registry import SessionRegistry
+from .spill import check_spill_dir
 
 __all__ = ["main"]
 
-#: Read by the cache as the default of ``size`` (MB) and ``spilling``.
+#: Read by the cache as the default of ``size`` (MiB) and ``spilling``.
 
 PROG = "python -m shmcache.launch"
 USAGE = (
-    f"{PROG} [--nproc N] [--session NAME] [--size MB] [--spilling] [--spill-dir DIR]\n"
+    f"{PROG} [--nproc N] [--session NAME] [--size MIB] [--spilling] [--spill-dir DIR]\n"
     f"       [--destroy-session] [--shutdown-timeout S] [--master-addr A] [--master-port P]\n"
     f"       [-m | --no-python] script.py [args...]     (-h for the manual)"
 )
@@ -149,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcome = run_workers(specs, shutdown_timeout_s=plan.shutdown_timeout_s)
     finally:
         slot.release()
+        registry.mark_used(plan.session)  # `shmcache gc --idle-for` counts from the job's end
         if plan.destroy_session:
             _destroy_session(registry, plan.session)
     for line in outcome.summary():
@@ -163,8 +169,15 @@ class _PrintManual(argparse.Action):
     """-h prints the module docstring: the manual is written once."""
 
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
-        print(__doc__)
+        print(manual())
         parser.exit(0)
+
+
+def manual() -> str:
+    """The module docstring as plain text: it is reStructuredText (for the API docs), whose
+    literal-block marker ``::`` becomes one colon and whose ``literals`` lose their backquotes;
+    the layout stays."""
+    return re.sub(r"::$", ":", __doc__ or "", flags=re.MULTILINE).replace("``", "")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -176,7 +189,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=_non_negative_int,
                    default=0, metavar="K")
     p.add_argument("--session", metavar="NAME")
-    p.add_argument("--size", type=_non_negative_int, metavar="MB")
+    p.add_argument("--size", type=_non_negative_int, metavar="MIB")
     p.add_argument("--spilling", action="store_true")
     p.add_argument("--spill-dir", "--spill_dir", dest="spill_dir", metavar="DIR")
     p.add_argument("--destroy-session", "--destroy_session", dest="destroy_session",
@@ -281,17 +294,12 @@ def _rendezvous(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tu
 
 
 def _spill_dir(parser: argparse.ArgumentParser, raw: str) -> str:
-    """--spill-dir as an absolute path to a writable directory (created if missing)."""
-    path = Path(raw).expanduser().absolute()
+    """--spill-dir as an absolute path to an existing, writable directory: the library's own check
+    (spill.check_spill_dir), so the launcher and the cache accept and refuse the same paths."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        parser.error(f"argument --spill-dir: cannot create {str(path)!r}: {exc.strerror}; give "
-                     f"a directory you can write to")
-    if not os.access(path, os.W_OK | os.X_OK):
-        parser.error(f"argument --spill-dir: {str(path)!r} is not writable; give a directory "
-                     f"you can write to")
-    return str(path)
+        return str(check_spill_dir(raw))
+    except (SpillError, InvalidArgument) as exc:
+        parser.error(f"argument --spill-dir: {exc}")
 
 
 def _check_spill_settings(parser: argparse.ArgumentParser, session: str, spill_dir: str | None,

@@ -9,6 +9,20 @@ NOTE [session lifecycle]
     cache) until ``destroy``, which unlinks every segment whose name carries the session's prefix,
     also under the registry lock. A session whose creator died mid-way leaves only a temporary
     directory, which ``gc`` removes; so do segments of caches or sessions that no longer exist.
+
+    Last use. ``<root>/sessions/<name>/last_used`` is an empty file whose mtime says when a
+    process last used the session: every attach touches it, so does a clean exit (``_process``)
+    and ``destroy_idle`` when it finds the session in use; while a process is attached the session
+    is in use *now*. No lock guards it: it only ever moves forward, and a lost touch can only make
+    a session look older, never make one with a live process go (``destroy_idle`` skips those).
+
+    Attaching races with destroying. ``destroy`` checks for live slots, renames the directory away,
+    then checks the slots again in the renamed directory: a process that took a slot in between
+    is seen there, the directory goes back, and the destroy is refused (unless forced). A process
+    that tries to take a slot while the directory is away finds no file; it then waits for the
+    registry lock, which the destroy holds, and tries again: it attaches if the session is back,
+    and gets FileNotFoundError (the session is gone) if not. So an attach either wins, or comes
+    after the destroy's decision; never does a destroy pull a session from under an attached process.
 """
 
 from __future__ import annotations
@@ -17,17 +31,34 @@ import json
 import os
 import secrets
 import shutil
+import struct
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import SEP, Namespace, namespace, validate_name
-from .errors import LockTimeout, SessionExists, SessionInUse, SessionNotFound, ShmcacheError
+from .errors import (
+    CorruptSegment,
+    InvalidArgument,
+    LockTimeout,
+    SessionExists,
+    SessionInUse,
+    SessionNotFound,
+    ShmcacheError,
+)
 from .locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
+from .segment import Segment
 
-__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "SEP", "MAX_SLOTS"]
+__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "SEP", "MAX_SLOTS", "ROOT_EPOCH",
+           "DESTROYED", "retire_root"]
 
 MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
+# A cache root's epoch word (store.py) and its tombstone: whoever removes a cache writes DESTROYED
+# there before unlinking anything, so every process that still maps the root - and compares that
+# word on every lookup anyway - sees at once that its cache is gone (NOTE [publish order]).
+ROOT_EPOCH = 64
+DESTROYED = (1 << 64) - 1
 _VERSION = 1
 
 
@@ -55,6 +86,17 @@ class GcReport:
     reclaimed_entries: int = 0
     reclaimed_bytes: int = 0
     removed_spill_files: list[str] = field(default_factory=list)
+    removed_caches: list[str] = field(default_factory=list)  # "session/cache" of caches never made
+
+
+@dataclass
+class IdleSession:
+    """A session that ``destroy_idle`` destroyed: nobody had used it for ``idle_s`` seconds."""
+
+    name: str
+    last_used: float
+    idle_s: float
+    removed_segments: list[str] = field(default_factory=list)
 
 
 class SessionRegistry:
@@ -110,20 +152,36 @@ class SessionRegistry:
 
     def live_pids(self, name: str) -> list[int]:
         """PIDs of the processes attached to session ``name`` right now (judged by their slot locks)."""
-        slots = self.session_dir(name) / "slots"
-        pids = []
-        for path in sorted(slots.glob("*.lock")):
-            if slot_is_alive(path):
-                try:
-                    pids.append(int(path.read_text().split()[0]))
-                except (OSError, ValueError, IndexError):
-                    pids.append(-1)
-        return pids
+        return _live_pids_in(self.session_dir(name) / "slots")
+
+    def last_used(self, name: str) -> float:
+        """When a process last used session ``name`` (epoch seconds); now while one is attached
+        (NOTE [session lifecycle], last use)."""
+        if self.live_pids(name):
+            return time.time()
+        return self._recorded_use(self.get(name))
+
+    def _recorded_use(self, info: SessionInfo) -> float:
+        try:
+            return os.stat(self.session_dir(info.name) / "last_used").st_mtime
+        except FileNotFoundError:  # never attached (or made before last_used existed)
+            return info.created
 
     def cache_names(self, name: str) -> list[str]:
         return sorted(p.stem for p in (self.session_dir(name) / "caches").glob("*.json"))
 
     # --- changes ----------------------------------------------------------------------------
+
+    def mark_used(self, name: str) -> None:
+        """Record that session ``name`` is used now (NOTE [session lifecycle], last use)."""
+        path = self.session_dir(name) / "last_used"
+        try:
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        except OSError:
+            pass  # the session is gone, or its directory is read-only: a lost touch only ages it
 
     def create(self, name: str | None = None, *, spill_dir: str | os.PathLike | None = None,
                exist_ok: bool = False) -> SessionInfo:
@@ -179,16 +237,18 @@ class SessionRegistry:
                 self.get(name)  # raises SessionNotFound with the list of sessions
             pids = [p for p in self.live_pids(name) if p != os.getpid()]
             if pids and not force:
-                raise SessionInUse(
-                    f"session {name!r} is in use by {len(pids)} live process(es) (pids "
-                    f"{', '.join(map(str, pids))}); stop them first, or pass force=True "
-                    f"(`shmcache destroy --force {name}`)"
-                )
+                raise _in_use(name, pids)
             spill_dirs = self._spill_dirs_of(name)
             doomed = self.ns.sessions_dir / f".{name}.tmp-destroy-{os.getpid()}-{secrets.token_hex(3)}"
             held = self._hold_cache_locks(name)
             try:
                 os.rename(self.session_dir(name), doomed)
+                # NOTE [session lifecycle], attaching races with destroying: a slot taken since
+                # the check above is seen here, and that process wins
+                late = [p for p in _live_pids_in(doomed / "slots") if p != os.getpid()]
+                if late and not force:
+                    os.rename(doomed, self.session_dir(name))
+                    raise _in_use(name, late)
                 prefix = self.segment_prefix(name)
                 removed = self._unlink_segments(prefix, roots_only=True) + self._unlink_segments(prefix)
             finally:
@@ -219,9 +279,70 @@ class SessionRegistry:
         return FileLock(self.session_dir(session) / "caches" / f"{cache}.lock", timeout_s=timeout_s,
                         what=f"the lock of cache {session}/{cache}")
 
+    def auto_capacity(self, name: str, compute: Callable[[], int], floor: int) -> int:
+        """The automatic cap (size=0) that the caches of session ``name`` share (NOTE [memory
+        limits] in store.py): ``compute()`` by the first auto-sized cache, kept in the session's
+        ``auto_capacity`` file, so that caches made later share it instead of each taking 80% of
+        what is left. The first writer wins (a hard link fails if the name exists: no lock is
+        needed, and none is taken under the cache lock our caller holds). A value below
+        ``floor`` (memory full right now) is not kept: the next cache asks again."""
+        path = self.session_dir(name) / "auto_capacity"
+        try:
+            return int(path.read_text())
+        except (FileNotFoundError, ValueError):
+            pass
+        cap = compute()
+        if cap < floor:
+            return cap
+        tmp = path.with_name(f".auto_capacity.{os.getpid()}.{secrets.token_hex(3)}.tmp")
+        tmp.write_text(str(cap))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another cache was first: its value is the session's
+            return int(path.read_text() or cap)
+        finally:
+            tmp.unlink()
+        return cap
+
     def attach_process(self, name: str) -> LivenessSlot:
-        """Hold a liveness slot in session ``name`` for as long as this process uses it."""
-        return LivenessSlot(self.session_dir(name) / "slots", MAX_SLOTS)
+        """Hold a liveness slot in session ``name`` for as long as this process uses it.
+
+        FileNotFoundError: the session was destroyed (NOTE [session lifecycle], attaching races
+        with destroying)."""
+        slots = self.session_dir(name) / "slots"
+        try:
+            slot = LivenessSlot(slots, MAX_SLOTS)
+        except FileNotFoundError:  # a destroy has the directory away: wait for its decision
+            with self._lock:
+                slot = LivenessSlot(slots, MAX_SLOTS)
+        self.mark_used(name)
+        return slot
+
+    def destroy_idle(self, idle_for_s: float) -> list[IdleSession]:
+        """Destroy every session that no live process is attached to and that nobody has used
+        for ``idle_for_s`` seconds or more (NOTE [session lifecycle], last use); returns them.
+
+        A session in use is never destroyed, however old: ``destroy`` checks again after taking
+        the directory away, so a process attaching at that moment wins.
+        """
+        if not idle_for_s >= 0:
+            raise InvalidArgument(f"idle_for_s={idle_for_s!r}: a duration in seconds is >= 0")
+        destroyed = []
+        with self._lock:
+            for info in self.list():
+                if self.live_pids(info.name):
+                    self.mark_used(info.name)  # seen in use: idle from now at the earliest
+                    continue
+                last = self._recorded_use(info)
+                idle_s = time.time() - last
+                if idle_s < idle_for_s:
+                    continue
+                try:
+                    removed = self.destroy(info.name)  # reentrant: we hold the registry lock
+                except SessionInUse:
+                    continue  # a process attached just now
+                destroyed.append(IdleSession(info.name, last, idle_s, removed))
+        return destroyed
 
     def gc(self) -> GcReport:
         """Remove what dead processes left behind: orphan segments, half-made or half-destroyed
@@ -233,7 +354,8 @@ class SessionRegistry:
                 if entry.name.startswith(".") and ".tmp-" in entry.name:
                     shutil.rmtree(entry, ignore_errors=True)
                     report.removed_dirs.append(str(entry))
-            for seg in self.ns.owned_segments():
+            # roots first: each is tombstoned before anything of its cache goes (retire_root)
+            for seg in sorted(self.ns.owned_segments(), key=lambda n: not n.endswith(SEP + "root")):
                 session = seg[len(self.ns.segment_name()) + 1:].split(SEP, 1)[0]
                 if session not in live:
                     report.removed_segments += self._unlink_segments(seg)
@@ -248,8 +370,36 @@ class SessionRegistry:
                     with lock:  # cache metadata is written under it: a live writer is not racing us
                         path.unlink(missing_ok=True)
                     lock.close()
+                report.removed_caches += self._remove_caches_without_root(name)
                 report.removed_segments += self._remove_rootless_caches(name)
         return report
+
+    def _remove_caches_without_root(self, session: str) -> list[str]:
+        """The json of every cache that has no usable root - a creation that failed or was killed
+        before it made its root, a destroy killed after its tombstone - and that nobody holds the
+        lock of (a creator holds it from before its json until its cache is whole): such a json
+        would be an error row in `shmcache stat` forever. Returns "session/cache" of each."""
+        prefix, removed = self.segment_prefix(session), []
+        for path in sorted((self.session_dir(session) / "caches").glob("*.json")):
+            cache = path.stem
+            root = f"{prefix}{cache}{SEP}root"
+            if _root_in_use(root):
+                continue
+            lock = self.cache_lock(session, cache)
+            try:
+                lock.acquire(timeout_s=0)
+            except (LockTimeout, FileNotFoundError):  # being created or written right now: not debris
+                lock.close()
+                continue
+            try:
+                if not _root_in_use(root):
+                    self._unlink_segments(f"{prefix}{cache}{SEP}")
+                    path.unlink(missing_ok=True)
+                    removed.append(f"{session}/{cache}")
+            finally:
+                lock.release()
+                lock.close()
+        return removed
 
     def _remove_rootless_caches(self, session: str) -> list[str]:
         """Segments of caches whose root is gone (a destroy or a creation cut short)."""
@@ -276,11 +426,10 @@ class SessionRegistry:
         removed = []
         for seg in self.ns.owned_segments():
             if seg.startswith(prefix) and (not roots_only or seg.endswith(SEP + "root")):
-                try:
-                    os.unlink(self.ns.shm_path(seg))
+                if seg.endswith(SEP + "root"):
+                    retire_root(seg)
+                if self.ns.unlink_segment(seg):  # a file of ours only: never another user's squat
                     removed.append(seg)
-                except FileNotFoundError:
-                    pass
         return removed
 
     def _spill_dirs_of(self, name: str) -> list[Path]:
@@ -294,6 +443,51 @@ class SessionRegistry:
             if meta.get("spill_path"):
                 out.append(Path(meta["spill_path"]))
         return out
+
+
+def _in_use(name: str, pids: list[int]) -> SessionInUse:
+    # Library callers read this; the CLI words the fix its own way (cli.cmd_destroy).
+    return SessionInUse(
+        f"session {name!r} is in use by {len(pids)} live process(es) (pids "
+        f"{', '.join(map(str, pids))}); stop them first, or pass force=True to destroy it anyway "
+        f"(their caches vanish under them)"
+    )
+
+
+def _live_pids_in(slots: Path) -> list[int]:
+    """PIDs of the live holders of the slot locks in ``slots``; -1 for one whose file is unreadable."""
+    pids = []
+    for path in sorted(slots.glob("*.lock")):
+        if slot_is_alive(path):
+            try:
+                pids.append(int(path.read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pids.append(-1)
+    return pids
+
+
+def _root_in_use(name: str) -> bool:
+    """Cache root ``name`` exists, finished and not tombstoned (retire_root)."""
+    try:
+        root = Segment.attach(name)
+    except (FileNotFoundError, CorruptSegment):
+        return False
+    except (OSError, ShmcacheError):  # another user's, no memory to map it: cannot tell, keep it
+        return True
+    in_use = root.size < ROOT_EPOCH + 8 or struct.unpack_from("Q", root.buf, ROOT_EPOCH)[0] != DESTROYED
+    root.close()
+    return in_use
+
+
+def retire_root(name: str) -> None:
+    """Write the tombstone into the epoch word of cache root ``name`` (before it is unlinked)."""
+    try:
+        root = Segment.attach(name)
+    except (OSError, ShmcacheError):  # gone, or never finished (no reader maps it): unlink it
+        return
+    if root.size >= ROOT_EPOCH + 8:
+        struct.pack_into("Q", root.buf, ROOT_EPOCH, DESTROYED)
+    root.close()
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -22,11 +22,12 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 import struct
 
 import posix_ipc
 
-from .config import SHM_ROOT
+from .config import SHM_ROOT, squatter_error
 from .errors import CorruptSegment, NotOwner, SharedMemoryFull
 
 __all__ = ["Segment", "HEADER_BYTES", "PAGE"]
@@ -49,7 +50,7 @@ def _shm_hint() -> str:
     except OSError:
         where = "/dev/shm is not available"
     return (f"{where}; free space there (`shmcache gc`, `shmcache destroy`), give the cache a smaller "
-            f"size=, enable spilling=True, or in Docker raise --shm-size")
+            f"size=, or in Docker raise --shm-size")
 
 
 class Segment:
@@ -74,7 +75,10 @@ class Segment:
     def create(cls, name: str, size: int, *, kind: int = 0, commit: int = HEADER_BYTES) -> Segment:
         """Create ``name`` with a virtual ``size``; commit its first ``commit`` bytes."""
         size = _round_up(max(size, HEADER_BYTES), PAGE)
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+        except posix_ipc.ExistentialError:
+            raise _taken(name) from None
         try:
             os.fchmod(shm.fd, 0o600)
             os.ftruncate(shm.fd, size)
@@ -103,14 +107,15 @@ class Segment:
         except posix_ipc.ExistentialError:
             raise FileNotFoundError(errno.ENOENT, "no such shared-memory segment", name) from None
         except posix_ipc.PermissionsError:
-            raise NotOwner(
-                f"shared-memory segment {name} belongs to another user (mode 0600); use your own "
-                f"namespace: set $SHMCACHE_DIR to a directory you own"
-            ) from None
+            raise _foreign(name) from None
+        except OSError as exc:  # ELOOP: shm_open never follows a symlink
+            if exc.errno == errno.ELOOP:
+                raise _foreign(name) from None
+            raise
         try:
             st = os.fstat(shm.fd)
-            if st.st_uid != os.getuid():
-                raise NotOwner(f"shared-memory segment {name} belongs to uid {st.st_uid}, not to you")
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):  # root opens anyone's
+                raise squatter_error(_path(name), st)
             if st.st_size < HEADER_BYTES:
                 raise CorruptSegment(f"segment {name} is {st.st_size} bytes: its creator died before sizing it")
             seg = cls(name, shm, st.st_size, -1)
@@ -156,9 +161,9 @@ class Segment:
 
     def unlink(self) -> bool:
         """Unlink the name if it still refers to our inode (see NOTE [segment lifecycle])."""
-        path = os.path.join(SHM_ROOT, self.name.lstrip("/"))
+        path = _path(self.name)
         try:
-            if os.stat(path).st_ino != self._inode:
+            if os.lstat(path).st_ino != self._inode:
                 return False
             os.unlink(path)
             return True
@@ -168,6 +173,36 @@ class Segment:
     def close(self) -> None:
         """Nothing to release by hand: the mapping goes with the last reference to it (see the
         class docstring), the descriptor is closed already. Kept so that owners can say so."""
+
+
+def _path(name: str) -> str:
+    return os.path.join(SHM_ROOT, name.lstrip("/"))
+
+
+def _squat(name: str) -> NotOwner | None:
+    """NotOwner if ``name`` holds another user's file, FIFO or symlink (lstat: never followed)."""
+    try:
+        st = os.lstat(_path(name))
+    except FileNotFoundError:
+        return None
+    if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+        return squatter_error(_path(name), st)
+    return None
+
+
+def _foreign(name: str) -> OSError:
+    """Why ``name`` could not be opened (EACCES, ELOOP): a squat, or a segment of ours whose mode
+    someone changed."""
+    return _squat(name) or NotOwner(
+        f"shared-memory segment {_path(name)} denies you access (its mode was changed); remove it "
+        f"(`shmcache gc`), or set $SHMCACHE_DIR to a directory you own")
+
+
+def _taken(name: str) -> OSError:
+    """O_EXCL creation found ``name`` taken: another user's squat, or (never expected: creation
+    happens under the cache's lock) a segment of ours."""
+    return _squat(name) or FileExistsError(
+        errno.EEXIST, "shared-memory segment exists already (run `shmcache gc`)", _path(name))
 
 
 def _round_up(n: int, m: int) -> int:
@@ -182,7 +217,7 @@ def _fallocate(fd: int, offset: int, length: int, name: str) -> None:
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise SharedMemoryFull(
-                f"no room in /dev/shm for {length / 2**20:.1f} MiB more of segment {name}: "
+                f"no room in /dev/shm for {length / 2**10:.0f} KiB more of segment {name}: "
                 f"{_shm_hint()}"
             ) from None
         raise

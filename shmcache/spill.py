@@ -5,7 +5,7 @@ A :class:`SpillStore` owns one directory (one per cache). Every process appends 
 holds); any process reads any file. Items are compressed with zstd at a low level and stored raw
 when that does not save at least 5%, so incompressible items cost no decompression::
 
-    store = SpillStore(spill_dir)                   # creates the directory, mode 0700
+    store = SpillStore(spill_dir / "c")             # makes the folder c (0700) in an existing dir
     loc = store.append(slot, key, payload)          # -> SpillLoc(file_id, offset, stored_len, raw_len)
     data = store.read(loc, key)                     # a bytearray, or None: a miss, never wrong data
     ok = store.read_into(loc, key, out)             # straight into a caller buffer of raw_len bytes
@@ -29,7 +29,7 @@ import struct
 import sys
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Union
@@ -37,7 +37,8 @@ from typing import NamedTuple, Union
 import numpy as np
 import zstandard
 
-from .errors import InvalidArgument, LockTimeout, SpillError
+from .config import make_private_dir
+from .errors import InvalidArgument, LockTimeout, NotOwner, SpillError
 from .locks import close_in_forked_children, flock_within
 
 __all__ = [
@@ -108,9 +109,11 @@ log = logging.getLogger("shmcache")
 # entry was published are valid but unreferenced: dead bytes until the cache is cleared.
 #
 # Reading takes no lock and trusts nothing: it re-checks magic, head check, key, lengths and body
-# check, and turns any failure into a miss - counted, logged once per location, never returned,
-# never a zstd exception. A location that outlived its record (a stale index entry) reads another
-# key or garbage, and is a miss too (counted as key_mismatches when the record there is intact).
+# check, and turns any failure into a miss - counted, logged once per file and condition, never
+# returned, never a zstd exception. A location that outlived its record (a stale index entry)
+# reads another key or garbage, and is a miss too; it is counted as key_mismatches, not logged,
+# when the record there is intact, when its file is gone (a clear() or destroy deleted it under
+# the reader), or when the caller's ``stale`` says the location was dropped meanwhile.
 # A reader keeps one descriptor per file; after a miss it checks whether the path now names
 # another inode (the directory was destroyed and re-created) and, if so, re-opens and retries once.
 # Durability across power loss is not a goal: the index lives in shared memory, which does not
@@ -140,7 +143,8 @@ _WORD = np.dtype("<u8")
 _SCAN_READ = 512  # bytes read per record header while scanning: header plus a typical key
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _FILE_RE = re.compile(r"(\d+)\.spill")
-_MAX_LOGGED = 4096  # corrupt locations remembered for log-once
+_MAX_LOGGED = 4096  # (file, condition) pairs remembered for log-once
+_DIGITS = re.compile(r"\d+")
 _COUNTERS = (
     "records",
     "bytes_disk",
@@ -321,28 +325,46 @@ def _write_error(exc: OSError, path: Path) -> SpillError:
 
 
 def check_spill_dir(path: str | os.PathLike) -> Path:
-    """Return ``path`` as an absolute Path to a writable directory, creating it (0700) if missing.
+    """Return ``path`` as an absolute Path to an existing, writable directory.
 
-    Raises SpillError naming the path and the fix when it is a file, cannot be created, or is not
-    writable. Writability is probed by creating a file, because root passes every mode check but
-    still cannot write to a read-only filesystem.
+    Raises SpillError naming the path and the fix when it does not exist (it is never created: a
+    typo would silently fill another disk, the root one), is not a directory, or is not writable.
+    Writability is probed by creating a file, because root passes every mode check but still
+    cannot write to a read-only filesystem.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgument(f"spill_dir must be a path (str or os.PathLike), got {type(path).__name__} {path!r}")
     if not os.fspath(path).strip():  # Path("") is the current directory: never what was meant
         raise InvalidArgument(f"spill_dir is empty ({path!r}); give the directory for spill files")
     p = Path(path).expanduser().absolute()
-    if p.exists() and not p.is_dir():
+    if not p.exists():
+        raise SpillError(f"spill_dir {p} does not exist; create it first (mkdir -p {p}), or pass "
+                         f"another spill_dir (or set $SHMCACHE_SPILL_DIR)")
+    if not p.is_dir():
         raise SpillError(f"spill_dir {p} exists but is not a directory; remove it, or pass another spill_dir")
-    try:
-        p.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SpillError(
-            f"cannot create spill_dir {p}: {exc.strerror}; create it yourself, or pass a writable "
-            f"spill_dir (or set $SHMCACHE_SPILL_DIR)"
-        ) from None
     _probe_writable(p)
     return p
+
+
+def _make_folder(path: str | os.PathLike) -> tuple[Path, tuple[int, int]]:
+    """Create (or verify) a store's own folder inside a spill directory that may be shared; return
+    it and its identity (device, inode).
+
+    The folder's name is predictable and its parent may be a 1777 scratch disk, so another user can
+    plant a symlink or a directory of theirs there first: config.make_private_dir refuses both
+    (NotOwner), never follows or chmods them, and never creates the parent."""
+    p = Path(path).expanduser().absolute()
+    check_spill_dir(p.parent)
+    try:
+        make_private_dir(p, "spill folder", "pass a spill_dir of your own (or one that only you can write)")
+        st = os.lstat(p)
+    except NotOwner:
+        raise
+    except OSError as exc:
+        raise SpillError(f"cannot create spill folder {p}: {exc.strerror}; pass a writable spill_dir "
+                         f"(or set $SHMCACHE_SPILL_DIR)") from None
+    _probe_writable(p)
+    return p, (st.st_dev, st.st_ino)
 
 
 def _probe_writable(p: Path) -> None:
@@ -396,8 +418,7 @@ class SpillStore:
     ):
         if not isinstance(level, int) or isinstance(level, bool) or not 1 <= level <= 22:
             raise InvalidArgument(f"zstd level must be an int in 1..22, got {level!r}; use 1-3 (reads are CPU-bound)")
-        self.path = check_spill_dir(path) if create else _existing_dir(path)
-        _ensure_private(self.path)
+        self.path, self.folder_id = _make_folder(path) if create else _existing_dir(path)
         self.level = level
         self.lock_timeout_s = lock_timeout_s
         self._closed = False
@@ -414,7 +435,7 @@ class SpillStore:
         self._open_lock = threading.Lock()  # guards the two dicts while files are opened
         self._writer_open_lock = threading.Lock()  # may wait for a flock: kept off the read path
         self._ctx = _Contexts()
-        self._logged: set[tuple[int, int]] = set()
+        self._logged: set[tuple[int, str]] = set()
         self._counts = dict.fromkeys(_COUNTERS, 0)
 
     def _own(self) -> None:
@@ -499,7 +520,7 @@ class SpillStore:
     def _open_writer(self, slot: int) -> _Writer:
         path = self.file_path(slot)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise _write_error(exc, path) from None
         try:
@@ -512,17 +533,21 @@ class SpillStore:
 
     # --- reading ---------------------------------------------------------------------------
 
-    def read(self, loc: SpillLoc | tuple[int, int, int], key: Buffer) -> bytearray | None:
+    def read(self, loc: SpillLoc | tuple[int, int, int], key: Buffer,
+             stale: Callable[[], bool] | None = None) -> bytearray | None:
         """The payload stored at ``loc`` under ``key``, or None (a miss) if anything is wrong.
 
         Returns a fresh, writable bytearray (``torch.frombuffer`` takes it without a warning):
         raw records are read straight into it, zstd records decompressed straight into it.
+        ``stale``, asked only after a failed read, says whether the location has been dropped
+        meanwhile (the cache was cleared under the reader): then the miss is not damage, so it
+        is counted with key_mismatches and not logged.
         """
         self._own()
         file_id, offset, stored_len = _loc_fields(loc)
         key = _as_key(key)
         body = bytearray(stored_len)
-        head = self._fetch(file_id, offset, key, body)
+        head = self._fetch(file_id, offset, key, body, stale)
         if head is None:
             return None
         if not head.flags & FLAG_ZSTD:
@@ -553,7 +578,8 @@ class SpillStore:
             return True  # it was read into out directly (raw_len == stored_len == len(out))
         return self._decompress_into(body, view, file_id, offset)
 
-    def _fetch(self, file_id: int, offset: int, key: bytes, body: Buffer) -> _Head | None:
+    def _fetch(self, file_id: int, offset: int, key: bytes, body: Buffer,
+               stale: Callable[[], bool] | None = None) -> _Head | None:
         """Read header, key and stored bytes (into ``body``) and check them all; None on a miss."""
         self._count("reads")
         fd = self._reader_fd(file_id)
@@ -563,7 +589,10 @@ class SpillStore:
             head, why = _load_record(fd, offset, key, body)
         if why is None:
             return head
-        self._miss(file_id, offset, why, mismatch=fd is not None and _holds_other_key(fd, offset, key))
+        # Not damage: the file is gone (deleted by a clear() or destroy under this reader), the
+        # record there is another key's, or the caller knows the location was dropped meanwhile.
+        gone = fd is None or (stale is not None and stale()) or _holds_other_key(fd, offset, key)
+        self._miss(file_id, offset, why, mismatch=gone)
         return None
 
     def _decompress_into(self, src: Buffer, out: memoryview | bytearray, file_id: int, offset: int) -> bool:
@@ -592,7 +621,7 @@ class SpillStore:
                 fd = self._readers.get(file_id)
                 if fd is None:
                     try:
-                        fd = os.open(self.file_path(file_id), os.O_RDONLY | os.O_CLOEXEC)
+                        fd = os.open(self.file_path(file_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                     except FileNotFoundError:
                         return None
                     self._readers[file_id] = fd
@@ -613,18 +642,21 @@ class SpillStore:
         return replaced
 
     def _miss(self, file_id: int, offset: int, why: str, *, mismatch: bool = False) -> None:
-        """Count a failed read and log it once per location; always returns None."""
+        """Count a failed read; log it once per file and condition. Always returns None."""
         if mismatch:  # a stale location, not damage: counted, logged at debug level only
             self._count("key_mismatches")
-            log.debug("spill record %s@%d holds another key (%s): a miss", file_id, offset, why)
+            log.debug("spill record %s@%d is stale (%s): a miss", file_id, offset, why)
             return None
         self._count("corrupt_reads")
-        where = (file_id, offset)
+        # One damaged file fails every read of the records it holds: one line per file and
+        # condition (the reason without its numbers), the rest only counted.
+        where = (file_id, _DIGITS.sub("#", why))
         if where not in self._logged and len(self._logged) < _MAX_LOGGED:
             self._logged.add(where)
             log.warning(
                 "corrupt spill record in %s at offset %d: %s; treated as a miss (the item is "
-                "recomputed from the source)",
+                "recomputed from the source). Further records of this file failing the same way "
+                "are not logged, only counted (the cache's stats()['corrupt'])",
                 self.file_path(file_id),
                 offset,
                 why,
@@ -725,23 +757,11 @@ def _reopen(path: str, level: int, lock_timeout_s: float) -> SpillStore:
     return SpillStore(path, level=level, create=False, lock_timeout_s=lock_timeout_s)
 
 
-def _existing_dir(path: str | os.PathLike) -> Path:
+def _existing_dir(path: str | os.PathLike) -> tuple[Path, tuple[int, int]]:
     p = Path(path).expanduser().absolute()
-    if not p.is_dir():
+    if not os.path.lexists(p):
         raise SpillError(f"no spill directory at {p}; create the store with create=True, or pass the right path")
-    return p
-
-
-def _ensure_private(p: Path) -> None:
-    """Spill files are the user's data: the directory must be ours, and nobody else's to list."""
-    st = p.stat()
-    if st.st_uid != os.getuid():
-        raise SpillError(
-            f"spill directory {p} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
-            f"pass a spill_dir of your own"
-        )
-    if st.st_mode & 0o077:
-        os.chmod(p, 0o700)
+    return _make_folder(p)  # verified as ours (never a planted symlink) like a new one
 
 
 def _loc_fields(loc: SpillLoc | tuple[int, int, int]) -> tuple[int, int, int]:
@@ -919,7 +939,7 @@ def _body_ok(fd: int, body_pos: int, head: _Head) -> bool:
 def _recover_file(path: Path, verify: bool, report: RecoverReport) -> bool:
     """Repair one slot file unless its writer is alive; True if a torn tail was cut off."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import struct
 import threading
 from pathlib import Path
@@ -61,6 +62,8 @@ class CacheSpill:
         self.path = path
         self.level = level
         self.disabled = False  # set after a full disk: stop spilling, keep serving
+        if store.read_meta().get("spill_path") == str(path):
+            return  # recorded already (a re-attaching process): no lock to wait for
         with store.locked():  # the cache's metadata is only ever rewritten under its lock
             meta = store.read_meta()
             if meta.get("spill_path") != str(path):
@@ -70,7 +73,7 @@ class CacheSpill:
     @property
     def files(self) -> SpillStore:
         """The process's SpillStore for this folder (shared by every handle of the process)."""
-        return _shared_files(self.path, self.level)
+        return _shared_files(self.path, self.level, self.store._incarnation)
 
     # --- writing (the store's lock is held) ---------------------------------------------------
 
@@ -102,8 +105,11 @@ class CacheSpill:
 
     # --- reading (no lock) -----------------------------------------------------------------
 
-    def read(self, w0: int, w2: int, w1: int, kb: bytes) -> bytearray | None:
-        return self.files.read((w2 >> 48, w2 & _M48, w0 >> 32), _spill_key(w1, kb))
+    def read(self, w0: int, w2: int, w1: int, kb: bytes, gen: int = -1) -> bytearray | None:
+        """The record an entry of generation ``gen`` names; a read that fails because a clear()
+        replaced that generation meanwhile is a quiet miss (the caller counts it as a plain miss)."""
+        stale = None if gen < 0 else (lambda: not self.store.is_current(gen))
+        return self.files.read((w2 >> 48, w2 & _M48, w0 >> 32), _spill_key(w1, kb), stale)
 
     def readable(self, w0: int, w2: int, w1: int, kb: bytes) -> bool:
         return self.read(w0, w2, w1, kb) is not None
@@ -132,7 +138,11 @@ class CacheSpill:
 
 # One SpillStore per spill folder and process: every cache handle of the process appends through
 # it. Two stores would both append to the process's slot file and wait on each other's flock.
-_FILES: dict[str, SpillStore] = {}
+# Each is tagged with the incarnation of the cache it serves (store.py module docstring): when the
+# cache (or its session) is destroyed and made again, the folder is deleted and made again too,
+# and a store still holding descriptors of the deleted files would append records nobody can read
+# back. attach() compares incarnation and folder identity, and replaces a store that is stale.
+_FILES: dict[str, tuple[int, SpillStore]] = {}
 _FILES_LOCK = threading.Lock()
 
 
@@ -144,17 +154,34 @@ def _new_files_lock_in_child() -> None:
 os.register_at_fork(after_in_child=_new_files_lock_in_child)
 
 
-def _shared_files(path: Path, level: int) -> SpillStore:
+def _shared_files(path: Path, level: int, incarnation: int, *, fresh: bool = False) -> SpillStore:
+    """The process's store for ``path``; ``fresh``: first make sure it serves this incarnation of
+    the cache and the folder that exists now (made here if missing, verified as ours)."""
+    stale = None
     with _FILES_LOCK:
-        files = _FILES.get(str(path))
+        tag, files = _FILES.get(str(path), (incarnation, None))
+        if files is not None and fresh and not files.closed:
+            if tag != incarnation or _folder_id(path) != files.folder_id:
+                stale, files = files, None
         if files is None or files.closed:
-            files = _FILES[str(path)] = SpillStore(path, level=level)
-        return files
+            files = SpillStore(path, level=level)
+            _FILES[str(path)] = (incarnation, files)
+    if stale is not None:
+        stale.close()  # its folder is gone: nothing to keep; handles of the old cache see misses
+    return files
+
+
+def _folder_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _drop_shared_files(path: Path, destroy: bool = False) -> None:
     with _FILES_LOCK:
-        files = _FILES.pop(str(path), None)
+        files = _FILES.pop(str(path), (0, None))[1]
     if files is not None:
         files.destroy() if destroy else files.close()
     elif destroy:
@@ -169,8 +196,12 @@ def _spill_key(w1: int, kb: bytes) -> bytes:
 def attach(store, spill_dir, *, level: int = 1) -> CacheSpill:
     """Turn spilling on for ``store`` (``spill_dir`` None: the session's, then the environment's)."""
     base = resolve_spill_dir(spill_dir, store.registry.get(store.session).spill_dir)
+    path = _spill_path(store, base)
+    # the folder now, before anything records it: a planted symlink or another user's directory
+    # there is refused at once (NotOwner), and a store left from a destroyed cache is replaced
+    _shared_files(path, level, store._incarnation, fresh=True)
     _remember_base(store.ns, base)
-    spill = CacheSpill(store, _spill_path(store, base), level=level)
+    spill = CacheSpill(store, path, level=level)
     store.spill = spill
     return spill
 
@@ -205,9 +236,19 @@ def remove_orphans(ns, live_sessions: set[str]) -> list[str]:
             continue
         for entry in entries:
             if entry.name.startswith(head) and entry.name[len(head):].split(SEP, 1)[0] not in live_sessions:
+                if not _our_folder(entry):
+                    continue  # another user's directory or symlink squatting our name: never touched
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(str(entry))
     return removed
+
+
+def _our_folder(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
 assert READY | INT_KEY | SPILLED == 7  # the flags this module relies on (index.py)

@@ -10,7 +10,7 @@ version)::
 
 ``i`` is the root's incarnation: a random word drawn when the root is made. A process that still
 maps a destroyed cache's root (``destroy --force`` under it) keeps its own names, so it can never
-attach, grow or unlink the segments of the cache made again under the same name; it sees misses.
+attach, grow or unlink the segments of the cache made again under the same name.
 
 NOTE [publish order]
     Readers never lock. Writers hold the cache's lock file (NOTE [lock files]) while they
@@ -33,6 +33,56 @@ NOTE [publish order]
     operation sees the new epoch word. The one entry that is ever rewritten in place is a spilled
     one whose record turned out corrupt: readers verify every spilled record they read (key,
     lengths, checksum), so any mix of old and new location words is a right value or a miss.
+
+    Destroying. Whoever removes a cache (``CacheStore.destroy``, ``SessionRegistry.destroy``,
+    ``gc`` of a dead session's segments) first writes the tombstone DESTROYED into its root's epoch
+    word, then unlinks the root, then the rest (registry.retire_root). Unlinked segments stay
+    mapped in the processes that use them, so without it an old handle would go on returning the
+    destroyed values; with it, the word every lookup already compares changes, and the handle maps
+    an empty private generation instead: its reads miss, and ``locked()`` refuses its writes with
+    CacheNotFound. A reader that compared the word just before the tombstone returns a value that
+    was current when it looked (as with ``clear()``). An opener that finds a tombstoned root under
+    the lock finishes the dead destroy (unlinks it) and makes a new incarnation.
+
+    Opening. The root is made READY-last (segment.py), then its capacity and incarnation words,
+    then the first generation, and its epoch word is published last. So an opener attaches the
+    root without the lock when its epoch word names a generation whose meta and table exist: a
+    writer stopped while holding the lock (SIGSTOP, a debugger) never blocks readers or workers
+    that re-attach. Only a root that is missing, half-made, tombstoned or without its generation
+    sends the opener to the lock, to create or repair it. A put that cannot get the lock
+    within its timeout serves its value uncached (counted as rejected; CacheStore._write_locked).
+
+NOTE [memory limits]
+    What a cache may take of shared memory is checked where it grows: at each commit step of a
+    data segment (``_commit``: 64 KiB or one chunk at a time, so the checks below are rare).
+
+    * ``size=`` (MiB) given: the cache's own cap (root word 72); meta, index and data count.
+    * ``size=0``: the *session's* automatic cap - 80% of what is really available (MemAvailable,
+      the process's cgroup, /dev/shm's free space; config.memory_limits) when the session's
+      first auto-sized cache is made, kept in the session's ``auto_capacity`` file
+      (SessionRegistry.auto_capacity) so caches made later share it rather than each taking 80%
+      of what is left. An auto-sized cache checks what all segments of the session really
+      occupy in /dev/shm (st_blocks, as ``shmcache ls`` counts) against it, again each time its
+      process has committed 1/16 of what was left at the last look (so the checks grow frequent
+      as the session fills) or 50 ms have passed: together they stay within it, give or take
+      what more than 16 processes committing within the same 50 ms could add, and an index
+      growth (a few bytes per item), which is not checked.
+      Caches with their own size= are counted in that sum but keep their own caps.
+    * Memory full at creation (the automatic cap below one page of data): the cache is made with
+      no room for data (root word 88 = AUTO_NONE), every item is rejected or spilled, and that is
+      said once. If not even the cache's own segments fit, CacheStore raises SharedMemoryFull,
+      having removed what it made; ShmDatasetCache then serves from an UncachedStore (computes
+      from the source, counts the rejections in the process).
+    * Spilling on: spilled records are found through the index, which lives in shared memory and
+      doubles as it fills (the old and the new table coexist during a growth). So data admission
+      into memory stops early enough to leave a reserve - 1/16 of the cap or of /dev/shm,
+      whichever is smaller, at least 1 MiB (at most a quarter), at most 256 MiB - free both under
+      the cap and in /dev/shm. A reserve of R bytes lets the index double until a new table no
+      longer fits beside the old one: about 11,000 spilled items per MiB of reserve (a 64 MiB
+      /dev/shm keeps 4 MiB: ~45,000 spilled items; a cache of 4 GiB or more keeps 256 MiB: ~2.9
+      million; more when the index was already large when memory filled). Beyond that, and when
+      others fill /dev/shm meanwhile, new items are rejected (counted, said once). ``wrap()`` of a
+      map-style dataset sizes the index for all its items up front: it never grows.
 """
 
 from __future__ import annotations
@@ -58,7 +108,7 @@ from . import _process, codec
 from ._faults import ARMED as _CRASH_TESTS
 from ._faults import crash_point
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
-from .config import Namespace, memory_limits, namespace, validate_name
+from .config import SHM_ROOT, Namespace, memory_limits, namespace, validate_name
 from .errors import (
     CacheMismatch,
     CacheNotFound,
@@ -71,20 +121,23 @@ from .errors import (
     ShmcacheError,
 )
 from .index import ENTRY_BYTES, INLINE24, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
-from .registry import MAX_SLOTS, SEP, SessionRegistry, write_json
+from .registry import DESTROYED, MAX_SLOTS, ROOT_EPOCH, SEP, SessionRegistry, write_json
 from .segment import PAGE, Segment
 
-__all__ = ["CacheStore", "STAT_KEYS"]
+__all__ = ["CacheStore", "UncachedStore", "STAT_KEYS"]
 
 log = logging.getLogger("shmcache")
 
 KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4
 _Q = struct.Struct("Q")
 _QQ = struct.Struct("QQ")
-_ROOT_INCARNATION = 80  # root words: 64 the epoch, 72 the capacity, 80 the incarnation
+_ROOT_INCARNATION = 80  # root words: 64 the epoch, 72 the capacity, 80 the incarnation, 88 the sizing
+_ROOT_SIZING = 88  # how the cap was set (NOTE [memory limits]): one of the three below
+SIZED, AUTO, AUTO_NONE = 0, 1, 2  # size= given; size=0; size=0 on a full machine: nothing in memory
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.RECORD_HEADER)
 _M48 = (1 << 48) - 1
 MIN_TABLE = 1024
+_STUCK_COOLDOWN_S = 30.0  # puts stop waiting for a lock that a live process keeps (_write_locked)
 MAX_RECORD = (1 << 32) - 1
 
 
@@ -104,6 +157,7 @@ class MetaLayout:
 
 
 M = MetaLayout
+_MIN_CAPACITY = M.SIZE + PAGE  # a cap below this holds nothing
 # phase, table position, class (SPILL_CLASS: a spilled record), old bump, then the totals after
 # this write: items, bytes, raw bytes (disk only) and table items
 _INTENT = struct.Struct("QQQQQQQQ")
@@ -141,6 +195,10 @@ _ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x8
 class CacheStore:
     """One cache (``session``/``name``); see the module docstring for what lives where."""
 
+    uncached = False  # see UncachedStore
+    _session_budget, _session_until = 0, 0.0  # what may be committed, until when, before the
+    # session's caches are summed again (_commit)
+
     def __init__(self, session: str, name: str, *, capacity_bytes: int = 0,
                  fingerprint: str | None = None, table_hint: int = 0,
                  ns: Namespace | str | None = None, lock_timeout_s: float = 60.0,
@@ -176,24 +234,32 @@ class CacheStore:
         self.spill = None  # set by the spill layer when spilling is on
         self._root = None
         self._incarnation = 0  # the root's (set when it is opened; see the module docstring)
-        try:
-            self.lock.acquire()
-        except FileNotFoundError:  # the session's directory went away under us
-            raise SessionNotFound(f"session {self.session!r} was destroyed while cache {self.name!r} "
-                                  f"was being opened in it; open it again") from None
-        try:
-            self._root = self._open_root(capacity_bytes, fingerprint, table_hint, create)
-        finally:
-            self.lock.release()
+        self._lock_stuck_until = 0.0  # puts try the lock without waiting until then (_write_locked)
+        self._lock_stuck_logged = False
+        # a whole cache opens without the lock (NOTE [publish order]: Opening): a writer stopped
+        # while it holds the lock must not block readers and re-attaching workers
+        self._root = self._attach_whole_root(fingerprint)
+        if self._root is None:  # missing, half-made or tombstoned: create or repair, under the lock
+            try:
+                self.lock.acquire()
+            except FileNotFoundError:  # the session's directory went away under us
+                raise SessionNotFound(f"session {self.session!r} was destroyed while cache {self.name!r} "
+                                      f"was being opened in it; open it again") from None
+            try:
+                self._root = self._open_root(capacity_bytes, fingerprint, table_hint, create)
+            finally:
+                self.lock.release()
         self._lock_reopened = self.lock.reopened
         self.capacity_bytes = _Q.unpack_from(self._root.buf, 72)[0]
         if capacity_bytes and capacity_bytes != self.capacity_bytes:
             log.warning("cache %s/%s exists with a cap of %.0f MiB; size=%.0f MiB applies only to a "
                         "new cache (clear() keeps the cap: destroy the session to change it)",
                         self.session, self.name, self.capacity_bytes / 2**20, capacity_bytes / 2**20)
+        self._attached = -1  # the process generation in which this store counts as a user
         if create:
             try:  # attached from now on: `shmcache ls` counts us, `destroy` waits for us
-                _process.slot(self.registry, self.session)
+                _process.attach(self.registry, self.session)
+                self._attached = _process.generation()
             except LockTimeout:
                 pass  # served without a slot; _count says so when it first counts
             except FileNotFoundError:  # its slots directory is gone: destroyed just now
@@ -216,8 +282,40 @@ class CacheStore:
     def locked(self):
         """Hold the cache's lock, and make sure it is still the lock of the cache this handle
         opened: a lock file found replaced means the session was destroyed (and maybe made again)."""
+        self._acquire(None)
         try:
-            self.lock.acquire()
+            yield
+        finally:
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def _write_locked(self):
+        """``locked()`` for a put: yields False, holding nothing, when the lock cannot be had - a
+        live process keeps it (stopped, in a debugger), and the caller serves its value uncached.
+        After one full wait, puts only try without waiting until a try has not failed for
+        _STUCK_COOLDOWN_S: a stuck lock costs one timeout, not one per miss."""
+        try:
+            self._acquire(0.0 if time.monotonic() < self._lock_stuck_until else None)
+        except LockTimeout as exc:
+            self._lock_stuck_until = time.monotonic() + _STUCK_COOLDOWN_S
+            if not self._lock_stuck_logged:
+                self._lock_stuck_logged = True
+                log.warning("cache %s/%s: %s; new values are served uncached (counted as rejected), "
+                            "and writes stop waiting for it until it is free", self.session, self.name, exc)
+            yield False
+            return
+        if self._lock_stuck_logged:
+            self._lock_stuck_logged, self._lock_stuck_until = False, 0.0
+            log.info("cache %s/%s: its lock is free again; new values are cached", self.session, self.name)
+        try:
+            yield True
+        finally:
+            self.lock.release()
+
+    def _acquire(self, timeout_s: float | None) -> None:
+        """Take the lock for ``locked()``: CacheNotFound if this handle's cache was destroyed."""
+        try:
+            self.lock.acquire(timeout_s)
         except FileNotFoundError:  # the session's directory is gone: only a destroy removes it
             raise self._destroyed() from None
         try:
@@ -226,9 +324,11 @@ class CacheStore:
                 if stale is not None:
                     raise stale
                 self._lock_reopened = self.lock.reopened
-            yield
-        finally:
+            if self._root is not None and _Q.unpack_from(self._root.buf, ROOT_EPOCH)[0] == DESTROYED:
+                raise self._destroyed()  # its root was tombstoned: this cache is gone
+        except BaseException:
             self.lock.release()
+            raise
 
     def _destroyed_under_us(self) -> CacheNotFound | None:
         """The error to raise if this cache's root is gone or is another incarnation's now."""
@@ -244,6 +344,19 @@ class CacheStore:
         return CacheNotFound(f"cache {self.session}/{self.name} was destroyed while this process used it "
                              f"(`shmcache destroy --force`?); open it again (a new ShmDatasetCache)")
 
+    def _attach_whole_root(self, fingerprint: str | None) -> Segment | None:
+        """The root, attached without the lock, if its epoch word names a generation whose meta
+        and table exist (NOTE [publish order]: Opening); None when only the lock can tell."""
+        try:
+            root = self._adopt(Segment.attach(self._seg_name("root"), kind=KIND_ROOT))
+        except (FileNotFoundError, CorruptSegment):
+            return None
+        if _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED or not self._generation_exists(root):
+            root.close()
+            return None
+        self._check_fingerprint(fingerprint)
+        return root
+
     def _open_root(self, capacity_bytes: int, fingerprint: str | None, table_hint: int,
                    create: bool) -> Segment:
         name = self._seg_name("root")
@@ -254,6 +367,9 @@ class CacheStore:
         except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
             _unlink_name(self.ns, name)
             root = None
+        if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED:
+            root.unlink()  # tombstoned by a destroy that died before it unlinked it: finish that
+            root = None
         if root is not None and not self._generation_exists(root):
             # its creator died after making it, before the first generation; or a destroy died
             # after unlinking some segments: what is left is debris - start the cache afresh
@@ -261,7 +377,10 @@ class CacheStore:
                         "it starts empty", self.session, self.name)
             capacity = _Q.unpack_from(root.buf, 72)[0]
             self._unlink_matching(self._base + SEP, keep=name)
-            self._create_generation(root, 1, capacity, _table_capacity(table_hint))
+            # a generation number this root never named: a handle still mapping the lost one must
+            # see the epoch word change, never new segments under the names it maps lazily
+            gen = (_Q.unpack_from(root.buf, ROOT_EPOCH)[0] >> 32) + 1
+            self._create_generation(root, gen, capacity, _table_capacity(table_hint))
         if root is not None:
             self._check_fingerprint(fingerprint)
             return root
@@ -271,28 +390,55 @@ class CacheStore:
                 f"{', '.join(self.registry.cache_names(self.session)) or 'none'})"
             )
         self._unlink_matching(self._base + SEP)  # debris of an earlier incarnation of this cache
-        capacity = capacity_bytes or memory_limits().auto_capacity()
-        if capacity < M.SIZE + PAGE:
+        sizing, capacity = SIZED, capacity_bytes
+        if not capacity:  # size=0: the session's automatic cap (NOTE [memory limits])
+            sizing, capacity = AUTO, self.registry.auto_capacity(
+                self.session, lambda: memory_limits().auto_capacity(), _MIN_CAPACITY)
+            if capacity < _MIN_CAPACITY:  # memory is full now: a cache that holds nothing in memory
+                sizing, capacity = AUTO_NONE, _MIN_CAPACITY
+        if capacity < _MIN_CAPACITY:
             raise InvalidArgument(
                 f"the cache {self.session}/{self.name} would get {capacity / 2**20:.2f} MiB, too "
-                f"little to hold anything; give it size= (MB) of at least 1, and check "
-                f"`shmcache info` for what limits memory here"
+                f"little to hold anything; give it size= (MiB) of at least 1, or size=0 for the "
+                f"automatic cap (`shmcache info` shows what limits memory here)"
             )
         # the metadata first: a creator that dies later leaves a cache that stat and gc can see
         write_json(self.meta_path, {
             "session": self.session, "name": self.name, "fingerprint": fingerprint,
             "created": time.time(), "capacity_bytes": capacity,
         })
-        root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
-        _Q.pack_into(root.buf, 72, capacity)
-        _Q.pack_into(root.buf, _ROOT_INCARNATION, secrets.randbits(32))
-        self._adopt(root)
-        self._create_generation(root, 1, capacity, _table_capacity(table_hint))
+        try:
+            root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
+            _Q.pack_into(root.buf, 72, capacity)
+            _Q.pack_into(root.buf, _ROOT_INCARNATION, secrets.randbits(32))
+            _Q.pack_into(root.buf, _ROOT_SIZING, sizing)
+            self._adopt(root)
+            self._create_generation(root, 1, capacity, _table_capacity(table_hint))
+        except BaseException:
+            # no room, or interrupted: take back what this attempt made, json last (we hold the
+            # lock, and the epoch word was never published, so nobody attached any of it)
+            self._unlink_matching(self._base + SEP)
+            self.meta_path.unlink(missing_ok=True)
+            raise
+        if sizing == AUTO_NONE:  # said once, here: a cache that could not be made says it above us
+            self._log_no_memory()
         return root
 
+    def _log_no_memory(self) -> None:
+        lim = memory_limits()
+        log.warning(
+            "cache %s/%s gets no memory: the automatic cap (size=0) is 80%% of what is free, and "
+            "/dev/shm has %.1f MiB free of %.1f MiB (MemAvailable %.0f MiB, cgroup %s); its items go to "
+            "disk if spilling is on, else are computed from the source, not cached. "
+            "Free /dev/shm (`shmcache gc`, `shmcache destroy`), or in Docker raise --shm-size",
+            self.session, self.name, (lim.shm_free or 0) / 2**20, (lim.shm_total or 0) / 2**20,
+            (lim.mem_available or 0) / 2**20,
+            f"{lim.cgroup_free / 2**20:.0f} MiB free" if lim.cgroup_limit else "no limit")
+
     def _generation_exists(self, root: Segment) -> bool:
-        """The meta and table segments the root's epoch word names are there (caller holds the
-        lock, so nobody is making or removing them)."""
+        """The meta and table segments the root's epoch word names are there. Under the lock nobody
+        is making or removing them; without it, a clear() may replace them right after (_refresh
+        copes), or make this False for a moment (the opener then asks under the lock)."""
         epoch = _Q.unpack_from(root.buf, 64)[0]
         gen, version = epoch >> 32, epoch & 0xFFFFFFFF
         return gen > 0 and all(self.ns.shm_path(self._seg_name(f"g{gen}", part)).exists()
@@ -300,6 +446,8 @@ class CacheStore:
 
     def bind_fingerprint(self, fingerprint: str) -> None:
         """Record which dataset this cache holds (first binding), or raise if it holds another."""
+        if self.read_meta().get("fingerprint") == fingerprint:
+            return  # recorded already: nothing to write, no lock to wait for
         with self.locked():
             self._check_fingerprint(fingerprint)
             meta = self.read_meta()
@@ -367,8 +515,15 @@ class CacheStore:
                              f"exist; run `shmcache gc`")
 
     def _map_epoch(self, epoch: int) -> None:
-        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
         old = self._gen
+        if epoch == DESTROYED:  # tombstoned (NOTE [publish order]): every read is a miss from now on
+            self._gen = _destroyed_gen()
+            self._proc_gen = -1  # its counters went with it (_count)
+            self._epoch = epoch
+            if old is not None:
+                _close_gen(old)
+            return
+        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
         if old is not None and old.gen == gen:
             table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
             # a new _Gen, not an update in place: a thread inside a lookup keeps the one it has
@@ -413,6 +568,10 @@ class CacheStore:
     def _count(self, which: int, n: int = 1) -> None:
         g = self._gen
         if self._proc_gen != _process.generation():
+            if g.gen == _DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
+                self._counters, self._counter_off = [0, 0, 0, 0], -1
+                self._proc_gen = _process.generation()
+                return
             try:
                 slot = _process.slot(self.registry, self.session)
             except LockTimeout as exc:  # every slot taken: serve, but count nowhere
@@ -450,7 +609,7 @@ class CacheStore:
 
     def _decode(self, g: _Gen, w0: int, w2: int, copy: bool, w1: int = 0, kb: bytes = b"") -> Any:
         if w0 & SPILLED:
-            buf = self.spill.read(w0, w2, w1, kb) if self.spill is not None else None
+            buf = self.spill.read(w0, w2, w1, kb, g.gen) if self.spill is not None else None
             if buf is None:
                 return _CORRUPT
         else:
@@ -502,7 +661,8 @@ class CacheStore:
                 if count:
                     self._count(0)
                 return value
-            self._count(3)
+            if self.is_current(g.gen):  # else a clear() dropped the record under us: a plain miss
+                self._count(3)
         if count:
             self._count(1)
         return MISSING
@@ -528,6 +688,12 @@ class CacheStore:
         """The layout id of ``layout`` in generation ``g`` (caller holds the lock)."""
         return self._intern_layout(g, layout)
 
+    def is_current(self, gen: int) -> bool:
+        """Generation ``gen`` is still the cache's (no clear() replaced it): asked after a failed
+        read of a spilled record, which is damage only if its generation is still in force."""
+        root = self._root
+        return root is not None and _Q.unpack_from(root.buf, 64)[0] >> 32 == gen
+
     def contains(self, key: Any) -> bool:
         try:
             return self._find(self._refresh(), key)[0] != 0
@@ -537,10 +703,14 @@ class CacheStore:
     # --- writes ----------------------------------------------------------------------------------
 
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
-        """Store ``value`` under ``key`` unless present. False if it was not admitted (full)."""
+        """Store ``value`` under ``key`` unless present. False if it was not admitted: the cache is
+        full, or a live process keeps its lock beyond the lock timeout (see _write_locked)."""
         enc = encoded or codec.encode(value, f"the value of key {key!r}")
         w1, kb = key_bytes(key)
-        with self.locked():
+        with self._write_locked() as locked:
+            if not locked:  # a live process keeps the lock: the caller serves the value uncached
+                self._count(2)
+                return False
             if _CRASH_TESTS:
                 crash_point("locked")
             g = self._refresh()
@@ -580,11 +750,13 @@ class CacheStore:
         cls, chunk_size = size_class(nbytes)
         room = self.capacity_bytes - M.SIZE - TableView.bytes_for(g.index.capacity)
         if chunk_size > min(room, MAX_RECORD):  # would not fit even in the empty cache
+            if self._sizing() != SIZED and chunk_size <= MAX_RECORD:
+                raise _Full  # size=0 on a machine short of memory: nothing to fix in size=
             need = (chunk_size + M.SIZE + TableView.bytes_for(g.index.capacity)) / 2**20
             raise ItemTooLarge(
                 f"an item of {nbytes / 2**20:.2f} MiB can never fit in cache {self.session}/"
                 f"{self.name} of {self.capacity_bytes / 2**20:.2f} MiB (its index takes "
-                f"{(self.capacity_bytes - room) / 2**20:.2f} MiB); give it size= (MB) of at least "
+                f"{(self.capacity_bytes - room) / 2**20:.2f} MiB); give it size= (MiB) of at least "
                 f"{int(need) + 1}, or store smaller samples"
             )
         seg = self._class_segment(g, cls, chunk_size)
@@ -689,14 +861,43 @@ class CacheStore:
         return seg
 
     def _commit(self, g: _Gen, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
-        """Commit more chunks of class ``cls`` within the cap; raise _Full when there is no room."""
+        """Commit more chunks of class ``cls`` within the cap; raise _Full when there is no room
+        (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling)."""
         if time.monotonic() < self._shm_full_until:
             raise _Full  # /dev/shm was full a moment ago: don't ask the kernel on every miss
         meta = g.meta.buf
         used = _Q.unpack_from(meta, M.COMMITTED)[0]
         step = commit_step_chunks(chunk_size)
-        room = (self.capacity_bytes - used) // chunk_size
+        keep = shm_free = 0
+        if self.spill is not None and not self.spill.disabled:  # one statvfs, when spilling only
+            shm_total, shm_free = _shm_space()
+            keep = _index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))
+        room = (self.capacity_bytes - keep - used) // chunk_size
+        if room >= 1 and self._sizing() == AUTO and (self._session_budget < min(step, room) * chunk_size
+                                                     or time.monotonic() > self._session_until):
+            # the session's caches together: what they occupy is summed again once this process
+            # has committed 1/16 of what was left at the last look, or 50 ms later (NOTE [memory
+            # limits])
+            session_bytes = self._session_shm_bytes()
+            left = self.capacity_bytes - keep - session_bytes
+            room = min(room, left // chunk_size)
+            self._session_budget = max(0, left // 16)
+            self._session_until = time.monotonic() + 0.05
+            if room < 1:
+                self._shm_full_until = time.monotonic() + 1.0  # don't list /dev/shm on every miss
+                self._log_memory_full(
+                    f"the caches of session {self.session} hold {session_bytes / 2**20:.1f} MiB of "
+                    f"shared memory, their automatic cap (size=0) is {self.capacity_bytes / 2**20:.1f} "
+                    f"MiB for all of them together")
+        if room >= 1 and keep:  # /dev/shm keeps room for the index of what goes to disk
+            room = min(room, (shm_free - keep) // chunk_size)
+            if room < 1:
+                self._shm_full_until = time.monotonic() + 1.0
         if room < 1:
+            if keep:
+                self._log_memory_full(f"memory is full ({used / 2**20:.1f} MiB committed; "
+                                      f"{keep / 2**20:.1f} MiB of shared memory kept for the index "
+                                      f"of spilled items)")
             raise _Full
         step = min(step, room)
         try:
@@ -706,13 +907,39 @@ class CacheStore:
             raise _Full from None
         g.classes.set_committed(cls, committed + step)
         _Q.pack_into(meta, M.COMMITTED, used + step * chunk_size)
+        self._session_budget = max(0, self._session_budget - step * chunk_size)
         return committed + step
+
+    def _sizing(self) -> int:
+        """How this cache's cap was set: SIZED, AUTO or AUTO_NONE (the root's word)."""
+        return _Q.unpack_from(self._root.buf, _ROOT_SIZING)[0]
+
+    def _session_shm_bytes(self) -> int:
+        """Bytes of /dev/shm that every cache of this session really occupies (allocated pages)."""
+        prefix = self.registry.segment_prefix(self.session)
+        total = 0
+        for name in self.ns.owned_segments():
+            if name.startswith(prefix):
+                try:
+                    total += os.stat(self.ns.shm_path(name)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+        return total
 
     def _log_shm_full(self, exc: Exception) -> None:
         self._shm_full_until = time.monotonic() + 1.0
-        if not self._shm_full_logged:
-            self._shm_full_logged = True
-            log.warning("cache %s/%s stops growing: %s", self.session, self.name, exc)
+        self._log_memory_full(str(exc))
+
+    def _log_memory_full(self, why: str) -> None:
+        """Say once that memory is full, and what happens to new items now."""
+        if self._shm_full_logged:
+            return
+        self._shm_full_logged = True
+        if self.spill is not None and not self.spill.disabled:
+            then = f"new items go to disk (spill files in {self.spill.path})"
+        else:
+            then = "new items are not cached (spilling=True would keep them on disk)"
+        log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)
 
     def _grow_table(self, g: _Gen) -> _Gen:
         """Rebuild the table at twice the size as a new version (caller holds the lock)."""
@@ -764,7 +991,8 @@ class CacheStore:
             except FileNotFoundError:  # cleared meanwhile
                 v = MISSING
             if v is _CORRUPT:
-                self._count(3)
+                if self.is_current(g.gen):  # else cleared under us: a plain miss
+                    self._count(3)
                 v = MISSING
             if v is MISSING:
                 missing.append(i)
@@ -870,7 +1098,7 @@ class CacheStore:
             "hits": int(counters[0]), "misses": int(counters[1]), "rejected": int(counters[2]),
             "corrupt": int(counters[3]),
             "capacity_bytes": self.capacity_bytes, "committed_bytes": committed,
-            "shm_bytes": self.shm_bytes(),
+            "shm_bytes": self.shm_bytes() if g.gen != _DEAD_GEN else 0,  # not the cache made again
         }
 
     def shm_bytes(self) -> int:
@@ -892,15 +1120,19 @@ class CacheStore:
         """Drop every item: a new generation in new segments; old mappings stay valid for readers."""
         with self.locked():
             g = self._refresh()
+            self._create_generation(self._root, g.gen + 1, self.capacity_bytes, g.index.capacity)
+            # The spill files go after the new generation is published: a reader whose read of
+            # them fails then sees the generation moved on - a plain miss, not damage to report.
+            # (Writers wait for our lock, so nothing of the new generation is in them yet.)
             if self.spill is not None:
                 self.spill.clear()
             elif self.read_meta().get("spill_path"):  # spilled by others; this handle doesn't spill
                 shutil.rmtree(self.read_meta()["spill_path"], ignore_errors=True)
-            self._create_generation(self._root, g.gen + 1, self.capacity_bytes, g.index.capacity)
             if _CRASH_TESTS:
                 crash_point("cleared_before_unlink")
             self._unlink_matching(self._seg_name(f"g{g.gen}", ""))
             self._refresh()
+        codec.clear_decoders()  # the old generation's layouts are gone: free their decoders
 
     def close(self) -> None:
         if self.spill is not None:
@@ -914,11 +1146,16 @@ class CacheStore:
             self._root.close()
             self._root = None
         self.lock.close()
+        if self._attached == _process.generation():  # (a forked child never attached this one)
+            self._attached = -1
+            _process.detach(self.registry, self.session)
 
     def destroy(self) -> None:
         """Remove this cache from its session (segments, metadata and spill files)."""
         with self.locked():
             spill_path = self.read_meta().get("spill_path")
+            # the tombstone first: every handle still mapping this root misses from now on
+            _Q.pack_into(self._root.buf, ROOT_EPOCH, DESTROYED)
             self.meta_path.unlink(missing_ok=True)
             _unlink_name(self.ns, self._seg_name("root"))  # first: the cache is gone at once
             self._unlink_matching(self._base + SEP)
@@ -933,6 +1170,69 @@ class CacheStore:
         for name in self.ns.owned_segments():
             if name.startswith(prefix) and name != keep:
                 _unlink_name(self.ns, name)
+
+
+class UncachedStore:
+    """A cache that could not be made: not even its own segments fit in /dev/shm (or the process
+    could not map them). It has the methods the dataset layer calls on a CacheStore: every lookup
+    misses, every put is refused and counted as rejected (in this process: there is no shared
+    memory for counters), so a training run computes its items from the source instead of
+    stopping. Said once, in the log, with what to do about it."""
+
+    uncached = True
+
+    def __init__(self, session: str, name: str, reason: Exception):
+        self.session, self.name = session, name
+        self.capacity_bytes = 0
+        self.spill = None
+        self._counters = [0, 0, 0]  # hits, misses, rejected
+        log.warning("cache %s/%s is not cached: %s; its items are computed from the source", session,
+                    name, reason)
+
+    def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
+        if count:
+            self._counters[1] += 1
+        return MISSING
+
+    def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
+        self._counters[1] += len(keys)
+        return [MISSING] * len(keys), list(range(len(keys)))
+
+    def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
+        if encoded is None:
+            codec.encode(value, f"the value of key {key!r}")  # what is not cacheable says so anyway
+        self._counters[2] += 1
+        return False
+
+    def contains(self, key: Any) -> bool:
+        return False
+
+    def batch_layout(self, keys: np.ndarray) -> None:
+        return None
+
+    def gather_ints(self, keys: np.ndarray, out: list | None = None) -> None:
+        return None
+
+    out_matches = CacheStore.out_matches
+
+    def bind_fingerprint(self, fingerprint: str) -> None:
+        """Nothing is stored, so nothing can be another dataset's."""
+
+    def stats(self) -> dict:
+        st = dict.fromkeys(STAT_KEYS, 0)
+        st.update(session=self.session, name=self.name, hits=self._counters[0],
+                  misses=self._counters[1], rejected=self._counters[2], corrupt=0,
+                  committed_bytes=0, shm_bytes=0, uncached=True)
+        return st
+
+    def __len__(self) -> int:
+        return 0
+
+    def clear(self) -> None:
+        """Nothing to drop."""
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 class _Missing:
@@ -1048,9 +1348,47 @@ def _table_items(g: _Gen) -> int:
     return _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0]
 
 
+def _shm_space() -> tuple[int, int]:
+    """``(total, free)`` bytes of /dev/shm (one statvfs)."""
+    try:
+        st = os.statvfs(SHM_ROOT)
+    except OSError:
+        return 0, 0
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _index_reserve(limit: int) -> int:
+    """Shared memory a spilling cache of ``limit`` bytes (its cap, or /dev/shm if smaller) leaves
+    free for its index: 1/16 of it, at least 1 MiB (at most a quarter), at most 256 MiB
+    (NOTE [memory limits])."""
+    return min(max(limit // 16, 1 << 20), limit // 4, 256 << 20)
+
+
 def _table_capacity(hint: int) -> int:
     want = max(MIN_TABLE, int(hint / MAX_LOAD) + 1)
     return 1 << (want - 1).bit_length()
+
+
+class _Private:
+    """Process-private memory in place of a segment (the generation of a destroyed cache)."""
+
+    def __init__(self, size: int):
+        self.buf = bytearray(size)
+
+    def close(self) -> None:
+        pass
+
+
+_DEAD_GEN = DESTROYED >> 32  # never a real generation (they count up from 1)
+
+
+def _destroyed_gen() -> _Gen:
+    """What a handle maps once its cache's root is tombstoned: an empty generation in private
+    memory, so every read path (lookup, batches, contains, len, stats) finds nothing."""
+    meta, table = _Private(M.SIZE), _Private(TableView.bytes_for(8))
+    TableView.init(table.buf, 8)
+    return _Gen(_DEAD_GEN, 0, meta, table, TableView(table.buf), ClassTable(meta.buf, M.CLASSES),
+                {}, {}, {})
 
 
 def _close_gen(g: _Gen) -> None:
@@ -1062,7 +1400,4 @@ def _close_gen(g: _Gen) -> None:
 
 
 def _unlink_name(ns: Namespace, name: str) -> None:
-    try:
-        os.unlink(ns.shm_path(name))
-    except FileNotFoundError:
-        pass
+    ns.unlink_segment(name)  # only a file of ours: never another user's squat

@@ -330,6 +330,17 @@ def op_die_destroying(session, after="session.json"):
     return {"survived": True}
 
 
+def op_create_without_room(session, cache, cap, ok_calls):
+    """Create a cache in a process whose /dev/shm fills up after ``ok_calls`` posix_fallocate
+    calls (0: the root cannot be made, 1: the meta, 2: the table); report the error."""
+    _fallocate_fails_after(ok_calls)
+    try:
+        _store(session, cache, cap)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "error": str(exc)}
+    return {"type": None}
+
+
 def op_slow_creator(session, cache, cap, suffix, started_path, go_path, key):
     """A creator that stalls (holding the cache lock) right before it makes ``...suffix``."""
     _patch_segment_create(suffix, lambda: (_touch(started_path), _wait_file(go_path)))
@@ -571,6 +582,57 @@ def op_torch_enospc(session, ok_calls, n):
                 errors.append(f"epoch {epoch} item {i}: {type(exc).__name__}: {exc}")
                 break
     return {"bad": bad, "errors": errors, "items": len(cache), "fallocate_calls": calls[0]}
+
+
+# --- a writer stopped while it holds the cache lock --------------------------------------------------
+
+
+def stuck_lock_items(n: int) -> list:
+    """The dataset of the stopped-writer tests (the same in every process)."""
+    import numpy as np
+
+    return [np.full(100, i, np.int16) for i in range(n)]
+
+
+def op_read_under_a_stopped_writer(session, cache, n, put_timeout_s):
+    """A new process while another holds the cache lock and is stopped (SIGSTOP): open (default
+    60 s lock timeout), read hits, compute and serve misses. Reports how long each step took."""
+    import logging
+
+    import numpy as np
+
+    from shmcache import ShmDatasetCache
+
+    logs: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logs.append(record.getMessage())
+
+    logging.getLogger("shmcache").addHandler(Keep(logging.WARNING))
+    items = stuck_lock_items(n)
+    out = {}
+    t0 = time.monotonic()
+    c = ShmDatasetCache(session=session, name=cache)  # the default lock timeout (60 s)
+    out["open_s"] = time.monotonic() - t0
+    out["hits_ok"] = all(np.array_equal(c.get(k), items[k]) for k in range(n))
+    out["hits_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    w = ShmDatasetCache(session=session, name=cache, lock_timeout_s=put_timeout_s)
+    ds = w.wrap(items)  # opened by name: the recorded fingerprint matches, nothing to write
+    out["wrap_s"] = time.monotonic() - t0
+    out["ds_hits_ok"] = all(np.array_equal(ds[k], items[k]) for k in range(n))
+    timings, values_ok = [], []
+    for key in (10**6, 10**6 + 1, 10**6 + 2):  # misses: computed, the write cannot get the lock
+        t0 = time.monotonic()
+        values_ok.append(np.array_equal(w.get(key, lambda k: np.full(100, k % 999, np.int16)),
+                                        np.full(100, key % 999, np.int16)))
+        timings.append(time.monotonic() - t0)
+    batch = w.get_batch([0, 10**6 + 3], fn=lambda k: np.full(100, k % 999, np.int16))
+    values_ok.append(int(batch[1][0]) == (10**6 + 3) % 999 and int(batch[0][0]) == 0)
+    out.update(miss_s=timings, values_ok=values_ok, rejected=w.stats()["rejected"],
+               cached=[10**6 + i in w for i in range(4)], logs=logs)
+    return out
 
 
 # --- the zygote ---------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from _workers import HERE, FixedDataset, TorchDataset, assert_same, fixed_sample
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, get_worker_info
 
 from shmcache import ShmDatasetCache
 
@@ -126,6 +126,33 @@ def test_batch_sampler_with_batch_size_none(start_method, capfd):
     st = cache.stats()
     assert st["items_mem"] == N
     assert st["hits"] - first["hits"] == N and st["misses"] == first["misses"]
+    cache.close()
+    _no_worker_noise(capfd)
+
+
+class ShardedStream(IterableDataset):
+    """Shards itself across DataLoader workers with get_worker_info(), as the docs advise."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(start, self.n, step))
+
+
+@pytest.mark.parametrize("start_method", ["fork"], indirect=True)
+def test_a_sharded_stream_through_forked_workers_yields_each_item_once_per_epoch(start_method, capfd):
+    """wrap() of an unnamed stream reads its first items in the main process and keeps them for
+    that process's first pass; forked workers inherit them but must open their own (sharded)
+    iterators."""
+    cache = ShmDatasetCache(session="loader", size=16)
+    it = cache.wrap(ShardedStream(64))
+    loader = DataLoader(it, batch_size=None, num_workers=2, multiprocessing_context=start_method)
+    for epoch in range(2):
+        assert sorted(int(x) for x in loader) == list(range(64)), f"epoch {epoch}"
+    assert sorted(int(x) for x in it) == list(range(64))  # the main process: its own stream
     cache.close()
     _no_worker_noise(capfd)
 

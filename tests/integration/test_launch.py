@@ -202,6 +202,7 @@ def test_worker_env_matches_torchrun(tmp_path):
 
 def test_session_and_cache_settings_reach_workers(tmp_path, shm_namespace):
     spill = tmp_path / "spill" / "nested"
+    spill.mkdir(parents=True)
     assert run_main("--nproc", "2", "--session", "job1", "--size", "64", "--spilling",
                     "--spill-dir", str(spill), str(SCRIPTS / "env_dump.py"), str(tmp_path)) == 0
     for record in dumps(tmp_path, 2):
@@ -307,6 +308,10 @@ def test_help_is_the_manual(capsys):
     out = capsys.readouterr().out
     for section in ("Usage", "Options", "Exit status", "Examples", "SHMCACHE_SESSION"):
         assert section in out
+    # plain text, not reStructuredText: no literal markers, no double backquotes
+    assert "``" not in out and not [ln for ln in out.splitlines() if ln.rstrip().endswith("::")]
+    assert "Usage:\n\n    python -m shmcache.launch [options] script.py" in out  # the layout stays
+    assert "run a module, as python -m" in out
 
 
 def test_launcher_does_not_import_torch():
@@ -355,6 +360,8 @@ def test_spilling_error_names_both_ways(capsys):
 
 def test_spilling_uses_the_session_or_environment_spill_dir(tmp_path, monkeypatch):
     behave = [str(SCRIPTS / "behave.py"), str(tmp_path), "exit0"]
+    (tmp_path / "s").mkdir()
+    (tmp_path / "env-spill").mkdir()
     SessionRegistry().create("has-spill", spill_dir=tmp_path / "s")
     assert run_main("--spilling", "--session", "has-spill", *behave) == 0
     monkeypatch.setenv("SHMCACHE_SPILL_DIR", str(tmp_path / "env-spill"))
@@ -366,6 +373,13 @@ def test_spill_dir_must_be_a_directory_and_agree_with_the_session(tmp_path, caps
     a_file.write_text("")
     assert main(["--spill-dir", str(a_file), str(SCRIPTS / "behave.py")]) == 2
     assert "argument --spill-dir" in capsys.readouterr().err
+    typo = tmp_path / "no-such" / "spill"  # never created: a typo would fill another disk
+    assert main(["--spill-dir", str(typo), str(SCRIPTS / "behave.py")]) == 2
+    err = capsys.readouterr().err
+    assert f"spill_dir {typo} does not exist; create it first (mkdir -p {typo})" in err, err
+    assert not (tmp_path / "no-such").exists()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
     SessionRegistry().create("spills", spill_dir=tmp_path / "one")
     assert main(["--session", "spills", "--spill-dir", str(tmp_path / "two"),
                  str(SCRIPTS / "behave.py")]) == 2
@@ -478,6 +492,22 @@ def test_launcher_sigkilled_takes_its_workers_down(tmp_path, launcher):
     assert wait_gone(pids, timeout_s=5) == []
 
 
+def test_launcher_sigkilled_takes_the_children_of_its_workers_down(tmp_path, launcher):
+    """A worker's own child (not a DataLoader worker: no parent-death check of its own) dies
+    too: the launcher's guard kills each worker's process group (NOTE [launcher shutdown], 8)."""
+    proc = launcher("--nproc", "2", str(SCRIPTS / "behave.py"), str(tmp_path), "with-child", "with-child")
+    pids = read_pids(tmp_path, "pid", 2)
+    children = [int((tmp_path / f"child-{r}").read_text()) for r in range(2)]
+    proc.kill()
+    proc.wait(timeout=10)  # not communicate(): a surviving child would hold its pipes open
+    try:
+        assert wait_gone([*pids, *children], timeout_s=5) == []
+    finally:
+        for pid in children:  # before the fix: do not leave them behind
+            if not is_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 # --- recipes ----------------------------------------------------------------------------------
 
 
@@ -525,3 +555,18 @@ def test_cache_sh_passes_on_the_job_status_and_rejects_bad_options(tmp_path):
 @needs_bash
 def test_slurm_recipe_is_valid_bash():
     subprocess.run([bash, "-n", str(REPO / "launch" / "slurm.sbatch")], check=True, timeout=30)
+
+
+@needs_bash
+def test_cache_sh_prints_the_statistics_table_once(tmp_path):
+    # examples/train.py prints `shmcache stat` itself when run alone; under cache.sh, which prints
+    # it after the job, the table must not appear twice
+    env = {**os.environ, "PYTHON": sys.executable}
+    r = subprocess.run([bash, str(REPO / "launch" / "cache.sh"), "-s", "once", "--destroy",
+                        str(REPO / "examples" / "train.py"), "--tasks", "digits", "--digit-epochs", "1"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "test accuracy" in r.stdout
+    assert r.stdout.count("== shmcache stat once ==") == 1
+    assert [ln.split()[:2] for ln in r.stdout.splitlines()].count(["session", "cache"]) == 1, r.stdout
+    assert not SessionRegistry().exists("once")

@@ -61,7 +61,7 @@ def test_a_full_index_that_cannot_grow_rejects_instead_of_hanging(monkeypatch, t
     store = CacheStore("full", "c", capacity_bytes=64 << 20)
     from shmcache import spilling
 
-    spilling.attach(store, tmp_path / "spill")
+    spilling.attach(store, tmp_path)
     real = Segment.create
 
     def no_room_for_tables(name, *a, **kw):

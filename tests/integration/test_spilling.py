@@ -6,6 +6,7 @@ Workers are plain interpreters using the store layer (no torch import: they star
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def run_workers(tmp_path, session, name, spill_dir, key_lists):
 
 def test_four_processes_cache_a_dataset_four_times_larger_than_memory_once(tmp_path):
     spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
     keys = np.random.default_rng(0).permutation(ITEMS)
     shards = [keys[r::4].tolist() for r in range(4)]
     outs = run_workers(tmp_path, "big", "ds", spill_dir, shards)  # epoch 1: disjoint shards
@@ -92,6 +94,7 @@ def test_four_processes_cache_a_dataset_four_times_larger_than_memory_once(tmp_p
 
 def _spilled_store(tmp_path, n=60):
     store = CacheStore("dmg", "ds", capacity_bytes=1 << 20)
+    (tmp_path / "spill").mkdir(exist_ok=True)
     spilling.attach(store, tmp_path / "spill")
     for i in range(n):
         assert store.put(i, sample(i))
@@ -124,7 +127,11 @@ def test_flipped_bits_in_spill_files_are_misses_then_replaced(tmp_path, caplog):
     assert wrong == 0
     assert misses_seen > 0
     assert store.stats()["corrupt"] == misses_seen
-    assert any("corrupt spill record" in r.getMessage() for r in caplog.records)
+    lines = [r.getMessage() for r in caplog.records if "corrupt spill record" in r.getMessage()]
+    assert lines
+    # one line per damaged file and condition (checksum, header, ...), not one per record
+    assert len(lines) == len({(m.split(" at offset")[0], m.split(": ", 1)[1].split(";")[0]) for m in lines})
+    assert len(lines) < misses_seen, f"{len(lines)} log lines for {misses_seen} damaged records of one file"
     for i in range(60):  # after the replacement every item reads back from the cache
         v = store.lookup(i)
         assert v is not MISSING and np.array_equal(v[0], sample(i)[0])
@@ -156,6 +163,7 @@ def test_spill_dir_deleted_under_a_live_cache_degrades_to_misses(tmp_path):
 
 def test_disk_full_while_spilling_stops_spilling_and_keeps_serving(tmp_path, monkeypatch, caplog):
     store = CacheStore("full", "ds", capacity_bytes=1 << 20)
+    (tmp_path / "spill").mkdir()
     spilling.attach(store, tmp_path / "spill")
     import errno
 
@@ -183,7 +191,7 @@ def test_disk_full_while_spilling_stops_spilling_and_keeps_serving(tmp_path, mon
 def test_item_larger_than_memory_goes_to_disk_when_spilling(tmp_path):
     """ItemTooLarge is for caches that cannot spill: a spill file takes an item of any size."""
     big = np.arange(3 << 20, dtype=np.uint32).view(np.uint8)[: 5 << 20]  # 5 MiB, cap 1 MiB
-    with ShmDatasetCache(session="big", size=1, spilling=True, spill_dir=tmp_path / "spill") as cache:
+    with ShmDatasetCache(session="big", name="spills", size=1, spilling=True, spill_dir=tmp_path) as cache:
         assert cache.put(0, big) is True
         assert cache.get(1, lambda k: big[::-1].copy())[0] == big[-1]  # computed, stored, returned
         assert cache.stats()["items_disk"] == 2
@@ -236,6 +244,8 @@ def test_unwritable_spill_dir_is_refused(tmp_path):
 
 def test_spill_dir_from_the_environment_and_the_session(tmp_path, monkeypatch):
     monkeypatch.setenv("SHMCACHE_SPILL_DIR", str(tmp_path / "env"))
+    (tmp_path / "env").mkdir()
+    (tmp_path / "sess").mkdir()
     c = ShmDatasetCache(session="e", name="x", size=1, spilling=True)
     for i in range(40):
         c.put(i, sample(i))
@@ -273,6 +283,7 @@ def test_writers_killed_while_spilling_leave_no_torn_value(tmp_path, point):
     memory record, or holding the lock) - again and again: the next writers and gc go on; every
     published value is right; the totals count exactly the published items."""
     spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
     script = KILLER.format(tests=str(Path(__file__).parent))
     start = 0
     for round_ in range(12):
@@ -296,4 +307,73 @@ def test_writers_killed_while_spilling_leave_no_torn_value(tmp_path, point):
     assert st["items_mem"] + st["items_disk"] == present
     assert st["corrupt"] == 0
     assert store.collect_garbage()[0] == 0  # nothing left to repair
+    store.close()
+
+
+# --- issue 8 ------------------------------------------------------------------------------------
+
+
+def test_spill_dir_that_does_not_exist_is_refused_not_created(tmp_path):
+    typo = tmp_path / "scrath" / "spill"
+    with pytest.raises(SpillError, match=rf"spill_dir {typo} does not exist; create it first \(mkdir -p {typo}\)"):
+        ShmDatasetCache(spilling=True, spill_dir=typo)
+    assert not (tmp_path / "scrath").exists()
+
+
+def test_spill_dir_without_spilling_warns_once(tmp_path):
+    with pytest.warns(UserWarning, match="spill_dir=.*no effect without spilling=True") as got:
+        c = ShmDatasetCache(session="w", name="x", size=1, spill_dir=tmp_path)
+    assert len(got) == 1
+    c.close()
+
+
+def test_spilling_goes_on_after_the_session_is_destroyed_and_made_again(tmp_path):
+    from shmcache.registry import SessionRegistry
+
+    (tmp_path / "spill").mkdir()
+    big = np.arange(3 << 20, dtype=np.uint8)  # larger than the whole cache: it can only spill
+
+    def open_cache() -> CacheStore:
+        store = CacheStore("again", "c", capacity_bytes=1 << 20)
+        spilling.attach(store, tmp_path / "spill")
+        return store
+
+    first = open_cache()
+    assert first.put(1, big) and first.stats()["items_disk"] == 1
+    first.close()
+    SessionRegistry().destroy("again")  # as `shmcache destroy again` would; the process lives on
+    second = open_cache()
+    assert second.put(2, big) and second.stats()["items_disk"] == 1
+    assert second.contains(2)
+    got = second.lookup(2)
+    assert got is not MISSING and np.array_equal(got, big), "a put went into a deleted spill file"
+    assert list((tmp_path / "spill").rglob("*.spill")), "the spill folder was not made again"
+    second.close()
+
+
+def test_a_read_racing_a_clear_is_a_quiet_miss(tmp_path, caplog):
+    store = _spilled_store(tmp_path)
+    other = CacheStore("dmg", "ds")  # a second handle: another reader, as in another process
+    spilling.attach(other, tmp_path / "spill")
+    g = other._refresh()
+    spilled = [i for i in range(60) if other._find(g, i)[0] & 4]  # SPILLED entries of generation g
+    assert spilled
+    found = [other._find(g, i) for i in spilled]
+    store.clear()  # deletes the spill files under the reader, which still holds generation g
+    from shmcache.store import _CORRUPT
+
+    with caplog.at_level(logging.WARNING, logger="shmcache"):
+        for w0, w2, _, kb, w1 in found:  # what a lookup that found its entry just before does next
+            assert other._decode(g, w0, w2, True, w1, kb) is _CORRUPT  # a miss, never a wrong value
+        for i in range(60, 120):  # new spill files at the old names, other records at the old offsets
+            store.put(i, sample(i))
+        assert store.stats()["items_disk"] > 0
+        for w0, w2, _, kb, w1 in found:
+            assert other._decode(g, w0, w2, True, w1, kb) is _CORRUPT
+        assert not other.is_current(g.gen)  # so lookup counts such a failed read as a plain miss
+        for i in spilled:
+            assert other.lookup(i) is MISSING
+    assert not [r for r in caplog.records if "corrupt" in r.getMessage()], caplog.text
+    assert other.stats()["corrupt"] == 0
+    other.close()
     store.close()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import posix_ipc
@@ -148,6 +149,41 @@ def test_destroy_refuses_a_session_in_use_without_force(capsys):
         assert got == 0 and not SessionRegistry().exists("busy")
 
 
+_OPEN_THEN_CLOSE = """
+import sys
+from shmcache import ShmDatasetCache
+cache = ShmDatasetCache(session="closing", name="c", size=8)
+cache.put(1, "one")
+print("open", flush=True)
+sys.stdin.readline()
+cache.close()
+print("closed", flush=True)
+sys.stdin.read()  # keeps running, detached
+"""
+
+
+def test_destroy_without_force_succeeds_once_the_process_closed_its_caches():
+    """close() used to leave the process attached, so destroy without --force refused."""
+    proc = subprocess.Popen([sys.executable, "-c", _OPEN_THEN_CLOSE], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        destroy = [sys.executable, "-m", "shmcache", "destroy", "closing"]
+        busy = subprocess.run(destroy, capture_output=True, text=True, timeout=60)
+        assert busy.returncode == 1 and str(proc.pid) in busy.stderr  # attached while open
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "closed"
+        done = subprocess.run(destroy, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert not SessionRegistry().exists("closing")
+        assert proc.poll() is None, "the process is still running"
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+
+
 def test_gc_reports_what_it_removed(capsys, populated, shm_namespace):
     ghost = shm_namespace.segment_name("ghost", "c", "root")
     posix_ipc.SharedMemory(ghost, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
@@ -210,3 +246,113 @@ def test_python_dash_m_shmcache_stat_end_to_end(populated):
                 if ln.startswith("import time:")]
     assert "shmcache.store" in imported
     assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
+
+
+# --- last use: ls and gc --idle-for --------------------------------------------------------------
+
+DAY = 86400.0
+
+
+def _age(name, seconds):
+    reg = SessionRegistry()
+    reg.mark_used(name)
+    t = time.time() - seconds
+    os.utime(reg.session_dir(name) / "last_used", (t, t))
+
+
+def test_ls_shows_when_each_session_was_last_used(capsys):
+    reg = SessionRegistry()
+    for name in ("busy", "old"):
+        reg.create(name)
+    _age("old", 3 * 3600 + 60)
+    with process_attached_to("busy"):
+        _age("busy", 5 * DAY)
+        code, out, _ = run(capsys, "ls")
+        assert code == 0
+        lines = out.splitlines()
+        assert "last used" in lines[0]
+        rows = {ln.split()[0]: ln for ln in lines[2:]}
+        assert "in use" in rows["busy"] and "3h ago" in rows["old"]
+        code, out, _ = run(capsys, "ls", "--json")
+        got = {r["session"]: r for r in json.loads(out)}
+        assert got["busy"]["idle_s"] == 0 and abs(got["busy"]["last_used"] - time.time()) < 60
+        assert 3 * 3600 < got["old"]["idle_s"] < 3 * 3600 + 120
+        assert abs(got["old"]["last_used"] + got["old"]["idle_s"] - time.time()) < 60
+
+
+def test_gc_idle_for_destroys_only_old_sessions_nobody_is_attached_to(capsys, shm_namespace):
+    reg = SessionRegistry()
+    for name in ("busy", "old", "fresh", "older"):
+        reg.create(name)
+    _age("old", 2 * DAY)
+    _age("older", 3 * 7 * DAY)
+    _age("fresh", 3600)
+    with process_attached_to("busy"):
+        _age("busy", 30 * DAY)
+        code, out, _ = run(capsys, "gc", "--idle-for", "1d")
+        assert code == 0
+        assert "destroyed session 'old', unused for 2d" in out
+        assert "destroyed session 'older', unused for 21d" in out
+        assert [s.name for s in reg.list()] == ["busy", "fresh"]
+        reg.create("old")
+        _age("old", 3 * 3600)
+        code, out, _ = run(capsys, "gc", "--json", "--idle-for", "2h")
+        report = json.loads(out)
+        assert [s["session"] for s in report["destroyed_idle_sessions"]] == ["old"]
+        assert report["destroyed_idle_sessions"][0]["idle_s"] >= 3 * 3600
+        assert [s.name for s in reg.list()] == ["busy", "fresh"]
+    code, out, _ = run(capsys, "gc", "--json")
+    assert json.loads(out)["destroyed_idle_sessions"] == []  # without --idle-for, sessions stay
+    assert [s.name for s in reg.list()] == ["busy", "fresh"]
+
+
+@pytest.mark.parametrize("text", ["1y", "1", "d", "-1d", "1.5.d", "", "nan d", "infh"])
+def test_gc_idle_for_refuses_what_is_not_a_duration(capsys, text):
+    SessionRegistry().create("s")
+    code, _, err = run(capsys, "gc", f"--idle-for={text}")
+    assert code == 2 and "--idle-for" in err and "90s, 30m, 12h, 1d, 2w" in err, err
+    assert SessionRegistry().exists("s")
+
+
+@pytest.mark.parametrize("text,seconds", [("90s", 90), ("30m", 1800), ("12h", 43200), ("1d", DAY),
+                                          ("2w", 14 * DAY), ("1.5h", 5400), ("0s", 0)])
+def test_durations(text, seconds):
+    from shmcache.cli import _duration
+
+    assert _duration(text) == seconds
+
+
+def test_gc_does_not_call_the_slot_files_of_a_clean_exit_stale(capsys):
+    SessionRegistry().create("s")
+    with process_attached_to("s"):
+        pass  # exited cleanly: its slot file stays, unlocked
+    code, out, _ = run(capsys, "gc")
+    assert code == 0 and "stale" not in out and "1 slot files of exited processes cleared" in out
+
+
+# --- help ----------------------------------------------------------------------------------------
+
+
+def test_every_argument_of_every_command_has_help():
+    import argparse
+
+    from shmcache.cli import _parser
+
+    parser = _parser()
+    missing = []
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in [("shmcache", parser), *sub.choices.items()]:
+        for action in p._actions:
+            if not action.help or action.help == argparse.SUPPRESS:
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert missing == []
+    for choice in sub._choices_actions:
+        assert choice.help, choice.dest
+
+
+def test_destroy_error_on_the_command_line_says_dash_dash_force(capsys):
+    SessionRegistry().create("busy")
+    with process_attached_to("busy") as proc:
+        code, _, err = run(capsys, "destroy", "busy")
+        assert code == 1 and str(proc.pid) in err
+        assert "`shmcache destroy --force busy`" in err and "force=True" not in err

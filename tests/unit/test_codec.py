@@ -153,6 +153,23 @@ def test_torch_views_and_autograd_tensors_roundtrip_values(make):
     assert got.grad_fn is None, "a cached sample must not drag an autograd graph along"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64])
+@pytest.mark.parametrize("make", [
+    lambda t: t[::2][:1],                       # size 1, stride 2: contiguous() keeps the stride
+    lambda t: t.reshape(2, 4)[:1, ::2][:, :1],  # size-1 dims with odd strides
+    lambda t: t[:1].expand(5),                  # stride 0
+    lambda t: t[:1].reshape(1, 1).expand(1, 3)[:, :1],
+    lambda t: t[::2][:0],                       # zero-size with a stride
+    lambda t: t.reshape(2, 4)[:, ::3][:1],
+    lambda t: t.reshape(8, 1)[::4],             # trailing size-1 dim
+], ids=["size1-step", "size1-dims", "expanded", "expanded-size1", "zero-size", "2d-step", "trailing-1"])
+def test_tensors_with_odd_strides_and_size_one_dims_roundtrip(make, dtype):
+    t = make(torch.arange(8).to(dtype))
+    got = record_roundtrip(t)
+    assert got.dtype == t.dtype and got.shape == t.shape
+    assert torch.equal(got, t)
+
+
 def test_torch_conjugate_view_roundtrips():
     """``x.conj()`` is a lazy view (conj bit); the codec must store the conjugated values."""
     x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
@@ -377,3 +394,96 @@ def test_many_layouts_and_huge_layouts_roundtrip(store):
     for k, v in values.items():
         assert_same(store.lookup(k), v, f"key {k}")
         assert_same(store.lookup(k, copy=False), v, f"key {k} (view)")
+
+
+def test_decoder_cache_stays_bounded_for_variable_length_str_fields_and_clear_frees_it(store):
+    """Every distinct str length is another layout (and so another compiled decoder); past the
+    shared layout table they are inline, and 100k samples once grew the per-process cache to
+    ~38k decoders (+87 MiB per process)."""
+    codec.clear_decoders()
+    for i in range(100_000):
+        value = {"path": "p" * (i % 317), "caption": "c" * (i % 331), "label": i}
+        assert store.put(i, value)
+        if i % 7 == 0:
+            assert store.lookup(i) == value
+    assert store.lookup(99_999) == {"path": "p" * (99_999 % 317), "caption": "c" * (99_999 % 331),
+                                    "label": 99_999}
+    assert codec.cached_decoders() <= codec.MAX_DECODERS
+    store.clear()
+    assert codec.cached_decoders() == 0
+
+
+# --- PIL images (shmcache/_pil.py) ---------------------------------------------------------------
+
+_PIL_MODES = sorted(__import__("shmcache._pil", fromlist=["MODES"]).MODES)
+
+
+def _random_image(mode, size=(7, 5)):
+    from PIL import Image
+
+    n = len(Image.new(mode, size).tobytes())
+    return Image.frombytes(mode, size, _rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+
+
+def _same_image(got, want):
+    from PIL import Image
+
+    assert isinstance(got, Image.Image), type(got)
+    assert (got.mode, got.size) == (want.mode, want.size)
+    assert got.tobytes() == want.tobytes()  # pixel for pixel (bytes: NaN pixels of mode F too)
+
+
+@pytest.mark.parametrize("mode", _PIL_MODES)
+def test_pil_images_of_every_claimed_mode_are_stored_as_pixels_not_pickles(store, mode):
+    img = _random_image(mode)
+    enc = codec.encode(img)
+    assert enc.pickled == () and not codec.pickled_offsets(enc.layout)
+    _same_image(record_roundtrip(img), img)
+    for got in store_roundtrip(store, {"img": img, "label": 3}):
+        _same_image(got["img"], img)
+        assert got["label"] == 3
+
+
+def test_pil_images_opened_from_files_and_empty_ones_roundtrip(tmp_path, store):
+    from PIL import Image
+
+    _random_image("RGB", (16, 9)).save(tmp_path / "x.png")
+    opened = Image.open(tmp_path / "x.png")  # a PngImageFile: a subclass of Image.Image
+    assert type(opened) is not Image.Image
+    assert codec.encode(opened).pickled == ()
+    _same_image(record_roundtrip(opened), opened.convert("RGB"))
+    _same_image(store_roundtrip(store, Image.new("L", (0, 0)))[0], Image.new("L", (0, 0)))
+
+
+@pytest.mark.parametrize("mode", ["P", "PA"])
+def test_palette_images_fall_back_to_pickle_and_keep_their_palette(mode):
+    img = _random_image(mode)
+    img.putpalette(list(range(256)) * 3)
+    enc = codec.encode(img)
+    assert any(name.endswith("Image") for name in enc.pickled), enc.pickled
+    got = record_roundtrip(img)
+    _same_image(got, img)
+    assert got.getpalette() == img.getpalette()
+
+
+def test_a_process_that_never_imported_pil_decodes_pil_records(tmp_path):
+    """The handler registers lazily; a DataLoader worker that only reads must still find it."""
+    code = (
+        "import sys\n"
+        "import shmcache.dataset\n"
+        "from shmcache import codec\n"
+        "assert 'PIL' not in sys.modules, 'importing shmcache imported PIL'\n"
+        "layout, record = open(sys.argv[1], 'rb').read(), open(sys.argv[2], 'rb').read()\n"
+        "got = codec.decode(bytearray(record), layout)\n"
+        "print(type(got).__name__, got.mode, got.size, got.tobytes().hex())\n"
+    )
+    img = _random_image("RGB")
+    enc = codec.encode(img)
+    buf = bytearray(enc.record_len(0, True))
+    enc.write(memoryview(buf), codec.INLINE, b"")
+    (tmp_path / "layout").write_bytes(enc.layout)
+    (tmp_path / "record").write_bytes(bytes(buf))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "layout"), str(tmp_path / "record")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["Image", "RGB", "(7,", "5)", img.tobytes().hex()]

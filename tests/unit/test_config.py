@@ -147,3 +147,115 @@ def test_memory_limits_here_are_sane():
     assert lim.mem_available and lim.mem_available > 0
     assert 0 < lim.auto_capacity() <= min(v for v in (lim.mem_available, lim.shm_free,
                                                        lim.cgroup_free) if v is not None)
+
+
+# --- cgroup limits: the process's own cgroup, not the root of the tree ---------------------------
+
+
+def _fake_proc(tmp_path, cgroup: str, mounts: list[tuple[str, str, str, str]]) -> str:
+    """A fake /proc/self: ``cgroup`` as given, a mountinfo line per (fstype, root, mount point,
+    super options)."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    lines = [f"{30 + i} 23 0:{40 + i} {root} {point} rw,relatime - {fs} {fs} {opts}"
+             for i, (fs, root, point, opts) in enumerate(mounts)]
+    (proc / "mountinfo").write_text("\n".join(lines) + "\n")
+    return str(proc)
+
+
+def _cg_dir(base, rel: str, **files) -> None:
+    d = base / rel.strip("/") if rel.strip("/") else base
+    d.mkdir(parents=True, exist_ok=True)
+    for name, value in files.items():
+        (d / name.replace("_", ".", 1)).write_text(f"{value}\n")
+
+
+def test_cgroup_v2_limit_of_the_process_own_cgroup_is_seen(tmp_path):
+    """A Slurm job: the limit sits on the job's cgroup, the step below it has none, the root of
+    the tree has no memory.max at all. Reading only /sys/fs/cgroup/memory.max misses it."""
+    cg = tmp_path / "cg"
+    _cg_dir(cg, "/")
+    _cg_dir(cg, "/system.slice/slurmstepd.scope/job_42", memory_max=4 << 30, memory_current=1 << 30)
+    _cg_dir(cg, "/system.slice/slurmstepd.scope/job_42/step_0", memory_max="max", memory_current=1 << 29)
+    proc = _fake_proc(tmp_path, "0::/system.slice/slurmstepd.scope/job_42/step_0\n",
+                      [("cgroup2", "/", str(cg), "rw")])
+    lim = memory_limits(proc)
+    assert lim.cgroup_limit == 4 << 30 and lim.cgroup_free == 3 << 30
+    assert lim.cgroup_file == str(cg / "system.slice/slurmstepd.scope/job_42/memory.max")
+
+
+def test_cgroup_tightest_ancestor_applies(tmp_path):
+    cg = tmp_path / "cg"
+    _cg_dir(cg, "/user", memory_max=2 << 30, memory_current=(3 << 30) // 2)  # 0.5 GiB free
+    _cg_dir(cg, "/user/job", memory_max=1 << 30, memory_current=0)           # 1 GiB free
+    proc = _fake_proc(tmp_path, "0::/user/job\n", [("cgroup2", "/", str(cg), "rw")])
+    lim = memory_limits(proc)
+    assert (lim.cgroup_limit, lim.cgroup_free) == (2 << 30, 1 << 29)
+
+
+def test_cgroup_v1_memory_hierarchy_path_is_followed(tmp_path):
+    """v1: the memory controller's line (here joined with another controller), and a container
+    whose mount shows only its own cgroup (mount root /docker/abc)."""
+    mem = tmp_path / "memory"
+    _cg_dir(mem, "/", memory_limit_in_bytes=(1 << 63) - 4096, memory_usage_in_bytes=5 << 30)
+    _cg_dir(mem, "/job", memory_limit_in_bytes=3 << 30, memory_usage_in_bytes=1 << 30)
+    proc = _fake_proc(tmp_path, "12:pids:/docker/abc\n4:cpuacct,memory:/docker/abc/job\n1:name=systemd:/\n",
+                      [("cgroup", "/docker/abc", str(tmp_path / "cpu"), "rw,cpu"),
+                       ("cgroup", "/docker/abc", str(mem), "rw,memory,cpuacct")])
+    lim = memory_limits(proc)
+    assert (lim.cgroup_limit, lim.cgroup_free) == (3 << 30, 2 << 30)
+
+
+def test_no_cgroup_limit_anywhere(tmp_path):
+    cg = tmp_path / "cg"
+    _cg_dir(cg, "/a", memory_max="max", memory_current=123)
+    proc = _fake_proc(tmp_path, "0::/a\n", [("cgroup2", "/", str(cg), "rw")])
+    lim = memory_limits(proc)
+    assert (lim.cgroup_limit, lim.cgroup_free, lim.cgroup_file) == (None, None, None)
+
+
+def test_a_real_cgroup_limit_is_seen_by_shmcache_info(tmp_path):
+    """A child cgroup of our own with a 300 MiB limit (what Slurm or a container sets); a process
+    moved into it runs `shmcache info --json`, which must report that limit."""
+    import json
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a cgroup")
+    with open("/proc/self/cgroup") as f:
+        lines = f.read().splitlines()
+    v1 = [ln.split(":", 2)[2] for ln in lines if "memory" in ln.split(":", 2)[1].split(",")]
+    v2 = [ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")]
+    limit = 300 << 20
+    if v1 and os.path.isdir("/sys/fs/cgroup/memory"):
+        d = f"/sys/fs/cgroup/memory{v1[0].rstrip('/')}/shmcache-test-{os.getpid()}"
+        limit_file, value = "memory.limit_in_bytes", str(limit)
+    elif v2 and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        d = f"/sys/fs/cgroup{v2[0].rstrip('/')}/shmcache-test-{os.getpid()}"
+        limit_file, value = "memory.max", str(limit)
+    else:
+        pytest.skip(f"no memory cgroup mounted at /sys/fs/cgroup ({lines})")
+    try:
+        os.mkdir(d)
+    except OSError as exc:
+        pytest.skip(f"cannot make a cgroup under {os.path.dirname(d)}: {exc.strerror}")
+    try:
+        try:
+            with open(os.path.join(d, limit_file), "w") as f:
+                f.write(value)
+        except OSError as exc:
+            pytest.skip(f"cannot set {limit_file} in {d} (memory controller not enabled?): {exc.strerror}")
+        procs = os.path.join(d, "cgroup.procs")
+        script = (f"import os, sys, pathlib; pathlib.Path({procs!r}).write_text(str(os.getpid())); "
+                  f"from shmcache.cli import main; sys.exit(main(['info', '--json']))")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        info = json.loads(out.stdout)
+        assert info["cgroup_limit_bytes"] == limit, info
+        assert 0 < info["cgroup_free_bytes"] <= limit
+        assert info["auto_capacity_bytes"] <= 0.8 * limit
+        assert info["cgroup_limit_file"] == os.path.join(d, limit_file)
+    finally:
+        os.rmdir(d)  # empty again: its one process has exited

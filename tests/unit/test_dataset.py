@@ -58,6 +58,9 @@ class Unpicklable(Dataset):
         return (np.zeros(2), (lambda: i) if i in self.bad else i)
 
 
+Point = __import__("collections").namedtuple("Point", "x y")  # pickled (not a plain tuple)
+
+
 def _cache(**kw):
     kw.setdefault("session", "ds")
     kw.setdefault("size", 64)
@@ -283,6 +286,20 @@ def test_warmup_fills_everything_once():
             assert_same(ds[i], src[i])
 
 
+@pytest.mark.parametrize("local_rank, bar", [(None, True), ("0", True), ("1", False), ("3", False)])
+def test_only_local_rank_0_draws_the_warmup_progress_bar(monkeypatch, capfd, local_rank, bar):
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with _cache() as cache:
+        cache.warmup(FixedDataset(50, 8), progress=True, desc="warming")
+        assert len(cache) == 50
+    err = capfd.readouterr().err
+    assert ("warming" in err) == bar, err
+
+
 def test_clear_drops_everything_for_every_handle():
     src = FixedDataset(20, 40)
     with _cache() as cache:
@@ -297,12 +314,66 @@ def test_clear_drops_everything_for_every_handle():
         other.close()
 
 
-def test_close_then_use_reattaches():
-    with _cache(name="reopen") as cache:
-        cache.put(1, "one")
-    assert cache[1] == "one"
+def test_every_use_after_close_raises_naming_the_cache():
+    """close() used to leave the handle working (it re-attached silently) and the process attached."""
+    cache = _cache(name="closing")
+    cache.put(1, "one")
+    ds = cache.wrap(Labelled(range(4)))
+    it = _cache(name="closing-it").wrap(Stream([1, 2, 3]))
+    it.cache.close()
     cache.close()
-    cache.close()
+    cache.close()  # twice: fine
+    calls = [lambda: cache[1], lambda: cache.get(1, str), lambda: cache.put(2, "two"),
+             lambda: 1 in cache, lambda: len(cache), lambda: cache.stats(), lambda: cache.clear(),
+             lambda: cache.get_batch([1]), lambda: cache.wrap(Labelled(range(4))),
+             lambda: cache.warmup(ds, progress=False), lambda: cache.store, lambda: ds[1],
+             lambda: ds.__getitems__([1, 2]), lambda: ds.get_batch([1]), lambda: list(it)]
+    for call in calls:
+        with pytest.raises(InvalidArgument, match=r"ds/closing(-it)?\) was closed; create a new one"):
+            call()
+    with _cache(name="closing") as again:  # a new handle finds the cache
+        assert again[1] == "one"
+    with pytest.raises(InvalidArgument, match="was closed"):
+        again.put(3, "three")  # the context manager closed it
+
+
+def test_close_detaches_the_process_when_its_last_cache_of_the_session_closes():
+    from shmcache.registry import SessionRegistry
+
+    registry = SessionRegistry()
+    a, b = _cache(name="a"), _cache(name="b")
+    other = _cache(session="elsewhere", name="c")
+    assert os.getpid() in registry.live_pids("ds")
+    a.close()
+    assert os.getpid() in registry.live_pids("ds"), "b still uses the session"
+    b.put(1, 1)
+    b.close()
+    assert os.getpid() not in registry.live_pids("ds")
+    assert os.getpid() in registry.live_pids("elsewhere")
+    other.close()
+    assert os.getpid() not in registry.live_pids("elsewhere")
+    with _cache(name="b") as again:  # attached again, counting on from the totals in memory
+        assert again[1] == 1
+        assert os.getpid() in registry.live_pids("ds")
+        assert again.stats()["hits"] == 1
+
+
+def test_unnamed_caches_refuse_get_and_put_instead_of_sharing_one_cache():
+    """Both used to be cache "default": val.get(0, f_val) returned train's value."""
+    train, val = ShmDatasetCache(session="ds", size=16), ShmDatasetCache(session="ds", size=16)
+    calls = [lambda c: c.get(0, lambda k: "train"), lambda c: c.put(0, "x"), lambda c: c[0],
+             lambda c: 0 in c, lambda c: len(c), lambda c: c.stats(),
+             lambda c: c.get_batch([0], fn=lambda k: k), lambda c: c.clear()]
+    for cache in (train, val):
+        for call in calls:
+            with pytest.raises(InvalidArgument, match=r"has no name.*ShmDatasetCache\(name="):
+                call(cache)
+        cache.close()
+    with ShmDatasetCache(session="ds", size=16) as named_by_wrap:  # wrap() names it: then get works
+        named_by_wrap.wrap(Labelled(range(4)))
+        assert named_by_wrap.get(2)[1] == 2
+        assert named_by_wrap.get(100, lambda k: "extra") == "extra"
+    assert not (Path(os.environ["SHMCACHE_DIR"]) / "sessions" / "ds" / "caches" / "default.json").exists()
 
 
 def test_stats_have_the_designed_keys():
@@ -318,15 +389,112 @@ def test_iterable_dataset_records_then_replays():
     src = Stream([np.full(3, i) for i in range(10)])
     with _cache() as cache:
         it = cache.wrap(src)
-        passes = src.passes
         first = list(it)
-        assert src.passes == passes + 1
+        assert src.passes == 1, "wrap() and the first pass read the source once in all"
         second = list(it)
-        assert src.passes == passes + 1, "the second pass read the source again"
+        assert src.passes == 1, "the second pass read the source again"
         for a, b, c in zip(first, second, src.items):
             assert_same(a, c)
             assert_same(b, c)
         assert len(second) == 10
+
+
+class Queue(IterableDataset):
+    """A stream that cannot be read twice: every iterator takes items off one shared queue."""
+
+    def __init__(self, items):
+        self.queue = list(items)
+        self.opened = 0
+
+    def __iter__(self):
+        self.opened += 1
+        while self.queue:
+            yield self.queue.pop(0)
+
+
+def test_a_named_cache_does_not_read_the_stream_at_wrap():
+    src = Queue(range(40))
+    with _cache(name="stream") as cache:
+        it = cache.wrap(src)
+        assert src.opened == 0 and len(src.queue) == 40, "wrap() read the stream"
+        assert list(it) == list(range(40))
+        assert list(it) == list(range(40))  # replayed: the queue is empty now
+
+
+def test_the_items_an_unnamed_wrap_reads_come_first_in_the_first_pass():
+    """wrap() reads 16 items to name the cache; a stream that cannot be read twice lost them."""
+    src = Queue(range(40))
+    with _cache() as cache:
+        it = cache.wrap(src)
+        assert list(it) == list(range(40))
+        assert list(it) == list(range(40))
+        assert src.opened == 1
+
+
+def test_a_named_one_shot_iterator_is_recorded_once_and_replayed():
+    with _cache(name="once") as cache:
+        it = cache.wrap(iter([np.full(2, i) for i in range(5)]))
+        for _ in range(2):
+            got = list(it)
+            assert [g.tolist() for g in got] == [[i, i] for i in range(5)]
+    with _cache(name="cut") as cache:
+        it = cache.wrap(x for x in range(5))
+        assert next(iter(it)) == 0  # a first pass that stops early
+        with pytest.raises(InvalidArgument, match="one-shot iterator.*read once already"):
+            list(it)
+
+
+def test_an_unnamed_one_shot_iterator_is_refused_naming_name():
+    with _cache() as cache:
+        with pytest.raises(InvalidArgument, match=r"one-shot iterator.*name="):
+            cache.wrap(iter([1, 2, 3]))
+
+
+class Photos(Dataset):
+    """torchvision's default: samples are (PIL image, label)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        pixels = np.random.default_rng(i).integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        return Image.fromarray(pixels), i
+
+
+def test_pil_samples_are_stored_as_pixels_and_come_back_as_images():
+    """A 224x224 RGB image was pickled at 5.7x its pixels (and read back through pickle)."""
+    from PIL import Image
+
+    src = Photos()
+    with _cache() as cache:
+        ds = cache.wrap(src)
+        for i in range(8):
+            img, label = ds[i]
+            want = src[i][0]
+            assert isinstance(img, Image.Image) and (img.mode, img.size, label) == ("RGB", (224, 224), i)
+            assert img.tobytes() == want.tobytes()
+        per_item = cache.stats()["bytes_mem"] / 8
+        assert per_item <= 1.02 * 224 * 224 * 3, per_item
+
+
+def test_samples_that_fall_back_to_pickle_warn_once_per_cache_naming_the_type_and_the_fix():
+    import warnings
+
+    with _cache(name="pickled") as cache:
+        with pytest.warns(UserWarning, match=r"ds/pickled: samples holding set are stored with pickle.*np\.asarray"):
+            cache.put(1, {"tags": {"a", "b"}})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per cache: no second warning
+            cache.put(2, {"tags": {"c"}})
+            cache.get(3, lambda k: {"tags": {"d"}})
+            cache.put(4, np.zeros(3))
+        assert cache[1] == {"tags": {"a", "b"}}
+    with _cache() as cache:  # another cache warns again, also through a wrapped dataset
+        with pytest.warns(UserWarning, match=r"samples holding test_dataset.Point are stored with pickle"):
+            ds = cache.wrap(Labelled([Point(i, i) for i in range(4)]))
+        assert ds[2][1] == Point(2, 2)
 
 
 # --- capacity as users see it ---------------------------------------------------------------------
@@ -430,6 +598,16 @@ def test_relabelled_dataset_does_not_reuse_the_old_cache():
     assert d2[17][1] == 99 and d2[63][1] == 99, "served the labels of another dataset"
     c1.close()
     c2.close()
+
+
+def test_dataset_relabelled_past_item_100000_does_not_reuse_the_old_cache():
+    """The fingerprint used to stop at 100,000 list items: a fix at item 250,000 was served stale."""
+    labels = [i % 10 for i in range(300_000)]
+    with _cache() as c1:
+        assert c1.wrap(Labelled(labels))[250_000][1] == 0
+    labels[250_000] = 99
+    with _cache() as c2:
+        assert c2.wrap(Labelled(labels))[250_000][1] == 99, "served the labels of another dataset"
 
 
 def test_iterable_datasets_with_the_same_first_item_do_not_share_a_cache():

@@ -92,6 +92,99 @@ def test_transforms_count_by_their_code_and_the_data_they_close_over():
     assert _fp(ds, functools.partial(np.multiply, 2)) != _fp(ds, functools.partial(np.multiply, 3))
 
 
+class Holder:
+    """A dataset whose identity lives in its attributes alone (no probe samples)."""
+
+    def __init__(self, **state):
+        self.__dict__.update(state)
+
+    def __len__(self):
+        return 4
+
+
+def _fp_of(**state) -> str:
+    return fingerprint(Holder(**state), None, [])
+
+
+def _labels():
+    return [i % 1000 for i in range(300_000)]
+
+
+def _paths():
+    return [f"/data/train/n{i % 1000:08d}/img_{i}.JPEG" for i in range(300_000)]
+
+
+def _set(i, v):
+    def edit(x):
+        x[i] = v
+    return edit
+
+
+_P250 = f"/data/train/n{250:08d}/img_250000.JPEG"
+
+
+@pytest.mark.parametrize("make, edit", [
+    (_labels, _set(250_000, 7)),
+    (_labels, _set(299_999, 7)),
+    (lambda: [float(x) for x in _labels()], _set(250_000, 0.5)),
+    (_paths, _set(250_000, "/data/train/n00000000/other.JPEG")),
+    (lambda: list(zip(_paths(), _labels())), _set(250_000, (_P250, 999))),
+    (lambda: list(zip(_paths(), _labels())), _set(299_999, ("/elsewhere.JPEG", 999))),
+    (lambda: dict(zip(_paths(), _labels())), _set(_P250, 999)),
+    (lambda: {i: [i, i + 1] for i in range(300_000)}, _set(250_000, [0, 0])),
+    (lambda: [[i, [i % 7, str(i)]] for i in range(300_000)], lambda x: x[250_000][1].__setitem__(1, "x")),
+    (lambda: [[i] * (i % 3) for i in range(300_000)], _set(250_000, [1, 2])),
+    (lambda: ["a\0b", "c"] * 150_000, _set(250_000, "a\0bc")),  # a separator inside an item
+    (lambda: np.array(_paths(), dtype=object), _set(250_000, "changed")),
+    (lambda: set(_paths()), lambda x: x.add("one more")),
+], ids=["ints", "ints-last", "floats", "paths", "path-label-pairs", "pairs-last", "dict-values",
+        "dict-of-lists", "nested", "ragged", "nul-in-str", "object-array", "set"])
+def test_an_edit_anywhere_in_a_large_container_changes_the_fingerprint(make, edit):
+    """The fingerprint used to stop at 100,000 items: a relabelling past them reused the cache."""
+    other = make()
+    edit(other)
+    assert _fp_of(labels=make()) == _fp_of(labels=make())
+    assert _fp_of(labels=make()) != _fp_of(labels=other)
+
+
+def test_an_edit_at_the_end_of_a_long_str_changes_the_fingerprint():
+    text = "x" * 200_000  # was cut at 64 KiB
+    assert _fp_of(labels=text) != _fp_of(labels=text[:-1] + "y")
+
+
+def test_large_arrays_are_hashed_completely():
+    arr = np.zeros(300 << 20, np.uint8)  # past the old 256 MiB budget, after which only dtype and shape counted
+    before = _fp_of(x=arr)
+    arr[-1] = 1
+    assert _fp_of(x=arr) != before
+    arr[-1] = 0
+    assert _fp_of(x=arr) == before
+
+
+def test_a_memmapped_array_counts_by_its_file_not_its_bytes(tmp_path):
+    path = tmp_path / "images.u8"
+    np.arange(1 << 20, dtype=np.uint8).tofile(path)
+    a = np.memmap(path, np.uint8, "r")
+    assert _fp_of(x=a) == _fp_of(x=np.memmap(path, np.uint8, "r"))
+    assert _fp_of(x=a[:10]) != _fp_of(x=a[10:20])
+    before = _fp_of(x=a)
+    del a
+    with open(path, "r+b") as f:  # rewritten: another modification time
+        f.seek((1 << 20) - 1)
+        f.write(b"\1")
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    assert _fp_of(x=np.memmap(path, np.uint8, "r")) != before
+
+
+def test_objects_in_attributes_count_by_their_attributes():
+    """A dataset over another dataset (a Subset, a wrapper) is told apart by the inner one's data."""
+    assert _fp_of(inner=Holder(labels=[1, 2, 3])) != _fp_of(inner=Holder(labels=[1, 2, 4]))
+    assert _fp_of(inner=Holder(labels=[1, 2, 3], _pid=1)) == _fp_of(inner=Holder(labels=[1, 2, 3], _pid=2))
+    cyclic = Holder()
+    cyclic.me = cyclic
+    assert _fp_of(inner=cyclic) == _fp_of(inner=cyclic)
+
+
 class Scale:
     def __init__(self, k):
         self.k = k

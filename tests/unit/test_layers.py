@@ -24,11 +24,13 @@ RANK = {
     "store": 4,
     "spilling": 5,  # wires spill segments into the store; used by the torch layer and the CLI
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
+    "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
     "dataset": 6, "prefetch": 6, "sink": 7,
+    "sampler": 6,  # torch layer: which indices each rank reads (knows nodes, not caches)
     "cli": 8, "launch": 8, "_procs": 1,
 }
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
-            "store", "cli", "spill", "_process", "_faults", "spilling", "_procs", "launch"]
+            "store", "cli", "spill", "_process", "_faults", "spilling", "_procs", "launch", "_pil"]
 TOP = {"dataset", "prefetch", "sink", "launch", "cli"}
 
 

@@ -25,3 +25,14 @@ def test_quick_start_has_two_commands_with_torch_pinned():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert quick_start_commands()[1] in ci
+
+
+def test_readme_lists_exactly_the_keys_that_stats_returns():
+    from shmcache.store import CacheStore
+
+    store = CacheStore("readme", "c", capacity_bytes=4 << 20)
+    keys = set(store.stats())
+    store.close()
+    text = (ROOT / "README.md").read_text()
+    bullet = text.split("- **`stats()`**", 1)[1].split("\n- ", 1)[0]
+    assert set(re.findall(r"`(\w+)`", bullet)) == keys

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -204,3 +206,138 @@ def test_everything_in_the_namespace_is_private_whatever_the_umask(shm_namespace
             wrong.append(f"{name}: {oct(mode)}")
     assert not wrong, wrong
     store.close()
+
+
+# --- last use and destroy_idle (NOTE [session lifecycle], last use) ----------------------------------
+
+DAY = 86400.0
+
+
+def _age(reg, name, seconds):
+    """Pretend session ``name`` was last used ``seconds`` ago."""
+    t = time.time() - seconds
+    reg.mark_used(name)  # a session nobody ever attached to has no last_used file yet
+    os.utime(reg.session_dir(name) / "last_used", (t, t))
+
+
+def _idle_s(reg, name):
+    return time.time() - reg.last_used(name)
+
+
+def test_every_attach_and_clean_exit_refreshes_last_use_and_in_use_is_now(reg):
+    reg.create("s")
+    with process_attached_to("s"):
+        _age(reg, "s", 3 * DAY)
+        assert _idle_s(reg, "s") < 5  # attached: in use now, whatever the file says
+    assert _idle_s(reg, "s") < 60  # its clean exit was a use
+    _age(reg, "s", 3 * DAY)
+    assert _idle_s(reg, "s") > 3 * DAY - 60
+    with process_attached_to("s"):
+        pass
+    assert _idle_s(reg, "s") < 60
+
+
+def test_destroy_idle_destroys_only_old_sessions_that_nobody_is_attached_to(reg, shm_namespace):
+    from shmcache import _process
+
+    for name in ("busy", "old", "fresh"):
+        reg.create(name)
+    _cache_with_items("old", "c").close()
+    _process.release_all()  # this process detaches: only the subprocess below is attached anywhere
+    _age(reg, "old", 10 * DAY)
+    _age(reg, "fresh", 3600)
+    with process_attached_to("busy"):
+        _age(reg, "busy", 10 * DAY)  # attached for ten days, say
+        gone = reg.destroy_idle(DAY)
+        assert [s.name for s in gone] == ["old"]
+        assert gone[0].idle_s > 10 * DAY - 60 and gone[0].removed_segments
+        assert reg.exists("busy") and reg.exists("fresh") and not reg.exists("old")
+        assert not [n for n in shm_namespace.owned_segments() if "+old+" in n]
+        assert [s.name for s in reg.destroy_idle(0)] == ["fresh"]  # in use beats any duration
+    assert [s.name for s in reg.list()] == ["busy"]
+
+
+def test_destroy_idle_seen_in_use_counts_idle_time_from_then(reg):
+    reg.create("busy")
+    with process_attached_to("busy"):
+        _age(reg, "busy", 10 * DAY)
+        assert reg.destroy_idle(DAY) == []
+        _age(reg, "busy", 10 * DAY)
+        assert reg.destroy_idle(DAY) == []
+    assert reg.exists("busy") and _idle_s(reg, "busy") < 60
+
+
+def test_a_process_attaching_after_the_liveness_check_wins(reg, monkeypatch):
+    # A process that takes its slot between destroy's first liveness check and the rename: the
+    # check is made to see nobody (as it would have a moment earlier); the real slot taken by a
+    # real process must still stop the destroy.
+    reg.create("s")
+    with process_attached_to("s") as proc:
+        _age(reg, "s", 10 * DAY)
+        monkeypatch.setattr(reg, "live_pids", lambda name: [])
+        with pytest.raises(SessionInUse, match=str(proc.pid)):
+            reg.destroy("s")
+        assert reg.destroy_idle(DAY) == []
+        monkeypatch.undo()
+        assert reg.exists("s") and proc.pid in reg.live_pids("s")
+        assert (reg.session_dir("s") / "session.json").is_file()
+
+
+def test_attaching_while_a_destroy_has_the_directory_away_waits_for_its_decision(reg, shm_namespace):
+    reg.create("s")
+    away = shm_namespace.sessions_dir / ".s.tmp-destroy-test"
+    reg._lock.acquire()
+    try:
+        os.rename(reg.session_dir("s"), away)  # what destroy does, under the registry lock
+        code = ("import sys; from shmcache.registry import SessionRegistry; "
+                "slot = SessionRegistry().attach_process('s'); print('attached', flush=True); sys.stdin.read()")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.0)
+            assert proc.poll() is None, proc.communicate()[1]  # waiting for the lock, not failed
+            os.rename(away, reg.session_dir("s"))  # the destroy was refused: the directory is back
+            reg._lock.release()
+            assert proc.stdout.readline().strip() == "attached"
+            assert proc.pid in reg.live_pids("s")
+        finally:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+            proc.stdout.close()
+            proc.stderr.close()
+    finally:
+        if away.exists():
+            os.rename(away, reg.session_dir("s"))
+            reg._lock.release()
+
+
+def test_destroy_idle_refuses_a_negative_duration(reg):
+    with pytest.raises(InvalidArgument, match="-1"):
+        reg.destroy_idle(-1)
+
+
+def test_the_session_automatic_cap_is_fixed_by_its_first_auto_sized_cache(reg):
+    """size=0: the first auto-sized cache of a session fixes the cap they all share; caches made
+    later (when less is free) get the same, not 80% of what is left. A cap computed while memory
+    is full is not kept: the next cache asks again."""
+    reg.create("s")
+    calls = []
+
+    def compute(value):
+        return lambda: calls.append(value) or value
+
+    assert reg.auto_capacity("s", compute(10), floor=100) == 10  # below the floor: not kept
+    assert reg.auto_capacity("s", compute(500 << 20), floor=100) == 500 << 20
+    assert reg.auto_capacity("s", compute(100 << 20), floor=100) == 500 << 20
+    assert calls == [10, 500 << 20]
+    a = CacheStore("s", "a")
+    b = CacheStore("s", "b")
+    sized = CacheStore("s", "sized", capacity_bytes=8 << 20)
+    assert a.capacity_bytes == b.capacity_bytes == 500 << 20
+    assert sized.capacity_bytes == 8 << 20
+    for store in (a, b, sized):
+        store.close()
+    reg.destroy("s")
+    reg.create("s")  # a new session computes its own
+    assert reg.auto_capacity("s", compute(200 << 20), floor=100) == 200 << 20
+    assert [p.name for p in reg.session_dir("s").iterdir() if p.name.endswith(".tmp")] == []

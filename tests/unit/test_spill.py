@@ -653,11 +653,13 @@ def test_real_disk_full_on_a_small_tmpfs(tmp_path):
 # --- the spill directory ------------------------------------------------------------------------
 
 
-def test_check_spill_dir_creates_a_missing_directory(tmp_path):
-    p = check_spill_dir(tmp_path / "a" / "b")
-    assert p == tmp_path / "a" / "b" and p.is_dir() and p.stat().st_mode & 0o777 == 0o700
-    assert list(p.iterdir()) == []  # the write probe left nothing
-    assert check_spill_dir(str(p)) == p
+def test_check_spill_dir_accepts_a_directory_and_the_store_makes_its_folder_0700(tmp_path):
+    before = list(tmp_path.iterdir())  # the test's namespace directory
+    assert check_spill_dir(str(tmp_path)) == tmp_path
+    assert list(tmp_path.iterdir()) == before  # the write probe left nothing
+    store = SpillStore(tmp_path / "folder")
+    assert store.path.is_dir() and store.path.stat().st_mode & 0o777 == 0o700
+    store.close()
 
 
 def test_check_spill_dir_rejects_a_file(tmp_path):
@@ -665,7 +667,7 @@ def test_check_spill_dir_rejects_a_file(tmp_path):
     f.write_text("x")
     with pytest.raises(SpillError, match=f"{f} exists but is not a directory; remove it"):
         check_spill_dir(f)
-    with pytest.raises(SpillError, match="cannot create spill_dir .*create it yourself"):
+    with pytest.raises(SpillError, match="below does not exist"):
         check_spill_dir(f / "below")
 
 
@@ -679,7 +681,7 @@ def test_check_spill_dir_rejects_a_read_only_directory(tmp_path):
     try:
         with pytest.raises(SpillError, match=f"spill_dir {ro} is not writable: .*SHMCACHE_SPILL_DIR"):
             check_spill_dir(ro)
-        with pytest.raises(SpillError, match="not writable"):
+        with pytest.raises(SpillError, match=f"spill folder {ro}: Read-only file system"):
             SpillStore(ro)
     finally:
         if os.geteuid() == 0:
@@ -737,7 +739,7 @@ def test_a_fork_while_another_thread_holds_the_spill_folder_lock_does_not_hang_t
             code = 3
             try:
                 signal.alarm(10)  # a hang ends as SIGALRM, not as a stuck test
-                spilling._shared_files(tmp_path / "spill", 1)
+                spilling._shared_files(tmp_path / "spill", 1, 0)
                 code = 0
             finally:
                 os._exit(code)
@@ -746,3 +748,39 @@ def test_a_fork_while_another_thread_holds_the_spill_folder_lock_does_not_hang_t
         done.set()
         t.join()
     assert os.waitstatus_to_exitcode(status) == 0, "the child hung on a lock the parent's thread held"
+
+
+# --- issue 8: log once per file and condition; a missing file is not damage ---------------------
+
+
+def test_damage_to_many_records_of_one_file_logs_one_line(store, caplog):
+    locs = [store.append(0, b"%d" % i, bytes([i]) * 1000) for i in range(40)]
+    path = store.file_path(0)
+    raw = bytearray(path.read_bytes())
+    for loc in locs:  # one flipped byte in the stored bytes of every record
+        raw[loc.offset + RECORD_HEADER_BYTES + 8] ^= 0x5A
+    path.write_bytes(raw)
+    with caplog.at_level(logging.WARNING, logger="shmcache"):
+        for i, loc in enumerate(locs):
+            assert store.read(loc, b"%d" % i) is None
+    assert store.stats()["corrupt_reads"] == 40  # every one counted ...
+    lines = [r for r in caplog.records if "corrupt spill record" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]  # ... one line for the file and condition
+    assert str(path) in lines[0].getMessage() and "counted" in lines[0].getMessage()
+
+
+def test_a_missing_spill_file_is_a_quiet_miss(store, caplog):
+    loc = store.append(0, b"k", payload(1))
+    store.close()
+    reader = SpillStore(store.path)
+    os.unlink(store.file_path(0))  # what a clear() elsewhere does
+    with caplog.at_level(logging.WARNING, logger="shmcache"):
+        assert reader.read(loc, b"k") is None
+    assert not caplog.records, caplog.text
+    reader.close()
+
+
+def test_check_spill_dir_refuses_a_missing_directory_and_creates_nothing(tmp_path):
+    with pytest.raises(SpillError, match=r"does not exist; create it first \(mkdir -p .*/a/b\)"):
+        check_spill_dir(tmp_path / "a" / "b")
+    assert not (tmp_path / "a").exists()

@@ -363,13 +363,17 @@ def test_a_handle_that_outlives_a_forced_destroy_never_touches_the_cache_made_ag
     writer.close()
     stale = CacheStore("again", "c", create=False)  # maps root, meta and table; no data yet
     assert len(stale) == 200
+    warm = CacheStore("again", "c", create=False)  # maps the data too: it could read old bytes
+    assert all(np.array_equal(warm.lookup(k), _stamped(k)) for k in range(200))
     SessionRegistry().destroy("again", force=True)
     new = CacheStore("again", "c", capacity_bytes=8 << 20)
     for k in range(200):
         new.put(k, _stamped(k + 7))  # the same keys, other values, the same chunks
     for k in range(200):
-        got = stale.lookup(k)
-        assert got is MISSING or np.array_equal(got, _stamped(k)), f"key {k}: the new cache's bytes"
+        assert stale.lookup(k) is MISSING, f"key {k}: the new cache's bytes"
+        assert warm.lookup(k) is MISSING, f"key {k}: the destroyed cache's bytes"
+    assert warm.gather_ints(np.arange(200)) is None and warm.lookup_batch(list(range(200)))[1] == list(range(200))
+    assert len(warm) == 0 and not warm.contains(3)
     for k in (500, 7):  # a clear error (its lock file was replaced), never a write into the new cache
         with pytest.raises(CacheNotFound, match="destroyed while this process used it"):
             stale.put(k, _stamped(99))
@@ -381,6 +385,64 @@ def test_a_handle_that_outlives_a_forced_destroy_never_touches_the_cache_made_ag
     assert fresh.lookup(500) is MISSING
     for k in range(200):
         assert np.array_equal(fresh.lookup(k), _stamped(k + 7)), f"key {k} was damaged"
-    for s in (stale, new, fresh):
+    for s in (stale, warm, new, fresh):
         s.close()
     SessionRegistry().destroy("again", force=True)
+
+
+def test_a_put_that_cannot_get_the_lock_is_served_uncached_and_waits_once(shm_namespace, caplog):
+    """A live holder keeps the cache lock (a second open file description: flock excludes it as it
+    would another process). The first put waits its timeout and gives up (False, counted as
+    rejected, one log line naming the lock and `fuser`); the next ones only try, without waiting;
+    once the lock is free they store again, and a new stuck spell is a new condition."""
+    import fcntl
+    import time
+
+    store = CacheStore("s", "c", capacity_bytes=8 << 20, lock_timeout_s=0.5)
+    lock = shm_namespace.sessions_dir / "s" / "caches" / "c.lock"
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        assert store.put(1, b"one") is False
+        assert time.monotonic() - t0 >= 0.5
+        t0 = time.monotonic()
+        assert store.put(2, b"two") is False and store.put(3, b"three") is False
+        assert time.monotonic() - t0 < 0.2, "a put waited again for a lock known to be stuck"
+        stuck = [r.getMessage() for r in caplog.records if "fuser" in r.getMessage()]
+        assert len(stuck) == 1 and str(lock) in stuck[0], stuck
+        assert store.stats()["rejected"] == 3 and store.lookup(1) is MISSING
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        assert store.put(2, b"two") is True and store.lookup(2) == b"two"
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        assert store.put(4, b"four") is False
+        assert time.monotonic() - t0 >= 0.5, "the lock was free in between: a new spell waits again"
+        assert len([r for r in caplog.records if "fuser" in r.getMessage()]) == 2
+    finally:
+        os.close(fd)
+    assert store.put(4, b"four") is True
+    store.close()
+
+
+def test_a_cache_restarted_after_losing_its_generation_never_reuses_its_names(shm_namespace):
+    """The segments of a cache's generation vanished under its root (what an older destroy killed
+    half-way left). The next opener starts it afresh - under a generation number the root never
+    named: a handle that still maps the lost table must not map the new data segment by name
+    and read other values at its old offsets."""
+    writer = CacheStore("lost", "c", capacity_bytes=8 << 20)
+    for k in range(50):
+        writer.put(k, _stamped(k))
+    writer.close()
+    old = CacheStore("lost", "c", create=False)  # maps the table, not the data yet
+    for name in shm_namespace.owned_segments():
+        if "+g1+" in name:
+            os.unlink(shm_namespace.shm_path(name))
+    new = CacheStore("lost", "c")  # repairs under the lock
+    for k in reversed(range(50)):  # other values, in other chunks
+        new.put(k, _stamped(k + 7))
+    for k in range(50):
+        got = old.lookup(k)  # the handle follows the cache (same incarnation): its value now
+        assert got is MISSING or np.array_equal(got, _stamped(k + 7)), f"key {k}: another key's bytes"
+    old.close()
+    new.close()

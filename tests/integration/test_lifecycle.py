@@ -1,0 +1,80 @@
+"""A cache's lifecycle seen from a process that keeps using it: ``shmcache destroy --force`` under a
+live reader (real CLI process), the session and cache made again (another process) with other
+values under the same keys. The old handle must see misses or ``CacheNotFound``, never old bytes
+(README: "their next write raises CacheNotFound and their reads miss")."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from shmcache import ShmDatasetCache
+from shmcache.errors import CacheNotFound
+
+N = 64
+
+
+def _old(k: int) -> np.ndarray:
+    return np.full(256, k, np.int32)
+
+
+def _new(k: int) -> np.ndarray:
+    return np.full(256, 100_000 + k, np.int32)
+
+
+def _cli(*args: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "shmcache", *args], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, (args, r.stdout, r.stderr)
+
+
+def test_a_reader_never_sees_the_values_of_a_destroyed_cache(tmp_path):
+    cache = ShmDatasetCache(session="s", name="c", size=16)
+    for k in range(N):
+        assert cache.put(k, _old(k))
+    keys = list(range(N))
+    # every read path is warm: the old handle maps the old segments (table, meta, data)
+    assert int(cache[3][0]) == 3 and int(cache.get(5)[0]) == 5
+    assert torch.equal(cache.get_batch(keys), torch.stack([torch.from_numpy(_old(k)) for k in keys]))
+    assert 7 in cache and len(cache) == N
+
+    _cli("destroy", "--force", "s")
+    made_again = textwrap.dedent(f"""
+        import numpy as np
+        from shmcache import ShmDatasetCache
+        c = ShmDatasetCache(session="s", name="c", size=16)
+        for k in range({N}):
+            assert c.put(k, np.full(256, 100_000 + k, np.int32))
+    """)
+    r = subprocess.run([sys.executable, "-c", made_again], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+    def old_bytes(value) -> bool:
+        return bool((np.asarray(value) < 100_000).any())
+
+    for k in keys:
+        with pytest.raises(KeyError):
+            got = cache[k]
+            pytest.fail(f"cache[{k}] returned {'the destroyed' if old_bytes(got) else 'a'} value")
+    with pytest.raises(KeyError):
+        got = cache.get_batch(keys)  # the vectorised path (store.gather_ints)
+        pytest.fail(f"get_batch returned {'old' if old_bytes(got) else 'new'} values")
+    values, missing = cache.store.lookup_batch(keys)
+    assert missing == keys, "lookup_batch returned values of a destroyed cache"
+    assert 7 not in cache and len(cache) == 0
+    # a miss with fn: the write raises CacheNotFound, as README documents
+    with pytest.raises(CacheNotFound, match="destroyed"):
+        cache.get(1, fn=_old)
+    with pytest.raises(CacheNotFound, match="destroyed"):
+        cache.get_batch(keys, fn=_old)
+    st = cache.stats()
+    assert st["items_mem"] == 0 and st["hits"] == 0, st
+    cache.close()
+    fresh = ShmDatasetCache(session="s", name="c")
+    assert all(int(fresh[k][0]) == 100_000 + k for k in keys), "the cache made again was damaged"
+    fresh.close()
