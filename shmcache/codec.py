@@ -331,6 +331,9 @@ def _compile_flat(node: tuple, private: bool) -> Callable | None:
             return f"_fb(buf, {const(np.dtype(n[1]))}, 1, {int(n[3])})[0]"
         if tag == _EXT:
             from_parts = _EXT_FROM.get(n[1])
+            if from_parts is None and n[1] in _LAZY:
+                _load(n[1])
+                from_parts = _EXT_FROM.get(n[1])
             if from_parts is None:
                 raise EncodeError(f"a cached value holds a {n[1]!r} object but its handler is not "
                                   f"loaded; import shmcache.dataset (it registers torch tensors)")

@@ -823,8 +823,8 @@ def _collated_dtype(leaf: codec.Leaf) -> Any:
     tag = leaf.tag
     if tag in ("s", "y"):
         return str
-    if tag == "e":
-        return getattr(torch, leaf.meta.split(":", 1)[0], None)
+    if tag == "e":  # tensors; other registered types (PIL images) are not stacked by default_collate
+        return getattr(torch, leaf.meta.split(":", 1)[0], None) if leaf.ext == "torch" else None
     if tag not in ("i", "f", "b", "a"):
         return None
     key = leaf.dtype.str

@@ -21,6 +21,9 @@ from _workers import assert_same  # noqa: E402
 
 ORDER = [3, 5, 3, 0, 39, 12, 7, 7, 21, 30, 1, 2, 8, 8, 8, 19]  # repeats, any order
 
+# the namedtuple samples are pickled on purpose (they must take the item path): the cache warns
+pytestmark = pytest.mark.filterwarnings("ignore:.*stored with pickle:UserWarning")
+
 
 def _batches(ds, **kw):
     """Every batch of a DataLoader over ``ds`` in ORDER, or the type of the error it raised."""
