@@ -104,6 +104,18 @@ class Namespace:
         head = self.prefix + SEP
         return sorted("/" + e for e in entries if e.startswith(head) and _ours(os.path.join(SHM_ROOT, e)))
 
+    def occupied_bytes(self, prefix: str) -> int:
+        """Bytes of /dev/shm that the segments whose names start with ``prefix`` really occupy
+        (allocated pages: sparse segments count what was committed, not their size)."""
+        total = 0
+        for name in self.owned_segments():
+            if name.startswith(prefix):
+                try:
+                    total += os.stat(self.shm_path(name)).st_blocks * 512
+                except FileNotFoundError:  # removed meanwhile (a clear(), a destroy)
+                    pass
+        return total
+
     def unlink_segment(self, name: str) -> bool:
         """Unlink segment ``name`` if it is a file of ours; True if it was removed.
 

@@ -1154,15 +1154,7 @@ class CacheStore:
 
     def _session_shm_bytes(self) -> int:
         """Bytes of /dev/shm that every cache of this session really occupies (allocated pages)."""
-        prefix = self.registry.segment_prefix(self.session)
-        total = 0
-        for name in self.ns.owned_segments():
-            if name.startswith(prefix):
-                try:
-                    total += os.stat(self.ns.shm_path(name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass
-        return total
+        return self.ns.occupied_bytes(self.registry.segment_prefix(self.session))
 
     def _log_shm_full(self, exc: Exception) -> None:
         self._shm_full_until = time.monotonic() + 1.0
@@ -1360,14 +1352,7 @@ class CacheStore:
 
     def shm_bytes(self) -> int:
         """Bytes of /dev/shm that this cache's segments really occupy (allocated pages)."""
-        total = 0
-        for name in self.ns.owned_segments():
-            if name.startswith(self._base + SEP):
-                try:
-                    total += os.stat(self.ns.shm_path(name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass
-        return total
+        return self.ns.occupied_bytes(self._base + SEP)
 
     def __len__(self) -> int:
         meta = self._refresh().meta.buf
