@@ -441,8 +441,7 @@ class ShmDatasetCache:
         bar = _progress(None, progress, desc or f"warmup {self.name}", n)
         for lo in range(0, n, 4096):
             chunk = order[lo:lo + 4096]
-            w0, _ = store._refresh().index.lookup_ints(chunk)
-            for i in chunk[w0 == 0].tolist():
+            for i in store.absent_ints(chunk).tolist():
                 if not store.contains(i):
                     self._put(store, i, ds._compute(i))
                     computed += 1

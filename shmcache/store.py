@@ -1274,6 +1274,12 @@ class CacheStore:
                 return False
         return True
 
+    def absent_ints(self, keys: np.ndarray) -> np.ndarray:
+        """The int64 ``keys`` that are not cached (in memory or on disk), in their order: one
+        vectorised lookup, nothing counted (warm-up skips what is there)."""
+        w0, _ = self._refresh().index.lookup_ints(keys)
+        return keys[w0 == 0]
+
     def all_in_memory(self, keys: np.ndarray) -> bool:
         """True if every int key is cached in memory with one layout and size class: what
         :meth:`gather_ints` needs (checked without copying or counting anything)."""
@@ -1451,6 +1457,9 @@ class UncachedStore:
 
     def batch_layout(self, keys: np.ndarray) -> None:
         return None
+
+    def absent_ints(self, keys: np.ndarray) -> np.ndarray:
+        return keys
 
     def all_in_memory(self, keys: np.ndarray) -> bool:
         return False
