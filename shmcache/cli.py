@@ -137,14 +137,7 @@ def cmd_ls(args, registry: SessionRegistry) -> int:
     rows = []
     now = time.time()
     for info in registry.list():
-        prefix = registry.segment_prefix(info.name)
-        mem = 0
-        for seg in registry.ns.owned_segments():
-            if seg.startswith(prefix):
-                try:
-                    mem += os.stat(registry.ns.shm_path(seg)).st_blocks * 512
-                except FileNotFoundError:
-                    pass
+        mem = registry.ns.occupied_bytes(registry.segment_prefix(info.name))
         try:
             owner = pwd.getpwuid(info.uid).pw_name
         except KeyError:

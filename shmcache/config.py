@@ -104,6 +104,18 @@ class Namespace:
         head = self.prefix + SEP
         return sorted("/" + e for e in entries if e.startswith(head) and _ours(os.path.join(SHM_ROOT, e)))
 
+    def occupied_bytes(self, prefix: str) -> int:
+        """Bytes of /dev/shm that the segments whose names start with ``prefix`` really occupy
+        (allocated pages: sparse segments count what was committed, not their size)."""
+        total = 0
+        for name in self.owned_segments():
+            if name.startswith(prefix):
+                try:
+                    total += os.stat(self.shm_path(name)).st_blocks * 512
+                except FileNotFoundError:  # removed meanwhile (a clear(), a destroy)
+                    pass
+        return total
+
     def unlink_segment(self, name: str) -> bool:
         """Unlink segment ``name`` if it is a file of ours; True if it was removed.
 
@@ -284,8 +296,8 @@ class MemoryLimits:
         return max(0, min(known)) if known else 0
 
     def auto_capacity(self, held: int = 0) -> int:
-        """``size=0``: 80% of what is really available (DESIGN.md section 4), counting as
-        available the ``held`` bytes of shared memory that the caches it is for hold already."""
+        """``size=0``: 80% of what is really available (docs/design.md §6), counting as available
+        the ``held`` bytes of shared memory that the caches it is for hold already."""
         return int((self.available + held) * 0.8)
 
 

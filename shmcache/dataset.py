@@ -1,4 +1,4 @@
-"""``ShmDatasetCache``: the public face of shmcache for PyTorch (DESIGN.md section 1).
+"""``ShmDatasetCache``: the public face of shmcache for PyTorch (docs/design.md §1).
 
 It binds one named cache of a session (``store.CacheStore``) and adds what PyTorch users need:
 wrapping map-style and iterable datasets, batches collated like ``default_collate`` (gathered
@@ -11,13 +11,18 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import secrets
+import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
+from torch.utils.data._utils.collate import default_collate_fn_map
+from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from . import _pil, codec  # noqa: F401  (_pil registers PIL images with the codec, lazily)
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
@@ -373,6 +378,41 @@ class ShmDatasetCache:
             return out
         return _build(tree, [_to_tensor(c, leaf) for c, leaf in zip(columns, leaves)])
 
+    def _gather_collated(self, store: CacheStore, keys: np.ndarray, sent_from: Any = None) -> Any:
+        """The batch of int ``keys`` exactly as ``default_collate`` makes it from the samples
+        (NOTE [collated batch]), gathered by the vectorised path; None when the batch is not all
+        cached in memory with one layout, or holds a field default_collate would not stack the
+        same way (None, pickled objects, dtypes torch lacks): the caller then goes item by item.
+        ``sent_from``: the CachedDataset asking, in a DataLoader worker (see the code)."""
+        layout = store.batch_layout(keys)
+        if layout is None:
+            return None
+        tree, leaves = layout[:2]
+        dtypes = [_collated_dtype(leaf) for leaf in leaves]
+        if None in dtypes:
+            return None
+        n = len(keys)
+        if sent_from is not None:
+            # in a DataLoader worker: a warm batch crosses the queue as its keys, and the main
+            # process gathers it from the cache itself (NOTE [collated batch])
+            return _Keys(sent_from, keys) if store.all_in_memory(keys) else None
+        if get_worker_info() is None:
+            got = store.gather_ints(keys)
+            if got is None:
+                return None
+            columns = [c if d is str else _to_tensor(c, leaf) for c, leaf, d in zip(got[2], leaves, dtypes)]
+        else:
+            # in a DataLoader worker the batch crosses a queue: put it in shared memory straight
+            # away, as default_collate does there, so it is sent as a file descriptor, not copied
+            columns = [None if d is str else _shared_tensor(d, (n, *leaf.shape)) for leaf, d in zip(leaves, dtypes)]
+            arrays = [None if t is None else t.view(torch.uint8).numpy().reshape(n, leaf.nbytes)
+                      for t, leaf in zip(columns, leaves)]
+            got = store.gather_ints(keys, arrays)
+            if got is None:
+                return None
+            columns = [c if t is None else t for c, t in zip(got[2], columns)]
+        return _build_collated(tree, columns, False)
+
     # --- housekeeping --------------------------------------------------------------------------
 
     def warmup(self, dataset: Any, progress: bool = True, desc: str | None = None) -> int:
@@ -401,8 +441,7 @@ class ShmDatasetCache:
         bar = _progress(None, progress, desc or f"warmup {self.name}", n)
         for lo in range(0, n, 4096):
             chunk = order[lo:lo + 4096]
-            w0, _ = store._refresh().index.lookup_ints(chunk)
-            for i in chunk[w0 == 0].tolist():
+            for i in store.absent_ints(chunk).tolist():
                 if not store.contains(i):
                     self._put(store, i, ds._compute(i))
                     computed += 1
@@ -413,7 +452,7 @@ class ShmDatasetCache:
         return computed
 
     def stats(self) -> dict:
-        """Counters shared by every process (keys of DESIGN.md section 5)."""
+        """Counters shared by every process (keys: docs/design.md §10)."""
         return self.store.stats()
 
     def clear(self) -> None:
@@ -483,6 +522,10 @@ class CachedDataset(Dataset):
         self.dataset = dataset
         self.transform = transform
         self._len = len(dataset)
+        # names this dataset to the main process when a worker sends a batch as its keys (NOTE
+        # [collated batch]); copies pickled to workers keep it
+        self._token = secrets.token_hex(8)
+        _register(self)
 
     def __len__(self) -> int:
         return self._len
@@ -504,12 +547,17 @@ class CachedDataset(Dataset):
     def _indices(self, indices: Any) -> np.ndarray:
         """A batch of indices as int64, negatives wrapped and bounds checked in one numpy pass
         (the batch path must not pay a Python call per index)."""
-        arr = _integer_array(indices, "dataset indices", TypeError)
+        if type(indices) is list:  # a sampler's list of ints: fromiter is 3x faster than asarray
+            arr = _plain_ints(indices)
+        else:
+            arr = _integer_array(indices, "dataset indices", TypeError)
         if arr is None:  # a list: fine if numpy makes it an integer array, else one by one
             arr = np.asarray(indices)
             if arr.dtype.kind not in "iu" or arr.ndim != 1:
                 return np.fromiter((self._index(i) for i in indices), np.int64)
         arr = _as_int64(arr, lambda i: IndexError(f"index {i} out of range for a dataset of {self._len} items"))
+        if not arr.size or (arr.min() >= 0 and arr.max() < self._len):  # the common case: 2 reductions
+            return arr
         arr = np.where(arr < 0, arr + self._len, arr)
         bad = (arr < 0) | (arr >= self._len)
         if bad.any():
@@ -527,17 +575,19 @@ class CachedDataset(Dataset):
             raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
 
     def __getitem__(self, i):
-        if isinstance(i, (list, np.ndarray)) or (isinstance(i, torch.Tensor) and i.dim() == 1):
-            # DataLoader(ds, sampler=BatchSampler(...), batch_size=None): a whole batch per call,
-            # collated by the vectorised path (the DataLoader then does no collation of its own)
-            return self.get_batch(i)
-        i = self._index(i)
-        store = self.cache._ensure_open()
-        value = store.lookup(i, self.cache.copy)
+        if type(i) is not int or not 0 <= i < self._len:  # a plain index needs no more checks
+            if isinstance(i, (list, np.ndarray)) or (isinstance(i, torch.Tensor) and i.dim() == 1):
+                # DataLoader(ds, sampler=BatchSampler(...), batch_size=None): a whole batch per
+                # call, collated by the vectorised path (the DataLoader then does no collation)
+                return self.get_batch(i)
+            i = self._index(i)
+        cache = self.cache
+        store = cache._store if cache._store is not None else cache._ensure_open()
+        value = store.lookup(i, cache.copy)
         if value is MISSING:
             value = self._compute(i)
             self._store_computed(store, i, value)
-        elif self.cache.verify and _VERIFY_RNG.random() < self.cache.verify:
+        elif cache.verify and _VERIFY_RNG.random() < cache.verify:
             self._verify(i, value)
         return value
 
@@ -551,14 +601,28 @@ class CachedDataset(Dataset):
             )
 
     def __getitems__(self, indices: Sequence) -> list:
-        """The DataLoader's batch hook: one batch lookup, misses computed and stored."""
-        idx = self._indices(indices).tolist()
-        store = self.cache._ensure_open()
-        values, missing = store.lookup_batch(idx, self.cache.copy)
-        if self.cache.verify:
+        """The DataLoader's batch hook: the batch gathered by the vectorised path when the
+        DataLoader collates with default_collate (NOTE [collated batch]); else the samples from
+        one batch lookup. Misses are computed and stored."""
+        idx = self._indices(indices)
+        cache = self.cache
+        store = cache._ensure_open()
+        if not cache.verify and _collates_by_default(sys._getframe(1)):
+            batch = cache._gather_collated(store, idx, self if get_worker_info() is not None else None)
+            if batch is not None:
+                return [_Collated(batch)] * len(idx)
+        return self._samples(idx)
+
+    def _samples(self, keys: np.ndarray) -> list:
+        """The samples of ``keys`` from one batch lookup (verified if asked); misses computed and stored."""
+        cache = self.cache
+        store = cache._ensure_open()
+        idx = keys.tolist()
+        values, missing = store.lookup_batch(idx, cache.copy)
+        if cache.verify:
             hits = set(range(len(idx))) - set(missing)
             for j in hits:
-                if _VERIFY_RNG.random() < self.cache.verify:
+                if _VERIFY_RNG.random() < cache.verify:
                     self._verify(idx[j], values[j])
         for j in missing:
             values[j] = self._compute(idx[j])
@@ -575,6 +639,10 @@ class CachedDataset(Dataset):
 
     def __getstate__(self) -> dict:
         return self.__dict__.copy()  # the cache pickles by name (ShmDatasetCache.__getstate__)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _register(self)  # a worker's copy, or a copy made in this process: either serves the token
 
 
 class CachedIterableDataset(IterableDataset):
@@ -657,6 +725,134 @@ class CachedIterableDataset(IterableDataset):
         store.put(marker, count)  # only after a full pass
 
 
+# --- the DataLoader's default collation (NOTE [collated batch]) ------------------------------------
+
+# NOTE [collated batch]
+#     ``DataLoader(ds, batch_size=B)`` calls ``ds.__getitems__(indices)`` and hands what it returns
+#     to its ``collate_fn`` (torch.utils.data._utils.fetch._MapDatasetFetcher.fetch). Samples one by
+#     one, stacked again by default_collate, cost 5-10x the vectorised gather. So when the caller is
+#     torch's fetcher and its collate_fn is default_collate itself, __getitems__ gathers the batch
+#     already collated and returns it as a list of n references to one ``_Collated`` marker;
+#     default_collate looks only at ``type(batch[0])``, finds ``_Collated`` in its
+#     ``default_collate_fn_map`` (registered below: a private type, so nobody else's collation
+#     changes) and returns the batch. ``_gather_collated`` builds exactly what default_collate would
+#     (dtypes, shapes, dict/list/tuple types), and refuses (None: item by item) what it cannot.
+#     Any other caller - a custom collate_fn, a wrapper around default_collate, a direct call, a
+#     torch whose fetcher looks different - gets the plain list of samples, as before.
+#
+#     In a DataLoader worker the collated batch would cross the worker's queue pickled: tensors
+#     moved to a new shared-memory segment, sent by file descriptor, mapped again by the main
+#     process - more work than the gather itself, for data that is in shared memory already. So a
+#     worker that finds every key of a batch in memory with one layout (store.all_in_memory)
+#     returns a ``_Keys`` batch instead: it pickles as the dataset's token and the keys, and
+#     unpickling it in the main process (or its pin-memory thread) gathers the batch there, from
+#     the CachedDataset registered under that token (``_LIVE``). If the cache lost items meanwhile
+#     (clear()), the main process reads them item by item, computing misses. A worker's own
+#     misses, cold epochs and every other sample type are computed in the worker as before.
+
+
+class _Collated:
+    """Every element of a batch that __getitems__ returned already collated."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+
+def _collate_gathered(batch: list, *, collate_fn_map: dict | None = None) -> Any:
+    return batch[0].batch
+
+
+default_collate_fn_map[_Collated] = _collate_gathered
+
+# token -> the CachedDatasets of this process that carry it (copies of one dataset, same cache)
+_LIVE: dict[str, weakref.WeakSet] = {}
+
+
+def _register(ds: CachedDataset) -> None:
+    _LIVE.setdefault(ds._token, weakref.WeakSet()).add(ds)
+
+
+class _Keys:
+    """A warm batch in a worker: pickled as its keys, gathered where it is unpickled."""
+
+    __slots__ = ("ds", "keys")
+
+    def __init__(self, ds: CachedDataset, keys: np.ndarray):
+        self.ds, self.keys = ds, keys
+
+    def __reduce__(self):
+        return _gather_sent, (self.ds._token, self.keys.tobytes())
+
+
+def _gather_sent(token: str, raw: bytes) -> Any:
+    """Unpickling a ``_Keys`` batch: gather it here (NOTE [collated batch])."""
+    ds = next(iter(_LIVE.get(token, ())), None)
+    if ds is None:  # the DataLoader holds its dataset: only a process that is not its parent gets here
+        raise InvalidArgument(f"a DataLoader batch arrived for a CachedDataset (token {token}) "
+                              f"that this process no longer holds; keep the dataset alive while "
+                              f"its DataLoader runs")
+    keys = np.frombuffer(raw, np.int64)
+    store = ds.cache._ensure_open()
+    batch = ds.cache._gather_collated(store, keys)
+    if batch is None:  # cleared since the worker looked: item by item, computing misses
+        batch = default_collate(ds._samples(keys))
+    return batch
+
+_FETCH_CODE = getattr(getattr(_MapDatasetFetcher, "fetch", None), "__code__", None)
+
+
+def _collates_by_default(frame: Any) -> bool:
+    """True if ``frame`` (__getitems__'s caller) is torch's map-style fetcher collating with
+    default_collate (NOTE [collated batch])."""
+    if frame.f_code is not _FETCH_CODE:
+        return False
+    fetcher = frame.f_locals.get("self")
+    return getattr(fetcher, "collate_fn", None) is default_collate
+
+
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
+def _collated_dtype(leaf: codec.Leaf) -> Any:
+    """The torch dtype default_collate gives a column of ``leaf`` (str for str/bytes: a list of
+    them), or None where its result would differ from a stacked column (None, pickled objects) or
+    torch has no such dtype (default_collate raises there: the item-by-item path lets it)."""
+    tag = leaf.tag
+    if tag in ("s", "y"):
+        return str
+    if tag == "e":  # tensors; other registered types (PIL images) are not stacked by default_collate
+        return getattr(torch, leaf.meta.split(":", 1)[0], None) if leaf.ext == "torch" else None
+    if tag not in ("i", "f", "b", "a"):
+        return None
+    key = leaf.dtype.str
+    if key not in _TORCH_DTYPES:
+        try:
+            _TORCH_DTYPES[key] = torch.from_numpy(np.empty(0, leaf.dtype)).dtype
+        except (TypeError, ValueError):
+            _TORCH_DTYPES[key] = None
+    return _TORCH_DTYPES[key]
+
+
+def _shared_tensor(dtype: Any, shape: tuple) -> torch.Tensor:
+    """An uninitialised tensor in shared memory (what default_collate stacks into in a worker)."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
+
+
+def _build_collated(tree: tuple, columns: list, in_sequence: bool) -> Any:
+    """default_collate's structure: a list for tuples and lists, a dict for dicts; str and bytes
+    fields stay a list of them - a tuple inside a tuple or list sample (it transposes with zip)."""
+    tag = tree[0]
+    if tag == "leaf":
+        column = columns[tree[1]]
+        return tuple(column) if in_sequence and isinstance(column, list) else column
+    if tag in ("T", "L"):
+        return [_build_collated(c, columns, True) for c in tree[1]]
+    return {k: _build_collated(c, columns, False) for k, c in tree[1]}
+
+
 # --- collation helpers ---------------------------------------------------------------------------
 
 
@@ -698,6 +894,11 @@ def _as_int_keys(keys: Sequence) -> np.ndarray | None:
     if arr is not None:
         return _as_int64(arr, lambda k: InvalidKey(
             f"int key {k} does not fit in a signed 64-bit integer; use a str key (str({k}))"))
+    return _plain_ints(keys)
+
+
+def _plain_ints(keys: Sequence) -> np.ndarray | None:
+    """``keys`` as int64 if every one is a plain int that fits; else None."""
     try:
         if all(type(k) is int for k in keys):
             return np.fromiter(keys, np.int64, len(keys))

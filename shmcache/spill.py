@@ -77,7 +77,7 @@ log = logging.getLogger("shmcache")
 # Why 8-byte alignment, not 64: the header unpacks aligned and the stored bytes start on a word,
 # so the body check reads them as uint64 without numpy's slow unaligned path. Payloads leave the
 # page cache through the kernel's copy, which ran at the same speed here for file offsets 0, 8,
-# 16, 40 and 64 mod 64 (unlike user-space copies, DESIGN.md section 6); 64 would cost ~60 bytes a
+# 16, 40 and 64 mod 64 (unlike user-space copies, docs/design.md §11); 64 would cost ~60 bytes a
 # record for nothing.
 #
 # Why the body check is not a plain crc32: zlib.crc32 runs at ~4-5 GiB/s on this machine, slower

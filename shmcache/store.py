@@ -149,6 +149,7 @@ log = logging.getLogger("shmcache")
 
 KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4
 _Q = struct.Struct("Q")
+_QQ = struct.Struct("QQ")
 _ROOT_INCARNATION = 80  # root words: 64 the epoch, 72 the capacity, 80 the incarnation, 88 the sizing
 _ROOT_SIZING = 88  # how the cap was set (NOTE [memory limits]): one of the three below
 SIZED, AUTO, AUTO_NONE = 0, 1, 2  # size= given; size=0; size=0 on a full machine: nothing in memory
@@ -200,7 +201,9 @@ class _Gen:
     index: TableView
     classes: ClassTable
     data: dict  # class id -> (Segment, read-only memoryview, chunk size, chunks handed out as last seen)
-    layouts: dict  # layout id -> (layout bytes, decoder, end of its last leaf)
+    # layout id -> (layout bytes, decoder, end of its last leaf (at least a record header),
+    #               decoder of a private copy)
+    layouts: dict
     columns: dict  # layout id -> (tree, leaves, end of the last leaf) for the batch path
 
 
@@ -218,8 +221,6 @@ class CacheStore:
     """One cache (``session``/``name``); see the module docstring for what lives where."""
 
     uncached = False  # see UncachedStore
-    _session_budget, _session_until = 0, 0.0  # what may be committed, until when, before the
-    # session's caches are summed again (_commit)
 
     def __init__(self, session: str, name: str, *, capacity_bytes: int = 0,
                  fingerprint: str | None = None, table_hint: int = 0,
@@ -642,8 +643,9 @@ class CacheStore:
                 if n > M.LAYOUT_BYTES - 4:
                     raise ValueError(f"a length of {n} bytes in a slot of {M.LAYOUT_BYTES - 4}")
                 leaves = codec.leaves(raw)[1]
-                item = (raw, codec.decoder_for(raw),
-                        max((leaf.offset + leaf.nbytes for leaf in leaves), default=0))
+                end = max((leaf.offset + leaf.nbytes for leaf in leaves), default=0)
+                item = (raw, codec.decoder_for(raw), max(end, _MIN_RECORD),
+                        codec.decoder_for(raw, private=True))
             except ShmcacheError:
                 raise
             except _UNDECODABLE as exc:
@@ -740,6 +742,40 @@ class CacheStore:
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
         g = self._gen if _Q.unpack_from(self._root.buf, 64)[0] == self._epoch else self._refresh()
+        if type(key) is int and 0 <= key < g.index.capacity:
+            # the hot path, inlined (a hit of a dataset index costs ~2x a plain row copy): the key
+            # sits at its own position (index.py), in memory, with an interned layout whose
+            # decoder and data segment this process already has; anything else goes the long way.
+            # It is _find + _decode for that case, with the same checks of the entry (_record:
+            # the chunk committed, the length within the chunk and covering the layout); anything
+            # unexpected - a check that fails, bytes that do not decode - takes the long way,
+            # which names the damage (NOTE [publish order], Damage).
+            buf = g.index.buf
+            off = TABLE_OFF + ENTRY_BYTES * key
+            w0 = _Q.unpack_from(buf, off)[0]  # first, on its own: see index.py
+            if w0 & 7 == READY | INT_KEY:  # and not SPILLED
+                k, w2 = _QQ.unpack_from(buf, off + 8)
+                data = g.data.get(w2 >> 48)
+                layout = g.layouts.get((w0 >> 8) & INLINE24)
+                chunk, n = w2 & _M48, w0 >> 32
+                value = MISSING
+                if k == key and data is not None and layout is not None and chunk < data[3] \
+                        and layout[2] <= n <= data[2]:
+                    start = DATA_OFF + chunk * data[2]
+                    view = data[1][start:start + n]
+                    try:
+                        value = layout[3](bytearray(view)) if copy else layout[1](view)
+                    except _UNDECODABLE:
+                        value = MISSING  # the long way below raises CorruptSegment naming the key
+                if value is not MISSING:
+                    if count:
+                        if self._proc_gen == _process._generation and self._counter_off >= 0:
+                            counters = self._counters
+                            counters[0] += 1
+                            _Q.pack_into(g.meta.buf, self._counter_off, counters[0])
+                        else:
+                            self._count(0)
+                    return value
         try:
             w0, w2, _, kb, w1 = self._find(g, key)
             value = self._decode(g, w0, w2, copy, w1, kb) if w0 else MISSING
@@ -1099,16 +1135,17 @@ class CacheStore:
             shm_total, shm_free = _shm_space()
             keep = _index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))
         room = (self.capacity_bytes - keep - used) // chunk_size
-        if room >= 1 and self._sizing() == AUTO and (self._session_budget < min(step, room) * chunk_size
-                                                     or time.monotonic() > self._session_until):
+        auto = self._sizing() == AUTO
+        if auto:  # one allowance per process and session, shared by all its caches there
+            budget = _SESSION_BUDGETS.setdefault((str(self.ns.root), self.session, os.getpid()), [0, 0.0])
+        if room >= 1 and auto and (budget[0] < min(step, room) * chunk_size or time.monotonic() > budget[1]):
             # the session's caches together: what they occupy is summed again once this process
             # has committed 1/16 of what was left at the last look, or 50 ms later (NOTE [memory
             # limits])
             session_bytes = self._session_shm_bytes()
             left = self.capacity_bytes - keep - session_bytes
             room = min(room, left // chunk_size)
-            self._session_budget = max(0, left // 16)
-            self._session_until = time.monotonic() + 0.05
+            budget[:] = max(0, left // 16), time.monotonic() + 0.05
             if room < 1:
                 self._shm_full_until = time.monotonic() + 1.0  # don't list /dev/shm on every miss
                 self._log_memory_full(
@@ -1138,7 +1175,8 @@ class CacheStore:
             raise _Full from None
         g.classes.set_committed(cls, committed + step)
         _Q.pack_into(meta, M.COMMITTED, used + step * chunk_size)
-        self._session_budget = max(0, self._session_budget - step * chunk_size)
+        if auto:
+            budget[0] = max(0, budget[0] - step * chunk_size)
         return committed + step
 
     def _raise_auto_cap(self) -> bool:
@@ -1159,7 +1197,8 @@ class CacheStore:
         log.info("cache %s/%s: memory is free again; the automatic cap rises from %.1f to %.1f MiB",
                  self.session, self.name, self.capacity_bytes / 2**20, cap / 2**20)
         self.capacity_bytes = cap
-        self._session_budget, self._shm_full_logged = 0, False
+        _SESSION_BUDGETS.pop((str(self.ns.root), self.session, os.getpid()), None)  # sum it again
+        self._shm_full_logged = False
         return True
 
     def _sizing(self) -> int:
@@ -1168,15 +1207,7 @@ class CacheStore:
 
     def _session_shm_bytes(self) -> int:
         """Bytes of /dev/shm that every cache of this session really occupies (allocated pages)."""
-        prefix = self.registry.segment_prefix(self.session)
-        total = 0
-        for name in self.ns.owned_segments():
-            if name.startswith(prefix):
-                try:
-                    total += os.stat(self.ns.shm_path(name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass
-        return total
+        return self.ns.occupied_bytes(self.registry.segment_prefix(self.session))
 
     def _log_shm_full(self, exc: Exception) -> None:
         self._shm_full_until = time.monotonic() + 1.0
@@ -1256,12 +1287,15 @@ class CacheStore:
         return values, missing
 
     def batch_layout(self, keys: np.ndarray) -> tuple | None:
-        """``(tree, leaves)`` of the record of ``keys[0]`` (see codec.leaves): the structure a
+        """``(tree, leaves, end of the last leaf)`` of the record of ``keys[0]`` (codec.leaves): the structure a
         vectorised batch of ``keys`` would have. None if that key is not cached with a shared layout."""
         g = self._refresh()
-        w0, _ = g.index.lookup_ints(keys[:1])
-        lid = (int(w0[0]) >> 8) & INLINE24
-        if not w0[0] or lid == INLINE24:
+        try:  # one key: a scalar probe costs a tenth of the vectorised lookup's numpy calls
+            w0 = self._find(g, int(keys[0]))[0]
+        except FileNotFoundError:  # cleared meanwhile
+            return None
+        lid = (w0 >> 8) & INLINE24
+        if not w0 or lid == INLINE24:
             return None
         return self._columns(g, lid)
 
@@ -1269,7 +1303,7 @@ class CacheStore:
         """``(tree, leaves, end of the last leaf)`` of layout ``lid`` for the batch path."""
         shape = g.columns.get(lid)
         if shape is None:
-            raw, _, end = self._layout(g, lid)  # checked there: codec.leaves takes it as sound
+            raw, _, end, _ = self._layout(g, lid)  # checked there: codec.leaves takes it as sound
             shape = g.columns[lid] = (*codec.leaves(raw), end)
         return shape
 
@@ -1293,6 +1327,18 @@ class CacheStore:
                 return False
         return True
 
+    def absent_ints(self, keys: np.ndarray) -> np.ndarray:
+        """The int64 ``keys`` that are not cached (in memory or on disk), in their order: one
+        vectorised lookup, nothing counted (warm-up skips what is there)."""
+        w0, _ = self._refresh().index.lookup_ints(keys)
+        return keys[w0 == 0]
+
+    def all_in_memory(self, keys: np.ndarray) -> bool:
+        """True if every int key is cached in memory with one layout and size class: what
+        :meth:`gather_ints` needs (checked without copying or counting anything)."""
+        g = self._refresh()
+        return len(keys) > 0 and _uniform(*g.index.lookup_ints(keys))
+
     def gather_ints(self, keys: np.ndarray, out: list | None = None):
         """Vectorised batch of int keys that share one layout and one size class, all in memory.
 
@@ -1305,12 +1351,9 @@ class CacheStore:
         if len(keys) == 0:
             return None
         w0, w2 = g.index.lookup_ints(keys)
-        first0, first2 = int(w0[0]), int(w2[0])
-        # all present, in memory, one layout, one class: the w0 words are equal (READY set; one
-        # layout and int keys make one record length), and the w2 words agree on the class bits
-        if not first0 & READY or first0 & SPILLED or (w0 != w0[0]).any() \
-                or ((w2 ^ w2[0]) >> np.uint64(48)).any():
+        if not _uniform(w0, w2):
             return None
+        first0, first2 = int(w0[0]), int(w2[0])
         lid = (first0 >> 8) & INLINE24
         if lid == INLINE24:
             return None
@@ -1368,14 +1411,7 @@ class CacheStore:
 
     def shm_bytes(self) -> int:
         """Bytes of /dev/shm that this cache's segments really occupy (allocated pages)."""
-        total = 0
-        for name in self.ns.owned_segments():
-            if name.startswith(self._base + SEP):
-                try:
-                    total += os.stat(self.ns.shm_path(name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass
-        return total
+        return self.ns.occupied_bytes(self._base + SEP)
 
     def __len__(self) -> int:
         g = self._refresh()
@@ -1479,6 +1515,12 @@ class UncachedStore:
     def batch_layout(self, keys: np.ndarray) -> None:
         return None
 
+    def absent_ints(self, keys: np.ndarray) -> np.ndarray:
+        return keys
+
+    def all_in_memory(self, keys: np.ndarray) -> bool:
+        return False
+
     def gather_ints(self, keys: np.ndarray, out: list | None = None) -> None:
         return None
 
@@ -1530,8 +1572,18 @@ class _BatchBuffers:
         # what the count reads for a buffer only the pool holds, measured through the same code
         # path (so it holds whatever an interpreter version borrows or adds)
         self._alone = _refs([np.empty(1)], 0)
+        # a DataLoader's pin-memory thread gathers batches sent by workers as keys, next to the
+        # main thread (NOTE [collated batch] in dataset.py): two must never take one buffer
+        self._lock = threading.Lock()
+        self._lock_gen = _process.generation()
 
     def take(self, shape: tuple) -> np.ndarray:
+        if self._lock_gen != _process.generation():  # forked: a thread of the parent may have held it
+            self._lock, self._lock_gen = threading.Lock(), _process.generation()
+        with self._lock:
+            return self._take(shape)
+
+    def _take(self, shape: tuple) -> np.ndarray:
         pool = self._free.setdefault(shape, [])
         for i in range(len(pool)):
             if _refs(pool, i) <= self._alone:
@@ -1579,6 +1631,14 @@ def _gather_rows(column: np.ndarray, chunks: np.ndarray, dst: np.ndarray) -> Non
         dst[...] = column[chunks]
 
 
+def _uniform(w0: np.ndarray, w2: np.ndarray) -> bool:
+    """All present, in memory, one layout, one class: the w0 words are equal (READY set; one layout
+    and int keys make one record length), and the w2 words agree on the class bits."""
+    first0 = int(w0[0])
+    return bool(first0 & READY) and not first0 & SPILLED \
+        and not (w0 != w0[0]).any() and not ((w2 ^ w2[0]) >> np.uint64(48)).any()
+
+
 def _first_empty(index: TableView, w1: int) -> int:
     pos = index.home(w1)
     for _ in range(index.capacity):  # bounded, as every probe of shared memory is
@@ -1606,6 +1666,13 @@ def _apply_totals(meta, cls: int, items: int, total: int, raw: int, table_items:
 
 def _table_items(g: _Gen) -> int:
     return _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0]
+
+
+# (namespace, session, pid) -> [bytes this process may still commit, until when] before the
+# session's caches are summed again (CacheStore._commit, NOTE [memory limits]). Per process, not
+# per handle: two caches of one process that each trusted their own look would each take the
+# same room. The pid keeps a forked child from trusting its parent's allowance.
+_SESSION_BUDGETS: dict[tuple[str, str, int], list] = {}
 
 
 def _shm_space() -> tuple[int, int]:

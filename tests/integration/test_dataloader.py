@@ -20,7 +20,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from _workers import HERE, FixedDataset, TorchDataset, fixed_sample
+from _workers import HERE, FixedDataset, TorchDataset, assert_same, fixed_sample
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, get_worker_info
 
 from shmcache import ShmDatasetCache
@@ -226,3 +226,41 @@ def test_a_whole_program_exits_without_leak_warnings(tmp_path):
     assert "STATS 256 259 253" in proc.stdout, proc.stdout  # 3 probe hits + 256, 253 misses
     stderr = _CPYTHON_SEMAPHORE_RACE.sub("", proc.stderr)
     assert stderr == "", stderr[-3000:]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"], indirect=True)
+def test_workers_batches_equal_default_collate_of_the_source(start_method, capfd):
+    """DataLoader(ds, batch_size=B, num_workers=2) over a half-warm then warm cache: workers
+    compute the misses, and send a warm batch as its keys for the main process to gather
+    (NOTE [collated batch]); the batches equal plain default_collate's of the source, structure
+    and dtypes included. A custom collate_fn in the workers still gets the samples."""
+    from _samples import Samples
+
+    order = [3, 5, 3, 0, 39, 12, 7, 7, 21, 30, 1, 2, 8, 8, 8, 19, 25, 26]
+    src = Samples("nested")
+    cache = ShmDatasetCache(session="loader", size=16)
+    ds = cache.wrap(src)
+    for i in range(0, len(src), 2):  # half warm: the first pass mixes hits and misses
+        ds[i]
+    want = list(DataLoader(src, batch_size=4, sampler=order))
+    loader = DataLoader(ds, batch_size=4, sampler=order, num_workers=2,
+                        multiprocessing_context=start_method, persistent_workers=True)
+    for _ in range(2):
+        got = list(loader)
+        assert_same(got, want)
+    # warm batches cross the queue as their keys and are gathered here, in private memory
+    assert not any(b["b"]["c"].is_shared() for b in got), "a warm batch was copied through shared memory"
+    st = cache.stats()
+    got = list(loader)
+    assert cache.stats()["hits"] - st["hits"] == len(order) and cache.stats()["misses"] == st["misses"]
+    custom = DataLoader(ds, batch_size=4, sampler=order, num_workers=2, collate_fn=_as_samples,
+                        multiprocessing_context=start_method)
+    assert_same([s for b in custom for s in b], [src[i] for i in order])
+    del loader, custom
+    cache.close()
+    _no_worker_noise(capfd)
+
+
+def _as_samples(batch):
+    assert type(batch) is list
+    return batch

@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shlex
 import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -67,11 +69,31 @@ def attacker_uid() -> int:
         return pwd.getpwnam(ATTACKER).pw_uid
 
 
+def _mounts() -> str:
+    """The shell commands that give the namespace fresh tmpfs at /dev/shm and /tmp.
+
+    A checkout or virtual environment that lives under /tmp (a CI runner's clone, say) would vanish
+    under the new /tmp, interpreter included: the real /tmp is bound aside first (inside the new
+    /dev/shm, so nothing of it shows on the machine) and those directories are bound back at their
+    own paths, then the aside mount goes."""
+    needed = sorted({str(p) for p in (Path(__file__).resolve().parents[2], Path(sys.prefix).resolve())
+                     if p.is_relative_to("/tmp")})
+    cmds = ["mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm"]
+    if needed:
+        cmds += ["mkdir /dev/shm/.real-tmp", "mount --bind /tmp /dev/shm/.real-tmp"]
+    cmds.append("mount -t tmpfs -o size=64m,mode=1777 tmpfs /tmp")
+    for path in needed:
+        aside = "/dev/shm/.real-tmp/" + os.path.relpath(path, "/tmp")
+        cmds += [f"mkdir -p {shlex.quote(path)}", f"mount --bind {shlex.quote(aside)} {shlex.quote(path)}"]
+    if needed:
+        cmds += ["umount -l /dev/shm/.real-tmp", "rmdir /dev/shm/.real-tmp"]
+    return " && ".join(cmds) + ' && exec "$0" -c "$1"'
+
+
 def _isolated(body: str) -> dict:
     """Run ``body`` as root under fresh private tmpfs at /tmp and /dev/shm; return its JSON line."""
     script = _PRELUDE + textwrap.dedent(body)
-    mounts = ("mount -t tmpfs -o size=64m,mode=1777 tmpfs /tmp && "
-              "mount -t tmpfs -o size=64m,mode=1777 tmpfs /dev/shm && exec \"$0\" -c \"$1\"")
+    mounts = _mounts()
     env = {k: v for k, v in os.environ.items()
            if k not in ("XDG_RUNTIME_DIR", "SHMCACHE_DIR", "SHMCACHE_SPILL_DIR", "SHMCACHE_SESSION")}
     p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mounts, sys.executable, script],

@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md section 2, checked on the source with ``ast``: imports point down only,
+"""The layers of docs/design.md §2, checked on the source with ``ast``: imports point down only,
 and nothing below the torch layer imports torch - at any depth, lazily or not (checked once more
 at run time, in a fresh interpreter, so a third-party import cannot smuggle torch in)."""
 
