@@ -747,7 +747,7 @@ class CacheStore:
             # sits at its own position (index.py), in memory, with an interned layout whose
             # decoder and data segment this process already has; anything else goes the long way.
             # It is _find + _decode for that case, with the same checks of the entry (_record:
-            # the chunk committed, the length within the chunk and covering the layout); anything
+            # the chunk handed out, the length within the chunk and covering the layout); anything
             # unexpected - a check that fails, bytes that do not decode - takes the long way,
             # which names the damage (NOTE [publish order], Damage).
             buf = g.index.buf
