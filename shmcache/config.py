@@ -295,9 +295,10 @@ class MemoryLimits:
         known = [v for v in (self.mem_available, self.cgroup_free, self.shm_free) if v is not None]
         return max(0, min(known)) if known else 0
 
-    def auto_capacity(self) -> int:
-        """``size=0``: 80% of what is really available (docs/design.md §6)."""
-        return int(self.available * 0.8)
+    def auto_capacity(self, held: int = 0) -> int:
+        """``size=0``: 80% of what is really available (docs/design.md §6), counting as available
+        the ``held`` bytes of shared memory that the caches it is for hold already."""
+        return int((self.available + held) * 0.8)
 
 
 def _read_int(path: str) -> int | None:

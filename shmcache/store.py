@@ -54,8 +54,11 @@ NOTE [publish order]
 
     Damage (a stray write into /dev/shm, a hostile process of the same user) must never turn into
     a wrong value or a moved bump. Readers check each entry before following it: a class in use,
-    a chunk below the committed count, a length within the chunk, a layout id the meta segment
-    holds (_record, _layout; on the batch path with numpy over the batch). The repairer checks the
+    a chunk below the class's bump, a length within the chunk, a layout id the meta segment
+    holds (_record, _layout; on the batch path with numpy over the batch). Handed out, not merely
+    committed: a committed chunk above the bump holds zeros. Sound in every legitimate state: an
+    entry is READY only after its chunk's bump step, and a bump goes back (repair) only for a
+    chunk no entry ever pointed at. The repairer checks the
     intent is one a writer can leave: phase 1 or 2, a position inside the table, a class in use (or
     SPILL_CLASS), an old bump equal to the class's bump or one less, phase 2 only with its entry
     READY, totals at most one item on. Anything else raises CorruptSegment and touches nothing;
@@ -78,6 +81,11 @@ NOTE [memory limits]
       what more than 16 processes committing within the same 50 ms could add, and an index
       growth (a few bytes per item), which is not checked.
       Caches with their own size= are counted in that sum but keep their own caps.
+      The cap was measured once; memory short at that moment must not shrink the session for
+      good: an auto-sized cache that finds no room asks again (at most once a second per handle,
+      _raise_auto_cap) and raises the session's cap - the file, then its root's words 72 and 88 -
+      to 80% of what is available now plus what the session holds, if that is 1/8 more. Its data
+      segments are sized for all of /dev/shm (sparse), so a raised cap can be committed.
     * Memory full at creation (the automatic cap below one page of data): the cache is made with
       no room for data (root word 88 = AUTO_NONE), every item is rejected or spilled, and that is
       said once. If not even the cache's own segments fit, CacheStore raises SharedMemoryFull,
@@ -192,7 +200,7 @@ class _Gen:
     table: Segment
     index: TableView
     classes: ClassTable
-    data: dict  # class id -> (Segment, read-only memoryview, chunk size, chunks committed as last seen)
+    data: dict  # class id -> (Segment, read-only memoryview, chunk size, chunks handed out as last seen)
     # layout id -> (layout bytes, decoder, end of its last leaf (at least a record header),
     #               decoder of a private copy)
     layouts: dict
@@ -243,6 +251,7 @@ class CacheStore:
         self._proc_gen = -1
         self._shm_full_logged = False
         self._shm_full_until = 0.0
+        self._auto_retry_at = 0.0  # an auto-sized cache found full asks again then (_raise_auto_cap)
         self._map_lock = threading.Lock()
         self._lock_gen = _process.generation()
         self._buffers = _BatchBuffers()
@@ -385,6 +394,16 @@ class CacheStore:
         if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED:
             root.unlink()  # tombstoned by a destroy that died before it unlinked it: finish that
             root = None
+        if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == 0:
+            # its creator died before publishing the first generation, maybe before writing the
+            # cap (a cache of 0 bytes for good): nobody ever read it - make it afresh, below
+            log.info("cache %s/%s: its creator died while making it; what it made is removed",
+                     self.session, self.name)
+            root.unlink()
+            root = None
+            self._unlink_matching(self._base + SEP)
+            if not create:  # the cache was never made: forget it, as gc does (no error row in stat)
+                self.meta_path.unlink(missing_ok=True)
         if root is not None and not self._generation_exists(root):
             # its creator died after making it, before the first generation; or a destroy died
             # after unlinking some segments: what is left is debris - start the cache afresh
@@ -561,7 +580,7 @@ class CacheStore:
         self._epoch = epoch
 
     def _data(self, g: _Gen, cls: int) -> tuple:
-        """``(segment, read-only view, chunk size, chunks committed when last checked)`` of size
+        """``(segment, read-only view, chunk size, chunks handed out when last checked)`` of size
         class ``cls``, mapped on first use (its class record checked by :meth:`_committed`)."""
         entry = g.data.get(cls)
         if entry is None:
@@ -575,7 +594,9 @@ class CacheStore:
     def _committed(self, g: _Gen, cls: int, entry: tuple) -> tuple:
         """``entry`` of :meth:`_data` with the class record read again from meta and checked: a
         chunk size the allocator gives that class, ``bump <= committed``, and committed chunks
-        inside the segment. Called when an entry points past what this process saw committed."""
+        inside the segment. Called when an entry points past what this process saw handed out.
+        The bump, not the committed count: a committed chunk above the bump was never written, and
+        an entry pointing there would read as a record of zeros."""
         seg, view = entry[:2]
         chunk, bump, committed = g.classes.get(cls)
         try:
@@ -586,7 +607,7 @@ class CacheStore:
             raise self._corrupt(f"the record of size class {cls} in {g.meta.name} is damaged (chunks of "
                                 f"{chunk} bytes, {bump} handed out of {committed} committed, in "
                                 f"{seg.name} of {seg.size} bytes)")
-        entry = g.data[cls] = (seg, view, chunk, committed)
+        entry = g.data[cls] = (seg, view, chunk, bump)
         return entry
 
     def _record(self, g: _Gen, w0: int, w2: int, w1: int, kb: bytes) -> memoryview:
@@ -597,11 +618,11 @@ class CacheStore:
         entry = g.data.get(cls) or self._data(g, cls)
         chunk, n = w2 & _M48, w0 >> 32
         if chunk >= entry[3] or not 16 <= n <= entry[2]:  # 16: _MIN_RECORD, as a constant
-            entry = self._committed(g, cls, entry)  # more may have been committed since
+            entry = self._committed(g, cls, entry)  # more may have been handed out since
             if chunk >= entry[3] or not _MIN_RECORD <= n <= entry[2]:
                 raise self._corrupt(f"the entry of key {_key_repr(w1, kb)} in {g.table.name} points at "
-                                    f"{n} bytes in chunk {chunk} of size class {cls}, which has "
-                                    f"{entry[3]} chunks of {entry[2]} bytes committed")
+                                    f"{n} bytes in chunk {chunk} of size class {cls}, which has handed "
+                                    f"out {entry[3]} chunks of {entry[2]} bytes")
         start = DATA_OFF + chunk * entry[2]
         return entry[1][start:start + n]
 
@@ -726,7 +747,7 @@ class CacheStore:
             # sits at its own position (index.py), in memory, with an interned layout whose
             # decoder and data segment this process already has; anything else goes the long way.
             # It is _find + _decode for that case, with the same checks of the entry (_record:
-            # the chunk committed, the length within the chunk and covering the layout); anything
+            # the chunk handed out, the length within the chunk and covering the layout); anything
             # unexpected - a check that fails, bytes that do not decode - takes the long way,
             # which names the damage (NOTE [publish order], Damage).
             buf = g.index.buf
@@ -853,6 +874,8 @@ class CacheStore:
         nbytes = enc.record_len(len(kb), lid == INLINE24)
         cls, chunk_size = size_class(nbytes)
         room = self.capacity_bytes - M.SIZE - TableView.bytes_for(g.index.capacity)
+        if chunk_size > min(room, MAX_RECORD) and self._raise_auto_cap():
+            room = self.capacity_bytes - M.SIZE - TableView.bytes_for(g.index.capacity)
         if chunk_size > min(room, MAX_RECORD):  # would not fit even in the empty cache
             if self._sizing() != SIZED and chunk_size <= MAX_RECORD:
                 raise _Full  # size=0 on a machine short of memory: nothing to fix in size=
@@ -1000,13 +1023,13 @@ class CacheStore:
         for lid in range(count):
             self._layout(g, lid)  # raises CorruptSegment on a damaged one
         chunk = np.zeros(MAX_CLASSES + 1, np.uint64)  # class MAX_CLASSES: "not in use"
-        committed = np.zeros(MAX_CLASSES + 1, np.uint64)
+        handed = np.zeros(MAX_CLASSES + 1, np.uint64)
         for cls in g.classes.used_classes():
             try:
                 entry = self._committed(g, cls, self._data(g, cls))
             except FileNotFoundError:
                 return f"the data segment of size class {cls} is missing"
-            chunk[cls], committed[cls] = entry[2], entry[3]
+            chunk[cls], handed[cls] = entry[2], entry[3]
         w = g.index.words
         s0, w2 = w[:, 0], w[:, 2]
         if (s0 != 0).all():
@@ -1019,7 +1042,7 @@ class CacheStore:
         mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
         cls = np.minimum(w2 >> np.uint64(48), np.uint64(MAX_CLASSES)).astype(np.intp)
         n = s0 >> np.uint64(32)
-        bad = mem & (((w2 & np.uint64(_M48)) >= committed[cls]) | (n > chunk[cls])
+        bad = mem & (((w2 & np.uint64(_M48)) >= handed[cls]) | (n > chunk[cls])
                      | (n < np.uint64(_MIN_RECORD)))
         if bad.any() or bad_lid.any():
             pos = int(np.flatnonzero(bad | bad_lid)[0])
@@ -1087,7 +1110,10 @@ class CacheStore:
         name = self._seg_name(f"g{g.gen}", f"c{cls}")
         _unlink_name(self.ns, name)  # debris of a writer that died before registering the class
         try:
-            virtual = min(self.capacity_bytes, memory_limits().shm_total or self.capacity_bytes)
+            shm_total = memory_limits().shm_total or self.capacity_bytes
+            # size=0: the cap may rise later (_raise_auto_cap), so the segment is sized for all of
+            # /dev/shm (sparse: address space only); size= is a cap for good
+            virtual = min(self.capacity_bytes, shm_total) if self._sizing() == SIZED else shm_total
             seg = Segment.create(name, DATA_OFF + virtual + chunk_size, kind=KIND_DATA, commit=PAGE)
         except SharedMemoryFull as exc:
             self._log_shm_full(exc)
@@ -1130,6 +1156,11 @@ class CacheStore:
             room = min(room, (shm_free - keep) // chunk_size)
             if room < 1:
                 self._shm_full_until = time.monotonic() + 1.0
+        # never past the segment's virtual size (made for the cap of its time: a cap that rose)
+        room = min(room, (seg.size - DATA_OFF) // chunk_size - committed)
+        if room < 1 and self._raise_auto_cap():
+            self._shm_full_until = 0.0
+            return self._commit(g, cls, seg, chunk_size, committed)
         if room < 1:
             if keep:
                 self._log_memory_full(f"memory is full ({used / 2**20:.1f} MiB committed; "
@@ -1147,6 +1178,28 @@ class CacheStore:
         if auto:
             budget[0] = max(0, budget[0] - step * chunk_size)
         return committed + step
+
+    def _raise_auto_cap(self) -> bool:
+        """An auto-sized cache (size=0) has no room: if the session's cap was set while memory was
+        short and memory is free now, raise it (NOTE [memory limits]); True if it rose. Asked at
+        most once a second per handle; caller holds the lock."""
+        if self._sizing() == SIZED or time.monotonic() < self._auto_retry_at:
+            return False
+        self._auto_retry_at = time.monotonic() + 1.0
+        cap = _Q.unpack_from(self._root.buf, 72)[0]  # raised by another process already?
+        if cap <= self.capacity_bytes:
+            now = memory_limits().auto_capacity(self._session_shm_bytes())
+            if now <= self.capacity_bytes + self.capacity_bytes // 8:  # the cap as measured, give or
+                return False  # take what the session's own metadata and rounding make: kept
+            cap = self.registry.raise_auto_capacity(self.session, now)
+            _Q.pack_into(self._root.buf, 72, cap)
+            _Q.pack_into(self._root.buf, _ROOT_SIZING, AUTO)  # after the cap: AUTO_NONE no more
+        log.info("cache %s/%s: memory is free again; the automatic cap rises from %.1f to %.1f MiB",
+                 self.session, self.name, self.capacity_bytes / 2**20, cap / 2**20)
+        self.capacity_bytes = cap
+        _SESSION_BUDGETS.pop((str(self.ns.root), self.session, os.getpid()), None)  # sum it again
+        self._shm_full_logged = False
+        return True
 
     def _sizing(self) -> int:
         """How this cache's cap was set: SIZED, AUTO or AUTO_NONE (the root's word)."""
@@ -1311,7 +1364,7 @@ class CacheStore:
         except FileNotFoundError:  # cleared meanwhile: the caller's slow path sees misses
             return None
         chunks = (w2 & np.uint64(_M48)).astype(np.intp)
-        # the checks of _record, for the whole batch at once: every chunk committed, the one
+        # the checks of _record, for the whole batch at once: every chunk handed out, the one
         # length within a chunk and long enough for the layout (issue 8: never zeros or a neighbour)
         top, n = int(chunks.max()), first0 >> 32
         if top >= entry[3] or not max(end, _MIN_RECORD) <= n <= entry[2]:
@@ -1319,10 +1372,10 @@ class CacheStore:
             if top >= entry[3] or not max(end, _MIN_RECORD) <= n <= entry[2]:
                 raise self._corrupt(f"an entry of {g.table.name} in a batch of keys from {int(keys[0])} "
                                     f"points at {n} bytes in chunk {top} of size class {cls}, which "
-                                    f"has {entry[3]} chunks of {entry[2]} bytes committed (layout "
+                                    f"has handed out {entry[3]} chunks of {entry[2]} bytes (layout "
                                     f"{lid} needs {end})")
-        seg, _, chunk, committed = entry
-        rows = np.ndarray((committed, chunk), np.uint8, seg.buf, DATA_OFF)
+        seg, _, chunk, handed_out = entry
+        rows = np.ndarray((handed_out, chunk), np.uint8, seg.buf, DATA_OFF)
         columns = []
         try:  # str, bytes and pickled leaves decode per item: damaged bytes raise there
             for i, leaf in enumerate(leaves):
@@ -1361,8 +1414,12 @@ class CacheStore:
         return self.ns.occupied_bytes(self._base + SEP)
 
     def __len__(self) -> int:
-        meta = self._refresh().meta.buf
-        return _Q.unpack_from(meta, M.ITEMS_MEM)[0] + _Q.unpack_from(meta, M.ITEMS_DISK)[0]
+        g = self._refresh()
+        n = _Q.unpack_from(g.meta.buf, M.ITEMS_MEM)[0] + _Q.unpack_from(g.meta.buf, M.ITEMS_DISK)[0]
+        if n > g.index.capacity:  # every item has an entry: more is garbage (len() cannot return it)
+            raise self._corrupt(f"the item counters in {g.meta.name} say {n} items, in a table of "
+                                f"{g.index.capacity} entries", fix="it recounts them")
+        return n
 
     def clear(self) -> None:
         """Drop every item: a new generation in new segments; old mappings stay valid for readers."""

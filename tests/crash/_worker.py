@@ -153,6 +153,82 @@ def op_stress(session, cache, cap, seed, n_ops, keys, barrier_dir, clear_every=0
     return {**counts, "bad": bad, "errors": errors, "wall_s": time.monotonic() - t0}
 
 
+def _uniform(k: int):
+    """One layout and one size class for every int key: what the vectorised batch path gathers."""
+    import numpy as np
+
+    return np.full(300, k, np.int32)
+
+
+def op_batch_reader(session, cache, cap, n_keys, stop_path, ready_path, seed):
+    """Read batches (gather_ints, lookup_batch) and single str keys until ``stop_path`` exists,
+    while others put, grow and clear: every value is right or a miss, nothing raises."""
+    import numpy as np
+
+    from shmcache.store import MISSING
+
+    s = _store(session, cache, cap)
+    rng = random.Random(seed)
+    counts = {"gathered": 0, "batched": 0, "single": 0, "hits": 0}
+    bad, errors = [], []
+    _touch(ready_path)
+    deadline = time.monotonic() + DEADLINE_S
+    stop = Path(stop_path)
+    while time.monotonic() < deadline and not stop.exists() and len(errors) < 20:
+        start = rng.randrange(n_keys - 64)
+        keys = np.arange(start, start + rng.choice((8, 64)), dtype=np.int64)
+        try:
+            got = s.gather_ints(keys)
+            if got is not None:
+                counts["gathered"] += 1
+                column = np.asarray(got[2][0]).reshape(len(keys), -1)
+                for k, row in zip(keys.tolist(), column):
+                    if not (row == k).all() and len(bad) < 20:
+                        bad.append(f"gather_ints key {k}: read {row[:4]}")
+            else:
+                counts["batched"] += 1
+                values, _ = s.lookup_batch(keys.tolist())
+                for k, v in zip(keys.tolist(), values):
+                    if v is not MISSING:
+                        counts["hits"] += 1
+                        if not same_value(v, _uniform(k)) and len(bad) < 20:
+                            bad.append(f"lookup_batch key {k}: read {str(v)[:80]}")
+            k = f"s{rng.randrange(n_keys)}"
+            v = s.lookup(k)
+            counts["single"] += 1
+            if v is not MISSING and not same_value(v, value_for(k)) and len(bad) < 20:
+                bad.append(f"lookup {k!r}: read {str(v)[:80]}")
+        except Exception as exc:  # a reader gets a value or a miss, never an exception
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return {**counts, "bad": bad, "errors": errors}
+
+
+def op_batch_writer(session, cache, cap, n_keys, stop_path, seed, clear_every_s, sweep=False):
+    """Put int keys (uniform values) and str keys (values of every size), in random order (or in
+    order: ``sweep``, which leaves whole batches behind it), and clear() every ``clear_every_s``
+    seconds (0: never), until ``stop_path`` exists."""
+    s = _store(session, cache, cap)
+    rng = random.Random(seed)
+    puts = clears = 0
+    errors = []
+    deadline = time.monotonic() + DEADLINE_S
+    next_clear = time.monotonic() + clear_every_s if clear_every_s else float("inf")
+    stop = Path(stop_path)
+    while time.monotonic() < deadline and not stop.exists() and len(errors) < 20:
+        try:
+            if time.monotonic() > next_clear:
+                s.clear()
+                clears += 1
+                next_clear = time.monotonic() + clear_every_s
+            i = puts // 2 % n_keys if sweep else rng.randrange(n_keys)
+            s.put(i, _uniform(i))
+            s.put(f"s{i}", value_for(f"s{i}"))
+            puts += 2
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return {"puts": puts, "clears": clears, "errors": errors}
+
+
 def op_chaos(session, cache, cap, seed, keys, log_path):
     """Like op_stress, forever (the parent SIGKILLs it at random moments). Problems are appended to
     ``log_path`` at once, since this process never gets to return a result."""
@@ -298,6 +374,24 @@ def op_die_creating(session, cache, cap, suffix, then="open"):
     elif then == "put":
         for k in range(100_000):
             s.put(k, value_for(k))
+    return {"survived": True}
+
+
+def op_die_after_creating(session, cache, cap, suffix):
+    """SIGKILL this process right after it created the segment ``...suffix`` (its header ready),
+    before it wrote anything into it: a creator dying between two of its statements."""
+    from shmcache import segment
+
+    orig = segment.Segment.create.__func__
+
+    def create(cls, name, *a, **k):
+        seg = orig(cls, name, *a, **k)
+        if name.endswith(suffix):
+            _die()
+        return seg
+
+    segment.Segment.create = classmethod(create)
+    _store(session, cache, cap)
     return {"survived": True}
 
 

@@ -195,6 +195,23 @@ def test_creator_killed_after_the_root_before_the_first_generation(suffix, tmp_p
     assert check_store(store, [5]) == []
 
 
+def test_creator_killed_right_after_making_its_root_leaves_no_cache_without_room(tmp_path, shm_namespace):
+    """The creator made the root (header ready) and was SIGKILLed before it wrote the cap into it.
+    The next opener made the first generation in that root: a cache of 0 bytes for good, every
+    put an ItemTooLarge saying to give it size= - although size= was given."""
+    session = "rootonly"
+    with Zygote(tmp_path / "z") as z:
+        status, _ = z.run("die_after_creating", session, C, CAP, "+root")
+        assert status == -9, status_of(status)
+        status, res = z.run("open", session, C, CAP, 5.0, 5)
+    assert status == 0 and "error" not in res, res
+    store = CacheStore(session, C, create=False)
+    assert store.capacity_bytes == CAP
+    assert same_value(store.lookup(5, count=False), value_for(5))
+    assert check_store(store, [5]) == []
+    store.close()
+
+
 def test_killed_creator_of_a_session_leaves_nothing_gc_cannot_remove(tmp_path, capsys, shm_namespace):
     """A process killed at random moments while creating sessions and caches: afterwards every
     session opens, and `shmcache gc` leaves no temporary directory."""

@@ -121,3 +121,40 @@ def test_gc_leaves_a_cache_being_created_alone(tmp_path, capsys, shm_namespace):
     store = CacheStore(S, C, create=False)
     assert store.lookup(1) is not MISSING
     store.close()
+
+
+def test_gc_skips_a_cache_whose_lock_a_stopped_writer_holds_and_does_the_rest(tmp_path, capsys,
+                                                                            shm_namespace):
+    """`shmcache gc` with one cache's lock held by a stopped writer: it waited for that lock and
+    then failed as a whole (LockTimeout, exit 1), leaving the other caches unrepaired. It must
+    skip that cache, say so, and do the rest."""
+    from shmcache.store import M
+
+    CacheStore("a-stuck", C, capacity_bytes=16 << 20).close()
+    ok = CacheStore("b-ok", C, capacity_bytes=16 << 20)
+    assert ok.put(1, b"one")
+    import struct
+
+    struct.pack_into("Q", ok._refresh().meta.buf, M.ITEMS_MEM, 7)  # counters gc must recount
+    ok.close()
+    held = tmp_path / "held"
+    with Zygote(tmp_path / "z") as z:
+        holder, _ = z.spawn("hold_cache_lock", "a-stuck", C, 16 << 20, str(held))
+        wait_for(held.exists, 30, "the writer to hold the lock")
+        os.kill(holder, signal.SIGSTOP)
+        try:
+            capsys.readouterr()
+            rc = cli.main(["gc", "--json"])
+            out = capsys.readouterr()
+        finally:
+            os.kill(holder, signal.SIGCONT)
+            z.kill(holder)
+            z.wait(holder, 10)
+    assert rc == 0, out.err
+    result = json.loads(out.out)
+    assert [r["cache"] for r in result["recounted_caches"]] == ["b-ok/c"], result
+    assert [r["cache"] for r in result["skipped_caches"]] == ["a-stuck/c"], result
+    assert "lock" in result["skipped_caches"][0]["reason"]
+    store = CacheStore("b-ok", C, create=False)
+    assert len(store) == 1
+    store.close()

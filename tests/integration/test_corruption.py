@@ -103,6 +103,15 @@ def _past_committed(g, e):
     e[2] = (int(e[2]) >> 48 << 48) | (g.classes.get(int(e[2]) >> 48)[2] + 3)
 
 
+def _committed_never_handed_out(g, e):
+    # a chunk that is committed (fallocated) but above the class's bump: nothing was ever written
+    # there, so it read as a record of zeros (was: a wrong value, since only `committed` was checked)
+    cls = int(e[2]) >> 48
+    _, bump, committed = g.classes.get(cls)
+    assert bump + 3 < committed, "the test needs committed chunks above the bump"
+    e[2] = (cls << 48) | (bump + 3)
+
+
 def _far_chunk(g, e):
     e[2] = (int(e[2]) >> 48 << 48) | (1 << 40)
 
@@ -123,7 +132,7 @@ def _layout_beyond_table(g, e):
     e[0] = (int(e[0]) & ~(INLINE24 << 8)) | (100 << 8)
 
 
-DAMAGE = [_past_committed, _far_chunk, _unknown_class, _class_beyond_table, _huge_length,
+DAMAGE = [_past_committed, _committed_never_handed_out, _far_chunk, _unknown_class, _class_beyond_table, _huge_length,
           _layout_beyond_table]
 
 
@@ -460,3 +469,19 @@ def test_a_length_cut_short_is_corrupt_segment_not_a_truncated_value(writer, val
         assert "200" in str(exc.value)
     finally:
         r.close()
+
+
+def test_garbage_item_counters_make_len_corrupt_segment_not_overflow_error(writer):
+    """len() of a cache whose item counter is garbage raised a raw OverflowError (a length beyond
+    sys.maxsize); it is damage that gc recounts."""
+    g = writer._refresh()
+    _Q.pack_into(g.meta.buf, MetaLayout.ITEMS_MEM, (1 << 63) + 12345)
+    cache = ShmDatasetCache(session=S, name=C)
+    try:
+        with pytest.raises(CorruptSegment) as exc:
+            len(cache)
+        assert_corrupt(exc, g.meta.name)
+    finally:
+        cache.close()
+    assert "recounted" in gc().stdout
+    assert_works_after_gc(dropped=False)

@@ -189,6 +189,47 @@ def test_wrap_on_a_full_dev_shm_spills(tmp_path, monkeypatch):
     assert "enable spilling" not in log
 
 
+WEDGED_AFTER_FULL = r"""
+N = 64
+left = int(os.environ["LEAVE_FREE"])
+with open("/dev/shm/filler", "wb") as f:  # /dev/shm full for a moment (but for `left` bytes)
+    while True:
+        free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize - left
+        if free <= 0:
+            break
+        try:
+            f.write(b"\0" * min(1 << 20, free))
+            f.flush()
+        except OSError:
+            break
+first = ShmDatasetCache(session="s11w", name="c")
+ds = first.wrap(Source(N))
+bad = sum(not right(ds[i], i) for i in range(N))
+before = first.stats()["items_mem"]
+first.close()
+os.unlink("/dev/shm/filler")  # memory is free again: the next run of the job
+again = ShmDatasetCache(session="s11w", name="c")
+ds = again.wrap(Source(N))
+bad += sum(not right(ds[i], i) for i in range(N))
+bad += sum(not right(ds[i], i) for i in range(N))
+st = again.stats()
+again.close()
+finish({"bad": bad, "before": before, "items": st["items_mem"], "cap": st["capacity_bytes"]}, "s11w")
+"""
+
+
+@pytest.mark.parametrize("leave_free", [170 << 10, 1 << 20], ids=["no-room", "1MiB"])
+def test_an_auto_sized_cache_made_while_dev_shm_was_full_grows_once_it_is_free(tmp_path, monkeypatch,
+                                                                               leave_free):
+    """size=0 while /dev/shm was full for a moment made a cache with no room (AUTO_NONE) - and it
+    stayed so: after memory was freed, the same cache (the next run of the job) still cached
+    nothing, until someone destroyed the session."""
+    monkeypatch.setenv("LEAVE_FREE", str(leave_free))
+    res, log = _in_small_shm(tmp_path, WEDGED_AFTER_FULL, item=64 << 10)
+    assert res["bad"] == 0 and res["before"] < 64, res
+    assert res["items"] == 64, f"memory was free again, yet the cache holds nothing: {res}\n{log[-2000:]}"
+
+
 # --- 12: the automatic cap is the session's, not each cache's ---------------------------------------
 
 TWO_AUTO_CACHES = r"""

@@ -341,3 +341,23 @@ def test_the_session_automatic_cap_is_fixed_by_its_first_auto_sized_cache(reg):
     reg.create("s")  # a new session computes its own
     assert reg.auto_capacity("s", compute(200 << 20), floor=100) == 200 << 20
     assert [p.name for p in reg.session_dir("s").iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("text", ["", "garbage", "12.5"])
+def test_a_damaged_auto_capacity_file_is_measured_again(text):
+    """The session's automatic-cap file damaged (truncated, overwritten): opening an auto-sized
+    cache raised a raw ValueError (int() of its text, after a lost race to create it)."""
+    from shmcache import _process
+    from shmcache.store import CacheStore
+
+    reg = SessionRegistry()
+    reg.create("dmg")
+    (reg.session_dir("dmg") / "auto_capacity").write_text(text)
+    store = CacheStore("dmg", "c")  # size=0
+    try:
+        assert store.capacity_bytes > 1 << 20
+        assert store.put(1, b"one") and store.lookup(1) == b"one"
+        assert int((reg.session_dir("dmg") / "auto_capacity").read_text()) == store.capacity_bytes
+    finally:
+        store.close()
+        _process.release_all()
