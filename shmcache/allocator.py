@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import struct
 
+from .segment import word_view
+
 __all__ = ["size_class", "MAX_CLASSES", "DATA_OFF", "ClassTable", "commit_step_chunks"]
 
 MAX_CLASSES = 1024
@@ -55,6 +57,7 @@ class ClassTable:
     def __init__(self, buf, offset: int):
         self.buf = buf
         self.offset = offset
+        self._words = word_view(buf)  # bump and committed are read lock-free: one store each
 
     def _off(self, cls: int) -> int:
         return self.offset + 32 * cls
@@ -67,15 +70,17 @@ class ClassTable:
         return _U64.unpack_from(self.buf, self._off(cls))[0]
 
     def create(self, cls: int, chunk_size: int) -> None:
-        _U64x4.pack_into(self.buf, self._off(cls), chunk_size, 0, 0, 0)
+        w = self._off(cls) >> 3
+        self._words[w + 1] = self._words[w + 2] = self._words[w + 3] = 0
+        self._words[w] = chunk_size  # last: the class is in use from here on
 
     def set_bump(self, cls: int, bump: int) -> None:
         """Chunks below ``bump`` are handed out. A rollback restores the previous value, which is
         why no free list is needed: no chunk is ever freed except by undoing its allocation."""
-        _U64.pack_into(self.buf, self._off(cls) + 8, bump)
+        self._words[(self._off(cls) >> 3) + 1] = bump
 
     def set_committed(self, cls: int, committed: int) -> None:
-        _U64.pack_into(self.buf, self._off(cls) + 16, committed)
+        self._words[(self._off(cls) >> 3) + 2] = committed
 
     def used_classes(self) -> list[int]:
         return [c for c in range(1, MAX_CLASSES) if self.chunk_size(c)]

@@ -27,6 +27,7 @@ import struct
 import numpy as np
 
 from .errors import CorruptSegment, InvalidKey
+from .segment import word_view
 
 __all__ = ["TableView", "key_bytes", "key_hash", "READY", "INT_KEY", "SPILLED", "INLINE24", "ENTRY_BYTES",
            "TABLE_OFF", "MAX_LOAD"]
@@ -85,6 +86,7 @@ class TableView:
         self.shift = 64 - max(cap.bit_length() - 1, 0)
         self.mask = max(cap - 1, 0)
         self.words = np.ndarray((cap, 3), np.uint64, buf, TABLE_OFF)
+        self._store = word_view(buf)  # writes: one aligned store per word (segment.word_view)
 
     @staticmethod
     def init(buf, capacity: int) -> None:
@@ -133,8 +135,10 @@ class TableView:
     def publish(self, pos: int, w0: int, w1: int, w2: int) -> None:
         """Fill EMPTY entry ``pos``: w1 and w2 first, then w0 in one aligned store (caller holds the lock)."""
         off = TABLE_OFF + ENTRY_BYTES * pos
-        _QQ.pack_into(self.buf, off + 8, w1, w2)
-        _Q.pack_into(self.buf, off, w0)  # native format: one 8-byte store, not eight byte stores
+        w = off >> 3
+        self._store[w + 1] = w1
+        self._store[w + 2] = w2
+        self._store[w] = w0  # one aligned 8-byte store (segment.word_view: never struct.pack_into)
 
     def entries(self):
         """Every READY entry as ``(w0, w1, w2)`` (for rebuilding and for gc)."""

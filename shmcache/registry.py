@@ -526,7 +526,7 @@ def retire_root(name: str) -> None:
     except (OSError, ShmcacheError):  # gone, or never finished (no reader maps it): unlink it
         return
     if root.size >= ROOT_EPOCH + 8:
-        struct.pack_into("Q", root.buf, ROOT_EPOCH, DESTROYED)
+        root.words[ROOT_EPOCH >> 3] = DESTROYED  # one store: readers compare it lock-free
     root.close()
 
 

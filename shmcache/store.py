@@ -23,6 +23,12 @@ NOTE [publish order]
       4. phase 2: the new totals (items, bytes) are assigned, not added, so redoing them is harmless;
       5. clear the intent.
 
+    "One store" is meant literally: every word a reader reads without the lock (the root's epoch
+    word, the meta segment's counts and totals, a class's bump and committed count, an entry's
+    words, the counters) is written through ``Segment.words`` (segment.word_view), one aligned
+    8-byte store. Never with struct.pack_into, which zeroes its destination before it stores: a
+    reader in another process then sees a transient 0 (it did: false CorruptSegment in stress).
+
     A writer can die anywhere (SIGKILL); the kernel then releases the lock, and whoever takes it
     next - a writer, or ``shmcache gc`` - finds the intent and repairs: if the entry never became
     READY, it restores the class's bump (the chunk is free again: nothing leaked, nothing visible);
@@ -141,7 +147,7 @@ from .errors import (
 )
 from .index import ENTRY_BYTES, INLINE24, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
 from .registry import DESTROYED, MAX_SLOTS, ROOT_EPOCH, SEP, SessionRegistry, write_json
-from .segment import PAGE, Segment
+from .segment import PAGE, Segment, word_view
 
 __all__ = ["CacheStore", "UncachedStore", "STAT_KEYS"]
 
@@ -443,9 +449,9 @@ class CacheStore:
         })
         try:
             root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
-            _Q.pack_into(root.buf, 72, capacity)
-            _Q.pack_into(root.buf, _ROOT_INCARNATION, secrets.randbits(32))
-            _Q.pack_into(root.buf, _ROOT_SIZING, sizing)
+            root.words[72 >> 3] = capacity
+            root.words[_ROOT_INCARNATION >> 3] = secrets.randbits(32)
+            root.words[_ROOT_SIZING >> 3] = sizing
             self._adopt(root)
             self._create_generation(root, 1, capacity, _table_capacity(table_hint))
         except BaseException:
@@ -515,11 +521,11 @@ class CacheStore:
         table = Segment.create(self._seg_name(f"g{gen}", "t1"), TableView.bytes_for(cap),
                                kind=KIND_TABLE, commit=TableView.bytes_for(cap))
         TableView.init(table.buf, cap)
-        _Q.pack_into(meta.buf, M.CAPACITY, capacity)
-        _Q.pack_into(meta.buf, M.COMMITTED, M.SIZE + TableView.bytes_for(cap))
+        meta.words[M.CAPACITY >> 3] = capacity
+        meta.words[M.COMMITTED >> 3] = M.SIZE + TableView.bytes_for(cap)
         meta.close()
         table.close()
-        _Q.pack_into(root.buf, 64, (gen << 32) | 1)  # the epoch word: published last
+        root.words[64 >> 3] = (gen << 32) | 1  # the epoch word: published last, one store
 
     # --- generations ----------------------------------------------------------------------------
 
@@ -687,7 +693,7 @@ class CacheStore:
             self._proc_gen = _process.generation()
         self._counters[which] += n
         if self._counter_off >= 0:
-            _Q.pack_into(g.meta.buf, self._counter_off + 8 * which, self._counters[which])
+            g.meta.words[(self._counter_off >> 3) + which] = self._counters[which]
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -772,7 +778,7 @@ class CacheStore:
                         if self._proc_gen == _process._generation and self._counter_off >= 0:
                             counters = self._counters
                             counters[0] += 1
-                            _Q.pack_into(g.meta.buf, self._counter_off, counters[0])
+                            g.meta.words[self._counter_off >> 3] = counters[0]
                         else:
                             self._count(0)
                     return value
@@ -802,12 +808,12 @@ class CacheStore:
         table_items = _table_items(g) + new
         _INTENT.pack_into(meta, M.INTENT, 0, pos, SPILL_CLASS, 0, items + new, total + stored,
                           raw_total + raw, table_items)
-        _Q.pack_into(meta, M.INTENT, 1)
+        g.meta.words[M.INTENT >> 3] = 1
         w0 = READY | SPILLED | (0 if kb else INT_KEY) | (lid << 8) | (stored << 32)
         g.index.publish(pos, w0, w1, (file_id << 48) | offset)
-        _Q.pack_into(meta, M.INTENT, 2)
-        _apply_totals(meta, SPILL_CLASS, items + new, total + stored, raw_total + raw, table_items)
-        _Q.pack_into(meta, M.INTENT, 0)
+        g.meta.words[M.INTENT >> 3] = 2
+        _apply_totals(g.meta.words, SPILL_CLASS, items + new, total + stored, raw_total + raw, table_items)
+        g.meta.words[M.INTENT >> 3] = 0
 
     def intern_layout(self, g: _Gen, layout: bytes) -> int:
         """The layout id of ``layout`` in generation ``g`` (caller holds the lock)."""
@@ -899,7 +905,7 @@ class CacheStore:
                                 f"{total - nbytes} bytes in memory, {_table_items(g)} entries, in a "
                                 f"table of {g.index.capacity})", fix="it recounts them")
         _INTENT.pack_into(meta, M.INTENT, 0, pos, cls, bump, items, total, 0, _table_items(g) + 1)
-        _Q.pack_into(meta, M.INTENT, 1)  # phase 1: allocating (undo restores the bump)
+        g.meta.words[M.INTENT >> 3] = 1  # phase 1: allocating (undo restores the bump)
         g.classes.set_bump(cls, bump + 1)
         if _CRASH_TESTS:
             crash_point("allocated")
@@ -913,11 +919,11 @@ class CacheStore:
         if _CRASH_TESTS:
             crash_point("before_publish")
         g.index.publish(pos, w0, w1, (cls << 48) | bump)
-        _Q.pack_into(meta, M.INTENT, 2)  # phase 2: published (redo the totals)
+        g.meta.words[M.INTENT >> 3] = 2  # phase 2: published (redo the totals)
         if _CRASH_TESTS:
             crash_point("after_publish")
-        _apply_totals(meta, cls, items, total, 0, _table_items(g) + 1)
-        _Q.pack_into(meta, M.INTENT, 0)
+        _apply_totals(g.meta.words, cls, items, total, 0, _table_items(g) + 1)
+        g.meta.words[M.INTENT >> 3] = 0
 
     def _repair(self, g: _Gen) -> int:
         """Undo or finish the last writer's work if it died mid-way (NOTE [publish order])."""
@@ -932,14 +938,14 @@ class CacheStore:
             raise self._corrupt(f"the intent record in {g.meta.name} is impossible: {wrong}")
         w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]
         if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
-            _apply_totals(meta, cls, items, total, raw, table_items)
+            _apply_totals(g.meta.words, cls, items, total, raw, table_items)
             reclaimed = 0
         elif cls == SPILL_CLASS:  # a spill record nobody points to: dead bytes on disk, no chunk
             reclaimed = 0
         else:  # never visible: give the chunk back
             g.classes.set_bump(cls, old_bump)
             reclaimed = 1
-        _Q.pack_into(meta, M.INTENT, 0)
+        g.meta.words[M.INTENT >> 3] = 0
         log.info("cache %s/%s: repaired an entry left by a dead writer (%s)", self.session,
                  self.name, "reclaimed its chunk" if reclaimed else "counted it")
         return reclaimed
@@ -1066,7 +1072,7 @@ class CacheStore:
         for off, value in right.items():
             if _Q.unpack_from(g.meta.buf, off)[0] != value:
                 wrong.append(f"{names[off]} ({_Q.unpack_from(g.meta.buf, off)[0]}, now {value})")
-                _Q.pack_into(g.meta.buf, off, value)
+                g.meta.words[off >> 3] = value
         if wrong:
             log.warning("cache %s/%s: gc recounted %s", self.session, self.name, ", ".join(wrong))
         return wrong
@@ -1101,7 +1107,7 @@ class CacheStore:
         off = M.LAYOUTS + n * M.LAYOUT_BYTES
         struct.pack_into("I", g.meta.buf, off, len(layout))
         g.meta.buf[off + 4:off + 4 + len(layout)] = layout
-        _Q.pack_into(g.meta.buf, M.N_LAYOUTS, n + 1)  # after the bytes: readers never see it half-made
+        g.meta.words[M.N_LAYOUTS >> 3] = n + 1  # after the bytes: readers never see it half-made
         return n
 
     def _class_segment(self, g: _Gen, cls: int, chunk_size: int) -> Segment:
@@ -1174,7 +1180,7 @@ class CacheStore:
             self._log_shm_full(exc)
             raise _Full from None
         g.classes.set_committed(cls, committed + step)
-        _Q.pack_into(meta, M.COMMITTED, used + step * chunk_size)
+        g.meta.words[M.COMMITTED >> 3] = used + step * chunk_size
         if auto:
             budget[0] = max(0, budget[0] - step * chunk_size)
         return committed + step
@@ -1192,8 +1198,8 @@ class CacheStore:
             if now <= self.capacity_bytes + self.capacity_bytes // 8:  # the cap as measured, give or
                 return False  # take what the session's own metadata and rounding make: kept
             cap = self.registry.raise_auto_capacity(self.session, now)
-            _Q.pack_into(self._root.buf, 72, cap)
-            _Q.pack_into(self._root.buf, _ROOT_SIZING, AUTO)  # after the cap: AUTO_NONE no more
+            self._root.words[72 >> 3] = cap
+            self._root.words[_ROOT_SIZING >> 3] = AUTO  # after the cap: AUTO_NONE no more
         log.info("cache %s/%s: memory is free again; the automatic cap rises from %.1f to %.1f MiB",
                  self.session, self.name, self.capacity_bytes / 2**20, cap / 2**20)
         self.capacity_bytes = cap
@@ -1245,7 +1251,7 @@ class CacheStore:
         old = g.table
         if _CRASH_TESTS:
             crash_point("table_built")
-        _Q.pack_into(self._root.buf, 64, (g.gen << 32) | version)  # publish
+        self._root.words[64 >> 3] = (g.gen << 32) | version  # publish: one store
         old.unlink()
         g = self._refresh()
         self._recount_committed(g)
@@ -1258,7 +1264,7 @@ class CacheStore:
         for cls in g.classes.used_classes():
             chunk, _, committed = g.classes.get(cls)
             total += chunk * committed
-        _Q.pack_into(g.meta.buf, M.COMMITTED, total)
+        g.meta.words[M.COMMITTED >> 3] = total
 
     # --- batches ---------------------------------------------------------------------------------
 
@@ -1460,7 +1466,7 @@ class CacheStore:
         with self.locked():
             spill_path = self.read_meta().get("spill_path")
             # the tombstone first: every handle still mapping this root misses from now on
-            _Q.pack_into(self._root.buf, ROOT_EPOCH, DESTROYED)
+            self._root.words[ROOT_EPOCH >> 3] = DESTROYED
             self.meta_path.unlink(missing_ok=True)
             _unlink_name(self.ns, self._seg_name("root"))  # first: the cache is gone at once
             self._unlink_matching(self._base + SEP)
@@ -1655,13 +1661,13 @@ def _key_repr(w1: int, kb: bytes) -> str:
     return repr(kb[1:].decode("utf-8", "surrogatepass") if kb[:1] == b"s" else kb[1:])
 
 
-def _apply_totals(meta, cls: int, items: int, total: int, raw: int, table_items: int) -> None:
+def _apply_totals(words, cls: int, items: int, total: int, raw: int, table_items: int) -> None:
+    """Assign the totals after a write (read lock-free by len() and stats: one store each)."""
     if cls == SPILL_CLASS:
-        struct.pack_into("QQQ", meta, M.ITEMS_DISK, items, total, raw)
+        words[M.ITEMS_DISK >> 3], words[M.BYTES_DISK >> 3], words[M.BYTES_DISK_RAW >> 3] = items, total, raw
     else:
-        _Q.pack_into(meta, M.ITEMS_MEM, items)
-        _Q.pack_into(meta, M.BYTES_MEM, total)
-    _Q.pack_into(meta, M.TABLE_ITEMS, table_items)
+        words[M.ITEMS_MEM >> 3], words[M.BYTES_MEM >> 3] = items, total
+    words[M.TABLE_ITEMS >> 3] = table_items
 
 
 def _table_items(g: _Gen) -> int:
@@ -1701,6 +1707,7 @@ class _Private:
 
     def __init__(self, size: int):
         self.buf = bytearray(size)
+        self.words = word_view(self.buf)
 
     def close(self) -> None:
         pass

@@ -95,3 +95,40 @@ def test_fixed_shape_records_get_an_exact_chunk(nbytes):
             assert record <= chunk < record * (1 + 1 / 32), f"a {record}-byte record lives in a {chunk}-byte chunk"
     finally:
         s.close()
+
+
+def test_a_word_rewritten_in_shared_memory_is_never_seen_as_zero():
+    """Lock-free readers in other processes read a class's bump and committed count (and the
+    epoch word, the layout count, the counters) while a writer rewrites them. struct.pack_into
+    zeroes its destination before it stores, so readers saw a transient 0 - "75 chunks handed out
+    of 0 committed", a false CorruptSegment under normal concurrency (found by the batch stress
+    test). Every such word is one aligned store (segment.word_view)."""
+    import os
+    import time
+
+    from shmcache.segment import Segment
+
+    seg = Segment.create("/shmcache-test-words-" + str(os.getpid()), 64 << 10, commit=64 << 10)
+    try:
+        table = ClassTable(seg.buf, 4096)
+        table.create(5, 320)
+        table.set_committed(5, 1)
+        pid = os.fork()
+        if pid == 0:  # the writer: rewrite the word for a while, never to 0
+            try:
+                end, i = time.monotonic() + 1.5, 1
+                while time.monotonic() < end:
+                    i = i % 1_000_000 + 1
+                    table.set_committed(5, i)
+            finally:
+                os._exit(0)
+        zeros = reads = 0
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            for _ in range(2000):
+                zeros += table.get(5)[2] == 0
+            reads += 2000
+        os.waitpid(pid, 0)
+        assert zeros == 0, f"{zeros} of {reads} lock-free reads saw a transient 0"
+    finally:
+        seg.unlink()
