@@ -391,26 +391,14 @@ class ShmDatasetCache:
         dtypes = [_collated_dtype(leaf) for leaf in leaves]
         if None in dtypes:
             return None
-        n = len(keys)
         if sent_from is not None:
             # in a DataLoader worker: a warm batch crosses the queue as its keys, and the main
             # process gathers it from the cache itself (NOTE [collated batch])
             return _Keys(sent_from, keys) if store.all_in_memory(keys) else None
-        if get_worker_info() is None:
-            got = store.gather_ints(keys)
-            if got is None:
-                return None
-            columns = [c if d is str else _to_tensor(c, leaf) for c, leaf, d in zip(got[2], leaves, dtypes)]
-        else:
-            # in a DataLoader worker the batch crosses a queue: put it in shared memory straight
-            # away, as default_collate does there, so it is sent as a file descriptor, not copied
-            columns = [None if d is str else _shared_tensor(d, (n, *leaf.shape)) for leaf, d in zip(leaves, dtypes)]
-            arrays = [None if t is None else t.view(torch.uint8).numpy().reshape(n, leaf.nbytes)
-                      for t, leaf in zip(columns, leaves)]
-            got = store.gather_ints(keys, arrays)
-            if got is None:
-                return None
-            columns = [c if t is None else t for c, t in zip(got[2], columns)]
+        got = store.gather_ints(keys)
+        if got is None:
+            return None
+        columns = [c if d is str else _to_tensor(c, leaf) for c, leaf, d in zip(got[2], leaves, dtypes)]
         return _build_collated(tree, columns, False)
 
     # --- housekeeping --------------------------------------------------------------------------
@@ -833,12 +821,6 @@ def _collated_dtype(leaf: codec.Leaf) -> Any:
         except (TypeError, ValueError):
             _TORCH_DTYPES[key] = None
     return _TORCH_DTYPES[key]
-
-
-def _shared_tensor(dtype: Any, shape: tuple) -> torch.Tensor:
-    """An uninitialised tensor in shared memory (what default_collate stacks into in a worker)."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
-    return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
 
 
 def _build_collated(tree: tuple, columns: list, in_sequence: bool) -> Any:

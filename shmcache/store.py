@@ -1373,9 +1373,9 @@ class CacheStore:
         # the checks of _record, for the whole batch at once: every chunk handed out, the one
         # length within a chunk and long enough for the layout (issue 8: never zeros or a neighbour)
         top, n = int(chunks.max()), first0 >> 32
-        if top >= entry[3] or not max(end, _MIN_RECORD) <= n <= entry[2]:
+        if top >= entry[3] or not end <= n <= entry[2]:  # end: at least a record header (_layout)
             entry = self._committed(g, cls, entry)
-            if top >= entry[3] or not max(end, _MIN_RECORD) <= n <= entry[2]:
+            if top >= entry[3] or not end <= n <= entry[2]:
                 raise self._corrupt(f"an entry of {g.table.name} in a batch of keys from {int(keys[0])} "
                                     f"points at {n} bytes in chunk {top} of size class {cls}, which "
                                     f"has handed out {entry[3]} chunks of {entry[2]} bytes (layout "
