@@ -124,8 +124,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -145,20 +144,40 @@ from .errors import (
     SharedMemoryFull,
     ShmcacheError,
 )
+from .generation import (
+    AUTO,
+    AUTO_NONE,
+    CORRUPT,
+    COUNTER_NAMES,
+    DEAD_GEN,
+    HITS,
+    KIND_DATA,
+    KIND_META,
+    KIND_ROOT,
+    KIND_TABLE,
+    MISSES,
+    REJECTED,
+    SIZED,
+    SPILL_CLASS,
+    Generation,
+    Intent,
+    M,
+    RootLayout,
+    close_generation,
+    destroyed_generation,
+    epoch_of,
+)
 from .index import ENTRY_BYTES, INLINE24, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
-from .registry import DESTROYED, MAX_SLOTS, ROOT_EPOCH, SEP, SessionRegistry, write_json
-from .segment import PAGE, Segment, word_view
+from .registry import DESTROYED, MAX_SLOTS, SEP, SessionRegistry, write_json
+from .segment import PAGE, Segment
 
 __all__ = ["CacheStore", "UncachedStore", "STAT_KEYS"]
 
 log = logging.getLogger("shmcache")
 
-KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4
 _Q = struct.Struct("Q")
 _QQ = struct.Struct("QQ")
-_ROOT_INCARNATION = 80  # root words: 64 the epoch, 72 the capacity, 80 the incarnation, 88 the sizing
-_ROOT_SIZING = 88  # how the cap was set (NOTE [memory limits]): one of the three below
-SIZED, AUTO, AUTO_NONE = 0, 1, 2  # size= given; size=0; size=0 on a full machine: nothing in memory
+R = RootLayout
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.RECORD_HEADER)
 _M48 = (1 << 48) - 1
 MIN_TABLE = 1024
@@ -170,47 +189,20 @@ _UNDECODABLE = (ValueError, TypeError, OverflowError, IndexError, KeyError, EOFE
                 RecursionError, pickle.UnpicklingError)
 
 
-class MetaLayout:
-    """Byte offsets inside a meta segment (one per generation)."""
-
-    ITEMS_MEM, BYTES_MEM, COMMITTED, CAPACITY = 64, 72, 80, 88
-    ITEMS_DISK, BYTES_DISK, BYTES_DISK_RAW, N_LAYOUTS, TABLE_ITEMS = 96, 104, 112, 120, 128
-    # intent record (NOTE [publish order]): phase, table position, class, chunk, old bump,
-    # new items, new bytes
-    INTENT = 192
-    COUNTERS = 4096  # MAX_SLOTS x (hits, misses, rejected, corrupt)
-    CLASSES = COUNTERS + MAX_SLOTS * 32
-    LAYOUTS = CLASSES + MAX_CLASSES * 32
-    MAX_LAYOUTS, LAYOUT_BYTES = 128, 512
-    SIZE = LAYOUTS + MAX_LAYOUTS * LAYOUT_BYTES
-
-
-M = MetaLayout
 _MIN_CAPACITY = M.SIZE + PAGE  # a cap below this holds nothing
-# phase, table position, class (SPILL_CLASS: a spilled record), old bump, then the totals after
-# this write: items, bytes, raw bytes (disk only) and table items
-_INTENT = struct.Struct("QQQQQQQQ")
-SPILL_CLASS = 0xFFFF
 
 STAT_KEYS = ("session", "name", "items_mem", "items_disk", "bytes_mem", "bytes_disk",
              "bytes_disk_raw", "avg_item_bytes", "hits", "misses", "rejected", "capacity_bytes")
 
 
-@dataclass
-class _Gen:
-    """This process's mappings of one generation."""
+class Found(NamedTuple):
+    """What ``CacheStore._find`` found for a key (index.py has the entry's words)."""
 
-    gen: int
-    version: int
-    meta: Segment
-    table: Segment
-    index: TableView
-    classes: ClassTable
-    data: dict  # class id -> (Segment, read-only memoryview, chunk size, chunks handed out as last seen)
-    # layout id -> (layout bytes, decoder, end of its last leaf (at least a record header),
-    #               decoder of a private copy)
-    layouts: dict
-    columns: dict  # layout id -> (tree, leaves, end of the last leaf) for the batch path
+    w0: int  # the state word: 0 when the key is absent
+    w2: int  # the location word
+    pos: int  # the entry's position (where the key would go when absent)
+    kb: bytes  # the key's bytes (empty for an int key; index.key_bytes)
+    w1: int  # the key word
 
 
 class _Full(Exception):
@@ -250,7 +242,7 @@ class CacheStore:
         self.meta_path = sdir / "caches" / f"{self.name}.json"
         self.lock = self.registry.cache_lock(self.session, self.name, lock_timeout_s)
         self._base = self.ns.segment_name(self.session, self.name)
-        self._gen: _Gen | None = None
+        self._gen: Generation | None = None
         self._epoch = -1
         self._counters = [0, 0, 0, 0]  # hits, misses, rejected, corrupt: this process's totals
         self._counter_off = -1
@@ -280,7 +272,7 @@ class CacheStore:
             finally:
                 self.lock.release()
         self._lock_reopened = self.lock.reopened
-        self.capacity_bytes = _Q.unpack_from(self._root.buf, 72)[0]
+        self.capacity_bytes = _Q.unpack_from(self._root.buf, R.CAPACITY)[0]
         if capacity_bytes and capacity_bytes != self.capacity_bytes:
             log.warning("cache %s/%s exists with a cap of %.0f MiB; size=%.0f MiB applies only to a "
                         "new cache (clear() keeps the cap: destroy the session to change it)",
@@ -305,7 +297,7 @@ class CacheStore:
         return self._base + SEP + SEP.join((f"{self._incarnation:08x}", *parts))
 
     def _adopt(self, root: Segment) -> Segment:
-        self._incarnation = _Q.unpack_from(root.buf, _ROOT_INCARNATION)[0]
+        self._incarnation = _Q.unpack_from(root.buf, R.INCARNATION)[0]
         return root
 
     @contextlib.contextmanager
@@ -354,7 +346,7 @@ class CacheStore:
                 if stale is not None:
                     raise stale
                 self._lock_reopened = self.lock.reopened
-            if self._root is not None and _Q.unpack_from(self._root.buf, ROOT_EPOCH)[0] == DESTROYED:
+            if self._root is not None and _Q.unpack_from(self._root.buf, R.EPOCH)[0] == DESTROYED:
                 raise self._destroyed()  # its root was tombstoned: this cache is gone
         except BaseException:
             self.lock.release()
@@ -364,7 +356,7 @@ class CacheStore:
         """The error to raise if this cache's root is gone or is another incarnation's now."""
         try:
             live = Segment.attach(self._seg_name("root"), kind=KIND_ROOT)
-            same = _Q.unpack_from(live.buf, _ROOT_INCARNATION)[0] == self._incarnation
+            same = _Q.unpack_from(live.buf, R.INCARNATION)[0] == self._incarnation
             live.close()
         except (FileNotFoundError, CorruptSegment):
             same = False
@@ -381,7 +373,7 @@ class CacheStore:
             root = self._adopt(Segment.attach(self._seg_name("root"), kind=KIND_ROOT))
         except (FileNotFoundError, CorruptSegment):
             return None
-        if _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED or not self._generation_exists(root):
+        if _Q.unpack_from(root.buf, R.EPOCH)[0] == DESTROYED or not self._generation_exists(root):
             root.close()
             return None
         self._check_fingerprint(fingerprint)
@@ -397,10 +389,10 @@ class CacheStore:
         except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
             _unlink_name(self.ns, name)
             root = None
-        if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED:
+        if root is not None and _Q.unpack_from(root.buf, R.EPOCH)[0] == DESTROYED:
             root.unlink()  # tombstoned by a destroy that died before it unlinked it: finish that
             root = None
-        if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == 0:
+        if root is not None and _Q.unpack_from(root.buf, R.EPOCH)[0] == 0:
             # its creator died before publishing the first generation, maybe before writing the
             # cap (a cache of 0 bytes for good): nobody ever read it - make it afresh, below
             log.info("cache %s/%s: its creator died while making it; what it made is removed",
@@ -415,11 +407,11 @@ class CacheStore:
             # after unlinking some segments: what is left is debris - start the cache afresh
             log.warning("cache %s/%s was left half-made or half-destroyed by a process that died; "
                         "it starts empty", self.session, self.name)
-            capacity = _Q.unpack_from(root.buf, 72)[0]
+            capacity = _Q.unpack_from(root.buf, R.CAPACITY)[0]
             self._unlink_matching(self._base + SEP, keep=name)
             # a generation number this root never named: a handle still mapping the lost one must
             # see the epoch word change, never new segments under the names it maps lazily
-            gen = (_Q.unpack_from(root.buf, ROOT_EPOCH)[0] >> 32) + 1
+            gen = (_Q.unpack_from(root.buf, R.EPOCH)[0] >> 32) + 1
             self._create_generation(root, gen, capacity, _table_capacity(table_hint))
         if root is not None:
             self._check_fingerprint(fingerprint)
@@ -449,9 +441,9 @@ class CacheStore:
         })
         try:
             root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
-            root.words[72 >> 3] = capacity
-            root.words[_ROOT_INCARNATION >> 3] = secrets.randbits(32)
-            root.words[_ROOT_SIZING >> 3] = sizing
+            root.words[R.CAPACITY >> 3] = capacity
+            root.words[R.INCARNATION >> 3] = secrets.randbits(32)
+            root.words[R.SIZING >> 3] = sizing
             self._adopt(root)
             self._create_generation(root, 1, capacity, _table_capacity(table_hint))
         except BaseException:
@@ -479,7 +471,7 @@ class CacheStore:
         """The meta and table segments the root's epoch word names are there. Under the lock nobody
         is making or removing them; without it, a clear() may replace them right after (_refresh
         copes), or make this False for a moment (the opener then asks under the lock)."""
-        epoch = _Q.unpack_from(root.buf, 64)[0]
+        epoch = _Q.unpack_from(root.buf, R.EPOCH)[0]
         gen, version = epoch >> 32, epoch & 0xFFFFFFFF
         return gen > 0 and all(self.ns.shm_path(self._seg_name(f"g{gen}", part)).exists()
                                for part in ("meta", f"t{version}"))
@@ -525,17 +517,17 @@ class CacheStore:
         meta.words[M.COMMITTED >> 3] = M.SIZE + TableView.bytes_for(cap)
         meta.close()
         table.close()
-        root.words[64 >> 3] = (gen << 32) | 1  # the epoch word: published last, one store
+        root.words[R.EPOCH >> 3] = epoch_of(gen, 1)  # the epoch word: published last, one store
 
     # --- generations ----------------------------------------------------------------------------
 
-    def _refresh(self) -> _Gen:
+    def _refresh(self) -> Generation:
         """Map the generation and table version the root announces now (if not mapped already)."""
         if self._root is None:
             raise InvalidArgument(f"cache {self.session}/{self.name} was closed in this process; "
                                   f"open it again")
         for _ in range(100):
-            epoch = _Q.unpack_from(self._root.buf, 64)[0]
+            epoch = _Q.unpack_from(self._root.buf, R.EPOCH)[0]
             if epoch == self._epoch and self._gen is not None:
                 return self._gen
             if self._lock_gen != process_slot.generation():  # forked: a thread of the parent may
@@ -557,17 +549,17 @@ class CacheStore:
     def _map_epoch(self, epoch: int) -> None:
         old = self._gen
         if epoch == DESTROYED:  # tombstoned (NOTE [publish order]): every read is a miss from now on
-            self._gen = _destroyed_gen()
+            self._gen = destroyed_generation()
             self._proc_gen = -1  # its counters went with it (_count)
             self._epoch = epoch
             if old is not None:
-                _close_gen(old)
+                close_generation(old)
             return
         gen, version = epoch >> 32, epoch & 0xFFFFFFFF
         if old is not None and old.gen == gen:
             table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
-            # a new _Gen, not an update in place: a thread inside a lookup keeps the one it has
-            self._gen = _Gen(gen, version, old.meta, table, TableView(table.buf, table.name), old.classes,
+            # a new Generation, not an update in place: a thread inside a lookup keeps the one it has
+            self._gen = Generation(gen, version, old.meta, table, TableView(table.buf, table.name), old.classes,
                              old.data, old.layouts, old.columns)
         else:
             meta = Segment.attach(self._seg_name(f"g{gen}", "meta"), kind=KIND_META)
@@ -576,16 +568,16 @@ class CacheStore:
             except BaseException:
                 meta.close()
                 raise
-            self._gen = _Gen(gen, version, meta, table, TableView(table.buf, table.name),
+            self._gen = Generation(gen, version, meta, table, TableView(table.buf, table.name),
                              ClassTable(meta.buf, M.CLASSES), {}, {}, {})
             if old is not None:
-                _close_gen(old)
+                close_generation(old)
                 if self.spill is not None:  # clear() elsewhere replaced the spill files too
                     self.spill.reopen()
             self._proc_gen = -1  # counters live in the new meta: re-read our slot's totals
         self._epoch = epoch
 
-    def _data(self, g: _Gen, cls: int) -> tuple:
+    def _data(self, g: Generation, cls: int) -> tuple:
         """``(segment, read-only view, chunk size, chunks handed out when last checked)`` of size
         class ``cls``, mapped on first use (its class record checked by :meth:`_committed`)."""
         entry = g.data.get(cls)
@@ -597,7 +589,7 @@ class CacheStore:
             entry = self._committed(g, cls, (seg, memoryview(seg.buf).toreadonly(), 0, 0))
         return entry
 
-    def _committed(self, g: _Gen, cls: int, entry: tuple) -> tuple:
+    def _committed(self, g: Generation, cls: int, entry: tuple) -> tuple:
         """``entry`` of :meth:`_data` with the class record read again from meta and checked: a
         chunk size the allocator gives that class, ``bump <= committed``, and committed chunks
         inside the segment. Called when an entry points past what this process saw handed out.
@@ -616,7 +608,7 @@ class CacheStore:
         entry = g.data[cls] = (seg, view, chunk, bump)
         return entry
 
-    def _record(self, g: _Gen, w0: int, w2: int, w1: int, kb: bytes) -> memoryview:
+    def _record(self, g: Generation, w0: int, w2: int, w1: int, kb: bytes) -> memoryview:
         """The bytes of the in-memory record that entry (w0, w2) points at. The entry is checked
         first with a few int compares: a damaged one (issue 8) names a class, a chunk or a length
         the allocator never handed out, where reading would return zeros or another record."""
@@ -632,7 +624,7 @@ class CacheStore:
         start = DATA_OFF + chunk * entry[2]
         return entry[1][start:start + n]
 
-    def _layout(self, g: _Gen, lid: int) -> tuple[bytes, Callable, int]:
+    def _layout(self, g: Generation, lid: int) -> tuple[bytes, Callable, int]:
         """``(layout bytes, decoder, the end of its last leaf)`` of layout ``lid``, checked on
         first use: an id the table never gave out or bytes that are not a layout are damage."""
         item = g.layouts.get(lid)
@@ -671,7 +663,7 @@ class CacheStore:
     def _count(self, which: int, n: int = 1) -> None:
         g = self._gen
         if self._proc_gen != process_slot.generation():
-            if g.gen == _DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
+            if g.gen == DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
                 self._proc_gen = process_slot.generation()
                 return
@@ -683,7 +675,7 @@ class CacheStore:
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
                 self._proc_gen = process_slot.generation()
                 return
-            off = M.COUNTERS + 32 * slot
+            off = M.COUNTERS + M.COUNTER_ROW * slot
             key = f"{self.ns.root}{self._base}+g{g.gen}+{slot}"
             # a total of garbage (a damaged slot) restarts at 0: a stat, not worth failing reads over,
             # and one at the top of the word would overflow on the next count (struct.error)
@@ -697,8 +689,8 @@ class CacheStore:
 
     # --- reads ---------------------------------------------------------------------------------
 
-    def _find(self, g: _Gen, key: Any) -> tuple[int, int, int, bytes, int]:
-        """``(w0, w2, position, key bytes, w1)``; w0 == 0 when absent."""
+    def _find(self, g: Generation, key: Any) -> Found:
+        """The entry of ``key`` (``Found.w0`` == 0 when absent: ``pos`` is then where it would go)."""
         w1, kb = key_bytes(key)
         index = g.index
         pos, w0, w2 = index.find(w1, not kb)
@@ -713,9 +705,9 @@ class CacheStore:
             if probes >= index.capacity:  # around the whole table: no EMPTY entry ends the probe
                 raise index.corrupt()
             pos, w0, w2 = index.find_from((pos + 1) & index.mask, w1, False)
-        return w0, w2, pos, kb, w1
+        return Found(w0, w2, pos, kb, w1)
 
-    def _decode(self, g: _Gen, w0: int, w2: int, copy: bool, w1: int = 0, kb: bytes = b"") -> Any:
+    def _decode(self, g: Generation, w0: int, w2: int, copy: bool, w1: int = 0, kb: bytes = b"") -> Any:
         if w0 & SPILLED:
             buf = self.spill.read(w0, w2, w1, kb, g.gen) if self.spill is not None else None
             if buf is None:
@@ -747,6 +739,7 @@ class CacheStore:
 
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
+        # 64: R.EPOCH, inlined (a constant, not an attribute lookup, on the hot path)
         g = self._gen if _Q.unpack_from(self._root.buf, 64)[0] == self._epoch else self._refresh()
         if type(key) is int and 0 <= key < g.index.capacity:
             # the hot path, inlined (a hit of a dataset index costs ~2x a plain row copy): the key
@@ -777,10 +770,10 @@ class CacheStore:
                     if count:
                         if self._proc_gen == process_slot._generation and self._counter_off >= 0:
                             counters = self._counters
-                            counters[0] += 1
+                            counters[0] += 1  # counters[HITS], inlined
                             g.meta.words[self._counter_off >> 3] = counters[0]
                         else:
-                            self._count(0)
+                            self._count(HITS)
                     return value
         try:
             w0, w2, _, kb, w1 = self._find(g, key)
@@ -790,32 +783,30 @@ class CacheStore:
         if w0:
             if value is not _CORRUPT:
                 if count:
-                    self._count(0)
+                    self._count(HITS)
                 return value
             if self.is_current(g.gen):  # else a clear() dropped the record under us: a plain miss
-                self._count(3)
+                self._count(CORRUPT)
         if count:
-            self._count(1)
+            self._count(MISSES)
         return MISSING
 
-    def publish_spilled(self, g: _Gen, pos: int, w1: int, kb: bytes, lid: int, file_id: int,
+    def publish_spilled(self, g: Generation, pos: int, w1: int, kb: bytes, lid: int, file_id: int,
                         offset: int, stored: int, raw: int, replace: bool) -> None:
         """Publish a record that the spill layer wrote to disk (caller holds the lock); same
         intent protocol as a record in memory (NOTE [publish order])."""
-        meta = g.meta.buf
-        items, total, raw_total = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
+        items, total, raw_total = g.disk_totals()
         new = 0 if replace else 1  # a replaced corrupt record is still one item
-        table_items = _table_items(g) + new
-        _INTENT.pack_into(meta, M.INTENT, 0, pos, SPILL_CLASS, 0, items + new, total + stored,
-                          raw_total + raw, table_items)
-        g.meta.words[M.INTENT >> 3] = 1
+        intent = Intent(1, pos, SPILL_CLASS, 0, items + new, total + stored, raw_total + raw,
+                        g.table_items() + new)
+        g.begin(intent)
         w0 = READY | SPILLED | (0 if kb else INT_KEY) | (lid << 8) | (stored << 32)
         g.index.publish(pos, w0, w1, (file_id << 48) | offset)
-        g.meta.words[M.INTENT >> 3] = 2
-        _apply_totals(g.meta.words, SPILL_CLASS, items + new, total + stored, raw_total + raw, table_items)
-        g.meta.words[M.INTENT >> 3] = 0
+        g.published()
+        g.apply_totals(intent)
+        g.end()
 
-    def intern_layout(self, g: _Gen, layout: bytes) -> int:
+    def intern_layout(self, g: Generation, layout: bytes) -> int:
         """The layout id of ``layout`` in generation ``g`` (caller holds the lock)."""
         return self._intern_layout(g, layout)
 
@@ -823,7 +814,7 @@ class CacheStore:
         """Generation ``gen`` is still the cache's (no clear() replaced it): asked after a failed
         read of a spilled record, which is damage only if its generation is still in force."""
         root = self._root
-        return root is not None and _Q.unpack_from(root.buf, 64)[0] >> 32 == gen
+        return root is not None and _Q.unpack_from(root.buf, R.EPOCH)[0] >> 32 == gen
 
     def contains(self, key: Any) -> bool:
         try:
@@ -840,7 +831,7 @@ class CacheStore:
         w1, kb = key_bytes(key)
         with self._write_locked() as locked:
             if not locked:  # a live process keeps the lock: the caller serves the value uncached
-                self._count(2)
+                self._count(REJECTED)
                 return False
             if _CRASH_TESTS:
                 crash_point("locked")
@@ -855,7 +846,7 @@ class CacheStore:
                 try:
                     g = self._grow_table(g)
                 except _Full:  # the index cannot grow: nothing more is admitted, not even to disk
-                    self._count(2)
+                    self._count(REJECTED)
                     return False
                 w0, _, pos, _, _ = self._find(g, key)
             try:
@@ -872,10 +863,10 @@ class CacheStore:
                 pass
             if self.spill is not None and self.spill.put(self, g, pos, w1, kb, enc):
                 return True
-            self._count(2)
+            self._count(REJECTED)
             return False
 
-    def _insert(self, g: _Gen, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
+    def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
         lid = self._intern_layout(g, enc.layout)
         nbytes = enc.record_len(len(kb), lid == INLINE24)
         cls, chunk_size = size_class(nbytes)
@@ -897,15 +888,14 @@ class CacheStore:
         chunk_size_, bump, committed = g.classes.get(cls)
         if bump >= committed:
             committed = self._commit(g, cls, seg, chunk_size, committed)
-        meta = g.meta.buf
-        items = _Q.unpack_from(meta, M.ITEMS_MEM)[0] + 1
-        total = _Q.unpack_from(meta, M.BYTES_MEM)[0] + nbytes
-        if items > g.index.capacity or _table_items(g) >= g.index.capacity or total >> 63:
+        items, total, _ = g.mem_totals()
+        items, total, table_items = items + 1, total + nbytes, g.table_items()
+        if items > g.index.capacity or table_items >= g.index.capacity or total >> 63:
             raise self._corrupt(f"the counters in {g.meta.name} are impossible ({items - 1} items and "
-                                f"{total - nbytes} bytes in memory, {_table_items(g)} entries, in a "
+                                f"{total - nbytes} bytes in memory, {table_items} entries, in a "
                                 f"table of {g.index.capacity})", fix="it recounts them")
-        _INTENT.pack_into(meta, M.INTENT, 0, pos, cls, bump, items, total, 0, _table_items(g) + 1)
-        g.meta.words[M.INTENT >> 3] = 1  # phase 1: allocating (undo restores the bump)
+        intent = Intent(1, pos, cls, bump, items, total, 0, table_items + 1)
+        g.begin(intent)  # phase 1: allocating (undo restores the bump)
         g.classes.set_bump(cls, bump + 1)
         if _CRASH_TESTS:
             crash_point("allocated")
@@ -919,43 +909,39 @@ class CacheStore:
         if _CRASH_TESTS:
             crash_point("before_publish")
         g.index.publish(pos, w0, w1, (cls << 48) | bump)
-        g.meta.words[M.INTENT >> 3] = 2  # phase 2: published (redo the totals)
+        g.published()  # phase 2: published (redo the totals)
         if _CRASH_TESTS:
             crash_point("after_publish")
-        _apply_totals(g.meta.words, cls, items, total, 0, _table_items(g) + 1)
-        g.meta.words[M.INTENT >> 3] = 0
+        g.apply_totals(intent)
+        g.end()
 
-    def _repair(self, g: _Gen) -> int:
+    def _repair(self, g: Generation) -> int:
         """Undo or finish the last writer's work if it died mid-way (NOTE [publish order])."""
-        meta = g.meta.buf
-        phase = _Q.unpack_from(meta, M.INTENT)[0]
-        if phase == 0:
+        intent = g.intent()
+        if intent.phase == 0:
             return 0
-        intent = _INTENT.unpack_from(meta, M.INTENT)
-        _, pos, cls, old_bump, items, total, raw, table_items = intent
-        wrong = self._impossible_intent(g, *intent)
+        wrong = self._impossible_intent(g, intent)
         if wrong:  # restoring that bump would hand out live chunks again: touch nothing
             raise self._corrupt(f"the intent record in {g.meta.name} is impossible: {wrong}")
-        w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]
+        w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * intent.pos)[0]
         if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
-            _apply_totals(g.meta.words, cls, items, total, raw, table_items)
+            g.apply_totals(intent)
             reclaimed = 0
-        elif cls == SPILL_CLASS:  # a spill record nobody points to: dead bytes on disk, no chunk
+        elif intent.cls == SPILL_CLASS:  # a spill record nobody points to: dead bytes on disk, no chunk
             reclaimed = 0
         else:  # never visible: give the chunk back
-            g.classes.set_bump(cls, old_bump)
+            g.classes.set_bump(intent.cls, intent.old_bump)
             reclaimed = 1
-        g.meta.words[M.INTENT >> 3] = 0
+        g.end()
         log.info("cache %s/%s: repaired an entry left by a dead writer (%s)", self.session,
                  self.name, "reclaimed its chunk" if reclaimed else "counted it")
         return reclaimed
 
-    def _impossible_intent(self, g: _Gen, phase: int, pos: int, cls: int, old_bump: int, items: int,
-                           total: int, raw: int, table_items: int) -> str:
+    def _impossible_intent(self, g: Generation, intent: Intent) -> str:
         """Why the intent record cannot be one a writer left (NOTE [publish order]), or "". A
         writer dies with the bump where it found it or one on; phase 2 comes after its entry is
         READY; its totals are the current ones or one item more."""
-        meta = g.meta.buf
+        phase, pos, cls, old_bump, items, total, raw, table_items = intent
         if phase not in (1, 2):
             return f"phase {phase} (a writer writes 1 or 2)"
         if pos >= g.index.capacity:
@@ -964,17 +950,17 @@ class CacheStore:
         if phase == 2 and not ready:
             return f"phase 2 (published) with entry {pos} of {g.table.name} empty"
         if cls == SPILL_CLASS:
-            now_items, now_total, now_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
+            now_items, now_total, now_raw = g.disk_totals()
             most = total  # spilled sizes are not bounded by a chunk
         elif 0 < cls < MAX_CLASSES and g.classes.chunk_size(cls):
             most, bump, _ = g.classes.get(cls)
             if not ready and old_bump not in (bump, bump - 1):
                 return f"old bump {old_bump} of size class {cls}, whose bump is {bump}"
-            now_items, now_total = struct.unpack_from("QQ", meta, M.ITEMS_MEM)
+            now_items, now_total, _ = g.mem_totals()
             now_raw = raw
         else:
             return f"size class {cls} (not in use)"
-        now_table = _table_items(g)
+        now_table = g.table_items()
         if items - now_items not in (0, 1) or table_items - now_table not in (0, 1) \
                 or not 0 <= total - now_total <= most or raw < now_raw:
             return (f"totals of {items} items, {total} bytes and {table_items} entries after a write "
@@ -1018,7 +1004,7 @@ class CacheStore:
                 self.spill.collect_garbage()
             return reclaimed, removed
 
-    def _damage(self, g: _Gen) -> str:
+    def _damage(self, g: Generation) -> str:
         """What is damaged in generation ``g``, or "" (gc; caller holds the lock). Every READY
         entry is checked as readers check one, with numpy over the whole table."""
         if g.index.damage:
@@ -1056,7 +1042,7 @@ class CacheStore:
                     f"{int(s0[pos]):#x}, {int(w2[pos]):#x})")
         return ""
 
-    def _recount_items(self, g: _Gen) -> list[str]:
+    def _recount_items(self, g: Generation) -> list[str]:
         """Set the item counters that the table's entries determine; the names of those that were
         wrong (a damaged meta segment: len() and stats would lie, and a wrong entry count would
         grow the table on every write)."""
@@ -1080,7 +1066,7 @@ class CacheStore:
     def _drop_generation(self, why: str) -> None:
         """Replace a damaged generation by a new empty one (caller holds the lock): the fix that
         CorruptSegment messages promise. Old segments go with gc's sweep of non-current names."""
-        gen = (_Q.unpack_from(self._root.buf, 64)[0] >> 32) + 1
+        gen = (_Q.unpack_from(self._root.buf, R.EPOCH)[0] >> 32) + 1
         g = self._gen
         cap = g.index.capacity if g is not None and g.index.capacity else MIN_TABLE
         if self.spill is not None:
@@ -1091,7 +1077,7 @@ class CacheStore:
         log.warning("cache %s/%s was damaged (%s); gc dropped its contents (they are recomputed on "
                     "use)", self.session, self.name, why)
 
-    def _intern_layout(self, g: _Gen, layout: bytes) -> int:
+    def _intern_layout(self, g: Generation, layout: bytes) -> int:
         cache = g.layouts
         for lid, (raw, *_) in cache.items():
             if raw == layout:
@@ -1110,7 +1096,7 @@ class CacheStore:
         g.meta.words[M.N_LAYOUTS >> 3] = n + 1  # after the bytes: readers never see it half-made
         return n
 
-    def _class_segment(self, g: _Gen, cls: int, chunk_size: int) -> Segment:
+    def _class_segment(self, g: Generation, cls: int, chunk_size: int) -> Segment:
         if g.classes.chunk_size(cls):
             return self._data(g, cls)[0]
         name = self._seg_name(f"g{g.gen}", f"c{cls}")
@@ -1128,7 +1114,7 @@ class CacheStore:
         g.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size, 0)
         return seg
 
-    def _commit(self, g: _Gen, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
+    def _commit(self, g: Generation, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
         """Commit more chunks of class ``cls`` within the cap; raise _Full when there is no room
         (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling)."""
         if time.monotonic() < self._shm_full_until:
@@ -1192,14 +1178,14 @@ class CacheStore:
         if self._sizing() == SIZED or time.monotonic() < self._auto_retry_at:
             return False
         self._auto_retry_at = time.monotonic() + 1.0
-        cap = _Q.unpack_from(self._root.buf, 72)[0]  # raised by another process already?
+        cap = _Q.unpack_from(self._root.buf, R.CAPACITY)[0]  # raised by another process already?
         if cap <= self.capacity_bytes:
             now = memory_limits().auto_capacity(self._session_shm_bytes())
             if now <= self.capacity_bytes + self.capacity_bytes // 8:  # the cap as measured, give or
                 return False  # take what the session's own metadata and rounding make: kept
             cap = self.registry.raise_auto_capacity(self.session, now)
-            self._root.words[72 >> 3] = cap
-            self._root.words[_ROOT_SIZING >> 3] = AUTO  # after the cap: AUTO_NONE no more
+            self._root.words[R.CAPACITY >> 3] = cap
+            self._root.words[R.SIZING >> 3] = AUTO  # after the cap: AUTO_NONE no more
         log.info("cache %s/%s: memory is free again; the automatic cap rises from %.1f to %.1f MiB",
                  self.session, self.name, self.capacity_bytes / 2**20, cap / 2**20)
         self.capacity_bytes = cap
@@ -1209,7 +1195,7 @@ class CacheStore:
 
     def _sizing(self) -> int:
         """How this cache's cap was set: SIZED, AUTO or AUTO_NONE (the root's word)."""
-        return _Q.unpack_from(self._root.buf, _ROOT_SIZING)[0]
+        return _Q.unpack_from(self._root.buf, R.SIZING)[0]
 
     def _session_shm_bytes(self) -> int:
         """Bytes of /dev/shm that every cache of this session really occupies (allocated pages)."""
@@ -1230,7 +1216,7 @@ class CacheStore:
             then = "new items are not cached (spilling=True would keep them on disk)"
         log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)
 
-    def _grow_table(self, g: _Gen) -> _Gen:
+    def _grow_table(self, g: Generation) -> Generation:
         """Rebuild the table at twice the size as a new version (caller holds the lock)."""
         cap = g.index.capacity * 2
         version = g.version + 1
@@ -1251,13 +1237,13 @@ class CacheStore:
         old = g.table
         if _CRASH_TESTS:
             crash_point("table_built")
-        self._root.words[64 >> 3] = (g.gen << 32) | version  # publish: one store
+        self._root.words[R.EPOCH >> 3] = epoch_of(g.gen, version)  # publish: one store
         old.unlink()
         g = self._refresh()
         self._recount_committed(g)
         return g
 
-    def _recount_committed(self, g: _Gen) -> None:
+    def _recount_committed(self, g: Generation) -> None:
         """Set the committed total from what it is made of (after a growth, and in gc: a writer
         killed between two of its updates must not skew it for good)."""
         total = M.SIZE + TableView.bytes_for(g.index.capacity)
@@ -1281,15 +1267,15 @@ class CacheStore:
                 v = MISSING
             if v is _CORRUPT:
                 if self.is_current(g.gen):  # else cleared under us: a plain miss
-                    self._count(3)
+                    self._count(CORRUPT)
                 v = MISSING
             if v is MISSING:
                 missing.append(i)
             else:
                 values[i] = v
-        self._count(0, len(keys) - len(missing))
+        self._count(HITS, len(keys) - len(missing))
         if missing:
-            self._count(1, len(missing))
+            self._count(MISSES, len(missing))
         return values, missing
 
     def batch_layout(self, keys: np.ndarray) -> tuple | None:
@@ -1305,7 +1291,7 @@ class CacheStore:
             return None
         return self._columns(g, lid)
 
-    def _columns(self, g: _Gen, lid: int) -> tuple:
+    def _columns(self, g: Generation, lid: int) -> tuple:
         """``(tree, leaves, end of the last leaf)`` of layout ``lid`` for the batch path."""
         shape = g.columns.get(lid)
         if shape is None:
@@ -1392,7 +1378,7 @@ class CacheStore:
         except _UNDECODABLE as exc:
             raise self._undecodable(f"a record of the batch of keys from {int(keys[0])} in {seg.name}",
                                     exc) from None
-        self._count(0, len(keys))
+        self._count(HITS, len(keys))
         return tree, leaves, columns
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -1402,17 +1388,16 @@ class CacheStore:
         meta = g.meta.buf
         items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
         items_disk, bytes_disk, bytes_disk_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
-        counters = np.ndarray((MAX_SLOTS, 4), np.uint64, meta, M.COUNTERS).sum(axis=0)
+        counters = np.ndarray((MAX_SLOTS, len(COUNTER_NAMES)), np.uint64, meta, M.COUNTERS).sum(axis=0)
         items = items_mem + items_disk
         return {
             "session": self.session, "name": self.name,
             "items_mem": items_mem, "items_disk": items_disk,
             "bytes_mem": bytes_mem, "bytes_disk": bytes_disk, "bytes_disk_raw": bytes_disk_raw,
             "avg_item_bytes": (bytes_mem + bytes_disk_raw) // items if items else 0,
-            "hits": int(counters[0]), "misses": int(counters[1]), "rejected": int(counters[2]),
-            "corrupt": int(counters[3]),
+            **{name: int(n) for name, n in zip(COUNTER_NAMES, counters)},
             "capacity_bytes": self.capacity_bytes, "committed_bytes": committed,
-            "shm_bytes": self.shm_bytes() if g.gen != _DEAD_GEN else 0,  # not the cache made again
+            "shm_bytes": self.shm_bytes() if g.gen != DEAD_GEN else 0,  # not the cache made again
         }
 
     def shm_bytes(self) -> int:
@@ -1450,7 +1435,7 @@ class CacheStore:
             self.spill.close()
             self.spill = None
         if self._gen is not None:
-            _close_gen(self._gen)
+            close_generation(self._gen)
             self._gen = None
         self._epoch = -1
         if self._root is not None:
@@ -1466,7 +1451,7 @@ class CacheStore:
         with self.locked():
             spill_path = self.read_meta().get("spill_path")
             # the tombstone first: every handle still mapping this root misses from now on
-            self._root.words[ROOT_EPOCH >> 3] = DESTROYED
+            self._root.words[R.EPOCH >> 3] = DESTROYED
             self.meta_path.unlink(missing_ok=True)
             _unlink_name(self.ns, self._seg_name("root"))  # first: the cache is gone at once
             self._unlink_matching(self._base + SEP)
@@ -1502,17 +1487,17 @@ class UncachedStore:
 
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         if count:
-            self._counters[1] += 1
+            self._counters[MISSES] += 1
         return MISSING
 
     def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
-        self._counters[1] += len(keys)
+        self._counters[MISSES] += len(keys)
         return [MISSING] * len(keys), list(range(len(keys)))
 
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
         if encoded is None:
             codec.encode(value, f"the value of key {key!r}")  # what is not cacheable says so anyway
-        self._counters[2] += 1
+        self._counters[REJECTED] += 1
         return False
 
     def contains(self, key: Any) -> bool:
@@ -1537,8 +1522,8 @@ class UncachedStore:
 
     def stats(self) -> dict:
         st = dict.fromkeys(STAT_KEYS, 0)
-        st.update(session=self.session, name=self.name, hits=self._counters[0],
-                  misses=self._counters[1], rejected=self._counters[2], corrupt=0,
+        st.update(session=self.session, name=self.name, hits=self._counters[HITS],
+                  misses=self._counters[MISSES], rejected=self._counters[REJECTED], corrupt=0,
                   committed_bytes=0, shm_bytes=0, uncached=True)
         return st
 
@@ -1661,19 +1646,6 @@ def _key_repr(w1: int, kb: bytes) -> str:
     return repr(kb[1:].decode("utf-8", "surrogatepass") if kb[:1] == b"s" else kb[1:])
 
 
-def _apply_totals(words, cls: int, items: int, total: int, raw: int, table_items: int) -> None:
-    """Assign the totals after a write (read lock-free by len() and stats: one store each)."""
-    if cls == SPILL_CLASS:
-        words[M.ITEMS_DISK >> 3], words[M.BYTES_DISK >> 3], words[M.BYTES_DISK_RAW >> 3] = items, total, raw
-    else:
-        words[M.ITEMS_MEM >> 3], words[M.BYTES_MEM >> 3] = items, total
-    words[M.TABLE_ITEMS >> 3] = table_items
-
-
-def _table_items(g: _Gen) -> int:
-    return _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0]
-
-
 # (namespace, session, pid) -> [bytes this process may still commit, until when] before the
 # session's caches are summed again (CacheStore._commit, NOTE [memory limits]). Per process, not
 # per handle: two caches of one process that each trusted their own look would each take the
@@ -1700,37 +1672,6 @@ def _index_reserve(limit: int) -> int:
 def _table_capacity(hint: int) -> int:
     want = max(MIN_TABLE, int(hint / MAX_LOAD) + 1)
     return 1 << (want - 1).bit_length()
-
-
-class _Private:
-    """Process-private memory in place of a segment (the generation of a destroyed cache)."""
-
-    def __init__(self, size: int):
-        self.buf = bytearray(size)
-        self.words = word_view(self.buf)
-
-    def close(self) -> None:
-        pass
-
-
-_DEAD_GEN = DESTROYED >> 32  # never a real generation (they count up from 1)
-
-
-def _destroyed_gen() -> _Gen:
-    """What a handle maps once its cache's root is tombstoned: an empty generation in private
-    memory, so every read path (lookup, batches, contains, len, stats) finds nothing."""
-    meta, table = _Private(M.SIZE), _Private(TableView.bytes_for(8))
-    TableView.init(table.buf, 8)
-    return _Gen(_DEAD_GEN, 0, meta, table, TableView(table.buf), ClassTable(meta.buf, M.CLASSES),
-                {}, {}, {})
-
-
-def _close_gen(g: _Gen) -> None:
-    """Forget a generation's mappings. Nothing is unmapped by hand: another thread may still be
-    inside a lookup or a gather on them; they go with the last reference (segment.Segment)."""
-    g.data.clear()
-    g.layouts.clear()
-    g.columns.clear()
 
 
 def _unlink_name(ns: Namespace, name: str) -> None:
