@@ -167,9 +167,23 @@ from .generation import (
     destroyed_generation,
     epoch_of,
 )
-from .index import ENTRY_BYTES, INLINE24, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
+from .index import (
+    ENTRY_BYTES,
+    INLINE24,
+    INT_KEY,
+    MAX_LOAD,
+    READY,
+    SPILLED,
+    TABLE_OFF,
+    TableView,
+    entry_length,
+    key_bytes,
+    state_word,
+    tier_key,
+)
 from .registry import DESTROYED, MAX_SLOTS, SEP, SessionRegistry, write_json
 from .segment import PAGE, Segment
+from .tier_protocol import IndexedTier, Location
 
 __all__ = ["CacheStore", "UncachedStore", "STAT_KEYS"]
 
@@ -253,7 +267,7 @@ class CacheStore:
         self._map_lock = threading.Lock()
         self._lock_gen = process_slot.generation()
         self._buffers = _BatchBuffers()
-        self.spill = None  # set by the spill layer when spilling is on
+        self.spill: IndexedTier | None = None  # where records go when memory is full (spill_to)
         self._root = None
         self._incarnation = 0  # the root's (set when it is opened; see the module docstring)
         self._lock_stuck_until = 0.0  # puts try the lock without waiting until then (_write_locked)
@@ -709,7 +723,7 @@ class CacheStore:
 
     def _decode(self, g: Generation, w0: int, w2: int, copy: bool, w1: int = 0, kb: bytes = b"") -> Any:
         if w0 & SPILLED:
-            buf = self.spill.read(w0, w2, w1, kb, g.gen) if self.spill is not None else None
+            buf = self._read_spilled(w0, w2, w1, kb, g.gen)
             if buf is None:
                 return _CORRUPT
         else:
@@ -791,24 +805,59 @@ class CacheStore:
             self._count(MISSES)
         return MISSING
 
-    def publish_spilled(self, g: Generation, pos: int, w1: int, kb: bytes, lid: int, file_id: int,
-                        offset: int, stored: int, raw: int, replace: bool) -> None:
-        """Publish a record that the spill layer wrote to disk (caller holds the lock); same
-        intent protocol as a record in memory (NOTE [publish order])."""
-        items, total, raw_total = g.disk_totals()
+    def _spill(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded, *,
+               replace: bool = False) -> bool:
+        """Write the record to the spill tier and publish where it went at table position ``pos``
+        (caller holds the lock): the same intent protocol as a record in memory (NOTE [publish
+        order]). ``replace``: the entry there is a spilled record found corrupt, rewritten in
+        place. False if the tier did not take it."""
+        tier = self.spill
+        if tier is None or not tier.accepting:
+            return False
+        lid = self._intern_layout(g, enc.layout)
+        record = bytearray(enc.record_len(len(kb), lid == INLINE24))
+        enc.write(memoryview(record), codec.INLINE if lid == INLINE24 else lid, kb)
+        loc = tier.write(tier_key(w1, kb), record)
+        if loc is None or loc.stored >= 1 << 32:  # the entry's length field has 32 bits
+            return False
+        if _CRASH_TESTS:
+            crash_point("spilled")  # record on disk, not yet in the index
+        items, total, raw = g.disk_totals()
         new = 0 if replace else 1  # a replaced corrupt record is still one item
-        intent = Intent(1, pos, SPILL_CLASS, 0, items + new, total + stored, raw_total + raw,
+        intent = Intent(1, pos, SPILL_CLASS, 0, items + new, total + loc.stored, raw + loc.raw,
                         g.table_items() + new)
         g.begin(intent)
-        w0 = READY | SPILLED | (0 if kb else INT_KEY) | (lid << 8) | (stored << 32)
-        g.index.publish(pos, w0, w1, (file_id << 48) | offset)
+        g.index.publish(pos, state_word(READY | SPILLED | (0 if kb else INT_KEY), lid, loc.stored), w1, loc.word)
         g.published()
         g.apply_totals(intent)
         g.end()
+        return True
 
-    def intern_layout(self, g: Generation, layout: bytes) -> int:
-        """The layout id of ``layout`` in generation ``g`` (caller holds the lock)."""
-        return self._intern_layout(g, layout)
+    def _read_spilled(self, w0: int, w2: int, w1: int, kb: bytes, gen: int = -1) -> bytearray | None:
+        """The record a spilled entry of generation ``gen`` names, or None; a read that fails
+        because a clear() replaced that generation meanwhile is a quiet miss (the caller counts
+        it as a plain miss)."""
+        if self.spill is None:
+            return None
+        stale = None if gen < 0 else (lambda: not self.is_current(gen))
+        return self.spill.read(Location(w2, entry_length(w0)), tier_key(w1, kb), stale)
+
+    def spill_to(self, tier: IndexedTier, *, record: bool = True) -> None:
+        """Put records that memory refuses into ``tier`` from now on (NOTE [tiers]), and read
+        spilled entries from it. ``record``: note its place in the cache's metadata first, so
+        ``destroy`` and ``gc`` find it (a reader that only looks - stat, gc - passes False)."""
+        if record and self.read_meta().get("spill_path") != tier.where:
+            with self.locked():  # the cache's metadata is only ever rewritten under its lock
+                meta = self.read_meta()
+                if meta.get("spill_path") != tier.where:
+                    meta["spill_path"] = tier.where
+                    write_json(self.meta_path, meta)
+        self.spill = tier
+
+    @property
+    def incarnation(self) -> int:
+        """The root's incarnation (module docstring): tells this cache from one made again."""
+        return self._incarnation
 
     def is_current(self, gen: int) -> bool:
         """Generation ``gen`` is still the cache's (no clear() replaced it): asked after a failed
@@ -838,8 +887,8 @@ class CacheStore:
             g = self._refresh()
             self._repair(g)
             w0, w2, pos, _, _ = self._find(g, key)
-            if w0 and w0 & SPILLED and self.spill is not None and not self.spill.readable(w0, w2, w1, kb):
-                return self.spill.put(self, g, pos, w1, kb, enc, replace=True)  # a corrupt record
+            if w0 and w0 & SPILLED and self.spill is not None and self._read_spilled(w0, w2, w1, kb) is None:
+                return self._spill(g, pos, w1, kb, enc, replace=True)  # a corrupt record
             if w0:
                 return True  # another process stored it first: stored once
             if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
@@ -861,7 +910,7 @@ class CacheStore:
                 # it can never fit in memory, but a spill file takes any size: spill it below
             except _Full:
                 pass
-            if self.spill is not None and self.spill.put(self, g, pos, w1, kb, enc):
+            if self._spill(g, pos, w1, kb, enc):
                 return True
             self._count(REJECTED)
             return False
@@ -1123,7 +1172,7 @@ class CacheStore:
         used = _Q.unpack_from(meta, M.COMMITTED)[0]
         step = commit_step_chunks(chunk_size)
         keep = shm_free = 0
-        if self.spill is not None and not self.spill.disabled:  # one statvfs, when spilling only
+        if self.spill is not None and self.spill.accepting:  # one statvfs, when spilling only
             shm_total, shm_free = _shm_space()
             keep = _index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))
         room = (self.capacity_bytes - keep - used) // chunk_size
@@ -1210,8 +1259,8 @@ class CacheStore:
         if self._shm_full_logged:
             return
         self._shm_full_logged = True
-        if self.spill is not None and not self.spill.disabled:
-            then = f"new items go to disk (spill files in {self.spill.path})"
+        if self.spill is not None and self.spill.accepting:
+            then = f"new items go to disk (spill files in {self.spill.where})"
         else:
             then = "new items are not cached (spilling=True would keep them on disk)"
         log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)

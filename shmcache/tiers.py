@@ -32,6 +32,17 @@ NOTE [tiers]
     tier), and what the process computes is offered to every tier, which may write it behind the
     training loop and drop it when its queue is full. A value in shared memory is never replaced
     by a tier's: shared memory is the first and final word on one node.
+
+    The spill files are a tier too, of the other kind: an *indexed* tier
+    (``tier_protocol.IndexedTier``, implemented by ``spill/tier.py``'s ``SpillTier``), found
+    through the store's own shared index rather than asked by key. It holds the same key
+    (``index.tier_key``) with the record, but it does not decide anything: the store, under its
+    lock, calls ``write(key, record)``, which only stores and answers a ``Location`` (or None: not
+    stored, a miss later), and publishes that location in the index with the intent record of
+    NOTE [publish order]; a reader hands the entry's location back to ``read(location, key)``,
+    which checks the key and the record and answers None for anything else. The store gets it
+    through ``CacheStore.spill_to(tier)`` and never calls back into the spill package, and the
+    tier never touches the store.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from . import codec
 from .errors import ShmcacheError
-from .index import key_bytes
+from .index import key_bytes, tier_key
 from .store import MISSING
 
 __all__ = ["Tier", "TieredStore", "portable_key", "portable_record", "decode_portable"]
@@ -77,8 +88,7 @@ class Tier(Protocol):
 
 def portable_key(key: Any) -> bytes:
     """The key a tier is asked for (NOTE [tiers]); InvalidKey for a key the cache refuses."""
-    w1, kb = key_bytes(key)
-    return w1.to_bytes(8, "little") + kb
+    return tier_key(*key_bytes(key))
 
 
 def portable_record(enc: codec.Encoded, key: Any) -> bytes:

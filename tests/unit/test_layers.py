@@ -25,9 +25,10 @@ RANK = {
     "process_slot": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3,
     "spill.format": 3, "spill.recovery": 3.1, "spill.files": 3.2, "spill": 3.3,
     "generation": 3.5,  # a cache's root and meta words, the totals and the intent record
+    "tier_protocol": 3.5,  # what the store needs of an indexed tier (the spill tier): NOTE [tiers]
     "store": 4,
     "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
-    "spill.tier": 5,  # wires spill files into the store; used by the torch layer and the CLI
+    "spill.tier": 5,  # the spill tier (an IndexedTier) and where its folder is; used above the store
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
     "dataset": 6, "prefetch": 6, "sink": 7,
@@ -35,7 +36,8 @@ RANK = {
     "cli": 8, "launch.run": 8, "launch": 8.1,
 }
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
-            "store", "generation", "cli", "spill", "spill.format", "spill.recovery", "spill.files", "spill.tier",
+            "store", "generation", "tier_protocol", "cli", "spill", "spill.format", "spill.recovery",
+            "spill.files", "spill.tier",
             "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil"]
 TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
 
