@@ -120,7 +120,6 @@ import platform
 import secrets
 import shutil
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -128,7 +127,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import codec, process_slot
+from . import codec, gather, process_slot
 from ._faults import ARMED as _CRASH_TESTS
 from ._faults import crash_point
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
@@ -266,7 +265,7 @@ class CacheStore:
         self._auto_retry_at = 0.0  # an auto-sized cache found full asks again then (_raise_auto_cap)
         self._map_lock = threading.Lock()
         self._lock_gen = process_slot.generation()
-        self._buffers = _BatchBuffers()
+        self._buffers = gather.BatchBuffers()
         self.spill: IndexedTier | None = None  # where records go when memory is full (spill_to)
         self._root = None
         self._incarnation = 0  # the root's (set when it is opened; see the module docstring)
@@ -1348,25 +1347,7 @@ class CacheStore:
             shape = g.columns[lid] = (*codec.leaves(raw), end)
         return shape
 
-    @staticmethod
-    def out_matches(layout: tuple, n: int, out: list, dtypes: list, shapes: list) -> bool:
-        """True if ``out`` (one array per leaf, in the record's leaf order; ``dtypes``: the torch
-        dtype name of a tensor out, else None; ``shapes``: their shapes) can receive a batch of
-        ``n`` records of ``layout`` (what ``batch_layout`` returned) byte for byte."""
-        leaves = layout[1]
-        if len(out) != len(leaves):
-            return False
-        for arr, dtype, arr_shape, leaf in zip(out, dtypes, shapes, leaves):
-            if leaf.tag not in ("i", "f", "b", "a", "e") or not arr.flags.c_contiguous:
-                return False
-            if arr_shape != (n, *leaf.shape):
-                return False
-            if leaf.tag == "e":
-                if dtype != leaf.meta.split(":", 1)[0] or arr.nbytes != n * leaf.nbytes:
-                    return False
-            elif arr.dtype != leaf.dtype:
-                return False
-        return True
+    out_matches = staticmethod(gather.out_matches)
 
     def absent_ints(self, keys: np.ndarray) -> np.ndarray:
         """The int64 ``keys`` that are not cached (in memory or on disk), in their order: one
@@ -1378,7 +1359,7 @@ class CacheStore:
         """True if every int key is cached in memory with one layout and size class: what
         :meth:`gather_ints` needs (checked without copying or counting anything)."""
         g = self._refresh()
-        return len(keys) > 0 and _uniform(*g.index.lookup_ints(keys))
+        return len(keys) > 0 and gather.uniform(*g.index.lookup_ints(keys))
 
     def gather_ints(self, keys: np.ndarray, out: list | None = None):
         """Vectorised batch of int keys that share one layout and one size class, all in memory.
@@ -1391,37 +1372,28 @@ class CacheStore:
         g = self._refresh()
         if len(keys) == 0:
             return None
-        w0, w2 = g.index.lookup_ints(keys)
-        if not _uniform(w0, w2):
+        batch = gather.plan(g.index, keys)
+        if batch is None:
             return None
-        first0, first2 = int(w0[0]), int(w2[0])
-        lid = (first0 >> 8) & INLINE24
-        if lid == INLINE24:
-            return None
-        tree, leaves, end = self._columns(g, lid)
-        cls = first2 >> 48
+        tree, leaves, end = self._columns(g, batch.layout)
+        cls, n = batch.cls, batch.length
         try:
             entry = g.data.get(cls) or self._data(g, cls)
         except FileNotFoundError:  # cleared meanwhile: the caller's slow path sees misses
             return None
-        chunks = (w2 & np.uint64(_M48)).astype(np.intp)
         # the checks of _record, for the whole batch at once: every chunk handed out, the one
         # length within a chunk and long enough for the layout (issue 8: never zeros or a neighbour)
-        top, n = int(chunks.max()), first0 >> 32
+        top = int(batch.chunks.max())
         if top >= entry[3] or not end <= n <= entry[2]:  # end: at least a record header (_layout)
             entry = self._committed(g, cls, entry)
             if top >= entry[3] or not end <= n <= entry[2]:
                 raise self._corrupt(f"an entry of {g.table.name} in a batch of keys from {int(keys[0])} "
                                     f"points at {n} bytes in chunk {top} of size class {cls}, which "
                                     f"has handed out {entry[3]} chunks of {entry[2]} bytes (layout "
-                                    f"{lid} needs {end})")
+                                    f"{batch.layout} needs {end})")
         seg, _, chunk, handed_out = entry
-        rows = np.ndarray((handed_out, chunk), np.uint8, seg.buf, DATA_OFF)
-        columns = []
         try:  # str, bytes and pickled leaves decode per item: damaged bytes raise there
-            for i, leaf in enumerate(leaves):
-                columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None,
-                                            self._buffers))
+            columns = gather.columns(seg.buf, handed_out, chunk, batch.chunks, leaves, out, self._buffers)
         except ShmcacheError:
             raise
         except _UNDECODABLE as exc:
@@ -1593,90 +1565,6 @@ class _Missing:
 
 MISSING: Any = _Missing()
 _CORRUPT: Any = object()
-
-
-class _BatchBuffers:
-    """Recycled output buffers for large batches gathered without ``out=``.
-
-    A fresh batch above glibc's mmap threshold (32 MiB: 256 images of 150 KB) is new memory every
-    time, and the page faults of its first touch cost as much as the copy itself. A buffer is
-    handed out again once nothing references it any more - the batch (and every tensor or view
-    made from it) was dropped: its reference count is back to the pool's own.
-    """
-
-    MIN_BYTES = 4 << 20
-    PER_SHAPE = 4
-
-    def __init__(self):
-        self._free: dict[tuple, list[np.ndarray]] = {}
-        # what the count reads for a buffer only the pool holds, measured through the same code
-        # path (so it holds whatever an interpreter version borrows or adds)
-        self._alone = _refs([np.empty(1)], 0)
-        # a DataLoader's pin-memory thread gathers batches sent by workers as keys, next to the
-        # main thread (NOTE [collated batch] in dataset.py): two must never take one buffer
-        self._lock = threading.Lock()
-        self._lock_gen = process_slot.generation()
-
-    def take(self, shape: tuple) -> np.ndarray:
-        if self._lock_gen != process_slot.generation():  # forked: a thread of the parent may have held it
-            self._lock, self._lock_gen = threading.Lock(), process_slot.generation()
-        with self._lock:
-            return self._take(shape)
-
-    def _take(self, shape: tuple) -> np.ndarray:
-        pool = self._free.setdefault(shape, [])
-        for i in range(len(pool)):
-            if _refs(pool, i) <= self._alone:
-                return pool[i]
-        arr = np.empty(shape, np.uint8)
-        if len(pool) >= self.PER_SHAPE:
-            pool.pop(0)  # forget the oldest (whoever holds it keeps it alive)
-        pool.append(arr)
-        return arr
-
-
-def _refs(pool: list, i: int) -> int:
-    return sys.getrefcount(pool[i])
-
-
-def _gather_leaf(rows: np.ndarray, chunks: np.ndarray, leaf: codec.Leaf, out, buffers: _BatchBuffers):
-    """One field of every record in the batch, stacked: a single vectorised copy."""
-    n = len(chunks)
-    if leaf.tag == "n":
-        return None
-    if leaf.tag in ("i", "f", "b", "a", "e"):
-        column = rows[:, leaf.offset:leaf.offset + leaf.nbytes]  # strided view, one row per chunk
-        if out is not None:
-            _gather_rows(column, chunks, out.reshape(n, -1).view(np.uint8))
-            return out
-        if n * leaf.nbytes >= _BatchBuffers.MIN_BYTES:
-            flat = buffers.take((n, leaf.nbytes))
-            _gather_rows(column, chunks, flat)
-        else:
-            flat = column[chunks]  # fancy indexing walks the strides: one copy per row
-        if leaf.tag == "e":
-            return flat
-        return flat.view(leaf.dtype).reshape((n, *leaf.shape))
-    decode = codec.leaf_decoder(leaf)  # str / bytes / pickle: per item
-    return [decode(rows[c]) for c in chunks]
-
-
-def _gather_rows(column: np.ndarray, chunks: np.ndarray, dst: np.ndarray) -> None:
-    """Gather rows of a strided view into ``dst`` without a temporary (large rows: a loop is fine,
-    small rows: one fancy-index copy into a temporary that stays in cache)."""
-    if column.shape[1] >= 16384:
-        for i, c in enumerate(chunks):
-            dst[i] = column[c]
-    else:
-        dst[...] = column[chunks]
-
-
-def _uniform(w0: np.ndarray, w2: np.ndarray) -> bool:
-    """All present, in memory, one layout, one class: the w0 words are equal (READY set; one layout
-    and int keys make one record length), and the w2 words agree on the class bits."""
-    first0 = int(w0[0])
-    return bool(first0 & READY) and not first0 & SPILLED \
-        and not (w0 != w0[0]).any() and not ((w2 ^ w2[0]) >> np.uint64(48)).any()
 
 
 def _first_empty(index: TableView, w1: int) -> int:

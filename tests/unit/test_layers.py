@@ -25,6 +25,7 @@ RANK = {
     "process_slot": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3,
     "spill.format": 3, "spill.recovery": 3.1, "spill.files": 3.2, "spill": 3.3,
     "generation": 3.5,  # a cache's root and meta words, the totals and the intent record
+    "gather": 3.5,  # the vectorised batch gather (columns out of a class segment)
     "tier_protocol": 3.5,  # what the store needs of an indexed tier (the spill tier): NOTE [tiers]
     "store": 4,
     "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
@@ -36,7 +37,7 @@ RANK = {
     "cli": 8, "launch.run": 8, "launch": 8.1,
 }
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
-            "store", "generation", "tier_protocol", "cli", "spill", "spill.format", "spill.recovery",
+            "store", "generation", "gather", "tier_protocol", "cli", "spill", "spill.format", "spill.recovery",
             "spill.files", "spill.tier",
             "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil"]
 TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
