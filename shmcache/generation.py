@@ -22,7 +22,8 @@ from .segment import Segment, word_view
 
 __all__ = ["KIND_ROOT", "KIND_META", "KIND_TABLE", "KIND_DATA", "RootLayout", "SIZED", "AUTO", "AUTO_NONE",
            "MetaLayout", "M", "HITS", "MISSES", "REJECTED", "CORRUPT", "COUNTER_NAMES", "INTENT", "Intent",
-           "SPILL_CLASS", "Generation", "DEAD_GEN", "destroyed_generation", "close_generation", "epoch_of"]
+           "SPILL_CLASS", "Generation", "DEAD_GEN", "destroyed_generation", "close_generation", "epoch_of",
+           "split_epoch"]
 
 KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4  # segment kinds (segment.py's header)
 _Q = struct.Struct("Q")
@@ -43,6 +44,11 @@ SIZED, AUTO, AUTO_NONE = 0, 1, 2  # size= given; size=0; size=0 on a full machin
 def epoch_of(gen: int, version: int) -> int:
     """The epoch word that names generation ``gen`` and table version ``version``."""
     return (gen << 32) | version
+
+
+def split_epoch(epoch: int) -> tuple[int, int]:
+    """``(generation, table version)`` of an epoch word (DESTROYED: DEAD_GEN)."""
+    return epoch >> 32, epoch & 0xFFFFFFFF
 
 
 class MetaLayout:

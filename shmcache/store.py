@@ -165,18 +165,23 @@ from .generation import (
     close_generation,
     destroyed_generation,
     epoch_of,
+    split_epoch,
 )
 from .index import (
     ENTRY_BYTES,
     INLINE24,
     INT_KEY,
+    LOCATION_MASK,
     MAX_LOAD,
     READY,
     SPILLED,
     TABLE_OFF,
     TableView,
+    entry_class,
+    entry_layout,
     entry_length,
     key_bytes,
+    location_word,
     state_word,
     tier_key,
 )
@@ -191,8 +196,7 @@ log = logging.getLogger("shmcache")
 _Q = struct.Struct("Q")
 _QQ = struct.Struct("QQ")
 R = RootLayout
-_KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.RECORD_HEADER)
-_M48 = (1 << 48) - 1
+_KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.record_header, inlined)
 MIN_TABLE = 1024
 _STUCK_COOLDOWN_S = 30.0  # puts stop waiting for a lock that a live process keeps (_write_locked)
 MAX_RECORD = (1 << 32) - 1
@@ -424,7 +428,7 @@ class CacheStore:
             self._unlink_matching(self._base + SEP, keep=name)
             # a generation number this root never named: a handle still mapping the lost one must
             # see the epoch word change, never new segments under the names it maps lazily
-            gen = (_Q.unpack_from(root.buf, R.EPOCH)[0] >> 32) + 1
+            gen = split_epoch(_Q.unpack_from(root.buf, R.EPOCH)[0])[0] + 1
             self._create_generation(root, gen, capacity, _table_capacity(table_hint))
         if root is not None:
             self._check_fingerprint(fingerprint)
@@ -485,7 +489,7 @@ class CacheStore:
         is making or removing them; without it, a clear() may replace them right after (_refresh
         copes), or make this False for a moment (the opener then asks under the lock)."""
         epoch = _Q.unpack_from(root.buf, R.EPOCH)[0]
-        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
+        gen, version = split_epoch(epoch)
         return gen > 0 and all(self.ns.shm_path(self._seg_name(f"g{gen}", part)).exists()
                                for part in ("meta", f"t{version}"))
 
@@ -568,7 +572,7 @@ class CacheStore:
             if old is not None:
                 close_generation(old)
             return
-        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
+        gen, version = split_epoch(epoch)
         if old is not None and old.gen == gen:
             table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
             # a new Generation, not an update in place: a thread inside a lookup keeps the one it has
@@ -625,9 +629,10 @@ class CacheStore:
         """The bytes of the in-memory record that entry (w0, w2) points at. The entry is checked
         first with a few int compares: a damaged one (issue 8) names a class, a chunk or a length
         the allocator never handed out, where reading would return zeros or another record."""
+        # index.entry_class, entry_chunk and entry_length, inlined (every str key's read comes here)
         cls = w2 >> 48
         entry = g.data.get(cls) or self._data(g, cls)
-        chunk, n = w2 & _M48, w0 >> 32
+        chunk, n = w2 & LOCATION_MASK, w0 >> 32
         if chunk >= entry[3] or not 16 <= n <= entry[2]:  # 16: _MIN_RECORD, as a constant
             entry = self._committed(g, cls, entry)  # more may have been handed out since
             if chunk >= entry[3] or not _MIN_RECORD <= n <= entry[2]:
@@ -712,6 +717,7 @@ class CacheStore:
         probes = 0
         while w0 and kb and not w0 & SPILLED:
             rec = self._record(g, w0, w2, w1, kb)
+            # codec.record_header(rec).key_len and codec.record_key(rec), inlined: a call less per probe
             if _KEY_LEN.unpack_from(rec, 4)[0] == len(kb) and rec[len(rec) - len(kb):] == kb:
                 break
             probes += 1
@@ -728,19 +734,15 @@ class CacheStore:
         else:
             view = self._record(g, w0, w2, w1, kb)
             buf = bytearray(view) if copy else view
-        lid = (w0 >> 8) & INLINE24
+        lid = entry_layout(w0)
         try:  # a damaged record must not decode to a raw exception (issue 8); free unless raised
             if lid == INLINE24:
-                _, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(buf, 0)
-                end = len(buf) - key_len
-                if not 0 <= end - lay_len < end:
-                    raise ValueError(f"an inline layout of {lay_len} bytes and a key of {key_len}")
-                return codec.decode(buf, bytes(buf[end - lay_len:end]))
+                return codec.decode(buf, codec.inline_layout(buf))
             return self._layout(g, lid)[1](buf)  # a record too short for it raises (codec)
         except ShmcacheError:
             raise
         except _UNDECODABLE as exc:
-            where = "a spill file" if w0 & SPILLED else self._seg_name(f"g{g.gen}", f"c{w2 >> 48}")
+            where = "a spill file" if w0 & SPILLED else self._seg_name(f"g{g.gen}", f"c{entry_class(w2)}")
             raise self._undecodable(f"the record of key {_key_repr(w1, kb)} in {where}", exc) from None
 
     def _undecodable(self, what: str, exc: Exception) -> CorruptSegment:
@@ -767,9 +769,10 @@ class CacheStore:
             w0 = _Q.unpack_from(buf, off)[0]  # first, on its own: see index.py
             if w0 & 7 == READY | INT_KEY:  # and not SPILLED
                 k, w2 = _QQ.unpack_from(buf, off + 8)
+                # index.entry_class, entry_layout, entry_chunk and entry_length, inlined
                 data = g.data.get(w2 >> 48)
                 layout = g.layouts.get((w0 >> 8) & INLINE24)
-                chunk, n = w2 & _M48, w0 >> 32
+                chunk, n = w2 & LOCATION_MASK, w0 >> 32
                 value = MISSING
                 if k == key and data is not None and layout is not None and chunk < data[3] \
                         and layout[2] <= n <= data[2]:
@@ -862,7 +865,7 @@ class CacheStore:
         """Generation ``gen`` is still the cache's (no clear() replaced it): asked after a failed
         read of a spilled record, which is damage only if its generation is still in force."""
         root = self._root
-        return root is not None and _Q.unpack_from(root.buf, R.EPOCH)[0] >> 32 == gen
+        return root is not None and split_epoch(_Q.unpack_from(root.buf, R.EPOCH)[0])[0] == gen
 
     def contains(self, key: Any) -> bool:
         try:
@@ -953,10 +956,10 @@ class CacheStore:
                 mv[start:start + nbytes // 2] = b"\xee" * (nbytes // 2)
                 crash_point("mid_copy")
             enc.write(mv[start:start + nbytes], lid if lid != INLINE24 else codec.INLINE, kb)
-        w0 = READY | (0 if kb else INT_KEY) | (lid << 8) | (nbytes << 32)
+        w0 = state_word(READY | (0 if kb else INT_KEY), lid, nbytes)
         if _CRASH_TESTS:
             crash_point("before_publish")
-        g.index.publish(pos, w0, w1, (cls << 48) | bump)
+        g.index.publish(pos, w0, w1, location_word(cls, bump))
         g.published()  # phase 2: published (redo the totals)
         if _CRASH_TESTS:
             crash_point("after_publish")
@@ -1077,12 +1080,12 @@ class CacheStore:
         ready = (s0 & np.uint64(READY)) != 0
         if ((s0 != 0) & ~ready).any() or (s0 & np.uint64(0xF8)).any():
             return f"{g.table.name} holds entries with state bits no writer sets"
-        lid = (s0 >> np.uint64(8)) & np.uint64(INLINE24)
+        lid = (s0 >> np.uint64(8)) & np.uint64(INLINE24)  # index.entry_layout, over the whole table
         bad_lid = ready & (lid >= np.uint64(count)) & (lid != np.uint64(INLINE24))
         mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
         cls = np.minimum(w2 >> np.uint64(48), np.uint64(MAX_CLASSES)).astype(np.intp)
         n = s0 >> np.uint64(32)
-        bad = mem & (((w2 & np.uint64(_M48)) >= handed[cls]) | (n > chunk[cls])
+        bad = mem & (((w2 & np.uint64(LOCATION_MASK)) >= handed[cls]) | (n > chunk[cls])
                      | (n < np.uint64(_MIN_RECORD)))
         if bad.any() or bad_lid.any():
             pos = int(np.flatnonzero(bad | bad_lid)[0])
@@ -1114,7 +1117,7 @@ class CacheStore:
     def _drop_generation(self, why: str) -> None:
         """Replace a damaged generation by a new empty one (caller holds the lock): the fix that
         CorruptSegment messages promise. Old segments go with gc's sweep of non-current names."""
-        gen = (_Q.unpack_from(self._root.buf, R.EPOCH)[0] >> 32) + 1
+        gen = split_epoch(_Q.unpack_from(self._root.buf, R.EPOCH)[0])[0] + 1
         g = self._gen
         cap = g.index.capacity if g is not None and g.index.capacity else MIN_TABLE
         if self.spill is not None:
@@ -1334,7 +1337,7 @@ class CacheStore:
             w0 = self._find(g, int(keys[0]))[0]
         except FileNotFoundError:  # cleared meanwhile
             return None
-        lid = (w0 >> 8) & INLINE24
+        lid = entry_layout(w0)
         if not w0 or lid == INLINE24:
             return None
         return self._columns(g, lid)

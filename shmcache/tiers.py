@@ -105,13 +105,12 @@ def decode_portable(record: Buffer) -> Any:
     view = memoryview(record).cast("B")
     if len(view) < codec.RECORD_HEADER.size:
         raise ValueError(f"a record of {len(view)} bytes is shorter than its header")
-    layout_id, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(view, 0)
-    end = len(view) - key_len
-    if layout_id != codec.INLINE or not codec.RECORD_HEADER.size <= end - lay_len < end:
-        raise ValueError(f"not a portable record (layout id {layout_id:#x}, an inline layout of "
-                         f"{lay_len} bytes and a key of {key_len} in {len(view)} bytes)")
+    layout_id = codec.record_header(view).layout_id
+    if layout_id != codec.INLINE:
+        raise ValueError(f"not a portable record (layout id {layout_id:#x}, not an inline layout)")
+    layout = codec.inline_layout(view)  # ValueError: not a portable record either
     try:
-        return codec.decode(view, bytes(view[end - lay_len:end]))
+        return codec.decode(view, layout)
     except ShmcacheError:
         raise
     except Exception as exc:  # noqa: BLE001 - bytes that passed the tier's checksum yet do not decode

@@ -27,7 +27,7 @@ from pathlib import Path
 from .. import process_slot
 from ..config import ENV_SPILL_DIR
 from ..errors import SpillError, SpillFull
-from ..index import LOCATION_MASK
+from ..index import LOCATION_MASK, entry_chunk, entry_class, location_word
 from ..registry import SEP
 from ..tier_protocol import Location
 from .files import SpillStore, check_spill_dir
@@ -89,11 +89,11 @@ class SpillTier:
             return None
         if loc.offset > LOCATION_MASK:  # the location word has 48 bits for the offset
             return None
-        return Location((loc.file_id << 48) | loc.offset, loc.stored_len, loc.raw_len)
+        return Location(location_word(loc.file_id, loc.offset), loc.stored_len, loc.raw_len)
 
     def read(self, location: Location, key: bytes, stale: Callable[[], bool] | None = None) -> bytearray | None:
-        word = location.word
-        return self.files.read((word >> 48, word & LOCATION_MASK, location.stored), key, stale)
+        word = location.word  # a spilled entry's class and chunk are the file id and offset
+        return self.files.read((entry_class(word), entry_chunk(word), location.stored), key, stale)
 
     def counters(self) -> dict[str, int]:
         return self.files.stats()
