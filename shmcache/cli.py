@@ -28,7 +28,7 @@ import sys
 import time
 
 from .config import ENV_SPILL_DIR, memory_limits, namespace
-from .errors import CacheNotFound, CorruptSegment, InvalidArgument, LockTimeout, SessionInUse, ShmcacheError
+from .errors import InvalidArgument, SessionInUse, ShmcacheError
 from .registry import SessionRegistry
 
 __all__ = ["main"]
@@ -187,54 +187,11 @@ def cmd_destroy(args, registry: SessionRegistry) -> int:
 
 
 def cmd_gc(args, registry: SessionRegistry) -> int:
-    from .store import CacheStore
+    from .maintenance import collect_garbage
 
-    idle = registry.destroy_idle(args.idle_for) if args.idle_for is not None else []
-    report = registry.gc()
-    reclaimed, stale, dropped, recounted, skipped = 0, [], [], [], []
-    for info in registry.list():
-        for name in registry.cache_names(info.name):
-            cache = f"{info.name}/{name}"
-            try:
-                store = CacheStore(info.name, name, ns=registry.ns, create=False, lock_timeout_s=10)
-            except CorruptSegment as exc:  # a segment header is damaged: the cache cannot open
-                try:
-                    registry.drop_cache_contents(info.name, name)
-                except LockTimeout as exc2:
-                    skipped.append({"cache": cache, "reason": str(exc2)})
-                    continue
-                dropped.append({"cache": cache, "reason": str(exc)})
-                continue
-            except ShmcacheError:
-                continue
-            done: dict = {}
-            try:
-                _attach_spill(store)
-                n, removed = store.collect_garbage(done)  # repairs, or drops a damaged generation
-            except (LockTimeout, CacheNotFound) as exc:
-                # a live process keeps its lock (stopped, in a debugger), or it was destroyed just
-                # now: the other caches are still gc's to do
-                skipped.append({"cache": cache, "reason": str(exc)})
-                continue
-            finally:
-                store.close()
-            reclaimed += n
-            stale += removed
-            if done.get("dropped"):
-                dropped.append({"cache": cache, "reason": done["dropped"]})
-            if done.get("recounted"):
-                recounted.append({"cache": cache, "counters": done["recounted"]})
-    from .spill.tier import remove_orphans
-
-    report.removed_spill_files += remove_orphans(registry.ns, {s.name for s in registry.list()})
-    result = {"removed_segments": report.removed_segments + stale,
-              "removed_dirs": report.removed_dirs, "removed_locks": report.removed_locks,
-              "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files,
-              "removed_caches": report.removed_caches, "dropped_caches": dropped,
-              "recounted_caches": recounted, "skipped_caches": skipped,
-              "destroyed_idle_sessions": [{"session": s.name, "last_used": round(s.last_used, 1),
-                                           "idle_s": round(s.idle_s, 1),
-                                           "removed_segments": s.removed_segments} for s in idle]}
+    done = collect_garbage(registry, args.idle_for)
+    result, report, idle, reclaimed = done.to_json(), done.registry, done.idle, done.reclaimed
+    dropped, recounted, skipped = done.dropped, done.recounted, done.skipped
     if args.json:
         print(json.dumps(result, indent=1))
     else:

@@ -30,6 +30,7 @@ RANK = {
     "store": 4,
     "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
     "spill.tier": 5,  # the spill tier (an IndexedTier) and where its folder is; used above the store
+    "maintenance": 5.5,  # gc of a namespace: the registry's, then each cache's, then spill folders
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
     "dataset": 6, "prefetch": 6, "sink": 7,
@@ -37,8 +38,8 @@ RANK = {
     "cli": 8, "launch.run": 8, "launch": 8.1,
 }
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
-            "store", "generation", "gather", "tier_protocol", "cli", "spill", "spill.format", "spill.recovery",
-            "spill.files", "spill.tier",
+            "store", "generation", "gather", "tier_protocol", "maintenance", "cli", "spill",
+            "spill.format", "spill.recovery", "spill.files", "spill.tier",
             "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil"]
 TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
 
