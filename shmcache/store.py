@@ -112,7 +112,6 @@ NOTE [memory limits]
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import pickle
@@ -185,7 +184,7 @@ from .index import (
     state_word,
     tier_key,
 )
-from .registry import DESTROYED, MAX_SLOTS, SEP, SessionRegistry, write_json
+from .registry import DESTROYED, MAX_SLOTS, SEP, SessionRegistry, unlink_segments, write_json
 from .segment import PAGE, Segment
 from .tier_protocol import IndexedTier, Location
 
@@ -255,8 +254,7 @@ class CacheStore:
             self.registry.ensure(self.session)
         else:
             self.registry.get(self.session)  # SessionNotFound, naming the sessions there are
-        sdir = self.registry.session_dir(self.session)
-        self.meta_path = sdir / "caches" / f"{self.name}.json"
+        self.meta_path = self.registry.cache_meta_path(self.session, self.name)
         self.lock = self.registry.cache_lock(self.session, self.name, lock_timeout_s)
         self._base = self.ns.segment_name(self.session, self.name)
         self._gen: Generation | None = None
@@ -404,7 +402,7 @@ class CacheStore:
         except FileNotFoundError:
             root = None
         except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
-            _unlink_name(self.ns, name)
+            self.ns.unlink_segment(name)
             root = None
         if root is not None and _Q.unpack_from(root.buf, R.EPOCH)[0] == DESTROYED:
             root.unlink()  # tombstoned by a destroy that died before it unlinked it: finish that
@@ -416,7 +414,7 @@ class CacheStore:
                      self.session, self.name)
             root.unlink()
             root = None
-            self._unlink_matching(self._base + SEP)
+            unlink_segments(self.ns, self._base + SEP)
             if not create:  # the cache was never made: forget it, as gc does (no error row in stat)
                 self.meta_path.unlink(missing_ok=True)
         if root is not None and not self._generation_exists(root):
@@ -425,7 +423,7 @@ class CacheStore:
             log.warning("cache %s/%s was left half-made or half-destroyed by a process that died; "
                         "it starts empty", self.session, self.name)
             capacity = _Q.unpack_from(root.buf, R.CAPACITY)[0]
-            self._unlink_matching(self._base + SEP, keep=name)
+            unlink_segments(self.ns, self._base + SEP, keep=(name,))
             # a generation number this root never named: a handle still mapping the lost one must
             # see the epoch word change, never new segments under the names it maps lazily
             gen = split_epoch(_Q.unpack_from(root.buf, R.EPOCH)[0])[0] + 1
@@ -438,7 +436,7 @@ class CacheStore:
                 f"no cache {self.name!r} in session {self.session!r} (caches: "
                 f"{', '.join(self.registry.cache_names(self.session)) or 'none'})"
             )
-        self._unlink_matching(self._base + SEP)  # debris of an earlier incarnation of this cache
+        unlink_segments(self.ns, self._base + SEP)  # debris of an earlier incarnation of this cache
         sizing, capacity = SIZED, capacity_bytes
         if not capacity:  # size=0: the session's automatic cap (NOTE [memory limits])
             sizing, capacity = AUTO, self.registry.auto_capacity(
@@ -466,7 +464,7 @@ class CacheStore:
         except BaseException:
             # no room, or interrupted: take back what this attempt made, json last (we hold the
             # lock, and the epoch word was never published, so nobody attached any of it)
-            self._unlink_matching(self._base + SEP)
+            unlink_segments(self.ns, self._base + SEP)
             self.meta_path.unlink(missing_ok=True)
             raise
         if sizing == AUTO_NONE:  # said once, here: a cache that could not be made says it above us
@@ -505,10 +503,7 @@ class CacheStore:
                 write_json(self.meta_path, meta)
 
     def read_meta(self) -> dict:
-        try:
-            return json.loads(self.meta_path.read_text())
-        except (OSError, ValueError):
-            return {}
+        return self.registry.read_cache_meta(self.session, self.name)
 
     def _check_fingerprint(self, fingerprint: str | None) -> None:
         if fingerprint is None:
@@ -525,7 +520,7 @@ class CacheStore:
     def _create_generation(self, root: Segment, gen: int, capacity: int, cap: int) -> None:
         """Make the meta and table (``cap`` entries) of ``gen`` and publish it (caller holds the
         lock). Leftovers of an attempt whose process died are removed first."""
-        self._unlink_matching(self._seg_name(f"g{gen}", ""))
+        unlink_segments(self.ns, self._seg_name(f"g{gen}", ""))
         meta = Segment.create(self._seg_name(f"g{gen}", "meta"), M.SIZE, kind=KIND_META, commit=M.SIZE)
         table = Segment.create(self._seg_name(f"g{gen}", "t1"), TableView.bytes_for(cap),
                                kind=KIND_TABLE, commit=TableView.bytes_for(cap))
@@ -1046,11 +1041,7 @@ class CacheStore:
             keep = {self._seg_name("root"), self._seg_name(f"g{g.gen}", "meta"),
                     self._seg_name(f"g{g.gen}", f"t{g.version}")}
             keep |= {self._seg_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
-            removed = []
-            for name in self.ns.owned_segments():
-                if name.startswith(self._base + SEP) and name not in keep:
-                    _unlink_name(self.ns, name)
-                    removed.append(name)
+            removed = unlink_segments(self.ns, self._base + SEP, keep=keep)
             if self.spill is not None:
                 self.spill.collect_garbage()
             return reclaimed, removed
@@ -1151,7 +1142,7 @@ class CacheStore:
         if g.classes.chunk_size(cls):
             return self._data(g, cls)[0]
         name = self._seg_name(f"g{g.gen}", f"c{cls}")
-        _unlink_name(self.ns, name)  # debris of a writer that died before registering the class
+        self.ns.unlink_segment(name)  # debris of a writer that died before registering the class
         try:
             shm_total = memory_limits().shm_total or self.capacity_bytes
             # size=0: the cap may rise later (_raise_auto_cap), so the segment is sized for all of
@@ -1272,7 +1263,7 @@ class CacheStore:
         cap = g.index.capacity * 2
         version = g.version + 1
         name = self._seg_name(f"g{g.gen}", f"t{version}")
-        _unlink_name(self.ns, name)
+        self.ns.unlink_segment(name)
         size = TableView.bytes_for(cap)
         try:
             table = Segment.create(name, size, kind=KIND_TABLE, commit=size)
@@ -1450,7 +1441,7 @@ class CacheStore:
                 shutil.rmtree(self.read_meta()["spill_path"], ignore_errors=True)
             if _CRASH_TESTS:
                 crash_point("cleared_before_unlink")
-            self._unlink_matching(self._seg_name(f"g{g.gen}", ""))
+            unlink_segments(self.ns, self._seg_name(f"g{g.gen}", ""))
             self._refresh()
         codec.clear_decoders()  # the old generation's layouts are gone: free their decoders
 
@@ -1477,20 +1468,12 @@ class CacheStore:
             # the tombstone first: every handle still mapping this root misses from now on
             self._root.words[R.EPOCH >> 3] = DESTROYED
             self.meta_path.unlink(missing_ok=True)
-            _unlink_name(self.ns, self._seg_name("root"))  # first: the cache is gone at once
-            self._unlink_matching(self._base + SEP)
+            unlink_segments(self.ns, self._base + SEP)  # the root first: the cache is gone at once
             if self.spill is not None:
                 self.spill.destroy()
             elif spill_path:
                 shutil.rmtree(spill_path, ignore_errors=True)
         self.close()
-
-    def _unlink_matching(self, prefix: str, keep: str = "") -> None:
-        """Unlink the segments whose names start with ``prefix`` (one of this cache's), but ``keep``."""
-        for name in self.ns.owned_segments():
-            if name.startswith(prefix) and name != keep:
-                _unlink_name(self.ns, name)
-
 
 class UncachedStore:
     """A cache that could not be made: not even its own segments fit in /dev/shm (or the process
@@ -1612,7 +1595,3 @@ def _index_reserve(limit: int) -> int:
 def _table_capacity(hint: int) -> int:
     want = max(MIN_TABLE, int(hint / MAX_LOAD) + 1)
     return 1 << (want - 1).bit_length()
-
-
-def _unlink_name(ns: Namespace, name: str) -> None:
-    ns.unlink_segment(name)  # only a file of ours: never another user's squat
