@@ -3,8 +3,10 @@
 Objects of one cache (names from Namespace.segment_name; ``g`` is the generation, ``v`` the table
 version)::
 
-    +root            epoch word (generation << 32 | table version), capacity, incarnation
-    +<i>+g<g>+meta   counters, allocator classes, layout table, the intent record
+    +root            epoch word (generation << 32 | table version), capacity, incarnation, sizing
+                     (generation.RootLayout)
+    +<i>+g<g>+meta   counters, allocator classes, layout table, totals, the intent record
+                     (generation.MetaLayout, generation.Generation)
     +<i>+g<g>+t<v>   the hash table (index.py)
     +<i>+g<g>+c<k>   the data segment of size class k (allocator.py)
 
@@ -75,7 +77,7 @@ NOTE [memory limits]
     What a cache may take of shared memory is checked where it grows: at each commit step of a
     data segment (``_commit``: 64 KiB or one chunk at a time, so the checks below are rare).
 
-    * ``size=`` (MiB) given: the cache's own cap (root word 72); meta, index and data count.
+    * ``size=`` (MiB) given: the cache's own cap (RootLayout.CAPACITY); meta, index and data count.
     * ``size=0``: the *session's* automatic cap - 80% of what is really available (MemAvailable,
       the process's cgroup, /dev/shm's free space; config.memory_limits) when the session's
       first auto-sized cache is made, kept in the session's ``auto_capacity`` file
@@ -89,12 +91,13 @@ NOTE [memory limits]
       Caches with their own size= are counted in that sum but keep their own caps.
       The cap was measured once; memory short at that moment must not shrink the session for
       good: an auto-sized cache that finds no room asks again (at most once a second per handle,
-      _raise_auto_cap) and raises the session's cap - the file, then its root's words 72 and 88 -
-      to 80% of what is available now plus what the session holds, if that is 1/8 more. Its data
+      _raise_auto_cap) and raises the session's cap - the file, then its root's CAPACITY and
+      SIZING words - to 80% of what is available now plus what the session holds, if that is 1/8
+      more. Its data
       segments are sized for all of /dev/shm (sparse), so a raised cap can be committed.
     * Memory full at creation (the automatic cap below one page of data): the cache is made with
-      no room for data (root word 88 = AUTO_NONE), every item is rejected or spilled, and that is
-      said once. If not even the cache's own segments fit, CacheStore raises SharedMemoryFull,
+      no room for data (RootLayout.SIZING = AUTO_NONE), every item is rejected or spilled, and
+      that is said once. If not even the cache's own segments fit, CacheStore raises SharedMemoryFull,
       having removed what it made; ShmDatasetCache then serves from an UncachedStore (computes
       from the source, counts the rejections in the process).
     * Spilling on: spilled records are found through the index, which lives in shared memory and
