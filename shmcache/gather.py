@@ -18,7 +18,7 @@ import numpy as np
 
 from . import codec, process_slot
 from .allocator import DATA_OFF
-from .index import INLINE24, LOCATION_MASK, READY, SPILLED, TableView, entry_class, entry_layout, entry_length
+from .index import INLINE24, LOCATION_MASK, READY, SPILLED, TableView
 
 __all__ = ["Batch", "plan", "uniform", "columns", "out_matches", "BatchBuffers", "gather_leaf"]
 
@@ -42,10 +42,11 @@ def plan(index: TableView, keys: np.ndarray) -> Batch | None:
     if not uniform(w0, w2):
         return None
     first0, first2 = int(w0[0]), int(w2[0])
-    lid = entry_layout(first0)
+    lid = (first0 >> 8) & INLINE24  # index.entry_layout, inlined (once per batch: the batch's hot path)
     if lid == INLINE24:
         return None
-    return Batch(lid, entry_class(first2), entry_length(first0), (w2 & np.uint64(LOCATION_MASK)).astype(np.intp))
+    # index.entry_class, entry_length and entry_chunk, inlined
+    return Batch(lid, first2 >> 48, first0 >> 32, (w2 & np.uint64(LOCATION_MASK)).astype(np.intp))
 
 
 def uniform(w0: np.ndarray, w2: np.ndarray) -> bool:
@@ -62,8 +63,10 @@ def columns(buf, handed_out: int, chunk: int, chunks: np.ndarray, leaves: list, 
     of ``chunk`` bytes, ``handed_out`` of them: checked by the caller); ``out``: one array per
     leaf to gather into."""
     rows = np.ndarray((handed_out, chunk), np.uint8, buf, DATA_OFF)
-    return [gather_leaf(rows, chunks, leaf, out[i] if out is not None else None, buffers)
-            for i, leaf in enumerate(leaves)]
+    stacked = []
+    for i, leaf in enumerate(leaves):
+        stacked.append(gather_leaf(rows, chunks, leaf, out[i] if out is not None else None, buffers))
+    return stacked
 
 
 def out_matches(layout: tuple, n: int, out: list, dtypes: list, shapes: list) -> bool:
