@@ -21,6 +21,9 @@ RANK = {
     "errors": 0, "_faults": 0,
     "config": 1,
     "launch.supervisor": 1,  # the launcher's process machinery: knows nothing of shmcache
+    "launch.remote_option": 1,  # --remote: what it means, and its password out of sight
+    "launch.rendezvous": 1,  # the launchers' exchange of Redis endpoints (NOTE [remote rendezvous])
+    "launch.redis_node": 2,  # one redis-server per node, a companion of the supervisor
     "locks": 2, "segment": 2,
     "process_slot": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3,
     "spill.format": 3, "spill.recovery": 3.1, "spill.files": 3.2, "spill": 3.3,
@@ -35,7 +38,8 @@ RANK = {
 }
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
             "store", "cli", "spill", "spill.format", "spill.recovery", "spill.files", "spill.tier",
-            "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil"]
+            "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
+            "launch.remote_option", "launch.rendezvous", "launch.redis_node"]
 TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
 
 
