@@ -344,3 +344,44 @@ def test_bad_remote_is_a_usage_error_without_the_password(value, shown, capsys):
     assert "argument --remote" in err and shown in err
     assert "hunter2" not in err
 
+
+
+# --- the Slurm recipe -------------------------------------------------------------------------
+
+FAKE_SRUN = """#!/bin/bash
+# srun for a test: the command once per "node", SLURM_NODEID=K, each with its own namespace
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for k in $(seq 0 $((SLURM_NNODES - 1))); do
+    SLURM_NODEID=$k SHMCACHE_DIR="$FAKE_NAMESPACES/node$k" "$@" &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+@needs_redis
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+def test_slurm_recipe_with_remote_spawn(tmp_path):
+    """launch/slurm.sbatch under a stand-in srun (two nodes on this machine) and REMOTE=spawn."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHON": sys.executable, "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SLURM_NNODES": "2", "MASTER_PORT": str(free_port_pair()), "REMOTE": "spawn:32",
+           "FAKE_NAMESPACES": str(tmp_path / "ns")}
+    run = subprocess.run(["bash", str(REPO / "launch" / "slurm.sbatch"), PING, str(out), "exit0",
+                          "exit0"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    reports = read_reports(out, 2, timeout_s=1)
+    check_job(reports, 2)
+    assert_servers_gone(reports)
+    assert password_of(reports[0]["url"]) not in run.stdout + run.stderr
