@@ -22,6 +22,7 @@ RANK = {
     "locks": 2, "segment": 2,
     "_process": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3, "spill": 3,
     "store": 4,
+    "remote": 3,  # the Redis tier (NOTE [remote tier]): bytes in, bytes out; redis-py imported lazily
     "spilling": 5,  # wires spill segments into the store; used by the torch layer and the CLI
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
@@ -30,7 +31,8 @@ RANK = {
     "cli": 8, "launch": 8, "_procs": 1,
 }
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
-            "store", "cli", "spill", "_process", "_faults", "spilling", "_procs", "launch", "_pil"]
+            "store", "cli", "spill", "_process", "_faults", "spilling", "_procs", "launch", "_pil",
+            "remote"]
 TOP = {"dataset", "prefetch", "sink", "launch", "cli"}
 
 
