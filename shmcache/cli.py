@@ -6,7 +6,8 @@ Commands::
                                          average item size, hits, misses
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
                                          memory
-    shmcache new [NAME] [--spill-dir D]  create a session and print its name
+    shmcache new [NAME] [--spill-dir D] [--remote URL]
+                                         create a session and print its name
     shmcache destroy NAME [--force]      drop a session and everything in it
     shmcache gc [--idle-for D] [--json]  reclaim what dead processes left behind; with --idle-for
                                          (90s, 30m, 12h, 1d, 2w), also destroy the sessions
@@ -168,7 +169,12 @@ def cmd_new(args, registry: SessionRegistry) -> int:
         from .spill import check_spill_dir
 
         spill = str(check_spill_dir(spill))
-    info = registry.create(args.name, spill_dir=spill)
+    remote = args.remote
+    if remote is not None:
+        from .remote import parse_url
+
+        parse_url(remote)  # a bad URL is an error now (without its password), not at first use
+    info = registry.create(args.name, spill_dir=spill, remote=remote)
     print(info.name)
     return 0
 
@@ -315,6 +321,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("new", help="create a session and print its name")
     s.add_argument("name", nargs="?", help="session name (default: a random one)")
     s.add_argument("--spill-dir", help="default spill directory of the session's caches")
+    s.add_argument("--remote", metavar="URL",
+                   help="default remote tier of the session's caches: redis://[:password@]host:port[/db], "
+                        "rediss://, redis+cluster://h1:p1,h2:p2, redis+shards://h1:p1,h2:p2")
     s.set_defaults(func=cmd_new)
     s = sub.add_parser("destroy", help="drop a session and everything in it")
     s.add_argument("name", help="the session to destroy (see `shmcache ls`)")

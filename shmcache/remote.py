@@ -56,6 +56,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import mmap
 import os
 import random
 import re
@@ -64,16 +65,22 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 from urllib.parse import unquote
 
-from .errors import InvalidArgument
+import numpy as np
 
-__all__ = ["ENV_REMOTE", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier", "probe"]
+from .errors import InvalidArgument
+from .registry import MAX_SLOTS
+
+__all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
+           "probe", "read_counts", "COUNTERS"]
 
 log = logging.getLogger("shmcache")
 
 ENV_REMOTE = "SHMCACHE_REMOTE"  # the default remote= of caches (the launcher's --remote)
+ENV_PASSWORD = "SHMCACHE_REMOTE_PASSWORD"  # the password of a URL that has none (kept off command lines)
 INSTALL = "pip install 'shmcache[redis]'"
 DEFAULT_TIMEOUT_S = 1.0
 BACKOFF_S = (1.0, 30.0)  # the circuit breaker's first and longest pause
@@ -151,6 +158,7 @@ def parse_url(url: Any) -> RemoteURL:
         user, colon, pw = userinfo.partition(":")
         username, password = (unquote(user) or None, unquote(pw)) if colon else (None, unquote(user))
         password = password or None
+    password = password or os.environ.get(ENV_PASSWORD) or None
     hostlist, slash, dbpart = hostpart.partition("/")
     nodes = tuple(_host_port(url, h) for h in hostlist.split(","))
     db = 0
@@ -291,6 +299,40 @@ _SAY = {
 }
 
 COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "dropped", "backlog")
+_I = {name: i for i, name in enumerate(COUNTERS)}
+_SLOT_WORDS = 8  # one 64-byte row per process slot
+
+
+def _map_counts(path: Path) -> np.ndarray:
+    """The (MAX_SLOTS, 8) words of a counts file, mapped shared; made (all zeros) if missing.
+
+    NOTE [remote counts]: each process writes only its own row (its liveness slot in the
+    session: NOTE [lock files]), one aligned 8-byte store per counter, so no lock is needed and
+    readers (``shmcache stat``) sum the rows. A slot taken over by a new process goes on from the
+    totals there, as the store's counters do; the backlog is a level, set to 0 when a tier closes.
+    """
+    size = MAX_SLOTS * _SLOT_WORDS * 8
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)  # two makers at once both truncate to the same size: harmless
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return np.ndarray((MAX_SLOTS, _SLOT_WORDS), np.uint64, mm)
+
+
+def read_counts(path: str | os.PathLike) -> dict | None:
+    """The remote counters of one cache summed over every process (None: it never had a remote)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    rows = np.frombuffer(raw[:len(raw) // 64 * 64], np.uint64).reshape(-1, _SLOT_WORDS)
+    rows = rows[(rows < 1 << 62).all(axis=1)]  # a garbage row is a stat, not worth failing over
+    total = rows.sum(axis=0)
+    return {name: int(total[i]) for i, name in enumerate(COUNTERS)}
 
 
 class RedisTier:
@@ -298,13 +340,17 @@ class RedisTier:
     faults are misses. ``identity`` names the cache (its name and fingerprint, not the session)."""
 
     def __init__(self, url: str | RemoteURL, identity: str, *, queue_items: int = QUEUE_ITEMS,
-                 queue_bytes: int = QUEUE_BYTES):
+                 queue_bytes: int = QUEUE_BYTES, counts_path: str | os.PathLike | None = None,
+                 slot: Callable[[], int] | None = None):
         self.url = url if isinstance(url, RemoteURL) else parse_url(url)
         _redis()  # a missing client is an error now, not a silent miss later
         self.identity = identity
         self.prefix = b"shmcache:" + identity.encode() + b":"
         self.queue_items, self.queue_bytes = queue_items, queue_bytes
-        self.counts = dict.fromkeys(COUNTERS, 0)
+        # counts_path + slot(): this process's counters go to its row of a shared file (NOTE
+        # [remote counts]), so `shmcache stat` sees them; else they stay in the process
+        self._counts_path, self._slot = counts_path, slot
+        self._c = np.zeros(len(COUNTERS), np.uint64)
         self._lock = threading.Lock()  # the queue, the breaker, the counters
         self._wake = threading.Condition(self._lock)
         self._pid = -1
@@ -335,8 +381,26 @@ class RedisTier:
             self._logged: set[str] = set()
             self._thread: threading.Thread | None = None
             self._stop = False
-            self.counts = dict.fromkeys(COUNTERS, 0)
+            self._c = self._counts_row()
             self._pid = os.getpid()
+
+    def _counts_row(self) -> np.ndarray:
+        if self._counts_path is None or self._slot is None:
+            return np.zeros(len(COUNTERS), np.uint64)
+        try:
+            row = _map_counts(Path(self._counts_path))[self._slot()]
+        except Exception as exc:  # noqa: BLE001 - counting is no reason to fail a read
+            log.warning("remote tier %s of cache %s: this process's counts are kept in the process "
+                        "only (%s)", self.url.masked, self.identity, exc)
+            return np.zeros(len(COUNTERS), np.uint64)
+        if (row >= 1 << 62).any():  # garbage in the file: start the row again
+            row[:] = 0
+        row[_I["backlog"]] = 0
+        return row
+
+    def _add(self, name: str, n: int) -> None:
+        """One counter of this process, one aligned store (the lock is held)."""
+        self._c[_I[name]] += n
 
     def _connect(self):
         if self.url.kind == "cluster":
@@ -356,7 +420,7 @@ class RedisTier:
     def _failed(self, exc: BaseException) -> None:
         cond = _condition(exc)
         with self._lock:
-            self.counts["errors"] += 1
+            self._add("errors", 1)
             if cond == "oom":  # the server answers: pause the writes, keep reading
                 self._writes_after = time.monotonic() + BACKOFF_S[1]
             else:
@@ -410,9 +474,9 @@ class RedisTier:
         self._succeeded()
         hits = sum(v is not None for v in raw)
         with self._lock:
-            self.counts["hits"] += hits
-            self.counts["misses"] += len(raw) - hits
-            self.counts["bytes_read"] += sum(len(v) for v in raw if v is not None)
+            self._add("hits", hits)
+            self._add("misses", len(raw) - hits)
+            self._add("bytes_read", sum(len(v) for v in raw if v is not None))
         return raw
 
     def _read(self, rkeys: list[bytes]) -> list:
@@ -429,9 +493,9 @@ class RedisTier:
     def corrupt(self, n: int = 1) -> None:
         """The caller found ``n`` values that failed their checks (a miss each)."""
         with self._lock:
-            self.counts["corrupt"] += n
-            self.counts["hits"] -= n
-            self.counts["misses"] += n
+            self._add("corrupt", n)
+            self._c[_I["hits"]] -= min(n, int(self._c[_I["hits"]]))
+            self._add("misses", n)
         self._say("corrupt")
 
     # --- writes (behind the training loop) -------------------------------------------------------
@@ -444,10 +508,11 @@ class RedisTier:
         with self._lock:
             for pkey, value in pairs:
                 if len(self._queue) >= self.queue_items or self._queued_bytes + len(value) > self.queue_bytes:
-                    self.counts["dropped"] += 1
+                    self._add("dropped", 1)
                     continue
                 self._queue.append((self.prefix + pkey, value))
                 self._queued_bytes += len(value)
+            self._c[_I["backlog"]] = len(self._queue) + self._inflight
             if self._thread is None and self._queue:
                 self._thread = threading.Thread(target=self._writer, name="shmcache-remote-writer",
                                                 daemon=True)
@@ -466,7 +531,7 @@ class RedisTier:
                     dropped = len(self._queue)
                     self._queue.clear()
                     self._queued_bytes = 0
-                    self.counts["dropped"] += dropped
+                    self._add("dropped", dropped)
                     if not self._stop:
                         self._wake.wait(min(wait, 1.0))
                     continue
@@ -482,14 +547,15 @@ class RedisTier:
             except Exception as exc:  # noqa: BLE001 - a failed write is a value not shared, no more
                 self._failed(exc)
                 with self._lock:
-                    self.counts["dropped"] += len(batch)
+                    self._add("dropped", len(batch))
             else:
                 self._succeeded()
                 with self._lock:
-                    self.counts["bytes_written"] += size
+                    self._add("bytes_written", size)
             finally:
                 with self._lock:
                     self._inflight = 0
+                    self._c[_I["backlog"]] = len(self._queue)
                     self._wake.notify_all()
 
     def _write(self, batch: list[tuple[bytes, bytes]]) -> None:
@@ -530,7 +596,7 @@ class RedisTier:
         and the write-behind backlog (values queued, not yet written)."""
         self._ensure()
         with self._lock:
-            out = dict(self.counts)
+            out = {name: int(self._c[i]) for i, name in enumerate(COUNTERS)}
             out["backlog"] = len(self._queue) + self._inflight
         return out
 
@@ -545,7 +611,9 @@ class RedisTier:
                             self.url.masked, self.identity, len(self._queue) + self._inflight)
             with self._lock:
                 self._stop = True
+                self._add("dropped", len(self._queue))
                 self._queue.clear()
+                self._c[_I["backlog"]] = 0
                 self._wake.notify_all()
             for client in (self._clients or []):
                 _quietly(client.close)

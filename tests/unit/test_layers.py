@@ -22,7 +22,7 @@ RANK = {
     "locks": 2, "segment": 2,
     "_process": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3, "spill": 3,
     "store": 4,
-    "remote": 3,  # the Redis tier (NOTE [remote tier]): bytes in, bytes out; redis-py imported lazily
+    "remote": 4,  # the Redis tier (NOTE [remote tier]): bytes in, bytes out; redis-py imported lazily
     "spilling": 5,  # wires spill segments into the store; used by the torch layer and the CLI
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
