@@ -101,7 +101,7 @@ def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
 
 def _attach_spill(store) -> None:
     """Let stat and gc see spilled items (no-op when the cache never spilled)."""
-    from .spilling import attach_existing
+    from .spill.tier import attach_existing
 
     attach_existing(store)
 
@@ -230,7 +230,7 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
                 dropped.append({"cache": cache, "reason": done["dropped"]})
             if done.get("recounted"):
                 recounted.append({"cache": cache, "counters": done["recounted"]})
-    from .spilling import remove_orphans
+    from .spill.tier import remove_orphans
 
     report.removed_spill_files += remove_orphans(registry.ns, {s.name for s in registry.list()})
     result = {"removed_segments": report.removed_segments + stale,

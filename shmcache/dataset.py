@@ -152,7 +152,7 @@ class ShmDatasetCache:
             raise InvalidArgument(f"spill_dir must be a path, got {type(spill_dir).__name__}")
         self.size_mb = size
         self.spilling = spilling or _env_flag(ENV_SPILLING)
-        self.spill_dir = spill_dir  # None: the session's, then $SHMCACHE_SPILL_DIR (spilling.py)
+        self.spill_dir = spill_dir  # None: the session's, then $SHMCACHE_SPILL_DIR (spill/tier.py)
         if spill_dir is not None and not self.spilling:  # a forgotten spilling=True: say so once
             warnings.warn(f"spill_dir={os.fspath(spill_dir)!r} has no effect without spilling=True "
                           f"(or $SHMCACHE_SPILLING=1): nothing is spilled; pass spilling=True, or drop "
@@ -179,7 +179,7 @@ class ShmDatasetCache:
         self._ns_root = str(namespace().root)
         if self.spilling:  # a missing or unusable spill directory is an error now, not later
             from .registry import SessionRegistry
-            from .spilling import resolve_spill_dir
+            from .spill.tier import resolve_spill_dir
 
             registry = SessionRegistry(namespace())
             resolve_spill_dir(self.spill_dir, registry.ensure(self.session).spill_dir)
@@ -199,7 +199,7 @@ class ShmDatasetCache:
             self._store = UncachedStore(self.session, name, exc)
         self.name, self._fingerprint = name, fingerprint
         if self.spilling and not self._store.uncached:
-            from . import spilling
+            from .spill import tier as spilling
 
             spilling.attach(self._store, self.spill_dir)
         return self._store

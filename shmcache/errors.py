@@ -25,6 +25,7 @@ __all__ = [
     "CorruptSegment",
     "EncodeError",
     "SpillError",
+    "SpillFull",
     "PrefetchError",
     "PrefetchStall",
 ]
@@ -95,6 +96,15 @@ class EncodeError(ShmcacheError, TypeError):
 
 class SpillError(ShmcacheError, OSError):
     """The spill directory is missing, not a directory or not writable."""
+
+
+class SpillFull(SpillError):
+    """The spill disk is full (ENOSPC, EDQUOT, EFBIG): the store should stop spilling.
+
+    The partial record was already truncated away; every earlier record is still readable.
+    Any other write failure raises plain :class:`SpillError`, so a store that catches
+    ``SpillError`` degrades to memory-only on both.
+    """
 
 
 class PrefetchError(ShmcacheError, RuntimeError):

@@ -11,7 +11,7 @@ NOTE [session lifecycle]
     directory, which ``gc`` removes; so do segments of caches or sessions that no longer exist.
 
     Last use. ``<root>/sessions/<name>/last_used`` is an empty file whose mtime says when a
-    process last used the session: every attach touches it, so does a clean exit (``_process``)
+    process last used the session: every attach touches it, so does a clean exit (``process_slot``)
     and ``destroy_idle`` when it finds the session in use; while a process is attached the session
     is in use *now*. No lock guards it: it only ever moves forward, and a lost touch can only make
     a session look older, never make one with a live process go (``destroy_idle`` skips those).

@@ -129,7 +129,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _process, codec
+from . import codec, process_slot
 from ._faults import ARMED as _CRASH_TESTS
 from ._faults import crash_point
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
@@ -259,7 +259,7 @@ class CacheStore:
         self._shm_full_until = 0.0
         self._auto_retry_at = 0.0  # an auto-sized cache found full asks again then (_raise_auto_cap)
         self._map_lock = threading.Lock()
-        self._lock_gen = _process.generation()
+        self._lock_gen = process_slot.generation()
         self._buffers = _BatchBuffers()
         self.spill = None  # set by the spill layer when spilling is on
         self._root = None
@@ -288,8 +288,8 @@ class CacheStore:
         self._attached = -1  # the process generation in which this store counts as a user
         if create:
             try:  # attached from now on: `shmcache ls` counts us, `destroy` waits for us
-                _process.attach(self.registry, self.session)
-                self._attached = _process.generation()
+                process_slot.attach(self.registry, self.session)
+                self._attached = process_slot.generation()
             except LockTimeout:
                 pass  # served without a slot; _count says so when it first counts
             except FileNotFoundError:  # its slots directory is gone: destroyed just now
@@ -538,9 +538,9 @@ class CacheStore:
             epoch = _Q.unpack_from(self._root.buf, 64)[0]
             if epoch == self._epoch and self._gen is not None:
                 return self._gen
-            if self._lock_gen != _process.generation():  # forked: a thread of the parent may
+            if self._lock_gen != process_slot.generation():  # forked: a thread of the parent may
                 self._map_lock = threading.Lock()        # have held it at the fork
-                self._lock_gen = _process.generation()
+                self._lock_gen = process_slot.generation()
             try:
                 with self._map_lock:  # a prefetch thread and the main thread may both get here
                     if epoch != self._epoch or self._gen is None:
@@ -670,27 +670,27 @@ class CacheStore:
 
     def _count(self, which: int, n: int = 1) -> None:
         g = self._gen
-        if self._proc_gen != _process.generation():
+        if self._proc_gen != process_slot.generation():
             if g.gen == _DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
-                self._proc_gen = _process.generation()
+                self._proc_gen = process_slot.generation()
                 return
             try:
-                slot = _process.slot(self.registry, self.session)
+                slot = process_slot.slot(self.registry, self.session)
             except LockTimeout as exc:  # every slot taken: serve, but count nowhere
                 log.warning("cache %s/%s: this process's hits and misses are not counted: %s",
                             self.session, self.name, exc)
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
-                self._proc_gen = _process.generation()
+                self._proc_gen = process_slot.generation()
                 return
             off = M.COUNTERS + 32 * slot
             key = f"{self.ns.root}{self._base}+g{g.gen}+{slot}"
             # a total of garbage (a damaged slot) restarts at 0: a stat, not worth failing reads over,
             # and one at the top of the word would overflow on the next count (struct.error)
-            self._counters = _process.counters(key, lambda: [c if c < 1 << 62 else 0 for c in
+            self._counters = process_slot.counters(key, lambda: [c if c < 1 << 62 else 0 for c in
                                                              struct.unpack_from("QQQQ", g.meta.buf, off)])
             self._counter_off = off
-            self._proc_gen = _process.generation()
+            self._proc_gen = process_slot.generation()
         self._counters[which] += n
         if self._counter_off >= 0:
             g.meta.words[(self._counter_off >> 3) + which] = self._counters[which]
@@ -775,7 +775,7 @@ class CacheStore:
                         value = MISSING  # the long way below raises CorruptSegment naming the key
                 if value is not MISSING:
                     if count:
-                        if self._proc_gen == _process._generation and self._counter_off >= 0:
+                        if self._proc_gen == process_slot._generation and self._counter_off >= 0:
                             counters = self._counters
                             counters[0] += 1
                             g.meta.words[self._counter_off >> 3] = counters[0]
@@ -1457,9 +1457,9 @@ class CacheStore:
             self._root.close()
             self._root = None
         self.lock.close()
-        if self._attached == _process.generation():  # (a forked child never attached this one)
+        if self._attached == process_slot.generation():  # (a forked child never attached this one)
             self._attached = -1
-            _process.detach(self.registry, self.session)
+            process_slot.detach(self.registry, self.session)
 
     def destroy(self) -> None:
         """Remove this cache from its session (segments, metadata and spill files)."""
@@ -1581,11 +1581,11 @@ class _BatchBuffers:
         # a DataLoader's pin-memory thread gathers batches sent by workers as keys, next to the
         # main thread (NOTE [collated batch] in dataset.py): two must never take one buffer
         self._lock = threading.Lock()
-        self._lock_gen = _process.generation()
+        self._lock_gen = process_slot.generation()
 
     def take(self, shape: tuple) -> np.ndarray:
-        if self._lock_gen != _process.generation():  # forked: a thread of the parent may have held it
-            self._lock, self._lock_gen = threading.Lock(), _process.generation()
+        if self._lock_gen != process_slot.generation():  # forked: a thread of the parent may have held it
+            self._lock, self._lock_gen = threading.Lock(), process_slot.generation()
         with self._lock:
             return self._take(shape)
 

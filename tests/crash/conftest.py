@@ -3,10 +3,10 @@ hold their own), so slot counts and `live_pids` start clean for the next test.""
 
 import pytest
 
-from shmcache import _process
+from shmcache import process_slot
 
 
 @pytest.fixture(autouse=True)
 def _own_slots():
     yield
-    _process.release_all()
+    process_slot.release_all()

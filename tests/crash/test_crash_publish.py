@@ -17,7 +17,7 @@ import pytest
 from _procs_util import Zygote, crash_env, status_of, wait_for
 from _shmcheck import check_store, fixed_value, gc_json, intent_phase, same_value, value_for
 
-from shmcache import _process
+from shmcache import process_slot
 from shmcache.allocator import commit_step_chunks
 from shmcache.store import MISSING, CacheStore
 
@@ -31,7 +31,7 @@ UNPUBLISHED = {"allocated", "mid_copy", "before_publish"}  # dies after allocati
 @pytest.fixture(autouse=True)
 def _own_slots():
     yield
-    _process.release_all()  # the slots this test process took (hit/miss counters)
+    process_slot.release_all()  # the slots this test process took (hit/miss counters)
 
 
 def _lock_wait_s(store: CacheStore) -> float:

@@ -18,7 +18,7 @@ import pytest
 from _procs_util import Procs, Zygote, status_of, wait_for
 from _shmcheck import SIZES, check_store, gc_json, same_value, value_for
 
-from shmcache import _process
+from shmcache import process_slot
 from shmcache.errors import CacheNotFound
 from shmcache.registry import SessionRegistry
 from shmcache.store import MISSING, CacheStore
@@ -109,7 +109,7 @@ def test_destroy_killed_half_way_leaves_nothing_gc_cannot_remove(tmp_path, capsy
     store = CacheStore("doomed", "c", capacity_bytes=CAP)
     assert store.put(1, value_for(1))
     store.close()
-    _process.release_all()
+    process_slot.release_all()
     with Zygote(tmp_path / "z") as z:
         status, _ = z.run("die_destroying", "doomed")
     assert status == -9, status_of(status)
@@ -130,7 +130,7 @@ def test_destroy_killed_while_unlinking_segments_leaves_no_broken_cache(tmp_path
     for k in keys:
         assert store.put(k, value_for(k))
     store.close()
-    _process.release_all()
+    process_slot.release_all()
     with Zygote(tmp_path / "z") as z:
         status, _ = z.run("die_destroying", "half", "+g1+c")
         assert status == -9, status_of(status)
@@ -197,7 +197,7 @@ def test_create_attach_destroy_cycles_with_random_kills_stay_flat(cycles, tmp_pa
             assert segments <= max_segments, f"cycle {i}: {segments} segments in /dev/shm"
             assert files <= max_files, f"cycle {i}: {files} files: {_files(shm_namespace.root)}"
             if i % 10 == 9:
-                _process.release_all()
+                process_slot.release_all()
                 gc_json(capsys)
                 debris = _debris(shm_namespace)
                 assert debris == [], f"cycle {i}: left behind after `shmcache gc`: {debris}"
@@ -213,7 +213,7 @@ def test_create_attach_destroy_cycles_with_random_kills_stay_flat(cycles, tmp_pa
                 continue
             assert check_store(store, list(range(400))) == [], (info.name, name)
             store.close()
-        _process.release_all()
+        process_slot.release_all()
         reg.destroy(info.name)
     gc_json(capsys)
     assert shm_namespace.owned_segments() == []

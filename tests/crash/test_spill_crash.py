@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmcache import spill
 from shmcache.spill import SpillLoc, SpillStore
+from shmcache.spill import format as spill_format
 
 ROUNDS = 30
 MAX_ROUNDS = 150  # more rounds while fewer than TEARS kills have landed mid-record (timing decides)
@@ -118,7 +118,7 @@ def _check(store: SpillStore, records: list[tuple[int, SpillLoc]]) -> None:
 
 
 def _end(loc: SpillLoc, kid: int) -> int:
-    return loc.offset + spill._record_bytes(len(key(kid)), loc.stored_len)
+    return loc.offset + spill_format._record_bytes(len(key(kid)), loc.stored_len)
 
 
 def test_sigkill_writers_mid_append(tmp_path):
@@ -128,12 +128,12 @@ def test_sigkill_writers_mid_append(tmp_path):
     rng = random.Random(1234)
     tears = {"recover": 0, "takeover": 0}
     previous: list[tuple[int, SpillLoc]] = []
-    valid_end, repaired = spill.FILE_HEADER_BYTES, True
+    valid_end, repaired = spill_format.FILE_HEADER_BYTES, True
     try:
         gen = 0
         while gen < ROUNDS or (tears["recover"] + tears["takeover"] < TEARS and gen < MAX_ROUNDS):
             gen += 1
-            size_before = os.path.getsize(data_file) if data_file.exists() else spill.FILE_HEADER_BYTES
+            size_before = os.path.getsize(data_file) if data_file.exists() else spill_format.FILE_HEADER_BYTES
             ack_path = tmp_path / f"ack{gen}"
             pid, ready_r = _spawn_writer(path, gen, ack_path)
             _wait_ready(pid, ready_r)  # the takeover finished: the dead writer's lock was free

@@ -243,12 +243,12 @@ def _random_get_worker(barrier, rank, keys, ops, name):
 
 def hold_slot_until_stdin_closes(session: str) -> None:
     """Subprocess body: attach to ``session`` (a liveness slot), say so, wait for stdin to close."""
-    from shmcache import _process
+    from shmcache import process_slot
     from shmcache.registry import SessionRegistry
 
     registry = SessionRegistry()
     registry.ensure(session)
-    _process.slot(registry, session)
+    process_slot.slot(registry, session)
     print("attached", flush=True)
     sys.stdin.read()
 

@@ -139,7 +139,7 @@ def test_namespace_directory_owned_by_another_user_is_refused(attacker_uid):
 def test_symlink_at_a_cache_folder_in_a_shared_spill_dir_is_refused(attacker_uid):
     out = _isolated('''
         import numpy as np
-        from shmcache import spilling
+        from shmcache.spill import tier as spilling
         from shmcache.config import namespace
         from shmcache.errors import NotOwner
         from shmcache.store import CacheStore
@@ -171,7 +171,7 @@ def test_symlink_at_a_cache_folder_in_a_shared_spill_dir_is_refused(attacker_uid
 
 def test_cache_folder_owned_by_another_user_in_a_shared_spill_dir_is_refused(attacker_uid):
     out = _isolated('''
-        from shmcache import spilling
+        from shmcache.spill import tier as spilling
         from shmcache.config import namespace
         from shmcache.errors import NotOwner
         from shmcache.store import CacheStore

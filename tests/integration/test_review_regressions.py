@@ -59,7 +59,7 @@ def test_a_reader_thread_survives_clears_and_table_growth_elsewhere(tmp_path):
 
 def test_a_full_index_that_cannot_grow_rejects_instead_of_hanging(monkeypatch, tmp_path):
     store = CacheStore("full", "c", capacity_bytes=64 << 20)
-    from shmcache import spilling
+    from shmcache.spill import tier as spilling
 
     spilling.attach(store, tmp_path)
     real = Segment.create

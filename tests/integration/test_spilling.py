@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmcache import ShmDatasetCache, spilling
+from shmcache import ShmDatasetCache
 from shmcache.errors import ItemTooLarge, SpillError
+from shmcache.spill import tier as spilling
 from shmcache.store import MISSING, CacheStore
 
 ITEMS = 400
@@ -35,7 +36,7 @@ import numpy as np
 sys.path.insert(0, {tests!r})
 from test_spilling import sample
 from shmcache.store import CacheStore, MISSING
-from shmcache import spilling
+from shmcache.spill import tier as spilling
 session, name, spill_dir, keys = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 store = CacheStore(session, name, capacity_bytes=4 << 20)
 spilling.attach(store, spill_dir)
@@ -269,7 +270,7 @@ import sys
 sys.path.insert(0, {tests!r})
 from test_spilling import sample
 from shmcache.store import CacheStore
-from shmcache import spilling
+from shmcache.spill import tier as spilling
 store = CacheStore("kill", "ds", capacity_bytes=1 << 20)
 spilling.attach(store, sys.argv[1])
 for k in range(int(sys.argv[2]), 200):

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crash"))
 
 from _procs_util import Zygote, wait_for  # noqa: E402
 
-from shmcache import _process  # noqa: E402
+from shmcache import process_slot  # noqa: E402
 from shmcache.store import CacheStore  # noqa: E402
 
 S, C = "batches", "c"
@@ -30,7 +30,7 @@ CAP = 256 << 20
 @pytest.fixture(autouse=True)
 def _own_slots():
     yield
-    _process.release_all()
+    process_slot.release_all()
 
 
 def _run(tmp_path, seconds: float, n_keys: int, clear_every_s: float) -> tuple[list, list]:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crash"))
 from _procs_util import Zygote, release_barrier, status_of  # noqa: E402
 from _shmcheck import check_store  # noqa: E402
 
-from shmcache import _process, cli  # noqa: E402
+from shmcache import cli, process_slot  # noqa: E402
 from shmcache.store import CacheStore  # noqa: E402
 
 S, C = "stress", "c"
@@ -32,7 +32,7 @@ CAP = 512 << 20
 @pytest.fixture(autouse=True)
 def _own_slots():
     yield
-    _process.release_all()
+    process_slot.release_all()
 
 
 def _keys(n_int: int, n_str: int) -> list:

@@ -15,42 +15,66 @@ import shmcache
 
 PKG = Path(shmcache.__file__).resolve().parent
 
-# Rank of each module: a module may import only modules of a strictly lower rank.
+# Rank of each module (dotted below shmcache; a package by its __init__): a module may import
+# only modules of a strictly lower rank.
 RANK = {
     "errors": 0, "_faults": 0,
     "config": 1,
+    "launch.supervisor": 1,  # the launcher's process machinery: knows nothing of shmcache
     "locks": 2, "segment": 2,
-    "_process": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3, "spill": 3,
+    "process_slot": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3,
+    "spill.format": 3, "spill.recovery": 3.1, "spill.files": 3.2, "spill": 3.3,
     "store": 4,
-    "remote": 4,  # the Redis tier (NOTE [remote tier]): bytes in, bytes out; redis-py imported lazily
-    "spilling": 5,  # wires spill segments into the store; used by the torch layer and the CLI
+    "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
+    "remote": 4.6,  # the Redis tier (NOTE [remote tier]); redis-py imported lazily
+    "spill.tier": 5,  # wires spill files into the store; used by the torch layer and the CLI
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
     "dataset": 6, "prefetch": 6, "sink": 7,
     "sampler": 6,  # torch layer: which indices each rank reads (knows nodes, not caches)
-    "cli": 8, "launch": 8, "_procs": 1,
+    "cli": 8, "launch.run": 8, "launch": 8.1,
 }
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
-            "store", "cli", "spill", "_process", "_faults", "spilling", "_procs", "launch", "_pil",
+            "store", "cli", "spill", "spill.format", "spill.recovery", "spill.files", "spill.tier",
+            "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
             "remote"]
-TOP = {"dataset", "prefetch", "sink", "launch", "cli"}
+TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
+
+
+def _path(module: str) -> Path:
+    """The file of a dotted module name below shmcache (a package: its __init__.py)."""
+    base = PKG.joinpath(*module.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def _package(module: str) -> list[str]:
+    """The package a module's relative imports start from, as parts below shmcache."""
+    parts = module.split(".")
+    return parts if _path(module).name == "__init__.py" else parts[:-1]
+
+
+def _is_module(parts: list[str]) -> bool:
+    base = PKG.joinpath(*parts)
+    return base.is_dir() or base.with_suffix(".py").exists()
 
 
 def _imports(module: str) -> list[tuple[str, int]]:
     """Every module this one imports, anywhere in the file: (absolute dotted name, line)."""
-    tree = ast.parse((PKG / f"{module}.py").read_text(), f"{module}.py")
+    tree = ast.parse(_path(module).read_text(), str(_path(module)))
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: from . import x / from .x import y
-                base = "shmcache" + (f".{node.module}" if node.module else "")
-                if node.module is None:  # a submodule, or an attribute of the package root
-                    out += [(f"shmcache.{a.name}" if (PKG / f"{a.name}.py").exists()
-                             else "shmcache", node.lineno) for a in node.names]
+            if node.level:  # relative: from . import x / from .x import y / from .. import z
+                pkg = _package(module)
+                pkg = pkg[:len(pkg) - (node.level - 1)]
+                base = pkg + (node.module.split(".") if node.module else [])
+                if node.module is None:  # submodules, or attributes of a package
+                    out += [(".".join(["shmcache", *base, a.name]) if _is_module(base + [a.name])
+                             else ".".join(["shmcache", *base]), node.lineno) for a in node.names]
                 else:
-                    out.append((base, node.lineno))
+                    out.append((".".join(["shmcache", *base]), node.lineno))
             else:
                 mod = node.module or ""
                 if mod == "shmcache":
@@ -60,19 +84,39 @@ def _imports(module: str) -> list[tuple[str, int]]:
     return out
 
 
+def _ranked(name: str) -> str | None:
+    """The module of RANK an absolute import names: the longest ranked prefix (None: the root)."""
+    parts = name.split(".")[1:]
+    while parts:
+        if ".".join(parts) in RANK:
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
 def _existing(names):
-    return [m for m in names if (PKG / f"{m}.py").exists()]
+    return [m for m in names if _path(m).exists()]
+
+
+def _all_modules() -> set[str]:
+    found = set()
+    for f in PKG.rglob("*.py"):
+        rel = f.relative_to(PKG).with_suffix("").parts
+        if rel[-1] == "__main__" or rel == ("__init__",):
+            continue
+        found.add(".".join(rel[:-1] if rel[-1] == "__init__" else rel))
+    return found
 
 
 def test_every_module_has_a_rank():
-    modules = {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__"}
+    modules = _all_modules()
     assert modules <= set(RANK), f"modules without a layer: {sorted(modules - set(RANK))}"
 
 
 @pytest.mark.parametrize("module", _existing(NO_TORCH))
 def test_low_layers_never_import_torch(module):
     bad = [(m, line) for m, line in _imports(module) if m == "torch" or m.startswith("torch.")]
-    assert not bad, f"shmcache/{module}.py imports torch at lines {[line for _, line in bad]}"
+    assert not bad, f"{_path(module)} imports torch at lines {[line for _, line in bad]}"
 
 
 @pytest.mark.parametrize("module", sorted(_existing(RANK)))
@@ -81,20 +125,23 @@ def test_imports_point_down_only(module):
     for name, line in _imports(module):
         if not name.startswith("shmcache"):
             continue
-        target = name.split(".")[1] if "." in name else ""
-        if target in ("", "__init__"):
-            if module not in TOP:  # the package root re-exports the torch layer lazily
+        target = _ranked(name)
+        if target is None:
+            if name not in ("shmcache", "shmcache.__init__"):
+                wrong.append(f"line {line}: imports unknown module {name}")
+            elif module not in TOP:  # the package root re-exports the torch layer lazily
                 wrong.append(f"line {line}: imports the package root")
             continue
-        if target not in RANK:
-            wrong.append(f"line {line}: imports unknown module {name}")
-        elif RANK[target] >= RANK[module]:
+        if target == module or module.startswith(target + "."):
+            continue  # a package's own modules importing one another: ranked among themselves
+        if RANK[target] >= RANK[module]:
             wrong.append(f"line {line}: imports {target} (rank {RANK[target]} >= {RANK[module]})")
-    assert not wrong, f"shmcache/{module}.py: " + "; ".join(wrong)
+    assert not wrong, f"{_path(module)}: " + "; ".join(wrong)
 
 
 @pytest.mark.parametrize("module", ["config", "errors", "locks", "registry", "segment", "codec",
-                                    "allocator", "index", "store", "spill", "_process", "_faults"])
+                                    "allocator", "index", "store", "spill", "spill.files", "spill.format",
+                                    "spill.recovery", "process_slot", "_faults"])
 def test_low_layers_never_import_the_layers_above(module):
     above = {"dataset", "prefetch", "sink", "launch", "cli"}
     bad = [n for n, _ in _imports(module) if n.startswith("shmcache.") and n.split(".")[1] in above]

@@ -132,10 +132,10 @@ def test_live_pids_and_destroy_refuses_a_session_in_use(reg):
 
 
 def test_this_process_does_not_block_its_own_destroy(reg):
-    from shmcache import _process
+    from shmcache import process_slot
 
     reg.create("mine")
-    _process.slot(reg, "mine")
+    process_slot.slot(reg, "mine")
     assert os.getpid() in reg.live_pids("mine")
     reg.destroy("mine")
     assert not reg.exists("mine")
@@ -181,7 +181,7 @@ def test_unreadable_session_json_is_reported_and_skipped_by_list(reg):
 def test_everything_in_the_namespace_is_private_whatever_the_umask(shm_namespace):
     """Files 0600 and directories 0700 (registry, sessions, cache metadata, lock files, slots),
     and segments 0600 - even with umask 0."""
-    from shmcache import _process
+    from shmcache import process_slot
 
     old = os.umask(0)
     try:
@@ -191,7 +191,7 @@ def test_everything_in_the_namespace_is_private_whatever_the_umask(shm_namespace
         store.lookup(1)  # takes a liveness slot
         store.clear()
         store.put(1, np.zeros(10))
-        _process.slot(reg, "private")
+        process_slot.slot(reg, "private")
     finally:
         os.umask(old)
     wrong = []
@@ -238,12 +238,12 @@ def test_every_attach_and_clean_exit_refreshes_last_use_and_in_use_is_now(reg):
 
 
 def test_destroy_idle_destroys_only_old_sessions_that_nobody_is_attached_to(reg, shm_namespace):
-    from shmcache import _process
+    from shmcache import process_slot
 
     for name in ("busy", "old", "fresh"):
         reg.create(name)
     _cache_with_items("old", "c").close()
-    _process.release_all()  # this process detaches: only the subprocess below is attached anywhere
+    process_slot.release_all()  # this process detaches: only the subprocess below is attached anywhere
     _age(reg, "old", 10 * DAY)
     _age(reg, "fresh", 3600)
     with process_attached_to("busy"):
@@ -347,7 +347,7 @@ def test_the_session_automatic_cap_is_fixed_by_its_first_auto_sized_cache(reg):
 def test_a_damaged_auto_capacity_file_is_measured_again(text):
     """The session's automatic-cap file damaged (truncated, overwritten): opening an auto-sized
     cache raised a raw ValueError (int() of its text, after a lost race to create it)."""
-    from shmcache import _process
+    from shmcache import process_slot
     from shmcache.store import CacheStore
 
     reg = SessionRegistry()
@@ -360,4 +360,4 @@ def test_a_damaged_auto_capacity_file_is_measured_again(text):
         assert int((reg.session_dir("dmg") / "auto_capacity").read_text()) == store.capacity_bytes
     finally:
         store.close()
-        _process.release_all()
+        process_slot.release_all()

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from _forks import die_holding_after_forking_an_idle_child, reap
 
-from shmcache import spill
 from shmcache.errors import InvalidArgument, LockTimeout, SpillError
 from shmcache.spill import (
     RECORD_HEADER_BYTES,
@@ -29,7 +28,9 @@ from shmcache.spill import (
     SpillLoc,
     SpillStore,
     check_spill_dir,
+    recovery,
 )
+from shmcache.spill import format as spill_format
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,7 +136,7 @@ def test_many_records_and_stats(store):
     keys = [f"item-{i}".encode() for i in range(400)]
     locs = [store.append(i % 3, keys[i], payload(i)) for i in range(400)]
     for i, loc in enumerate(locs):
-        assert loc.offset % spill.ALIGN == 0
+        assert loc.offset % spill_format.ALIGN == 0
         assert store.read(loc, keys[i]) == payload(i)
     st = store.stats()
     assert st["records"] == 400 and st["files"] == 3
@@ -391,7 +392,7 @@ def test_every_flipped_byte_is_a_miss(store, kind):
     assert loc.compressed is (kind == "zstd")
     path = store.file_path(0)
     key_end = loc.offset + RECORD_HEADER_BYTES + len(b"the-key")
-    body = key_end + spill._pad(len(b"the-key"))
+    body = key_end + spill_format._pad(len(b"the-key"))
     positions = [*range(loc.offset, key_end), *range(body, body + loc.stored_len)]
     if kind == "raw-large":  # every byte is slow here: header, key, and 300 spread over the body
         positions = positions[: key_end - loc.offset] + positions[key_end - loc.offset :: 67]
@@ -411,7 +412,7 @@ def test_corrupt_zstd_frame_never_raises(store, monkeypatch):
     """Bytes that pass the checksum but that zstd rejects (a bug, not damage) are still a miss."""
     loc = store.append(0, b"k", tokens(5000).tobytes())
     garbage = b"\xff" * loc.stored_len
-    head = SpillStore._pack_head(spill.FLAG_ZSTD, b"k", loc.raw_len, garbage)
+    head = spill_format.pack_head(spill_format.FLAG_ZSTD, b"k", loc.raw_len, garbage)
     with open(store.file_path(0), "r+b") as f:  # a well-formed record whose frame is garbage
         f.seek(loc.offset)
         f.write(head + b"k" + b"\0" * 7 + garbage)
@@ -446,19 +447,19 @@ def test_body_check_detects_single_bit_flips():
     rng = np.random.default_rng(1)
     for size in (0, 7, 8191, 8192, 8193, 40_000, 100_003):
         data = bytearray(rng.bytes(size))
-        good = spill._body_check(data)
+        good = spill_format._body_check(data)
         for pos in rng.integers(0, size, size=min(size, 40)):
             for bit in (0, 5, 7):
                 data[pos] ^= 1 << bit
-                assert spill._body_check(data) != good, (size, pos, bit)
+                assert spill_format._body_check(data) != good, (size, pos, bit)
                 data[pos] ^= 1 << bit
 
 
 def test_body_check_detects_swapped_blocks():
     data = bytearray(np.random.default_rng(2).bytes(5 * 4096))
-    good = spill._body_check(data)
+    good = spill_format._body_check(data)
     data[0:4096], data[4096:8192] = data[4096:8192], data[0:4096]
-    assert spill._body_check(data) != good
+    assert spill_format._body_check(data) != good
 
 
 # --- repair -------------------------------------------------------------------------------------
@@ -487,11 +488,11 @@ def test_recover_truncates_a_torn_tail(tmp_path, tail):
     valid_end = os.path.getsize(path / "0.spill")
     with open(path / "0.spill", "ab") as f:
         if tail == "half-record":
-            whole = spill._record_bytes(1, 1000)
-            rec = SpillStore._pack_head(0, b"x", 1000, b"y" * 1000) + b"x" + b"\0" * 7 + b"y" * 1000
+            whole = spill_format._record_bytes(1, 1000)
+            rec = spill_format.pack_head(0, b"x", 1000, b"y" * 1000) + b"x" + b"\0" * 7 + b"y" * 1000
             f.write(rec[: whole // 2])
         elif tail == "half-header":
-            f.write(SpillStore._pack_head(0, b"x", 10, b"y" * 10)[:20])
+            f.write(spill_format.pack_head(0, b"x", 10, b"y" * 10)[:20])
         elif tail == "garbage":
             f.write(noise(5000, seed=9))
         else:
@@ -515,7 +516,7 @@ def test_next_owner_repairs_without_recover(tmp_path):
     path, locs = _dead_writer_file(tmp_path, 3)
     valid_end = os.path.getsize(path / "0.spill")
     with open(path / "0.spill", "ab") as f:
-        f.write(SpillStore._pack_head(0, b"x", 10, b"y" * 10))  # a header whose record never came
+        f.write(spill_format.pack_head(0, b"x", 10, b"y" * 10))  # a header whose record never came
     s = SpillStore(path)
     try:
         assert s.append(0, b"new", b"n").offset == valid_end
@@ -525,9 +526,9 @@ def test_next_owner_repairs_without_recover(tmp_path):
 
 
 def test_clean_close_lets_the_next_owner_skip_the_scan(tmp_path, monkeypatch):
-    real_scan = spill._scan
+    real_scan = recovery._scan
     scans: list[int] = []
-    monkeypatch.setattr(spill, "_scan", lambda fd, size, verify: scans.append(size) or real_scan(fd, size, verify))
+    monkeypatch.setattr(recovery, "_scan", lambda fd, size, verify: scans.append(size) or real_scan(fd, size, verify))
     s = SpillStore(tmp_path / "c")
     s.append(0, b"a", b"1" * 100)
     s.close()  # records its clean end in the file header
@@ -539,7 +540,7 @@ def test_clean_close_lets_the_next_owner_skip_the_scan(tmp_path, monkeypatch):
     s = SpillStore(path)
     try:
         s.append(0, b"c", b"3")
-        assert scans == [os.path.getsize(path / "0.spill") - spill._record_bytes(1, 1)]
+        assert scans == [os.path.getsize(path / "0.spill") - spill_format._record_bytes(1, 1)]
     finally:
         s.close()
 
@@ -637,7 +638,7 @@ def test_real_disk_full_on_a_small_tmpfs(tmp_path):
             for i in range(100):
                 locs.append(s.append(0, b"%d" % i, noise(60_000, seed=i)))
         assert 5 < len(locs) < 20
-        end = locs[-1].offset + spill._record_bytes(len(b"%d" % (len(locs) - 1)), 60_000)
+        end = locs[-1].offset + spill_format._record_bytes(len(b"%d" % (len(locs) - 1)), 60_000)
         assert os.path.getsize(s.file_path(0)) == end  # the torn record was truncated away
         for i, loc in enumerate(locs):
             assert s.read(loc, b"%d" % i) == noise(60_000, seed=i)
@@ -721,7 +722,7 @@ def test_a_forked_child_that_never_writes_does_not_keep_a_dead_writers_slot(tmp_
 def test_a_fork_while_another_thread_holds_the_spill_folder_lock_does_not_hang_the_child(tmp_path):
     import threading
 
-    from shmcache import spilling
+    from shmcache.spill import tier as spilling
 
     held, done = threading.Event(), threading.Event()
 
@@ -784,3 +785,28 @@ def test_check_spill_dir_refuses_a_missing_directory_and_creates_nothing(tmp_pat
     with pytest.raises(SpillError, match=r"does not exist; create it first \(mkdir -p .*/a/b\)"):
         check_spill_dir(tmp_path / "a" / "b")
     assert not (tmp_path / "a").exists()
+
+
+# --- the record on its own (spill/format.py), as the remote and snapshot tiers use it ------------
+
+
+@pytest.mark.parametrize("payload", [b"", b"a" * 10_000, bytes(range(256)) * 40, np.arange(5000).tobytes()])
+def test_pack_and_unpack_record_round_trip_and_refuse_other_keys_cuts_and_flips(payload):
+    import zstandard
+
+    from shmcache.spill import pack_record, unpack_record
+
+    cctx, dctx = zstandard.ZstdCompressor(level=1, write_content_size=True), zstandard.ZstdDecompressor()
+    buf = b"".join(bytes(part) for part in pack_record(b"key1", payload, cctx))
+    assert len(buf) % spill_format.ALIGN == 0
+    assert unpack_record(buf, b"key1", dctx) == (bytearray(payload), None)
+    assert unpack_record(buf, b"key2", dctx)[1] == "it holds another key"
+    assert unpack_record(buf[: RECORD_HEADER_BYTES + 2], b"key1", dctx)[0] is None
+    caught = 0
+    for pos in range(len(buf)):
+        flipped = bytearray(buf)
+        flipped[pos] ^= 0x10
+        out, why = unpack_record(flipped, b"key1", dctx)
+        assert out is None or out == payload, pos  # never wrong bytes
+        caught += out is None
+    assert caught >= len(buf) - 14  # only the zero padding (at most 7 + 7 bytes) is unchecked

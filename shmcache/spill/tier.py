@@ -1,4 +1,4 @@
-"""Spilling: when a cache's memory is full, new records go to zstd spill files (spill.py).
+"""Spilling: when a cache's memory is full, new records go to zstd spill files (files.py).
 
 This joins the store and the spill files. A spilled entry in the index has the SPILLED flag; its
 location word holds the spill file (the writer's liveness slot) and the offset, and its length
@@ -23,14 +23,14 @@ import struct
 import threading
 from pathlib import Path
 
-from . import _process, codec
-from ._faults import ARMED as _CRASH_TESTS
-from ._faults import crash_point
-from .config import ENV_SPILL_DIR
-from .errors import SpillError
-from .index import INLINE24, INT_KEY, READY, SPILLED
-from .registry import SEP, write_json
-from .spill import SpillFull, SpillStore, check_spill_dir
+from .. import codec, process_slot
+from .._faults import ARMED as _CRASH_TESTS
+from .._faults import crash_point
+from ..config import ENV_SPILL_DIR
+from ..errors import SpillError, SpillFull
+from ..index import INLINE24, INT_KEY, READY, SPILLED
+from ..registry import SEP, write_json
+from .files import SpillStore, check_spill_dir
 
 __all__ = ["CacheSpill", "resolve_spill_dir", "attach", "attach_existing", "remove_orphans"]
 
@@ -84,7 +84,7 @@ class CacheSpill:
         lid = store.intern_layout(g, enc.layout)
         record = bytearray(enc.record_len(len(kb), lid == INLINE24))
         enc.write(memoryview(record), codec.INLINE if lid == INLINE24 else lid, kb)
-        slot = _process.slot(store.registry, store.session)
+        slot = process_slot.slot(store.registry, store.session)
         try:
             loc = self.files.append(slot, _spill_key(w1, kb), record)
         except SpillFull as exc:

@@ -65,7 +65,7 @@ dies too, unless it left the group (setsid, start_new_session=True). A summary o
 the root cause first: the first rank that failed, its PID, exit code or signal name (and its
 exception, when its entry point is decorated with
 torch.distributed.elastic.multiprocessing.errors.record). See NOTE [launcher shutdown] in
-shmcache/_procs.py.
+shmcache/launch/supervisor.py.
 
 Exit status::
 
@@ -99,12 +99,12 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._procs import WorkerSpec, run_workers
-from .config import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name
-from .errors import InvalidArgument, ShmcacheError, SpillError
-from .locks import LivenessSlot
-from .registry import SessionRegistry
-from .spill import check_spill_dir
+from ..config import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name
+from ..errors import InvalidArgument, ShmcacheError, SpillError
+from ..locks import LivenessSlot
+from ..registry import SessionRegistry
+from ..spill import check_spill_dir
+from .supervisor import WorkerSpec, run_workers
 
 __all__ = ["main"]
 
@@ -480,6 +480,3 @@ def _free_port() -> int:
         s.bind(("", 0))
         return s.getsockname()[1]
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Spill segments: items that do not fit in shared memory, in self-checking files on disk.
+"""Spill files: items that do not fit in shared memory, in self-checking files on disk.
 
 A :class:`SpillStore` owns one directory (one per cache). Every process appends to its own file,
 ``<slot>.spill``, where ``slot`` is the caller's liveness slot (a small int no other live process
@@ -12,136 +12,58 @@ when that does not save at least 5%, so incompressible items cost no decompressi
     store.recover()                                 # repair the files of writers that died (gc)
 
 This module knows nothing of torch or of the shared-memory index; the store keeps the returned
-location in its index entry. The record format and the crash protocol are in NOTE [spill records].
+location in its index entry. The record format is format.py's and the crash protocol is
+recovery.py's (NOTE [spill records]).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import functools
 import logging
 import os
 import re
 import secrets
 import shutil
-import struct
-import sys
 import threading
-import zlib
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
-import numpy as np
 import zstandard
 
-from .config import make_private_dir
-from .errors import InvalidArgument, LockTimeout, NotOwner, SpillError
-from .locks import close_in_forked_children, flock_within
-
-__all__ = [
-    "SpillStore",
-    "SpillLoc",
-    "SpillFull",
-    "RecoverReport",
-    "check_spill_dir",
-    "MAX_SLOTS",
-    "MAX_KEY_BYTES",
-    "FILE_HEADER_BYTES",
-    "RECORD_HEADER_BYTES",
-]
+from ..config import make_private_dir
+from ..errors import InvalidArgument, NotOwner, SpillError
+from ..locks import close_in_forked_children
+from .format import (
+    _REC_HDR,
+    FILE_HEADER_BYTES,
+    FLAG_ZSTD,
+    MAX_KEY_BYTES,
+    RECORD_HEADER_BYTES,
+    Buffer,
+    _body_check,
+    _Head,
+    _head_problem,
+    _pad,
+    _record_bytes,
+    encode_payload,
+    pack_head,
+)
+from .recovery import (
+    RecoverReport,
+    _flock_wait,
+    _preadv_all,
+    _pwritev_all,
+    _read_record_head,
+    _recover_file,
+    _take_over,
+    _truncate_quietly,
+    _write_error,
+    _write_file_header,
+)
 
 log = logging.getLogger("shmcache")
 
-# NOTE [spill records]
-#
-# Layout. A spill directory holds one append-only file per writer slot, ``<slot>.spill``; a
-# location's file_id is the slot. Everything is little-endian. A file is a 32-byte file header
-# followed by records, each starting 8-byte aligned:
-#
-#     file header                              record = header | key | pad | stored | pad
-#      0  8s  magic b"SHMCSPL\0"                 0  4s  magic b"SpRc"
-#      8  H   format version (1)                 4  B   record version (1)
-#     10  H   record alignment (8)               5  B   flags: codec, 0 raw / 1 zstd frame
-#     12  I   reserved (0)                       6  H   key length
-#     16  Q   clean_end (see Repair), or 0        8  Q   raw length (what a read returns)
-#     24  I   crc32 of bytes 0..24              16  Q   stored length (== raw length if raw)
-#     28  4x  padding                           24  I   body check of the stored bytes
-#                                               28  I   head check: crc32(bytes 0..28 + key)
-#
-# pad: zeros up to the next multiple of 8. A zstd record is one frame with its content size; it
-# is used only when it is smaller than raw/1.05, so "stored < raw" <=> compressed.
-#
-# Why 8-byte alignment, not 64: the header unpacks aligned and the stored bytes start on a word,
-# so the body check reads them as uint64 without numpy's slow unaligned path. Payloads leave the
-# page cache through the kernel's copy, which ran at the same speed here for file offsets 0, 8,
-# 16, 40 and 64 mod 64 (unlike user-space copies, docs/design.md §11); 64 would cost ~60 bytes a
-# record for nothing.
-#
-# Why the body check is not a plain crc32: zlib.crc32 runs at ~4-5 GiB/s on this machine, slower
-# than a page-cache read, so it would cap reads of raw records at well under half the disk limit.
-# Stored bytes under 8 KiB use crc32; longer ones use crc32 over the uint64 wrapping sums of each
-# 4 KiB block (the last one partial), then over the last <8 bytes: one numpy pass, ~25-50 GiB/s.
-# That still catches every single-bit flip, every corruption inside one 8-byte word, and
-# reordered, zeroed or misdirected blocks (a miss has 2^-32 odds, as with crc32); it is weaker
-# than crc32 only against compensating flips inside one block. Truncation is caught by the
-# lengths before any checksum.
-#
-# Writing. The owner of a slot holds an exclusive flock on its file from its first append until
-# close(); the kernel drops it when the owner dies, however it dies. Only the lock holder changes
-# the file. An append is one pwritev of the whole record at the file's valid end; append returns
-# the location only after the write completed, and the store publishes the location in its index
-# only after append returned. So every location a reader can find points at a complete record,
-# and a writer killed mid-append leaves only an invalid tail after the last complete record: a
-# header cut short, or a record that runs past the end of the file (the kernel grows a file only
-# by the bytes a write actually copied). A write that fails (ENOSPC, EIO) truncates its partial
-# record at once and raises SpillFull / SpillError, so the file stays valid while its writer
-# lives on and the store stops spilling.
-#
-# Repair. Whoever takes a file's lock next - the slot's next owner on its first append, or
-# recover() (gc), which skips files whose lock is held, i.e. whose writer is alive - walks the
-# record headers from the start and truncates the file after the last valid one. A clean close()
-# stores the valid end in the file header (clean_end); the next owner trusts it only if it equals
-# the file size, and zeroes it before its first append, so only files of writers that died are
-# scanned. Records appended by a writer that died after append returned but before its index
-# entry was published are valid but unreferenced: dead bytes until the cache is cleared.
-#
-# Reading takes no lock and trusts nothing: it re-checks magic, head check, key, lengths and body
-# check, and turns any failure into a miss - counted, logged once per file and condition, never
-# returned, never a zstd exception. A location that outlived its record (a stale index entry)
-# reads another key or garbage, and is a miss too; it is counted as key_mismatches, not logged,
-# when the record there is intact, when its file is gone (a clear() or destroy deleted it under
-# the reader), or when the caller's ``stale`` says the location was dropped meanwhile.
-# A reader keeps one descriptor per file; after a miss it checks whether the path now names
-# another inode (the directory was destroyed and re-created) and, if so, re-opens and retries once.
-# Durability across power loss is not a goal: the index lives in shared memory, which does not
-# survive a reboot either.
-#
-# Scope: one SpillStore object per directory and process is enough; it is thread-safe (appends
-# to one slot serialise on a per-slot lock; reads share nothing but descriptors) and fork-aware.
-
-FILE_MAGIC = b"SHMCSPL\x00"
-RECORD_MAGIC = b"SpRc"
-FORMAT_VERSION = 1
-RECORD_VERSION = 1
-ALIGN = 8
-FLAG_ZSTD = 1
-
-_FILE_HDR = struct.Struct("<8sHHIQI4x")
-_REC_HDR = struct.Struct("<4sBBHQQII")
-FILE_HEADER_BYTES = _FILE_HDR.size  # 32
-RECORD_HEADER_BYTES = _REC_HDR.size  # 32
-_HEAD_CHECKED = 28  # the head check covers the record header up to itself, then the key
-
 MAX_SLOTS = 1 << 16  # file_id fits 16 bits in the index entry
-MAX_KEY_BYTES = (1 << 16) - 1
-_BLOCK_WORDS = 512  # body check: one uint64 sum per 4 KiB block ...
-_CRC_BELOW = 8192  # ... for stored bytes this long; shorter ones are faster with plain crc32
-_WORD = np.dtype("<u8")
-_SCAN_READ = 512  # bytes read per record header while scanning: header plus a typical key
-_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _FILE_RE = re.compile(r"(\d+)\.spill")
 _MAX_LOGGED = 4096  # (file, condition) pairs remembered for log-once
 _DIGITS = re.compile(r"\d+")
@@ -155,17 +77,6 @@ _COUNTERS = (
     "key_mismatches",
 )
 
-Buffer = Union[bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alias, also on 3.10
-
-
-class SpillFull(SpillError):
-    """The spill disk is full (ENOSPC, EDQUOT, EFBIG): the store should stop spilling.
-
-    The partial record was already truncated away; every earlier record is still readable.
-    Any other write failure raises plain :class:`~shmcache.errors.SpillError`, so a store that
-    catches ``SpillError`` degrades to memory-only on both.
-    """
-
 
 class SpillLoc(NamedTuple):
     """Where a record lives: what the store keeps in the item's index entry."""
@@ -178,66 +89,6 @@ class SpillLoc(NamedTuple):
     @property
     def compressed(self) -> bool:
         return self.stored_len < self.raw_len
-
-
-@dataclass
-class RecoverReport:
-    """What :meth:`SpillStore.recover` found; byte counts include headers and padding."""
-
-    files: int = 0  # spill files examined
-    live: int = 0  # skipped: a live writer holds their lock (they are valid by construction)
-    foreign: int = 0  # not spill files (wrong magic or version): left alone, logged
-    records: int = 0  # valid records in the files examined
-    corrupt_records: int = 0  # records failing their body check (only with verify=True)
-    bytes_valid: int = 0
-    bytes_truncated: int = 0  # torn tails removed
-    repaired: tuple[int, ...] = ()  # file ids that were truncated
-
-
-class _Head(NamedTuple):
-    magic: bytes
-    version: int
-    flags: int
-    key_len: int
-    raw_len: int
-    stored_len: int
-    body_check: int
-    head_check: int
-
-
-# --- small helpers ------------------------------------------------------------------------------
-
-
-def _pad(n: int) -> int:
-    return -n % ALIGN
-
-
-def _record_bytes(key_len: int, stored_len: int) -> int:
-    return RECORD_HEADER_BYTES + key_len + _pad(key_len) + stored_len + _pad(stored_len)
-
-
-def _body_check(data: Buffer) -> int:
-    """Checksum of stored bytes (see NOTE [spill records] for why it is not plain crc32)."""
-    n = len(data)
-    if n < _CRC_BELOW:
-        return zlib.crc32(data)
-    words = np.frombuffer(data, dtype=_WORD, count=n // 8)
-    sums = np.add.reduceat(words, _block_starts(len(words)))  # wraps mod 2**64
-    if sys.byteorder != "little":  # pragma: no cover - the format is little-endian everywhere
-        sums = sums.astype(_WORD)
-    return zlib.crc32(memoryview(data)[len(words) * 8 :], zlib.crc32(sums.tobytes()))  # one word per 4 KiB: tiny
-
-
-@functools.lru_cache(maxsize=256)
-def _block_starts(n_words: int) -> np.ndarray:
-    """Where each 4 KiB block starts, in words (cached: items of one dataset share a few sizes)."""
-    starts = np.arange(0, n_words, _BLOCK_WORDS)
-    starts.flags.writeable = False
-    return starts
-
-
-def _head_check(head: Buffer, key: Buffer) -> int:
-    return zlib.crc32(key, zlib.crc32(memoryview(head)[:_HEAD_CHECKED]))
 
 
 def _byte_view(obj: Buffer, what: str) -> memoryview:
@@ -267,61 +118,6 @@ def _check_slot(slot: int) -> int:
             f"spill slot must be an int in [0, {MAX_SLOTS}), got {slot!r}; pass the process's liveness slot"
         )
     return slot
-
-
-def _advance(views: list[memoryview], n: int) -> list[memoryview]:
-    """Drop the first ``n`` bytes of a scatter/gather list (after a short read or write)."""
-    while n and views:
-        if n >= len(views[0]):
-            n -= len(views[0])
-            views = views[1:]
-        else:
-            views = [views[0][n:], *views[1:]]
-            n = 0
-    return views
-
-
-def _preadv_all(fd: int, bufs: list[Buffer], offset: int) -> bool:
-    """Fill ``bufs`` from ``offset``; False if the file ends first."""
-    want = sum(map(len, bufs))  # callers pass byte buffers (bytearray, or a view cast to "B")
-    got = os.preadv(fd, bufs, offset)
-    if got == want:  # the usual case: one syscall
-        return True
-    views = _advance([memoryview(b).cast("B") for b in bufs if len(b)], got)
-    offset += got
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            return False
-        offset += n
-        views = _advance(views, n)
-    return True
-
-
-def _pwritev_all(fd: int, bufs: Iterable[Buffer], offset: int) -> None:
-    """Write all of ``bufs`` at ``offset``; a short write (disk filling up) continues or raises."""
-    views = [memoryview(b).cast("B") for b in bufs if len(b)]
-    while views:
-        n = os.pwritev(fd, views, offset)
-        if n <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += n
-        views = _advance(views, n)
-
-
-def _write_error(exc: OSError, path: Path) -> SpillError:
-    if exc.errno in _SPACE_ERRNOS:
-        return SpillFull(
-            f"no space left for spill file {path} ({exc.strerror}); spilling stops and the cache "
-            f"keeps serving from memory - free space there or pass a spill_dir on a larger disk"
-        )
-    return SpillError(
-        f"cannot write spill file {path}: {exc.strerror} (errno {exc.errno}); spilling stops - "
-        f"check that disk, or pass another spill_dir"
-    )
-
-
-# --- the spill directory ------------------------------------------------------------------------
 
 
 def check_spill_dir(path: str | os.PathLike) -> Path:
@@ -378,9 +174,6 @@ def _probe_writable(p: Path) -> None:
         ) from None
     os.close(fd)
     os.unlink(probe)
-
-
-# --- the store ----------------------------------------------------------------------------------
 
 
 class _Writer:
@@ -474,8 +267,8 @@ class SpillStore:
         _check_slot(slot)
         key = _as_key(key)
         raw = _byte_view(payload, "spill payload")
-        flags, stored = self._encode(raw)
-        head = self._pack_head(flags, key, len(raw), stored)
+        flags, stored = encode_payload(raw, self._cctx())
+        head = pack_head(flags, key, len(raw), stored)
         writer = self._writer(slot)
         size = _record_bytes(len(key), len(stored))
         with writer.lock:
@@ -490,21 +283,6 @@ class SpillStore:
         self._count("bytes_disk", len(stored))
         self._count("bytes_disk_raw", len(raw))
         return SpillLoc(slot, offset, len(stored), len(raw))
-
-    def _encode(self, raw: memoryview) -> tuple[int, Buffer]:
-        """zstd if it saves at least 5%, else raw: incompressible items cost no decompression."""
-        if not len(raw):
-            return 0, raw
-        packed = self._cctx().compress(raw)
-        if len(packed) * 105 < len(raw) * 100:
-            return FLAG_ZSTD, packed
-        return 0, raw
-
-    @staticmethod
-    def _pack_head(flags: int, key: bytes, raw_len: int, stored: Buffer) -> bytes:
-        fields = (RECORD_MAGIC, RECORD_VERSION, flags, len(key), raw_len, len(stored), _body_check(stored))
-        head = _REC_HDR.pack(*fields, 0)
-        return head[:_HEAD_CHECKED] + struct.pack("<I", _head_check(head, key))
 
     def _writer(self, slot: int) -> _Writer:
         writer = self._writers.get(slot)
@@ -774,20 +552,6 @@ def _loc_fields(loc: SpillLoc | tuple[int, int, int]) -> tuple[int, int, int]:
     return file_id, offset, stored_len
 
 
-def _head_problem(head: _Head, head_buf: bytearray, key: bytes, stored_len: int) -> str | None:
-    """Why a record header read for ``key`` is unusable, or None if it is fine."""
-    if head.magic != RECORD_MAGIC or head.version != RECORD_VERSION:
-        return "no record starts there (bad magic or version)"
-    if head.key_len != len(key):
-        return f"its key is {head.key_len} bytes, not {len(key)}"
-    disk_key = bytes(head_buf[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + len(key)])
-    if _head_check(head_buf, disk_key) != head.head_check:
-        return "its header fails its checksum"
-    if disk_key != key:
-        return "it holds another key"
-    return _length_problem(head, stored_len)
-
-
 def _load_record(fd: int | None, offset: int, key: bytes, body: Buffer) -> tuple[_Head | None, str | None]:
     """One preadv of header, key and stored bytes, then every check: (header, None) or (None, why)."""
     if fd is None:
@@ -817,161 +581,9 @@ def _holds_other_key(fd: int, offset: int, key: bytes) -> bool:
     return found is not None and found[1] != key
 
 
-def _length_problem(head: _Head, stored_len: int | None = None) -> str | None:
-    if head.flags not in (0, FLAG_ZSTD):
-        return f"unknown codec flags {head.flags:#x}"
-    if stored_len is not None and head.stored_len != stored_len:
-        return f"it stores {head.stored_len} bytes, not the {stored_len} of the location"
-    compressed = bool(head.flags & FLAG_ZSTD)
-    if (head.stored_len < head.raw_len) != compressed or head.stored_len > head.raw_len:
-        return "its raw and stored lengths do not match its codec"
-    return None
-
-
-# --- file-level protocol (NOTE [spill records]: Writing, Repair) --------------------------------
-
-
-def _flock_wait(fd: int, path: Path, slot: int, timeout_s: float) -> None:
-    """Take the slot file's lock; only gc (briefly) or a live owner of the same slot holds it."""
-    flock_within(fd, timeout_s, lambda: LockTimeout(
-        f"spill file {path} stayed locked for {timeout_s:.1f}s: another live process "
-        f"writes slot {slot}; each process must append with its own liveness slot "
-        f"(find the holder with `fuser {path}`)"
-    ), first_sleep_s=1e-3)
-
-
-def _take_over(fd: int, path: Path) -> int:
-    """Make a freshly locked slot file ready to append to; return its valid end."""
-    size = os.fstat(fd).st_size
-    try:
-        if size < FILE_HEADER_BYTES:  # new, or its creator died writing the header: nothing to keep
-            os.ftruncate(fd, 0)
-            _write_file_header(fd, clean_end=0)
-            return FILE_HEADER_BYTES
-        clean_end = _read_file_header(fd, path)
-        end = size if clean_end == size else _scan(fd, size, verify=False)[0]
-        if end < size:
-            log.info("spill file %s: truncating a torn tail of %d bytes left by a writer that died", path, size - end)
-            os.ftruncate(fd, end)
-        _write_file_header(fd, clean_end=0)  # until our close(), the end is not known to be clean
-    except SpillError:  # not a spill file: an OSError too, but not a write failure
-        raise
-    except OSError as exc:
-        raise _write_error(exc, path) from None
-    return end
-
-
-def _write_file_header(fd: int, clean_end: int) -> None:
-    fields = (FILE_MAGIC, FORMAT_VERSION, ALIGN, 0, clean_end)
-    crc = zlib.crc32(_FILE_HDR.pack(*fields, 0)[:24])
-    _pwritev_all(fd, [_FILE_HDR.pack(*fields, crc)], 0)
-
-
-def _read_file_header(fd: int, path: Path) -> int:
-    """The header's clean_end (0 when it cannot be trusted); SpillError if it is not a spill file."""
-    head = os.pread(fd, FILE_HEADER_BYTES, 0)
-    magic, version, align, _, clean_end, crc = _FILE_HDR.unpack(head)
-    if magic != FILE_MAGIC or version != FORMAT_VERSION or align != ALIGN:
-        raise SpillError(
-            f"{path} is not a shmcache spill file of format {FORMAT_VERSION}; delete it (or the "
-            f"whole spill directory) - its items are recomputed"
-        )
-    return clean_end if zlib.crc32(head[:24]) == crc else 0
-
-
 def _close_writer(writer: _Writer) -> None:
     try:
         _write_file_header(writer.fd, clean_end=writer.end)  # lets the next owner skip the scan
     except OSError:
         pass  # clean_end stays 0: the next owner scans, which is only slower
     os.close(writer.fd)
-
-
-def _truncate_quietly(fd: int, size: int) -> None:
-    try:
-        os.ftruncate(fd, size)
-    except OSError:
-        pass  # the next append overwrites the tail at the same offset; a takeover scan drops it
-
-
-def _scan(fd: int, size: int, verify: bool) -> tuple[int, int, int]:
-    """Walk the records: (end of the last valid one, records, records failing the body check)."""
-    pos, records, corrupt = FILE_HEADER_BYTES, 0, 0
-    while True:
-        found = _read_record_head(fd, pos, size)
-        if found is None:
-            break
-        head = found[0]
-        end = pos + _record_bytes(head.key_len, head.stored_len)
-        if end > size:  # a record the writer did not finish
-            break
-        if verify and not _body_ok(fd, pos + RECORD_HEADER_BYTES + head.key_len + _pad(head.key_len), head):
-            corrupt += 1
-        records += 1
-        pos = end
-    return pos, records, corrupt
-
-
-def _read_record_head(fd: int, pos: int, size: int) -> tuple[_Head, bytes] | None:
-    """(header, key) of the record at ``pos`` if its header is complete and checks out, else None."""
-    if pos + RECORD_HEADER_BYTES > size:
-        return None
-    buf = os.pread(fd, _SCAN_READ, pos)
-    if len(buf) < RECORD_HEADER_BYTES:
-        return None
-    head = _Head._make(_REC_HDR.unpack_from(buf))
-    if head.magic != RECORD_MAGIC or head.version != RECORD_VERSION:
-        return None
-    key_end = RECORD_HEADER_BYTES + head.key_len
-    if len(buf) < key_end:
-        buf += os.pread(fd, key_end - len(buf), pos + len(buf))
-    key = buf[RECORD_HEADER_BYTES:key_end]
-    if len(buf) < key_end or _head_check(buf, key) != head.head_check or _length_problem(head):
-        return None
-    return head, key
-
-
-def _body_ok(fd: int, body_pos: int, head: _Head) -> bool:
-    body = os.pread(fd, head.stored_len, body_pos)
-    return len(body) == head.stored_len and _body_check(body) == head.body_check
-
-
-def _recover_file(path: Path, verify: bool, report: RecoverReport) -> bool:
-    """Repair one slot file unless its writer is alive; True if a torn tail was cut off."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        report.files += 1
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            report.live += 1
-            return False
-        return _repair_locked(fd, path, verify, report)
-    finally:
-        os.close(fd)  # drops the lock
-
-
-def _repair_locked(fd: int, path: Path, verify: bool, report: RecoverReport) -> bool:
-    size = os.fstat(fd).st_size
-    if size < FILE_HEADER_BYTES:
-        end = 0  # its creator died writing the header; the next owner writes a new one
-    else:
-        try:
-            _read_file_header(fd, path)
-        except SpillError as exc:
-            report.foreign += 1
-            log.warning("%s", exc)
-            return False
-        end, records, corrupt = _scan(fd, size, verify)
-        report.records += records
-        report.corrupt_records += corrupt
-    report.bytes_valid += end
-    if end == size:
-        return False
-    log.info("spill file %s: truncating a torn tail of %d bytes left by a writer that died", path, size - end)
-    os.ftruncate(fd, end)
-    report.bytes_truncated += size - end
-    return True

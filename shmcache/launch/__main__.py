@@ -1,0 +1,7 @@
+"""``python -m shmcache.launch``."""
+
+import sys
+
+from .run import main
+
+sys.exit(main())

@@ -1,0 +1,28 @@
+"""Spill: where a cache's items go on disk when its shared memory is full.
+
+    format.py     the self-checking record (also the record of the remote and snapshot tiers)
+    recovery.py   the file-level crash protocol: take over a slot file, repair a torn tail
+    files.py      SpillStore: one folder of append-only slot files, lock-free reads
+    tier.py       the spill tier of a store: where its folder is, write when memory is full
+
+NOTE [spill records] (format.py) holds the protocol.
+"""
+
+from ..errors import SpillFull
+from .files import MAX_SLOTS, SpillLoc, SpillStore, check_spill_dir
+from .format import FILE_HEADER_BYTES, MAX_KEY_BYTES, RECORD_HEADER_BYTES, pack_record, unpack_record
+from .recovery import RecoverReport
+
+__all__ = [
+    "SpillStore",
+    "SpillLoc",
+    "SpillFull",
+    "RecoverReport",
+    "check_spill_dir",
+    "pack_record",
+    "unpack_record",
+    "MAX_SLOTS",
+    "MAX_KEY_BYTES",
+    "FILE_HEADER_BYTES",
+    "RECORD_HEADER_BYTES",
+]

@@ -1,0 +1,218 @@
+"""The tier seam: what a place for a cache's values outside its shared memory must do, and the
+store that reads through such places in order.
+
+A value lives first in shared memory, and, when that is full, in the cache's spill files (both
+found through the shared index: ``store.CacheStore``). Behind them may stand *tiers* shared
+wider than one node or one run: a Redis server for every node of a job (``remote.py``), a
+read-only snapshot on disk or object storage (``snapshot/``). :class:`TieredStore` composes
+them::
+
+    store = TieredStore(CacheStore(...), [remote_tier, snapshot_tier])
+    store.lookup(key)          # shared memory; else each tier in order; a tier's hit is admitted
+    store.lookup_batch(keys)   # the same, one batched call per tier for the batch's misses
+    store.put(key, value)      # into shared memory, and offered to every tier (write-behind)
+
+NOTE [tiers]
+    A tier is reached with the *portable* key and holds the *portable* record, never anything
+    that is only meaningful on one node:
+
+    * portable key = the index word of the key (8 bytes, little-endian: an int key itself, else
+      the hash of the key bytes) followed by the key bytes (none for an int key) - the same key a
+      spill record carries. A tier adds the cache's identity (from its fingerprint, never the
+      session's name) to it, so nodes find each other's values and two datasets never meet.
+    * portable record = the codec's record with its layout inline (``codec.INLINE``), so it
+      decodes anywhere, with no interned layout table. A tier wraps it in the self-checking
+      record of ``spill/format.py`` (magic, key, lengths, codec, checksum): a value that is
+      corrupt, cut short or another key's is a miss, counted by the tier, never returned.
+
+    A tier never raises for its own faults (unreachable, slow, full, damaged): it answers a miss,
+    counts it, and logs one line per condition. ``TieredStore`` still guards every call, so a tier
+    that breaks this rule costs a miss and one log line, never a training step. A tier's hit is
+    admitted into shared memory within its cap (a cache that is full keeps serving it from the
+    tier), and what the process computes is offered to every tier, which may write it behind the
+    training loop and drop it when its queue is full. A value in shared memory is never replaced
+    by a tier's: shared memory is the first and final word on one node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from . import codec
+from .errors import ShmcacheError
+from .index import key_bytes
+from .store import MISSING
+
+__all__ = ["Tier", "TieredStore", "portable_key", "portable_record", "decode_portable"]
+
+log = logging.getLogger("shmcache")
+
+Buffer = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A place a cache's values can live behind its shared memory (NOTE [tiers])."""
+
+    name: str  # "remote", "snapshot": how stats() and the logs call it
+
+    def get(self, key: bytes) -> Buffer | None:
+        """The portable record stored under the portable ``key``, or None (a miss, or a fault)."""
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """``get`` for many keys in one batched round trip, in the order given."""
+
+    def offer(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
+        """(portable key, portable record) pairs this process computed; the tier may store them
+        now or later, or drop them (a read-only tier ignores them). Never blocks for long."""
+
+    def counters(self) -> dict[str, int]:
+        """What this process saw of the tier: hits, misses, errors, bytes read and written, ..."""
+
+    def close(self) -> None:
+        """Finish pending writes (bounded in time) and release connections and files."""
+
+
+def portable_key(key: Any) -> bytes:
+    """The key a tier is asked for (NOTE [tiers]); InvalidKey for a key the cache refuses."""
+    w1, kb = key_bytes(key)
+    return w1.to_bytes(8, "little") + kb
+
+
+def portable_record(enc: codec.Encoded, key: Any) -> bytes:
+    """The encoded value as a record that decodes on any node (its layout inline)."""
+    kb = key_bytes(key)[1]
+    out = bytearray(enc.record_len(len(kb), True))
+    enc.write(memoryview(out), codec.INLINE, kb)
+    return bytes(out)
+
+
+def decode_portable(record: Buffer) -> Any:
+    """The value of a portable record (its arrays view ``record``: pass a private buffer).
+    ValueError when the bytes are not a portable record (the caller counts a miss)."""
+    view = memoryview(record).cast("B")
+    if len(view) < codec.RECORD_HEADER.size:
+        raise ValueError(f"a record of {len(view)} bytes is shorter than its header")
+    layout_id, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(view, 0)
+    end = len(view) - key_len
+    if layout_id != codec.INLINE or not codec.RECORD_HEADER.size <= end - lay_len < end:
+        raise ValueError(f"not a portable record (layout id {layout_id:#x}, an inline layout of "
+                         f"{lay_len} bytes and a key of {key_len} in {len(view)} bytes)")
+    try:
+        return codec.decode(view, bytes(view[end - lay_len:end]))
+    except ShmcacheError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - bytes that passed the tier's checksum yet do not decode
+        raise ValueError(f"the record does not decode: {exc!r}") from None
+
+
+class TieredStore:
+    """A cache's local store (shared memory, then spill) with tiers behind it (NOTE [tiers]).
+
+    Everything but reads, writes, stats and close goes to the local store unchanged (the batch
+    gather serves only keys that are all in shared memory; anything else comes back here through
+    ``lookup_batch``). Without tiers, callers keep the local store itself: no cost on a hit.
+    """
+
+    def __init__(self, local, behind: Sequence[Tier]):
+        self.local = local
+        self.behind = list(behind)
+        self._failed: set[tuple[str, str]] = set()  # (tier, method) that raised: logged once
+        self.admitted = 0  # tier hits this process admitted into shared memory
+        self.undecodable = 0  # tier records that passed their checks yet did not decode
+
+    def __getattr__(self, name: str):
+        return getattr(self.local, name)  # only for what this class does not define
+
+    # --- reads ------------------------------------------------------------------------------
+
+    def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
+        value = self.local.lookup(key, copy, count)
+        if value is not MISSING or not self.behind:
+            return value
+        pk = portable_key(key)
+        for tier in self.behind:
+            record = self._call(tier, "get", pk)
+            if record is not None:
+                value = self._admit(key, record)
+                if value is not MISSING:
+                    return value
+        return MISSING
+
+    def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
+        values, missing = self.local.lookup_batch(keys, copy)
+        if not missing or not self.behind:
+            return values, missing
+        pks = {i: portable_key(keys[i]) for i in missing}
+        for tier in self.behind:
+            records = self._call(tier, "get_many", [pks[i] for i in missing]) or [None] * len(missing)
+            still = []
+            for i, record in zip(missing, records):
+                value = MISSING if record is None else self._admit(keys[i], record)
+                if value is MISSING:
+                    still.append(i)
+                else:
+                    values[i] = value
+            missing = still
+            if not missing:
+                break
+        return values, missing
+
+    def contains(self, key: Any) -> bool:
+        return self.local.contains(key)  # what this node holds; a tier is asked only on a read
+
+    def _admit(self, key: Any, record: Buffer) -> Any:
+        """A tier's record as a value, stored in shared memory too (within its cap)."""
+        try:
+            value = decode_portable(bytearray(record))  # private bytes: the value owns them
+        except ValueError as exc:
+            self.undecodable += 1
+            if ("decode", "") not in self._failed:
+                self._failed.add(("decode", ""))
+                log.warning("cache %s/%s: a tier returned a record of key %r that does not decode "
+                            "(%s); treated as a miss, further ones are only counted",
+                            self.local.session, self.local.name, key, exc)
+            return MISSING
+        if self.local.put(key, value):
+            self.admitted += 1
+        return value
+
+    # --- writes -----------------------------------------------------------------------------
+
+    def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
+        enc = encoded or codec.encode(value, f"the value of key {key!r}")
+        stored = self.local.put(key, value, encoded=enc)
+        if self.behind:
+            item = [(portable_key(key), portable_record(enc, key))]
+            for tier in self.behind:
+                self._call(tier, "offer", item)
+        return stored
+
+    # --- the rest ---------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        st = self.local.stats()
+        st["tiers"] = {tier.name: self._call(tier, "counters") or {} for tier in self.behind}
+        st["tier_admitted"], st["tier_undecodable"] = self.admitted, self.undecodable
+        return st
+
+    def close(self) -> None:
+        try:
+            for tier in self.behind:
+                self._call(tier, "close")
+        finally:
+            self.local.close()
+
+    def _call(self, tier: Tier, method: str, *args):
+        """``tier.method(*args)``, a raise turned into None (a miss) and one log line."""
+        try:
+            return getattr(tier, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - NOTE [tiers]: a tier's fault never stops training
+            if (tier.name, method) not in self._failed:
+                self._failed.add((tier.name, method))
+                log.warning("cache %s/%s: the %s tier failed in %s (%s: %s); treated as a miss, "
+                            "further failures are only counted", self.local.session,
+                            self.local.name, tier.name, method, type(exc).__name__, exc)
+            return None
