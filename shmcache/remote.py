@@ -70,9 +70,11 @@ from typing import Any, Callable, Sequence
 from urllib.parse import unquote
 
 import numpy as np
+import zstandard
 
 from .errors import InvalidArgument
 from .registry import MAX_SLOTS
+from .spill.format import pack_record, unpack_record
 
 __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
            "probe", "read_counts", "COUNTERS"]
@@ -336,8 +338,11 @@ def read_counts(path: str | os.PathLike) -> dict | None:
 
 
 class RedisTier:
-    """The values of one cache in Redis (NOTE [remote tier]). Byte values in, byte values out;
-    faults are misses. ``identity`` names the cache (its name and fingerprint, not the session)."""
+    """The values of one cache in Redis (NOTE [remote tier]), a ``tiers.Tier``: portable keys and
+    records in and out, each stored as a self-checking record; faults are misses. ``identity``
+    names the cache (its name and fingerprint, not the session)."""
+
+    name = "remote"
 
     def __init__(self, url: str | RemoteURL, identity: str, *, queue_items: int = QUEUE_ITEMS,
                  queue_bytes: int = QUEUE_BYTES, counts_path: str | os.PathLike | None = None,
@@ -345,7 +350,7 @@ class RedisTier:
         self.url = url if isinstance(url, RemoteURL) else parse_url(url)
         _redis()  # a missing client is an error now, not a silent miss later
         self.identity = identity
-        self.prefix = b"shmcache:" + identity.encode() + b":"
+        self.prefix = b"shmcache:" + identity.encode() + b":"  # + the portable key: the Redis key
         self.queue_items, self.queue_bytes = queue_items, queue_bytes
         # counts_path + slot(): this process's counters go to its row of a shared file (NOTE
         # [remote counts]), so `shmcache stat` sees them; else they stay in the process
@@ -379,6 +384,7 @@ class RedisTier:
             self._backoff = 0.0
             self._writes_after = 0.0  # an OOM pauses writes only
             self._logged: set[str] = set()
+            self._dctx = threading.local()  # zstd contexts are not thread-safe
             self._thread: threading.Thread | None = None
             self._stop = False
             self._c = self._counts_row()
@@ -439,11 +445,12 @@ class RedisTier:
                 self._backoff = 0.0
                 self._logged &= {"corrupt", "oom"}
 
-    def _say(self, cond: str, exc: BaseException | None = None) -> None:
+    def _say(self, cond: str, exc: BaseException | None = None, detail: str = "") -> None:
         if cond in self._logged:
             return
         self._logged.add(cond)
-        detail = f" ({type(exc).__name__}: {self._scrub(str(exc))})" if exc is not None else ""
+        if exc is not None:
+            detail = f" ({type(exc).__name__}: {self._scrub(str(exc))})"
         log.warning("remote tier %s of cache %s %s%s", self.url.masked, self.identity,
                     _SAY[cond].format(t=self.url.timeout_s), detail)
 
@@ -459,9 +466,32 @@ class RedisTier:
     def get(self, pkey: bytes) -> bytes | None:
         return self.get_many([pkey])[0]
 
-    def get_many(self, pkeys: Sequence[bytes]) -> list[bytes | None]:
-        """The stored values of ``pkeys`` (None: a miss, a fault, or the breaker open); one round
-        trip in all."""
+    def get_many(self, pkeys: Sequence[bytes]) -> list[bytearray | None]:
+        """The portable records of ``pkeys`` (None: a miss, a fault, the breaker open, or a value
+        that is not this cache's record for that key); one round trip in all."""
+        raw = self.fetch(pkeys)
+        dctx = getattr(self._dctx, "ctx", None)
+        if dctx is None:
+            dctx = self._dctx.ctx = zstandard.ZstdDecompressor()
+        out: list = []
+        bad = 0
+        for pkey, value in zip(pkeys, raw):
+            if value is not None:
+                value, why = unpack_record(value, self.prefix + pkey, dctx)
+                if value is None:
+                    bad += 1
+                    self._corrupt_logged(pkey, why)
+            out.append(value)
+        if bad:
+            self.corrupt(bad)
+        return out
+
+    def _corrupt_logged(self, pkey: bytes, why: str | None) -> None:
+        if "corrupt" not in self._logged:
+            self._say("corrupt", None, f" (the first: key {pkey!r}: {why})")
+
+    def fetch(self, pkeys: Sequence[bytes]) -> list[bytes | None]:
+        """The raw Redis values of ``pkeys`` (unchecked); one round trip in all."""
         self._ensure()
         if not pkeys or self._closed or self._open():
             return [None] * len(pkeys)
@@ -496,12 +526,12 @@ class RedisTier:
             self._add("corrupt", n)
             self._c[_I["hits"]] -= min(n, int(self._c[_I["hits"]]))
             self._add("misses", n)
-        self._say("corrupt")
 
     # --- writes (behind the training loop) -------------------------------------------------------
 
     def offer(self, pairs: Sequence[tuple[bytes, bytes]]) -> None:
-        """Queue ``(portable key, value)`` pairs for writing; never blocks (a full queue drops)."""
+        """Queue ``(portable key, portable record)`` pairs for writing; never blocks (a full queue
+        drops). The records are wrapped and written by the writer thread, off the training step."""
         self._ensure()
         if self._closed:
             return
@@ -510,7 +540,7 @@ class RedisTier:
                 if len(self._queue) >= self.queue_items or self._queued_bytes + len(value) > self.queue_bytes:
                     self._add("dropped", 1)
                     continue
-                self._queue.append((self.prefix + pkey, value))
+                self._queue.append((self.prefix + pkey, bytes(value)))
                 self._queued_bytes += len(value)
             self._c[_I["backlog"]] = len(self._queue) + self._inflight
             if self._thread is None and self._queue:
@@ -520,6 +550,7 @@ class RedisTier:
             self._wake.notify()
 
     def _writer(self) -> None:
+        cctx = zstandard.ZstdCompressor(level=1)
         while True:
             with self._lock:
                 while not self._queue and not self._stop:
@@ -543,6 +574,8 @@ class RedisTier:
                 self._queued_bytes -= size
                 self._inflight = len(batch)
             try:
+                batch = [(k, b"".join(pack_record(k, v, cctx))) for k, v in batch]
+                size = sum(len(v) for _, v in batch)
                 self._write(batch)
             except Exception as exc:  # noqa: BLE001 - a failed write is a value not shared, no more
                 self._failed(exc)
