@@ -77,7 +77,7 @@ from .registry import MAX_SLOTS
 from .spill.format import pack_record, unpack_record
 
 __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
-           "probe", "read_counts", "COUNTERS"]
+           "probe", "read_counts", "COUNTERS", "resolve", "identity", "counts_path", "tiered", "stats_keys"]
 
 log = logging.getLogger("shmcache")
 
@@ -305,36 +305,47 @@ _I = {name: i for i, name in enumerate(COUNTERS)}
 _SLOT_WORDS = 8  # one 64-byte row per process slot
 
 
-def _map_counts(path: Path) -> np.ndarray:
+_URL_BYTES = 512  # after the rows: the masked URL the counts are of (for `shmcache stat`)
+
+
+def _map_counts(path: Path, masked_url: str) -> np.ndarray:
     """The (MAX_SLOTS, 8) words of a counts file, mapped shared; made (all zeros) if missing.
 
     NOTE [remote counts]: each process writes only its own row (its liveness slot in the
     session: NOTE [lock files]), one aligned 8-byte store per counter, so no lock is needed and
     readers (``shmcache stat``) sum the rows. A slot taken over by a new process goes on from the
     totals there, as the store's counters do; the backlog is a level, set to 0 when a tier closes.
+    After the rows, the masked URL of the remote (the last one to open the file wins).
     """
-    size = MAX_SLOTS * _SLOT_WORDS * 8
+    rows = MAX_SLOTS * _SLOT_WORDS * 8
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        if os.fstat(fd).st_size < size:
-            os.ftruncate(fd, size)  # two makers at once both truncate to the same size: harmless
-        mm = mmap.mmap(fd, size)
+        if os.fstat(fd).st_size < rows + _URL_BYTES:
+            os.ftruncate(fd, rows + _URL_BYTES)  # two makers at once truncate to one size: harmless
+        mm = mmap.mmap(fd, rows + _URL_BYTES)
     finally:
         os.close(fd)
+    url = mask_url(masked_url).encode()[:_URL_BYTES].ljust(_URL_BYTES, b"\0")
+    if mm[rows:] != url:
+        mm[rows:] = url
     return np.ndarray((MAX_SLOTS, _SLOT_WORDS), np.uint64, mm)
 
 
 def read_counts(path: str | os.PathLike) -> dict | None:
-    """The remote counters of one cache summed over every process (None: it never had a remote)."""
+    """The remote counters of one cache summed over every process, and ``url``, the masked URL
+    (None: the cache never had a remote)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
         return None
-    rows = np.frombuffer(raw[:len(raw) // 64 * 64], np.uint64).reshape(-1, _SLOT_WORDS)
+    n = min(len(raw), MAX_SLOTS * _SLOT_WORDS * 8) // 64 * 64
+    rows = np.frombuffer(raw[:n], np.uint64).reshape(-1, _SLOT_WORDS)
     rows = rows[(rows < 1 << 62).all(axis=1)]  # a garbage row is a stat, not worth failing over
     total = rows.sum(axis=0)
-    return {name: int(total[i]) for i, name in enumerate(COUNTERS)}
+    out: dict = {name: int(total[i]) for i, name in enumerate(COUNTERS)}
+    out["url"] = mask_url(raw[n:n + _URL_BYTES].rstrip(b"\0").decode(errors="replace")) or None
+    return out
 
 
 class RedisTier:
@@ -365,6 +376,11 @@ class RedisTier:
     def __repr__(self) -> str:
         return f"RedisTier({self.url.masked!r}, {self.identity!r})"
 
+    def set_identity(self, identity: str) -> None:
+        """A named cache bound to its dataset's fingerprint after it was opened (dataset._bind)."""
+        self.identity = identity
+        self.prefix = b"shmcache:" + identity.encode() + b":"
+
     # --- per process: clients, queue, writer thread --------------------------------------------
 
     def _ensure(self) -> None:
@@ -394,7 +410,7 @@ class RedisTier:
         if self._counts_path is None or self._slot is None:
             return np.zeros(len(COUNTERS), np.uint64)
         try:
-            row = _map_counts(Path(self._counts_path))[self._slot()]
+            row = _map_counts(Path(self._counts_path), self.url.masked)[self._slot()]
         except Exception as exc:  # noqa: BLE001 - counting is no reason to fail a read
             log.warning("remote tier %s of cache %s: this process's counts are kept in the process "
                         "only (%s)", self.url.masked, self.identity, exc)
@@ -633,6 +649,13 @@ class RedisTier:
             out["backlog"] = len(self._queue) + self._inflight
         return out
 
+    def totals(self) -> dict:
+        """The counters summed over every process of the session (NOTE [remote counts]); this
+        process's alone when they are not shared."""
+        self._ensure()
+        shared = read_counts(self._counts_path) if self._counts_path and self._slot else None
+        return shared if shared is not None else self.counters()
+
     def close(self, timeout_s: float = FLUSH_S) -> None:
         """Flush the queue (within ``timeout_s``), stop the writer, close the connections."""
         if self._closed:
@@ -738,4 +761,54 @@ def probe(url: str | RemoteURL, timeout_s: float = 0.5) -> dict:
     out["used_memory"] = sum(int(i.get("used_memory", 0)) for i in infos)
     maxes = [int(i.get("maxmemory", 0)) for i in infos]
     out["maxmemory"] = 0 if 0 in maxes else sum(maxes)  # 0: one server has no limit
+    return out
+
+
+# --- wiring: a cache's store with its remote tier behind it ----------------------------------------
+
+def resolve(remote: Any, session_remote: str | None) -> str | None:
+    """The remote URL in force: ``remote=`` given (``""``: none), else ``$SHMCACHE_REMOTE``, else the
+    session's (``shmcache new NAME --remote URL``); None when there is none. Checked here: a bad
+    URL, or a missing redis-py, is an error when the cache is made, not a silent miss later."""
+    if remote is not None and not isinstance(remote, str):
+        raise InvalidArgument(f"remote must be a URL such as 'redis://:PASSWORD@host:6379' (or '' for "
+                              f"none), got {type(remote).__name__}")
+    if remote is None:
+        remote = os.environ.get(ENV_REMOTE) or session_remote
+    if not remote:
+        return None
+    parse_url(remote)
+    _redis()
+    return remote
+
+
+def identity(name: str, fingerprint: str | None) -> str:
+    """What names a cache in Redis: its name, and its dataset's fingerprint when it has one - never
+    the session's name, so every node's session finds the same values (NOTE [remote tier])."""
+    return f"{name}.{fingerprint[:32]}" if fingerprint else name
+
+
+def counts_path(registry, session: str, name: str) -> Path:
+    """The file of a cache's remote counters (NOTE [remote counts]), beside its metadata."""
+    return registry.session_dir(session) / "caches" / f"{name}.remote"
+
+
+def tiered(local, url: str, fingerprint: str | None, registry):
+    """``local`` (a CacheStore) with the remote tier at ``url`` behind it (tiers.TieredStore)."""
+    from . import process_slot
+    from .tiers import TieredStore
+
+    shared = not getattr(local, "uncached", False)  # an uncached store holds no liveness slot
+    tier = RedisTier(url, identity(local.name, fingerprint),
+                     counts_path=counts_path(registry, local.session, local.name) if shared else None,
+                     slot=(lambda: process_slot.slot(registry, local.session)) if shared else None)
+    return TieredStore(local, [tier])
+
+
+def stats_keys(url: str | None, counts: dict | None) -> dict:
+    """The ``remote_*`` keys of ``stats()`` and ``shmcache stat``: the masked URL and the counters
+    summed over every process (``counts``: read_counts, or None for a cache without a remote)."""
+    url = url or (counts or {}).get("url")
+    out = {"remote": mask_url(url) if url else None}
+    out.update({f"remote_{k}": (counts or {}).get(k, 0) for k in COUNTERS})
     return out
