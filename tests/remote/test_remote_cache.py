@@ -281,3 +281,49 @@ def test_stat_and_info_show_the_remote_never_its_password(redis_server, capsys, 
     assert "does not answer" in text
     cache.close()
     assert PASSWORD not in json.dumps(rows) + table + json.dumps(info) + text + _logs(caplog)
+
+
+# --- processes: DataLoader workers, exit ---------------------------------------------------------
+
+def test_dataloader_workers_read_and_count_through_the_remote(redis_server):
+    import torch
+    from torch.utils.data import DataLoader
+
+    a, dsa = _cache("nodeA", redis_server.url)
+    for i in range(N):
+        dsa[i]
+    _flush(a)
+    b, dsb = _cache("nodeB", redis_server.url)
+    before = b.stats()["remote_hits"]
+    seen = 0
+    for imgs, labels in DataLoader(dsb, batch_size=16, num_workers=2,
+                                   multiprocessing_context="fork"):
+        for img, label in zip(imgs, labels):
+            i = int(label)  # label = i % 10: find i by content
+            assert any(torch.equal(img, torch.from_numpy(expected(k)[0])) for k in range(i, N, 10))
+            seen += 1
+    assert seen == N
+    # the workers' reads are counted in their own rows of the shared counts (NOTE [remote counts])
+    assert b.stats()["remote_hits"] - before >= N - 8
+    a.close()
+    b.close()
+
+
+EXIT_SCRIPT = r"""
+import sys
+sys.path.insert(0, {here!r})
+from _nodes import Counted
+from shmcache import ShmDatasetCache
+cache = ShmDatasetCache(session="exiting", remote={url!r})
+ds = cache.wrap(Counted({n}))
+for i in range({n}):
+    ds[i]
+# no close(): the write-behind queue is flushed at exit (atexit)
+"""
+
+
+def test_queue_flushed_at_exit(redis_server):
+    script = EXIT_SCRIPT.format(here=str(HERE), url=redis_server.url, n=N)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(redis_server.cli("dbsize")) == N
