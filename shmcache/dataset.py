@@ -28,7 +28,7 @@ from . import _pil, codec  # noqa: F401  (_pil registers PIL images with the cod
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
 from .remote import ENV_REMOTE
 from .remote import resolve as resolve_remote
-from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey, SharedMemoryFull
+from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey, SessionNotFound, SharedMemoryFull
 from .fingerprint import fingerprint, length_or_none
 from .store import MISSING, CacheStore, UncachedStore
 
@@ -225,7 +225,10 @@ class ShmDatasetCache:
         registry = SessionRegistry(namespace(self._ns_root))
         session_remote = None
         if self._remote_arg is None and not os.environ.get(ENV_REMOTE):
-            session_remote = registry.get(self.session).remote
+            try:
+                session_remote = registry.get(self.session).remote
+            except SessionNotFound:  # destroyed under us: the store's next use says so
+                pass
         url = resolve_remote(self._remote_arg, session_remote)
         if url is not None:
             from . import remote

@@ -717,6 +717,18 @@ def _quietly(fn) -> None:
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
+def _after_fork_in_child() -> None:
+    """A fork may have copied a tier's lock held by its writer thread, which the child lacks:
+    give every tier a fresh one before anything in the child can wait on it (_ensure then
+    starts the child's own queue, thread and connections)."""
+    for tier in list(_LIVE):
+        tier._lock = threading.Lock()
+        tier._wake = threading.Condition(tier._lock)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @atexit.register
 def _flush_at_exit() -> None:
     """Write what is queued before the interpreter goes (within FLUSH_S in all)."""

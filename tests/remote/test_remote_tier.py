@@ -272,3 +272,31 @@ def test_out_of_memory_pauses_writes_not_reads(redis_factory, caplog):
         assert tier.counters()["dropped"] > 0
     finally:
         tier.close(1)
+
+
+def test_a_fork_while_the_lock_is_held_does_not_deadlock_the_child(redis_server):
+    tier = RedisTier(redis_server.url, "c")
+    try:
+        tier.offer([(b"k", b"v")])
+        _drain(tier, 1)
+        with tier._lock:  # as the writer thread may hold it at the moment of a fork
+            pid = os.fork()
+            if pid == 0:  # the child: its own lock, queue, thread and connections
+                ok = tier.get(b"k") == b"v"
+                tier.offer([(b"child", b"c")])
+                ok = ok and tier.flush(5)
+                os._exit(0 if ok else 1)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child deadlocked on the lock it inherited")
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert tier.get(b"child") == b"c"
+    finally:
+        tier.close()
