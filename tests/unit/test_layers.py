@@ -29,6 +29,7 @@ RANK = {
     "spill.format": 3, "spill.recovery": 3.1, "spill.files": 3.2, "spill": 3.3,
     "store": 4,
     "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
+    "remote": 4.6,  # the Redis tier (NOTE [remote tier]); redis-py imported lazily
     "spill.tier": 5,  # wires spill files into the store; used by the torch layer and the CLI
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
@@ -39,7 +40,7 @@ RANK = {
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
             "store", "cli", "spill", "spill.format", "spill.recovery", "spill.files", "spill.tier",
             "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
-            "launch.remote_option", "launch.rendezvous", "launch.redis_node"]
+            "launch.remote_option", "launch.rendezvous", "launch.redis_node", "remote"]
 TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
 
 
