@@ -1,8 +1,8 @@
 """``--remote``: a Redis URL handed to the workers, or ``spawn[:MB]``; and its password kept out
 of sight (messages, the summary, and the launcher's own process title).
 
-The remote tier itself (shmcache.remote) parses the URL when a worker opens a cache; the launcher
-only checks its scheme, so that a typo fails at once on every node rather than in every worker.
+The URL itself is the remote tier's to parse (shmcache.remote.parse_url, which the command line
+calls, so that a typo fails at once on every node rather than in every worker).
 """
 
 from __future__ import annotations
@@ -11,14 +11,11 @@ import ctypes
 import re
 from dataclasses import dataclass
 
-__all__ = ["RemoteOption", "parse_remote", "mask_url", "shards_url", "hide_in_process_title",
-           "SCHEMES"]
-
-#: What the remote tier accepts (shmcache.remote's manual): standalone, TLS, Cluster, N shards.
-SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "redis+shards", "rediss+shards")
+__all__ = ["RemoteOption", "parse_remote", "mask_url", "shards_url", "hide_in_process_title"]
 
 # scheme://[user][:password]@ anywhere in a text: the userinfo runs to the last "@" of the token
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^\s/?#\0]*)@")
+# ("[" and "]" are not allowed in a userinfo, RFC 3986: "redis://[:PASSWORD@]host" is left alone)
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^\s/?#\[\]\0]*)@")
 _QUERY_PASSWORD = re.compile(r"(?i)([?&]password=)[^&#\s]*")
 
 
@@ -35,17 +32,9 @@ class RemoteOption:
 
 
 def parse_remote(text: str, default_mb: int) -> RemoteOption:
-    """``spawn``, ``spawn:MB`` or a URL of a known scheme; ValueError (a message that shows no
-    password) otherwise - argparse turns it into ``argument --remote: ...``."""
+    """``spawn`` or ``spawn:MB`` (ValueError for a bad MB), else a URL, unchecked here."""
     if text == "spawn" or text.startswith("spawn:"):
         return RemoteOption(spawn_mb=_spawn_mb(text, default_mb))
-    scheme = text.split("://", 1)[0].lower() if "://" in text else None
-    if scheme not in SCHEMES:
-        raise ValueError(
-            f"{mask_url(text)!r} is neither a Redis URL nor spawn; use redis://[:PASSWORD@]HOST:PORT"
-            f"[/DB] (rediss:// for TLS, redis+cluster://H1:P1,H2:P2 for a Cluster), or spawn[:MB] "
-            f"for one redis-server per node started by the launcher"
-        )
     return RemoteOption(url=text)
 
 

@@ -43,7 +43,8 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
                             rediss:// for TLS, redis+cluster://H1:P1,H2:P2 for a Redis Cluster.
                             The password is shown as *** in every message and, once the
                             launcher has started, in its process title; to keep it off every
-                            command line from the first instant, export SHMCACHE_REMOTE instead
+                            command line from the first instant, export SHMCACHE_REMOTE instead,
+                            or give a URL without one and export SHMCACHE_REMOTE_PASSWORD
     --remote spawn[:MB]     start one redis-server per node for the job (Redis's own package:
                             apt-get install redis-server), capped at MB MiB each (default 1024),
                             evicting the least recently used values when full, never saving to
@@ -130,6 +131,7 @@ from ..config import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, reso
 from ..errors import InvalidArgument, LaunchError, ShmcacheError, SpillError
 from ..locks import LivenessSlot
 from ..registry import SessionRegistry
+from ..remote import ENV_REMOTE, parse_url
 from ..spill import check_spill_dir
 from .redis_node import DEFAULT_MAXMEMORY_MB, RedisNode, find_redis_server, is_loopback, route_address
 from .remote_option import RemoteOption, hide_in_process_title, mask_url, parse_remote, shards_url
@@ -149,8 +151,6 @@ USAGE = (
 )
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 DEFAULT_RDZV_TIMEOUT_S = 300.0
-#: Read by the remote tier (shmcache.remote) as the default of a cache's ``remote=``.
-ENV_REMOTE = "SHMCACHE_REMOTE"
 
 
 @dataclass(frozen=True)
@@ -486,10 +486,15 @@ def _positive_float(text: str) -> float:
 
 
 def _parse_remote(text: str) -> RemoteOption:
+    """spawn[:MB], or a URL the remote tier accepts (its own parser: one definition of valid)."""
     try:
-        return parse_remote(text, DEFAULT_MAXMEMORY_MB)
+        option = parse_remote(text, DEFAULT_MAXMEMORY_MB)
+        if option.url is not None:
+            parse_url(option.url)
     except ValueError as exc:  # argparse would quote the raw value, password and all
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        hint = "" if text.startswith("spawn") else "; or spawn[:MB]: one redis-server per node"
+        raise argparse.ArgumentTypeError(f"{exc}{hint}") from None
+    return option
 
 
 def _port(text: str) -> int:

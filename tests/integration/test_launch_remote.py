@@ -335,6 +335,7 @@ def test_remote_url_reaches_the_workers_and_its_password_no_title(tmp_path, node
 
 @pytest.mark.parametrize(("value", "shown"), [
     ("http://:hunter2@10.0.0.1:6379", "http://:***@10.0.0.1:6379"),
+    ("redis://:hunter2@10.0.0.1:99999", "redis://:***@10.0.0.1:99999"),  # the tier's own parser
     ("spawn:0", "spawn:0"),
     ("spawn:lots", "spawn:lots"),
 ])
