@@ -6,7 +6,8 @@ Commands::
                                          average item size, hits, misses
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
                                          memory
-    shmcache new [NAME] [--spill-dir D]  create a session and print its name
+    shmcache new [NAME] [--spill-dir D] [--remote URL]
+                                         create a session and print its name
     shmcache destroy NAME [--force]      drop a session and everything in it
     shmcache gc [--idle-for D] [--json]  reclaim what dead processes left behind; with --idle-for
                                          (90s, 30m, 12h, 1d, 2w), also destroy the sessions
@@ -81,6 +82,7 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
 
 
 def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
+    from .remote import counts_path, read_counts, stats_keys  # no redis-py needed
     from .store import CacheStore  # numpy, no torch
 
     out = []
@@ -92,9 +94,13 @@ def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
             continue
         try:
             _attach_spill(store)
-            out.append(store.stats())
+            st = store.stats()
         finally:
             store.close()
+        counts = read_counts(counts_path(registry, session, name))
+        if counts is not None:  # the cache has (had) a remote tier: its counters, every process's
+            st.update(stats_keys(None, counts))
+        out.append(st)
     return out
 
 
@@ -121,15 +127,22 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         return 0
     headers = ["session", "cache", "items mem", "items disk", "bytes mem", "bytes disk",
                "avg item", "hits", "misses", "rejected"]
+    remote = any("remote" in st for st in rows)
+    if remote:  # the remote tier's columns, only when a cache has one (NOTE [remote counts])
+        headers += ["remote hits", "remote misses", "read", "written", "errors", "backlog"]
     table = []
     for st in rows:
         if "error" in st:
-            table.append([st["session"], st["name"], "error: " + st["error"][:60]] + [""] * 7)
+            table.append([st["session"], st["name"], "error: " + st["error"][:60]] + [""] * (len(headers) - 3))
             continue
         table.append([st["session"], st["name"], str(st["items_mem"]), str(st["items_disk"]),
                       _size(st["bytes_mem"]), _size(st["bytes_disk"]), _size(st["avg_item_bytes"]),
                       str(st["hits"]), str(st["misses"]), str(st["rejected"])])
-    print(_table(headers, table, right=set(range(2, 10))))
+        if remote:
+            table[-1] += ([str(st["remote_hits"]), str(st["remote_misses"]), _size(st["remote_bytes_read"]),
+                           _size(st["remote_bytes_written"]), str(st["remote_errors"]),
+                           str(st["remote_backlog"])] if "remote" in st else ["-"] * 6)
+    print(_table(headers, table, right=set(range(2, len(headers)))))
     return 0
 
 
@@ -168,7 +181,12 @@ def cmd_new(args, registry: SessionRegistry) -> int:
         from .spill import check_spill_dir
 
         spill = str(check_spill_dir(spill))
-    info = registry.create(args.name, spill_dir=spill)
+    remote = args.remote
+    if remote is not None:
+        from .remote import parse_url
+
+        parse_url(remote)  # a bad URL is an error now (without its password), not at first use
+    info = registry.create(args.name, spill_dir=spill, remote=remote)
     print(info.name)
     return 0
 
@@ -235,6 +253,7 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         "auto_capacity_bytes": lim.auto_capacity(),
         "spill_dir": spill, "spill_free_bytes": spill_free,
         "sessions": len(registry.list()), "segments": len(ns.owned_segments()),
+        "remotes": _remotes(registry),
     }
     if args.json:
         print(json.dumps(info, indent=1))
@@ -250,9 +269,35 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         ("spill dir", f"{spill}  ({_size(spill_free)} free)" if spill else "not set ($SHMCACHE_SPILL_DIR)"),
         ("sessions / segments", f"{info['sessions']} / {info['segments']}"),
     ]
+    for r in info["remotes"]:
+        state = (f"answers; {_size(r['used_memory'])} used of "
+                 f"{_size(r['maxmemory']) if r['maxmemory'] else 'no maxmemory'}" if r["answers"]
+                 else f"does not answer ({r['error']})")
+        lines.append((f"remote ({r['source']})", f"{r['url']}  {state}"))
+    if not info["remotes"]:
+        lines.append(("remote", "none ($SHMCACHE_REMOTE, shmcache new --remote)"))
     width = max(len(k) for k, _ in lines)
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in lines))
     return 0
+
+
+def _remotes(registry: SessionRegistry) -> list[dict]:
+    """The remote tiers in force here ($SHMCACHE_REMOTE, each session's), each probed with a short
+    timeout (remote.probe): masked URL, whether it answers, its used and maximum memory."""
+    from .remote import ENV_REMOTE, probe
+
+    found = [("$" + ENV_REMOTE, os.environ.get(ENV_REMOTE))]
+    found += [(f"session {s.name}", s.remote) for s in registry.list()]
+    out = []
+    for source, url in found:
+        if not url:
+            continue
+        try:
+            out.append({"source": source, **probe(url)})
+        except InvalidArgument as exc:  # a bad URL, or no redis-py: say so, never the password
+            out.append({"source": source, "url": None, "answers": False, "used_memory": None,
+                        "maxmemory": None, "error": str(exc)})
+    return out
 
 
 # --- entry point --------------------------------------------------------------------------------------
@@ -272,6 +317,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("new", help="create a session and print its name")
     s.add_argument("name", nargs="?", help="session name (default: a random one)")
     s.add_argument("--spill-dir", help="default spill directory of the session's caches")
+    s.add_argument("--remote", metavar="URL",
+                   help="default remote tier of the session's caches: redis://[:password@]host:port[/db], "
+                        "rediss://, redis+cluster://h1:p1,h2:p2, redis+shards://h1:p1,h2:p2")
     s.set_defaults(func=cmd_new)
     s = sub.add_parser("destroy", help="drop a session and everything in it")
     s.add_argument("name", help="the session to destroy (see `shmcache ls`)")

@@ -26,7 +26,9 @@ from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from . import _pil, codec  # noqa: F401  (_pil registers PIL images with the codec, lazily)
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
-from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey, SharedMemoryFull
+from .remote import ENV_REMOTE
+from .remote import resolve as resolve_remote
+from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey, SessionNotFound, SharedMemoryFull
 from .fingerprint import fingerprint, length_or_none
 from .store import MISSING, CacheStore, UncachedStore
 
@@ -135,11 +137,16 @@ class ShmDatasetCache:
         verify: the fraction of hits of a wrapped map-style dataset that are recomputed from the
             source and compared bit for bit (0: never); a difference raises CacheMismatch. An
             opt-in check that the dataset is deterministic and the cache is not stale.
+        remote: a Redis tier shared by several nodes behind the shared memory (remote.py):
+            ``redis://[:password@]host:port[/db]``, ``rediss://...``, ``redis+cluster://h1:p1,...``,
+            ``redis+shards://h1:p1,h2:p2,...``; None: ``$SHMCACHE_REMOTE``, else the session's
+            (``shmcache new NAME --remote URL``); ``""``: none.
     """
 
     def __init__(self, session: str = "auto", name: str | None = None, size: int = 0,
                  spilling: bool = False, spill_dir: str | os.PathLike | None = None, *,
-                 copy: bool = True, verify: float = 0.0, lock_timeout_s: float = 60.0):
+                 copy: bool = True, verify: float = 0.0, lock_timeout_s: float = 60.0,
+                 remote: str | None = None):
         self.session = resolve_session_name(session)
         if name is not None:
             validate_name(name, "cache")
@@ -177,6 +184,9 @@ class ShmDatasetCache:
         # the namespace travels with the cache (pickled to workers): a forkserver or spawn child
         # may see another $SHMCACHE_DIR, and would otherwise build an empty twin of the cache
         self._ns_root = str(namespace().root)
+        self._remote_arg = remote  # resolved with the session's when the store is opened (_open)
+        if remote or (remote is None and os.environ.get(ENV_REMOTE)):  # a bad URL fails here
+            resolve_remote(remote, None)
         if self.spilling:  # a missing or unusable spill directory is an error now, not later
             from .registry import SessionRegistry
             from .spill.tier import resolve_spill_dir
@@ -202,7 +212,30 @@ class ShmDatasetCache:
             from .spill import tier as spilling
 
             spilling.attach(self._store, self.spill_dir)
+        self._attach_remote(fingerprint)
         return self._store
+
+    def _attach_remote(self, fingerprint: str | None) -> None:
+        """With a remote in force, the store becomes ``TieredStore(local, [RedisTier])``; without
+        one it stays the local store itself (no extra call on a hit)."""
+        if self._remote_arg == "":
+            return
+        from .registry import SessionRegistry
+
+        registry = SessionRegistry(namespace(self._ns_root))
+        session_remote = None
+        if self._remote_arg is None and not os.environ.get(ENV_REMOTE):
+            try:
+                session_remote = registry.get(self.session).remote
+            except SessionNotFound:  # destroyed under us: the store's next use says so
+                pass
+        url = resolve_remote(self._remote_arg, session_remote)
+        if url is not None:
+            from . import remote
+
+            if fingerprint is None and not self._store.uncached:  # a named cache bound earlier
+                fingerprint = self._store.read_meta().get("fingerprint")
+            self._store = remote.tiered(self._store, url, fingerprint, registry)
 
     @property
     def store(self) -> CacheStore:
@@ -273,6 +306,11 @@ class ShmDatasetCache:
         elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset
             self._store.bind_fingerprint(fp)
             self._fingerprint = fp
+            for tier in getattr(self._store, "behind", ()):  # its remote values: this dataset's
+                if hasattr(tier, "set_identity"):
+                    from .remote import identity
+
+                    tier.set_identity(identity(self.name, fp))
         elif self._fingerprint != fp:
             raise InvalidArgument(
                 f"this ShmDatasetCache already caches another dataset in {self.session}/"
@@ -429,7 +467,10 @@ class ShmDatasetCache:
         bar = _progress(None, progress, desc or f"warmup {self.name}", n)
         for lo in range(0, n, 4096):
             chunk = order[lo:lo + 4096]
-            for i in store.absent_ints(chunk).tolist():
+            absent = store.absent_ints(chunk).tolist()
+            if absent and getattr(store, "behind", None):  # what another node computed: read it
+                absent = _not_behind(store, absent)
+            for i in absent:
                 if not store.contains(i):
                     self._put(store, i, ds._compute(i))
                     computed += 1
@@ -440,8 +481,16 @@ class ShmDatasetCache:
         return computed
 
     def stats(self) -> dict:
-        """Counters shared by every process (keys: docs/design.md §10)."""
-        return self.store.stats()
+        """Counters shared by every process (keys: docs/design.md §10); with a remote tier, also
+        its ``remote_*`` counters, summed over every process of the session."""
+        store = self.store
+        st = store.stats()
+        tiers = getattr(store, "behind", None)
+        if tiers is not None:
+            from . import remote
+
+            st.update(remote.stats_keys(str(tiers[0].url), tiers[0].totals()))
+        return st
 
     def clear(self) -> None:
         self.store.clear()
@@ -495,6 +544,16 @@ class ShmDatasetCache:
 
 
 # --- wrapped datasets -----------------------------------------------------------------------------
+
+
+def _not_behind(store, keys: list, per_trip: int = 256) -> list:
+    """The ``keys`` that the tiers behind ``store`` lack too; those they have are admitted into
+    shared memory on the way (a bounded batch per round trip: values may be large)."""
+    out = []
+    for lo in range(0, len(keys), per_trip):
+        part = keys[lo:lo + per_trip]
+        out += [part[j] for j in store.lookup_batch(part, False)[1]]
+    return out
 
 
 def _compute(dataset, transform, index):

@@ -28,6 +28,8 @@ __all__ = [
     "SpillFull",
     "PrefetchError",
     "PrefetchStall",
+    "LaunchError",
+    "RendezvousTimeout",
 ]
 
 
@@ -113,3 +115,12 @@ class PrefetchError(ShmcacheError, RuntimeError):
 
 class PrefetchStall(ShmcacheError, TimeoutError):
     """The prefetch producer made no progress within its timeout."""
+
+
+class LaunchError(ShmcacheError, RuntimeError):
+    """The launcher could not prepare what the job needs besides the session: a per-node Redis
+    (``--remote spawn``) or the exchange of its endpoints; the message names the node and the fix."""
+
+
+class RendezvousTimeout(LaunchError, TimeoutError):
+    """Not every node joined the exchange of endpoints within ``--rdzv-timeout``; names the ranks."""

@@ -69,6 +69,9 @@ class SessionInfo:
     uid: int
     creator_pid: int
     spill_dir: str | None = None
+    # the default remote tier of the session's caches (remote.py); a URL that may carry a
+    # password: session.json is the user's own (0700 directory), and it is never shown unmasked
+    remote: str | None = field(default=None, repr=False)
     version: int = _VERSION
     path: Path = field(default=Path(), compare=False)
 
@@ -197,7 +200,7 @@ class SessionRegistry:
             pass  # the session is gone, or its directory is read-only: a lost touch only ages it
 
     def create(self, name: str | None = None, *, spill_dir: str | os.PathLike | None = None,
-               exist_ok: bool = False) -> SessionInfo:
+               exist_ok: bool = False, remote: str | None = None) -> SessionInfo:
         """Create a session (a random name when ``name`` is None) and return it."""
         if name is None:
             name = "s-" + secrets.token_hex(4)
@@ -213,7 +216,7 @@ class SessionRegistry:
                     f"session={name!r}, or `shmcache destroy {name}` first"
                 )
             info = SessionInfo(name=name, created=time.time(), uid=os.getuid(),
-                               creator_pid=os.getpid(), spill_dir=spill_dir)
+                               creator_pid=os.getpid(), spill_dir=spill_dir, remote=remote)
             final = self.session_dir(name)
             tmp = self.ns.sessions_dir / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
             tmp.mkdir(mode=0o700)

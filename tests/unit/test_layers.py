@@ -21,6 +21,9 @@ RANK = {
     "errors": 0, "_faults": 0,
     "config": 1,
     "launch.supervisor": 1,  # the launcher's process machinery: knows nothing of shmcache
+    "launch.remote_option": 1,  # --remote: what it means, and its password out of sight
+    "launch.rendezvous": 1,  # the launchers' exchange of Redis endpoints (NOTE [remote rendezvous])
+    "launch.redis_node": 2,  # one redis-server per node, a companion of the supervisor
     "locks": 2, "segment": 2,
     "process_slot": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3,
     "spill.format": 3, "spill.recovery": 3.1, "spill.files": 3.2, "spill": 3.3,
@@ -29,6 +32,7 @@ RANK = {
     "tier_protocol": 3.5,  # what the store needs of an indexed tier (the spill tier): NOTE [tiers]
     "store": 4,
     "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
+    "remote": 4.6,  # the Redis tier (NOTE [remote tier]); redis-py imported lazily
     "spill.tier": 5,  # the spill tier (an IndexedTier) and where its folder is; used above the store
     "maintenance": 5.5,  # gc of a namespace: the registry's, then each cache's, then spill folders
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
@@ -40,7 +44,8 @@ RANK = {
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
             "store", "generation", "gather", "tier_protocol", "maintenance", "cli", "spill",
             "spill.format", "spill.recovery", "spill.files", "spill.tier",
-            "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil"]
+            "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
+            "launch.remote_option", "launch.rendezvous", "launch.redis_node", "remote"]
 TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
 
 

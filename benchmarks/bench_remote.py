@@ -1,0 +1,302 @@
+"""Several nodes, one cache: the Redis remote tier against node-local caches, the uncached source
+and Bagua's pattern on the same Redis, simulated on this machine.
+
+    python benchmarks/bench_remote.py            # ~5-10 minutes on 2 cores
+    python benchmarks/bench_remote.py --quick    # ~1-2 minutes
+
+A node is a namespace of its own (``$SHMCACHE_DIR``: its own shared memory) with 2 processes
+(ranks); the job's ranks are forked from this process (torch already imported), each with its
+node's namespace. One ``redis-server`` on 127.0.0.1 (a password, ``--save '' --appendonly no``)
+serves every job. Workloads (benchmarks/peers/_workloads.py): ``cifar`` (3 KB random images),
+``imagenet`` (150 KB random images), ``photos`` (JPEG decode + crop + resize to 224x224, the
+decode-heavy pipeline). Each rank reads its ``DistributedSampler``-style shard of a permutation
+drawn per epoch over all ranks, in batches of 64 (``CachedDataset.__getitems__``: one batched
+round trip to Redis for a batch's misses); ranks wait for each other between epochs.
+
+Rows, for 2 and 4 nodes:
+
+- ``calls/item``: transform calls of the whole job over epochs 1-3, per dataset item (the
+  ``wrap()`` fingerprint samples included): with the remote tier (target <= 1.05), node-local
+  caches only (each node computes what it has not seen), uncached (3.0).
+- ``epoch N items/s``: the job's items per second in epoch N (items / the slowest rank's time).
+- ``warm``: an epoch after every node holds the whole dataset (``warmup()``, which reads what is
+  missing from Redis), against Bagua's pattern on the same Redis (one ``GET`` + ``pickle.loads``
+  per sample, every epoch; target >= 10x).
+- ``other node``: a fresh node (2 ranks) reading the whole dataset that other nodes computed (from
+  Redis) against the same node computing it from the source (target >= 5x on ``photos``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pickle
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import environment, environment_line, fmt_rate, free_loopback_port, print_table  # noqa: E402
+from peers._workloads import make_workload  # noqa: E402
+
+BATCH = 64
+EPOCHS = 3
+PROCS_PER_NODE = 2
+
+
+class Counted:
+    """The workload's source; counts its computations in this process (``calls``)."""
+
+    def __init__(self, source):
+        self.source = source
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int):
+        self.calls += 1
+        return self.source[i]
+
+    def __repr__(self) -> str:  # the fingerprint sees the source, not the counter
+        return repr(self.source)
+
+
+def shard(n: int, epoch: int, rank: int, world: int) -> np.ndarray:
+    """DistributedSampler(shuffle=True, seed=0): a permutation per epoch, every world-th index."""
+    return np.random.default_rng((0, epoch)).permutation(n)[rank::world]
+
+
+# --- one rank (a forked child) ------------------------------------------------------------------
+
+def rank_main(args: tuple, barrier, results) -> None:
+    (mode, workload, node_dir, rank, world, url, warm) = args
+    os.environ["SHMCACHE_DIR"] = node_dir
+    import torch
+
+    torch.set_num_threads(1)
+    from shmcache import ShmDatasetCache
+
+    src = Counted(workload.source())
+    n = len(src)
+    times = []
+    if mode.endswith("-once"):  # one pass over the whole dataset, split over the node's ranks
+        ds = src
+        if mode == "remote-once":
+            cache = ShmDatasetCache(session="bench", remote=url)
+            ds = cache.wrap(src)
+        idx = np.arange(n)[rank::world]
+        barrier.wait()
+        t0 = time.perf_counter()
+        for lo in range(0, len(idx), BATCH):
+            keys = idx[lo:lo + BATCH].tolist()
+            ds.__getitems__(keys) if ds is not src else [src[i] for i in keys]
+        results.put((rank, src.calls, [time.perf_counter() - t0], None))
+        if ds is not src:
+            cache.close()
+        return
+    if mode == "uncached":
+        for epoch in range(EPOCHS):
+            barrier.wait()
+            t0 = time.perf_counter()
+            for i in shard(n, epoch, rank, world).tolist():
+                src[i]
+            times.append(time.perf_counter() - t0)
+        results.put((rank, src.calls, times, None))
+        return
+    cache = ShmDatasetCache(session="bench", remote=url if mode == "remote" else "")
+    ds = cache.wrap(src)
+    for epoch in range(EPOCHS):
+        barrier.wait()
+        t0 = time.perf_counter()
+        idx = shard(n, epoch, rank, world)
+        for lo in range(0, len(idx), BATCH):
+            ds.__getitems__(idx[lo:lo + BATCH].tolist())
+        times.append(time.perf_counter() - t0)
+        if mode == "remote":
+            cache.store.behind[0].flush(60)  # the next epoch's readers find it in Redis
+    calls = src.calls
+    warm_s = None
+    if warm:
+        cache.warmup(ds, progress=False)  # the rest of the dataset, from Redis
+        barrier.wait()
+        t0 = time.perf_counter()
+        idx = shard(n, EPOCHS, rank, world)
+        for lo in range(0, len(idx), BATCH):
+            ds.__getitems__(idx[lo:lo + BATCH].tolist())
+        warm_s = time.perf_counter() - t0
+    cache.close()
+    results.put((rank, calls, times, warm_s))
+
+
+def bagua_rank(args: tuple, barrier, results) -> None:
+    """Bagua's CachedDataset reads: one GET + pickle.loads per sample, every epoch."""
+    (n, port, password, rank, world) = args
+    import redis
+
+    client = redis.Redis(port=port, password=password)
+    barrier.wait()
+    t0 = time.perf_counter()
+    for i in shard(n, EPOCHS, rank, world).tolist():
+        pickle.loads(client.get(b"bagua:%d" % i))
+    results.put((rank, 0, [], time.perf_counter() - t0))
+    client.close()
+
+
+def run_ranks(target, arglist: list) -> list:
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(len(arglist))
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(a, barrier, results)) for a in arglist]
+    for p in procs:
+        p.start()
+    out = [results.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join(60)
+        if p.exitcode != 0:
+            raise RuntimeError(f"a rank failed (exit code {p.exitcode})")
+    return out
+
+
+def job(mode: str, workload, nodes: int, base: Path, url: str, warm: bool = False) -> dict:
+    """One job of ``nodes`` x 2 ranks; returns calls per item, epoch items/s, warm items/s."""
+    world = nodes * PROCS_PER_NODE
+    dirs = [str(base / f"{mode}-{nodes}-{secrets.token_hex(3)}-node{k}") for k in range(nodes)]
+    args = [(mode, workload, dirs[r // PROCS_PER_NODE], r, world, url, warm) for r in range(world)]
+    out = run_ranks(rank_main, args)
+    _destroy(dirs)
+    n = workload.n_items
+    calls = sum(o[1] for o in out)
+    epoch_rates = [n / max(o[2][e] for o in out) for e in range(EPOCHS)]
+    warm_rate = n / max(o[3] for o in out) if warm else None
+    return {"calls": calls / n, "epochs": epoch_rates, "warm": warm_rate}
+
+
+def _destroy(dirs: list[str]) -> None:
+    from shmcache.config import namespace
+    from shmcache.registry import SessionRegistry
+
+    for d in dirs:
+        reg = SessionRegistry(namespace(d))
+        for info in reg.list():
+            reg.destroy(info.name, force=True)
+
+
+def bagua(workload, nodes: int, port: int, password: str) -> float:
+    import redis
+
+    client = redis.Redis(port=port, password=password)
+    src, batch = workload.source(), {}
+    for i in range(workload.n_items):  # filled as Bagua's writer does (MSET of 20), not timed
+        batch[b"bagua:%d" % i] = pickle.dumps(src[i], protocol=5)
+        if len(batch) == 20:
+            client.mset(batch)
+            batch = {}
+    if batch:
+        client.mset(batch)
+    client.close()
+    world = nodes * PROCS_PER_NODE
+    out = run_ranks(bagua_rank, [(workload.n_items, port, password, r, world) for r in range(world)])
+    return workload.n_items / max(o[3] for o in out)
+
+
+def other_node(workload, base: Path, url: str) -> tuple[float, float]:
+    """A fresh node (2 ranks) reading the whole dataset from Redis vs computing it (items/s)."""
+    rates = []
+    for mode in ("remote", "uncached"):
+        d = [str(base / f"fresh-{mode}-{secrets.token_hex(3)}")]
+        out = run_ranks(rank_main, [(mode + "-once", workload, d[0], r, PROCS_PER_NODE, url, False)
+                                    for r in range(PROCS_PER_NODE)])
+        _destroy(d)
+        rates.append(workload.n_items / max(o[2][0] for o in out))
+    return rates[0], rates[1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small datasets: a minute or two")
+    p.add_argument("--nodes", default="2,4", help="node counts to simulate (default 2,4)")
+    args = p.parse_args(argv)
+    if shutil.which("redis-server") is None:
+        print("redis-server not found: apt-get install -y redis-server", file=sys.stderr)
+        return 2
+    sizes = {"cifar": 1024 if args.quick else 4096, "imagenet": 96 if args.quick else 384,
+             "photos": 96 if args.quick else 384}
+    base = Path(tempfile.mkdtemp(prefix="shmcache-bench-remote-"))
+    port, password = free_loopback_port(), secrets.token_hex(12)
+    server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                               "--appendonly", "no", "--dir", str(base), "--requirepass", password,
+                               "--logfile", str(base / "redis.log")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://:{password}@127.0.0.1:{port}"
+    try:
+        _wait(port, password)
+        print(environment_line(environment({"redis": subprocess.run(
+            ["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2]})))
+        rows = []
+        for name, n in sizes.items():
+            workload = make_workload(name, n)
+            for nodes in [int(x) for x in args.nodes.split(",")]:
+                _flushall(port, password)
+                remote = job("remote", workload, nodes, base, url, warm=True)
+                fresh, computed = other_node(workload, base, url)
+                local = job("local", workload, nodes, base, url)
+                uncached = job("uncached", workload, nodes, base, url)
+                bag = bagua(workload, nodes, port, password)
+                for label, r in (("remote", remote), ("node-local", local), ("uncached", uncached)):
+                    rows.append([name, str(n), str(nodes), label, f"{r['calls']:.3f}",
+                                 *[fmt_rate(x) for x in r["epochs"]],
+                                 fmt_rate(r["warm"]) if r["warm"] else "", "", ""])
+                rows[-3][9] = f"{_ratio(remote['warm'] / bag)} Bagua"
+                rows[-3][10] = f"{fmt_rate(fresh)} = {_ratio(fresh / computed)} source"
+                rows.append([name, str(n), str(nodes), "Bagua (GET+pickle)", "", "", "", "",
+                             fmt_rate(bag), "", f"source: {fmt_rate(computed)}"])
+                _print(rows[-4:])
+        print()
+        print_table(["workload", "items", "nodes", "mode", "calls/item", "epoch 1 items/s", "epoch 2",
+                     "epoch 3", "warm items/s", "warm vs", "other node (epoch 2)"], rows)
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.3g}×"
+
+
+def _print(rows: list) -> None:
+    for r in rows:
+        print("  ".join(r), flush=True)
+
+
+def _wait(port: int, password: str) -> None:
+    import redis
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis(port=port, password=password).ping()
+            return
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _flushall(port: int, password: str) -> None:
+    import redis
+
+    redis.Redis(port=port, password=password).flushall()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
