@@ -28,6 +28,7 @@ __all__ = [
     "SpillFull",
     "PrefetchError",
     "PrefetchStall",
+    "SnapshotError",
 ]
 
 
@@ -113,3 +114,8 @@ class PrefetchError(ShmcacheError, RuntimeError):
 
 class PrefetchStall(ShmcacheError, TimeoutError):
     """The prefetch producer made no progress within its timeout."""
+
+
+class SnapshotError(ShmcacheError, OSError):
+    """A snapshot cannot be written or read: its destination exists, its disk is full, or it is
+    truncated, damaged, incomplete or of another format version; the message names the file."""

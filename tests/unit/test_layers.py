@@ -21,12 +21,16 @@ RANK = {
     "errors": 0, "_faults": 0,
     "config": 1,
     "launch.supervisor": 1,  # the launcher's process machinery: knows nothing of shmcache
+    "snapshot.location": 1.5,  # where a snapshot's files live: a local directory or an fsspec URL
     "locks": 2, "segment": 2,
     "process_slot": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3,
     "spill.format": 3, "spill.recovery": 3.1, "spill.files": 3.2, "spill": 3.3,
+    "snapshot.format": 3.4,  # the snapshot's files (NOTE [snapshot format]): spill records, an index
     "store": 4,
     "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
     "spill.tier": 5,  # wires spill files into the store; used by the torch layer and the CLI
+    "snapshot.export": 5.5, "snapshot.load": 5.5,  # a cache to a snapshot and back (no torch)
+    "snapshot": 5.6,
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
     "dataset": 6, "prefetch": 6, "sink": 7,
@@ -35,7 +39,8 @@ RANK = {
 }
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
             "store", "cli", "spill", "spill.format", "spill.recovery", "spill.files", "spill.tier",
-            "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil"]
+            "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
+            "snapshot", "snapshot.format", "snapshot.location", "snapshot.export", "snapshot.load"]
 TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
 
 
