@@ -29,6 +29,7 @@ __all__ = [
     "PrefetchError",
     "PrefetchStall",
     "SnapshotError",
+    "ItemNotCached",
 ]
 
 
@@ -119,3 +120,10 @@ class PrefetchStall(ShmcacheError, TimeoutError):
 class SnapshotError(ShmcacheError, OSError):
     """A snapshot cannot be written or read: its destination exists, its disk is full, or it is
     truncated, damaged, incomplete or of another format version; the message names the file."""
+
+
+class ItemNotCached(ShmcacheError, KeyError):
+    """A cache served without its source (``wrap(None)``) does not hold the item asked for."""
+
+    def __str__(self) -> str:  # KeyError's own would print the message quoted, as a repr
+        return str(self.args[0]) if self.args else ""

@@ -144,6 +144,7 @@ from .errors import (
     SessionNotFound,
     SharedMemoryFull,
     ShmcacheError,
+    SnapshotError,
 )
 from .index import ENTRY_BYTES, INLINE24, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
 from .registry import DESTROYED, MAX_SLOTS, ROOT_EPOCH, SEP, SessionRegistry, write_json
@@ -875,6 +876,67 @@ class CacheStore:
             self._count(2)
             return False
 
+    # --- portable records (NOTE [tiers]): what a snapshot export reads and an import admits ------
+
+    def put_record(self, key: Any, record: Any) -> bool:
+        """``put`` of a portable record (the codec record with its layout inline, tiers.py),
+        without decoding it: its bytes go straight into shared memory (or a spill file), one
+        copy. InvalidArgument when the bytes are not a portable record."""
+        view = memoryview(record).cast("B")
+        lid, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(view, 0) if len(view) >= _MIN_RECORD \
+            else (0, 0, 0, 0)
+        body = len(view) - key_len - lay_len
+        if lid != codec.INLINE or not _MIN_RECORD <= body < body + lay_len:
+            raise InvalidArgument(f"the record for key {key!r} in cache {self.session}/{self.name} is not "
+                                  f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
+                                  f"tiers.portable_record(...) bytes")
+        enc = codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
+        return self.put(key, None, encoded=enc)
+
+    def portable_records(self):
+        """Every item of the current generation as ``(portable key, portable record)``; the record
+        is None for a spilled one that fails its checks (damaged: the caller counts it). Lock-free,
+        like every read: items stored meanwhile may or may not be included. SnapshotError when a
+        clear() or destroy replaced the generation under the walk (what was read is not one state)."""
+        g = self._refresh()
+        try:
+            for w0, w1, w2 in g.index.entries():
+                kb = b""
+                if w0 & SPILLED:
+                    if self.spill is None:
+                        yield w1.to_bytes(8, "little"), None
+                        continue
+                    if not w0 & INT_KEY:
+                        kb = self.spill.key_of(w0, w2, w1)
+                    rec = None if kb is None else self.spill.read(w0, w2, w1, kb, g.gen)
+                    if rec is None:
+                        yield w1.to_bytes(8, "little") + (kb or b""), None
+                        continue
+                else:
+                    rec = self._record(g, w0, w2, w1, b"")
+                    if not w0 & INT_KEY:
+                        kb = bytes(rec[len(rec) - _KEY_LEN.unpack_from(rec, 4)[0]:])
+                yield w1.to_bytes(8, "little") + kb, self._portable(g, w0, rec, kb)
+        except FileNotFoundError:  # a segment of this generation was unlinked: cleared under us
+            pass
+        if not self.is_current(g.gen):
+            raise SnapshotError(f"cache {self.session}/{self.name} was cleared or destroyed while it was "
+                                f"read; export it again when nothing clears it")
+
+    def _portable(self, g: _Gen, w0: int, rec: Any, kb: bytes) -> bytes | bytearray:
+        """A stored record with its layout inline (a record whose layout is inline already is one)."""
+        lid = (w0 >> 8) & INLINE24
+        if lid == INLINE24:
+            return bytes(rec)
+        layout = self._layout(g, lid)[0]
+        body = len(rec) - len(kb)
+        out = bytearray(body + len(layout) + len(kb))
+        codec.RECORD_HEADER.pack_into(out, 0, codec.INLINE, len(kb), len(layout), 0)
+        out[_MIN_RECORD:body] = rec[_MIN_RECORD:body]
+        out[body:body + len(layout)] = layout
+        out[body + len(layout):] = kb
+        return out
+
     def _insert(self, g: _Gen, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
         lid = self._intern_layout(g, enc.layout)
         nbytes = enc.record_len(len(kb), lid == INLINE24)
@@ -1512,6 +1574,10 @@ class UncachedStore:
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
         if encoded is None:
             codec.encode(value, f"the value of key {key!r}")  # what is not cacheable says so anyway
+        self._counters[2] += 1
+        return False
+
+    def put_record(self, key: Any, record: Any) -> bool:
         self._counters[2] += 1
         return False
 

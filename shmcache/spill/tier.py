@@ -31,6 +31,7 @@ from ..errors import SpillError, SpillFull
 from ..index import INLINE24, INT_KEY, READY, SPILLED
 from ..registry import SEP, write_json
 from .files import SpillStore, check_spill_dir
+from .format import RECORD_HEADER_BYTES
 
 __all__ = ["CacheSpill", "resolve_spill_dir", "attach", "attach_existing", "remove_orphans"]
 
@@ -110,6 +111,21 @@ class CacheSpill:
         replaced that generation meanwhile is a quiet miss (the caller counts it as a plain miss)."""
         stale = None if gen < 0 else (lambda: not self.store.is_current(gen))
         return self.files.read((w2 >> 48, w2 & _M48, w0 >> 32), _spill_key(w1, kb), stale)
+
+    def key_of(self, w0: int, w2: int, w1: int) -> bytes | None:
+        """The key bytes of the spilled record an entry names, read from the record's header (a
+        snapshot export walks entries whose str/bytes keys it does not know); None when no intact
+        header of that index word is there. read() then checks the whole record."""
+        try:
+            with open(self.files.file_path(w2 >> 48), "rb", buffering=0) as f:
+                head = os.pread(f.fileno(), RECORD_HEADER_BYTES, w2 & _M48)
+                if len(head) < RECORD_HEADER_BYTES:
+                    return None
+                key_len = struct.unpack_from("<H", head, 6)[0]  # NOTE [spill records]: the key length
+                key = os.pread(f.fileno(), key_len, (w2 & _M48) + RECORD_HEADER_BYTES)
+        except OSError:
+            return None
+        return key[8:] if len(key) == key_len >= 8 and key[:8] == w1.to_bytes(8, "little") else None
 
     def readable(self, w0: int, w2: int, w1: int, kb: bytes) -> bool:
         return self.read(w0, w2, w1, kb) is not None

@@ -29,8 +29,8 @@ RANK = {
     "store": 4,
     "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
     "spill.tier": 5,  # wires spill files into the store; used by the torch layer and the CLI
-    "snapshot.export": 5.5, "snapshot.load": 5.5,  # a cache to a snapshot and back (no torch)
-    "snapshot": 5.6,
+    "snapshot.export": 5.5, "snapshot.load": 5.6,  # a cache to a snapshot and back (no torch)
+    "snapshot": 5.7,
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
     "dataset": 6, "prefetch": 6, "sink": 7,

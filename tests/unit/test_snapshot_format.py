@@ -73,7 +73,7 @@ def test_find_by_key_binary_searches_the_index_and_the_record_decides():
     data, _, _ = _segment(items)
     _, index, _ = _open(data)
     hashes = np.ascontiguousarray(index["hash"])
-    for key, value, rec in items:
+    for key, _, rec in items:
         rows = fmt.find(index, hashes, portable_key(key))
         assert len(rows) == 1
         pk, payload, why = fmt.read_record(data, int(rows[0]["offset"]), int(rows[0]["length"]), DCTX)
