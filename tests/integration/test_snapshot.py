@@ -355,10 +355,12 @@ def test_the_store_admits_portable_records_undecoded_and_gives_them_back():
     cache = ShmDatasetCache(session="st", name="recs")
     store = cache.store
     values = {3: (np.arange(10), 2.5), "k": {"a": b"xyz"}, b"b": [1, "two"]}
-    for k, v in values.items():
-        assert store.put_record(k, portable_record(codec.encode(v), k))
+    recs = [(k, portable_record(codec.encode(v), k)) for k, v in values.items()]
+    assert store.put_records(recs) == [True] * 3
     got = dict(store.portable_records())
-    assert got == {portable_key(k): portable_record(codec.encode(v), k) for k, v in values.items()}
-    with pytest.raises(InvalidArgument, match="not a portable record"):
-        store.put_record(4, b"\x00" * 40)
+    assert got == {portable_key(k): r for k, r in recs}
+    assert store.lookup("k") == {"a": b"xyz"} and store.lookup(3)[1] == 2.5
+    with pytest.raises(InvalidArgument, match="key 4 .* not a portable record"):
+        store.put_records([(5, portable_record(codec.encode(1), 5)), (4, b"\x00" * 40)])
+    assert not store.contains(5)  # refused before anything was stored
     cache.close()
