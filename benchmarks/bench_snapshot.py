@@ -36,9 +36,9 @@ import torch
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _common import environment, environment_line, print_table  # noqa: E402
 from datasets import PhotoCrops  # noqa: E402
 
-from _common import environment, environment_line, print_table  # noqa: E402
 from shmcache import ShmDatasetCache  # noqa: E402
 from shmcache.registry import SessionRegistry  # noqa: E402
 from shmcache.snapshot import format as fmt  # noqa: E402

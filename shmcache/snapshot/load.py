@@ -37,7 +37,7 @@ from . import format as fmt
 from .export import progress_bar
 from .location import Location, open_location
 
-__all__ = ["import_snapshot", "import_into", "read_manifest", "ImportReport"]
+__all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_index", "ImportReport"]
 
 log = logging.getLogger("shmcache")
 
@@ -127,7 +127,7 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
         raise InvalidArgument(f"threads must be a positive int or None, got {threads!r}")
     started = time.perf_counter()
     report = ImportReport(loc.url, store.session, store.name, items=manifest.items, length=manifest.length)
-    indexes = [_checked_index(loc, seg, i) for i, seg in enumerate(manifest.segments)]  # all, first
+    indexes = [read_segment_index(loc, seg, i) for i, seg in enumerate(manifest.segments)]  # all, first
     _bind(store, manifest, force)
     if getattr(store, "uncached", False):
         report.rejected = manifest.items
@@ -164,8 +164,10 @@ def _chunks(seg: fmt.SegmentInfo, index: np.ndarray):
         i = j
 
 
-def _checked_index(loc: Location, seg: fmt.SegmentInfo, number: int) -> np.ndarray:
-    """The index of one segment, read with two ranged reads and checked against the manifest."""
+def read_segment_index(loc: Location, seg: fmt.SegmentInfo, number: int) -> np.ndarray:
+    """The index of segment ``number``, read with three ranged reads (header, footer, index) and
+    checked against the manifest: what a reader that looks keys up (format.find) starts from.
+    SnapshotError naming the file when it is missing, truncated, damaged or not the one named."""
     where = loc.where(seg.file)
     try:
         size = loc.size(seg.file)
