@@ -28,6 +28,8 @@ import numpy as np
 import zstandard
 
 from .. import codec
+from .._faults import ARMED as _CRASH_TESTS
+from .._faults import crash_point
 from ..config import resolve_session_name
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..registry import write_json
@@ -88,11 +90,12 @@ def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -
         data = loc.read_bytes(fmt.MANIFEST)
     except FileNotFoundError:
         names = loc.listdir()
-        half = any(n.endswith(".tmp") for n in names)
+        half = any(n.endswith(".tmp") or n.endswith(".shms") for n in names)
         raise SnapshotError(
             f"{loc.where(fmt.MANIFEST)} does not exist: "
-            + ("the export that wrote this snapshot did not finish (only .tmp files are there); export "
-               "it again" if half else "no snapshot there; pass the directory `shmcache export` wrote")
+            + ("the export that wrote this snapshot did not finish (segments but no manifest); export "
+               "it again (--overwrite)" if half else "no snapshot there; pass the directory `shmcache "
+               "export` wrote")
         ) from None
     except OSError as exc:
         raise loc.error(exc, "read") from None
@@ -241,6 +244,8 @@ class _Job:
             else:
                 items.append(item)
         stored = sum(self.store.put_records(items)) if items else 0
+        if _CRASH_TESTS:
+            crash_point("snapshot_chunk")  # a chunk stored, the import not finished
         with self.lock:
             r = self.report
             r.imported += stored

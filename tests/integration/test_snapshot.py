@@ -364,3 +364,17 @@ def test_the_store_admits_portable_records_undecoded_and_gives_them_back():
         store.put_records([(5, portable_record(codec.encode(1), 5)), (4, b"\x00" * 40)])
     assert not store.contains(5)  # refused before anything was stored
     cache.close()
+
+
+def test_progress_bars_go_to_stderr_when_asked(tmp_path, capsys):
+    cache, _ = _filled(n=8)
+    cache.export(tmp_path / "s", progress=True)
+    cache.close()
+    assert "export src/" in capsys.readouterr().err
+    got = ShmDatasetCache.from_snapshot(tmp_path / "s", session="dst", progress=True)
+    err = capsys.readouterr().err
+    assert "import dst/" in err and "B/s" in err
+    got.close()
+    got = ShmDatasetCache.from_snapshot(tmp_path / "s", session="dst")  # not a terminal: no bar
+    assert capsys.readouterr().err == ""
+    got.close()
