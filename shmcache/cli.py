@@ -13,10 +13,17 @@ Commands::
                                          (90s, 30m, 12h, 1d, 2w), also destroy the sessions
                                          nobody has used for that long
     shmcache info [--json]               limits and configuration
+    shmcache export SESSION [CACHE] DEST [--overwrite]
+                                         write a cache to a snapshot: a directory, or an fsspec URL
+                                         (s3://bucket/prefix, file://, memory://)
+    shmcache import SRC [--session S] [--name N] [--force] [--size MB] [--spilling --spill-dir D]
+                                         fill a cache from a snapshot (it then runs without its
+                                         source: cache.wrap(None))
 
 Everything happens in the namespace of ``$SHMCACHE_DIR`` (default: a per-user directory). This
 module never imports torch, so it starts fast. Exit codes: 0 success, 1 an error shmcache
-explains, 2 bad usage.
+explains (and an import that did not store every item, or an export that left out damaged
+records: the line printed says which and why), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import sys
 import time
 
 from .config import ENV_SPILL_DIR, memory_limits, namespace
-from .errors import InvalidArgument, SessionInUse, ShmcacheError
+from .errors import CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
 from .registry import SessionRegistry
 
 __all__ = ["main"]
@@ -298,6 +305,42 @@ def _remotes(registry: SessionRegistry) -> list[dict]:
             out.append({"source": source, "url": None, "answers": False, "used_memory": None,
                         "maxmemory": None, "error": str(exc)})
     return out
+def cmd_export(args, registry: SessionRegistry) -> int:
+    from .snapshot.export import export_cache
+    from .store import CacheStore
+
+    if len(args.where) > 2:
+        raise InvalidArgument(f"export takes SESSION [CACHE] DEST, got {len(args.where) + 1} arguments")
+    name, dest = (args.where if len(args.where) == 2 else (None, args.where[0]))
+    registry.get(args.session)  # SessionNotFound, naming the sessions there are
+    if name is None:
+        names = registry.cache_names(args.session)
+        if len(names) != 1:
+            raise InvalidArgument(
+                f"session {args.session!r} holds {len(names)} caches ({', '.join(names) or 'none'}); "
+                f"name the one to export: shmcache export {args.session} CACHE {dest}")
+        name = names[0]
+    elif name not in registry.cache_names(args.session):
+        raise CacheNotFound(f"session {args.session!r} has no cache {name!r} (it has: "
+                            f"{', '.join(registry.cache_names(args.session)) or 'none'}); see `shmcache stat`")
+    store = CacheStore(args.session, name, ns=registry.ns, create=False)
+    try:
+        _attach_spill(store)
+        report = export_cache(store, dest, overwrite=args.overwrite, segment_bytes=args.segment_mb << 20)
+    finally:
+        store.close()
+    print(report)
+    return 1 if report.damaged else 0
+
+
+def cmd_import(args, registry: SessionRegistry) -> int:
+    from .snapshot.load import import_snapshot
+
+    report = import_snapshot(args.src, session=args.session, name=args.name, size_mb=args.size,
+                             spilling=args.spilling, spill_dir=args.spill_dir, force=args.force,
+                             threads=args.threads)
+    print(report)
+    return 0 if report.complete else 1
 
 
 # --- entry point --------------------------------------------------------------------------------------
@@ -335,7 +378,40 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", help="limits and configuration")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_info)
+    s = sub.add_parser("export", help="write a cache to a snapshot (a directory or an fsspec URL)",
+                       usage="shmcache export [-h] [--overwrite] [--segment-mb MB] SESSION [CACHE] DEST")
+    s.add_argument("session", help="the session of the cache (see `shmcache ls`)")
+    s.add_argument("where", nargs="+", metavar="[CACHE] DEST",
+                   help="the cache (optional when the session holds one) and where the snapshot goes: "
+                        "a new directory, or s3://bucket/prefix, file://..., memory://...")
+    s.add_argument("--overwrite", action="store_true", help="replace a snapshot already at DEST")
+    s.add_argument("--segment-mb", type=_positive_int, default=512, metavar="MB",
+                   help="segment file size in MiB (default 512)")
+    s.set_defaults(func=cmd_export)
+    s = sub.add_parser("import", help="fill a cache from a snapshot (then it runs without its source)")
+    s.add_argument("src", help="the snapshot: a directory, or s3://bucket/prefix, file://..., memory://...")
+    s.add_argument("--session", default="auto", help="the session to import into (default: "
+                                                     "$SHMCACHE_SESSION, else 'default')")
+    s.add_argument("--name", help="the cache's name (default: the exported cache's)")
+    s.add_argument("--force", action="store_true",
+                   help="replace the contents of a cache of that name that holds another dataset")
+    s.add_argument("--size", type=_positive_int, default=0, metavar="MB",
+                   help="memory cap of a new cache in MiB (default 0: automatic)")
+    s.add_argument("--spilling", action="store_true", help="spill what does not fit in memory to disk")
+    s.add_argument("--spill-dir", help="where spill files go (with --spilling)")
+    s.add_argument("--threads", type=_positive_int, default=None, help="segments read at once (default: up to 4)")
+    s.set_defaults(func=cmd_import)
     return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative whole number")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

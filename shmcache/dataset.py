@@ -26,10 +26,18 @@ from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from . import _pil, codec  # noqa: F401  (_pil registers PIL images with the codec, lazily)
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
+from .errors import (
+    CacheMismatch,
+    EncodeError,
+    InvalidArgument,
+    InvalidKey,
+    ItemNotCached,
+    SessionNotFound,
+    SharedMemoryFull,
+)
+from .fingerprint import fingerprint, length_or_none
 from .remote import ENV_REMOTE
 from .remote import resolve as resolve_remote
-from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey, SessionNotFound, SharedMemoryFull
-from .fingerprint import fingerprint, length_or_none
 from .store import MISSING, CacheStore, UncachedStore
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
@@ -181,6 +189,8 @@ class ShmDatasetCache:
         self._fingerprint: str | None = None
         self._closed = False
         self._warned_pickle = False  # one warning per cache object when samples are pickled
+        self._source_len: int | None = None  # len() of the map-style dataset wrapped: export() records it
+        self.last_import = None  # from_snapshot(): what the import stored (snapshot.load.ImportReport)
         # the namespace travels with the cache (pickled to workers): a forkserver or spawn child
         # may see another $SHMCACHE_DIR, and would otherwise build an empty twin of the cache
         self._ns_root = str(namespace().root)
@@ -245,7 +255,10 @@ class ShmDatasetCache:
     # --- wrapping datasets ----------------------------------------------------------------------
 
     def wrap(self, dataset: Any, transform: Callable | None = None):
-        """A dataset that reads through this cache: map-style or iterable, same items as ``dataset``."""
+        """A dataset that reads through this cache: map-style or iterable, same items as ``dataset``.
+        ``dataset=None``: the cache alone (imported from a snapshot), with no source behind it."""
+        if dataset is None:
+            return self._wrap_without_source(transform)
         if transform is not None and not callable(transform):
             raise InvalidArgument(f"transform must be callable, got {type(transform).__name__}")
         if isinstance(dataset, IterableDataset) or (not hasattr(dataset, "__getitem__")
@@ -271,9 +284,67 @@ class ShmDatasetCache:
                 f"(cache.wrap(ds, transform=decode)) and apply random augmentation on top"
             )
         self._bind(dataset, transform, samples, table_hint=n)
+        self._source_len = n
         for i, enc in zip(probe, samples):  # computed anyway: keep them
             self._put(self._store, i, None, enc)
         return CachedDataset(self, dataset, transform)
+
+    def _wrap_without_source(self, transform: Callable | None) -> CachedDataset:
+        """``wrap(None)``: a map-style dataset of what the cache holds, as long as the dataset it
+        was made from (recorded by the snapshot import); an item not there is ItemNotCached."""
+        if transform is not None:
+            raise InvalidArgument("wrap(None, transform=...) has no source for the transform to apply "
+                                  "to; the cache's items are served as stored: drop transform=")
+        store = self._ensure_open()
+        meta = store.read_meta() if not store.uncached else {}
+        length = meta.get("length")
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            raise InvalidArgument(
+                f"wrap(None) serves cache {self.session}/{self.name} without its source, but the cache "
+                f"does not record the length of its dataset (it was not imported from a snapshot of a "
+                f"wrapped map-style dataset); import one (ShmDatasetCache.from_snapshot, `shmcache "
+                f"import`), or wrap the dataset itself")
+        if self._fingerprint is None and meta.get("fingerprint"):
+            self._fingerprint = meta["fingerprint"]  # wrap(another dataset) later is refused
+        return CachedDataset(self, _NoSource(self.session, self.name, length), None)
+
+    @classmethod
+    def from_snapshot(cls, src: str | os.PathLike, session: str = "auto", name: str | None = None,
+                      size: int = 0, spilling: bool = False, spill_dir: str | os.PathLike | None = None, *,
+                      force: bool = False, threads: int | None = None, progress: bool | None = None,
+                      storage_options: dict | None = None, **kwargs: Any) -> ShmDatasetCache:
+        """A cache filled from the snapshot at ``src`` (a path or an fsspec URL, e.g. ``s3://b/snap``):
+        named as the exported cache unless ``name=`` is given; ``wrap(None)`` then serves it with no
+        source. A cache of that name holding another dataset is refused (CacheMismatch) unless
+        ``force=True``, which replaces its contents. ``last_import`` says what was stored: items that
+        did not fit the cap (spilled with ``spilling=True``, else left out), records skipped as
+        damaged. Other keyword arguments go to ShmDatasetCache."""
+        from .snapshot.load import import_into, read_manifest
+
+        loc, manifest = read_manifest(src, storage_options)
+        cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
+        try:
+            cache.last_import = import_into(cache.store, loc, manifest, force=force, threads=threads,
+                                            progress=progress)
+        except BaseException:
+            cache.close()
+            raise
+        if manifest.fingerprint:
+            cache._fingerprint = manifest.fingerprint
+        return cache
+
+    def export(self, dest: str | os.PathLike, *, overwrite: bool = False, segment_bytes: int | None = None,
+               progress: bool | None = None, storage_options: dict | None = None):
+        """Write this cache's items to a snapshot at ``dest`` (a new directory, or an fsspec URL such
+        as ``s3://bucket/snap``); ``overwrite=True`` replaces a snapshot there. Returns a report
+        (items, bytes, seconds). Import it anywhere with ``ShmDatasetCache.from_snapshot(dest)`` or
+        ``shmcache import``."""
+        from .snapshot import format as snapshot_format
+        from .snapshot.export import export_cache
+
+        return export_cache(self.store, dest, overwrite=overwrite, length=self._source_len,
+                            segment_bytes=segment_bytes or snapshot_format.DEFAULT_SEGMENT_BYTES,
+                            progress=progress, storage_options=storage_options)
 
     def _wrap_iterable(self, dataset: Iterable, transform: Callable | None) -> CachedIterableDataset:
         """With a name, the stream is not read here. Without one, its first 16 items name the
@@ -554,6 +625,23 @@ def _not_behind(store, keys: list, per_trip: int = 256) -> list:
         part = keys[lo:lo + per_trip]
         out += [part[j] for j in store.lookup_batch(part, False)[1]]
     return out
+
+
+class _NoSource:
+    """What ``wrap(None)`` wraps: a dataset of a known length whose items are only in the cache."""
+
+    def __init__(self, session: str, name: str, length: int):
+        self.session, self.name, self.length = session, name, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int):
+        raise ItemNotCached(
+            f"item {i!r} is not in cache {self.session}/{self.name}, and the cache has no source "
+            f"(wrap(None)) to compute it from; import the whole snapshot into it (if the import said "
+            f"items did not fit, give the cache a larger size= or spilling=True), or wrap the dataset "
+            f"itself so that missing items are computed")
 
 
 def _compute(dataset, transform, index):

@@ -30,6 +30,8 @@ __all__ = [
     "PrefetchStall",
     "LaunchError",
     "RendezvousTimeout",
+    "SnapshotError",
+    "ItemNotCached",
 ]
 
 
@@ -124,3 +126,13 @@ class LaunchError(ShmcacheError, RuntimeError):
 
 class RendezvousTimeout(LaunchError, TimeoutError):
     """Not every node joined the exchange of endpoints within ``--rdzv-timeout``; names the ranks."""
+class SnapshotError(ShmcacheError, OSError):
+    """A snapshot cannot be written or read: its destination exists, its disk is full, or it is
+    truncated, damaged, incomplete or of another format version; the message names the file."""
+
+
+class ItemNotCached(ShmcacheError, KeyError):
+    """A cache served without its source (``wrap(None)``) does not hold the item asked for."""
+
+    def __str__(self) -> str:  # KeyError's own would print the message quoted, as a repr
+        return str(self.args[0]) if self.args else ""

@@ -144,6 +144,7 @@ from .errors import (
     SessionNotFound,
     SharedMemoryFull,
     ShmcacheError,
+    SnapshotError,
 )
 from .generation import (
     AUTO,
@@ -886,34 +887,102 @@ class CacheStore:
                 crash_point("locked")
             g = self._refresh()
             self._repair(g)
-            w0, w2, pos, _, _ = self._find(g, key)
-            if w0 and w0 & SPILLED and self.spill is not None and self._read_spilled(w0, w2, w1, kb) is None:
-                return self._spill(g, pos, w1, kb, enc, replace=True)  # a corrupt record
-            if w0:
-                return True  # another process stored it first: stored once
-            if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
-                try:
-                    g = self._grow_table(g)
-                except _Full:  # the index cannot grow: nothing more is admitted, not even to disk
-                    self._count(REJECTED)
-                    return False
-                w0, _, pos, _, _ = self._find(g, key)
+            return self._put_locked(g, key, w1, kb, enc)
+
+    def _put_locked(self, g: Generation, key: Any, w1: int, kb: bytes, enc: codec.Encoded) -> bool:
+        """The body of ``put`` (and of each item of ``put_records``); the caller holds the lock."""
+        w0, w2, pos, _, _ = self._find(g, key)
+        if w0 and w0 & SPILLED and self.spill is not None and self._read_spilled(w0, w2, w1, kb) is None:
+            return self._spill(g, pos, w1, kb, enc, replace=True)  # a corrupt record
+        if w0:
+            return True  # another process stored it first: stored once
+        if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
             try:
-                self._insert(g, pos, w1, kb, enc)
-                return True
-            except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
-                raise self._destroyed_under_us() or CorruptSegment(
-                    f"cache {self.session}/{self.name} lost a data segment; run `shmcache gc`") from None
-            except ItemTooLarge:
-                if self.spill is None:
-                    raise
-                # it can never fit in memory, but a spill file takes any size: spill it below
-            except _Full:
-                pass
-            if self._spill(g, pos, w1, kb, enc):
-                return True
-            self._count(REJECTED)
-            return False
+                g = self._grow_table(g)
+            except _Full:  # the index cannot grow: nothing more is admitted, not even to disk
+                self._count(REJECTED)
+                return False
+            w0, _, pos, _, _ = self._find(g, key)
+        try:
+            self._insert(g, pos, w1, kb, enc)
+            return True
+        except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
+            raise self._destroyed_under_us() or CorruptSegment(
+                f"cache {self.session}/{self.name} lost a data segment; run `shmcache gc`") from None
+        except ItemTooLarge:
+            if self.spill is None:
+                raise
+            # it can never fit in memory, but a spill file takes any size: spill it below
+        except _Full:
+            pass
+        if self._spill(g, pos, w1, kb, enc):
+            return True
+        self._count(REJECTED)
+        return False
+
+    # --- portable records (NOTE [tiers]): what a snapshot export reads and an import admits ------
+
+    def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
+        """``put`` of (key, portable record) pairs (the codec record with its layout inline,
+        tiers.py) without decoding them: their bytes go straight into shared memory (or a spill
+        file), one copy each, under one hold of the lock (an import stores thousands: the lock,
+        refresh and repair check once per batch). InvalidArgument for bytes that are not a
+        portable record, before anything is stored."""
+        encs = [(key, _encoded_from_portable(rec, key, self)) for key, rec in items]
+        with self._write_locked() as locked:
+            if not locked:  # a live process keeps the lock: the caller serves the values uncached
+                self._count(REJECTED, len(encs))
+                return [False] * len(encs)
+            self._repair(self._refresh())
+            out = []
+            for key, enc in encs:
+                w1, kb = key_bytes(key)
+                out.append(self._put_locked(self._refresh(), key, w1, kb, enc))  # a grown table
+            return out
+
+    def portable_records(self):
+        """Every item of the current generation as ``(portable key, portable record)``; the record
+        is None for a spilled one that fails its checks (damaged: the caller counts it). Lock-free,
+        like every read: items stored meanwhile may or may not be included. SnapshotError when a
+        clear() or destroy replaced the generation under the walk (what was read is not one state)."""
+        g = self._refresh()
+        try:
+            for w0, w1, w2 in g.index.entries():
+                kb = b""
+                if w0 & SPILLED:
+                    if self.spill is None:
+                        yield w1.to_bytes(8, "little"), None
+                        continue
+                    if not w0 & INT_KEY:
+                        kb = self.spill.key_of(Location(w2, entry_length(w0)), w1)
+                    rec = None if kb is None else self._read_spilled(w0, w2, w1, kb, g.gen)
+                    if rec is None:
+                        yield w1.to_bytes(8, "little") + (kb or b""), None
+                        continue
+                else:
+                    rec = self._record(g, w0, w2, w1, b"")
+                    if not w0 & INT_KEY:
+                        kb = bytes(rec[len(rec) - _KEY_LEN.unpack_from(rec, 4)[0]:])
+                yield w1.to_bytes(8, "little") + kb, self._portable(g, w0, rec, kb)
+        except FileNotFoundError:  # a segment of this generation was unlinked: cleared under us
+            pass
+        if not self.is_current(g.gen):
+            raise SnapshotError(f"cache {self.session}/{self.name} was cleared or destroyed while it was "
+                                f"read; export it again when nothing clears it")
+
+    def _portable(self, g: Generation, w0: int, rec: Any, kb: bytes) -> bytes | bytearray:
+        """A stored record with its layout inline (a record whose layout is inline already is one)."""
+        lid = (w0 >> 8) & INLINE24
+        if lid == INLINE24:
+            return bytes(rec)
+        layout = self._layout(g, lid)[0]
+        body = len(rec) - len(kb)
+        out = bytearray(body + len(layout) + len(kb))
+        codec.RECORD_HEADER.pack_into(out, 0, codec.INLINE, len(kb), len(layout), 0)
+        out[_MIN_RECORD:body] = rec[_MIN_RECORD:body]
+        out[body:body + len(layout)] = layout
+        out[body + len(layout):] = kb
+        return out
 
     def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
         lid = self._intern_layout(g, enc.layout)
@@ -1510,6 +1579,10 @@ class UncachedStore:
         self._counters[REJECTED] += 1
         return False
 
+    def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
+        self._counters[2] += len(items)
+        return [False] * len(items)
+
     def contains(self, key: Any) -> bool:
         return False
 
@@ -1554,6 +1627,19 @@ class _Missing:
 
 MISSING: Any = _Missing()
 _CORRUPT: Any = object()
+
+
+def _encoded_from_portable(record: Any, key: Any, store: CacheStore) -> codec.Encoded:
+    """A portable record as what ``_insert`` writes: its body and its layout, views of ``record``."""
+    view = memoryview(record).cast("B")
+    lid, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(view, 0) if len(view) >= _MIN_RECORD \
+        else (0, 0, 0, 0)
+    body = len(view) - key_len - lay_len
+    if lid != codec.INLINE or not _MIN_RECORD <= body < body + lay_len:
+        raise InvalidArgument(f"the record for key {key!r} in cache {store.session}/{store.name} is not "
+                              f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
+                              f"tiers.portable_record(...) bytes")
+    return codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
 
 
 def _first_empty(index: TableView, w1: int) -> int:

@@ -52,6 +52,10 @@ class IndexedTier(Protocol):
         only after a failed read, says whether the location was dropped meanwhile (a clear()):
         then the miss is not damage."""
 
+    def key_of(self, location: Location, w1: int) -> bytes | None:
+        """The key bytes stored with the record at ``location`` (whose index word is ``w1``), or
+        None: a walk over entries (a snapshot export) learns a str/bytes key of a spilled record."""
+
     def counters(self) -> dict[str, int]:
         """What this process saw of the tier (reads, misses, records and bytes written, ...)."""
 

@@ -56,7 +56,7 @@ from .errors import ShmcacheError
 from .index import key_bytes, tier_key
 from .store import MISSING
 
-__all__ = ["Tier", "TieredStore", "portable_key", "portable_record", "decode_portable"]
+__all__ = ["Tier", "TieredStore", "portable_key", "key_of_portable", "portable_record", "decode_portable"]
 
 log = logging.getLogger("shmcache")
 
@@ -89,6 +89,24 @@ class Tier(Protocol):
 def portable_key(key: Any) -> bytes:
     """The key a tier is asked for (NOTE [tiers]); InvalidKey for a key the cache refuses."""
     return tier_key(*key_bytes(key))
+
+
+def key_of_portable(pkey: Buffer) -> Any:
+    """The cache key a portable key stands for (its inverse): an int, str or bytes. ValueError
+    when the bytes are not a portable key (a reader of a damaged file counts a miss)."""
+    pkey = bytes(pkey)
+    if len(pkey) < 8:
+        raise ValueError(f"a portable key of {len(pkey)} bytes is shorter than its index word")
+    w1, kb = int.from_bytes(pkey[:8], "little"), pkey[8:]
+    if not kb:
+        return w1 - (1 << 64) if w1 >> 63 else w1  # an int key stores itself, two's complement
+    try:
+        key = kb[1:].decode("utf-8", "surrogatepass") if kb[:1] == b"s" else kb[1:] if kb[:1] == b"b" else None
+    except UnicodeDecodeError:
+        key = None
+    if key is None or key_bytes(key) != (w1, kb):
+        raise ValueError(f"not a portable key: {pkey[:40]!r}")
+    return key
 
 
 def portable_record(enc: codec.Encoded, key: Any) -> bytes:

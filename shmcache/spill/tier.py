@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import stat
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,7 @@ from ..index import LOCATION_MASK, entry_chunk, entry_class, location_word
 from ..registry import SEP
 from ..tier_protocol import Location
 from .files import SpillStore, check_spill_dir
+from .format import RECORD_HEADER_BYTES
 
 __all__ = ["SpillTier", "resolve_spill_dir", "attach", "attach_existing", "remove_orphans"]
 
@@ -97,6 +99,22 @@ class SpillTier:
 
     def counters(self) -> dict[str, int]:
         return self.files.stats()
+
+    def key_of(self, location: Location, w1: int) -> bytes | None:
+        """The key bytes of the record at ``location``, read from its header (a snapshot export
+        walks entries whose str/bytes keys it does not know); None when no intact header of that
+        index word ``w1`` is there. ``read`` then checks the whole record."""
+        file_id, offset = entry_class(location.word), entry_chunk(location.word)
+        try:
+            with open(self.files.file_path(file_id), "rb", buffering=0) as f:
+                head = os.pread(f.fileno(), RECORD_HEADER_BYTES, offset)
+                if len(head) < RECORD_HEADER_BYTES:
+                    return None
+                key_len = struct.unpack_from("<H", head, 6)[0]  # NOTE [spill records]: the key length
+                key = os.pread(f.fileno(), key_len, offset + RECORD_HEADER_BYTES)
+        except OSError:
+            return None
+        return key[8:] if len(key) == key_len >= 8 and key[:8] == w1.to_bytes(8, "little") else None
 
     def clear(self) -> None:
         _drop_shared_files(self.path, destroy=True)
