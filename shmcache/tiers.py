@@ -7,7 +7,7 @@ wider than one node or one run: a Redis server for every node of a job (``remote
 read-only snapshot on disk or object storage (``snapshot/``). :class:`TieredStore` composes
 them::
 
-    store = TieredStore(CacheStore(...), [remote_tier, snapshot_tier])
+    store = TieredStore(CacheStore(...), [snapshot_tier, remote_tier])
     store.lookup(key)          # shared memory; else each tier in order; a tier's hit is admitted
     store.lookup_batch(keys)   # the same, one batched call per tier for the batch's misses
     store.put(key, value)      # into shared memory, and offered to every tier (write-behind)
@@ -24,6 +24,11 @@ NOTE [tiers]
       decodes anywhere, with no interned layout table. A tier wraps it in the self-checking
       record of ``spill/format.py`` (magic, key, lengths, codec, checksum): a value that is
       corrupt, cut short or another key's is a miss, counted by the tier, never returned.
+
+    Order: shared memory, then the snapshot (read-only, exact: a value of this very dataset,
+    checked when it was opened, and the cheapest to reach - a local file or one ranged read),
+    then the remote (shared and writable, but a network round trip and values other nodes wrote);
+    ``snapshot.tier.tiered`` puts a snapshot tier first whatever was attached before it.
 
     A tier never raises for its own faults (unreachable, slow, full, damaged): it answers a miss,
     counts it, and logs one line per condition. ``TieredStore`` still guards every call, so a tier
