@@ -3,6 +3,7 @@ into shared memory anywhere, run without the source.
 
     format.py     the files: segments of self-checking records, a sorted index, the manifest
     location.py   where they live: a local directory or an fsspec URL (s3://, memory://, ...)
+    tier.py       the read-through tier: a snapshot read key by key behind shared memory
 
 NOTE [snapshot format] (format.py) holds the format and the order in which it is written.
 """

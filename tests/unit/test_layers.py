@@ -30,6 +30,7 @@ RANK = {
     "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
     "spill.tier": 5,  # wires spill files into the store; used by the torch layer and the CLI
     "snapshot.export": 5.5, "snapshot.load": 5.6,  # a cache to a snapshot and back (no torch)
+    "snapshot.tier": 5.55,  # the read-through tier: a snapshot behind shared memory (no torch)
     "snapshot": 5.7,
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
@@ -40,7 +41,8 @@ RANK = {
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
             "store", "cli", "spill", "spill.format", "spill.recovery", "spill.files", "spill.tier",
             "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
-            "snapshot", "snapshot.format", "snapshot.location", "snapshot.export", "snapshot.load"]
+            "snapshot", "snapshot.format", "snapshot.location", "snapshot.export", "snapshot.load",
+            "snapshot.tier"]
 TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
 
 
