@@ -87,6 +87,7 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
 
 
 def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
+    from .snapshot import tier as snapshot_tier  # numpy, no fsspec until a snapshot is read
     from .store import CacheStore  # numpy, no torch
 
     out = []
@@ -98,9 +99,13 @@ def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
             continue
         try:
             _attach_spill(store)
-            out.append(store.stats())
+            st = store.stats()
         finally:
             store.close()
+        counts = snapshot_tier.read_counts(snapshot_tier.counts_path(registry, session, name))
+        if counts is not None:  # a snapshot tier read through for it: its counters, every process's
+            st.update(snapshot_tier.stats_keys(counts))
+        out.append(st)
     return out
 
 
@@ -127,15 +132,21 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         return 0
     headers = ["session", "cache", "items mem", "items disk", "bytes mem", "bytes disk",
                "avg item", "hits", "misses", "rejected"]
+    snapshot = any("snapshot" in st for st in rows)
+    if snapshot:  # the snapshot tier's columns, only when a cache has one (NOTE [snapshot read-through])
+        headers += ["snap hits", "snap misses", "snap read", "snap errors"]
     table = []
     for st in rows:
         if "error" in st:
-            table.append([st["session"], st["name"], "error: " + st["error"][:60]] + [""] * 7)
+            table.append([st["session"], st["name"], "error: " + st["error"][:60]] + [""] * (len(headers) - 3))
             continue
         table.append([st["session"], st["name"], str(st["items_mem"]), str(st["items_disk"]),
                       _size(st["bytes_mem"]), _size(st["bytes_disk"]), _size(st["avg_item_bytes"]),
                       str(st["hits"]), str(st["misses"]), str(st["rejected"])])
-    print(_table(headers, table, right=set(range(2, 10))))
+        if snapshot:
+            table[-1] += ([str(st["snapshot_hits"]), str(st["snapshot_misses"]), _size(st["snapshot_bytes_read"]),
+                           str(st["snapshot_errors"] + st["snapshot_corrupt"])] if "snapshot" in st else ["-"] * 4)
+    print(_table(headers, table, right=set(range(2, len(headers)))))
     return 0
 
 
