@@ -50,6 +50,7 @@ NOTE [snapshot read-through]
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import mmap
 import os
@@ -168,6 +169,9 @@ class SnapshotTier:
             self._read_manifest()
         except _Fault as fault:  # down now: read it again after the pause (NOTE [snapshot read-through])
             self._fault(fault)
+        except BaseException:
+            self.close()  # its reader thread, if an fsspec store started one
+            raise
 
     # --- per process -------------------------------------------------------------------------------
 
@@ -330,9 +334,10 @@ class SnapshotTier:
                               [seg.info.size for seg in todo])
         for seg, tail in zip(todo, tails):
             if isinstance(tail, BaseException):
-                if not isinstance(tail, (FileNotFoundError, SnapshotError)):
+                if not _of_the_file(tail):
                     raise _Fault("unreachable", f"{self.loc.where(seg.info.file)}: {tail!r}")
-                self._drop(seg, str(tail) if isinstance(tail, SnapshotError) else "is missing")
+                self._drop(seg, str(tail) if isinstance(tail, SnapshotError) else
+                           "is missing" if isinstance(tail, FileNotFoundError) else f"cannot be read ({tail})")
                 continue
             with self._lock:
                 self._add("bytes_read", len(tail))
@@ -467,11 +472,12 @@ class SnapshotTier:
             footer, bufs = got[pos], got[pos + 1:pos + 1 + n]
             pos += 1 + n
             errors = [b for b in [footer, *bufs] if isinstance(b, BaseException)]
-            if any(not isinstance(e, FileNotFoundError) for e in errors):
-                raise _Fault("unreachable", f"{self.loc.where(seg.info.file)}: {errors[0]!r}")
-            if errors:
+            faults = [e for e in errors if not _of_the_file(e)]
+            if faults:
+                raise _Fault("unreachable", f"{self.loc.where(seg.info.file)}: {faults[0]!r}")
+            if any(isinstance(e, FileNotFoundError) for e in errors):
                 self._drop(seg, "was deleted while the job ran")
-            elif footer != seg.footer:
+            elif errors or footer != seg.footer:  # a range past its end: it is shorter now
                 self._drop(seg, "was truncated or rewritten while the job ran (its footer changed)")
             else:
                 out[seg_n] = bufs
@@ -552,6 +558,13 @@ class SnapshotTier:
 
     def __getstate__(self) -> dict:
         raise TypeError("a SnapshotTier is not pickled; pickle the ShmDatasetCache, which opens its own")
+
+
+def _of_the_file(exc: BaseException) -> bool:
+    """Whether a failed range read is the file's fault (gone, or shorter than the range: S3's
+    416 arrives as EINVAL) rather than the store's (unreachable, slow: the breaker's business)."""
+    return isinstance(exc, (FileNotFoundError, SnapshotError, ValueError)) or (
+        isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ERANGE))
 
 
 def _with_timeouts(url: str, storage_options: dict | None, timeout_s: float) -> dict | None:

@@ -130,3 +130,25 @@ def test_a_server_down_at_open_is_read_again_later(s3, caplog):
     assert ds[5][1] == "label 5" and fn.calls == 1
     assert len([r for r in caplog.records if "snapshot tier" in r.getMessage()]) == 1
     cache.close()
+
+
+def test_a_segment_replaced_by_a_shorter_object_mid_run_costs_its_items_only(s3, caplog):
+    import s3fs
+
+    opts, _, url = s3
+    _export(opts, url)
+    cache, ds, fn = _job(url, opts)
+    assert ds[1][1] == "label 1" and fn.calls == 0  # the indexes are loaded now
+    fs = s3fs.S3FileSystem(**opts)
+    seg = f"{url[len('s3://'):]}/seg-00001.shms"
+    lost = len(fs.cat_file(seg)) // 2
+    fs.pipe_file(seg, fs.cat_file(seg)[:lost])  # the same name, half the bytes
+    caplog.set_level(logging.WARNING, logger="shmcache")
+    for b, batch in enumerate(DataLoader(ds, batch_size=8, shuffle=False)):
+        _check(batch, 8 * b)
+    st = cache.stats()
+    assert 0 < fn.calls < N // 2 and st["snapshot_errors"] == 1, st  # that segment's items only
+    assert st["snapshot_hits"] == N - 3 - fn.calls  # item 1 included; wrap() stored 3
+    lines = [r.getMessage() for r in caplog.records if "snapshot tier" in r.getMessage()]
+    assert len(lines) == 1 and "seg-00001.shms" in lines[0] and "truncated" in lines[0], lines
+    cache.close()
