@@ -847,51 +847,58 @@ class CacheStore:
                 crash_point("locked")
             g = self._refresh()
             self._repair(g)
-            w0, w2, pos, _, _ = self._find(g, key)
-            if w0 and w0 & SPILLED and self.spill is not None and not self.spill.readable(w0, w2, w1, kb):
-                return self.spill.put(self, g, pos, w1, kb, enc, replace=True)  # a corrupt record
-            if w0:
-                return True  # another process stored it first: stored once
-            if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
-                try:
-                    g = self._grow_table(g)
-                except _Full:  # the index cannot grow: nothing more is admitted, not even to disk
-                    self._count(2)
-                    return False
-                w0, _, pos, _, _ = self._find(g, key)
+            return self._put_locked(g, key, w1, kb, enc)
+
+    def _put_locked(self, g: _Gen, key: Any, w1: int, kb: bytes, enc: codec.Encoded) -> bool:
+        """The body of ``put`` (and of each item of ``put_records``); the caller holds the lock."""
+        w0, w2, pos, _, _ = self._find(g, key)
+        if w0 and w0 & SPILLED and self.spill is not None and not self.spill.readable(w0, w2, w1, kb):
+            return self.spill.put(self, g, pos, w1, kb, enc, replace=True)  # a corrupt record
+        if w0:
+            return True  # another process stored it first: stored once
+        if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
             try:
-                self._insert(g, pos, w1, kb, enc)
-                return True
-            except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
-                raise self._destroyed_under_us() or CorruptSegment(
-                    f"cache {self.session}/{self.name} lost a data segment; run `shmcache gc`") from None
-            except ItemTooLarge:
-                if self.spill is None:
-                    raise
-                # it can never fit in memory, but a spill file takes any size: spill it below
-            except _Full:
-                pass
-            if self.spill is not None and self.spill.put(self, g, pos, w1, kb, enc):
-                return True
-            self._count(2)
-            return False
+                g = self._grow_table(g)
+            except _Full:  # the index cannot grow: nothing more is admitted, not even to disk
+                self._count(2)
+                return False
+            w0, _, pos, _, _ = self._find(g, key)
+        try:
+            self._insert(g, pos, w1, kb, enc)
+            return True
+        except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
+            raise self._destroyed_under_us() or CorruptSegment(
+                f"cache {self.session}/{self.name} lost a data segment; run `shmcache gc`") from None
+        except ItemTooLarge:
+            if self.spill is None:
+                raise
+            # it can never fit in memory, but a spill file takes any size: spill it below
+        except _Full:
+            pass
+        if self.spill is not None and self.spill.put(self, g, pos, w1, kb, enc):
+            return True
+        self._count(2)
+        return False
 
     # --- portable records (NOTE [tiers]): what a snapshot export reads and an import admits ------
 
-    def put_record(self, key: Any, record: Any) -> bool:
-        """``put`` of a portable record (the codec record with its layout inline, tiers.py),
-        without decoding it: its bytes go straight into shared memory (or a spill file), one
-        copy. InvalidArgument when the bytes are not a portable record."""
-        view = memoryview(record).cast("B")
-        lid, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(view, 0) if len(view) >= _MIN_RECORD \
-            else (0, 0, 0, 0)
-        body = len(view) - key_len - lay_len
-        if lid != codec.INLINE or not _MIN_RECORD <= body < body + lay_len:
-            raise InvalidArgument(f"the record for key {key!r} in cache {self.session}/{self.name} is not "
-                                  f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
-                                  f"tiers.portable_record(...) bytes")
-        enc = codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
-        return self.put(key, None, encoded=enc)
+    def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
+        """``put`` of (key, portable record) pairs (the codec record with its layout inline,
+        tiers.py) without decoding them: their bytes go straight into shared memory (or a spill
+        file), one copy each, under one hold of the lock (an import stores thousands: the lock,
+        refresh and repair check once per batch). InvalidArgument for bytes that are not a
+        portable record, before anything is stored."""
+        encs = [(key, _encoded_from_portable(rec, key, self)) for key, rec in items]
+        with self._write_locked() as locked:
+            if not locked:  # a live process keeps the lock: the caller serves the values uncached
+                self._count(2, len(encs))
+                return [False] * len(encs)
+            self._repair(self._refresh())
+            out = []
+            for key, enc in encs:
+                w1, kb = key_bytes(key)
+                out.append(self._put_locked(self._refresh(), key, w1, kb, enc))  # a grown table
+            return out
 
     def portable_records(self):
         """Every item of the current generation as ``(portable key, portable record)``; the record
@@ -1577,9 +1584,9 @@ class UncachedStore:
         self._counters[2] += 1
         return False
 
-    def put_record(self, key: Any, record: Any) -> bool:
-        self._counters[2] += 1
-        return False
+    def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
+        self._counters[2] += len(items)
+        return [False] * len(items)
 
     def contains(self, key: Any) -> bool:
         return False
@@ -1665,6 +1672,19 @@ class _BatchBuffers:
             pool.pop(0)  # forget the oldest (whoever holds it keeps it alive)
         pool.append(arr)
         return arr
+
+
+def _encoded_from_portable(record: Any, key: Any, store: CacheStore) -> codec.Encoded:
+    """A portable record as what ``_insert`` writes: its body and its layout, views of ``record``."""
+    view = memoryview(record).cast("B")
+    lid, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(view, 0) if len(view) >= _MIN_RECORD \
+        else (0, 0, 0, 0)
+    body = len(view) - key_len - lay_len
+    if lid != codec.INLINE or not _MIN_RECORD <= body < body + lay_len:
+        raise InvalidArgument(f"the record for key {key!r} in cache {store.session}/{store.name} is not "
+                              f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
+                              f"tiers.portable_record(...) bytes")
+    return codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
 
 
 def _refs(pool: list, i: int) -> int:

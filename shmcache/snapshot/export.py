@@ -25,6 +25,8 @@ from typing import Any
 import zstandard
 
 from .. import codec
+from .._faults import ARMED as _CRASH_TESTS
+from .._faults import crash_point
 from ..errors import InvalidArgument, SnapshotError
 from . import format as fmt
 from .location import Location, open_location
@@ -180,6 +182,8 @@ class _Writer:
         self._f = self._seg = None
         self.loc.rename(info.file + ".tmp", info.file)
         self.done.append(info)
+        if _CRASH_TESTS:
+            crash_point("snapshot_segment")  # segments complete, no manifest yet
 
     def close(self) -> list[fmt.SegmentInfo]:
         if self._seg is None and not self.done:
@@ -206,6 +210,8 @@ def _write_file(loc: Location, name: str, data: bytes) -> None:
         f.write(data)
     finally:
         f.close()
+    if _CRASH_TESTS:
+        crash_point("snapshot_manifest")  # the manifest written, not yet renamed
     loc.rename(name + ".tmp", name)
 
 

@@ -6,11 +6,12 @@
 Every segment is checked before anything is stored (present, its size, header, footer, and index
 against the manifest's sha256: NOTE [snapshot format]), so a truncated, swapped or missing segment
 is an error naming it, not half an import. Then a thread pool reads the segments (file reads and
-zstd release the GIL) in chunks of whole records, checks each record and stores its portable
-record straight into shared memory (``CacheStore.put_record``: no decoding, one copy; raw records
-are not even copied out of the read buffer). A record that fails its checks is skipped and
-counted; an item that does not fit the cap spills when spilling is on, else is counted as
-rejected: the report says so, and what to do.
+zstd release the GIL) in chunks of whole records, checks each record, and stores the portable
+records of a chunk straight into shared memory under one hold of the lock
+(``CacheStore.put_records``: no decoding, one copy; raw records are not even copied out of the
+read buffer). A record that fails its checks is skipped and counted; an item that does not fit
+the cap spills when spilling is on, else is counted as rejected: the report says so, and what to
+do.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import numpy as np
 import zstandard
 
 from .. import codec
+from .._faults import ARMED as _CRASH_TESTS
+from .._faults import crash_point
 from ..config import resolve_session_name
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..registry import write_json
@@ -36,11 +39,11 @@ from . import format as fmt
 from .export import progress_bar
 from .location import Location, open_location
 
-__all__ = ["import_snapshot", "import_into", "read_manifest", "ImportReport"]
+__all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_index", "ImportReport"]
 
 log = logging.getLogger("shmcache")
 
-_CHUNK_BYTES = 16 << 20  # read this much of a segment at once (whole records; a larger one alone)
+_CHUNK_BYTES = 4 << 20  # read this much of a segment at once (whole records; a larger one alone)
 _U16 = fmt._U16
 
 
@@ -87,11 +90,12 @@ def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -
         data = loc.read_bytes(fmt.MANIFEST)
     except FileNotFoundError:
         names = loc.listdir()
-        half = any(n.endswith(".tmp") for n in names)
+        half = any(n.endswith(".tmp") or n.endswith(".shms") for n in names)
         raise SnapshotError(
             f"{loc.where(fmt.MANIFEST)} does not exist: "
-            + ("the export that wrote this snapshot did not finish (only .tmp files are there); export "
-               "it again" if half else "no snapshot there; pass the directory `shmcache export` wrote")
+            + ("the export that wrote this snapshot did not finish (segments but no manifest); export "
+               "it again (--overwrite)" if half else "no snapshot there; pass the directory `shmcache "
+               "export` wrote")
         ) from None
     except OSError as exc:
         raise loc.error(exc, "read") from None
@@ -126,7 +130,7 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
         raise InvalidArgument(f"threads must be a positive int or None, got {threads!r}")
     started = time.perf_counter()
     report = ImportReport(loc.url, store.session, store.name, items=manifest.items, length=manifest.length)
-    indexes = [_checked_index(loc, seg, i) for i, seg in enumerate(manifest.segments)]  # all, first
+    indexes = [read_segment_index(loc, seg, i) for i, seg in enumerate(manifest.segments)]  # all, first
     _bind(store, manifest, force)
     if getattr(store, "uncached", False):
         report.rejected = manifest.items
@@ -134,10 +138,11 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
     spilled_before = store.stats().get("items_disk", 0)
     job = _Job(store, loc, report, progress_bar(progress, sum(s.size for s in manifest.segments),
                                                  f"import {store.session}/{store.name}", "B"))
-    workers = threads or min(4, os.cpu_count() or 1, max(1, len(indexes)))
+    units = [u for seg, index in zip(manifest.segments, indexes) for u in _chunks(seg, index)]
+    workers = threads or min(4, os.cpu_count() or 1, max(1, len(units)))
     try:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="shmcache-import") as pool:
-            for fut in [pool.submit(job.segment, seg, index) for seg, index in zip(manifest.segments, indexes)]:
+            for fut in [pool.submit(job.chunk, *unit) for unit in units]:
                 fut.result()  # the first error (a segment that changed under us, a dead store) raises
     finally:
         job.bar.close()
@@ -148,8 +153,24 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
     return report
 
 
-def _checked_index(loc: Location, seg: fmt.SegmentInfo, number: int) -> np.ndarray:
-    """The index of one segment, read with two ranged reads and checked against the manifest."""
+def _chunks(seg: fmt.SegmentInfo, index: np.ndarray):
+    """The segment's records in file order, as reads of up to _CHUNK_BYTES (a larger record alone):
+    ``(segment, start, end, offsets, lengths)``, the thread pool's units of work."""
+    order = np.argsort(index["offset"], kind="stable")
+    offsets = index["offset"][order].astype(np.int64)
+    ends = offsets + index["length"][order].astype(np.int64)
+    i, n = 0, len(order)
+    while i < n:
+        start = int(offsets[i])
+        j = i + 1 + int(np.searchsorted(ends[i + 1:], start + _CHUNK_BYTES, "right"))
+        yield seg, start, int(ends[j - 1]), offsets[i:j].tolist(), (ends[i:j] - offsets[i:j]).tolist()
+        i = j
+
+
+def read_segment_index(loc: Location, seg: fmt.SegmentInfo, number: int) -> np.ndarray:
+    """The index of segment ``number``, read with three ranged reads (header, footer, index) and
+    checked against the manifest: what a reader that looks keys up (format.find) starts from.
+    SnapshotError naming the file when it is missing, truncated, damaged or not the one named."""
     where = loc.where(seg.file)
     try:
         size = loc.size(seg.file)
@@ -209,35 +230,36 @@ class _Job:
         self.bar = bar
         self.lock = threading.Lock()  # the report's counters and the bar
         self.layouts: set[bytes] = set()  # checked once each: they decode
+        self._local = threading.local()  # a zstd decompressor per thread
 
-    def segment(self, seg: fmt.SegmentInfo, index: np.ndarray) -> None:
-        dctx = zstandard.ZstdDecompressor()
-        order = np.argsort(index["offset"], kind="stable")
-        offsets = index["offset"][order].astype(np.int64)
-        lengths = index["length"][order].astype(np.int64)
-        i, n = 0, len(order)
-        while i < n:
-            start = int(offsets[i])
-            j = i + 1  # records [i, j) in one read: up to _CHUNK_BYTES, at least one record
-            while j < n and offsets[j] + lengths[j] - start <= _CHUNK_BYTES:
-                j += 1
-            end = int(offsets[j - 1] + lengths[j - 1])
-            buf = self._read(seg, start, end)
-            counts = [0, 0, 0]  # imported, rejected, damaged
-            damaged = []
-            for off, length in zip((offsets[i:j] - start).tolist(), lengths[i:j].tolist()):
-                what = self._admit(memoryview(buf)[off:off + length], dctx)
-                counts[what] += 1
-                if what == 2 and len(damaged) < 3:
-                    damaged.append(f"{seg.file} at offset {off + start}")
-            with self.lock:
-                r = self.report
-                r.imported, r.rejected, r.damaged = r.imported + counts[0], r.rejected + counts[1], \
-                    r.damaged + counts[2]
-                r.bytes += end - start
-                r.damaged_where += damaged
-                self.bar.update(end - start)
-            i = j
+    def chunk(self, seg: fmt.SegmentInfo, start: int, end: int, offsets: list[int], lengths: list[int]) -> None:
+        """Read records [start, end) of a segment in one read, check them, store them in one batch."""
+        buf = memoryview(self._read(seg, start, end))
+        dctx = self._dctx()
+        items, damaged = [], []
+        for off, length in zip(offsets, lengths):
+            item = self._checked(buf[off - start:off - start + length], dctx)
+            if item is None:
+                damaged.append(f"{seg.file} at offset {off}")
+            else:
+                items.append(item)
+        stored = sum(self.store.put_records(items)) if items else 0
+        if _CRASH_TESTS:
+            crash_point("snapshot_chunk")  # a chunk stored, the import not finished
+        with self.lock:
+            r = self.report
+            r.imported += stored
+            r.rejected += len(items) - stored
+            r.damaged += len(damaged)
+            r.bytes += end - start
+            r.damaged_where += damaged[:3]
+            self.bar.update(end - start)
+
+    def _dctx(self) -> Any:
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            dctx = self._local.dctx = zstandard.ZstdDecompressor()
+        return dctx
 
     def _read(self, seg: fmt.SegmentInfo, start: int, end: int) -> Any:
         try:
@@ -249,36 +271,31 @@ class _Job:
                                 f"imported (it was {seg.size}): it changed under the import; copy it again")
         return buf
 
-    def _admit(self, view: memoryview, dctx: Any) -> int:
-        """0: stored (or there already), 1: not admitted (full), 2: damaged."""
+    def _checked(self, view: memoryview, dctx: Any) -> tuple[Any, Any] | None:
+        """``(key, portable record)`` of one record, or None if it fails any check (damaged)."""
         if len(view) < records.RECORD_HEADER_BYTES:
-            return 2
+            return None
         key_len = _U16.unpack_from(view, fmt._KEY_LEN_AT)[0]
         pkey = bytes(view[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + key_len])
         head, _ = records.record_problem(view, pkey)
         if head is None:
-            return 2
+            return None
         start = records.RECORD_HEADER_BYTES + key_len + (-key_len % records.ALIGN)
         stored = view[start:start + head.stored_len]
         if head.flags & records.FLAG_ZSTD:
             try:
                 payload: Any = dctx.decompress(stored, max_output_size=head.raw_len)
             except zstandard.ZstdError:
-                return 2
+                return None
             if len(payload) != head.raw_len:
-                return 2
+                return None
         else:
             payload = stored  # straight from the read buffer into shared memory
         try:
             key = key_of_portable(pkey)
-            if not self._layout_ok(payload):
-                return 2
         except ValueError:
-            return 2
-        try:
-            return 0 if self.store.put_record(key, payload) else 1
-        except InvalidArgument:  # not a portable record after all: damaged, not the caller's fault
-            return 2
+            return None
+        return (key, payload) if self._layout_ok(payload) else None
 
     def _layout_ok(self, payload: Any) -> bool:
         """A layout seen for the first time must decode its record (checked bytes can still be a
@@ -287,7 +304,9 @@ class _Job:
             return False
         lid, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(payload, 0)
         end = len(payload) - key_len
-        layout = bytes(payload[end - lay_len:end]) if lid == codec.INLINE and lay_len <= end else b""
+        if lid != codec.INLINE or not codec.RECORD_HEADER.size <= end - lay_len < end:
+            return False  # what put_records would refuse
+        layout = bytes(payload[end - lay_len:end])
         if layout in self.layouts:
             return True
         try:

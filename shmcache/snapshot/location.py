@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -72,9 +71,6 @@ class LocalLocation(Location):
         self.path = path
         self.url = str(path)
 
-    def exists(self) -> bool:
-        return self.path.exists()
-
     def makedirs(self) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -99,9 +95,6 @@ class LocalLocation(Location):
         except FileNotFoundError:
             pass
 
-    def remove_all(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-
     def read_bytes(self, name: str) -> bytes:
         with open(self.path / name, "rb") as f:
             return f.read()
@@ -113,16 +106,6 @@ class LocalLocation(Location):
         with open(self.path / name, "rb", buffering=0) as f:
             return os.pread(f.fileno(), end - start, start)
 
-    def read_into(self, name: str, size: int) -> Any:
-        """The whole file in one buffer (what an import walks)."""
-        buf = bytearray(size)
-        with open(self.path / name, "rb", buffering=0) as f:
-            got = f.readinto(buf)
-        return memoryview(buf)[:got] if got != size else buf
-
-    def local_path(self, name: str) -> Path | None:
-        return self.path / name
-
 
 class FsspecLocation(Location):
     def __init__(self, fs: Any, path: str, url: str):
@@ -132,12 +115,6 @@ class FsspecLocation(Location):
 
     def _p(self, name: str) -> str:
         return f"{self.path}/{name}" if name else self.path
-
-    def exists(self) -> bool:
-        try:
-            return bool(self.fs.exists(self.path)) and (not self.fs.isdir(self.path) or bool(self.listdir()))
-        except OSError as exc:
-            raise self.error(exc, "look at") from None
 
     def makedirs(self) -> None:
         try:
@@ -167,12 +144,6 @@ class FsspecLocation(Location):
         except FileNotFoundError:
             pass
 
-    def remove_all(self) -> None:
-        try:
-            self.fs.rm(self.path, recursive=True)
-        except FileNotFoundError:
-            pass
-
     def read_bytes(self, name: str) -> bytes:
         return self.fs.cat_file(self._p(name))
 
@@ -181,10 +152,3 @@ class FsspecLocation(Location):
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         return self.fs.cat_file(self._p(name), start=start, end=end)
-
-    def read_into(self, name: str, size: int) -> Any:
-        return self.fs.cat_file(self._p(name))
-
-    def local_path(self, name: str) -> Path | None:
-        return None
-

@@ -162,7 +162,7 @@ def test_a_tar_round_trip(snap, tmp_path):
 
 @pytest.mark.parametrize("scheme", ["file", "memory"])
 def test_fsspec_urls_round_trip(scheme, tmp_path):
-    fsspec = pytest.importorskip("fsspec")  # in the test extra: never skipped in CI
+    import fsspec  # in the test extra: never skipped
     url = f"file://{tmp_path}/snapf" if scheme == "file" else f"memory://snap-{os.getpid()}-{id(tmp_path)}"
     cache, _ = _filled()
     report = cache.export(url, segment_bytes=40_000)
@@ -355,10 +355,26 @@ def test_the_store_admits_portable_records_undecoded_and_gives_them_back():
     cache = ShmDatasetCache(session="st", name="recs")
     store = cache.store
     values = {3: (np.arange(10), 2.5), "k": {"a": b"xyz"}, b"b": [1, "two"]}
-    for k, v in values.items():
-        assert store.put_record(k, portable_record(codec.encode(v), k))
+    recs = [(k, portable_record(codec.encode(v), k)) for k, v in values.items()]
+    assert store.put_records(recs) == [True] * 3
     got = dict(store.portable_records())
-    assert got == {portable_key(k): portable_record(codec.encode(v), k) for k, v in values.items()}
-    with pytest.raises(InvalidArgument, match="not a portable record"):
-        store.put_record(4, b"\x00" * 40)
+    assert got == {portable_key(k): r for k, r in recs}
+    assert store.lookup("k") == {"a": b"xyz"} and store.lookup(3)[1] == 2.5
+    with pytest.raises(InvalidArgument, match="key 4 .* not a portable record"):
+        store.put_records([(5, portable_record(codec.encode(1), 5)), (4, b"\x00" * 40)])
+    assert not store.contains(5)  # refused before anything was stored
     cache.close()
+
+
+def test_progress_bars_go_to_stderr_when_asked(tmp_path, capsys):
+    cache, _ = _filled(n=8)
+    cache.export(tmp_path / "s", progress=True)
+    cache.close()
+    assert "export src/" in capsys.readouterr().err
+    got = ShmDatasetCache.from_snapshot(tmp_path / "s", session="dst", progress=True)
+    err = capsys.readouterr().err
+    assert "import dst/" in err and "B/s" in err
+    got.close()
+    got = ShmDatasetCache.from_snapshot(tmp_path / "s", session="dst")  # not a terminal: no bar
+    assert capsys.readouterr().err == ""
+    got.close()

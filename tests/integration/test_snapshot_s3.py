@@ -4,15 +4,14 @@ CLI configured the way users configure S3 (AWS_* environment variables)."""
 
 from __future__ import annotations
 
+import moto.server as server_mod  # the test extra installs s3fs and moto[server]: never skipped
 import pytest
+import s3fs
 import torch
 
 from shmcache import ShmDatasetCache
 from shmcache.cli import main as cli
 from shmcache.errors import SnapshotError
-
-pytest.importorskip("s3fs")  # the test extra installs s3fs and moto[server]: never skipped in CI
-server_mod = pytest.importorskip("moto.server")
 
 BUCKET = "snapshots"
 
@@ -37,8 +36,6 @@ def s3_endpoint():
 @pytest.fixture
 def s3(s3_endpoint, monkeypatch):
     """AWS_* variables pointing at the local server, a fresh bucket, and storage_options."""
-    import s3fs
-
     for var, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}.items():
         monkeypatch.setenv(var, value)
