@@ -546,7 +546,7 @@ class SnapshotTier:
     def _fd(self, seg: _Segment) -> int:
         fd = self._fds.get(seg.number)
         if fd is None:
-            fd = os.open(self.loc.local_path(seg.info.file), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.loc.path / seg.info.file, os.O_RDONLY | os.O_CLOEXEC)
             self._fds[seg.number] = fd
         return fd
 
