@@ -62,6 +62,8 @@ class Tier(Protocol):
     """A place a cache's values can live behind its shared memory (NOTE [tiers])."""
 
     name: str  # "remote", "snapshot": how stats() and the logs call it
+    # optional: a tier with ``read_only = True`` is never offered anything (TieredStore.put skips
+    # packing the portable record, a copy of the value, for it)
 
     def get(self, key: bytes) -> Buffer | None:
         """The portable record stored under the portable ``key``, or None (a miss, or a fault)."""
@@ -207,9 +209,10 @@ class TieredStore:
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
         enc = encoded or codec.encode(value, f"the value of key {key!r}")
         stored = self.local.put(key, value, encoded=enc)
-        if self.behind:
+        writable = [tier for tier in self.behind if not getattr(tier, "read_only", False)]
+        if writable:  # a read-only tier (a snapshot) takes nothing: no copy of the value for it
             item = [(portable_key(key), portable_record(enc, key))]
-            for tier in self.behind:
+            for tier in writable:
                 self._call(tier, "offer", item)
         return stored
 

@@ -145,6 +145,7 @@ class SnapshotTier:
     ``counts_path`` and ``slot``: where this process's counters go (else they stay in it)."""
 
     name = "snapshot"
+    read_only = True  # TieredStore.put offers it nothing (NOTE [tiers])
 
     def __init__(self, url: str | os.PathLike, *, force: bool = False, storage_options: dict | None = None,
                  timeout_s: float = 10.0, counts_path: str | os.PathLike | None = None,

@@ -309,3 +309,17 @@ def test_a_tier_is_never_pickled():
 
     with pytest.raises(TypeError, match="not pickled"):
         pickle.dumps(SnapshotTier.__new__(SnapshotTier))
+
+
+def test_values_computed_under_a_read_only_tier_are_not_packed_for_it(tmp_path, monkeypatch):
+    from shmcache import tiers
+
+    url = tmp_path / "snap"
+    _export(url)
+    packed = []
+    real = tiers.portable_record
+    monkeypatch.setattr(tiers, "portable_record", lambda enc, key: packed.append(key) or real(enc, key))
+    cache, ds, fn = _job(url)
+    assert all(_same(ds[i], _expected(i)) for i in range(IN_SNAPSHOT, N))
+    assert fn.calls == N - IN_SNAPSHOT - 1 and packed == []  # a copy of each value, for nobody
+    cache.close()
