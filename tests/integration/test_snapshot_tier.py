@@ -323,3 +323,30 @@ def test_values_computed_under_a_read_only_tier_are_not_packed_for_it(tmp_path, 
     assert all(_same(ds[i], _expected(i)) for i in range(IN_SNAPSHOT, N))
     assert fn.calls == N - IN_SNAPSHOT - 1 and packed == []  # a copy of each value, for nobody
     cache.close()
+
+
+def test_spawned_workers_open_the_snapshot_themselves(tmp_path):
+    url = tmp_path / "snap"
+    _export(url, n_cached=N)
+    cache, ds, _ = _job(url)
+    loader = DataLoader(ds, batch_size=20, num_workers=1, multiprocessing_context="spawn")
+    got = [x for batch in loader for x in batch[0]]
+    assert len(got) == N and all(torch.equal(got[i], _expected(i)[0]) for i in range(N))
+    assert cache.stats()["snapshot_hits"] == N - 3  # counted by the worker, in its own row
+    cache.close()
+
+
+def test_a_snapshot_goes_in_front_of_a_tier_attached_before_it(tmp_path):
+    from shmcache.registry import SessionRegistry
+    from shmcache.snapshot.tier import tiered
+    from shmcache.tiers import TieredStore
+
+    class Other:
+        name = "remote"
+
+    url = tmp_path / "snap"
+    _export(url)
+    local = CacheStore("dst", "x")
+    store = tiered(TieredStore(local, [Other()]), url, "x", None, SessionRegistry(), {"force": True})
+    assert [t.name for t in store.behind] == ["snapshot", "remote"]
+    store.close()
