@@ -159,6 +159,7 @@ class SnapshotTier:
         self._bound: tuple[str | None, str | None] | None = None  # (cache name, fingerprint) to check
         self.manifest: fmt.Manifest | None = None
         self.off: str | None = None  # why the tier serves nothing (a manifest of another dataset)
+        self.pending: str | None = None  # why it serves nothing yet (the cache's dataset is unknown)
         self._segments: list[_Segment] = []
         # the merged index: hashes sorted, and per row the segment number << 40 | its row there;
         # replaced whole (never changed in place), so a reading thread sees one consistent state
@@ -213,10 +214,14 @@ class SnapshotTier:
         _Fault when the store cannot be reached (try again later)."""
         try:
             data = self._call(lambda: self.loc.read_bytes(fmt.MANIFEST), "read")
-        except (FileNotFoundError, SnapshotError) as exc:
-            raise SnapshotError(f"snapshot={self.url}: {self.loc.where(fmt.MANIFEST)} does not exist "
-                                f"({exc.__class__.__name__}): no whole snapshot is there; pass the "
-                                f"directory or URL `shmcache export` wrote") from None
+        except FileNotFoundError:
+            raise SnapshotError(f"snapshot={self.url}: {self.loc.where(fmt.MANIFEST)} does not exist: no "
+                                f"whole snapshot is there; pass the directory or URL `shmcache export` "
+                                f"wrote") from None
+        except OSError as exc:  # a local file: no store to wait for (a store's faults are _Fault)
+            if isinstance(exc, SnapshotError):
+                raise
+            raise self.loc.error(exc, "read", fmt.MANIFEST) from None
         manifest = fmt.Manifest.from_json(data, self.loc.where(fmt.MANIFEST))
         self._segments = [_Segment(i, s) for i, s in enumerate(manifest.segments)]
         self._unloaded = set(range(len(self._segments)))
@@ -233,12 +238,18 @@ class SnapshotTier:
 
     def _check_identity(self, name: str | None, fingerprint: str | None) -> None:
         m = self.manifest
+        self.pending = None
         if m.fingerprint and fingerprint:
             same, what = m.fingerprint == fingerprint, f"fingerprint {m.fingerprint}, not {fingerprint}"
         else:
             same, what = m.name == name, f"cache {m.name!r}, not {name!r}"
         if same or self.force:
             self.off = None
+            return
+        if m.fingerprint and not fingerprint:  # a named cache that has not wrapped its dataset yet
+            self.pending = (f"snapshot tier {self.url}: not read until cache {name!r} wraps its dataset "
+                            f"(the snapshot is of dataset {m.fingerprint}, exported from {m.session}/"
+                            f"{m.name}; the cache's own dataset is not known yet)")
             return
         self.off = (f"the snapshot at {self.url} holds another dataset ({what}; exported from "
                     f"{m.session}/{m.name})")
@@ -300,6 +311,9 @@ class SnapshotTier:
     def _ready(self) -> bool:
         """Whether reads may go to the store now: not paused, manifest and indexes loaded."""
         if self.off is not None or time.monotonic() < self._retry_at:
+            return False
+        if self.pending is not None:
+            self._log("pending", self.pending)
             return False
         if self.manifest is None:
             try:

@@ -234,16 +234,44 @@ def test_a_snapshot_of_another_dataset_is_refused_unless_forced(tmp_path):
     cache.close()
 
 
-def test_a_named_cache_checks_the_snapshot_when_it_wraps(tmp_path):
+def test_a_named_cache_checks_the_snapshot_when_it_wraps(tmp_path, caplog):
     url = tmp_path / "other"
     _export(url, seed=1)
-    name = ShmDatasetCache(session="tmp").wrap(Source(seed=1), transform=Counted()).cache.name
-    cache = ShmDatasetCache(session="dst", name=name, snapshot=url)  # no fingerprint yet: the name matches
+    caplog.set_level(logging.WARNING, logger="shmcache")
+    cache = ShmDatasetCache(session="dst", name="mine", snapshot=url)  # its dataset is not known yet
+    assert cache.get(3, lambda k: "computed") == "computed"  # so the snapshot is not read
+    assert [r for r in caplog.records if "not read until cache 'mine' wraps its dataset" in r.getMessage()]
     with pytest.raises(CacheMismatch, match="holds another dataset"):
         cache.wrap(Source(), transform=Counted())  # now the fingerprint is known: another dataset
     cache.close()
-    with pytest.raises(CacheMismatch, match="not 'PlainOther'"):
-        ShmDatasetCache(session="dst", name="PlainOther", snapshot=url)
+    cache = ShmDatasetCache(session="dst2", name="mine", snapshot=url)  # another name, the same dataset
+    fn = Counted()
+    ds = cache.wrap(Source(seed=1), transform=fn)
+    fn.calls = 0
+    assert _same(ds[7], _expected(7, seed=1)) and fn.calls == 0
+    cache.close()
+
+
+def test_a_snapshot_of_a_cache_without_a_dataset_is_checked_by_name(tmp_path):
+    url = tmp_path / "plain"
+    cache = ShmDatasetCache(session="src", name="plain")
+    cache.put(1, "one")
+    cache.export(url)
+    cache.close()
+    with pytest.raises(CacheMismatch, match="cache 'plain', not 'other'"):
+        ShmDatasetCache(session="dst", name="other", snapshot=url)
+    forced = ShmDatasetCache(session="dst", name="other", snapshot=url, snapshot_options={"force": True})
+    assert forced.get(1) == "one"
+    forced.close()
+
+
+def test_an_unreadable_manifest_is_a_clear_error(tmp_path):
+    url = tmp_path / "snap"
+    _export(url)
+    os.unlink(url / "manifest.json")
+    os.mkdir(url / "manifest.json")  # read() fails with EISDIR, whoever the reader is (root too)
+    with pytest.raises(SnapshotError, match="cannot read .*manifest.json: Is a directory; check the path"):
+        ShmDatasetCache(session="dst", name="x", snapshot=url)
 
 
 # --- faults mid-run -------------------------------------------------------------------------------
