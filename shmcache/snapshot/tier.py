@@ -12,7 +12,8 @@ NOTE [snapshot read-through]
     Opening reads manifest.json only: its format version, and the cache's identity, checked by
     ``bind`` against the cache that reads it - fingerprints when both are known, else the cache's
     name - so a snapshot of another dataset is refused (CacheMismatch) unless ``force``; it never
-    serves another dataset's values. A manifest that cannot be reached yet (the store is down) is
+    serves another dataset's values. A named cache whose dataset is not known yet (no wrap() so
+    far) reads nothing from a snapshot of a wrapped dataset until wrap() binds its fingerprint. A manifest that cannot be reached yet (the store is down) is
     read again later; if it then names another dataset the tier turns itself off (a log line:
     a tier never raises from a read).
 
