@@ -378,3 +378,13 @@ def test_a_snapshot_goes_in_front_of_a_tier_attached_before_it(tmp_path):
     store = tiered(TieredStore(local, [Other()]), url, "x", None, SessionRegistry(), {"force": True})
     assert [t.name for t in store.behind] == ["snapshot", "remote"]
     store.close()
+
+
+def test_warmup_takes_what_the_snapshot_holds_and_computes_the_rest(tmp_path):
+    url = tmp_path / "snap"
+    _export(url)
+    cache, ds, fn = _job(url)
+    assert cache.warmup(ds, progress=False) == N - IN_SNAPSHOT - 1  # 59 was stored by wrap()
+    assert fn.calls == N - IN_SNAPSHOT - 1 and cache.stats()["items_mem"] == N
+    assert cache.stats()["snapshot_hits"] == IN_SNAPSHOT - 2
+    cache.close()
