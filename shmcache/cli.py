@@ -21,7 +21,8 @@ Commands::
 
 Everything happens in the namespace of ``$SHMCACHE_DIR`` (default: a per-user directory). This
 module never imports torch, so it starts fast. Exit codes: 0 success, 1 an error shmcache
-explains, 2 bad usage.
+explains (and an import that did not store every item, or an export that left out damaged
+records: the line printed says which and why), 2 bad usage.
 """
 
 from __future__ import annotations
