@@ -3,7 +3,8 @@
 Commands::
 
     shmcache stat [SESSION] [--json]     one row per cache: items and bytes in memory and on disk,
-                                         average item size, hits, misses
+                                         average item size, hits, misses; a snapshot read
+                                         through (snapshot=): its hits, misses, bytes, errors
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
                                          memory
     shmcache new [NAME] [--spill-dir D]  create a session and print its name
