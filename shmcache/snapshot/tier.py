@@ -13,9 +13,9 @@ NOTE [snapshot read-through]
     ``bind`` against the cache that reads it - fingerprints when both are known, else the cache's
     name - so a snapshot of another dataset is refused (CacheMismatch) unless ``force``; it never
     serves another dataset's values. A named cache whose dataset is not known yet (no wrap() so
-    far) reads nothing from a snapshot of a wrapped dataset until wrap() binds its fingerprint. A manifest that cannot be reached yet (the store is down) is
-    read again later; if it then names another dataset the tier turns itself off (a log line:
-    a tier never raises from a read).
+    far) reads nothing from a snapshot of a wrapped dataset until wrap() binds its fingerprint.
+    A manifest that cannot be reached yet (the store is down) is read again later; if it then
+    names another dataset the tier turns itself off (a log line: a tier never raises from a read).
 
     The first read loads every segment's index: one ranged read of the file's tail (the index and
     the footer are its last ``items * 32 + 40`` bytes; all segments in one ``cat_ranges`` call on
