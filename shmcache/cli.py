@@ -3,7 +3,8 @@
 Commands::
 
     shmcache stat [SESSION] [--json]     one row per cache: items and bytes in memory and on disk,
-                                         average item size, hits, misses
+                                         average item size, hits, misses; a snapshot read
+                                         through (snapshot=): its hits, misses, bytes, errors
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
                                          memory
     shmcache new [NAME] [--spill-dir D] [--remote URL]
@@ -90,6 +91,7 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
 
 def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
     from .remote import counts_path, read_counts, stats_keys  # no redis-py needed
+    from .snapshot import tier as snapshot_tier  # numpy, no fsspec until a snapshot is read
     from .store import CacheStore  # numpy, no torch
 
     out = []
@@ -107,6 +109,9 @@ def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
         counts = read_counts(counts_path(registry, session, name))
         if counts is not None:  # the cache has (had) a remote tier: its counters, every process's
             st.update(stats_keys(None, counts))
+        counts = snapshot_tier.read_counts(snapshot_tier.counts_path(registry, session, name))
+        if counts is not None:  # a snapshot tier read through for it: its counters, every process's
+            st.update(snapshot_tier.stats_keys(counts))
         out.append(st)
     return out
 
@@ -137,6 +142,9 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
     remote = any("remote" in st for st in rows)
     if remote:  # the remote tier's columns, only when a cache has one (NOTE [remote counts])
         headers += ["remote hits", "remote misses", "read", "written", "errors", "backlog"]
+    snapshot = any("snapshot" in st for st in rows)
+    if snapshot:  # the snapshot tier's columns, only when a cache has one (NOTE [snapshot read-through])
+        headers += ["snap hits", "snap misses", "snap read", "snap errors"]
     table = []
     for st in rows:
         if "error" in st:
@@ -149,6 +157,9 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
             table[-1] += ([str(st["remote_hits"]), str(st["remote_misses"]), _size(st["remote_bytes_read"]),
                            _size(st["remote_bytes_written"]), str(st["remote_errors"]),
                            str(st["remote_backlog"])] if "remote" in st else ["-"] * 6)
+        if snapshot:
+            table[-1] += ([str(st["snapshot_hits"]), str(st["snapshot_misses"]), _size(st["snapshot_bytes_read"]),
+                           str(st["snapshot_errors"] + st["snapshot_corrupt"])] if "snapshot" in st else ["-"] * 4)
     print(_table(headers, table, right=set(range(2, len(headers)))))
     return 0
 

@@ -149,12 +149,19 @@ class ShmDatasetCache:
             ``redis://[:password@]host:port[/db]``, ``rediss://...``, ``redis+cluster://h1:p1,...``,
             ``redis+shards://h1:p1,h2:p2,...``; None: ``$SHMCACHE_REMOTE``, else the session's
             (``shmcache new NAME --remote URL``); ``""``: none.
+        snapshot: a snapshot (a path, or an fsspec URL such as ``s3://bucket/snap``) read through
+            on a miss before the source (snapshot/tier.py): the records a miss needs are read
+            from it and admitted into shared memory. None: ``$SHMCACHE_SNAPSHOT``; ``""``: none.
+            A snapshot of another dataset is refused (CacheMismatch).
+        snapshot_options: ``force`` (serve a snapshot that names another dataset), ``timeout_s``
+            (the longest a read may take, default 10), ``storage_options`` (for fsspec).
     """
 
     def __init__(self, session: str = "auto", name: str | None = None, size: int = 0,
                  spilling: bool = False, spill_dir: str | os.PathLike | None = None, *,
                  copy: bool = True, verify: float = 0.0, lock_timeout_s: float = 60.0,
-                 remote: str | None = None):
+                 remote: str | None = None, snapshot: str | os.PathLike | None = None,
+                 snapshot_options: dict | None = None):
         self.session = resolve_session_name(session)
         if name is not None:
             validate_name(name, "cache")
@@ -197,6 +204,7 @@ class ShmDatasetCache:
         self._remote_arg = remote  # resolved with the session's when the store is opened (_open)
         if remote or (remote is None and os.environ.get(ENV_REMOTE)):  # a bad URL fails here
             resolve_remote(remote, None)
+        self._snapshot = _snapshot_arg(snapshot, snapshot_options)  # (url, options) or None
         if self.spilling:  # a missing or unusable spill directory is an error now, not later
             from .registry import SessionRegistry
             from .spill.tier import resolve_spill_dir
@@ -223,6 +231,8 @@ class ShmDatasetCache:
 
             spilling.attach(self._store, self.spill_dir)
         self._attach_remote(fingerprint)
+        if self._snapshot is not None:  # in front of the remote tier (NOTE [tiers]: the order)
+            self._attach_snapshot(name, fingerprint)
         return self._store
 
     def _attach_remote(self, fingerprint: str | None) -> None:
@@ -246,6 +256,23 @@ class ShmDatasetCache:
             if fingerprint is None and not self._store.uncached:  # a named cache bound earlier
                 fingerprint = self._store.read_meta().get("fingerprint")
             self._store = remote.tiered(self._store, url, fingerprint, registry)
+
+    def _attach_snapshot(self, name: str, fingerprint: str | None) -> None:
+        """With a snapshot, the store becomes ``TieredStore(local, [SnapshotTier, ...])``; without
+        one it stays the local store itself (no extra call on a hit)."""
+        from .registry import SessionRegistry
+        from .snapshot.tier import tiered
+
+        if fingerprint is None and not self._store.uncached:  # a named cache bound earlier
+            fingerprint = self._store.read_meta().get("fingerprint")
+        local = self._store
+        try:
+            self._store = tiered(local, self._snapshot[0], name, fingerprint,
+                                 SessionRegistry(namespace(self._ns_root)), self._snapshot[1])
+        except BaseException:
+            self._store = None
+            local.close()
+            raise
 
     @property
     def store(self) -> CacheStore:
@@ -375,6 +402,9 @@ class ShmDatasetCache:
         if self._store is None:
             self._open(self.name or _default_name(dataset, fp), fp, table_hint)
         elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset
+            for tier in getattr(self._store, "behind", ()):  # a snapshot of another dataset: refused
+                if hasattr(tier, "bind"):
+                    tier.bind(self.name, fp)
             self._store.bind_fingerprint(fp)
             self._fingerprint = fp
             for tier in getattr(self._store, "behind", ()):  # its remote values: this dataset's
@@ -552,15 +582,19 @@ class ShmDatasetCache:
         return computed
 
     def stats(self) -> dict:
-        """Counters shared by every process (keys: docs/design.md §10); with a remote tier, also
-        its ``remote_*`` counters, summed over every process of the session."""
+        """Counters shared by every process (keys: docs/design.md §10); with a remote or a snapshot
+        tier, also its ``remote_*`` or ``snapshot_*`` counters, summed over every process."""
         store = self.store
         st = store.stats()
-        tiers = getattr(store, "behind", None)
-        if tiers is not None:
+        tiers = {tier.name: tier for tier in getattr(store, "behind", ())}
+        if "remote" in tiers:
             from . import remote
 
-            st.update(remote.stats_keys(str(tiers[0].url), tiers[0].totals()))
+            st.update(remote.stats_keys(str(tiers["remote"].url), tiers["remote"].totals()))
+        if "snapshot" in tiers:
+            from .snapshot.tier import stats_keys
+
+            st.update(stats_keys({**tiers["snapshot"].totals(), "url": tiers["snapshot"].url}))
         return st
 
     def clear(self) -> None:
@@ -614,6 +648,24 @@ class ShmDatasetCache:
         return self._store
 
 
+def _snapshot_arg(snapshot: Any, options: dict | None) -> tuple[str, dict] | None:
+    """``snapshot=`` and ``snapshot_options=`` checked: (url, options), or None for no snapshot."""
+    from .snapshot.tier import ENV_SNAPSHOT, check_options
+
+    if snapshot is None:
+        snapshot = os.environ.get(ENV_SNAPSHOT, "").strip()
+    if snapshot is not None and not isinstance(snapshot, (str, os.PathLike)):
+        raise InvalidArgument(f"snapshot must be a path or a URL (e.g. 's3://bucket/snap'), got "
+                              f"{type(snapshot).__name__}")
+    options = check_options(options)
+    if not os.fspath(snapshot):
+        if options:
+            warnings.warn("snapshot_options has no effect without snapshot= (or $SHMCACHE_SNAPSHOT); "
+                          "pass snapshot=URL, or drop snapshot_options", UserWarning, stacklevel=3)
+        return None
+    return os.fspath(snapshot), options
+
+
 # --- wrapped datasets -----------------------------------------------------------------------------
 
 
@@ -642,6 +694,16 @@ class _NoSource:
             f"(wrap(None)) to compute it from; import the whole snapshot into it (if the import said "
             f"items did not fit, give the cache a larger size= or spilling=True), or wrap the dataset "
             f"itself so that missing items are computed")
+
+
+def _not_behind(store, keys: list, per_trip: int = 256) -> list:
+    """The ``keys`` that the tiers behind ``store`` lack too; those they have are admitted into
+    shared memory on the way (a bounded batch per round trip: values may be large)."""
+    out = []
+    for lo in range(0, len(keys), per_trip):
+        part = keys[lo:lo + per_trip]
+        out += [part[j] for j in store.lookup_batch(part, False)[1]]
+    return out
 
 
 def _compute(dataset, transform, index):

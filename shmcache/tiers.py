@@ -7,7 +7,7 @@ wider than one node or one run: a Redis server for every node of a job (``remote
 read-only snapshot on disk or object storage (``snapshot/``). :class:`TieredStore` composes
 them::
 
-    store = TieredStore(CacheStore(...), [remote_tier, snapshot_tier])
+    store = TieredStore(CacheStore(...), [snapshot_tier, remote_tier])
     store.lookup(key)          # shared memory; else each tier in order; a tier's hit is admitted
     store.lookup_batch(keys)   # the same, one batched call per tier for the batch's misses
     store.put(key, value)      # into shared memory, and offered to every tier (write-behind)
@@ -24,6 +24,11 @@ NOTE [tiers]
       decodes anywhere, with no interned layout table. A tier wraps it in the self-checking
       record of ``spill/format.py`` (magic, key, lengths, codec, checksum): a value that is
       corrupt, cut short or another key's is a miss, counted by the tier, never returned.
+
+    Order: shared memory, then the snapshot (read-only, exact: a value of this very dataset,
+    checked when it was opened, and the cheapest to reach - a local file or one ranged read),
+    then the remote (shared and writable, but a network round trip and values other nodes wrote);
+    ``snapshot.tier.tiered`` puts a snapshot tier first whatever was attached before it.
 
     A tier never raises for its own faults (unreachable, slow, full, damaged): it answers a miss,
     counts it, and logs one line per condition. ``TieredStore`` still guards every call, so a tier
@@ -68,6 +73,8 @@ class Tier(Protocol):
     """A place a cache's values can live behind its shared memory (NOTE [tiers])."""
 
     name: str  # "remote", "snapshot": how stats() and the logs call it
+    # optional: a tier with ``read_only = True`` is never offered anything (TieredStore.put skips
+    # packing the portable record, a copy of the value, for it)
 
     def get(self, key: bytes) -> Buffer | None:
         """The portable record stored under the portable ``key``, or None (a miss, or a fault)."""
@@ -211,9 +218,10 @@ class TieredStore:
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
         enc = encoded or codec.encode(value, f"the value of key {key!r}")
         stored = self.local.put(key, value, encoded=enc)
-        if self.behind:
+        writable = [tier for tier in self.behind if not getattr(tier, "read_only", False)]
+        if writable:  # a read-only tier (a snapshot) takes nothing: no copy of the value for it
             item = [(portable_key(key), portable_record(enc, key))]
-            for tier in self.behind:
+            for tier in writable:
                 self._call(tier, "offer", item)
         return stored
 

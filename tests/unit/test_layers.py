@@ -38,6 +38,7 @@ RANK = {
     "spill.tier": 5,  # the spill tier (an IndexedTier) and where its folder is; used above the store
     "maintenance": 5.5,  # gc of a namespace: the registry's, then each cache's, then spill folders
     "snapshot.export": 5.5, "snapshot.load": 5.6,  # a cache to a snapshot and back (no torch)
+    "snapshot.tier": 5.55,  # the read-through tier: a snapshot behind shared memory (no torch)
     "snapshot": 5.7,
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
@@ -50,7 +51,8 @@ NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "alloca
             "spill.format", "spill.recovery", "spill.files", "spill.tier",
             "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
             "launch.remote_option", "launch.rendezvous", "launch.redis_node", "remote",
-            "snapshot", "snapshot.format", "snapshot.location", "snapshot.export", "snapshot.load"]
+            "snapshot", "snapshot.format", "snapshot.location", "snapshot.export", "snapshot.load",
+            "snapshot.tier"]
 TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
 
 
