@@ -10,8 +10,10 @@ node's namespace. One ``redis-server`` on 127.0.0.1 (a password, ``--save '' --a
 serves every job. Workloads (benchmarks/peers/_workloads.py): ``cifar`` (3 KB random images),
 ``imagenet`` (150 KB random images), ``photos`` (JPEG decode + crop + resize to 224x224, the
 decode-heavy pipeline). Each rank reads its ``DistributedSampler``-style shard of a permutation
-drawn per epoch over all ranks, in batches of 64 (``CachedDataset.__getitems__``: one batched
-round trip to Redis for a batch's misses); ranks wait for each other between epochs.
+drawn per epoch over all ranks, in collated batches of 64 as a DataLoader's (``ds.get_batch``:
+the vectorised gather when the batch is in shared memory, else one batched round trip to Redis
+for its misses; the uncached source and Bagua's reads go through ``default_collate``); ranks wait
+for each other between epochs.
 
 Rows, for 2 and 4 nodes:
 
@@ -96,19 +98,20 @@ def rank_main(args: tuple, barrier, results) -> None:
     (mode, workload, node_dir, rank, world, url, warm) = args
     os.environ["SHMCACHE_DIR"] = node_dir
     import torch
+    from torch.utils.data import default_collate
 
     torch.set_num_threads(1)
     from shmcache import ShmDatasetCache
 
     src = Counted(workload.source())
     n = len(src)
-    compute = lambda keys: [src[i] for i in keys]  # noqa: E731 - the uncached source
+    compute = lambda keys: default_collate([src[i] for i in keys])  # noqa: E731 - the uncached source
     cache = ds = None
     read = compute
     if mode != "uncached":
         cache = ShmDatasetCache(session="bench", remote=url if mode == "remote" else "")
         ds = cache.wrap(src)
-        read = ds.__getitems__  # a batch: one round trip to Redis for its misses
+        read = ds.get_batch  # collated, as a DataLoader's batch: one round trip to Redis for its misses
     wrap_calls = src.calls  # the samples wrap() reads to fingerprint the dataset
     spans, warm_spans = [], []
     if warm is None:  # one pass over the whole dataset, split over the node's ranks (other_node)
@@ -135,9 +138,12 @@ def bagua_rank(args: tuple, barrier, results) -> None:
     """Bagua's CachedDataset reads: one GET + pickle.loads per sample, every epoch."""
     (n, port, password, rank, world) = args
     import redis
+    import torch
+    from torch.utils.data import default_collate
 
+    torch.set_num_threads(1)  # as every rank: more threads than cores would slow the collate
     client = redis.Redis(port=port, password=password)
-    read = lambda keys: [pickle.loads(client.get(b"bagua:%d" % i)) for i in keys]  # noqa: E731
+    read = lambda keys: default_collate([pickle.loads(client.get(b"bagua:%d" % i)) for i in keys])  # noqa: E731
     spans = []
     for r in range(REPEATS):
         barrier.wait()
