@@ -3,7 +3,8 @@
 Commands::
 
     shmcache stat [SESSION] [--json]     one row per cache: items and bytes in memory and on disk,
-                                         average item size, hits, misses
+                                         average item size, hits, misses; a snapshot read
+                                         through (snapshot=): its hits, misses, bytes, errors
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
                                          memory
     shmcache new [NAME] [--spill-dir D] [--remote URL]
@@ -13,10 +14,17 @@ Commands::
                                          (90s, 30m, 12h, 1d, 2w), also destroy the sessions
                                          nobody has used for that long
     shmcache info [--json]               limits and configuration
+    shmcache export SESSION [CACHE] DEST [--overwrite]
+                                         write a cache to a snapshot: a directory, or an fsspec URL
+                                         (s3://bucket/prefix, file://, memory://)
+    shmcache import SRC [--session S] [--name N] [--force] [--size MB] [--spilling --spill-dir D]
+                                         fill a cache from a snapshot (it then runs without its
+                                         source: cache.wrap(None))
 
 Everything happens in the namespace of ``$SHMCACHE_DIR`` (default: a per-user directory). This
 module never imports torch, so it starts fast. Exit codes: 0 success, 1 an error shmcache
-explains, 2 bad usage.
+explains (and an import that did not store every item, or an export that left out damaged
+records: the line printed says which and why), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import sys
 import time
 
 from .config import ENV_SPILL_DIR, memory_limits, namespace
-from .errors import CacheNotFound, CorruptSegment, InvalidArgument, LockTimeout, SessionInUse, ShmcacheError
+from .errors import CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
 from .registry import SessionRegistry
 
 __all__ = ["main"]
@@ -83,6 +91,7 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
 
 def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
     from .remote import counts_path, read_counts, stats_keys  # no redis-py needed
+    from .snapshot import tier as snapshot_tier  # numpy, no fsspec until a snapshot is read
     from .store import CacheStore  # numpy, no torch
 
     out = []
@@ -100,6 +109,9 @@ def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
         counts = read_counts(counts_path(registry, session, name))
         if counts is not None:  # the cache has (had) a remote tier: its counters, every process's
             st.update(stats_keys(None, counts))
+        counts = snapshot_tier.read_counts(snapshot_tier.counts_path(registry, session, name))
+        if counts is not None:  # a snapshot tier read through for it: its counters, every process's
+            st.update(snapshot_tier.stats_keys(counts))
         out.append(st)
     return out
 
@@ -130,6 +142,9 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
     remote = any("remote" in st for st in rows)
     if remote:  # the remote tier's columns, only when a cache has one (NOTE [remote counts])
         headers += ["remote hits", "remote misses", "read", "written", "errors", "backlog"]
+    snapshot = any("snapshot" in st for st in rows)
+    if snapshot:  # the snapshot tier's columns, only when a cache has one (NOTE [snapshot read-through])
+        headers += ["snap hits", "snap misses", "snap read", "snap errors"]
     table = []
     for st in rows:
         if "error" in st:
@@ -142,6 +157,9 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
             table[-1] += ([str(st["remote_hits"]), str(st["remote_misses"]), _size(st["remote_bytes_read"]),
                            _size(st["remote_bytes_written"]), str(st["remote_errors"]),
                            str(st["remote_backlog"])] if "remote" in st else ["-"] * 6)
+        if snapshot:
+            table[-1] += ([str(st["snapshot_hits"]), str(st["snapshot_misses"]), _size(st["snapshot_bytes_read"]),
+                           str(st["snapshot_errors"] + st["snapshot_corrupt"])] if "snapshot" in st else ["-"] * 4)
     print(_table(headers, table, right=set(range(2, len(headers)))))
     return 0
 
@@ -205,54 +223,11 @@ def cmd_destroy(args, registry: SessionRegistry) -> int:
 
 
 def cmd_gc(args, registry: SessionRegistry) -> int:
-    from .store import CacheStore
+    from .maintenance import collect_garbage
 
-    idle = registry.destroy_idle(args.idle_for) if args.idle_for is not None else []
-    report = registry.gc()
-    reclaimed, stale, dropped, recounted, skipped = 0, [], [], [], []
-    for info in registry.list():
-        for name in registry.cache_names(info.name):
-            cache = f"{info.name}/{name}"
-            try:
-                store = CacheStore(info.name, name, ns=registry.ns, create=False, lock_timeout_s=10)
-            except CorruptSegment as exc:  # a segment header is damaged: the cache cannot open
-                try:
-                    registry.drop_cache_contents(info.name, name)
-                except LockTimeout as exc2:
-                    skipped.append({"cache": cache, "reason": str(exc2)})
-                    continue
-                dropped.append({"cache": cache, "reason": str(exc)})
-                continue
-            except ShmcacheError:
-                continue
-            done: dict = {}
-            try:
-                _attach_spill(store)
-                n, removed = store.collect_garbage(done)  # repairs, or drops a damaged generation
-            except (LockTimeout, CacheNotFound) as exc:
-                # a live process keeps its lock (stopped, in a debugger), or it was destroyed just
-                # now: the other caches are still gc's to do
-                skipped.append({"cache": cache, "reason": str(exc)})
-                continue
-            finally:
-                store.close()
-            reclaimed += n
-            stale += removed
-            if done.get("dropped"):
-                dropped.append({"cache": cache, "reason": done["dropped"]})
-            if done.get("recounted"):
-                recounted.append({"cache": cache, "counters": done["recounted"]})
-    from .spill.tier import remove_orphans
-
-    report.removed_spill_files += remove_orphans(registry.ns, {s.name for s in registry.list()})
-    result = {"removed_segments": report.removed_segments + stale,
-              "removed_dirs": report.removed_dirs, "removed_locks": report.removed_locks,
-              "reclaimed_entries": reclaimed, "removed_spill_files": report.removed_spill_files,
-              "removed_caches": report.removed_caches, "dropped_caches": dropped,
-              "recounted_caches": recounted, "skipped_caches": skipped,
-              "destroyed_idle_sessions": [{"session": s.name, "last_used": round(s.last_used, 1),
-                                           "idle_s": round(s.idle_s, 1),
-                                           "removed_segments": s.removed_segments} for s in idle]}
+    done = collect_garbage(registry, args.idle_for)
+    result, report, idle, reclaimed = done.to_json(), done.registry, done.idle, done.reclaimed
+    dropped, recounted, skipped = done.dropped, done.recounted, done.skipped
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -341,6 +316,42 @@ def _remotes(registry: SessionRegistry) -> list[dict]:
             out.append({"source": source, "url": None, "answers": False, "used_memory": None,
                         "maxmemory": None, "error": str(exc)})
     return out
+def cmd_export(args, registry: SessionRegistry) -> int:
+    from .snapshot.export import export_cache
+    from .store import CacheStore
+
+    if len(args.where) > 2:
+        raise InvalidArgument(f"export takes SESSION [CACHE] DEST, got {len(args.where) + 1} arguments")
+    name, dest = (args.where if len(args.where) == 2 else (None, args.where[0]))
+    registry.get(args.session)  # SessionNotFound, naming the sessions there are
+    if name is None:
+        names = registry.cache_names(args.session)
+        if len(names) != 1:
+            raise InvalidArgument(
+                f"session {args.session!r} holds {len(names)} caches ({', '.join(names) or 'none'}); "
+                f"name the one to export: shmcache export {args.session} CACHE {dest}")
+        name = names[0]
+    elif name not in registry.cache_names(args.session):
+        raise CacheNotFound(f"session {args.session!r} has no cache {name!r} (it has: "
+                            f"{', '.join(registry.cache_names(args.session)) or 'none'}); see `shmcache stat`")
+    store = CacheStore(args.session, name, ns=registry.ns, create=False)
+    try:
+        _attach_spill(store)
+        report = export_cache(store, dest, overwrite=args.overwrite, segment_bytes=args.segment_mb << 20)
+    finally:
+        store.close()
+    print(report)
+    return 1 if report.damaged else 0
+
+
+def cmd_import(args, registry: SessionRegistry) -> int:
+    from .snapshot.load import import_snapshot
+
+    report = import_snapshot(args.src, session=args.session, name=args.name, size_mb=args.size,
+                             spilling=args.spilling, spill_dir=args.spill_dir, force=args.force,
+                             threads=args.threads)
+    print(report)
+    return 0 if report.complete else 1
 
 
 # --- entry point --------------------------------------------------------------------------------------
@@ -378,7 +389,40 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("info", help="limits and configuration")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_info)
+    s = sub.add_parser("export", help="write a cache to a snapshot (a directory or an fsspec URL)",
+                       usage="shmcache export [-h] [--overwrite] [--segment-mb MB] SESSION [CACHE] DEST")
+    s.add_argument("session", help="the session of the cache (see `shmcache ls`)")
+    s.add_argument("where", nargs="+", metavar="[CACHE] DEST",
+                   help="the cache (optional when the session holds one) and where the snapshot goes: "
+                        "a new directory, or s3://bucket/prefix, file://..., memory://...")
+    s.add_argument("--overwrite", action="store_true", help="replace a snapshot already at DEST")
+    s.add_argument("--segment-mb", type=_positive_int, default=512, metavar="MB",
+                   help="segment file size in MiB (default 512)")
+    s.set_defaults(func=cmd_export)
+    s = sub.add_parser("import", help="fill a cache from a snapshot (then it runs without its source)")
+    s.add_argument("src", help="the snapshot: a directory, or s3://bucket/prefix, file://..., memory://...")
+    s.add_argument("--session", default="auto", help="the session to import into (default: "
+                                                     "$SHMCACHE_SESSION, else 'default')")
+    s.add_argument("--name", help="the cache's name (default: the exported cache's)")
+    s.add_argument("--force", action="store_true",
+                   help="replace the contents of a cache of that name that holds another dataset")
+    s.add_argument("--size", type=_positive_int, default=0, metavar="MB",
+                   help="memory cap of a new cache in MiB (default 0: automatic)")
+    s.add_argument("--spilling", action="store_true", help="spill what does not fit in memory to disk")
+    s.add_argument("--spill-dir", help="where spill files go (with --spilling)")
+    s.add_argument("--threads", type=_positive_int, default=None, help="segments read at once (default: up to 4)")
+    s.set_defaults(func=cmd_import)
     return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative whole number")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,13 +29,14 @@ import marshal
 import pickle
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .errors import EncodeError
 
-__all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "RECORD_HEADER",
+__all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "RECORD_HEADER", "RecordHeader",
+           "record_header", "record_key", "inline_layout",
            "INLINE", "ALIGN", "Leaf", "MAX_DECODERS", "cached_decoders", "clear_decoders"]
 
 INLINE = 0xFFFFFFFF
@@ -98,6 +99,35 @@ def _unregistered(tp: type) -> tuple[str, Callable] | None:
                 ext = _EXT_TO[tp] = handler
                 break
     return ext
+
+
+class RecordHeader(NamedTuple):
+    """The first 16 bytes of a record (NOTE [record format]; the fourth word is reserved)."""
+
+    layout_id: int  # the layout's id in the cache's meta segment, or INLINE
+    key_len: int  # the key bytes at the record's end
+    layout_len: int  # the inline layout before the key (INLINE only)
+
+
+def record_header(buf) -> RecordHeader:
+    """The header of the record in ``buf`` (struct.error if ``buf`` is shorter than one)."""
+    return RecordHeader(*RECORD_HEADER.unpack_from(buf, 0)[:3])
+
+
+def record_key(buf):
+    """The key bytes stored at the end of the record in ``buf`` (a slice of it)."""
+    return buf[len(buf) - RECORD_HEADER.unpack_from(buf, 0)[1]:]
+
+
+def inline_layout(buf) -> bytes:
+    """The layout carried by a record whose layout id is INLINE; ValueError when its lengths do
+    not fit the record (damaged, or not such a record)."""
+    head = record_header(buf)
+    end = len(buf) - head.key_len
+    if not RECORD_HEADER.size <= end - head.layout_len < end:
+        raise ValueError(f"an inline layout of {head.layout_len} bytes and a key of {head.key_len} "
+                         f"in a record of {len(buf)} bytes")
+    return bytes(buf[end - head.layout_len:end])
 
 
 class Encoded:

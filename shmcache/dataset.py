@@ -26,10 +26,18 @@ from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from . import _pil, codec  # noqa: F401  (_pil registers PIL images with the codec, lazily)
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
+from .errors import (
+    CacheMismatch,
+    EncodeError,
+    InvalidArgument,
+    InvalidKey,
+    ItemNotCached,
+    SessionNotFound,
+    SharedMemoryFull,
+)
+from .fingerprint import fingerprint, length_or_none
 from .remote import ENV_REMOTE
 from .remote import resolve as resolve_remote
-from .errors import CacheMismatch, EncodeError, InvalidArgument, InvalidKey, SessionNotFound, SharedMemoryFull
-from .fingerprint import fingerprint, length_or_none
 from .store import MISSING, CacheStore, UncachedStore
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
@@ -141,12 +149,19 @@ class ShmDatasetCache:
             ``redis://[:password@]host:port[/db]``, ``rediss://...``, ``redis+cluster://h1:p1,...``,
             ``redis+shards://h1:p1,h2:p2,...``; None: ``$SHMCACHE_REMOTE``, else the session's
             (``shmcache new NAME --remote URL``); ``""``: none.
+        snapshot: a snapshot (a path, or an fsspec URL such as ``s3://bucket/snap``) read through
+            on a miss before the source (snapshot/tier.py): the records a miss needs are read
+            from it and admitted into shared memory. None: ``$SHMCACHE_SNAPSHOT``; ``""``: none.
+            A snapshot of another dataset is refused (CacheMismatch).
+        snapshot_options: ``force`` (serve a snapshot that names another dataset), ``timeout_s``
+            (the longest a read may take, default 10), ``storage_options`` (for fsspec).
     """
 
     def __init__(self, session: str = "auto", name: str | None = None, size: int = 0,
                  spilling: bool = False, spill_dir: str | os.PathLike | None = None, *,
                  copy: bool = True, verify: float = 0.0, lock_timeout_s: float = 60.0,
-                 remote: str | None = None):
+                 remote: str | None = None, snapshot: str | os.PathLike | None = None,
+                 snapshot_options: dict | None = None):
         self.session = resolve_session_name(session)
         if name is not None:
             validate_name(name, "cache")
@@ -181,12 +196,15 @@ class ShmDatasetCache:
         self._fingerprint: str | None = None
         self._closed = False
         self._warned_pickle = False  # one warning per cache object when samples are pickled
+        self._source_len: int | None = None  # len() of the map-style dataset wrapped: export() records it
+        self.last_import = None  # from_snapshot(): what the import stored (snapshot.load.ImportReport)
         # the namespace travels with the cache (pickled to workers): a forkserver or spawn child
         # may see another $SHMCACHE_DIR, and would otherwise build an empty twin of the cache
         self._ns_root = str(namespace().root)
         self._remote_arg = remote  # resolved with the session's when the store is opened (_open)
         if remote or (remote is None and os.environ.get(ENV_REMOTE)):  # a bad URL fails here
             resolve_remote(remote, None)
+        self._snapshot = _snapshot_arg(snapshot, snapshot_options)  # (url, options) or None
         if self.spilling:  # a missing or unusable spill directory is an error now, not later
             from .registry import SessionRegistry
             from .spill.tier import resolve_spill_dir
@@ -213,6 +231,8 @@ class ShmDatasetCache:
 
             spilling.attach(self._store, self.spill_dir)
         self._attach_remote(fingerprint)
+        if self._snapshot is not None:  # in front of the remote tier (NOTE [tiers]: the order)
+            self._attach_snapshot(name, fingerprint)
         return self._store
 
     def _attach_remote(self, fingerprint: str | None) -> None:
@@ -237,6 +257,23 @@ class ShmDatasetCache:
                 fingerprint = self._store.read_meta().get("fingerprint")
             self._store = remote.tiered(self._store, url, fingerprint, registry)
 
+    def _attach_snapshot(self, name: str, fingerprint: str | None) -> None:
+        """With a snapshot, the store becomes ``TieredStore(local, [SnapshotTier, ...])``; without
+        one it stays the local store itself (no extra call on a hit)."""
+        from .registry import SessionRegistry
+        from .snapshot.tier import tiered
+
+        if fingerprint is None and not self._store.uncached:  # a named cache bound earlier
+            fingerprint = self._store.read_meta().get("fingerprint")
+        local = self._store
+        try:
+            self._store = tiered(local, self._snapshot[0], name, fingerprint,
+                                 SessionRegistry(namespace(self._ns_root)), self._snapshot[1])
+        except BaseException:
+            self._store = None
+            local.close()
+            raise
+
     @property
     def store(self) -> CacheStore:
         """The underlying store (opened on first use; see ``_ensure_open``)."""
@@ -245,7 +282,10 @@ class ShmDatasetCache:
     # --- wrapping datasets ----------------------------------------------------------------------
 
     def wrap(self, dataset: Any, transform: Callable | None = None):
-        """A dataset that reads through this cache: map-style or iterable, same items as ``dataset``."""
+        """A dataset that reads through this cache: map-style or iterable, same items as ``dataset``.
+        ``dataset=None``: the cache alone (imported from a snapshot), with no source behind it."""
+        if dataset is None:
+            return self._wrap_without_source(transform)
         if transform is not None and not callable(transform):
             raise InvalidArgument(f"transform must be callable, got {type(transform).__name__}")
         if isinstance(dataset, IterableDataset) or (not hasattr(dataset, "__getitem__")
@@ -271,9 +311,67 @@ class ShmDatasetCache:
                 f"(cache.wrap(ds, transform=decode)) and apply random augmentation on top"
             )
         self._bind(dataset, transform, samples, table_hint=n)
+        self._source_len = n
         for i, enc in zip(probe, samples):  # computed anyway: keep them
             self._put(self._store, i, None, enc)
         return CachedDataset(self, dataset, transform)
+
+    def _wrap_without_source(self, transform: Callable | None) -> CachedDataset:
+        """``wrap(None)``: a map-style dataset of what the cache holds, as long as the dataset it
+        was made from (recorded by the snapshot import); an item not there is ItemNotCached."""
+        if transform is not None:
+            raise InvalidArgument("wrap(None, transform=...) has no source for the transform to apply "
+                                  "to; the cache's items are served as stored: drop transform=")
+        store = self._ensure_open()
+        meta = store.read_meta() if not store.uncached else {}
+        length = meta.get("length")
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            raise InvalidArgument(
+                f"wrap(None) serves cache {self.session}/{self.name} without its source, but the cache "
+                f"does not record the length of its dataset (it was not imported from a snapshot of a "
+                f"wrapped map-style dataset); import one (ShmDatasetCache.from_snapshot, `shmcache "
+                f"import`), or wrap the dataset itself")
+        if self._fingerprint is None and meta.get("fingerprint"):
+            self._fingerprint = meta["fingerprint"]  # wrap(another dataset) later is refused
+        return CachedDataset(self, _NoSource(self.session, self.name, length), None)
+
+    @classmethod
+    def from_snapshot(cls, src: str | os.PathLike, session: str = "auto", name: str | None = None,
+                      size: int = 0, spilling: bool = False, spill_dir: str | os.PathLike | None = None, *,
+                      force: bool = False, threads: int | None = None, progress: bool | None = None,
+                      storage_options: dict | None = None, **kwargs: Any) -> ShmDatasetCache:
+        """A cache filled from the snapshot at ``src`` (a path or an fsspec URL, e.g. ``s3://b/snap``):
+        named as the exported cache unless ``name=`` is given; ``wrap(None)`` then serves it with no
+        source. A cache of that name holding another dataset is refused (CacheMismatch) unless
+        ``force=True``, which replaces its contents. ``last_import`` says what was stored: items that
+        did not fit the cap (spilled with ``spilling=True``, else left out), records skipped as
+        damaged. Other keyword arguments go to ShmDatasetCache."""
+        from .snapshot.load import import_into, read_manifest
+
+        loc, manifest = read_manifest(src, storage_options)
+        cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
+        try:
+            cache.last_import = import_into(cache.store, loc, manifest, force=force, threads=threads,
+                                            progress=progress)
+        except BaseException:
+            cache.close()
+            raise
+        if manifest.fingerprint:
+            cache._fingerprint = manifest.fingerprint
+        return cache
+
+    def export(self, dest: str | os.PathLike, *, overwrite: bool = False, segment_bytes: int | None = None,
+               progress: bool | None = None, storage_options: dict | None = None):
+        """Write this cache's items to a snapshot at ``dest`` (a new directory, or an fsspec URL such
+        as ``s3://bucket/snap``); ``overwrite=True`` replaces a snapshot there. Returns a report
+        (items, bytes, seconds). Import it anywhere with ``ShmDatasetCache.from_snapshot(dest)`` or
+        ``shmcache import``."""
+        from .snapshot import format as snapshot_format
+        from .snapshot.export import export_cache
+
+        return export_cache(self.store, dest, overwrite=overwrite, length=self._source_len,
+                            segment_bytes=segment_bytes or snapshot_format.DEFAULT_SEGMENT_BYTES,
+                            progress=progress, storage_options=storage_options)
 
     def _wrap_iterable(self, dataset: Iterable, transform: Callable | None) -> CachedIterableDataset:
         """With a name, the stream is not read here. Without one, its first 16 items name the
@@ -304,6 +402,9 @@ class ShmDatasetCache:
         if self._store is None:
             self._open(self.name or _default_name(dataset, fp), fp, table_hint)
         elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset
+            for tier in getattr(self._store, "behind", ()):  # a snapshot of another dataset: refused
+                if hasattr(tier, "bind"):
+                    tier.bind(self.name, fp)
             self._store.bind_fingerprint(fp)
             self._fingerprint = fp
             for tier in getattr(self._store, "behind", ()):  # its remote values: this dataset's
@@ -481,15 +582,19 @@ class ShmDatasetCache:
         return computed
 
     def stats(self) -> dict:
-        """Counters shared by every process (keys: docs/design.md §10); with a remote tier, also
-        its ``remote_*`` counters, summed over every process of the session."""
+        """Counters shared by every process (keys: docs/design.md §10); with a remote or a snapshot
+        tier, also its ``remote_*`` or ``snapshot_*`` counters, summed over every process."""
         store = self.store
         st = store.stats()
-        tiers = getattr(store, "behind", None)
-        if tiers is not None:
+        tiers = {tier.name: tier for tier in getattr(store, "behind", ())}
+        if "remote" in tiers:
             from . import remote
 
-            st.update(remote.stats_keys(str(tiers[0].url), tiers[0].totals()))
+            st.update(remote.stats_keys(str(tiers["remote"].url), tiers["remote"].totals()))
+        if "snapshot" in tiers:
+            from .snapshot.tier import stats_keys
+
+            st.update(stats_keys({**tiers["snapshot"].totals(), "url": tiers["snapshot"].url}))
         return st
 
     def clear(self) -> None:
@@ -543,7 +648,52 @@ class ShmDatasetCache:
         return self._store
 
 
+def _snapshot_arg(snapshot: Any, options: dict | None) -> tuple[str, dict] | None:
+    """``snapshot=`` and ``snapshot_options=`` checked: (url, options), or None for no snapshot."""
+    from .snapshot.tier import ENV_SNAPSHOT, check_options
+
+    if snapshot is None:
+        snapshot = os.environ.get(ENV_SNAPSHOT, "").strip()
+    if snapshot is not None and not isinstance(snapshot, (str, os.PathLike)):
+        raise InvalidArgument(f"snapshot must be a path or a URL (e.g. 's3://bucket/snap'), got "
+                              f"{type(snapshot).__name__}")
+    options = check_options(options)
+    if not os.fspath(snapshot):
+        if options:
+            warnings.warn("snapshot_options has no effect without snapshot= (or $SHMCACHE_SNAPSHOT); "
+                          "pass snapshot=URL, or drop snapshot_options", UserWarning, stacklevel=3)
+        return None
+    return os.fspath(snapshot), options
+
+
 # --- wrapped datasets -----------------------------------------------------------------------------
+
+
+def _not_behind(store, keys: list, per_trip: int = 256) -> list:
+    """The ``keys`` that the tiers behind ``store`` lack too; those they have are admitted into
+    shared memory on the way (a bounded batch per round trip: values may be large)."""
+    out = []
+    for lo in range(0, len(keys), per_trip):
+        part = keys[lo:lo + per_trip]
+        out += [part[j] for j in store.lookup_batch(part, False)[1]]
+    return out
+
+
+class _NoSource:
+    """What ``wrap(None)`` wraps: a dataset of a known length whose items are only in the cache."""
+
+    def __init__(self, session: str, name: str, length: int):
+        self.session, self.name, self.length = session, name, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int):
+        raise ItemNotCached(
+            f"item {i!r} is not in cache {self.session}/{self.name}, and the cache has no source "
+            f"(wrap(None)) to compute it from; import the whole snapshot into it (if the import said "
+            f"items did not fit, give the cache a larger size= or spilling=True), or wrap the dataset "
+            f"itself so that missing items are computed")
 
 
 def _not_behind(store, keys: list, per_trip: int = 256) -> list:

@@ -28,6 +28,10 @@ __all__ = [
     "SpillFull",
     "PrefetchError",
     "PrefetchStall",
+    "LaunchError",
+    "RendezvousTimeout",
+    "SnapshotError",
+    "ItemNotCached",
 ]
 
 
@@ -113,3 +117,22 @@ class PrefetchError(ShmcacheError, RuntimeError):
 
 class PrefetchStall(ShmcacheError, TimeoutError):
     """The prefetch producer made no progress within its timeout."""
+
+
+class LaunchError(ShmcacheError, RuntimeError):
+    """The launcher could not prepare what the job needs besides the session: a per-node Redis
+    (``--remote spawn``) or the exchange of its endpoints; the message names the node and the fix."""
+
+
+class RendezvousTimeout(LaunchError, TimeoutError):
+    """Not every node joined the exchange of endpoints within ``--rdzv-timeout``; names the ranks."""
+class SnapshotError(ShmcacheError, OSError):
+    """A snapshot cannot be written or read: its destination exists, its disk is full, or it is
+    truncated, damaged, incomplete or of another format version; the message names the file."""
+
+
+class ItemNotCached(ShmcacheError, KeyError):
+    """A cache served without its source (``wrap(None)``) does not hold the item asked for."""
+
+    def __str__(self) -> str:  # KeyError's own would print the message quoted, as a repr
+        return str(self.args[0]) if self.args else ""

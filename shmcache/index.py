@@ -29,11 +29,13 @@ import numpy as np
 from .errors import CorruptSegment, InvalidKey
 from .segment import word_view
 
-__all__ = ["TableView", "key_bytes", "key_hash", "READY", "INT_KEY", "SPILLED", "INLINE24", "ENTRY_BYTES",
-           "TABLE_OFF", "MAX_LOAD"]
+__all__ = ["TableView", "key_bytes", "key_hash", "tier_key", "READY", "INT_KEY", "SPILLED", "INLINE24",
+           "ENTRY_BYTES", "TABLE_OFF", "MAX_LOAD", "LOCATION_MASK", "state_word", "location_word",
+           "entry_length", "entry_layout", "entry_class", "entry_chunk"]
 
-READY, INT_KEY, SPILLED = 1, 2, 4
+READY, INT_KEY, SPILLED = 1, 2, 4  # the state bits of w0
 INLINE24 = 0xFFFFFF  # layout id field of an entry whose record carries its layout inline
+LOCATION_MASK = (1 << 48) - 1  # w2 below the class (or file id): the chunk (or file offset)
 ENTRY_BYTES = 24
 TABLE_OFF = 128  # entries start here in the table segment; capacity is stored at offset 64
 MAX_LOAD = 0.7  # linear probing: ~2 probes per hit on average at this load
@@ -67,6 +69,45 @@ def key_bytes(key: object) -> tuple[int, bytes]:
 
 def key_hash(kb: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(kb, digest_size=8).digest(), "little")
+
+
+def tier_key(w1: int, kb: bytes) -> bytes:
+    """The key a record carries outside shared memory (spill files, and the tiers of NOTE [tiers]):
+    the key word, 8 bytes little-endian, then the key bytes (none for an int key)."""
+    return w1.to_bytes(8, "little") + kb
+
+
+# --- the entry's words (the hot paths inline these: each such place names the accessor) -------
+
+
+def state_word(flags: int, layout_id: int, length: int) -> int:
+    """w0 of an entry: state ``flags`` (READY, INT_KEY, SPILLED), layout id, record length."""
+    return flags | (layout_id << 8) | (length << 32)
+
+
+def location_word(cls: int, chunk: int) -> int:
+    """w2 of an entry: size class and chunk (spilled: file id and file offset)."""
+    return (cls << 48) | chunk
+
+
+def entry_length(w0: int) -> int:
+    """The record's length in bytes (spilled: as stored in its file)."""
+    return w0 >> 32
+
+
+def entry_layout(w0: int) -> int:
+    """The record's layout id in the meta segment (INLINE24: the record carries its layout)."""
+    return (w0 >> 8) & INLINE24
+
+
+def entry_class(w2: int) -> int:
+    """The size class of the chunk holding the record (spilled: the spill file's id)."""
+    return w2 >> 48
+
+
+def entry_chunk(w2: int) -> int:
+    """The chunk of the size class holding the record (spilled: the offset in the spill file)."""
+    return w2 & LOCATION_MASK
 
 
 class TableView:

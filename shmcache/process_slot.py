@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from .locks import LivenessSlot
@@ -18,9 +19,18 @@ from .locks import LivenessSlot
 __all__ = ["generation", "slot", "attach", "detach", "counters", "release_all"]
 
 _generation = 0
-_slots: dict[tuple[str, str], LivenessSlot] = {}
-_registries: dict[tuple[str, str], Any] = {}  # the registry each slot was taken through
-_users: dict[tuple[str, str], int] = {}  # open stores of this process per (namespace, session)
+
+
+@dataclass
+class _Held:
+    """A liveness slot this process holds in one session (per namespace)."""
+
+    slot: LivenessSlot
+    registry: Any  # the registry it was taken through (marks the session used when detaching)
+    users: int = 0  # open stores of this process in the session (attach/detach)
+
+
+_held: dict[tuple[str, str], _Held] = {}  # (namespace root, session) -> what this process holds there
 _counters: dict[str, list[int]] = {}
 _lock = threading.Lock()
 
@@ -32,25 +42,26 @@ def generation() -> int:
 def slot(registry, session: str) -> int:
     """This process's slot number in ``session`` (taken on first use, held until exit)."""
     key = (str(registry.ns.root), session)
-    s = _slots.get(key)
-    if s is None:
+    held = _held.get(key)
+    if held is None:
         with _lock:
-            s = _slots.get(key)
-            if s is None:
-                s = registry.attach_process(session)
-                _slots[key] = s
-                _registries[key] = registry
-    return s.index
+            held = _held.get(key)
+            if held is None:
+                held = _held[key] = _Held(registry.attach_process(session), registry)
+    return held.slot.index
 
 
 def attach(registry, session: str) -> int:
     """``slot()``, counting one more open store of this process in ``session``: the slot is
     released when the last of them calls ``detach``."""
-    index = slot(registry, session)
     key = (str(registry.ns.root), session)
-    with _lock:
-        _users[key] = _users.get(key, 0) + 1
-    return index
+    while True:  # again if another thread's detach gave the slot up between the two steps
+        slot(registry, session)
+        with _lock:
+            held = _held.get(key)
+            if held is not None:
+                held.users += 1
+                return held.slot.index
 
 
 def detach(registry, session: str) -> None:
@@ -58,21 +69,19 @@ def detach(registry, session: str) -> None:
     no longer counts as attached (``shmcache destroy`` without ``--force`` then succeeds)."""
     key = (str(registry.ns.root), session)
     with _lock:
-        left = _users.get(key, 0) - 1
-        if left > 0:
-            _users[key] = left
+        held = _held.get(key)
+        if held is None:
             return
-        _users.pop(key, None)
-        s = _slots.pop(key, None)
-        if s is None:
+        held.users -= 1
+        if held.users > 0:
             return
-        _registries.pop(key, None)
+        del _held[key]
         # the counter totals of the slot go with it: another process may take it and count on
-        prefix, suffix = key[0] + registry.ns.segment_name(session, ""), f"+{s.index}"
+        prefix, suffix = key[0] + registry.ns.segment_name(session, ""), f"+{held.slot.index}"
         for k in [k for k in _counters if k.startswith(prefix) and k.endswith(suffix)]:
             del _counters[k]
     registry.mark_used(session)  # detaching is a use (NOTE [session lifecycle], last use)
-    s.release()
+    held.slot.release()
 
 
 def counters(key: str, initial) -> list[int]:
@@ -87,29 +96,25 @@ def counters(key: str, initial) -> list[int]:
 def release_all() -> None:
     """Give up every slot (tests, and processes that detach from all caches)."""
     _mark_used()
-    for s in _slots.values():
-        s.release()
-    _slots.clear()
-    _registries.clear()
-    _users.clear()
+    for held in _held.values():
+        held.slot.release()
+    _held.clear()
 
 
 def _mark_used() -> None:
     """Detaching is a use: ``gc --idle-for`` counts idle time from here, not from the attach
     (NOTE [session lifecycle] in registry.py, last use). Runs at a clean exit too."""
-    for (_root, session), registry in list(_registries.items()):
-        registry.mark_used(session)
+    for (_root, session), held in list(_held.items()):
+        held.registry.mark_used(session)
 
 
 def _after_fork_in_child() -> None:
     global _generation, _lock
     _generation += 1
     _lock = threading.Lock()
-    for s in _slots.values():
-        s.forget_after_fork()
-    _slots.clear()
-    _registries.clear()
-    _users.clear()
+    for held in _held.values():
+        held.slot.forget_after_fork()
+    _held.clear()
     _counters.clear()
 
 

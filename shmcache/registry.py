@@ -33,7 +33,7 @@ import secrets
 import shutil
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,7 +51,7 @@ from .locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
 from .segment import Segment
 
 __all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "SEP", "MAX_SLOTS", "ROOT_EPOCH",
-           "DESTROYED", "retire_root"]
+           "DESTROYED", "retire_root", "unlink_segments"]
 
 MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
 # A cache root's epoch word (store.py) and its tombstone: whoever removes a cache writes DESTROYED
@@ -170,6 +170,19 @@ class SessionRegistry:
         except FileNotFoundError:  # never attached (or made before last_used existed)
             return info.created
 
+    def cache_meta_path(self, session: str, cache: str) -> Path:
+        """The metadata file of cache ``cache`` (fingerprint, cap, spill folder)."""
+        return self.session_dir(session) / "caches" / f"{cache}.json"
+
+    def read_cache_meta(self, session: str, cache: str) -> dict:
+        """The metadata of cache ``cache``; {} when it is missing or unreadable (being replaced,
+        or its creator died before writing it)."""
+        try:
+            meta = json.loads(self.cache_meta_path(session, cache).read_text())
+        except (OSError, ValueError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
     def cache_names(self, name: str) -> list[str]:
         return sorted(p.stem for p in (self.session_dir(name) / "caches").glob("*.json"))
 
@@ -214,8 +227,7 @@ class SessionRegistry:
                 shutil.rmtree(final, ignore_errors=True)
             # segments under this name are debris of a destroy that was killed half-way: they
             # must not come back to life as caches of the new session
-            self._unlink_segments(self.segment_prefix(name), roots_only=True)
-            self._unlink_segments(self.segment_prefix(name))
+            unlink_segments(self.ns, self.segment_prefix(name))
             os.rename(tmp, final)  # published: from here on, others see a complete session
             info.path = final
             return info
@@ -253,7 +265,7 @@ class SessionRegistry:
                     os.rename(doomed, self.session_dir(name))
                     raise _in_use(name, late)
                 prefix = self.segment_prefix(name)
-                removed = self._unlink_segments(prefix, roots_only=True) + self._unlink_segments(prefix)
+                removed = unlink_segments(self.ns, prefix)
             finally:
                 for lock in held:  # a writer waiting on one finds its lock file gone (FileLock.acquire)
                     lock.release()
@@ -380,7 +392,7 @@ class SessionRegistry:
             for seg in sorted(self.ns.owned_segments(), key=lambda n: not n.endswith(SEP + "root")):
                 session = seg[len(self.ns.segment_name()) + 1:].split(SEP, 1)[0]
                 if session not in live:
-                    report.removed_segments += self._unlink_segments(seg)
+                    report.removed_segments += unlink_segments(self.ns, seg)
             for name in live:
                 sdir = self.session_dir(name)
                 for path in (sdir / "slots").glob("*.lock"):
@@ -415,7 +427,7 @@ class SessionRegistry:
                 continue
             try:
                 if not _root_in_use(root):
-                    self._unlink_segments(f"{prefix}{cache}{SEP}")
+                    unlink_segments(self.ns, f"{prefix}{cache}{SEP}")
                     path.unlink(missing_ok=True)
                     removed.append(f"{session}/{cache}")
             finally:
@@ -432,12 +444,8 @@ class SessionRegistry:
         try:
             with lock:
                 prefix = self.ns.segment_name(session, cache) + SEP
-                removed = self._unlink_segments(prefix, roots_only=True) + self._unlink_segments(prefix)
-                meta = self.session_dir(session) / "caches" / f"{cache}.json"
-                try:
-                    spill = json.loads(meta.read_text()).get("spill_path")
-                except (OSError, ValueError):
-                    spill = None
+                removed = unlink_segments(self.ns, prefix)
+                spill = self.read_cache_meta(session, cache).get("spill_path")
                 if spill:
                     shutil.rmtree(spill, ignore_errors=True)
         finally:
@@ -459,32 +467,19 @@ class SessionRegistry:
             lock = self.cache_lock(session, cache)
             with lock:  # a creator holds it while it makes the root: never race one
                 if not self.ns.shm_path(root).exists():
-                    removed += self._unlink_segments(f"{prefix}{cache}{SEP}")
+                    removed += unlink_segments(self.ns, f"{prefix}{cache}{SEP}")
             lock.close()
         return removed
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _unlink_segments(self, prefix: str, *, roots_only: bool = False) -> list[str]:
-        removed = []
-        for seg in self.ns.owned_segments():
-            if seg.startswith(prefix) and (not roots_only or seg.endswith(SEP + "root")):
-                if seg.endswith(SEP + "root"):
-                    retire_root(seg)
-                if self.ns.unlink_segment(seg):  # a file of ours only: never another user's squat
-                    removed.append(seg)
-        return removed
-
     def _spill_dirs_of(self, name: str) -> list[Path]:
         """Spill directories of every cache of the session (each cache spills into its own folder)."""
         out = []
         for cache in self.cache_names(name):
-            try:
-                meta = json.loads((self.session_dir(name) / "caches" / f"{cache}.json").read_text())
-            except (OSError, ValueError):
-                continue
-            if meta.get("spill_path"):
-                out.append(Path(meta["spill_path"]))
+            spill = self.read_cache_meta(name, cache).get("spill_path")
+            if spill:
+                out.append(Path(spill))
         return out
 
 
@@ -520,6 +515,22 @@ def _root_in_use(name: str) -> bool:
     in_use = root.size < ROOT_EPOCH + 8 or struct.unpack_from("Q", root.buf, ROOT_EPOCH)[0] != DESTROYED
     root.close()
     return in_use
+
+
+def unlink_segments(ns: Namespace, prefix: str, *, keep: Collection[str] = ()) -> list[str]:
+    """Unlink our segments whose names start with ``prefix``, but those in ``keep``; roots first,
+    each tombstoned before it goes (retire_root: a process still mapping it misses from then on,
+    NOTE [publish order], Destroying). Only files of ours: never another user's squat. Returns
+    the names removed."""
+    names = [seg for seg in ns.owned_segments() if seg.startswith(prefix) and seg not in keep]
+    roots = [seg for seg in names if seg.endswith(SEP + "root")]
+    removed = []
+    for seg in roots + [seg for seg in names if not seg.endswith(SEP + "root")]:
+        if seg.endswith(SEP + "root"):
+            retire_root(seg)
+        if ns.unlink_segment(seg):
+            removed.append(seg)
+    return removed
 
 
 def retire_root(name: str) -> None:

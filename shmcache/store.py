@@ -3,8 +3,10 @@
 Objects of one cache (names from Namespace.segment_name; ``g`` is the generation, ``v`` the table
 version)::
 
-    +root            epoch word (generation << 32 | table version), capacity, incarnation
-    +<i>+g<g>+meta   counters, allocator classes, layout table, the intent record
+    +root            epoch word (generation << 32 | table version), capacity, incarnation, sizing
+                     (generation.RootLayout)
+    +<i>+g<g>+meta   counters, allocator classes, layout table, totals, the intent record
+                     (generation.MetaLayout, generation.Generation)
     +<i>+g<g>+t<v>   the hash table (index.py)
     +<i>+g<g>+c<k>   the data segment of size class k (allocator.py)
 
@@ -75,7 +77,7 @@ NOTE [memory limits]
     What a cache may take of shared memory is checked where it grows: at each commit step of a
     data segment (``_commit``: 64 KiB or one chunk at a time, so the checks below are rare).
 
-    * ``size=`` (MiB) given: the cache's own cap (root word 72); meta, index and data count.
+    * ``size=`` (MiB) given: the cache's own cap (RootLayout.CAPACITY); meta, index and data count.
     * ``size=0``: the *session's* automatic cap - 80% of what is really available (MemAvailable,
       the process's cgroup, /dev/shm's free space; config.memory_limits) when the session's
       first auto-sized cache is made, kept in the session's ``auto_capacity`` file
@@ -89,12 +91,13 @@ NOTE [memory limits]
       Caches with their own size= are counted in that sum but keep their own caps.
       The cap was measured once; memory short at that moment must not shrink the session for
       good: an auto-sized cache that finds no room asks again (at most once a second per handle,
-      _raise_auto_cap) and raises the session's cap - the file, then its root's words 72 and 88 -
-      to 80% of what is available now plus what the session holds, if that is 1/8 more. Its data
+      _raise_auto_cap) and raises the session's cap - the file, then its root's CAPACITY and
+      SIZING words - to 80% of what is available now plus what the session holds, if that is 1/8
+      more. Its data
       segments are sized for all of /dev/shm (sparse), so a raised cap can be committed.
     * Memory full at creation (the automatic cap below one page of data): the cache is made with
-      no room for data (root word 88 = AUTO_NONE), every item is rejected or spilled, and that is
-      said once. If not even the cache's own segments fit, CacheStore raises SharedMemoryFull,
+      no room for data (RootLayout.SIZING = AUTO_NONE), every item is rejected or spilled, and
+      that is said once. If not even the cache's own segments fit, CacheStore raises SharedMemoryFull,
       having removed what it made; ShmDatasetCache then serves from an UncachedStore (computes
       from the source, counts the rejections in the process).
     * Spilling on: spilled records are found through the index, which lives in shared memory and
@@ -112,7 +115,6 @@ NOTE [memory limits]
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import pickle
@@ -120,16 +122,14 @@ import platform
 import secrets
 import shutil
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import codec, process_slot
+from . import codec, gather, process_slot
 from ._faults import ARMED as _CRASH_TESTS
 from ._faults import crash_point
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
@@ -144,23 +144,62 @@ from .errors import (
     SessionNotFound,
     SharedMemoryFull,
     ShmcacheError,
+    SnapshotError,
 )
-from .index import ENTRY_BYTES, INLINE24, INT_KEY, MAX_LOAD, READY, SPILLED, TABLE_OFF, TableView, key_bytes
-from .registry import DESTROYED, MAX_SLOTS, ROOT_EPOCH, SEP, SessionRegistry, write_json
-from .segment import PAGE, Segment, word_view
+from .generation import (
+    AUTO,
+    AUTO_NONE,
+    CORRUPT,
+    COUNTER_NAMES,
+    DEAD_GEN,
+    HITS,
+    KIND_DATA,
+    KIND_META,
+    KIND_ROOT,
+    KIND_TABLE,
+    MISSES,
+    REJECTED,
+    SIZED,
+    SPILL_CLASS,
+    Generation,
+    Intent,
+    M,
+    RootLayout,
+    close_generation,
+    destroyed_generation,
+    epoch_of,
+    split_epoch,
+)
+from .index import (
+    ENTRY_BYTES,
+    INLINE24,
+    INT_KEY,
+    LOCATION_MASK,
+    MAX_LOAD,
+    READY,
+    SPILLED,
+    TABLE_OFF,
+    TableView,
+    entry_class,
+    entry_layout,
+    entry_length,
+    key_bytes,
+    location_word,
+    state_word,
+    tier_key,
+)
+from .registry import DESTROYED, MAX_SLOTS, SEP, SessionRegistry, unlink_segments, write_json
+from .segment import PAGE, Segment
+from .tier_protocol import IndexedTier, Location
 
 __all__ = ["CacheStore", "UncachedStore", "STAT_KEYS"]
 
 log = logging.getLogger("shmcache")
 
-KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4
 _Q = struct.Struct("Q")
 _QQ = struct.Struct("QQ")
-_ROOT_INCARNATION = 80  # root words: 64 the epoch, 72 the capacity, 80 the incarnation, 88 the sizing
-_ROOT_SIZING = 88  # how the cap was set (NOTE [memory limits]): one of the three below
-SIZED, AUTO, AUTO_NONE = 0, 1, 2  # size= given; size=0; size=0 on a full machine: nothing in memory
-_KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.RECORD_HEADER)
-_M48 = (1 << 48) - 1
+R = RootLayout
+_KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.record_header, inlined)
 MIN_TABLE = 1024
 _STUCK_COOLDOWN_S = 30.0  # puts stop waiting for a lock that a live process keeps (_write_locked)
 MAX_RECORD = (1 << 32) - 1
@@ -170,47 +209,20 @@ _UNDECODABLE = (ValueError, TypeError, OverflowError, IndexError, KeyError, EOFE
                 RecursionError, pickle.UnpicklingError)
 
 
-class MetaLayout:
-    """Byte offsets inside a meta segment (one per generation)."""
-
-    ITEMS_MEM, BYTES_MEM, COMMITTED, CAPACITY = 64, 72, 80, 88
-    ITEMS_DISK, BYTES_DISK, BYTES_DISK_RAW, N_LAYOUTS, TABLE_ITEMS = 96, 104, 112, 120, 128
-    # intent record (NOTE [publish order]): phase, table position, class, chunk, old bump,
-    # new items, new bytes
-    INTENT = 192
-    COUNTERS = 4096  # MAX_SLOTS x (hits, misses, rejected, corrupt)
-    CLASSES = COUNTERS + MAX_SLOTS * 32
-    LAYOUTS = CLASSES + MAX_CLASSES * 32
-    MAX_LAYOUTS, LAYOUT_BYTES = 128, 512
-    SIZE = LAYOUTS + MAX_LAYOUTS * LAYOUT_BYTES
-
-
-M = MetaLayout
 _MIN_CAPACITY = M.SIZE + PAGE  # a cap below this holds nothing
-# phase, table position, class (SPILL_CLASS: a spilled record), old bump, then the totals after
-# this write: items, bytes, raw bytes (disk only) and table items
-_INTENT = struct.Struct("QQQQQQQQ")
-SPILL_CLASS = 0xFFFF
 
 STAT_KEYS = ("session", "name", "items_mem", "items_disk", "bytes_mem", "bytes_disk",
              "bytes_disk_raw", "avg_item_bytes", "hits", "misses", "rejected", "capacity_bytes")
 
 
-@dataclass
-class _Gen:
-    """This process's mappings of one generation."""
+class Found(NamedTuple):
+    """What ``CacheStore._find`` found for a key (index.py has the entry's words)."""
 
-    gen: int
-    version: int
-    meta: Segment
-    table: Segment
-    index: TableView
-    classes: ClassTable
-    data: dict  # class id -> (Segment, read-only memoryview, chunk size, chunks handed out as last seen)
-    # layout id -> (layout bytes, decoder, end of its last leaf (at least a record header),
-    #               decoder of a private copy)
-    layouts: dict
-    columns: dict  # layout id -> (tree, leaves, end of the last leaf) for the batch path
+    w0: int  # the state word: 0 when the key is absent
+    w2: int  # the location word
+    pos: int  # the entry's position (where the key would go when absent)
+    kb: bytes  # the key's bytes (empty for an int key; index.key_bytes)
+    w1: int  # the key word
 
 
 class _Full(Exception):
@@ -246,11 +258,10 @@ class CacheStore:
             self.registry.ensure(self.session)
         else:
             self.registry.get(self.session)  # SessionNotFound, naming the sessions there are
-        sdir = self.registry.session_dir(self.session)
-        self.meta_path = sdir / "caches" / f"{self.name}.json"
+        self.meta_path = self.registry.cache_meta_path(self.session, self.name)
         self.lock = self.registry.cache_lock(self.session, self.name, lock_timeout_s)
         self._base = self.ns.segment_name(self.session, self.name)
-        self._gen: _Gen | None = None
+        self._gen: Generation | None = None
         self._epoch = -1
         self._counters = [0, 0, 0, 0]  # hits, misses, rejected, corrupt: this process's totals
         self._counter_off = -1
@@ -260,8 +271,8 @@ class CacheStore:
         self._auto_retry_at = 0.0  # an auto-sized cache found full asks again then (_raise_auto_cap)
         self._map_lock = threading.Lock()
         self._lock_gen = process_slot.generation()
-        self._buffers = _BatchBuffers()
-        self.spill = None  # set by the spill layer when spilling is on
+        self._buffers = gather.BatchBuffers()
+        self.spill: IndexedTier | None = None  # where records go when memory is full (spill_to)
         self._root = None
         self._incarnation = 0  # the root's (set when it is opened; see the module docstring)
         self._lock_stuck_until = 0.0  # puts try the lock without waiting until then (_write_locked)
@@ -280,7 +291,7 @@ class CacheStore:
             finally:
                 self.lock.release()
         self._lock_reopened = self.lock.reopened
-        self.capacity_bytes = _Q.unpack_from(self._root.buf, 72)[0]
+        self.capacity_bytes = _Q.unpack_from(self._root.buf, R.CAPACITY)[0]
         if capacity_bytes and capacity_bytes != self.capacity_bytes:
             log.warning("cache %s/%s exists with a cap of %.0f MiB; size=%.0f MiB applies only to a "
                         "new cache (clear() keeps the cap: destroy the session to change it)",
@@ -305,7 +316,7 @@ class CacheStore:
         return self._base + SEP + SEP.join((f"{self._incarnation:08x}", *parts))
 
     def _adopt(self, root: Segment) -> Segment:
-        self._incarnation = _Q.unpack_from(root.buf, _ROOT_INCARNATION)[0]
+        self._incarnation = _Q.unpack_from(root.buf, R.INCARNATION)[0]
         return root
 
     @contextlib.contextmanager
@@ -354,7 +365,7 @@ class CacheStore:
                 if stale is not None:
                     raise stale
                 self._lock_reopened = self.lock.reopened
-            if self._root is not None and _Q.unpack_from(self._root.buf, ROOT_EPOCH)[0] == DESTROYED:
+            if self._root is not None and _Q.unpack_from(self._root.buf, R.EPOCH)[0] == DESTROYED:
                 raise self._destroyed()  # its root was tombstoned: this cache is gone
         except BaseException:
             self.lock.release()
@@ -364,7 +375,7 @@ class CacheStore:
         """The error to raise if this cache's root is gone or is another incarnation's now."""
         try:
             live = Segment.attach(self._seg_name("root"), kind=KIND_ROOT)
-            same = _Q.unpack_from(live.buf, _ROOT_INCARNATION)[0] == self._incarnation
+            same = _Q.unpack_from(live.buf, R.INCARNATION)[0] == self._incarnation
             live.close()
         except (FileNotFoundError, CorruptSegment):
             same = False
@@ -381,7 +392,7 @@ class CacheStore:
             root = self._adopt(Segment.attach(self._seg_name("root"), kind=KIND_ROOT))
         except (FileNotFoundError, CorruptSegment):
             return None
-        if _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED or not self._generation_exists(root):
+        if _Q.unpack_from(root.buf, R.EPOCH)[0] == DESTROYED or not self._generation_exists(root):
             root.close()
             return None
         self._check_fingerprint(fingerprint)
@@ -395,19 +406,19 @@ class CacheStore:
         except FileNotFoundError:
             root = None
         except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
-            _unlink_name(self.ns, name)
+            self.ns.unlink_segment(name)
             root = None
-        if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == DESTROYED:
+        if root is not None and _Q.unpack_from(root.buf, R.EPOCH)[0] == DESTROYED:
             root.unlink()  # tombstoned by a destroy that died before it unlinked it: finish that
             root = None
-        if root is not None and _Q.unpack_from(root.buf, ROOT_EPOCH)[0] == 0:
+        if root is not None and _Q.unpack_from(root.buf, R.EPOCH)[0] == 0:
             # its creator died before publishing the first generation, maybe before writing the
             # cap (a cache of 0 bytes for good): nobody ever read it - make it afresh, below
             log.info("cache %s/%s: its creator died while making it; what it made is removed",
                      self.session, self.name)
             root.unlink()
             root = None
-            self._unlink_matching(self._base + SEP)
+            unlink_segments(self.ns, self._base + SEP)
             if not create:  # the cache was never made: forget it, as gc does (no error row in stat)
                 self.meta_path.unlink(missing_ok=True)
         if root is not None and not self._generation_exists(root):
@@ -415,11 +426,11 @@ class CacheStore:
             # after unlinking some segments: what is left is debris - start the cache afresh
             log.warning("cache %s/%s was left half-made or half-destroyed by a process that died; "
                         "it starts empty", self.session, self.name)
-            capacity = _Q.unpack_from(root.buf, 72)[0]
-            self._unlink_matching(self._base + SEP, keep=name)
+            capacity = _Q.unpack_from(root.buf, R.CAPACITY)[0]
+            unlink_segments(self.ns, self._base + SEP, keep=(name,))
             # a generation number this root never named: a handle still mapping the lost one must
             # see the epoch word change, never new segments under the names it maps lazily
-            gen = (_Q.unpack_from(root.buf, ROOT_EPOCH)[0] >> 32) + 1
+            gen = split_epoch(_Q.unpack_from(root.buf, R.EPOCH)[0])[0] + 1
             self._create_generation(root, gen, capacity, _table_capacity(table_hint))
         if root is not None:
             self._check_fingerprint(fingerprint)
@@ -429,7 +440,7 @@ class CacheStore:
                 f"no cache {self.name!r} in session {self.session!r} (caches: "
                 f"{', '.join(self.registry.cache_names(self.session)) or 'none'})"
             )
-        self._unlink_matching(self._base + SEP)  # debris of an earlier incarnation of this cache
+        unlink_segments(self.ns, self._base + SEP)  # debris of an earlier incarnation of this cache
         sizing, capacity = SIZED, capacity_bytes
         if not capacity:  # size=0: the session's automatic cap (NOTE [memory limits])
             sizing, capacity = AUTO, self.registry.auto_capacity(
@@ -449,15 +460,15 @@ class CacheStore:
         })
         try:
             root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
-            root.words[72 >> 3] = capacity
-            root.words[_ROOT_INCARNATION >> 3] = secrets.randbits(32)
-            root.words[_ROOT_SIZING >> 3] = sizing
+            root.words[R.CAPACITY >> 3] = capacity
+            root.words[R.INCARNATION >> 3] = secrets.randbits(32)
+            root.words[R.SIZING >> 3] = sizing
             self._adopt(root)
             self._create_generation(root, 1, capacity, _table_capacity(table_hint))
         except BaseException:
             # no room, or interrupted: take back what this attempt made, json last (we hold the
             # lock, and the epoch word was never published, so nobody attached any of it)
-            self._unlink_matching(self._base + SEP)
+            unlink_segments(self.ns, self._base + SEP)
             self.meta_path.unlink(missing_ok=True)
             raise
         if sizing == AUTO_NONE:  # said once, here: a cache that could not be made says it above us
@@ -479,8 +490,8 @@ class CacheStore:
         """The meta and table segments the root's epoch word names are there. Under the lock nobody
         is making or removing them; without it, a clear() may replace them right after (_refresh
         copes), or make this False for a moment (the opener then asks under the lock)."""
-        epoch = _Q.unpack_from(root.buf, 64)[0]
-        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
+        epoch = _Q.unpack_from(root.buf, R.EPOCH)[0]
+        gen, version = split_epoch(epoch)
         return gen > 0 and all(self.ns.shm_path(self._seg_name(f"g{gen}", part)).exists()
                                for part in ("meta", f"t{version}"))
 
@@ -496,10 +507,7 @@ class CacheStore:
                 write_json(self.meta_path, meta)
 
     def read_meta(self) -> dict:
-        try:
-            return json.loads(self.meta_path.read_text())
-        except (OSError, ValueError):
-            return {}
+        return self.registry.read_cache_meta(self.session, self.name)
 
     def _check_fingerprint(self, fingerprint: str | None) -> None:
         if fingerprint is None:
@@ -516,7 +524,7 @@ class CacheStore:
     def _create_generation(self, root: Segment, gen: int, capacity: int, cap: int) -> None:
         """Make the meta and table (``cap`` entries) of ``gen`` and publish it (caller holds the
         lock). Leftovers of an attempt whose process died are removed first."""
-        self._unlink_matching(self._seg_name(f"g{gen}", ""))
+        unlink_segments(self.ns, self._seg_name(f"g{gen}", ""))
         meta = Segment.create(self._seg_name(f"g{gen}", "meta"), M.SIZE, kind=KIND_META, commit=M.SIZE)
         table = Segment.create(self._seg_name(f"g{gen}", "t1"), TableView.bytes_for(cap),
                                kind=KIND_TABLE, commit=TableView.bytes_for(cap))
@@ -525,17 +533,17 @@ class CacheStore:
         meta.words[M.COMMITTED >> 3] = M.SIZE + TableView.bytes_for(cap)
         meta.close()
         table.close()
-        root.words[64 >> 3] = (gen << 32) | 1  # the epoch word: published last, one store
+        root.words[R.EPOCH >> 3] = epoch_of(gen, 1)  # the epoch word: published last, one store
 
     # --- generations ----------------------------------------------------------------------------
 
-    def _refresh(self) -> _Gen:
+    def _refresh(self) -> Generation:
         """Map the generation and table version the root announces now (if not mapped already)."""
         if self._root is None:
             raise InvalidArgument(f"cache {self.session}/{self.name} was closed in this process; "
                                   f"open it again")
         for _ in range(100):
-            epoch = _Q.unpack_from(self._root.buf, 64)[0]
+            epoch = _Q.unpack_from(self._root.buf, R.EPOCH)[0]
             if epoch == self._epoch and self._gen is not None:
                 return self._gen
             if self._lock_gen != process_slot.generation():  # forked: a thread of the parent may
@@ -557,17 +565,17 @@ class CacheStore:
     def _map_epoch(self, epoch: int) -> None:
         old = self._gen
         if epoch == DESTROYED:  # tombstoned (NOTE [publish order]): every read is a miss from now on
-            self._gen = _destroyed_gen()
+            self._gen = destroyed_generation()
             self._proc_gen = -1  # its counters went with it (_count)
             self._epoch = epoch
             if old is not None:
-                _close_gen(old)
+                close_generation(old)
             return
-        gen, version = epoch >> 32, epoch & 0xFFFFFFFF
+        gen, version = split_epoch(epoch)
         if old is not None and old.gen == gen:
             table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
-            # a new _Gen, not an update in place: a thread inside a lookup keeps the one it has
-            self._gen = _Gen(gen, version, old.meta, table, TableView(table.buf, table.name), old.classes,
+            # a new Generation, not an update in place: a thread inside a lookup keeps the one it has
+            self._gen = Generation(gen, version, old.meta, table, TableView(table.buf, table.name), old.classes,
                              old.data, old.layouts, old.columns)
         else:
             meta = Segment.attach(self._seg_name(f"g{gen}", "meta"), kind=KIND_META)
@@ -576,16 +584,16 @@ class CacheStore:
             except BaseException:
                 meta.close()
                 raise
-            self._gen = _Gen(gen, version, meta, table, TableView(table.buf, table.name),
+            self._gen = Generation(gen, version, meta, table, TableView(table.buf, table.name),
                              ClassTable(meta.buf, M.CLASSES), {}, {}, {})
             if old is not None:
-                _close_gen(old)
+                close_generation(old)
                 if self.spill is not None:  # clear() elsewhere replaced the spill files too
                     self.spill.reopen()
             self._proc_gen = -1  # counters live in the new meta: re-read our slot's totals
         self._epoch = epoch
 
-    def _data(self, g: _Gen, cls: int) -> tuple:
+    def _data(self, g: Generation, cls: int) -> tuple:
         """``(segment, read-only view, chunk size, chunks handed out when last checked)`` of size
         class ``cls``, mapped on first use (its class record checked by :meth:`_committed`)."""
         entry = g.data.get(cls)
@@ -597,7 +605,7 @@ class CacheStore:
             entry = self._committed(g, cls, (seg, memoryview(seg.buf).toreadonly(), 0, 0))
         return entry
 
-    def _committed(self, g: _Gen, cls: int, entry: tuple) -> tuple:
+    def _committed(self, g: Generation, cls: int, entry: tuple) -> tuple:
         """``entry`` of :meth:`_data` with the class record read again from meta and checked: a
         chunk size the allocator gives that class, ``bump <= committed``, and committed chunks
         inside the segment. Called when an entry points past what this process saw handed out.
@@ -616,13 +624,14 @@ class CacheStore:
         entry = g.data[cls] = (seg, view, chunk, bump)
         return entry
 
-    def _record(self, g: _Gen, w0: int, w2: int, w1: int, kb: bytes) -> memoryview:
+    def _record(self, g: Generation, w0: int, w2: int, w1: int, kb: bytes) -> memoryview:
         """The bytes of the in-memory record that entry (w0, w2) points at. The entry is checked
         first with a few int compares: a damaged one (issue 8) names a class, a chunk or a length
         the allocator never handed out, where reading would return zeros or another record."""
+        # index.entry_class, entry_chunk and entry_length, inlined (every str key's read comes here)
         cls = w2 >> 48
         entry = g.data.get(cls) or self._data(g, cls)
-        chunk, n = w2 & _M48, w0 >> 32
+        chunk, n = w2 & LOCATION_MASK, w0 >> 32
         if chunk >= entry[3] or not 16 <= n <= entry[2]:  # 16: _MIN_RECORD, as a constant
             entry = self._committed(g, cls, entry)  # more may have been handed out since
             if chunk >= entry[3] or not _MIN_RECORD <= n <= entry[2]:
@@ -632,7 +641,7 @@ class CacheStore:
         start = DATA_OFF + chunk * entry[2]
         return entry[1][start:start + n]
 
-    def _layout(self, g: _Gen, lid: int) -> tuple[bytes, Callable, int]:
+    def _layout(self, g: Generation, lid: int) -> tuple[bytes, Callable, int]:
         """``(layout bytes, decoder, the end of its last leaf)`` of layout ``lid``, checked on
         first use: an id the table never gave out or bytes that are not a layout are damage."""
         item = g.layouts.get(lid)
@@ -671,7 +680,7 @@ class CacheStore:
     def _count(self, which: int, n: int = 1) -> None:
         g = self._gen
         if self._proc_gen != process_slot.generation():
-            if g.gen == _DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
+            if g.gen == DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
                 self._proc_gen = process_slot.generation()
                 return
@@ -683,7 +692,7 @@ class CacheStore:
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
                 self._proc_gen = process_slot.generation()
                 return
-            off = M.COUNTERS + 32 * slot
+            off = M.COUNTERS + M.COUNTER_ROW * slot
             key = f"{self.ns.root}{self._base}+g{g.gen}+{slot}"
             # a total of garbage (a damaged slot) restarts at 0: a stat, not worth failing reads over,
             # and one at the top of the word would overflow on the next count (struct.error)
@@ -697,8 +706,8 @@ class CacheStore:
 
     # --- reads ---------------------------------------------------------------------------------
 
-    def _find(self, g: _Gen, key: Any) -> tuple[int, int, int, bytes, int]:
-        """``(w0, w2, position, key bytes, w1)``; w0 == 0 when absent."""
+    def _find(self, g: Generation, key: Any) -> Found:
+        """The entry of ``key`` (``Found.w0`` == 0 when absent: ``pos`` is then where it would go)."""
         w1, kb = key_bytes(key)
         index = g.index
         pos, w0, w2 = index.find(w1, not kb)
@@ -707,35 +716,32 @@ class CacheStore:
         probes = 0
         while w0 and kb and not w0 & SPILLED:
             rec = self._record(g, w0, w2, w1, kb)
+            # codec.record_header(rec).key_len and codec.record_key(rec), inlined: a call less per probe
             if _KEY_LEN.unpack_from(rec, 4)[0] == len(kb) and rec[len(rec) - len(kb):] == kb:
                 break
             probes += 1
             if probes >= index.capacity:  # around the whole table: no EMPTY entry ends the probe
                 raise index.corrupt()
             pos, w0, w2 = index.find_from((pos + 1) & index.mask, w1, False)
-        return w0, w2, pos, kb, w1
+        return Found(w0, w2, pos, kb, w1)
 
-    def _decode(self, g: _Gen, w0: int, w2: int, copy: bool, w1: int = 0, kb: bytes = b"") -> Any:
+    def _decode(self, g: Generation, w0: int, w2: int, copy: bool, w1: int = 0, kb: bytes = b"") -> Any:
         if w0 & SPILLED:
-            buf = self.spill.read(w0, w2, w1, kb, g.gen) if self.spill is not None else None
+            buf = self._read_spilled(w0, w2, w1, kb, g.gen)
             if buf is None:
                 return _CORRUPT
         else:
             view = self._record(g, w0, w2, w1, kb)
             buf = bytearray(view) if copy else view
-        lid = (w0 >> 8) & INLINE24
+        lid = entry_layout(w0)
         try:  # a damaged record must not decode to a raw exception (issue 8); free unless raised
             if lid == INLINE24:
-                _, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(buf, 0)
-                end = len(buf) - key_len
-                if not 0 <= end - lay_len < end:
-                    raise ValueError(f"an inline layout of {lay_len} bytes and a key of {key_len}")
-                return codec.decode(buf, bytes(buf[end - lay_len:end]))
+                return codec.decode(buf, codec.inline_layout(buf))
             return self._layout(g, lid)[1](buf)  # a record too short for it raises (codec)
         except ShmcacheError:
             raise
         except _UNDECODABLE as exc:
-            where = "a spill file" if w0 & SPILLED else self._seg_name(f"g{g.gen}", f"c{w2 >> 48}")
+            where = "a spill file" if w0 & SPILLED else self._seg_name(f"g{g.gen}", f"c{entry_class(w2)}")
             raise self._undecodable(f"the record of key {_key_repr(w1, kb)} in {where}", exc) from None
 
     def _undecodable(self, what: str, exc: Exception) -> CorruptSegment:
@@ -747,6 +753,7 @@ class CacheStore:
 
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
+        # 64: R.EPOCH, inlined (a constant, not an attribute lookup, on the hot path)
         g = self._gen if _Q.unpack_from(self._root.buf, 64)[0] == self._epoch else self._refresh()
         if type(key) is int and 0 <= key < g.index.capacity:
             # the hot path, inlined (a hit of a dataset index costs ~2x a plain row copy): the key
@@ -761,9 +768,10 @@ class CacheStore:
             w0 = _Q.unpack_from(buf, off)[0]  # first, on its own: see index.py
             if w0 & 7 == READY | INT_KEY:  # and not SPILLED
                 k, w2 = _QQ.unpack_from(buf, off + 8)
+                # index.entry_class, entry_layout, entry_chunk and entry_length, inlined
                 data = g.data.get(w2 >> 48)
                 layout = g.layouts.get((w0 >> 8) & INLINE24)
-                chunk, n = w2 & _M48, w0 >> 32
+                chunk, n = w2 & LOCATION_MASK, w0 >> 32
                 value = MISSING
                 if k == key and data is not None and layout is not None and chunk < data[3] \
                         and layout[2] <= n <= data[2]:
@@ -777,10 +785,10 @@ class CacheStore:
                     if count:
                         if self._proc_gen == process_slot._generation and self._counter_off >= 0:
                             counters = self._counters
-                            counters[0] += 1
+                            counters[0] += 1  # counters[HITS], inlined
                             g.meta.words[self._counter_off >> 3] = counters[0]
                         else:
-                            self._count(0)
+                            self._count(HITS)
                     return value
         try:
             w0, w2, _, kb, w1 = self._find(g, key)
@@ -790,40 +798,73 @@ class CacheStore:
         if w0:
             if value is not _CORRUPT:
                 if count:
-                    self._count(0)
+                    self._count(HITS)
                 return value
             if self.is_current(g.gen):  # else a clear() dropped the record under us: a plain miss
-                self._count(3)
+                self._count(CORRUPT)
         if count:
-            self._count(1)
+            self._count(MISSES)
         return MISSING
 
-    def publish_spilled(self, g: _Gen, pos: int, w1: int, kb: bytes, lid: int, file_id: int,
-                        offset: int, stored: int, raw: int, replace: bool) -> None:
-        """Publish a record that the spill layer wrote to disk (caller holds the lock); same
-        intent protocol as a record in memory (NOTE [publish order])."""
-        meta = g.meta.buf
-        items, total, raw_total = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
+    def _spill(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded, *,
+               replace: bool = False) -> bool:
+        """Write the record to the spill tier and publish where it went at table position ``pos``
+        (caller holds the lock): the same intent protocol as a record in memory (NOTE [publish
+        order]). ``replace``: the entry there is a spilled record found corrupt, rewritten in
+        place. False if the tier did not take it."""
+        tier = self.spill
+        if tier is None or not tier.accepting:
+            return False
+        lid = self._intern_layout(g, enc.layout)
+        record = bytearray(enc.record_len(len(kb), lid == INLINE24))
+        enc.write(memoryview(record), codec.INLINE if lid == INLINE24 else lid, kb)
+        loc = tier.write(tier_key(w1, kb), record)
+        if loc is None or loc.stored >= 1 << 32:  # the entry's length field has 32 bits
+            return False
+        if _CRASH_TESTS:
+            crash_point("spilled")  # record on disk, not yet in the index
+        items, total, raw = g.disk_totals()
         new = 0 if replace else 1  # a replaced corrupt record is still one item
-        table_items = _table_items(g) + new
-        _INTENT.pack_into(meta, M.INTENT, 0, pos, SPILL_CLASS, 0, items + new, total + stored,
-                          raw_total + raw, table_items)
-        g.meta.words[M.INTENT >> 3] = 1
-        w0 = READY | SPILLED | (0 if kb else INT_KEY) | (lid << 8) | (stored << 32)
-        g.index.publish(pos, w0, w1, (file_id << 48) | offset)
-        g.meta.words[M.INTENT >> 3] = 2
-        _apply_totals(g.meta.words, SPILL_CLASS, items + new, total + stored, raw_total + raw, table_items)
-        g.meta.words[M.INTENT >> 3] = 0
+        intent = Intent(1, pos, SPILL_CLASS, 0, items + new, total + loc.stored, raw + loc.raw,
+                        g.table_items() + new)
+        g.begin(intent)
+        g.index.publish(pos, state_word(READY | SPILLED | (0 if kb else INT_KEY), lid, loc.stored), w1, loc.word)
+        g.published()
+        g.apply_totals(intent)
+        g.end()
+        return True
 
-    def intern_layout(self, g: _Gen, layout: bytes) -> int:
-        """The layout id of ``layout`` in generation ``g`` (caller holds the lock)."""
-        return self._intern_layout(g, layout)
+    def _read_spilled(self, w0: int, w2: int, w1: int, kb: bytes, gen: int = -1) -> bytearray | None:
+        """The record a spilled entry of generation ``gen`` names, or None; a read that fails
+        because a clear() replaced that generation meanwhile is a quiet miss (the caller counts
+        it as a plain miss)."""
+        if self.spill is None:
+            return None
+        stale = None if gen < 0 else (lambda: not self.is_current(gen))
+        return self.spill.read(Location(w2, entry_length(w0)), tier_key(w1, kb), stale)
+
+    def spill_to(self, tier: IndexedTier, *, record: bool = True) -> None:
+        """Put records that memory refuses into ``tier`` from now on (NOTE [tiers]), and read
+        spilled entries from it. ``record``: note its place in the cache's metadata first, so
+        ``destroy`` and ``gc`` find it (a reader that only looks - stat, gc - passes False)."""
+        if record and self.read_meta().get("spill_path") != tier.where:
+            with self.locked():  # the cache's metadata is only ever rewritten under its lock
+                meta = self.read_meta()
+                if meta.get("spill_path") != tier.where:
+                    meta["spill_path"] = tier.where
+                    write_json(self.meta_path, meta)
+        self.spill = tier
+
+    @property
+    def incarnation(self) -> int:
+        """The root's incarnation (module docstring): tells this cache from one made again."""
+        return self._incarnation
 
     def is_current(self, gen: int) -> bool:
         """Generation ``gen`` is still the cache's (no clear() replaced it): asked after a failed
         read of a spilled record, which is damage only if its generation is still in force."""
         root = self._root
-        return root is not None and _Q.unpack_from(root.buf, 64)[0] >> 32 == gen
+        return root is not None and split_epoch(_Q.unpack_from(root.buf, R.EPOCH)[0])[0] == gen
 
     def contains(self, key: Any) -> bool:
         try:
@@ -840,42 +881,110 @@ class CacheStore:
         w1, kb = key_bytes(key)
         with self._write_locked() as locked:
             if not locked:  # a live process keeps the lock: the caller serves the value uncached
-                self._count(2)
+                self._count(REJECTED)
                 return False
             if _CRASH_TESTS:
                 crash_point("locked")
             g = self._refresh()
             self._repair(g)
-            w0, w2, pos, _, _ = self._find(g, key)
-            if w0 and w0 & SPILLED and self.spill is not None and not self.spill.readable(w0, w2, w1, kb):
-                return self.spill.put(self, g, pos, w1, kb, enc, replace=True)  # a corrupt record
-            if w0:
-                return True  # another process stored it first: stored once
-            if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
-                try:
-                    g = self._grow_table(g)
-                except _Full:  # the index cannot grow: nothing more is admitted, not even to disk
-                    self._count(2)
-                    return False
-                w0, _, pos, _, _ = self._find(g, key)
-            try:
-                self._insert(g, pos, w1, kb, enc)
-                return True
-            except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
-                raise self._destroyed_under_us() or CorruptSegment(
-                    f"cache {self.session}/{self.name} lost a data segment; run `shmcache gc`") from None
-            except ItemTooLarge:
-                if self.spill is None:
-                    raise
-                # it can never fit in memory, but a spill file takes any size: spill it below
-            except _Full:
-                pass
-            if self.spill is not None and self.spill.put(self, g, pos, w1, kb, enc):
-                return True
-            self._count(2)
-            return False
+            return self._put_locked(g, key, w1, kb, enc)
 
-    def _insert(self, g: _Gen, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
+    def _put_locked(self, g: Generation, key: Any, w1: int, kb: bytes, enc: codec.Encoded) -> bool:
+        """The body of ``put`` (and of each item of ``put_records``); the caller holds the lock."""
+        w0, w2, pos, _, _ = self._find(g, key)
+        if w0 and w0 & SPILLED and self.spill is not None and self._read_spilled(w0, w2, w1, kb) is None:
+            return self._spill(g, pos, w1, kb, enc, replace=True)  # a corrupt record
+        if w0:
+            return True  # another process stored it first: stored once
+        if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
+            try:
+                g = self._grow_table(g)
+            except _Full:  # the index cannot grow: nothing more is admitted, not even to disk
+                self._count(REJECTED)
+                return False
+            w0, _, pos, _, _ = self._find(g, key)
+        try:
+            self._insert(g, pos, w1, kb, enc)
+            return True
+        except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
+            raise self._destroyed_under_us() or CorruptSegment(
+                f"cache {self.session}/{self.name} lost a data segment; run `shmcache gc`") from None
+        except ItemTooLarge:
+            if self.spill is None:
+                raise
+            # it can never fit in memory, but a spill file takes any size: spill it below
+        except _Full:
+            pass
+        if self._spill(g, pos, w1, kb, enc):
+            return True
+        self._count(REJECTED)
+        return False
+
+    # --- portable records (NOTE [tiers]): what a snapshot export reads and an import admits ------
+
+    def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
+        """``put`` of (key, portable record) pairs (the codec record with its layout inline,
+        tiers.py) without decoding them: their bytes go straight into shared memory (or a spill
+        file), one copy each, under one hold of the lock (an import stores thousands: the lock,
+        refresh and repair check once per batch). InvalidArgument for bytes that are not a
+        portable record, before anything is stored."""
+        encs = [(key, _encoded_from_portable(rec, key, self)) for key, rec in items]
+        with self._write_locked() as locked:
+            if not locked:  # a live process keeps the lock: the caller serves the values uncached
+                self._count(REJECTED, len(encs))
+                return [False] * len(encs)
+            self._repair(self._refresh())
+            out = []
+            for key, enc in encs:
+                w1, kb = key_bytes(key)
+                out.append(self._put_locked(self._refresh(), key, w1, kb, enc))  # a grown table
+            return out
+
+    def portable_records(self):
+        """Every item of the current generation as ``(portable key, portable record)``; the record
+        is None for a spilled one that fails its checks (damaged: the caller counts it). Lock-free,
+        like every read: items stored meanwhile may or may not be included. SnapshotError when a
+        clear() or destroy replaced the generation under the walk (what was read is not one state)."""
+        g = self._refresh()
+        try:
+            for w0, w1, w2 in g.index.entries():
+                kb = b""
+                if w0 & SPILLED:
+                    if self.spill is None:
+                        yield w1.to_bytes(8, "little"), None
+                        continue
+                    if not w0 & INT_KEY:
+                        kb = self.spill.key_of(Location(w2, entry_length(w0)), w1)
+                    rec = None if kb is None else self._read_spilled(w0, w2, w1, kb, g.gen)
+                    if rec is None:
+                        yield w1.to_bytes(8, "little") + (kb or b""), None
+                        continue
+                else:
+                    rec = self._record(g, w0, w2, w1, b"")
+                    if not w0 & INT_KEY:
+                        kb = bytes(rec[len(rec) - _KEY_LEN.unpack_from(rec, 4)[0]:])
+                yield w1.to_bytes(8, "little") + kb, self._portable(g, w0, rec, kb)
+        except FileNotFoundError:  # a segment of this generation was unlinked: cleared under us
+            pass
+        if not self.is_current(g.gen):
+            raise SnapshotError(f"cache {self.session}/{self.name} was cleared or destroyed while it was "
+                                f"read; export it again when nothing clears it")
+
+    def _portable(self, g: Generation, w0: int, rec: Any, kb: bytes) -> bytes | bytearray:
+        """A stored record with its layout inline (a record whose layout is inline already is one)."""
+        lid = (w0 >> 8) & INLINE24
+        if lid == INLINE24:
+            return bytes(rec)
+        layout = self._layout(g, lid)[0]
+        body = len(rec) - len(kb)
+        out = bytearray(body + len(layout) + len(kb))
+        codec.RECORD_HEADER.pack_into(out, 0, codec.INLINE, len(kb), len(layout), 0)
+        out[_MIN_RECORD:body] = rec[_MIN_RECORD:body]
+        out[body:body + len(layout)] = layout
+        out[body + len(layout):] = kb
+        return out
+
+    def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
         lid = self._intern_layout(g, enc.layout)
         nbytes = enc.record_len(len(kb), lid == INLINE24)
         cls, chunk_size = size_class(nbytes)
@@ -897,15 +1006,14 @@ class CacheStore:
         chunk_size_, bump, committed = g.classes.get(cls)
         if bump >= committed:
             committed = self._commit(g, cls, seg, chunk_size, committed)
-        meta = g.meta.buf
-        items = _Q.unpack_from(meta, M.ITEMS_MEM)[0] + 1
-        total = _Q.unpack_from(meta, M.BYTES_MEM)[0] + nbytes
-        if items > g.index.capacity or _table_items(g) >= g.index.capacity or total >> 63:
+        items, total, _ = g.mem_totals()
+        items, total, table_items = items + 1, total + nbytes, g.table_items()
+        if items > g.index.capacity or table_items >= g.index.capacity or total >> 63:
             raise self._corrupt(f"the counters in {g.meta.name} are impossible ({items - 1} items and "
-                                f"{total - nbytes} bytes in memory, {_table_items(g)} entries, in a "
+                                f"{total - nbytes} bytes in memory, {table_items} entries, in a "
                                 f"table of {g.index.capacity})", fix="it recounts them")
-        _INTENT.pack_into(meta, M.INTENT, 0, pos, cls, bump, items, total, 0, _table_items(g) + 1)
-        g.meta.words[M.INTENT >> 3] = 1  # phase 1: allocating (undo restores the bump)
+        intent = Intent(1, pos, cls, bump, items, total, 0, table_items + 1)
+        g.begin(intent)  # phase 1: allocating (undo restores the bump)
         g.classes.set_bump(cls, bump + 1)
         if _CRASH_TESTS:
             crash_point("allocated")
@@ -915,47 +1023,43 @@ class CacheStore:
                 mv[start:start + nbytes // 2] = b"\xee" * (nbytes // 2)
                 crash_point("mid_copy")
             enc.write(mv[start:start + nbytes], lid if lid != INLINE24 else codec.INLINE, kb)
-        w0 = READY | (0 if kb else INT_KEY) | (lid << 8) | (nbytes << 32)
+        w0 = state_word(READY | (0 if kb else INT_KEY), lid, nbytes)
         if _CRASH_TESTS:
             crash_point("before_publish")
-        g.index.publish(pos, w0, w1, (cls << 48) | bump)
-        g.meta.words[M.INTENT >> 3] = 2  # phase 2: published (redo the totals)
+        g.index.publish(pos, w0, w1, location_word(cls, bump))
+        g.published()  # phase 2: published (redo the totals)
         if _CRASH_TESTS:
             crash_point("after_publish")
-        _apply_totals(g.meta.words, cls, items, total, 0, _table_items(g) + 1)
-        g.meta.words[M.INTENT >> 3] = 0
+        g.apply_totals(intent)
+        g.end()
 
-    def _repair(self, g: _Gen) -> int:
+    def _repair(self, g: Generation) -> int:
         """Undo or finish the last writer's work if it died mid-way (NOTE [publish order])."""
-        meta = g.meta.buf
-        phase = _Q.unpack_from(meta, M.INTENT)[0]
-        if phase == 0:
+        intent = g.intent()
+        if intent.phase == 0:
             return 0
-        intent = _INTENT.unpack_from(meta, M.INTENT)
-        _, pos, cls, old_bump, items, total, raw, table_items = intent
-        wrong = self._impossible_intent(g, *intent)
+        wrong = self._impossible_intent(g, intent)
         if wrong:  # restoring that bump would hand out live chunks again: touch nothing
             raise self._corrupt(f"the intent record in {g.meta.name} is impossible: {wrong}")
-        w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]
+        w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * intent.pos)[0]
         if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
-            _apply_totals(g.meta.words, cls, items, total, raw, table_items)
+            g.apply_totals(intent)
             reclaimed = 0
-        elif cls == SPILL_CLASS:  # a spill record nobody points to: dead bytes on disk, no chunk
+        elif intent.cls == SPILL_CLASS:  # a spill record nobody points to: dead bytes on disk, no chunk
             reclaimed = 0
         else:  # never visible: give the chunk back
-            g.classes.set_bump(cls, old_bump)
+            g.classes.set_bump(intent.cls, intent.old_bump)
             reclaimed = 1
-        g.meta.words[M.INTENT >> 3] = 0
+        g.end()
         log.info("cache %s/%s: repaired an entry left by a dead writer (%s)", self.session,
                  self.name, "reclaimed its chunk" if reclaimed else "counted it")
         return reclaimed
 
-    def _impossible_intent(self, g: _Gen, phase: int, pos: int, cls: int, old_bump: int, items: int,
-                           total: int, raw: int, table_items: int) -> str:
+    def _impossible_intent(self, g: Generation, intent: Intent) -> str:
         """Why the intent record cannot be one a writer left (NOTE [publish order]), or "". A
         writer dies with the bump where it found it or one on; phase 2 comes after its entry is
         READY; its totals are the current ones or one item more."""
-        meta = g.meta.buf
+        phase, pos, cls, old_bump, items, total, raw, table_items = intent
         if phase not in (1, 2):
             return f"phase {phase} (a writer writes 1 or 2)"
         if pos >= g.index.capacity:
@@ -964,17 +1068,17 @@ class CacheStore:
         if phase == 2 and not ready:
             return f"phase 2 (published) with entry {pos} of {g.table.name} empty"
         if cls == SPILL_CLASS:
-            now_items, now_total, now_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
+            now_items, now_total, now_raw = g.disk_totals()
             most = total  # spilled sizes are not bounded by a chunk
         elif 0 < cls < MAX_CLASSES and g.classes.chunk_size(cls):
             most, bump, _ = g.classes.get(cls)
             if not ready and old_bump not in (bump, bump - 1):
                 return f"old bump {old_bump} of size class {cls}, whose bump is {bump}"
-            now_items, now_total = struct.unpack_from("QQ", meta, M.ITEMS_MEM)
+            now_items, now_total, _ = g.mem_totals()
             now_raw = raw
         else:
             return f"size class {cls} (not in use)"
-        now_table = _table_items(g)
+        now_table = g.table_items()
         if items - now_items not in (0, 1) or table_items - now_table not in (0, 1) \
                 or not 0 <= total - now_total <= most or raw < now_raw:
             return (f"totals of {items} items, {total} bytes and {table_items} entries after a write "
@@ -1009,16 +1113,12 @@ class CacheStore:
             keep = {self._seg_name("root"), self._seg_name(f"g{g.gen}", "meta"),
                     self._seg_name(f"g{g.gen}", f"t{g.version}")}
             keep |= {self._seg_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
-            removed = []
-            for name in self.ns.owned_segments():
-                if name.startswith(self._base + SEP) and name not in keep:
-                    _unlink_name(self.ns, name)
-                    removed.append(name)
+            removed = unlink_segments(self.ns, self._base + SEP, keep=keep)
             if self.spill is not None:
                 self.spill.collect_garbage()
             return reclaimed, removed
 
-    def _damage(self, g: _Gen) -> str:
+    def _damage(self, g: Generation) -> str:
         """What is damaged in generation ``g``, or "" (gc; caller holds the lock). Every READY
         entry is checked as readers check one, with numpy over the whole table."""
         if g.index.damage:
@@ -1043,12 +1143,12 @@ class CacheStore:
         ready = (s0 & np.uint64(READY)) != 0
         if ((s0 != 0) & ~ready).any() or (s0 & np.uint64(0xF8)).any():
             return f"{g.table.name} holds entries with state bits no writer sets"
-        lid = (s0 >> np.uint64(8)) & np.uint64(INLINE24)
+        lid = (s0 >> np.uint64(8)) & np.uint64(INLINE24)  # index.entry_layout, over the whole table
         bad_lid = ready & (lid >= np.uint64(count)) & (lid != np.uint64(INLINE24))
         mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
         cls = np.minimum(w2 >> np.uint64(48), np.uint64(MAX_CLASSES)).astype(np.intp)
         n = s0 >> np.uint64(32)
-        bad = mem & (((w2 & np.uint64(_M48)) >= handed[cls]) | (n > chunk[cls])
+        bad = mem & (((w2 & np.uint64(LOCATION_MASK)) >= handed[cls]) | (n > chunk[cls])
                      | (n < np.uint64(_MIN_RECORD)))
         if bad.any() or bad_lid.any():
             pos = int(np.flatnonzero(bad | bad_lid)[0])
@@ -1056,7 +1156,7 @@ class CacheStore:
                     f"{int(s0[pos]):#x}, {int(w2[pos]):#x})")
         return ""
 
-    def _recount_items(self, g: _Gen) -> list[str]:
+    def _recount_items(self, g: Generation) -> list[str]:
         """Set the item counters that the table's entries determine; the names of those that were
         wrong (a damaged meta segment: len() and stats would lie, and a wrong entry count would
         grow the table on every write)."""
@@ -1080,7 +1180,7 @@ class CacheStore:
     def _drop_generation(self, why: str) -> None:
         """Replace a damaged generation by a new empty one (caller holds the lock): the fix that
         CorruptSegment messages promise. Old segments go with gc's sweep of non-current names."""
-        gen = (_Q.unpack_from(self._root.buf, 64)[0] >> 32) + 1
+        gen = split_epoch(_Q.unpack_from(self._root.buf, R.EPOCH)[0])[0] + 1
         g = self._gen
         cap = g.index.capacity if g is not None and g.index.capacity else MIN_TABLE
         if self.spill is not None:
@@ -1091,7 +1191,7 @@ class CacheStore:
         log.warning("cache %s/%s was damaged (%s); gc dropped its contents (they are recomputed on "
                     "use)", self.session, self.name, why)
 
-    def _intern_layout(self, g: _Gen, layout: bytes) -> int:
+    def _intern_layout(self, g: Generation, layout: bytes) -> int:
         cache = g.layouts
         for lid, (raw, *_) in cache.items():
             if raw == layout:
@@ -1110,11 +1210,11 @@ class CacheStore:
         g.meta.words[M.N_LAYOUTS >> 3] = n + 1  # after the bytes: readers never see it half-made
         return n
 
-    def _class_segment(self, g: _Gen, cls: int, chunk_size: int) -> Segment:
+    def _class_segment(self, g: Generation, cls: int, chunk_size: int) -> Segment:
         if g.classes.chunk_size(cls):
             return self._data(g, cls)[0]
         name = self._seg_name(f"g{g.gen}", f"c{cls}")
-        _unlink_name(self.ns, name)  # debris of a writer that died before registering the class
+        self.ns.unlink_segment(name)  # debris of a writer that died before registering the class
         try:
             shm_total = memory_limits().shm_total or self.capacity_bytes
             # size=0: the cap may rise later (_raise_auto_cap), so the segment is sized for all of
@@ -1128,7 +1228,7 @@ class CacheStore:
         g.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size, 0)
         return seg
 
-    def _commit(self, g: _Gen, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
+    def _commit(self, g: Generation, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
         """Commit more chunks of class ``cls`` within the cap; raise _Full when there is no room
         (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling)."""
         if time.monotonic() < self._shm_full_until:
@@ -1137,7 +1237,7 @@ class CacheStore:
         used = _Q.unpack_from(meta, M.COMMITTED)[0]
         step = commit_step_chunks(chunk_size)
         keep = shm_free = 0
-        if self.spill is not None and not self.spill.disabled:  # one statvfs, when spilling only
+        if self.spill is not None and self.spill.accepting:  # one statvfs, when spilling only
             shm_total, shm_free = _shm_space()
             keep = _index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))
         room = (self.capacity_bytes - keep - used) // chunk_size
@@ -1192,14 +1292,14 @@ class CacheStore:
         if self._sizing() == SIZED or time.monotonic() < self._auto_retry_at:
             return False
         self._auto_retry_at = time.monotonic() + 1.0
-        cap = _Q.unpack_from(self._root.buf, 72)[0]  # raised by another process already?
+        cap = _Q.unpack_from(self._root.buf, R.CAPACITY)[0]  # raised by another process already?
         if cap <= self.capacity_bytes:
             now = memory_limits().auto_capacity(self._session_shm_bytes())
             if now <= self.capacity_bytes + self.capacity_bytes // 8:  # the cap as measured, give or
                 return False  # take what the session's own metadata and rounding make: kept
             cap = self.registry.raise_auto_capacity(self.session, now)
-            self._root.words[72 >> 3] = cap
-            self._root.words[_ROOT_SIZING >> 3] = AUTO  # after the cap: AUTO_NONE no more
+            self._root.words[R.CAPACITY >> 3] = cap
+            self._root.words[R.SIZING >> 3] = AUTO  # after the cap: AUTO_NONE no more
         log.info("cache %s/%s: memory is free again; the automatic cap rises from %.1f to %.1f MiB",
                  self.session, self.name, self.capacity_bytes / 2**20, cap / 2**20)
         self.capacity_bytes = cap
@@ -1209,7 +1309,7 @@ class CacheStore:
 
     def _sizing(self) -> int:
         """How this cache's cap was set: SIZED, AUTO or AUTO_NONE (the root's word)."""
-        return _Q.unpack_from(self._root.buf, _ROOT_SIZING)[0]
+        return _Q.unpack_from(self._root.buf, R.SIZING)[0]
 
     def _session_shm_bytes(self) -> int:
         """Bytes of /dev/shm that every cache of this session really occupies (allocated pages)."""
@@ -1224,18 +1324,18 @@ class CacheStore:
         if self._shm_full_logged:
             return
         self._shm_full_logged = True
-        if self.spill is not None and not self.spill.disabled:
-            then = f"new items go to disk (spill files in {self.spill.path})"
+        if self.spill is not None and self.spill.accepting:
+            then = f"new items go to disk (spill files in {self.spill.where})"
         else:
             then = "new items are not cached (spilling=True would keep them on disk)"
         log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)
 
-    def _grow_table(self, g: _Gen) -> _Gen:
+    def _grow_table(self, g: Generation) -> Generation:
         """Rebuild the table at twice the size as a new version (caller holds the lock)."""
         cap = g.index.capacity * 2
         version = g.version + 1
         name = self._seg_name(f"g{g.gen}", f"t{version}")
-        _unlink_name(self.ns, name)
+        self.ns.unlink_segment(name)
         size = TableView.bytes_for(cap)
         try:
             table = Segment.create(name, size, kind=KIND_TABLE, commit=size)
@@ -1251,13 +1351,13 @@ class CacheStore:
         old = g.table
         if _CRASH_TESTS:
             crash_point("table_built")
-        self._root.words[64 >> 3] = (g.gen << 32) | version  # publish: one store
+        self._root.words[R.EPOCH >> 3] = epoch_of(g.gen, version)  # publish: one store
         old.unlink()
         g = self._refresh()
         self._recount_committed(g)
         return g
 
-    def _recount_committed(self, g: _Gen) -> None:
+    def _recount_committed(self, g: Generation) -> None:
         """Set the committed total from what it is made of (after a growth, and in gc: a writer
         killed between two of its updates must not skew it for good)."""
         total = M.SIZE + TableView.bytes_for(g.index.capacity)
@@ -1281,15 +1381,15 @@ class CacheStore:
                 v = MISSING
             if v is _CORRUPT:
                 if self.is_current(g.gen):  # else cleared under us: a plain miss
-                    self._count(3)
+                    self._count(CORRUPT)
                 v = MISSING
             if v is MISSING:
                 missing.append(i)
             else:
                 values[i] = v
-        self._count(0, len(keys) - len(missing))
+        self._count(HITS, len(keys) - len(missing))
         if missing:
-            self._count(1, len(missing))
+            self._count(MISSES, len(missing))
         return values, missing
 
     def batch_layout(self, keys: np.ndarray) -> tuple | None:
@@ -1300,12 +1400,12 @@ class CacheStore:
             w0 = self._find(g, int(keys[0]))[0]
         except FileNotFoundError:  # cleared meanwhile
             return None
-        lid = (w0 >> 8) & INLINE24
+        lid = entry_layout(w0)
         if not w0 or lid == INLINE24:
             return None
         return self._columns(g, lid)
 
-    def _columns(self, g: _Gen, lid: int) -> tuple:
+    def _columns(self, g: Generation, lid: int) -> tuple:
         """``(tree, leaves, end of the last leaf)`` of layout ``lid`` for the batch path."""
         shape = g.columns.get(lid)
         if shape is None:
@@ -1313,25 +1413,7 @@ class CacheStore:
             shape = g.columns[lid] = (*codec.leaves(raw), end)
         return shape
 
-    @staticmethod
-    def out_matches(layout: tuple, n: int, out: list, dtypes: list, shapes: list) -> bool:
-        """True if ``out`` (one array per leaf, in the record's leaf order; ``dtypes``: the torch
-        dtype name of a tensor out, else None; ``shapes``: their shapes) can receive a batch of
-        ``n`` records of ``layout`` (what ``batch_layout`` returned) byte for byte."""
-        leaves = layout[1]
-        if len(out) != len(leaves):
-            return False
-        for arr, dtype, arr_shape, leaf in zip(out, dtypes, shapes, leaves):
-            if leaf.tag not in ("i", "f", "b", "a", "e") or not arr.flags.c_contiguous:
-                return False
-            if arr_shape != (n, *leaf.shape):
-                return False
-            if leaf.tag == "e":
-                if dtype != leaf.meta.split(":", 1)[0] or arr.nbytes != n * leaf.nbytes:
-                    return False
-            elif arr.dtype != leaf.dtype:
-                return False
-        return True
+    out_matches = staticmethod(gather.out_matches)
 
     def absent_ints(self, keys: np.ndarray) -> np.ndarray:
         """The int64 ``keys`` that are not cached (in memory or on disk), in their order: one
@@ -1343,7 +1425,7 @@ class CacheStore:
         """True if every int key is cached in memory with one layout and size class: what
         :meth:`gather_ints` needs (checked without copying or counting anything)."""
         g = self._refresh()
-        return len(keys) > 0 and _uniform(*g.index.lookup_ints(keys))
+        return len(keys) > 0 and gather.uniform(*g.index.lookup_ints(keys))
 
     def gather_ints(self, keys: np.ndarray, out: list | None = None):
         """Vectorised batch of int keys that share one layout and one size class, all in memory.
@@ -1356,43 +1438,34 @@ class CacheStore:
         g = self._refresh()
         if len(keys) == 0:
             return None
-        w0, w2 = g.index.lookup_ints(keys)
-        if not _uniform(w0, w2):
+        batch = gather.plan(g.index, keys)
+        if batch is None:
             return None
-        first0, first2 = int(w0[0]), int(w2[0])
-        lid = (first0 >> 8) & INLINE24
-        if lid == INLINE24:
-            return None
-        tree, leaves, end = self._columns(g, lid)
-        cls = first2 >> 48
+        tree, leaves, end = self._columns(g, batch.layout)
+        cls, n = batch.cls, batch.length
         try:
             entry = g.data.get(cls) or self._data(g, cls)
         except FileNotFoundError:  # cleared meanwhile: the caller's slow path sees misses
             return None
-        chunks = (w2 & np.uint64(_M48)).astype(np.intp)
         # the checks of _record, for the whole batch at once: every chunk handed out, the one
         # length within a chunk and long enough for the layout (issue 8: never zeros or a neighbour)
-        top, n = int(chunks.max()), first0 >> 32
+        top = int(batch.chunks.max())
         if top >= entry[3] or not end <= n <= entry[2]:  # end: at least a record header (_layout)
             entry = self._committed(g, cls, entry)
             if top >= entry[3] or not end <= n <= entry[2]:
                 raise self._corrupt(f"an entry of {g.table.name} in a batch of keys from {int(keys[0])} "
                                     f"points at {n} bytes in chunk {top} of size class {cls}, which "
                                     f"has handed out {entry[3]} chunks of {entry[2]} bytes (layout "
-                                    f"{lid} needs {end})")
+                                    f"{batch.layout} needs {end})")
         seg, _, chunk, handed_out = entry
-        rows = np.ndarray((handed_out, chunk), np.uint8, seg.buf, DATA_OFF)
-        columns = []
         try:  # str, bytes and pickled leaves decode per item: damaged bytes raise there
-            for i, leaf in enumerate(leaves):
-                columns.append(_gather_leaf(rows, chunks, leaf, out[i] if out is not None else None,
-                                            self._buffers))
+            columns = gather.columns(seg.buf, handed_out, chunk, batch.chunks, leaves, out, self._buffers)
         except ShmcacheError:
             raise
         except _UNDECODABLE as exc:
             raise self._undecodable(f"a record of the batch of keys from {int(keys[0])} in {seg.name}",
                                     exc) from None
-        self._count(0, len(keys))
+        self._count(HITS, len(keys))
         return tree, leaves, columns
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -1402,17 +1475,16 @@ class CacheStore:
         meta = g.meta.buf
         items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
         items_disk, bytes_disk, bytes_disk_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
-        counters = np.ndarray((MAX_SLOTS, 4), np.uint64, meta, M.COUNTERS).sum(axis=0)
+        counters = np.ndarray((MAX_SLOTS, len(COUNTER_NAMES)), np.uint64, meta, M.COUNTERS).sum(axis=0)
         items = items_mem + items_disk
         return {
             "session": self.session, "name": self.name,
             "items_mem": items_mem, "items_disk": items_disk,
             "bytes_mem": bytes_mem, "bytes_disk": bytes_disk, "bytes_disk_raw": bytes_disk_raw,
             "avg_item_bytes": (bytes_mem + bytes_disk_raw) // items if items else 0,
-            "hits": int(counters[0]), "misses": int(counters[1]), "rejected": int(counters[2]),
-            "corrupt": int(counters[3]),
+            **{name: int(n) for name, n in zip(COUNTER_NAMES, counters)},
             "capacity_bytes": self.capacity_bytes, "committed_bytes": committed,
-            "shm_bytes": self.shm_bytes() if g.gen != _DEAD_GEN else 0,  # not the cache made again
+            "shm_bytes": self.shm_bytes() if g.gen != DEAD_GEN else 0,  # not the cache made again
         }
 
     def shm_bytes(self) -> int:
@@ -1441,7 +1513,7 @@ class CacheStore:
                 shutil.rmtree(self.read_meta()["spill_path"], ignore_errors=True)
             if _CRASH_TESTS:
                 crash_point("cleared_before_unlink")
-            self._unlink_matching(self._seg_name(f"g{g.gen}", ""))
+            unlink_segments(self.ns, self._seg_name(f"g{g.gen}", ""))
             self._refresh()
         codec.clear_decoders()  # the old generation's layouts are gone: free their decoders
 
@@ -1450,7 +1522,7 @@ class CacheStore:
             self.spill.close()
             self.spill = None
         if self._gen is not None:
-            _close_gen(self._gen)
+            close_generation(self._gen)
             self._gen = None
         self._epoch = -1
         if self._root is not None:
@@ -1466,22 +1538,14 @@ class CacheStore:
         with self.locked():
             spill_path = self.read_meta().get("spill_path")
             # the tombstone first: every handle still mapping this root misses from now on
-            self._root.words[ROOT_EPOCH >> 3] = DESTROYED
+            self._root.words[R.EPOCH >> 3] = DESTROYED
             self.meta_path.unlink(missing_ok=True)
-            _unlink_name(self.ns, self._seg_name("root"))  # first: the cache is gone at once
-            self._unlink_matching(self._base + SEP)
+            unlink_segments(self.ns, self._base + SEP)  # the root first: the cache is gone at once
             if self.spill is not None:
                 self.spill.destroy()
             elif spill_path:
                 shutil.rmtree(spill_path, ignore_errors=True)
         self.close()
-
-    def _unlink_matching(self, prefix: str, keep: str = "") -> None:
-        """Unlink the segments whose names start with ``prefix`` (one of this cache's), but ``keep``."""
-        for name in self.ns.owned_segments():
-            if name.startswith(prefix) and name != keep:
-                _unlink_name(self.ns, name)
-
 
 class UncachedStore:
     """A cache that could not be made: not even its own segments fit in /dev/shm (or the process
@@ -1502,18 +1566,22 @@ class UncachedStore:
 
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         if count:
-            self._counters[1] += 1
+            self._counters[MISSES] += 1
         return MISSING
 
     def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
-        self._counters[1] += len(keys)
+        self._counters[MISSES] += len(keys)
         return [MISSING] * len(keys), list(range(len(keys)))
 
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
         if encoded is None:
             codec.encode(value, f"the value of key {key!r}")  # what is not cacheable says so anyway
-        self._counters[2] += 1
+        self._counters[REJECTED] += 1
         return False
+
+    def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
+        self._counters[2] += len(items)
+        return [False] * len(items)
 
     def contains(self, key: Any) -> bool:
         return False
@@ -1537,8 +1605,8 @@ class UncachedStore:
 
     def stats(self) -> dict:
         st = dict.fromkeys(STAT_KEYS, 0)
-        st.update(session=self.session, name=self.name, hits=self._counters[0],
-                  misses=self._counters[1], rejected=self._counters[2], corrupt=0,
+        st.update(session=self.session, name=self.name, hits=self._counters[HITS],
+                  misses=self._counters[MISSES], rejected=self._counters[REJECTED], corrupt=0,
                   committed_bytes=0, shm_bytes=0, uncached=True)
         return st
 
@@ -1561,88 +1629,17 @@ MISSING: Any = _Missing()
 _CORRUPT: Any = object()
 
 
-class _BatchBuffers:
-    """Recycled output buffers for large batches gathered without ``out=``.
-
-    A fresh batch above glibc's mmap threshold (32 MiB: 256 images of 150 KB) is new memory every
-    time, and the page faults of its first touch cost as much as the copy itself. A buffer is
-    handed out again once nothing references it any more - the batch (and every tensor or view
-    made from it) was dropped: its reference count is back to the pool's own.
-    """
-
-    MIN_BYTES = 4 << 20
-    PER_SHAPE = 4
-
-    def __init__(self):
-        self._free: dict[tuple, list[np.ndarray]] = {}
-        # what the count reads for a buffer only the pool holds, measured through the same code
-        # path (so it holds whatever an interpreter version borrows or adds)
-        self._alone = _refs([np.empty(1)], 0)
-        # a DataLoader's pin-memory thread gathers batches sent by workers as keys, next to the
-        # main thread (NOTE [collated batch] in dataset.py): two must never take one buffer
-        self._lock = threading.Lock()
-        self._lock_gen = process_slot.generation()
-
-    def take(self, shape: tuple) -> np.ndarray:
-        if self._lock_gen != process_slot.generation():  # forked: a thread of the parent may have held it
-            self._lock, self._lock_gen = threading.Lock(), process_slot.generation()
-        with self._lock:
-            return self._take(shape)
-
-    def _take(self, shape: tuple) -> np.ndarray:
-        pool = self._free.setdefault(shape, [])
-        for i in range(len(pool)):
-            if _refs(pool, i) <= self._alone:
-                return pool[i]
-        arr = np.empty(shape, np.uint8)
-        if len(pool) >= self.PER_SHAPE:
-            pool.pop(0)  # forget the oldest (whoever holds it keeps it alive)
-        pool.append(arr)
-        return arr
-
-
-def _refs(pool: list, i: int) -> int:
-    return sys.getrefcount(pool[i])
-
-
-def _gather_leaf(rows: np.ndarray, chunks: np.ndarray, leaf: codec.Leaf, out, buffers: _BatchBuffers):
-    """One field of every record in the batch, stacked: a single vectorised copy."""
-    n = len(chunks)
-    if leaf.tag == "n":
-        return None
-    if leaf.tag in ("i", "f", "b", "a", "e"):
-        column = rows[:, leaf.offset:leaf.offset + leaf.nbytes]  # strided view, one row per chunk
-        if out is not None:
-            _gather_rows(column, chunks, out.reshape(n, -1).view(np.uint8))
-            return out
-        if n * leaf.nbytes >= _BatchBuffers.MIN_BYTES:
-            flat = buffers.take((n, leaf.nbytes))
-            _gather_rows(column, chunks, flat)
-        else:
-            flat = column[chunks]  # fancy indexing walks the strides: one copy per row
-        if leaf.tag == "e":
-            return flat
-        return flat.view(leaf.dtype).reshape((n, *leaf.shape))
-    decode = codec.leaf_decoder(leaf)  # str / bytes / pickle: per item
-    return [decode(rows[c]) for c in chunks]
-
-
-def _gather_rows(column: np.ndarray, chunks: np.ndarray, dst: np.ndarray) -> None:
-    """Gather rows of a strided view into ``dst`` without a temporary (large rows: a loop is fine,
-    small rows: one fancy-index copy into a temporary that stays in cache)."""
-    if column.shape[1] >= 16384:
-        for i, c in enumerate(chunks):
-            dst[i] = column[c]
-    else:
-        dst[...] = column[chunks]
-
-
-def _uniform(w0: np.ndarray, w2: np.ndarray) -> bool:
-    """All present, in memory, one layout, one class: the w0 words are equal (READY set; one layout
-    and int keys make one record length), and the w2 words agree on the class bits."""
-    first0 = int(w0[0])
-    return bool(first0 & READY) and not first0 & SPILLED \
-        and not (w0 != w0[0]).any() and not ((w2 ^ w2[0]) >> np.uint64(48)).any()
+def _encoded_from_portable(record: Any, key: Any, store: CacheStore) -> codec.Encoded:
+    """A portable record as what ``_insert`` writes: its body and its layout, views of ``record``."""
+    view = memoryview(record).cast("B")
+    lid, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(view, 0) if len(view) >= _MIN_RECORD \
+        else (0, 0, 0, 0)
+    body = len(view) - key_len - lay_len
+    if lid != codec.INLINE or not _MIN_RECORD <= body < body + lay_len:
+        raise InvalidArgument(f"the record for key {key!r} in cache {store.session}/{store.name} is not "
+                              f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
+                              f"tiers.portable_record(...) bytes")
+    return codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
 
 
 def _first_empty(index: TableView, w1: int) -> int:
@@ -1659,19 +1656,6 @@ def _key_repr(w1: int, kb: bytes) -> str:
     if not kb:
         return str(w1 - (1 << 64) if w1 >> 63 else w1)
     return repr(kb[1:].decode("utf-8", "surrogatepass") if kb[:1] == b"s" else kb[1:])
-
-
-def _apply_totals(words, cls: int, items: int, total: int, raw: int, table_items: int) -> None:
-    """Assign the totals after a write (read lock-free by len() and stats: one store each)."""
-    if cls == SPILL_CLASS:
-        words[M.ITEMS_DISK >> 3], words[M.BYTES_DISK >> 3], words[M.BYTES_DISK_RAW >> 3] = items, total, raw
-    else:
-        words[M.ITEMS_MEM >> 3], words[M.BYTES_MEM >> 3] = items, total
-    words[M.TABLE_ITEMS >> 3] = table_items
-
-
-def _table_items(g: _Gen) -> int:
-    return _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0]
 
 
 # (namespace, session, pid) -> [bytes this process may still commit, until when] before the
@@ -1700,38 +1684,3 @@ def _index_reserve(limit: int) -> int:
 def _table_capacity(hint: int) -> int:
     want = max(MIN_TABLE, int(hint / MAX_LOAD) + 1)
     return 1 << (want - 1).bit_length()
-
-
-class _Private:
-    """Process-private memory in place of a segment (the generation of a destroyed cache)."""
-
-    def __init__(self, size: int):
-        self.buf = bytearray(size)
-        self.words = word_view(self.buf)
-
-    def close(self) -> None:
-        pass
-
-
-_DEAD_GEN = DESTROYED >> 32  # never a real generation (they count up from 1)
-
-
-def _destroyed_gen() -> _Gen:
-    """What a handle maps once its cache's root is tombstoned: an empty generation in private
-    memory, so every read path (lookup, batches, contains, len, stats) finds nothing."""
-    meta, table = _Private(M.SIZE), _Private(TableView.bytes_for(8))
-    TableView.init(table.buf, 8)
-    return _Gen(_DEAD_GEN, 0, meta, table, TableView(table.buf), ClassTable(meta.buf, M.CLASSES),
-                {}, {}, {})
-
-
-def _close_gen(g: _Gen) -> None:
-    """Forget a generation's mappings. Nothing is unmapped by hand: another thread may still be
-    inside a lookup or a gather on them; they go with the last reference (segment.Segment)."""
-    g.data.clear()
-    g.layouts.clear()
-    g.columns.clear()
-
-
-def _unlink_name(ns: Namespace, name: str) -> None:
-    ns.unlink_segment(name)  # only a file of ours: never another user's squat

@@ -7,7 +7,7 @@ wider than one node or one run: a Redis server for every node of a job (``remote
 read-only snapshot on disk or object storage (``snapshot/``). :class:`TieredStore` composes
 them::
 
-    store = TieredStore(CacheStore(...), [remote_tier, snapshot_tier])
+    store = TieredStore(CacheStore(...), [snapshot_tier, remote_tier])
     store.lookup(key)          # shared memory; else each tier in order; a tier's hit is admitted
     store.lookup_batch(keys)   # the same, one batched call per tier for the batch's misses
     store.put(key, value)      # into shared memory, and offered to every tier (write-behind)
@@ -25,6 +25,11 @@ NOTE [tiers]
       record of ``spill/format.py`` (magic, key, lengths, codec, checksum): a value that is
       corrupt, cut short or another key's is a miss, counted by the tier, never returned.
 
+    Order: shared memory, then the snapshot (read-only, exact: a value of this very dataset,
+    checked when it was opened, and the cheapest to reach - a local file or one ranged read),
+    then the remote (shared and writable, but a network round trip and values other nodes wrote);
+    ``snapshot.tier.tiered`` puts a snapshot tier first whatever was attached before it.
+
     A tier never raises for its own faults (unreachable, slow, full, damaged): it answers a miss,
     counts it, and logs one line per condition. ``TieredStore`` still guards every call, so a tier
     that breaks this rule costs a miss and one log line, never a training step. A tier's hit is
@@ -32,6 +37,17 @@ NOTE [tiers]
     tier), and what the process computes is offered to every tier, which may write it behind the
     training loop and drop it when its queue is full. A value in shared memory is never replaced
     by a tier's: shared memory is the first and final word on one node.
+
+    The spill files are a tier too, of the other kind: an *indexed* tier
+    (``tier_protocol.IndexedTier``, implemented by ``spill/tier.py``'s ``SpillTier``), found
+    through the store's own shared index rather than asked by key. It holds the same key
+    (``index.tier_key``) with the record, but it does not decide anything: the store, under its
+    lock, calls ``write(key, record)``, which only stores and answers a ``Location`` (or None: not
+    stored, a miss later), and publishes that location in the index with the intent record of
+    NOTE [publish order]; a reader hands the entry's location back to ``read(location, key)``,
+    which checks the key and the record and answers None for anything else. The store gets it
+    through ``CacheStore.spill_to(tier)`` and never calls back into the spill package, and the
+    tier never touches the store.
 """
 
 from __future__ import annotations
@@ -42,10 +58,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from . import codec
 from .errors import ShmcacheError
-from .index import key_bytes
+from .index import key_bytes, tier_key
 from .store import MISSING
 
-__all__ = ["Tier", "TieredStore", "portable_key", "portable_record", "decode_portable"]
+__all__ = ["Tier", "TieredStore", "portable_key", "key_of_portable", "portable_record", "decode_portable"]
 
 log = logging.getLogger("shmcache")
 
@@ -57,6 +73,8 @@ class Tier(Protocol):
     """A place a cache's values can live behind its shared memory (NOTE [tiers])."""
 
     name: str  # "remote", "snapshot": how stats() and the logs call it
+    # optional: a tier with ``read_only = True`` is never offered anything (TieredStore.put skips
+    # packing the portable record, a copy of the value, for it)
 
     def get(self, key: bytes) -> Buffer | None:
         """The portable record stored under the portable ``key``, or None (a miss, or a fault).
@@ -78,8 +96,25 @@ class Tier(Protocol):
 
 def portable_key(key: Any) -> bytes:
     """The key a tier is asked for (NOTE [tiers]); InvalidKey for a key the cache refuses."""
-    w1, kb = key_bytes(key)
-    return w1.to_bytes(8, "little") + kb
+    return tier_key(*key_bytes(key))
+
+
+def key_of_portable(pkey: Buffer) -> Any:
+    """The cache key a portable key stands for (its inverse): an int, str or bytes. ValueError
+    when the bytes are not a portable key (a reader of a damaged file counts a miss)."""
+    pkey = bytes(pkey)
+    if len(pkey) < 8:
+        raise ValueError(f"a portable key of {len(pkey)} bytes is shorter than its index word")
+    w1, kb = int.from_bytes(pkey[:8], "little"), pkey[8:]
+    if not kb:
+        return w1 - (1 << 64) if w1 >> 63 else w1  # an int key stores itself, two's complement
+    try:
+        key = kb[1:].decode("utf-8", "surrogatepass") if kb[:1] == b"s" else kb[1:] if kb[:1] == b"b" else None
+    except UnicodeDecodeError:
+        key = None
+    if key is None or key_bytes(key) != (w1, kb):
+        raise ValueError(f"not a portable key: {pkey[:40]!r}")
+    return key
 
 
 def portable_record(enc: codec.Encoded, key: Any) -> bytes:
@@ -96,13 +131,12 @@ def decode_portable(record: Buffer) -> Any:
     view = memoryview(record).cast("B")
     if len(view) < codec.RECORD_HEADER.size:
         raise ValueError(f"a record of {len(view)} bytes is shorter than its header")
-    layout_id, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(view, 0)
-    end = len(view) - key_len
-    if layout_id != codec.INLINE or not codec.RECORD_HEADER.size <= end - lay_len < end:
-        raise ValueError(f"not a portable record (layout id {layout_id:#x}, an inline layout of "
-                         f"{lay_len} bytes and a key of {key_len} in {len(view)} bytes)")
+    layout_id = codec.record_header(view).layout_id
+    if layout_id != codec.INLINE:
+        raise ValueError(f"not a portable record (layout id {layout_id:#x}, not an inline layout)")
+    layout = codec.inline_layout(view)  # ValueError: not a portable record either
     try:
-        return codec.decode(view, bytes(view[end - lay_len:end]))
+        return codec.decode(view, layout)
     except ShmcacheError:
         raise
     except Exception as exc:  # noqa: BLE001 - bytes that passed the tier's checksum yet do not decode
@@ -187,9 +221,10 @@ class TieredStore:
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
         enc = encoded or codec.encode(value, f"the value of key {key!r}")
         stored = self.local.put(key, value, encoded=enc)
-        if self.behind:
+        writable = [tier for tier in self.behind if not getattr(tier, "read_only", False)]
+        if writable:  # a read-only tier (a snapshot) takes nothing: no copy of the value for it
             item = [(portable_key(key), portable_record(enc, key))]
-            for tier in self.behind:
+            for tier in writable:
                 self._call(tier, "offer", item)
         return stored
 

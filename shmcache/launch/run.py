@@ -38,6 +38,29 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
                             --master-addr and --master-port. Each machine has its own cache.
     --run-id ID             $TORCHELASTIC_RUN_ID (also --rdzv-id). Default: a fresh UUID on one
                             node, "<master-addr>:<master-port>" on several (the same everywhere)
+    --remote URL            a Redis behind each node's cache, shared by every node: sets
+                            $SHMCACHE_REMOTE for the processes. redis://[:PASSWORD@]HOST:PORT[/DB],
+                            rediss:// for TLS, redis+cluster://H1:P1,H2:P2 for a Redis Cluster.
+                            The password is shown as *** in every message and, once the
+                            launcher has started, in its process title; to keep it off every
+                            command line from the first instant, export SHMCACHE_REMOTE instead,
+                            or give a URL without one and export SHMCACHE_REMOTE_PASSWORD
+    --remote spawn[:MB]     start one redis-server per node for the job (Redis's own package:
+                            apt-get install redis-server), capped at MB MiB each (default 1024),
+                            evicting the least recently used values when full, never saving to
+                            disk, with a new random password; bound to this node's address on
+                            the route to --master-addr (127.0.0.1 when that is a loopback).
+                            With several nodes, the launchers exchange their servers' addresses
+                            through node 0's launcher, on port --master-port + 1 (MASTER_PORT is
+                            the training's own), and every process gets the same
+                            SHMCACHE_REMOTE=redis+shards://:PASSWORD@H0:P0,H1:P1,... (by node
+                            rank; the cache spreads keys over them by a consistent hash). Each
+                            server stops with the job: on success, failure, Ctrl-C, and when
+                            its launcher is killed (see NOTE [remote rendezvous] in
+                            shmcache/launch/rendezvous.py)
+    --rdzv-timeout S        seconds the launchers of a --remote spawn job wait for each other
+                            (and for their servers to start) before failing with the node ranks
+                            that did not come. Default 300
     --standalone            accepted and ignored (torchrun's flag; one node is what this does)
     -m, --module            run a module, as ``python -m``
     --no-python             run the program directly, not through Python
@@ -52,7 +75,7 @@ Each process gets, on top of the launcher's own environment (torchrun's set for 
     (where torch's ``@record`` writes an exception, which the failure summary then quotes),
     SHMCACHE_SESSION, and, unless already set, OMP_NUM_THREADS=1 and
     TORCH_NCCL_ASYNC_ERROR_HANDLING=1. With the options above: SHMCACHE_SIZE_MB,
-    SHMCACHE_SPILLING=1, SHMCACHE_SPILL_DIR. The launcher reads SHMCACHE_SESSION,
+    SHMCACHE_SPILLING=1, SHMCACHE_SPILL_DIR, SHMCACHE_REMOTE. The launcher reads SHMCACHE_SESSION,
     SHMCACHE_SPILL_DIR and SHMCACHE_DIR (the namespace: see shmcache.config), and passes them on.
 
 Failures: when a process exits with a non-zero status or dies of a signal, every other process
@@ -70,8 +93,9 @@ shmcache/launch/supervisor.py.
 Exit status::
 
     0          every process exited 0
-    1          the launcher could not prepare the session (the message says why), or a process
-               could not be reaped
+    1          the launcher could not prepare the session or, with --remote spawn, this node's
+               Redis or the exchange with the other nodes (the message says why), or a
+               process could not be reaped
     2          bad command line (the message names the argument)
     126, 127   the program could not be executed / was not found
     N          the first failing process's exit code
@@ -84,6 +108,8 @@ Examples::
     python -m shmcache.launch --nproc-per-node auto --session imagenet --size 65536 train.py
     python -m shmcache.launch --nproc 2 --spilling --spill-dir /scratch/spill -m mypkg.train
     python -m shmcache.launch --nproc 8 --session tmp --destroy-session train.py
+    python -m shmcache.launch --nnodes 4 --node-rank $NODE --master-addr node0 --master-port 29500 \
+        --nproc 8 --remote spawn:65536 train.py
 """
 
 from __future__ import annotations
@@ -92,19 +118,25 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..config import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name
-from ..errors import InvalidArgument, ShmcacheError, SpillError
+from ..errors import InvalidArgument, LaunchError, ShmcacheError, SpillError
 from ..locks import LivenessSlot
 from ..registry import SessionRegistry
+from ..remote import ENV_REMOTE, parse_url
 from ..spill import check_spill_dir
-from .supervisor import WorkerSpec, run_workers
+from .redis_node import DEFAULT_MAXMEMORY_MB, RedisNode, find_redis_server, is_loopback, route_address
+from .remote_option import RemoteOption, hide_in_process_title, mask_url, parse_remote, shards_url
+from .rendezvous import host_exchange, join_exchange, new_password, rendezvous_port
+from .supervisor import FORWARDED_SIGNALS, RunOutcome, WorkerSpec, run_workers
 
 __all__ = ["main"]
 
@@ -114,9 +146,11 @@ PROG = "python -m shmcache.launch"
 USAGE = (
     f"{PROG} [--nproc N] [--session NAME] [--size MIB] [--spilling] [--spill-dir DIR]\n"
     f"       [--destroy-session] [--shutdown-timeout S] [--master-addr A] [--master-port P]\n"
+    f"       [--nnodes N --node-rank K] [--remote URL | --remote spawn[:MB]] [--rdzv-timeout S]\n"
     f"       [-m | --no-python] script.py [args...]     (-h for the manual)"
 )
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+DEFAULT_RDZV_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -135,10 +169,14 @@ class LaunchPlan:
     spill_dir: str | None
     destroy_session: bool
     shutdown_timeout_s: float
+    remote: RemoteOption | None  # --remote: a URL for the workers, or spawn
+    rdzv_timeout_s: float
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the launcher; returns the exit status (see the module docstring)."""
+    if argv is None:
+        hide_in_process_title()  # a --remote password leaves `ps` before anything else happens
     parser = _build_parser()
     try:
         plan = _plan(parser, list(sys.argv[1:] if argv is None else argv))
@@ -150,16 +188,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         with tempfile.TemporaryDirectory(prefix="shmcache-launch-") as error_dir:
-            specs = _worker_specs(plan, error_dir)
-            outcome = run_workers(specs, shutdown_timeout_s=plan.shutdown_timeout_s)
+            outcome = _run(plan, error_dir)
+    except LaunchError as exc:  # --remote spawn: this node's Redis, or the exchange, failed
+        print(f"{PROG}: error: {mask_url(str(exc))}", file=sys.stderr)
+        return 1
+    except _Interrupted as exc:  # before any worker started; this node's Redis is stopped
+        name = signal.Signals(exc.signo).name
+        print(f"{PROG}: received {name} while preparing --remote spawn; stopped", file=sys.stderr)
+        return 128 + exc.signo
     finally:
         slot.release()
         registry.mark_used(plan.session)  # `shmcache gc --idle-for` counts from the job's end
         if plan.destroy_session:
             _destroy_session(registry, plan.session)
     for line in outcome.summary():
-        print(line, file=sys.stderr)
+        print(mask_url(line), file=sys.stderr)
     return outcome.exit_code
+
+
+def _run(plan: LaunchPlan, error_dir: str) -> RunOutcome:
+    """The workers, behind this node's Redis when --remote spawn asks for one."""
+    if plan.remote is None or not plan.remote.spawn:
+        return run_workers(_worker_specs(plan, error_dir, {}),
+                           shutdown_timeout_s=plan.shutdown_timeout_s)
+    with _spawned_remote(plan, error_dir) as url:
+        return run_workers(_worker_specs(plan, error_dir, {ENV_REMOTE: url}),
+                           shutdown_timeout_s=plan.shutdown_timeout_s)
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -180,8 +234,16 @@ def manual() -> str:
     return re.sub(r"::$", ":", __doc__ or "", flags=re.MULTILINE).replace("``", "")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors quote what was typed: a mistyped option next to a URL must not show its
+    password."""
+
+    def error(self, message: str):  # type: ignore[override]
+        super().error(mask_url(message))
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, usage=USAGE, add_help=False, allow_abbrev=False)
+    p = _Parser(prog=PROG, usage=USAGE, add_help=False, allow_abbrev=False)
     p.add_argument("-h", "--help", action=_PrintManual, nargs=0)
     p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc",
                    type=_parse_nproc, default=1, metavar="N")
@@ -199,6 +261,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-addr", "--master_addr", dest="master_addr", metavar="A")
     p.add_argument("--master-port", "--master_port", dest="master_port", type=_port, metavar="P")
     p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", metavar="ID")
+    p.add_argument("--remote", type=_parse_remote, metavar="URL")
+    p.add_argument("--rdzv-timeout", "--rdzv_timeout", dest="rdzv_timeout", type=_positive_float,
+                   default=DEFAULT_RDZV_TIMEOUT_S, metavar="S")
     p.add_argument("--standalone", action="store_true")
     p.add_argument("-m", "--module", action="store_true")
     p.add_argument("--no-python", "--no_python", dest="no_python", action="store_true")
@@ -238,12 +303,18 @@ def _plan(parser: argparse.ArgumentParser, argv: list[str]) -> LaunchPlan:
     spill_dir = _spill_dir(parser, args.spill_dir) if args.spill_dir else None
     if args.spilling or spill_dir:
         _check_spill_settings(parser, session, spill_dir, args.spilling)
+    if args.remote is not None and args.remote.spawn and args.nnodes > 1 and master_port == 65535:
+        parser.error("argument --master-port: 65535 leaves no port for the exchange of the Redis "
+                     "endpoints (--master-port + 1); pick a lower one")
+    env = _shmcache_env(session, args.size, args.spilling, spill_dir)
+    if args.remote is not None and args.remote.url is not None:
+        env[ENV_REMOTE] = args.remote.url
     return LaunchPlan(
         session=session, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=master_addr, master_port=master_port, run_id=run_id, command=command,
-        shmcache_env=_shmcache_env(session, args.size, args.spilling, spill_dir),
-        spill_dir=spill_dir, destroy_session=args.destroy_session,
-        shutdown_timeout_s=args.shutdown_timeout,
+        shmcache_env=env, spill_dir=spill_dir, destroy_session=args.destroy_session,
+        shutdown_timeout_s=args.shutdown_timeout, remote=args.remote,
+        rdzv_timeout_s=args.rdzv_timeout,
     )
 
 
@@ -407,6 +478,25 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("0: use a number of seconds > 0")
+    return value
+
+
+def _parse_remote(text: str) -> RemoteOption:
+    """spawn[:MB], or a URL the remote tier accepts (its own parser: one definition of valid)."""
+    try:
+        option = parse_remote(text, DEFAULT_MAXMEMORY_MB)
+        if option.url is not None:
+            parse_url(option.url)
+    except ValueError as exc:  # argparse would quote the raw value, password and all
+        hint = "" if text.startswith("spawn") else "; or spawn[:MB]: one redis-server per node"
+        raise argparse.ArgumentTypeError(f"{exc}{hint}") from None
+    return option
+
+
 def _port(text: str) -> int:
     value = _int(text)
     if not 0 <= value <= 65535:
@@ -436,11 +526,11 @@ def _destroy_session(registry: SessionRegistry, session: str) -> None:
         print(f"{PROG}: warning: could not destroy session {session!r}: {exc}", file=sys.stderr)
 
 
-def _worker_specs(plan: LaunchPlan, error_dir: str) -> list[WorkerSpec]:
+def _worker_specs(plan: LaunchPlan, error_dir: str, extra_env: dict[str, str]) -> list[WorkerSpec]:
     specs = []
     for local_rank in range(plan.nproc):
         error_file = os.path.join(error_dir, f"error-{local_rank}.json")
-        env = {**os.environ, **_rank_env(plan, local_rank), **plan.shmcache_env,
+        env = {**os.environ, **_rank_env(plan, local_rank), **plan.shmcache_env, **extra_env,
                "TORCHELASTIC_ERROR_FILE": error_file}
         rank = plan.node_rank * plan.nproc + local_rank
         specs.append(WorkerSpec(rank=rank, argv=plan.command, env=env, error_file=error_file))
@@ -480,3 +570,88 @@ def _free_port() -> int:
         s.bind(("", 0))
         return s.getsockname()[1]
 
+
+
+# --- --remote spawn: this node's Redis for the job ---------------------------------------------
+
+
+class _Interrupted(BaseException):
+    """SIGINT, SIGTERM or SIGHUP while this node's Redis starts or the nodes meet: unwind, so the
+    server is stopped on the way out (the workers' signal handling starts only with them)."""
+
+    def __init__(self, signo: int) -> None:
+        super().__init__(signo)
+        self.signo = signo
+
+
+@contextmanager
+def _spawned_remote(plan: LaunchPlan, workdir: str) -> Iterator[str]:
+    """Start this node's redis-server, meet the other nodes, yield $SHMCACHE_REMOTE; stop the
+    server when the job ends, however it ends (NOTE [remote rendezvous]; NOTE [launcher
+    shutdown], 9)."""
+    assert plan.remote is not None and plan.remote.spawn_mb is not None
+    node = RedisNode(executable=find_redis_server(), bind=route_address(plan.master_addr),
+                     maxmemory_mb=plan.remote.spawn_mb, workdir=workdir)
+    try:
+        with _signals_raise():
+            password, endpoints = _exchange(plan, node)
+        url = shards_url(password, endpoints)
+        print(f"{PROG}: --remote spawn: node {plan.node_rank} of {plan.nnodes} serves "
+              f"{node.endpoint} (maxmemory {plan.remote.spawn_mb} MiB, allkeys-lru); "
+              f"{ENV_REMOTE}={mask_url(url)}", file=sys.stderr)
+        yield url
+    finally:
+        with _signals_ignored():  # a Ctrl-C now must not cut the stop short
+            early = node.poll()
+            node.stop()
+        if early is not None:
+            print(f"{PROG}: warning: this node's redis-server exited during the job (status "
+                  f"{early}); the processes read and computed without it. Its log ended with: "
+                  f"{node.log_tail() or '(nothing)'}", file=sys.stderr)
+
+
+def _exchange(plan: LaunchPlan, node: RedisNode) -> tuple[str, list[str]]:
+    """The job's password and every node's endpoint, by node rank (NOTE [remote rendezvous])."""
+    if plan.nnodes == 1:
+        password = new_password()
+        return password, [node.start(password)]
+    port = rendezvous_port(plan.master_port)
+    if plan.node_rank == 0:
+        password, endpoints = host_exchange(port=port, nnodes=plan.nnodes, job=plan.run_id,
+                                            timeout_s=plan.rdzv_timeout_s, start_server=node.start)
+    else:
+        password, endpoints = join_exchange(
+            master_addr=plan.master_addr, port=port, nnodes=plan.nnodes, node_rank=plan.node_rank,
+            job=plan.run_id, timeout_s=plan.rdzv_timeout_s, start_server=node.start)
+    loopback = [k for k, e in enumerate(endpoints) if is_loopback(e)]
+    if loopback and len(loopback) < len(endpoints):
+        raise LaunchError(
+            f"--remote spawn: the Redis of node ranks {loopback} is bound to a loopback address "
+            f"(their --master-addr {plan.master_addr!r} resolves to this host's loopback there), "
+            f"which the other nodes cannot reach; give every node --master-addr as an address "
+            f"the others reach (node 0's IP address or its name in DNS)"
+        )
+    return password, endpoints
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    def interrupt(signo: int, _frame: object) -> None:
+        raise _Interrupted(signo)
+
+    old = {signo: signal.signal(signo, interrupt) for signo in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for signo, handler in old.items():
+            signal.signal(signo, signal.SIG_DFL if handler is None else handler)
+
+
+@contextmanager
+def _signals_ignored() -> Iterator[None]:
+    old = {signo: signal.signal(signo, signal.SIG_IGN) for signo in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for signo, handler in old.items():
+            signal.signal(signo, signal.SIG_DFL if handler is None else handler)

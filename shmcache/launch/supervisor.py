@@ -53,6 +53,16 @@ NOTE [launcher shutdown]
        between a worker's spawn and its ``+PGID`` line, and everything if the guard itself is
        SIGKILLed first (``kill -9 -- -PGID`` of the launcher's group does not reach it; a Slurm
        or systemd cgroup kill takes everything anyway).
+    9. Companions. A process that serves the workers for the whole job (``--remote spawn``'s
+       ``redis-server``, launch/redis_node.py) starts before them and stops after them: the
+       workers write to it until they exit. It is started as a worker is (from the main thread,
+       in a session of its own, with PR_SET_PDEATHSIG and the same check of its parent) and
+       held by a guard of its own, started first, that knows only its process group; so a
+       SIGKILLed launcher takes it down as it takes the workers, and Ctrl-C typed in the
+       terminal reaches the launcher, not it. When the job ends - every worker gone, on success,
+       failure or a signal - or when preparing the job fails, the launcher sends its group
+       SIGTERM, SIGKILL after a few seconds, releases it from its guard while the zombie still
+       holds the ID, reaps it, and only then tells that guard ``done``.
 """
 
 from __future__ import annotations
@@ -69,7 +79,9 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["WorkerSpec", "WorkerResult", "RunOutcome", "run_workers", "FORWARDED_SIGNALS"]
+__all__ = [
+    "WorkerSpec", "WorkerResult", "RunOutcome", "run_workers", "Companion", "FORWARDED_SIGNALS",
+]
 
 #: Signals the launcher forwards to every worker (NOTE [launcher shutdown], 5).
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -423,6 +435,75 @@ class _Guard:
         except subprocess.TimeoutExpired:  # pragma: no cover - it exits on "done" at once
             self._proc.kill()
             self._proc.wait()
+
+
+class Companion:
+    """A process that lives as long as the job, not as a worker (NOTE [launcher shutdown], 9).
+
+    ``stdin_text`` is written to its standard input, which is then closed (how a secret reaches
+    it without a command line); its standard output and error go to ``log_path``.
+    """
+
+    def __init__(self, argv: Sequence[str], *, stdin_text: str, log_path: str) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("a companion process must be started from the main thread: "
+                               "PR_SET_PDEATHSIG ties its life to the thread that spawned it")
+        self._stopped = False
+        self._guard = _Guard()
+        try:
+            with open(log_path, "ab") as log:
+                self._proc = subprocess.Popen(
+                    list(argv), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True, preexec_fn=_ParentDeathSignal(),
+                )
+        except BaseException:
+            self._guard.__exit__(None, None, None)
+            raise
+        self._guard.hold(self._proc.pid)
+        try:
+            self._proc.stdin.write(stdin_text.encode())
+            self._proc.stdin.close()
+        except OSError:  # it exited at once: poll() and its log say why
+            pass
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def poll(self) -> int | None:
+        """Its exit status (Popen's convention) once it has exited, else None; it stays
+        unreaped, so its process-group ID stays ours until stop() (NOTE [launcher shutdown], 3)."""
+        if self._proc.returncode is not None:
+            return self._proc.returncode
+        try:
+            status = os.waitid(os.P_PID, self._proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already (by Popen itself): let Popen tell
+            return self._proc.poll()
+        if status is None:
+            return None
+        if status.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            return -status.si_status
+        return status.si_status
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM its group, SIGKILL after ``timeout_s``; reap it; dismiss its guard. Returns
+        its exit status (None: it could not be reaped). Calling it again does nothing more."""
+        if self._stopped:
+            return self._proc.returncode
+        self._stopped = True
+        _signal_group(self._proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _signal_group(self._proc.pid, signal.SIGKILL)  # it, or what it left in its group
+        self._guard.release(self._proc.pid)  # while the zombie still holds the ID (NOTE, 8)
+        try:
+            self._proc.wait(timeout=REAP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # pragma: no cover - stuck in the kernel
+            return None
+        finally:
+            self._guard.__exit__(None, None, None)
+        return self._proc.returncode
 
 
 class _ParentDeathSignal:

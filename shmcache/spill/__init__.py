@@ -3,7 +3,8 @@
     format.py     the self-checking record (also the record of the remote and snapshot tiers)
     recovery.py   the file-level crash protocol: take over a slot file, repair a torn tail
     files.py      SpillStore: one folder of append-only slot files, lock-free reads
-    tier.py       the spill tier of a store: where its folder is, write when memory is full
+    tier.py       SpillTier, the store's indexed tier (tier_protocol.IndexedTier): where its folder
+                  is, write a record and answer its Location, read a Location back
 
 NOTE [spill records] (format.py) holds the protocol.
 """

@@ -1,12 +1,13 @@
-"""Spilling: when a cache's memory is full, new records go to zstd spill files (files.py).
+"""The spill tier: when a cache's memory is full, its records go to zstd spill files (files.py).
 
-This joins the store and the spill files. A spilled entry in the index has the SPILLED flag; its
-location word holds the spill file (the writer's liveness slot) and the offset, and its length
-field holds the *stored* length, so any process can read any spilled record with one ``pread``.
-The record written is the codec's record (layout id, scalars, buffers, key), exactly as it would
-be in memory; the spill layer adds its own key, lengths and checksums around it, so a truncated
-or corrupted record is a miss, never wrong data. A spilled record replaces a corrupt one in place:
-readers that see the old or the new location words verify what they read, so any mix is safe.
+``SpillTier`` is the store's indexed tier (``tier_protocol.IndexedTier``, NOTE [tiers]): it only
+writes a record and says where it went (``write`` -> ``Location``), and reads a location back
+(``read``); the store decides what to spill and publishes the location in its index (a spilled
+entry has the SPILLED flag; its location word holds the spill file - the writer's liveness
+slot - and the offset, and its length field the *stored* length, so any process reads any
+spilled record with one ``pread``). The record is the codec's record (layout id, scalars,
+buffers, key), exactly as it would be in memory; the spill files add their own key, lengths and
+checksums around it, so a truncated or corrupted record is a miss, never wrong data.
 
 Where spill files go: ``spill_dir`` given to the cache, else the session's (``shmcache new
 --spill-dir``), else ``$SHMCACHE_SPILL_DIR``. Each cache spills into its own folder inside it,
@@ -21,22 +22,21 @@ import shutil
 import stat
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-from .. import codec, process_slot
-from .._faults import ARMED as _CRASH_TESTS
-from .._faults import crash_point
+from .. import process_slot
 from ..config import ENV_SPILL_DIR
 from ..errors import SpillError, SpillFull
-from ..index import INLINE24, INT_KEY, READY, SPILLED
-from ..registry import SEP, write_json
+from ..index import LOCATION_MASK, entry_chunk, entry_class, location_word
+from ..registry import SEP
+from ..tier_protocol import Location
 from .files import SpillStore, check_spill_dir
+from .format import RECORD_HEADER_BYTES
 
-__all__ = ["CacheSpill", "resolve_spill_dir", "attach", "attach_existing", "remove_orphans"]
+__all__ = ["SpillTier", "resolve_spill_dir", "attach", "attach_existing", "remove_orphans"]
 
 log = logging.getLogger("shmcache")
-_M48 = (1 << 48) - 1
-_Q = struct.Struct("Q")
 
 
 def resolve_spill_dir(spill_dir, session_spill_dir: str | None) -> Path:
@@ -54,67 +54,67 @@ def _spill_path(store, base: Path) -> Path:
     return base / f"{store.ns.prefix}{SEP}{store.session}{SEP}{store.name}"
 
 
-class CacheSpill:
-    """The spill files of one cache, attached to its store (``store.spill``)."""
+class SpillTier:
+    """The spill files of one cache (an ``IndexedTier``): one folder, one file per writer slot."""
 
-    def __init__(self, store, path: Path, *, level: int = 1):
-        self.store = store
+    name = "spill"
+
+    def __init__(self, path: Path, *, registry, session: str, cache: str, incarnation: int,
+                 level: int = 1):
         self.path = path
+        self.where = str(path)
         self.level = level
-        self.disabled = False  # set after a full disk: stop spilling, keep serving
-        if store.read_meta().get("spill_path") == str(path):
-            return  # recorded already (a re-attaching process): no lock to wait for
-        with store.locked():  # the cache's metadata is only ever rewritten under its lock
-            meta = store.read_meta()
-            if meta.get("spill_path") != str(path):
-                meta["spill_path"] = str(path)  # so `destroy` and `gc` find the files
-                write_json(store.meta_path, meta)
+        self.accepting = True  # False after a full disk or a write error: stop spilling, keep serving
+        self._registry, self._session, self._cache = registry, session, cache
+        self._incarnation = incarnation
 
     @property
     def files(self) -> SpillStore:
         """The process's SpillStore for this folder (shared by every handle of the process)."""
-        return _shared_files(self.path, self.level, self.store._incarnation)
+        return _shared_files(self.path, self.level, self._incarnation)
 
-    # --- writing (the store's lock is held) ---------------------------------------------------
-
-    def put(self, store, g, pos: int, w1: int, kb: bytes, enc: codec.Encoded, *, replace: bool = False) -> bool:
-        """Spill one record and publish it at table position ``pos``. False if it cannot spill."""
-        if self.disabled:
-            return False
-        lid = store.intern_layout(g, enc.layout)
-        record = bytearray(enc.record_len(len(kb), lid == INLINE24))
-        enc.write(memoryview(record), codec.INLINE if lid == INLINE24 else lid, kb)
-        slot = process_slot.slot(store.registry, store.session)
+    def write(self, key: bytes, record) -> Location | None:
+        """Append ``record`` to this process's spill file; None (and stop accepting) when the disk
+        is full or fails."""
+        if not self.accepting:
+            return None
+        slot = process_slot.slot(self._registry, self._session)
         try:
-            loc = self.files.append(slot, _spill_key(w1, kb), record)
+            loc = self.files.append(slot, key, record)
         except SpillFull as exc:
-            self.disabled = True
-            log.warning("cache %s/%s stops spilling: %s", store.session, store.name, exc)
-            return False
+            self.accepting = False
+            log.warning("cache %s/%s stops spilling: %s", self._session, self._cache, exc)
+            return None
         except SpillError as exc:
-            self.disabled = True
-            log.warning("cache %s/%s stops spilling after a write error: %s", store.session, store.name, exc)
-            return False
-        if loc.stored_len >= 1 << 32 or loc.offset > _M48:
-            return False
-        if _CRASH_TESTS:
-            crash_point("spilled")  # record on disk, not yet in the index
-        store.publish_spilled(g, pos, w1, kb, lid, loc.file_id, loc.offset, loc.stored_len,
-                              loc.raw_len, replace)
-        return True
+            self.accepting = False
+            log.warning("cache %s/%s stops spilling after a write error: %s", self._session, self._cache, exc)
+            return None
+        if loc.offset > LOCATION_MASK:  # the location word has 48 bits for the offset
+            return None
+        return Location(location_word(loc.file_id, loc.offset), loc.stored_len, loc.raw_len)
 
-    # --- reading (no lock) -----------------------------------------------------------------
+    def read(self, location: Location, key: bytes, stale: Callable[[], bool] | None = None) -> bytearray | None:
+        word = location.word  # a spilled entry's class and chunk are the file id and offset
+        return self.files.read((entry_class(word), entry_chunk(word), location.stored), key, stale)
 
-    def read(self, w0: int, w2: int, w1: int, kb: bytes, gen: int = -1) -> bytearray | None:
-        """The record an entry of generation ``gen`` names; a read that fails because a clear()
-        replaced that generation meanwhile is a quiet miss (the caller counts it as a plain miss)."""
-        stale = None if gen < 0 else (lambda: not self.store.is_current(gen))
-        return self.files.read((w2 >> 48, w2 & _M48, w0 >> 32), _spill_key(w1, kb), stale)
+    def counters(self) -> dict[str, int]:
+        return self.files.stats()
 
-    def readable(self, w0: int, w2: int, w1: int, kb: bytes) -> bool:
-        return self.read(w0, w2, w1, kb) is not None
-
-    # --- lifecycle ------------------------------------------------------------------------------
+    def key_of(self, location: Location, w1: int) -> bytes | None:
+        """The key bytes of the record at ``location``, read from its header (a snapshot export
+        walks entries whose str/bytes keys it does not know); None when no intact header of that
+        index word ``w1`` is there. ``read`` then checks the whole record."""
+        file_id, offset = entry_class(location.word), entry_chunk(location.word)
+        try:
+            with open(self.files.file_path(file_id), "rb", buffering=0) as f:
+                head = os.pread(f.fileno(), RECORD_HEADER_BYTES, offset)
+                if len(head) < RECORD_HEADER_BYTES:
+                    return None
+                key_len = struct.unpack_from("<H", head, 6)[0]  # NOTE [spill records]: the key length
+                key = os.pread(f.fileno(), key_len, offset + RECORD_HEADER_BYTES)
+        except OSError:
+            return None
+        return key[8:] if len(key) == key_len >= 8 and key[:8] == w1.to_bytes(8, "little") else None
 
     def clear(self) -> None:
         _drop_shared_files(self.path, destroy=True)
@@ -124,7 +124,7 @@ class CacheSpill:
         """Start afresh on the current spill folder (after a clear() here or in another process:
         appending to files that were deleted would write records nobody can find)."""
         _drop_shared_files(self.path)
-        self.disabled = False
+        self.accepting = True
 
     def destroy(self) -> None:
         _drop_shared_files(self.path, destroy=True)
@@ -188,29 +188,29 @@ def _drop_shared_files(path: Path, destroy: bool = False) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _spill_key(w1: int, kb: bytes) -> bytes:
-    """The key the spill record carries: the index word, then the key bytes (none for ints)."""
-    return w1.to_bytes(8, "little") + kb
-
-
-def attach(store, spill_dir, *, level: int = 1) -> CacheSpill:
+def attach(store, spill_dir, *, level: int = 1) -> SpillTier:
     """Turn spilling on for ``store`` (``spill_dir`` None: the session's, then the environment's)."""
     base = resolve_spill_dir(spill_dir, store.registry.get(store.session).spill_dir)
     path = _spill_path(store, base)
     # the folder now, before anything records it: a planted symlink or another user's directory
     # there is refused at once (NotOwner), and a store left from a destroyed cache is replaced
-    _shared_files(path, level, store._incarnation, fresh=True)
+    _shared_files(path, level, store.incarnation, fresh=True)
     _remember_base(store.ns, base)
-    spill = CacheSpill(store, path, level=level)
-    store.spill = spill
-    return spill
+    tier = _tier(store, path, level)
+    store.spill_to(tier)
+    return tier
 
 
 def attach_existing(store) -> None:
     """Let a reader (``shmcache stat``, ``gc``) see a cache's spill files, if it ever spilled."""
     path = store.read_meta().get("spill_path")
     if path and Path(path).is_dir():
-        store.spill = CacheSpill(store, Path(path))
+        store.spill_to(_tier(store, Path(path)), record=False)
+
+
+def _tier(store, path: Path, level: int = 1) -> SpillTier:
+    return SpillTier(path, registry=store.registry, session=store.session, cache=store.name,
+                     incarnation=store.incarnation, level=level)
 
 
 def _remember_base(ns, base: Path) -> None:
@@ -250,5 +250,3 @@ def _our_folder(path: Path) -> bool:
         return False
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
-
-assert READY | INT_KEY | SPILLED == 7  # the flags this module relies on (index.py)

@@ -20,8 +20,9 @@ import pytest
 
 from shmcache import ShmDatasetCache
 from shmcache.errors import CorruptSegment
+from shmcache.generation import INTENT, MetaLayout
 from shmcache.index import INLINE24, INT_KEY, READY, key_bytes
-from shmcache.store import _INTENT, MISSING, CacheStore, MetaLayout
+from shmcache.store import MISSING, CacheStore
 
 S, C, N = "dmg", "c", 40
 _Q = struct.Struct("Q")
@@ -56,7 +57,7 @@ def entry(g, pos: int) -> np.ndarray:
 
 
 def pos_of(g, key) -> int:
-    return reader()._find(g, key)[2]
+    return reader()._find(g, key).pos
 
 
 def assert_corrupt(exc: pytest.ExceptionInfo, segment: str) -> None:
@@ -247,9 +248,9 @@ def test_damaged_record_bytes_are_corrupt_segment_naming_the_key(writer):
 
 def _intent(g, **change) -> None:
     fields = dict(zip(("phase", "pos", "cls", "old_bump", "items", "total", "raw", "table_items"),
-                      _INTENT.unpack_from(g.meta.buf, MetaLayout.INTENT)))
+                      INTENT.unpack_from(g.meta.buf, MetaLayout.INTENT)))
     fields.update(change)
-    _INTENT.pack_into(g.meta.buf, MetaLayout.INTENT, *fields.values())
+    INTENT.pack_into(g.meta.buf, MetaLayout.INTENT, *fields.values())
 
 
 def _bad_intents(g):

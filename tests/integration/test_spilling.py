@@ -357,7 +357,7 @@ def test_a_read_racing_a_clear_is_a_quiet_miss(tmp_path, caplog):
     other = CacheStore("dmg", "ds")  # a second handle: another reader, as in another process
     spilling.attach(other, tmp_path / "spill")
     g = other._refresh()
-    spilled = [i for i in range(60) if other._find(g, i)[0] & 4]  # SPILLED entries of generation g
+    spilled = [i for i in range(60) if other._find(g, i).w0 & 4]  # SPILLED entries of generation g
     assert spilled
     found = [other._find(g, i) for i in spilled]
     store.clear()  # deletes the spill files under the reader, which still holds generation g

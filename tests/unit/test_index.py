@@ -212,3 +212,34 @@ def test_table_hint_sizes_the_table_so_dataset_indices_never_grow_it():
     assert s._refresh().index.capacity == cap
     assert s._refresh().version == 1
     s.close()
+
+
+def test_the_entry_accessors_read_what_the_store_wrote(store):
+    """index.entry_* and codec.record_* name the bits the store writes (one definition each)."""
+    from shmcache import codec
+    from shmcache.index import (
+        INLINE24,
+        SPILLED,
+        entry_chunk,
+        entry_class,
+        entry_layout,
+        entry_length,
+        location_word,
+        state_word,
+    )
+
+    value = np.arange(100, dtype=np.int32)
+    assert store.put("k", value) and store.put(7, value)
+    g = store._refresh()
+    found = store._find(g, "k")
+    rec = store._record(g, found.w0, found.w2, found.w1, found.kb)
+    assert entry_length(found.w0) == len(rec) and entry_layout(found.w0) not in (INLINE24,)
+    assert entry_class(found.w2) in g.classes.used_classes()
+    assert entry_chunk(found.w2) < g.classes.get(entry_class(found.w2))[1]  # handed out
+    head = codec.record_header(rec)
+    assert head.layout_id == entry_layout(found.w0) and head.key_len == len(found.kb) == 2
+    assert bytes(codec.record_key(rec)) == found.kb == b"sk"
+    other = store._find(g, 7)
+    assert other.w0 == state_word(READY | INT_KEY, entry_layout(other.w0), entry_length(other.w0))
+    assert other.w2 == location_word(entry_class(other.w2), entry_chunk(other.w2))
+    assert not other.w0 & SPILLED and entry_length(state_word(SPILLED, INLINE24, (1 << 32) - 1)) == (1 << 32) - 1

@@ -21,13 +21,25 @@ RANK = {
     "errors": 0, "_faults": 0,
     "config": 1,
     "launch.supervisor": 1,  # the launcher's process machinery: knows nothing of shmcache
+    "launch.remote_option": 1,  # --remote: what it means, and its password out of sight
+    "launch.rendezvous": 1,  # the launchers' exchange of Redis endpoints (NOTE [remote rendezvous])
+    "snapshot.location": 1.5,  # where a snapshot's files live: a local directory or an fsspec URL
+    "launch.redis_node": 2,  # one redis-server per node, a companion of the supervisor
     "locks": 2, "segment": 2,
     "process_slot": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3,
     "spill.format": 3, "spill.recovery": 3.1, "spill.files": 3.2, "spill": 3.3,
+    "snapshot.format": 3.4,  # the snapshot's files (NOTE [snapshot format]): spill records, an index
+    "generation": 3.5,  # a cache's root and meta words, the totals and the intent record
+    "gather": 3.5,  # the vectorised batch gather (columns out of a class segment)
+    "tier_protocol": 3.5,  # what the store needs of an indexed tier (the spill tier): NOTE [tiers]
     "store": 4,
     "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
     "remote": 4.6,  # the Redis tier (NOTE [remote tier]); redis-py imported lazily
-    "spill.tier": 5,  # wires spill files into the store; used by the torch layer and the CLI
+    "spill.tier": 5,  # the spill tier (an IndexedTier) and where its folder is; used above the store
+    "maintenance": 5.5,  # gc of a namespace: the registry's, then each cache's, then spill folders
+    "snapshot.export": 5.5, "snapshot.load": 5.6,  # a cache to a snapshot and back (no torch)
+    "snapshot.tier": 5.55,  # the read-through tier: a snapshot behind shared memory (no torch)
+    "snapshot": 5.7,
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
     "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
     "dataset": 6, "prefetch": 6, "sink": 7,
@@ -35,9 +47,12 @@ RANK = {
     "cli": 8, "launch.run": 8, "launch": 8.1,
 }
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
-            "store", "cli", "spill", "spill.format", "spill.recovery", "spill.files", "spill.tier",
+            "store", "generation", "gather", "tier_protocol", "maintenance", "cli", "spill",
+            "spill.format", "spill.recovery", "spill.files", "spill.tier",
             "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
-            "remote"]
+            "launch.remote_option", "launch.rendezvous", "launch.redis_node", "remote",
+            "snapshot", "snapshot.format", "snapshot.location", "snapshot.export", "snapshot.load",
+            "snapshot.tier"]
 TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
 
 

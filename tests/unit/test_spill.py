@@ -810,3 +810,23 @@ def test_pack_and_unpack_record_round_trip_and_refuse_other_keys_cuts_and_flips(
         assert out is None or out == payload, pos  # never wrong bytes
         caught += out is None
     assert caught >= len(buf) - 14  # only the zero padding (at most 7 + 7 bytes) is unchecked
+
+
+def test_the_spill_tier_is_an_indexed_tier_and_round_trips_through_a_location(tmp_path):
+    """The seam of NOTE [tiers]: the store writes through ``write`` and reads a ``Location`` back;
+    a location with another key, or one cut short, is a miss, never another record."""
+    from shmcache.spill import tier as spilling
+    from shmcache.store import CacheStore
+    from shmcache.tier_protocol import IndexedTier, Location
+
+    store = CacheStore("tier", "c", capacity_bytes=4 << 20)
+    try:
+        tier = spilling.attach(store, tmp_path)
+        assert isinstance(tier, IndexedTier) and store.spill is tier
+        loc = tier.write(b"k" * 8, b"r" * 100)
+        assert isinstance(loc, Location) and loc.raw == 100
+        assert tier.read(loc, b"k" * 8) == b"r" * 100
+        assert tier.read(loc, b"j" * 8) is None
+        assert tier.read(Location(loc.word, loc.stored - 1), b"k" * 8) is None
+    finally:
+        store.destroy()

@@ -146,3 +146,19 @@ def test_stats_and_close_reach_every_tier(local):
     assert store.stats()["tiers"] == {"dict": {"records": 1}}
     store.close()
     assert tier.calls[-1] == ("close", 0)
+
+
+@pytest.mark.parametrize("key", [0, 7, -1, -(1 << 63), (1 << 63) - 1, "", "a", "é\udcff", b"", b"a\x00"])
+def test_key_of_portable_inverts_portable_key(key):
+    from shmcache.tiers import key_of_portable
+
+    back = key_of_portable(portable_key(key))
+    assert back == key and type(back) is type(key)
+
+
+@pytest.mark.parametrize("bad", [b"", b"1234567", b"\x00" * 8 + b"xabc", b"\x00" * 8 + b"sabc"])
+def test_key_of_portable_refuses_bytes_that_are_no_portable_key(bad):
+    from shmcache.tiers import key_of_portable
+
+    with pytest.raises(ValueError):
+        key_of_portable(bad)

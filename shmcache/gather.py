@@ -1,0 +1,165 @@
+"""The vectorised batch gather: a batch of int keys that are all in memory with one layout and
+one size class is copied field by field, each field of the whole batch with one vectorised copy
+out of the class segment's strided view (chunk k at ``k x chunk size``), straight into ``out=``
+buffers when given (docs/design.md §4.3, §11).
+
+The store (``CacheStore.gather_ints``) maps the generation, checks the batch's entries as a
+reader checks one (NOTE [publish order], Damage) and counts the hits; this module finds the
+batch (``plan``), copies its columns (``columns``) and recycles large output buffers.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+from . import codec, process_slot
+from .allocator import DATA_OFF
+from .index import INLINE24, LOCATION_MASK, READY, SPILLED, TableView
+
+__all__ = ["Batch", "plan", "uniform", "columns", "out_matches", "BatchBuffers", "gather_leaf"]
+
+GATHERED = ("i", "f", "b", "a", "e")  # leaf tags copied as bytes (the rest decode per item)
+
+
+class Batch(NamedTuple):
+    """A batch that can be gathered: its keys' shared layout, size class and record length, and
+    each key's chunk."""
+
+    layout: int
+    cls: int
+    length: int
+    chunks: np.ndarray  # intp, one per key
+
+
+def plan(index: TableView, keys: np.ndarray) -> Batch | None:
+    """The batch of int64 ``keys`` (not empty) if every one is in memory with one interned
+    layout and one size class; None otherwise (the caller takes the per-item path)."""
+    w0, w2 = index.lookup_ints(keys)
+    if not uniform(w0, w2):
+        return None
+    first0, first2 = int(w0[0]), int(w2[0])
+    lid = (first0 >> 8) & INLINE24  # index.entry_layout, inlined (once per batch: the batch's hot path)
+    if lid == INLINE24:
+        return None
+    # index.entry_class, entry_length and entry_chunk, inlined
+    return Batch(lid, first2 >> 48, first0 >> 32, (w2 & np.uint64(LOCATION_MASK)).astype(np.intp))
+
+
+def uniform(w0: np.ndarray, w2: np.ndarray) -> bool:
+    """All present, in memory, one layout, one class: the w0 words are equal (READY set; one layout
+    and int keys make one record length), and the w2 words agree on the class bits."""
+    first0 = int(w0[0])
+    return bool(first0 & READY) and not first0 & SPILLED \
+        and not (w0 != w0[0]).any() and not ((w2 ^ w2[0]) >> np.uint64(48)).any()  # 48: entry_class
+
+
+def columns(buf, handed_out: int, chunk: int, chunks: np.ndarray, leaves: list, out: list | None,
+            buffers: BatchBuffers) -> list:
+    """One stacked array per leaf of the records at ``chunks`` of a class segment (``buf``, chunks
+    of ``chunk`` bytes, ``handed_out`` of them: checked by the caller); ``out``: one array per
+    leaf to gather into."""
+    rows = np.ndarray((handed_out, chunk), np.uint8, buf, DATA_OFF)
+    stacked = []
+    for i, leaf in enumerate(leaves):
+        stacked.append(gather_leaf(rows, chunks, leaf, out[i] if out is not None else None, buffers))
+    return stacked
+
+
+def out_matches(layout: tuple, n: int, out: list, dtypes: list, shapes: list) -> bool:
+    """True if ``out`` (one array per leaf, in the record's leaf order; ``dtypes``: the torch
+    dtype name of a tensor out, else None; ``shapes``: their shapes) can receive a batch of
+    ``n`` records of ``layout`` (what ``batch_layout`` returned) byte for byte."""
+    leaves = layout[1]
+    if len(out) != len(leaves):
+        return False
+    for arr, dtype, arr_shape, leaf in zip(out, dtypes, shapes, leaves):
+        if leaf.tag not in GATHERED or not arr.flags.c_contiguous:
+            return False
+        if arr_shape != (n, *leaf.shape):
+            return False
+        if leaf.tag == "e":
+            if dtype != leaf.meta.split(":", 1)[0] or arr.nbytes != n * leaf.nbytes:
+                return False
+        elif arr.dtype != leaf.dtype:
+            return False
+    return True
+
+
+class BatchBuffers:
+    """Recycled output buffers for large batches gathered without ``out=``.
+
+    A fresh batch above glibc's mmap threshold (32 MiB: 256 images of 150 KB) is new memory every
+    time, and the page faults of its first touch cost as much as the copy itself. A buffer is
+    handed out again once nothing references it any more - the batch (and every tensor or view
+    made from it) was dropped: its reference count is back to the pool's own.
+    """
+
+    MIN_BYTES = 4 << 20
+    PER_SHAPE = 4
+
+    def __init__(self):
+        self._free: dict[tuple, list[np.ndarray]] = {}
+        # what the count reads for a buffer only the pool holds, measured through the same code
+        # path (so it holds whatever an interpreter version borrows or adds)
+        self._alone = _refs([np.empty(1)], 0)
+        # a DataLoader's pin-memory thread gathers batches sent by workers as keys, next to the
+        # main thread (NOTE [collated batch] in dataset.py): two must never take one buffer
+        self._lock = threading.Lock()
+        self._lock_gen = process_slot.generation()
+
+    def take(self, shape: tuple) -> np.ndarray:
+        if self._lock_gen != process_slot.generation():  # forked: a thread of the parent may have held it
+            self._lock, self._lock_gen = threading.Lock(), process_slot.generation()
+        with self._lock:
+            return self._take(shape)
+
+    def _take(self, shape: tuple) -> np.ndarray:
+        pool = self._free.setdefault(shape, [])
+        for i in range(len(pool)):
+            if _refs(pool, i) <= self._alone:
+                return pool[i]
+        arr = np.empty(shape, np.uint8)
+        if len(pool) >= self.PER_SHAPE:
+            pool.pop(0)  # forget the oldest (whoever holds it keeps it alive)
+        pool.append(arr)
+        return arr
+
+
+def _refs(pool: list, i: int) -> int:
+    return sys.getrefcount(pool[i])
+
+
+def gather_leaf(rows: np.ndarray, chunks: np.ndarray, leaf: codec.Leaf, out, buffers: BatchBuffers):
+    """One field of every record in the batch, stacked: a single vectorised copy."""
+    n = len(chunks)
+    if leaf.tag == "n":
+        return None
+    if leaf.tag in GATHERED:
+        column = rows[:, leaf.offset:leaf.offset + leaf.nbytes]  # strided view, one row per chunk
+        if out is not None:
+            gather_rows(column, chunks, out.reshape(n, -1).view(np.uint8))
+            return out
+        if n * leaf.nbytes >= BatchBuffers.MIN_BYTES:
+            flat = buffers.take((n, leaf.nbytes))
+            gather_rows(column, chunks, flat)
+        else:
+            flat = column[chunks]  # fancy indexing walks the strides: one copy per row
+        if leaf.tag == "e":
+            return flat
+        return flat.view(leaf.dtype).reshape((n, *leaf.shape))
+    decode = codec.leaf_decoder(leaf)  # str / bytes / pickle: per item
+    return [decode(rows[c]) for c in chunks]
+
+
+def gather_rows(column: np.ndarray, chunks: np.ndarray, dst: np.ndarray) -> None:
+    """Gather rows of a strided view into ``dst`` without a temporary (large rows: a loop is fine,
+    small rows: one fancy-index copy into a temporary that stays in cache)."""
+    if column.shape[1] >= 16384:
+        for i, c in enumerate(chunks):
+            dst[i] = column[c]
+    else:
+        dst[...] = column[chunks]

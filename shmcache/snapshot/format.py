@@ -1,0 +1,360 @@
+"""The snapshot format: a cache as files that can be copied, shipped and read anywhere.
+
+NOTE [snapshot format]
+    A snapshot is a directory (or an object-store prefix) holding ``manifest.json`` and segment
+    files ``seg-00000.shms``, ``seg-00001.shms``, ... of about ``segment_bytes`` each (512 MiB by
+    default). Everything is little-endian. A segment file is::
+
+        header (32 bytes)                       footer (the last 40 bytes of the file)
+         0  8s  magic b"SHMCSNP\\0"               0  8s  magic b"SnapIdx\\0"
+         8  H   format version (1)                8  H   format version (1)
+        10  H   record alignment (8)             10  H   index entry bytes (32)
+        12  I   segment number                   12  I   reserved (0)
+        16  8x  reserved                         16  Q   index offset
+        24  I   crc32 of bytes 0..24             24  Q   index entries (= records)
+        28  4x                                   32  I   crc32 of the index bytes
+                                                 36  I   crc32 of footer bytes 0..36
+        records: spill records (spill/format.py, NOTE [spill records]), each 8-byte aligned,
+                 from offset 32; the record's key is the portable key (tiers.portable_key), its
+                 payload the portable record (tiers.portable_record: the codec record with its
+                 layout inline and its key), zstd-compressed unless that saves under 5%
+        index:   INDEX_DTYPE entries sorted by (hash, offset), 8-byte aligned, after the records:
+                   hash   u64  the portable key's first 8 bytes: the index word (key_hash)
+                   offset u64  where the record starts in this file
+                   length u64  the record's bytes on disk, padding included: one ranged read
+                   check  u32  the record's head check (bytes 28..32 of the record header)
+                   pad    u32  0
+        footer:  fixed size, so a reader finds the index with one ranged read of the tail.
+
+    A reader that looks keys up (the read-through tier) reads the footer, then the index (one
+    ranged read, or an mmap), binary-searches ``hash`` (np.searchsorted; equal hashes are
+    adjacent: the record's own key decides), then reads ``length`` bytes at ``offset`` and checks
+    them with spill.format.unpack_record: a record that fails its checks is a miss, never a value.
+
+    manifest.json (written last; a snapshot without one is not a snapshot)::
+
+        {"format": "shmcache-snapshot", "version": 1,
+         "cache": {"session": ..., "name": ..., "fingerprint": ... or null},
+         "length": the wrapped dataset's len() or null, "items": N, "bytes": portable record bytes,
+         "stored_bytes": segment bytes, "layouts": {"count": K, "b64": [...] (when K <= 64)},
+         "key_hash": "index-word", "created": ISO-8601 UTC, "shmcache": version,
+         "segments": [{"file": "seg-00000.shms", "size": bytes, "items": n,
+                       "sha256": hex of the segment's index bytes + footer}]}
+
+    The segment hash covers the index and footer only: the index binds every record's offset,
+    length and head check (which covers the record's header, key and body check), so a swapped,
+    truncated or mixed-up segment fails it without hashing the whole file at import; a flipped
+    bit inside a record fails that record's own checks.
+
+    Writing order (export.py): every file is written as ``<name>.tmp`` and renamed when complete;
+    the manifest is renamed last. An export over an existing snapshot (--overwrite) removes the
+    old manifest first. So whatever dies half-way - the process, the disk filling up - leaves no
+    ``manifest.json`` that names incomplete segments: a half-written snapshot never looks whole.
+    A version other than FORMAT_VERSION is refused, by manifest and by each segment's header.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ..errors import SnapshotError
+from ..spill import format as records
+
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "HEADER_BYTES", "FOOTER_BYTES", "INDEX_DTYPE",
+    "DEFAULT_SEGMENT_BYTES", "key_hash", "segment_name", "SegmentWriter", "SegmentInfo", "Footer",
+    "parse_header", "parse_footer", "parse_index", "segment_digest", "read_record", "iter_records",
+    "find", "Manifest",
+]
+
+FORMAT_NAME = "shmcache-snapshot"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SEGMENT_MAGIC = b"SHMCSNP\x00"
+FOOTER_MAGIC = b"SnapIdx\x00"
+ALIGN = 8
+DEFAULT_SEGMENT_BYTES = 512 << 20
+
+_HEADER = struct.Struct("<8sHHI8xI4x")
+_FOOTER = struct.Struct("<8sHHIQQII")
+HEADER_BYTES = _HEADER.size  # 32
+FOOTER_BYTES = _FOOTER.size  # 40
+INDEX_DTYPE = np.dtype([("hash", "<u8"), ("offset", "<u8"), ("length", "<u8"), ("check", "<u4"),
+                        ("pad", "<u4")])
+_MAX_LISTED_LAYOUTS = 64
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_KEY_LEN_AT = 6  # where a spill record header holds its key length (NOTE [spill records]) ...
+_HEAD_CHECK_AT = 28  # ... and its head check
+_SEGMENT_RE = re.compile(r"seg-\d{5,}\.shms")
+
+
+def key_hash(pkey: bytes) -> int:
+    """The index's hash of a portable key: its first 8 bytes, the cache's own index word (an int
+    key itself, else the blake2b-64 of the key bytes: NOTE [tiers]), so a batch of int keys is
+    looked up with one np.searchsorted and no hashing."""
+    return int.from_bytes(pkey[:8], "little")
+
+
+def segment_name(number: int) -> str:
+    return f"seg-{number:05d}.shms"
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class SegmentInfo:
+    """What the manifest says of one segment."""
+
+    file: str
+    size: int
+    items: int
+    sha256: str
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "size": self.size, "items": self.items, "sha256": self.sha256}
+
+
+class SegmentWriter:
+    """Appends records to one segment file (any binary file object with ``write``), then its
+    index and footer. The caller closes and renames the file (NOTE [snapshot format])."""
+
+    def __init__(self, f: BinaryIO, number: int, cctx: Any):
+        self.f = f
+        self.number = number
+        self.cctx = cctx
+        self.size = 0
+        self.raw_bytes = 0  # portable record bytes before compression
+        self._hashes: list[int] = []
+        self._entries: list[tuple[int, int, int]] = []  # offset, length, check
+        self._write(_pack_header(number))
+
+    @property
+    def items(self) -> int:
+        return len(self._entries)
+
+    def add(self, pkey: bytes, payload: Any) -> int:
+        """Append one record; return its bytes on disk."""
+        parts = records.pack_record(pkey, payload, self.cctx)
+        head = parts[0]
+        self._hashes.append(key_hash(pkey))
+        length = sum(memoryview(p).nbytes for p in parts)
+        self._entries.append((self.size, length, _U32.unpack_from(head, _HEAD_CHECK_AT)[0]))
+        self.raw_bytes += memoryview(payload).nbytes
+        for part in parts:
+            self._write(part)
+        return length
+
+    def finish(self) -> SegmentInfo:
+        """Write the index and footer; return the segment's manifest entry."""
+        index = np.zeros(len(self._entries), INDEX_DTYPE)
+        if len(index):
+            index["hash"] = np.array(self._hashes, np.uint64)
+            cols = np.array(self._entries, np.uint64).reshape(-1, 3)
+            index["offset"], index["length"], index["check"] = cols[:, 0], cols[:, 1], cols[:, 2]
+            index = index[np.lexsort((index["offset"], index["hash"]))]
+        index_offset = self.size  # records end 8-byte aligned (spill records pad themselves)
+        body = index.tobytes()
+        self._write(body)
+        footer = _FOOTER.pack(FOOTER_MAGIC, FORMAT_VERSION, INDEX_DTYPE.itemsize, 0, index_offset,
+                              len(index), zlib.crc32(body), 0)
+        footer = footer[:36] + struct.pack("<I", zlib.crc32(footer[:36]))
+        self._write(footer)
+        return SegmentInfo(segment_name(self.number), self.size, len(index), segment_digest(body, footer))
+
+    def _write(self, data: Any) -> None:
+        n = memoryview(data).nbytes
+        self.f.write(data)
+        self.size += n
+
+
+def _pack_header(number: int) -> bytes:
+    head = _HEADER.pack(SEGMENT_MAGIC, FORMAT_VERSION, ALIGN, number, 0)
+    return head[:24] + struct.pack("<I", zlib.crc32(head[:24])) + bytes(4)
+
+
+def segment_digest(index_bytes: Any, footer: Any) -> str:
+    h = hashlib.sha256(index_bytes)
+    h.update(footer)
+    return h.hexdigest()
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Footer:
+    index_offset: int
+    count: int
+    index_crc: int
+    raw: bytes  # the footer's 40 bytes (for the segment digest)
+
+    @property
+    def index_bytes(self) -> int:
+        return self.count * INDEX_DTYPE.itemsize
+
+
+def parse_header(head: Any, where: str, number: int | None = None) -> None:
+    """Check a segment's first 32 bytes; raise SnapshotError naming ``where`` if they are wrong."""
+    head = bytes(head[:HEADER_BYTES])
+    if len(head) < HEADER_BYTES:
+        raise SnapshotError(f"{where} is {len(head)} bytes long, shorter than a segment header: it is "
+                            f"truncated; copy the snapshot again, or export it again")
+    magic, version, align, num, crc = _HEADER.unpack(head)
+    if magic != SEGMENT_MAGIC:
+        raise SnapshotError(f"{where} is not a shmcache snapshot segment (magic {magic!r}); the "
+                            f"snapshot holds a foreign file: copy it again, or export it again")
+    if version != FORMAT_VERSION:
+        raise SnapshotError(_version_message(where, version))
+    if crc != zlib.crc32(head[:24]) or align != ALIGN or (number is not None and num != number):
+        raise SnapshotError(f"{where}: its header is damaged (segment number {num}, alignment {align}); "
+                            f"copy the snapshot again, or export it again")
+
+
+def parse_footer(tail: Any, size: int, where: str) -> Footer:
+    """The footer from the file's last FOOTER_BYTES bytes (``size``: the file's length)."""
+    tail = bytes(tail[-FOOTER_BYTES:]) if len(tail) >= FOOTER_BYTES else bytes(tail)
+    if size < HEADER_BYTES + FOOTER_BYTES or len(tail) != FOOTER_BYTES:
+        raise SnapshotError(f"{where} is {size} bytes long, too short for a segment: it is truncated; "
+                            f"copy the snapshot again, or export it again")
+    magic, version, entry, _, offset, count, index_crc, crc = _FOOTER.unpack(tail)
+    if magic != FOOTER_MAGIC or crc != zlib.crc32(tail[:36]):
+        raise SnapshotError(f"{where} has no intact footer at its end (it was truncated or damaged, "
+                            f"size {size} bytes); copy the snapshot again, or export it again")
+    if version != FORMAT_VERSION:
+        raise SnapshotError(_version_message(where, version))
+    if entry != INDEX_DTYPE.itemsize or not HEADER_BYTES <= offset <= size - FOOTER_BYTES \
+            or offset + count * entry != size - FOOTER_BYTES:
+        raise SnapshotError(f"{where}: its footer says {count} index entries of {entry} bytes at "
+                            f"offset {offset}, which does not fit a file of {size} bytes; copy the "
+                            f"snapshot again, or export it again")
+    return Footer(offset, count, index_crc, tail)
+
+
+def parse_index(body: Any, footer: Footer, where: str) -> np.ndarray:
+    """The index array (read-only, sorted by hash) from its bytes; checked against the footer."""
+    if memoryview(body).nbytes != footer.index_bytes or zlib.crc32(body) != footer.index_crc:
+        raise SnapshotError(f"{where}: its index fails its checksum (damaged); copy the snapshot "
+                            f"again, or export it again")
+    index = np.frombuffer(body, INDEX_DTYPE)
+    ends = index["offset"] + index["length"]
+    if len(index) and (index["offset"].min() < HEADER_BYTES or ends.max() > footer.index_offset
+                       or (index["hash"][1:] < index["hash"][:-1]).any()):
+        raise SnapshotError(f"{where}: its index is not sorted or points outside its records; copy the snapshot "
+                            f"again, or export it again")
+    return index
+
+
+def read_record(buf: Any, offset: int, length: int, dctx: Any) -> tuple[bytes | None, Any, str | None]:
+    """``(portable key, payload, None)`` of the record at ``offset`` of ``buf`` (a segment's bytes
+    or an mmap), or ``(key or None, None, why)`` if it fails any check: a damaged record is a
+    miss, never a value."""
+    view = memoryview(buf).cast("B")[offset:offset + length]
+    if len(view) != length or length < records.RECORD_HEADER_BYTES:
+        return None, None, f"the record at offset {offset} is cut short"
+    key_len = _U16.unpack_from(view, _KEY_LEN_AT)[0]
+    pkey = bytes(view[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + key_len])
+    payload, why = records.unpack_record(view, pkey, dctx)
+    if payload is None:
+        return None, None, f"the record at offset {offset}: {why}"
+    return pkey, payload, None
+
+
+def iter_records(buf: Any, index: np.ndarray, dctx: Any) -> Iterator[tuple[bytes | None, Any, str | None]]:
+    """Every record of a segment in file order, as :func:`read_record` gives them."""
+    for offset, length in sorted(zip(index["offset"].tolist(), index["length"].tolist())):
+        yield read_record(buf, offset, length, dctx)
+
+
+def find(index: np.ndarray, hashes: np.ndarray, pkey: bytes) -> np.ndarray:
+    """The index rows whose hash is ``pkey``'s (``hashes``: the index's hash column, contiguous,
+    loaded once): usually one; the record's own key decides between colliding ones."""
+    h = np.uint64(key_hash(pkey))
+    lo = int(np.searchsorted(hashes, h, "left"))
+    hi = int(np.searchsorted(hashes, h, "right"))
+    return index[lo:hi]
+
+
+def _version_message(where: str, version: int) -> str:
+    return (f"{where} is snapshot format version {version}; this shmcache reads version "
+            f"{FORMAT_VERSION} only: import it with the shmcache that exported it, or export it again")
+
+
+# --- the manifest ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Manifest:
+    session: str
+    name: str
+    fingerprint: str | None
+    length: int | None
+    items: int
+    bytes: int
+    stored_bytes: int
+    layouts: dict
+    segments: list[SegmentInfo]
+    created: str = ""
+    shmcache: str = ""
+
+    def to_json(self) -> bytes:
+        doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+               "cache": {"session": self.session, "name": self.name, "fingerprint": self.fingerprint},
+               "length": self.length, "items": self.items, "bytes": self.bytes,
+               "stored_bytes": self.stored_bytes, "layouts": self.layouts, "key_hash": "index-word",
+               "created": self.created, "shmcache": self.shmcache,
+               "segments": [s.to_json() for s in self.segments]}
+        return (json.dumps(doc, indent=1) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SnapshotError(f"{where} is not JSON ({exc}); it is damaged: copy the snapshot again, "
+                                f"or export it again") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise SnapshotError(f"{where} is not a shmcache snapshot manifest (format "
+                                f"{doc.get('format') if isinstance(doc, dict) else None!r}); pass the "
+                                f"directory `shmcache export` wrote")
+        if doc.get("version") != FORMAT_VERSION:
+            raise SnapshotError(_version_message(where, doc.get("version")))
+        try:
+            cache = doc["cache"]
+            segments = [SegmentInfo(str(s["file"]), int(s["size"]), int(s["items"]), str(s["sha256"]))
+                        for s in doc["segments"]]
+            m = cls(str(cache["session"]), str(cache["name"]), cache.get("fingerprint"),
+                    None if doc.get("length") is None else int(doc["length"]), int(doc["items"]),
+                    int(doc["bytes"]), int(doc["stored_bytes"]), dict(doc.get("layouts") or {}),
+                    segments, str(doc.get("created", "")), str(doc.get("shmcache", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SnapshotError(f"{where} lacks a field or has a wrong one ({exc!r}); it is damaged: "
+                                f"copy the snapshot again, or export it again") from None
+        for s in m.segments:  # names come from a file: never a path out of the snapshot
+            if not _SEGMENT_RE.fullmatch(s.file):
+                raise SnapshotError(f"{where} names segment {s.file!r}, not a name an export writes; it is "
+                                    f"damaged or forged: export the snapshot again")
+        if sum(s.items for s in m.segments) != m.items:
+            raise SnapshotError(f"{where} says {m.items} items, its segments {sum(s.items for s in m.segments)}; "
+                                f"it is damaged: export the snapshot again")
+        return m
+
+
+def describe_layouts(layouts: dict[bytes, int]) -> dict:
+    """The manifest's ``layouts``: how many distinct ones, and each (base64) when there are few."""
+    out: dict = {"count": len(layouts)}
+    if len(layouts) <= _MAX_LISTED_LAYOUTS:
+        out["b64"] = [base64.b64encode(lay).decode() for lay in layouts]
+        out["items"] = list(layouts.values())
+    return out

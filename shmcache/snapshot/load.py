@@ -1,0 +1,317 @@
+"""Import: a snapshot into a cache's shared memory, at the speed of the disk.
+
+    report = import_snapshot("/data/snap", session="job")      # opens (or makes) the cache
+    report = import_into(store, loc, manifest)                  # into a store already open
+
+Every segment is checked before anything is stored (present, its size, header, footer, and index
+against the manifest's sha256: NOTE [snapshot format]), so a truncated, swapped or missing segment
+is an error naming it, not half an import. Then a thread pool reads the segments (file reads and
+zstd release the GIL) in chunks of whole records, checks each record, and stores the portable
+records of a chunk straight into shared memory under one hold of the lock
+(``CacheStore.put_records``: no decoding, one copy; raw records are not even copied out of the
+read buffer). A record that fails its checks is skipped and counted; an item that does not fit
+the cap spills when spilling is on, else is counted as rejected: the report says so, and what to
+do.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from .. import codec
+from .._faults import ARMED as _CRASH_TESTS
+from .._faults import crash_point
+from ..config import resolve_session_name
+from ..errors import CacheMismatch, InvalidArgument, SnapshotError
+from ..registry import write_json
+from ..spill import format as records
+from ..tiers import decode_portable, key_of_portable
+from . import format as fmt
+from .export import progress_bar
+from .location import Location, open_location
+
+__all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_index", "ImportReport"]
+
+log = logging.getLogger("shmcache")
+
+_CHUNK_BYTES = 4 << 20  # read this much of a segment at once (whole records; a larger one alone)
+_U16 = fmt._U16
+
+
+@dataclass
+class ImportReport:
+    """What an import stored."""
+
+    src: str
+    session: str
+    name: str
+    items: int = 0  # in the snapshot
+    imported: int = 0  # now in the cache (or were already: put keeps what is there)
+    spilled: int = 0  # of those, in spill files (the cap was reached with spilling on)
+    rejected: int = 0  # not stored: the cap was reached and spilling is off (or /dev/shm is full)
+    damaged: int = 0  # records that failed their checks: skipped
+    bytes: int = 0  # segment bytes read
+    seconds: float = 0.0
+    length: int | None = None
+    damaged_where: list = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.imported == self.items
+
+    def __str__(self) -> str:
+        rate = self.bytes / self.seconds / 2**20 if self.seconds else 0.0
+        text = (f"imported {self.imported} of {self.items} items into {self.session}/{self.name} from "
+                f"{self.src} ({self.bytes / 2**20:.1f} MiB in {self.seconds:.1f} s, {rate:.0f} MiB/s)")
+        if self.spilled:
+            text += f"; {self.spilled} of them spilled to disk (shared memory was full)"
+        if self.rejected:
+            text += (f"; {self.rejected} did not fit (the cache's cap is reached and it does not spill): "
+                     f"give it a larger size= (MiB), or spilling=True (--spilling --spill-dir DIR)")
+        if self.damaged:
+            text += (f"; {self.damaged} record(s) failed their checks and were skipped "
+                     f"({'; '.join(self.damaged_where[:3])}): copy the snapshot again")
+        return text
+
+
+def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -> tuple[Location, fmt.Manifest]:
+    """The snapshot's location and manifest; SnapshotError if there is no whole snapshot there."""
+    loc = open_location(src, storage_options)
+    try:
+        data = loc.read_bytes(fmt.MANIFEST)
+    except FileNotFoundError:
+        names = loc.listdir()
+        half = any(n.endswith(".tmp") or n.endswith(".shms") for n in names)
+        raise SnapshotError(
+            f"{loc.where(fmt.MANIFEST)} does not exist: "
+            + ("the export that wrote this snapshot did not finish (segments but no manifest); export "
+               "it again (--overwrite)" if half else "no snapshot there; pass the directory `shmcache "
+               "export` wrote")
+        ) from None
+    except OSError as exc:
+        raise loc.error(exc, "read") from None
+    return loc, fmt.Manifest.from_json(data, loc.where(fmt.MANIFEST))
+
+
+def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str | None = None,
+                    size_mb: int = 0, spilling: bool = False, spill_dir: str | os.PathLike | None = None,
+                    force: bool = False, threads: int | None = None, progress: bool | None = None,
+                    storage_options: dict | None = None) -> ImportReport:
+    """Import the snapshot at ``src`` into cache ``name`` (default: the exported cache's name) of
+    ``session``; the cache is made if needed (``size_mb``: its cap, 0 automatic)."""
+    from ..store import CacheStore
+
+    loc, manifest = read_manifest(src, storage_options)
+    store = CacheStore(resolve_session_name(session), name or manifest.name, capacity_bytes=size_mb << 20,
+                       table_hint=manifest.items)
+    try:
+        if spilling:
+            from ..spill import tier
+
+            tier.attach(store, spill_dir)
+        return import_into(store, loc, manifest, force=force, threads=threads, progress=progress)
+    finally:
+        store.close()
+
+
+def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: bool = False,
+                threads: int | None = None, progress: bool | None = None) -> ImportReport:
+    """Store the snapshot's items in ``store`` (a CacheStore, maybe with spilling attached)."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise InvalidArgument(f"threads must be a positive int or None, got {threads!r}")
+    started = time.perf_counter()
+    report = ImportReport(loc.url, store.session, store.name, items=manifest.items, length=manifest.length)
+    indexes = [read_segment_index(loc, seg, i) for i, seg in enumerate(manifest.segments)]  # all, first
+    _bind(store, manifest, force)
+    if getattr(store, "uncached", False):
+        report.rejected = manifest.items
+        return report
+    spilled_before = store.stats().get("items_disk", 0)
+    job = _Job(store, loc, report, progress_bar(progress, sum(s.size for s in manifest.segments),
+                                                 f"import {store.session}/{store.name}", "B"))
+    units = [u for seg, index in zip(manifest.segments, indexes) for u in _chunks(seg, index)]
+    workers = threads or min(4, os.cpu_count() or 1, max(1, len(units)))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="shmcache-import") as pool:
+            for fut in [pool.submit(job.chunk, *unit) for unit in units]:
+                fut.result()  # the first error (a segment that changed under us, a dead store) raises
+    finally:
+        job.bar.close()
+    report.spilled = max(0, store.stats().get("items_disk", 0) - spilled_before)
+    report.seconds = time.perf_counter() - started
+    if report.rejected or report.damaged:
+        log.warning("%s", report)
+    return report
+
+
+def _chunks(seg: fmt.SegmentInfo, index: np.ndarray):
+    """The segment's records in file order, as reads of up to _CHUNK_BYTES (a larger record alone):
+    ``(segment, start, end, offsets, lengths)``, the thread pool's units of work."""
+    order = np.argsort(index["offset"], kind="stable")
+    offsets = index["offset"][order].astype(np.int64)
+    ends = offsets + index["length"][order].astype(np.int64)
+    i, n = 0, len(order)
+    while i < n:
+        start = int(offsets[i])
+        j = i + 1 + int(np.searchsorted(ends[i + 1:], start + _CHUNK_BYTES, "right"))
+        yield seg, start, int(ends[j - 1]), offsets[i:j].tolist(), (ends[i:j] - offsets[i:j]).tolist()
+        i = j
+
+
+def read_segment_index(loc: Location, seg: fmt.SegmentInfo, number: int) -> np.ndarray:
+    """The index of segment ``number``, read with three ranged reads (header, footer, index) and
+    checked against the manifest: what a reader that looks keys up (format.find) starts from.
+    SnapshotError naming the file when it is missing, truncated, damaged or not the one named."""
+    where = loc.where(seg.file)
+    try:
+        size = loc.size(seg.file)
+        if size != seg.size:
+            raise SnapshotError(f"{where} is {size} bytes, the manifest says {seg.size}: it is "
+                                f"{'truncated' if size < seg.size else 'not the file exported'}; copy "
+                                f"the snapshot again, or export it again")
+        fmt.parse_header(loc.read_range(seg.file, 0, fmt.HEADER_BYTES), where, number)
+        footer = fmt.parse_footer(loc.read_range(seg.file, size - fmt.FOOTER_BYTES, size), size, where)
+        body = loc.read_range(seg.file, footer.index_offset, footer.index_offset + footer.index_bytes)
+    except FileNotFoundError:
+        raise SnapshotError(f"segment {where} is missing (the manifest names it); copy the whole "
+                            f"snapshot again") from None
+    except OSError as exc:
+        if isinstance(exc, SnapshotError):
+            raise
+        raise loc.error(exc, "read") from None
+    index = fmt.parse_index(body, footer, where)
+    if fmt.segment_digest(body, footer.raw) != seg.sha256 or len(index) != seg.items:
+        raise SnapshotError(f"{where} is not the segment the manifest names (its index hash or item "
+                            f"count differs): it was replaced or mixed with another snapshot's; copy "
+                            f"the snapshot again, or export it again")
+    return index
+
+
+def _bind(store: Any, manifest: fmt.Manifest, force: bool) -> None:
+    """Record the snapshot's dataset (fingerprint) and length in the cache; a cache holding another
+    dataset is refused (CacheMismatch) unless ``force``, which clears it first."""
+    if getattr(store, "uncached", False):
+        return
+    fp = manifest.fingerprint
+    known = store.read_meta().get("fingerprint")
+    if fp and known and known != fp:
+        if not force:
+            raise CacheMismatch(
+                f"cache {store.session}/{store.name} holds another dataset (fingerprint {known}) than "
+                f"the snapshot (fingerprint {fp}, of {manifest.session}/{manifest.name}); import it "
+                f"under another name (--name), or pass --force (force=True) to replace that cache's "
+                f"contents")
+        store.clear()
+    with store.locked():  # the cache's metadata is only ever rewritten under its lock
+        meta = store.read_meta()
+        if fp:
+            meta["fingerprint"] = fp
+        if manifest.length is not None:
+            meta["length"] = manifest.length
+        write_json(store.meta_path, meta)
+
+
+class _Job:
+    """The work of one import, shared by its threads."""
+
+    def __init__(self, store: Any, loc: Location, report: ImportReport, bar: Any):
+        self.store = store
+        self.loc = loc
+        self.report = report
+        self.bar = bar
+        self.lock = threading.Lock()  # the report's counters and the bar
+        self.layouts: set[bytes] = set()  # checked once each: they decode
+        self._local = threading.local()  # a zstd decompressor per thread
+
+    def chunk(self, seg: fmt.SegmentInfo, start: int, end: int, offsets: list[int], lengths: list[int]) -> None:
+        """Read records [start, end) of a segment in one read, check them, store them in one batch."""
+        buf = memoryview(self._read(seg, start, end))
+        dctx = self._dctx()
+        items, damaged = [], []
+        for off, length in zip(offsets, lengths):
+            item = self._checked(buf[off - start:off - start + length], dctx)
+            if item is None:
+                damaged.append(f"{seg.file} at offset {off}")
+            else:
+                items.append(item)
+        stored = sum(self.store.put_records(items)) if items else 0
+        if _CRASH_TESTS:
+            crash_point("snapshot_chunk")  # a chunk stored, the import not finished
+        with self.lock:
+            r = self.report
+            r.imported += stored
+            r.rejected += len(items) - stored
+            r.damaged += len(damaged)
+            r.bytes += end - start
+            r.damaged_where += damaged[:3]
+            self.bar.update(end - start)
+
+    def _dctx(self) -> Any:
+        dctx = getattr(self._local, "dctx", None)
+        if dctx is None:
+            dctx = self._local.dctx = zstandard.ZstdDecompressor()
+        return dctx
+
+    def _read(self, seg: fmt.SegmentInfo, start: int, end: int) -> Any:
+        try:
+            buf = self.loc.read_range(seg.file, start, end)
+        except OSError as exc:
+            raise self.loc.error(exc, "read") from None
+        if len(buf) != end - start:
+            raise SnapshotError(f"{self.loc.where(seg.file)} ended at {start + len(buf)} bytes while it was "
+                                f"imported (it was {seg.size}): it changed under the import; copy it again")
+        return buf
+
+    def _checked(self, view: memoryview, dctx: Any) -> tuple[Any, Any] | None:
+        """``(key, portable record)`` of one record, or None if it fails any check (damaged)."""
+        if len(view) < records.RECORD_HEADER_BYTES:
+            return None
+        key_len = _U16.unpack_from(view, fmt._KEY_LEN_AT)[0]
+        pkey = bytes(view[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + key_len])
+        head, _ = records.record_problem(view, pkey)
+        if head is None:
+            return None
+        start = records.RECORD_HEADER_BYTES + key_len + (-key_len % records.ALIGN)
+        stored = view[start:start + head.stored_len]
+        if head.flags & records.FLAG_ZSTD:
+            try:
+                payload: Any = dctx.decompress(stored, max_output_size=head.raw_len)
+            except zstandard.ZstdError:
+                return None
+            if len(payload) != head.raw_len:
+                return None
+        else:
+            payload = stored  # straight from the read buffer into shared memory
+        try:
+            key = key_of_portable(pkey)
+        except ValueError:
+            return None
+        return (key, payload) if self._layout_ok(payload) else None
+
+    def _layout_ok(self, payload: Any) -> bool:
+        """A layout seen for the first time must decode its record (checked bytes can still be a
+        forged or foreign record; after this, records of a known layout go in without decoding)."""
+        if len(payload) < codec.RECORD_HEADER.size:
+            return False
+        lid, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(payload, 0)
+        end = len(payload) - key_len
+        if lid != codec.INLINE or not codec.RECORD_HEADER.size <= end - lay_len < end:
+            return False  # what put_records would refuse
+        layout = bytes(payload[end - lay_len:end])
+        if layout in self.layouts:
+            return True
+        try:
+            decode_portable(bytearray(payload))
+        except Exception:  # noqa: BLE001 - any failure to decode is a damaged record
+            return False
+        self.layouts.add(layout)
+        return True

@@ -1,0 +1,675 @@
+"""The snapshot read-through tier: a snapshot read key by key behind a cache's shared memory.
+
+    tier = SnapshotTier("s3://bucket/snap")            # reads the manifest, checks its version
+    tier.bind("PhotoCrops-280c5b1a4d5f", fingerprint)  # CacheMismatch: a snapshot of another dataset
+    records = tier.get_many([portable_key(k) for k in keys])   # portable records, or None
+
+``ShmDatasetCache(..., snapshot=URL)`` (or ``$SHMCACHE_SNAPSHOT``) puts one in front of every
+other tier (``tiered``): a miss in shared memory reads just the records it needs from the
+snapshot, one batched read per batch, and admits them into shared memory (tiers.TieredStore).
+
+NOTE [snapshot read-through]
+    Opening reads manifest.json only: its format version, and the cache's identity, checked by
+    ``bind`` against the cache that reads it - fingerprints when both are known, else the cache's
+    name - so a snapshot of another dataset is refused (CacheMismatch) unless ``force``; it never
+    serves another dataset's values. A named cache whose dataset is not known yet (no wrap() so
+    far) reads nothing from a snapshot of a wrapped dataset until wrap() binds its fingerprint.
+    A manifest that cannot be reached yet (the store is down) is read again later; if it then
+    names another dataset the tier turns itself off (a log line: a tier never raises from a read).
+
+    The first read loads every segment's index: one ranged read of the file's tail (the index and
+    the footer are its last ``items * 32 + 40`` bytes; all segments in one ``cat_ranges`` call on
+    an fsspec store), checked like an import checks it (footer, index crc, the manifest's sha256
+    of index + footer). The indexes are merged into one array sorted by the key's index word, so a
+    batch is one ``np.searchsorted`` pair; colliding words are all read and the record's own key
+    decides. Then the records a batch needs are read in one call: on a local file (a path or
+    ``file://``) ``os.preadv`` on one descriptor per segment, adjacent records in one call; on an
+    fsspec store one ``fs.cat_ranges`` for the whole batch, bounded by ``timeout_s``. Each record
+    is checked by spill/format.py's ``unpack_record`` (magic, key, lengths, head and body checks)
+    and against its index entry's head check, and its payload - the portable record - returned.
+
+    The segment must still be the one whose index was loaded: each batch also checks every
+    segment it touches - a local file's link count (0: deleted) and its footer, re-read (40 bytes,
+    in the same ``cat_ranges`` call on a store) and compared with the one loaded. A segment that
+    was deleted, truncated or replaced is dropped for the rest of the run (its keys miss: they are
+    computed from the source); a record that fails its checks is a miss. Faults of the store
+    (unreachable, slow: the timeout) are misses too, and open a circuit breaker: for 1 s, doubling
+    up to 30 s while they go on, reads of the tier are misses without a call. Every condition is
+    logged once per process (the segment, the URL, the fix) and counted; nothing is raised, and a
+    wrong value is never returned.
+
+    Counters (hits, misses, bytes read, reads, errors, corrupt) live in one row per process of a
+    file beside the cache's metadata (``caches/NAME.snapshot``, a row per liveness slot, the same
+    scheme as NOTE [remote counts]): each process stores only its own row, one aligned word per
+    counter; ``stats()`` and ``shmcache stat`` sum the rows. The file ends with the URL read.
+
+    Per process: descriptors, the fsspec filesystem and the reader threads belong to the process
+    that made them; a forked child (a DataLoader worker) opens its own on first use, from the
+    manifest and indexes it inherited (nothing of them changes after loading).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from ..errors import CacheMismatch, InvalidArgument, SnapshotError
+from ..registry import MAX_SLOTS
+from ..spill import format as records
+from . import format as fmt
+from .location import FsspecLocation, LocalLocation, open_location
+
+__all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
+           "stats_keys", "check_options"]
+
+log = logging.getLogger("shmcache")
+
+ENV_SNAPSHOT = "SHMCACHE_SNAPSHOT"
+OPTIONS = ("force", "storage_options", "timeout_s")  # snapshot_options= of ShmDatasetCache
+COUNTERS = ("hits", "misses", "bytes_read", "reads", "errors", "corrupt")
+_I = {name: i for i, name in enumerate(COUNTERS)}
+_SLOT_WORDS = 8  # one 64-byte row per process slot (two words spare)
+_URL_BYTES = 512
+_BACKOFF_MIN_S, _BACKOFF_MAX_S = 1.0, 30.0
+_ENTRY = fmt.INDEX_DTYPE.itemsize
+_HEAD_CHECK_AT = fmt._HEAD_CHECK_AT
+_U32 = fmt._U32
+
+_REASONS = {
+    "unreachable": "cannot be read ({detail}); its items are computed from the source until it answers "
+                   "(retried after a pause; check the URL, the network and your credentials)",
+    "timeout": "did not answer within {t} s; its items are computed from the source until it answers "
+               "(raise snapshot_options={{'timeout_s': ...}} if it is only slow)",
+    "corrupt": "holds a record that fails its checks ({detail}); that item is computed from the source, "
+               "later ones are only counted ('snapshot_corrupt' in stats()); copy the snapshot again",
+}
+
+
+class _Fault(Exception):
+    """A fault of the store behind the tier (unreachable, slow): a miss, and the breaker opens."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind, self.detail = kind, detail
+
+
+def check_options(options: dict | None) -> dict:
+    """``snapshot_options`` checked: InvalidArgument for a key or value the tier does not take."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise InvalidArgument(f"snapshot_options must be a dict (keys {', '.join(OPTIONS)}), got "
+                              f"{type(options).__name__}")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise InvalidArgument(f"snapshot_options has unknown key(s) {unknown}; it takes {', '.join(OPTIONS)}")
+    t = options.get("timeout_s", 10.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+        raise InvalidArgument(f"snapshot_options['timeout_s'] must be a positive number of seconds, got {t!r}")
+    if not isinstance(options.get("force", False), bool):
+        raise InvalidArgument(f"snapshot_options['force'] must be True or False, got {options['force']!r}")
+    so = options.get("storage_options")
+    if so is not None and not isinstance(so, dict):
+        raise InvalidArgument(f"snapshot_options['storage_options'] must be a dict, got {type(so).__name__}")
+    return dict(options)
+
+
+class _Segment:
+    """One segment as the tier reads it; ``index`` etc. are set once it is loaded."""
+
+    def __init__(self, number: int, info: fmt.SegmentInfo):
+        self.number, self.info = number, info
+        self.footer: bytes | None = None  # the 40 bytes loaded: later reads compare against them
+        self.dead: str | None = None  # why it is no longer read (deleted, truncated, replaced)
+
+    @property
+    def tail_start(self) -> int:
+        return self.info.size - self.info.items * _ENTRY - fmt.FOOTER_BYTES
+
+
+class SnapshotTier:
+    """A snapshot as a read-only ``tiers.Tier`` (NOTE [snapshot read-through]); ``offer`` ignores.
+
+    ``url``: a local path or an fsspec URL. ``force``: serve it even if it names another dataset.
+    ``timeout_s``: the longest a read of an fsspec store may take (then a miss, and a pause).
+    ``counts_path`` and ``slot``: where this process's counters go (else they stay in it)."""
+
+    name = "snapshot"
+    read_only = True  # TieredStore.put offers it nothing (NOTE [tiers])
+
+    def __init__(self, url: str | os.PathLike, *, force: bool = False, storage_options: dict | None = None,
+                 timeout_s: float = 10.0, counts_path: str | os.PathLike | None = None,
+                 slot: Callable[[], int] | None = None):
+        self.url = os.fspath(url)
+        self.force = force
+        self.timeout_s = float(timeout_s)
+        self._storage_options = _with_timeouts(self.url, storage_options, self.timeout_s)
+        self._counts_path, self._slot = counts_path, slot
+        self._pid = -1
+        self._bound: tuple[str | None, str | None] | None = None  # (cache name, fingerprint) to check
+        self.manifest: fmt.Manifest | None = None
+        self.off: str | None = None  # why the tier serves nothing (a manifest of another dataset)
+        self.pending: str | None = None  # why it serves nothing yet (the cache's dataset is unknown)
+        self._segments: list[_Segment] = []
+        # the merged index: hashes sorted, and per row the segment number << 40 | its row there;
+        # replaced whole (never changed in place), so a reading thread sees one consistent state
+        self._merged = (np.zeros(0, np.uint64), np.zeros(0, np.int64), {})
+        self._indexes: dict[int, np.ndarray] = {}
+        self._unloaded: set[int] = set()
+        self._ensure()
+        try:
+            self._read_manifest()
+        except _Fault as fault:  # down now: read it again after the pause (NOTE [snapshot read-through])
+            self._fault(fault)
+        except BaseException:
+            self.close()  # its reader thread, if an fsspec store started one
+            raise
+
+    # --- per process -------------------------------------------------------------------------------
+
+    def _ensure(self) -> None:
+        if self._pid == os.getpid():
+            return
+        # a new process (or the first use): descriptors, threads and locks of the parent are not ours
+        self._lock = threading.Lock()  # counters, breaker, segments
+        self._load_lock = threading.Lock()  # one thread loads the indexes
+        self.loc = open_location(self.url, self._storage_options)
+        self.local = isinstance(self.loc, LocalLocation)
+        self._fds: dict[int, int] = {}
+        self._dead_fds: list[int] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._dctx = threading.local()
+        self._logged: set[str] = set()
+        self._retry_at, self._backoff = 0.0, 0.0
+        self._c = self._counts_row()
+        self._pid = os.getpid()
+
+    def _counts_row(self) -> np.ndarray:
+        if self._counts_path is None or self._slot is None:
+            return np.zeros(_SLOT_WORDS, np.uint64)
+        try:
+            row = _map_counts(Path(self._counts_path), self.url)[self._slot()]
+        except Exception as exc:  # noqa: BLE001 - counting is no reason to fail a read
+            log.warning("snapshot tier %s: this process's counts are kept in the process only (%s)",
+                        self.url, exc)
+            return np.zeros(_SLOT_WORDS, np.uint64)
+        if (row >= 1 << 62).any():  # garbage in the file: start the row again
+            row[:] = 0
+        return row
+
+    # --- opening: the manifest, the cache's identity ------------------------------------------------
+
+    def _read_manifest(self) -> None:
+        """Read and check manifest.json; SnapshotError when there is no snapshot of this version,
+        _Fault when the store cannot be reached (try again later)."""
+        try:
+            data = self._call(lambda: self.loc.read_bytes(fmt.MANIFEST), "read")
+        except FileNotFoundError:
+            raise SnapshotError(f"snapshot={self.url}: {self.loc.where(fmt.MANIFEST)} does not exist: no "
+                                f"whole snapshot is there; pass the directory or URL `shmcache export` "
+                                f"wrote") from None
+        except OSError as exc:  # a local file: no store to wait for (a store's faults are _Fault)
+            if isinstance(exc, SnapshotError):
+                raise
+            raise self.loc.error(exc, "read", fmt.MANIFEST) from None
+        manifest = fmt.Manifest.from_json(data, self.loc.where(fmt.MANIFEST))
+        self._segments = [_Segment(i, s) for i, s in enumerate(manifest.segments)]
+        self._unloaded = set(range(len(self._segments)))
+        self.manifest = manifest
+        if self._bound is not None:
+            self._check_identity(*self._bound)
+
+    def bind(self, name: str | None, fingerprint: str | None) -> None:
+        """Check that the snapshot holds the dataset of cache ``name`` (``fingerprint``: its
+        dataset's, when known); CacheMismatch if not, unless the tier was made with force."""
+        self._bound = (name, fingerprint)
+        if self.manifest is not None:
+            self._check_identity(name, fingerprint)
+
+    def _check_identity(self, name: str | None, fingerprint: str | None) -> None:
+        m = self.manifest
+        self.pending = None
+        if m.fingerprint and fingerprint:
+            same, what = m.fingerprint == fingerprint, f"fingerprint {m.fingerprint}, not {fingerprint}"
+        else:
+            same, what = m.name == name, f"cache {m.name!r}, not {name!r}"
+        if same or self.force:
+            self.off = None
+            return
+        if m.fingerprint and not fingerprint:  # a named cache that has not wrapped its dataset yet
+            self.pending = (f"snapshot tier {self.url}: not read until cache {name!r} wraps its dataset "
+                            f"(the snapshot is of dataset {m.fingerprint}, exported from {m.session}/"
+                            f"{m.name}; the cache's own dataset is not known yet)")
+            return
+        self.off = (f"the snapshot at {self.url} holds another dataset ({what}; exported from "
+                    f"{m.session}/{m.name})")
+        raise CacheMismatch(f"{self.off}: it would serve another dataset's values. Pass the snapshot of "
+                            f"this dataset, or snapshot_options={{'force': True}} if it is this dataset "
+                            f"(e.g. only the transform's code changed)")
+
+    # --- the Tier protocol ------------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> bytearray | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        out: list[bytearray | None] = [None] * len(keys)
+        if not len(keys):
+            return out
+        self._ensure()
+        try:
+            if self._ready():
+                self._lookup(keys, out)
+        except _Fault as fault:
+            self._fault(fault)
+        found = sum(v is not None for v in out)
+        with self._lock:
+            self._add("hits", found)
+            self._add("misses", len(keys) - found)
+        return out
+
+    def offer(self, items: Sequence[tuple[bytes, Any]]) -> None:
+        """Read-only: what the job computes is not written to the snapshot."""
+
+    def counters(self) -> dict[str, int]:
+        """This process's counts (NOTE [snapshot read-through])."""
+        self._ensure()
+        return {name: int(self._c[i]) for i, name in enumerate(COUNTERS)}
+
+    def totals(self) -> dict[str, int]:
+        """The counts summed over every process of the session (this process's when not shared)."""
+        shared = read_counts(self._counts_path) if self._counts_path and self._slot else None
+        return shared if shared is not None else self.counters()
+
+    def close(self) -> None:
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            for fd in [*self._fds.values(), *self._dead_fds]:
+                os.close(fd)
+            self._fds.clear()
+            self._dead_fds.clear()
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+
+    def __repr__(self) -> str:
+        return f"SnapshotTier({self.url!r})"
+
+    # --- reading ----------------------------------------------------------------------------------------
+
+    def _ready(self) -> bool:
+        """Whether reads may go to the store now: not paused, manifest and indexes loaded."""
+        if self.off is not None or time.monotonic() < self._retry_at:
+            return False
+        if self.pending is not None:
+            self._log("pending", self.pending)
+            return False
+        if self.manifest is None:
+            try:
+                self._read_manifest()
+            except (SnapshotError, CacheMismatch) as exc:  # it can no longer raise: turn the tier off
+                self.off = str(exc)
+                self._log("off", f"snapshot tier {self.url} is turned off: {exc}")
+                return False
+        if self._unloaded:
+            with self._load_lock:
+                if self._unloaded:
+                    self._load_indexes()
+        return True
+
+    def _load_indexes(self) -> None:
+        """Every segment's index and footer, one ranged read each (one call on an fsspec store)."""
+        todo = [self._segments[i] for i in sorted(self._unloaded)]
+        if self.local:
+            tails = []
+            for seg in todo:
+                try:
+                    fd = self._fd(seg)
+                    st = os.fstat(fd)
+                    if st.st_size != seg.info.size:
+                        raise SnapshotError(f"is {st.st_size} bytes, the manifest says {seg.info.size}")
+                    tails.append(os.pread(fd, seg.info.size - seg.tail_start, seg.tail_start))
+                except FileNotFoundError:
+                    tails.append(SnapshotError("is missing"))
+                except OSError as exc:
+                    tails.append(exc if isinstance(exc, SnapshotError) else SnapshotError(str(exc)))
+        else:
+            tails = self._cat([seg.info.file for seg in todo], [seg.tail_start for seg in todo],
+                              [seg.info.size for seg in todo])
+        for seg, tail in zip(todo, tails):
+            if isinstance(tail, BaseException):
+                if not _of_the_file(tail):
+                    raise _Fault("unreachable", f"{self.loc.where(seg.info.file)}: {tail!r}")
+                self._drop(seg, str(tail) if isinstance(tail, SnapshotError) else
+                           "is missing" if isinstance(tail, FileNotFoundError) else f"cannot be read ({tail})")
+                continue
+            with self._lock:
+                self._add("bytes_read", len(tail))
+            try:
+                self._indexes[seg.number] = self._parse_tail(seg, tail)
+            except SnapshotError as exc:
+                self._drop(seg, str(exc))
+        self._unloaded.clear()
+        self._merge()
+
+    def _parse_tail(self, seg: _Segment, tail: bytes) -> np.ndarray:
+        where = self.loc.where(seg.info.file)
+        if len(tail) != seg.info.size - seg.tail_start:
+            raise SnapshotError(f"is truncated (read {len(tail)} bytes of its index and footer)")
+        body, footer_raw = tail[:-fmt.FOOTER_BYTES], tail[-fmt.FOOTER_BYTES:]
+        footer = fmt.parse_footer(footer_raw, seg.info.size, where)
+        index = fmt.parse_index(body, footer, where)
+        if fmt.segment_digest(body, footer.raw) != seg.info.sha256 or len(index) != seg.info.items:
+            raise SnapshotError("is not the segment the manifest names (its index hash or item count "
+                                "differs): it was replaced or mixed with another snapshot's")
+        seg.footer = footer.raw
+        return index
+
+    def _merge(self) -> None:
+        parts = [(n, idx) for n, idx in sorted(self._indexes.items()) if self._segments[n].dead is None]
+        if not parts:
+            self._merged = (np.zeros(0, np.uint64), np.zeros(0, np.int64), {})
+            return
+        hashes = np.concatenate([idx["hash"] for _, idx in parts])
+        rows = np.concatenate([(np.int64(n) << 40) | np.arange(len(idx), dtype=np.int64) for n, idx in parts])
+        order = np.argsort(hashes, kind="stable")
+        self._merged = (np.ascontiguousarray(hashes[order]), rows[order], dict(parts))
+
+    def _lookup(self, keys: Sequence[bytes], out: list) -> None:
+        merged, rows, indexes = self._merged
+        hashes = np.frombuffer(b"".join(bytes(k[:8]).ljust(8, b"\0") for k in keys), "<u8")
+        lo = np.searchsorted(merged, hashes, "left")
+        hi = np.searchsorted(merged, hashes, "right")
+        found = np.nonzero(hi > lo)[0]
+        if not len(found):
+            return
+        # every candidate row (usually one per key; colliding index words give several)
+        cnt = (hi - lo)[found]
+        key_i = np.repeat(found, cnt)
+        first = np.repeat(lo[found] - (np.cumsum(cnt) - cnt), cnt)
+        cand = rows[first + np.arange(len(key_i))]
+        seg_of, row_of = cand >> 40, cand & ((1 << 40) - 1)
+        wanted: dict[int, list[tuple[int, int, int, int]]] = {}  # segment -> (key i, offset, length, check)
+        for seg_n in np.unique(seg_of).tolist():
+            sel = seg_of == seg_n
+            e = indexes[seg_n][row_of[sel]]
+            wanted[seg_n] = list(zip(key_i[sel].tolist(), e["offset"].tolist(), e["length"].tolist(),
+                                     e["check"].tolist()))
+        reads = self._read_local(wanted) if self.local else self._read_remote(wanted)
+        dctx, nbytes, corrupt = self._decompressor(), 0, []
+        for seg_n, items in wanted.items():
+            bufs = reads.get(seg_n)
+            if bufs is None:
+                continue  # the segment changed under us: dropped, its keys miss
+            for (i, offset, length, check), buf in zip(items, bufs):
+                nbytes += len(buf)
+                if out[i] is not None:
+                    continue  # a colliding candidate already matched
+                why = "it is cut short" if len(buf) != length else None
+                if why is None and _U32.unpack_from(buf, _HEAD_CHECK_AT)[0] != check:
+                    why = "its head check is not its index entry's"
+                payload = None
+                if why is None:
+                    payload, why = records.unpack_record(buf, bytes(keys[i]), dctx)
+                if payload is not None:
+                    out[i] = payload
+                elif why != "it holds another key" and not why.startswith("its key is"):
+                    corrupt.append((seg_n, offset, why))  # (another key's intact record: a collision)
+        with self._lock:
+            self._add("reads", 1)
+            self._add("bytes_read", nbytes)
+            self._add("corrupt", len(corrupt))
+        if corrupt:
+            seg_n, offset, why = corrupt[0]
+            detail = f"{self.loc.where(self._segments[seg_n].info.file)} at offset {offset}: {why}"
+            self._log("corrupt", f"snapshot tier {self.url} {_REASONS['corrupt'].format(detail=detail)}")
+
+    def _read_local(self, wanted: dict) -> dict[int, list]:
+        """The records of each segment: preadv on its descriptor, adjacent records in one call."""
+        out = {}
+        for seg_n, items in wanted.items():
+            seg = self._segments[seg_n]
+            try:
+                fd = self._fd(seg)
+                if os.fstat(fd).st_nlink == 0:
+                    raise SnapshotError("was deleted while the job ran")
+                tail = os.pread(fd, fmt.FOOTER_BYTES, seg.info.size - fmt.FOOTER_BYTES)
+                if tail != seg.footer:
+                    raise SnapshotError("was truncated or rewritten while the job ran (its footer changed)")
+                bufs: list = [None] * len(items)
+                order = sorted(range(len(items)), key=lambda j: items[j][1])
+                run: list[int] = []
+                for j in order + [None]:
+                    if run and (j is None or items[j][1] != items[run[-1]][1] + items[run[-1]][2]):
+                        views = [bytearray(items[k][2]) for k in run]
+                        got = os.preadv(fd, views, items[run[0]][1])
+                        for k, v in zip(run, views):  # a short read leaves later buffers short
+                            take = max(0, min(len(v), got))
+                            bufs[k] = v if take == len(v) else v[:take]
+                            got -= len(v)
+                        run = []
+                    if j is not None:
+                        run.append(j)
+            except (OSError, SnapshotError) as exc:
+                self._drop(seg, str(exc) if isinstance(exc, SnapshotError) else f"cannot be read: {exc}")
+                continue
+            out[seg_n] = bufs
+        return out
+
+    def _read_remote(self, wanted: dict) -> dict[int, list]:
+        """The records of every segment in one ``cat_ranges`` call, with each segment's footer."""
+        paths, starts, ends, where = [], [], [], []
+        for seg_n, items in wanted.items():
+            seg = self._segments[seg_n]
+            paths.append(seg.info.file)
+            starts.append(seg.info.size - fmt.FOOTER_BYTES)
+            ends.append(seg.info.size)
+            where.append(seg_n)
+            for _, offset, length, _ in items:
+                paths.append(seg.info.file)
+                starts.append(offset)
+                ends.append(offset + length)
+        got = self._cat(paths, starts, ends)
+        out, pos = {}, 0
+        for seg_n in where:
+            seg, n = self._segments[seg_n], len(wanted[seg_n])
+            footer, bufs = got[pos], got[pos + 1:pos + 1 + n]
+            pos += 1 + n
+            errors = [b for b in [footer, *bufs] if isinstance(b, BaseException)]
+            faults = [e for e in errors if not _of_the_file(e)]
+            if faults:
+                raise _Fault("unreachable", f"{self.loc.where(seg.info.file)}: {faults[0]!r}")
+            if any(isinstance(e, FileNotFoundError) for e in errors):
+                self._drop(seg, "was deleted while the job ran")
+            elif errors or footer != seg.footer:  # a range past its end: it is shorter now
+                self._drop(seg, "was truncated or rewritten while the job ran (its footer changed)")
+            else:
+                out[seg_n] = bufs
+        return out
+
+    def _cat(self, names: list[str], starts: list[int], ends: list[int]) -> list:
+        """``fs.cat_ranges`` on the snapshot's files, each result bytes or the exception; a fault of
+        the whole call (or one longer than ``timeout_s``) raises _Fault."""
+        loc: FsspecLocation = self.loc
+        paths = [loc._p(n) for n in names]
+        return self._call(lambda: loc.fs.cat_ranges(paths, starts, ends, on_error="return"), "read")
+
+    def _call(self, fn: Callable, what: str) -> Any:
+        """``fn()`` bounded by ``timeout_s`` on a store (a local file needs no bound)."""
+        if self.local:
+            return fn()
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="shmcache-snapshot")
+        fut = self._pool.submit(fn)
+        try:
+            return fut.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise _Fault("timeout", f"{what} {self.url}") from None
+        except (FileNotFoundError, SnapshotError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the store's client raises is a fault
+            raise _Fault("unreachable", f"{type(exc).__name__}: {exc}") from None
+
+    # --- faults -----------------------------------------------------------------------------------------
+
+    def _fault(self, fault: _Fault) -> None:
+        with self._lock:
+            self._add("errors", 1)
+            self._backoff = min(max(_BACKOFF_MIN_S, 2 * self._backoff), _BACKOFF_MAX_S)
+            self._retry_at = time.monotonic() + self._backoff
+        text = _REASONS[fault.kind].format(detail=fault.detail, t=self.timeout_s)
+        self._log(fault.kind, f"snapshot tier {self.url} {text}")
+
+    def _drop(self, seg: _Segment, why: str) -> None:
+        """A segment that can no longer be trusted: its keys miss from now on."""
+        with self._lock:
+            if seg.dead is not None:
+                return
+            seg.dead = why
+            self._add("errors", 1)
+            fd = self._fds.pop(seg.number, None)
+            if fd is not None:  # closed at close(): another thread may be reading it right now
+                self._dead_fds.append(fd)
+            if self._indexes.pop(seg.number, None) is not None:
+                self._merge()
+        self._log(f"seg{seg.number}", f"snapshot tier: segment {self.loc.where(seg.info.file)} {why}; its "
+                                      f"{seg.info.items} items are computed from the source from now on "
+                                      f"(copy the snapshot again, or export it again)")
+
+    def _log(self, condition: str, text: str) -> None:
+        if condition not in self._logged:
+            self._logged.add(condition)
+            log.warning("%s", text)
+
+    def _add(self, counter: str, n: int) -> None:
+        """Count into this process's row (the caller holds the lock)."""
+        if n:
+            self._c[_I[counter]] += np.uint64(n)
+
+    def _fd(self, seg: _Segment) -> int:
+        fd = self._fds.get(seg.number)
+        if fd is None:
+            fd = os.open(self.loc.path / seg.info.file, os.O_RDONLY | os.O_CLOEXEC)
+            self._fds[seg.number] = fd
+        return fd
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        d = getattr(self._dctx, "d", None)
+        if d is None:
+            d = self._dctx.d = zstandard.ZstdDecompressor()  # not thread-safe: one per thread
+        return d
+
+    def __getstate__(self) -> dict:
+        raise TypeError("a SnapshotTier is not pickled; pickle the ShmDatasetCache, which opens its own")
+
+
+def _of_the_file(exc: BaseException) -> bool:
+    """Whether a failed range read is the file's fault (gone, or shorter than the range: S3's
+    416 arrives as EINVAL) rather than the store's (unreachable, slow: the breaker's business)."""
+    return isinstance(exc, (FileNotFoundError, SnapshotError, ValueError)) or (
+        isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ERANGE))
+
+
+def _with_timeouts(url: str, storage_options: dict | None, timeout_s: float) -> dict | None:
+    """s3fs retries a refused connection for minutes by default: bound it by ``timeout_s``
+    (unless the caller configured it)."""
+    opts = dict(storage_options or {})
+    if url.startswith(("s3://", "s3a://")) and "config_kwargs" not in opts:
+        opts["config_kwargs"] = {"connect_timeout": timeout_s, "read_timeout": timeout_s,
+                                 "retries": {"max_attempts": 1}}
+    return opts or None
+
+
+# --- counters shared by the processes of a session -------------------------------------------------
+
+
+def counts_path(registry, session: str, name: str) -> Path:
+    """The file of a cache's snapshot counters (NOTE [snapshot read-through]), beside its metadata."""
+    return registry.session_dir(session) / "caches" / f"{name}.snapshot"
+
+
+def _map_counts(path: Path, url: str) -> np.ndarray:
+    """The (MAX_SLOTS, 8) words of a counts file, mapped shared; made (all zeros) if missing."""
+    rows = MAX_SLOTS * _SLOT_WORDS * 8
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_size < rows + _URL_BYTES:
+            os.ftruncate(fd, rows + _URL_BYTES)  # two makers at once truncate to one size: harmless
+        mm = mmap.mmap(fd, rows + _URL_BYTES)
+    finally:
+        os.close(fd)
+    raw = url.encode()[:_URL_BYTES].ljust(_URL_BYTES, b"\0")
+    if mm[rows:] != raw:
+        mm[rows:] = raw
+    return np.ndarray((MAX_SLOTS, _SLOT_WORDS), np.uint64, mm)
+
+
+def read_counts(path: str | os.PathLike) -> dict | None:
+    """A cache's snapshot counters summed over every process, and ``url`` (None: no snapshot tier
+    was ever in force for it)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    n = min(len(raw), MAX_SLOTS * _SLOT_WORDS * 8) // 64 * 64
+    rows = np.frombuffer(raw[:n], np.uint64).reshape(-1, _SLOT_WORDS)
+    rows = rows[(rows < 1 << 62).all(axis=1)]  # a garbage row is a stat, not worth failing over
+    total = rows.sum(axis=0) if len(rows) else np.zeros(_SLOT_WORDS, np.uint64)
+    out: dict = {name: int(total[i]) for i, name in enumerate(COUNTERS)}
+    out["url"] = raw[n:n + _URL_BYTES].rstrip(b"\0").decode(errors="replace") or None
+    return out
+
+
+def stats_keys(counts: dict | None) -> dict:
+    """The ``snapshot`` and ``snapshot_*`` keys of ``stats()`` and ``shmcache stat``."""
+    out = {"snapshot": (counts or {}).get("url")}
+    out.update({f"snapshot_{k}": (counts or {}).get(k, 0) for k in COUNTERS})
+    return out
+
+
+# --- wiring ---------------------------------------------------------------------------------------------
+
+
+def tiered(local: Any, url: str | os.PathLike, name: str, fingerprint: str | None, registry,
+           options: dict | None = None) -> Any:
+    """``local`` (a CacheStore, or a TieredStore already) with the snapshot at ``url`` as its first
+    tier: read-only, exact and cheap, it is asked before a remote (NOTE [tiers])."""
+    from .. import process_slot
+    from ..tiers import TieredStore
+
+    shared = not getattr(local, "uncached", False)  # an uncached store holds no liveness slot
+    base = local.local if isinstance(local, TieredStore) else local
+    tier = SnapshotTier(url, **check_options(options),
+                        counts_path=counts_path(registry, base.session, base.name) if shared else None,
+                        slot=(lambda: process_slot.slot(registry, base.session)) if shared else None)
+    try:
+        tier.bind(name, fingerprint)
+    except BaseException:
+        tier.close()
+        raise
+    if isinstance(local, TieredStore):
+        local.behind.insert(0, tier)
+        return local
+    return TieredStore(local, [tier])
+
+
+def snapshot_tier(store: Any) -> SnapshotTier | None:
+    """The snapshot tier behind ``store``, if any."""
+    for tier in getattr(store, "behind", ()):
+        if isinstance(tier, SnapshotTier):
+            return tier
+    return None

@@ -1,0 +1,426 @@
+"""``--remote`` on the launcher, with real ``redis-server`` processes and real launchers.
+
+Several nodes are simulated on this machine: one launcher per node (``--nnodes N --node-rank K
+--master-addr 127.0.0.1``), each with its own ``$SHMCACHE_DIR``. The workers are
+``launch_scripts/remote_ping.py``: each writes what ``$SHMCACHE_REMOTE`` it got, whether every
+endpoint answered AUTH + PING, and which ``redis-server`` processes its launcher started. The
+tests then check the servers are gone when the job ends - on success, a failing worker, SIGINT,
+SIGKILL of a launcher, a node that never comes - and that no password reaches the launchers'
+output or process titles. Skipped when redis-server is missing, except under
+``$SHMCACHE_REQUIRE_REAL_PARTS=1`` (CI), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from shmcache.launch import main
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
+PING = str(SCRIPTS / "remote_ping.py")
+LAUNCH = [sys.executable, "-m", "shmcache.launch"]
+REDIS_SERVER = shutil.which("redis-server")
+
+REQUIRED = os.environ.get("SHMCACHE_REQUIRE_REAL_PARTS") == "1"
+
+if REDIS_SERVER is None and REQUIRED:
+    raise RuntimeError("redis-server is missing but $SHMCACHE_REQUIRE_REAL_PARTS=1: install it "
+                       "(`apt-get install redis-server`) - these tests must run here")
+needs_redis = pytest.mark.skipif(REDIS_SERVER is None,
+                                 reason="redis-server is not installed (apt-get install redis-server)")
+
+
+@pytest.fixture(autouse=True)
+def launcher_environment(monkeypatch, tmp_path_factory):
+    """Launchers and workers import shmcache from this checkout; temporary files stay in the
+    test's directory (a SIGKILLed launcher cannot remove its own)."""
+    paths = [str(REPO), str(SCRIPTS), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmpdir")))
+    monkeypatch.delenv("SHMCACHE_REMOTE", raising=False)
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    """Start launchers as simulated nodes, each with its own namespace; killed at teardown."""
+    started: list[subprocess.Popen] = []
+    master_port = free_port_pair()
+
+    def start(node_rank: int, nnodes: int, *args: str, port: int | None = None) -> subprocess.Popen:
+        env = {**os.environ, "SHMCACHE_DIR": str(tmp_path / f"ns-node{node_rank}")}
+        common = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr",
+                  "127.0.0.1", "--master-port", str(port or master_port)]
+        proc = subprocess.Popen([*LAUNCH, *common, *args], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def free_port_pair() -> int:
+    """A port P such that P and P + 1 (the exchange of endpoints) are free now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65535:
+            with socket.socket() as s:
+                try:
+                    s.bind(("", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def read_reports(out_dir: Path, count: int, timeout_s: float = 30.0) -> list[dict]:
+    names = [out_dir / f"remote-{r}.json" for r in range(count)]
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in names):
+        assert time.monotonic() < deadline, f"not every worker reported in {out_dir}"
+        time.sleep(0.02)
+    return [json.loads(p.read_text()) for p in names]
+
+
+def is_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def answers_anything(endpoint: str) -> bool:
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def assert_servers_gone(reports: list[dict], timeout_s: float = 10.0) -> None:
+    """Every redis-server the launchers started has exited, and no endpoint accepts a connection."""
+    pids = {int(pid) for r in reports for pid in r["redis_servers"]}
+    endpoints = {e for r in reports for e in r.get("endpoints", [])}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if not is_gone(p)]
+        listening = [e for e in endpoints if answers_anything(e)]
+        if not alive and not listening:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"redis-server left running: pids {alive}, endpoints {listening}")
+
+
+def password_of(url: str) -> str:
+    password = urlsplit(url).password
+    assert password and len(password) >= 16, url
+    return password
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 60.0) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout_s)
+    return proc.returncode, out, err
+
+
+def check_job(reports: list[dict], nnodes: int) -> str:
+    """Every worker got the same redis+shards URL, N endpoints by node rank, all answering."""
+    urls = {r["url"] for r in reports}
+    assert len(urls) == 1, urls
+    url = urls.pop()
+    assert url.startswith("redis+shards://:"), url
+    servers = [r["redis_servers"] for r in reports]
+    for report in reports:
+        assert len(report["endpoints"]) == nnodes, report
+        assert report["answers"] == [True] * nnodes, report
+        assert len(report["redis_servers"]) == 1, report  # one server per node, the launcher's
+    # node K's server is the K-th endpoint (the remote tier shards over them in this order)
+    by_node = {r["launcher"]: r for r in reports}
+    assert len(by_node) == nnodes
+    for report in reports:
+        (cmdline,) = report["redis_servers"].values()
+        assert password_of(url) not in cmdline
+    assert len({tuple(s) for s in servers}) == nnodes
+    return url
+
+
+# --- --remote spawn: N launchers, one redis-server each ---------------------------------------
+
+
+@needs_redis
+def test_spawn_gives_every_worker_the_same_shards_and_stops_them_after_success(tmp_path, nodes):
+    procs = [nodes(k, 2, "--nproc", "2", "--remote", "spawn:64", PING, str(tmp_path), *["exit0"] * 4)
+             for k in (0, 1)]
+    results = [finish(p) for p in procs]
+    reports = read_reports(tmp_path, 4, timeout_s=1)
+    for code, _out, err in results:
+        assert code == 0, err
+    url = check_job(reports, 2)
+    endpoints = reports[0]["endpoints"]
+    for report in reports:
+        node = report["rank"] // 2
+        (cmdline,) = report["redis_servers"].values()
+        assert cmdline.endswith(f"redis-server {endpoints[node]}")  # the K-th endpoint: node K
+    assert_servers_gone(reports)
+    secret = password_of(url)
+    for _code, out, err in results:
+        assert secret not in out and secret not in err
+        assert "redis+shards://:***@" in err  # the launcher says what it set, masked
+
+
+@needs_redis
+def test_spawn_servers_stop_when_a_worker_fails(tmp_path, nodes):
+    procs = [nodes(k, 2, "--remote", "spawn", PING, str(tmp_path), "exit0", "raise")
+             for k in (0, 1)]
+    (code0, out0, err0), (code1, out1, err1) = [finish(p) for p in procs]
+    reports = read_reports(tmp_path, 2, timeout_s=1)
+    assert code0 == 0, err0
+    assert code1 == 1, err1
+    assert "shmcache.launch: rank 1 (pid" in err1 and "failed first: exit code 1" in err1
+    check_job(reports, 2)
+    assert_servers_gone(reports)
+    secret = password_of(reports[0]["url"])
+    assert secret not in out0 + err0 + out1 + err1
+
+
+@needs_redis
+def test_spawn_servers_stop_on_sigint(tmp_path, nodes):
+    procs = [nodes(k, 2, "--remote", "spawn", PING, str(tmp_path), "sleep", "sleep") for k in (0, 1)]
+    reports = read_reports(tmp_path, 2)
+    check_job(reports, 2)
+    for proc in procs:
+        proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        code, out, err = finish(proc, timeout_s=30)
+        assert code == 130, err
+        assert password_of(reports[0]["url"]) not in out + err
+    assert_servers_gone(reports)
+
+
+@needs_redis
+def test_spawn_servers_die_with_a_sigkilled_launcher(tmp_path, nodes):
+    """No code runs in a SIGKILLed launcher: PR_SET_PDEATHSIG and the guard stop its server."""
+    procs = [nodes(k, 2, "--remote", "spawn", PING, str(tmp_path), "sleep", "sleep") for k in (0, 1)]
+    reports = read_reports(tmp_path, 2)
+    check_job(reports, 2)
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.wait(timeout=10)
+    assert_servers_gone(reports)
+    for report in reports:  # and the workers went with them
+        deadline = time.monotonic() + 10
+        while not is_gone(report["pid"]):
+            assert time.monotonic() < deadline, f"worker {report['pid']} survived its launcher"
+            time.sleep(0.05)
+
+
+@needs_redis
+def test_a_node_that_never_comes_is_named_within_the_timeout(tmp_path, nodes):
+    """3 nodes announced, 2 start: both fail within --rdzv-timeout, naming node rank 2, and stop
+    their servers; no worker starts."""
+    procs = [nodes(k, 3, "--remote", "spawn", "--rdzv-timeout", "2", PING, str(tmp_path), "exit0")
+             for k in (0, 1)]
+    start = time.monotonic()
+    results = [finish(p, timeout_s=30) for p in procs]
+    assert time.monotonic() - start < 2 + 5 + 5  # the timeout, the grace of a node, slack
+    for code, _out, err in results:
+        assert code == 1, err
+        assert "node ranks [2]" in err, err
+    assert "never reached node 0: [2]" in results[0][2]
+    assert not list(tmp_path.glob("remote-*.json"))  # no worker ran
+    left = [p for p in _redis_servers_started_here() if not is_gone(p)]
+    assert left == []
+
+
+@needs_redis
+def test_sigint_while_waiting_for_the_other_nodes_stops_the_server(tmp_path, nodes):
+    proc = nodes(0, 2, "--remote", "spawn", "--rdzv-timeout", "60", PING, str(tmp_path), "exit0")
+    deadline = time.monotonic() + 30
+    while not (servers := _redis_servers_started_here()):  # node 0's is up; node 1 never comes
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    code, _out, err = finish(proc, timeout_s=10)
+    assert code == 130, err
+    assert "received SIGINT while preparing --remote spawn" in err
+    deadline = time.monotonic() + 10
+    while [p for p in servers if not is_gone(p)]:
+        assert time.monotonic() < deadline, "node 0's redis-server outlived its launcher's Ctrl-C"
+        time.sleep(0.05)
+
+
+def _redis_servers_started_here() -> list[int]:
+    """redis-server processes whose working directory is under this test's TMPDIR."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if os.path.basename(f.read().split(b" ", 1)[0].split(b"\0", 1)[0]) != b"redis-server":
+                    continue
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:
+            continue
+        if cwd.startswith(os.environ["TMPDIR"]):
+            pids.append(int(entry))
+    return pids
+
+
+@needs_redis
+def test_spawn_on_one_node_needs_no_exchange(tmp_path, capsys):
+    assert main(["--remote", "spawn:32", PING, str(tmp_path), "exit0"]) == 0
+    (report,) = read_reports(tmp_path, 1, timeout_s=1)
+    assert len(report["endpoints"]) == 1 and report["answers"] == [True]
+    assert report["endpoints"][0].startswith("127.0.0.1:")
+    assert_servers_gone([report])
+    captured = capsys.readouterr()
+    assert password_of(report["url"]) not in captured.out + captured.err
+
+
+def test_missing_redis_server_names_the_package(tmp_path, monkeypatch, capsys):
+    """PATH without redis-server: exit 1 before any worker, naming apt-get and --remote URL."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    assert main(["--remote", "spawn", PING, str(tmp_path), "exit0"]) == 1
+    err = capsys.readouterr().err
+    assert "redis-server is not installed" in err
+    assert "apt-get install redis-server" in err
+    assert "--remote redis://" in err
+    assert not list(tmp_path.glob("remote-*.json"))
+
+
+# --- --remote URL: passed on as it is, never shown --------------------------------------------
+
+
+def test_remote_url_reaches_the_workers_and_its_password_no_title(tmp_path, nodes):
+    url = "redis://:s3cret-Passw0rd@127.0.0.1:6399/2"
+    proc = nodes(0, 1, "--remote", url, "--no-python", sys.executable, "-c",
+                 "import os, sys, time; open(sys.argv[1], 'w').write(os.environ['SHMCACHE_REMOTE']);"
+                 " time.sleep(60)", str(tmp_path / "url"))
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "url").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert (tmp_path / "url").read_text() == url
+    with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+        title = f.read()
+    assert b"s3cret-Passw0rd" not in title
+    assert b"redis://:***@127.0.0.1:6399/2" in title
+    proc.send_signal(signal.SIGTERM)
+    _code, out, err = finish(proc)
+    assert "s3cret-Passw0rd" not in out + err
+
+
+@pytest.mark.parametrize(("value", "shown"), [
+    ("http://:hunter2@10.0.0.1:6379", "http://:***@10.0.0.1:6379"),
+    ("redis://:hunter2@10.0.0.1:99999", "redis://:***@10.0.0.1:99999"),  # the tier's own parser
+    ("spawn:0", "spawn:0"),
+    ("spawn:lots", "spawn:lots"),
+])
+def test_bad_remote_is_a_usage_error_without_the_password(value, shown, capsys):
+    assert main(["--remote", value, PING, "/nonexistent", "exit0"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --remote" in err and shown in err
+    assert "hunter2" not in err
+
+
+
+# --- end to end: a training job over the spawned servers and the remote tier -------------------
+
+
+@needs_redis
+@pytest.mark.skipif(importlib.util.find_spec("redis") is None and not REQUIRED,
+                    reason="redis-py is not installed (pip install 'shmcache[redis]')")
+def test_two_nodes_over_spawned_redis_compute_each_item_about_once(tmp_path, nodes):
+    """2 launchers x 2 ranks, --remote spawn: epoch 1 computes each item once in the job (each
+    rank its shard), epoch 2 reads every item on every node - its own node's from shared memory,
+    the other's from the other node's Redis - and nothing is computed again."""
+    n = 240
+    train = str(SCRIPTS / "remote_train.py")
+    procs = [nodes(k, 2, "--nproc", "2", "--remote", "spawn:64", "--destroy-session", train,
+                   str(tmp_path), str(n)) for k in (0, 1)]
+    results = [finish(p, timeout_s=100) for p in procs]
+    for code, _out, err in results:
+        assert code == 0, err[-3000:]
+    records = [json.loads((tmp_path / f"train-{r}.json").read_text()) for r in range(4)]
+    assert [r["wrong"] for r in records] == [[]] * 4  # every value equals the source, every node
+    calls = [int(i) for i in (tmp_path / "calls").read_text().split()]
+    assert set(calls) == set(range(n))
+    in_wrap = sum(r["calls_in_wrap"] for r in records)  # wrap() computes a few to fingerprint
+    assert len(calls) - in_wrap <= 1.05 * n, f"{len(calls)} computations ({in_wrap} in wrap) for {n}"
+    for node in (0, 1):  # a node's counters are shared by its ranks: the last to finish saw all
+        hits = max(r["stats"]["remote_hits"] for r in records[2 * node:2 * node + 2])
+        assert hits >= n // 2 - 8, records[2 * node]["stats"]  # the other node's half, from Redis
+    url = records[0]["url"]
+    assert {r["url"] for r in records} == {url}
+    secret = password_of(url)
+    for _code, out, err in results:
+        assert secret not in out + err
+    endpoints = urlsplit(url).netloc.rsplit("@", 1)[1].split(",")
+    assert_servers_gone([{"redis_servers": {}, "endpoints": endpoints}])
+
+
+# --- the Slurm recipe -------------------------------------------------------------------------
+
+FAKE_SRUN = """#!/bin/bash
+# srun for a test: the command once per "node", SLURM_NODEID=K, each with its own namespace
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for k in $(seq 0 $((SLURM_NNODES - 1))); do
+    SLURM_NODEID=$k SHMCACHE_DIR="$FAKE_NAMESPACES/node$k" "$@" &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+@needs_redis
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+def test_slurm_recipe_with_remote_spawn(tmp_path):
+    """launch/slurm.sbatch under a stand-in srun (two nodes on this machine) and REMOTE=spawn."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHON": sys.executable, "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n[1-2]",
+           "SLURM_NNODES": "2", "MASTER_PORT": str(free_port_pair()), "REMOTE": "spawn:32",
+           "FAKE_NAMESPACES": str(tmp_path / "ns")}
+    run = subprocess.run(["bash", str(REPO / "launch" / "slurm.sbatch"), PING, str(out), "exit0",
+                          "exit0"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    reports = read_reports(out, 2, timeout_s=1)
+    check_job(reports, 2)
+    assert_servers_gone(reports)
+    assert password_of(reports[0]["url"]) not in run.stdout + run.stderr
