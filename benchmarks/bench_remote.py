@@ -10,18 +10,22 @@ node's namespace. One ``redis-server`` on 127.0.0.1 (a password, ``--save '' --a
 serves every job. Workloads (benchmarks/peers/_workloads.py): ``cifar`` (3 KB random images),
 ``imagenet`` (150 KB random images), ``photos`` (JPEG decode + crop + resize to 224x224, the
 decode-heavy pipeline). Each rank reads its ``DistributedSampler``-style shard of a permutation
-drawn per epoch over all ranks, in batches of 64 (``CachedDataset.__getitems__``: one batched
-round trip to Redis for a batch's misses); ranks wait for each other between epochs.
+drawn per epoch over all ranks, in collated batches of 64 as a DataLoader's (``ds.get_batch``:
+the vectorised gather when the batch is in shared memory, else one batched round trip to Redis
+for its misses; the uncached source and Bagua's reads go through ``default_collate``); ranks wait
+for each other between epochs.
 
 Rows, for 2 and 4 nodes:
 
-- ``calls/item``: transform calls of the whole job over epochs 1-3, per dataset item (the
-  ``wrap()`` fingerprint samples included): with the remote tier (target <= 1.05), node-local
-  caches only (each node computes what it has not seen), uncached (3.0).
-- ``epoch N items/s``: the job's items per second in epoch N (items / the slowest rank's time).
+- ``calls/item (wrap)``: transform calls of the whole job over epochs 1-3, per dataset item, and
+  in brackets the part that is the samples each rank's ``wrap()`` reads to fingerprint the
+  dataset (a few per process, whatever the size): with the remote tier (target <= 1.05),
+  node-local caches only (each node computes what it has not seen), uncached (3.0).
+- ``epoch N items/s``: the job's items per second in epoch N: the items over the span from the
+  first rank's start to the last rank's end (CLOCK_MONOTONIC is system-wide).
 - ``warm``: an epoch after every node holds the whole dataset (``warmup()``, which reads what is
   missing from Redis), against Bagua's pattern on the same Redis (one ``GET`` + ``pickle.loads``
-  per sample, every epoch; target >= 10x).
+  per sample, every epoch; target >= 10x); the median of 3 epochs each.
 - ``other node``: a fresh node (2 ranks) reading the whole dataset that other nodes computed (from
   Redis) against the same node computing it from the source (target >= 5x on ``photos``).
 """
@@ -32,6 +36,7 @@ import argparse
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import secrets
 import shutil
 import subprocess
@@ -43,30 +48,33 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, environment_line, fmt_rate, free_loopback_port, print_table  # noqa: E402
+from _common import environment, environment_line, fmt_rate, free_loopback_port, median, print_table  # noqa: E402
 from peers._workloads import make_workload  # noqa: E402
 
 BATCH = 64
 EPOCHS = 3
+REPEATS = 3  # warm epochs (shmcache and Bagua's pattern): the median of 3
 PROCS_PER_NODE = 2
 
 
 class Counted:
-    """The workload's source; counts its computations in this process (``calls``)."""
+    """The workload's source; counts its computations in this process (``_calls``: a private
+    number, which the fingerprint leaves out, so every rank names the same cache)."""
 
     def __init__(self, source):
         self.source = source
-        self.calls = 0
+        self._calls = 0
+
+    @property
+    def calls(self) -> int:
+        return self._calls
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitem__(self, i: int):
-        self.calls += 1
+        self._calls += 1
         return self.source[i]
-
-    def __repr__(self) -> str:  # the fingerprint sees the source, not the counter
-        return repr(self.source)
 
 
 def shard(n: int, epoch: int, rank: int, world: int) -> np.ndarray:
@@ -75,79 +83,73 @@ def shard(n: int, epoch: int, rank: int, world: int) -> np.ndarray:
 
 
 # --- one rank (a forked child) ------------------------------------------------------------------
+# Every timed pass returns its (start, end) on CLOCK_MONOTONIC, which is system-wide: the job's
+# rate is the items over the span from the first start to the last end (ranks outnumber cores, so
+# a rank's own time would leave out the time it waited for a core).
+
+def _pass(read, idx: np.ndarray) -> tuple[float, float]:
+    t0 = time.monotonic()
+    for lo in range(0, len(idx), BATCH):
+        read(idx[lo:lo + BATCH].tolist())
+    return t0, time.monotonic()
+
 
 def rank_main(args: tuple, barrier, results) -> None:
     (mode, workload, node_dir, rank, world, url, warm) = args
     os.environ["SHMCACHE_DIR"] = node_dir
     import torch
+    from torch.utils.data import default_collate
 
     torch.set_num_threads(1)
     from shmcache import ShmDatasetCache
 
     src = Counted(workload.source())
     n = len(src)
-    times = []
-    if mode.endswith("-once"):  # one pass over the whole dataset, split over the node's ranks
-        ds = src
-        if mode == "remote-once":
-            cache = ShmDatasetCache(session="bench", remote=url)
-            ds = cache.wrap(src)
-        idx = np.arange(n)[rank::world]
+    compute = lambda keys: default_collate([src[i] for i in keys])  # noqa: E731 - the uncached source
+    cache = ds = None
+    read = compute
+    if mode != "uncached":
+        cache = ShmDatasetCache(session="bench", remote=url if mode == "remote" else "")
+        ds = cache.wrap(src)
+        read = ds.get_batch  # collated, as a DataLoader's batch: one round trip to Redis for its misses
+    wrap_calls = src.calls  # the samples wrap() reads to fingerprint the dataset
+    spans, warm_spans = [], []
+    if warm is None:  # one pass over the whole dataset, split over the node's ranks (other_node)
         barrier.wait()
-        t0 = time.perf_counter()
-        for lo in range(0, len(idx), BATCH):
-            keys = idx[lo:lo + BATCH].tolist()
-            ds.__getitems__(keys) if ds is not src else [src[i] for i in keys]
-        results.put((rank, src.calls, [time.perf_counter() - t0], None))
-        if ds is not src:
-            cache.close()
-        return
-    if mode == "uncached":
+        spans.append(_pass(read, np.arange(n)[rank::world]))
+    else:
         for epoch in range(EPOCHS):
             barrier.wait()
-            t0 = time.perf_counter()
-            for i in shard(n, epoch, rank, world).tolist():
-                src[i]
-            times.append(time.perf_counter() - t0)
-        results.put((rank, src.calls, times, None))
-        return
-    cache = ShmDatasetCache(session="bench", remote=url if mode == "remote" else "")
-    ds = cache.wrap(src)
-    for epoch in range(EPOCHS):
-        barrier.wait()
-        t0 = time.perf_counter()
-        idx = shard(n, epoch, rank, world)
-        for lo in range(0, len(idx), BATCH):
-            ds.__getitems__(idx[lo:lo + BATCH].tolist())
-        times.append(time.perf_counter() - t0)
-        if mode == "remote":
-            cache.store.behind[0].flush(60)  # the next epoch's readers find it in Redis
+            spans.append(_pass(read, shard(n, epoch, rank, world)))
+            if mode == "remote":
+                cache.store.behind[0].flush(60)  # the next epoch's readers find it in Redis
     calls = src.calls
-    warm_s = None
     if warm:
         cache.warmup(ds, progress=False)  # the rest of the dataset, from Redis
-        barrier.wait()
-        t0 = time.perf_counter()
-        idx = shard(n, EPOCHS, rank, world)
-        for lo in range(0, len(idx), BATCH):
-            ds.__getitems__(idx[lo:lo + BATCH].tolist())
-        warm_s = time.perf_counter() - t0
-    cache.close()
-    results.put((rank, calls, times, warm_s))
+        for r in range(REPEATS):
+            barrier.wait()
+            warm_spans.append(_pass(read, shard(n, EPOCHS + r, rank, world)))
+    if cache is not None:
+        cache.close()
+    results.put((rank, calls, wrap_calls, spans, warm_spans))
 
 
 def bagua_rank(args: tuple, barrier, results) -> None:
     """Bagua's CachedDataset reads: one GET + pickle.loads per sample, every epoch."""
     (n, port, password, rank, world) = args
     import redis
+    import torch
+    from torch.utils.data import default_collate
 
+    torch.set_num_threads(1)  # as every rank: more threads than cores would slow the collate
     client = redis.Redis(port=port, password=password)
-    barrier.wait()
-    t0 = time.perf_counter()
-    for i in shard(n, EPOCHS, rank, world).tolist():
-        pickle.loads(client.get(b"bagua:%d" % i))
-    results.put((rank, 0, [], time.perf_counter() - t0))
+    read = lambda keys: default_collate([pickle.loads(client.get(b"bagua:%d" % i)) for i in keys])  # noqa: E731
+    spans = []
+    for r in range(REPEATS):
+        barrier.wait()
+        spans.append(_pass(read, shard(n, EPOCHS + r, rank, world)))
     client.close()
+    results.put((rank, 0, 0, [], spans))
 
 
 def run_ranks(target, arglist: list) -> list:
@@ -157,7 +159,18 @@ def run_ranks(target, arglist: list) -> list:
     procs = [ctx.Process(target=target, args=(a, barrier, results)) for a in arglist]
     for p in procs:
         p.start()
-    out = [results.get(timeout=1800) for _ in procs]
+    out = []
+    try:
+        while len(out) < len(procs):
+            try:
+                out.append(results.get(timeout=1.0))
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):  # a rank died: stop the job
+                    raise RuntimeError("a rank failed (its traceback is above)") from None
+    finally:
+        for p in procs:
+            if p.exitcode is None and len(out) < len(procs):
+                p.kill()
     for p in procs:
         p.join(60)
         if p.exitcode != 0:
@@ -165,18 +178,26 @@ def run_ranks(target, arglist: list) -> list:
     return out
 
 
+def _rate(n: int, spans: list[tuple[float, float]]) -> float:
+    return n / (max(e for _, e in spans) - min(s for s, _ in spans))
+
+
+def _rates(n: int, out: list, field: int, count: int) -> list[float]:
+    """Items/s of each of ``count`` passes of the job (ranks' spans of pass k together)."""
+    return [_rate(n, [o[field][k] for o in out]) for k in range(count)]
+
+
 def job(mode: str, workload, nodes: int, base: Path, url: str, warm: bool = False) -> dict:
     """One job of ``nodes`` x 2 ranks; returns calls per item, epoch items/s, warm items/s."""
     world = nodes * PROCS_PER_NODE
     dirs = [str(base / f"{mode}-{nodes}-{secrets.token_hex(3)}-node{k}") for k in range(nodes)]
-    args = [(mode, workload, dirs[r // PROCS_PER_NODE], r, world, url, warm) for r in range(world)]
-    out = run_ranks(rank_main, args)
+    out = run_ranks(rank_main, [(mode, workload, dirs[r // PROCS_PER_NODE], r, world, url, warm)
+                                for r in range(world)])
     _destroy(dirs)
     n = workload.n_items
-    calls = sum(o[1] for o in out)
-    epoch_rates = [n / max(o[2][e] for o in out) for e in range(EPOCHS)]
-    warm_rate = n / max(o[3] for o in out) if warm else None
-    return {"calls": calls / n, "epochs": epoch_rates, "warm": warm_rate}
+    return {"calls": sum(o[1] for o in out) / n, "wrap_calls": sum(o[2] for o in out) / n,
+            "epochs": _rates(n, out, 3, EPOCHS),
+            "warm": median(_rates(n, out, 4, REPEATS)) if warm else None}
 
 
 def _destroy(dirs: list[str]) -> None:
@@ -204,18 +225,18 @@ def bagua(workload, nodes: int, port: int, password: str) -> float:
     client.close()
     world = nodes * PROCS_PER_NODE
     out = run_ranks(bagua_rank, [(workload.n_items, port, password, r, world) for r in range(world)])
-    return workload.n_items / max(o[3] for o in out)
+    return median(_rates(workload.n_items, out, 4, REPEATS))
 
 
 def other_node(workload, base: Path, url: str) -> tuple[float, float]:
     """A fresh node (2 ranks) reading the whole dataset from Redis vs computing it (items/s)."""
     rates = []
     for mode in ("remote", "uncached"):
-        d = [str(base / f"fresh-{mode}-{secrets.token_hex(3)}")]
-        out = run_ranks(rank_main, [(mode + "-once", workload, d[0], r, PROCS_PER_NODE, url, False)
+        d = str(base / f"fresh-{mode}-{secrets.token_hex(3)}")
+        out = run_ranks(rank_main, [(mode, workload, d, r, PROCS_PER_NODE, url, None)
                                     for r in range(PROCS_PER_NODE)])
-        _destroy(d)
-        rates.append(workload.n_items / max(o[2][0] for o in out))
+        _destroy([d])
+        rates.append(_rates(workload.n_items, out, 3, 1)[0])
     return rates[0], rates[1]
 
 
@@ -227,8 +248,8 @@ def main(argv=None) -> int:
     if shutil.which("redis-server") is None:
         print("redis-server not found: apt-get install -y redis-server", file=sys.stderr)
         return 2
-    sizes = {"cifar": 1024 if args.quick else 4096, "imagenet": 96 if args.quick else 384,
-             "photos": 96 if args.quick else 384}
+    sizes = {"cifar": 1024 if args.quick else 8192, "imagenet": 96 if args.quick else 1024,
+             "photos": 96 if args.quick else 1024}
     base = Path(tempfile.mkdtemp(prefix="shmcache-bench-remote-"))
     port, password = free_loopback_port(), secrets.token_hex(12)
     server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
@@ -251,7 +272,8 @@ def main(argv=None) -> int:
                 uncached = job("uncached", workload, nodes, base, url)
                 bag = bagua(workload, nodes, port, password)
                 for label, r in (("remote", remote), ("node-local", local), ("uncached", uncached)):
-                    rows.append([name, str(n), str(nodes), label, f"{r['calls']:.3f}",
+                    rows.append([name, str(n), str(nodes), label,
+                                 f"{r['calls']:.3f} ({r['wrap_calls']:.3f})",
                                  *[fmt_rate(x) for x in r["epochs"]],
                                  fmt_rate(r["warm"]) if r["warm"] else "", "", ""])
                 rows[-3][9] = f"{_ratio(remote['warm'] / bag)} Bagua"
@@ -260,7 +282,7 @@ def main(argv=None) -> int:
                              fmt_rate(bag), "", f"source: {fmt_rate(computed)}"])
                 _print(rows[-4:])
         print()
-        print_table(["workload", "items", "nodes", "mode", "calls/item", "epoch 1 items/s", "epoch 2",
+        print_table(["workload", "items", "nodes", "mode", "calls/item (wrap)", "epoch 1 items/s", "epoch 2",
                      "epoch 3", "warm items/s", "warm vs", "other node (epoch 2)"], rows)
     finally:
         server.kill()

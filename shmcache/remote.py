@@ -14,7 +14,9 @@ URLs (``ShmDatasetCache(remote=...)``, ``$SHMCACHE_REMOTE``, ``shmcache new NAME
                                                            jump consistent hash in the listed order
                                                            (rediss+shards: TLS)
 
-A query ``?timeout=SECONDS`` sets the socket timeout of every call (default 1 s).
+A query ``?timeout=SECONDS`` sets the socket timeout of every call (default 1 s); with TLS,
+``&ca=FILE`` names the CA that signed the servers' certificates (else the system's, or
+``$SSL_CERT_FILE``). A URL without a password takes ``$SHMCACHE_REMOTE_PASSWORD``.
 
 NOTE [remote tier]
     Values. One Redis value holds one self-checking record (spill/format.py: magic, key,
@@ -114,6 +116,7 @@ class RemoteURL:
     password: str | None = field(default=None, repr=False)
     timeout_s: float = DEFAULT_TIMEOUT_S
     masked: str = ""
+    ca: str | None = None  # rediss: the CA file that signed the server's certificate
 
     def __str__(self) -> str:
         return self.masked
@@ -175,18 +178,22 @@ def parse_url(url: Any) -> RemoteURL:
         raise _bad(url, "a Redis Cluster has only database 0")
     if len(set(nodes)) != len(nodes):
         raise _bad(url, "a server is listed twice")
-    timeout_s = DEFAULT_TIMEOUT_S
+    timeout_s, ca = DEFAULT_TIMEOUT_S, None
     for item in filter(None, query.split("&")):
         name, _, value = item.partition("=")
+        if name == "ca" and tls and value:
+            ca = unquote(value)
+            continue
         if name != "timeout":
-            raise _bad(url, f"unknown option {name!r} (the one option is timeout=SECONDS)")
+            raise _bad(url, f"unknown option {name!r} (the options are timeout=SECONDS, and ca=FILE "
+                            f"with rediss)")
         try:
             timeout_s = float(value)
         except ValueError:
             timeout_s = -1.0
         if not 0 < timeout_s <= 600:
             raise _bad(url, f"timeout must be a number of seconds in (0, 600], got {value!r}")
-    return RemoteURL(kind, tls, nodes, db, username, password, timeout_s, mask_url(url))
+    return RemoteURL(kind, tls, nodes, db, username, password, timeout_s, mask_url(url), ca)
 
 
 def _host_port(url: str, item: str) -> tuple[str, int]:
@@ -235,16 +242,19 @@ def _redis():
 
 
 def _client_kwargs(url: RemoteURL, timeout_s: float | None = None) -> dict:
-    redis = _redis()
+    """Every call times out; no retries inside the client (the circuit breaker decides when to
+    try again: a retrying client would multiply the wait of a step on a dead server)."""
+    _redis()
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     t = url.timeout_s if timeout_s is None else timeout_s
     kw = dict(password=url.password, username=url.username, socket_timeout=t,
               socket_connect_timeout=t, retry=Retry(NoBackoff(), 0), health_check_interval=0)
-    if url.tls:
-        kw["ssl"] = True
-    del redis
+    if url.tls:  # the server's certificate is checked: against ?ca=FILE, else the system's CAs
+        kw["ssl"] = True      # ($SSL_CERT_FILE moves those)
+        if url.ca:
+            kw["ssl_ca_certs"] = url.ca
     return kw
 
 

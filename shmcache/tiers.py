@@ -77,7 +77,8 @@ class Tier(Protocol):
     # packing the portable record, a copy of the value, for it)
 
     def get(self, key: bytes) -> Buffer | None:
-        """The portable record stored under the portable ``key``, or None (a miss, or a fault)."""
+        """The portable record stored under the portable ``key``, or None (a miss, or a fault).
+        A bytearray must be fresh, referenced by nothing else: the value decoded from it keeps it."""
 
     def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
         """``get`` for many keys in one batched round trip, in the order given."""
@@ -200,7 +201,9 @@ class TieredStore:
     def _admit(self, key: Any, record: Buffer) -> Any:
         """A tier's record as a value, stored in shared memory too (within its cap)."""
         try:
-            value = decode_portable(bytearray(record))  # private bytes: the value owns them
+            # private bytes: the value owns them (a tier returns a bytearray only when it is fresh
+            # and its own - Tier.get - so it is not copied again)
+            value = decode_portable(record if type(record) is bytearray else bytearray(record))
         except ValueError as exc:
             self.undecodable += 1
             if ("decode", "") not in self._failed:

@@ -49,16 +49,38 @@ def free_port(bus: bool = False) -> int:
     raise RuntimeError("no free port pair found")
 
 
+def make_certs(d) -> dict:
+    """A throwaway CA and a certificate for 127.0.0.1 signed by it (openssl), for TLS tests."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+        "-days", "1", "-subj", "/CN=shmcache-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+        "-subj", "/CN=127.0.0.1")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.crt", "-days", "1", "-extfile", "san.ext")
+    return {"ca": str(d / "ca.crt"), "cert": str(d / "server.crt"), "key": str(d / "server.key")}
+
+
 class RedisServer:
-    """One redis-server process. ``url`` carries the password; ``kill``/``stop``/``cont`` signal it."""
+    """One redis-server process. ``url`` carries the password; ``kill``/``stop``/``cont`` signal it.
+    With ``tls`` (make_certs), it speaks TLS only."""
 
     def __init__(self, workdir, password: str | None = PASSWORD, *, maxmemory: str | None = None,
-                 policy: str | None = None, cluster: bool = False):
+                 policy: str | None = None, cluster: bool = False, tls: dict | None = None):
         self.password = password
+        self.tls = tls
         self.port = free_port(bus=cluster)
         self.dir = workdir / f"redis-{self.port}"
         self.dir.mkdir(parents=True)
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        ports = (["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", tls["cert"],
+                  "--tls-key-file", tls["key"], "--tls-ca-cert-file", tls["ca"], "--tls-auth-clients", "no"]
+                 if tls else ["--port", str(self.port)])
+        args = ["redis-server", *ports, "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", str(self.dir), "--logfile", str(self.dir / "log"),
                 "--daemonize", "no", "--protected-mode", "no"]
         if password:
@@ -81,11 +103,13 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@{self.addr}" if self.password else f"redis://{self.addr}"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://:{self.password}@{self.addr}" if self.password else f"{scheme}://{self.addr}"
 
     def cli(self, *args: str, check: bool = True) -> str:
         env = dict(os.environ, REDISCLI_AUTH=self.password or "")  # not on the command line
-        out = subprocess.run(["redis-cli", "-p", str(self.port), *args], capture_output=True,
+        tls = ["--tls", "--cacert", self.tls["ca"]] if self.tls else []
+        out = subprocess.run(["redis-cli", *tls, "-p", str(self.port), *args], capture_output=True,
                              text=True, env=env, timeout=30)
         if check and out.returncode:
             raise RuntimeError(f"redis-cli {args}: {out.stderr}")

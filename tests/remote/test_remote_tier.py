@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 
 import pytest
@@ -300,3 +301,26 @@ def test_a_fork_while_the_lock_is_held_does_not_deadlock_the_child(redis_server)
         assert tier.get(b"child") == b"c"
     finally:
         tier.close()
+
+
+def test_tls(redis_factory, tmp_path):
+    from _redis import make_certs
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed: no certificates for a TLS server")
+    certs = make_certs(tmp_path / "certs")
+    server = redis_factory(tls=certs)
+    tier = RedisTier(server.url + f"?ca={certs['ca']}", "tls")
+    try:
+        tier.offer([(b"k", b"over TLS")])
+        _drain(tier, 1)
+        assert tier.get(b"k") == b"over TLS" and tier.counters()["errors"] == 0
+        assert probe(server.url + f"?ca={certs['ca']}")["answers"]
+    finally:
+        tier.close()
+    # a client that cannot check the certificate refuses the server: a miss, never plain text
+    untrusting = RedisTier(server.url, "tls")
+    try:
+        assert untrusting.get(b"k") is None and untrusting.counters()["errors"] == 1
+    finally:
+        untrusting.close()
