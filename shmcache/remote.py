@@ -704,7 +704,7 @@ def _mget_sharded(clients: list, rkeys: list[bytes]) -> list:
             conn = pool.get_connection()
             sent.append((pool, conn, idx))
             conn.send_command("MGET", *[rkeys[i] for i in idx])
-        for pool, conn, idx in sent:
+        for _pool, conn, idx in sent:
             for i, v in zip(idx, conn.read_response()):
                 out[i] = v
     except BaseException:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from _redis import RedisCluster, RedisServer, need_redis
 
 

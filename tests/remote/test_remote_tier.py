@@ -14,7 +14,6 @@ from _redis import PASSWORD
 from shmcache.errors import InvalidArgument
 from shmcache.remote import RedisTier, jump_hash, mask_url, parse_url, probe
 
-
 # --- URLs --------------------------------------------------------------------------------------
 
 def test_urls_parse():
