@@ -140,7 +140,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
     headers = ["session", "cache", "items mem", "items disk", "bytes mem", "bytes disk",
                "avg item", "hits", "misses", "rejected"]
     remote = any("remote" in st for st in rows)
-    if remote:  # the remote tier's columns, only when a cache has one (NOTE [remote counts])
+    if remote:  # the remote tier's columns, only when a cache has one (NOTE [tier counts])
         headers += ["remote hits", "remote misses", "read", "written", "errors", "backlog"]
     snapshot = any("snapshot" in st for st in rows)
     if snapshot:  # the snapshot tier's columns, only when a cache has one (NOTE [snapshot read-through])

@@ -696,16 +696,6 @@ class _NoSource:
             f"itself so that missing items are computed")
 
 
-def _not_behind(store, keys: list, per_trip: int = 256) -> list:
-    """The ``keys`` that the tiers behind ``store`` lack too; those they have are admitted into
-    shared memory on the way (a bounded batch per round trip: values may be large)."""
-    out = []
-    for lo in range(0, len(keys), per_trip):
-        part = keys[lo:lo + per_trip]
-        out += [part[j] for j in store.lookup_batch(part, False)[1]]
-    return out
-
-
 def _compute(dataset, transform, index):
     sample = dataset[index]
     return transform(sample) if transform is not None else sample

@@ -58,7 +58,6 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
-import mmap
 import os
 import random
 import re
@@ -74,8 +73,8 @@ from urllib.parse import unquote
 import numpy as np
 import zstandard
 
+from . import tier_counts
 from .errors import InvalidArgument
-from .registry import MAX_SLOTS
 from .spill.format import pack_record, unpack_record
 
 __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
@@ -312,49 +311,14 @@ _SAY = {
 
 COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "dropped", "backlog")
 _I = {name: i for i, name in enumerate(COUNTERS)}
-_SLOT_WORDS = 8  # one 64-byte row per process slot
-
-
-_URL_BYTES = 512  # after the rows: the masked URL the counts are of (for `shmcache stat`)
-
-
-def _map_counts(path: Path, masked_url: str) -> np.ndarray:
-    """The (MAX_SLOTS, 8) words of a counts file, mapped shared; made (all zeros) if missing.
-
-    NOTE [remote counts]: each process writes only its own row (its liveness slot in the
-    session: NOTE [lock files]), one aligned 8-byte store per counter, so no lock is needed and
-    readers (``shmcache stat``) sum the rows. A slot taken over by a new process goes on from the
-    totals there, as the store's counters do; the backlog is a level, set to 0 when a tier closes.
-    After the rows, the masked URL of the remote (the last one to open the file wins).
-    """
-    rows = MAX_SLOTS * _SLOT_WORDS * 8
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        if os.fstat(fd).st_size < rows + _URL_BYTES:
-            os.ftruncate(fd, rows + _URL_BYTES)  # two makers at once truncate to one size: harmless
-        mm = mmap.mmap(fd, rows + _URL_BYTES)
-    finally:
-        os.close(fd)
-    url = mask_url(masked_url).encode()[:_URL_BYTES].ljust(_URL_BYTES, b"\0")
-    if mm[rows:] != url:
-        mm[rows:] = url
-    return np.ndarray((MAX_SLOTS, _SLOT_WORDS), np.uint64, mm)
 
 
 def read_counts(path: str | os.PathLike) -> dict | None:
     """The remote counters of one cache summed over every process, and ``url``, the masked URL
-    (None: the cache never had a remote)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return None
-    n = min(len(raw), MAX_SLOTS * _SLOT_WORDS * 8) // 64 * 64
-    rows = np.frombuffer(raw[:n], np.uint64).reshape(-1, _SLOT_WORDS)
-    rows = rows[(rows < 1 << 62).all(axis=1)]  # a garbage row is a stat, not worth failing over
-    total = rows.sum(axis=0)
-    out: dict = {name: int(total[i]) for i, name in enumerate(COUNTERS)}
-    out["url"] = mask_url(raw[n:n + _URL_BYTES].rstrip(b"\0").decode(errors="replace")) or None
+    (None: the cache never had a remote). NOTE [tier counts]."""
+    out = tier_counts.read_counts(path, COUNTERS)
+    if out is not None and out["url"]:
+        out["url"] = mask_url(out["url"])
     return out
 
 
@@ -374,7 +338,7 @@ class RedisTier:
         self.prefix = b"shmcache:" + identity.encode() + b":"  # + the portable key: the Redis key
         self.queue_items, self.queue_bytes = queue_items, queue_bytes
         # counts_path + slot(): this process's counters go to its row of a shared file (NOTE
-        # [remote counts]), so `shmcache stat` sees them; else they stay in the process
+        # [tier counts]), so `shmcache stat` sees them; else they stay in the process
         self._counts_path, self._slot = counts_path, slot
         self._c = np.zeros(len(COUNTERS), np.uint64)
         self._lock = threading.Lock()  # the queue, the breaker, the counters
@@ -417,17 +381,9 @@ class RedisTier:
             self._pid = os.getpid()
 
     def _counts_row(self) -> np.ndarray:
-        if self._counts_path is None or self._slot is None:
-            return np.zeros(len(COUNTERS), np.uint64)
-        try:
-            row = _map_counts(Path(self._counts_path), self.url.masked)[self._slot()]
-        except Exception as exc:  # noqa: BLE001 - counting is no reason to fail a read
-            log.warning("remote tier %s of cache %s: this process's counts are kept in the process "
-                        "only (%s)", self.url.masked, self.identity, exc)
-            return np.zeros(len(COUNTERS), np.uint64)
-        if (row >= 1 << 62).any():  # garbage in the file: start the row again
-            row[:] = 0
-        row[_I["backlog"]] = 0
+        row = tier_counts.process_row(self._counts_path, self.url.masked, self._slot,
+                                      f"remote tier {self.url.masked} of cache {self.identity}")
+        row[_I["backlog"]] = 0  # a level, not a total: this process has queued nothing yet
         return row
 
     def _add(self, name: str, n: int) -> None:
@@ -660,7 +616,7 @@ class RedisTier:
         return out
 
     def totals(self) -> dict:
-        """The counters summed over every process of the session (NOTE [remote counts]); this
+        """The counters summed over every process of the session (NOTE [tier counts]); this
         process's alone when they are not shared."""
         self._ensure()
         shared = read_counts(self._counts_path) if self._counts_path and self._slot else None
@@ -811,8 +767,8 @@ def identity(name: str, fingerprint: str | None) -> str:
 
 
 def counts_path(registry, session: str, name: str) -> Path:
-    """The file of a cache's remote counters (NOTE [remote counts]), beside its metadata."""
-    return registry.session_dir(session) / "caches" / f"{name}.remote"
+    """The file of a cache's remote counters (NOTE [tier counts]), beside its metadata."""
+    return tier_counts.counts_path(registry, session, name, "remote")
 
 
 def tiered(local, url: str, fingerprint: str | None, registry):

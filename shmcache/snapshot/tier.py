@@ -40,7 +40,7 @@ NOTE [snapshot read-through]
 
     Counters (hits, misses, bytes read, reads, errors, corrupt) live in one row per process of a
     file beside the cache's metadata (``caches/NAME.snapshot``, a row per liveness slot, the same
-    scheme as NOTE [remote counts]): each process stores only its own row, one aligned word per
+    scheme: NOTE [tier counts]): each process stores only its own row, one aligned word per
     counter; ``stats()`` and ``shmcache stat`` sum the rows. The file ends with the URL read.
 
     Per process: descriptors, the fsspec filesystem and the reader threads belong to the process
@@ -53,7 +53,6 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import logging
-import mmap
 import os
 import threading
 import time
@@ -64,8 +63,8 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from .. import tier_counts
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
-from ..registry import MAX_SLOTS
 from ..spill import format as records
 from . import format as fmt
 from .location import FsspecLocation, LocalLocation, open_location
@@ -79,8 +78,6 @@ ENV_SNAPSHOT = "SHMCACHE_SNAPSHOT"
 OPTIONS = ("force", "storage_options", "timeout_s")  # snapshot_options= of ShmDatasetCache
 COUNTERS = ("hits", "misses", "bytes_read", "reads", "errors", "corrupt")
 _I = {name: i for i, name in enumerate(COUNTERS)}
-_SLOT_WORDS = 8  # one 64-byte row per process slot (two words spare)
-_URL_BYTES = 512
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 1.0, 30.0
 _ENTRY = fmt.INDEX_DTYPE.itemsize
 _HEAD_CHECK_AT = fmt._HEAD_CHECK_AT
@@ -196,17 +193,7 @@ class SnapshotTier:
         self._pid = os.getpid()
 
     def _counts_row(self) -> np.ndarray:
-        if self._counts_path is None or self._slot is None:
-            return np.zeros(_SLOT_WORDS, np.uint64)
-        try:
-            row = _map_counts(Path(self._counts_path), self.url)[self._slot()]
-        except Exception as exc:  # noqa: BLE001 - counting is no reason to fail a read
-            log.warning("snapshot tier %s: this process's counts are kept in the process only (%s)",
-                        self.url, exc)
-            return np.zeros(_SLOT_WORDS, np.uint64)
-        if (row >= 1 << 62).any():  # garbage in the file: start the row again
-            row[:] = 0
-        return row
+        return tier_counts.process_row(self._counts_path, self.url, self._slot, f"snapshot tier {self.url}")
 
     # --- opening: the manifest, the cache's identity ------------------------------------------------
 
@@ -597,41 +584,14 @@ def _with_timeouts(url: str, storage_options: dict | None, timeout_s: float) -> 
 
 
 def counts_path(registry, session: str, name: str) -> Path:
-    """The file of a cache's snapshot counters (NOTE [snapshot read-through]), beside its metadata."""
-    return registry.session_dir(session) / "caches" / f"{name}.snapshot"
-
-
-def _map_counts(path: Path, url: str) -> np.ndarray:
-    """The (MAX_SLOTS, 8) words of a counts file, mapped shared; made (all zeros) if missing."""
-    rows = MAX_SLOTS * _SLOT_WORDS * 8
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        if os.fstat(fd).st_size < rows + _URL_BYTES:
-            os.ftruncate(fd, rows + _URL_BYTES)  # two makers at once truncate to one size: harmless
-        mm = mmap.mmap(fd, rows + _URL_BYTES)
-    finally:
-        os.close(fd)
-    raw = url.encode()[:_URL_BYTES].ljust(_URL_BYTES, b"\0")
-    if mm[rows:] != raw:
-        mm[rows:] = raw
-    return np.ndarray((MAX_SLOTS, _SLOT_WORDS), np.uint64, mm)
+    """The file of a cache's snapshot counters (NOTE [tier counts]), beside its metadata."""
+    return tier_counts.counts_path(registry, session, name, "snapshot")
 
 
 def read_counts(path: str | os.PathLike) -> dict | None:
     """A cache's snapshot counters summed over every process, and ``url`` (None: no snapshot tier
-    was ever in force for it)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        return None
-    n = min(len(raw), MAX_SLOTS * _SLOT_WORDS * 8) // 64 * 64
-    rows = np.frombuffer(raw[:n], np.uint64).reshape(-1, _SLOT_WORDS)
-    rows = rows[(rows < 1 << 62).all(axis=1)]  # a garbage row is a stat, not worth failing over
-    total = rows.sum(axis=0) if len(rows) else np.zeros(_SLOT_WORDS, np.uint64)
-    out: dict = {name: int(total[i]) for i, name in enumerate(COUNTERS)}
-    out["url"] = raw[n:n + _URL_BYTES].rstrip(b"\0").decode(errors="replace") or None
-    return out
+    was ever in force for it). NOTE [tier counts]."""
+    return tier_counts.read_counts(path, COUNTERS)
 
 
 def stats_keys(counts: dict | None) -> dict:

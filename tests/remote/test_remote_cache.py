@@ -303,7 +303,7 @@ def test_dataloader_workers_read_and_count_through_the_remote(redis_server):
             assert any(torch.equal(img, torch.from_numpy(expected(k)[0])) for k in range(i, N, 10))
             seen += 1
     assert seen == N
-    # the workers' reads are counted in their own rows of the shared counts (NOTE [remote counts])
+    # the workers' reads are counted in their own rows of the shared counts (NOTE [tier counts])
     assert b.stats()["remote_hits"] - before >= N - 8
     a.close()
     b.close()

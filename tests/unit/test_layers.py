@@ -32,6 +32,7 @@ RANK = {
     "generation": 3.5,  # a cache's root and meta words, the totals and the intent record
     "gather": 3.5,  # the vectorised batch gather (columns out of a class segment)
     "tier_protocol": 3.5,  # what the store needs of an indexed tier (the spill tier): NOTE [tiers]
+    "tier_counts": 3.5,  # a tier's counters, one row per process slot (NOTE [tier counts])
     "store": 4,
     "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
     "remote": 4.6,  # the Redis tier (NOTE [remote tier]); redis-py imported lazily
@@ -49,7 +50,7 @@ RANK = {
 NO_TORCH = ["config", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
             "store", "generation", "gather", "tier_protocol", "maintenance", "cli", "spill",
             "spill.format", "spill.recovery", "spill.files", "spill.tier",
-            "process_slot", "tiers", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
+            "process_slot", "tiers", "tier_counts", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
             "launch.remote_option", "launch.rendezvous", "launch.redis_node", "remote",
             "snapshot", "snapshot.format", "snapshot.location", "snapshot.export", "snapshot.load",
             "snapshot.tier"]
