@@ -1,0 +1,63 @@
+"""An adversary's review of the remote tier (issue 11): passwords that a URL parser and its masker
+read differently, and faults a real server makes that the first tests did not make."""
+
+from __future__ import annotations
+
+import logging
+import re
+import pytest
+from _redis import RedisServer, need_redis
+
+from shmcache.errors import InvalidArgument
+from shmcache.launch.remote_option import mask_url as mask_text
+from shmcache.remote import RedisTier, mask_url, parse_url
+
+# generated passwords (base64, `openssl rand -base64`) hold "/" and "+"; people type "@" and "?"
+ODD_PASSWORDS = ["Ab3/xY9+kL0q/Zz8", "p@ss@w0rd-9x7", "qu?ery#hash-4k2"]
+
+
+def _pieces(pw: str) -> list[str]:
+    """The parts of ``pw`` between its URL characters (3+ characters: none is a common word)."""
+    return [p for p in re.split(r"[/@?#]", pw) if len(p) >= 3]
+
+
+@pytest.mark.parametrize("pw", ODD_PASSWORDS)
+def test_a_password_with_url_characters_is_masked_everywhere(pw):
+    """parse_url took everything up to the last '@' as the userinfo, but mask_url stopped at the
+    first '/' or '@': a password with a '/' was shown whole in every log line, error, stat and
+    repr; one with an '@' in part; a '?' split it into a host and a 'port' named in the error."""
+    url = f"redis://:{pw}@127.0.0.1:6390/2"
+    u = parse_url(url)
+    assert (u.password, u.nodes, u.db) == (pw, (("127.0.0.1", 6390),), 2)
+    shown = [str(u), repr(u), mask_url(url), mask_text(f"--remote {url} --nnodes 2")]
+    for text in shown:
+        assert "***" in text, text
+        for part in _pieces(pw):
+            assert part not in text, (part, text)
+    with pytest.raises(InvalidArgument) as err:
+        parse_url(f"redis://:{pw}@127.0.0.1:99999")
+    assert "99999" in str(err.value) and pw not in str(err.value)
+    for part in _pieces(pw):
+        assert part not in str(err.value), (part, str(err.value))
+
+
+def test_a_slash_password_never_reaches_the_log(tmp_path, caplog):
+    """End to end against a server whose password has a '/': the tier's log lines (here: the
+    server killed) carry the masked URL."""
+    need_redis()
+    pw = ODD_PASSWORDS[0]
+    server = RedisServer(tmp_path, pw)
+    caplog.set_level(logging.WARNING, "shmcache")
+    tier = RedisTier(f"redis://:{pw}@{server.addr}?timeout=0.3", "c")
+    try:
+        tier.offer([(b"k", b"v")])
+        assert tier.flush(5)
+        assert tier.get(b"k") == b"v"
+        server.kill()
+        assert tier.get(b"k") is None
+        text = "\n".join(r.getMessage() for r in caplog.records) + repr(tier)
+        assert "unreachable" in text and "***" in text
+        assert "Ab3" not in text and "Zz8" not in text, text
+    finally:
+        tier.close(1)
+        server.close()
