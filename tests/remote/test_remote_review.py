@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import pytest
 from _redis import RedisServer, need_redis
 
@@ -61,3 +62,30 @@ def test_a_slash_password_never_reaches_the_log(tmp_path, caplog):
     finally:
         tier.close(1)
         server.close()
+
+
+def test_a_stopped_cluster_master_costs_one_timeout_per_batch(redis_cluster, caplog):
+    """A batch's read on a Cluster with one master SIGSTOPped took ~36 timeouts (10.9 s with
+    ?timeout=0.3, for 100 keys): redis-py's cluster pipeline, after the timeout, re-sent each of
+    the stopped master's keys on its own, each waiting its own timeout (a 256-key batch at the
+    default 1 s: about 85 s of a training step). A batch must cost at most about one timeout."""
+    caplog.set_level(logging.WARNING, "shmcache")
+    tier = RedisTier(redis_cluster.url + "?timeout=0.3", "clustered")
+    try:
+        pairs = [(f"key{i}".encode(), f"value{i}".encode()) for i in range(100)]
+        tier.offer(pairs)
+        assert tier.flush(10)
+        assert tier.get_many([k for k, _ in pairs]) == [v for _, v in pairs]
+        redis_cluster.servers[1].stop()
+        t0 = time.monotonic()
+        got = tier.get_many([k for k, _ in pairs])
+        took = time.monotonic() - t0
+        assert took < 1.5, f"one batch took {took:.1f} s with a 0.3 s timeout"
+        assert all(v is None or v == dict(pairs)[k] for (k, _), v in zip(pairs, got))
+        assert "did not answer" in "\n".join(r.getMessage() for r in caplog.records)
+        redis_cluster.servers[1].cont()
+        time.sleep(1.3)  # past the breaker's first pause
+        assert tier.get_many([k for k, _ in pairs]) == [v for _, v in pairs]
+    finally:
+        redis_cluster.servers[1].cont()
+        tier.close(2)
