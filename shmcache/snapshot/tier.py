@@ -50,7 +50,6 @@ NOTE [snapshot read-through]
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import logging
 import mmap
@@ -188,7 +187,6 @@ class SnapshotTier:
         self.local = isinstance(self.loc, LocalLocation)
         self._fds: dict[int, int] = {}
         self._dead_fds: list[int] = []
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._dctx = threading.local()
         self._logged: set[str] = set()
         self._retry_at, self._backoff = 0.0, 0.0
@@ -300,9 +298,6 @@ class SnapshotTier:
                 os.close(fd)
             self._fds.clear()
             self._dead_fds.clear()
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
 
     def __repr__(self) -> str:
         return f"SnapshotTier({self.url!r})"
@@ -507,21 +502,36 @@ class SnapshotTier:
         return self._call(lambda: loc.fs.cat_ranges(paths, starts, ends, on_error="return"), "read")
 
     def _call(self, fn: Callable, what: str) -> Any:
-        """``fn()`` bounded by ``timeout_s`` on a store (a local file needs no bound)."""
+        """``fn()`` bounded by ``timeout_s`` on a store (a local file needs no bound).
+
+        It runs in a daemon thread of its own: a read that outlives its bound (a store that
+        stopped answering, while s3fs retries) is left behind, and must not keep the
+        interpreter from exiting - a ThreadPoolExecutor's threads are joined at exit, which held
+        a finished job for every retry (a minute at the default timeout). The breaker limits
+        how many are left behind: none is started while it is open."""
         if self.local:
             return fn()
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="shmcache-snapshot")
-        fut = self._pool.submit(fn)
-        try:
-            return fut.result(self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise _Fault("timeout", f"{what} {self.url}") from None
-        except (FileNotFoundError, SnapshotError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever the store's client raises is a fault
-            raise _Fault("unreachable", f"{type(exc).__name__}: {exc}") from None
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                box["error"] = exc
+
+        reader = threading.Thread(target=run, name="shmcache-snapshot-read", daemon=True)
+        reader.start()
+        reader.join(self.timeout_s)
+        if reader.is_alive():
+            raise _Fault("timeout", f"{what} {self.url}")
+        exc = box.get("error")
+        if exc is None:
+            return box["value"]
+        if isinstance(exc, (FileNotFoundError, SnapshotError)):
+            raise exc
+        if not isinstance(exc, Exception):
+            raise exc
+        raise _Fault("unreachable", f"{type(exc).__name__}: {exc}") from None
 
     # --- faults -----------------------------------------------------------------------------------------
 

@@ -124,3 +124,50 @@ def test_an_import_from_an_s3_server_that_stopped_answering_fails_within_a_minut
         hole.close()
     assert proc.returncode == 0 and proc.stdout, proc.stderr[-2000:]
     assert "s3://bucket/snap" in proc.stdout
+
+
+_TIER_JOB = """
+import sys, time
+import numpy as np
+from shmcache import ShmDatasetCache
+
+class D:
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return np.full(4, i)
+
+opts = {"timeout_s": 0.5, "storage_options": {"key": "k", "secret": "s", "skip_instance_cache": True,
+                                               "client_kwargs": {"endpoint_url": sys.argv[1]}}}
+cache = ShmDatasetCache(session="job", snapshot="s3://bucket/snap", snapshot_options=opts)
+ds = cache.wrap(D())
+assert [int(ds[i][0]) for i in range(8)] == list(range(8))
+cache.close()
+print("done", flush=True)
+"""
+
+
+def test_a_job_whose_s3_snapshot_stopped_answering_exits_at_once(tmp_path):
+    """The read-through tier bounds a read by timeout_s, but the read went on in a
+    ThreadPoolExecutor thread, which the interpreter joins at exit: a job whose S3 stopped
+    answering trained on (misses) and then hung at exit for every retry s3fs makes (15 s with
+    timeout_s=1; about a minute at the default 10 s). Its reads now run in daemon threads."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)  # accepts (the kernel does), never answers: a SIGSTOPped server
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s", AWS_DEFAULT_REGION="us-east-1")
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _TIER_JOB, f"http://127.0.0.1:{hole.getsockname()[1]}"],
+                              capture_output=True, text=True, env=env, timeout=60)
+    finally:
+        hole.close()
+    took = time.monotonic() - t0
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]
+    assert "did not answer within 0.5 s" in proc.stderr
+    assert took < 6, f"the job took {took:.1f} s, most of it waiting at exit for a stuck read"
