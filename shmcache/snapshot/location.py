@@ -9,6 +9,7 @@ Errors of the storage become SnapshotError naming the path and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -118,14 +119,16 @@ class FsspecLocation(Location):
 
     def makedirs(self) -> None:
         try:
-            self.fs.makedirs(self.path, exist_ok=True)
+            with _as_oserror():
+                self.fs.makedirs(self.path, exist_ok=True)
         except OSError as exc:
             raise self.error(exc, "create the directory") from None
 
     def listdir(self) -> list[str]:
         try:
-            self.fs.invalidate_cache(self.path)  # another writer (or our own rm) changed it
-            names = self.fs.ls(self.path, detail=False)
+            with _as_oserror():
+                self.fs.invalidate_cache(self.path)  # another writer (or our own rm) changed it
+                names = self.fs.ls(self.path, detail=False)
         except FileNotFoundError:
             return []
         except OSError as exc:
@@ -133,22 +136,41 @@ class FsspecLocation(Location):
         return sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names)
 
     def open_write(self, name: str) -> BinaryIO:
-        return self.fs.open(self._p(name), "wb")
+        with _as_oserror():
+            return self.fs.open(self._p(name), "wb")
 
     def rename(self, src: str, dst: str) -> None:
-        self.fs.mv(self._p(src), self._p(dst))
+        with _as_oserror():
+            self.fs.mv(self._p(src), self._p(dst))
 
     def remove(self, name: str) -> None:
         try:
-            self.fs.rm_file(self._p(name))
+            with _as_oserror():
+                self.fs.rm_file(self._p(name))
         except FileNotFoundError:
             pass
 
     def read_bytes(self, name: str) -> bytes:
-        return self.fs.cat_file(self._p(name))
+        with _as_oserror():
+            return self.fs.cat_file(self._p(name))
 
     def size(self, name: str) -> int:
-        return int(self.fs.size(self._p(name)))
+        with _as_oserror():
+            return int(self.fs.size(self._p(name)))
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
-        return self.fs.cat_file(self._p(name), start=start, end=end)
+        with _as_oserror():
+            return self.fs.cat_file(self._p(name), start=start, end=end)
+
+
+@contextlib.contextmanager
+def _as_oserror():
+    """An fsspec backend's own error (botocore's NoCredentialsError, ClientError, ...) as an
+    OSError, which every caller turns into a SnapshotError naming the file and the fix: they are
+    not OSErrors, and escaped raw (the commonest S3 mistake, no credentials, among them)."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the backend raises for a failed call
+        raise OSError(0, f"{type(exc).__name__}: {exc}") from exc

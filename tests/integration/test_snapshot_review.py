@@ -171,3 +171,23 @@ def test_a_job_whose_s3_snapshot_stopped_answering_exits_at_once(tmp_path):
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]
     assert "did not answer within 0.5 s" in proc.stderr
     assert took < 6, f"the job took {took:.1f} s, most of it waiting at exit for a stuck read"
+
+
+def test_s3_without_credentials_is_a_snapshot_error_naming_the_url(monkeypatch):
+    """The commonest S3 mistake, no credentials, reached the user as a raw
+    botocore.exceptions.NoCredentialsError from both import and export: the location wrapped
+    only OSError, and botocore's errors are not OSErrors."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+                       "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(var, value)
+    opts = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "skip_instance_cache": True}
+    with pytest.raises(SnapshotError, match=r"s3://bucket/snap.*credentials.*access"):
+        ShmDatasetCache.from_snapshot("s3://bucket/snap", session="dst", storage_options=opts)
+    cache, _ = _filled(n=4)
+    try:
+        with pytest.raises(SnapshotError, match=r"s3://bucket/out.*credentials"):
+            cache.export("s3://bucket/out", storage_options=opts)
+    finally:
+        cache.close()
