@@ -75,6 +75,10 @@ class LocalLocation(Location):
     def makedirs(self) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # the path, or one of its parents, is a file
+            file = next((p for p in (self.path, *self.path.parents) if p.is_file()), self.path)
+            raise SnapshotError(f"{file} is a file, not a directory: a snapshot is a directory of "
+                                f"files; pass a new directory (or a URL such as s3://bucket/snap)") from None
         except OSError as exc:
             raise self.error(exc, "create the directory") from None
 
