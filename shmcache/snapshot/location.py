@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from ..errors import InvalidArgument, SnapshotError
 
-__all__ = ["Location", "open_location", "SPACE_ERRNOS"]
+__all__ = ["Location", "open_location", "SPACE_ERRNOS", "mask_url", "scrub_secret"]
 
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _WRITE_BUFFER = 8 << 20
@@ -37,14 +37,42 @@ def open_location(where: str | os.PathLike, storage_options: dict | None = None)
     except ImportError:
         raise SnapshotError(f"{text} is a URL, and URLs need fsspec: pip install 'shmcache[snapshot]' "
                             f"(and the protocol's package, e.g. 'shmcache[s3]' for s3://)") from None
+    shown = mask_url(text)
     try:
         fs, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
     except (ImportError, ValueError) as exc:
-        raise SnapshotError(f"cannot open {text}: {exc}; install the package of its protocol (e.g. "
-                            f"pip install 'shmcache[s3]' for s3://)") from None
+        raise SnapshotError(f"cannot open {shown}: {scrub_secret(str(exc), text)}; install the package "
+                            f"of its protocol (e.g. pip install 'shmcache[s3]' for s3://)") from None
+    except Exception as exc:  # noqa: BLE001 - a backend that connects when made (ftp://, sftp://)
+        raise SnapshotError(f"cannot open {shown}: {type(exc).__name__}: {scrub_secret(str(exc), text)}; "
+                            f"check the URL, the network and your credentials") from None
     if type(fs).__name__ == "LocalFileSystem":  # file://: the local path, with mmap and fast reads
         return LocalLocation(Path(path))
-    return FsspecLocation(fs, path.rstrip("/"), text)
+    return FsspecLocation(fs, path.rstrip("/"), shown)
+
+
+def mask_url(text: str) -> str:
+    """``text`` with the password of its user part as ``***`` (https://user:TOKEN@host/snap,
+    ftp://user:PW@host/snap): what every message, stat and repr shows of a snapshot's URL. The
+    user part is the authority (up to the first '/', '?' or '#') up to its last '@', as RFC 3986
+    and the backends read it; one with no ':' may be a token, and is masked whole."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return text
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    userinfo, at, host = rest[:end].rpartition("@")
+    if not at:
+        return text
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user + ':***' if colon else '***'}@{host}{rest[end:]}"
+
+
+def scrub_secret(message: str, url: str) -> str:
+    """A backend's message with the URL's password (and the URL itself) masked."""
+    message = message.replace(url, mask_url(url))
+    userinfo = url.partition("://")[2].split("/", 1)[0].rpartition("@")[0]
+    secret = userinfo.partition(":")[2] or userinfo
+    return message.replace(secret, "***") if len(secret) >= 3 else message
 
 
 class Location:

@@ -67,7 +67,7 @@ from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..registry import MAX_SLOTS
 from ..spill import format as records
 from . import format as fmt
-from .location import FsspecLocation, LocalLocation, open_location
+from .location import FsspecLocation, LocalLocation, mask_url, open_location, scrub_secret
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
            "stats_keys", "check_options"]
@@ -150,7 +150,8 @@ class SnapshotTier:
     def __init__(self, url: str | os.PathLike, *, force: bool = False, storage_options: dict | None = None,
                  timeout_s: float = 10.0, counts_path: str | os.PathLike | None = None,
                  slot: Callable[[], int] | None = None):
-        self.url = os.fspath(url)
+        self._target = os.fspath(url)  # what is opened; ``url`` is what is shown (no password)
+        self.url = mask_url(self._target)
         self.force = force
         self.timeout_s = float(timeout_s)
         self._storage_options = _with_timeouts(self.url, storage_options, self.timeout_s)
@@ -183,7 +184,7 @@ class SnapshotTier:
         # a new process (or the first use): descriptors, threads and locks of the parent are not ours
         self._lock = threading.Lock()  # counters, breaker, segments
         self._load_lock = threading.Lock()  # one thread loads the indexes
-        self.loc = open_location(self.url, self._storage_options)
+        self.loc = open_location(self._target, self._storage_options)
         self.local = isinstance(self.loc, LocalLocation)
         self._fds: dict[int, int] = {}
         self._dead_fds: list[int] = []
@@ -562,7 +563,7 @@ class SnapshotTier:
     def _log(self, condition: str, text: str) -> None:
         if condition not in self._logged:
             self._logged.add(condition)
-            log.warning("%s", text)
+            log.warning("%s", scrub_secret(text, self._target))  # a backend's message may quote the URL
 
     def _add(self, counter: str, n: int) -> None:
         """Count into this process's row (the caller holds the lock)."""

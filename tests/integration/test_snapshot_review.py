@@ -211,3 +211,36 @@ def test_exporting_onto_a_file_says_it_is_a_file(tmp_path):
         assert afile.read_bytes() == b"not a snapshot"
     finally:
         cache.close()
+
+
+SECRET = "Sup3rSecret-Tok3n"
+
+
+def test_a_snapshot_urls_password_is_never_shown(tmp_path, caplog, capsys):
+    """A snapshot behind HTTP basic auth or FTP carries its password in the URL
+    (https://user:TOKEN@host/snap): the read-through tier showed it whole in its log lines,
+    stats()['snapshot'], `shmcache stat` and its repr; an ftp:// URL whose server refused the
+    connection raised a raw ConnectionRefusedError. The remote tier masks its URLs; now the
+    snapshot's are masked the same way, and a URL that cannot be opened is a SnapshotError."""
+    from shmcache.cli import main as cli
+
+    caplog.set_level(logging.WARNING, "shmcache")
+    url = f"http://reader:{SECRET}@127.0.0.1:9/snap"
+    cache = ShmDatasetCache(session="sec", snapshot=url, snapshot_options={"timeout_s": 2})
+    try:
+        ds = cache.wrap(Source())
+        assert all(_same(ds[i], Source()[i]) for i in range(4))
+        st = cache.stats()
+        assert st["snapshot"] == "http://reader:***@127.0.0.1:9/snap" and st["snapshot_errors"] >= 1
+        shown = [repr(cache.store.behind), str(st)]
+        cli(["stat", "sec"])
+        shown.append(capsys.readouterr().out)
+    finally:
+        cache.close()
+    shown.append(caplog.text)
+    assert "cannot be read" in caplog.text
+    for text in shown:
+        assert SECRET not in text, text
+    with pytest.raises(SnapshotError) as err:
+        ShmDatasetCache.from_snapshot(f"ftp://reader:{SECRET}@127.0.0.1:9/snap", session="dst")
+    assert SECRET not in str(err.value) and "ftp://reader:***@127.0.0.1:9/snap" in str(err.value)
