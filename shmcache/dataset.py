@@ -332,6 +332,7 @@ class ShmDatasetCache:
                 f"wrapped map-style dataset); import one (ShmDatasetCache.from_snapshot, `shmcache "
                 f"import`), or wrap the dataset itself")
         if self._fingerprint is None and meta.get("fingerprint"):
+            self._tiers_learn(meta["fingerprint"])  # imported by another process since we opened it
             self._fingerprint = meta["fingerprint"]  # wrap(another dataset) later is refused
         return CachedDataset(self, _NoSource(self.session, self.name, length), None)
 
@@ -353,11 +354,12 @@ class ShmDatasetCache:
         try:
             cache.last_import = import_into(cache.store, loc, manifest, force=force, threads=threads,
                                             progress=progress)
+            if manifest.fingerprint:  # the tiers were opened before the import named the dataset
+                cache._tiers_learn(manifest.fingerprint)
+                cache._fingerprint = manifest.fingerprint
         except BaseException:
             cache.close()
             raise
-        if manifest.fingerprint:
-            cache._fingerprint = manifest.fingerprint
         return cache
 
     def export(self, dest: str | os.PathLike, *, overwrite: bool = False, segment_bytes: int | None = None,
@@ -402,21 +404,28 @@ class ShmDatasetCache:
         if self._store is None:
             self._open(self.name or _default_name(dataset, fp), fp, table_hint)
         elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset
-            for tier in getattr(self._store, "behind", ()):  # a snapshot of another dataset: refused
-                if hasattr(tier, "bind"):
-                    tier.bind(self.name, fp)
+            self._tiers_learn(fp)  # a snapshot of another dataset: refused
             self._store.bind_fingerprint(fp)
             self._fingerprint = fp
-            for tier in getattr(self._store, "behind", ()):  # its remote values: this dataset's
-                if hasattr(tier, "set_identity"):
-                    from .remote import identity
-
-                    tier.set_identity(identity(self.name, fp))
         elif self._fingerprint != fp:
             raise InvalidArgument(
                 f"this ShmDatasetCache already caches another dataset in {self.session}/"
                 f"{self.name}; wrap each dataset with its own ShmDatasetCache(...)"
             )
+
+    def _tiers_learn(self, fp: str) -> None:
+        """The cache's dataset became known after its tiers were opened (a wrap() of a cache
+        opened by name, an import): a snapshot tier checks it (CacheMismatch), and a remote tier
+        takes the identity every other process of this dataset uses (NOTE [remote tier]) - under
+        the bare name it would share nothing with them, and meet another dataset of that name."""
+        for tier in getattr(self._store, "behind", ()):
+            if hasattr(tier, "bind"):
+                tier.bind(self.name, fp)
+        for tier in getattr(self._store, "behind", ()):
+            if hasattr(tier, "set_identity"):
+                from .remote import identity
+
+                tier.set_identity(identity(self.name, fp))
 
     # --- single items ----------------------------------------------------------------------------
 

@@ -29,11 +29,12 @@ NOTE [remote tier]
     replaces a value whole (SET), so an eviction never leaves half a record.
 
     Reads are on the training step's path: one round trip per batch (one MGET per server, the
-    commands to every server sent before any reply is read; on a Cluster, redis-py's pipeline,
-    which groups the commands by node). Writes never are: ``offer`` only appends to a bounded
-    queue (full: the value is dropped, counted); one background thread per process drains it
-    with pipelined ``SET key value NX`` (the first writer wins: values of a key are equal by
-    construction, and NX spares the bandwidth of rewriting them). The queue is flushed, within a
+    commands to every server sent before any reply is read; on a Cluster, GETs grouped by the
+    master of each key's slot, sent the same way - not redis-py's cluster pipeline, which after
+    a timeout re-sends each key alone, a timeout each). Writes never are: ``offer`` only
+    appends to a bounded queue (full: the value is dropped, counted); one background thread per
+    process drains it with pipelined ``SET key value NX`` (the first writer wins: values of a
+    key are equal by construction, and NX spares the bandwidth of rewriting them). The queue is flushed, within a
     deadline, at ``close()`` and at exit (atexit).
 
     Faults are misses, never errors and never waits: every call has a socket timeout; a failure
@@ -124,19 +125,25 @@ class RemoteURL:
         return f"RemoteURL({self.masked!r})"
 
 
-_USERINFO = re.compile(r"^([a-z+]+://)([^@/]*)@")
+def _split_userinfo(url: str) -> tuple[str, str, str]:
+    """``(scheme://, userinfo, the rest)``: the userinfo runs to the *last* '@' of the URL (no
+    host, port, database or option holds one), so a password may hold '/', '?', '#' or '@' - a
+    generated one often has '/' - and parse_url and mask_url always agree on where it ends."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, tail = rest.rpartition("@")
+    return (scheme + sep, userinfo, tail) if sep and at else (url, "", "")
 
 
 def mask_url(url: str) -> str:
     """``url`` with the password in its user part replaced by ``***`` (anything shown to a user)."""
     if not isinstance(url, str):
         return f"<{type(url).__name__}>"
-    m = _USERINFO.match(url)
-    if not m:
+    head, userinfo, tail = _split_userinfo(url)
+    if head == url:
         return url
-    user, sep, _ = m.group(2).partition(":")
+    user, sep, _ = userinfo.partition(":")
     shown = f"{user}:***" if sep else "***"  # a bare userinfo is a password (redis://pw@host)
-    return f"{m.group(1)}{shown}@{url[m.end():]}"
+    return f"{head}{shown}@{tail}"
 
 
 def _bad(url: str, what: str) -> InvalidArgument:
@@ -155,8 +162,9 @@ def parse_url(url: Any) -> RemoteURL:
     if not sep or scheme.lower() not in _SCHEMES:
         raise _bad(url, f"the scheme must be one of {', '.join(sorted(_SCHEMES))}")
     kind, tls = _SCHEMES[scheme.lower()]
-    rest, _, query = rest.partition("?")
-    userinfo, at, hostpart = rest.rpartition("@")
+    head, userinfo, tail = _split_userinfo(url)  # the password first: it may hold a '?' or a '/'
+    at = head != url
+    hostpart, _, query = (tail if at else rest).partition("?")
     username = password = None
     if at:
         user, colon, pw = userinfo.partition(":")
@@ -274,7 +282,8 @@ def _cluster(url: RemoteURL, timeout_s: float | None = None):
 
 def _faults() -> tuple:
     """The exceptions that are a remote's faults (a miss); anything else is a bug and raises."""
-    return (_redis().exceptions.RedisError, OSError)
+    e = _redis().exceptions
+    return (e.RedisError, e.RedisClusterException, OSError)  # (a cluster's is not a RedisError)
 
 
 def _condition(exc: BaseException) -> str:
@@ -494,10 +503,7 @@ class RedisTier:
     def _read(self, rkeys: list[bytes]) -> list:
         conn = self._connect()
         if self.url.kind == "cluster":
-            pipe = conn.pipeline(transaction=False)
-            for k in rkeys:
-                pipe.get(k)
-            return pipe.execute(raise_on_error=True)
+            return _get_clustered(conn, rkeys)
         if len(conn) == 1:
             return conn[0].mget(rkeys)
         return _mget_sharded(conn, rkeys)
@@ -663,6 +669,39 @@ def _mget_sharded(clients: list, rkeys: list[bytes]) -> list:
         for _pool, conn, idx in sent:
             for i, v in zip(idx, conn.read_response()):
                 out[i] = v
+    except BaseException:
+        for _, conn, _ in sent:  # a reply may be left unread on it: never reuse it
+            _quietly(conn.disconnect)
+        raise
+    finally:
+        for pool, conn, _ in sent:
+            pool.release(conn)
+    return out
+
+
+def _get_clustered(cluster, rkeys: list[bytes]) -> list:
+    """GETs grouped by the master that owns each key's slot, all sent before any reply is read:
+    one round trip, and one timeout at most when a master is stopped. (redis-py's cluster
+    pipeline, after a timeout, re-sends each of that master's keys alone, each waiting its own
+    timeout: 85 s for a 256-key batch at the default 1 s.) A redirection (the cluster is being
+    resharded) or any other error reply raises: a fault, so the breaker opens and the client,
+    rebuilt, reads the slots again."""
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    nodes = cluster.nodes_manager
+    for i, k in enumerate(rkeys):
+        node = nodes.get_node_from_slot(cluster.keyslot(k))
+        groups.setdefault(node.name, (node, []))[1].append(i)
+    out: list = [None] * len(rkeys)
+    sent = []
+    try:
+        for node, idx in groups.values():
+            pool = cluster.get_redis_connection(node).connection_pool
+            conn = pool.get_connection()
+            sent.append((pool, conn, idx))
+            conn.send_packed_command(conn.pack_commands([("GET", rkeys[i]) for i in idx]))
+        for _, conn, idx in sent:
+            for i in idx:
+                out[i] = conn.read_response()
     except BaseException:
         for _, conn, _ in sent:  # a reply may be left unread on it: never reuse it
             _quietly(conn.disconnect)

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 __all__ = ["RemoteOption", "parse_remote", "mask_url", "shards_url", "hide_in_process_title"]
 
-# scheme://[user][:password]@ anywhere in a text: the userinfo runs to the last "@" of the token
-# ("[" and "]" are not allowed in a userinfo, RFC 3986: "redis://[:PASSWORD@]host" is left alone)
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^\s/?#\[\]\0]*)@")
+# scheme://[user][:password]@ anywhere in a text: the userinfo runs to the last "@" of the token,
+# as shmcache.remote.parse_url reads it, so a password may hold "/", "?", "#" or "@" (a generated
+# one often has "/") ("[" and "]" are not allowed in a userinfo, RFC 3986: "redis://[:PASSWORD@]host"
+# is left alone)
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^\s\[\]\0]*)@")
 _QUERY_PASSWORD = re.compile(r"(?i)([?&]password=)[^&#\s]*")
 
 

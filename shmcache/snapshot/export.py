@@ -140,6 +140,8 @@ def _prepare(loc: Location, overwrite: bool) -> None:
         for name in names:
             loc.remove(name)
         loc.makedirs()
+    except SnapshotError:
+        raise  # it names the file and the fix already
     except OSError as exc:
         raise loc.error(exc, "replace the snapshot at") from None
 

@@ -345,10 +345,32 @@ class Manifest:
             if not _SEGMENT_RE.fullmatch(s.file):
                 raise SnapshotError(f"{where} names segment {s.file!r}, not a name an export writes; it is "
                                     f"damaged or forged: export the snapshot again")
+        _check_counts(m, where)
         if sum(s.items for s in m.segments) != m.items:
             raise SnapshotError(f"{where} says {m.items} items, its segments {sum(s.items for s in m.segments)}; "
                                 f"it is damaged: export the snapshot again")
         return m
+
+
+def _check_counts(m: Manifest, where: str) -> None:
+    """Every number of a manifest within what its files can hold: a reader sizes its reads and
+    the cache's table by them before a segment is opened (a forged count must not become a
+    32 TB read, nor a dataset length that len() cannot return)."""
+    def bad(what: str, value: Any) -> SnapshotError:
+        return SnapshotError(f"{where} says {what} {value!r}, which no segment of its size can hold; "
+                             f"it is damaged or forged: export the snapshot again")
+
+    fixed = HEADER_BYTES + FOOTER_BYTES
+    for s in m.segments:
+        if not fixed <= s.size < 1 << 63:
+            raise bad(f"segment {s.file} has size", s.size)
+        if not 0 <= s.items <= (s.size - fixed) // (INDEX_DTYPE.itemsize + records.RECORD_HEADER_BYTES):
+            raise bad(f"segment {s.file} of {s.size} bytes has items", s.items)
+    if m.length is not None and not 0 <= m.length < 1 << 63:
+        raise bad("the dataset's length is", m.length)
+    for name in ("items", "bytes", "stored_bytes"):
+        if not 0 <= getattr(m, name) < 1 << 63:
+            raise bad(f"{name} is", getattr(m, name))
 
 
 def describe_layouts(layouts: dict[bytes, int]) -> dict:

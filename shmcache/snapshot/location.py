@@ -9,6 +9,7 @@ Errors of the storage become SnapshotError naming the path and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, BinaryIO
 
 from ..errors import InvalidArgument, SnapshotError
 
-__all__ = ["Location", "open_location", "SPACE_ERRNOS"]
+__all__ = ["Location", "open_location", "SPACE_ERRNOS", "mask_url", "scrub_secret"]
 
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _WRITE_BUFFER = 8 << 20
@@ -36,14 +37,42 @@ def open_location(where: str | os.PathLike, storage_options: dict | None = None)
     except ImportError:
         raise SnapshotError(f"{text} is a URL, and URLs need fsspec: pip install 'shmcache[snapshot]' "
                             f"(and the protocol's package, e.g. 'shmcache[s3]' for s3://)") from None
+    shown = mask_url(text)
     try:
         fs, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
     except (ImportError, ValueError) as exc:
-        raise SnapshotError(f"cannot open {text}: {exc}; install the package of its protocol (e.g. "
-                            f"pip install 'shmcache[s3]' for s3://)") from None
+        raise SnapshotError(f"cannot open {shown}: {scrub_secret(str(exc), text)}; install the package "
+                            f"of its protocol (e.g. pip install 'shmcache[s3]' for s3://)") from None
+    except Exception as exc:  # noqa: BLE001 - a backend that connects when made (ftp://, sftp://)
+        raise SnapshotError(f"cannot open {shown}: {type(exc).__name__}: {scrub_secret(str(exc), text)}; "
+                            f"check the URL, the network and your credentials") from None
     if type(fs).__name__ == "LocalFileSystem":  # file://: the local path, with mmap and fast reads
         return LocalLocation(Path(path))
-    return FsspecLocation(fs, path.rstrip("/"), text)
+    return FsspecLocation(fs, path.rstrip("/"), shown)
+
+
+def mask_url(text: str) -> str:
+    """``text`` with the password of its user part as ``***`` (https://user:TOKEN@host/snap,
+    ftp://user:PW@host/snap): what every message, stat and repr shows of a snapshot's URL. The
+    user part is the authority (up to the first '/', '?' or '#') up to its last '@', as RFC 3986
+    and the backends read it; one with no ':' may be a token, and is masked whole."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return text
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    userinfo, at, host = rest[:end].rpartition("@")
+    if not at:
+        return text
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user + ':***' if colon else '***'}@{host}{rest[end:]}"
+
+
+def scrub_secret(message: str, url: str) -> str:
+    """A backend's message with the URL's password (and the URL itself) masked."""
+    message = message.replace(url, mask_url(url))
+    userinfo = url.partition("://")[2].split("/", 1)[0].rpartition("@")[0]
+    secret = userinfo.partition(":")[2] or userinfo
+    return message.replace(secret, "***") if len(secret) >= 3 else message
 
 
 class Location:
@@ -74,6 +103,10 @@ class LocalLocation(Location):
     def makedirs(self) -> None:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # the path, or one of its parents, is a file
+            file = next((p for p in (self.path, *self.path.parents) if p.is_file()), self.path)
+            raise SnapshotError(f"{file} is a file, not a directory: a snapshot is a directory of "
+                                f"files; pass a new directory (or a URL such as s3://bucket/snap)") from None
         except OSError as exc:
             raise self.error(exc, "create the directory") from None
 
@@ -118,14 +151,16 @@ class FsspecLocation(Location):
 
     def makedirs(self) -> None:
         try:
-            self.fs.makedirs(self.path, exist_ok=True)
+            with _as_oserror():
+                self.fs.makedirs(self.path, exist_ok=True)
         except OSError as exc:
             raise self.error(exc, "create the directory") from None
 
     def listdir(self) -> list[str]:
         try:
-            self.fs.invalidate_cache(self.path)  # another writer (or our own rm) changed it
-            names = self.fs.ls(self.path, detail=False)
+            with _as_oserror():
+                self.fs.invalidate_cache(self.path)  # another writer (or our own rm) changed it
+                names = self.fs.ls(self.path, detail=False)
         except FileNotFoundError:
             return []
         except OSError as exc:
@@ -133,22 +168,41 @@ class FsspecLocation(Location):
         return sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in names)
 
     def open_write(self, name: str) -> BinaryIO:
-        return self.fs.open(self._p(name), "wb")
+        with _as_oserror():
+            return self.fs.open(self._p(name), "wb")
 
     def rename(self, src: str, dst: str) -> None:
-        self.fs.mv(self._p(src), self._p(dst))
+        with _as_oserror():
+            self.fs.mv(self._p(src), self._p(dst))
 
     def remove(self, name: str) -> None:
         try:
-            self.fs.rm_file(self._p(name))
+            with _as_oserror():
+                self.fs.rm_file(self._p(name))
         except FileNotFoundError:
             pass
 
     def read_bytes(self, name: str) -> bytes:
-        return self.fs.cat_file(self._p(name))
+        with _as_oserror():
+            return self.fs.cat_file(self._p(name))
 
     def size(self, name: str) -> int:
-        return int(self.fs.size(self._p(name)))
+        with _as_oserror():
+            return int(self.fs.size(self._p(name)))
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
-        return self.fs.cat_file(self._p(name), start=start, end=end)
+        with _as_oserror():
+            return self.fs.cat_file(self._p(name), start=start, end=end)
+
+
+@contextlib.contextmanager
+def _as_oserror():
+    """An fsspec backend's own error (botocore's NoCredentialsError, ClientError, ...) as an
+    OSError, which every caller turns into a SnapshotError naming the file and the fix: they are
+    not OSErrors, and escaped raw (the commonest S3 mistake, no credentials, among them)."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the backend raises for a failed call
+        raise OSError(0, f"{type(exc).__name__}: {exc}") from exc

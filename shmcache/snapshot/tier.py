@@ -50,7 +50,6 @@ NOTE [snapshot read-through]
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import logging
 import os
@@ -67,7 +66,7 @@ from .. import tier_counts
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..spill import format as records
 from . import format as fmt
-from .location import FsspecLocation, LocalLocation, open_location
+from .location import FsspecLocation, LocalLocation, mask_url, open_location, scrub_secret
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
            "stats_keys", "check_options"]
@@ -148,7 +147,8 @@ class SnapshotTier:
     def __init__(self, url: str | os.PathLike, *, force: bool = False, storage_options: dict | None = None,
                  timeout_s: float = 10.0, counts_path: str | os.PathLike | None = None,
                  slot: Callable[[], int] | None = None):
-        self.url = os.fspath(url)
+        self._target = os.fspath(url)  # what is opened; ``url`` is what is shown (no password)
+        self.url = mask_url(self._target)
         self.force = force
         self.timeout_s = float(timeout_s)
         self._storage_options = _with_timeouts(self.url, storage_options, self.timeout_s)
@@ -181,11 +181,10 @@ class SnapshotTier:
         # a new process (or the first use): descriptors, threads and locks of the parent are not ours
         self._lock = threading.Lock()  # counters, breaker, segments
         self._load_lock = threading.Lock()  # one thread loads the indexes
-        self.loc = open_location(self.url, self._storage_options)
+        self.loc = open_location(self._target, self._storage_options)
         self.local = isinstance(self.loc, LocalLocation)
         self._fds: dict[int, int] = {}
         self._dead_fds: list[int] = []
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._dctx = threading.local()
         self._logged: set[str] = set()
         self._retry_at, self._backoff = 0.0, 0.0
@@ -287,9 +286,6 @@ class SnapshotTier:
                 os.close(fd)
             self._fds.clear()
             self._dead_fds.clear()
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
 
     def __repr__(self) -> str:
         return f"SnapshotTier({self.url!r})"
@@ -494,21 +490,36 @@ class SnapshotTier:
         return self._call(lambda: loc.fs.cat_ranges(paths, starts, ends, on_error="return"), "read")
 
     def _call(self, fn: Callable, what: str) -> Any:
-        """``fn()`` bounded by ``timeout_s`` on a store (a local file needs no bound)."""
+        """``fn()`` bounded by ``timeout_s`` on a store (a local file needs no bound).
+
+        It runs in a daemon thread of its own: a read that outlives its bound (a store that
+        stopped answering, while s3fs retries) is left behind, and must not keep the
+        interpreter from exiting - a ThreadPoolExecutor's threads are joined at exit, which held
+        a finished job for every retry (a minute at the default timeout). The breaker limits
+        how many are left behind: none is started while it is open."""
         if self.local:
             return fn()
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="shmcache-snapshot")
-        fut = self._pool.submit(fn)
-        try:
-            return fut.result(self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise _Fault("timeout", f"{what} {self.url}") from None
-        except (FileNotFoundError, SnapshotError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever the store's client raises is a fault
-            raise _Fault("unreachable", f"{type(exc).__name__}: {exc}") from None
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                box["error"] = exc
+
+        reader = threading.Thread(target=run, name="shmcache-snapshot-read", daemon=True)
+        reader.start()
+        reader.join(self.timeout_s)
+        if reader.is_alive():
+            raise _Fault("timeout", f"{what} {self.url}")
+        exc = box.get("error")
+        if exc is None:
+            return box["value"]
+        if isinstance(exc, (FileNotFoundError, SnapshotError)):
+            raise exc
+        if not isinstance(exc, Exception):
+            raise exc
+        raise _Fault("unreachable", f"{type(exc).__name__}: {exc}") from None
 
     # --- faults -----------------------------------------------------------------------------------------
 
@@ -539,7 +550,7 @@ class SnapshotTier:
     def _log(self, condition: str, text: str) -> None:
         if condition not in self._logged:
             self._logged.add(condition)
-            log.warning("%s", text)
+            log.warning("%s", scrub_secret(text, self._target))  # a backend's message may quote the URL
 
     def _add(self, counter: str, n: int) -> None:
         """Count into this process's row (the caller holds the lock)."""
