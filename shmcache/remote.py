@@ -61,7 +61,6 @@ import hashlib
 import logging
 import os
 import random
-import re
 import threading
 import time
 import weakref

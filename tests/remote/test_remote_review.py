@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+
 import numpy as np
 import pytest
 from _redis import RedisServer, need_redis
