@@ -4,8 +4,8 @@ files, read by an import and by the read-through tier."""
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 import shutil
 
 import pytest
