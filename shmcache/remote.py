@@ -653,28 +653,15 @@ class RedisTier:
 def _mget_sharded(clients: list, rkeys: list[bytes]) -> list:
     """One MGET per server, all sent before any reply is read: one round trip for N servers."""
     n = len(clients)
-    where = [jump_hash(_key_hash(k), n) for k in rkeys]
     groups: dict[int, list[int]] = {}
-    for i, s in enumerate(where):
-        groups.setdefault(s, []).append(i)
+    for i, k in enumerate(rkeys):
+        groups.setdefault(jump_hash(_key_hash(k), n), []).append(i)
     out: list = [None] * len(rkeys)
-    sent = []
-    try:
-        for s, idx in groups.items():
-            pool = clients[s].connection_pool
-            conn = pool.get_connection()
-            sent.append((pool, conn, idx))
-            conn.send_command("MGET", *[rkeys[i] for i in idx])
-        for _pool, conn, idx in sent:
-            for i, v in zip(idx, conn.read_response()):
-                out[i] = v
-    except BaseException:
-        for _, conn, _ in sent:  # a reply may be left unread on it: never reuse it
-            _quietly(conn.disconnect)
-        raise
-    finally:
-        for pool, conn, _ in sent:
-            pool.release(conn)
+    batches = [(clients[s].connection_pool, [("MGET", *[rkeys[i] for i in idx])], idx)
+               for s, idx in groups.items()]
+    for idx, (values,) in _round_trip(batches):
+        for i, v in zip(idx, values):
+            out[i] = v
     return out
 
 
@@ -691,22 +678,32 @@ def _get_clustered(cluster, rkeys: list[bytes]) -> list:
         node = nodes.get_node_from_slot(cluster.keyslot(k))
         groups.setdefault(node.name, (node, []))[1].append(i)
     out: list = [None] * len(rkeys)
-    sent = []
+    batches = [(cluster.get_redis_connection(node).connection_pool, [("GET", rkeys[i]) for i in idx], idx)
+               for node, idx in groups.values()]
+    for idx, values in _round_trip(batches):
+        for i, v in zip(idx, values):
+            out[i] = v
+    return out
+
+
+def _round_trip(batches: list) -> list:
+    """Send each ``(pool, commands, tag)``'s commands on a connection of its own pool, all before
+    reading any reply; then ``[(tag, replies)]``. A connection left with an unread reply (a
+    timeout, an error) is disconnected, never reused."""
+    sent, out = [], []
     try:
-        for node, idx in groups.values():
-            pool = cluster.get_redis_connection(node).connection_pool
+        for pool, commands, _tag in batches:
             conn = pool.get_connection()
-            sent.append((pool, conn, idx))
-            conn.send_packed_command(conn.pack_commands([("GET", rkeys[i]) for i in idx]))
-        for _, conn, idx in sent:
-            for i in idx:
-                out[i] = conn.read_response()
+            sent.append((pool, conn))
+            conn.send_packed_command(conn.pack_commands(commands))
+        for (_, conn), (_, commands, tag) in zip(sent, batches):
+            out.append((tag, [conn.read_response() for _ in commands]))
     except BaseException:
-        for _, conn, _ in sent:  # a reply may be left unread on it: never reuse it
+        for _, conn in sent:
             _quietly(conn.disconnect)
         raise
     finally:
-        for pool, conn, _ in sent:
+        for pool, conn in sent:
             pool.release(conn)
     return out
 

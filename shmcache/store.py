@@ -1580,7 +1580,7 @@ class UncachedStore:
         return False
 
     def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
-        self._counters[2] += len(items)
+        self._counters[REJECTED] += len(items)
         return [False] * len(items)
 
     def contains(self, key: Any) -> bool:

@@ -199,7 +199,9 @@ class TieredStore:
         return self.local.contains(key)  # what this node holds; a tier is asked only on a read
 
     def _admit(self, key: Any, record: Buffer) -> Any:
-        """A tier's record as a value, stored in shared memory too (within its cap)."""
+        """A tier's record as a value, stored in shared memory too (within its cap). Decoded first:
+        bytes that passed the tier's checks yet are no portable record are refused before they
+        reach shared memory."""
         try:
             # private bytes: the value owns them (a tier returns a bytearray only when it is fresh
             # and its own - Tier.get - so it is not copied again)
@@ -212,7 +214,8 @@ class TieredStore:
                             "(%s); treated as a miss, further ones are only counted",
                             self.local.session, self.local.name, key, exc)
             return MISSING
-        if self.local.put(key, value):
+        # the record as it came, no decode-and-encode round: put_records copies its bytes in once
+        if self.local.put_records([(key, record)])[0]:
             self.admitted += 1
         return value
 

@@ -277,20 +277,9 @@ class _Job:
             return None
         key_len = _U16.unpack_from(view, fmt._KEY_LEN_AT)[0]
         pkey = bytes(view[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + key_len])
-        head, _ = records.record_problem(view, pkey)
-        if head is None:
+        payload, _ = records.unpack_record(view, pkey, dctx, copy=False)  # raw: a view of the read
+        if payload is None:
             return None
-        start = records.RECORD_HEADER_BYTES + key_len + (-key_len % records.ALIGN)
-        stored = view[start:start + head.stored_len]
-        if head.flags & records.FLAG_ZSTD:
-            try:
-                payload: Any = dctx.decompress(stored, max_output_size=head.raw_len)
-            except zstandard.ZstdError:
-                return None
-            if len(payload) != head.raw_len:
-                return None
-        else:
-            payload = stored  # straight from the read buffer into shared memory
         try:
             key = key_of_portable(pkey)
         except ValueError:

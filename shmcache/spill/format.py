@@ -219,20 +219,23 @@ def record_problem(buf: Buffer, key: bytes) -> tuple[_Head | None, str | None]:
     return head, None
 
 
-def unpack_record(buf: Buffer, key: bytes, dctx: zstandard.ZstdDecompressor) -> tuple[bytearray | None, str | None]:
-    """The payload of the record in ``buf`` as a fresh bytearray, or (None, why) if it is not an
-    intact record of ``key``; never raises for bad bytes."""
+def unpack_record(buf: Buffer, key: bytes, dctx: zstandard.ZstdDecompressor, *,
+                  copy: bool = True) -> tuple[Buffer | None, str | None]:
+    """The payload of the record in ``buf``, or (None, why) if it is not an intact record of
+    ``key``; never raises for bad bytes. ``copy``: a fresh bytearray (writable, the caller's own);
+    else a raw record's payload is a view of ``buf`` and a zstd one the decompressed bytes (an
+    import stores them straight into shared memory: no copy in between)."""
     head, why = record_problem(buf, key)
     if head is None:
         return None, why
     start = RECORD_HEADER_BYTES + len(key) + _pad(len(key))
     stored = memoryview(buf).cast("B")[start:start + head.stored_len]
     if not head.flags & FLAG_ZSTD:
-        return bytearray(stored), None
+        return (bytearray(stored) if copy else stored), None
     try:
         out = dctx.decompress(stored, max_output_size=head.raw_len)
     except zstandard.ZstdError as exc:
         return None, f"zstd cannot decode it: {exc}"
     if len(out) != head.raw_len:
         return None, f"it decompresses to {len(out)} bytes, not {head.raw_len}"
-    return bytearray(out), None
+    return (bytearray(out) if copy else out), None

@@ -800,6 +800,8 @@ def test_pack_and_unpack_record_round_trip_and_refuse_other_keys_cuts_and_flips(
     buf = b"".join(bytes(part) for part in pack_record(b"key1", payload, cctx))
     assert len(buf) % spill_format.ALIGN == 0
     assert unpack_record(buf, b"key1", dctx) == (bytearray(payload), None)
+    view, _ = unpack_record(buf, b"key1", dctx, copy=False)  # an import's way: no copy of a raw one
+    assert bytes(view) == payload
     assert unpack_record(buf, b"key2", dctx)[1] == "it holds another key"
     assert unpack_record(buf[: RECORD_HEADER_BYTES + 2], b"key1", dctx)[0] is None
     caught = 0
