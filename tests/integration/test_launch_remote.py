@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -51,16 +52,23 @@ def launcher_environment(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
     monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmpdir")))
     monkeypatch.delenv("SHMCACHE_REMOTE", raising=False)
+    monkeypatch.delenv("SHMCACHE_SECRET", raising=False)
+    monkeypatch.delenv("SHMCACHE_RDZV_TOKEN", raising=False)
 
 
 @pytest.fixture
 def nodes(tmp_path):
-    """Start launchers as simulated nodes, each with its own namespace; killed at teardown."""
+    """Start launchers as simulated nodes, each with its own namespace; killed at teardown. They
+    share one $SHMCACHE_RDZV_TOKEN, as srun would give them, unless ``env`` says otherwise."""
     started: list[subprocess.Popen] = []
     master_port = free_port_pair()
+    token = secrets.token_hex(32)
 
-    def start(node_rank: int, nnodes: int, *args: str, port: int | None = None) -> subprocess.Popen:
-        env = {**os.environ, "SHMCACHE_DIR": str(tmp_path / f"ns-node{node_rank}")}
+    def start(node_rank: int, nnodes: int, *args: str, port: int | None = None,
+              env: dict[str, str | None] | None = None) -> subprocess.Popen:
+        env = {**os.environ, "SHMCACHE_DIR": str(tmp_path / f"ns-node{node_rank}"),
+               "SHMCACHE_RDZV_TOKEN": token, **(env or {})}
+        env = {k: v for k, v in env.items() if v is not None}
         common = ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr",
                   "127.0.0.1", "--master-port", str(port or master_port)]
         proc = subprocess.Popen([*LAUNCH, *common, *args], env=env, stdout=subprocess.PIPE,
@@ -68,6 +76,8 @@ def nodes(tmp_path):
         started.append(proc)
         return proc
 
+    start.master_port = master_port
+    start.token = token
     yield start
     for proc in started:
         if proc.poll() is None:
@@ -383,6 +393,224 @@ def test_two_nodes_over_spawned_redis_compute_each_item_about_once(tmp_path, nod
         assert secret not in out + err
     endpoints = urlsplit(url).netloc.rsplit("@", 1)[1].split(",")
     assert_servers_gone([{"redis_servers": {}, "endpoints": endpoints}])
+
+
+# --- trust: the job token, the job's secret, hostile peers (issue 16, items 2, 3 and 7) ---------
+
+ATTACKER = "shmcache-attacker"
+
+
+def redis_command(endpoint: str, password: str, *args: str) -> bytes:
+    """One Redis command after AUTH, by hand; the raw reply (enough to search it for a string)."""
+    host, port = endpoint.rsplit(":", 1)
+    words = [b"AUTH", password.encode(), *(a.encode() for a in args)]
+    request = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(words[1]), words[1])
+    request += b"*%d\r\n" % (len(args)) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words[2:])
+    reply = b""
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(request)
+        sock.settimeout(0.5)
+        try:
+            while chunk := sock.recv(1 << 16):
+                reply += chunk
+        except TimeoutError:
+            pass
+    assert reply.startswith(b"+OK\r\n"), reply[:200]
+    return reply
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not answers_anything(f"127.0.0.1:{port}"):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate(timeout=10)
+        time.sleep(0.02)
+
+
+def test_multi_node_spawn_without_a_token_refuses_naming_the_fix(tmp_path, nodes):
+    proc = nodes(1, 2, "--remote", "spawn", "--rdzv-timeout", "2", PING, str(tmp_path), "exit0",
+                 env={"SHMCACHE_RDZV_TOKEN": None})
+    code, _out, err = finish(proc, timeout_s=30)
+    assert code == 2, err
+    assert "SHMCACHE_RDZV_TOKEN" in err and "secrets.token_hex" in err, err
+    assert not list(tmp_path.glob("remote-*.json"))
+
+
+@needs_redis
+def test_spawn_gives_workers_a_fresh_secret_in_their_environment_only(tmp_path, nodes):
+    """The same new $SHMCACHE_SECRET in every worker of the job; not on any command line (the
+    launchers', the workers', the servers'), not in a server's environment or configuration, not
+    in a file, not in the output; the rendezvous token does not reach the workers."""
+    procs = [nodes(k, 2, "--remote", "spawn:32", PING, str(tmp_path), "sleep", "sleep") for k in (0, 1)]
+    reports = read_reports(tmp_path, 2)
+    url = check_job(reports, 2)
+    secrets_ = {r["secret"] for r in reports}
+    assert len(secrets_) == 1, secrets_
+    secret = secrets_.pop()
+    assert secret and len(secret) >= 64 and secret != nodes.token, secret
+    assert not any(r["has_rdzv_token"] for r in reports)
+    servers = [int(pid) for r in reports for pid in r["redis_servers"]]
+    for pid in [r["pid"] for r in reports] + [p.pid for p in procs] + servers:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert secret.encode() not in f.read(), pid
+    for pid in servers:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert secret.encode() not in f.read(), pid
+    for endpoint in reports[0]["endpoints"]:
+        seen = redis_command(endpoint, password_of(url), "CONFIG", "GET", "*")
+        seen += redis_command(endpoint, password_of(url), "KEYS", "*")
+        assert secret.encode() not in seen
+    for path in Path(os.environ["TMPDIR"]).rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+    for proc in procs:
+        proc.send_signal(signal.SIGINT)
+    for proc in procs:
+        _code, out, err = finish(proc)
+        assert secret not in out + err
+    assert_servers_gone(reports)
+
+
+@needs_redis
+def test_one_node_spawn_makes_a_secret_and_keeps_the_users(tmp_path, monkeypatch):
+    assert main(["--remote", "spawn:32", PING, str(tmp_path), "exit0"]) == 0
+    (fresh,) = read_reports(tmp_path, 1, timeout_s=1)
+    assert fresh["secret"] and len(fresh["secret"]) >= 64
+    (tmp_path / "remote-0.json").unlink()
+    monkeypatch.setenv("SHMCACHE_SECRET", "the-users-own-secret-0123456789")
+    assert main(["--remote", "spawn:32", PING, str(tmp_path), "exit0"]) == 0
+    (kept,) = read_reports(tmp_path, 1, timeout_s=1)
+    assert kept["secret"] == "the-users-own-secret-0123456789"
+
+
+@needs_redis
+def test_a_launcher_with_another_token_is_refused_and_named(tmp_path, nodes):
+    """Node 1 holds another token: node 0 refuses it, naming its address, and gives it nothing;
+    node 1 is told why; node 0 fails at --rdzv-timeout listing the refusal."""
+    node0 = nodes(0, 2, "--remote", "spawn", "--rdzv-timeout", "4", PING, str(tmp_path), "exit0")
+    node1 = nodes(1, 2, "--remote", "spawn", "--rdzv-timeout", "4", PING, str(tmp_path), "exit0",
+                  env={"SHMCACHE_RDZV_TOKEN": secrets.token_hex(32)})
+    (code0, _out0, err0), (code1, _out1, err1) = finish(node0), finish(node1)
+    assert code1 == 1 and code0 == 1, (err0, err1)
+    assert "SHMCACHE_RDZV_TOKEN" in err1 and "refused" in err1, err1
+    assert "refused 127.0.0.1:" in err0 and "SHMCACHE_RDZV_TOKEN" in err0, err0
+    assert "node ranks [1]" in err0, err0
+    assert not list(tmp_path.glob("remote-*.json"))
+
+
+@needs_redis
+def test_squatters_on_the_rendezvous_port_do_not_stop_the_job(tmp_path, nodes):
+    """One connection says nothing; another claims node rank 1 (in either protocol) and then
+    says nothing: no rank is taken before a peer proves it holds the token, so the job runs."""
+    node0 = nodes(0, 2, "--remote", "spawn", "--rdzv-timeout", "20", PING, str(tmp_path), "exit0", "exit0")
+    port = nodes.master_port + 1
+    wait_listening(port, node0)
+    job = f"127.0.0.1:{nodes.master_port}"
+    squatters = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    squatters[1].sendall(json.dumps({"job": job, "nnodes": 2, "rank": 1}).encode() + b"\n")
+    squatters[2].sendall(json.dumps({"v": 2, "job": job, "nnodes": 2, "rank": 1,
+                                     "nonce": secrets.token_hex(16)}).encode() + b"\n")
+    time.sleep(0.3)
+    try:
+        node1 = nodes(1, 2, "--remote", "spawn", "--rdzv-timeout", "20", PING, str(tmp_path), "exit0", "exit0")
+        results = [finish(node0, timeout_s=30), finish(node1, timeout_s=30)]
+    finally:
+        for sock in squatters:
+            sock.close()
+    for code, _out, err in results:
+        assert code == 0, err
+    check_job(read_reports(tmp_path, 2, timeout_s=1), 2)
+
+
+#: The attacker, another local user: reads the job ID from the launcher's command line in /proc
+#: (as `ps` shows it), joins node 0's exchange as node rank 1 in the old protocol and in the new
+#: one (with a made-up proof), offers its own endpoint, and prints all it received.
+ATTACK = r"""
+import json, secrets, socket, sys
+argv = open("/proc/%s/cmdline" % sys.argv[1], "rb").read().decode().split("\0")
+addr, port = argv[argv.index("--master-addr") + 1], int(argv[argv.index("--master-port") + 1])
+job, nnodes = "%s:%d" % (addr, port), int(argv[argv.index("--nnodes") + 1])
+def talk(messages):
+    sock = socket.create_connection((addr, port + 1), timeout=2)
+    me, got = "%s:%d" % sock.getsockname()[:2], b""
+    for message in messages:
+        try:
+            sock.sendall(json.dumps(message).encode() + b"\n")
+            sock.settimeout(1.0)
+            while not got.endswith(b"\n"):
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                got += chunk
+        except OSError:
+            pass
+    return sock, {"me": me, "got": got.decode(errors="replace")}
+endpoint = {"endpoint": "127.0.0.1:1"}
+held, results = [], []
+for messages in ([{"job": job, "nnodes": nnodes, "rank": 1}, endpoint],
+                 [{"v": 2, "job": job, "nnodes": nnodes, "rank": 1, "nonce": secrets.token_hex(16)},
+                  {"proof": secrets.token_hex(32)}, endpoint]):
+    sock, result = talk(messages)
+    held.append(sock)
+    results.append(result)
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def attacker_python() -> str:
+    """An interpreter the attacker (a real second user, created if missing) can run."""
+    if os.geteuid() != 0 or shutil.which("runuser") is None:
+        pytest.skip("needs root and runuser (util-linux) to act as another user")
+    import pwd
+    try:
+        pwd.getpwnam(ATTACKER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ATTACKER],
+                       check=True, capture_output=True)
+    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        if subprocess.run(["runuser", "-u", ATTACKER, "--", candidate, "-c", "pass"],
+                          capture_output=True).returncode == 0:
+            return candidate
+    pytest.skip(f"no Python interpreter that {ATTACKER} may run")
+
+
+@needs_redis
+def test_another_user_on_the_rendezvous_port_gets_nothing_and_injects_nothing(tmp_path, nodes,
+                                                                              attacker_python):
+    node0 = nodes(0, 2, "--remote", "spawn", "--rdzv-timeout", "20", PING, str(tmp_path), "exit0", "exit0")
+    wait_listening(nodes.master_port + 1, node0)
+    attack = subprocess.run(["runuser", "-u", ATTACKER, "--", attacker_python, "-c", ATTACK, str(node0.pid)],
+                            capture_output=True, text=True, timeout=30, env={"PATH": os.environ["PATH"]})
+    assert attack.returncode == 0, attack.stderr
+    tries = json.loads(attack.stdout)
+    node1 = nodes(1, 2, "--remote", "spawn", "--rdzv-timeout", "20", PING, str(tmp_path), "exit0", "exit0")
+    (code0, _out0, err0), (code1, _out1, err1) = finish(node0), finish(node1)
+    reports = read_reports(tmp_path, 2, timeout_s=1)
+    for report in reports:
+        assert "127.0.0.1:1" not in report["endpoints"], report  # its endpoint reached no worker
+    assert code0 == 0 and code1 == 0, (err0, err1)
+    check_job(reports, 2)
+    password, secret = password_of(reports[0]["url"]), reports[0]["secret"]
+    for attempt in tries:
+        assert password not in attempt["got"] and secret not in attempt["got"], attempt
+        assert "refused" in attempt["got"], attempt
+        assert f"refused {attempt['me']}" in err0, (attempt, err0)  # node 0 names the peer
+
+
+@pytest.mark.parametrize("remote", [[], ["--remote", "spawn:32"]], ids=["workers", "spawn"])
+def test_a_sigkilled_launchers_temporary_directory_is_removed(tmp_path, nodes, remote):
+    """No code runs in a SIGKILLed launcher: its guard removes /tmp/shmcache-launch-*."""
+    if remote and REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    proc = nodes(0, 1, *remote, PING, str(tmp_path), "sleep")
+    read_reports(tmp_path, 1)
+    (made,) = Path(os.environ["TMPDIR"]).glob("shmcache-launch-*")
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while made.exists():
+        assert time.monotonic() < deadline, f"{made} outlived its SIGKILLed launcher: {list(made.iterdir())}"
+        time.sleep(0.05)
 
 
 # --- the Slurm recipe -------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Usage: remote_ping.py OUTDIR ACTION_OF_RANK_0 ACTION_OF_RANK_1 ...
 Every rank writes OUTDIR/remote-<RANK>.json: its PID, $SHMCACHE_REMOTE, the endpoints of a
 ``redis+shards://`` URL and, for each, whether it answered AUTH + PING with the URL's password
 (the Redis protocol by hand: two commands need no client library), and the PID and command line
-of every ``redis-server`` whose parent is this worker's parent (the launcher). Actions:
+of every ``redis-server`` whose parent is this worker's parent (the launcher), the job's
+``$SHMCACHE_SECRET`` and whether ``$SHMCACHE_RDZV_TOKEN`` reached it. Actions:
     exit0   exit 0
     raise   wait until every rank wrote its file, then raise
     sleep   sleep for a minute (the launcher must stop it)
@@ -58,7 +59,9 @@ def main() -> None:
     out_dir, actions = sys.argv[1], sys.argv[2:]
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     url = os.environ.get("SHMCACHE_REMOTE")
-    record = {"rank": rank, "pid": os.getpid(), "launcher": os.getppid(), "url": url}
+    record = {"rank": rank, "pid": os.getpid(), "launcher": os.getppid(), "url": url,
+              "secret": os.environ.get("SHMCACHE_SECRET"),
+              "has_rdzv_token": "SHMCACHE_RDZV_TOKEN" in os.environ}
     if url and url.startswith("redis+shards://"):
         parts = urlsplit(url)
         endpoints = parts.netloc.rsplit("@", 1)[1].split(",")
