@@ -99,7 +99,7 @@ class RedisNode:
         for attempt in range(START_ATTEMPTS):
             port = _free_port(self._bind)
             self._server = Companion([self._executable, "-"], stdin_text=self._config(port, password),
-                                     log_path=self._log_path)
+                                     log_path=self._log_path, env=_server_environment())
             if self._wait_ready(port, password, last_attempt=attempt == START_ATTEMPTS - 1):
                 self.endpoint = format_endpoint(self._bind, port)
                 return self.endpoint
@@ -168,6 +168,12 @@ class RedisNode:
                 return " | ".join(ln.strip() for ln in f.read().splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def _server_environment() -> dict[str, str]:
+    """The launcher's environment less every SHMCACHE_* variable: the job's secret, the
+    rendezvous token and the remote tier's URL are no business of the server's."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SHMCACHE_")}
 
 
 def _free_port(bind: str) -> int:

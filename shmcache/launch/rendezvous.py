@@ -42,17 +42,33 @@ NOTE [remote rendezvous]
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import secrets
 import select
 import socket
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import LaunchError, RendezvousTimeout
 
-__all__ = ["rendezvous_port", "host_exchange", "join_exchange", "new_password"]
+__all__ = ["rendezvous_port", "host_exchange", "join_exchange", "new_password", "new_secret",
+           "check_token", "ENV_RDZV_TOKEN", "MIN_TOKEN_CHARS"]
+
+#: The job token every launcher of a multi-node ``--remote spawn`` job holds (NOTE, 5).
+ENV_RDZV_TOKEN = "SHMCACHE_RDZV_TOKEN"
+#: Shortest token accepted: 16 characters (``secrets.token_hex(32)`` gives 64).
+MIN_TOKEN_CHARS = 16
+#: How to make one, for the error messages.
+TOKEN_HINT = (f"export {ENV_RDZV_TOKEN}=$(python3 -c 'import secrets; print(secrets.token_hex(32))') "
+              f"once for the job, before starting its launchers, so that every node gets the same "
+              f"one (srun passes the environment on; launch/slurm.sbatch makes one per job)")
+#: The protocol's version, in the hello; a launcher of another version is refused by name.
+PROTOCOL = 2
 
 #: How long a node waits past its own deadline for node 0's message that names the missing ranks.
 ERROR_GRACE_S = 5.0
@@ -62,6 +78,10 @@ RETRY_INTERVAL_S = 0.2
 MAX_LINE = 1 << 16
 #: A send that cannot complete in this time means the other side stopped reading: drop it.
 SEND_TIMEOUT_S = 5.0
+#: A connection that has not proved it holds the token within this time is dropped (NOTE, 5).
+HANDSHAKE_TIMEOUT_S = 10.0
+#: Connections node 0 keeps that have not proved themselves yet; the oldest goes first.
+MAX_UNPROVEN = 32
 
 
 def rendezvous_port(master_port: int) -> int:
@@ -74,6 +94,88 @@ def new_password() -> str:
     return secrets.token_urlsafe(24)
 
 
+def new_secret() -> str:
+    """The job's record secret ($SHMCACHE_SECRET for its workers): 256 random bits."""
+    return secrets.token_hex(32)
+
+
+def check_token(token: str | None) -> str | None:
+    """Why ``token`` cannot be the job token (None: it can)."""
+    if not token:
+        return f"${ENV_RDZV_TOKEN} is not set"
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"${ENV_RDZV_TOKEN} has {len(token)} characters, fewer than {MIN_TOKEN_CHARS}"
+    return None
+
+
+# --- the handshake and the sealed messages (NOTE [remote rendezvous], 5) -----------------------
+
+
+def _mac(key: bytes, *parts: object) -> str:
+    """HMAC-SHA256 of ``parts``, encoded as a JSON list (unambiguous), in hex."""
+    return hmac.new(key, json.dumps(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def _proof(token: str, role: str, job: str, nnodes: int, rank: int, challenge: str,
+           own_nonce: str) -> str:
+    """The answer of ``role`` ("node" or "host") to the other side's ``challenge``."""
+    return _mac(token.encode(), "shmcache-rdzv proof", role, job, nnodes, rank, challenge, own_nonce)
+
+
+class _Channel:
+    """The messages after the handshake, encrypted and authenticated with keys derived from the
+    token and both nonces: a keystream of HMAC-SHA256 blocks (a PRF in counter mode), then an
+    HMAC over direction, sequence number and ciphertext (encrypt-then-MAC)."""
+
+    def __init__(self, token: str, job: str, nnodes: int, rank: int, node_nonce: str,
+                 host_nonce: str, *, is_host: bool) -> None:
+        session = bytes.fromhex(_mac(token.encode(), "shmcache-rdzv session", job, nnodes, rank,
+                                     node_nonce, host_nonce))
+        self._enc = hmac.new(session, b"encrypt", hashlib.sha256).digest()
+        self._auth = hmac.new(session, b"authenticate", hashlib.sha256).digest()
+        self._out, self._in = ("host", "node") if is_host else ("node", "host")
+        self._sent = self._received = 0
+
+    def _stream(self, direction: str, seq: int, length: int) -> bytes:
+        blocks = (hmac.new(self._enc, f"{direction}:{seq}:{i}".encode(), hashlib.sha256).digest()
+                  for i in range((length + 31) // 32))
+        return b"".join(blocks)[:length]
+
+    def _tag(self, direction: str, seq: int, box: bytes) -> str:
+        return hmac.new(self._auth, f"{direction}:{seq}:".encode() + box, hashlib.sha256).hexdigest()
+
+    def seal(self, message: dict) -> dict:
+        plain = json.dumps(message).encode()
+        seq, self._sent = self._sent, self._sent + 1
+        box = bytes(a ^ b for a, b in zip(plain, self._stream(self._out, seq, len(plain))))
+        return {"box": base64.b64encode(box).decode(), "mac": self._tag(self._out, seq, box)}
+
+    def open(self, sealed: dict) -> dict | None:
+        """The message, or None if it was not sealed by the other side, in this order."""
+        try:
+            box = base64.b64decode(sealed["box"], validate=True)
+            tag = sealed["mac"]
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not isinstance(tag, str) or not hmac.compare_digest(tag, self._tag(self._in, self._received, box)):
+            return None
+        self._received += 1
+        plain = bytes(a ^ b for a, b in zip(box, self._stream(self._in, self._received - 1, len(box))))
+        try:
+            message = json.loads(plain)
+        except ValueError:
+            return None
+        return message if isinstance(message, dict) else None
+
+
+def _peer_name(address: tuple) -> str:
+    """``host:port`` of a peer, an IPv4 address without its IPv6-mapped prefix."""
+    host, port = address[0], address[1]
+    if host.startswith("::ffff:") and "." in host:
+        host = host[len("::ffff:"):]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 # --- node 0 -----------------------------------------------------------------------------------
 
 
@@ -82,19 +184,24 @@ class _Peer:
     """One connection to node 0, and what it said so far."""
 
     sock: socket.socket
+    name: str  # its address, for every message about it
+    since: float  # when it connected (HANDSHAKE_TIMEOUT_S)
     buffer: bytes = b""
-    rank: int | None = None
+    hello: dict | None = None  # its hello, once given
+    nonce: str | None = None  # node 0's challenge to it
+    channel: _Channel | None = None  # once it proved it holds the token
+    rank: int | None = None  # taken only once it proved it holds the token
     endpoint: str | None = None
-    lines: list[dict] = field(default_factory=list)
 
 
 class _Host:
-    """Node 0's side (NOTE [remote rendezvous], 2-4)."""
+    """Node 0's side (NOTE [remote rendezvous], 2-5)."""
 
-    def __init__(self, port: int, nnodes: int, job: str) -> None:
+    def __init__(self, port: int, nnodes: int, job: str, token: str) -> None:
         self._nnodes = nnodes
         self._job = job
         self._port = port
+        self._token = token
         try:
             if socket.has_dualstack_ipv6():
                 self._listener = socket.create_server(
@@ -109,6 +216,7 @@ class _Host:
             ) from None
         self._peers: dict[socket.socket, _Peer] = {}
         self._endpoints: dict[int, str] = {}
+        self._refused: list[str] = []  # "ADDRESS: why", for the timeout message
 
     def close(self) -> None:
         for sock in list(self._peers):
@@ -116,32 +224,46 @@ class _Host:
         self._peers.clear()
         self._listener.close()
 
-    def run(self, password: str, own_endpoint: str, deadline: float, timeout_s: float) -> list[str]:
+    def run(self, password: str, secret: str, own_endpoint: str, deadline: float,
+            timeout_s: float) -> list[str]:
         self._endpoints[0] = own_endpoint
-        self._password = password
+        self._welcome = {"password": password, "secret": secret}
         while len(self._endpoints) < self._nnodes:
             left = deadline - time.monotonic()
             if left <= 0:
                 message = self._timeout_message(timeout_s)
                 self._broadcast({"error": message, "timeout": True})
                 raise RendezvousTimeout(f"--remote spawn: {message}")
-            readable, _, _ = select.select([self._listener, *self._peers], [], [], min(left, 1.0))
+            readable, _, _ = select.select([self._listener, *self._peers], [], [], min(left, 0.5))
             for sock in readable:
                 if sock is self._listener:
                     self._accept()
-                else:
+                elif sock in self._peers:
                     self._read(self._peers[sock])
+            self._drop_slow_handshakes()
         endpoints = [self._endpoints[k] for k in range(self._nnodes)]
         self._broadcast({"endpoints": endpoints})
         return endpoints
 
     def _accept(self) -> None:
         try:
-            sock, _addr = self._listener.accept()
+            sock, address = self._listener.accept()
         except OSError:
             return
         sock.settimeout(SEND_TIMEOUT_S)
-        self._peers[sock] = _Peer(sock)
+        unproven = [p for p in self._peers.values() if p.channel is None]
+        if len(unproven) >= MAX_UNPROVEN:  # a flood of connections must not exhaust select()
+            self._refuse(min(unproven, key=lambda p: p.since), "too many connections that did not prove "
+                         "they hold the job token; this one was the oldest")
+        self._peers[sock] = _Peer(sock, _peer_name(address), time.monotonic())
+
+    def _drop_slow_handshakes(self) -> None:
+        """NOTE [remote rendezvous], 5: a silent connection holds nothing, and not for long."""
+        now = time.monotonic()
+        for peer in list(self._peers.values()):
+            if peer.channel is None and now - peer.since > HANDSHAKE_TIMEOUT_S:
+                self._refuse(peer, f"it did not prove it holds ${ENV_RDZV_TOKEN} within "
+                                   f"{HANDSHAKE_TIMEOUT_S:g} s")
 
     def _read(self, peer: _Peer) -> None:
         try:
@@ -165,36 +287,74 @@ class _Host:
             message = None
         if not isinstance(message, dict):
             self._refuse(peer, "a message that is not the launcher's (is something else on this port?)")
-        elif peer.rank is None:
+        elif peer.hello is None:
             self._hello(peer, message)
-        elif isinstance(message.get("endpoint"), str):
-            peer.endpoint = message["endpoint"]
-            self._endpoints[peer.rank] = peer.endpoint
-            missing = self._missing()
-            if missing:
-                self._broadcast({"waiting_for": missing})
+        elif peer.channel is None:
+            self._check_proof(peer, message)
         else:
-            self._refuse(peer, "a second hello")
+            opened = peer.channel.open(message)
+            if opened is None:
+                self._refuse(peer, "a message not sealed with the job token's keys (tampered with?)")
+            elif isinstance(opened.get("endpoint"), str) and peer.endpoint is None:
+                peer.endpoint = opened["endpoint"]
+                self._endpoints[peer.rank] = peer.endpoint
+                missing = self._missing()
+                if missing:
+                    self._broadcast({"waiting_for": missing})
+            else:
+                self._refuse(peer, "an unexpected message")
 
     def _hello(self, peer: _Peer, message: dict) -> None:
+        """Step 1: what the peer says it is; checked, but no rank is taken before its proof."""
         job, nnodes, rank = message.get("job"), message.get("nnodes"), message.get("rank")
-        if job != self._job:
-            self._refuse(peer, f"job ID {job!r}, but node 0 runs job {self._job!r}: every node needs "
-                               f"the same --run-id (or none), --master-addr and --master-port")
+        nonce = message.get("nonce")
+        if message.get("v") != PROTOCOL or not _is_nonce(nonce):
+            self._refuse(peer, f"a launcher without the job-token handshake (protocol "
+                               f"{message.get('v', 1)!r}, node 0 speaks {PROTOCOL}): every node "
+                               f"needs the same shmcache version and ${ENV_RDZV_TOKEN}")
+        elif job != self._job:
+            self._refuse(peer, f"job ID {job!r}, but node 0 runs another job: every node needs the "
+                               f"same --run-id (or none), --master-addr and --master-port")
         elif nnodes != self._nnodes:
             self._refuse(peer, f"--nnodes {nnodes}, but node 0 has --nnodes {self._nnodes}; give "
                                f"every node the same --nnodes")
-        elif not isinstance(rank, int) or not 0 < rank < self._nnodes:
+        elif not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank < self._nnodes:
             self._refuse(peer, f"--node-rank {rank!r}: node 0 expects 1 to {self._nnodes - 1}")
-        elif rank in self._endpoints or any(p.rank == rank for p in self._peers.values()):
-            self._refuse(peer, f"--node-rank {rank}, which another live launcher of this job "
-                               f"already has; give every node its own --node-rank")
         else:
-            peer.rank = rank
-            self._send(peer, {"password": self._password})
+            peer.hello = message
+            peer.nonce = secrets.token_hex(16)
+            self._send(peer, {"nonce": peer.nonce})
 
-    def _refuse(self, peer: _Peer, why: str) -> None:
-        self._send(peer, {"error": f"node 0 refused this launcher: {why}"})
+    def _check_proof(self, peer: _Peer, message: dict) -> None:
+        """Step 2: the peer's answer to node 0's challenge, then node 0's to the peer's."""
+        hello = peer.hello
+        assert hello is not None and peer.nonce is not None
+        rank = hello["rank"]
+        expected = _proof(self._token, "node", self._job, self._nnodes, rank, peer.nonce, hello["nonce"])
+        proof = message.get("proof")
+        if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
+            self._refuse(peer, f"claimed node rank {rank} but answered the challenge wrong: it does "
+                               f"not hold this job's ${ENV_RDZV_TOKEN}")
+            return
+        holder = next((p for p in self._peers.values() if p.rank == rank), None)
+        answer = _proof(self._token, "host", self._job, self._nnodes, rank, hello["nonce"], peer.nonce)
+        if holder is not None:
+            self._refuse(peer, f"node rank {rank}, which the launcher at {holder.name} already has; "
+                               f"give every node its own --node-rank", proof=answer)
+            return
+        peer.channel = _Channel(self._token, self._job, self._nnodes, rank, hello["nonce"], peer.nonce,
+                                is_host=True)
+        peer.rank = rank
+        self._send(peer, {"proof": answer, **peer.channel.seal(self._welcome)}, sealed=False)
+
+    def _refuse(self, peer: _Peer, why: str, proof: str | None = None) -> None:
+        """Tell the peer why, say it here with its address, and drop it (NOTE, 5)."""
+        self._refused.append(f"{peer.name}: {why}")
+        print(f"shmcache.launch: --remote spawn: refused {peer.name}: {why}", file=sys.stderr, flush=True)
+        reply: dict = {"error": f"node 0 refused this launcher ({peer.name}): {why}"}
+        if proof is not None:
+            reply["proof"] = proof
+        self._send(peer, reply, sealed=False)
         self._drop(peer)
 
     def _drop(self, peer: _Peer) -> None:
@@ -204,7 +364,9 @@ class _Host:
             self._endpoints.pop(peer.rank, None)
         peer.sock.close()
 
-    def _send(self, peer: _Peer, message: dict) -> None:
+    def _send(self, peer: _Peer, message: dict, *, sealed: bool = True) -> None:
+        if sealed and peer.channel is not None:
+            message = peer.channel.seal(message)
         try:
             peer.sock.sendall(json.dumps(message).encode() + b"\n")
         except OSError:
@@ -212,7 +374,7 @@ class _Host:
 
     def _broadcast(self, message: dict) -> None:
         for peer in list(self._peers.values()):
-            if peer.rank is not None:
+            if peer.channel is not None:
                 self._send(peer, message)
 
     def _missing(self) -> list[int]:
@@ -228,25 +390,35 @@ class _Host:
             parts.append(f"never reached node 0: {absent}")
         if starting:
             parts.append(f"connected, but their Redis never answered: {starting}")
+        if self._refused:
+            shown = "; ".join(self._refused[-5:])
+            more = f" (and {len(self._refused) - 5} more)" if len(self._refused) > 5 else ""
+            parts.append(f"refused: {shown}{more}")
         return (f"node ranks {missing} of {self._nnodes} did not join the exchange "
                 f"of Redis endpoints within --rdzv-timeout {timeout_s:g} s ({'; '.join(parts)}); "
                 f"check that a launcher runs on each of those nodes with the same --master-addr, "
-                f"--master-port and --nnodes, and that they reach port {self._port} of node 0")
+                f"--master-port, --nnodes and ${ENV_RDZV_TOKEN}, and that they reach port "
+                f"{self._port} of node 0")
 
 
-def host_exchange(*, port: int, nnodes: int, job: str, timeout_s: float,
+def _is_nonce(value: object) -> bool:
+    return isinstance(value, str) and 32 <= len(value) <= 128
+
+
+def host_exchange(*, port: int, nnodes: int, job: str, token: str, secret: str, timeout_s: float,
                   start_server: Callable[[str], str]) -> tuple[str, list[str]]:
-    """Node 0: listen, start this node's server with a new password, collect every endpoint.
+    """Node 0: listen, start this node's server with a new password, collect every endpoint;
+    the password and ``secret`` go to each launcher that proved it holds ``token``, only.
 
     Returns (password, endpoints ordered by node rank). Raises LaunchError or
     RendezvousTimeout (NOTE [remote rendezvous], 3) with every connection closed.
     """
     deadline = time.monotonic() + timeout_s
-    host = _Host(port, nnodes, job)  # listening first: the other nodes' connects succeed early
+    host = _Host(port, nnodes, job, token)  # listening first: the other nodes' connects succeed early
     try:
         password = new_password()
         own = start_server(password)
-        return password, host.run(password, own, deadline, timeout_s)
+        return password, host.run(password, secret, own, deadline, timeout_s)
     finally:
         host.close()
 
@@ -254,25 +426,52 @@ def host_exchange(*, port: int, nnodes: int, job: str, timeout_s: float,
 # --- the other nodes --------------------------------------------------------------------------
 
 
-def join_exchange(*, master_addr: str, port: int, nnodes: int, node_rank: int, job: str,
-                  timeout_s: float, start_server: Callable[[str], str]) -> tuple[str, list[str]]:
-    """Node K > 0: get the password from node 0, start this node's server, get every endpoint."""
+def join_exchange(*, master_addr: str, port: int, nnodes: int, node_rank: int, job: str, token: str,
+                  timeout_s: float, start_server: Callable[[str], str]) -> tuple[str, str, list[str]]:
+    """Node K > 0: prove the token to node 0 and check node 0's proof, get the password and the
+    job's secret, start this node's server, get every endpoint.
+
+    Returns (password, secret, endpoints ordered by node rank)."""
     deadline = time.monotonic() + timeout_s
     where = f"node 0's launcher at {master_addr}:{port}"
     sock = _connect(master_addr, port, deadline, where, timeout_s)
     with sock:
         lines = _Lines(sock, where)
-        _send_line(sock, {"job": job, "nnodes": nnodes, "rank": node_rank}, where)
+        nonce = secrets.token_hex(16)
+        _send_line(sock, {"v": PROTOCOL, "job": job, "nnodes": nnodes, "rank": node_rank,
+                          "nonce": nonce}, where)
+        challenge = lines.next(deadline + ERROR_GRACE_S, timeout_s, None).get("nonce")
+        if not _is_nonce(challenge):
+            raise _error_from(lines.last)
+        _send_line(sock, {"proof": _proof(token, "node", job, nnodes, node_rank, challenge, nonce)},
+                   where)
         reply = lines.next(deadline + ERROR_GRACE_S, timeout_s, None)
-        password = reply.get("password")
-        if not isinstance(password, str):
+        expected = _proof(token, "host", job, nnodes, node_rank, nonce, challenge)
+        proof = reply.get("proof")
+        if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
+            if isinstance(reply.get("error"), str):
+                raise _error_from(reply)
+            raise LaunchError(f"--remote spawn: {where} did not prove it holds this job's "
+                              f"${ENV_RDZV_TOKEN}; refused it, and sent it nothing. Every node needs "
+                              f"the same token ({TOKEN_HINT}); or another program listens there")
+        if isinstance(reply.get("error"), str):  # node 0 itself, refusing (a duplicate rank)
             raise _error_from(reply)
-        _send_line(sock, {"endpoint": start_server(password)}, where)
+        channel = _Channel(token, job, nnodes, node_rank, nonce, challenge, is_host=False)
+        welcome = channel.open(reply)
+        if welcome is None or not isinstance(welcome.get("password"), str) \
+                or not isinstance(welcome.get("secret"), str):
+            raise LaunchError(f"--remote spawn: {where} sent a welcome not sealed with the job "
+                              f"token's keys; is the network between the nodes tampered with?")
+        password, secret = welcome["password"], welcome["secret"]
+        _send_line(sock, channel.seal({"endpoint": start_server(password)}), where)
         waiting_for: list[int] | None = None
         while True:
-            reply = lines.next(deadline + ERROR_GRACE_S, timeout_s, waiting_for)
+            reply = channel.open(lines.next(deadline + ERROR_GRACE_S, timeout_s, waiting_for))
+            if reply is None:
+                raise LaunchError(f"--remote spawn: {where} sent a message not sealed with the job "
+                                  f"token's keys; is the network between the nodes tampered with?")
             if isinstance(reply.get("endpoints"), list) and len(reply["endpoints"]) == nnodes:
-                return password, [str(e) for e in reply["endpoints"]]
+                return password, secret, [str(e) for e in reply["endpoints"]]
             if isinstance(reply.get("waiting_for"), list):
                 waiting_for = reply["waiting_for"]
                 continue
@@ -330,6 +529,7 @@ class _Lines:
         self._sock = sock
         self._where = where
         self._buffer = b""
+        self.last: dict = {}
 
     def next(self, deadline: float, timeout_s: float, waiting_for: list[int] | None) -> dict:
         while b"\n" not in self._buffer:
@@ -358,6 +558,7 @@ class _Lines:
         if not isinstance(message, dict):
             raise LaunchError(f"--remote spawn: {self._where} sent something that is not the "
                               f"launcher's protocol; is something else listening on that port?")
+        self.last = message
         return message
 
     def _timeout_message(self, timeout_s: float, waiting_for: list[int] | None) -> str:

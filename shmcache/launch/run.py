@@ -115,13 +115,13 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import hmac
 import os
 import re
 import shutil
 import signal
 import socket
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -135,12 +135,17 @@ from ..remote import ENV_REMOTE, parse_url
 from ..spill import check_spill_dir
 from .redis_node import DEFAULT_MAXMEMORY_MB, RedisNode, find_redis_server, is_loopback, route_address
 from .remote_option import RemoteOption, hide_in_process_title, mask_url, parse_remote, shards_url
-from .rendezvous import host_exchange, join_exchange, new_password, rendezvous_port
-from .supervisor import FORWARDED_SIGNALS, RunOutcome, WorkerSpec, run_workers
+from .rendezvous import (
+    ENV_RDZV_TOKEN, TOKEN_HINT, check_token, host_exchange, join_exchange, new_password, new_secret,
+    rendezvous_port,
+)
+from .supervisor import FORWARDED_SIGNALS, RunOutcome, WorkerSpec, launch_directory, run_workers
 
 __all__ = ["main"]
 
-#: Read by the cache as the default of ``size`` (MiB) and ``spilling``.
+#: The job's record secret, for the workers' remote tier and snapshots (issue 16, item 2): made
+#: per job by --remote spawn (by node 0, for every node) unless the user set one.
+ENV_SECRET = "SHMCACHE_SECRET"
 
 PROG = "python -m shmcache.launch"
 USAGE = (
@@ -187,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: cannot prepare the session: {exc}", file=sys.stderr)
         return 1
     try:
-        with tempfile.TemporaryDirectory(prefix="shmcache-launch-") as error_dir:
+        with launch_directory() as error_dir:
             outcome = _run(plan, error_dir)
     except LaunchError as exc:  # --remote spawn: this node's Redis, or the exchange, failed
         print(f"{PROG}: error: {mask_url(str(exc))}", file=sys.stderr)
@@ -211,8 +216,8 @@ def _run(plan: LaunchPlan, error_dir: str) -> RunOutcome:
     if plan.remote is None or not plan.remote.spawn:
         return run_workers(_worker_specs(plan, error_dir, {}),
                            shutdown_timeout_s=plan.shutdown_timeout_s)
-    with _spawned_remote(plan, error_dir) as url:
-        return run_workers(_worker_specs(plan, error_dir, {ENV_REMOTE: url}),
+    with _spawned_remote(plan, error_dir) as (url, secret):
+        return run_workers(_worker_specs(plan, error_dir, {ENV_REMOTE: url, ENV_SECRET: secret}),
                            shutdown_timeout_s=plan.shutdown_timeout_s)
 
 
@@ -306,6 +311,13 @@ def _plan(parser: argparse.ArgumentParser, argv: list[str]) -> LaunchPlan:
     if args.remote is not None and args.remote.spawn and args.nnodes > 1 and master_port == 65535:
         parser.error("argument --master-port: 65535 leaves no port for the exchange of the Redis "
                      "endpoints (--master-port + 1); pick a lower one")
+    if args.remote is not None and args.remote.spawn and args.nnodes > 1:
+        why = check_token(os.environ.get(ENV_RDZV_TOKEN))
+        if why is not None:
+            parser.error(f"argument --remote: spawn on {args.nnodes} nodes needs a job token, so "
+                         f"that only this job's launchers join node 0's exchange on port "
+                         f"{master_port + 1} and learn its Redis password and secret, but {why}: "
+                         f"{TOKEN_HINT}")
     env = _shmcache_env(session, args.size, args.spilling, spill_dir)
     if args.remote is not None and args.remote.url is not None:
         env[ENV_REMOTE] = args.remote.url
@@ -532,6 +544,7 @@ def _worker_specs(plan: LaunchPlan, error_dir: str, extra_env: dict[str, str]) -
         error_file = os.path.join(error_dir, f"error-{local_rank}.json")
         env = {**os.environ, **_rank_env(plan, local_rank), **plan.shmcache_env, **extra_env,
                "TORCHELASTIC_ERROR_FILE": error_file}
+        env.pop(ENV_RDZV_TOKEN, None)  # the launchers' business: a worker never needs it
         rank = plan.node_rank * plan.nproc + local_rank
         specs.append(WorkerSpec(rank=rank, argv=plan.command, env=env, error_file=error_file))
     return specs
@@ -585,21 +598,21 @@ class _Interrupted(BaseException):
 
 
 @contextmanager
-def _spawned_remote(plan: LaunchPlan, workdir: str) -> Iterator[str]:
-    """Start this node's redis-server, meet the other nodes, yield $SHMCACHE_REMOTE; stop the
-    server when the job ends, however it ends (NOTE [remote rendezvous]; NOTE [launcher
-    shutdown], 9)."""
+def _spawned_remote(plan: LaunchPlan, workdir: str) -> Iterator[tuple[str, str]]:
+    """Start this node's redis-server, meet the other nodes, yield $SHMCACHE_REMOTE and the job's
+    $SHMCACHE_SECRET; stop the server when the job ends, however it ends (NOTE [remote
+    rendezvous]; NOTE [launcher shutdown], 9)."""
     assert plan.remote is not None and plan.remote.spawn_mb is not None
     node = RedisNode(executable=find_redis_server(), bind=route_address(plan.master_addr),
                      maxmemory_mb=plan.remote.spawn_mb, workdir=workdir)
     try:
         with _signals_raise():
-            password, endpoints = _exchange(plan, node)
+            password, secret, endpoints = _exchange(plan, node)
         url = shards_url(password, endpoints)
         print(f"{PROG}: --remote spawn: node {plan.node_rank} of {plan.nnodes} serves "
               f"{node.endpoint} (maxmemory {plan.remote.spawn_mb} MiB, allkeys-lru); "
               f"{ENV_REMOTE}={mask_url(url)}", file=sys.stderr)
-        yield url
+        yield url, secret
     finally:
         with _signals_ignored():  # a Ctrl-C now must not cut the stop short
             early = node.poll()
@@ -610,19 +623,29 @@ def _spawned_remote(plan: LaunchPlan, workdir: str) -> Iterator[str]:
                   f"{node.log_tail() or '(nothing)'}", file=sys.stderr)
 
 
-def _exchange(plan: LaunchPlan, node: RedisNode) -> tuple[str, list[str]]:
-    """The job's password and every node's endpoint, by node rank (NOTE [remote rendezvous])."""
+def _exchange(plan: LaunchPlan, node: RedisNode) -> tuple[str, str, list[str]]:
+    """The job's password, its secret and every node's endpoint, by node rank (NOTE [remote
+    rendezvous]). The secret is the user's $SHMCACHE_SECRET if set (node 0's, for every node),
+    else a new one: never on a command line, never in a file, never sent to Redis."""
+    own_secret = os.environ.get(ENV_SECRET) or None
     if plan.nnodes == 1:
         password = new_password()
-        return password, [node.start(password)]
+        return password, own_secret or new_secret(), [node.start(password)]
     port = rendezvous_port(plan.master_port)
+    token = os.environ[ENV_RDZV_TOKEN]  # checked by _plan
     if plan.node_rank == 0:
-        password, endpoints = host_exchange(port=port, nnodes=plan.nnodes, job=plan.run_id,
-                                            timeout_s=plan.rdzv_timeout_s, start_server=node.start)
+        secret = own_secret or new_secret()
+        password, endpoints = host_exchange(port=port, nnodes=plan.nnodes, job=plan.run_id, token=token,
+                                            secret=secret, timeout_s=plan.rdzv_timeout_s,
+                                            start_server=node.start)
     else:
-        password, endpoints = join_exchange(
+        password, secret, endpoints = join_exchange(
             master_addr=plan.master_addr, port=port, nnodes=plan.nnodes, node_rank=plan.node_rank,
-            job=plan.run_id, timeout_s=plan.rdzv_timeout_s, start_server=node.start)
+            job=plan.run_id, token=token, timeout_s=plan.rdzv_timeout_s, start_server=node.start)
+        if own_secret is not None and not hmac.compare_digest(own_secret, secret):
+            raise LaunchError(f"--remote spawn: ${ENV_SECRET} on this node differs from node 0's; "
+                              f"records one node signs would be forged to the others: set the same "
+                              f"one on every node, or unset it (node 0 then makes one for the job)")
     loopback = [k for k, e in enumerate(endpoints) if is_loopback(e)]
     if loopback and len(loopback) < len(endpoints):
         raise LaunchError(
@@ -631,7 +654,7 @@ def _exchange(plan: LaunchPlan, node: RedisNode) -> tuple[str, list[str]]:
             f"which the other nodes cannot reach; give every node --master-addr as an address "
             f"the others reach (node 0's IP address or its name in DNS)"
         )
-    return password, endpoints
+    return password, secret, endpoints
 
 
 @contextmanager

@@ -71,16 +71,20 @@ import ctypes
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 __all__ = [
     "WorkerSpec", "WorkerResult", "RunOutcome", "run_workers", "Companion", "FORWARDED_SIGNALS",
+    "launch_directory",
 ]
 
 #: Signals the launcher forwards to every worker (NOTE [launcher shutdown], 5).
@@ -384,7 +388,7 @@ class _SignalWakeup:
 
 #: The guard's program (NOTE [launcher shutdown], 8). ``python -I -S``: no site, no shmcache import.
 _GUARD_PROGRAM = """
-import os, signal, sys
+import os, shutil, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 groups = set()
 for line in sys.stdin:
@@ -396,15 +400,21 @@ for pgid in groups:
         os.killpg(pgid, signal.SIGKILL)
     except OSError:
         pass
+for _ in range(50 if len(sys.argv) > 1 else 0):  # a dying companion may still write in it
+    shutil.rmtree(sys.argv[1], ignore_errors=True)
+    if not os.path.lexists(sys.argv[1]):
+        break
+    time.sleep(0.1)
 """
 
 
 class _Guard:
     """The process that kills the workers' groups if the launcher dies (NOTE [launcher shutdown], 8)."""
 
-    def __init__(self) -> None:
+    def __init__(self, remove_dir: str | None = None) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _GUARD_PROGRAM], stdin=subprocess.PIPE,
+            [sys.executable, "-I", "-S", "-c", _GUARD_PROGRAM, *([remove_dir] if remove_dir else [])],
+            stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1,
         )
 
@@ -441,10 +451,12 @@ class Companion:
     """A process that lives as long as the job, not as a worker (NOTE [launcher shutdown], 9).
 
     ``stdin_text`` is written to its standard input, which is then closed (how a secret reaches
-    it without a command line); its standard output and error go to ``log_path``.
+    it without a command line); its standard output and error go to ``log_path``; ``env`` is its
+    environment (None: the launcher's).
     """
 
-    def __init__(self, argv: Sequence[str], *, stdin_text: str, log_path: str) -> None:
+    def __init__(self, argv: Sequence[str], *, stdin_text: str, log_path: str,
+                 env: dict[str, str] | None = None) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("a companion process must be started from the main thread: "
                                "PR_SET_PDEATHSIG ties its life to the thread that spawned it")
@@ -453,7 +465,7 @@ class Companion:
         try:
             with open(log_path, "ab") as log:
                 self._proc = subprocess.Popen(
-                    list(argv), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                    list(argv), stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True, preexec_fn=_ParentDeathSignal(),
                 )
         except BaseException:
@@ -504,6 +516,24 @@ class Companion:
         finally:
             self._guard.__exit__(None, None, None)
         return self._proc.returncode
+
+
+@contextmanager
+def launch_directory(prefix: str = "shmcache-launch-") -> Iterator[str]:
+    """A private temporary directory (0700, under $TMPDIR) for one launch, removed when the
+    launch ends - and, if the launcher is SIGKILLed, by a guard of its own (NOTE [launcher
+    shutdown], 8), which then waits for nothing else: it only removes the directory."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        guard: _Guard | None = _Guard(remove_dir=path)
+    except OSError:  # no guard: the directory is still removed on every way out but SIGKILL
+        guard = None
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        if guard is not None:
+            guard.__exit__(None, None, None)
 
 
 class _ParentDeathSignal:

@@ -536,11 +536,13 @@ def talk(messages):
         try:
             sock.sendall(json.dumps(message).encode() + b"\n")
             sock.settimeout(1.0)
-            while not got.endswith(b"\n"):
+            reply = b""
+            while not reply.endswith(b"\n"):
                 chunk = sock.recv(1 << 16)
                 if not chunk:
                     break
-                got += chunk
+                reply += chunk
+            got += reply
         except OSError:
             pass
     return sock, {"me": me, "got": got.decode(errors="replace")}
@@ -645,6 +647,7 @@ def test_slurm_recipe_with_remote_spawn(tmp_path):
            "PYTHON": sys.executable, "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n[1-2]",
            "SLURM_NNODES": "2", "MASTER_PORT": str(free_port_pair()), "REMOTE": "spawn:32",
            "FAKE_NAMESPACES": str(tmp_path / "ns")}
+    assert "SHMCACHE_RDZV_TOKEN" not in env  # the recipe makes the job's own
     run = subprocess.run(["bash", str(REPO / "launch" / "slurm.sbatch"), PING, str(out), "exit0",
                           "exit0"], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
@@ -652,3 +655,5 @@ def test_slurm_recipe_with_remote_spawn(tmp_path):
     check_job(reports, 2)
     assert_servers_gone(reports)
     assert password_of(reports[0]["url"]) not in run.stdout + run.stderr
+    assert reports[0]["secret"] == reports[1]["secret"] and len(reports[0]["secret"]) >= 64
+    assert reports[0]["secret"] not in run.stdout + run.stderr

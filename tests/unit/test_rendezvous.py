@@ -3,10 +3,13 @@
 Each "node" is a thread here (the protocol is what is tested; tests/integration/
 test_launch_remote.py runs it between real launchers with real servers). ``start_server`` is
 the node's server start: it records the password it was given and returns a made-up endpoint.
+Every node holds the job token ``TOKEN`` unless told otherwise; node 0 hands out ``SECRET``.
 """
 
 from __future__ import annotations
 
+import json
+import secrets
 import socket
 import threading
 import time
@@ -14,7 +17,11 @@ import time
 import pytest
 
 from shmcache.errors import LaunchError, RendezvousTimeout
+from shmcache.launch import rendezvous
 from shmcache.launch.rendezvous import host_exchange, join_exchange
+
+TOKEN = "a-job-token-" + "0" * 20
+SECRET = "the-jobs-secret-" + "1" * 48
 
 
 def free_port() -> int:
@@ -27,12 +34,13 @@ class Node(threading.Thread):
     """One node's side of the exchange, run in a thread; its result or error kept."""
 
     def __init__(self, rank: int, port: int, nnodes: int, *, job: str = "job-1",
-                 timeout_s: float = 20.0, on_start=None) -> None:
+                 timeout_s: float = 20.0, on_start=None, token: str = TOKEN) -> None:
         super().__init__(daemon=True)
         self.rank, self.port, self.nnodes, self.job, self.timeout_s = rank, port, nnodes, job, timeout_s
         self.on_start = on_start
+        self.token = token
         self.passwords: list[str] = []
-        self.result: tuple[str, list[str]] | None = None
+        self.result: tuple[str, str, list[str]] | None = None  # password, secret, endpoints
         self.error: BaseException | None = None
 
     def start_server(self, password: str) -> str:
@@ -44,12 +52,15 @@ class Node(threading.Thread):
     def run(self) -> None:
         try:
             if self.rank == 0:
-                self.result = host_exchange(port=self.port, nnodes=self.nnodes, job=self.job,
-                                            timeout_s=self.timeout_s, start_server=self.start_server)
+                password, endpoints = host_exchange(
+                    port=self.port, nnodes=self.nnodes, job=self.job, token=self.token, secret=SECRET,
+                    timeout_s=self.timeout_s, start_server=self.start_server)
+                self.result = (password, SECRET, endpoints)
             else:
                 self.result = join_exchange(
                     master_addr="127.0.0.1", port=self.port, nnodes=self.nnodes, node_rank=self.rank,
-                    job=self.job, timeout_s=self.timeout_s, start_server=self.start_server)
+                    job=self.job, token=self.token, timeout_s=self.timeout_s,
+                    start_server=self.start_server)
         except BaseException as exc:  # noqa: BLE001 - kept for the test to look at
             self.error = exc
 
@@ -68,9 +79,10 @@ def test_every_node_gets_one_password_and_every_endpoint_by_rank():
     run_all(nodes)
     assert [n.error for n in nodes] == [None] * 3
     expected = ["10.0.0.0:6000", "10.0.0.1:6001", "10.0.0.2:6002"]
-    assert {tuple(n.result[1]) for n in nodes} == {tuple(expected)}
+    assert {tuple(n.result[2]) for n in nodes} == {tuple(expected)}
     passwords = {n.result[0] for n in nodes} | {p for n in nodes for p in n.passwords}
     assert len(passwords) == 1 and len(passwords.pop()) >= 32  # node 0's, started with it everywhere
+    assert {n.result[1] for n in nodes} == {SECRET}  # node 0's secret, on every node
 
 
 def test_a_launcher_of_another_job_is_refused_without_the_password():
@@ -80,7 +92,7 @@ def test_a_launcher_of_another_job_is_refused_without_the_password():
     stranger = Node(1, port, 2, job="another-job")
     run_all([stranger])
     assert isinstance(stranger.error, LaunchError) and stranger.passwords == []
-    assert "job ID 'another-job', but node 0 runs job 'job-1'" in str(stranger.error)
+    assert "job ID 'another-job', but node 0 runs another job" in str(stranger.error)
     right = Node(1, port, 2)
     run_all([right])  # the exchange goes on for the right one
     host.join(10)
@@ -101,7 +113,8 @@ def test_a_rank_taken_by_a_live_launcher_is_refused():
         time.sleep(0.01)
     second = Node(1, port, 3)
     run_all([second])
-    assert "--node-rank 1, which another live launcher of this job already has" in str(second.error)
+    assert "node rank 1, which the launcher at 127.0.0.1:" in str(second.error)
+    assert "already has" in str(second.error) and second.passwords == []
     gate.set()
     run_all([Node(2, port, 3)])
     first.join(10)
@@ -180,3 +193,111 @@ def test_something_else_on_the_port_is_refused_and_the_exchange_goes_on(garbage)
     run_all([Node(1, port, 2)])
     host.join(10)
     assert host.error is None
+
+
+# --- the job token (NOTE [remote rendezvous], 5) ----------------------------------------------
+
+
+def connect(port: int) -> socket.socket:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=5)
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
+def lines_of(sock: socket.socket) -> list[dict]:
+    data = b""
+    sock.settimeout(5)
+    while chunk := sock.recv(65536):
+        data += chunk
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def test_a_launcher_with_another_token_is_refused_and_named(capsys):
+    port = free_port()
+    host = Node(0, port, 2)
+    host.start()
+    wrong = Node(1, port, 2, token="another-token-" + "2" * 20)
+    run_all([wrong])
+    assert isinstance(wrong.error, LaunchError) and wrong.passwords == []
+    assert "answered the challenge wrong" in str(wrong.error) and "SHMCACHE_RDZV_TOKEN" in str(wrong.error)
+    assert "refused 127.0.0.1:" in capsys.readouterr().err  # node 0 names the peer
+    right = Node(1, port, 2)
+    run_all([right])
+    host.join(10)
+    assert right.error is None and host.error is None and right.result == host.result
+
+
+def test_a_node_refuses_a_node_0_without_the_token():
+    """A stranger listening where node 0 should be: the node checks its proof and sends nothing
+    more (no endpoint), failing with the reason."""
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        port = fake.getsockname()[1]
+        node = Node(1, port, 2)
+        node.start()
+        sock, _ = fake.accept()
+        with sock:
+            sock.settimeout(5)
+            reader = sock.makefile("rb")
+            hello = json.loads(reader.readline())
+            assert hello["v"] == 2 and len(hello["nonce"]) == 32
+            sock.sendall(json.dumps({"nonce": secrets.token_hex(16)}).encode() + b"\n")
+            assert "proof" in json.loads(reader.readline())
+            sock.sendall(json.dumps({"proof": secrets.token_hex(32), "box": "", "mac": ""}).encode() + b"\n")
+            node.join(10)
+            assert reader.read() == b""  # nothing after its proof: no endpoint
+    assert isinstance(node.error, LaunchError) and node.passwords == []
+    assert f"127.0.0.1:{port} did not prove it holds this job's $SHMCACHE_RDZV_TOKEN" in str(node.error)
+
+
+def test_the_token_and_the_welcome_never_cross_the_wire_in_clear():
+    """A peer that proves itself gets the password and the secret only sealed; the proofs differ
+    per connection (fresh nonces both ways) and the token itself is never sent."""
+    port = free_port()
+    host = Node(0, port, 2)
+    host.start()
+    with connect(port) as sock:
+        nonce = secrets.token_hex(16)
+        sock.sendall(json.dumps({"v": 2, "job": "job-1", "nnodes": 2, "rank": 1, "nonce": nonce}).encode() + b"\n")
+        reader = sock.makefile("rb")
+        challenge = json.loads(reader.readline())["nonce"]
+        proof = rendezvous._proof(TOKEN, "node", "job-1", 2, 1, challenge, nonce)
+        sock.sendall(json.dumps({"proof": proof}).encode() + b"\n")
+        welcome = reader.readline()
+        assert TOKEN.encode() not in welcome and SECRET.encode() not in welcome
+        assert b"password" not in welcome and host.passwords[0].encode() not in welcome
+        message = json.loads(welcome)
+        assert message["proof"] == rendezvous._proof(TOKEN, "host", "job-1", 2, 1, nonce, challenge)
+        channel = rendezvous._Channel(TOKEN, "job-1", 2, 1, nonce, challenge, is_host=False)
+        assert channel.open(dict(message, box=message["box"][:-4] + "AAA=")) is None  # tampered
+        assert channel.open(message) == {"password": host.passwords[0], "secret": SECRET}
+        sock.sendall(json.dumps(channel.seal({"endpoint": "10.0.0.1:6001"})).encode() + b"\n")
+        host.join(10)
+    assert host.error is None and host.result[2] == ["10.0.0.0:6000", "10.0.0.1:6001"]
+
+
+def test_silent_and_unproven_connections_hold_no_rank_and_are_dropped(monkeypatch, capsys):
+    monkeypatch.setattr(rendezvous, "HANDSHAKE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(rendezvous, "MAX_UNPROVEN", 4)
+    port = free_port()
+    host = Node(0, port, 2)
+    host.start()
+    squatters = [connect(port) for _ in range(6)]  # more than MAX_UNPROVEN: the oldest go first
+    squatters[-1].sendall(json.dumps({"v": 2, "job": "job-1", "nnodes": 2, "rank": 1,
+                                      "nonce": secrets.token_hex(16)}).encode() + b"\n")
+    time.sleep(1.0)
+    try:
+        for sock in squatters:
+            assert all("password" not in m for m in lines_of(sock))  # dropped, told why
+        run_all([Node(1, port, 2)])
+        host.join(10)
+    finally:
+        for sock in squatters:
+            sock.close()
+    assert host.error is None
+    err = capsys.readouterr().err
+    assert "too many connections that did not prove" in err
+    assert "did not prove it holds $SHMCACHE_RDZV_TOKEN within 0.5 s" in err
