@@ -1,43 +1,76 @@
 """The exchange of per-node endpoints between the launchers of one job (``--remote spawn``).
 
 Node 0's launcher hosts it; every other launcher joins. What travels: the job's Redis password
-(made by node 0) one way, each node's ``host:port`` the other, the full list back to everyone.
+(made by node 0) and the job's secret (``$SHMCACHE_SECRET``) one way, each node's ``host:port``
+the other, the full list back to everyone - and only between launchers that proved they hold the
+job token ``$SHMCACHE_RDZV_TOKEN``.
 
 NOTE [remote rendezvous]
-    How the launchers of one job agree on their per-node Redis servers, within a bounded time.
-    ``run.py`` and ``redis_node.py`` point back here.
+    How the launchers of one job agree on their per-node Redis servers, within a bounded time,
+    and with no one else. ``run.py`` and ``redis_node.py`` point back here.
 
     1. Where. Node 0's launcher listens on MASTER_PORT + 1 of every interface, before it starts
        anything else. MASTER_PORT itself is the training's: rank 0 hosts torch's TCPStore there
        once the workers start, so the two never collide. It is a small socket protocol of our
        own rather than a TCPStore because the launcher must not import torch (it starts in a
-       fraction of a second and stays small for the whole job), and because the host knows who
-       is connected, so a timeout names the missing nodes instead of "key not found".
-    2. Messages: one JSON object per line, each way. A node sends {"job", "nnodes", "rank"}.
-       Node 0 checks the job ID (a launcher of another job, or of an earlier run, on the same
-       port gets an error, not the password), the node count, and that no live connection holds
-       that rank, then answers {"password"}. The password is made once, by node 0
-       (``secrets.token_urlsafe``), so every server of the job shares it. The node starts its
-       server with it and, once the server answers AUTH + PING, sends {"endpoint": "host:port"}.
-       Node 0 does the same for itself in-process. Whenever an endpoint arrives, node 0 sends
-       every connected node {"waiting_for": [ranks]}; when the last one arrives it sends
-       {"endpoints": [...]} (ordered by node rank) to all, and closes.
+       fraction of a second and stays small for the whole job), because the host knows who
+       is connected, so a timeout names the missing nodes instead of "key not found", and
+       because it authenticates its peers (5).
+    2. Messages: one JSON object per line, each way. The handshake (5) comes first: a node
+       sends {"v": 2, "job", "nnodes", "rank", "nonce"}; node 0 checks the protocol version,
+       the job ID (a launcher of another job, or of an earlier run, on the same port is
+       refused), the node count and the rank's range, and answers {"nonce"}; the node answers
+       {"proof"}; node 0 checks it, then that no proven connection holds that rank, and answers
+       {"proof"} with the sealed {"password", "secret"}. From here every message is sealed.
+       The password is made once, by node 0 (``secrets.token_urlsafe``), so every server of the
+       job shares it; the secret is node 0's ``$SHMCACHE_SECRET`` or a new one. The node starts
+       its server with the password and, once the server answers AUTH + PING, sends
+       {"endpoint": "host:port"}. Node 0 does the same for itself in-process. Whenever an
+       endpoint arrives, node 0 sends every proven node {"waiting_for": [ranks]}; when the last
+       one arrives it sends {"endpoints": [...]} (ordered by node rank) to all, and closes.
     3. Time. One deadline, ``--rdzv-timeout`` seconds from the start of the exchange, bounds
        everything: connecting (a refused connection is retried: node 0 may start later), the
        server's start, the exchange. At its deadline node 0 sends {"error"} naming the missing
-       ranks (never connected, or connected but their server not up yet) to every node, and
-       fails with the same message. A node whose own deadline passes first (it started before
-       node 0) waits a few seconds more for that message, then names the ranks node 0 last
-       reported missing.
-    4. Departures. A node whose connection closes before the end (its launcher died) is
+       ranks (never connected, or connected but their server not up yet) and the connections
+       it refused, with their addresses, to every proven node, and fails with the same message.
+       A node whose own deadline passes first (it started before node 0) waits a few seconds
+       more for that message, then names the ranks node 0 last reported missing.
+    4. Departures. A proven node whose connection closes before the end (its launcher died) is
        forgotten, and its rank is free again, so a restarted launcher can take its place. If
        node 0 goes away, every node sees its connection close and fails ("node 0 went away").
        Any failure ends that launcher with exit status 1, after it stopped its own server
        (redis_node.py); no node trains with an incomplete list.
-    5. Trust. Like torch's TCPStore on MASTER_PORT, this port is unauthenticated: whoever can
-       reach it during the exchange and knows the job ID (``--run-id``, by default
-       ``MASTER_ADDR:MASTER_PORT``) can learn the password. Use it on the cluster's own network;
-       the README's security notes say so.
+    5. Trust. Every launcher of a job with several nodes holds the same job token,
+       ``$SHMCACHE_RDZV_TOKEN`` (at least 16 characters; without one the launcher refuses to
+       start and says how to make one; the Slurm recipe makes one per job and srun passes it
+       on). The token never crosses the wire. Each side proves it holds it by answering the
+       other's fresh 128-bit nonce: proof = HMAC-SHA256(token, ["shmcache-rdzv proof", role,
+       job, nnodes, rank, the other's nonce, its own nonce]), role "node" or "host" (so one
+       side's answer is never the other's), checked with ``hmac.compare_digest``. The node
+       proves first; node 0 checks before anything else happens - a rank is taken only by a
+       proven connection, so a peer that claims a rank and then says nothing holds nothing -
+       and answers with its own proof, which the node checks before it reads the welcome or
+       sends its endpoint (a stranger listening where node 0 should be learns no endpoint).
+       A wrong answer, an unexpected message, a duplicate rank from a proven peer, a peer of
+       protocol 1, or a connection that has not proved itself within ``HANDSHAKE_TIMEOUT_S``
+       (10 s) is refused: node 0 says so to the peer and on its own stderr, naming the peer's
+       address, and drops it; the exchange goes on for the others. At most ``MAX_UNPROVEN``
+       (32) unproven connections are kept (the oldest is dropped first), so a flood neither
+       exhausts ``select`` nor delays anyone beyond it. After the handshake, messages are
+       sealed with keys derived from the token and both nonces (HMAC-SHA256 of the token over
+       the job, the rank and the nonces, then one key to encrypt and one to authenticate): the
+       plaintext XORed with a keystream of HMAC-SHA256(key, direction:sequence:block) blocks,
+       then an HMAC-SHA256 over direction, sequence number and ciphertext (encrypt-then-MAC),
+       so a sniffer of the exchange learns neither the password nor the secret, and a message
+       that was altered, replayed, reordered or reflected is refused. This is stdlib HMAC
+       used as a PRF, not TLS: there is no forward secrecy (whoever records the exchange and
+       later learns the token reads it), and everything rests on the token staying secret -
+       it is in the launchers' environment (readable by the same user and root), never on a
+       command line or in a file, and never in the workers' environment. What it does not
+       protect: the Redis traffic itself is plain text (``redis://``: the password crosses the
+       network at every AUTH), so on a network you do not trust, use a TLS Redis of your own
+       (``--remote rediss://...``); and a peer that holds the token is the job. One node has
+       no exchange and needs no token.
 """
 
 from __future__ import annotations

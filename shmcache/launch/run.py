@@ -57,7 +57,14 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
                             rank; the cache spreads keys over them by a consistent hash). Each
                             server stops with the job: on success, failure, Ctrl-C, and when
                             its launcher is killed (see NOTE [remote rendezvous] in
-                            shmcache/launch/rendezvous.py)
+                            shmcache/launch/rendezvous.py). Several nodes need a job token,
+                            the same on every node, in $SHMCACHE_RDZV_TOKEN (16 characters or
+                            more; e.g. export SHMCACHE_RDZV_TOKEN=$(python3 -c 'import secrets;
+                            print(secrets.token_hex(32))') once, before starting the launchers):
+                            only launchers that prove they hold it join the exchange. Every
+                            process also gets the job's SHMCACHE_SECRET, which authenticates
+                            what it writes to the servers: the one set in the environment (node
+                            0's, on every node), else a new one per job
     --rdzv-timeout S        seconds the launchers of a --remote spawn job wait for each other
                             (and for their servers to start) before failing with the node ranks
                             that did not come. Default 300
@@ -75,8 +82,9 @@ Each process gets, on top of the launcher's own environment (torchrun's set for 
     (where torch's ``@record`` writes an exception, which the failure summary then quotes),
     SHMCACHE_SESSION, and, unless already set, OMP_NUM_THREADS=1 and
     TORCH_NCCL_ASYNC_ERROR_HANDLING=1. With the options above: SHMCACHE_SIZE_MB,
-    SHMCACHE_SPILLING=1, SHMCACHE_SPILL_DIR, SHMCACHE_REMOTE. The launcher reads SHMCACHE_SESSION,
-    SHMCACHE_SPILL_DIR and SHMCACHE_DIR (the namespace: see shmcache.config), and passes them on.
+    SHMCACHE_SPILLING=1, SHMCACHE_SPILL_DIR, SHMCACHE_REMOTE, SHMCACHE_SECRET (--remote spawn).
+    The launcher reads SHMCACHE_SESSION, SHMCACHE_SPILL_DIR and SHMCACHE_DIR (the namespace: see
+    shmcache.config), and passes them on; it reads SHMCACHE_RDZV_TOKEN and does not.
 
 Failures: when a process exits with a non-zero status or dies of a signal, every other process
 gets SIGTERM, then SIGKILL after --shutdown-timeout. Ctrl-C (SIGINT), SIGTERM and SIGHUP sent to
@@ -84,7 +92,8 @@ the launcher are forwarded to every process, with the same escalation; a second 
 once. Each process runs in a process group of its own, which dies with it. If the launcher
 itself is killed, even by SIGKILL, the kernel kills each process (Linux's PR_SET_PDEATHSIG) and a
 small guard process the launcher started kills each process group: what the processes started
-dies too, unless it left the group (setsid, start_new_session=True). A summary on stderr names
+dies too, unless it left the group (setsid, start_new_session=True); another removes the
+launcher's temporary directory ($TMPDIR/shmcache-launch-*). A summary on stderr names
 the root cause first: the first rank that failed, its PID, exit code or signal name (and its
 exception, when its entry point is decorated with
 torch.distributed.elastic.multiprocessing.errors.record). See NOTE [launcher shutdown] in
@@ -108,6 +117,7 @@ Examples::
     python -m shmcache.launch --nproc-per-node auto --session imagenet --size 65536 train.py
     python -m shmcache.launch --nproc 2 --spilling --spill-dir /scratch/spill -m mypkg.train
     python -m shmcache.launch --nproc 8 --session tmp --destroy-session train.py
+    export SHMCACHE_RDZV_TOKEN=...   # the same on every node (see --remote spawn)
     python -m shmcache.launch --nnodes 4 --node-rank $NODE --master-addr node0 --master-port 29500 \
         --nproc 8 --remote spawn:65536 train.py
 """
@@ -136,7 +146,13 @@ from ..spill import check_spill_dir
 from .redis_node import DEFAULT_MAXMEMORY_MB, RedisNode, find_redis_server, is_loopback, route_address
 from .remote_option import RemoteOption, hide_in_process_title, mask_url, parse_remote, shards_url
 from .rendezvous import (
-    ENV_RDZV_TOKEN, TOKEN_HINT, check_token, host_exchange, join_exchange, new_password, new_secret,
+    ENV_RDZV_TOKEN,
+    TOKEN_HINT,
+    check_token,
+    host_exchange,
+    join_exchange,
+    new_password,
+    new_secret,
     rendezvous_port,
 )
 from .supervisor import FORWARDED_SIGNALS, RunOutcome, WorkerSpec, launch_directory, run_workers

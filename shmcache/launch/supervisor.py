@@ -52,7 +52,10 @@ NOTE [launcher shutdown]
        ``setpgid``: daemons, ``start_new_session=True``), anything started in the microseconds
        between a worker's spawn and its ``+PGID`` line, and everything if the guard itself is
        SIGKILLed first (``kill -9 -- -PGID`` of the launcher's group does not reach it; a Slurm
-       or systemd cgroup kill takes everything anyway).
+       or systemd cgroup kill takes everything anyway). The launcher's temporary directory
+       (``launch_directory``: the workers' error files, a companion's log) has a guard of its
+       own, holding no group, that removes it on end of file; after the launcher's own removal
+       it is told ``done``.
     9. Companions. A process that serves the workers for the whole job (``--remote spawn``'s
        ``redis-server``, launch/redis_node.py) starts before them and stops after them: the
        workers write to it until they exit. It is started as a worker is (from the main thread,
