@@ -223,10 +223,12 @@ def cmd_destroy(args, registry: SessionRegistry) -> int:
 
 
 def cmd_gc(args, registry: SessionRegistry) -> int:
+    from .launch.supervisor import remove_stale_launch_directories
     from .maintenance import collect_garbage
 
     done = collect_garbage(registry, args.idle_for)
     result, report, idle, reclaimed = done.to_json(), done.registry, done.idle, done.reclaimed
+    result["removed_launch_dirs"] = launch_dirs = remove_stale_launch_directories()
     dropped, recounted, skipped = done.dropped, done.recounted, done.skipped
     if args.json:
         print(json.dumps(result, indent=1))
@@ -247,6 +249,8 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
             print(f"gc: cache {d['cache']}: recounted {', '.join(d['counters'])}")
         for d in skipped:
             print(f"gc: cache {d['cache']} skipped: {d['reason']}")
+        for path in launch_dirs:
+            print(f"gc: removed {path}, the temporary directory of a launcher that was killed")
     return 0
 
 

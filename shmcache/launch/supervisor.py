@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "WorkerSpec", "WorkerResult", "RunOutcome", "run_workers", "Companion", "FORWARDED_SIGNALS",
-    "launch_directory",
+    "launch_directory", "remove_stale_launch_directories",
 ]
 
 #: Signals the launcher forwards to every worker (NOTE [launcher shutdown], 5).
@@ -521,12 +521,21 @@ class Companion:
         return self._proc.returncode
 
 
+#: The launcher's temporary directories: $TMPDIR/shmcache-launch-*, each with a LAUNCHER_FILE.
+LAUNCH_DIR_PREFIX = "shmcache-launch-"
+#: "PID START_TIME" of the launcher that made the directory (start time: /proc/PID/stat field 22).
+LAUNCHER_FILE = "launcher"
+
+
 @contextmanager
-def launch_directory(prefix: str = "shmcache-launch-") -> Iterator[str]:
+def launch_directory(prefix: str = LAUNCH_DIR_PREFIX) -> Iterator[str]:
     """A private temporary directory (0700, under $TMPDIR) for one launch, removed when the
     launch ends - and, if the launcher is SIGKILLed, by a guard of its own (NOTE [launcher
-    shutdown], 8), which then waits for nothing else: it only removes the directory."""
+    shutdown], 8), which then waits for nothing else: it only removes the directory. If the
+    guard died too, ``shmcache gc`` removes it (``remove_stale_launch_directories``)."""
     path = tempfile.mkdtemp(prefix=prefix)
+    with open(os.path.join(path, LAUNCHER_FILE), "x") as f:
+        f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
     try:
         guard: _Guard | None = _Guard(remove_dir=path)
     except OSError:  # no guard: the directory is still removed on every way out but SIGKILL
@@ -537,6 +546,47 @@ def launch_directory(prefix: str = "shmcache-launch-") -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
         if guard is not None:
             guard.__exit__(None, None, None)
+
+
+def remove_stale_launch_directories(tmpdir: str | None = None) -> list[str]:
+    """Remove this user's launch directories whose launcher is gone (``shmcache gc``).
+
+    Only real directories owned by this user, holding a LAUNCHER_FILE whose PID no longer runs
+    or now belongs to a process that started at another time; anything else is left alone."""
+    tmpdir = tmpdir or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(tmpdir))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(LAUNCH_DIR_PREFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not entry.is_dir(follow_symlinks=False) or st.st_uid != os.geteuid():
+                continue
+            fd = os.open(os.path.join(entry.path, LAUNCHER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd) as f:
+                pid_text, start_text = f.read(100).split()
+            pid = int(pid_text)
+        except (OSError, ValueError):
+            continue
+        if _start_time(pid) == start_text:
+            continue  # its launcher runs
+        shutil.rmtree(entry.path, ignore_errors=True)
+        if not os.path.lexists(entry.path):
+            removed.append(entry.path)
+    return removed
+
+
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot), or "" if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return ""
 
 
 class _ParentDeathSignal:

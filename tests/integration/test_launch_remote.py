@@ -619,6 +619,44 @@ def test_a_sigkilled_launchers_temporary_directory_is_removed(tmp_path, nodes, r
         time.sleep(0.05)
 
 
+#: A launcher killed together with its guard (the OOM killer, say): nothing removes its directory.
+KILLED_WITH_ITS_GUARD = r"""
+import os, signal, sys
+from shmcache.launch.supervisor import launch_directory
+with launch_directory() as path:
+    print(path, flush=True)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if ppid == os.getpid():
+                os.kill(int(entry), signal.SIGKILL)  # the guard
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_gc_removes_the_directory_of_a_launcher_killed_with_its_guard(tmp_path):
+    from shmcache.launch.supervisor import launch_directory
+    run = subprocess.run([sys.executable, "-c", KILLED_WITH_ITS_GUARD], capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    left = Path(run.stdout.strip())
+    assert left.is_dir() and left.name.startswith("shmcache-launch-")
+    foreign = Path(os.environ["TMPDIR"]) / "shmcache-launch-not-a-launchers"
+    foreign.mkdir()  # no launcher file: not gc's to remove
+    with launch_directory() as live:  # a running launcher's: kept
+        gc = subprocess.run([sys.executable, "-m", "shmcache.cli", "gc"], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "SHMCACHE_DIR": str(tmp_path / "ns")})
+        assert gc.returncode == 0, gc.stderr
+        assert os.path.isdir(live)
+    assert not left.exists()
+    assert f"gc: removed {left}, the temporary directory of a launcher that was killed" in gc.stdout
+    assert foreign.is_dir()
+
+
 # --- the Slurm recipe -------------------------------------------------------------------------
 
 FAKE_SRUN = """#!/bin/bash
