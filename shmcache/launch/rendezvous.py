@@ -23,7 +23,8 @@ NOTE [remote rendezvous]
        {"proof"}; node 0 checks it, then that no proven connection holds that rank, and answers
        {"proof"} with the sealed {"password", "secret"}. From here every message is sealed.
        The password is made once, by node 0 (``secrets.token_urlsafe``), so every server of the
-       job shares it; the secret is node 0's ``$SHMCACHE_SECRET`` or a new one. The node starts
+       job shares it; the secret is node 0's ``$SHMCACHE_SECRET`` or a new one (a node whose
+       own ``$SHMCACHE_SECRET`` differs stops there, before its endpoint). The node starts
        its server with the password and, once the server answers AUTH + PING, sends
        {"endpoint": "host:port"}. Node 0 does the same for itself in-process. Whenever an
        endpoint arrives, node 0 sends every proven node {"waiting_for": [ranks]}; when the last
@@ -460,9 +461,11 @@ def host_exchange(*, port: int, nnodes: int, job: str, token: str, secret: str, 
 
 
 def join_exchange(*, master_addr: str, port: int, nnodes: int, node_rank: int, job: str, token: str,
-                  timeout_s: float, start_server: Callable[[str], str]) -> tuple[str, str, list[str]]:
+                  timeout_s: float, start_server: Callable[[str], str],
+                  own_secret: str | None = None) -> tuple[str, str, list[str]]:
     """Node K > 0: prove the token to node 0 and check node 0's proof, get the password and the
-    job's secret, start this node's server, get every endpoint.
+    job's secret (which must be ``own_secret`` when given), start this node's server, get every
+    endpoint.
 
     Returns (password, secret, endpoints ordered by node rank)."""
     deadline = time.monotonic() + timeout_s
@@ -496,6 +499,10 @@ def join_exchange(*, master_addr: str, port: int, nnodes: int, node_rank: int, j
             raise LaunchError(f"--remote spawn: {where} sent a welcome not sealed with the job "
                               f"token's keys; is the network between the nodes tampered with?")
         password, secret = welcome["password"], welcome["secret"]
+        if own_secret is not None and not hmac.compare_digest(own_secret.encode(), secret.encode()):
+            raise LaunchError("--remote spawn: $SHMCACHE_SECRET on this node differs from node 0's; "
+                              "records one node signs would be forged to the others: set the same "
+                              "one on every node, or unset it (node 0 then makes one for the job)")
         _send_line(sock, channel.seal({"endpoint": start_server(password)}), where)
         waiting_for: list[int] | None = None
         while True:

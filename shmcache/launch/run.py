@@ -125,7 +125,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import hmac
 import os
 import re
 import shutil
@@ -657,11 +656,8 @@ def _exchange(plan: LaunchPlan, node: RedisNode) -> tuple[str, str, list[str]]:
     else:
         password, secret, endpoints = join_exchange(
             master_addr=plan.master_addr, port=port, nnodes=plan.nnodes, node_rank=plan.node_rank,
-            job=plan.run_id, token=token, timeout_s=plan.rdzv_timeout_s, start_server=node.start)
-        if own_secret is not None and not hmac.compare_digest(own_secret, secret):
-            raise LaunchError(f"--remote spawn: ${ENV_SECRET} on this node differs from node 0's; "
-                              f"records one node signs would be forged to the others: set the same "
-                              f"one on every node, or unset it (node 0 then makes one for the job)")
+            job=plan.run_id, token=token, timeout_s=plan.rdzv_timeout_s, start_server=node.start,
+            own_secret=own_secret)
     loopback = [k for k, e in enumerate(endpoints) if is_loopback(e)]
     if loopback and len(loopback) < len(endpoints):
         raise LaunchError(

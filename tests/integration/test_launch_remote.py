@@ -483,6 +483,20 @@ def test_one_node_spawn_makes_a_secret_and_keeps_the_users(tmp_path, monkeypatch
 
 
 @needs_redis
+def test_the_users_secret_is_node_0s_and_another_one_on_a_node_is_refused(tmp_path, nodes):
+    node0 = nodes(0, 2, "--remote", "spawn", "--rdzv-timeout", "4", PING, str(tmp_path), "exit0", "exit0",
+                  env={"SHMCACHE_SECRET": "node-0s-secret-0123456789"})
+    node1 = nodes(1, 2, "--remote", "spawn", "--rdzv-timeout", "4", PING, str(tmp_path), "exit0", "exit0",
+                  env={"SHMCACHE_SECRET": "another-secret-0123456789"})
+    (code0, _out0, err0), (code1, out1, err1) = finish(node0), finish(node1)
+    assert code1 == 1, err1
+    assert "$SHMCACHE_SECRET on this node differs from node 0's" in err1, err1
+    assert "node-0s-secret" not in out1 + err1
+    assert code0 == 1 and "node ranks [1]" in err0, err0
+    assert not list(tmp_path.glob("remote-*.json"))
+
+
+@needs_redis
 def test_a_launcher_with_another_token_is_refused_and_named(tmp_path, nodes):
     """Node 1 holds another token: node 0 refuses it, naming its address, and gives it nothing;
     node 1 is told why; node 0 fails at --rdzv-timeout listing the refusal."""
