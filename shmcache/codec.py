@@ -19,6 +19,13 @@ NOTE [record format]
     shared table; the record carries only the id. Everything starts 64-byte aligned: the chunk does,
     and arrays sit at 64-byte offsets inside it.
 
+    A layout from outside this user's shared memory (a tier, a snapshot) is data from a stranger:
+    ``check_layout`` walks it (marshal builds plain values, it never runs code) and refuses any
+    node the encoder does not write, offsets beyond the record, object or structured dtypes
+    (``np.ndarray(buffer=...)`` would build Python objects out of bytes; the decoders refuse them
+    too, wherever the layout came from), and reports pickled leaves (NOTE [record
+    authentication] in trust.py decides who may unpickle them).
+
 Torch tensors are a registered extension (see :func:`register_type`), so this module never imports
 torch: the torch layer registers the tensor handler when it is imported.
 """

@@ -28,6 +28,15 @@ NOTE [remote tier]
     format from another version - is a miss, counted as ``corrupt``, never returned. Redis
     replaces a value whole (SET), so an eviction never leaves half a record.
 
+    Authentication (NOTE [record authentication], trust.py). With the job's secret
+    (``secret=``, ``$SHMCACHE_SECRET``) every value is the record followed by a 40-byte MAC
+    trailer over the whole Redis key and the record's bytes; a value read without the right one
+    (unsigned, another secret's, another key's, changed) is a miss counted as ``forged``, checked
+    before anything of it is parsed, and the value computed then is written with a plain SET (not
+    NX), replacing it. Such a tier is ``authenticated``: the job's own values, pickled objects
+    included. Without a secret anyone who can write to the Redis can change values (not run
+    code: a pickled leaf from an unauthenticated tier is refused, tiers.TieredStore).
+
     Reads are on the training step's path: one round trip per batch (one MGET per server, the
     commands to every server sent before any reply is read; on a Cluster, GETs grouped by the
     master of each key's slot, sent the same way - not redis-py's cluster pipeline, which after

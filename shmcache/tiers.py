@@ -25,6 +25,13 @@ NOTE [tiers]
       record of ``spill/format.py`` (magic, key, lengths, codec, checksum): a value that is
       corrupt, cut short or another key's is a miss, counted by the tier, never returned.
 
+    Trust (NOTE [record authentication], trust.py): a tier whose every record carried the job's
+    MAC (``tier.authenticated``) serves the job's own values. Any other tier serves data: before a
+    record is decoded or admitted its layout is checked (codec.check_layout: structure, dtypes,
+    bounds, never an unpickling) and one holding a pickled leaf is refused - a miss, counted as
+    ``tier_pickle_refused``, one log line naming ``allow_pickle=True`` - since once admitted into
+    shared memory it would be unpickled by every process that reads it.
+
     Order: shared memory, then the snapshot (read-only, exact: a value of this very dataset,
     checked when it was opened, and the cheapest to reach - a local file or one ranged read),
     then the remote (shared and writable, but a network round trip and values other nodes wrote);

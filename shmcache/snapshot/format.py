@@ -41,6 +41,13 @@ NOTE [snapshot format]
          "segments": [{"file": "seg-00000.shms", "size": bytes, "items": n,
                        "sha256": hex of the segment's index bytes + footer}]}
 
+    Signed snapshots (an export with the job's secret: NOTE [record authentication], trust.py):
+    each record is followed by a 40-byte MAC trailer (``b"SpMac\x01\0\0"`` + HMAC-SHA256 over the
+    snapshot's dataset - ``fp:FINGERPRINT`` or ``name:NAME`` -, the portable key and the record's
+    bytes), counted in its index entry's ``length``; the manifest carries
+    ``"mac": {"alg": "hmac-sha256", "tag": HEX}`` over the canonical JSON of the rest of it. A
+    reader without a secret ignores both (bytes after a spill record's end are never read).
+
     The segment hash covers the index and footer only: the index binds every record's offset,
     length and head check (which covers the record's header, key and body check), so a swapped,
     truncated or mixed-up segment fails it without hashing the whole file at import; a flipped

@@ -14,6 +14,10 @@ NOTE [snapshot read-through]
     name - so a snapshot of another dataset is refused (CacheMismatch) unless ``force``; it never
     serves another dataset's values. A named cache whose dataset is not known yet (no wrap() so
     far) reads nothing from a snapshot of a wrapped dataset until wrap() binds its fingerprint.
+    With the job's secret (NOTE [record authentication]) the manifest must be signed with it -
+    else SnapshotError naming ``snapshot_options={'allow_unsigned': True}`` - and then every
+    record's MAC is checked before it is decompressed: a record without it is a miss counted as
+    ``forged``, and the tier is ``authenticated`` (its pickled objects are the job's own).
     A manifest that cannot be reached yet (the store is down) is read again later; if it then
     names another dataset the tier turns itself off (a log line: a tier never raises from a read).
 
