@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import marshal
 import pickle
+import re
 import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -513,7 +514,8 @@ class LayoutCheck(NamedTuple):
 
 
 _CHECKED: dict[bytes, LayoutCheck] = {}
-_META = __import__("re").compile(r"[A-Za-z0-9_.;,=|-]{1,64}:[0-9]{1,3}")
+_META = re.compile(r"[A-Za-z0-9_.;,=|-]{1,64}:[0-9]{1,3}")
+_TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
 _MAX_LEAF_BYTES = 1 << 62
 
 
@@ -567,8 +569,10 @@ def check_layout(layout: bytes) -> LayoutCheck:
                 raise ValueError("a numpy scalar of more than one element")
             needed = max(needed, num(node[3], "an offset") + count * _plain_dtype(node[1]).itemsize)
         elif tag == _EXT and n == 5:
-            if type(node[1]) is not str or node[1] not in _EXT_FROM and node[1] not in _LAZY:
-                raise ValueError(f"extension {node[1]!r} is not one this process knows")
+            # the tag names a handler registered in this process (its own code), or none yet: the
+            # record is stored undecoded, and a read without the handler says which to import
+            if type(node[1]) is not str or not _TAG.fullmatch(node[1]):
+                raise ValueError(f"extension tag {node[1]!r} is not one the encoder writes")
             if type(node[2]) is not str or not _META.fullmatch(node[2]):
                 raise ValueError(f"extension meta {node[2]!r} is not what the encoder writes")
             shape_of(node[3])
