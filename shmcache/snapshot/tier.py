@@ -428,7 +428,8 @@ class SnapshotTier:
                     why = "its head check is not its index entry's"
                 payload, key = None, bytes(keys[i])
                 if why is None and self._mac is not None:
-                    if bytes(buf[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + len(key)]) != key:
+                    if fmt._U16.unpack_from(buf, fmt._KEY_LEN_AT)[0] != len(key) or \
+                            bytes(buf[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + len(key)]) != key:
                         continue  # another key's record (a colliding index word): not this key's
                     buf, verdict = self._mac.open(self._ident + key, buf)  # before it is decompressed
                     if verdict == FORGED:

@@ -145,7 +145,7 @@ def _records(seg):
     return sorted(zip(index["offset"].tolist(), index["length"].tolist()))
 
 
-def test_a_changed_record_of_a_signed_snapshot_is_a_counted_miss(tmp_path, monkeypatch):
+def test_a_changed_record_of_a_signed_snapshot_is_a_counted_miss(tmp_path, monkeypatch, capsys):
     """The index and manifest bind each record's header; its bytes after that are bound by its
     MAC: one changed byte is a forged record, skipped by the import and a miss of the read-through."""
     monkeypatch.setenv("SHMCACHE_SECRET", SECRET)
@@ -161,6 +161,11 @@ def test_a_changed_record_of_a_signed_snapshot_is_a_counted_miss(tmp_path, monke
     got = [rt.get(i, lambda k: "computed") for i in range(N)]
     assert got.count("computed") == 1 and rt.stats()["snapshot_forged"] == 1
     rt.close()
+    capsys.readouterr()
+    assert cli(["stat", "rt", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["snapshot_forged"] == 1
+    assert cli(["stat", "rt"]) == 0
+    assert "snap forged" in capsys.readouterr().out
 
 
 class Source(torch.utils.data.Dataset):

@@ -5,6 +5,7 @@ process (each its own shared memory), against a real redis-server."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -13,6 +14,7 @@ import redis
 import zstandard
 
 from shmcache import ShmDatasetCache, codec
+from shmcache.cli import main as cli
 from shmcache.config import namespace
 from shmcache.registry import SessionRegistry
 from shmcache.spill.format import pack_record
@@ -43,17 +45,15 @@ class Thing:
 
 
 @pytest.fixture
-def nodes(tmp_path, monkeypatch):
+def nodes(tmp_path):
     """``node(i, **kw)``: a named cache "c" in namespace i of its own, with the remote in force."""
     made, roots = [], []
 
     def node(i, url, **kw):
         root = tmp_path / f"node{i}"
-        monkeypatch.setenv("SHMCACHE_DIR", str(root))
-        try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SHMCACHE_DIR", str(root))
             cache = ShmDatasetCache(session="s", name="c", remote=url, **kw)
-        finally:
-            monkeypatch.undo()
         made.append(cache)
         roots.append(root)
         return cache
@@ -125,7 +125,8 @@ def _forge(key, value, rkey=None) -> bytes:
     return b"".join(pack_record(rkey or _rkey(key), rec, zstandard.ZstdCompressor()))
 
 
-def test_a_forged_value_with_a_secret_is_a_counted_miss_and_replaced(redis_server, nodes, monkeypatch, caplog):
+def test_a_forged_value_with_a_secret_is_a_counted_miss_and_replaced(redis_server, nodes, monkeypatch, caplog,
+                                                                     capsys, tmp_path):
     """A value with recomputed checksums but no MAC (or another secret's) was served as right.
     With the job's secret it is a miss, counted as remote_forged; the value computed then replaces
     it in Redis, so the next node reads the job's own."""
@@ -138,6 +139,11 @@ def test_a_forged_value_with_a_secret_is_a_counted_miss_and_replaced(redis_serve
     st = b.stats()
     assert st["remote_forged"] == 1 and st["remote_hits"] == 0
     assert "forged" in _logs(caplog)
+    with pytest.MonkeyPatch.context() as mp:  # `shmcache stat` on that node
+        mp.setenv("SHMCACHE_DIR", str(tmp_path / "node1"))
+        capsys.readouterr()
+        assert cli(["stat", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)[0]["remote_forged"] == 1
     _flush(b)
     c = nodes(2, redis_server.url)
     assert c.get(3, lambda k: pytest.fail("computed again")) == {"x": 3}
