@@ -146,19 +146,18 @@ def untrusted_problem(record: Buffer, allow_pickle: bool) -> str | None:
     or unpickling anything; None when it may. PickleRefused is said with the prefix
     ``"pickle: "``."""
     view = memoryview(record).cast("B")
-    if len(view) < codec.RECORD_HEADER.size:
-        return f"a record of {len(view)} bytes is shorter than its header"
-    head = codec.record_header(view)
-    if head.layout_id != codec.INLINE:
-        return f"not a portable record (layout id {head.layout_id:#x}, not an inline layout)"
-    try:
-        layout = codec.inline_layout(view)
-    except ValueError as exc:
-        return str(exc)
-    check = codec.check_layout(layout)
+    n = len(view)
+    if n < codec.RECORD_HEADER.size:
+        return f"a record of {n} bytes is shorter than its header"
+    layout_id, key_len, layout_len, _ = codec.RECORD_HEADER.unpack_from(view, 0)
+    if layout_id != codec.INLINE:
+        return f"not a portable record (layout id {layout_id:#x}, not an inline layout)"
+    body = n - key_len - layout_len
+    if not codec.RECORD_HEADER.size <= body < n - key_len:
+        return f"an inline layout of {layout_len} bytes and a key of {key_len} in a record of {n} bytes"
+    check = codec.check_layout(view[body:body + layout_len].tobytes())  # cached per layout
     if check.problem is not None:
         return check.problem
-    body = len(view) - head.key_len - head.layout_len
     if check.needed > body:
         return f"its leaves span {check.needed} bytes, its body holds {body}"
     if check.pickled and not allow_pickle:
