@@ -99,6 +99,9 @@ def test_the_import_cli_takes_allow_pickle(tmp_path, capsys):
     rt = ShmDatasetCache(session="rt", name="c", snapshot=snap, allow_pickle=True)
     assert rt.get(EVIL)["obj"] == Thing(7)
     rt.close()
+    cache = ShmDatasetCache.from_snapshot(snap, session="dst3", allow_pickle=True)
+    assert cache.last_import.complete and cache.wrap(None)[EVIL]["obj"] == Thing(7)
+    cache.close()
 
 
 def test_a_signed_snapshot_is_trusted_and_an_unsigned_one_needs_the_flag(tmp_path, monkeypatch, capsys):
