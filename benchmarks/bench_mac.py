@@ -20,6 +20,7 @@ Rows:
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 import shutil
 import subprocess
@@ -45,8 +46,8 @@ def _items(kind: str, n: int) -> list:
 
 def bench_import(base: Path, kind: str, n: int, repeats: int) -> list:
     from shmcache import ShmDatasetCache
-    from shmcache.registry import SessionRegistry
     from shmcache.config import namespace
+    from shmcache.registry import SessionRegistry
     from shmcache.snapshot.load import import_snapshot
 
     cache = ShmDatasetCache(session="bench-src", name=kind, secret="")
@@ -140,8 +141,6 @@ def main(argv=None) -> int:
     if shutil.which("redis-server") is None:
         print("redis-server not found: apt-get install -y redis-server", file=sys.stderr)
         return 2
-    import os
-
     base = Path(tempfile.mkdtemp(prefix="shmcache-bench-mac-"))
     os.environ["SHMCACHE_DIR"] = str(base / "ns")
     os.environ.pop("SHMCACHE_SECRET", None)

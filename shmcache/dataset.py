@@ -38,8 +38,8 @@ from .errors import (
 from .fingerprint import fingerprint, length_or_none
 from .remote import ENV_REMOTE
 from .remote import resolve as resolve_remote
-from .trust import resolve_secret
 from .store import MISSING, CacheStore, UncachedStore
+from .trust import resolve_secret
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
