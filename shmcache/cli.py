@@ -18,6 +18,7 @@ Commands::
                                          write a cache to a snapshot: a directory, or an fsspec URL
                                          (s3://bucket/prefix, file://, memory://)
     shmcache import SRC [--session S] [--name N] [--force] [--size MB] [--spilling --spill-dir D]
+                    [--allow-pickle] [--allow-unsigned]   ($SHMCACHE_SECRET: the job's secret)
                                          fill a cache from a snapshot (it then runs without its
                                          source: cache.wrap(None))
 
@@ -141,10 +142,10 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
                "avg item", "hits", "misses", "rejected"]
     remote = any("remote" in st for st in rows)
     if remote:  # the remote tier's columns, only when a cache has one (NOTE [tier counts])
-        headers += ["remote hits", "remote misses", "read", "written", "errors", "backlog"]
+        headers += ["remote hits", "remote misses", "read", "written", "errors", "forged", "backlog"]
     snapshot = any("snapshot" in st for st in rows)
     if snapshot:  # the snapshot tier's columns, only when a cache has one (NOTE [snapshot read-through])
-        headers += ["snap hits", "snap misses", "snap read", "snap errors"]
+        headers += ["snap hits", "snap misses", "snap read", "snap errors", "snap forged"]
     table = []
     for st in rows:
         if "error" in st:
@@ -155,11 +156,12 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
                       str(st["hits"]), str(st["misses"]), str(st["rejected"])])
         if remote:
             table[-1] += ([str(st["remote_hits"]), str(st["remote_misses"]), _size(st["remote_bytes_read"]),
-                           _size(st["remote_bytes_written"]), str(st["remote_errors"]),
-                           str(st["remote_backlog"])] if "remote" in st else ["-"] * 6)
+                           _size(st["remote_bytes_written"]), str(st["remote_errors"]), str(st["remote_forged"]),
+                           str(st["remote_backlog"])] if "remote" in st else ["-"] * 7)
         if snapshot:
             table[-1] += ([str(st["snapshot_hits"]), str(st["snapshot_misses"]), _size(st["snapshot_bytes_read"]),
-                           str(st["snapshot_errors"] + st["snapshot_corrupt"])] if "snapshot" in st else ["-"] * 4)
+                           str(st["snapshot_errors"] + st["snapshot_corrupt"]), str(st["snapshot_forged"])]
+                          if "snapshot" in st else ["-"] * 5)
     print(_table(headers, table, right=set(range(2, len(headers)))))
     return 0
 
@@ -353,7 +355,8 @@ def cmd_import(args, registry: SessionRegistry) -> int:
 
     report = import_snapshot(args.src, session=args.session, name=args.name, size_mb=args.size,
                              spilling=args.spilling, spill_dir=args.spill_dir, force=args.force,
-                             threads=args.threads)
+                             threads=args.threads, allow_pickle=args.allow_pickle,
+                             allow_unsigned=args.allow_unsigned)  # the secret: $SHMCACHE_SECRET
     print(report)
     return 0 if report.complete else 1
 
@@ -415,6 +418,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--spilling", action="store_true", help="spill what does not fit in memory to disk")
     s.add_argument("--spill-dir", help="where spill files go (with --spilling)")
     s.add_argument("--threads", type=_positive_int, default=None, help="segments read at once (default: up to 4)")
+    s.add_argument("--allow-pickle", action="store_true",
+                   help="also import records holding pickled objects from a snapshot not signed with "
+                        "$SHMCACHE_SECRET (unpickling them can run any code: only for a snapshot you trust)")
+    s.add_argument("--allow-unsigned", action="store_true",
+                   help="with $SHMCACHE_SECRET set, import a snapshot not signed with it, as untrusted data")
     s.set_defaults(func=cmd_import)
     return p
 

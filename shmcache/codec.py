@@ -19,6 +19,13 @@ NOTE [record format]
     shared table; the record carries only the id. Everything starts 64-byte aligned: the chunk does,
     and arrays sit at 64-byte offsets inside it.
 
+    A layout from outside this user's shared memory (a tier, a snapshot) is data from a stranger:
+    ``check_layout`` walks it (marshal builds plain values, it never runs code) and refuses any
+    node the encoder does not write, offsets beyond the record, object or structured dtypes
+    (``np.ndarray(buffer=...)`` would build Python objects out of bytes; the decoders refuse them
+    too, wherever the layout came from), and reports pickled leaves (NOTE [record
+    authentication] in trust.py decides who may unpickle them).
+
 Torch tensors are a registered extension (see :func:`register_type`), so this module never imports
 torch: the torch layer registers the tensor handler when it is imported.
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import marshal
 import pickle
+import re
 import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -36,7 +44,7 @@ import numpy as np
 from .errors import EncodeError
 
 __all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "RECORD_HEADER", "RecordHeader",
-           "record_header", "record_key", "inline_layout",
+           "record_header", "record_key", "inline_layout", "LayoutCheck", "check_layout",
            "INLINE", "ALIGN", "Leaf", "MAX_DECODERS", "cached_decoders", "clear_decoders"]
 
 INLINE = 0xFFFFFFFF
@@ -359,13 +367,13 @@ def _compile_flat(node: tuple, private: bool) -> Callable | None:
         if tag == _PICKLE:
             return f"_loads({sliced(n)})"
         if tag == _ARRAY:
-            dtype, shape = np.dtype(n[1]), tuple(n[2])
+            dtype, shape = _plain_dtype(n[1]), tuple(n[2])
             count = int(np.prod(shape, dtype=np.int64))
             if private and count:
                 return f"_nd({const(shape)}, {const(dtype)}, buf, {int(n[3])})"
             return f"_fb(buf, {const(dtype)}, {count}, {int(n[3])}).reshape({const(shape)})"
         if tag == _NPSCALAR:
-            return f"_fb(buf, {const(np.dtype(n[1]))}, 1, {int(n[3])})[0]"
+            return f"_fb(buf, {const(_plain_dtype(n[1]))}, 1, {int(n[3])})[0]"
         if tag == _EXT:
             from_parts = _EXT_FROM.get(n[1])
             if from_parts is None and n[1] in _LAZY:
@@ -439,14 +447,14 @@ def _compile(node: tuple, private: bool = False) -> Callable:
     if tag == _ARRAY:
         # frombuffer, not np.ndarray(buffer=...): it holds a buffer export on the mapping, so a
         # zero-copy view keeps the memory mapped (mmap.close() refuses) for as long as it lives
-        dtype, shape, off = np.dtype(node[1]), node[2], node[3]
+        dtype, shape, off = _plain_dtype(node[1]), node[2], node[3]
         count = int(np.prod(shape, dtype=np.int64))
         if private and count:
             ndarray = np.ndarray
             return lambda buf: ndarray(shape, dtype, buf, off)
         return lambda buf: np.frombuffer(buf, dtype, count, off).reshape(shape)
     if tag == _NPSCALAR:
-        dtype, off = np.dtype(node[1]), node[3]
+        dtype, off = _plain_dtype(node[1]), node[3]
         return lambda buf: np.frombuffer(buf, dtype, 1, off)[0]
     if tag == _EXT:
         ext, meta, shape, off = node[1], node[2], node[3], node[4]
@@ -476,6 +484,111 @@ def _compile(node: tuple, private: bool = False) -> Callable:
         items = [(k, _compile(c, private)) for k, c in node[1]]
         return lambda buf: {k: p(buf) for k, p in items}
     raise EncodeError(f"unknown layout tag {tag!r}: the cache was written by another shmcache version")
+
+
+def _plain_dtype(spec: Any) -> np.dtype:
+    """The dtype of an array leaf: only what the encoder writes (a plain dtype string, no object
+    fields, no structure). An object dtype would build Python objects out of the record's bytes
+    (np.ndarray(buffer=...) does that), so it is refused wherever a layout comes from."""
+    if type(spec) is not str:
+        raise EncodeError(f"a layout's dtype is {type(spec).__name__}, not a dtype string: the record is "
+                          f"damaged or forged")
+    try:
+        dt = np.dtype(spec)
+    except Exception:  # noqa: BLE001 - any string numpy refuses
+        raise EncodeError(f"a layout names dtype {spec[:40]!r}, which numpy does not know: the record is "
+                          f"damaged or forged") from None
+    if dt.hasobject or dt.fields is not None or dt.subdtype is not None:
+        raise EncodeError(f"a layout names dtype {spec[:40]!r}: object or structured arrays are never "
+                          f"built from a record's bytes (the encoder never writes them)")
+    return dt
+
+
+class LayoutCheck(NamedTuple):
+    """What :func:`check_layout` found: ``problem`` (None: a layout the encoder could have
+    written), ``pickled`` (it holds a pickled leaf), ``needed`` (the body bytes its leaves span)."""
+
+    problem: str | None
+    pickled: bool
+    needed: int
+
+
+_CHECKED: dict[bytes, LayoutCheck] = {}
+_META = re.compile(r"[A-Za-z0-9_.;,=|-]{1,64}:[0-9]{1,3}")
+_TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
+_MAX_LEAF_BYTES = 1 << 62
+
+
+def check_layout(layout: bytes) -> LayoutCheck:
+    """Check a layout that came from outside this user's shared memory (a tier, a snapshot)
+    without decoding a record and without unpickling anything: its structure, every leaf's kind,
+    offsets, lengths, dtype and extension (NOTE [record authentication], trust.py). Cached per
+    layout (bounded like the decoders)."""
+    found = _CHECKED.get(layout)
+    if found is not None:
+        return found
+    pickled = False
+    needed = 0
+
+    def num(x: Any, what: str) -> int:
+        if type(x) is not int or not 0 <= x < _MAX_LEAF_BYTES:
+            raise ValueError(f"{what} {x!r} is not a byte count")
+        return x
+
+    def shape_of(x: Any) -> int:
+        if type(x) is not tuple or len(x) > 64:
+            raise ValueError(f"shape {x!r} is not a tuple of dimensions")
+        count = 1
+        for d in x:
+            count *= num(d, "a dimension")
+        return num(count, "an element count")
+
+    def walk(node: Any, depth: int) -> None:
+        nonlocal pickled, needed
+        if depth > 200 or type(node) is not tuple or not node or type(node[0]) is not str:
+            raise ValueError("it is not a layout tree")
+        tag, n = node[0], len(node)
+        if tag in (_TUPLE, _LIST) and n == 2 and type(node[1]) is tuple:
+            for child in node[1]:
+                walk(child, depth + 1)
+        elif tag == _DICT and n == 2 and type(node[1]) is tuple:
+            for item in node[1]:
+                if type(item) is not tuple or len(item) != 2 or type(item[0]) not in (str, int):
+                    raise ValueError("a dict entry is not a (str or int key, node) pair")
+                walk(item[1], depth + 1)
+        elif tag in (_INT, _FLOAT, _BOOL) and n == 2:
+            needed = max(needed, num(node[1], "an offset") + 8)
+        elif tag == _NONE and n == 1:
+            pass
+        elif tag in (_STR, _BYTES, _PICKLE) and n == 3:
+            needed = max(needed, num(node[1], "an offset") + num(node[2], "a length"))
+            pickled = pickled or tag == _PICKLE
+        elif tag in (_ARRAY, _NPSCALAR) and n == 4:
+            count = shape_of(node[2])
+            if tag == _NPSCALAR and count != 1:
+                raise ValueError("a numpy scalar of more than one element")
+            needed = max(needed, num(node[3], "an offset") + count * _plain_dtype(node[1]).itemsize)
+        elif tag == _EXT and n == 5:
+            # the tag names a handler registered in this process (its own code), or none yet: the
+            # record is stored undecoded, and a read without the handler says which to import
+            if type(node[1]) is not str or not _TAG.fullmatch(node[1]):
+                raise ValueError(f"extension tag {node[1]!r} is not one the encoder writes")
+            if type(node[2]) is not str or not _META.fullmatch(node[2]):
+                raise ValueError(f"extension meta {node[2]!r} is not what the encoder writes")
+            shape_of(node[3])
+            needed = max(needed, num(node[4], "an offset") + _ext_nbytes(node[2], node[3]))
+        else:
+            raise ValueError(f"a node {tag!r} of {n} fields is not one the encoder writes")
+
+    try:
+        walk(marshal.loads(layout), 0)  # marshal builds plain values (never runs code)
+        found = LayoutCheck(None, pickled, needed)
+    except (ValueError, EOFError, TypeError, EncodeError, RecursionError) as exc:
+        found = LayoutCheck(f"its layout is not one the encoder writes ({exc})", False, 0)
+    if len(_CHECKED) >= MAX_DECODERS:
+        _CHECKED.clear()
+    _CHECKED[layout] = found
+    return found
 
 
 def _ext_nbytes(meta: str, shape: tuple) -> int:
@@ -518,7 +631,7 @@ def leaves(layout: bytes) -> tuple[tuple, list[Leaf]]:
         elif tag == _BOOL:
             out.append(Leaf(tag, node[1], 1, np.dtype("?")))
         elif tag in (_ARRAY, _NPSCALAR):
-            dt = np.dtype(node[1])
+            dt = _plain_dtype(node[1])
             out.append(Leaf(_ARRAY, node[3], int(np.prod(node[2], dtype=np.int64)) * dt.itemsize, dt, node[2]))
         elif tag == _EXT:
             out.append(Leaf(tag, node[4], _ext_nbytes(node[2], node[3]), None, node[3], node[2], node[1]))

@@ -39,6 +39,7 @@ from .fingerprint import fingerprint, length_or_none
 from .remote import ENV_REMOTE
 from .remote import resolve as resolve_remote
 from .store import MISSING, CacheStore, UncachedStore
+from .trust import resolve_secret
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
@@ -65,7 +66,9 @@ def _tensor_to_parts(t: torch.Tensor):
 
 
 def _tensor_from_parts(meta: str, shape: tuple, raw: np.ndarray) -> torch.Tensor:
-    dtype = getattr(torch, meta.split(":", 1)[0])
+    dtype = getattr(torch, meta.split(":", 1)[0], None)
+    if not isinstance(dtype, torch.dtype):  # a layout from a tier or snapshot names anything
+        raise ValueError(f"a tensor leaf names dtype {meta!r}, not a torch dtype")
     if raw.size == 0:
         return torch.empty(shape, dtype=dtype)
     # A read-only buffer is a zero-copy read (copy=False) of shared memory. torch has no read-only
@@ -154,15 +157,26 @@ class ShmDatasetCache:
             from it and admitted into shared memory. None: ``$SHMCACHE_SNAPSHOT``; ``""``: none.
             A snapshot of another dataset is refused (CacheMismatch).
         snapshot_options: ``force`` (serve a snapshot that names another dataset), ``timeout_s``
-            (the longest a read may take, default 10), ``storage_options`` (for fsspec).
+            (the longest a read may take, default 10), ``storage_options`` (for fsspec),
+            ``allow_unsigned`` (with a secret: read a snapshot not signed with it, as untrusted data).
+        secret: the job's secret (None: ``$SHMCACHE_SECRET``; ``""``: none; a string is used as its
+            UTF-8 bytes): every value written to the remote tier carries its MAC, and only values
+            with it are read from the remote tier or a snapshot (NOTE [record authentication]).
+        allow_pickle: read pickled objects from a remote tier or snapshot whose values are not
+            authenticated by the secret (False: such a value is a miss, computed from the source).
     """
 
     def __init__(self, session: str = "auto", name: str | None = None, size: int = 0,
                  spilling: bool = False, spill_dir: str | os.PathLike | None = None, *,
                  copy: bool = True, verify: float = 0.0, lock_timeout_s: float = 60.0,
                  remote: str | None = None, snapshot: str | os.PathLike | None = None,
-                 snapshot_options: dict | None = None):
+                 snapshot_options: dict | None = None, secret: str | bytes | None = None,
+                 allow_pickle: bool = False):
         self.session = resolve_session_name(session)
+        self._secret = resolve_secret(secret)  # travels to DataLoader workers with the cache
+        if not isinstance(allow_pickle, bool):
+            raise InvalidArgument(f"allow_pickle must be True or False, got {allow_pickle!r}")
+        self.allow_pickle = allow_pickle
         if name is not None:
             validate_name(name, "cache")
         size = _check_size(size)
@@ -255,7 +269,7 @@ class ShmDatasetCache:
 
             if fingerprint is None and not self._store.uncached:  # a named cache bound earlier
                 fingerprint = self._store.read_meta().get("fingerprint")
-            self._store = remote.tiered(self._store, url, fingerprint, registry)
+            self._store = remote.tiered(self._store, url, fingerprint, registry, self._secret, self.allow_pickle)
 
     def _attach_snapshot(self, name: str, fingerprint: str | None) -> None:
         """With a snapshot, the store becomes ``TieredStore(local, [SnapshotTier, ...])``; without
@@ -268,7 +282,8 @@ class ShmDatasetCache:
         local = self._store
         try:
             self._store = tiered(local, self._snapshot[0], name, fingerprint,
-                                 SessionRegistry(namespace(self._ns_root)), self._snapshot[1])
+                                 SessionRegistry(namespace(self._ns_root)), self._snapshot[1],
+                                 self._secret, self.allow_pickle)
         except BaseException:
             self._store = None
             local.close()
@@ -340,20 +355,29 @@ class ShmDatasetCache:
     def from_snapshot(cls, src: str | os.PathLike, session: str = "auto", name: str | None = None,
                       size: int = 0, spilling: bool = False, spill_dir: str | os.PathLike | None = None, *,
                       force: bool = False, threads: int | None = None, progress: bool | None = None,
-                      storage_options: dict | None = None, **kwargs: Any) -> ShmDatasetCache:
+                      storage_options: dict | None = None, allow_unsigned: bool = False,
+                      **kwargs: Any) -> ShmDatasetCache:
         """A cache filled from the snapshot at ``src`` (a path or an fsspec URL, e.g. ``s3://b/snap``):
         named as the exported cache unless ``name=`` is given; ``wrap(None)`` then serves it with no
         source. A cache of that name holding another dataset is refused (CacheMismatch) unless
         ``force=True``, which replaces its contents. ``last_import`` says what was stored: items that
         did not fit the cap (spilled with ``spilling=True``, else left out), records skipped as
-        damaged. Other keyword arguments go to ShmDatasetCache."""
+        damaged. With a secret (``secret=``, ``$SHMCACHE_SECRET``) only a snapshot signed with it is
+        imported unless ``allow_unsigned=True``; pickled objects of a snapshot that is not signed are
+        skipped unless ``allow_pickle=True`` (NOTE [record authentication]). Other keyword arguments
+        go to ShmDatasetCache."""
         from .snapshot.load import import_into, read_manifest
 
         loc, manifest = read_manifest(src, storage_options)
+        from .snapshot.format import MANIFEST, authenticate
+
+        # refused before a cache is made: a snapshot not signed with the job's secret
+        authenticate(manifest, resolve_secret(kwargs.get("secret")), allow_unsigned, loc.where(MANIFEST))
         cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
         try:
             cache.last_import = import_into(cache.store, loc, manifest, force=force, threads=threads,
-                                            progress=progress)
+                                            progress=progress, secret=cache._secret or "",
+                                            allow_pickle=cache.allow_pickle, allow_unsigned=allow_unsigned)
             if manifest.fingerprint:  # the tiers were opened before the import named the dataset
                 cache._tiers_learn(manifest.fingerprint)
                 cache._fingerprint = manifest.fingerprint
@@ -373,7 +397,7 @@ class ShmDatasetCache:
 
         return export_cache(self.store, dest, overwrite=overwrite, length=self._source_len,
                             segment_bytes=segment_bytes or snapshot_format.DEFAULT_SEGMENT_BYTES,
-                            progress=progress, storage_options=storage_options)
+                            progress=progress, storage_options=storage_options, secret=self._secret or "")
 
     def _wrap_iterable(self, dataset: Iterable, transform: Callable | None) -> CachedIterableDataset:
         """With a name, the stream is not read here. Without one, its first 16 items name the
@@ -631,7 +655,7 @@ class ShmDatasetCache:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # never the secret
         return f"ShmDatasetCache(session={self.session!r}, name={self.name!r}, size={self.size_mb})"
 
     # --- pickling (DataLoader workers re-attach lazily by name) ------------------------------

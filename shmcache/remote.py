@@ -28,6 +28,15 @@ NOTE [remote tier]
     format from another version - is a miss, counted as ``corrupt``, never returned. Redis
     replaces a value whole (SET), so an eviction never leaves half a record.
 
+    Authentication (NOTE [record authentication], trust.py). With the job's secret
+    (``secret=``, ``$SHMCACHE_SECRET``) every value is the record followed by a 40-byte MAC
+    trailer over the whole Redis key and the record's bytes; a value read without the right one
+    (unsigned, another secret's, another key's, changed) is a miss counted as ``forged``, checked
+    before anything of it is parsed, and the value computed then is written with a plain SET (not
+    NX), replacing it. Such a tier is ``authenticated``: the job's own values, pickled objects
+    included. Without a secret anyone who can write to the Redis can change values (not run
+    code: a pickled leaf from an unauthenticated tier is refused, tiers.TieredStore).
+
     Reads are on the training step's path: one round trip per batch (one MGET per server, the
     commands to every server sent before any reply is read; on a Cluster, GETs grouped by the
     master of each key's slot, sent the same way - not redis-py's cluster pipeline, which after
@@ -76,6 +85,7 @@ import zstandard
 from . import tier_counts
 from .errors import InvalidArgument
 from .spill.format import pack_record, unpack_record
+from .trust import ENV_SECRET, FORGED, Mac
 
 __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
            "probe", "read_counts", "COUNTERS", "resolve", "identity", "counts_path", "tiered", "stats_keys"]
@@ -315,9 +325,13 @@ _SAY = {
                "truncated, or another cache's): a miss, recomputed; later ones are counted as "
                "'corrupt' in stats()",
     "error": "failed; values are computed from the source until it answers",
+    "forged": "returned a value without this job's MAC (written without the job's secret, with "
+              "another secret, under another key, or changed): a miss, recomputed and written again; "
+              f"later ones are counted as 'forged' in stats() (every process of the job needs the same "
+              f"${ENV_SECRET})",
 }
 
-COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "dropped", "backlog")
+COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "dropped", "backlog", "forged")
 _I = {name: i for i, name in enumerate(COUNTERS)}
 
 
@@ -339,8 +353,11 @@ class RedisTier:
 
     def __init__(self, url: str | RemoteURL, identity: str, *, queue_items: int = QUEUE_ITEMS,
                  queue_bytes: int = QUEUE_BYTES, counts_path: str | os.PathLike | None = None,
-                 slot: Callable[[], int] | None = None):
+                 slot: Callable[[], int] | None = None, secret: bytes | None = None):
         self.url = url if isinstance(url, RemoteURL) else parse_url(url)
+        # with the job's secret every value written carries a MAC over its Redis key and bytes, and
+        # a value read without the right one is a miss (NOTE [record authentication])
+        self._mac = Mac(secret) if secret else None
         _redis()  # a missing client is an error now, not a silent miss later
         self.identity = identity
         self.prefix = b"shmcache:" + identity.encode() + b":"  # + the portable key: the Redis key
@@ -357,6 +374,11 @@ class RedisTier:
 
     def __repr__(self) -> str:
         return f"RedisTier({self.url.masked!r}, {self.identity!r})"
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether every value this tier returns carried the job's MAC (TieredStore trusts those)."""
+        return self._mac is not None
 
     def set_identity(self, identity: str) -> None:
         """A named cache bound to its dataset's fingerprint after it was opened (dataset._bind)."""
@@ -383,6 +405,7 @@ class RedisTier:
             self._writes_after = 0.0  # an OOM pauses writes only
             self._logged: set[str] = set()
             self._dctx = threading.local()  # zstd contexts are not thread-safe
+            self._replace: set[bytes] = set()  # Redis keys read as forged: rewritten without NX
             self._thread: threading.Thread | None = None
             self._stop = False
             self._c = self._counts_row()
@@ -428,12 +451,12 @@ class RedisTier:
         self._say(cond, exc)
 
     def _succeeded(self) -> None:
-        if self._backoff or self._logged - {"corrupt", "oom"}:
+        if self._backoff or self._logged - {"corrupt", "oom", "forged"}:
             with self._lock:
-                if self._logged - {"corrupt", "oom"}:
+                if self._logged - {"corrupt", "oom", "forged"}:
                     log.warning("remote tier %s of cache %s answers again", self.url.masked, self.identity)
                 self._backoff = 0.0
-                self._logged &= {"corrupt", "oom"}
+                self._logged &= {"corrupt", "oom", "forged"}
 
     def _say(self, cond: str, exc: BaseException | None = None, detail: str = "") -> None:
         if cond in self._logged:
@@ -464,8 +487,17 @@ class RedisTier:
         if dctx is None:
             dctx = self._dctx.ctx = zstandard.ZstdDecompressor()
         out: list = []
-        bad = 0
+        bad = forged = 0
         for pkey, value in zip(pkeys, raw):
+            if value is not None and self._mac is not None:
+                rkey = self.prefix + pkey
+                value, verdict = self._mac.open(rkey, value)  # before a byte of it is parsed
+                if verdict == FORGED:
+                    forged += 1
+                    if len(self._replace) < QUEUE_ITEMS:
+                        self._replace.add(rkey)
+                    if "forged" not in self._logged:
+                        self._say("forged", None, f" (the first: key {pkey!r})")
             if value is not None:
                 value, why = unpack_record(value, self.prefix + pkey, dctx)
                 if value is None:
@@ -474,6 +506,8 @@ class RedisTier:
             out.append(value)
         if bad:
             self.corrupt(bad)
+        if forged:
+            self.corrupt(forged, "forged")
         return out
 
     def _corrupt_logged(self, pkey: bytes, why: str | None) -> None:
@@ -507,10 +541,10 @@ class RedisTier:
             return conn[0].mget(rkeys)
         return _mget_sharded(conn, rkeys)
 
-    def corrupt(self, n: int = 1) -> None:
+    def corrupt(self, n: int = 1, counter: str = "corrupt") -> None:
         """The caller found ``n`` values that failed their checks (a miss each)."""
         with self._lock:
-            self._add("corrupt", n)
+            self._add(counter, n)
             self._c[_I["hits"]] -= min(n, int(self._c[_I["hits"]]))
             self._add("misses", n)
 
@@ -561,7 +595,7 @@ class RedisTier:
                 self._queued_bytes -= size
                 self._inflight = len(batch)
             try:
-                batch = [(k, b"".join(pack_record(k, v, cctx))) for k, v in batch]
+                batch = [(k, self._sealed(k, pack_record(k, v, cctx))) for k, v in batch]
                 size = sum(len(v) for _, v in batch)
                 self._write(batch)
             except Exception as exc:  # noqa: BLE001 - a failed write is a value not shared, no more
@@ -578,6 +612,13 @@ class RedisTier:
                     self._c[_I["backlog"]] = len(self._queue)
                     self._wake.notify_all()
 
+    def _sealed(self, rkey: bytes, parts: list) -> bytes:
+        """The Redis value of one record: its parts, and with a secret the MAC trailer over the
+        Redis key (the cache's identity and the item's key) and those bytes."""
+        if self._mac is not None:
+            parts = [*parts, self._mac.trailer(rkey, *parts)]
+        return b"".join(parts)
+
     def _write(self, batch: list[tuple[bytes, bytes]]) -> None:
         conn = self._connect()
         if self.url.kind == "cluster":
@@ -591,8 +632,11 @@ class RedisTier:
             groups = [(c, b) for c, b in zip(conn, by) if b]
         for client, items in groups:
             pipe = client.pipeline(transaction=False)
+            replace = self._replace
             for k, v in items:
-                pipe.set(k, v, nx=True)
+                # NX: the first writer wins; but a value read as forged is replaced by the job's
+                pipe.set(k, v, nx=k not in replace)
+                replace.discard(k)
             pipe.execute(raise_on_error=True)
 
     def flush(self, timeout_s: float = FLUSH_S) -> bool:
@@ -806,16 +850,19 @@ def counts_path(registry, session: str, name: str) -> Path:
     return tier_counts.counts_path(registry, session, name, "remote")
 
 
-def tiered(local, url: str, fingerprint: str | None, registry):
-    """``local`` (a CacheStore) with the remote tier at ``url`` behind it (tiers.TieredStore)."""
+def tiered(local, url: str, fingerprint: str | None, registry, secret: bytes | None = None,
+           allow_pickle: bool = False):
+    """``local`` (a CacheStore) with the remote tier at ``url`` behind it (tiers.TieredStore);
+    ``secret``: the job's (trust.resolve_secret), ``allow_pickle``: NOTE [record authentication]."""
     from . import process_slot
     from .tiers import TieredStore
 
     shared = not getattr(local, "uncached", False)  # an uncached store holds no liveness slot
     tier = RedisTier(url, identity(local.name, fingerprint),
                      counts_path=counts_path(registry, local.session, local.name) if shared else None,
-                     slot=(lambda: process_slot.slot(registry, local.session)) if shared else None)
-    return TieredStore(local, [tier])
+                     slot=(lambda: process_slot.slot(registry, local.session)) if shared else None,
+                     secret=secret)
+    return TieredStore(local, [tier], allow_pickle=allow_pickle)
 
 
 def stats_keys(url: str | None, counts: dict | None) -> dict:

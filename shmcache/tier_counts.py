@@ -27,7 +27,7 @@ __all__ = ["ROW_WORDS", "counts_path", "process_row", "read_counts"]
 
 log = logging.getLogger("shmcache")
 
-ROW_WORDS = 8  # one 64-byte row per process slot
+ROW_WORDS = 16  # one 128-byte row per process slot (the remote tier counts 9 things)
 URL_BYTES = 512  # after the rows: the URL the counts are of (for `shmcache stat`)
 _ROWS_BYTES = MAX_SLOTS * ROW_WORDS * 8
 

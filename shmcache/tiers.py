@@ -25,6 +25,13 @@ NOTE [tiers]
       record of ``spill/format.py`` (magic, key, lengths, codec, checksum): a value that is
       corrupt, cut short or another key's is a miss, counted by the tier, never returned.
 
+    Trust (NOTE [record authentication], trust.py): a tier whose every record carried the job's
+    MAC (``tier.authenticated``) serves the job's own values. Any other tier serves data: before a
+    record is decoded or admitted its layout is checked (codec.check_layout: structure, dtypes,
+    bounds, never an unpickling) and one holding a pickled leaf is refused - a miss, counted as
+    ``tier_pickle_refused``, one log line naming ``allow_pickle=True`` - since once admitted into
+    shared memory it would be unpickled by every process that reads it.
+
     Order: shared memory, then the snapshot (read-only, exact: a value of this very dataset,
     checked when it was opened, and the cheapest to reach - a local file or one ranged read),
     then the remote (shared and writable, but a network round trip and values other nodes wrote);
@@ -60,8 +67,10 @@ from . import codec
 from .errors import ShmcacheError
 from .index import key_bytes, tier_key
 from .store import MISSING
+from .trust import PICKLE_HINT
 
-__all__ = ["Tier", "TieredStore", "portable_key", "key_of_portable", "portable_record", "decode_portable"]
+__all__ = ["Tier", "TieredStore", "portable_key", "key_of_portable", "portable_record", "decode_portable",
+           "PickleRefused", "untrusted_problem"]
 
 log = logging.getLogger("shmcache")
 
@@ -125,10 +134,47 @@ def portable_record(enc: codec.Encoded, key: Any) -> bytes:
     return bytes(out)
 
 
-def decode_portable(record: Buffer) -> Any:
-    """The value of a portable record (its arrays view ``record``: pass a private buffer).
-    ValueError when the bytes are not a portable record (the caller counts a miss)."""
+class PickleRefused(ValueError):
+    """A record from outside this user's shared memory, not authenticated, holds a pickled leaf
+    (NOTE [record authentication]): refused before anything of it is unpickled."""
+
+
+def untrusted_problem(record: Buffer, allow_pickle: bool) -> str | None:
+    """Why the portable record in ``record`` may not be decoded or stored when it does not come
+    from this user's own memory nor carries the job's MAC: a layout the encoder does not write,
+    leaves beyond its body, or (unless ``allow_pickle``) a pickled leaf - found without decoding
+    or unpickling anything; None when it may. PickleRefused is said with the prefix
+    ``"pickle: "``."""
     view = memoryview(record).cast("B")
+    n = len(view)
+    if n < codec.RECORD_HEADER.size:
+        return f"a record of {n} bytes is shorter than its header"
+    layout_id, key_len, layout_len, _ = codec.RECORD_HEADER.unpack_from(view, 0)
+    if layout_id != codec.INLINE:
+        return f"not a portable record (layout id {layout_id:#x}, not an inline layout)"
+    body = n - key_len - layout_len
+    if not codec.RECORD_HEADER.size <= body < n - key_len:
+        return f"an inline layout of {layout_len} bytes and a key of {key_len} in a record of {n} bytes"
+    check = codec.check_layout(view[body:body + layout_len].tobytes())  # cached per layout
+    if check.problem is not None:
+        return check.problem
+    if check.needed > body:
+        return f"its leaves span {check.needed} bytes, its body holds {body}"
+    if check.pickled and not allow_pickle:
+        return "pickle: it holds a pickled object"
+    return None
+
+
+def decode_portable(record: Buffer, trusted: bool = True, allow_pickle: bool = False) -> Any:
+    """The value of a portable record (its arrays view ``record``: pass a private buffer).
+    ValueError when the bytes are not a portable record (the caller counts a miss). Not
+    ``trusted`` (neither this user's memory nor authenticated): the record is checked first
+    (``untrusted_problem``), PickleRefused for a pickled leaf unless ``allow_pickle``."""
+    view = memoryview(record).cast("B")
+    if not trusted:
+        why = untrusted_problem(view, allow_pickle)
+        if why is not None:
+            raise PickleRefused(why[8:]) if why.startswith("pickle: ") else ValueError(why)
     if len(view) < codec.RECORD_HEADER.size:
         raise ValueError(f"a record of {len(view)} bytes is shorter than its header")
     layout_id = codec.record_header(view).layout_id
@@ -151,12 +197,16 @@ class TieredStore:
     ``lookup_batch``). Without tiers, callers keep the local store itself: no cost on a hit.
     """
 
-    def __init__(self, local, behind: Sequence[Tier]):
+    def __init__(self, local, behind: Sequence[Tier], allow_pickle: bool = False):
         self.local = local
         self.behind = list(behind)
+        # a tier whose records are not authenticated (``tier.authenticated`` false) serves data,
+        # never code: a pickled leaf is refused unless allowed (NOTE [record authentication])
+        self.allow_pickle = allow_pickle
         self._failed: set[tuple[str, str]] = set()  # (tier, method) that raised: logged once
         self.admitted = 0  # tier hits this process admitted into shared memory
         self.undecodable = 0  # tier records that passed their checks yet did not decode
+        self.pickle_refused = 0  # unauthenticated tier records refused for a pickled leaf
 
     def __getattr__(self, name: str):
         return getattr(self.local, name)  # only for what this class does not define
@@ -171,7 +221,7 @@ class TieredStore:
         for tier in self.behind:
             record = self._call(tier, "get", pk)
             if record is not None:
-                value = self._admit(key, record)
+                value = self._admit(key, record, tier)
                 if value is not MISSING:
                     return value
         return MISSING
@@ -185,7 +235,7 @@ class TieredStore:
             records = self._call(tier, "get_many", [pks[i] for i in missing]) or [None] * len(missing)
             still = []
             for i, record in zip(missing, records):
-                value = MISSING if record is None else self._admit(keys[i], record)
+                value = MISSING if record is None else self._admit(keys[i], record, tier)
                 if value is MISSING:
                     still.append(i)
                 else:
@@ -198,14 +248,25 @@ class TieredStore:
     def contains(self, key: Any) -> bool:
         return self.local.contains(key)  # what this node holds; a tier is asked only on a read
 
-    def _admit(self, key: Any, record: Buffer) -> Any:
+    def _admit(self, key: Any, record: Buffer, tier: Tier) -> Any:
         """A tier's record as a value, stored in shared memory too (within its cap). Decoded first:
         bytes that passed the tier's checks yet are no portable record are refused before they
-        reach shared memory."""
+        reach shared memory; so is a pickled leaf from a tier whose records are not authenticated
+        (unless allow_pickle): it would run code here, and in every process that reads it later."""
         try:
             # private bytes: the value owns them (a tier returns a bytearray only when it is fresh
             # and its own - Tier.get - so it is not copied again)
-            value = decode_portable(record if type(record) is bytearray else bytearray(record))
+            value = decode_portable(record if type(record) is bytearray else bytearray(record),
+                                    bool(getattr(tier, "authenticated", False)), self.allow_pickle)
+        except PickleRefused as exc:
+            self.pickle_refused += 1
+            if ("pickle", tier.name) not in self._failed:
+                self._failed.add(("pickle", tier.name))
+                log.warning("cache %s/%s: the %s tier returned a record of key %r that %s, and its records "
+                            "are not authenticated: refused unread (a miss, computed from the source); %s. "
+                            "Further ones are only counted", self.local.session, self.local.name,
+                            tier.name, key, str(exc).removeprefix("it "), PICKLE_HINT)
+            return MISSING
         except ValueError as exc:
             self.undecodable += 1
             if ("decode", "") not in self._failed:
@@ -237,6 +298,7 @@ class TieredStore:
         st = self.local.stats()
         st["tiers"] = {tier.name: self._call(tier, "counters") or {} for tier in self.behind}
         st["tier_admitted"], st["tier_undecodable"] = self.admitted, self.undecodable
+        st["tier_pickle_refused"] = self.pickle_refused
         return st
 
     def close(self) -> None:

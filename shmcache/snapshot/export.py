@@ -28,6 +28,7 @@ from .. import codec
 from .._faults import ARMED as _CRASH_TESTS
 from .._faults import crash_point
 from ..errors import InvalidArgument, SnapshotError
+from ..trust import Mac, resolve_secret, snapshot_ident
 from . import format as fmt
 from .location import Location, open_location
 
@@ -65,9 +66,13 @@ class ExportReport:
 
 def export_cache(store: Any, dest: str | os.PathLike, *, overwrite: bool = False, length: int | None = None,
                  segment_bytes: int = fmt.DEFAULT_SEGMENT_BYTES, level: int = 1,
-                 progress: bool | None = None, storage_options: dict | None = None) -> ExportReport:
+                 progress: bool | None = None, storage_options: dict | None = None,
+                 secret: str | bytes | None = None) -> ExportReport:
     """Write every item of ``store`` (a CacheStore) to a snapshot at ``dest``.
 
+    ``secret``: the job's (None: ``$SHMCACHE_SECRET``; ``""``: none): with one, every record and
+    the manifest carry its MAC (NOTE [record authentication]), so a reader with the same secret
+    trusts them, pickled leaves included, and refuses anything changed.
     ``overwrite``: replace a snapshot already there (else SnapshotError). ``length``: the wrapped
     dataset's len(), recorded for ``wrap(None)`` (None: the cache's own record of it, or, when
     its keys are exactly 0..n-1, n). ``progress``: a progress bar on stderr (None: when stderr is
@@ -77,6 +82,7 @@ def export_cache(store: Any, dest: str | os.PathLike, *, overwrite: bool = False
                               f"{segment_bytes!r} (default {fmt.DEFAULT_SEGMENT_BYTES}: 512 MiB)")
     if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
         raise InvalidArgument(f"length must be a non-negative int or None, got {length!r}")
+    key = resolve_secret(secret)
     if getattr(store, "uncached", False):
         raise SnapshotError(f"cache {store.session}/{store.name} has no shared memory (it could not be "
                             f"made), so there is nothing to export; make room in /dev/shm and fill it")
@@ -84,8 +90,9 @@ def export_cache(store: Any, dest: str | os.PathLike, *, overwrite: bool = False
     _prepare(loc, overwrite)
     started = time.perf_counter()
     report = ExportReport(loc.url)
-    writer = _Writer(loc, segment_bytes, level)
     meta = store.read_meta()
+    mac = Mac(key) if key else None
+    writer = _Writer(loc, segment_bytes, level, mac, snapshot_ident(meta.get("fingerprint"), store.name))
     keys = _KeyRange()
     bar = progress_bar(progress, len(store), f"export {store.session}/{store.name}")
     try:
@@ -105,7 +112,7 @@ def export_cache(store: Any, dest: str | os.PathLike, *, overwrite: bool = False
             writer.items, writer.raw_bytes, sum(s.size for s in segments),
             fmt.describe_layouts(writer.layouts), segments,
             datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), _version())
-        _write_file(loc, fmt.MANIFEST, manifest.to_json())
+        _write_file(loc, fmt.MANIFEST, manifest.to_json(mac))
     except BaseException as exc:
         writer.abort()
         if isinstance(exc, OSError) and not isinstance(exc, SnapshotError):
@@ -149,8 +156,9 @@ def _prepare(loc: Location, overwrite: bool) -> None:
 class _Writer:
     """Fills segment after segment (``*.tmp``, renamed when complete)."""
 
-    def __init__(self, loc: Location, segment_bytes: int, level: int):
+    def __init__(self, loc: Location, segment_bytes: int, level: int, mac: Any = None, ident: bytes = b""):
         self.loc = loc
+        self.mac, self.ident = mac, ident
         self.segment_bytes = segment_bytes
         self.cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
         self.done: list[fmt.SegmentInfo] = []
@@ -176,7 +184,7 @@ class _Writer:
         name = fmt.segment_name(len(self.done)) + ".tmp"
         self._tmp.append(name)
         self._f = self.loc.open_write(name)
-        self._seg = fmt.SegmentWriter(self._f, len(self.done), self.cctx)
+        self._seg = fmt.SegmentWriter(self._f, len(self.done), self.cctx, self.mac, self.ident)
 
     def _finish(self) -> None:
         info = self._seg.finish()

@@ -41,6 +41,13 @@ NOTE [snapshot format]
          "segments": [{"file": "seg-00000.shms", "size": bytes, "items": n,
                        "sha256": hex of the segment's index bytes + footer}]}
 
+    Signed snapshots (an export with the job's secret: NOTE [record authentication], trust.py):
+    each record is followed by a 40-byte MAC trailer (``b"SpMac\x01\0\0"`` + HMAC-SHA256 over the
+    snapshot's dataset - ``fp:FINGERPRINT`` or ``name:NAME`` -, the portable key and the record's
+    bytes), counted in its index entry's ``length``; the manifest carries
+    ``"mac": {"alg": "hmac-sha256", "tag": HEX}`` over the canonical JSON of the rest of it. A
+    reader without a secret ignores both (bytes after a spill record's end are never read).
+
     The segment hash covers the index and footer only: the index binds every record's offset,
     length and head check (which covers the record's header, key and body check), so a swapped,
     truncated or mixed-up segment fails it without hashing the whole file at import; a flipped
@@ -69,12 +76,13 @@ import numpy as np
 
 from ..errors import SnapshotError
 from ..spill import format as records
+from ..trust import ENV_SECRET, SIGNED, UNSIGNED, Mac, canonical
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "HEADER_BYTES", "FOOTER_BYTES", "INDEX_DTYPE",
     "DEFAULT_SEGMENT_BYTES", "key_hash", "segment_name", "SegmentWriter", "SegmentInfo", "Footer",
     "parse_header", "parse_footer", "parse_index", "segment_digest", "read_record", "iter_records",
-    "find", "Manifest",
+    "find", "Manifest", "authenticate",
 ]
 
 FORMAT_NAME = "shmcache-snapshot"
@@ -130,10 +138,11 @@ class SegmentWriter:
     """Appends records to one segment file (any binary file object with ``write``), then its
     index and footer. The caller closes and renames the file (NOTE [snapshot format])."""
 
-    def __init__(self, f: BinaryIO, number: int, cctx: Any):
+    def __init__(self, f: BinaryIO, number: int, cctx: Any, mac: Any = None, ident: bytes = b""):
         self.f = f
         self.number = number
         self.cctx = cctx
+        self.mac, self.ident = mac, ident  # a trust.Mac: every record is signed (NOTE [record authentication])
         self.size = 0
         self.raw_bytes = 0  # portable record bytes before compression
         self._hashes: list[int] = []
@@ -147,6 +156,8 @@ class SegmentWriter:
     def add(self, pkey: bytes, payload: Any) -> int:
         """Append one record; return its bytes on disk."""
         parts = records.pack_record(pkey, payload, self.cctx)
+        if self.mac is not None:  # the record, then its MAC trailer (40 bytes: alignment kept)
+            parts.append(self.mac.trailer(self.ident + pkey, *parts))
         head = parts[0]
         self._hashes.append(key_hash(pkey))
         length = sum(memoryview(p).nbytes for p in parts)
@@ -307,14 +318,19 @@ class Manifest:
     segments: list[SegmentInfo]
     created: str = ""
     shmcache: str = ""
+    mac: Any = None  # the manifest's "mac" field as read (None: unsigned)
+    signed_body: bytes = b""  # the canonical bytes of the rest of the document, as read
 
-    def to_json(self) -> bytes:
+    def to_json(self, mac: Any = None) -> bytes:
+        """The manifest's bytes; with ``mac`` (a trust.Mac) signed (NOTE [record authentication])."""
         doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
                "cache": {"session": self.session, "name": self.name, "fingerprint": self.fingerprint},
                "length": self.length, "items": self.items, "bytes": self.bytes,
                "stored_bytes": self.stored_bytes, "layouts": self.layouts, "key_hash": "index-word",
                "created": self.created, "shmcache": self.shmcache,
                "segments": [s.to_json() for s in self.segments]}
+        if mac is not None:
+            doc = mac.sign_doc(doc)
         return (json.dumps(doc, indent=1) + "\n").encode()
 
     @classmethod
@@ -330,6 +346,7 @@ class Manifest:
                                 f"directory `shmcache export` wrote")
         if doc.get("version") != FORMAT_VERSION:
             raise SnapshotError(_version_message(where, doc.get("version")))
+        mac = doc.pop("mac", None)  # what a reader with the job's secret checks (trust.Mac.doc_verdict)
         try:
             cache = doc["cache"]
             segments = [SegmentInfo(str(s["file"]), int(s["size"]), int(s["items"]), str(s["sha256"]))
@@ -337,7 +354,8 @@ class Manifest:
             m = cls(str(cache["session"]), str(cache["name"]), cache.get("fingerprint"),
                     None if doc.get("length") is None else int(doc["length"]), int(doc["items"]),
                     int(doc["bytes"]), int(doc["stored_bytes"]), dict(doc.get("layouts") or {}),
-                    segments, str(doc.get("created", "")), str(doc.get("shmcache", "")))
+                    segments, str(doc.get("created", "")), str(doc.get("shmcache", "")), mac,
+                    canonical(doc))
         except (KeyError, TypeError, ValueError) as exc:
             raise SnapshotError(f"{where} lacks a field or has a wrong one ({exc!r}); it is damaged: "
                                 f"copy the snapshot again, or export it again") from None
@@ -380,3 +398,25 @@ def describe_layouts(layouts: dict[bytes, int]) -> dict:
         out["b64"] = [base64.b64encode(lay).decode() for lay in layouts]
         out["items"] = list(layouts.values())
     return out
+
+
+def authenticate(manifest: Manifest, key: bytes | None, allow_unsigned: bool, where: str) -> Any:
+    """The trust.Mac that checks every record of the snapshot, when ``key`` (the job's secret)
+    verifies its manifest; None when there is no secret (records are then data, not trusted),
+    or when the manifest is unsigned or foreign-signed and ``allow_unsigned``; SnapshotError
+    naming the flag otherwise (NOTE [record authentication])."""
+    if key is None:
+        return None
+    mac = Mac(key)
+    verdict = mac.doc_verdict(manifest.signed_body, manifest.mac)
+    if verdict == SIGNED:
+        return mac
+    if allow_unsigned:
+        return None
+    what = ("is not signed" if verdict == UNSIGNED else
+            "is signed with another secret, or was changed after it was signed")
+    raise SnapshotError(
+        f"{where} {what}, and this job has a secret (${ENV_SECRET} or secret=): the snapshot cannot be "
+        f"authenticated. Read it as untrusted data (its values served, pickled objects refused) with "
+        f"allow_unsigned=True (`shmcache import --allow-unsigned`, snapshot_options={{'allow_unsigned': "
+        f"True}}), or export it again with this job's secret")

@@ -27,14 +27,14 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from .. import codec
 from .._faults import ARMED as _CRASH_TESTS
 from .._faults import crash_point
 from ..config import resolve_session_name
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..registry import write_json
 from ..spill import format as records
-from ..tiers import decode_portable, key_of_portable
+from ..tiers import key_of_portable, untrusted_problem
+from ..trust import FORGED, PICKLE_HINT, resolve_secret, snapshot_ident
 from . import format as fmt
 from .export import progress_bar
 from .location import Location, open_location
@@ -59,6 +59,8 @@ class ImportReport:
     spilled: int = 0  # of those, in spill files (the cap was reached with spilling on)
     rejected: int = 0  # not stored: the cap was reached and spilling is off (or /dev/shm is full)
     damaged: int = 0  # records that failed their checks: skipped
+    forged: int = 0  # records without the job's MAC (a signed snapshot, read with the secret): skipped
+    pickled: int = 0  # records holding a pickled object, not authenticated: refused unread
     bytes: int = 0  # segment bytes read
     seconds: float = 0.0
     length: int | None = None
@@ -80,6 +82,12 @@ class ImportReport:
         if self.damaged:
             text += (f"; {self.damaged} record(s) failed their checks and were skipped "
                      f"({'; '.join(self.damaged_where[:3])}): copy the snapshot again")
+        if self.forged:
+            text += (f"; {self.forged} record(s) lack this job's MAC (changed, or added by someone "
+                     f"without the secret) and were skipped: export the snapshot again")
+        if self.pickled:
+            text += (f"; {self.pickled} record(s) hold a pickled object and were skipped unread "
+                     f"(the snapshot is not signed with this job's secret): {PICKLE_HINT}")
         return text
 
 
@@ -105,12 +113,16 @@ def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -
 def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str | None = None,
                     size_mb: int = 0, spilling: bool = False, spill_dir: str | os.PathLike | None = None,
                     force: bool = False, threads: int | None = None, progress: bool | None = None,
-                    storage_options: dict | None = None) -> ImportReport:
+                    storage_options: dict | None = None, secret: str | bytes | None = None,
+                    allow_pickle: bool = False, allow_unsigned: bool = False) -> ImportReport:
     """Import the snapshot at ``src`` into cache ``name`` (default: the exported cache's name) of
-    ``session``; the cache is made if needed (``size_mb``: its cap, 0 automatic)."""
+    ``session``; the cache is made if needed (``size_mb``: its cap, 0 automatic). ``secret``,
+    ``allow_pickle``, ``allow_unsigned``: see import_into."""
     from ..store import CacheStore
 
     loc, manifest = read_manifest(src, storage_options)
+    key = resolve_secret(secret)
+    fmt.authenticate(manifest, key, allow_unsigned, loc.where(fmt.MANIFEST))  # before a cache is made
     store = CacheStore(resolve_session_name(session), name or manifest.name, capacity_bytes=size_mb << 20,
                        table_hint=manifest.items)
     try:
@@ -118,14 +130,24 @@ def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str 
             from ..spill import tier
 
             tier.attach(store, spill_dir)
-        return import_into(store, loc, manifest, force=force, threads=threads, progress=progress)
+        return import_into(store, loc, manifest, force=force, threads=threads, progress=progress, secret=key,
+                           allow_pickle=allow_pickle, allow_unsigned=allow_unsigned)
     finally:
         store.close()
 
 
 def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: bool = False,
-                threads: int | None = None, progress: bool | None = None) -> ImportReport:
-    """Store the snapshot's items in ``store`` (a CacheStore, maybe with spilling attached)."""
+                threads: int | None = None, progress: bool | None = None, secret: str | bytes | None = None,
+                allow_pickle: bool = False, allow_unsigned: bool = False) -> ImportReport:
+    """Store the snapshot's items in ``store`` (a CacheStore, maybe with spilling attached).
+
+    ``secret`` (None: ``$SHMCACHE_SECRET``): a snapshot signed with it has every record's MAC
+    checked (a record without it is skipped, counted ``forged``) and is trusted, pickled leaves
+    included; one unsigned or signed with another secret is refused (SnapshotError) unless
+    ``allow_unsigned``. Records that are not authenticated are data: one holding a pickled
+    object is skipped unread (counted ``pickled``) unless ``allow_pickle`` (NOTE [record
+    authentication])."""
+    mac = fmt.authenticate(manifest, resolve_secret(secret), allow_unsigned, loc.where(fmt.MANIFEST))
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise InvalidArgument(f"threads must be a positive int or None, got {threads!r}")
     started = time.perf_counter()
@@ -137,7 +159,8 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
         return report
     spilled_before = store.stats().get("items_disk", 0)
     job = _Job(store, loc, report, progress_bar(progress, sum(s.size for s in manifest.segments),
-                                                 f"import {store.session}/{store.name}", "B"))
+                                                 f"import {store.session}/{store.name}", "B"),
+               mac, fmt_ident(manifest), allow_pickle or mac is not None)
     units = [u for seg, index in zip(manifest.segments, indexes) for u in _chunks(seg, index)]
     workers = threads or min(4, os.cpu_count() or 1, max(1, len(units)))
     try:
@@ -148,7 +171,7 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
         job.bar.close()
     report.spilled = max(0, store.stats().get("items_disk", 0) - spilled_before)
     report.seconds = time.perf_counter() - started
-    if report.rejected or report.damaged:
+    if report.rejected or report.damaged or report.forged or report.pickled:
         log.warning("%s", report)
     return report
 
@@ -223,23 +246,29 @@ def _bind(store: Any, manifest: fmt.Manifest, force: bool) -> None:
 class _Job:
     """The work of one import, shared by its threads."""
 
-    def __init__(self, store: Any, loc: Location, report: ImportReport, bar: Any):
+    def __init__(self, store: Any, loc: Location, report: ImportReport, bar: Any, mac: Any = None,
+                 ident: bytes = b"", allow_pickle: bool = False):
+        self.mac, self.ident = mac, ident  # a trust.Mac: every record must carry it
+        self.allow_pickle = allow_pickle  # authenticated, or the caller's opt-in
         self.store = store
         self.loc = loc
         self.report = report
         self.bar = bar
         self.lock = threading.Lock()  # the report's counters and the bar
-        self.layouts: set[bytes] = set()  # checked once each: they decode
         self._local = threading.local()  # a zstd decompressor per thread
 
     def chunk(self, seg: fmt.SegmentInfo, start: int, end: int, offsets: list[int], lengths: list[int]) -> None:
         """Read records [start, end) of a segment in one read, check them, store them in one batch."""
         buf = memoryview(self._read(seg, start, end))
         dctx = self._dctx()
-        items, damaged = [], []
+        items, damaged, forged, pickled = [], [], 0, 0
         for off, length in zip(offsets, lengths):
             item = self._checked(buf[off - start:off - start + length], dctx)
-            if item is None:
+            if item is _FORGED:
+                forged += 1
+            elif item is _PICKLED:
+                pickled += 1
+            elif item is None:
                 damaged.append(f"{seg.file} at offset {off}")
             else:
                 items.append(item)
@@ -251,6 +280,8 @@ class _Job:
             r.imported += stored
             r.rejected += len(items) - stored
             r.damaged += len(damaged)
+            r.forged += forged
+            r.pickled += pickled
             r.bytes += end - start
             r.damaged_where += damaged[:3]
             self.bar.update(end - start)
@@ -271,12 +302,18 @@ class _Job:
                                 f"imported (it was {seg.size}): it changed under the import; copy it again")
         return buf
 
-    def _checked(self, view: memoryview, dctx: Any) -> tuple[Any, Any] | None:
-        """``(key, portable record)`` of one record, or None if it fails any check (damaged)."""
+    def _checked(self, view: memoryview, dctx: Any) -> Any:
+        """``(key, portable record)`` of one record, or None if it fails any check (damaged),
+        _FORGED if it lacks the job's MAC, _PICKLED if it holds a pickled leaf that may not be
+        read. Nothing is decoded, nothing unpickled: the layout is checked (codec.check_layout)."""
         if len(view) < records.RECORD_HEADER_BYTES:
             return None
         key_len = _U16.unpack_from(view, fmt._KEY_LEN_AT)[0]
         pkey = bytes(view[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + key_len])
+        if self.mac is not None:  # before a byte of the record is decompressed
+            view, verdict = self.mac.open(self.ident + pkey, view)
+            if verdict == FORGED:
+                return _FORGED
         payload, _ = records.unpack_record(view, pkey, dctx, copy=False)  # raw: a view of the read
         if payload is None:
             return None
@@ -284,23 +321,17 @@ class _Job:
             key = key_of_portable(pkey)
         except ValueError:
             return None
-        return (key, payload) if self._layout_ok(payload) else None
+        # checked bytes can still be a forged or foreign record: its layout must be one the encoder
+        # writes, its leaves inside it, and a pickled leaf only from an authenticated snapshot
+        why = untrusted_problem(payload, self.allow_pickle)
+        if why is None:
+            return key, payload
+        return _PICKLED if why.startswith("pickle: ") else None
 
-    def _layout_ok(self, payload: Any) -> bool:
-        """A layout seen for the first time must decode its record (checked bytes can still be a
-        forged or foreign record; after this, records of a known layout go in without decoding)."""
-        if len(payload) < codec.RECORD_HEADER.size:
-            return False
-        lid, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(payload, 0)
-        end = len(payload) - key_len
-        if lid != codec.INLINE or not codec.RECORD_HEADER.size <= end - lay_len < end:
-            return False  # what put_records would refuse
-        layout = bytes(payload[end - lay_len:end])
-        if layout in self.layouts:
-            return True
-        try:
-            decode_portable(bytearray(payload))
-        except Exception:  # noqa: BLE001 - any failure to decode is a damaged record
-            return False
-        self.layouts.add(layout)
-        return True
+
+_FORGED, _PICKLED = object(), object()
+
+
+def fmt_ident(manifest: fmt.Manifest) -> bytes:
+    """The start of every record's MAC context in this snapshot (trust.snapshot_ident)."""
+    return snapshot_ident(manifest.fingerprint, manifest.name)

@@ -14,6 +14,10 @@ NOTE [snapshot read-through]
     name - so a snapshot of another dataset is refused (CacheMismatch) unless ``force``; it never
     serves another dataset's values. A named cache whose dataset is not known yet (no wrap() so
     far) reads nothing from a snapshot of a wrapped dataset until wrap() binds its fingerprint.
+    With the job's secret (NOTE [record authentication]) the manifest must be signed with it -
+    else SnapshotError naming ``snapshot_options={'allow_unsigned': True}`` - and then every
+    record's MAC is checked before it is decompressed: a record without it is a miss counted as
+    ``forged``, and the tier is ``authenticated`` (its pickled objects are the job's own).
     A manifest that cannot be reached yet (the store is down) is read again later; if it then
     names another dataset the tier turns itself off (a log line: a tier never raises from a read).
 
@@ -65,6 +69,7 @@ import zstandard
 from .. import tier_counts
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..spill import format as records
+from ..trust import FORGED, snapshot_ident
 from . import format as fmt
 from .location import FsspecLocation, LocalLocation, mask_url, open_location, scrub_secret
 
@@ -74,8 +79,8 @@ __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "cou
 log = logging.getLogger("shmcache")
 
 ENV_SNAPSHOT = "SHMCACHE_SNAPSHOT"
-OPTIONS = ("force", "storage_options", "timeout_s")  # snapshot_options= of ShmDatasetCache
-COUNTERS = ("hits", "misses", "bytes_read", "reads", "errors", "corrupt")
+OPTIONS = ("force", "storage_options", "timeout_s", "allow_unsigned")  # snapshot_options= of ShmDatasetCache
+COUNTERS = ("hits", "misses", "bytes_read", "reads", "errors", "corrupt", "forged")
 _I = {name: i for i, name in enumerate(COUNTERS)}
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 1.0, 30.0
 _ENTRY = fmt.INDEX_DTYPE.itemsize
@@ -89,6 +94,9 @@ _REASONS = {
                "(raise snapshot_options={{'timeout_s': ...}} if it is only slow)",
     "corrupt": "holds a record that fails its checks ({detail}); that item is computed from the source, "
                "later ones are only counted ('snapshot_corrupt' in stats()); copy the snapshot again",
+    "forged": "holds a record without this job's MAC ({detail}): changed, or added by someone without the "
+              "secret; that item is computed from the source, later ones are only counted "
+              "('snapshot_forged' in stats()); export the snapshot again",
 }
 
 
@@ -113,8 +121,9 @@ def check_options(options: dict | None) -> dict:
     t = options.get("timeout_s", 10.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
         raise InvalidArgument(f"snapshot_options['timeout_s'] must be a positive number of seconds, got {t!r}")
-    if not isinstance(options.get("force", False), bool):
-        raise InvalidArgument(f"snapshot_options['force'] must be True or False, got {options['force']!r}")
+    for flag in ("force", "allow_unsigned"):
+        if not isinstance(options.get(flag, False), bool):
+            raise InvalidArgument(f"snapshot_options[{flag!r}] must be True or False, got {options[flag]!r}")
     so = options.get("storage_options")
     if so is not None and not isinstance(so, dict):
         raise InvalidArgument(f"snapshot_options['storage_options'] must be a dict, got {type(so).__name__}")
@@ -146,10 +155,16 @@ class SnapshotTier:
 
     def __init__(self, url: str | os.PathLike, *, force: bool = False, storage_options: dict | None = None,
                  timeout_s: float = 10.0, counts_path: str | os.PathLike | None = None,
-                 slot: Callable[[], int] | None = None):
+                 slot: Callable[[], int] | None = None, secret: bytes | None = None,
+                 allow_unsigned: bool = False):
         self._target = os.fspath(url)  # what is opened; ``url`` is what is shown (no password)
         self.url = mask_url(self._target)
         self.force = force
+        # NOTE [record authentication]: with the job's secret a snapshot signed with it has every
+        # record's MAC checked (and is trusted); another is refused unless allow_unsigned
+        self._secret, self.allow_unsigned = secret, allow_unsigned
+        self._mac: Any = None
+        self._ident = b""
         self.timeout_s = float(timeout_s)
         self._storage_options = _with_timeouts(self.url, storage_options, self.timeout_s)
         self._counts_path, self._slot = counts_path, slot
@@ -210,6 +225,9 @@ class SnapshotTier:
                 raise
             raise self.loc.error(exc, "read", fmt.MANIFEST) from None
         manifest = fmt.Manifest.from_json(data, self.loc.where(fmt.MANIFEST))
+        self._mac = fmt.authenticate(manifest, self._secret, self.allow_unsigned,
+                                     f"snapshot={self.url}: {self.loc.where(fmt.MANIFEST)}")
+        self._ident = snapshot_ident(manifest.fingerprint, manifest.name)
         self._segments = [_Segment(i, s) for i, s in enumerate(manifest.segments)]
         self._unloaded = set(range(len(self._segments)))
         self.manifest = manifest
@@ -243,6 +261,11 @@ class SnapshotTier:
         raise CacheMismatch(f"{self.off}: it would serve another dataset's values. Pass the snapshot of "
                             f"this dataset, or snapshot_options={{'force': True}} if it is this dataset "
                             f"(e.g. only the transform's code changed)")
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether every record this tier returns carried the job's MAC (TieredStore trusts those)."""
+        return self._mac is not None
 
     # --- the Tier protocol ------------------------------------------------------------------------------
 
@@ -391,7 +414,7 @@ class SnapshotTier:
             wanted[seg_n] = list(zip(key_i[sel].tolist(), e["offset"].tolist(), e["length"].tolist(),
                                      e["check"].tolist()))
         reads = self._read_local(wanted) if self.local else self._read_remote(wanted)
-        dctx, nbytes, corrupt = self._decompressor(), 0, []
+        dctx, nbytes, corrupt, forged = self._decompressor(), 0, [], []
         for seg_n, items in wanted.items():
             bufs = reads.get(seg_n)
             if bufs is None:
@@ -403,9 +426,17 @@ class SnapshotTier:
                 why = "it is cut short" if len(buf) != length else None
                 if why is None and _U32.unpack_from(buf, _HEAD_CHECK_AT)[0] != check:
                     why = "its head check is not its index entry's"
-                payload = None
+                payload, key = None, bytes(keys[i])
+                if why is None and self._mac is not None:
+                    if fmt._U16.unpack_from(buf, fmt._KEY_LEN_AT)[0] != len(key) or \
+                            bytes(buf[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + len(key)]) != key:
+                        continue  # another key's record (a colliding index word): not this key's
+                    buf, verdict = self._mac.open(self._ident + key, buf)  # before it is decompressed
+                    if verdict == FORGED:
+                        forged.append((seg_n, offset))
+                        continue
                 if why is None:
-                    payload, why = records.unpack_record(buf, bytes(keys[i]), dctx)
+                    payload, why = records.unpack_record(buf, key, dctx)
                 if payload is not None:
                     out[i] = payload
                 elif why != "it holds another key" and not why.startswith("its key is"):
@@ -414,6 +445,11 @@ class SnapshotTier:
             self._add("reads", 1)
             self._add("bytes_read", nbytes)
             self._add("corrupt", len(corrupt))
+            self._add("forged", len(forged))
+        if forged:
+            seg_n, offset = forged[0]
+            detail = f"{self.loc.where(self._segments[seg_n].info.file)} at offset {offset}"
+            self._log("forged", f"snapshot tier {self.url} {_REASONS['forged'].format(detail=detail)}")
         if corrupt:
             seg_n, offset, why = corrupt[0]
             detail = f"{self.loc.where(self._segments[seg_n].info.file)} at offset {offset}: {why}"
@@ -616,7 +652,7 @@ def stats_keys(counts: dict | None) -> dict:
 
 
 def tiered(local: Any, url: str | os.PathLike, name: str, fingerprint: str | None, registry,
-           options: dict | None = None) -> Any:
+           options: dict | None = None, secret: bytes | None = None, allow_pickle: bool = False) -> Any:
     """``local`` (a CacheStore, or a TieredStore already) with the snapshot at ``url`` as its first
     tier: read-only, exact and cheap, it is asked before a remote (NOTE [tiers])."""
     from .. import process_slot
@@ -624,7 +660,7 @@ def tiered(local: Any, url: str | os.PathLike, name: str, fingerprint: str | Non
 
     shared = not getattr(local, "uncached", False)  # an uncached store holds no liveness slot
     base = local.local if isinstance(local, TieredStore) else local
-    tier = SnapshotTier(url, **check_options(options),
+    tier = SnapshotTier(url, **check_options(options), secret=secret,
                         counts_path=counts_path(registry, base.session, base.name) if shared else None,
                         slot=(lambda: process_slot.slot(registry, base.session)) if shared else None)
     try:
@@ -634,8 +670,9 @@ def tiered(local: Any, url: str | os.PathLike, name: str, fingerprint: str | Non
         raise
     if isinstance(local, TieredStore):
         local.behind.insert(0, tier)
+        local.allow_pickle = allow_pickle
         return local
-    return TieredStore(local, [tier])
+    return TieredStore(local, [tier], allow_pickle=allow_pickle)
 
 
 def snapshot_tier(store: Any) -> SnapshotTier | None:
