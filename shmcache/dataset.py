@@ -3,7 +3,7 @@
 It binds one named cache of a session (``store.CacheStore``) and adds what PyTorch users need:
 wrapping map-style and iterable datasets, batches collated like ``default_collate`` (gathered
 straight into caller buffers such as pinned memory), warm-up with a progress bar, and tensors as a
-first-class sample type (registered with the codec here, so the layers below never import torch).
+first-class sample type (shmcache._torch, which the codec loads lazily where a process meets a tensor).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 from torch.utils.data._utils.collate import default_collate_fn_map
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
-from . import _pil, codec  # noqa: F401  (_pil registers PIL images with the codec, lazily)
+from . import _torch, codec
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
 from .errors import (
     CacheMismatch,
@@ -42,41 +42,9 @@ from .store import MISSING, CacheStore, UncachedStore
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
+_torch.register()  # torch is imported here anyway: tensors are encoded without a lookup
+
 _MAX_SIZE_MB = 1 << 26  # 64 TiB: anything larger is a unit mistake (bytes given as MiB)
-
-
-# --- tensors in the codec -------------------------------------------------------------------------
-
-
-def _tensor_to_parts(t: torch.Tensor):
-    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
-        return None  # pickled instead
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
-    if not t.numel():
-        return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), np.empty(0, np.uint8)
-    flat = t.reshape(-1)
-    if flat.stride(0) != 1:  # one element: contiguous() keeps any stride, and view(uint8) needs 1
-        flat = flat.as_strided((1,), (1,))
-    raw = flat.view(torch.uint8).numpy()
-    return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), raw
-
-
-def _tensor_from_parts(meta: str, shape: tuple, raw: np.ndarray) -> torch.Tensor:
-    dtype = getattr(torch, meta.split(":", 1)[0])
-    if raw.size == 0:
-        return torch.empty(shape, dtype=dtype)
-    # A read-only buffer is a zero-copy read (copy=False) of shared memory. torch has no read-only
-    # tensors, and one in-place op on a view would change the cache for every process: tensors
-    # are always copied (numpy arrays stay zero-copy, read-only).
-    flat = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
-    return flat.view(dtype).reshape(shape)
-
-
-codec.register_type(torch.Tensor, "torch", _tensor_to_parts, _tensor_from_parts)
-codec.register_type(torch.nn.Parameter, "torch", _tensor_to_parts, _tensor_from_parts)
 
 
 # --- arguments ------------------------------------------------------------------------------------
