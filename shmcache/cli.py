@@ -36,7 +36,7 @@ import pwd
 import sys
 import time
 
-from .config import ENV_SPILL_DIR, memory_limits, namespace
+from .config import ENV_SPILL_DIR, memory_limits, namespace, resolve_session_name
 from .errors import CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
 from .registry import SessionRegistry
 
@@ -104,6 +104,7 @@ def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
         try:
             _attach_spill(store)
             st = store.stats()
+            st["label"] = store.read_meta().get("label")  # wrap(label=), else the dataset's repr
         finally:
             store.close()
         counts = read_counts(counts_path(registry, session, name))
@@ -137,7 +138,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         where = f"session {args.session!r}" if args.session else f"any session in {registry.ns.root}"
         print(f"no caches in {where}")
         return 0
-    headers = ["session", "cache", "items mem", "items disk", "bytes mem", "bytes disk",
+    headers = ["session", "cache", "dataset", "items mem", "items disk", "bytes mem", "bytes disk",
                "avg item", "hits", "misses", "rejected"]
     remote = any("remote" in st for st in rows)
     if remote:  # the remote tier's columns, only when a cache has one (NOTE [tier counts])
@@ -148,9 +149,10 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
     table = []
     for st in rows:
         if "error" in st:
-            table.append([st["session"], st["name"], "error: " + st["error"][:60]] + [""] * (len(headers) - 3))
+            table.append([st["session"], st["name"], "", "error: " + st["error"][:60]] + [""] * (len(headers) - 4))
             continue
-        table.append([st["session"], st["name"], str(st["items_mem"]), str(st["items_disk"]),
+        label = st.get("label") or "-"
+        table.append([st["session"], st["name"], label if len(label) <= 40 else label[:37] + "...", str(st["items_mem"]), str(st["items_disk"]),
                       _size(st["bytes_mem"]), _size(st["bytes_disk"]), _size(st["avg_item_bytes"]),
                       str(st["hits"]), str(st["misses"]), str(st["rejected"])])
         if remote:
@@ -160,7 +162,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         if snapshot:
             table[-1] += ([str(st["snapshot_hits"]), str(st["snapshot_misses"]), _size(st["snapshot_bytes_read"]),
                            str(st["snapshot_errors"] + st["snapshot_corrupt"])] if "snapshot" in st else ["-"] * 4)
-    print(_table(headers, table, right=set(range(2, len(headers)))))
+    print(_table(headers, table, right=set(range(3, len(headers)))))
     return 0
 
 
@@ -347,6 +349,12 @@ def cmd_export(args, registry: SessionRegistry) -> int:
 def cmd_import(args, registry: SessionRegistry) -> int:
     from .snapshot.load import import_snapshot
 
+    if args.spilling and not args.spill_dir and not os.environ.get(ENV_SPILL_DIR):
+        session = resolve_session_name(args.session)
+        if not (registry.exists(session) and registry.get(session).spill_dir):
+            raise InvalidArgument(f"--spilling needs a spill directory: add --spill-dir DIR (an existing "
+                                  f"directory), set ${ENV_SPILL_DIR}, or give session {session!r} one "
+                                  f"(`shmcache new {session} --spill-dir DIR`)")
     report = import_snapshot(args.src, session=args.session, name=args.name, size_mb=args.size,
                              spilling=args.spilling, spill_dir=args.spill_dir, force=args.force,
                              threads=args.threads)
