@@ -197,7 +197,7 @@ def _probe_writable(p: Path) -> None:
         if fs in _VIRTUAL_FS:
             what = f"is on {fs}, a filesystem of the kernel that holds no files of ours"
         elif exc.errno == errno.EROFS:
-            what = f"is on a read-only filesystem ({fs or 'unknown type'})"
+            what = f"is not writable: it is on a read-only filesystem ({fs or 'of unknown type'})"
         elif exc.errno in (errno.EACCES, errno.EPERM):
             raise SpillError(
                 f"spill_dir {p} is not writable: {exc.strerror}; fix its permissions (chmod u+rwx), or "
