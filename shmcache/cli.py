@@ -2,7 +2,8 @@
 
 Commands::
 
-    shmcache stat [SESSION] [--json]     one row per cache: items and bytes in memory and on disk,
+    shmcache stat [SESSION] [--json]     one row per cache: its dataset (wrap(label=), else its
+                                         repr), items and bytes in memory and on disk,
                                          average item size, hits, misses; a snapshot read
                                          through (snapshot=): its hits, misses, bytes, errors
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
@@ -369,7 +370,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shmcache", description="Inspect and manage shmcache sessions and caches.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            help="what to do; `shmcache COMMAND -h` for its arguments")
-    s = sub.add_parser("stat", help="one row per cache (items, bytes, hits, misses)")
+    s = sub.add_parser("stat", help="one row per cache (its dataset, items, bytes, hits, misses)")
     s.add_argument("session", nargs="?", help="only this session")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_stat)
