@@ -461,7 +461,7 @@ def _compile_flat(node: tuple, private: bool) -> Callable | None:
     return consts["decode"]
 
 
-def _compile(node: tuple, private: bool = False) -> Callable:
+def _compile(node: tuple, private: bool = False, check: bool = False) -> Callable:
     """Turn a layout node into a closure ``fn(buf) -> value``.
 
     ``buf`` is the record as a buffer: a private bytearray (values come out writable and owned) or
@@ -510,14 +510,15 @@ def _compile(node: tuple, private: bool = False) -> Callable:
         return lambda buf: np.frombuffer(buf, dtype, 1, off)[0]
     if tag == _EXT:
         ext, meta, shape, off = node[1], node[2], node[3], node[4]
-        from_parts = _handler(ext)
+        # check: a handler not loaded is not loaded for it; the leaf's bytes are still located
+        from_parts = (_EXT_FROM.get(ext) or _located) if check else _handler(ext)
         n = _ext_nbytes(meta, shape)
         if private and n:
             ndarray, u8, flat = np.ndarray, np.dtype(np.uint8), (n,)
             return lambda buf: from_parts(meta, shape, ndarray(flat, u8, buf, off))
         return lambda buf: from_parts(meta, shape, np.frombuffer(buf, np.uint8, n, off))
     if tag in (_TUPLE, _LIST):
-        parts = [_compile(c, private) for c in node[1]]
+        parts = [_compile(c, private, check) for c in node[1]]
         if len(parts) == 2:  # the common (sample, label) pair, without a comprehension
             a, b = parts
             if tag == _TUPLE:
@@ -527,7 +528,7 @@ def _compile(node: tuple, private: bool = False) -> Callable:
             return lambda buf: tuple([p(buf) for p in parts])
         return lambda buf: [p(buf) for p in parts]
     if tag == _DICT:
-        items = [(k, _compile(c, private)) for k, c in node[1]]
+        items = [(k, _compile(c, private, check)) for k, c in node[1]]
         return lambda buf: {k: p(buf) for k, p in items}
     raise EncodeError(f"unknown layout tag {tag!r}: the cache was written by another shmcache version")
 
@@ -535,6 +536,18 @@ def _compile(node: tuple, private: bool = False) -> Callable:
 def _ext_nbytes(meta: str, shape: tuple) -> int:
     itemsize = int(meta.rsplit(":", 1)[1])  # extension meta strings end with ":<itemsize>"
     return int(np.prod(shape, dtype=np.int64)) * itemsize
+
+
+def _located(meta: str, shape: tuple, raw: np.ndarray) -> None:
+    return None
+
+
+def check(record: Any, layout: bytes) -> None:
+    """Decode ``record`` by ``layout`` to check that they fit (the error numpy, struct, pickle or
+    utf-8 raise when not), without loading a handler: an extension leaf whose handler this process
+    has not loaded is only located within the record (an import of a snapshot of tensors checks
+    its records without importing torch)."""
+    _compile(marshal.loads(layout), False, True)(record)
 
 
 def decode(record: Any, layout: bytes) -> Any:

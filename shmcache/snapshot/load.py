@@ -34,7 +34,7 @@ from ..config import namespace, resolve_session_name
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..registry import write_json
 from ..spill import format as records
-from ..tiers import decode_portable, key_of_portable
+from ..tiers import key_of_portable
 from . import format as fmt
 from .export import progress_bar
 from .location import Location, open_location
@@ -305,7 +305,7 @@ class _Job:
         if layout in self.layouts:
             return True
         try:
-            decode_portable(bytearray(payload))
+            codec.check(bytearray(payload), layout)  # no handler loaded for it: no torch for tensors
         except Exception:  # noqa: BLE001 - any failure to decode is a damaged record
             return False
         self.layouts.add(layout)

@@ -151,16 +151,18 @@ def test_gc_keeps_a_cache_whose_handler_no_process_has_loaded(tmp_path):
 
 def test_export_then_import_a_cache_of_tensors_with_no_import(tensor_cache, tmp_path):
     dest = tmp_path / "snap"
-    rc, out, err, _ = shmcache("export", "default", str(dest))
+    rc, out, err, torch_imported = shmcache("export", "default", str(dest))
     assert rc == 0, err
     assert "300" in out, out
+    assert not torch_imported  # records are copied as they are: no tensor is built
     assert (dest / "manifest.json").exists()
     # as on another machine: the session is gone, the snapshot fills a new one
     rc, out, err, _ = shmcache("destroy", "default")
     assert rc == 0, err
-    rc, out, err, _ = shmcache("import", str(dest))
+    rc, out, err, torch_imported = shmcache("import", str(dest))
     assert rc == 0, err + out
     assert "imported 300 of 300" in out, out
+    assert not torch_imported  # records are checked, not turned into tensors
     rc, out, err, torch_imported = shmcache("stat", "--json")
     assert rc == 0, err
     [row] = json.loads(out)

@@ -530,3 +530,21 @@ def test_the_tensor_handler_loads_in_a_process_that_never_imported_torch():
             "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_check_locates_a_tensor_leaf_without_loading_torch():
+    """An import checks a snapshot's records by decoding them; a tensor leaf is only located
+    within its record when torch is not loaded, and a record too short for it still fails."""
+    code = ("import sys, marshal\n"
+            "from shmcache import codec\n"
+            "layout = marshal.dumps(('T', (('e', 'torch', 'float32:4', (2,), 64), ('i', 16))), 4)\n"
+            "codec.check(bytearray(72), layout)\n"
+            "try:\n"
+            "    codec.check(bytearray(70), layout)\n"
+            "    print('short record passed')\n"
+            "except ValueError:\n"
+            "    pass\n"
+            "assert 'torch' not in sys.modules, 'check() imported torch'\n"
+            "print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-2000:]
