@@ -6,8 +6,8 @@ in the leaf's meta, and rebuilt with ``Image.frombytes``: equal pixel for pixel,
 Palette images (modes P and PA) are pickled: their pixels mean nothing without the palette. The
 image's ``info`` (EXIF, ICC profile, DPI) is not kept.
 
-Pillow is optional: the handler registers lazily, the first time the codec meets a type from the
-``PIL`` package (encoding) or a record that holds one (decoding), so nothing imports PIL here.
+Pillow is optional: the codec names this module and loads it lazily, the first time it meets a type
+from the ``PIL`` package (encoding) or a record that holds one (decoding), in any process.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from . import codec
 
-__all__ = ["TAG", "MODES"]
+__all__ = ["TAG", "MODES", "register"]
 
 TAG = "pil"
 # Modes whose raw bytes (tobytes/frombytes) round-trip exactly; tests/unit/test_codec.py tries each.
@@ -46,10 +46,8 @@ def _from_parts(meta: str, shape: tuple, raw: np.ndarray) -> Any:
     return Image.frombytes(mode, (width, height), raw.tobytes())  # a copy: never a view of the cache
 
 
-def _register() -> None:
+def register() -> None:
+    """Register PIL images with the codec; the codec's lazy loader calls it (it names this module)."""
     from PIL import Image
 
     codec.register_type(Image.Image, TAG, _to_parts, _from_parts, subclasses=True)
-
-
-codec.register_lazy(TAG, "PIL", _register)

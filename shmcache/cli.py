@@ -2,7 +2,8 @@
 
 Commands::
 
-    shmcache stat [SESSION] [--json]     one row per cache: items and bytes in memory and on disk,
+    shmcache stat [SESSION] [--json]     one row per cache: its dataset (wrap(label=), else its
+                                         repr), items and bytes in memory and on disk,
                                          average item size, hits, misses; a snapshot read
                                          through (snapshot=): its hits, misses, bytes, errors
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
@@ -37,7 +38,7 @@ import pwd
 import sys
 import time
 
-from .config import ENV_SPILL_DIR, memory_limits, namespace
+from .config import ENV_SPILL_DIR, memory_limits, namespace, resolve_session_name
 from .errors import CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
 from .registry import SessionRegistry
 
@@ -105,6 +106,7 @@ def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
         try:
             _attach_spill(store)
             st = store.stats()
+            st["label"] = store.read_meta().get("label")  # wrap(label=), else the dataset's repr
         finally:
             store.close()
         counts = read_counts(counts_path(registry, session, name))
@@ -138,7 +140,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         where = f"session {args.session!r}" if args.session else f"any session in {registry.ns.root}"
         print(f"no caches in {where}")
         return 0
-    headers = ["session", "cache", "items mem", "items disk", "bytes mem", "bytes disk",
+    headers = ["session", "cache", "dataset", "items mem", "items disk", "bytes mem", "bytes disk",
                "avg item", "hits", "misses", "rejected"]
     remote = any("remote" in st for st in rows)
     if remote:  # the remote tier's columns, only when a cache has one (NOTE [tier counts])
@@ -149,9 +151,11 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
     table = []
     for st in rows:
         if "error" in st:
-            table.append([st["session"], st["name"], "error: " + st["error"][:60]] + [""] * (len(headers) - 3))
+            table.append([st["session"], st["name"], "", "error: " + st["error"][:60]] + [""] * (len(headers) - 4))
             continue
-        table.append([st["session"], st["name"], str(st["items_mem"]), str(st["items_disk"]),
+        label = st.get("label") or "-"
+        label = label if len(label) <= 40 else label[:37] + "..."
+        table.append([st["session"], st["name"], label, str(st["items_mem"]), str(st["items_disk"]),
                       _size(st["bytes_mem"]), _size(st["bytes_disk"]), _size(st["avg_item_bytes"]),
                       str(st["hits"]), str(st["misses"]), str(st["rejected"])])
         if remote:
@@ -162,7 +166,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
             table[-1] += ([str(st["snapshot_hits"]), str(st["snapshot_misses"]), _size(st["snapshot_bytes_read"]),
                            str(st["snapshot_errors"] + st["snapshot_corrupt"]), str(st["snapshot_forged"])]
                           if "snapshot" in st else ["-"] * 5)
-    print(_table(headers, table, right=set(range(2, len(headers)))))
+    print(_table(headers, table, right=set(range(3, len(headers)))))
     return 0
 
 
@@ -353,6 +357,12 @@ def cmd_export(args, registry: SessionRegistry) -> int:
 def cmd_import(args, registry: SessionRegistry) -> int:
     from .snapshot.load import import_snapshot
 
+    if args.spilling and not args.spill_dir and not os.environ.get(ENV_SPILL_DIR):
+        session = resolve_session_name(args.session)
+        if not (registry.exists(session) and registry.get(session).spill_dir):
+            raise InvalidArgument(f"--spilling needs a spill directory: add --spill-dir DIR (an existing "
+                                  f"directory), set ${ENV_SPILL_DIR}, or give session {session!r} one "
+                                  f"(`shmcache new {session} --spill-dir DIR`)")
     report = import_snapshot(args.src, session=args.session, name=args.name, size_mb=args.size,
                              spilling=args.spilling, spill_dir=args.spill_dir, force=args.force,
                              threads=args.threads, allow_pickle=args.allow_pickle,
@@ -368,7 +378,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shmcache", description="Inspect and manage shmcache sessions and caches.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            help="what to do; `shmcache COMMAND -h` for its arguments")
-    s = sub.add_parser("stat", help="one row per cache (items, bytes, hits, misses)")
+    s = sub.add_parser("stat", help="one row per cache (its dataset, items, bytes, hits, misses)")
     s.add_argument("session", nargs="?", help="only this session")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_stat)

@@ -26,8 +26,9 @@ NOTE [record format]
     too, wherever the layout came from), and reports pickled leaves (NOTE [record
     authentication] in trust.py decides who may unpickle them).
 
-Torch tensors are a registered extension (see :func:`register_type`), so this module never imports
-torch: the torch layer registers the tensor handler when it is imported.
+Torch tensors and PIL images are registered extensions (see :func:`register_type`), so this module
+never imports torch: their handlers (shmcache._torch, shmcache._pil) load lazily, the first time a
+process encodes such a value or decodes a record that holds one - and only then.
 """
 
 from __future__ import annotations
@@ -88,10 +89,44 @@ def register_lazy(tag: str, package: str, loader: Callable[[], None]) -> None:
     _LAZY_MODULES[package] = tag
 
 
+def _builtin(module: str) -> Callable[[], None]:
+    def load() -> None:
+        import importlib
+
+        importlib.import_module(module).register()
+    return load
+
+
+# The handlers of the torch layer, named here (not imported: they live above this layer) so that
+# any process that meets one of their records - the command line, an import, a DataLoader worker
+# that never imported torch itself - loads it then, and only then (issue 17).
+for _tag, _package, _module in (("torch", "torch", "shmcache._torch"), ("pil", "PIL", "shmcache._pil")):
+    register_lazy(_tag, _package, _builtin(_module))
+
+
 def _load(tag: str) -> None:
-    loader = _LAZY.pop(tag, None)
-    if loader is not None:
+    loader = _LAZY.get(tag)
+    if loader is None:
+        return
+    try:
         loader()
+    except ImportError as exc:
+        raise EncodeError(f"a cached value holds a {tag!r} object, but its handler cannot be loaded "
+                          f"here ({exc}); install what it needs in this environment") from None
+    _LAZY.pop(tag, None)
+
+
+def _handler(tag: str) -> Callable:
+    """The ``from_parts`` of ``tag``, loading a lazily registered handler first."""
+    from_parts = _EXT_FROM.get(tag)
+    if from_parts is None:
+        _load(tag)
+        from_parts = _EXT_FROM.get(tag)
+        if from_parts is None:
+            raise EncodeError(f"a cached value holds a {tag!r} object, but no handler of that type is "
+                              f"registered in this process; import the module that registers it "
+                              f"(shmcache.codec.register_type or register_lazy) before reading")
+    return from_parts
 
 
 def _unregistered(tp: type) -> tuple[str, Callable] | None:
@@ -311,6 +346,9 @@ def decoder_for(layout: bytes, private: bool = False) -> Callable[[Any], Any]:
     fn = _DECODERS.get((layout, private))
     if fn is None:
         node = marshal.loads(layout)
+        tags = _ext_tags(node)
+        if any(tag not in _EXT_FROM for tag in tags):
+            return _deferred(layout, private, tags)
         fn = _compile_flat(node, private) or _compile(node, private)
         if len(_DECODERS) >= MAX_DECODERS:
             try:
@@ -319,6 +357,34 @@ def decoder_for(layout: bytes, private: bool = False) -> Callable[[Any], Any]:
                 pass
         _DECODERS[(layout, private)] = fn
     return fn
+
+
+def _ext_tags(node: tuple) -> set[str]:
+    """The extension tags a layout names (its structure only: no handler is needed)."""
+    tag = node[0]
+    if tag == _EXT:
+        return {node[1]}
+    if tag in (_TUPLE, _LIST):
+        return set().union(*(_ext_tags(c) for c in node[1]))
+    if tag == _DICT:
+        return set().union(*(_ext_tags(c) for _, c in node[1]))
+    return set()
+
+
+def _deferred(layout: bytes, private: bool, tags: set[str]) -> Callable[[Any], Any]:
+    """The decoder of a layout whose handlers this process has not loaded: they load on its first
+    decode, not before. Checking, exporting or importing a cache needs its layouts, never its
+    handlers: gc, stat and export of a cache of tensors never import torch (issue 17)."""
+    fn = None
+
+    def decode(buf):
+        nonlocal fn
+        if fn is None:
+            for tag in tags:
+                _handler(tag)  # loads it, or raises naming what is missing
+            fn = decoder_for(layout, private)
+        return fn(buf)
+    return decode
 
 
 def cached_decoders() -> int:
@@ -375,13 +441,7 @@ def _compile_flat(node: tuple, private: bool) -> Callable | None:
         if tag == _NPSCALAR:
             return f"_fb(buf, {const(_plain_dtype(n[1]))}, 1, {int(n[3])})[0]"
         if tag == _EXT:
-            from_parts = _EXT_FROM.get(n[1])
-            if from_parts is None and n[1] in _LAZY:
-                _load(n[1])
-                from_parts = _EXT_FROM.get(n[1])
-            if from_parts is None:
-                raise EncodeError(f"a cached value holds a {n[1]!r} object but its handler is not "
-                                  f"loaded; import shmcache.dataset (it registers torch tensors)")
+            from_parts = _handler(n[1])
             size = _ext_nbytes(n[2], n[3])
             off = int(n[4])
             raw = f"_nd(({size},), _u8, buf, {off})" if private and size else f"_fb(buf, _u8, {size}, {off})"
@@ -409,7 +469,7 @@ def _compile_flat(node: tuple, private: bool) -> Callable | None:
     return consts["decode"]
 
 
-def _compile(node: tuple, private: bool = False) -> Callable:
+def _compile(node: tuple, private: bool = False, check: bool = False) -> Callable:
     """Turn a layout node into a closure ``fn(buf) -> value``.
 
     ``buf`` is the record as a buffer: a private bytearray (values come out writable and owned) or
@@ -458,20 +518,15 @@ def _compile(node: tuple, private: bool = False) -> Callable:
         return lambda buf: np.frombuffer(buf, dtype, 1, off)[0]
     if tag == _EXT:
         ext, meta, shape, off = node[1], node[2], node[3], node[4]
-        from_parts = _EXT_FROM.get(ext)
-        if from_parts is None and ext in _LAZY:
-            _load(ext)
-            from_parts = _EXT_FROM.get(ext)
-        if from_parts is None:
-            raise EncodeError(f"a cached value holds a {ext!r} object but its handler is not loaded; "
-                              f"import shmcache.dataset (it registers torch tensors)")
+        # check: a handler not loaded is not loaded for it; the leaf's bytes are still located
+        from_parts = (_EXT_FROM.get(ext) or _located) if check else _handler(ext)
         n = _ext_nbytes(meta, shape)
         if private and n:
             ndarray, u8, flat = np.ndarray, np.dtype(np.uint8), (n,)
             return lambda buf: from_parts(meta, shape, ndarray(flat, u8, buf, off))
         return lambda buf: from_parts(meta, shape, np.frombuffer(buf, np.uint8, n, off))
     if tag in (_TUPLE, _LIST):
-        parts = [_compile(c, private) for c in node[1]]
+        parts = [_compile(c, private, check) for c in node[1]]
         if len(parts) == 2:  # the common (sample, label) pair, without a comprehension
             a, b = parts
             if tag == _TUPLE:
@@ -481,7 +536,7 @@ def _compile(node: tuple, private: bool = False) -> Callable:
             return lambda buf: tuple([p(buf) for p in parts])
         return lambda buf: [p(buf) for p in parts]
     if tag == _DICT:
-        items = [(k, _compile(c, private)) for k, c in node[1]]
+        items = [(k, _compile(c, private, check)) for k, c in node[1]]
         return lambda buf: {k: p(buf) for k, p in items}
     raise EncodeError(f"unknown layout tag {tag!r}: the cache was written by another shmcache version")
 
@@ -596,6 +651,18 @@ def _ext_nbytes(meta: str, shape: tuple) -> int:
     return int(np.prod(shape, dtype=np.int64)) * itemsize
 
 
+def _located(meta: str, shape: tuple, raw: np.ndarray) -> None:
+    return None
+
+
+def check(record: Any, layout: bytes) -> None:
+    """Decode ``record`` by ``layout`` to check that they fit (the error numpy, struct, pickle or
+    utf-8 raise when not), without loading a handler: an extension leaf whose handler this process
+    has not loaded is only located within the record (an import of a snapshot of tensors checks
+    its records without importing torch)."""
+    _compile(marshal.loads(layout), False, True)(record)
+
+
 def decode(record: Any, layout: bytes) -> Any:
     """Decode one record (a buffer starting at the record header)."""
     return decoder_for(layout)(record)
@@ -646,9 +713,7 @@ def leaves(layout: bytes) -> tuple[tuple, list[Leaf]]:
 
 
 def ext_from_parts(tag: str) -> Callable:
-    if tag not in _EXT_FROM:
-        _load(tag)
-    return _EXT_FROM[tag]
+    return _handler(tag)
 
 
 def to_parts(x: Any) -> tuple | None:

@@ -3,12 +3,13 @@
 It binds one named cache of a session (``store.CacheStore``) and adds what PyTorch users need:
 wrapping map-style and iterable datasets, batches collated like ``default_collate`` (gathered
 straight into caller buffers such as pinned memory), warm-up with a progress bar, and tensors as a
-first-class sample type (registered with the codec here, so the layers below never import torch).
+first-class sample type (shmcache._torch, which the codec loads lazily where a process meets a tensor).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
 import secrets
@@ -24,7 +25,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 from torch.utils.data._utils.collate import default_collate_fn_map
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
-from . import _pil, codec  # noqa: F401  (_pil registers PIL images with the codec, lazily)
+from . import _torch, codec
 from .config import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
 from .errors import (
     CacheMismatch,
@@ -43,46 +44,56 @@ from .trust import resolve_secret
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
+_torch.register()  # torch is imported here anyway: tensors are encoded without a lookup
+
+log = logging.getLogger("shmcache")
 _MAX_SIZE_MB = 1 << 26  # 64 TiB: anything larger is a unit mistake (bytes given as MiB)
 
 
-# --- tensors in the codec -------------------------------------------------------------------------
-
-
-def _tensor_to_parts(t: torch.Tensor):
-    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
-        return None  # pickled instead
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
-    if not t.numel():
-        return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), np.empty(0, np.uint8)
-    flat = t.reshape(-1)
-    if flat.stride(0) != 1:  # one element: contiguous() keeps any stride, and view(uint8) needs 1
-        flat = flat.as_strided((1,), (1,))
-    raw = flat.view(torch.uint8).numpy()
-    return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), raw
-
-
-def _tensor_from_parts(meta: str, shape: tuple, raw: np.ndarray) -> torch.Tensor:
-    dtype = getattr(torch, meta.split(":", 1)[0], None)
-    if not isinstance(dtype, torch.dtype):  # a layout from a tier or snapshot names anything
-        raise ValueError(f"a tensor leaf names dtype {meta!r}, not a torch dtype")
-    if raw.size == 0:
-        return torch.empty(shape, dtype=dtype)
-    # A read-only buffer is a zero-copy read (copy=False) of shared memory. torch has no read-only
-    # tensors, and one in-place op on a view would change the cache for every process: tensors
-    # are always copied (numpy arrays stay zero-copy, read-only).
-    flat = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
-    return flat.view(dtype).reshape(shape)
-
-
-codec.register_type(torch.Tensor, "torch", _tensor_to_parts, _tensor_from_parts)
-codec.register_type(torch.nn.Parameter, "torch", _tensor_to_parts, _tensor_from_parts)
-
-
 # --- arguments ------------------------------------------------------------------------------------
+
+_SESSIONS_SAID: set[tuple[str, str]] = set()  # (namespace, session): a new session is logged once
+
+
+def _check_session(session: str, create: bool) -> None:
+    """A session that does not exist: an error with create=False, else said once in the log (a
+    misspelled ``session=`` would otherwise silently start an empty one)."""
+    from .registry import SessionRegistry
+
+    registry = SessionRegistry(namespace())
+    if registry.exists(session):
+        return
+    known = ", ".join(sorted(s.name for s in registry.list()))
+    if not create:
+        raise SessionNotFound(f"no session {session!r} in {registry.ns.root} (sessions there: {known or 'none'}) "
+                              f"and create=False; check the name, or create it (`shmcache new {session}`, "
+                              f"or create=True)")
+    if (str(registry.ns.root), session) in _SESSIONS_SAID:
+        return
+    _SESSIONS_SAID.add((str(registry.ns.root), session))
+    if known:
+        log.warning("session %r does not exist in %s: it is created now (sessions there: %s); if the "
+                    "name is misspelled, fix it - create=False makes a missing session an error",
+                    session, registry.ns.root, known)
+    else:
+        log.info("session %r does not exist in %s: it is created now", session, registry.ns.root)
+
+
+
+_LABEL_CHARS = 80
+
+
+def _label(dataset: Any, label: str | None) -> str:
+    """``label``, else a bounded ``repr`` of the dataset (its class where the repr is object's)."""
+    if label is None:
+        try:
+            label = repr(dataset)
+        except Exception:  # noqa: BLE001 - a repr that fails must not fail wrap()
+            label = ""
+        if not label or type(dataset).__repr__ is object.__repr__:
+            label = type(dataset).__qualname__
+    label = " ".join(label.split())  # one line in a table
+    return label if len(label) <= _LABEL_CHARS else label[:_LABEL_CHARS - 3] + "..."
 
 
 def _check_size(size: Any, what: str = "size") -> int:
@@ -164,6 +175,9 @@ class ShmDatasetCache:
             with it are read from the remote tier or a snapshot (NOTE [record authentication]).
         allow_pickle: read pickled objects from a remote tier or snapshot whose values are not
             authenticated by the secret (False: such a value is a miss, computed from the source).
+        create: a session that does not exist is created (True: logged once, naming the sessions
+            there are, as a misspelled name would create one) or is an error (False:
+            SessionNotFound, naming them).
     """
 
     def __init__(self, session: str = "auto", name: str | None = None, size: int = 0,
@@ -171,12 +185,15 @@ class ShmDatasetCache:
                  copy: bool = True, verify: float = 0.0, lock_timeout_s: float = 60.0,
                  remote: str | None = None, snapshot: str | os.PathLike | None = None,
                  snapshot_options: dict | None = None, secret: str | bytes | None = None,
-                 allow_pickle: bool = False):
+                 allow_pickle: bool = False, create: bool = True):
         self.session = resolve_session_name(session)
         self._secret = resolve_secret(secret)  # travels to DataLoader workers with the cache
         if not isinstance(allow_pickle, bool):
             raise InvalidArgument(f"allow_pickle must be True or False, got {allow_pickle!r}")
         self.allow_pickle = allow_pickle
+        if not isinstance(create, bool):
+            raise InvalidArgument(f"create must be True or False, got {create!r}")
+        _check_session(self.session, create)
         if name is not None:
             validate_name(name, "cache")
         size = _check_size(size)
@@ -296,13 +313,24 @@ class ShmDatasetCache:
 
     # --- wrapping datasets ----------------------------------------------------------------------
 
-    def wrap(self, dataset: Any, transform: Callable | None = None):
+    def wrap(self, dataset: Any, transform: Callable | None = None, *, label: str | None = None):
         """A dataset that reads through this cache: map-style or iterable, same items as ``dataset``.
-        ``dataset=None``: the cache alone (imported from a snapshot), with no source behind it."""
+        ``dataset=None``: the cache alone (imported from a snapshot), with no source behind it.
+        ``label``: what `shmcache stat` shows to tell this cache from others (default: the
+        dataset's ``repr``, cut to 80 characters; its class name where the repr is Python's own)."""
         if dataset is None:
             return self._wrap_without_source(transform)
         if transform is not None and not callable(transform):
             raise InvalidArgument(f"transform must be callable, got {type(transform).__name__}")
+        if label is not None and not isinstance(label, str):
+            raise InvalidArgument(f"label must be a str, got {type(label).__name__}")
+        wrapped = self._wrap(dataset, transform)
+        store = self._store
+        if store is not None and not store.uncached:
+            store.record_label(_label(dataset, label))
+        return wrapped
+
+    def _wrap(self, dataset: Any, transform: Callable | None):
         if isinstance(dataset, IterableDataset) or (not hasattr(dataset, "__getitem__")
                                                     and isinstance(dataset, Iterable)):
             return self._wrap_iterable(dataset, transform)
@@ -599,19 +627,23 @@ class ShmDatasetCache:
         order = np.concatenate([np.arange(start, n), np.arange(0, start)]).astype(np.int64)
         store, computed = self.store, 0
         bar = _progress(None, progress, desc or f"warmup {self.name}", n)
-        for lo in range(0, n, 4096):
-            chunk = order[lo:lo + 4096]
-            absent = store.absent_ints(chunk).tolist()
-            if absent and getattr(store, "behind", None):  # what another node computed: read it
-                absent = _not_behind(store, absent)
-            for i in absent:
-                if not store.contains(i):
-                    self._put(store, i, ds._compute(i))
-                    computed += 1
+        try:
+            for lo in range(0, n, 4096):
+                chunk = order[lo:lo + 4096]
+                absent = store.absent_ints(chunk).tolist()
+                if absent and getattr(store, "behind", None):  # what another node computed: read it
+                    absent = _not_behind(store, absent)
+                if bar is not None:
+                    bar.update(len(chunk) - len(absent))  # cached already: done
+                for i in absent:
+                    if not store.contains(i):
+                        self._put(store, i, ds._compute(i))
+                        computed += 1
+                    if bar is not None:
+                        bar.update(1)  # as each is stored (tqdm redraws at most 10 times a second)
+        finally:
             if bar is not None:
-                bar.update(len(chunk))
-        if bar is not None:
-            bar.close()
+                bar.close()  # on Ctrl-C too: the bar's last line is the count stored
         return computed
 
     def stats(self) -> dict:
@@ -755,6 +787,8 @@ class CachedDataset(Dataset):
             if isinstance(i, torch.Tensor) and i.numel() == 1 and not (
                     i.dtype == torch.bool or i.is_floating_point() or i.is_complex()):
                 i = int(i)
+            elif isinstance(i, np.ndarray) and i.ndim == 0 and i.dtype.kind in "iu":  # as cache.get takes it
+                i = int(i)
             else:
                 raise TypeError(f"dataset indices must be integers, not {type(i).__name__}")
         i = int(i)
@@ -796,7 +830,8 @@ class CachedDataset(Dataset):
 
     def __getitem__(self, i):
         if type(i) is not int or not 0 <= i < self._len:  # a plain index needs no more checks
-            if isinstance(i, (list, np.ndarray)) or (isinstance(i, torch.Tensor) and i.dim() == 1):
+            if isinstance(i, list) or (isinstance(i, np.ndarray) and i.ndim) or (
+                    isinstance(i, torch.Tensor) and i.dim() == 1):
                 # DataLoader(ds, sampler=BatchSampler(...), batch_size=None): a whole batch per
                 # call, collated by the vectorised path (the DataLoader then does no collation)
                 return self.get_batch(i)

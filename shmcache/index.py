@@ -22,6 +22,7 @@ the store compares to rule out collisions.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 
 import numpy as np
@@ -61,10 +62,22 @@ def key_bytes(key: object) -> tuple[int, bytes]:
         kb = b"s" + key.encode("utf-8", "surrogatepass")
     elif tp is bytes:
         kb = b"b" + key
+    elif _int_scalar(key) is not None:  # a 0-d integer tensor or array: the int it holds, as ds[i] takes it
+        return key_bytes(_int_scalar(key))
     else:
         raise InvalidKey(f"cache keys are int, str or bytes, not {tp.__name__} ({key!r}); convert "
                          f"it, e.g. str(key) or int(key)")
     return key_hash(kb), kb
+
+
+def _int_scalar(key: object) -> int | None:
+    """The int of a 0-d integer tensor or numpy array (duck-typed: no torch here), else None."""
+    if getattr(key, "ndim", None) != 0 or "bool" in str(getattr(key, "dtype", "bool")):
+        return None
+    try:
+        return operator.index(key)
+    except TypeError:  # a float or complex one
+        return None
 
 
 def key_hash(kb: bytes) -> int:

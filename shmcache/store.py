@@ -509,6 +509,17 @@ class CacheStore:
     def read_meta(self) -> dict:
         return self.registry.read_cache_meta(self.session, self.name)
 
+    def record_label(self, label: str) -> None:
+        """What a user recognises the cache by (wrap(label=), else the dataset's repr), kept in its
+        metadata for `shmcache stat`; rewritten under the lock only when it changes."""
+        if self.read_meta().get("label") == label:
+            return
+        with self.locked():
+            meta = self.read_meta()
+            if meta and meta.get("label") != label:
+                meta["label"] = label
+                write_json(self.meta_path, meta)
+
     def _check_fingerprint(self, fingerprint: str | None) -> None:
         if fingerprint is None:
             return

@@ -29,7 +29,7 @@ import zstandard
 
 from .._faults import ARMED as _CRASH_TESTS
 from .._faults import crash_point
-from ..config import resolve_session_name
+from ..config import namespace, resolve_session_name
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..registry import write_json
 from ..spill import format as records
@@ -123,6 +123,12 @@ def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str 
     loc, manifest = read_manifest(src, storage_options)
     key = resolve_secret(secret)
     fmt.authenticate(manifest, key, allow_unsigned, loc.where(fmt.MANIFEST))  # before a cache is made
+    if spilling:  # checked before the cache (and its session) is made: a refusal leaves nothing behind
+        from ..registry import SessionRegistry
+        from ..spill.tier import resolve_spill_dir
+
+        registry, name_s = SessionRegistry(namespace()), resolve_session_name(session)
+        spill_dir = resolve_spill_dir(spill_dir, registry.get(name_s).spill_dir if registry.exists(name_s) else None)
     store = CacheStore(resolve_session_name(session), name or manifest.name, capacity_bytes=size_mb << 20,
                        table_hint=manifest.items)
     try:

@@ -77,6 +77,8 @@ __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "cou
            "stats_keys", "check_options"]
 
 log = logging.getLogger("shmcache")
+_ADVICE = "copy the snapshot again, or export it again"
+_VERBS = ("is ", "has", "was", "can")  # a reason that reads on from the segment's path
 
 ENV_SNAPSHOT = "SHMCACHE_SNAPSHOT"
 OPTIONS = ("force", "storage_options", "timeout_s", "allow_unsigned")  # snapshot_options= of ShmDatasetCache
@@ -579,9 +581,12 @@ class SnapshotTier:
                 self._dead_fds.append(fd)
             if self._indexes.pop(seg.number, None) is not None:
                 self._merge()
-        self._log(f"seg{seg.number}", f"snapshot tier: segment {self.loc.where(seg.info.file)} {why}; its "
-                                      f"{seg.info.items} items are computed from the source from now on "
-                                      f"(copy the snapshot again, or export it again)")
+        where = self.loc.where(seg.info.file)
+        # the format's own errors name the file and give the advice: said once here, not twice
+        why = why.removeprefix(where).removeprefix(":").strip().removesuffix(_ADVICE).rstrip("; ")
+        self._log(f"seg{seg.number}", f"snapshot tier: segment {where}{' ' if why[:3] in _VERBS else ': '}{why}; "
+                                      f"its {seg.info.items} items are computed from the source from now on "
+                                      f"({_ADVICE})")
 
     def _log(self, condition: str, text: str) -> None:
         if condition not in self._logged:

@@ -18,6 +18,7 @@ recovery.py's (NOTE [spill records]).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -163,15 +164,49 @@ def _make_folder(path: str | os.PathLike) -> tuple[Path, tuple[int, int]]:
     return p, (st.st_dev, st.st_ino)
 
 
+# filesystems that are views of the kernel: a spill file there cannot be created (or means nothing)
+_VIRTUAL_FS = frozenset({"proc", "sysfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
+                         "configfs", "bpf", "pstore", "fusectl", "binfmt_misc", "efivarfs", "mqueue", "autofs",
+                         "nsfs", "rpc_pipefs"})
+
+
+def _filesystem(p: Path) -> str | None:
+    """The type of the filesystem ``p`` is on (the longest mount point above it), or None."""
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = str(p) == mount or str(p).startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        return None
+    return kind
+
+
 def _probe_writable(p: Path) -> None:
     probe = p / f".probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise SpillError(
-            f"spill_dir {p} is not writable: {exc.strerror}; fix its permissions (chmod u+rwx), or "
-            f"pass a writable spill_dir (or set $SHMCACHE_SPILL_DIR)"
-        ) from None
+        fs = _filesystem(p)
+        if fs in _VIRTUAL_FS:
+            what = f"is on {fs}, a filesystem of the kernel that holds no files of ours"
+        elif exc.errno == errno.EROFS:
+            what = f"is not writable: it is on a read-only filesystem ({fs or 'of unknown type'})"
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            raise SpillError(
+                f"spill_dir {p} is not writable: {exc.strerror}; fix its permissions (chmod u+rwx), or "
+                f"pass a writable spill_dir (or set $SHMCACHE_SPILL_DIR)"
+            ) from None
+        else:
+            what = f"cannot hold files: creating one there failed ({exc.strerror})"
+        raise SpillError(f"spill_dir {p} {what}; pass a directory on a writable disk as spill_dir "
+                         f"(or set $SHMCACHE_SPILL_DIR)") from None
     os.close(fd)
     os.unlink(probe)
 

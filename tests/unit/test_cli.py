@@ -49,12 +49,12 @@ def test_stat_table(capsys, populated):
     code, out, err = run(capsys, "stat")
     assert code == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0].split()[:3] == ["session", "cache", "items"]
+    assert lines[0].split()[:4] == ["session", "cache", "dataset", "items"]
     assert "hits" in lines[0] and "misses" in lines[0] and "rejected" in lines[0]
     rows = [ln.split() for ln in lines[2:]]
     assert len(rows) == 1
     row = rows[0]
-    assert row[:4] == ["train", "images", "3", "0"]
+    assert row[:5] == ["train", "images", "-", "3", "0"]  # "-": no dataset was wrapped
     assert row[-3:] == ["2", "1", "0"]  # hits, misses, rejected
 
 

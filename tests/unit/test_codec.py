@@ -487,3 +487,64 @@ def test_a_process_that_never_imported_pil_decodes_pil_records(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["Image", "RGB", "(7,", "5)", img.tobytes().hex()]
+
+
+# --- handlers load where a record needs them (issue 17) -------------------------------------------
+
+
+def test_a_layout_whose_handler_is_not_registered_compiles_and_fails_only_when_decoded():
+    """gc and export need a layout's structure, never its handler: the decoder of a layout that
+    names an unknown extension is made, and only decoding it raises, naming what is missing."""
+    class Point:
+        pass
+
+    codec.register_type(Point, "test-point", lambda p: ("p:1", (1,), np.zeros(1, np.uint8)),
+                        lambda meta, shape, raw: Point())
+    enc = codec.encode((Point(), 3))
+    buf = bytearray(enc.record_len(0, False))
+    enc.write(memoryview(buf), 0, b"")
+    del codec._EXT_FROM["test-point"], codec._EXT_TO[Point]
+    fn = codec.decoder_for(enc.layout)  # no handler: nothing raises yet
+    assert codec.leaves(enc.layout)[1][0].ext == "test-point"
+    with pytest.raises(EncodeError, match="'test-point'.*no handler"):
+        fn(buf)
+    codec.register_type(Point, "test-point", lambda p: None, lambda meta, shape, raw: "loaded")
+    try:
+        assert fn(buf) == ("loaded", 3)  # registered later: the same decoder now decodes
+    finally:
+        del codec._EXT_FROM["test-point"], codec._EXT_TO[Point]
+        codec.clear_decoders()
+
+
+def test_the_tensor_handler_loads_in_a_process_that_never_imported_torch():
+    code = ("import sys\n"
+            "from shmcache import codec\n"
+            "assert 'torch' not in sys.modules\n"
+            "import numpy as np\n"
+            "layout = __import__('marshal').dumps(('e', 'torch', 'float32:4', (2,), 64), 4)\n"
+            "fn = codec.decoder_for(layout)\n"
+            "assert 'torch' not in sys.modules, 'made a decoder: torch imported'\n"
+            "buf = bytearray(72); buf[64:72] = np.array([1.5, 2.5], np.float32).tobytes()\n"
+            "t = fn(buf)\n"
+            "assert type(t).__module__ == 'torch' and t.tolist() == [1.5, 2.5], t\n"
+            "print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_check_locates_a_tensor_leaf_without_loading_torch():
+    """An import checks a snapshot's records by decoding them; a tensor leaf is only located
+    within its record when torch is not loaded, and a record too short for it still fails."""
+    code = ("import sys, marshal\n"
+            "from shmcache import codec\n"
+            "layout = marshal.dumps(('T', (('e', 'torch', 'float32:4', (2,), 64), ('i', 16))), 4)\n"
+            "codec.check(bytearray(72), layout)\n"
+            "try:\n"
+            "    codec.check(bytearray(70), layout)\n"
+            "    print('short record passed')\n"
+            "except ValueError:\n"
+            "    pass\n"
+            "assert 'torch' not in sys.modules, 'check() imported torch'\n"
+            "print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-2000:]

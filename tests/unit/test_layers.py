@@ -43,7 +43,8 @@ RANK = {
     "snapshot.tier": 5.55,  # the read-through tier: a snapshot behind shared memory (no torch)
     "snapshot": 5.7,
     "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
-    "_pil": 5,  # torch layer: PIL images as a codec type (registered lazily)
+    "_pil": 5,  # torch layer: PIL images as a codec type (the codec loads it lazily, by name)
+    "_torch": 5,  # torch layer: tensors as a codec type (the codec loads it lazily, by name)
     "dataset": 6, "prefetch": 6, "sink": 7,
     "sampler": 6,  # torch layer: which indices each rank reads (knows nodes, not caches)
     "cli": 8, "launch.run": 8, "launch": 8.1,

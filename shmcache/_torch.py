@@ -1,0 +1,53 @@
+"""Torch tensors as a codec type: stored as their raw bytes, returned as tensors (no pickle).
+
+The codec names this module (it never imports it): a process that encodes a tensor, or decodes a
+record that holds one, loads it then - the command line, an import of a snapshot, a DataLoader
+worker - so no process imports torch unless a value needs it. ``shmcache.dataset`` registers it
+when it is imported.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import codec
+
+__all__ = ["TAG", "register"]
+
+TAG = "torch"
+
+
+def _tensor_to_parts(t: torch.Tensor):
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
+        return None  # pickled instead
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    if not t.numel():
+        return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), np.empty(0, np.uint8)
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:  # one element: contiguous() keeps any stride, and view(uint8) needs 1
+        flat = flat.as_strided((1,), (1,))
+    raw = flat.view(torch.uint8).numpy()
+    return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), raw
+
+
+def _tensor_from_parts(meta: str, shape: tuple, raw: np.ndarray) -> torch.Tensor:
+    dtype = getattr(torch, meta.split(":", 1)[0], None)
+    if not isinstance(dtype, torch.dtype):  # a layout from a tier or snapshot names anything
+        raise ValueError(f"a tensor leaf names dtype {meta!r}, not a torch dtype")
+    if raw.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    # A read-only buffer is a zero-copy read (copy=False) of shared memory. torch has no read-only
+    # tensors, and one in-place op on a view would change the cache for every process: tensors
+    # are always copied (numpy arrays stay zero-copy, read-only).
+    flat = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
+    return flat.view(dtype).reshape(shape)
+
+
+def register() -> None:
+    """Register tensors (and parameters) with the codec; the codec's lazy loader calls it."""
+    codec.register_type(torch.Tensor, TAG, _tensor_to_parts, _tensor_from_parts)
+    codec.register_type(torch.nn.Parameter, TAG, _tensor_to_parts, _tensor_from_parts)
