@@ -117,7 +117,7 @@ Examples::
     python -m shmcache.launch --nproc-per-node auto --session imagenet --size 65536 train.py
     python -m shmcache.launch --nproc 2 --spilling --spill-dir /scratch/spill -m mypkg.train
     python -m shmcache.launch --nproc 8 --session tmp --destroy-session train.py
-    export SHMCACHE_RDZV_TOKEN=...   # the same on every node (see --remote spawn)
+    export SHMCACHE_RDZV_TOKEN=... # the same on every node (see --remote spawn)
     python -m shmcache.launch --nnodes 4 --node-rank $NODE --master-addr node0 --master-port 29500 \\
         --nproc 8 --remote spawn:65536 train.py
 """
