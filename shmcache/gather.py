@@ -1,7 +1,8 @@
 """The vectorised batch gather: a batch of int keys that are all in memory with one layout and
-one size class is copied field by field, each field of the whole batch with one vectorised copy
-out of the class segment's strided view (chunk k at ``k x chunk size``), straight into ``out=``
-buffers when given (docs/design.md §4.3, §11).
+one size class is copied out of the class segment's chunks (chunk k at ``k x chunk size``) with
+``np.take(mode="clip")``, straight into ``out=`` buffers when given (docs/design.md §4.3, §11):
+small records whole through a per-thread scratch, then field by field; larger fields one take
+each, in units that divide both the chunk and the field.
 
 The store (``CacheStore.gather_ints``) maps the generation, checks the batch's entries as a
 reader checks one (NOTE [publish order], Damage) and counts the hits; this module finds the
