@@ -12,10 +12,10 @@ import torch
 
 from shmcache import ShmDatasetCache, gather
 
-# (image shape, keys): 3 KB records (scratch), 27 KB ones past SCRATCH_BYTES (units of 1 KB),
-# odd sizes whose unit is under MIN_UNIT (a fancy index below 16 KB, a row loop above)
-SHAPES = [((32, 32, 3), 256), ((96, 96, 3), 256), ((1001,), 300), ((5, 4099), 120)]
-IDS = ["3KB-scratch", "27KB-units", "odd-fancy", "odd-loop"]
+# (image shape, keys): 3 KB records (scratch), 12 KB ones past SCRATCH_BYTES (units of 256 bytes),
+# an odd size whose unit is under MIN_UNIT (a fancy index), fields past LOOP_BYTES (a row loop)
+SHAPES = [((32, 32, 3), 256), ((64, 64, 3), 256), ((1001,), 300), ((5, 4099), 120), ((96, 96, 3), 100)]
+IDS = ["3KB-scratch", "12KB-units", "odd-fancy", "odd-loop", "27KB-loop"]
 
 
 def _item(i: int, shape: tuple) -> tuple:
@@ -109,10 +109,11 @@ def test_threads_gathering_small_batches_at_once_each_get_their_own_items():
 
 
 def test_gather_rows_reads_only_the_field_of_each_row():
-    """gather_rows by units: rows of 4160 bytes, a field of 1024 at offset 64 (units of 64 bytes,
-    a fancy index) and of 4096 at 64 (units of 64 too), and rows of 8192 with a field of 2048
-    (units of 2048: one take)."""
-    for chunk, offset, nbytes in ((4160, 64, 1024), (4160, 64, 4096), (8192, 512, 2048), (8192, 8, 8)):
+    """gather_rows: rows of 4160 bytes with a field of 1024 or 4096 (units of 64 bytes: a fancy
+    index), rows of 8192 with a field of 2048 or 8 (one unit a row: one take), of 12544 with one of
+    12288 (48 units of 256 a row), of 20000 with one of 16384 at 3000 (a row loop)."""
+    for chunk, offset, nbytes in ((4160, 64, 1024), (4160, 64, 4096), (8192, 512, 2048), (8192, 8, 8),
+                                  (12544, 64, 12288), (20000, 3000, 16384)):
         rows = np.random.default_rng(chunk + offset).integers(0, 256, (40, chunk), dtype=np.uint8)
         chunks = np.array([39, 0, 17, 39, 5], np.intp)
         dst = np.zeros((len(chunks), nbytes), np.uint8)
