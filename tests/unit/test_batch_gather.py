@@ -119,3 +119,17 @@ def test_gather_rows_reads_only_the_field_of_each_row():
         dst = np.zeros((len(chunks), nbytes), np.uint8)
         gather.gather_rows(rows, offset, chunks, dst)
         assert np.array_equal(dst, rows[chunks, offset:offset + nbytes]), (chunk, offset, nbytes)
+
+
+def test_out_tensors_that_require_grad_are_filled_through_a_detached_view():
+    cache = ShmDatasetCache(session="gather", name="grad", size=16)
+    try:
+        for i in range(8):
+            cache.put(i, (np.full(5, i, np.float32), i))
+        out = (torch.zeros((8, 5), requires_grad=True), torch.zeros(8, dtype=torch.int64))
+        assert cache.get_batch(list(range(8))[::-1], out=out) is out
+        assert out[0][:, 0].tolist() == [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0] and out[0].requires_grad
+        with pytest.raises(Exception, match="CPU memory"):
+            cache.get_batch(list(range(8)), out=(torch.zeros((8, 5), device="meta"), out[1]))
+    finally:
+        cache.close()
