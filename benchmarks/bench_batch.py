@@ -160,10 +160,6 @@ def measure(label: str, n: int, shape: tuple, rounds: int) -> dict:
     return best
 
 
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sets, few rounds")
@@ -199,14 +195,14 @@ def main(argv=None) -> int:
         ("150 KB get_batch(out=) / np.take(out=, clip)", b["np.take(out=, mode=clip)"] / b["get_batch(out=)"], None),
         ("150 KB get_batch(out=) speed / get_batch speed", b["get_batch"] / b["get_batch(out=)"], 1.0),
         ("3 KB ds[i] time / arr[i].copy() time (lower is better)", s["ds[i]"] / s["arr[i].copy()"], -2.0),
-        ("3 KB PrefetchRing (CPU) / bare get_batch(out=) loop", s["bare get_batch(out=) loop"]
-         / s["PrefetchRing.from_cache (CPU)"], 0.8),
-        ("150 KB PrefetchRing (CPU) / bare get_batch(out=) loop", b["bare get_batch(out=) loop"]
-         / b["PrefetchRing.from_cache (CPU)"], 0.8),
-        ("3 KB PrefetchRing / bare loop, wall time", s["bare get_batch(out=) loop (wall)"]
-         / s["PrefetchRing.from_cache (CPU) (wall)"], None),
-        ("150 KB PrefetchRing / bare loop, wall time", b["bare get_batch(out=) loop (wall)"]
-         / b["PrefetchRing.from_cache (CPU) (wall)"], None),
+        ("3 KB PrefetchRing (CPU device) / bare get_batch(out=) loop, end to end (wall)",
+         s["bare get_batch(out=) loop (wall)"] / s["PrefetchRing.from_cache (CPU) (wall)"], 0.8),
+        ("150 KB PrefetchRing (CPU device) / bare get_batch(out=) loop, end to end (wall)",
+         b["bare get_batch(out=) loop (wall)"] / b["PrefetchRing.from_cache (CPU) (wall)"], 0.8),
+        ("3 KB PrefetchRing / bare loop, CPU time of both threads", s["bare get_batch(out=) loop"]
+         / s["PrefetchRing.from_cache (CPU)"], None),
+        ("150 KB PrefetchRing / bare loop, CPU time of both threads", b["bare get_batch(out=) loop"]
+         / b["PrefetchRing.from_cache (CPU)"], None),
         ("3 KB get_batch(out=) / np.take(out=, clip), wall time", s["np.take(out=, mode=clip) (wall)"]
          / s["get_batch(out=) (wall)"], None),
         ("150 KB get_batch(out=) / bulk copy, wall time", b["bulk copy (wall)"] / b["get_batch(out=) (wall)"], None),
