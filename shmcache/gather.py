@@ -209,6 +209,8 @@ def gather_rows(rows: np.ndarray, offset: int, chunks: np.ndarray, dst: np.ndarr
     piece by piece: one fancy-index copy through a temporary then."""
     n, nbytes = dst.shape
     chunk = rows.shape[1]
+    if not nbytes:  # an empty field: nothing to copy
+        return
     if nbytes >= LOOP_BYTES:
         column = rows[:, offset:offset + nbytes]
         for i, c in enumerate(chunks.tolist()):

@@ -133,3 +133,23 @@ def test_out_tensors_that_require_grad_are_filled_through_a_detached_view():
             cache.get_batch(list(range(8)), out=(torch.zeros((8, 5), device="meta"), out[1]))
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("scratch", [True, False], ids=["scratch", "per-field"])
+def test_empty_and_bfloat16_fields_gather_by_either_path(scratch, monkeypatch):
+    if not scratch:
+        monkeypatch.setattr(gather, "SCRATCH_BYTES", 0)
+    cache = ShmDatasetCache(session="gather", name="kinds", size=16)
+    try:
+        for i in range(6):
+            cache.put(i, {"empty": np.zeros((0, 3), np.float32), "bf": torch.full((4,), float(i), dtype=torch.bfloat16),
+                          "k": i})
+        got = cache.get_batch([5, 0, 3])
+        assert got["empty"].shape == (3, 0, 3) and got["bf"].dtype == torch.bfloat16
+        assert got["bf"][:, 0].tolist() == [5.0, 0.0, 3.0] and got["k"].tolist() == [5, 0, 3]
+        out = {"empty": torch.zeros((3, 0, 3)), "bf": torch.zeros((3, 4), dtype=torch.bfloat16),
+               "k": torch.zeros(3, dtype=torch.int64)}
+        assert cache.get_batch([1, 2, 4], out=out) is out
+        assert out["bf"][:, 3].tolist() == [1.0, 2.0, 4.0] and out["k"].tolist() == [1, 2, 4]
+    finally:
+        cache.close()
