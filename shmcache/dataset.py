@@ -1180,11 +1180,12 @@ def _out_leaves(leaves: list) -> tuple[list, list, list]:
     arrays, dtypes, shapes = [], [], []
     for t in leaves:
         if isinstance(t, torch.Tensor):
-            if t.device.type != "cpu":
+            if not t.is_cpu:  # is_cpu, requires_grad: attributes, a microsecond less a leaf than .device, .detach()
                 raise InvalidArgument(f"out= tensors must be in CPU memory (pinned is fine), got one on "
                                       f"{t.device}; gather on the host and copy, or use PrefetchRing")
-            arrays.append(t.detach().view(torch.uint8).numpy() if t.dtype == torch.bfloat16
-                          else t.detach().numpy())
+            if t.requires_grad:
+                t = t.detach()
+            arrays.append(t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy())
             dtypes.append(str(t.dtype).removeprefix("torch."))
             shapes.append(tuple(t.shape))
         elif isinstance(t, np.ndarray):
