@@ -69,7 +69,7 @@ from . import format as fmt
 from .location import FsspecLocation, LocalLocation, mask_url, open_location, scrub_secret
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
-           "stats_keys", "check_options"]
+           "stats_keys", "check_options", "manifest_of"]
 
 log = logging.getLogger("shmcache")
 
@@ -636,6 +636,21 @@ def tiered(local: Any, url: str | os.PathLike, name: str, fingerprint: str | Non
         local.behind.insert(0, tier)
         return local
     return TieredStore(local, [tier])
+
+
+def manifest_of(url: str | os.PathLike, options: dict | None = None) -> fmt.Manifest:
+    """The manifest of the snapshot at ``url``, read as the tier reads it (bounded by ``timeout_s``):
+    what ``wrap(None)`` of an unnamed cache takes its name, identity and length from. SnapshotError
+    if there is no snapshot there, or the store does not answer now."""
+    tier = SnapshotTier(url, **check_options(options))
+    try:
+        if tier.manifest is None:  # a fault of the store, logged by the tier
+            raise SnapshotError(f"snapshot={tier.url}: its manifest.json cannot be read now (the store does "
+                                f"not answer), and wrap(None) takes the cache's name and length from it; "
+                                f"try again, or give name= of a cache imported from it")
+        return tier.manifest
+    finally:
+        tier.close()
 
 
 def snapshot_tier(store: Any) -> SnapshotTier | None:
