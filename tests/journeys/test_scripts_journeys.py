@@ -179,6 +179,7 @@ def test_the_same_class_at_another_path_or_run_as_main_gets_the_same_identity(tm
     assert _run(["name_of.py"], edited, _env()).strip() not in names  # item 7 differs: not a probe
 
 
+@pytest.mark.timeout(300)  # two launcher runs of 2 processes each: ~25 s on 2 loaded cores
 def test_the_readme_quick_start_runs_and_its_second_run_is_warm(tmp_path):
     """The quick start's command (smaller: 64 photo crops), twice: the launcher, 2 processes, one
     cache; epoch 2 and the whole second run read it (no new misses)."""
