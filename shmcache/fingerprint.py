@@ -335,11 +335,18 @@ class _Digest:
             self._array(parts[2])
 
 
-@functools.lru_cache(maxsize=256)  # inspect.getsource parses the module: ~20 ms for torch's
 def _class_source_digest(tp: type) -> bytes:
     """A digest of the source text of ``tp`` and of its bases defined in the same module: not of
     its file's path, which differs from checkout to checkout. A class whose source cannot be read
     (defined by ``exec``) counts by its methods' code."""
+    try:
+        return _class_source_digest_cached(tp)
+    except TypeError:  # an unhashable class (a metaclass's __eq__ without __hash__)
+        return _class_source_digest_cached.__wrapped__(tp)
+
+
+@functools.lru_cache(maxsize=256)  # inspect.getsource parses the module: ~20 ms for torch's
+def _class_source_digest_cached(tp: type) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for cls in tp.__mro__:
         if cls is object or getattr(cls, "__module__", None) != tp.__module__:
@@ -348,7 +355,7 @@ def _class_source_digest(tp: type) -> bytes:
         try:
             h.update(inspect.getsource(cls).encode("utf-8", "surrogatepass"))
             continue
-        except (OSError, TypeError):  # no file to read it from
+        except Exception:  # noqa: BLE001 - no file to read it from (OSError), or one inspect cannot parse
             pass
         code = _Digest(h)
         for name in sorted(k for k in vars(cls) if isinstance(k, str)):
