@@ -34,6 +34,7 @@ from .errors import (
     ItemNotCached,
     SessionNotFound,
     SharedMemoryFull,
+    SnapshotError,
 )
 from .fingerprint import fingerprint, length_or_none
 from .remote import ENV_REMOTE
@@ -328,9 +329,9 @@ class ShmDatasetCache:
         if self._store is None and self.name is None:
             if self._snapshot is None:
                 raise InvalidArgument(
-                    f"wrap(None) serves a cache without its source, but this ShmDatasetCache in session "
-                    f"{self.session!r} names none: give name= of the cache (as `shmcache import` named "
-                    f"it), or snapshot=URL to serve a snapshot read through")
+                    f"wrap(None) serves a cache without its source dataset, but this ShmDatasetCache in "
+                    f"session {self.session!r} names none: give name= of the cache (as `shmcache import` "
+                    f"named it), or snapshot=URL to serve a snapshot read through")
             from .snapshot.tier import manifest_of
 
             manifest = manifest_of(*self._snapshot)
@@ -355,6 +356,13 @@ class ShmDatasetCache:
                 store.bind_fingerprint(manifest.fingerprint)  # this cache holds the snapshot's dataset
             meta = {**meta, "fingerprint": meta.get("fingerprint") or manifest.fingerprint}
         if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            if self._snapshot is not None and manifest is None:
+                from .snapshot.location import mask_url
+
+                raise SnapshotError(
+                    f"wrap(None) serves cache {self.session}/{self.name} at the length that the manifest "
+                    f"of snapshot={mask_url(self._snapshot[0])} records, but the manifest cannot be read "
+                    f"now (the store does not answer: see the log); try again when it answers")
             raise InvalidArgument(
                 f"wrap(None) serves cache {self.session}/{self.name} without its source, but the cache "
                 f"does not record the length of its dataset (it was not imported from a snapshot of a "
