@@ -1,7 +1,7 @@
 """The snapshot read-through tier: a snapshot read key by key behind a cache's shared memory.
 
     tier = SnapshotTier("s3://bucket/snap")            # reads the manifest, checks its version
-    tier.bind("PhotoCrops-280c5b1a4d5f", fingerprint)  # CacheMismatch: a snapshot of another dataset
+    tier.bind("PhotoCrops-179b5afeea4b", fingerprint)  # CacheMismatch: a snapshot of another dataset
     records = tier.get_many([portable_key(k) for k in keys])   # portable records, or None
 
 ``ShmDatasetCache(..., snapshot=URL)`` (or ``$SHMCACHE_SNAPSHOT``) puts one in front of every
