@@ -149,34 +149,36 @@ def test_a_snapshot_of_the_warmup_feeds_training_on_another_machine_with_the_cod
     assert got["snapshot_hits"] == 64 - 3  # all but wrap()'s probes, which it computed and stored
 
 
-_NAME_OF = textwrap.dedent('''\
+_NAMES_OF = textwrap.dedent('''\
+    """The cache name of Expensive imported from each copy of warm.py given (each as module warm)."""
+    import importlib.util
     import sys
-    from shmcache import ShmDatasetCache
-    from warm import Expensive
 
-    cache = ShmDatasetCache(session="ids")
-    cache.wrap(Expensive())
-    print(cache.name)
-    cache.close()
+    from shmcache import ShmDatasetCache
+
+    for path in sys.argv[1:]:
+        spec = importlib.util.spec_from_file_location("warm", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["warm"] = module
+        spec.loader.exec_module(module)
+        cache = ShmDatasetCache(session="ids")
+        cache.wrap(module.Expensive())
+        print(cache.name)
+        cache.close()
 ''')
 
 
 def test_the_same_class_at_another_path_or_run_as_main_gets_the_same_identity(tmp_path):
-    """Imported from two copies of the code at two paths, and defined in __main__ (`python
-    warm.py`): one name. Another __getitem__ is another dataset."""
-    names = set()
-    for where in (tmp_path / "one", tmp_path / "two" / "deeper"):
-        _code(where)
-        (where / "name_of.py").write_text(_NAME_OF)
-        names.add(_run(["name_of.py"], where, _env()).strip())
-    names.add(re.search(r"NAME (\S+)", _run(["warm.py"], tmp_path / "one", _env())).group(1))
-    assert len(names) == 1, names
-    edited = tmp_path / "edited"
-    _code(edited)
+    """Defined in __main__ (`python warm.py`), and imported from two copies of the code at two
+    paths: one name. Another __getitem__ (item 7 differs: not a probe) is another dataset."""
+    one, two, edited = _code(tmp_path / "one"), _code(tmp_path / "two" / "deeper"), _code(tmp_path / "edited")
     (edited / "warm.py").write_text(WARM.replace("Expensive.computed += 1",
                                                  "Expensive.computed += 1\n        i = i if i != 7 else 8"))
-    (edited / "name_of.py").write_text(_NAME_OF)
-    assert _run(["name_of.py"], edited, _env()).strip() not in names  # item 7 differs: not a probe
+    (tmp_path / "names_of.py").write_text(_NAMES_OF)
+    as_main = re.search(r"NAME (\S+)", _run(["warm.py"], one, _env())).group(1)
+    names = _run(["names_of.py", one / "warm.py", two / "warm.py", edited / "warm.py"], tmp_path, _env()).split()
+    assert names[0] == names[1] == as_main, (as_main, names)
+    assert names[2] != as_main
 
 
 @pytest.mark.timeout(300)  # two launcher runs of 2 processes each: ~25 s on 2 loaded cores
