@@ -346,9 +346,11 @@ class ShmDatasetCache:
             manifest = tier.manifest if tier is not None else None
         if manifest is not None and not (isinstance(length, int) and not isinstance(length, bool)):
             if manifest.length is None:
+                from .snapshot.location import mask_url
+
                 raise InvalidArgument(
                     f"wrap(None) serves a dataset of the snapshot's length, but the snapshot at "
-                    f"{self._snapshot[0]} holds get()/put() values (exported from "
+                    f"{mask_url(self._snapshot[0])} holds get()/put() values (exported from "
                     f"{manifest.session}/{manifest.name}, no wrapped dataset, no length): read them "
                     f"by key, cache.get(key) and cache.get_batch(keys)")
             length = manifest.length
