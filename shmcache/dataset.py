@@ -35,6 +35,7 @@ from .errors import (
     ItemNotCached,
     SessionNotFound,
     SharedMemoryFull,
+    SnapshotError,
 )
 from .fingerprint import fingerprint, length_or_none
 from .remote import ENV_REMOTE
@@ -361,22 +362,61 @@ class ShmDatasetCache:
 
     def _wrap_without_source(self, transform: Callable | None) -> CachedDataset:
         """``wrap(None)``: a map-style dataset of what the cache holds, as long as the dataset it
-        was made from (recorded by the snapshot import); an item not there is ItemNotCached."""
+        was made from (recorded by the snapshot import, or in the manifest of ``snapshot=``, which
+        also names an unnamed cache and gives it the snapshot's identity); an item in neither is
+        ItemNotCached."""
         if transform is not None:
             raise InvalidArgument("wrap(None, transform=...) has no source for the transform to apply "
                                   "to; the cache's items are served as stored: drop transform=")
+        manifest = None
+        if self._store is None and self.name is None:
+            if self._snapshot is None:
+                raise InvalidArgument(
+                    f"wrap(None) serves a cache without its source dataset, but this ShmDatasetCache in "
+                    f"session {self.session!r} names none: give name= of the cache (as `shmcache import` "
+                    f"named it), or snapshot=URL to serve a snapshot read through")
+            from .snapshot.tier import manifest_of
+
+            manifest = manifest_of(*self._snapshot)
+            self._open(manifest.name, manifest.fingerprint, manifest.length or manifest.items)
         store = self._ensure_open()
         meta = store.read_meta() if not store.uncached else {}
         length = meta.get("length")
+        if manifest is None and self._snapshot is not None:
+            from .snapshot.tier import snapshot_tier
+
+            tier = snapshot_tier(store)
+            manifest = tier.manifest if tier is not None else None
+        if manifest is not None and not (isinstance(length, int) and not isinstance(length, bool)):
+            if manifest.length is None:
+                from .snapshot.location import mask_url
+
+                raise InvalidArgument(
+                    f"wrap(None) serves a dataset of the snapshot's length, but the snapshot at "
+                    f"{mask_url(self._snapshot[0])} holds get()/put() values (exported from "
+                    f"{manifest.session}/{manifest.name}, no wrapped dataset, no length): read them "
+                    f"by key, cache.get(key) and cache.get_batch(keys)")
+            length = manifest.length
+            if self._fingerprint is None and manifest.fingerprint and meta.get("fingerprint") is None:
+                store.bind_fingerprint(manifest.fingerprint)  # this cache holds the snapshot's dataset
+            meta = {**meta, "fingerprint": meta.get("fingerprint") or manifest.fingerprint}
         if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            if self._snapshot is not None and manifest is None:
+                from .snapshot.location import mask_url
+
+                raise SnapshotError(
+                    f"wrap(None) serves cache {self.session}/{self.name} at the length that the manifest "
+                    f"of snapshot={mask_url(self._snapshot[0])} records, but the manifest cannot be read "
+                    f"now (the store does not answer: see the log); try again when it answers")
             raise InvalidArgument(
                 f"wrap(None) serves cache {self.session}/{self.name} without its source, but the cache "
                 f"does not record the length of its dataset (it was not imported from a snapshot of a "
                 f"wrapped map-style dataset); import one (ShmDatasetCache.from_snapshot, `shmcache "
-                f"import`), or wrap the dataset itself")
+                f"import`), pass snapshot=URL of one, or wrap the dataset itself")
         if self._fingerprint is None and meta.get("fingerprint"):
             self._tiers_learn(meta["fingerprint"])  # imported by another process since we opened it
             self._fingerprint = meta["fingerprint"]  # wrap(another dataset) later is refused
+        self._source_len = length  # export() records it
         return CachedDataset(self, _NoSource(self.session, self.name, length), None)
 
     @classmethod

@@ -5,7 +5,13 @@ NOTE [fingerprint]
     every process and every run. So the fingerprint hashes what defines the data and nothing that
     lives only in one process:
 
-    - the dataset's type and length;
+    - the dataset's type, by a name that is the same in every process and every checkout: the
+      last part of its module's name and its qualname (a script run as ``__main__`` counts as the
+      module it is imported as: the stem of its file), never a path; and the source text of its
+      class and of the bases defined in the same module (``inspect.getsource``; the methods' code
+      when there is no file to read), so an edit of ``__getitem__`` is another dataset, while a
+      copy of the code at another path, or on another machine, is the same one;
+    - its length;
     - its plain-data attributes (file lists, label arrays): numbers, str, bytes, arrays, tensors
       (any dtype) and lists, tuples, dicts and sets of them, hashed completely (an edit anywhere in
       a 1.28M-item list of paths changes the name): homogeneous runs of numbers, str and bytes in
@@ -26,6 +32,9 @@ NOTE [fingerprint]
     (``function_fingerprint``): a bound method counts its object, a closure the objects it closes
     over (``lambda k: self.dataset[k]`` counts ``self.dataset``'s attributes).
 
+    Functions and the types of objects count by the same path-free names (a transform defined in
+    the warm-up script is the same function when the training script imports it).
+
     It stays a heuristic: two datasets that differ only in state it skips, and agree on the probe
     samples, still look the same; so does data nested deeper than ``_MAX_DEPTH`` levels.
     ``verify=`` (recompute a share of the hits) catches that.
@@ -35,9 +44,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import marshal
 import operator
 import os
+import sys
 import types
 import zlib
 from collections.abc import Callable, Sequence
@@ -62,8 +73,9 @@ def fingerprint(dataset: Any, transform: Callable | None, samples: Sequence[code
     """A 16-hex-digit identity of ``dataset`` under ``transform``; see NOTE [fingerprint]."""
     h = hashlib.blake2b(digest_size=8)
     tp = type(dataset)
-    h.update(f"{tp.__module__}.{tp.__qualname__}|{length_or_none(dataset)}".encode())
+    h.update(f"{type_name(tp)}|{length_or_none(dataset)}".encode())
     digest = _Digest(h)
+    digest.class_source(tp)
     attrs = getattr(dataset, "__dict__", None)
     if isinstance(attrs, dict):
         digest.data({k: v for k, v in attrs.items()
@@ -88,6 +100,26 @@ def function_fingerprint(fn: Callable) -> str:
     h.update(b"get|")
     _Digest(h).function(fn)
     return h.hexdigest()
+
+
+def type_name(tp: type) -> str:
+    """A class's name as every process and every checkout sees it (NOTE [fingerprint]): the last
+    part of its module's name and its qualname. A class defined by a script run as ``__main__`` is
+    named after the module the script is imported as (the stem of its file; ``python -m pkg.mod``:
+    ``mod``), so the warm-up script and the training script that imports from it agree."""
+    return f"{_module_name(getattr(tp, '__module__', None))}.{getattr(tp, '__qualname__', tp.__name__)}"
+
+
+def _module_name(module: str | None) -> str:
+    module = module or ""
+    if module == "__main__":
+        main = sys.modules.get("__main__")
+        spec = getattr(main, "__spec__", None)
+        if spec is not None and getattr(spec, "name", None):
+            module = spec.name
+        elif isinstance(getattr(main, "__file__", None), str):
+            module = os.path.splitext(os.path.basename(main.__file__))[0]
+    return module.rpartition(".")[2]
 
 
 def _is_number(v: Any) -> bool:
@@ -214,7 +246,7 @@ class _Digest:
             self.function(fn.__func__, depth + 1)
             self._object(fn.__self__, depth + 1)
         elif isinstance(fn, types.FunctionType):
-            h.update(f"{fn.__module__}.{fn.__qualname__}".encode())
+            h.update(f"{_module_name(fn.__module__)}.{fn.__qualname__}".encode())
             self._code(fn.__code__)
             self.data(fn.__defaults__, depth + 1)
             self.data(fn.__kwdefaults__, depth + 1)
@@ -238,8 +270,7 @@ class _Digest:
     def _object(self, obj: Any, depth: int, data_only: bool = False) -> None:
         """Type and attributes of ``obj``: a callable's all of them, a data object's (a dataset
         inside a dataset) without private numbers, as for the dataset (NOTE [fingerprint])."""
-        tp = type(obj)
-        self.h.update(f"{tp.__module__}.{getattr(tp, '__qualname__', tp.__name__)}".encode())
+        self.h.update(type_name(type(obj)).encode())
         if isinstance(obj, (types.BuiltinFunctionType, type)):
             self.h.update(getattr(obj, "__qualname__", "").encode())
             return
@@ -262,6 +293,11 @@ class _Digest:
                 self.function(v, depth + 1)
             else:
                 self.data(v, depth + 1)
+
+    def class_source(self, tp: type) -> None:
+        """The source text of the dataset's class and of its bases defined in the same module
+        (NOTE [fingerprint])."""
+        self.h.update(_class_source_digest(tp))
 
     def _code(self, code: types.CodeType) -> None:
         self.h.update(code.co_code)
@@ -297,6 +333,40 @@ class _Digest:
             return
         if parts is not None:
             self._array(parts[2])
+
+
+def _class_source_digest(tp: type) -> bytes:
+    """A digest of the source text of ``tp`` and of its bases defined in the same module: not of
+    its file's path, which differs from checkout to checkout. A class whose source cannot be read
+    (defined by ``exec``) counts by its methods' code."""
+    try:
+        return _class_source_digest_cached(tp)
+    except TypeError:  # an unhashable class (a metaclass's __eq__ without __hash__)
+        return _class_source_digest_cached.__wrapped__(tp)
+
+
+@functools.lru_cache(maxsize=256)  # inspect.getsource parses the module: ~20 ms for torch's
+def _class_source_digest_cached(tp: type) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for cls in tp.__mro__:
+        if cls is object or getattr(cls, "__module__", None) != tp.__module__:
+            continue
+        h.update(f"|class {cls.__qualname__}".encode())
+        try:
+            h.update(inspect.getsource(cls).encode("utf-8", "surrogatepass"))
+            continue
+        except Exception:  # noqa: BLE001 - no file to read it from (OSError), or one inspect cannot parse
+            pass
+        code = _Digest(h)
+        for name in sorted(k for k in vars(cls) if isinstance(k, str)):
+            attr = vars(cls)[name]
+            fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+            if isinstance(fn, property):
+                fn = fn.fget
+            if isinstance(fn, types.FunctionType):
+                h.update(name.encode())
+                code._code(fn.__code__)
+    return h.digest()
 
 
 def _sorted_keys(d: dict) -> list:

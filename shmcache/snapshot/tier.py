@@ -1,7 +1,7 @@
 """The snapshot read-through tier: a snapshot read key by key behind a cache's shared memory.
 
     tier = SnapshotTier("s3://bucket/snap")            # reads the manifest, checks its version
-    tier.bind("PhotoCrops-280c5b1a4d5f", fingerprint)  # CacheMismatch: a snapshot of another dataset
+    tier.bind("PhotoCrops-179b5afeea4b", fingerprint)  # CacheMismatch: a snapshot of another dataset
     records = tier.get_many([portable_key(k) for k in keys])   # portable records, or None
 
 ``ShmDatasetCache(..., snapshot=URL)`` (or ``$SHMCACHE_SNAPSHOT``) puts one in front of every
@@ -74,7 +74,7 @@ from . import format as fmt
 from .location import FsspecLocation, LocalLocation, mask_url, open_location, scrub_secret
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
-           "stats_keys", "check_options"]
+           "stats_keys", "check_options", "manifest_of"]
 
 log = logging.getLogger("shmcache")
 _ADVICE = "copy the snapshot again, or export it again"
@@ -678,6 +678,21 @@ def tiered(local: Any, url: str | os.PathLike, name: str, fingerprint: str | Non
         local.allow_pickle = allow_pickle
         return local
     return TieredStore(local, [tier], allow_pickle=allow_pickle)
+
+
+def manifest_of(url: str | os.PathLike, options: dict | None = None) -> fmt.Manifest:
+    """The manifest of the snapshot at ``url``, read as the tier reads it (bounded by ``timeout_s``):
+    what ``wrap(None)`` of an unnamed cache takes its name, identity and length from. SnapshotError
+    if there is no snapshot there, or the store does not answer now."""
+    tier = SnapshotTier(url, **check_options(options))
+    try:
+        if tier.manifest is None:  # a fault of the store, logged by the tier
+            raise SnapshotError(f"snapshot={tier.url}: its manifest.json cannot be read now (the store does "
+                                f"not answer), and wrap(None) takes the cache's name and length from it; "
+                                f"try again, or give name= of a cache imported from it")
+        return tier.manifest
+    finally:
+        tier.close()
 
 
 def snapshot_tier(store: Any) -> SnapshotTier | None:

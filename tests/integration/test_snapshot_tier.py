@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from shmcache import ShmDatasetCache
 from shmcache.cli import main as cli
-from shmcache.errors import CacheMismatch, InvalidArgument, SnapshotError
+from shmcache.errors import CacheMismatch, InvalidArgument, ItemNotCached, SnapshotError
 from shmcache.snapshot import format as fmt
 from shmcache.snapshot.tier import SnapshotTier, snapshot_tier
 from shmcache.spill import format as records
@@ -182,6 +182,76 @@ def test_get_and_get_batch_read_through_a_named_cache(tmp_path):
     assert got.get(11, lambda k: "computed") == "computed"
     assert got.stats()["snapshot_hits"] == 11
     got.close()
+
+
+# --- wrap(None): the snapshot's own cache, with no import and no source (issue 17, item 3) ---------
+
+
+def test_wrap_none_serves_the_snapshot_named_and_sized_by_its_manifest(tmp_path):
+    """torch_xla's CachedDataset(None, path) without an import: the name, identity and length come
+    from manifest.json; items, get_batch and a DataLoader read through (it raised about get()/put())."""
+    url = tmp_path / "snap"
+    _export(url, n_cached=N)
+    manifest = json.loads((url / "manifest.json").read_text())
+    cache = ShmDatasetCache(session="dst", snapshot=url)
+    ds = cache.wrap(None)
+    assert cache.name == manifest["cache"]["name"] and len(ds) == N
+    assert cache.store.read_meta()["fingerprint"] == manifest["cache"]["fingerprint"]
+    assert all(_same(ds[i], _expected(i)) for i in range(0, N, 7))
+    x, y = cache.get_batch([1, 2, 3])
+    assert torch.equal(x, torch.stack([_expected(i)[0] for i in (1, 2, 3)])) and y.tolist() == [1, 2, 3]
+    seen = {}
+    for xb, yb in DataLoader(ds, batch_size=8, shuffle=True, num_workers=2):
+        seen.update(zip(yb.tolist(), xb))
+    assert len(seen) == N and all(torch.equal(seen[i], _expected(i)[0]) for i in range(N))
+    st = cache.stats()
+    assert st["snapshot_hits"] == N and st["items_mem"] == N and st["snapshot_errors"] == 0
+    with pytest.raises(InvalidArgument, match="another dataset"):
+        cache.wrap(Source(seed=1), transform=Counted())  # bound to the snapshot's dataset now
+    cache.close()
+    again = ShmDatasetCache(session="dst", snapshot=url)  # the cache it filled: the same one
+    assert len(again.wrap(None)) == N and again.name == cache.name
+    fn = Counted()
+    same = ShmDatasetCache(session="dst", snapshot=url).wrap(Source(), transform=fn)  # the dataset itself
+    fn.calls = 0
+    assert all(_same(same[i], _expected(i)) for i in range(N)) and fn.calls == 0
+    same.cache.close()
+    again.close()
+
+
+def test_wrap_none_with_a_name_takes_the_length_and_identity_of_the_snapshot(tmp_path):
+    """With name=, wrap(None) said the cache does not record its length, though manifest.json holds
+    it; items the snapshot lacks are ItemNotCached (no source to compute them)."""
+    url = tmp_path / "snap"
+    _export(url)  # items 0..39 of 60
+    cache = ShmDatasetCache(session="dst", name="mine", snapshot=url)
+    ds = cache.wrap(None)
+    assert len(ds) == N and _same(ds[5], _expected(5))
+    with pytest.raises(ItemNotCached, match="item 45 is not in cache dst/mine"):
+        ds[45]
+    fp = json.loads((url / "manifest.json").read_text())["cache"]["fingerprint"]
+    assert cache.store.read_meta()["fingerprint"] == fp
+    cache.close()
+    held = ShmDatasetCache(session="dst", name="held")
+    held.wrap(Source(seed=3))  # another dataset
+    with pytest.raises(CacheMismatch, match="holds another dataset"):
+        ShmDatasetCache(session="dst", name="held", snapshot=url).wrap(None)
+    held.close()
+
+
+def test_wrap_none_over_a_snapshot_of_get_put_values_says_what_to_use(tmp_path):
+    url = tmp_path / "plain"
+    cache = ShmDatasetCache(session="src", name="plain")
+    cache.put(1, "one")
+    cache.export(url)
+    cache.close()
+    got = ShmDatasetCache(session="dst", snapshot=url)
+    with pytest.raises(InvalidArgument, match=r"holds get\(\)/put\(\) values.*cache.get\(key\)"):
+        got.wrap(None)
+    assert got.name == "plain" and got.get(1) == "one"  # the cache itself serves them by key
+    got.close()
+    with pytest.raises(InvalidArgument, match="name= .* or snapshot="):
+        ShmDatasetCache(session="dst", snapshot="").wrap(None)
 
 
 def test_without_a_snapshot_the_store_is_the_plain_store(monkeypatch):

@@ -152,3 +152,28 @@ def test_a_segment_replaced_by_a_shorter_object_mid_run_costs_its_items_only(s3,
     lines = [r.getMessage() for r in caplog.records if "snapshot tier" in r.getMessage()]
     assert len(lines) == 1 and "seg-00001.shms" in lines[0] and "truncated" in lines[0], lines
     cache.close()
+
+
+def test_wrap_none_over_s3_serves_the_snapshot_and_says_when_its_manifest_cannot_be_read(s3, caplog):
+    """wrap(None) takes the length from the manifest: with the store up it serves every item with no
+    source; with it down, an unnamed cache and a named one each say that the manifest cannot be
+    read now (not that the cache records no length)."""
+    from shmcache.errors import SnapshotError
+
+    opts, state, url = s3
+    _export(opts, url)
+    cache = ShmDatasetCache(session="up", snapshot=url, snapshot_options={"storage_options": opts})
+    ds = cache.wrap(None)
+    assert len(ds) == N and [ds[i][1] for i in (0, N - 1)] == ["label 0", f"label {N - 1}"]
+    name = cache.name
+    cache.close()
+    state["server"].stop()
+    state["running"] = False
+    caplog.set_level(logging.WARNING, logger="shmcache")
+    options = {"storage_options": opts, "timeout_s": 1}
+    with pytest.raises(SnapshotError, match="manifest.json cannot be read now"):
+        ShmDatasetCache(session="down", snapshot=url, snapshot_options=options).wrap(None)
+    named = ShmDatasetCache(session="down", name=name, snapshot=url, snapshot_options=options)
+    with pytest.raises(SnapshotError, match="the manifest cannot be read now"):
+        named.wrap(None)
+    named.close()

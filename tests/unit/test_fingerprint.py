@@ -246,3 +246,56 @@ def test_the_same_dataset_gets_the_same_fingerprint_whatever_the_string_hash_see
         seen.add(subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                                 check=True, timeout=120).stdout.strip())
     assert len(seen) == 1, seen
+
+
+# --- identity across processes and checkouts (issue 17, item 2; docs/design.md §7) ---------------
+
+
+def test_a_class_of_a_script_run_as_main_is_named_as_the_module_it_is_imported_as(monkeypatch):
+    """`python warm.py` (module __main__, file warm.py), `python -m pkg.warm` (its spec) and `from
+    pkg.warm import Expensive` name one type; no path counts."""
+    import types
+
+    from shmcache.fingerprint import type_name
+
+    def cls(module):
+        return type("Expensive", (Dataset,), {"__module__": module})
+
+    script = types.ModuleType("__main__")
+    script.__file__, script.__spec__ = "/home/me/checkout-1/warm.py", None
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    assert type_name(cls("__main__")) == "warm.Expensive"
+    script.__file__ = "/elsewhere/checkout-2/warm.py"
+    assert type_name(cls("__main__")) == "warm.Expensive"
+    script.__spec__ = types.SimpleNamespace(name="pkg.warm")  # python -m pkg.warm
+    assert type_name(cls("__main__")) == "warm.Expensive"
+    assert type_name(cls("pkg.warm")) == type_name(cls("warm")) == "warm.Expensive"
+
+
+_CLASS = '''
+class Items(Dataset):
+    def __init__(self):
+        self.n = 4
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full(2, {value})
+'''
+
+
+def _exec_class(value: str):
+    """A class defined by exec (no file: inspect.getsource cannot read it), in module ``data``."""
+    scope = {"Dataset": Dataset, "np": np, "__name__": "data"}
+    exec(_CLASS.format(value=value), scope)  # noqa: S102 - the test's own text
+    return scope["Items"]
+
+
+def test_the_class_code_counts_where_the_probes_cannot_see_it():
+    """Two versions of a class that agree on name, attributes and probe samples (items 0, 2, 3)
+    but compute item 1 differently are two datasets; the same code twice is one."""
+    a, b, c = _exec_class("i"), _exec_class("i"), _exec_class("i if i != 1 else 7")
+    assert _fp(a()) == _fp(b())
+    assert all(np.array_equal(a()[i], c()[i]) for i in PROBES)
+    assert _fp(a()) != _fp(c())
