@@ -377,7 +377,7 @@ class ShmDatasetCache:
                     f"named it), or snapshot=URL to serve a snapshot read through")
             from .snapshot.tier import manifest_of
 
-            manifest = manifest_of(*self._snapshot)
+            manifest = manifest_of(*self._snapshot, secret=self._secret)
             self._open(manifest.name, manifest.fingerprint, manifest.length or manifest.items)
         store = self._ensure_open()
         meta = store.read_meta() if not store.uncached else {}

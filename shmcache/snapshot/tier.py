@@ -680,11 +680,12 @@ def tiered(local: Any, url: str | os.PathLike, name: str, fingerprint: str | Non
     return TieredStore(local, [tier], allow_pickle=allow_pickle)
 
 
-def manifest_of(url: str | os.PathLike, options: dict | None = None) -> fmt.Manifest:
-    """The manifest of the snapshot at ``url``, read as the tier reads it (bounded by ``timeout_s``):
-    what ``wrap(None)`` of an unnamed cache takes its name, identity and length from. SnapshotError
-    if there is no snapshot there, or the store does not answer now."""
-    tier = SnapshotTier(url, **check_options(options))
+def manifest_of(url: str | os.PathLike, options: dict | None = None, secret: bytes | None = None) -> fmt.Manifest:
+    """The manifest of the snapshot at ``url``, read as the tier reads it (bounded by ``timeout_s``,
+    authenticated with ``secret`` as the tier would): what ``wrap(None)`` of an unnamed cache takes
+    its name, identity and length from. SnapshotError if there is no snapshot there, or the store
+    does not answer now."""
+    tier = SnapshotTier(url, secret=secret, **check_options(options))
     try:
         if tier.manifest is None:  # a fault of the store, logged by the tier
             raise SnapshotError(f"snapshot={tier.url}: its manifest.json cannot be read now (the store does "
