@@ -75,7 +75,7 @@ import zstandard
 
 from . import tier_counts
 from .errors import InvalidArgument
-from .spill.format import pack_record, unpack_record
+from .spill.format import MAX_RAW_BYTES, pack_record, unpack_record
 
 __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
            "probe", "read_counts", "COUNTERS", "resolve", "identity", "counts_path", "tiered", "stats_keys"]
@@ -336,6 +336,9 @@ class RedisTier:
     names the cache (its name and fingerprint, not the session)."""
 
     name = "remote"
+    # the most bytes one batch's values may take in all (TieredStore lowers it to the cache's
+    # cap): values that each claim a GiB are refused past it, never all decoded
+    max_batch_bytes = MAX_RAW_BYTES
 
     def __init__(self, url: str | RemoteURL, identity: str, *, queue_items: int = QUEUE_ITEMS,
                  queue_bytes: int = QUEUE_BYTES, counts_path: str | os.PathLike | None = None,
@@ -464,11 +467,13 @@ class RedisTier:
         if dctx is None:
             dctx = self._dctx.ctx = zstandard.ZstdDecompressor()
         out: list = []
-        bad = 0
+        bad, left = 0, self.max_batch_bytes
         for pkey, value in zip(pkeys, raw):
             if value is not None:
-                value, why = unpack_record(value, self.prefix + pkey, dctx)
-                if value is None:
+                value, why = unpack_record(value, self.prefix + pkey, dctx, limit=left)
+                if value is not None:
+                    left -= len(value)
+                else:
                     bad += 1
                     self._corrupt_logged(pkey, why)
             out.append(value)

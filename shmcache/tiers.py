@@ -154,6 +154,10 @@ class TieredStore:
     def __init__(self, local, behind: Sequence[Tier]):
         self.local = local
         self.behind = list(behind)
+        cap = getattr(local, "capacity_bytes", 0)
+        for tier in self.behind:  # a batch's values past the cache's cap are refused, never decoded
+            if cap and isinstance(getattr(tier, "max_batch_bytes", None), int):
+                tier.max_batch_bytes = min(tier.max_batch_bytes, cap)
         self._failed: set[tuple[str, str]] = set()  # (tier, method) that raised: logged once
         self.admitted = 0  # tier hits this process admitted into shared memory
         self.undecodable = 0  # tier records that passed their checks yet did not decode

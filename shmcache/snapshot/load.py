@@ -44,6 +44,7 @@ __all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_inde
 log = logging.getLogger("shmcache")
 
 _CHUNK_BYTES = 4 << 20  # read this much of a segment at once (whole records; a larger one alone)
+_BATCH_RAW_BYTES = 64 << 20  # store a chunk's records once they decode to this much (bombs do not add up)
 _U16 = fmt._U16
 
 
@@ -59,6 +60,8 @@ class ImportReport:
     spilled: int = 0  # of those, in spill files (the cap was reached with spilling on)
     rejected: int = 0  # not stored: the cap was reached and spilling is off (or /dev/shm is full)
     damaged: int = 0  # records that failed their checks: skipped
+    duplicates: int = 0  # index entries of a key already imported: skipped, not counted as imported
+    overlapping: int = 0  # index entries sharing bytes with the entry before them: skipped
     bytes: int = 0  # segment bytes read
     seconds: float = 0.0
     length: int | None = None
@@ -80,6 +83,12 @@ class ImportReport:
         if self.damaged:
             text += (f"; {self.damaged} record(s) failed their checks and were skipped "
                      f"({'; '.join(self.damaged_where[:3])}): copy the snapshot again")
+        if self.duplicates:
+            text += (f"; {self.duplicates} index entr{'y' if self.duplicates == 1 else 'ies'} named a key "
+                     f"already imported (a duplicate: the snapshot is damaged or forged) and were skipped")
+        if self.overlapping:
+            text += (f"; {self.overlapping} index entr{'y' if self.overlapping == 1 else 'ies'} shared bytes "
+                     f"with another (overlapping: the snapshot is damaged or forged) and were skipped")
         return text
 
 
@@ -138,6 +147,8 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
     spilled_before = store.stats().get("items_disk", 0)
     job = _Job(store, loc, report, progress_bar(progress, sum(s.size for s in manifest.segments),
                                                  f"import {store.session}/{store.name}", "B"))
+    job.repeated = _repeated_hashes(indexes)
+    indexes = [_without_overlaps(index, report) for index in indexes]
     units = [u for seg, index in zip(manifest.segments, indexes) for u in _chunks(seg, index)]
     workers = threads or min(4, os.cpu_count() or 1, max(1, len(units)))
     try:
@@ -148,9 +159,35 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
         job.bar.close()
     report.spilled = max(0, store.stats().get("items_disk", 0) - spilled_before)
     report.seconds = time.perf_counter() - started
-    if report.rejected or report.damaged:
+    if report.rejected or report.damaged or report.duplicates or report.overlapping:
         log.warning("%s", report)
     return report
+
+
+def _without_overlaps(index: np.ndarray, report: ImportReport) -> np.ndarray:
+    """The index less the entries that start inside the bytes of the entry before them (in file
+    order): two entries sharing bytes cannot both be records, and reading both would store one
+    record twice and report an item that is not there. Counted in ``report.overlapping``."""
+    if len(index) < 2:
+        return index
+    index = index[np.argsort(index["offset"], kind="stable")]
+    offsets = index["offset"].astype(np.int64)
+    ends = np.maximum.accumulate(offsets + index["length"].astype(np.int64))
+    keep = np.ones(len(index), bool)
+    keep[1:] = offsets[1:] >= ends[:-1]
+    report.overlapping += int(len(index) - keep.sum())
+    return index[keep]
+
+
+def _repeated_hashes(indexes: list[np.ndarray]) -> frozenset[int]:
+    """The index words that more than one entry of the snapshot carries: only a record with one of
+    these can repeat a key (a portable key starts with its index word), so only those keys are
+    remembered to find duplicates."""
+    if not indexes:
+        return frozenset()
+    hashes = np.sort(np.concatenate([i["hash"] for i in indexes]))
+    same = hashes[1:] == hashes[:-1]
+    return frozenset(hashes[1:][same].tolist())
 
 
 def _chunks(seg: fmt.SegmentInfo, index: np.ndarray):
@@ -230,30 +267,56 @@ class _Job:
         self.bar = bar
         self.lock = threading.Lock()  # the report's counters and the bar
         self.layouts: set[bytes] = set()  # checked once each: they decode
+        self.repeated: frozenset[int] = frozenset()  # index words more than one entry carries
+        self.seen: set[bytes] = set()  # the keys imported with one of those words
+        # a record may decode to no more than the cache can hold (the spill files: any item)
+        cap = getattr(store, "capacity_bytes", 0)
+        self.limit = records.MAX_RAW_BYTES if getattr(store, "spill", None) is not None or not cap \
+            else min(records.MAX_RAW_BYTES, cap)
         self._local = threading.local()  # a zstd decompressor per thread
 
     def chunk(self, seg: fmt.SegmentInfo, start: int, end: int, offsets: list[int], lengths: list[int]) -> None:
         """Read records [start, end) of a segment in one read, check them, store them in one batch."""
         buf = memoryview(self._read(seg, start, end))
         dctx = self._dctx()
-        items, damaged = [], []
+        items, damaged, raw, stored, rejected, duplicates = [], [], 0, 0, 0, 0
         for off, length in zip(offsets, lengths):
             item = self._checked(buf[off - start:off - start + length], dctx)
             if item is None:
                 damaged.append(f"{seg.file} at offset {off}")
-            else:
-                items.append(item)
-        stored = sum(self.store.put_records(items)) if items else 0
+                continue
+            if self._repeats(item[2]):
+                duplicates += 1
+                continue
+            items.append(item[:2])
+            raw += len(item[1])
+            if raw >= _BATCH_RAW_BYTES:  # decoded values are stored before more are decoded
+                done = sum(self.store.put_records(items))
+                stored, rejected, items, raw = stored + done, rejected + len(items) - done, [], 0
+        if items:
+            done = sum(self.store.put_records(items))
+            stored, rejected = stored + done, rejected + len(items) - done
         if _CRASH_TESTS:
             crash_point("snapshot_chunk")  # a chunk stored, the import not finished
         with self.lock:
             r = self.report
             r.imported += stored
-            r.rejected += len(items) - stored
+            r.rejected += rejected
+            r.duplicates += duplicates
             r.damaged += len(damaged)
             r.bytes += end - start
             r.damaged_where += damaged[:3]
             self.bar.update(end - start)
+
+    def _repeats(self, pkey: bytes) -> bool:
+        """Whether ``pkey`` was imported already (another entry of the same key: a duplicate)."""
+        if fmt.key_hash(pkey) not in self.repeated:
+            return False
+        with self.lock:
+            if pkey in self.seen:
+                return True
+            self.seen.add(pkey)
+            return False
 
     def _dctx(self) -> Any:
         dctx = getattr(self._local, "dctx", None)
@@ -271,20 +334,21 @@ class _Job:
                                 f"imported (it was {seg.size}): it changed under the import; copy it again")
         return buf
 
-    def _checked(self, view: memoryview, dctx: Any) -> tuple[Any, Any] | None:
-        """``(key, portable record)`` of one record, or None if it fails any check (damaged)."""
+    def _checked(self, view: memoryview, dctx: Any) -> tuple[Any, Any, bytes] | None:
+        """``(key, portable record, portable key)`` of one record, or None if it fails any check
+        (damaged)."""
         if len(view) < records.RECORD_HEADER_BYTES:
             return None
         key_len = _U16.unpack_from(view, fmt._KEY_LEN_AT)[0]
         pkey = bytes(view[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + key_len])
-        payload, _ = records.unpack_record(view, pkey, dctx, copy=False)  # raw: a view of the read
+        payload, _ = records.unpack_record(view, pkey, dctx, copy=False, limit=self.limit)  # raw: a view
         if payload is None:
             return None
         try:
             key = key_of_portable(pkey)
         except ValueError:
             return None
-        return (key, payload) if self._layout_ok(payload) else None
+        return (key, payload, pkey) if self._layout_ok(payload) else None
 
     def _layout_ok(self, payload: Any) -> bool:
         """A layout seen for the first time must decode its record (checked bytes can still be a

@@ -143,6 +143,9 @@ class SnapshotTier:
 
     name = "snapshot"
     read_only = True  # TieredStore.put offers it nothing (NOTE [tiers])
+    # the most bytes one batch's values may take in all (TieredStore lowers it to the cache's
+    # cap): a batch of records that each claim a GiB is refused past it, never all decoded
+    max_batch_bytes = records.MAX_RAW_BYTES
 
     def __init__(self, url: str | os.PathLike, *, force: bool = False, storage_options: dict | None = None,
                  timeout_s: float = 10.0, counts_path: str | os.PathLike | None = None,
@@ -391,7 +394,7 @@ class SnapshotTier:
             wanted[seg_n] = list(zip(key_i[sel].tolist(), e["offset"].tolist(), e["length"].tolist(),
                                      e["check"].tolist()))
         reads = self._read_local(wanted) if self.local else self._read_remote(wanted)
-        dctx, nbytes, corrupt = self._decompressor(), 0, []
+        dctx, nbytes, corrupt, left = self._decompressor(), 0, [], self.max_batch_bytes
         for seg_n, items in wanted.items():
             bufs = reads.get(seg_n)
             if bufs is None:
@@ -405,9 +408,10 @@ class SnapshotTier:
                     why = "its head check is not its index entry's"
                 payload = None
                 if why is None:
-                    payload, why = records.unpack_record(buf, bytes(keys[i]), dctx)
+                    payload, why = records.unpack_record(buf, bytes(keys[i]), dctx, limit=left)
                 if payload is not None:
                     out[i] = payload
+                    left -= len(payload)
                 elif why != "it holds another key" and not why.startswith("its key is"):
                     corrupt.append((seg_n, offset, why))  # (another key's intact record: a collision)
         with self._lock:

@@ -1,0 +1,191 @@
+"""Snapshots as files from a stranger (issue 16, items 4-7): decompression bombs, FIFOs, links to
+/dev/zero, sparse files, forged counts and index entries, export into a directory another user
+can write, and import --force under live readers. Real bombs (1 GiB of zeros, streamed through
+zstd: 32 KB), real FIFOs, symlinks and sparse files; memory is measured in a subprocess."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import zstandard
+from test_snapshot import N, Source, _filled, _same
+
+from shmcache import ShmDatasetCache
+from shmcache.errors import SnapshotError
+from shmcache.snapshot import format as fmt
+from shmcache.snapshot.load import import_snapshot
+from shmcache.spill import format as records
+from shmcache.tiers import portable_key
+
+GiB = 1 << 30
+
+
+@functools.lru_cache(maxsize=4)
+def _zeros_frame(n: int, content_size: bool) -> bytes:
+    """A zstd frame of ``n`` zero bytes, made in 1 MiB steps (never ``n`` bytes in memory): 1 GiB
+    is a 32 KB frame."""
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=content_size)
+    obj = cctx.compressobj(size=n if content_size else -1)
+    step = bytes(1 << 20)
+    parts = [obj.compress(step) for _ in range(n >> 20)]
+    return b"".join(parts) + obj.flush()
+
+
+def _claiming_frame(n: int) -> bytes:
+    """An 18-byte zstd frame whose header claims ``n`` bytes (single segment, 8-byte content size),
+    holding one RLE block of 1 byte."""
+    block = (1 | 1 << 1 | 1 << 3).to_bytes(3, "little")  # last block, RLE, 1 byte
+    return b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + struct.pack("<Q", n) + block + b"\x00"
+
+
+def _record(pkey: bytes, stored: bytes, raw_len: int) -> list[bytes]:
+    """A spill record of ``stored`` as a zstd frame that says it decodes to ``raw_len`` bytes."""
+    head = records.pack_head(records.FLAG_ZSTD, pkey, raw_len, stored)
+    pad = bytes(-len(pkey) % 8)
+    return [head, pkey, pad, stored, bytes(-len(stored) % 8)]
+
+
+def _forge(dest, like: fmt.Manifest, good=(), bad=(), aliases=()):
+    """A one-segment snapshot at ``dest``: ``good`` (pkey, portable record) pairs written the way
+    an export does, ``bad`` (pkey, record parts) appended as they are, and ``aliases``: index
+    entries for the named keys pointing at the record of another (pkey, aliased pkey)."""
+    dest.mkdir()
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
+    with open(dest / fmt.segment_name(0), "wb") as f:
+        w = fmt.SegmentWriter(f, 0, cctx)
+        where = {}
+        for pkey, rec in good:
+            where[pkey] = (w.size, w.add(pkey, rec))
+        for pkey, parts in bad:
+            w._hashes.append(fmt.key_hash(pkey))
+            w._entries.append((w.size, sum(map(len, parts)), struct.unpack_from("<I", parts[0], 28)[0]))
+            for p in parts:
+                w._write(p)
+        for pkey, target in aliases:
+            off, length = where[target]
+            w._hashes.append(fmt.key_hash(pkey))
+            w._entries.append((off, length, w._entries[[e[0] for e in w._entries].index(off)][2]))
+        info = w.finish()
+    m = dataclasses.replace(like, items=info.items, stored_bytes=info.size, segments=[info])
+    (dest / fmt.MANIFEST).write_bytes(m.to_json())
+    return dest
+
+
+@pytest.fixture
+def real(tmp_path):
+    """A real snapshot of Source(), its manifest and its portable records by key."""
+    cache, _ = _filled()
+    cache.export(tmp_path / "real")
+    recs = dict(cache.store.portable_records())
+    cache.close()
+    manifest = fmt.Manifest.from_json((tmp_path / "real" / fmt.MANIFEST).read_bytes(), "m")
+    return tmp_path / "real", manifest, recs
+
+
+def _bombs(keys) -> list:
+    """For each key a hostile record: an honest 1 GiB bomb, one that says 1 MiB but is 1 GiB of
+    frame with no size, one whose frame says 1 GiB and the record 1 MiB, and one 18-byte frame
+    claiming 64 GiB (in turn)."""
+    kinds = [lambda k: _record(k, _zeros_frame(GiB, True), GiB),
+             lambda k: _record(k, _zeros_frame(GiB, False), 1 << 20),
+             lambda k: _record(k, _zeros_frame(GiB, True), 1 << 20),
+             lambda k: _record(k, _claiming_frame(64 * GiB), 64 * GiB)]
+    return [(k, kinds[i % len(kinds)](k)) for i, k in enumerate(keys)]
+
+
+_MEASURED = """
+import json, resource, sys
+{setup}
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+{work}
+grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10
+print(json.dumps(dict(grew_mib=grew, **out)))
+"""
+
+
+def _measured(setup: str, work: str, *args) -> dict:
+    code = _MEASURED.format(setup=textwrap.dedent(setup), work=textwrap.dedent(work))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_unpack_record_never_decodes_past_the_declared_length_or_the_limit():
+    """A record's raw length was trusted: a 32 KB frame that expands to 1 GiB took 1.25-4.3 GiB,
+    an 18-byte frame claiming 64 GiB raised a bare MemoryError. Each is now (None, why) with
+    memory bounded by what the record declared, within the limit."""
+    out = _measured("""
+        from shmcache.spill import format as records
+        import zstandard
+        from test_snapshot_hostile import _bombs, GiB
+        bombs = [parts for _, parts in _bombs([b"k" * 8] * 4)]
+        dctx = zstandard.ZstdDecompressor()
+    """, """
+        whys = []
+        for parts in bombs:
+            payload, why = records.unpack_record(b"".join(parts), b"k" * 8, dctx, limit=64 << 20)
+            whys.append(why if payload is None else "a value")
+        out = {"whys": whys}
+    """)
+    assert "a value" not in out["whys"], out
+    assert "claims 1073741824 bytes" in out["whys"][0] and "claims 68719476736" in out["whys"][3], out
+    assert out["grew_mib"] < 64, out
+
+
+def test_an_import_of_bombs_counts_them_damaged_in_bounded_memory(real, tmp_path):
+    """`shmcache import` of a snapshot holding bombs: on main a MemoryError (the 64 GiB claim) and
+    GiBs of memory; now each is a damaged record, the good items are imported, and memory stays
+    bounded (the cache's cap of 64 MiB bounds every record)."""
+    _, manifest, recs = real
+    good = [(k, r) for k, r in recs.items() if k != portable_key(0)][:N - 8]
+    bad = _bombs([portable_key(i) for i in range(1000, 1008)])
+    snap = _forge(tmp_path / "bombs", manifest, good, bad)
+    out = _measured("""
+        import sys
+        import shmcache.dataset  # noqa: F401 - registers the torch handler (the records hold tensors)
+        from shmcache.snapshot.load import import_snapshot
+    """, """
+        r = import_snapshot(sys.argv[1], session="dst", size_mb=64)
+        out = {"imported": r.imported, "damaged": r.damaged, "items": r.items, "text": str(r)}
+    """, snap)
+    assert out["damaged"] == 8 and out["imported"] == len(good) and out["items"] == len(good) + 8, out["text"]
+    assert "8 record(s) failed their checks" in out["text"], out
+    assert out["grew_mib"] < 256, out
+
+
+def test_a_batch_of_bombed_keys_through_the_read_through_does_not_multiply(real, tmp_path):
+    """snapshot= read-through: a batch of bombed keys decoded every one (GiBs each, kept for the
+    whole batch); now a value is bounded by the cache's cap and a batch by what is left of it, so
+    the keys are counted corrupt and computed from the source: right values, bounded memory."""
+    _, manifest, recs = real
+    bombed = [1, 2, 3, 4]
+    good = [(k, r) for k, r in recs.items() if k not in {portable_key(i) for i in bombed}]
+    snap = _forge(tmp_path / "bombs", manifest, good, _bombs([portable_key(i) for i in bombed]))
+    out = _measured("""
+        import sys
+        from shmcache import ShmDatasetCache
+        from test_snapshot import Source, _same, N
+        cache = ShmDatasetCache(session="rt", size=64, snapshot=sys.argv[1])
+        ds = cache.wrap(Source())
+        src = Source()
+    """, """
+        batch = ds.get_batch(list(range(8)))
+        import torch
+        want = torch.stack([src[i][0] for i in range(8)])
+        out = {"right": int(torch.equal(batch[0], want)) * 8,
+               "corrupt": cache.stats()["snapshot_corrupt"], "hits": cache.stats()["snapshot_hits"]}
+        cache.close()
+    """, snap)
+    assert out["right"] == 8 and out["corrupt"] == 4 and out["hits"] == 3, out  # key 0: wrap() computed it
+    assert out["grew_mib"] < 256, out
+
