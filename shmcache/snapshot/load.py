@@ -96,7 +96,7 @@ def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -
     """The snapshot's location and manifest; SnapshotError if there is no whole snapshot there."""
     loc = open_location(src, storage_options)
     try:
-        data = loc.read_bytes(fmt.MANIFEST)
+        data = loc.read_bytes(fmt.MANIFEST, fmt.MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         names = loc.listdir()
         half = any(n.endswith(".tmp") or n.endswith(".shms") for n in names)
@@ -217,6 +217,10 @@ def read_segment_index(loc: Location, seg: fmt.SegmentInfo, number: int) -> np.n
                                 f"the snapshot again, or export it again")
         fmt.parse_header(loc.read_range(seg.file, 0, fmt.HEADER_BYTES), where, number)
         footer = fmt.parse_footer(loc.read_range(seg.file, size - fmt.FOOTER_BYTES, size), size, where)
+        if footer.count != seg.items:  # before the index is read: its size is the manifest's, checked
+            raise SnapshotError(f"{where} holds {footer.count} index entries, the manifest says {seg.items}: "
+                                f"it was replaced or mixed with another snapshot's; copy the snapshot "
+                                f"again, or export it again")
         body = loc.read_range(seg.file, footer.index_offset, footer.index_offset + footer.index_bytes)
     except FileNotFoundError:
         raise SnapshotError(f"segment {where} is missing (the manifest names it); copy the whole "

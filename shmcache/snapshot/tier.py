@@ -66,7 +66,7 @@ from .. import tier_counts
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..spill import format as records
 from . import format as fmt
-from .location import FsspecLocation, LocalLocation, mask_url, open_location, scrub_secret
+from .location import FsspecLocation, LocalLocation, mask_url, open_location, open_regular, scrub_secret
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
            "stats_keys", "check_options"]
@@ -203,7 +203,7 @@ class SnapshotTier:
         """Read and check manifest.json; SnapshotError when there is no snapshot of this version,
         _Fault when the store cannot be reached (try again later)."""
         try:
-            data = self._call(lambda: self.loc.read_bytes(fmt.MANIFEST), "read")
+            data = self._call(lambda: self.loc.read_bytes(fmt.MANIFEST, fmt.MAX_MANIFEST_BYTES), "read")
         except FileNotFoundError:
             raise SnapshotError(f"snapshot={self.url}: {self.loc.where(fmt.MANIFEST)} does not exist: no "
                                 f"whole snapshot is there; pass the directory or URL `shmcache export` "
@@ -564,7 +564,7 @@ class SnapshotTier:
     def _fd(self, seg: _Segment) -> int:
         fd = self._fds.get(seg.number)
         if fd is None:
-            fd = os.open(self.loc.path / seg.info.file, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_regular(self.loc.path / seg.info.file)[0]  # no link followed, no FIFO waited on
             self._fds[seg.number] = fd
         return fd
 

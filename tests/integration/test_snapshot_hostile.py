@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import textwrap
 
 import pytest
 import zstandard
+from test_hostile_user import _isolated, attacker_uid  # noqa: F401 - a fixture: the real second user
 from test_snapshot import N, Source, _filled, _same
 
 from shmcache import ShmDatasetCache
@@ -189,3 +191,170 @@ def test_a_batch_of_bombed_keys_through_the_read_through_does_not_multiply(real,
     assert out["right"] == 8 and out["corrupt"] == 4 and out["hits"] == 3, out  # key 0: wrap() computed it
     assert out["grew_mib"] < 256, out
 
+
+
+# --- hostile files: FIFOs, links, sparse files, forged counts ---------------------------------------
+
+_WITHIN = """
+import sys
+import shmcache.dataset  # noqa: F401
+from test_snapshot import Source, _same
+from shmcache import ShmDatasetCache
+from shmcache.errors import SnapshotError
+how, url = sys.argv[1], sys.argv[2]
+try:
+    if how == "import":
+        ShmDatasetCache.from_snapshot(url, session="dst").close()
+        print("imported")
+    else:
+        cache = ShmDatasetCache(session="rt", snapshot=url)
+        ds = cache.wrap(Source())
+        print("right" if all(_same(ds[i], Source()[i]) for i in range(4)) else "wrong")
+        print("snapshot_hits", cache.stats()["snapshot_hits"])
+        cache.close()
+except SnapshotError as exc:
+    print("SnapshotError:", exc)
+"""
+
+
+def _run_within(how: str, url, seconds: float = 30) -> str:
+    """An import (or a read-through job) of ``url`` in a subprocess that must end within
+    ``seconds`` (a FIFO hung it for good); its stdout."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _WITHIN, how, str(url)], capture_output=True, text=True,
+                              timeout=seconds, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{how} of {url} still ran after {seconds} s (it waits on a FIFO, or reads without end)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _plant(path, what: str) -> None:
+    os.unlink(path)
+    if what == "a FIFO":
+        os.mkfifo(path)
+    elif what == "a link to /dev/zero":
+        os.symlink("/dev/zero", path)
+    else:  # a 6 GiB sparse file
+        with open(path, "wb") as f:
+            f.truncate(6 * GiB)
+
+
+@pytest.mark.parametrize("what", ["a FIFO", "a link to /dev/zero", "a 6 GiB sparse file"])
+@pytest.mark.parametrize("how", ["import", "read-through"])
+def test_a_manifest_that_is_not_a_small_regular_file_is_refused_unread(real, tmp_path, what, how):
+    """manifest.json as a FIFO hung `shmcache import` and snapshot= for good; linked to /dev/zero
+    or a 6 GiB sparse file it was read whole. Now it is opened O_NOFOLLOW|O_NONBLOCK, fstat'ed and
+    refused, naming the file, before any read."""
+    snap = tmp_path / "snap"
+    os.rename(real[0], snap)
+    _plant(snap / fmt.MANIFEST, what)
+    out = _run_within(how, snap)
+    assert out.startswith("SnapshotError:") and str(snap / fmt.MANIFEST) in out, out
+    assert {"a FIFO": "is a FIFO, not a regular file", "a link to /dev/zero": "is a symbolic link",
+            "a 6 GiB sparse file": "is 6442450944 bytes, more than"}[what] in out, out
+
+
+@pytest.mark.parametrize("how", ["import", "read-through"])
+def test_a_segment_that_is_a_fifo_is_a_clear_error_never_a_hang(tmp_path, how):
+    """A segment replaced by a FIFO hung the read-through on its first miss (and the import).
+    Now the import is a SnapshotError naming it; the read-through drops that segment and computes
+    its items from the source."""
+    cache, _ = _filled()
+    snap = tmp_path / "snap"
+    cache.export(snap, segment_bytes=40_000)
+    cache.close()
+    seg = sorted(p for p in os.listdir(snap) if p.endswith(".shms"))[0]
+    os.unlink(snap / seg)
+    os.mkfifo(snap / seg)
+    out = _run_within(how, snap)
+    if how == "import":
+        assert out.startswith("SnapshotError:") and f"{snap / seg} is a FIFO" in out, out
+    else:
+        assert out.startswith("right"), out
+
+
+@pytest.mark.parametrize("length", [2**62, 2**40 + 1])
+def test_a_manifest_length_beyond_any_dataset_is_refused_naming_the_field(real, tmp_path, length):
+    """A manifest `length` of 2**62 was accepted: wrap(None) then said len() == 2**62 and a
+    shuffled DataLoader failed allocating its permutation."""
+    snap = tmp_path / "snap"
+    os.rename(real[0], snap)
+    doc = json.loads((snap / fmt.MANIFEST).read_text())
+    doc["length"] = length
+    (snap / fmt.MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(SnapshotError, match=f"the dataset's length is {length}, beyond"):
+        ShmDatasetCache.from_snapshot(snap, session="dst")
+
+
+# --- export where another user can reach ---------------------------------------------------------
+
+_EXPORT_RACE = r'''
+import time
+from shmcache import ShmDatasetCache
+from shmcache.errors import SnapshotError
+secret = "/tmp/secret"
+with open(secret, "w") as f:
+    f.write("root's own 0600 file")
+os.chmod(secret, 0o600)
+dest = "/tmp/dest"
+SETUP
+# the attacker plants links at the names an export writes, again and again (an export removes
+# what it finds with --overwrite, then writes for a while: long enough to plant them again)
+plant = ("end=$(($(date +%s) + 8)); while [ $(date +%s) -lt $end ]; do "
+         "ln -s /tmp/secret /tmp/dest/manifest.json.tmp 2>/dev/null; "
+         "ln -s /tmp/secret /tmp/dest/seg-00000.shms.tmp 2>/dev/null; done")
+racer = subprocess.Popen(["runuser", "-u", "shmcache-attacker", "--", "sh", "-c", plant])
+time.sleep(0.3)
+cache = ShmDatasetCache(session="s", name="c")
+for i in range(256):
+    cache.put(i, os.urandom(16384))
+try:
+    cache.export(dest, overwrite=True)
+    err = None
+except SnapshotError as exc:
+    err = str(exc)
+cache.close()
+racer.wait()
+print(json.dumps({"err": err, "secret": open(secret).read(), "mode": mode(secret)}))
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("runuser"),
+                    reason="needs root, unshare and runuser: a real second user plants the links")
+@pytest.mark.parametrize("setup", ["others-writable", "squatted"])
+def test_export_into_a_directory_another_user_can_write_is_refused(attacker_uid, setup):
+    """Export wrote with open(path, "wb"): in a destination another user can write (here
+    root's own 0777 directory, with --overwrite) or one they squatted, their link at
+    manifest.json.tmp or seg-00000.shms.tmp made root overwrite a root-owned 0600 file. Now such a
+    destination is refused, naming it and the attack, and the target is untouched."""
+    setup_code = {"others-writable": "os.mkdir(dest); os.chmod(dest, 0o777)",
+                  "squatted": "attacker('mkdir', '-m', '777', dest)"}[setup]
+    out = _isolated(_EXPORT_RACE.replace("SETUP", setup_code))
+    assert out["secret"] == "root's own 0600 file" and out["mode"] == "0o600", out
+    assert out["err"] and "/tmp/dest" in out["err"] and "plant a symlink" in out["err"], out
+    assert ("writable by group and others" if setup == "others-writable" else "belongs to uid") in out["err"], out
+
+
+def test_export_creates_its_files_exclusively_in_its_own_directory(tmp_path):
+    """The destination is made by the export (or is the user's own, writable by no one else);
+    a name that appears meanwhile is never written through; a link at the destination is refused."""
+    cache, _ = _filled()
+    try:
+        cache.export(tmp_path / "new" / "snap")
+        assert os.stat(tmp_path / "new" / "snap").st_mode & 0o022 == 0
+        own = tmp_path / "own"
+        own.mkdir(mode=0o755)
+        cache.export(own)
+        cache.export(own, overwrite=True)
+        os.symlink(own, tmp_path / "link")
+        with pytest.raises(SnapshotError, match="is a symbolic link: an export never writes through a link"):
+            cache.export(tmp_path / "link", overwrite=True)
+        (tmp_path / "open").mkdir()
+        os.chmod(tmp_path / "open", 0o775)
+        with pytest.raises(SnapshotError, match=r"open is writable by its group \(mode 0o775\)"):
+            cache.export(tmp_path / "open")
+    finally:
+        cache.close()
+    assert ShmDatasetCache.from_snapshot(own, session="dst").last_import.complete
