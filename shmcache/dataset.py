@@ -347,11 +347,14 @@ class ShmDatasetCache:
         ``force=True``, which replaces its contents. ``last_import`` says what was stored: items that
         did not fit the cap (spilled with ``spilling=True``, else left out), records skipped as
         damaged. Other keyword arguments go to ShmDatasetCache."""
-        from .snapshot.load import import_into, read_manifest
+        from .snapshot.load import import_into, read_manifest, replace_other_dataset
 
         loc, manifest = read_manifest(src, storage_options)
         cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
         try:
+            if replace_other_dataset(cache.store, manifest, force):  # destroyed: a new incarnation
+                cache.close()
+                cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
             cache.last_import = import_into(cache.store, loc, manifest, force=force, threads=threads,
                                             progress=progress)
             if manifest.fingerprint:  # the tiers were opened before the import named the dataset

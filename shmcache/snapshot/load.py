@@ -39,7 +39,8 @@ from . import format as fmt
 from .export import progress_bar
 from .location import Location, open_location
 
-__all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_index", "ImportReport"]
+__all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_index", "ImportReport",
+           "replace_other_dataset"]
 
 log = logging.getLogger("shmcache")
 
@@ -120,8 +121,18 @@ def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str 
     from ..store import CacheStore
 
     loc, manifest = read_manifest(src, storage_options)
-    store = CacheStore(resolve_session_name(session), name or manifest.name, capacity_bytes=size_mb << 20,
-                       table_hint=manifest.items)
+
+    def opened() -> CacheStore:
+        return CacheStore(resolve_session_name(session), name or manifest.name, capacity_bytes=size_mb << 20,
+                          table_hint=manifest.items)
+
+    store = opened()
+    try:
+        if replace_other_dataset(store, manifest, force):
+            store = opened()
+    except BaseException:
+        store.close()
+        raise
     try:
         if spilling:
             from ..spill import tier
@@ -237,21 +248,46 @@ def read_segment_index(loc: Location, seg: fmt.SegmentInfo, number: int) -> np.n
     return index
 
 
+def replace_other_dataset(store: Any, manifest: fmt.Manifest, force: bool) -> bool:
+    """If ``store`` holds another dataset than the snapshot: CacheMismatch, unless ``force``, which
+    destroys that cache - its root tombstoned first, as ``shmcache destroy --force`` does - and
+    answers True: the caller opens the cache again (a new, empty incarnation) and imports into
+    that. A clear() would not do: processes still reading the old dataset would find the
+    snapshot's values under their keys and take them for theirs; tombstoned, their handles miss
+    (and their writes raise CacheNotFound) from then on."""
+    if getattr(store, "uncached", False):
+        return False
+    fp = manifest.fingerprint
+    known = store.read_meta().get("fingerprint")
+    if not (fp and known and known != fp):
+        return False
+    if not force:
+        raise CacheMismatch(
+            f"cache {store.session}/{store.name} holds another dataset (fingerprint {known}) than "
+            f"the snapshot (fingerprint {fp}, of {manifest.session}/{manifest.name}); import it "
+            f"under another name (--name), or pass --force (force=True) to replace that cache "
+            f"(processes still reading it then miss: they recompute or stop, never read the snapshot's "
+            f"values as theirs)")
+    log.warning("cache %s/%s held another dataset (fingerprint %s): destroyed for the import of %s "
+                "(processes still reading it miss from now on)", store.session, store.name, known, fp)
+    store.destroy()
+    return True
+
+
 def _bind(store: Any, manifest: fmt.Manifest, force: bool) -> None:
     """Record the snapshot's dataset (fingerprint) and length in the cache; a cache holding another
-    dataset is refused (CacheMismatch) unless ``force``, which clears it first."""
+    dataset is refused (CacheMismatch): ``force`` replaces it only through
+    :func:`replace_other_dataset`, before the store is handed here."""
     if getattr(store, "uncached", False):
         return
     fp = manifest.fingerprint
     known = store.read_meta().get("fingerprint")
     if fp and known and known != fp:
-        if not force:
-            raise CacheMismatch(
-                f"cache {store.session}/{store.name} holds another dataset (fingerprint {known}) than "
-                f"the snapshot (fingerprint {fp}, of {manifest.session}/{manifest.name}); import it "
-                f"under another name (--name), or pass --force (force=True) to replace that cache's "
-                f"contents")
-        store.clear()
+        raise CacheMismatch(
+            f"cache {store.session}/{store.name} holds another dataset (fingerprint {known}) than "
+            f"the snapshot (fingerprint {fp}, of {manifest.session}/{manifest.name}); import it "
+            f"under another name (--name), or pass --force (force=True) to import_snapshot or "
+            f"ShmDatasetCache.from_snapshot, which replace that cache")
     with store.locked():  # the cache's metadata is only ever rewritten under its lock
         meta = store.read_meta()
         if fp:
