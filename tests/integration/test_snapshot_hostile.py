@@ -423,3 +423,33 @@ def test_import_force_of_another_dataset_never_serves_it_to_live_readers(tmp_pat
     ds = fresh.wrap(None)
     assert all(_same(ds[i], Source(seed=1)[i]) for i in range(N))  # the import itself went in whole
     fresh.close()
+
+
+# --- honest reports ----------------------------------------------------------------------------------
+
+
+def test_a_duplicate_key_is_reported_and_not_counted_as_imported(real, tmp_path):
+    """A second index entry for a key (its own record again) gave "imported 65 of 65" for 64
+    items. Now: 64 of 65, one duplicate entry reported as such, and the import is not complete."""
+    _, manifest, recs = real
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
+    dup = (portable_key(5), records.pack_record(portable_key(5), recs[portable_key(5)], cctx))
+    snap = _forge(tmp_path / "dup", manifest, list(recs.items()), [dup])
+    report = import_snapshot(snap, session="dst")
+    assert (report.items, report.imported, report.duplicates) == (N + 1, N, 1), str(report)
+    assert not report.complete and "1 index entry named a key already imported (a duplicate" in str(report)
+
+
+def test_overlapping_index_entries_are_reported_and_not_counted_as_imported(real, tmp_path):
+    """Key 63's index entry pointed into key 62's record: "imported 64 of 64" with item 63 not
+    there. Now entries that share bytes are reported as overlapping, and only what can really be
+    read is counted: 63 of 64."""
+    _, manifest, recs = real
+    good = [(k, r) for k, r in recs.items() if k != portable_key(N - 1)]
+    snap = _forge(tmp_path / "overlap", manifest, good, aliases=[(portable_key(N - 1), portable_key(N - 2))])
+    report = import_snapshot(snap, session="dst")
+    assert (report.items, report.imported, report.overlapping) == (N, N - 1, 1), str(report)
+    assert not report.complete and "1 index entry shared bytes with another (overlapping" in str(report)
+    cache = ShmDatasetCache(session="dst", name=manifest.name)
+    assert len(cache) == N - 1
+    cache.close()
