@@ -46,6 +46,11 @@ NOTE [snapshot format]
     truncated or mixed-up segment fails it without hashing the whole file at import; a flipped
     bit inside a record fails that record's own checks.
 
+    Reading trusts no count: local files are opened O_NOFOLLOW|O_NONBLOCK and must be regular
+    files (location.open_regular), the manifest has at most MAX_MANIFEST_BYTES, every number in it
+    is checked against what its segments can hold (_check_counts), and a record decodes to at most
+    the length it declares, within the reader's limit (spill.format.decompress_bounded).
+
     Writing order (export.py): every file is written as ``<name>.tmp`` and renamed when complete;
     the manifest is renamed last. An export over an existing snapshot (--overwrite) removes the
     old manifest first. So whatever dies half-way - the process, the disk filling up - leaves no
