@@ -179,7 +179,8 @@ class LocalLocation(Location):
         if st.st_uid != os.getuid():
             why = f"belongs to uid {st.st_uid} ({_user(st.st_uid)}), not to you (uid {os.getuid()})"
         elif st.st_mode & 0o022:
-            why = f"is writable by {'group and others' if st.st_mode & 0o002 else 'its group'} (mode {stat.S_IMODE(st.st_mode):#o})"
+            who = "group and others" if st.st_mode & 0o002 else "its group"
+            why = f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):#o})"
         if why is not None:
             os.close(fd)
             raise SnapshotError(

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import os
+import pwd
 import shutil
 import struct
 import subprocess
@@ -17,7 +18,7 @@ import textwrap
 
 import pytest
 import zstandard
-from test_hostile_user import _isolated, attacker_uid  # noqa: F401 - a fixture: the real second user
+from test_hostile_user import ATTACKER, _isolated
 from test_snapshot import N, Source, _filled, _same
 
 from shmcache import ShmDatasetCache
@@ -324,11 +325,16 @@ print(json.dumps({"err": err, "secret": open(secret).read(), "mode": mode(secret
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("runuser"),
                     reason="needs root, unshare and runuser: a real second user plants the links")
 @pytest.mark.parametrize("setup", ["others-writable", "squatted"])
-def test_export_into_a_directory_another_user_can_write_is_refused(attacker_uid, setup):
+def test_export_into_a_directory_another_user_can_write_is_refused(setup):
     """Export wrote with open(path, "wb"): in a destination another user can write (here
     root's own 0777 directory, with --overwrite) or one they squatted, their link at
     manifest.json.tmp or seg-00000.shms.tmp made root overwrite a root-owned 0600 file. Now such a
     destination is refused, naming it and the attack, and the target is untouched."""
+    try:
+        pwd.getpwnam(ATTACKER)
+    except KeyError:  # the real second user (as tests/integration/test_hostile_user.py makes it)
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ATTACKER],
+                       check=True, capture_output=True)
     setup_code = {"others-writable": "os.mkdir(dest); os.chmod(dest, 0o777)",
                   "squatted": "attacker('mkdir', '-m', '777', dest)"}[setup]
     out = _isolated(_EXPORT_RACE.replace("SETUP", setup_code))
