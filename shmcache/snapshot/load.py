@@ -45,6 +45,7 @@ __all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_inde
 log = logging.getLogger("shmcache")
 
 _CHUNK_BYTES = 4 << 20  # read this much of a segment at once (whole records; a larger one alone)
+_RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN  # header, key, pads
 _BATCH_RAW_BYTES = 64 << 20  # store a chunk's records once they decode to this much (bombs do not add up)
 _U16 = fmt._U16
 
@@ -159,7 +160,8 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
     job = _Job(store, loc, report, progress_bar(progress, sum(s.size for s in manifest.segments),
                                                  f"import {store.session}/{store.name}", "B"))
     job.repeated = _repeated_hashes(indexes)
-    indexes = [_without_overlaps(index, report) for index in indexes]
+    indexes = [_within(seg, _without_overlaps(index, report), job.limit, report)
+               for seg, index in zip(manifest.segments, indexes)]
     units = [u for seg, index in zip(manifest.segments, indexes) for u in _chunks(seg, index)]
     workers = threads or min(4, os.cpu_count() or 1, max(1, len(units)))
     try:
@@ -188,6 +190,17 @@ def _without_overlaps(index: np.ndarray, report: ImportReport) -> np.ndarray:
     keep[1:] = offsets[1:] >= ends[:-1]
     report.overlapping += int(len(index) - keep.sum())
     return index[keep]
+
+
+def _within(seg: fmt.SegmentInfo, index: np.ndarray, limit: int, report: ImportReport) -> np.ndarray:
+    """The index less the entries longer on disk than any record of at most ``limit`` bytes can be:
+    counted damaged without a byte of them read (a forged entry must not size a read)."""
+    over = index["length"] > np.uint64(limit + _RECORD_SLACK)
+    if over.any():
+        report.damaged += int(over.sum())
+        offsets, lengths = index["offset"][over][:3].tolist(), index["length"][over][:3].tolist()
+        report.damaged_where += [f"{seg.file} at offset {off} (an entry of {n} bytes)" for off, n in zip(offsets, lengths)]
+    return index[~over]
 
 
 def _repeated_hashes(indexes: list[np.ndarray]) -> frozenset[int]:

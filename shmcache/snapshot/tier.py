@@ -134,6 +134,10 @@ class _Segment:
         return self.info.size - self.info.items * _ENTRY - fmt.FOOTER_BYTES
 
 
+# a record's bytes on disk beyond its payload: header, the longest key, padding
+_RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN
+
+
 class SnapshotTier:
     """A snapshot as a read-only ``tiers.Tier`` (NOTE [snapshot read-through]); ``offer`` ignores.
 
@@ -388,13 +392,22 @@ class SnapshotTier:
         cand = rows[first + np.arange(len(key_i))]
         seg_of, row_of = cand >> 40, cand & ((1 << 40) - 1)
         wanted: dict[int, list[tuple[int, int, int, int]]] = {}  # segment -> (key i, offset, length, check)
+        corrupt: list = []
+        room = self.max_batch_bytes + len(keys) * _RECORD_SLACK  # what the batch may read from the files
         for seg_n in np.unique(seg_of).tolist():
             sel = seg_of == seg_n
             e = indexes[seg_n][row_of[sel]]
-            wanted[seg_n] = list(zip(key_i[sel].tolist(), e["offset"].tolist(), e["length"].tolist(),
-                                     e["check"].tolist()))
+            rows = []
+            for row in zip(key_i[sel].tolist(), e["offset"].tolist(), e["length"].tolist(), e["check"].tolist()):
+                if row[2] > min(room, self.max_batch_bytes + _RECORD_SLACK):  # read nothing of it
+                    corrupt.append((seg_n, row[1], f"its index entry says {row[2]} bytes, more than the "
+                                                   f"{self.max_batch_bytes} a batch's values may have here"))
+                    continue
+                room -= row[2]
+                rows.append(row)
+            wanted[seg_n] = rows
         reads = self._read_local(wanted) if self.local else self._read_remote(wanted)
-        dctx, nbytes, corrupt, left = self._decompressor(), 0, [], self.max_batch_bytes
+        dctx, nbytes, left = self._decompressor(), 0, self.max_batch_bytes
         for seg_n, items in wanted.items():
             bufs = reads.get(seg_n)
             if bufs is None:
