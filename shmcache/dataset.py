@@ -434,7 +434,7 @@ class ShmDatasetCache:
         imported unless ``allow_unsigned=True``; pickled objects of a snapshot that is not signed are
         skipped unless ``allow_pickle=True`` (NOTE [record authentication]). Other keyword arguments
         go to ShmDatasetCache."""
-        from .snapshot.load import import_into, read_manifest
+        from .snapshot.load import import_into, read_manifest, replace_other_dataset
 
         loc, manifest = read_manifest(src, storage_options)
         from .snapshot.format import MANIFEST, authenticate
@@ -443,6 +443,9 @@ class ShmDatasetCache:
         authenticate(manifest, resolve_secret(kwargs.get("secret")), allow_unsigned, loc.where(MANIFEST))
         cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
         try:
+            if replace_other_dataset(cache.store, manifest, force):  # destroyed: a new incarnation
+                cache.close()
+                cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
             cache.last_import = import_into(cache.store, loc, manifest, force=force, threads=threads,
                                             progress=progress, secret=cache._secret or "",
                                             allow_pickle=cache.allow_pickle, allow_unsigned=allow_unsigned)

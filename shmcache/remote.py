@@ -84,7 +84,7 @@ import zstandard
 
 from . import tier_counts
 from .errors import InvalidArgument
-from .spill.format import pack_record, unpack_record
+from .spill.format import MAX_RAW_BYTES, pack_record, unpack_record
 from .trust import ENV_SECRET, FORGED, Mac
 
 __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
@@ -350,6 +350,9 @@ class RedisTier:
     names the cache (its name and fingerprint, not the session)."""
 
     name = "remote"
+    # the most bytes one batch's values may take in all (TieredStore lowers it to the cache's
+    # cap): values that each claim a GiB are refused past it, never all decoded
+    max_batch_bytes = MAX_RAW_BYTES
 
     def __init__(self, url: str | RemoteURL, identity: str, *, queue_items: int = QUEUE_ITEMS,
                  queue_bytes: int = QUEUE_BYTES, counts_path: str | os.PathLike | None = None,
@@ -488,6 +491,7 @@ class RedisTier:
             dctx = self._dctx.ctx = zstandard.ZstdDecompressor()
         out: list = []
         bad = forged = 0
+        left = self.max_batch_bytes
         for pkey, value in zip(pkeys, raw):
             if value is not None and self._mac is not None:
                 rkey = self.prefix + pkey
@@ -499,8 +503,10 @@ class RedisTier:
                     if "forged" not in self._logged:
                         self._say("forged", None, f" (the first: key {pkey!r})")
             if value is not None:
-                value, why = unpack_record(value, self.prefix + pkey, dctx)
-                if value is None:
+                value, why = unpack_record(value, self.prefix + pkey, dctx, limit=left)
+                if value is not None:
+                    left -= len(value)
+                else:
                     bad += 1
                     self._corrupt_logged(pkey, why)
             out.append(value)

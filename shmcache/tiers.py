@@ -203,6 +203,10 @@ class TieredStore:
         # a tier whose records are not authenticated (``tier.authenticated`` false) serves data,
         # never code: a pickled leaf is refused unless allowed (NOTE [record authentication])
         self.allow_pickle = allow_pickle
+        cap = getattr(local, "capacity_bytes", 0)
+        for tier in self.behind:  # a batch's values past the cache's cap are refused, never decoded
+            if cap and isinstance(getattr(tier, "max_batch_bytes", None), int):
+                tier.max_batch_bytes = min(tier.max_batch_bytes, cap)
         self._failed: set[tuple[str, str]] = set()  # (tier, method) that raised: logged once
         self.admitted = 0  # tier hits this process admitted into shared memory
         self.undecodable = 0  # tier records that passed their checks yet did not decode

@@ -87,6 +87,14 @@ def export_cache(store: Any, dest: str | os.PathLike, *, overwrite: bool = False
         raise SnapshotError(f"cache {store.session}/{store.name} has no shared memory (it could not be "
                             f"made), so there is nothing to export; make room in /dev/shm and fill it")
     loc = open_location(dest, storage_options)
+    try:
+        return _export(store, loc, overwrite, length, segment_bytes, level, progress)
+    finally:
+        loc.close()
+
+
+def _export(store: Any, loc: Location, overwrite: bool, length: int | None, segment_bytes: int, level: int,
+            progress: bool | None) -> ExportReport:
     _prepare(loc, overwrite)
     started = time.perf_counter()
     report = ExportReport(loc.url)
@@ -131,7 +139,9 @@ def export_cache(store: Any, dest: str | os.PathLike, *, overwrite: bool = False
 
 def _prepare(loc: Location, overwrite: bool) -> None:
     """Refuse an existing destination unless ``overwrite``; then make it take no old snapshot for
-    a new one: the old manifest goes first, then its segments."""
+    a new one: the old manifest goes first, then its segments. A local destination is made, or
+    checked to be the user's own and writable by no one else, before anything is listed there."""
+    loc.prepare_export()
     names = loc.listdir()
     if names and not overwrite:
         what = "a snapshot" if fmt.MANIFEST in names else f"{len(names)} file(s)"
@@ -146,7 +156,6 @@ def _prepare(loc: Location, overwrite: bool) -> None:
             loc.remove(fmt.MANIFEST)  # first: from now on the old snapshot no longer looks whole
         for name in names:
             loc.remove(name)
-        loc.makedirs()
     except SnapshotError:
         raise  # it names the file and the fix already
     except OSError as exc:

@@ -53,6 +53,11 @@ NOTE [snapshot format]
     truncated or mixed-up segment fails it without hashing the whole file at import; a flipped
     bit inside a record fails that record's own checks.
 
+    Reading trusts no count: local files are opened O_NOFOLLOW|O_NONBLOCK and must be regular
+    files (location.open_regular), the manifest has at most MAX_MANIFEST_BYTES, every number in it
+    is checked against what its segments can hold (_check_counts), and a record decodes to at most
+    the length it declares, within the reader's limit (spill.format.decompress_bounded).
+
     Writing order (export.py): every file is written as ``<name>.tmp`` and renamed when complete;
     the manifest is renamed last. An export over an existing snapshot (--overwrite) removes the
     old manifest first. So whatever dies half-way - the process, the disk filling up - leaves no
@@ -82,7 +87,7 @@ __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "HEADER_BYTES", "FOOTER_BYTES", "INDEX_DTYPE",
     "DEFAULT_SEGMENT_BYTES", "key_hash", "segment_name", "SegmentWriter", "SegmentInfo", "Footer",
     "parse_header", "parse_footer", "parse_index", "segment_digest", "read_record", "iter_records",
-    "find", "Manifest", "authenticate",
+    "find", "Manifest", "authenticate", "MAX_MANIFEST_BYTES", "MAX_LENGTH",
 ]
 
 FORMAT_NAME = "shmcache-snapshot"
@@ -92,6 +97,8 @@ SEGMENT_MAGIC = b"SHMCSNP\x00"
 FOOTER_MAGIC = b"SnapIdx\x00"
 ALIGN = 8
 DEFAULT_SEGMENT_BYTES = 512 << 20
+MAX_MANIFEST_BYTES = 64 << 20  # ~300,000 segments; a larger manifest.json is refused unread
+MAX_LENGTH = 1 << 40  # a dataset length beyond this is refused (a sampler allocates 8 bytes an item)
 
 _HEADER = struct.Struct("<8sHHI8xI4x")
 _FOOTER = struct.Struct("<8sHHIQQII")
@@ -384,11 +391,17 @@ def _check_counts(m: Manifest, where: str) -> None:
             raise bad(f"segment {s.file} has size", s.size)
         if not 0 <= s.items <= (s.size - fixed) // (INDEX_DTYPE.itemsize + records.RECORD_HEADER_BYTES):
             raise bad(f"segment {s.file} of {s.size} bytes has items", s.items)
-    if m.length is not None and not 0 <= m.length < 1 << 63:
-        raise bad("the dataset's length is", m.length)
+    if m.length is not None and not 0 <= m.length <= MAX_LENGTH:
+        raise SnapshotError(f"{where} says the dataset's length is {m.length!r}, beyond the {MAX_LENGTH} items a "
+                            f"snapshot may have (a sampler allocates 8 bytes per item): it is damaged or "
+                            f"forged: export the snapshot again")
     for name in ("items", "bytes", "stored_bytes"):
         if not 0 <= getattr(m, name) < 1 << 63:
             raise bad(f"{name} is", getattr(m, name))
+    if m.stored_bytes != sum(s.size for s in m.segments):
+        raise bad(f"stored_bytes (its segments have {sum(s.size for s in m.segments)}) is", m.stored_bytes)
+    if m.bytes > m.items * records.MAX_RAW_BYTES:
+        raise bad(f"{m.items} items of at most {records.MAX_RAW_BYTES} bytes each hold bytes", m.bytes)
 
 
 def describe_layouts(layouts: dict[bytes, int]) -> dict:

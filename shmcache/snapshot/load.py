@@ -39,11 +39,14 @@ from . import format as fmt
 from .export import progress_bar
 from .location import Location, open_location
 
-__all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_index", "ImportReport"]
+__all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_index", "ImportReport",
+           "replace_other_dataset"]
 
 log = logging.getLogger("shmcache")
 
 _CHUNK_BYTES = 4 << 20  # read this much of a segment at once (whole records; a larger one alone)
+_RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN  # header, key, pads
+_BATCH_RAW_BYTES = 64 << 20  # store a chunk's records once they decode to this much (bombs do not add up)
 _U16 = fmt._U16
 
 
@@ -61,6 +64,8 @@ class ImportReport:
     damaged: int = 0  # records that failed their checks: skipped
     forged: int = 0  # records without the job's MAC (a signed snapshot, read with the secret): skipped
     pickled: int = 0  # records holding a pickled object, not authenticated: refused unread
+    duplicates: int = 0  # index entries of a key already imported: skipped, not counted as imported
+    overlapping: int = 0  # index entries sharing bytes with the entry before them: skipped
     bytes: int = 0  # segment bytes read
     seconds: float = 0.0
     length: int | None = None
@@ -88,6 +93,12 @@ class ImportReport:
         if self.pickled:
             text += (f"; {self.pickled} record(s) hold a pickled object and were skipped unread "
                      f"(the snapshot is not signed with this job's secret): {PICKLE_HINT}")
+        if self.duplicates:
+            text += (f"; {self.duplicates} index entr{'y' if self.duplicates == 1 else 'ies'} named a key "
+                     f"already imported (a duplicate: the snapshot is damaged or forged) and were skipped")
+        if self.overlapping:
+            text += (f"; {self.overlapping} index entr{'y' if self.overlapping == 1 else 'ies'} shared bytes "
+                     f"with another (overlapping: the snapshot is damaged or forged) and were skipped")
         return text
 
 
@@ -95,7 +106,7 @@ def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -
     """The snapshot's location and manifest; SnapshotError if there is no whole snapshot there."""
     loc = open_location(src, storage_options)
     try:
-        data = loc.read_bytes(fmt.MANIFEST)
+        data = loc.read_bytes(fmt.MANIFEST, fmt.MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         names = loc.listdir()
         half = any(n.endswith(".tmp") or n.endswith(".shms") for n in names)
@@ -129,8 +140,18 @@ def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str 
 
         registry, name_s = SessionRegistry(namespace()), resolve_session_name(session)
         spill_dir = resolve_spill_dir(spill_dir, registry.get(name_s).spill_dir if registry.exists(name_s) else None)
-    store = CacheStore(resolve_session_name(session), name or manifest.name, capacity_bytes=size_mb << 20,
-                       table_hint=manifest.items)
+
+    def opened() -> CacheStore:
+        return CacheStore(resolve_session_name(session), name or manifest.name, capacity_bytes=size_mb << 20,
+                          table_hint=manifest.items)
+
+    store = opened()
+    try:
+        if replace_other_dataset(store, manifest, force):
+            store = opened()
+    except BaseException:
+        store.close()
+        raise
     try:
         if spilling:
             from ..spill import tier
@@ -167,6 +188,9 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
     job = _Job(store, loc, report, progress_bar(progress, sum(s.size for s in manifest.segments),
                                                  f"import {store.session}/{store.name}", "B"),
                mac, fmt_ident(manifest), allow_pickle or mac is not None)
+    job.repeated = _repeated_hashes(indexes)
+    indexes = [_within(seg, _without_overlaps(index, report), job.limit, report)
+               for seg, index in zip(manifest.segments, indexes)]
     units = [u for seg, index in zip(manifest.segments, indexes) for u in _chunks(seg, index)]
     workers = threads or min(4, os.cpu_count() or 1, max(1, len(units)))
     try:
@@ -177,9 +201,47 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
         job.bar.close()
     report.spilled = max(0, store.stats().get("items_disk", 0) - spilled_before)
     report.seconds = time.perf_counter() - started
-    if report.rejected or report.damaged or report.forged or report.pickled:
+    if report.rejected or report.damaged or report.forged or report.pickled or report.duplicates \
+            or report.overlapping:
         log.warning("%s", report)
     return report
+
+
+def _without_overlaps(index: np.ndarray, report: ImportReport) -> np.ndarray:
+    """The index less the entries that start inside the bytes of the entry before them (in file
+    order): two entries sharing bytes cannot both be records, and reading both would store one
+    record twice and report an item that is not there. Counted in ``report.overlapping``."""
+    if len(index) < 2:
+        return index
+    index = index[np.argsort(index["offset"], kind="stable")]
+    offsets = index["offset"].astype(np.int64)
+    ends = np.maximum.accumulate(offsets + index["length"].astype(np.int64))
+    keep = np.ones(len(index), bool)
+    keep[1:] = offsets[1:] >= ends[:-1]
+    report.overlapping += int(len(index) - keep.sum())
+    return index[keep]
+
+
+def _within(seg: fmt.SegmentInfo, index: np.ndarray, limit: int, report: ImportReport) -> np.ndarray:
+    """The index less the entries longer on disk than any record of at most ``limit`` bytes can be:
+    counted damaged without a byte of them read (a forged entry must not size a read)."""
+    over = index["length"] > np.uint64(limit + _RECORD_SLACK)
+    if over.any():
+        report.damaged += int(over.sum())
+        offsets, lengths = index["offset"][over][:3].tolist(), index["length"][over][:3].tolist()
+        report.damaged_where += [f"{seg.file} at offset {off} (an entry of {n} bytes)" for off, n in zip(offsets, lengths)]
+    return index[~over]
+
+
+def _repeated_hashes(indexes: list[np.ndarray]) -> frozenset[int]:
+    """The index words that more than one entry of the snapshot carries: only a record with one of
+    these can repeat a key (a portable key starts with its index word), so only those keys are
+    remembered to find duplicates."""
+    if not indexes:
+        return frozenset()
+    hashes = np.sort(np.concatenate([i["hash"] for i in indexes]))
+    same = hashes[1:] == hashes[:-1]
+    return frozenset(hashes[1:][same].tolist())
 
 
 def _chunks(seg: fmt.SegmentInfo, index: np.ndarray):
@@ -209,6 +271,10 @@ def read_segment_index(loc: Location, seg: fmt.SegmentInfo, number: int) -> np.n
                                 f"the snapshot again, or export it again")
         fmt.parse_header(loc.read_range(seg.file, 0, fmt.HEADER_BYTES), where, number)
         footer = fmt.parse_footer(loc.read_range(seg.file, size - fmt.FOOTER_BYTES, size), size, where)
+        if footer.count != seg.items:  # before the index is read: its size is the manifest's, checked
+            raise SnapshotError(f"{where} holds {footer.count} index entries, the manifest says {seg.items}: "
+                                f"it was replaced or mixed with another snapshot's; copy the snapshot "
+                                f"again, or export it again")
         body = loc.read_range(seg.file, footer.index_offset, footer.index_offset + footer.index_bytes)
     except FileNotFoundError:
         raise SnapshotError(f"segment {where} is missing (the manifest names it); copy the whole "
@@ -225,21 +291,46 @@ def read_segment_index(loc: Location, seg: fmt.SegmentInfo, number: int) -> np.n
     return index
 
 
+def replace_other_dataset(store: Any, manifest: fmt.Manifest, force: bool) -> bool:
+    """If ``store`` holds another dataset than the snapshot: CacheMismatch, unless ``force``, which
+    destroys that cache - its root tombstoned first, as ``shmcache destroy --force`` does - and
+    answers True: the caller opens the cache again (a new, empty incarnation) and imports into
+    that. A clear() would not do: processes still reading the old dataset would find the
+    snapshot's values under their keys and take them for theirs; tombstoned, their handles miss
+    (and their writes raise CacheNotFound) from then on."""
+    if getattr(store, "uncached", False):
+        return False
+    fp = manifest.fingerprint
+    known = store.read_meta().get("fingerprint")
+    if not (fp and known and known != fp):
+        return False
+    if not force:
+        raise CacheMismatch(
+            f"cache {store.session}/{store.name} holds another dataset (fingerprint {known}) than "
+            f"the snapshot (fingerprint {fp}, of {manifest.session}/{manifest.name}); import it "
+            f"under another name (--name), or pass --force (force=True) to replace that cache "
+            f"(processes still reading it then miss: they recompute or stop, never read the snapshot's "
+            f"values as theirs)")
+    log.warning("cache %s/%s held another dataset (fingerprint %s): destroyed for the import of %s "
+                "(processes still reading it miss from now on)", store.session, store.name, known, fp)
+    store.destroy()
+    return True
+
+
 def _bind(store: Any, manifest: fmt.Manifest, force: bool) -> None:
     """Record the snapshot's dataset (fingerprint) and length in the cache; a cache holding another
-    dataset is refused (CacheMismatch) unless ``force``, which clears it first."""
+    dataset is refused (CacheMismatch): ``force`` replaces it only through
+    :func:`replace_other_dataset`, before the store is handed here."""
     if getattr(store, "uncached", False):
         return
     fp = manifest.fingerprint
     known = store.read_meta().get("fingerprint")
     if fp and known and known != fp:
-        if not force:
-            raise CacheMismatch(
-                f"cache {store.session}/{store.name} holds another dataset (fingerprint {known}) than "
-                f"the snapshot (fingerprint {fp}, of {manifest.session}/{manifest.name}); import it "
-                f"under another name (--name), or pass --force (force=True) to replace that cache's "
-                f"contents")
-        store.clear()
+        raise CacheMismatch(
+            f"cache {store.session}/{store.name} holds another dataset (fingerprint {known}) than "
+            f"the snapshot (fingerprint {fp}, of {manifest.session}/{manifest.name}); import it "
+            f"under another name (--name), or pass --force (force=True) to import_snapshot or "
+            f"ShmDatasetCache.from_snapshot, which replace that cache")
     with store.locked():  # the cache's metadata is only ever rewritten under its lock
         meta = store.read_meta()
         if fp:
@@ -261,36 +352,64 @@ class _Job:
         self.report = report
         self.bar = bar
         self.lock = threading.Lock()  # the report's counters and the bar
+        self.repeated: frozenset[int] = frozenset()  # index words more than one entry carries
+        self.seen: set[bytes] = set()  # the keys imported with one of those words
+        # a record may decode to no more than the cache can hold (the spill files: any item)
+        cap = getattr(store, "capacity_bytes", 0)
+        self.limit = records.MAX_RAW_BYTES if getattr(store, "spill", None) is not None or not cap \
+            else min(records.MAX_RAW_BYTES, cap)
         self._local = threading.local()  # a zstd decompressor per thread
 
     def chunk(self, seg: fmt.SegmentInfo, start: int, end: int, offsets: list[int], lengths: list[int]) -> None:
         """Read records [start, end) of a segment in one read, check them, store them in one batch."""
         buf = memoryview(self._read(seg, start, end))
         dctx = self._dctx()
-        items, damaged, forged, pickled = [], [], 0, 0
+        items, damaged, raw, stored, rejected, duplicates, forged, pickled = [], [], 0, 0, 0, 0, 0, 0
         for off, length in zip(offsets, lengths):
             item = self._checked(buf[off - start:off - start + length], dctx)
             if item is _FORGED:
                 forged += 1
-            elif item is _PICKLED:
+                continue
+            if item is _PICKLED:
                 pickled += 1
-            elif item is None:
+                continue
+            if item is None:
                 damaged.append(f"{seg.file} at offset {off}")
-            else:
-                items.append(item)
-        stored = sum(self.store.put_records(items)) if items else 0
+                continue
+            if self._repeats(item[2]):
+                duplicates += 1
+                continue
+            items.append(item[:2])
+            raw += len(item[1])
+            if raw >= _BATCH_RAW_BYTES:  # decoded values are stored before more are decoded
+                done = sum(self.store.put_records(items))
+                stored, rejected, items, raw = stored + done, rejected + len(items) - done, [], 0
+        if items:
+            done = sum(self.store.put_records(items))
+            stored, rejected = stored + done, rejected + len(items) - done
         if _CRASH_TESTS:
             crash_point("snapshot_chunk")  # a chunk stored, the import not finished
         with self.lock:
             r = self.report
             r.imported += stored
-            r.rejected += len(items) - stored
+            r.rejected += rejected
+            r.duplicates += duplicates
             r.damaged += len(damaged)
             r.forged += forged
             r.pickled += pickled
             r.bytes += end - start
             r.damaged_where += damaged[:3]
             self.bar.update(end - start)
+
+    def _repeats(self, pkey: bytes) -> bool:
+        """Whether ``pkey`` was imported already (another entry of the same key: a duplicate)."""
+        if fmt.key_hash(pkey) not in self.repeated:
+            return False
+        with self.lock:
+            if pkey in self.seen:
+                return True
+            self.seen.add(pkey)
+            return False
 
     def _dctx(self) -> Any:
         dctx = getattr(self._local, "dctx", None)
@@ -309,7 +428,7 @@ class _Job:
         return buf
 
     def _checked(self, view: memoryview, dctx: Any) -> Any:
-        """``(key, portable record)`` of one record, or None if it fails any check (damaged),
+        """``(key, portable record, portable key)`` of one record, or None if it fails any check (damaged),
         _FORGED if it lacks the job's MAC, _PICKLED if it holds a pickled leaf that may not be
         read. Nothing is decoded, nothing unpickled: the layout is checked (codec.check_layout)."""
         if len(view) < records.RECORD_HEADER_BYTES:
@@ -320,7 +439,7 @@ class _Job:
             view, verdict = self.mac.open(self.ident + pkey, view)
             if verdict == FORGED:
                 return _FORGED
-        payload, _ = records.unpack_record(view, pkey, dctx, copy=False)  # raw: a view of the read
+        payload, _ = records.unpack_record(view, pkey, dctx, copy=False, limit=self.limit)  # raw: a view
         if payload is None:
             return None
         try:
@@ -331,7 +450,7 @@ class _Job:
         # writes, its leaves inside it, and a pickled leaf only from an authenticated snapshot
         why = untrusted_problem(payload, self.allow_pickle)
         if why is None:
-            return key, payload
+            return key, payload, pkey
         return _PICKLED if why.startswith("pickle: ") else None
 
 

@@ -12,15 +12,54 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ..config import _user
 from ..errors import InvalidArgument, SnapshotError
 
-__all__ = ["Location", "open_location", "SPACE_ERRNOS", "mask_url", "scrub_secret"]
+__all__ = ["Location", "open_location", "SPACE_ERRNOS", "mask_url", "scrub_secret", "open_regular"]
 
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _WRITE_BUFFER = 8 << 20
+# a snapshot's local files are input from a stranger: never follow a link at the name, never block
+# on open (a FIFO), and fstat before any read
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket"}
+
+
+def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of the regular file at ``path`` and its fstat: opened with
+    O_NOFOLLOW|O_NONBLOCK (a symlink at the name, or a FIFO, never makes a read follow it or
+    wait), and checked to be a regular file before anything is read; SnapshotError naming the
+    path otherwise. FileNotFoundError passes through (the callers name a missing file)."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise SnapshotError(f"{path} is a symbolic link: a snapshot's files are read only as regular files "
+                            f"(a link may lead to /dev/zero, a FIFO or another user's file); copy the "
+                            f"snapshot with the files themselves (cp -rL)") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(st.st_mode):
+            raise SnapshotError(f"{path} is {_KINDS.get(stat.S_IFMT(st.st_mode), 'not a file')}, not a regular "
+                                f"file: a snapshot's files are regular files (reading this one could block "
+                                f"or never end); copy the snapshot again")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _too_large(where: str, size: int, limit: int) -> SnapshotError:
+    return SnapshotError(f"{where} is {size} bytes, more than the {limit} such a file may have: it is not "
+                         f"what `shmcache export` writes (damaged or hostile); export the snapshot again")
 
 
 def open_location(where: str | os.PathLike, storage_options: dict | None = None) -> Location:
@@ -80,6 +119,13 @@ class Location:
 
     url: str
 
+    def prepare_export(self) -> None:
+        """Make the destination ready for an export's files (before anything is listed there)."""
+        self.makedirs()
+
+    def close(self) -> None:
+        pass
+
     def where(self, name: str = "") -> str:
         return f"{self.url.rstrip('/')}/{name}" if name else self.url
 
@@ -99,45 +145,113 @@ class LocalLocation(Location):
     def __init__(self, path: Path):
         self.path = path
         self.url = str(path)
+        self._dir_fd: int | None = None  # the export's destination, checked (prepare_export)
 
-    def makedirs(self) -> None:
+    def prepare_export(self) -> None:
+        """Make the destination directory, or accept an existing one only if it is ours and no one
+        else can write to it; from then on every file is made, renamed and removed relative to the
+        descriptor of what was checked (NOTE [snapshot format], Writing where no one else reaches)."""
+        if self._dir_fd is not None:
+            return
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(self.path, 0o755)
+            except FileExistsError:
+                pass
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except (FileExistsError, NotADirectoryError):  # the path, or one of its parents, is a file
+            if self.path.is_symlink():  # O_DIRECTORY|O_NOFOLLOW on a link: ENOTDIR
+                raise SnapshotError(f"the export destination {self.path} is a symbolic link: an export never "
+                                    f"writes through a link (another user may have planted it to make you "
+                                    f"write where they point); pass the real directory") from None
             file = next((p for p in (self.path, *self.path.parents) if p.is_file()), self.path)
             raise SnapshotError(f"{file} is a file, not a directory: a snapshot is a directory of "
                                 f"files; pass a new directory (or a URL such as s3://bucket/snap)") from None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise SnapshotError(f"the export destination {self.path} is a symbolic link: an export never "
+                                    f"writes through a link (another user may have planted it to make you "
+                                    f"write where they point); pass the real directory") from None
             raise self.error(exc, "create the directory") from None
+        st = os.fstat(fd)
+        why = None
+        if st.st_uid != os.getuid():
+            why = f"belongs to uid {st.st_uid} ({_user(st.st_uid)}), not to you (uid {os.getuid()})"
+        elif st.st_mode & 0o022:
+            who = "group and others" if st.st_mode & 0o002 else "its group"
+            why = f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):#o})"
+        if why is not None:
+            os.close(fd)
+            raise SnapshotError(
+                f"the export destination {self.path} {why}: someone else could plant a symlink at a name "
+                f"the export writes (manifest.json.tmp) and make it overwrite a file they cannot write; "
+                f"export into a new directory (it is created) or one of your own that only you can write "
+                f"(chmod go-w)")
+        self._dir_fd = fd
+
+    def close(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
     def listdir(self) -> list[str]:
         try:
+            if self._dir_fd is not None:
+                return sorted(os.listdir(self._dir_fd))
             return sorted(os.listdir(self.path)) if self.path.is_dir() else []
         except OSError as exc:
             raise self.error(exc, "list") from None
 
     def open_write(self, name: str) -> BinaryIO:
-        return open(self.path / name, "wb", buffering=_WRITE_BUFFER)  # noqa: SIM115 - the caller closes
+        """A new file ``name`` (O_CREAT|O_EXCL|O_NOFOLLOW: never an existing file, never a link)."""
+        self.prepare_export()
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
+                         dir_fd=self._dir_fd)
+        except FileExistsError:
+            raise SnapshotError(f"{self.where(name)} appeared while the export ran (someone else made it: "
+                                f"an export never writes into a file it did not create); export again into "
+                                f"a directory only you can write") from None
+        return os.fdopen(fd, "wb", buffering=_WRITE_BUFFER)
 
     def rename(self, src: str, dst: str) -> None:
-        os.replace(self.path / src, self.path / dst)
+        self.prepare_export()
+        os.replace(src, dst, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
 
     def remove(self, name: str) -> None:
         try:
-            os.unlink(self.path / name)
+            if self._dir_fd is not None:
+                os.unlink(name, dir_fd=self._dir_fd)
+            else:
+                os.unlink(self.path / name)
         except FileNotFoundError:
             pass
 
-    def read_bytes(self, name: str) -> bytes:
-        with open(self.path / name, "rb") as f:
-            return f.read()
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        """The whole file, which may have at most ``limit`` bytes (else SnapshotError)."""
+        fd, st = open_regular(self.path / name)
+        try:
+            if st.st_size > limit:
+                raise _too_large(self.where(name), st.st_size, limit)
+            data = os.pread(fd, limit + 1, 0)
+            if len(data) > limit:  # it grew since fstat
+                raise _too_large(self.where(name), len(data), limit)
+            return data
+        finally:
+            os.close(fd)
 
     def size(self, name: str) -> int:
-        return os.stat(self.path / name).st_size
+        fd, st = open_regular(self.path / name)
+        os.close(fd)
+        return st.st_size
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
-        with open(self.path / name, "rb", buffering=0) as f:
-            return os.pread(f.fileno(), end - start, start)
+        fd, _ = open_regular(self.path / name)
+        try:
+            return os.pread(fd, end - start, start)
+        finally:
+            os.close(fd)
 
 
 class FsspecLocation(Location):
@@ -182,9 +296,13 @@ class FsspecLocation(Location):
         except FileNotFoundError:
             pass
 
-    def read_bytes(self, name: str) -> bytes:
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        """The whole object, which may have at most ``limit`` bytes (else SnapshotError)."""
         with _as_oserror():
-            return self.fs.cat_file(self._p(name))
+            data = self.fs.cat_file(self._p(name), start=0, end=limit + 1)
+        if len(data) > limit:
+            raise _too_large(self.where(name), len(data), limit)
+        return data
 
     def size(self, name: str) -> int:
         with _as_oserror():

@@ -71,7 +71,7 @@ from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..spill import format as records
 from ..trust import FORGED, snapshot_ident
 from . import format as fmt
-from .location import FsspecLocation, LocalLocation, mask_url, open_location, scrub_secret
+from .location import FsspecLocation, LocalLocation, mask_url, open_location, open_regular, scrub_secret
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
            "stats_keys", "check_options", "manifest_of"]
@@ -145,6 +145,10 @@ class _Segment:
         return self.info.size - self.info.items * _ENTRY - fmt.FOOTER_BYTES
 
 
+# a record's bytes on disk beyond its payload: header, the longest key, padding
+_RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN
+
+
 class SnapshotTier:
     """A snapshot as a read-only ``tiers.Tier`` (NOTE [snapshot read-through]); ``offer`` ignores.
 
@@ -154,6 +158,9 @@ class SnapshotTier:
 
     name = "snapshot"
     read_only = True  # TieredStore.put offers it nothing (NOTE [tiers])
+    # the most bytes one batch's values may take in all (TieredStore lowers it to the cache's
+    # cap): a batch of records that each claim a GiB is refused past it, never all decoded
+    max_batch_bytes = records.MAX_RAW_BYTES
 
     def __init__(self, url: str | os.PathLike, *, force: bool = False, storage_options: dict | None = None,
                  timeout_s: float = 10.0, counts_path: str | os.PathLike | None = None,
@@ -217,7 +224,7 @@ class SnapshotTier:
         """Read and check manifest.json; SnapshotError when there is no snapshot of this version,
         _Fault when the store cannot be reached (try again later)."""
         try:
-            data = self._call(lambda: self.loc.read_bytes(fmt.MANIFEST), "read")
+            data = self._call(lambda: self.loc.read_bytes(fmt.MANIFEST, fmt.MAX_MANIFEST_BYTES), "read")
         except FileNotFoundError:
             raise SnapshotError(f"snapshot={self.url}: {self.loc.where(fmt.MANIFEST)} does not exist: no "
                                 f"whole snapshot is there; pass the directory or URL `shmcache export` "
@@ -410,13 +417,22 @@ class SnapshotTier:
         cand = rows[first + np.arange(len(key_i))]
         seg_of, row_of = cand >> 40, cand & ((1 << 40) - 1)
         wanted: dict[int, list[tuple[int, int, int, int]]] = {}  # segment -> (key i, offset, length, check)
+        corrupt: list = []
+        room = self.max_batch_bytes + len(keys) * _RECORD_SLACK  # what the batch may read from the files
         for seg_n in np.unique(seg_of).tolist():
             sel = seg_of == seg_n
             e = indexes[seg_n][row_of[sel]]
-            wanted[seg_n] = list(zip(key_i[sel].tolist(), e["offset"].tolist(), e["length"].tolist(),
-                                     e["check"].tolist()))
+            rows = []
+            for row in zip(key_i[sel].tolist(), e["offset"].tolist(), e["length"].tolist(), e["check"].tolist()):
+                if row[2] > min(room, self.max_batch_bytes + _RECORD_SLACK):  # read nothing of it
+                    corrupt.append((seg_n, row[1], f"its index entry says {row[2]} bytes, more than the "
+                                                   f"{self.max_batch_bytes} a batch's values may have here"))
+                    continue
+                room -= row[2]
+                rows.append(row)
+            wanted[seg_n] = rows
         reads = self._read_local(wanted) if self.local else self._read_remote(wanted)
-        dctx, nbytes, corrupt, forged = self._decompressor(), 0, [], []
+        dctx, nbytes, left, forged = self._decompressor(), 0, self.max_batch_bytes, []
         for seg_n, items in wanted.items():
             bufs = reads.get(seg_n)
             if bufs is None:
@@ -438,9 +454,10 @@ class SnapshotTier:
                         forged.append((seg_n, offset))
                         continue
                 if why is None:
-                    payload, why = records.unpack_record(buf, key, dctx)
+                    payload, why = records.unpack_record(buf, key, dctx, limit=left)
                 if payload is not None:
                     out[i] = payload
+                    left -= len(payload)
                 elif why != "it holds another key" and not why.startswith("its key is"):
                     corrupt.append((seg_n, offset, why))  # (another key's intact record: a collision)
         with self._lock:
@@ -601,7 +618,7 @@ class SnapshotTier:
     def _fd(self, seg: _Segment) -> int:
         fd = self._fds.get(seg.number)
         if fd is None:
-            fd = os.open(self.loc.path / seg.info.file, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_regular(self.loc.path / seg.info.file)[0]  # no link followed, no FIFO waited on
             self._fds[seg.number] = fd
         return fd
 

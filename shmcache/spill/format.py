@@ -20,7 +20,7 @@ import numpy as np
 import zstandard
 
 __all__ = ["pack_record", "unpack_record", "record_problem", "RECORD_HEADER_BYTES", "FILE_HEADER_BYTES",
-           "MAX_KEY_BYTES", "ALIGN", "FLAG_ZSTD"]
+           "MAX_KEY_BYTES", "MAX_RAW_BYTES", "ALIGN", "FLAG_ZSTD", "decompress_bounded"]
 
 # NOTE [spill records]
 #
@@ -101,6 +101,10 @@ FILE_HEADER_BYTES = _FILE_HDR.size  # 32
 RECORD_HEADER_BYTES = _REC_HDR.size  # 32
 _HEAD_CHECKED = 28  # the head check covers the record header up to itself, then the key
 MAX_KEY_BYTES = (1 << 16) - 1
+# The most bytes a record may claim (store.MAX_RECORD: no item larger is ever stored); a caller
+# that knows a smaller bound (the cache's cap, what is left of a batch's) passes it as ``limit``.
+MAX_RAW_BYTES = (1 << 32) - 1
+_ONE_SHOT_BELOW = 1 << 20  # a frame that declares its exact size decodes in one call below this
 _BLOCK_WORDS = 512  # body check: one uint64 sum per 4 KiB block ...
 _CRC_BELOW = 8192  # ... for stored bytes this long; shorter ones are faster with plain crc32
 _WORD = np.dtype("<u8")
@@ -220,22 +224,59 @@ def record_problem(buf: Buffer, key: bytes) -> tuple[_Head | None, str | None]:
 
 
 def unpack_record(buf: Buffer, key: bytes, dctx: zstandard.ZstdDecompressor, *,
-                  copy: bool = True) -> tuple[Buffer | None, str | None]:
+                  copy: bool = True, limit: int = MAX_RAW_BYTES) -> tuple[Buffer | None, str | None]:
     """The payload of the record in ``buf``, or (None, why) if it is not an intact record of
     ``key``; never raises for bad bytes. ``copy``: a fresh bytearray (writable, the caller's own);
     else a raw record's payload is a view of ``buf`` and a zstd one the decompressed bytes (an
-    import stores them straight into shared memory: no copy in between)."""
+    import stores them straight into shared memory: no copy in between). ``limit``: the most
+    bytes the payload may have; a record that claims more is refused before anything is
+    allocated, and a zstd frame is never decoded past the record's own raw length (a 40 KB frame
+    that expands to 1 GiB costs at most what the record declared, within ``limit``)."""
     head, why = record_problem(buf, key)
     if head is None:
         return None, why
+    if head.raw_len > limit:
+        return None, (f"it claims {head.raw_len} bytes, more than the {limit} a value may have here "
+                      f"(hostile or damaged)")
     start = RECORD_HEADER_BYTES + len(key) + _pad(len(key))
     stored = memoryview(buf).cast("B")[start:start + head.stored_len]
     if not head.flags & FLAG_ZSTD:
         return (bytearray(stored) if copy else stored), None
+    out, why = decompress_bounded(dctx, stored, head.raw_len)
+    if out is None:
+        return None, why
+    return (bytearray(out) if copy and not isinstance(out, bytearray) else out), None
+
+
+def decompress_bounded(dctx: zstandard.ZstdDecompressor, stored: Buffer,
+                       raw_len: int) -> tuple[Buffer | None, str | None]:
+    """The one zstd frame ``stored`` decoded to exactly ``raw_len`` bytes, or (None, why); never
+    more than ``raw_len`` bytes are allocated or decoded, whatever the frame claims or holds, and
+    no zstd error or MemoryError escapes. A frame whose header declares exactly ``raw_len``
+    decodes in one call when small (libzstd writes into a buffer of that size and fails on more);
+    any other, and every large one, streams into one buffer of ``raw_len`` bytes and stops there."""
     try:
-        out = dctx.decompress(stored, max_output_size=head.raw_len)
+        declared = zstandard.frame_content_size(stored)
+        if declared >= 0 and declared != raw_len:
+            return None, f"its zstd frame declares {declared} bytes, the record {raw_len}"
+        if declared == raw_len < _ONE_SHOT_BELOW:
+            out: Buffer = dctx.decompress(stored)
+            filled, more = len(out), False
+        else:
+            out = bytearray(raw_len)
+            view, filled = memoryview(out), 0
+            with dctx.stream_reader(stored, read_across_frames=False, closefd=False) as reader:
+                while filled < raw_len:
+                    n = reader.readinto(view[filled:])
+                    if not n:
+                        break
+                    filled += n
+                more = bool(reader.read(1))
+            view.release()
     except zstandard.ZstdError as exc:
         return None, f"zstd cannot decode it: {exc}"
-    if len(out) != head.raw_len:
-        return None, f"it decompresses to {len(out)} bytes, not {head.raw_len}"
-    return (bytearray(out) if copy else out), None
+    except MemoryError:
+        return None, f"its {raw_len} bytes cannot be allocated here"
+    if filled != raw_len or more:
+        return None, f"it decompresses to {'more than ' if more else ''}{filled} bytes, not {raw_len}"
+    return out, None

@@ -192,7 +192,7 @@ def test_the_readme_quick_start_runs_and_its_second_run_is_warm(tmp_path):
     assert [e for e, *_ in lines] == ["1", "2"], first
     (_, items, _, misses), (_, items2, hits2, misses2) = lines
     assert items == items2 == "64" and misses2 == misses and int(hits2) >= 64
-    assert re.search(r"default\s+PhotoCrops-\w+\s+64\s", first), first  # the stat table it prints
+    assert re.search(r"default\s+PhotoCrops-\w+\s+PhotoCrops\s+64\s", first), first  # the stat table it prints
     second = _run(cmd[:-1] + ["64", "--photo-epochs", "1"], tmp_path, _env(), timeout=110)
     (_, items3, _, misses3), = re.findall(r"\[photos\] epoch\s+(\d+).*cache: (\d+) items, (\d+) hits, "
                                           r"(\d+) misses", second)
