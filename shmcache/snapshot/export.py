@@ -88,13 +88,13 @@ def export_cache(store: Any, dest: str | os.PathLike, *, overwrite: bool = False
                             f"made), so there is nothing to export; make room in /dev/shm and fill it")
     loc = open_location(dest, storage_options)
     try:
-        return _export(store, loc, overwrite, length, segment_bytes, level, progress)
+        return _export(store, loc, overwrite, length, segment_bytes, level, progress, key)
     finally:
         loc.close()
 
 
 def _export(store: Any, loc: Location, overwrite: bool, length: int | None, segment_bytes: int, level: int,
-            progress: bool | None) -> ExportReport:
+            progress: bool | None, key: bytes | None) -> ExportReport:
     _prepare(loc, overwrite)
     started = time.perf_counter()
     report = ExportReport(loc.url)

@@ -34,7 +34,7 @@ from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..registry import write_json
 from ..spill import format as records
 from ..tiers import key_of_portable, untrusted_problem
-from ..trust import FORGED, PICKLE_HINT, resolve_secret, snapshot_ident
+from ..trust import FORGED, PICKLE_HINT, TRAILER_BYTES, resolve_secret, snapshot_ident
 from . import format as fmt
 from .export import progress_bar
 from .location import Location, open_location
@@ -45,7 +45,8 @@ __all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_inde
 log = logging.getLogger("shmcache")
 
 _CHUNK_BYTES = 4 << 20  # read this much of a segment at once (whole records; a larger one alone)
-_RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN  # header, key, pads
+# header, key, pads and a MAC's trailer: what an index entry may add to the record's decoded bytes
+_RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN + TRAILER_BYTES
 _BATCH_RAW_BYTES = 64 << 20  # store a chunk's records once they decode to this much (bombs do not add up)
 _U16 = fmt._U16
 
@@ -229,7 +230,8 @@ def _within(seg: fmt.SegmentInfo, index: np.ndarray, limit: int, report: ImportR
     if over.any():
         report.damaged += int(over.sum())
         offsets, lengths = index["offset"][over][:3].tolist(), index["length"][over][:3].tolist()
-        report.damaged_where += [f"{seg.file} at offset {off} (an entry of {n} bytes)" for off, n in zip(offsets, lengths)]
+        report.damaged_where += [f"{seg.file} at offset {off} (an entry of {n} bytes)"
+                                 for off, n in zip(offsets, lengths)]
     return index[~over]
 
 

@@ -69,7 +69,7 @@ import zstandard
 from .. import tier_counts
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..spill import format as records
-from ..trust import FORGED, snapshot_ident
+from ..trust import FORGED, TRAILER_BYTES, snapshot_ident
 from . import format as fmt
 from .location import FsspecLocation, LocalLocation, mask_url, open_location, open_regular, scrub_secret
 
@@ -146,7 +146,7 @@ class _Segment:
 
 
 # a record's bytes on disk beyond its payload: header, the longest key, padding
-_RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN
+_RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN + TRAILER_BYTES
 
 
 class SnapshotTier:
