@@ -86,7 +86,7 @@ def test_example_trains_under_the_launcher_with_one_shared_cache():
     assert acc > 80.0, out
     # one cache per dataset for both ranks: each item stored once
     stat_rows = [line.split() for line in out.splitlines() if line.startswith("quick ")]
-    items = {row[1].split("-")[0]: int(row[2]) for row in stat_rows}
+    items = {row[1].split("-")[0]: int(row[3]) for row in stat_rows}  # session, cache, dataset, items
     assert items["PhotoCrops"] == 64, out
     # 1500 training digits, plus the (up to 3) items wrap() reads to fingerprint the dataset
     assert 1500 <= items["Digits"] <= 1503, out
