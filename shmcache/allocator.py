@@ -63,8 +63,14 @@ class ClassTable:
         return self.offset + 32 * cls
 
     def get(self, cls: int) -> tuple[int, int, int]:
-        """``(chunk size, bump, committed chunks)``; chunk size 0 means the class is unused."""
-        return _U64x4.unpack_from(self.buf, self._off(cls))[:3]
+        """``(chunk size, bump, committed chunks)``; chunk size 0 means the class is unused. The
+        bump is loaded first, on its own: a writer commits, fences, then moves the bump (store.py
+        _commit), so a reader that sees a bump sees the committed count it needs (``bump <=
+        committed``, NOTE [publish order]); one unpack of all three may load them in any order."""
+        w = self._off(cls) >> 3
+        words = self._words
+        bump = words[w + 1]
+        return words[w], bump, words[w + 2]
 
     def chunk_size(self, cls: int) -> int:
         return _U64.unpack_from(self.buf, self._off(cls))[0]
