@@ -42,6 +42,37 @@ NOTE [publish order]
     one whose record turned out corrupt: readers verify every spilled record they read (key,
     lengths, checksum), so any mix of old and new location words is a right value or a miss.
 
+    Memory ordering (ordering.py). All of the above says "after" of stores that other processes
+    load without a lock; on x86-64 (TSO) the order of a writer's stores is the order every reader
+    sees, and nothing more is done. On a weakly ordered CPU (aarch64) the writer makes that order
+    with ``ordering.fence()`` - membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED): every registered
+    process passes a full barrier before it returns - and readers pay nothing. Point by point:
+
+      * an entry: the record's bytes, its class record (chunk size, bump) and layout record, and
+        the entry's w1 and w2 are stored, then a fence, then w0 = READY (index.TableView.publish;
+        every insert, spilled or not, and put_records / an import: one fence per record). A reader
+        loads w0 first and the rest after, so if it sees READY it sees all of them.
+      * a commit step: the class's committed count (and the meta's total), a fence, and only then a
+        bump that relies on it (_commit); ClassTable.get loads the bump before the committed count.
+      * a generation or a table version: the meta, the table (every entry of a grown table: no
+        fence per entry there, nobody reads it yet) and the root's capacity, incarnation and sizing
+        words, a fence, then the epoch word (_create_generation, _grow_table). A raised automatic
+        cap: CAPACITY, a fence, SIZING.
+      * retire, then reuse: clear() and gc's drop publish the new epoch word, fence, and only then
+        clear the spill files (whose offsets the new generation reuses): a reader whose read of a
+        reused file fails and then loads the epoch word sees the new one (a plain miss). A destroy
+        (here and registry.retire_root) fences after the tombstone, before its files and name go.
+        Memory inside a generation is never reused (above), and the repair gives back only a
+        chunk that no entry ever named, so nothing else is retired.
+      * not fenced: the intent record, the totals and the counters. The intent is read under the
+        lock only (the lock file's flock orders it, as it orders one writer after the other); the
+        totals and counters are statistics, each word one aligned store.
+    The argument for membarrier (ordering.py's docstring): a reader's barrier falls before its load
+    of the published word (then it sees what the fence covered) or after it (then that load was
+    done before the fence returned, so before the word was published: it saw the old one). Every
+    process registers when it first maps a segment; a forked child keeps its parent's registration
+    (the kernel copies it with the mm; the tests check) and registers again anyway.
+
     Destroying. Whoever removes a cache (``CacheStore.destroy``, ``SessionRegistry.destroy``,
     ``gc`` of a dead session's segments) first writes the tombstone DESTROYED into its root's epoch
     word, then unlinks the root, then the rest (registry.retire_root). Unlinked segments stay
