@@ -272,7 +272,7 @@ def test_x86_default_needs_no_membarrier():
     assert proc.returncode == 0 and proc.stdout.strip() == "OPENED", (proc.stdout, proc.stderr[-2000:])
 
 
-def test_the_forced_suite_runs_a_crash_publish_cycle():
+def test_forced_mode_two_writer_processes_and_a_reader_process():
     """A CI-sized run of the weak-ordering path across processes: two writers and a reader
     process, values checked by the reader as they appear, then a clear and more writes."""
     script = """
@@ -314,3 +314,33 @@ def test_the_forced_suite_runs_a_crash_publish_cycle():
     """
     proc = _run(script, {ordering.ENV: "membarrier"}, timeout=110)
     assert proc.returncode == 0 and "ok" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+
+
+def test_forced_mode_dataset_reads_make_no_fence():
+    """ds[i], a batch and a DataLoader-style __getitems__ on a warm cache: no fence."""
+    script = """
+    import numpy as np
+    from shmcache import ordering
+    from shmcache.dataset import ShmDatasetCache
+
+    class Src:
+        def __len__(self):
+            return 64
+        def __getitem__(self, i):
+            return {"x": np.full(32, i, np.float32), "y": i}
+
+    with ShmDatasetCache(session="ordds", size=64) as cache:
+        ds = cache.wrap(Src())
+        for i in range(64):
+            ds[i]
+        before = ordering.fences()
+        assert all(int(ds[i]["y"]) == i for i in range(64))
+        ds.get_batch(list(range(32)))
+        ds.__getitems__(list(range(16, 48)))
+        print("READS", ordering.fences() - before, "WRITES", before)
+    """
+    proc = _run(script, {ordering.ENV: "membarrier"}, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = proc.stdout.split()
+    assert words[words.index("READS") + 1] == "0"
+    assert int(words[words.index("WRITES") + 1]) >= 64
