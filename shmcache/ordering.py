@@ -46,7 +46,7 @@ import errno
 import os
 import platform
 
-from .errors import ShmcacheError
+from .errors import OrderingUnavailable
 
 __all__ = ["fence", "register", "mode", "fences", "enabled", "OrderingUnavailable", "ENV"]
 
@@ -66,10 +66,6 @@ SYS_MEMBARRIER = {
     "ppc64le": 365, "ppc64": 365, "s390x": 356,
 }
 _TSO = ("x86_64", "amd64", "i386", "i686", "x86")
-
-
-class OrderingUnavailable(ShmcacheError):
-    """This machine orders memory weakly and the asymmetric fence (membarrier) is not available."""
 
 
 def _machine() -> str:
