@@ -51,18 +51,20 @@ mount --bind "$WHEELS" "$ROOT/wheels"
 mount -t tmpfs -o size=2g tmpfs "$ROOT/dev/shm"
 mount -t proc proc "$ROOT/proc"
 
-if [ ! -x "$ROOT/venv/bin/python" ]; then
-    chroot "$ROOT" /bin/sh -ec '
-        python3 -m venv /venv
-        /venv/bin/pip install -q --no-index --find-links /wheels setuptools wheel
-        /venv/bin/pip install -q --no-index --find-links /wheels --no-build-isolation posix_ipc
-        /venv/bin/pip install -q --no-index --find-links /wheels torch numpy zstandard filelock tqdm \
-            pytest pytest-timeout pillow redis fsspec'
+IN=(chroot "$ROOT" /usr/bin/env -i PATH=/venv/bin:/usr/bin:/bin HOME=/root)  # none of the host's pip settings
+if [ ! -e "$ROOT/venv/.done" ]; then
+    "${IN[@]}" /bin/sh -ec '
+        [ -x /venv/bin/python ] || python3 -m venv /venv
+        pip install -q --no-index --find-links /wheels setuptools wheel
+        pip install -q --no-index --find-links /wheels --no-build-isolation posix_ipc
+        pip install -q --no-index --find-links /wheels --no-deps torch  # not its nvidia-*/cuda-* packages
+        pip install -q --no-index --find-links /wheels numpy zstandard filelock tqdm pytest pytest-timeout \
+            pillow redis fsspec typing_extensions sympy networkx jinja2
+        touch /venv/.done'
 fi
 
 chroot "$ROOT" /bin/sh -c 'uname -m; /venv/bin/python -c "import platform, mmap; print(platform.machine(), mmap.PAGESIZE)"'
 # -p no:cacheprovider: the repo is bind-mounted; timeouts: emulation is 10-50x slower
-chroot "$ROOT" /usr/bin/env -i PATH=/venv/bin:/usr/bin:/bin HOME=/root PYTHONPATH=/repo \
-    /bin/sh -c "cd /repo && exec python -m pytest -p no:cacheprovider -o timeout=1800 -q -rfEs $*" \
+"${IN[@]}" PYTHONPATH=/repo /bin/sh -c "cd /repo && exec python -m pytest -p no:cacheprovider -o timeout=1800 -q -rfEs $*" \
     2>&1 | tee "$ROOT.log"
 exit "${PIPESTATUS[0]}"
