@@ -38,7 +38,7 @@ if [ ! -e "$WHEELS/.done" ]; then  # aarch64 wheels, fetched by the host's pip (
        --platform manylinux_2_17_aarch64 --platform any --python-version 3.11 --implementation cp -d "$WHEELS")
     python3 -m pip download "${P[@]}" --no-deps "torch==$TORCH"  # not its nvidia-* (CUDA) packages
     python3 -m pip download "${P[@]}" numpy zstandard filelock tqdm pytest pytest-timeout typing_extensions \
-        sympy networkx jinja2 fsspec pillow redis setuptools wheel
+        sympy networkx jinja2 fsspec pillow redis async-timeout setuptools wheel
     python3 -m pip download --no-binary :all: --no-deps -d "$WHEELS" "posix_ipc>=1.1"
     touch "$WHEELS/.done"
 fi
