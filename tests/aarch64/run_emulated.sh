@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Run shmcache's tests on aarch64 under emulation: a Debian bookworm arm64 root (debootstrap) run
-# by qemu-user-static through binfmt_misc, with aarch64 wheels of the dependencies (torch included,
-# without its CUDA packages) and posix_ipc built from source inside the root.
+# by qemu-user-static through binfmt_misc, with aarch64 wheels of the dependencies and posix_ipc
+# built from source inside the root. Without torch by default: PyPI's aarch64 torch 2.13.0 is the
+# CUDA build (it will not import without its several GB of nvidia-* packages) and the CPU build is
+# on download.pytorch.org; pass the test files that do not import torch (the layers below it, see
+# tests/unit/test_layers.py), or put a CPU aarch64 torch wheel in $ARM64_WHEELS and set ARM64_TORCH=1.
 #
 # Emulation cannot show weak memory ordering (qemu-user runs guest loads and stores on the host's
 # x86 ordering); it shows what else is x86-only: syscall numbers (membarrier, prctl), page size and
 # struct layouts assumptions, native wheels. See README "Platforms".
 #
-#   sudo tests/aarch64/run_emulated.sh                      # tests/unit
+#   sudo tests/aarch64/run_emulated.sh tests/unit/test_store.py tests/crash
 #   sudo tests/aarch64/run_emulated.sh tests/unit/test_store.py -k batch
 #
 # Needs root (debootstrap, chroot, mounts) and network for apt and pip the first time; the root and
@@ -19,7 +22,7 @@ ROOT=${ARM64_ROOT:-/var/tmp/shmcache-arm64}
 WHEELS=${ARM64_WHEELS:-$ROOT.wheels}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 TORCH=${TORCH_VERSION:-2.13.0}
-[ $# -gt 0 ] || set -- tests/unit
+[ $# -gt 0 ] || { echo "name the test files or folders to run" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "run as root (debootstrap, chroot, mounts)" >&2; exit 2; }
 
 command -v qemu-aarch64-static >/dev/null && command -v debootstrap >/dev/null \
@@ -57,7 +60,7 @@ if [ ! -e "$ROOT/venv/.done" ]; then
         [ -x /venv/bin/python ] || python3 -m venv /venv
         pip install -q --no-index --find-links /wheels setuptools wheel
         pip install -q --no-index --find-links /wheels --no-build-isolation posix_ipc
-        pip install -q --no-index --find-links /wheels --no-deps torch  # not its nvidia-*/cuda-* packages
+        if [ "${ARM64_TORCH:-0}" = 1 ]; then pip install -q --no-index --find-links /wheels --no-deps torch; fi
         pip install -q --no-index --find-links /wheels numpy zstandard filelock tqdm pytest pytest-timeout \
             pillow redis fsspec typing_extensions sympy networkx jinja2
         touch /venv/.done'

@@ -318,6 +318,7 @@ def test_forced_mode_two_writer_processes_and_a_reader_process():
 
 def test_forced_mode_dataset_reads_make_no_fence():
     """ds[i], a batch and a DataLoader-style __getitems__ on a warm cache: no fence."""
+    pytest.importorskip("torch")
     script = """
     import numpy as np
     from shmcache import ordering
