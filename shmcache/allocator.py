@@ -25,7 +25,10 @@ from .segment import word_view
 __all__ = ["size_class", "MAX_CLASSES", "DATA_OFF", "ClassTable", "commit_step_chunks"]
 
 MAX_CLASSES = 1024
-DATA_OFF = 4096  # data starts one page into a class segment: the header sits alone on page 0
+# data starts 4 KiB into a class segment: the header sits alone in the first 4 KiB. An offset, not a
+# page size: on a kernel with 64 KiB pages (aarch64) the header shares its page with the first
+# chunks, which is harmless (commits are byte ranges: posix_fallocate rounds to pages itself)
+DATA_OFF = 4096
 _U64x4 = struct.Struct("QQQQ")  # chunk_size, bump (next unused chunk), committed chunks, reserved
 _U64 = struct.Struct("Q")
 
