@@ -345,3 +345,10 @@ def test_forced_mode_dataset_reads_make_no_fence():
     words = proc.stdout.split()
     assert words[words.index("READS") + 1] == "0"
     assert int(words[words.index("WRITES") + 1]) >= 64
+
+
+def test_the_default_mode_follows_the_machine():
+    """No setting: x86 makes no fence, every other machine fences (aarch64 under emulation too)."""
+    proc = _run("from shmcache import ordering; print(ordering.mode())", {ordering.ENV: ""})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == ("tso" if X86 else "membarrier")
