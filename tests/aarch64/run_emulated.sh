@@ -47,7 +47,7 @@ if [ ! -e "$WHEELS/.done" ]; then  # aarch64 wheels, fetched by the host's pip (
 fi
 
 mkdir -p "$ROOT/repo" "$ROOT/wheels" "$ROOT/dev/shm" "$ROOT/proc"
-cleanup() { for m in repo wheels dev/shm proc; do umount "$ROOT/$m" 2>/dev/null || true; done; }
+cleanup() { for m in repo wheels dev/shm proc; do umount -l "$ROOT/$m" 2>/dev/null || true; done; }  # lazy: a child may linger
 trap cleanup EXIT
 mount --bind "$REPO" "$ROOT/repo"
 mount --bind "$WHEELS" "$ROOT/wheels"
