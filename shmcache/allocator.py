@@ -25,7 +25,10 @@ from .segment import word_view
 __all__ = ["size_class", "MAX_CLASSES", "DATA_OFF", "ClassTable", "commit_step_chunks"]
 
 MAX_CLASSES = 1024
-DATA_OFF = 4096  # data starts one page into a class segment: the header sits alone on page 0
+# data starts 4 KiB into a class segment: the header sits alone in the first 4 KiB. An offset, not a
+# page size: on a kernel with 64 KiB pages (aarch64) the header shares its page with the first
+# chunks, which is harmless (commits are byte ranges: posix_fallocate rounds to pages itself)
+DATA_OFF = 4096
 _U64x4 = struct.Struct("QQQQ")  # chunk_size, bump (next unused chunk), committed chunks, reserved
 _U64 = struct.Struct("Q")
 
@@ -63,8 +66,14 @@ class ClassTable:
         return self.offset + 32 * cls
 
     def get(self, cls: int) -> tuple[int, int, int]:
-        """``(chunk size, bump, committed chunks)``; chunk size 0 means the class is unused."""
-        return _U64x4.unpack_from(self.buf, self._off(cls))[:3]
+        """``(chunk size, bump, committed chunks)``; chunk size 0 means the class is unused. The
+        bump is loaded first, on its own: a writer commits, fences, then moves the bump (store.py
+        _commit), so a reader that sees a bump sees the committed count it needs (``bump <=
+        committed``, NOTE [publish order]); one unpack of all three may load them in any order."""
+        w = self._off(cls) >> 3
+        words = self._words
+        bump = words[w + 1]
+        return words[w], bump, words[w + 2]
 
     def chunk_size(self, cls: int) -> int:
         return _U64.unpack_from(self.buf, self._off(cls))[0]

@@ -32,6 +32,7 @@ __all__ = [
     "RendezvousTimeout",
     "SnapshotError",
     "ItemNotCached",
+    "OrderingUnavailable",
 ]
 
 
@@ -136,3 +137,8 @@ class ItemNotCached(ShmcacheError, KeyError):
 
     def __str__(self) -> str:  # KeyError's own would print the message quoted, as a repr
         return str(self.args[0]) if self.args else ""
+
+
+class OrderingUnavailable(ShmcacheError, OSError):
+    """A weakly ordered machine (or ``SHMCACHE_ORDERING=membarrier``) without membarrier(2): the
+    lock-free reads would be unsafe, so no cache is opened (ordering.py)."""

@@ -27,6 +27,7 @@ import struct
 
 import numpy as np
 
+from . import ordering
 from .errors import CorruptSegment, InvalidKey
 from .segment import word_view
 
@@ -186,12 +187,17 @@ class TableView:
         return CorruptSegment(f"index table {self.name} is damaged: {what}; run `shmcache gc` (it "
                               f"will drop this cache's contents; they are recomputed on use)")
 
-    def publish(self, pos: int, w0: int, w1: int, w2: int) -> None:
-        """Fill EMPTY entry ``pos``: w1 and w2 first, then w0 in one aligned store (caller holds the lock)."""
+    def publish(self, pos: int, w0: int, w1: int, w2: int, fence: bool = True) -> None:
+        """Fill EMPTY entry ``pos``: w1 and w2 first, then w0 in one aligned store (caller holds the
+        lock), with a fence between (NOTE [publish order]): it orders everything stored before w0 -
+        the record's bytes, its class and layout records, w1 and w2. ``fence=False`` only in a table
+        no reader can reach yet (a growth: one fence before its epoch word covers all entries)."""
         off = TABLE_OFF + ENTRY_BYTES * pos
         w = off >> 3
         self._store[w + 1] = w1
         self._store[w + 2] = w2
+        if fence:
+            ordering.fence()
         self._store[w] = w0  # one aligned 8-byte store (segment.word_view: never struct.pack_into)
 
     def entries(self):

@@ -37,6 +37,7 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import ordering
 from .config import SEP, Namespace, namespace, validate_name
 from .errors import (
     CorruptSegment,
@@ -541,6 +542,7 @@ def retire_root(name: str) -> None:
         return
     if root.size >= ROOT_EPOCH + 8:
         root.words[ROOT_EPOCH >> 3] = DESTROYED  # one store: readers compare it lock-free
+        ordering.fence()  # retired for every reader before its spill files and name are reused
     root.close()
 
 

@@ -27,6 +27,7 @@ import struct
 
 import posix_ipc
 
+from . import ordering
 from .config import SHM_ROOT, squatter_error
 from .errors import CorruptSegment, NotOwner, SharedMemoryFull
 
@@ -76,6 +77,7 @@ class Segment:
     """
 
     def __init__(self, name: str, shm: posix_ipc.SharedMemory, size: int, kind: int):
+        ordering.register()  # before this process reads any mapping: NOTE [publish order]
         self.name = name
         self.size = size
         self.kind = kind

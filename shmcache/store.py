@@ -42,6 +42,37 @@ NOTE [publish order]
     one whose record turned out corrupt: readers verify every spilled record they read (key,
     lengths, checksum), so any mix of old and new location words is a right value or a miss.
 
+    Memory ordering (ordering.py). All of the above says "after" of stores that other processes
+    load without a lock; on x86-64 (TSO) the order of a writer's stores is the order every reader
+    sees, and nothing more is done. On a weakly ordered CPU (aarch64) the writer makes that order
+    with ``ordering.fence()`` - membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED): every registered
+    process passes a full barrier before it returns - and readers pay nothing. Point by point:
+
+      * an entry: the record's bytes, its class record (chunk size, bump) and layout record, and
+        the entry's w1 and w2 are stored, then a fence, then w0 = READY (index.TableView.publish;
+        every insert, spilled or not, and put_records / an import: one fence per record). A reader
+        loads w0 first and the rest after, so if it sees READY it sees all of them.
+      * a commit step: the class's committed count (and the meta's total), a fence, and only then a
+        bump that relies on it (_commit); ClassTable.get loads the bump before the committed count.
+      * a generation or a table version: the meta, the table (every entry of a grown table: no
+        fence per entry there, nobody reads it yet) and the root's capacity, incarnation and sizing
+        words, a fence, then the epoch word (_create_generation, _grow_table). A raised automatic
+        cap: CAPACITY, a fence, SIZING.
+      * retire, then reuse: clear() and gc's drop publish the new epoch word, fence, and only then
+        clear the spill files (whose offsets the new generation reuses): a reader whose read of a
+        reused file fails and then loads the epoch word sees the new one (a plain miss). A destroy
+        (here and registry.retire_root) fences after the tombstone, before its files and name go.
+        Memory inside a generation is never reused (above), and the repair gives back only a
+        chunk that no entry ever named, so nothing else is retired.
+      * not fenced: the intent record, the totals and the counters. The intent is read under the
+        lock only (the lock file's flock orders it, as it orders one writer after the other); the
+        totals and counters are statistics, each word one aligned store.
+    The argument for membarrier (ordering.py's docstring): a reader's barrier falls before its load
+    of the published word (then it sees what the fence covered) or after it (then that load was
+    done before the fence returned, so before the word was published: it saw the old one). Every
+    process registers when it first maps a segment; a forked child keeps its parent's registration
+    (the kernel copies it with the mm; the tests check) and registers again anyway.
+
     Destroying. Whoever removes a cache (``CacheStore.destroy``, ``SessionRegistry.destroy``,
     ``gc`` of a dead session's segments) first writes the tombstone DESTROYED into its root's epoch
     word, then unlinks the root, then the rest (registry.retire_root). Unlinked segments stay
@@ -118,7 +149,6 @@ import contextlib
 import logging
 import os
 import pickle
-import platform
 import secrets
 import shutil
 import struct
@@ -129,7 +159,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import codec, gather, process_slot
+from . import codec, gather, ordering, process_slot
 from ._faults import ARMED as _CRASH_TESTS
 from ._faults import crash_point
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
@@ -229,12 +259,6 @@ class _Full(Exception):
     """Internal: the cache (or /dev/shm) has no room for this record."""
 
 
-# NOTE [publish order] relies on x86-64's ordering of loads and stores (a reader that loads READY
-# sees the stores made before it). Python has no memory barriers; elsewhere (aarch64) a reader
-# could see READY before the record - so we refuse, unless told the risk is taken knowingly.
-_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
-
-
 class CacheStore:
     """One cache (``session``/``name``); see the module docstring for what lives where."""
 
@@ -244,12 +268,7 @@ class CacheStore:
                  fingerprint: str | None = None, table_hint: int = 0,
                  ns: Namespace | str | None = None, lock_timeout_s: float = 60.0,
                  create: bool = True):
-        if not _ORDERED and os.environ.get("SHMCACHE_UNORDERED_OK") != "1":
-            raise ShmcacheError(
-                f"shmcache's lock-free reads rely on x86-64 memory ordering; this is "
-                f"{platform.machine()}, where a reader could see a record before its bytes. Set "
-                f"SHMCACHE_UNORDERED_OK=1 to run anyway (not verified on this architecture)"
-            )
+        ordering.register()  # a weakly ordered machine without membarrier refuses here (ordering.py)
         self.session = validate_name(session, "session")
         self.name = validate_name(name, "cache")
         self.ns = ns if isinstance(ns, Namespace) else namespace(ns)
@@ -544,6 +563,7 @@ class CacheStore:
         meta.words[M.COMMITTED >> 3] = M.SIZE + TableView.bytes_for(cap)
         meta.close()
         table.close()
+        ordering.fence()  # the root's words, the meta and the table before the epoch word names them
         root.words[R.EPOCH >> 3] = epoch_of(gen, 1)  # the epoch word: published last, one store
 
     # --- generations ----------------------------------------------------------------------------
@@ -1194,11 +1214,12 @@ class CacheStore:
         gen = split_epoch(_Q.unpack_from(self._root.buf, R.EPOCH)[0])[0] + 1
         g = self._gen
         cap = g.index.capacity if g is not None and g.index.capacity else MIN_TABLE
+        self._create_generation(self._root, gen if gen < 1 << 32 else 1, self.capacity_bytes, cap)
+        ordering.fence()  # as in clear(): the new epoch word (the retirement) before the files' reuse
         if self.spill is not None:
             self.spill.clear()
         elif self.read_meta().get("spill_path"):
             shutil.rmtree(self.read_meta()["spill_path"], ignore_errors=True)
-        self._create_generation(self._root, gen if gen < 1 << 32 else 1, self.capacity_bytes, cap)
         log.warning("cache %s/%s was damaged (%s); gc dropped its contents (they are recomputed on "
                     "use)", self.session, self.name, why)
 
@@ -1292,6 +1313,7 @@ class CacheStore:
             raise _Full from None
         g.classes.set_committed(cls, committed + step)
         g.meta.words[M.COMMITTED >> 3] = used + step * chunk_size
+        ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)
         if auto:
             budget[0] = max(0, budget[0] - step * chunk_size)
         return committed + step
@@ -1310,6 +1332,7 @@ class CacheStore:
                 return False  # take what the session's own metadata and rounding make: kept
             cap = self.registry.raise_auto_capacity(self.session, now)
             self._root.words[R.CAPACITY >> 3] = cap
+            ordering.fence()
             self._root.words[R.SIZING >> 3] = AUTO  # after the cap: AUTO_NONE no more
         log.info("cache %s/%s: memory is free again; the automatic cap rises from %.1f to %.1f MiB",
                  self.session, self.name, self.capacity_bytes / 2**20, cap / 2**20)
@@ -1357,11 +1380,12 @@ class CacheStore:
         new = TableView(table.buf)
         for w0, w1, w2 in g.index.entries():
             pos = _first_empty(new, w1)  # keys are unique: the first EMPTY slot on its path
-            new.publish(pos, w0, w1, w2)
+            new.publish(pos, w0, w1, w2, fence=False)  # unreachable until the epoch word names it
         table.close()
         old = g.table
         if _CRASH_TESTS:
             crash_point("table_built")
+        ordering.fence()  # every entry of the new table before the epoch word names it
         self._root.words[R.EPOCH >> 3] = epoch_of(g.gen, version)  # publish: one store
         old.unlink()
         g = self._refresh()
@@ -1517,7 +1541,9 @@ class CacheStore:
             self._create_generation(self._root, g.gen + 1, self.capacity_bytes, g.index.capacity)
             # The spill files go after the new generation is published: a reader whose read of
             # them fails then sees the generation moved on - a plain miss, not damage to report.
-            # (Writers wait for our lock, so nothing of the new generation is in them yet.)
+            # (Writers wait for our lock, so nothing of the new generation is in them yet.) The
+            # fence puts the retirement (the epoch word) before that reuse for every reader.
+            ordering.fence()
             if self.spill is not None:
                 self.spill.clear()
             elif self.read_meta().get("spill_path"):  # spilled by others; this handle doesn't spill
@@ -1550,6 +1576,7 @@ class CacheStore:
             spill_path = self.read_meta().get("spill_path")
             # the tombstone first: every handle still mapping this root misses from now on
             self._root.words[R.EPOCH >> 3] = DESTROYED
+            ordering.fence()  # retired for every reader before its spill files and name are reused
             self.meta_path.unlink(missing_ok=True)
             unlink_segments(self.ns, self._base + SEP)  # the root first: the cache is gone at once
             if self.spill is not None:

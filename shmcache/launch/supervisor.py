@@ -98,7 +98,7 @@ POLL_INTERVAL_S = 0.5
 #: How long to wait for SIGKILLed workers to be reaped before reporting them as unreaped.
 REAP_TIMEOUT_S = 5.0
 
-_PR_SET_PDEATHSIG = 1
+_PR_SET_PDEATHSIG = 1  # include/uapi/linux/prctl.h: one number on every architecture
 _LAUNCHER = "shmcache.launch"
 
 
@@ -602,6 +602,9 @@ class _ParentDeathSignal:
             self._prctl = ctypes.CDLL(None, use_errno=True).prctl
         except (OSError, AttributeError):  # not Linux: no parent-death signal to ask for
             self._prctl = None
+        else:  # prctl(int, unsigned long...): declared, not left to ctypes' int promotion of varargs
+            self._prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+            self._prctl.restype = ctypes.c_int
 
     def __call__(self) -> None:
         if self._prctl is not None:

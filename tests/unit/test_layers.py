@@ -21,6 +21,7 @@ RANK = {
     "errors": 0, "_faults": 0,
     "config": 1,
     "trust": 1,  # the job's secret and the MAC of records from outside shared memory (NOTE [record authentication])
+    "ordering": 1,  # the asymmetric fence (membarrier) of NOTE [publish order]
     "launch.supervisor": 1,  # the launcher's process machinery: knows nothing of shmcache
     "launch.remote_option": 1,  # --remote: what it means, and its password out of sight
     "launch.rendezvous": 1,  # the launchers' exchange of Redis endpoints (NOTE [remote rendezvous])
@@ -49,7 +50,7 @@ RANK = {
     "sampler": 6,  # torch layer: which indices each rank reads (knows nodes, not caches)
     "cli": 8, "launch.run": 8, "launch": 8.1,
 }
-NO_TORCH = ["config", "trust", "errors", "locks", "registry", "segment", "codec", "allocator", "index",
+NO_TORCH = ["config", "trust", "errors", "ordering", "locks", "registry", "segment", "codec", "allocator", "index",
             "store", "generation", "gather", "tier_protocol", "maintenance", "cli", "spill",
             "spill.format", "spill.recovery", "spill.files", "spill.tier",
             "process_slot", "tiers", "tier_counts", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
