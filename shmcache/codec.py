@@ -24,7 +24,11 @@ NOTE [record format]
     node the encoder does not write, offsets beyond the record, object or structured dtypes
     (``np.ndarray(buffer=...)`` would build Python objects out of bytes; the decoders refuse them
     too, wherever the layout came from), and reports pickled leaves (NOTE [record
-    authentication] in trust.py decides who may unpickle them).
+    authentication] in trust.py decides who may unpickle them). marshal trusts the counts it
+    reads and shares objects by back-reference, so before ``marshal.loads`` the bytes are scanned
+    (only tuple, list, str, int, None and bools; no count beyond the bytes that follow), and the
+    walk visits at most one node per byte of the layout: a 5-byte tuple of 2**31 items or 563
+    bytes naming 2**40 nodes are refused in time and memory linear in the layout's bytes.
 
 Torch tensors and PIL images are registered extensions (see :func:`register_type`), so this module
 never imports torch: their handlers (shmcache._torch, shmcache._pil) load lazily, the first time a
@@ -574,6 +578,39 @@ _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
 _MAX_LEAF_BYTES = 1 << 62
 
 
+_MARSHAL_FIXED = {ord(c): n for c, n in (("N", 0), ("T", 0), ("F", 0), ("i", 4), ("r", 4))}
+_MARSHAL_SIZED = {ord(c): w for c, w in (("z", 1), ("Z", 1), ("a", 4), ("A", 4), ("u", 4), ("t", 4))}
+
+
+def _marshal_bounded(data: bytes) -> None:
+    """Refuse marshal bytes that are not plain tuples, lists, str, int, None and bools, or whose
+    counts exceed the bytes that follow: marshal allocates a container of the count it reads
+    before reading an item (a 5-byte tuple of 2**31 items is 16 GiB). Linear, allocates nothing."""
+    pos, pending, end = 0, 1, len(data)
+    while pending:
+        if pos >= end:
+            raise ValueError("the layout's bytes end early")
+        code, pos, pending = data[pos] & 0x7F, pos + 1, pending - 1
+        if code in _MARSHAL_FIXED:
+            pos += _MARSHAL_FIXED[code]
+            continue
+        width = 1 if code in (0x29, 0x7A, 0x5A) else 4  # ")": a small tuple; "z", "Z": a short str
+        if pos + width > end:
+            raise ValueError("the layout's bytes end early")
+        n = data[pos] if width == 1 else int.from_bytes(data[pos:pos + 4], "little", signed=code == 0x6C)
+        pos += width
+        if code in _MARSHAL_SIZED:  # str: n bytes
+            pos += n
+        elif code == 0x6C:  # "l": an int of |n| 15-bit digits
+            pos += 2 * abs(n)
+        elif code in (0x28, 0x29, 0x5B):  # "(", ")", "[": n objects of at least a byte each
+            pending += n
+        else:
+            raise ValueError(f"marshal type {chr(code)!r} is not one the encoder writes")
+        if pos + pending > end:
+            raise ValueError("a count in the layout exceeds its bytes")
+
+
 def check_layout(layout: bytes) -> LayoutCheck:
     """Check a layout that came from outside this user's shared memory (a tier, a snapshot)
     without decoding a record and without unpickling anything: its structure, every leaf's kind,
@@ -584,6 +621,8 @@ def check_layout(layout: bytes) -> LayoutCheck:
         return found
     pickled = False
     needed = 0
+    budget = len(layout)  # nodes a layout of these bytes can hold: marshal's back-references
+    # let a few hundred bytes name a tree of 2**40 nodes (one node twice, the second by reference)
 
     def num(x: Any, what: str) -> int:
         if type(x) is not int or not 0 <= x < _MAX_LEAF_BYTES:
@@ -599,7 +638,10 @@ def check_layout(layout: bytes) -> LayoutCheck:
         return num(count, "an element count")
 
     def walk(node: Any, depth: int) -> None:
-        nonlocal pickled, needed
+        nonlocal pickled, needed, budget
+        budget -= 1
+        if budget < 0:
+            raise ValueError("it names more nodes than its bytes can hold (shared by reference)")
         if depth > 200 or type(node) is not tuple or not node or type(node[0]) is not str:
             raise ValueError("it is not a layout tree")
         tag, n = node[0], len(node)
@@ -636,9 +678,10 @@ def check_layout(layout: bytes) -> LayoutCheck:
             raise ValueError(f"a node {tag!r} of {n} fields is not one the encoder writes")
 
     try:
+        _marshal_bounded(layout)
         walk(marshal.loads(layout), 0)  # marshal builds plain values (never runs code)
         found = LayoutCheck(None, pickled, needed)
-    except (ValueError, EOFError, TypeError, EncodeError, RecursionError) as exc:
+    except (ValueError, EOFError, TypeError, EncodeError, RecursionError, MemoryError) as exc:
         found = LayoutCheck(f"its layout is not one the encoder writes ({exc})", False, 0)
     if len(_CHECKED) >= MAX_DECODERS:
         _CHECKED.clear()
