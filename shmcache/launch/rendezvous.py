@@ -195,11 +195,18 @@ class _Channel:
             return None
         self._received += 1
         plain = bytes(a ^ b for a, b in zip(box, self._stream(self._in, self._received - 1, len(box))))
-        try:
-            message = json.loads(plain)
-        except ValueError:
-            return None
+        message = _json(plain)
         return message if isinstance(message, dict) else None
+
+
+def _json(line: bytes) -> object:
+    """The JSON value of a line from the other side, None when it is not one: a line nested
+    deeper than the parser recurses (``[[[[...``) raises RecursionError, which must not end a
+    launcher any more than other garbage does."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _peer_name(address: tuple) -> str:
@@ -315,10 +322,7 @@ class _Host:
             self._refuse(peer, "a line longer than the protocol allows")
 
     def _handle(self, peer: _Peer, line: bytes) -> None:
-        try:
-            message = json.loads(line)
-        except ValueError:
-            message = None
+        message = _json(line)
         if not isinstance(message, dict):
             self._refuse(peer, "a message that is not the launcher's (is something else on this port?)")
         elif peer.hello is None:
@@ -591,10 +595,7 @@ class _Lines:
                 raise LaunchError(f"--remote spawn: {self._where} sent a line longer than the "
                                   f"protocol allows; is something else listening on that port?")
         line, self._buffer = self._buffer.split(b"\n", 1)
-        try:
-            message = json.loads(line)
-        except ValueError:
-            message = None
+        message = _json(line)
         if not isinstance(message, dict):
             raise LaunchError(f"--remote spawn: {self._where} sent something that is not the "
                               f"launcher's protocol; is something else listening on that port?")

@@ -170,7 +170,8 @@ def test_node_0_reports_a_busy_port():
     assert node.passwords == []
 
 
-@pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\n\r\n", b"x" * 70000])
+# b"[" * 60000: JSON nested deeper than the parser recurses (RecursionError) crashed node 0
+@pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\n\r\n", b"x" * 70000, b"[" * 60000 + b"\n"])
 def test_something_else_on_the_port_is_refused_and_the_exchange_goes_on(garbage):
     port = free_port()
     host = Node(0, port, 2)
@@ -301,3 +302,26 @@ def test_silent_and_unproven_connections_hold_no_rank_and_are_dropped(monkeypatc
     err = capsys.readouterr().err
     assert "too many connections that did not prove" in err
     assert "did not prove it holds $SHMCACHE_RDZV_TOKEN within 0.5 s" in err
+
+
+def test_a_node_0_impostor_sending_deep_json_is_a_launch_error():
+    """Something listening where node 0 should be answers the hello with JSON nested deeper than
+    the parser recurses: the joining launcher says so (LaunchError), it does not die of a
+    RecursionError."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def impostor():
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"[" * 60000 + b"\n")
+                time.sleep(1)
+
+        t = threading.Thread(target=impostor, daemon=True)
+        t.start()
+        node = Node(1, port, 2, timeout_s=10)
+        run_all([node])
+        t.join(5)
+    assert isinstance(node.error, LaunchError), repr(node.error)
+    assert node.passwords == []
