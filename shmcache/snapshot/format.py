@@ -344,7 +344,7 @@ class Manifest:
     def from_json(cls, data: bytes, where: str) -> Manifest:
         try:
             doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nested past the parser's depth
             raise SnapshotError(f"{where} is not JSON ({exc}); it is damaged: copy the snapshot again, "
                                 f"or export it again") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
@@ -363,7 +363,7 @@ class Manifest:
                     int(doc["bytes"]), int(doc["stored_bytes"]), dict(doc.get("layouts") or {}),
                     segments, str(doc.get("created", "")), str(doc.get("shmcache", "")), mac,
                     canonical(doc))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e999)
             raise SnapshotError(f"{where} lacks a field or has a wrong one ({exc!r}); it is damaged: "
                                 f"copy the snapshot again, or export it again") from None
         for s in m.segments:  # names come from a file: never a path out of the snapshot

@@ -1,0 +1,41 @@
+"""A manifest is JSON from a stranger: JSON nested deeper than the parser recurses, or a count
+written as 1e999 (a float infinity, which int() cannot take), escaped as a bare RecursionError or
+OverflowError from `shmcache import` and from_snapshot. Both are a SnapshotError naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from test_snapshot import _filled
+
+from shmcache import ShmDatasetCache
+from shmcache.errors import SnapshotError
+from shmcache.snapshot import format as fmt
+
+
+@pytest.fixture
+def snap(tmp_path):
+    cache, _ = _filled()
+    cache.export(tmp_path / "snap")
+    cache.close()
+    return tmp_path / "snap"
+
+
+def _edit(snap, change) -> None:
+    doc = json.loads((snap / fmt.MANIFEST).read_text())
+    text = change(doc)
+    (snap / fmt.MANIFEST).write_text(text)
+
+
+@pytest.mark.parametrize("how", ["nested", "inf-items", "inf-size"])
+def test_a_hostile_manifest_value_is_a_snapshot_error(snap, how):
+    if how == "nested":
+        _edit(snap, lambda doc: json.dumps(doc)[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif how == "inf-items":
+        _edit(snap, lambda doc: json.dumps({**doc, "items": 7}).replace('"items": 7', '"items": 1e999'))
+    else:
+        _edit(snap, lambda doc: json.dumps(doc).replace('"size": ', '"size": 1e999, "_": ', 1))
+    with pytest.raises(SnapshotError, match=os.fspath(snap / fmt.MANIFEST).replace("/", ".")):
+        ShmDatasetCache.from_snapshot(snap, session="dst")
