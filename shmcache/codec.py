@@ -493,7 +493,7 @@ def _compile(node: tuple, private: bool = False, check: bool = False) -> Callabl
         return lambda buf: buf[off] != 0
     if tag == _NONE:
         return lambda buf: None
-    if tag in (_STR, _BYTES):
+    if tag in (_STR, _BYTES) or (tag == _PICKLE and check):  # check: a pickle is located, never loaded
         # the one kind of leaf that a record too short for its layout (damage) would otherwise
         # truncate silently: slicing clamps, where numpy and struct raise
         off, n = node[1], node[2]
@@ -699,9 +699,9 @@ def _located(meta: str, shape: tuple, raw: np.ndarray) -> None:
 
 
 def check(record: Any, layout: bytes) -> None:
-    """Decode ``record`` by ``layout`` to check that they fit (the error numpy, struct, pickle or
-    utf-8 raise when not), without loading a handler: an extension leaf whose handler this process
-    has not loaded is only located within the record (an import of a snapshot of tensors checks
+    """Decode ``record`` by ``layout`` to check that they fit (the error numpy, struct or utf-8
+    raise when not), without loading a handler and without unpickling: a pickled leaf, and an
+    extension leaf whose handler this process has not loaded, are only located within the record (an import of a snapshot of tensors checks
     its records without importing torch)."""
     _compile(marshal.loads(layout), False, True)(record)
 
