@@ -74,3 +74,7 @@ def test_real_layouts_still_pass():
     for value in values:
         check = codec.check_layout(codec.encode(value).layout)
         assert check.problem is None, check.problem
+    # offsets past 2**31 (marshal's "l" ints), shared strings (back-references), a tuple of 300 items
+    for node in [("a", "<f4", (1,), 3_000_000_000), ("T", tuple(("s", 16 + i, 1) for i in range(300)))]:
+        check = codec.check_layout(marshal.dumps(node, 4))
+        assert check.problem is None, check.problem
