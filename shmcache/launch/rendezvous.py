@@ -150,6 +150,12 @@ def _mac(key: bytes, *parts: object) -> str:
     return hmac.new(key, json.dumps(parts).encode(), hashlib.sha256).hexdigest()
 
 
+def _equal(given: object, expected: str) -> bool:
+    """Whether the other side's ``given`` is ``expected``, in constant time. hmac.compare_digest
+    raises TypeError for a str with non-ASCII characters: from a peer that is a wrong answer."""
+    return isinstance(given, str) and given.isascii() and hmac.compare_digest(given, expected)
+
+
 def _proof(token: str, role: str, job: str, nnodes: int, rank: int, challenge: str,
            own_nonce: str) -> str:
     """The answer of ``role`` ("node" or "host") to the other side's ``challenge``."""
@@ -191,7 +197,7 @@ class _Channel:
             tag = sealed["mac"]
         except (KeyError, TypeError, ValueError):
             return None
-        if not isinstance(tag, str) or not hmac.compare_digest(tag, self._tag(self._in, self._received, box)):
+        if not _equal(tag, self._tag(self._in, self._received, box)):
             return None
         self._received += 1
         plain = bytes(a ^ b for a, b in zip(box, self._stream(self._in, self._received - 1, len(box))))
@@ -370,7 +376,7 @@ class _Host:
         rank = hello["rank"]
         expected = _proof(self._token, "node", self._job, self._nnodes, rank, peer.nonce, hello["nonce"])
         proof = message.get("proof")
-        if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
+        if not _equal(proof, expected):
             self._refuse(peer, f"claimed node rank {rank} but answered the challenge wrong: it does "
                                f"not hold this job's ${ENV_RDZV_TOKEN}")
             return
@@ -488,7 +494,7 @@ def join_exchange(*, master_addr: str, port: int, nnodes: int, node_rank: int, j
         reply = lines.next(deadline + ERROR_GRACE_S, timeout_s, None)
         expected = _proof(token, "host", job, nnodes, node_rank, nonce, challenge)
         proof = reply.get("proof")
-        if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
+        if not _equal(proof, expected):
             if isinstance(reply.get("error"), str):
                 raise _error_from(reply)
             raise LaunchError(f"--remote spawn: {where} did not prove it holds this job's "

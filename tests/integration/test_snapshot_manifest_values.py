@@ -39,3 +39,12 @@ def test_a_hostile_manifest_value_is_a_snapshot_error(snap, how):
         _edit(snap, lambda doc: json.dumps(doc).replace('"size": ', '"size": 1e999, "_": ', 1))
     with pytest.raises(SnapshotError, match=os.fspath(snap / fmt.MANIFEST).replace("/", ".")):
         ShmDatasetCache.from_snapshot(snap, session="dst")
+
+
+def test_a_manifest_mac_with_non_ascii_characters_is_refused_as_forged(snap, monkeypatch):
+    """hmac.compare_digest raises TypeError for a str with non-ASCII characters: a manifest whose
+    "mac" tag held one escaped from import and from_snapshot under a secret as a bare TypeError."""
+    monkeypatch.setenv("SHMCACHE_SECRET", "a-job-secret-0123")
+    _edit(snap, lambda doc: json.dumps({**doc, "mac": {"alg": "hmac-sha256", "tag": "\u00e9" * 64}}))
+    with pytest.raises(SnapshotError, match="signed with another secret, or was changed"):
+        ShmDatasetCache.from_snapshot(snap, session="dst")

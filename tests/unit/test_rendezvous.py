@@ -325,3 +325,45 @@ def test_a_node_0_impostor_sending_deep_json_is_a_launch_error():
         t.join(5)
     assert isinstance(node.error, LaunchError), repr(node.error)
     assert node.passwords == []
+
+
+def test_a_proof_with_non_ascii_characters_is_refused_and_the_exchange_goes_on(capsys):
+    """hmac.compare_digest raises TypeError for a str with non-ASCII characters: a peer that knew
+    only the job ID (it is in `ps`) ended node 0's launcher with {"proof": "é..."}. It is a wrong
+    answer now, refused like any other."""
+    port = free_port()
+    host = Node(0, port, 2)
+    host.start()
+    with connect(port) as sock:
+        sock.sendall(json.dumps({"v": 2, "job": "job-1", "nnodes": 2, "rank": 1,
+                                 "nonce": secrets.token_hex(16)}).encode() + b"\n")
+        sock.settimeout(5)
+        assert "nonce" in json.loads(sock.recv(4096).split(b"\n")[0])
+        sock.sendall(json.dumps({"proof": "\u00e9" * 64}).encode() + b"\n")
+        assert all("password" not in m for m in lines_of(sock))
+    run_all([Node(1, port, 2)])
+    host.join(10)
+    assert host.error is None, repr(host.error)
+    assert "answered the challenge wrong" in capsys.readouterr().err
+
+
+def test_a_node_0_impostor_with_a_non_ascii_proof_is_a_launch_error():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def impostor():
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(json.dumps({"nonce": secrets.token_hex(16)}).encode() + b"\n")
+                conn.recv(4096)
+                conn.sendall(json.dumps({"proof": "\u00e9" * 64}).encode() + b"\n")
+                time.sleep(1)
+
+        t = threading.Thread(target=impostor, daemon=True)
+        t.start()
+        node = Node(1, port, 2, timeout_s=10)
+        run_all([node])
+        t.join(5)
+    assert isinstance(node.error, LaunchError), repr(node.error)
+    assert "did not prove it holds" in str(node.error) and node.passwords == []
