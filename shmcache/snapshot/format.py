@@ -112,6 +112,7 @@ _U32 = struct.Struct("<I")
 _KEY_LEN_AT = 6  # where a spill record header holds its key length (NOTE [spill records]) ...
 _HEAD_CHECK_AT = 28  # ... and its head check
 _SEGMENT_RE = re.compile(r"seg-\d{5,}\.shms")
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{1,128}")  # what fingerprint.py makes: a hex digest
 
 
 def key_hash(pkey: bytes) -> int:
@@ -366,6 +367,10 @@ class Manifest:
         except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e999)
             raise SnapshotError(f"{where} lacks a field or has a wrong one ({exc!r}); it is damaged: "
                                 f"copy the snapshot again, or export it again") from None
+        fp = m.fingerprint  # becomes the cache's identity (its meta, the remote tier's keys): a digest or none
+        if fp is not None and not (isinstance(fp, str) and _FINGERPRINT_RE.fullmatch(fp)):
+            raise SnapshotError(f"{where} says the dataset's fingerprint is {str(fp)[:80]!r}, not a hex digest "
+                                f"an export writes; it is damaged or forged: export the snapshot again")
         for s in m.segments:  # names come from a file: never a path out of the snapshot
             if not _SEGMENT_RE.fullmatch(s.file):
                 raise SnapshotError(f"{where} names segment {s.file!r}, not a name an export writes; it is "

@@ -48,3 +48,13 @@ def test_a_manifest_mac_with_non_ascii_characters_is_refused_as_forged(snap, mon
     _edit(snap, lambda doc: json.dumps({**doc, "mac": {"alg": "hmac-sha256", "tag": "\u00e9" * 64}}))
     with pytest.raises(SnapshotError, match="signed with another secret, or was changed"):
         ShmDatasetCache.from_snapshot(snap, session="dst")
+
+
+@pytest.mark.parametrize("fp", [{"a": 1}, ["x"], 12, True, "../../x", "f" * 100_000])
+def test_a_fingerprint_that_is_not_a_digest_is_refused(snap, fp):
+    """The manifest's fingerprint becomes the cache's identity (its meta, the remote tier's key
+    prefix: ``fingerprint[:32]``): any JSON value was taken, a dict then failed with TypeError
+    when a remote was attached, a 100 KB string filled every message."""
+    _edit(snap, lambda doc: json.dumps({**doc, "cache": {**doc["cache"], "fingerprint": fp}}))
+    with pytest.raises(SnapshotError, match="fingerprint is .*not a hex digest"):
+        ShmDatasetCache.from_snapshot(snap, session="dst")
