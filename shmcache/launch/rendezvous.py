@@ -215,6 +215,13 @@ def _json(line: bytes) -> object:
         return None
 
 
+def _quote(value: object) -> str:
+    """What a peer sent, quoted for a message: at most 40 characters of its repr (a refusal is
+    kept, printed and sent back; the peer chose up to a 64 KB line)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _peer_name(address: tuple) -> str:
     """``host:port`` of a peer, an IPv4 address without its IPv6-mapped prefix."""
     host, port = address[0], address[1]
@@ -263,7 +270,8 @@ class _Host:
             ) from None
         self._peers: dict[socket.socket, _Peer] = {}
         self._endpoints: dict[int, str] = {}
-        self._refused: list[str] = []  # "ADDRESS: why", for the timeout message
+        self._refused: list[str] = []  # "ADDRESS: why", the last few, for the timeout message
+        self._refusals = 0
 
     def close(self) -> None:
         for sock in list(self._peers):
@@ -354,16 +362,16 @@ class _Host:
         nonce = message.get("nonce")
         if message.get("v") != PROTOCOL or not _is_nonce(nonce):
             self._refuse(peer, f"a launcher without the job-token handshake (protocol "
-                               f"{message.get('v', 1)!r}, node 0 speaks {PROTOCOL}): every node "
+                               f"{_quote(message.get('v', 1))}, node 0 speaks {PROTOCOL}): every node "
                                f"needs the same shmcache version and ${ENV_RDZV_TOKEN}")
         elif job != self._job:
-            self._refuse(peer, f"job ID {job!r}, but node 0 runs another job: every node needs the "
+            self._refuse(peer, f"job ID {_quote(job)}, but node 0 runs another job: every node needs the "
                                f"same --run-id (or none), --master-addr and --master-port")
         elif nnodes != self._nnodes:
-            self._refuse(peer, f"--nnodes {nnodes}, but node 0 has --nnodes {self._nnodes}; give "
+            self._refuse(peer, f"--nnodes {_quote(nnodes)}, but node 0 has --nnodes {self._nnodes}; give "
                                f"every node the same --nnodes")
         elif not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank < self._nnodes:
-            self._refuse(peer, f"--node-rank {rank!r}: node 0 expects 1 to {self._nnodes - 1}")
+            self._refuse(peer, f"--node-rank {_quote(rank)}: node 0 expects 1 to {self._nnodes - 1}")
         else:
             peer.hello = message
             peer.nonce = secrets.token_hex(16)
@@ -393,7 +401,8 @@ class _Host:
 
     def _refuse(self, peer: _Peer, why: str, proof: str | None = None) -> None:
         """Tell the peer why, say it here with its address, and drop it (NOTE, 5)."""
-        self._refused.append(f"{peer.name}: {why}")
+        self._refusals += 1
+        self._refused = [*self._refused[-4:], f"{peer.name}: {why}"]  # bounded: anyone may connect
         print(f"shmcache.launch: --remote spawn: refused {peer.name}: {why}", file=sys.stderr, flush=True)
         reply: dict = {"error": f"node 0 refused this launcher ({peer.name}): {why}"}
         if proof is not None:
@@ -435,8 +444,8 @@ class _Host:
         if starting:
             parts.append(f"connected, but their Redis never answered: {starting}")
         if self._refused:
-            shown = "; ".join(self._refused[-5:])
-            more = f" (and {len(self._refused) - 5} more)" if len(self._refused) > 5 else ""
+            shown = "; ".join(self._refused)
+            more = f" (and {self._refusals - len(self._refused)} more)" if self._refusals > len(self._refused) else ""
             parts.append(f"refused: {shown}{more}")
         return (f"node ranks {missing} of {self._nnodes} did not join the exchange "
                 f"of Redis endpoints within --rdzv-timeout {timeout_s:g} s ({'; '.join(parts)}); "

@@ -367,3 +367,30 @@ def test_a_node_0_impostor_with_a_non_ascii_proof_is_a_launch_error():
         t.join(5)
     assert isinstance(node.error, LaunchError), repr(node.error)
     assert "did not prove it holds" in str(node.error) and node.passwords == []
+
+
+
+def test_what_a_refused_peer_sent_is_quoted_short(capsys):
+    """Node 0's refusals quoted whatever the peer sent (its protocol version, job ID, ranks), up
+    to a 64 KB line each, kept every one in memory, printed each whole, and put the last five in
+    the timeout message to every proven node: no token or job ID needed to grow node 0's memory
+    per connection, flood its log, and make that message too long for the protocol (the proven
+    node then failed with "a line longer than the protocol allows" instead of the missing
+    ranks). Quotes are a few dozen characters now, and only the last refusals are kept."""
+    port = free_port()
+    host = Node(0, port, 3, timeout_s=4)
+    host.start()
+    node = Node(1, port, 3, timeout_s=4)
+    node.start()
+    junk = json.dumps({"v": "\u00e9" * 30000, "nonce": secrets.token_hex(16)}, ensure_ascii=False).encode()
+    for _ in range(6):
+        with connect(port) as sock:
+            sock.sendall(junk + b"\n")
+            lines_of(sock)
+    for n in (node, host):
+        n.join(30)
+        assert not n.is_alive()
+    assert isinstance(node.error, RendezvousTimeout), repr(node.error)
+    assert "node ranks [2] of 3 did not join" in str(node.error)
+    refusals = [ln for ln in capsys.readouterr().err.splitlines() if "refused" in ln]
+    assert len(refusals) >= 6 and max(map(len, refusals)) < 1000
