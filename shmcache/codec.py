@@ -701,8 +701,8 @@ def _located(meta: str, shape: tuple, raw: np.ndarray) -> None:
 def check(record: Any, layout: bytes) -> None:
     """Decode ``record`` by ``layout`` to check that they fit (the error numpy, struct or utf-8
     raise when not), without loading a handler and without unpickling: a pickled leaf, and an
-    extension leaf whose handler this process has not loaded, are only located within the record (an import of a snapshot of tensors checks
-    its records without importing torch)."""
+    extension leaf whose handler this process has not loaded, are only located within the record
+    (an import of a snapshot of tensors checks its records without importing torch)."""
     _compile(marshal.loads(layout), False, True)(record)
 
 

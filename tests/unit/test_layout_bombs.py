@@ -69,7 +69,8 @@ def test_real_layouts_still_pass():
     from shmcache import codec
 
     values = [{"a": np.zeros((3, 4), np.float32), "b": "x", "c": (1, 2.0, None, True), "d": b"z"},
-              (np.arange(5), 7), [np.float32(1.5), {1: "one", 2**40: "two", -3: "été"}], {"clé": b"", "ключ": 2**70},
+              (np.arange(5), 7), [np.float32(1.5), {1: "one", 2**40: "two", -3: "été"}],
+              {"clé": b"", "ключ": 2**70},
               {f"k{i}": (np.zeros(i + 1), i) for i in range(300)}]
     for value in values:
         check = codec.check_layout(codec.encode(value).layout)
