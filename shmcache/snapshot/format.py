@@ -306,7 +306,7 @@ def find(index: np.ndarray, hashes: np.ndarray, pkey: bytes) -> np.ndarray:
 
 
 def _version_message(where: str, version: int) -> str:
-    return (f"{where} is snapshot format version {version}; this shmcache reads version "
+    return (f"{where} is snapshot format version {version!s:.40}; this shmcache reads version "
             f"{FORMAT_VERSION} only: import it with the shmcache that exported it, or export it again")
 
 
@@ -350,7 +350,7 @@ class Manifest:
                                 f"or export it again") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise SnapshotError(f"{where} is not a shmcache snapshot manifest (format "
-                                f"{doc.get('format') if isinstance(doc, dict) else None!r}); pass the "
+                                f"{doc.get('format') if isinstance(doc, dict) else None!r:.60}); pass the "
                                 f"directory `shmcache export` wrote")
         if doc.get("version") != FORMAT_VERSION:
             raise SnapshotError(_version_message(where, doc.get("version")))

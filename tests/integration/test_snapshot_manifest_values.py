@@ -58,3 +58,13 @@ def test_a_fingerprint_that_is_not_a_digest_is_refused(snap, fp):
     _edit(snap, lambda doc: json.dumps({**doc, "cache": {**doc["cache"], "fingerprint": fp}}))
     with pytest.raises(SnapshotError, match="fingerprint is .*not a hex digest"):
         ShmDatasetCache.from_snapshot(snap, session="dst")
+
+
+@pytest.mark.parametrize("field", ["format", "version"])
+def test_a_refused_manifest_quotes_its_values_short(snap, field):
+    """A manifest of another format or version was quoted whole in the error: a 10 MB "version"
+    made a 10 MB message."""
+    _edit(snap, lambda doc: json.dumps({**doc, field: "v" * 10_000_000}))
+    with pytest.raises(SnapshotError) as err:
+        ShmDatasetCache.from_snapshot(snap, session="dst")
+    assert len(str(err.value)) < 1000
