@@ -37,6 +37,7 @@ process encodes such a value or decodes a record that holds one - and only then.
 
 from __future__ import annotations
 
+import hashlib
 import marshal
 import pickle
 import re
@@ -341,7 +342,26 @@ def encode(value: Any, path: str = "") -> Encoded:
 # +87 MiB, for 100k such samples). When full, the oldest entry goes (first in, first out: a hit
 # pays no bookkeeping); a layout read again after that is compiled again (microseconds).
 MAX_DECODERS = 1024
+# ... and at most this many bytes of layouts: a tier's record brings a layout as large as itself,
+# and a decoder holds about 16x its layout (a closure per leaf); 1024 decoders of 1 MiB layouts,
+# read from a Redis anyone with its password writes, held 17 GiB. Usual layouts are 100s of bytes.
+MAX_DECODER_BYTES = 8 << 20
 _DECODERS: dict[tuple[bytes, bool], Callable] = {}
+_decoder_bytes = 0  # the layouts' bytes in _DECODERS (threads may race it: it heals when emptied)
+
+
+def _make_room(n: int) -> None:
+    """Evict the oldest decoders until one more, of a layout of ``n`` bytes, fits both limits."""
+    global _decoder_bytes
+    while _DECODERS and (len(_DECODERS) >= MAX_DECODERS or _decoder_bytes + n > MAX_DECODER_BYTES):
+        try:
+            oldest = next(iter(_DECODERS))
+            del _DECODERS[oldest]
+        except (KeyError, RuntimeError, StopIteration):  # another thread changed it meanwhile
+            continue
+        _decoder_bytes -= len(oldest[0])
+    if not _DECODERS:
+        _decoder_bytes = 0
 
 
 def decoder_for(layout: bytes, private: bool = False) -> Callable[[Any], Any]:
@@ -354,12 +374,12 @@ def decoder_for(layout: bytes, private: bool = False) -> Callable[[Any], Any]:
         if any(tag not in _EXT_FROM for tag in tags):
             return _deferred(layout, private, tags)
         fn = _compile_flat(node, private) or _compile(node, private)
-        if len(_DECODERS) >= MAX_DECODERS:
-            try:
-                del _DECODERS[next(iter(_DECODERS))]
-            except (KeyError, RuntimeError, StopIteration):  # another thread changed it meanwhile
-                pass
+        if len(layout) > MAX_DECODER_BYTES:
+            return fn  # used once, not kept
+        global _decoder_bytes
+        _make_room(len(layout))
         _DECODERS[(layout, private)] = fn
+        _decoder_bytes += len(layout)
     return fn
 
 
@@ -398,7 +418,9 @@ def cached_decoders() -> int:
 
 def clear_decoders() -> None:
     """Forget every compiled decoder of this process (``clear()`` of a cache calls it)."""
+    global _decoder_bytes
     _DECODERS.clear()
+    _decoder_bytes = 0
 
 
 def _compile_flat(node: tuple, private: bool) -> Callable | None:
@@ -616,7 +638,10 @@ def check_layout(layout: bytes) -> LayoutCheck:
     without decoding a record and without unpickling anything: its structure, every leaf's kind,
     offsets, lengths, dtype and extension (NOTE [record authentication], trust.py). Cached per
     layout (bounded like the decoders)."""
-    found = _CHECKED.get(layout)
+    # keyed by the layout itself when small (usual), else by its digest: a tier's record may bring
+    # a layout as large as itself, and a refused one would be kept whole (1024 x its size)
+    ckey = layout if len(layout) <= 4096 else hashlib.blake2b(layout, digest_size=16).digest()
+    found = _CHECKED.get(ckey)
     if found is not None:
         return found
     pickled = False
@@ -685,7 +710,7 @@ def check_layout(layout: bytes) -> LayoutCheck:
         found = LayoutCheck(f"its layout is not one the encoder writes ({exc})", False, 0)
     if len(_CHECKED) >= MAX_DECODERS:
         _CHECKED.clear()
-    _CHECKED[layout] = found
+    _CHECKED[ckey] = found
     return found
 
 

@@ -79,3 +79,52 @@ def test_real_layouts_still_pass():
     for node in [("a", "<f4", (1,), 3_000_000_000), ("T", tuple(("s", 16 + i, 1) for i in range(300)))]:
         check = codec.check_layout(marshal.dumps(node, 4))
         assert check.problem is None, check.problem
+
+
+def _retained(fn) -> int:
+    """Bytes still allocated (tracemalloc) after ``fn()`` returned and garbage was collected."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        fn()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_refused_layouts_are_not_kept_whole():
+    """check_layout kept every layout it saw, refused ones included, as its cache's key: 100
+    distinct 1 MiB layouts from a Redis anyone with its password writes held 100 MiB."""
+    from shmcache import codec
+
+    def check_many():
+        for j in range(100):
+            codec.check_layout(bytes([j]) + b"\xff" * (1 << 20))
+    assert _retained(check_many) < 4 << 20
+
+
+def test_decoders_of_large_layouts_are_kept_within_a_byte_budget(monkeypatch):
+    """1024 decoders were kept whatever their layouts' size, and a decoder holds ~16x its layout:
+    1 MiB layouts from a tier held 17 MiB each (12 of them: 211 MiB). Now the layouts kept are
+    bounded in bytes too (MAX_DECODER_BYTES; 128 KiB here, for a fast test)."""
+    from shmcache import codec
+    from shmcache.tiers import decode_portable
+
+    monkeypatch.setattr(codec, "MAX_DECODER_BYTES", 128 << 10, raising=False)
+    codec.clear_decoders()
+
+    def decode_many():
+        for j in range(10):
+            layout = marshal.dumps(("D", tuple((f"k{j}_{i}", ("n",)) for i in range(6000))), 4)
+            rec = bytearray(codec.RECORD_HEADER.pack(codec.INLINE, 0, len(layout), 0) + bytes(48) + layout)
+            assert len(decode_portable(rec, trusted=False)) == 6000
+    try:
+        grew = _retained(decode_many)
+    finally:
+        codec.clear_decoders()
+    assert grew < 5 << 20, f"10 decoders of ~70 KiB layouts held {grew / 2**20:.1f} MiB (all kept: ~13 MiB)"
