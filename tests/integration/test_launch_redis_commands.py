@@ -9,10 +9,15 @@ everything else that reaches the file system or the server's code is renamed awa
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import redis
 
 from shmcache.launch.redis_node import RedisNode, find_redis_server
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed (apt-get install redis-server)")
 
 _OFF = [("CONFIG", "SET", "dir", "/tmp"), ("CONFIG", "GET", "dir"), ("MODULE", "LIST"), ("DEBUG", "SLEEP", "0"),
         ("SLAVEOF", "NO", "ONE"), ("REPLICAOF", "NO", "ONE"), ("EVAL", "return 1", "0"),
