@@ -40,6 +40,16 @@ def _from_parts(meta: str, shape: tuple, raw: np.ndarray) -> Any:
 
     mode, size = meta.rsplit(":", 1)[0].split("|")
     width, height = map(int, size.split("x"))
+    if mode not in MODES:
+        raise ValueError(f"an image leaf names mode {mode!r}, not one the encoder writes")
+    # Image.frombytes fills a whole image of the meta's size before it looks at the bytes: a leaf
+    # from a tier or a snapshot saying 16000x16000 over 4 bytes cost 1 GiB. Its bytes must be
+    # exactly the image's, checked with a 1-pixel image, before anything of that size is made.
+    per_row = (width + 7) // 8 if mode == "1" else len(Image.new(mode, (1, 1)).tobytes()) * width
+    row_bytes = shape[-1] if len(shape) == 2 else raw.size
+    if per_row * height != row_bytes:
+        raise ValueError(f"an image leaf of {row_bytes} bytes says it is a {width}x{height} {mode} image "
+                         f"({per_row * height} bytes): the record is damaged or forged")
     if len(shape) == 2:  # a column of the batch path: one image per row
         return [Image.frombytes(mode, (width, height), raw[i * shape[1]:(i + 1) * shape[1]].tobytes())
                 for i in range(shape[0])]

@@ -38,6 +38,9 @@ def _tensor_from_parts(meta: str, shape: tuple, raw: np.ndarray) -> torch.Tensor
     dtype = getattr(torch, meta.split(":", 1)[0], None)
     if not isinstance(dtype, torch.dtype):  # a layout from a tier or snapshot names anything
         raise ValueError(f"a tensor leaf names dtype {meta!r}, not a torch dtype")
+    if int(meta.rsplit(":", 1)[1]) != dtype.itemsize:  # ":0" made torch.empty(shape) of 0 bytes
+        raise ValueError(f"a tensor leaf names dtype {meta!r}, whose elements are {dtype.itemsize} bytes: "
+                         f"the record is damaged or forged")
     if raw.size == 0:
         return torch.empty(shape, dtype=dtype)
     # A read-only buffer is a zero-copy read (copy=False) of shared memory. torch has no read-only

@@ -24,7 +24,11 @@ NOTE [record format]
     node the encoder does not write, offsets beyond the record, object or structured dtypes
     (``np.ndarray(buffer=...)`` would build Python objects out of bytes; the decoders refuse them
     too, wherever the layout came from), and reports pickled leaves (NOTE [record
-    authentication] in trust.py decides who may unpickle them).
+    authentication] in trust.py decides who may unpickle them). marshal trusts the counts it
+    reads and shares objects by back-reference, so before ``marshal.loads`` the bytes are scanned
+    (only tuple, list, str, int, None and bools; no count beyond the bytes that follow), and the
+    walk visits at most one node per byte of the layout: a 5-byte tuple of 2**31 items or 563
+    bytes naming 2**40 nodes are refused in time and memory linear in the layout's bytes.
 
 Torch tensors and PIL images are registered extensions (see :func:`register_type`), so this module
 never imports torch: their handlers (shmcache._torch, shmcache._pil) load lazily, the first time a
@@ -33,6 +37,7 @@ process encodes such a value or decodes a record that holds one - and only then.
 
 from __future__ import annotations
 
+import hashlib
 import marshal
 import pickle
 import re
@@ -337,7 +342,26 @@ def encode(value: Any, path: str = "") -> Encoded:
 # +87 MiB, for 100k such samples). When full, the oldest entry goes (first in, first out: a hit
 # pays no bookkeeping); a layout read again after that is compiled again (microseconds).
 MAX_DECODERS = 1024
+# ... and at most this many bytes of layouts: a tier's record brings a layout as large as itself,
+# and a decoder holds about 16x its layout (a closure per leaf); 1024 decoders of 1 MiB layouts,
+# read from a Redis anyone with its password writes, held 17 GiB. Usual layouts are 100s of bytes.
+MAX_DECODER_BYTES = 8 << 20
 _DECODERS: dict[tuple[bytes, bool], Callable] = {}
+_decoder_bytes = 0  # the layouts' bytes in _DECODERS (threads may race it: it heals when emptied)
+
+
+def _make_room(n: int) -> None:
+    """Evict the oldest decoders until one more, of a layout of ``n`` bytes, fits both limits."""
+    global _decoder_bytes
+    while _DECODERS and (len(_DECODERS) >= MAX_DECODERS or _decoder_bytes + n > MAX_DECODER_BYTES):
+        try:
+            oldest = next(iter(_DECODERS))
+            del _DECODERS[oldest]
+        except (KeyError, RuntimeError, StopIteration):  # another thread changed it meanwhile
+            continue
+        _decoder_bytes -= len(oldest[0])
+    if not _DECODERS:
+        _decoder_bytes = 0
 
 
 def decoder_for(layout: bytes, private: bool = False) -> Callable[[Any], Any]:
@@ -350,12 +374,12 @@ def decoder_for(layout: bytes, private: bool = False) -> Callable[[Any], Any]:
         if any(tag not in _EXT_FROM for tag in tags):
             return _deferred(layout, private, tags)
         fn = _compile_flat(node, private) or _compile(node, private)
-        if len(_DECODERS) >= MAX_DECODERS:
-            try:
-                del _DECODERS[next(iter(_DECODERS))]
-            except (KeyError, RuntimeError, StopIteration):  # another thread changed it meanwhile
-                pass
+        if len(layout) > MAX_DECODER_BYTES:
+            return fn  # used once, not kept
+        global _decoder_bytes
+        _make_room(len(layout))
         _DECODERS[(layout, private)] = fn
+        _decoder_bytes += len(layout)
     return fn
 
 
@@ -394,7 +418,9 @@ def cached_decoders() -> int:
 
 def clear_decoders() -> None:
     """Forget every compiled decoder of this process (``clear()`` of a cache calls it)."""
+    global _decoder_bytes
     _DECODERS.clear()
+    _decoder_bytes = 0
 
 
 def _compile_flat(node: tuple, private: bool) -> Callable | None:
@@ -489,7 +515,7 @@ def _compile(node: tuple, private: bool = False, check: bool = False) -> Callabl
         return lambda buf: buf[off] != 0
     if tag == _NONE:
         return lambda buf: None
-    if tag in (_STR, _BYTES):
+    if tag in (_STR, _BYTES) or (tag == _PICKLE and check):  # check: a pickle is located, never loaded
         # the one kind of leaf that a record too short for its layout (damage) would otherwise
         # truncate silently: slicing clamps, where numpy and struct raise
         off, n = node[1], node[2]
@@ -574,16 +600,54 @@ _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
 _MAX_LEAF_BYTES = 1 << 62
 
 
+_MARSHAL_FIXED = {ord(c): n for c, n in (("N", 0), ("T", 0), ("F", 0), ("i", 4), ("r", 4))}
+_MARSHAL_SIZED = {ord(c): w for c, w in (("z", 1), ("Z", 1), ("a", 4), ("A", 4), ("u", 4), ("t", 4))}
+
+
+def _marshal_bounded(data: bytes) -> None:
+    """Refuse marshal bytes that are not plain tuples, lists, str, int, None and bools, or whose
+    counts exceed the bytes that follow: marshal allocates a container of the count it reads
+    before reading an item (a 5-byte tuple of 2**31 items is 16 GiB). Linear, allocates nothing."""
+    pos, pending, end = 0, 1, len(data)
+    while pending:
+        if pos >= end:
+            raise ValueError("the layout's bytes end early")
+        code, pos, pending = data[pos] & 0x7F, pos + 1, pending - 1
+        if code in _MARSHAL_FIXED:
+            pos += _MARSHAL_FIXED[code]
+            continue
+        width = 1 if code in (0x29, 0x7A, 0x5A) else 4  # ")": a small tuple; "z", "Z": a short str
+        if pos + width > end:
+            raise ValueError("the layout's bytes end early")
+        n = data[pos] if width == 1 else int.from_bytes(data[pos:pos + 4], "little", signed=code == 0x6C)
+        pos += width
+        if code in _MARSHAL_SIZED:  # str: n bytes
+            pos += n
+        elif code == 0x6C:  # "l": an int of |n| 15-bit digits
+            pos += 2 * abs(n)
+        elif code in (0x28, 0x29, 0x5B):  # "(", ")", "[": n objects of at least a byte each
+            pending += n
+        else:
+            raise ValueError(f"marshal type {chr(code)!r} is not one the encoder writes")
+        if pos + pending > end:
+            raise ValueError("a count in the layout exceeds its bytes")
+
+
 def check_layout(layout: bytes) -> LayoutCheck:
     """Check a layout that came from outside this user's shared memory (a tier, a snapshot)
     without decoding a record and without unpickling anything: its structure, every leaf's kind,
     offsets, lengths, dtype and extension (NOTE [record authentication], trust.py). Cached per
     layout (bounded like the decoders)."""
-    found = _CHECKED.get(layout)
+    # keyed by the layout itself when small (usual), else by its digest: a tier's record may bring
+    # a layout as large as itself, and a refused one would be kept whole (1024 x its size)
+    ckey = layout if len(layout) <= 4096 else hashlib.blake2b(layout, digest_size=16).digest()
+    found = _CHECKED.get(ckey)
     if found is not None:
         return found
     pickled = False
     needed = 0
+    budget = len(layout)  # nodes a layout of these bytes can hold: marshal's back-references
+    # let a few hundred bytes name a tree of 2**40 nodes (one node twice, the second by reference)
 
     def num(x: Any, what: str) -> int:
         if type(x) is not int or not 0 <= x < _MAX_LEAF_BYTES:
@@ -599,7 +663,10 @@ def check_layout(layout: bytes) -> LayoutCheck:
         return num(count, "an element count")
 
     def walk(node: Any, depth: int) -> None:
-        nonlocal pickled, needed
+        nonlocal pickled, needed, budget
+        budget -= 1
+        if budget < 0:
+            raise ValueError("it names more nodes than its bytes can hold (shared by reference)")
         if depth > 200 or type(node) is not tuple or not node or type(node[0]) is not str:
             raise ValueError("it is not a layout tree")
         tag, n = node[0], len(node)
@@ -636,13 +703,14 @@ def check_layout(layout: bytes) -> LayoutCheck:
             raise ValueError(f"a node {tag!r} of {n} fields is not one the encoder writes")
 
     try:
+        _marshal_bounded(layout)
         walk(marshal.loads(layout), 0)  # marshal builds plain values (never runs code)
         found = LayoutCheck(None, pickled, needed)
-    except (ValueError, EOFError, TypeError, EncodeError, RecursionError) as exc:
+    except (ValueError, EOFError, TypeError, EncodeError, RecursionError, MemoryError) as exc:
         found = LayoutCheck(f"its layout is not one the encoder writes ({exc})", False, 0)
     if len(_CHECKED) >= MAX_DECODERS:
         _CHECKED.clear()
-    _CHECKED[layout] = found
+    _CHECKED[ckey] = found
     return found
 
 
@@ -656,10 +724,10 @@ def _located(meta: str, shape: tuple, raw: np.ndarray) -> None:
 
 
 def check(record: Any, layout: bytes) -> None:
-    """Decode ``record`` by ``layout`` to check that they fit (the error numpy, struct, pickle or
-    utf-8 raise when not), without loading a handler: an extension leaf whose handler this process
-    has not loaded is only located within the record (an import of a snapshot of tensors checks
-    its records without importing torch)."""
+    """Decode ``record`` by ``layout`` to check that they fit (the error numpy, struct or utf-8
+    raise when not), without loading a handler and without unpickling: a pickled leaf, and an
+    extension leaf whose handler this process has not loaded, are only located within the record
+    (an import of a snapshot of tensors checks its records without importing torch)."""
     _compile(marshal.loads(layout), False, True)(record)
 
 

@@ -132,7 +132,8 @@ class Mac:
         if mac is None:
             return UNSIGNED
         tag = mac.get("tag") if isinstance(mac, dict) else None
-        if not isinstance(tag, str) or mac.get("alg") != "hmac-sha256":
+        # not ASCII: compare_digest would raise TypeError (a forged tag, never an exception)
+        if not isinstance(tag, str) or not tag.isascii() or mac.get("alg") != "hmac-sha256":
             return FORGED
         h = self._base.copy()
         h.update(_MANIFEST_DOMAIN + body_canonical)

@@ -25,6 +25,9 @@ __all__ = ["DEFAULT_MAXMEMORY_MB", "RedisNode", "find_redis_server", "route_addr
 
 #: ``--remote spawn`` without ``:MB``: each node's server may hold this much (MiB), then evicts.
 DEFAULT_MAXMEMORY_MB = 1024
+#: Commands the spawned server refuses (renamed to nothing): see RedisNode._config.
+_ADMIN_COMMANDS = ("CONFIG", "MODULE", "DEBUG", "SLAVEOF", "REPLICAOF", "EVAL", "EVALSHA", "SCRIPT", "SAVE",
+                   "BGSAVE", "BGREWRITEAOF")
 #: A new server that does not answer PING within this time is reported as failed to start.
 START_TIMEOUT_S = 30.0
 #: A free port can be taken between our look and the server's bind: try again with another.
@@ -136,6 +139,11 @@ class RedisNode:
             "daemonize no",
             'logfile ""',
             "loglevel warning",
+            # whoever holds the password may change values, never run code as this user (design 9):
+            # off with what reaches the file system or the server's code (CONFIG SET dir and
+            # dbfilename + SAVE write any file on Redis 5-6; MODULE LOAD; Debian's Lua escape).
+            # The workers use AUTH, PING, GET, MGET, SET, INFO. All of these exist from Redis 5 on.
+            *(f'rename-command {c} ""' for c in _ADMIN_COMMANDS),
             "",
         ])
 

@@ -150,6 +150,12 @@ def _mac(key: bytes, *parts: object) -> str:
     return hmac.new(key, json.dumps(parts).encode(), hashlib.sha256).hexdigest()
 
 
+def _equal(given: object, expected: str) -> bool:
+    """Whether the other side's ``given`` is ``expected``, in constant time. hmac.compare_digest
+    raises TypeError for a str with non-ASCII characters: from a peer that is a wrong answer."""
+    return isinstance(given, str) and given.isascii() and hmac.compare_digest(given, expected)
+
+
 def _proof(token: str, role: str, job: str, nnodes: int, rank: int, challenge: str,
            own_nonce: str) -> str:
     """The answer of ``role`` ("node" or "host") to the other side's ``challenge``."""
@@ -191,15 +197,29 @@ class _Channel:
             tag = sealed["mac"]
         except (KeyError, TypeError, ValueError):
             return None
-        if not isinstance(tag, str) or not hmac.compare_digest(tag, self._tag(self._in, self._received, box)):
+        if not _equal(tag, self._tag(self._in, self._received, box)):
             return None
         self._received += 1
         plain = bytes(a ^ b for a, b in zip(box, self._stream(self._in, self._received - 1, len(box))))
-        try:
-            message = json.loads(plain)
-        except ValueError:
-            return None
+        message = _json(plain)
         return message if isinstance(message, dict) else None
+
+
+def _json(line: bytes) -> object:
+    """The JSON value of a line from the other side, None when it is not one: a line nested
+    deeper than the parser recurses (``[[[[...``) raises RecursionError, which must not end a
+    launcher any more than other garbage does."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _quote(value: object) -> str:
+    """What a peer sent, quoted for a message: at most 40 characters of its repr (a refusal is
+    kept, printed and sent back; the peer chose up to a 64 KB line)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _peer_name(address: tuple) -> str:
@@ -250,7 +270,8 @@ class _Host:
             ) from None
         self._peers: dict[socket.socket, _Peer] = {}
         self._endpoints: dict[int, str] = {}
-        self._refused: list[str] = []  # "ADDRESS: why", for the timeout message
+        self._refused: list[str] = []  # "ADDRESS: why", the last few, for the timeout message
+        self._refusals = 0
 
     def close(self) -> None:
         for sock in list(self._peers):
@@ -315,10 +336,7 @@ class _Host:
             self._refuse(peer, "a line longer than the protocol allows")
 
     def _handle(self, peer: _Peer, line: bytes) -> None:
-        try:
-            message = json.loads(line)
-        except ValueError:
-            message = None
+        message = _json(line)
         if not isinstance(message, dict):
             self._refuse(peer, "a message that is not the launcher's (is something else on this port?)")
         elif peer.hello is None:
@@ -344,16 +362,16 @@ class _Host:
         nonce = message.get("nonce")
         if message.get("v") != PROTOCOL or not _is_nonce(nonce):
             self._refuse(peer, f"a launcher without the job-token handshake (protocol "
-                               f"{message.get('v', 1)!r}, node 0 speaks {PROTOCOL}): every node "
+                               f"{_quote(message.get('v', 1))}, node 0 speaks {PROTOCOL}): every node "
                                f"needs the same shmcache version and ${ENV_RDZV_TOKEN}")
         elif job != self._job:
-            self._refuse(peer, f"job ID {job!r}, but node 0 runs another job: every node needs the "
+            self._refuse(peer, f"job ID {_quote(job)}, but node 0 runs another job: every node needs the "
                                f"same --run-id (or none), --master-addr and --master-port")
         elif nnodes != self._nnodes:
-            self._refuse(peer, f"--nnodes {nnodes}, but node 0 has --nnodes {self._nnodes}; give "
+            self._refuse(peer, f"--nnodes {_quote(nnodes)}, but node 0 has --nnodes {self._nnodes}; give "
                                f"every node the same --nnodes")
         elif not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank < self._nnodes:
-            self._refuse(peer, f"--node-rank {rank!r}: node 0 expects 1 to {self._nnodes - 1}")
+            self._refuse(peer, f"--node-rank {_quote(rank)}: node 0 expects 1 to {self._nnodes - 1}")
         else:
             peer.hello = message
             peer.nonce = secrets.token_hex(16)
@@ -366,7 +384,7 @@ class _Host:
         rank = hello["rank"]
         expected = _proof(self._token, "node", self._job, self._nnodes, rank, peer.nonce, hello["nonce"])
         proof = message.get("proof")
-        if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
+        if not _equal(proof, expected):
             self._refuse(peer, f"claimed node rank {rank} but answered the challenge wrong: it does "
                                f"not hold this job's ${ENV_RDZV_TOKEN}")
             return
@@ -383,7 +401,8 @@ class _Host:
 
     def _refuse(self, peer: _Peer, why: str, proof: str | None = None) -> None:
         """Tell the peer why, say it here with its address, and drop it (NOTE, 5)."""
-        self._refused.append(f"{peer.name}: {why}")
+        self._refusals += 1
+        self._refused = [*self._refused[-4:], f"{peer.name}: {why}"]  # bounded: anyone may connect
         print(f"shmcache.launch: --remote spawn: refused {peer.name}: {why}", file=sys.stderr, flush=True)
         reply: dict = {"error": f"node 0 refused this launcher ({peer.name}): {why}"}
         if proof is not None:
@@ -425,8 +444,8 @@ class _Host:
         if starting:
             parts.append(f"connected, but their Redis never answered: {starting}")
         if self._refused:
-            shown = "; ".join(self._refused[-5:])
-            more = f" (and {len(self._refused) - 5} more)" if len(self._refused) > 5 else ""
+            shown = "; ".join(self._refused)
+            more = f" (and {self._refusals - len(self._refused)} more)" if self._refusals > len(self._refused) else ""
             parts.append(f"refused: {shown}{more}")
         return (f"node ranks {missing} of {self._nnodes} did not join the exchange "
                 f"of Redis endpoints within --rdzv-timeout {timeout_s:g} s ({'; '.join(parts)}); "
@@ -484,7 +503,7 @@ def join_exchange(*, master_addr: str, port: int, nnodes: int, node_rank: int, j
         reply = lines.next(deadline + ERROR_GRACE_S, timeout_s, None)
         expected = _proof(token, "host", job, nnodes, node_rank, nonce, challenge)
         proof = reply.get("proof")
-        if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
+        if not _equal(proof, expected):
             if isinstance(reply.get("error"), str):
                 raise _error_from(reply)
             raise LaunchError(f"--remote spawn: {where} did not prove it holds this job's "
@@ -591,10 +610,7 @@ class _Lines:
                 raise LaunchError(f"--remote spawn: {self._where} sent a line longer than the "
                                   f"protocol allows; is something else listening on that port?")
         line, self._buffer = self._buffer.split(b"\n", 1)
-        try:
-            message = json.loads(line)
-        except ValueError:
-            message = None
+        message = _json(line)
         if not isinstance(message, dict):
             raise LaunchError(f"--remote spawn: {self._where} sent something that is not the "
                               f"launcher's protocol; is something else listening on that port?")

@@ -112,6 +112,7 @@ _U32 = struct.Struct("<I")
 _KEY_LEN_AT = 6  # where a spill record header holds its key length (NOTE [spill records]) ...
 _HEAD_CHECK_AT = 28  # ... and its head check
 _SEGMENT_RE = re.compile(r"seg-\d{5,}\.shms")
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{1,128}")  # what fingerprint.py makes: a hex digest
 
 
 def key_hash(pkey: bytes) -> int:
@@ -305,7 +306,7 @@ def find(index: np.ndarray, hashes: np.ndarray, pkey: bytes) -> np.ndarray:
 
 
 def _version_message(where: str, version: int) -> str:
-    return (f"{where} is snapshot format version {version}; this shmcache reads version "
+    return (f"{where} is snapshot format version {version!s:.40}; this shmcache reads version "
             f"{FORMAT_VERSION} only: import it with the shmcache that exported it, or export it again")
 
 
@@ -344,12 +345,12 @@ class Manifest:
     def from_json(cls, data: bytes, where: str) -> Manifest:
         try:
             doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nested past the parser's depth
             raise SnapshotError(f"{where} is not JSON ({exc}); it is damaged: copy the snapshot again, "
                                 f"or export it again") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise SnapshotError(f"{where} is not a shmcache snapshot manifest (format "
-                                f"{doc.get('format') if isinstance(doc, dict) else None!r}); pass the "
+                                f"{doc.get('format') if isinstance(doc, dict) else None!r:.60}); pass the "
                                 f"directory `shmcache export` wrote")
         if doc.get("version") != FORMAT_VERSION:
             raise SnapshotError(_version_message(where, doc.get("version")))
@@ -363,9 +364,13 @@ class Manifest:
                     int(doc["bytes"]), int(doc["stored_bytes"]), dict(doc.get("layouts") or {}),
                     segments, str(doc.get("created", "")), str(doc.get("shmcache", "")), mac,
                     canonical(doc))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e999)
             raise SnapshotError(f"{where} lacks a field or has a wrong one ({exc!r}); it is damaged: "
                                 f"copy the snapshot again, or export it again") from None
+        fp = m.fingerprint  # becomes the cache's identity (its meta, the remote tier's keys): a digest or none
+        if fp is not None and not (isinstance(fp, str) and _FINGERPRINT_RE.fullmatch(fp)):
+            raise SnapshotError(f"{where} says the dataset's fingerprint is {str(fp)[:80]!r}, not a hex digest "
+                                f"an export writes; it is damaged or forged: export the snapshot again")
         for s in m.segments:  # names come from a file: never a path out of the snapshot
             if not _SEGMENT_RE.fullmatch(s.file):
                 raise SnapshotError(f"{where} names segment {s.file!r}, not a name an export writes; it is "

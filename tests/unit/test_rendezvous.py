@@ -170,7 +170,8 @@ def test_node_0_reports_a_busy_port():
     assert node.passwords == []
 
 
-@pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\n\r\n", b"x" * 70000])
+# b"[" * 60000: JSON nested deeper than the parser recurses (RecursionError) crashed node 0
+@pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\n\r\n", b"x" * 70000, b"[" * 60000 + b"\n"])
 def test_something_else_on_the_port_is_refused_and_the_exchange_goes_on(garbage):
     port = free_port()
     host = Node(0, port, 2)
@@ -301,3 +302,95 @@ def test_silent_and_unproven_connections_hold_no_rank_and_are_dropped(monkeypatc
     err = capsys.readouterr().err
     assert "too many connections that did not prove" in err
     assert "did not prove it holds $SHMCACHE_RDZV_TOKEN within 0.5 s" in err
+
+
+def test_a_node_0_impostor_sending_deep_json_is_a_launch_error():
+    """Something listening where node 0 should be answers the hello with JSON nested deeper than
+    the parser recurses: the joining launcher says so (LaunchError), it does not die of a
+    RecursionError."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def impostor():
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"[" * 60000 + b"\n")
+                time.sleep(1)
+
+        t = threading.Thread(target=impostor, daemon=True)
+        t.start()
+        node = Node(1, port, 2, timeout_s=10)
+        run_all([node])
+        t.join(5)
+    assert isinstance(node.error, LaunchError), repr(node.error)
+    assert node.passwords == []
+
+
+def test_a_proof_with_non_ascii_characters_is_refused_and_the_exchange_goes_on(capsys):
+    """hmac.compare_digest raises TypeError for a str with non-ASCII characters: a peer that knew
+    only the job ID (it is in `ps`) ended node 0's launcher with {"proof": "é..."}. It is a wrong
+    answer now, refused like any other."""
+    port = free_port()
+    host = Node(0, port, 2)
+    host.start()
+    with connect(port) as sock:
+        sock.sendall(json.dumps({"v": 2, "job": "job-1", "nnodes": 2, "rank": 1,
+                                 "nonce": secrets.token_hex(16)}).encode() + b"\n")
+        sock.settimeout(5)
+        assert "nonce" in json.loads(sock.recv(4096).split(b"\n")[0])
+        sock.sendall(json.dumps({"proof": "\u00e9" * 64}).encode() + b"\n")
+        assert all("password" not in m for m in lines_of(sock))
+    run_all([Node(1, port, 2)])
+    host.join(10)
+    assert host.error is None, repr(host.error)
+    assert "answered the challenge wrong" in capsys.readouterr().err
+
+
+def test_a_node_0_impostor_with_a_non_ascii_proof_is_a_launch_error():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def impostor():
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(json.dumps({"nonce": secrets.token_hex(16)}).encode() + b"\n")
+                conn.recv(4096)
+                conn.sendall(json.dumps({"proof": "\u00e9" * 64}).encode() + b"\n")
+                time.sleep(1)
+
+        t = threading.Thread(target=impostor, daemon=True)
+        t.start()
+        node = Node(1, port, 2, timeout_s=10)
+        run_all([node])
+        t.join(5)
+    assert isinstance(node.error, LaunchError), repr(node.error)
+    assert "did not prove it holds" in str(node.error) and node.passwords == []
+
+
+
+def test_what_a_refused_peer_sent_is_quoted_short(capsys):
+    """Node 0's refusals quoted whatever the peer sent (its protocol version, job ID, ranks), up
+    to a 64 KB line each, kept every one in memory, printed each whole, and put the last five in
+    the timeout message to every proven node: no token or job ID needed to grow node 0's memory
+    per connection, flood its log, and make that message too long for the protocol (the proven
+    node then failed with "a line longer than the protocol allows" instead of the missing
+    ranks). Quotes are a few dozen characters now, and only the last refusals are kept."""
+    port = free_port()
+    host = Node(0, port, 3, timeout_s=4)
+    host.start()
+    node = Node(1, port, 3, timeout_s=4)
+    node.start()
+    junk = json.dumps({"v": "\u00e9" * 30000, "nonce": secrets.token_hex(16)}, ensure_ascii=False).encode()
+    for _ in range(6):
+        with connect(port) as sock:
+            sock.sendall(junk + b"\n")
+            lines_of(sock)
+    for n in (node, host):
+        n.join(30)
+        assert not n.is_alive()
+    assert isinstance(node.error, RendezvousTimeout), repr(node.error)
+    assert "node ranks [2] of 3 did not join" in str(node.error)
+    refusals = [ln for ln in capsys.readouterr().err.splitlines() if "refused" in ln]
+    assert len(refusals) >= 6 and max(map(len, refusals)) < 1000

@@ -71,3 +71,26 @@ def test_a_layout_is_checked_without_unpickling():
         decode_portable(bad, trusted=False)
     for node in [("?", 1), ("i", "16"), ("a", "<f4", (-1,), 64), ("e", "torch", "float32", (1,), 64)]:
         assert codec.check_layout(marshal.dumps(node, 4)).problem is not None, node
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (self.marker,))
+
+
+def test_check_locates_a_pickled_leaf_without_unpickling_it(tmp_path):
+    """codec.check ("decode to check that they fit") unpickled a pickled leaf: checking a record
+    ran its code. It only locates the leaf now, and a record too short for it still fails."""
+    marker = tmp_path / "ran"
+    enc = codec.encode({"obj": _RunsCode(marker), "x": np.arange(3)})
+    rec = bytearray(portable_record(enc, 1))
+    layout = codec.inline_layout(rec)
+    codec.check(rec, layout)
+    assert not marker.exists(), "check() unpickled the leaf"
+    with pytest.raises(ValueError):
+        codec.check(rec[:40], layout)
