@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 
 import numpy as np
 import pytest
 import torch
+from _planted import Evil, Thing
 
 from shmcache import ShmDatasetCache
 from shmcache.cli import main as cli
@@ -26,22 +26,6 @@ SECRET = "job-secret-5e1d"
 pytestmark = pytest.mark.filterwarnings("ignore:.*stored with pickle:UserWarning")
 
 
-class Evil:
-    """A pickle that, when loaded, makes the directory ``marker``: proof that code ran."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.mkdir, (self.marker,))
-
-
-class Thing:
-    def __init__(self, n):
-        self.n = n
-
-    def __eq__(self, other):
-        return isinstance(other, Thing) and other.n == self.n
 
 
 def _value(i):

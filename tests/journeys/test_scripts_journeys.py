@@ -11,18 +11,13 @@ nothing, and a snapshot of the warm-up's cache is accepted by the training scrip
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-
-from shmcache.config import ENV_DIR, namespace
-from shmcache.registry import SessionRegistry
+from _journey import env, run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,19 +82,6 @@ TRAIN = textwrap.dedent('''\
 ''')
 
 
-def _env(shm_dir: Path | str | None = None) -> dict:
-    env = dict(os.environ)  # PYTHONPATH kept: the package is importable from the checkout
-    if shm_dir is not None:
-        env[ENV_DIR] = str(shm_dir)
-    env.pop("SHMCACHE_SNAPSHOT", None)
-    return env
-
-
-def _run(args: list, cwd: Path, env: dict, timeout: float = 90) -> str:
-    done = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, f"{args} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
-    return done.stdout
 
 
 def _code(where: Path) -> Path:
@@ -109,25 +91,14 @@ def _code(where: Path) -> Path:
     return where
 
 
-@pytest.fixture
-def other_machine(tmp_path):
-    """A second ``$SHMCACHE_DIR``: another machine's shared memory, emptied at the end."""
-    root = tmp_path / "machine-b"
-    yield root
-    ns = namespace(str(root))
-    registry = SessionRegistry(ns)
-    for info in registry.list():
-        registry.destroy(info.name, force=True)
-    assert not ns.owned_segments()
-
 
 def test_warmup_script_then_training_script_share_one_cache(tmp_path):
     """The issue's journey: warm-up as __main__ named its cache Expensive-a802180e0acd, training
     (importing Expensive) Expensive-99e976f451d0 and computed 61 of 64 items again."""
     code = _code(tmp_path / "code")
-    warm = _run(["warm.py"], code, _env())
+    warm = run(["warm.py"], code, env())
     name = re.search(r"NAME (\S+)", warm).group(1)
-    got = json.loads(_run(["train.py"], code, _env()))
+    got = json.loads(run(["train.py"], code, env()))
     assert got["name"] == name and name.startswith("Expensive-")
     assert got["seen"] == 64
     assert got["computed"] == 0 and got["misses"] == 0, got
@@ -140,10 +111,10 @@ def test_a_snapshot_of_the_warmup_feeds_training_on_another_machine_with_the_cod
     refused with CacheMismatch), and nothing is computed."""
     code_a = _code(tmp_path / "a" / "code")
     snap = tmp_path / "snap"
-    name = re.search(r"NAME (\S+)", _run(["warm.py", snap], code_a, _env())).group(1)
+    name = re.search(r"NAME (\S+)", run(["warm.py", snap], code_a, env())).group(1)
     code_b = tmp_path / "b" / "elsewhere" / "project"
     shutil.copytree(code_a, code_b)
-    got = json.loads(_run(["train.py", snap], code_b, _env(other_machine)))
+    got = json.loads(run(["train.py", snap], code_b, env(other_machine)))
     assert got["name"] == name
     assert got["seen"] == 64 and got["computed"] == 0, got
     assert got["snapshot_hits"] == 64 - 3  # all but wrap()'s probes, which it computed and stored
@@ -175,8 +146,8 @@ def test_the_same_class_at_another_path_or_run_as_main_gets_the_same_identity(tm
     (edited / "warm.py").write_text(WARM.replace("Expensive.computed += 1",
                                                  "Expensive.computed += 1\n        i = i if i != 7 else 8"))
     (tmp_path / "names_of.py").write_text(_NAMES_OF)
-    as_main = re.search(r"NAME (\S+)", _run(["warm.py"], one, _env())).group(1)
-    names = _run(["names_of.py", one / "warm.py", two / "warm.py", edited / "warm.py"], tmp_path, _env()).split()
+    as_main = re.search(r"NAME (\S+)", run(["warm.py"], one, env())).group(1)
+    names = run(["names_of.py", one / "warm.py", two / "warm.py", edited / "warm.py"], tmp_path, env()).split()
     assert names[0] == names[1] == as_main, (as_main, names)
     assert names[2] != as_main
 
@@ -187,13 +158,13 @@ def test_the_readme_quick_start_runs_and_its_second_run_is_warm(tmp_path):
     cache; epoch 2 and the whole second run read it (no new misses)."""
     cmd = ["-m", "shmcache.launch", "--nproc", "2", str(ROOT / "examples" / "train.py"), "--tasks", "photos",
            "--photos", "64"]
-    first = _run(cmd, tmp_path, _env(), timeout=110)
+    first = run(cmd, tmp_path, env(), timeout=110)
     lines = re.findall(r"\[photos\] epoch\s+(\d+).*cache: (\d+) items, (\d+) hits, (\d+) misses", first)
     assert [e for e, *_ in lines] == ["1", "2"], first
     (_, items, _, misses), (_, items2, hits2, misses2) = lines
     assert items == items2 == "64" and misses2 == misses and int(hits2) >= 64
     assert re.search(r"default\s+PhotoCrops-\w+\s+PhotoCrops\s+64\s", first), first  # the stat table it prints
-    second = _run(cmd[:-1] + ["64", "--photo-epochs", "1"], tmp_path, _env(), timeout=110)
+    second = run(cmd[:-1] + ["64", "--photo-epochs", "1"], tmp_path, env(), timeout=110)
     (_, items3, _, misses3), = re.findall(r"\[photos\] epoch\s+(\d+).*cache: (\d+) items, (\d+) hits, "
                                           r"(\d+) misses", second)
     assert items3 == "64" and misses3 == misses, second  # the session outlived the first job

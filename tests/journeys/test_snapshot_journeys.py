@@ -12,17 +12,11 @@ machine B: the ``other_machine`` fixture's, emptied at the end). PYTHONPATH is k
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
-from shmcache.config import ENV_DIR, namespace
-from shmcache.registry import SessionRegistry
+from _journey import env, run
 
 N = 48
 
@@ -136,31 +130,7 @@ TRAIN = textwrap.dedent('''\
 ''')
 
 
-def _env(shm_dir: Path | str | None = None) -> dict:
-    env = dict(os.environ)  # PYTHONPATH kept: the package is importable from the checkout
-    if shm_dir is not None:
-        env[ENV_DIR] = str(shm_dir)
-    env.pop("SHMCACHE_SNAPSHOT", None)
-    return env
 
-
-def _run(args: list, cwd: Path, env: dict, timeout: float = 90) -> str:
-    done = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, f"{args} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
-@pytest.fixture
-def other_machine(tmp_path):
-    """A second ``$SHMCACHE_DIR``: another machine's shared memory, emptied at the end."""
-    root = tmp_path / "machine-b"
-    yield root
-    ns = namespace(str(root))
-    registry = SessionRegistry(ns)
-    for info in registry.list():
-        registry.destroy(info.name, force=True)
-    assert not ns.owned_segments()
 
 
 def _machine_a(tmp_path) -> tuple[Path, Path, str]:
@@ -169,7 +139,7 @@ def _machine_a(tmp_path) -> tuple[Path, Path, str]:
     code.mkdir()
     (code / "make.py").write_text(MAKE)
     snap, expected = tmp_path / "snap", tmp_path / "expected.pt"
-    name = _run(["make.py", snap, expected], code, _env()).strip()
+    name = run(["make.py", snap, expected], code, env()).strip()
     return snap, expected, name
 
 
@@ -180,7 +150,7 @@ def test_read_through_with_no_import_and_no_source_on_another_machine(tmp_path, 
     b = tmp_path / "b"  # no dataset code here
     b.mkdir()
     (b / "serve.py").write_text(SERVE)
-    got = json.loads(_run(["serve.py", snap, expected], b, _env(other_machine)))
+    got = json.loads(run(["serve.py", snap, expected], b, env(other_machine)))
     assert got["name"] == name and got["len"] == N and not got["make_imported"]
     assert got["batch_ok"], got["batch_seen"]
     assert got["items_ok"] and got["loader_ok"], got
@@ -194,10 +164,10 @@ def test_export_on_one_machine_import_on_another_then_serve_and_train(tmp_path, 
     shutil.copy(tmp_path / "a" / "make.py", b / "make.py")
     for script, text in (("serve.py", SERVE), ("import_it.py", IMPORT), ("train.py", TRAIN)):
         (b / script).write_text(text)
-    imported, items = _run(["import_it.py", snap], b, _env(other_machine)).split()
+    imported, items = run(["import_it.py", snap], b, env(other_machine)).split()
     assert imported == name and int(items) == N
-    got = json.loads(_run(["serve.py", snap, expected, name], b, _env(other_machine)))  # no snapshot=
+    got = json.loads(run(["serve.py", snap, expected, name], b, env(other_machine)))  # no snapshot=
     assert got["batch_ok"], got["batch_seen"]
     assert got["items_ok"] and got["loader_ok"] and got["snapshot_hits"] == 0, got
-    trained = json.loads(_run(["train.py"], b, _env(other_machine)))
+    trained = json.loads(run(["train.py"], b, env(other_machine)))
     assert trained == {"name": name, "seen": N, "computed": 0}

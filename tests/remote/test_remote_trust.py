@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 import pytest
 import redis
 import zstandard
+from _planted import Evil, Thing
 
 from shmcache import ShmDatasetCache, codec
 from shmcache.cli import main as cli
@@ -24,24 +24,6 @@ SECRET = "job-secret-0f3a9c"
 pytestmark = pytest.mark.filterwarnings("ignore:.*stored with pickle:UserWarning")
 
 
-class Evil:
-    """A pickle that, when loaded, makes the directory ``marker``: proof that code ran."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.mkdir, (self.marker,))
-
-
-class Thing:
-    """A harmless object that only pickle stores (the job's own values)."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __eq__(self, other):
-        return isinstance(other, Thing) and other.n == self.n
 
 
 @pytest.fixture

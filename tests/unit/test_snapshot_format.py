@@ -129,7 +129,7 @@ def test_another_format_version_is_refused_by_header_footer_and_manifest():
     struct.pack_into("<I", tail, 36, __import__("zlib").crc32(bytes(tail[:36])))
     with pytest.raises(SnapshotError, match="version 2"):
         fmt.parse_footer(bytes(tail), len(data), "s")
-    m = fmt.Manifest("s", "c", "fp", 2, 2, 10, len(data), {}, [info])
+    m = fmt.Manifest("s", "c", "0123456789abcdef" * 2, 2, 2, 10, len(data), {}, [info])
     doc = json.loads(m.to_json())
     assert fmt.Manifest.from_json(m.to_json(), "m").segments == [info]
     doc["version"] = 99
