@@ -169,3 +169,20 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     print("  ".join("-" * w for w in widths))
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def wait_for_redis(port: int, password: str, timeout_s: float = 10.0) -> None:
+    """Until the redis-server a benchmark started on 127.0.0.1:``port`` answers PING."""
+    import time
+
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            redis.Redis(port=port, password=password).ping()
+            return
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

@@ -32,7 +32,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, environment_line, free_loopback_port, median, print_table  # noqa: E402
+from _common import (  # noqa: E402
+    environment,
+    environment_line,
+    free_loopback_port,
+    median,
+    print_table,
+    wait_for_redis,
+)
 
 SECRET = secrets.token_hex(32)  # what `--remote spawn` makes per job
 BATCH = 256
@@ -151,7 +158,7 @@ def main(argv=None) -> int:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://:{password}@127.0.0.1:{port}"
     try:
-        _wait(port, password)
+        wait_for_redis(port, password)
         print(environment_line(environment()))
         small, large = (2000, 100) if args.quick else (20000, 1000)
         rows = [bench_import(base, "cifar", small, args.repeats),
@@ -166,19 +173,6 @@ def main(argv=None) -> int:
         shutil.rmtree(base, ignore_errors=True)
     return 0
 
-
-def _wait(port: int, password: str) -> None:
-    import redis
-
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis(port=port, password=password).ping()
-            return
-        except redis.exceptions.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 if __name__ == "__main__":

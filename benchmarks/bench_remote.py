@@ -48,7 +48,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, environment_line, fmt_rate, free_loopback_port, median, print_table  # noqa: E402
+from _common import (  # noqa: E402
+    environment,
+    environment_line,
+    fmt_rate,
+    free_loopback_port,
+    median,
+    print_table,
+    wait_for_redis,
+)
 from peers._workloads import make_workload  # noqa: E402
 
 BATCH = 64
@@ -258,7 +266,7 @@ def main(argv=None) -> int:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://:{password}@127.0.0.1:{port}"
     try:
-        _wait(port, password)
+        wait_for_redis(port, password)
         print(environment_line(environment({"redis": subprocess.run(
             ["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2]})))
         rows = []
@@ -299,19 +307,6 @@ def _print(rows: list) -> None:
     for r in rows:
         print("  ".join(r), flush=True)
 
-
-def _wait(port: int, password: str) -> None:
-    import redis
-
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis(port=port, password=password).ping()
-            return
-        except redis.exceptions.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def _flushall(port: int, password: str) -> None:
