@@ -619,7 +619,7 @@ class ShmDatasetCache:
         tree, leaves, columns = got
         if out is not None:
             return out
-        return _build(tree, [_to_tensor(c, leaf) for c, leaf in zip(columns, leaves)])
+        return _build_collated(tree, [_to_tensor(c, leaf) for c, leaf in zip(columns, leaves)], False)
 
     def _gather_collated(self, store: CacheStore, keys: np.ndarray, sent_from: Any = None) -> Any:
         """The batch of int ``keys`` exactly as ``default_collate`` makes it from the samples
@@ -1206,15 +1206,6 @@ def _to_tensor(column: Any, leaf: codec.Leaf) -> Any:
         from_parts = codec.ext_from_parts(leaf.ext)
         return from_parts(leaf.meta, (len(column), *leaf.shape), column.reshape(-1))
     return torch.from_numpy(column)
-
-
-def _build(tree: tuple, leaves: list) -> Any:
-    tag = tree[0]
-    if tag == "leaf":
-        return leaves[tree[1]]
-    if tag in ("T", "L"):  # default_collate returns a list for a batch of tuples too
-        return [_build(c, leaves) for c in tree[1]]
-    return {k: _build(c, leaves) for k, c in tree[1]}
 
 
 def _out_leaves(leaves: list) -> tuple[list, list, list]:

@@ -84,7 +84,7 @@ SERVE = textwrap.dedent('''\
     items_ok = all(same(ds[i], expected[i]) for i in range(0, len(ds), 5))
     x, y, names = cache.get_batch([3, 1, 4])
     batch_ok = (torch.equal(x, torch.stack([expected[i][0] for i in (3, 1, 4)]))
-                and list(names) == ["rec-3", "rec-1", "rec-4"])  # a tuple when read through
+                and names == ("rec-3", "rec-1", "rec-4"))  # a tuple, as default_collate gives
     batch_seen = [names, y.tolist(), [float(v) for v in x[:, 0, 0, 0]],
                   [float(expected[i][0][0, 0, 0]) for i in (3, 1, 4)]]
     seen = {}

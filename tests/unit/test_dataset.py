@@ -158,6 +158,29 @@ def test_batch_path_equals_default_collate_of_the_source(make):
         assert_same(ds[torch.tensor(idx)], want)
 
 
+class _Named(Dataset):
+    """Samples with a str field inside a tuple: default_collate gives that column as a tuple."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.full((3,), i), f"n{i}"
+
+
+def test_get_batch_of_str_fields_has_default_collates_containers_on_a_hit_too():
+    """A batch gathered from the cache (every key a hit) and one computed (misses) have the
+    containers default_collate gives: the str column of tuple samples is a tuple, both times."""
+    src, idx = _Named(), [4, 5, 6]
+    want = default_collate([src[i] for i in idx])
+    with _cache() as cache:
+        ds = cache.wrap(src)
+        for attempt in ("miss", "hit"):
+            got = ds.get_batch(idx)
+            assert type(got[1]) is type(want[1]) is tuple, (attempt, got[1])
+            assert got[1] == want[1] and torch.equal(got[0], want[0]), attempt
+
+
 def test_get_batch_gathers_into_out_buffers():
     src = FixedDataset(30, 48)
     idx = list(range(0, 30, 3))
