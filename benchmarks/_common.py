@@ -171,18 +171,28 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
 
 
-def wait_for_redis(port: int, password: str, timeout_s: float = 10.0) -> None:
-    """Until the redis-server a benchmark started on 127.0.0.1:``port`` answers PING."""
+def start_redis(workdir: str | os.PathLike) -> tuple:
+    """A password-protected redis-server on 127.0.0.1 for a benchmark, without persistence, its log
+    in ``workdir``, answering PING: ``(process, url, port, password)``; the caller kills it."""
+    import secrets
+    import subprocess
     import time
 
     import redis
 
-    deadline = time.monotonic() + timeout_s
+    port, password = free_loopback_port(), secrets.token_hex(12)
+    server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                               "--appendonly", "no", "--dir", str(workdir), "--requirepass", password,
+                               "--logfile", str(Path(workdir) / "redis.log")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
     while True:
         try:
             redis.Redis(port=port, password=password).ping()
-            return
+            return server, f"redis://:{password}@127.0.0.1:{port}", port, password
         except redis.exceptions.ConnectionError:
             if time.monotonic() > deadline:
+                server.kill()
+                server.wait()
                 raise
             time.sleep(0.05)

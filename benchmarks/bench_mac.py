@@ -23,7 +23,6 @@ import argparse
 import os
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,10 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     environment,
     environment_line,
-    free_loopback_port,
     median,
     print_table,
-    wait_for_redis,
+    start_redis,
 )
 
 SECRET = secrets.token_hex(32)  # what `--remote spawn` makes per job
@@ -151,14 +149,8 @@ def main(argv=None) -> int:
     base = Path(tempfile.mkdtemp(prefix="shmcache-bench-mac-"))
     os.environ["SHMCACHE_DIR"] = str(base / "ns")
     os.environ.pop("SHMCACHE_SECRET", None)
-    port, password = free_loopback_port(), secrets.token_hex(12)
-    server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                               "--appendonly", "no", "--dir", str(base), "--requirepass", password,
-                               "--logfile", str(base / "redis.log")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://:{password}@127.0.0.1:{port}"
+    server, url, port, password = start_redis(base)
     try:
-        wait_for_redis(port, password)
         print(environment_line(environment()))
         small, large = (2000, 100) if args.quick else (20000, 1000)
         rows = [bench_import(base, "cifar", small, args.repeats),

@@ -52,10 +52,9 @@ from _common import (  # noqa: E402
     environment,
     environment_line,
     fmt_rate,
-    free_loopback_port,
     median,
     print_table,
-    wait_for_redis,
+    start_redis,
 )
 from peers._workloads import make_workload  # noqa: E402
 
@@ -259,14 +258,8 @@ def main(argv=None) -> int:
     sizes = {"cifar": 1024 if args.quick else 8192, "imagenet": 96 if args.quick else 1024,
              "photos": 96 if args.quick else 1024}
     base = Path(tempfile.mkdtemp(prefix="shmcache-bench-remote-"))
-    port, password = free_loopback_port(), secrets.token_hex(12)
-    server = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                               "--appendonly", "no", "--dir", str(base), "--requirepass", password,
-                               "--logfile", str(base / "redis.log")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://:{password}@127.0.0.1:{port}"
+    server, url, port, password = start_redis(base)
     try:
-        wait_for_redis(port, password)
         print(environment_line(environment({"redis": subprocess.run(
             ["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2]})))
         rows = []

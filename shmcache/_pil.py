@@ -12,6 +12,7 @@ from the ``PIL`` package (encoding) or a record that holds one (decoding), in an
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,7 @@ def _from_parts(meta: str, shape: tuple, raw: np.ndarray) -> Any:
     # Image.frombytes fills a whole image of the meta's size before it looks at the bytes: a leaf
     # from a tier or a snapshot saying 16000x16000 over 4 bytes cost 1 GiB. Its bytes must be
     # exactly the image's, checked with a 1-pixel image, before anything of that size is made.
-    per_row = (width + 7) // 8 if mode == "1" else len(Image.new(mode, (1, 1)).tobytes()) * width
+    per_row = (width + 7) // 8 if mode == "1" else _pixel_bytes(mode) * width
     row_bytes = shape[-1] if len(shape) == 2 else raw.size
     if per_row * height != row_bytes:
         raise ValueError(f"an image leaf of {row_bytes} bytes says it is a {width}x{height} {mode} image "
@@ -54,6 +55,14 @@ def _from_parts(meta: str, shape: tuple, raw: np.ndarray) -> Any:
         return [Image.frombytes(mode, (width, height), raw[i * shape[1]:(i + 1) * shape[1]].tobytes())
                 for i in range(shape[0])]
     return Image.frombytes(mode, (width, height), raw.tobytes())  # a copy: never a view of the cache
+
+
+@functools.lru_cache(maxsize=None)  # keys: the modes in MODES, checked before the call
+def _pixel_bytes(mode: str) -> int:
+    """Bytes of one pixel of ``mode`` (measured on a 1-pixel image once per mode, not per decode)."""
+    from PIL import Image
+
+    return len(Image.new(mode, (1, 1)).tobytes())
 
 
 def register() -> None:

@@ -34,13 +34,29 @@ def _tensor_to_parts(t: torch.Tensor):
     return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), raw
 
 
-def _tensor_from_parts(meta: str, shape: tuple, raw: np.ndarray) -> torch.Tensor:
-    dtype = getattr(torch, meta.split(":", 1)[0], None)
-    if not isinstance(dtype, torch.dtype):  # a layout from a tier or snapshot names anything
+_DTYPES: dict[str, torch.dtype] = {}  # a leaf's meta -> its dtype, checked once per meta
+
+
+def _dtype_of(meta: str) -> torch.dtype:
+    """The dtype a leaf's meta names, checked the first time that meta is seen (a layout from a
+    tier or a snapshot names anything); after that a dict lookup on every decode (the hit path)."""
+    dtype = _DTYPES.get(meta)
+    if dtype is not None:
+        return dtype
+    name, _, size = meta.partition(":")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
         raise ValueError(f"a tensor leaf names dtype {meta!r}, not a torch dtype")
-    if int(meta.rsplit(":", 1)[1]) != dtype.itemsize:  # ":0" made torch.empty(shape) of 0 bytes
+    if size != str(dtype.itemsize):  # ":0" made torch.empty(shape) of 0 bytes
         raise ValueError(f"a tensor leaf names dtype {meta!r}, whose elements are {dtype.itemsize} bytes: "
                          f"the record is damaged or forged")
+    if len(_DTYPES) < 256:  # metas that pass are torch's dtypes: a handful, bounded anyway
+        _DTYPES[meta] = dtype
+    return dtype
+
+
+def _tensor_from_parts(meta: str, shape: tuple, raw: np.ndarray) -> torch.Tensor:
+    dtype = _dtype_of(meta)
     if raw.size == 0:
         return torch.empty(shape, dtype=dtype)
     # A read-only buffer is a zero-copy read (copy=False) of shared memory. torch has no read-only
