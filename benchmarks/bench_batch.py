@@ -48,8 +48,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, environment_line, print_table  # noqa: E402
 
-from shmcache import PrefetchRing, ShmDatasetCache, gather  # noqa: E402
-from shmcache.registry import SessionRegistry  # noqa: E402
+from shmcache import PrefetchRing, ShmDatasetCache  # noqa: E402
+from shmcache.cache import gather
+from shmcache.cache.registry import SessionRegistry  # noqa: E402
 
 BATCH = 256
 

@@ -34,10 +34,10 @@ import time
 
 import numpy as np
 import torch
-
 from _common import print_table  # noqa: E402  (benchmarks/ is on sys.path: the script's folder)
+
 from shmcache import ShmDatasetCache
-from shmcache.registry import SessionRegistry
+from shmcache.cache.registry import SessionRegistry
 
 
 class Synthetic(torch.utils.data.Dataset):

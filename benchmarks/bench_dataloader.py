@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, environment_line, fmt_rate, fmt_ratio, fmt_s, median, p90, print_table  # noqa: E402
 
 from shmcache import ShmDatasetCache  # noqa: E402
-from shmcache.registry import SessionRegistry  # noqa: E402
+from shmcache.cache.registry import SessionRegistry  # noqa: E402
 
 BATCH = 256
 

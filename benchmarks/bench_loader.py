@@ -26,11 +26,11 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _common import print_table  # noqa: E402
 from datasets import PhotoCrops  # noqa: E402
 
-from _common import print_table  # noqa: E402
 from shmcache import PrefetchRing, ShmDatasetCache  # noqa: E402
-from shmcache.registry import SessionRegistry  # noqa: E402
+from shmcache.cache.registry import SessionRegistry  # noqa: E402
 
 BATCH = 64
 

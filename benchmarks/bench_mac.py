@@ -51,8 +51,8 @@ def _items(kind: str, n: int) -> list:
 
 def bench_import(base: Path, kind: str, n: int, repeats: int) -> list:
     from shmcache import ShmDatasetCache
-    from shmcache.config import namespace
-    from shmcache.registry import SessionRegistry
+    from shmcache.base.namespace import namespace
+    from shmcache.cache.registry import SessionRegistry
     from shmcache.snapshot.load import import_snapshot
 
     cache = ShmDatasetCache(session="bench-src", name=kind, secret="")
@@ -81,9 +81,9 @@ def bench_import(base: Path, kind: str, n: int, repeats: int) -> list:
 
 
 def bench_remote(url: str, kind: str, n: int, repeats: int) -> list:
-    from shmcache import codec
-    from shmcache.remote import RedisTier
-    from shmcache.tiers import portable_key, portable_record
+    from shmcache.cache import codec
+    from shmcache.tiers.remote import RedisTier
+    from shmcache.tiers.tiered_store import portable_key, portable_record
 
     recs = [(portable_key(i), portable_record(codec.encode(item), i)) for i, item in enumerate(_items(kind, n))]
     tiers = {"without": RedisTier(url, f"bench-{kind}-plain"),
@@ -112,8 +112,8 @@ def bench_remote(url: str, kind: str, n: int, repeats: int) -> list:
 
 def bench_hit(n_reads: int, repeats: int) -> list:
     from shmcache import ShmDatasetCache
-    from shmcache.config import namespace
-    from shmcache.registry import SessionRegistry
+    from shmcache.base.namespace import namespace
+    from shmcache.cache.registry import SessionRegistry
 
     item = _items("cifar", 1)[0]
     caches = {label: ShmDatasetCache(session=f"bench-hit-{label}", name="c", secret=s)

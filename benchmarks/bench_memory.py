@@ -23,13 +23,13 @@ import tempfile
 
 import numpy as np
 
-from shmcache.registry import SessionRegistry
-from shmcache.store import CacheStore
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cache.store import CacheStore
 
 READER = r"""
 import json, sys
 import numpy as np
-from shmcache.store import CacheStore
+from shmcache.cache.store import CacheStore
 mode, n, session = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 def item(i):
     return np.full((224, 224, 3), i % 251, np.uint8)

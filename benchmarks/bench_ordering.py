@@ -28,9 +28,9 @@ from _common import environment, environment_line, median  # noqa: E402
 WORKER = r"""
 import json, time
 import numpy as np
-from shmcache import ordering
-from shmcache.store import CacheStore
-from shmcache.tiers import key_of_portable
+from shmcache.base import ordering
+from shmcache.cache.store import CacheStore
+from shmcache.tiers.tiered_store import key_of_portable
 
 PAIRED = ordering.mode() == "membarrier" and __import__("sys").argv[-1] == "paired"
 

@@ -48,12 +48,12 @@ import numpy as np
 import torch
 
 try:
-    from shmcache.prefetch import PrefetchRing
-    from shmcache.sink import sink_loop
+    from shmcache.data.prefetch import PrefetchRing
+    from shmcache.data.sink import sink_loop
 except ModuleNotFoundError:  # run from a checkout without installing: the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from shmcache.prefetch import PrefetchRing
-    from shmcache.sink import sink_loop
+    from shmcache.data.prefetch import PrefetchRing
+    from shmcache.data.sink import sink_loop
 
 RING_TARGET = 0.85
 

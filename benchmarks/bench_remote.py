@@ -208,8 +208,8 @@ def job(mode: str, workload, nodes: int, base: Path, url: str, warm: bool = Fals
 
 
 def _destroy(dirs: list[str]) -> None:
-    from shmcache.config import namespace
-    from shmcache.registry import SessionRegistry
+    from shmcache.base.namespace import namespace
+    from shmcache.cache.registry import SessionRegistry
 
     for d in dirs:
         reg = SessionRegistry(namespace(d))

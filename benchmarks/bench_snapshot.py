@@ -42,9 +42,9 @@ from _common import environment, environment_line, print_table  # noqa: E402
 from datasets import PhotoCrops  # noqa: E402
 
 from shmcache import ShmDatasetCache  # noqa: E402
-from shmcache.registry import SessionRegistry  # noqa: E402
+from shmcache.cache.registry import SessionRegistry  # noqa: E402
 from shmcache.snapshot import format as fmt  # noqa: E402
-from shmcache.spill import format as records  # noqa: E402
+from shmcache.tiers import records as records  # noqa: E402
 
 
 class Tokens(torch.utils.data.Dataset):

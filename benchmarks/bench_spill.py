@@ -61,7 +61,7 @@ import zstandard
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shmcache.spill import SpillStore  # noqa: E402
+from shmcache.tiers.spill import SpillStore  # noqa: E402
 
 DATA_DIRS = (REPO / "examples" / "data",)
 PHOTOS = ("china.jpg", "flower.jpg")

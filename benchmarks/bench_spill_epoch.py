@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _common import print_table  # noqa: E402  (benchmarks/ is on sys.path: the script's folder)
 from datasets import PhotoCrops  # noqa: E402
 
-from _common import print_table  # noqa: E402  (benchmarks/ is on sys.path: the script's folder)
 from shmcache import ShmDatasetCache  # noqa: E402
-from shmcache.registry import SessionRegistry  # noqa: E402
+from shmcache.cache.registry import SessionRegistry  # noqa: E402
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -396,7 +396,7 @@ def remove_leftover_segments() -> list[str]:
     """Segments of the private namespace still in /dev/shm after every session was destroyed: a leak
     to report (and remove, so the benchmark leaves nothing behind)."""
     try:
-        from shmcache.config import namespace
+        from shmcache.base.namespace import namespace
     except Exception:  # noqa: BLE001 - shmcache not importable: it made nothing
         return []
     ns = namespace()

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from datasets import PhotoCrops  # noqa: E402
 
 from shmcache import ShmDatasetCache  # noqa: E402
-from shmcache.registry import SessionRegistry  # noqa: E402
+from shmcache.cache.registry import SessionRegistry  # noqa: E402
 
 
 def epoch(ds, order) -> float:

@@ -35,7 +35,6 @@ from datasets import Digits, PhotoCrops  # noqa: E402
 
 from shmcache import PrefetchRing, ShmDatasetCache, sink_loop  # noqa: E402
 
-
 TASKS = {"photos": (3, 2), "digits": (1, 10)}  # input channels, classes
 
 

@@ -12,15 +12,15 @@ from .errors import __all__ as _errors_all
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ShmDatasetCache": "dataset",
-    "CachedDataset": "dataset",
-    "CachedIterableDataset": "dataset",
-    "NodeAffineSampler": "sampler",
-    "PrefetchRing": "prefetch",
-    "sink_loop": "sink",
-    "SinkResult": "sink",
-    "LossMonitor": "sink",
-    "TimeMonitor": "sink",
+    "ShmDatasetCache": "data.dataset",
+    "CachedDataset": "data.dataset",
+    "CachedIterableDataset": "data.dataset",
+    "NodeAffineSampler": "data.sampler",
+    "PrefetchRing": "data.prefetch",
+    "sink_loop": "data.sink",
+    "SinkResult": "data.sink",
+    "LossMonitor": "data.sink",
+    "TimeMonitor": "data.sink",
 }
 
 __all__ = [*_LAZY, *_errors_all, "__version__"]

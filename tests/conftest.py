@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from shmcache.config import ENV_DIR, ENV_SESSION, ENV_SPILL_DIR, namespace
+from shmcache.base.namespace import ENV_DIR, ENV_SESSION, ENV_SPILL_DIR, namespace
 
 
 def _children(pid: int) -> set[int]:
@@ -80,7 +80,7 @@ def shm_namespace(tmp_path, monkeypatch):
             except ProcessLookupError:
                 pass
 
-    from shmcache.registry import SessionRegistry  # imported late: tests of config run without it
+    from shmcache.cache.registry import SessionRegistry  # imported late: tests of config run without it
 
     registry = SessionRegistry(ns)
     for info in registry.list():

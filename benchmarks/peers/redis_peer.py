@@ -20,8 +20,8 @@ import tempfile
 import time
 
 import numpy as np
-
 from _common import free_loopback_port, package_version
+
 from . import _runner
 from ._base import Memory, Peer, ReadPath
 

@@ -81,7 +81,7 @@ class ShmCache(Peer):
         return self.cache.stats() if self.cache is not None else {}
 
     def close(self) -> None:
-        from shmcache.registry import SessionRegistry
+        from shmcache.cache.registry import SessionRegistry
 
         if self.cache is not None:
             self.cache.close()
@@ -105,8 +105,8 @@ def _git_state(package_dir: str) -> str:
 
 
 def _segment_bytes(session: str) -> int:
-    from shmcache.config import namespace
-    from shmcache.registry import SessionRegistry
+    from shmcache.base.namespace import namespace
+    from shmcache.cache.registry import SessionRegistry
 
     ns, prefix = namespace(), SessionRegistry().segment_prefix(session)
     return sum(os.stat(ns.shm_path(n)).st_blocks * 512 for n in ns.owned_segments() if n.startswith(prefix))

@@ -1,7 +1,7 @@
 """``--remote``: a Redis URL handed to the workers, or ``spawn[:MB]``; and its password kept out
 of sight (messages, the summary, and the launcher's own process title).
 
-The URL itself is the remote tier's to parse (shmcache.remote.parse_url, which the command line
+The URL itself is the remote tier's to parse (shmcache.tiers.remote.parse_url, which the command line
 calls, so that a typo fails at once on every node rather than in every worker).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 __all__ = ["RemoteOption", "parse_remote", "mask_url", "shards_url", "hide_in_process_title"]
 
 # scheme://[user][:password]@ anywhere in a text: the userinfo runs to the last "@" of the token,
-# as shmcache.remote.parse_url reads it, so a password may hold "/", "?", "#" or "@" (a generated
+# as shmcache.tiers.remote.parse_url reads it, so a password may hold "/", "?", "#" or "@" (a generated
 # one often has "/") ("[" and "]" are not allowed in a userinfo, RFC 3986: "redis://[:PASSWORD@]host"
 # is left alone)
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^\s\[\]\0]*)@")

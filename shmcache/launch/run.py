@@ -84,7 +84,7 @@ Each process gets, on top of the launcher's own environment (torchrun's set for 
     TORCH_NCCL_ASYNC_ERROR_HANDLING=1. With the options above: SHMCACHE_SIZE_MB,
     SHMCACHE_SPILLING=1, SHMCACHE_SPILL_DIR, SHMCACHE_REMOTE, SHMCACHE_SECRET (--remote spawn).
     The launcher reads SHMCACHE_SESSION, SHMCACHE_SPILL_DIR and SHMCACHE_DIR (the namespace: see
-    shmcache.config), and passes them on; it reads SHMCACHE_RDZV_TOKEN and does not.
+    shmcache.base.namespace), and passes them on; it reads SHMCACHE_RDZV_TOKEN and does not.
 
 Failures: when a process exits with a non-zero status or dies of a signal, every other process
 gets SIGTERM, then SIGKILL after --shutdown-timeout. Ctrl-C (SIGINT), SIGTERM and SIGHUP sent to
@@ -136,12 +136,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..config import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name
+from ..base.locks import LivenessSlot
+from ..base.namespace import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name
+from ..cache.registry import SessionRegistry
 from ..errors import InvalidArgument, LaunchError, ShmcacheError, SpillError
-from ..locks import LivenessSlot
-from ..registry import SessionRegistry
-from ..remote import ENV_REMOTE, parse_url
-from ..spill import check_spill_dir
+from ..tiers.remote import ENV_REMOTE, parse_url
+from ..tiers.spill import check_spill_dir
 from .redis_node import DEFAULT_MAXMEMORY_MB, RedisNode, find_redis_server, is_loopback, route_address
 from .remote_option import RemoteOption, hide_in_process_title, mask_url, parse_remote, shards_url
 from .rendezvous import (

@@ -24,11 +24,11 @@ from typing import Any
 
 import zstandard
 
-from .. import codec
-from .._faults import ARMED as _CRASH_TESTS
-from .._faults import crash_point
+from ..base.faults import ARMED as _CRASH_TESTS
+from ..base.faults import crash_point
+from ..base.trust import Mac, resolve_secret, snapshot_ident
+from ..cache import codec
 from ..errors import InvalidArgument, SnapshotError
-from ..trust import Mac, resolve_secret, snapshot_ident
 from . import format as fmt
 from .location import Location, open_location
 

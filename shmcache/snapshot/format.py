@@ -79,9 +79,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from ..base.trust import ENV_SECRET, SIGNED, UNSIGNED, Mac, canonical
 from ..errors import SnapshotError
-from ..spill import format as records
-from ..trust import ENV_SECRET, SIGNED, UNSIGNED, Mac, canonical
+from ..tiers import records as records
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "HEADER_BYTES", "FOOTER_BYTES", "INDEX_DTYPE",

@@ -27,14 +27,14 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from .._faults import ARMED as _CRASH_TESTS
-from .._faults import crash_point
-from ..config import namespace, resolve_session_name
+from ..base.faults import ARMED as _CRASH_TESTS
+from ..base.faults import crash_point
+from ..base.namespace import namespace, resolve_session_name
+from ..base.trust import FORGED, PICKLE_HINT, TRAILER_BYTES, resolve_secret, snapshot_ident
+from ..cache.registry import write_json
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
-from ..registry import write_json
-from ..spill import format as records
-from ..tiers import key_of_portable, untrusted_problem
-from ..trust import FORGED, PICKLE_HINT, TRAILER_BYTES, resolve_secret, snapshot_ident
+from ..tiers import records as records
+from ..tiers.tiered_store import key_of_portable, untrusted_problem
 from . import format as fmt
 from .export import progress_bar
 from .location import Location, open_location
@@ -130,14 +130,14 @@ def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str 
     """Import the snapshot at ``src`` into cache ``name`` (default: the exported cache's name) of
     ``session``; the cache is made if needed (``size_mb``: its cap, 0 automatic). ``secret``,
     ``allow_pickle``, ``allow_unsigned``: see import_into."""
-    from ..store import CacheStore
+    from ..cache.store import CacheStore
 
     loc, manifest = read_manifest(src, storage_options)
     key = resolve_secret(secret)
     fmt.authenticate(manifest, key, allow_unsigned, loc.where(fmt.MANIFEST))  # before a cache is made
     if spilling:  # checked before the cache (and its session) is made: a refusal leaves nothing behind
-        from ..registry import SessionRegistry
-        from ..spill.tier import resolve_spill_dir
+        from ..cache.registry import SessionRegistry
+        from ..tiers.spill.tier import resolve_spill_dir
 
         registry, name_s = SessionRegistry(namespace()), resolve_session_name(session)
         spill_dir = resolve_spill_dir(spill_dir, registry.get(name_s).spill_dir if registry.exists(name_s) else None)
@@ -155,7 +155,7 @@ def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str 
         raise
     try:
         if spilling:
-            from ..spill import tier
+            from ..tiers.spill import tier
 
             tier.attach(store, spill_dir)
         return import_into(store, loc, manifest, force=force, threads=threads, progress=progress, secret=key,

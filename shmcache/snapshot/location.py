@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..config import _user
+from ..base.namespace import _user
 from ..errors import InvalidArgument, SnapshotError
 
 __all__ = ["Location", "open_location", "SPACE_ERRNOS", "mask_url", "scrub_secret", "open_regular"]

@@ -66,10 +66,10 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from .. import tier_counts
+from ..base.trust import FORGED, TRAILER_BYTES, snapshot_ident
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
-from ..spill import format as records
-from ..trust import FORGED, TRAILER_BYTES, snapshot_ident
+from ..tiers import counts as tier_counts
+from ..tiers import records as records
 from . import format as fmt
 from .location import FsspecLocation, LocalLocation, mask_url, open_location, open_regular, scrub_secret
 
@@ -677,8 +677,8 @@ def tiered(local: Any, url: str | os.PathLike, name: str, fingerprint: str | Non
            options: dict | None = None, secret: bytes | None = None, allow_pickle: bool = False) -> Any:
     """``local`` (a CacheStore, or a TieredStore already) with the snapshot at ``url`` as its first
     tier: read-only, exact and cheap, it is asked before a remote (NOTE [tiers])."""
-    from .. import process_slot
-    from ..tiers import TieredStore
+    from ..cache import process_slot
+    from ..tiers.tiered_store import TieredStore
 
     shared = not getattr(local, "uncached", False)  # an uncached store holds no liveness slot
     base = local.local if isinstance(local, TieredStore) else local

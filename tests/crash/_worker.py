@@ -69,7 +69,7 @@ def _value(key, kind: str):
 
 
 def _store(session, cache, cap, **kw):
-    from shmcache.store import CacheStore
+    from shmcache.cache.store import CacheStore
 
     return CacheStore(session, cache, capacity_bytes=cap, **kw)
 
@@ -90,7 +90,7 @@ def op_clear(session, cache, cap):
 
 def op_reader(session, cache, cap, keys, stop_path, ready_path, kind="mixed"):
     """Hammer lock-free lookups until ``stop_path`` exists; verify every value read."""
-    from shmcache.store import MISSING
+    from shmcache.cache.store import MISSING
 
     s = _store(session, cache, cap)
     rng = random.Random(os.getpid())
@@ -120,7 +120,7 @@ def op_reader(session, cache, cap, keys, stop_path, ready_path, kind="mixed"):
 
 def op_stress(session, cache, cap, seed, n_ops, keys, barrier_dir, clear_every=0):
     """Random get/put on overlapping keys, every value read verified (scenario 10)."""
-    from shmcache.store import MISSING
+    from shmcache.cache.store import MISSING
 
     s = _store(session, cache, cap)
     rng = random.Random(seed)
@@ -165,7 +165,7 @@ def op_batch_reader(session, cache, cap, n_keys, stop_path, ready_path, seed):
     while others put, grow and clear: every value is right or a miss, nothing raises."""
     import numpy as np
 
-    from shmcache.store import MISSING
+    from shmcache.cache.store import MISSING
 
     s = _store(session, cache, cap)
     rng = random.Random(seed)
@@ -232,7 +232,7 @@ def op_batch_writer(session, cache, cap, n_keys, stop_path, seed, clear_every_s,
 def op_chaos(session, cache, cap, seed, keys, log_path):
     """Like op_stress, forever (the parent SIGKILLs it at random moments). Problems are appended to
     ``log_path`` at once, since this process never gets to return a result."""
-    from shmcache.store import MISSING
+    from shmcache.cache.store import MISSING
 
     s = _store(session, cache, cap)
     rng = random.Random(seed)
@@ -279,7 +279,7 @@ def op_hold_cache_lock(session, cache, cap, held_path):
 
 
 def op_hold_registry_lock(held_path):
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
 
     reg = SessionRegistry()
     reg._lock.acquire()
@@ -297,7 +297,7 @@ def op_timed_put(session, cache, cap, key, timeout_s):
 
 
 def op_timed_create(name, timeout_s):
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
 
     t0 = time.monotonic()
     SessionRegistry(timeout_s=timeout_s).create(name, exist_ok=True)
@@ -309,8 +309,8 @@ def op_timed_create(name, timeout_s):
 
 def op_open_at_barrier(session, cache, cap, barrier_dir, n):
     """Open a brand-new session and cache at the same instant as n-1 others (no rank variables)."""
-    from shmcache.registry import SessionRegistry
-    from shmcache.store import MISSING
+    from shmcache.cache.registry import SessionRegistry
+    from shmcache.cache.store import MISSING
 
     assert not any(v in os.environ for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     barrier(barrier_dir)
@@ -333,8 +333,8 @@ def op_open_at_barrier(session, cache, cap, barrier_dir, n):
 
 
 def op_registry_create_at_barrier(name, barrier_dir, exist_ok):
+    from shmcache.cache.registry import SessionRegistry
     from shmcache.errors import SessionExists
-    from shmcache.registry import SessionRegistry
 
     reg = SessionRegistry()
     barrier(barrier_dir)
@@ -348,7 +348,7 @@ def op_registry_create_at_barrier(name, barrier_dir, exist_ok):
 
 def _patch_segment_create(suffix: str, action):
     """Make this process run ``action()`` right before it creates the segment ending in ``suffix``."""
-    from shmcache import segment
+    from shmcache.base import shm as segment
 
     orig = segment.Segment.create.__func__
 
@@ -380,7 +380,7 @@ def op_die_creating(session, cache, cap, suffix, then="open"):
 def op_die_after_creating(session, cache, cap, suffix):
     """SIGKILL this process right after it created the segment ``...suffix`` (its header ready),
     before it wrote anything into it: a creator dying between two of its statements."""
-    from shmcache import segment
+    from shmcache.base import shm as segment
 
     orig = segment.Segment.create.__func__
 
@@ -410,7 +410,7 @@ def op_die_destroying(session, after="session.json"):
     """SIGKILL this process in the middle of destroy(): right after it removed the first file
     whose path contains ``after`` (``session.json``: while deleting the session directory;
     ``+g1+c``: after the first data segment, while unlinking segments)."""
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
 
     real = os.unlink
 
@@ -460,8 +460,8 @@ def op_open(session, cache, cap, timeout_s, key=None):
 def op_preempted_reader(session, cache, cap, key, paused_path, go_path):
     """A lock-free reader that is preempted right before it maps a data segment lazily (it has
     already checked the epoch word and found the entry), as a busy machine does at random."""
-    from shmcache import segment
-    from shmcache.store import KIND_DATA, MISSING
+    from shmcache.base import shm as segment
+    from shmcache.cache.store import KIND_DATA, MISSING
 
     s = _store(session, cache, cap)
     s.lookup(-1)  # map the current generation (meta and table; no data segment yet)
@@ -488,7 +488,7 @@ def op_preempted_reader(session, cache, cap, key, paused_path, go_path):
 
 def op_job_member(session, cache, cap, keys, ready_path):
     """One process of a training job: fill its share of the cache, then keep reading until killed."""
-    from shmcache.store import MISSING
+    from shmcache.cache.store import MISSING
 
     s = _store(session, cache, cap)
     misses = 0
@@ -550,8 +550,8 @@ def op_torch_job(session, n, counter_path, ready_path, hang):
 
 def op_cycle(names, seed, cap):
     """One create/attach/use/destroy cycle on a few session names (the parent kills it at random)."""
+    from shmcache.cache.registry import SessionRegistry
     from shmcache.errors import InvalidArgument
-    from shmcache.registry import SessionRegistry
 
     rng = random.Random(seed)
     reg = SessionRegistry()
@@ -575,8 +575,8 @@ def op_cycle(names, seed, cap):
 def op_slot_churn(session, seconds):
     """Take and release a liveness slot over and over; after each take, check that the slot is
     visibly ours: its file still names our lock and live_pids() reports us."""
-    from shmcache.locks import LivenessSlot
-    from shmcache.registry import MAX_SLOTS, SessionRegistry
+    from shmcache.base.locks import LivenessSlot
+    from shmcache.cache.registry import MAX_SLOTS, SessionRegistry
 
     reg = SessionRegistry()
     slots_dir = reg.session_dir(session) / "slots"
@@ -602,7 +602,7 @@ def op_slot_churn(session, seconds):
 
 
 def op_gc_loop(seconds):
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
 
     reg = SessionRegistry()
     n = 0
@@ -621,7 +621,7 @@ def op_enospc(session, cache, cap, ok_calls, keys, kind="mixed"):
     every one raises ENOSPC, as on a full tmpfs. Serve every key (get-or-compute), as training does."""
     import logging
 
-    from shmcache.store import MISSING
+    from shmcache.cache.store import MISSING
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
     calls = _fallocate_fails_after(ok_calls)
@@ -765,9 +765,9 @@ def _reap(pid: int, timeout_s: float, kill_after: float | None) -> dict:
 
 
 def zygote() -> None:
-    import shmcache.cli  # noqa: F401
-    import shmcache.registry  # noqa: F401  (imported once; children start warm)
-    import shmcache.store  # noqa: F401
+    import shmcache.cache.registry  # noqa: F401  (imported once; children start warm)
+    import shmcache.cache.store  # noqa: F401
+    import shmcache.cli.main  # noqa: F401
 
     children: set[int] = set()
     proto = os.fdopen(os.dup(1), "w", buffering=1)

@@ -3,7 +3,7 @@ hold their own), so slot counts and `live_pids` start clean for the next test.""
 
 import pytest
 
-from shmcache import process_slot
+from shmcache.cache import process_slot
 
 
 @pytest.fixture(autouse=True)

@@ -17,10 +17,10 @@ import pytest
 from _procs_util import Zygote, release_barrier, status_of, wait_for
 from _shmcheck import cache_segments, check_store, same_value, value_for
 
-from shmcache import cli
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cache.store import MISSING, CacheStore
+from shmcache.cli import main as cli
 from shmcache.errors import CacheNotFound
-from shmcache.registry import SessionRegistry
-from shmcache.store import MISSING, CacheStore
 
 C = "c"
 CAP = 64 << 20

@@ -14,8 +14,8 @@ import pytest
 from _procs_util import Zygote, status_of, wait_for
 from _shmcheck import cache_segments, check_store, gc_json, same_value, value_for
 
-from shmcache.index import MAX_LOAD
-from shmcache.store import MIN_TABLE, MISSING, CacheStore
+from shmcache.cache.index import MAX_LOAD
+from shmcache.cache.store import MIN_TABLE, MISSING, CacheStore
 
 S, C = "gens", "c"
 CAP = 64 << 20

@@ -13,9 +13,10 @@ import pytest
 from _procs_util import Procs, Zygote, status_of, wait_for
 from _worker import stuck_lock_items
 
-from shmcache import ShmDatasetCache, cli
-from shmcache.registry import SessionRegistry
-from shmcache.store import MISSING, CacheStore
+from shmcache import ShmDatasetCache
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cache.store import MISSING, CacheStore
+from shmcache.cli import main as cli
 
 S, C, N = "stuck", "c", 20
 
@@ -128,7 +129,7 @@ def test_gc_skips_a_cache_whose_lock_a_stopped_writer_holds_and_does_the_rest(tm
     """`shmcache gc` with one cache's lock held by a stopped writer: it waited for that lock and
     then failed as a whole (LockTimeout, exit 1), leaving the other caches unrepaired. It must
     skip that cache, say so, and do the rest."""
-    from shmcache.store import M
+    from shmcache.cache.store import M
 
     CacheStore("a-stuck", C, capacity_bytes=16 << 20).close()
     ok = CacheStore("b-ok", C, capacity_bytes=16 << 20)

@@ -17,9 +17,9 @@ import pytest
 from _procs_util import Zygote, crash_env, status_of, wait_for
 from _shmcheck import check_store, fixed_value, gc_json, intent_phase, same_value, value_for
 
-from shmcache import process_slot
-from shmcache.allocator import commit_step_chunks
-from shmcache.store import MISSING, CacheStore
+from shmcache.cache import process_slot
+from shmcache.cache.allocator import commit_step_chunks
+from shmcache.cache.store import MISSING, CacheStore
 
 S, C = "crash", "c"
 CAP = 64 << 20

@@ -18,10 +18,10 @@ import pytest
 from _procs_util import Procs, Zygote, status_of, wait_for
 from _shmcheck import SIZES, check_store, gc_json, same_value, value_for
 
-from shmcache import process_slot
+from shmcache.cache import process_slot
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cache.store import MISSING, CacheStore
 from shmcache.errors import CacheNotFound
-from shmcache.registry import SessionRegistry
-from shmcache.store import MISSING, CacheStore
 
 CAP = 64 << 20
 

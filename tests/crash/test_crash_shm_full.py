@@ -17,8 +17,8 @@ import pytest
 from _procs_util import Procs, Zygote, status_of
 from _shmcheck import check_store, fixed_value
 
+from shmcache.cache.store import MISSING, CacheStore
 from shmcache.errors import InvalidArgument, ItemTooLarge
-from shmcache.store import MISSING, CacheStore
 
 S, C = "full", "c"
 CAP = 64 << 20

@@ -88,6 +88,6 @@ def test_an_import_killed_between_chunks_is_completed_by_the_next(tmp_path):
     ds = got.wrap(None)
     assert all(np.array_equal(ds[i], _value(i)) for i in range(64))
     got.close()
-    from shmcache.cli import main as cli
+    from shmcache.cli.main import main as cli
 
     assert cli(["gc"]) == 0

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmcache.spill import SpillLoc, SpillStore
-from shmcache.spill import format as spill_format
+from shmcache.tiers import records as spill_format
+from shmcache.tiers.spill import SpillLoc, SpillStore
 
 ROUNDS = 30
 MAX_ROUNDS = 150  # more rounds while fewer than TEARS kills have landed mid-record (timing decides)

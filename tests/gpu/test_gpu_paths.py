@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shmcache.data.prefetch import PrefetchRing
+from shmcache.data.sink import sink_loop
 from shmcache.errors import InvalidArgument, PrefetchError
-from shmcache.prefetch import PrefetchRing
-from shmcache.sink import sink_loop
 
 pytestmark = [
     pytest.mark.gpu,

@@ -243,8 +243,8 @@ def _random_get_worker(barrier, rank, keys, ops, name):
 
 def hold_slot_until_stdin_closes(session: str) -> None:
     """Subprocess body: attach to ``session`` (a liveness slot), say so, wait for stdin to close."""
-    from shmcache import process_slot
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache import process_slot
+    from shmcache.cache.registry import SessionRegistry
 
     registry = SessionRegistry()
     registry.ensure(session)

@@ -5,7 +5,7 @@ cache that stores and returns right values.
 
 Each test damages the segments through the store's own mappings (the same bytes another process
 maps from /dev/shm), reads through a second handle (as another process would), then runs
-``python -m shmcache.cli gc`` in a child process.
+``python -m shmcache.cli.main gc`` in a child process.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from shmcache import ShmDatasetCache
+from shmcache.cache.generation import INTENT, MetaLayout
+from shmcache.cache.index import INLINE24, INT_KEY, READY, key_bytes
+from shmcache.cache.store import MISSING, CacheStore
 from shmcache.errors import CorruptSegment
-from shmcache.generation import INTENT, MetaLayout
-from shmcache.index import INLINE24, INT_KEY, READY, key_bytes
-from shmcache.store import MISSING, CacheStore
 
 S, C, N = "dmg", "c", 40
 _Q = struct.Struct("Q")
@@ -432,7 +432,7 @@ def test_hit_counters_of_garbage_do_not_break_reads(writer):
     g = writer._refresh()
     start, end = MetaLayout.COUNTERS, MetaLayout.CLASSES
     g.meta.buf[start:end] = b"\xff" * (end - start)  # every process slot's hits, misses...
-    code = ("from shmcache.store import CacheStore; s = CacheStore('dmg', 'c', create=False); "
+    code = ("from shmcache.cache.store import CacheStore; s = CacheStore('dmg', 'c', create=False); "
             "v = s.lookup(5); assert v[1] == 5, v; s.lookup(10_000); s.close()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -40,7 +40,7 @@ def start_method(request, shm_namespace):
         server = forkserver._forkserver
         server._stop()  # a server started earlier carries an earlier environment
         preload = server._preload_modules
-        server._preload_modules = ["torch", "shmcache.dataset"]  # import torch once, not per worker
+        server._preload_modules = ["torch", "shmcache.data.dataset"]  # import torch once, not per worker
         yield method
         server._stop()
         server._preload_modules = preload
@@ -193,7 +193,7 @@ _SCRIPT = textwrap.dedent(r"""
 
     if __name__ == "__main__":
         import multiprocessing
-        multiprocessing.set_forkserver_preload(["torch", "shmcache.dataset"])
+        multiprocessing.set_forkserver_preload(["torch", "shmcache.data.dataset"])
         cache = ShmDatasetCache(session="script", size=32)
         ds = cache.wrap(FixedDataset(256, 128))
         for _ in range(2):

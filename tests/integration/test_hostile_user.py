@@ -139,10 +139,10 @@ def test_namespace_directory_owned_by_another_user_is_refused(attacker_uid):
 def test_symlink_at_a_cache_folder_in_a_shared_spill_dir_is_refused(attacker_uid):
     out = _isolated('''
         import numpy as np
-        from shmcache.spill import tier as spilling
-        from shmcache.config import namespace
+        from shmcache.tiers.spill import tier as spilling
+        from shmcache.base.namespace import namespace
         from shmcache.errors import NotOwner
-        from shmcache.store import CacheStore
+        from shmcache.cache.store import CacheStore
         os.mkdir("/tmp/ns", 0o700)
         os.environ["SHMCACHE_DIR"] = "/tmp/ns"
         os.mkdir("/tmp/scratch"); os.chmod("/tmp/scratch", 0o1777)   # a shared spill disk
@@ -158,7 +158,7 @@ def test_symlink_at_a_cache_folder_in_a_shared_spill_dir_is_refused(attacker_uid
         except NotOwner as exc:
             err = f"NotOwner: {exc}"
         store.destroy()
-        from shmcache.registry import SessionRegistry
+        from shmcache.cache.registry import SessionRegistry
         SessionRegistry().gc()
         print(json.dumps({"err": err, "mode": mode("/tmp/precious"), "list": listing("/tmp/precious"),
                           "link": os.readlink(folder)}))
@@ -171,10 +171,10 @@ def test_symlink_at_a_cache_folder_in_a_shared_spill_dir_is_refused(attacker_uid
 
 def test_cache_folder_owned_by_another_user_in_a_shared_spill_dir_is_refused(attacker_uid):
     out = _isolated('''
-        from shmcache.spill import tier as spilling
-        from shmcache.config import namespace
+        from shmcache.tiers.spill import tier as spilling
+        from shmcache.base.namespace import namespace
         from shmcache.errors import NotOwner
-        from shmcache.store import CacheStore
+        from shmcache.cache.store import CacheStore
         os.mkdir("/tmp/ns", 0o700)
         os.environ["SHMCACHE_DIR"] = "/tmp/ns"
         os.mkdir("/tmp/scratch"); os.chmod("/tmp/scratch", 0o1777)
@@ -187,7 +187,7 @@ def test_cache_folder_owned_by_another_user_in_a_shared_spill_dir_is_refused(att
         except NotOwner as exc:
             err = f"NotOwner: {exc}"
         store.destroy()
-        from shmcache.registry import SessionRegistry
+        from shmcache.cache.registry import SessionRegistry
         SessionRegistry().destroy("s")
         SessionRegistry().gc()
         print(json.dumps({"err": err, "mode": mode(folder), "list": listing(folder), "owner": owner(folder)}))
@@ -199,10 +199,10 @@ def test_cache_folder_owned_by_another_user_in_a_shared_spill_dir_is_refused(att
 @pytest.mark.parametrize("plant", ["file", "fifo", "symlink"])
 def test_squatted_segment_name_is_a_clear_error_and_never_unlinked(attacker_uid, plant):
     out = _isolated(f'''
-        from shmcache.config import namespace
+        from shmcache.base.namespace import namespace
         from shmcache.errors import NotOwner
-        from shmcache.registry import SessionRegistry
-        from shmcache.store import CacheStore
+        from shmcache.cache.registry import SessionRegistry
+        from shmcache.cache.store import CacheStore
         os.mkdir("/tmp/ns", 0o700)
         os.environ["SHMCACHE_DIR"] = "/tmp/ns"
         ns = namespace()

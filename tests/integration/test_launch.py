@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from shmcache.cache.registry import SessionRegistry
 from shmcache.launch import main
-from shmcache.registry import SessionRegistry
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"

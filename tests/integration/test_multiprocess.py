@@ -14,7 +14,7 @@ import _workers
 from _workers import FixedDataset, VarDataset, value_for_key
 
 from shmcache import ShmDatasetCache
-from shmcache.store import CacheStore
+from shmcache.cache.store import CacheStore
 
 
 def _run(ctx, target, args_for_rank, nprocs, timeout_s=100):
@@ -120,8 +120,8 @@ def test_processes_racing_on_get_store_each_key_once():
 
 
 def _record_len(key, inline: bool) -> int:
-    from shmcache import codec
-    from shmcache.index import key_bytes
+    from shmcache.cache import codec
+    from shmcache.cache.index import key_bytes
 
     return codec.encode(value_for_key(key)).record_len(len(key_bytes(key)[1]), inline)
 
@@ -165,6 +165,6 @@ def test_a_reader_in_another_process_never_sees_a_wrong_value_while_the_table_gr
 
 
 def reader_missing():
-    from shmcache.store import MISSING
+    from shmcache.cache.store import MISSING
 
     return MISSING

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from shmcache.config import namespace
-from shmcache.registry import SessionRegistry
+from shmcache.base.namespace import namespace
+from shmcache.cache.registry import SessionRegistry
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "launch_scripts" / "node_affine_epochs.py"

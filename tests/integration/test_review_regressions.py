@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from shmcache import ShmDatasetCache
+from shmcache.base.shm import Segment
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cache.store import MISSING, CacheStore
 from shmcache.errors import InvalidArgument, SessionInUse, SharedMemoryFull
-from shmcache.registry import SessionRegistry
-from shmcache.segment import Segment
-from shmcache.store import MISSING, CacheStore
 
 
 def test_a_reader_thread_survives_clears_and_table_growth_elsewhere(tmp_path):
@@ -59,7 +59,7 @@ def test_a_reader_thread_survives_clears_and_table_growth_elsewhere(tmp_path):
 
 def test_a_full_index_that_cannot_grow_rejects_instead_of_hanging(monkeypatch, tmp_path):
     store = CacheStore("full", "c", capacity_bytes=64 << 20)
-    from shmcache.spill import tier as spilling
+    from shmcache.tiers.spill import tier as spilling
 
     spilling.attach(store, tmp_path)
     real = Segment.create
@@ -147,7 +147,7 @@ def test_clear_from_a_handle_that_does_not_spill_deletes_the_spill_files(tmp_pat
 
 
 def test_a_process_that_only_writes_counts_as_attached():
-    script = ("import sys, numpy as np\nfrom shmcache.store import MISSING, CacheStore\n"
+    script = ("import sys, numpy as np\nfrom shmcache.cache.store import MISSING, CacheStore\n"
               "s = CacheStore('w', 'c', capacity_bytes=8 << 20)\ns.put(1, np.zeros(3))\n"
               "print('ready', flush=True)\nsys.stdin.read()\n")
     p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -22,8 +22,9 @@ import json, logging, os, sys
 import torch
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="LOG %(levelname)s %(message)s")
 from shmcache import ShmDatasetCache
-from shmcache.config import memory_limits, namespace
-from shmcache.registry import SessionRegistry
+from shmcache.base.memory import memory_limits
+from shmcache.base.namespace import namespace
+from shmcache.cache.registry import SessionRegistry
 OUT = sys.argv[1]
 SPILL = sys.argv[2]
 ITEM = int(sys.argv[3])

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shmcache import ShmDatasetCache
-from shmcache.cli import main as cli
+from shmcache.cli.main import main as cli
 from shmcache.errors import CacheMismatch, InvalidArgument, ItemNotCached, SnapshotError
 from shmcache.snapshot import format as fmt
 from shmcache.snapshot.load import import_snapshot
@@ -307,8 +307,8 @@ import json, os, sys
 import numpy as np
 from shmcache import ShmDatasetCache
 from shmcache.errors import SnapshotError
-from shmcache.registry import SessionRegistry
-from shmcache.config import namespace
+from shmcache.cache.registry import SessionRegistry
+from shmcache.base.namespace import namespace
 dest, out = sys.argv[1], sys.argv[2]
 cache = ShmDatasetCache(session="full", name="noise")
 rng = np.random.default_rng(0)
@@ -349,8 +349,8 @@ def test_a_full_disk_during_export_is_a_clean_error_and_no_snapshot(tmp_path):
 
 
 def test_the_store_admits_portable_records_undecoded_and_gives_them_back():
-    from shmcache import codec
-    from shmcache.tiers import portable_key, portable_record
+    from shmcache.cache import codec
+    from shmcache.tiers.tiered_store import portable_key, portable_record
 
     cache = ShmDatasetCache(session="st", name="recs")
     store = cache.store

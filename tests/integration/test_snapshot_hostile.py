@@ -25,8 +25,8 @@ from shmcache import ShmDatasetCache
 from shmcache.errors import SnapshotError
 from shmcache.snapshot import format as fmt
 from shmcache.snapshot.load import import_snapshot
-from shmcache.spill import format as records
-from shmcache.tiers import portable_key
+from shmcache.tiers import records as records
+from shmcache.tiers.tiered_store import portable_key
 
 GiB = 1 << 30
 
@@ -134,7 +134,7 @@ def test_unpack_record_never_decodes_past_the_declared_length_or_the_limit():
     an 18-byte frame claiming 64 GiB raised a bare MemoryError. Each is now (None, why) with
     memory bounded by what the record declared, within the limit."""
     out = _measured("""
-        from shmcache.spill import format as records
+        from shmcache.tiers import records as records
         import zstandard
         from test_snapshot_hostile import _bombs, GiB
         bombs = [parts for _, parts in _bombs([b"k" * 8] * 4)]
@@ -161,7 +161,7 @@ def test_an_import_of_bombs_counts_them_damaged_in_bounded_memory(real, tmp_path
     snap = _forge(tmp_path / "bombs", manifest, good, bad)
     out = _measured("""
         import sys
-        import shmcache.dataset  # noqa: F401 - registers the torch handler (the records hold tensors)
+        import shmcache.data.dataset  # noqa: F401 - registers the torch handler (the records hold tensors)
         from shmcache.snapshot.load import import_snapshot
     """, """
         r = import_snapshot(sys.argv[1], session="dst", size_mb=64)
@@ -204,7 +204,7 @@ def test_a_batch_of_bombed_keys_through_the_read_through_does_not_multiply(real,
 
 _WITHIN = """
 import sys
-import shmcache.dataset  # noqa: F401
+import shmcache.data.dataset  # noqa: F401
 from test_snapshot import Source, _same
 from shmcache import ShmDatasetCache
 from shmcache.errors import SnapshotError
@@ -376,7 +376,7 @@ def test_export_creates_its_files_exclusively_in_its_own_directory(tmp_path):
 
 _READER = """
 import sys, time
-import shmcache.dataset  # noqa: F401
+import shmcache.data.dataset  # noqa: F401
 from test_snapshot import Source, _same, N
 from shmcache import ShmDatasetCache
 from shmcache.errors import CacheMismatch, CacheNotFound
@@ -406,7 +406,7 @@ def test_import_force_of_another_dataset_never_serves_it_to_live_readers(tmp_pat
     the cache was clear()ed and refilled, and the reader took the other dataset's values for its
     own (2,183,114 of 2,822,493 reads wrong). Now the old cache is tombstoned first: the reader's
     handle misses (it recomputes from its source) or raises CacheNotFound; wrong values: 0."""
-    from shmcache.cli import main as cli
+    from shmcache.cli.main import main as cli
 
     for seed, where in ((0, "a"), (1, "b")):
         cache, _ = _filled(session=f"src{seed}", seed=seed)
@@ -476,7 +476,7 @@ def test_an_index_entry_longer_than_any_record_is_never_read(real, tmp_path):
     snap = _forge(tmp_path / "hole", manifest, good, hole=(portable_key(5), 2 * GiB))
     out = _measured("""
         import sys
-        import shmcache.dataset  # noqa: F401
+        import shmcache.data.dataset  # noqa: F401
         from shmcache import ShmDatasetCache
         from shmcache.snapshot.load import import_snapshot
         from test_snapshot import Source, _same

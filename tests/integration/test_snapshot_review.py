@@ -222,7 +222,7 @@ def test_a_snapshot_urls_password_is_never_shown(tmp_path, caplog, capsys):
     stats()['snapshot'], `shmcache stat` and its repr; an ftp:// URL whose server refused the
     connection raised a raw ConnectionRefusedError. The remote tier masks its URLs; now the
     snapshot's are masked the same way, and a URL that cannot be opened is a SnapshotError."""
-    from shmcache.cli import main as cli
+    from shmcache.cli.main import main as cli
 
     caplog.set_level(logging.WARNING, "shmcache")
     url = f"http://reader:{SECRET}@127.0.0.1:9/snap"

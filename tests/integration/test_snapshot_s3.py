@@ -10,7 +10,7 @@ import s3fs
 import torch
 
 from shmcache import ShmDatasetCache
-from shmcache.cli import main as cli
+from shmcache.cli.main import main as cli
 from shmcache.errors import SnapshotError
 
 BUCKET = "snapshots"

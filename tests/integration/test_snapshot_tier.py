@@ -16,12 +16,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from shmcache import ShmDatasetCache
-from shmcache.cli import main as cli
+from shmcache.cache.store import CacheStore
+from shmcache.cli.main import main as cli
 from shmcache.errors import CacheMismatch, InvalidArgument, ItemNotCached, SnapshotError
 from shmcache.snapshot import format as fmt
 from shmcache.snapshot.tier import SnapshotTier, snapshot_tier
-from shmcache.spill import format as records
-from shmcache.store import CacheStore
+from shmcache.tiers import records as records
 
 N = 60
 IN_SNAPSHOT = 40  # items 0..39 are in the snapshot; 40..59 only in the source
@@ -410,7 +410,7 @@ def test_a_tier_is_never_pickled():
 
 
 def test_values_computed_under_a_read_only_tier_are_not_packed_for_it(tmp_path, monkeypatch):
-    from shmcache import tiers
+    from shmcache.tiers import tiered_store as tiers
 
     url = tmp_path / "snap"
     _export(url)
@@ -435,9 +435,9 @@ def test_spawned_workers_open_the_snapshot_themselves(tmp_path):
 
 
 def test_a_snapshot_goes_in_front_of_a_tier_attached_before_it(tmp_path):
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
     from shmcache.snapshot.tier import tiered
-    from shmcache.tiers import TieredStore
+    from shmcache.tiers.tiered_store import TieredStore
 
     class Other:
         name = "remote"

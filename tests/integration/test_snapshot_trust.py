@@ -16,7 +16,7 @@ import torch
 from _planted import Evil, Thing
 
 from shmcache import ShmDatasetCache
-from shmcache.cli import main as cli
+from shmcache.cli.main import main as cli
 from shmcache.errors import ItemNotCached, SnapshotError
 from shmcache.snapshot.load import import_snapshot
 

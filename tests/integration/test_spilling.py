@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from shmcache import ShmDatasetCache
+from shmcache.cache.store import MISSING, CacheStore
 from shmcache.errors import ItemTooLarge, SpillError
-from shmcache.spill import tier as spilling
-from shmcache.store import MISSING, CacheStore
+from shmcache.tiers.spill import tier as spilling
 
 ITEMS = 400
 ITEM_BYTES = 40_000  # 400 items x 40 KB = 16 MB of payload for a 4 MB cache
@@ -35,8 +35,8 @@ import json, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
 from test_spilling import sample
-from shmcache.store import CacheStore, MISSING
-from shmcache.spill import tier as spilling
+from shmcache.cache.store import CacheStore, MISSING
+from shmcache.tiers.spill import tier as spilling
 session, name, spill_dir, keys = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 store = CacheStore(session, name, capacity_bytes=4 << 20)
 spilling.attach(store, spill_dir)
@@ -212,7 +212,7 @@ def test_clear_and_destroy_delete_spill_files(tmp_path):
         store.put(i, sample(i))
     path = Path(store.read_meta()["spill_path"])
     store.close()
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
 
     SessionRegistry().destroy("dmg", force=True)
     assert not path.exists()
@@ -254,7 +254,7 @@ def test_spill_dir_from_the_environment_and_the_session(tmp_path, monkeypatch):
     assert any((tmp_path / "env").rglob("*.spill"))
     c.close()
 
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
 
     monkeypatch.delenv("SHMCACHE_SPILL_DIR")
     SessionRegistry().create("withdir", spill_dir=tmp_path / "sess")
@@ -269,8 +269,8 @@ KILLER = r"""
 import sys
 sys.path.insert(0, {tests!r})
 from test_spilling import sample
-from shmcache.store import CacheStore
-from shmcache.spill import tier as spilling
+from shmcache.cache.store import CacheStore
+from shmcache.tiers.spill import tier as spilling
 store = CacheStore("kill", "ds", capacity_bytes=1 << 20)
 spilling.attach(store, sys.argv[1])
 for k in range(int(sys.argv[2]), 200):
@@ -293,7 +293,7 @@ def test_writers_killed_while_spilling_leave_no_torn_value(tmp_path, point):
                            capture_output=True, text=True, timeout=60)
         assert p.returncode in (0, -9), p.stderr[-2000:]
         start += 7
-    from shmcache.cli import main as cli
+    from shmcache.cli.main import main as cli
 
     assert cli(["gc"]) == 0
     store = CacheStore("kill", "ds", create=False)
@@ -329,7 +329,7 @@ def test_spill_dir_without_spilling_warns_once(tmp_path):
 
 
 def test_spilling_goes_on_after_the_session_is_destroyed_and_made_again(tmp_path):
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
 
     (tmp_path / "spill").mkdir()
     big = np.arange(3 << 20, dtype=np.uint8)  # larger than the whole cache: it can only spill
@@ -361,7 +361,7 @@ def test_a_read_racing_a_clear_is_a_quiet_miss(tmp_path, caplog):
     assert spilled
     found = [other._find(g, i) for i in spilled]
     store.clear()  # deletes the spill files under the reader, which still holds generation g
-    from shmcache.store import _CORRUPT
+    from shmcache.cache.store import _CORRUPT
 
     with caplog.at_level(logging.WARNING, logger="shmcache"):
         for w0, w2, _, kb, w1 in found:  # what a lookup that found its entry just before does next

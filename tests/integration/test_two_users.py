@@ -14,9 +14,9 @@ import tempfile
 import numpy as np
 import pytest
 
+from shmcache.base.shm import Segment
+from shmcache.cache.store import CacheStore
 from shmcache.errors import NotOwner, ShmcacheError
-from shmcache.segment import Segment
-from shmcache.store import CacheStore
 
 NOBODY = 65534
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shmcache.config import ENV_DIR
+from shmcache.base.namespace import ENV_DIR
 
 
 def env(shm_dir: Path | str | None = None) -> dict:

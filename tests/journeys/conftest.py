@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shmcache.config import namespace
-from shmcache.registry import SessionRegistry
+from shmcache.base.namespace import namespace
+from shmcache.cache.registry import SessionRegistry
 
 
 @pytest.fixture

@@ -116,8 +116,8 @@ def test_gc_keeps_a_cache_of_tensors_without_torch(tensor_cache):
 
 _FILL_CUSTOM = textwrap.dedent("""\
     import numpy as np
-    from shmcache import codec
-    from shmcache.store import CacheStore
+    from shmcache.cache import codec
+    from shmcache.cache.store import CacheStore
 
 
     class Point:

@@ -68,7 +68,7 @@ def _barrier(d: str, name: str, n: int, timeout_s: float = 60) -> None:
 
 def node(url: str, rank: int, nnodes: int, n: int, calls: str, barrier: str) -> dict:
     from shmcache import ShmDatasetCache
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
 
     cache = ShmDatasetCache(session="job", remote=url)
     ds = cache.wrap(Counted(n, calls))

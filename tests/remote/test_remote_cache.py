@@ -17,11 +17,12 @@ import pytest
 from _nodes import Counted, calls_of, expected, same
 from _redis import PASSWORD
 
-from shmcache import ShmDatasetCache, cli
-from shmcache.config import namespace
+from shmcache import ShmDatasetCache
+from shmcache.base.namespace import namespace
+from shmcache.cache.store import CacheStore
+from shmcache.cli import main as cli
 from shmcache.errors import InvalidArgument
-from shmcache.store import CacheStore
-from shmcache.tiers import TieredStore
+from shmcache.tiers.tiered_store import TieredStore
 
 HERE = Path(__file__).resolve().parent
 N = 240

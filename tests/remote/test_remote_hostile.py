@@ -16,9 +16,9 @@ import json, resource, sys
 import redis
 sys.path.insert(0, sys.argv[2])
 from test_snapshot_hostile import _bombs
-from shmcache.remote import RedisTier
-from shmcache.store import CacheStore
-from shmcache.tiers import TieredStore, portable_key
+from shmcache.tiers.remote import RedisTier
+from shmcache.cache.store import CacheStore
+from shmcache.tiers.tiered_store import TieredStore, portable_key
 tier = RedisTier(sys.argv[1], "c")
 store = CacheStore("s", "c", capacity_bytes=64 << 20)
 TieredStore(store, [tier])  # lowers the tier's batch budget to the cache's cap

@@ -12,11 +12,12 @@ import pytest
 import redis
 import zstandard
 
-from shmcache import ShmDatasetCache, codec
-from shmcache.config import namespace
-from shmcache.registry import SessionRegistry
-from shmcache.spill.format import pack_record
-from shmcache.tiers import portable_key
+from shmcache import ShmDatasetCache
+from shmcache.base.namespace import namespace
+from shmcache.cache import codec
+from shmcache.cache.registry import SessionRegistry
+from shmcache.tiers.records import pack_record
+from shmcache.tiers.tiered_store import portable_key
 
 
 def _shared_tree(levels: int) -> bytes:

@@ -14,7 +14,7 @@ from _redis import RedisServer, need_redis
 from shmcache import ShmDatasetCache
 from shmcache.errors import InvalidArgument
 from shmcache.launch.remote_option import mask_url as mask_text
-from shmcache.remote import RedisTier, mask_url, parse_url
+from shmcache.tiers.remote import RedisTier, mask_url, parse_url
 
 # generated passwords (base64, `openssl rand -base64`) hold "/" and "+"; people type "@" and "?"
 ODD_PASSWORDS = ["Ab3/xY9+kL0q/Zz8", "p@ss@w0rd-9x7", "qu?ery#hash-4k2"]

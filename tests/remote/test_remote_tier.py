@@ -1,4 +1,4 @@
-"""The Redis tier on its own (shmcache/remote.py), against real redis-server processes: URLs,
+"""The Redis tier on its own (shmcache/tiers/remote.py), against real redis-server processes: URLs,
 jump hash, reads and write-behind on one server, shards and a Cluster, and its faults."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from _redis import PASSWORD
 
 from shmcache.errors import InvalidArgument
-from shmcache.remote import RedisTier, jump_hash, mask_url, parse_url, probe
+from shmcache.tiers.remote import RedisTier, jump_hash, mask_url, parse_url, probe
 
 # --- URLs --------------------------------------------------------------------------------------
 

@@ -13,12 +13,13 @@ import redis
 import zstandard
 from _planted import Evil, Thing
 
-from shmcache import ShmDatasetCache, codec
-from shmcache.cli import main as cli
-from shmcache.config import namespace
-from shmcache.registry import SessionRegistry
-from shmcache.spill.format import pack_record
-from shmcache.tiers import portable_key, portable_record
+from shmcache import ShmDatasetCache
+from shmcache.base.namespace import namespace
+from shmcache.cache import codec
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cli.main import main as cli
+from shmcache.tiers.records import pack_record
+from shmcache.tiers.tiered_store import portable_key, portable_record
 
 SECRET = "job-secret-0f3a9c"
 pytestmark = pytest.mark.filterwarnings("ignore:.*stored with pickle:UserWarning")

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crash"))
 
 from _procs_util import Zygote, wait_for  # noqa: E402
 
-from shmcache import process_slot  # noqa: E402
-from shmcache.store import CacheStore  # noqa: E402
+from shmcache.cache import process_slot  # noqa: E402
+from shmcache.cache.store import CacheStore  # noqa: E402
 
 S, C = "batches", "c"
 CAP = 256 << 20

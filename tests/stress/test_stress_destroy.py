@@ -13,16 +13,16 @@ import subprocess
 import sys
 import textwrap
 
-from shmcache import cli
-from shmcache.registry import SessionRegistry
-from shmcache.store import MISSING, CacheStore
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cache.store import MISSING, CacheStore
+from shmcache.cli import main as cli
 
 WORKER = textwrap.dedent("""
     import json, random, sys, time
     from shmcache import ShmDatasetCache
     from shmcache.errors import CacheNotFound, SessionNotFound
-    from shmcache.registry import SessionRegistry
-    from shmcache.store import MISSING
+    from shmcache.cache.registry import SessionRegistry
+    from shmcache.cache.store import MISSING
 
     def value(k):
         return (b"%08d" % k) * (1 + k % 40)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crash"))
 
 from _procs_util import Zygote  # noqa: E402
 
-from shmcache.registry import SessionRegistry  # noqa: E402
+from shmcache.cache.registry import SessionRegistry  # noqa: E402
 
 
 @pytest.mark.parametrize("seconds", [pytest.param(3.0, id="3s"),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shmcache.allocator import MAX_CLASSES, ClassTable, commit_step_chunks, size_class
-from shmcache.store import CacheStore
+from shmcache.cache.allocator import MAX_CLASSES, ClassTable, commit_step_chunks, size_class
+from shmcache.cache.store import CacheStore
 
 
 def _sizes():
@@ -106,7 +106,7 @@ def test_a_word_rewritten_in_shared_memory_is_never_seen_as_zero():
     import os
     import time
 
-    from shmcache.segment import Segment
+    from shmcache.base.shm import Segment
 
     seg = Segment.create("/shmcache-test-words-" + str(os.getpid()), 64 << 10, commit=64 << 10)
     try:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from shmcache import ShmDatasetCache, gather
+from shmcache import ShmDatasetCache
+from shmcache.cache import gather
 
 # (image shape, keys): 3 KB records (scratch), 12 KB ones past SCRATCH_BYTES (units of 256 bytes),
 # an odd size whose unit is under MIN_UNIT (a fancy index), fields past LOOP_BYTES (a row loop)

@@ -13,9 +13,9 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from shmcache.cli import main
-from shmcache.registry import SessionRegistry
-from shmcache.store import STAT_KEYS, CacheStore
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cache.store import STAT_KEYS, CacheStore
+from shmcache.cli.main import main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration"))
 from _workers import process_attached_to  # noqa: E402
@@ -244,7 +244,7 @@ def test_python_dash_m_shmcache_stat_end_to_end(populated):
     assert [(r["session"], r["name"], r["items_mem"]) for r in rows] == [("train", "images", 3)]
     imported = [ln.rsplit("|", 1)[-1].strip() for ln in proc.stderr.splitlines()
                 if ln.startswith("import time:")]
-    assert "shmcache.store" in imported
+    assert "shmcache.cache.store" in imported
     assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
 
 
@@ -317,7 +317,7 @@ def test_gc_idle_for_refuses_what_is_not_a_duration(capsys, text):
 @pytest.mark.parametrize("text,seconds", [("90s", 90), ("30m", 1800), ("12h", 43200), ("1d", DAY),
                                           ("2w", 14 * DAY), ("1.5h", 5400), ("0s", 0)])
 def test_durations(text, seconds):
-    from shmcache.cli import _duration
+    from shmcache.cli.main import _duration
 
     assert _duration(text) == seconds
 
@@ -336,7 +336,7 @@ def test_gc_does_not_call_the_slot_files_of_a_clean_exit_stale(capsys):
 def test_every_argument_of_every_command_has_help():
     import argparse
 
-    from shmcache.cli import _parser
+    from shmcache.cli.main import _parser
 
     parser = _parser()
     missing = []

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-import shmcache.dataset  # noqa: F401  (registers torch tensors with the codec)
-from shmcache import codec
+import shmcache.data.dataset  # noqa: F401  (registers torch tensors with the codec)
+from shmcache.cache import codec
+from shmcache.cache.store import MISSING, CacheStore
 from shmcache.errors import EncodeError
-from shmcache.store import MISSING, CacheStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from _workers import assert_same  # noqa: E402
@@ -352,7 +352,7 @@ def test_copy_false_returns_read_only_numpy_views(store):
 _VIEW_SCRIPT = r"""
 import sys
 import numpy as np
-from shmcache.store import CacheStore
+from shmcache.cache.store import CacheStore
 
 a = CacheStore("codec", "views", capacity_bytes=16 << 20)
 want = np.arange(1000, dtype=np.int64)
@@ -413,9 +413,9 @@ def test_decoder_cache_stays_bounded_for_variable_length_str_fields_and_clear_fr
     assert codec.cached_decoders() == 0
 
 
-# --- PIL images (shmcache/_pil.py) ---------------------------------------------------------------
+# --- PIL images (shmcache/data/images.py) ---------------------------------------------------------------
 
-_PIL_MODES = sorted(__import__("shmcache._pil", fromlist=["MODES"]).MODES)
+_PIL_MODES = sorted(__import__("shmcache.data.images", fromlist=["MODES"]).MODES)
 
 
 def _random_image(mode, size=(7, 5)):
@@ -470,7 +470,7 @@ def test_a_process_that_never_imported_pil_decodes_pil_records(tmp_path):
     """The handler registers lazily; a DataLoader worker that only reads must still find it."""
     code = (
         "import sys\n"
-        "import shmcache.dataset\n"
+        "import shmcache.data.dataset\n"
         "from shmcache import codec\n"
         "assert 'PIL' not in sys.modules, 'importing shmcache imported PIL'\n"
         "layout, record = open(sys.argv[1], 'rb').read(), open(sys.argv[2], 'rb').read()\n"

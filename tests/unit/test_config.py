@@ -9,18 +9,17 @@ import stat
 import numpy as np
 import pytest
 
-from shmcache.config import (
+from shmcache.base.memory import MemoryLimits, memory_limits
+from shmcache.base.namespace import (
     ENV_DIR,
     ENV_SESSION,
-    MemoryLimits,
-    memory_limits,
     namespace,
     resolve_session_name,
     validate_name,
 )
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cache.store import MISSING, CacheStore
 from shmcache.errors import InvalidArgument, NotOwner
-from shmcache.registry import SessionRegistry
-from shmcache.store import MISSING, CacheStore
 
 
 @pytest.mark.parametrize("good", ["a", "A-z_0.9", "x" * 64, "default", "run.2024-01-01", "x-", "_"])
@@ -249,7 +248,7 @@ def test_a_real_cgroup_limit_is_seen_by_shmcache_info(tmp_path):
             pytest.skip(f"cannot set {limit_file} in {d} (memory controller not enabled?): {exc.strerror}")
         procs = os.path.join(d, "cgroup.procs")
         script = (f"import os, sys, pathlib; pathlib.Path({procs!r}).write_text(str(os.getpid())); "
-                  f"from shmcache.cli import main; sys.exit(main(['info', '--json']))")
+                  f"from shmcache.cli.main import main; sys.exit(main(['info', '--json']))")
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         info = json.loads(out.stdout)

@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from shmcache import ShmDatasetCache
+from shmcache.cache.store import STAT_KEYS
 from shmcache.errors import CacheMismatch, EncodeError, InvalidArgument, ItemTooLarge, ShmcacheError
-from shmcache.store import STAT_KEYS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from _workers import FixedDataset, TorchDataset, VarDataset, assert_same, fixed_sample  # noqa: E402
@@ -361,7 +361,7 @@ def test_every_use_after_close_raises_naming_the_cache():
 
 
 def test_close_detaches_the_process_when_its_last_cache_of_the_session_closes():
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
 
     registry = SessionRegistry()
     a, b = _cache(name="a"), _cache(name="b")
@@ -681,7 +681,7 @@ def test_unpickled_wrapper_finds_its_cache_whatever_shmcache_dir_says(monkeypatc
     """A wrapped dataset "pickles by name": a worker whose $SHMCACHE_DIR differs from its parent's
     (a forkserver started before the variable was set) must reach the same cache, not build an
     empty twin in another namespace."""
-    from shmcache.config import ENV_DIR, namespace
+    from shmcache.base.namespace import ENV_DIR, namespace
 
     src = FixedDataset(20, 16)
     cache = _cache()
@@ -700,7 +700,7 @@ def test_unpickled_wrapper_finds_its_cache_whatever_shmcache_dir_says(monkeypatc
         assert clone.dataset.calls == calls, "the clone recomputed what the cache holds"
         assert other.owned_segments() == [], "an empty twin of the cache appeared elsewhere"
     finally:
-        from shmcache.registry import SessionRegistry
+        from shmcache.cache.registry import SessionRegistry
 
         for info in SessionRegistry(other).list():
             SessionRegistry(other).destroy(info.name, force=True)

@@ -16,8 +16,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from shmcache import codec
-from shmcache.tiers import decode_portable
+from shmcache.cache import codec
+from shmcache.tiers.tiered_store import decode_portable
 
 
 def _forged(node, body: bytes) -> bytearray:
@@ -39,8 +39,8 @@ def test_a_tensor_leaf_whose_itemsize_is_not_its_dtypes_is_refused():
 _CHILD = textwrap.dedent("""
     import marshal, resource, sys
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-    from shmcache import codec
-    from shmcache.tiers import decode_portable
+    from shmcache.cache import codec
+    from shmcache.tiers.tiered_store import decode_portable
     layout = marshal.dumps(("e", "pil", "RGBA|16000x16000:1", (4,), 64), 4)
     rec = bytearray(codec.RECORD_HEADER.pack(codec.INLINE, 0, len(layout), 0) + bytes(48) + b"abcd"
                     + bytes(4) + layout)
@@ -67,7 +67,8 @@ def test_an_image_leaf_larger_than_its_bytes_is_refused_before_it_is_made():
 def test_real_images_and_tensors_still_round_trip():
     Image = pytest.importorskip("PIL.Image")
     torch = pytest.importorskip("torch")
-    from shmcache import _pil, _torch
+    from shmcache.data import images as _pil
+    from shmcache.data import tensors as _torch
 
     _pil.register()
     _torch.register()

@@ -1,4 +1,4 @@
-"""The dataset fingerprint (shmcache/fingerprint.py, NOTE [fingerprint]): it separates datasets and
+"""The dataset fingerprint (shmcache/data/fingerprint.py, NOTE [fingerprint]): it separates datasets and
 transforms that differ where the probe samples cannot see it, and it is the same in every process,
 whatever the string hash seed, the process id or a call counter."""
 
@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from shmcache import ShmDatasetCache, codec
-from shmcache.fingerprint import fingerprint
+from shmcache import ShmDatasetCache
+from shmcache.cache import codec
+from shmcache.data.fingerprint import fingerprint
 
 PROBES = (0, 2, 3)  # what wrap() reads of a 4-item dataset: 0, n // 2 and n - 1
 
@@ -213,8 +214,8 @@ _OTHER_PROCESS = textwrap.dedent("""
     import sys
     import numpy as np
     from torch.utils.data import Dataset
-    from shmcache import codec
-    from shmcache.fingerprint import fingerprint
+    from shmcache.cache import codec
+    from shmcache.data.fingerprint import fingerprint
 
     class Tagged(Dataset):
         def __init__(self):
@@ -256,7 +257,7 @@ def test_a_class_of_a_script_run_as_main_is_named_as_the_module_it_is_imported_a
     pkg.warm import Expensive` name one type; no path counts."""
     import types
 
-    from shmcache.fingerprint import type_name
+    from shmcache.data.fingerprint import type_name
 
     def cls(module):
         return type("Expensive", (Dataset,), {"__module__": module})

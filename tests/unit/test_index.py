@@ -9,10 +9,10 @@ import unicodedata
 import numpy as np
 import pytest
 
-import shmcache.index as index_mod
+import shmcache.cache.index as index_mod
+from shmcache.cache.index import INT_KEY, READY, TableView, key_bytes, key_hash
+from shmcache.cache.store import MISSING, CacheStore
 from shmcache.errors import InvalidKey
-from shmcache.index import INT_KEY, READY, TableView, key_bytes, key_hash
-from shmcache.store import MISSING, CacheStore
 
 INT_EDGES = [0, 1, -1, 2, 1023, 1024, 1025, 2**31, -(2**31), 2**32 + 5, 2**62, 2**63 - 1, -(2**63),
              -(2**63) + 1]
@@ -216,8 +216,8 @@ def test_table_hint_sizes_the_table_so_dataset_indices_never_grow_it():
 
 def test_the_entry_accessors_read_what_the_store_wrote(store):
     """index.entry_* and codec.record_* name the bits the store writes (one definition each)."""
-    from shmcache import codec
-    from shmcache.index import (
+    from shmcache.cache import codec
+    from shmcache.cache.index import (
         INLINE24,
         SPILLED,
         entry_chunk,

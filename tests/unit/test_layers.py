@@ -15,49 +15,33 @@ import shmcache
 
 PKG = Path(shmcache.__file__).resolve().parent
 
-# Rank of each module (dotted below shmcache; a package by its __init__): a module may import
-# only modules of a strictly lower rank.
-RANK = {
-    "errors": 0, "_faults": 0,
-    "config": 1,
-    "trust": 1,  # the job's secret and the MAC of records from outside shared memory (NOTE [record authentication])
-    "ordering": 1,  # the asymmetric fence (membarrier) of NOTE [publish order]
-    "launch.supervisor": 1,  # the launcher's process machinery: knows nothing of shmcache
-    "launch.remote_option": 1,  # --remote: what it means, and its password out of sight
-    "launch.rendezvous": 1,  # the launchers' exchange of Redis endpoints (NOTE [remote rendezvous])
-    "snapshot.location": 1.5,  # where a snapshot's files live: a local directory or an fsspec URL
-    "launch.redis_node": 2,  # one redis-server per node, a companion of the supervisor
-    "locks": 2, "segment": 2,
-    "process_slot": 3, "registry": 3, "codec": 3, "allocator": 3, "index": 3,
-    "spill.format": 3, "spill.recovery": 3.1, "spill.files": 3.2, "spill": 3.3,
-    "snapshot.format": 3.4,  # the snapshot's files (NOTE [snapshot format]): spill records, an index
-    "generation": 3.5,  # a cache's root and meta words, the totals and the intent record
-    "gather": 3.5,  # the vectorised batch gather (columns out of a class segment)
-    "tier_protocol": 3.5,  # what the store needs of an indexed tier (the spill tier): NOTE [tiers]
-    "tier_counts": 3.5,  # a tier's counters, one row per process slot (NOTE [tier counts])
-    "store": 4,
-    "tiers": 4.5,  # the tier seam: a store with the tiers behind it (NOTE [tiers])
-    "remote": 4.6,  # the Redis tier (NOTE [remote tier]); redis-py imported lazily
-    "spill.tier": 5,  # the spill tier (an IndexedTier) and where its folder is; used above the store
-    "maintenance": 5.5,  # gc of a namespace: the registry's, then each cache's, then spill folders
-    "snapshot.export": 5.5, "snapshot.load": 5.6,  # a cache to a snapshot and back (no torch)
-    "snapshot.tier": 5.55,  # the read-through tier: a snapshot behind shared memory (no torch)
-    "snapshot": 5.7,
-    "fingerprint": 5,  # torch layer: names a wrapped dataset's cache
-    "_pil": 5,  # torch layer: PIL images as a codec type (the codec loads it lazily, by name)
-    "_torch": 5,  # torch layer: tensors as a codec type (the codec loads it lazily, by name)
-    "dataset": 6, "prefetch": 6, "sink": 7,
-    "sampler": 6,  # torch layer: which indices each rank reads (knows nodes, not caches)
-    "cli": 8, "launch.run": 8, "launch": 8.1,
+# The layers of docs/design.md §2, bottom to top; the folders below shmcache/ are these layers. A
+# module may import any module of a lower layer, and modules of its own layer only without a cycle.
+LAYERS = {
+    "base": 0,      # OS primitives: names, private dirs, memory limits, shm objects, locks, fences, MACs
+    "cache": 1,     # the store and its parts: registry, slots, allocator, index, generations, codec
+    "tiers": 2,     # what lies behind shared memory: spill files, Redis, and the seam that reads them
+    "snapshot": 3,  # a cache to portable files and back, and the read-through tier over them
+    "data": 4,      # the torch layer: wrapped datasets, tensors and images, sampler, prefetch, sink
+    "launch": 5,    # entry points: the launcher (torchrun-compatible) ...
+    "cli": 6,       # ... and the command line (it removes the launcher's stale directories)
 }
-NO_TORCH = ["config", "trust", "errors", "ordering", "locks", "registry", "segment", "codec", "allocator", "index",
-            "store", "generation", "gather", "tier_protocol", "maintenance", "cli", "spill",
-            "spill.format", "spill.recovery", "spill.files", "spill.tier",
-            "process_slot", "tiers", "tier_counts", "_faults", "launch", "launch.run", "launch.supervisor", "_pil",
-            "launch.remote_option", "launch.rendezvous", "launch.redis_node", "remote",
-            "snapshot", "snapshot.format", "snapshot.location", "snapshot.export", "snapshot.load",
-            "snapshot.tier"]
-TOP = {"dataset", "prefetch", "sink", "launch", "launch.run", "cli"}
+ROOT_MODULES = {"errors": 0}  # the public error taxonomy lives at the root, below everything
+TOP = {"data", "launch", "cli"}  # may import the package root (which re-exports the torch layer lazily)
+TORCH_LAYER = "data"
+NO_TORCH_IN_TORCH_LAYER = ["data.images"]  # PIL images as a codec type: no torch needed
+
+
+def layer_of(module: str) -> str:
+    head = module.split(".")[0]
+    return head if head in LAYERS else module
+
+
+def rank(module: str) -> int:
+    head = layer_of(module)
+    if head in LAYERS:
+        return LAYERS[head]
+    return ROOT_MODULES[head]
 
 
 def _path(module: str) -> Path:
@@ -77,11 +61,12 @@ def _is_module(parts: list[str]) -> bool:
     return base.is_dir() or base.with_suffix(".py").exists()
 
 
-def _imports(module: str) -> list[tuple[str, int]]:
-    """Every module this one imports, anywhere in the file: (absolute dotted name, line)."""
-    tree = ast.parse(_path(module).read_text(), str(_path(module)))
+def _imports(module: str, source: str | None = None, top_level: bool = False) -> list[tuple[str, int]]:
+    """Every module this one imports, anywhere in the file (or only at module level):
+    (absolute dotted name, line)."""
+    tree = ast.parse(_path(module).read_text() if source is None else source, str(_path(module)))
     out = []
-    for node in ast.walk(tree):
+    for node in (tree.body if top_level else ast.walk(tree)):
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -103,18 +88,14 @@ def _imports(module: str) -> list[tuple[str, int]]:
     return out
 
 
-def _ranked(name: str) -> str | None:
-    """The module of RANK an absolute import names: the longest ranked prefix (None: the root)."""
+def _module_of(name: str) -> str | None:
+    """The shmcache module an absolute import names (its longest existing prefix; None: the root)."""
     parts = name.split(".")[1:]
     while parts:
-        if ".".join(parts) in RANK:
+        if _path(".".join(parts)).exists():
             return ".".join(parts)
         parts.pop()
     return None
-
-
-def _existing(names):
-    return [m for m in names if _path(m).exists()]
 
 
 def _all_modules() -> set[str]:
@@ -127,48 +108,86 @@ def _all_modules() -> set[str]:
     return found
 
 
-def test_every_module_has_a_rank():
-    modules = _all_modules()
-    assert modules <= set(RANK), f"modules without a layer: {sorted(modules - set(RANK))}"
+MODULES = sorted(_all_modules())
 
 
-@pytest.mark.parametrize("module", _existing(NO_TORCH))
+def _violations(module: str, source: str | None = None) -> list[str]:
+    """What in a module imports upward: a higher layer, or the package root below the top."""
+    wrong = []
+    for name, line in _imports(module, source):
+        if not name.startswith("shmcache"):
+            continue
+        target = _module_of(name)
+        if target is None:
+            if layer_of(module) not in TOP:
+                wrong.append(f"line {line}: imports the package root")
+        elif rank(target) > rank(module):
+            wrong.append(f"line {line}: imports {target} (layer {layer_of(target)!r} is above "
+                         f"{layer_of(module)!r})")
+    return wrong
+
+
+def test_the_folders_are_the_layers():
+    folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(LAYERS), f"folders {sorted(folders)} != layers {sorted(LAYERS)}"
+    loose = {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__"}
+    assert loose == set(ROOT_MODULES), f"modules outside the layers' folders: {sorted(loose - set(ROOT_MODULES))}"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_imports_point_down_only(module):
+    wrong = _violations(module)
+    assert not wrong, f"{_path(module)}: " + "; ".join(wrong)
+
+
+def test_an_upward_import_is_caught():
+    """The check can fail: the snapshot tier importing the torch layer's image type is refused."""
+    source = _path("snapshot.tier").read_text() + "\nfrom ..data import images\n"
+    assert any("layer 'data' is above 'snapshot'" in w for w in _violations("snapshot.tier", source))
+    source = _path("cache.store").read_text() + "\ndef f():\n    from ..tiers.spill import tier\n"
+    assert any("'tiers' is above 'cache'" in w for w in _violations("cache.store", source))
+
+
+def _layer_graph(layer: str) -> dict[str, set[str]]:
+    """Module-level imports among one layer's modules (lazy ones inside functions break cycles)."""
+    members = [m for m in MODULES if layer_of(m) == layer]
+    graph = {}
+    for m in members:
+        targets = {_module_of(n) for n, _ in _imports(m, top_level=True) if n.startswith("shmcache.")}
+        graph[m] = {t for t in targets if t in members and t != m and not m.startswith(t + ".")}
+    return graph
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_no_cycle_within_a_layer(layer):
+    graph, state, cycle = _layer_graph(layer), {}, []
+
+    def visit(m, path):
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycle.append(" -> ".join([*path, m, t][path.index(t) if t in path else 0:]))
+            elif t not in state:
+                visit(t, [*path, m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert not cycle, f"import cycles in {layer}/: {cycle}"
+
+
+NO_TORCH = [m for m in MODULES if layer_of(m) != TORCH_LAYER] + NO_TORCH_IN_TORCH_LAYER
+
+
+@pytest.mark.parametrize("module", NO_TORCH)
 def test_low_layers_never_import_torch(module):
     bad = [(m, line) for m, line in _imports(module) if m == "torch" or m.startswith("torch.")]
     assert not bad, f"{_path(module)} imports torch at lines {[line for _, line in bad]}"
 
 
-@pytest.mark.parametrize("module", sorted(_existing(RANK)))
-def test_imports_point_down_only(module):
-    wrong = []
-    for name, line in _imports(module):
-        if not name.startswith("shmcache"):
-            continue
-        target = _ranked(name)
-        if target is None:
-            if name not in ("shmcache", "shmcache.__init__"):
-                wrong.append(f"line {line}: imports unknown module {name}")
-            elif module not in TOP:  # the package root re-exports the torch layer lazily
-                wrong.append(f"line {line}: imports the package root")
-            continue
-        if target == module or module.startswith(target + "."):
-            continue  # a package's own modules importing one another: ranked among themselves
-        if RANK[target] >= RANK[module]:
-            wrong.append(f"line {line}: imports {target} (rank {RANK[target]} >= {RANK[module]})")
-    assert not wrong, f"{_path(module)}: " + "; ".join(wrong)
-
-
-@pytest.mark.parametrize("module", ["config", "errors", "locks", "registry", "segment", "codec",
-                                    "allocator", "index", "store", "spill", "spill.files", "spill.format",
-                                    "spill.recovery", "process_slot", "_faults"])
-def test_low_layers_never_import_the_layers_above(module):
-    above = {"dataset", "prefetch", "sink", "launch", "cli"}
-    bad = [n for n, _ in _imports(module) if n.startswith("shmcache.") and n.split(".")[1] in above]
-    assert not bad, f"{module} imports {bad}"
-
-
 def test_no_torch_at_run_time():
-    mods = ", ".join(f"shmcache.{m}" for m in _existing(NO_TORCH))
+    mods = ", ".join(f"shmcache.{m}" for m in NO_TORCH)
     code = (f"import sys, {mods}\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:5])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -179,7 +198,7 @@ def test_no_torch_at_run_time():
 def test_import_shmcache_is_lazy():
     code = ("import sys, shmcache\n"
             "assert 'torch' not in sys.modules, 'import shmcache imported torch'\n"
-            "assert 'shmcache.dataset' not in sys.modules\n"
+            "assert 'shmcache.data.dataset' not in sys.modules\n"
             "shmcache.ShmDatasetCache\n"
             "assert 'torch' in sys.modules\n"
             "print('ok')")

@@ -20,7 +20,7 @@ import pytest
 _CHILD = textwrap.dedent("""
     import resource, sys, time
     resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
-    from shmcache import codec
+    from shmcache.cache import codec
     layout = bytes.fromhex(sys.argv[1])
     t = time.monotonic()
     try:
@@ -66,7 +66,7 @@ def test_a_hostile_layout_is_refused_in_bounded_time_and_memory(name):
 def test_real_layouts_still_pass():
     import numpy as np
 
-    from shmcache import codec
+    from shmcache.cache import codec
 
     values = [{"a": np.zeros((3, 4), np.float32), "b": "x", "c": (1, 2.0, None, True), "d": b"z"},
               (np.arange(5), 7), [np.float32(1.5), {1: "one", 2**40: "two", -3: "été"}],
@@ -100,7 +100,7 @@ def _retained(fn) -> int:
 def test_refused_layouts_are_not_kept_whole():
     """check_layout kept every layout it saw, refused ones included, as its cache's key: 100
     distinct 1 MiB layouts from a Redis anyone with its password writes held 100 MiB."""
-    from shmcache import codec
+    from shmcache.cache import codec
 
     def check_many():
         for j in range(100):
@@ -112,8 +112,8 @@ def test_decoders_of_large_layouts_are_kept_within_a_byte_budget(monkeypatch):
     """1024 decoders were kept whatever their layouts' size, and a decoder holds ~16x its layout:
     1 MiB layouts from a tier held 17 MiB each (12 of them: 211 MiB). Now the layouts kept are
     bounded in bytes too (MAX_DECODER_BYTES; 128 KiB here, for a fast test)."""
-    from shmcache import codec
-    from shmcache.tiers import decode_portable
+    from shmcache.cache import codec
+    from shmcache.tiers.tiered_store import decode_portable
 
     monkeypatch.setattr(codec, "MAX_DECODER_BYTES", 128 << 10, raising=False)
     codec.clear_decoders()

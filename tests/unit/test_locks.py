@@ -16,14 +16,14 @@ import time
 import pytest
 from _forks import die_holding_after_forking_an_idle_child, reap
 
+from shmcache.base.locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
 from shmcache.errors import LockTimeout
-from shmcache.locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
 
 LOCK_CLASSES = pytest.mark.parametrize("Lock", [FileLock, RegistryLock])
 
 _HOLD = r"""
 import sys, time
-from shmcache.locks import FileLock
+from shmcache.base.locks import FileLock
 lock = FileLock(sys.argv[1])
 lock.acquire()
 print("held", flush=True)
@@ -66,7 +66,7 @@ def test_threads_sharing_one_lock_object_exclude_each_other(tmp_path, warm, monk
     """FileLock is "usable from threads": threads that share one lock object (a store used by a
     prefetch thread and the main thread) never overlap inside it - also when their very first
     acquire happens at the same time (opening the file is slowed down to make that likely)."""
-    import shmcache.locks as locks_mod
+    import shmcache.base.locks as locks_mod
 
     real_open = locks_mod._open_lock_file
 

@@ -6,10 +6,10 @@ import struct
 
 import posix_ipc
 
-from shmcache.generation import M
-from shmcache.maintenance import GcResult, collect_garbage
-from shmcache.registry import SessionRegistry
-from shmcache.store import CacheStore
+from shmcache.cache.generation import M
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cache.store import CacheStore
+from shmcache.tiers.namespace_gc import GcResult, collect_garbage
 
 
 def test_collect_garbage_reports_debris_recounts_and_keeps_live_caches(shm_namespace):

@@ -1,4 +1,4 @@
-"""Memory ordering (shmcache/ordering.py, NOTE [publish order]): where fences are made, and where not.
+"""Memory ordering (shmcache/base/ordering.py, NOTE [publish order]): where fences are made, and where not.
 
 With ``SHMCACHE_ORDERING=membarrier`` x86 runs the weak-ordering path: every writer that publishes
 makes a membarrier(2) fence between "bytes visible" and "publish", readers make none. The counts
@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from shmcache import ordering
+from shmcache.base import ordering
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -33,8 +33,8 @@ def _run(script: str, env_extra: dict, *, timeout: float = 90, prefix: list[str]
 _COUNTS = """
 import json
 import numpy as np
-from shmcache import ordering
-from shmcache.store import MISSING, CacheStore
+from shmcache.base import ordering
+from shmcache.cache.store import MISSING, CacheStore
 
 out = {"mode": ordering.mode()}
 def fences(fn):
@@ -68,7 +68,7 @@ big = np.zeros(150_000 // 8, np.int64)
 check("put_150k_first", lambda: s.put(100, big), True)
 check("put_150k", lambda: s.put(101, big), True)  # > 64 KiB: one commit (fenced) and one publish
 out["big_right"] = bool(np.array_equal(s.lookup(101), big))
-from shmcache.tiers import key_of_portable
+from shmcache.tiers.tiered_store import key_of_portable
 recs = [(key_of_portable(k), r) for k, r in s.portable_records()]
 t = CacheStore("ord", "d", capacity_bytes=64 << 20)
 t.put_records(recs[:1])
@@ -126,7 +126,7 @@ def test_x86_default_makes_no_fence():
 
 
 def test_setting_is_checked():
-    proc = _run("import shmcache.store", {ordering.ENV: "none"})
+    proc = _run("import shmcache.cache.store", {ordering.ENV: "none"})
     assert proc.returncode != 0 and "is not a setting" in proc.stderr and ordering.ENV in proc.stderr
 
 
@@ -141,8 +141,8 @@ def test_strace_counts_the_same_fences():
     the process registered once (REGISTER_GLOBAL_EXPEDITED)."""
     script = """
     import numpy as np
-    from shmcache import ordering
-    from shmcache.store import CacheStore
+    from shmcache.base import ordering
+    from shmcache.cache.store import CacheStore
     s = CacheStore("ord", "st", capacity_bytes=16 << 20)
     for i in range(20):
         s.put(i, np.arange(10))
@@ -170,7 +170,7 @@ def test_registration_survives_fork_and_not_exec():
     kernel that reset it would not leave a child unfenced, and counts the child's fences apart."""
     script = """
     import errno, os, sys
-    from shmcache import ordering
+    from shmcache.base import ordering
     m = ordering._membarrier
     assert m(ordering.MEMBARRIER_CMD_PRIVATE_EXPEDITED) == -errno.EPERM  # after exec: not registered
     assert m(ordering.MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0
@@ -200,8 +200,8 @@ def test_a_forked_child_reads_and_writes_fenced():
     script = """
     import os
     import numpy as np
-    from shmcache import ordering
-    from shmcache.store import CacheStore
+    from shmcache.base import ordering
+    from shmcache.cache.store import CacheStore
     s = CacheStore("ord", "fork", capacity_bytes=16 << 20)
     s.put(1, np.arange(5))
     pid = os.fork()
@@ -235,7 +235,7 @@ if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0):  
     print("NOSECCOMP", ctypes.get_errno())  # qemu-user emulation refuses filters
     raise SystemExit(0)
 from shmcache.errors import ShmcacheError
-from shmcache.store import CacheStore
+from shmcache.cache.store import CacheStore
 try:
     CacheStore("ord", "refused", capacity_bytes=16 << 20)
 except ShmcacheError as exc:
@@ -278,8 +278,8 @@ def test_forced_mode_two_writer_processes_and_a_reader_process():
     script = """
     import os, sys
     import numpy as np
-    from shmcache import ordering
-    from shmcache.store import MISSING, CacheStore
+    from shmcache.base import ordering
+    from shmcache.cache.store import MISSING, CacheStore
     assert ordering.mode() == "membarrier"
     s = CacheStore("ord", "mp", capacity_bytes=32 << 20)
     pids = []
@@ -321,8 +321,8 @@ def test_forced_mode_dataset_reads_make_no_fence():
     pytest.importorskip("torch")
     script = """
     import numpy as np
-    from shmcache import ordering
-    from shmcache.dataset import ShmDatasetCache
+    from shmcache.base import ordering
+    from shmcache.data.dataset import ShmDatasetCache
 
     class Src:
         def __len__(self):

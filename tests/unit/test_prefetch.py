@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from shmcache.data.prefetch import PrefetchRing
 from shmcache.errors import InvalidArgument, PrefetchError, PrefetchStall
-from shmcache.prefetch import PrefetchRing
 
 DEVICE = "cpu"  # explicit: the same tests must not silently move to a GPU when one is present
 

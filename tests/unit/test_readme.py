@@ -28,7 +28,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_lists_exactly_the_keys_that_stats_returns():
-    from shmcache.store import CacheStore
+    from shmcache.cache.store import CacheStore
 
     store = CacheStore("readme", "c", capacity_bytes=4 << 20)
     keys = set(store.stats())

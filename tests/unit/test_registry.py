@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cache.store import CacheStore
 from shmcache.errors import InvalidArgument, SessionExists, SessionInUse, SessionNotFound, ShmcacheError
-from shmcache.registry import SessionRegistry
-from shmcache.store import CacheStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from _workers import process_attached_to  # noqa: E402
@@ -132,7 +132,7 @@ def test_live_pids_and_destroy_refuses_a_session_in_use(reg):
 
 
 def test_this_process_does_not_block_its_own_destroy(reg):
-    from shmcache import process_slot
+    from shmcache.cache import process_slot
 
     reg.create("mine")
     process_slot.slot(reg, "mine")
@@ -181,7 +181,7 @@ def test_unreadable_session_json_is_reported_and_skipped_by_list(reg):
 def test_everything_in_the_namespace_is_private_whatever_the_umask(shm_namespace):
     """Files 0600 and directories 0700 (registry, sessions, cache metadata, lock files, slots),
     and segments 0600 - even with umask 0."""
-    from shmcache import process_slot
+    from shmcache.cache import process_slot
 
     old = os.umask(0)
     try:
@@ -238,7 +238,7 @@ def test_every_attach_and_clean_exit_refreshes_last_use_and_in_use_is_now(reg):
 
 
 def test_destroy_idle_destroys_only_old_sessions_that_nobody_is_attached_to(reg, shm_namespace):
-    from shmcache import process_slot
+    from shmcache.cache import process_slot
 
     for name in ("busy", "old", "fresh"):
         reg.create(name)
@@ -289,7 +289,7 @@ def test_attaching_while_a_destroy_has_the_directory_away_waits_for_its_decision
     reg._lock.acquire()
     try:
         os.rename(reg.session_dir("s"), away)  # what destroy does, under the registry lock
-        code = ("import sys; from shmcache.registry import SessionRegistry; "
+        code = ("import sys; from shmcache.cache.registry import SessionRegistry; "
                 "slot = SessionRegistry().attach_process('s'); print('attached', flush=True); sys.stdin.read()")
         proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
@@ -347,8 +347,8 @@ def test_the_session_automatic_cap_is_fixed_by_its_first_auto_sized_cache(reg):
 def test_a_damaged_auto_capacity_file_is_measured_again(text):
     """The session's automatic-cap file damaged (truncated, overwritten): opening an auto-sized
     cache raised a raw ValueError (int() of its text, after a lost race to create it)."""
-    from shmcache import process_slot
-    from shmcache.store import CacheStore
+    from shmcache.cache import process_slot
+    from shmcache.cache.store import CacheStore
 
     reg = SessionRegistry()
     reg.create("dmg")

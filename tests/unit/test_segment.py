@@ -10,8 +10,8 @@ import struct
 import posix_ipc
 import pytest
 
+from shmcache.base.shm import HEADER_BYTES, MAGIC, PAGE, VERSION, Segment
 from shmcache.errors import CorruptSegment
-from shmcache.segment import HEADER_BYTES, MAGIC, PAGE, VERSION, Segment
 
 
 @pytest.fixture

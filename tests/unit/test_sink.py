@@ -13,9 +13,9 @@ from typing import ClassVar
 import pytest
 import torch
 
+from shmcache.data.prefetch import PrefetchRing
+from shmcache.data.sink import LossMonitor, SinkResult, TimeMonitor, sink_loop
 from shmcache.errors import InvalidArgument
-from shmcache.prefetch import PrefetchRing
-from shmcache.sink import LossMonitor, SinkResult, TimeMonitor, sink_loop
 
 
 class Recorder:

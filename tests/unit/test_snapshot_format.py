@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import zstandard
 
-from shmcache import codec
+from shmcache.cache import codec
 from shmcache.errors import SnapshotError
 from shmcache.snapshot import format as fmt
-from shmcache.tiers import decode_portable, portable_key, portable_record
+from shmcache.tiers.tiered_store import decode_portable, portable_key, portable_record
 
 CCTX = zstandard.ZstdCompressor(level=1, write_content_size=True, write_checksum=False)
 DCTX = zstandard.ZstdDecompressor()

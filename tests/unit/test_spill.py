@@ -1,4 +1,4 @@
-"""Spill files (shmcache.spill): round trips, self-checking records, repair, disk full, bad paths.
+"""Spill files (shmcache.tiers.spill): round trips, self-checking records, repair, disk full, bad paths.
 
 Crash tests (SIGKILL mid-append) live in tests/crash/test_spill_crash.py.
 """
@@ -22,7 +22,8 @@ import pytest
 from _forks import die_holding_after_forking_an_idle_child, reap
 
 from shmcache.errors import InvalidArgument, LockTimeout, SpillError
-from shmcache.spill import (
+from shmcache.tiers import records as spill_format
+from shmcache.tiers.spill import (
     RECORD_HEADER_BYTES,
     SpillFull,
     SpillLoc,
@@ -30,7 +31,6 @@ from shmcache.spill import (
     check_spill_dir,
     recovery,
 )
-from shmcache.spill import format as spill_format
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -168,7 +168,7 @@ def test_threads_share_a_slot(store):
 
 _READER = """
 import json, sys, hashlib
-from shmcache.spill import SpillStore
+from shmcache.tiers.spill import SpillStore
 req = json.load(sys.stdin)
 s = SpillStore(req["path"], create=False)
 digests = []
@@ -722,7 +722,7 @@ def test_a_forked_child_that_never_writes_does_not_keep_a_dead_writers_slot(tmp_
 def test_a_fork_while_another_thread_holds_the_spill_folder_lock_does_not_hang_the_child(tmp_path):
     import threading
 
-    from shmcache.spill import tier as spilling
+    from shmcache.tiers.spill import tier as spilling
 
     held, done = threading.Event(), threading.Event()
 
@@ -794,7 +794,7 @@ def test_check_spill_dir_refuses_a_missing_directory_and_creates_nothing(tmp_pat
 def test_pack_and_unpack_record_round_trip_and_refuse_other_keys_cuts_and_flips(payload):
     import zstandard
 
-    from shmcache.spill import pack_record, unpack_record
+    from shmcache.tiers.spill import pack_record, unpack_record
 
     cctx, dctx = zstandard.ZstdCompressor(level=1, write_content_size=True), zstandard.ZstdDecompressor()
     buf = b"".join(bytes(part) for part in pack_record(b"key1", payload, cctx))
@@ -817,9 +817,9 @@ def test_pack_and_unpack_record_round_trip_and_refuse_other_keys_cuts_and_flips(
 def test_the_spill_tier_is_an_indexed_tier_and_round_trips_through_a_location(tmp_path):
     """The seam of NOTE [tiers]: the store writes through ``write`` and reads a ``Location`` back;
     a location with another key, or one cut short, is a miss, never another record."""
-    from shmcache.spill import tier as spilling
-    from shmcache.store import CacheStore
-    from shmcache.tier_protocol import IndexedTier, Location
+    from shmcache.cache.indexed_tier import IndexedTier, Location
+    from shmcache.cache.store import CacheStore
+    from shmcache.tiers.spill import tier as spilling
 
     store = CacheStore("tier", "c", capacity_bytes=4 << 20)
     try:

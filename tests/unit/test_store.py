@@ -10,10 +10,10 @@ import re
 import numpy as np
 import pytest
 
-from shmcache import codec
+from shmcache.cache import codec
+from shmcache.cache.index import key_bytes
+from shmcache.cache.store import MISSING, STAT_KEYS, CacheStore
 from shmcache.errors import CacheMismatch, CacheNotFound, InvalidArgument, ItemTooLarge, SessionNotFound
-from shmcache.index import key_bytes
-from shmcache.store import MISSING, STAT_KEYS, CacheStore
 
 DESIGN_STAT_KEYS = {"session", "name", "items_mem", "items_disk", "bytes_mem", "bytes_disk",
                     "bytes_disk_raw", "avg_item_bytes", "hits", "misses", "rejected",
@@ -323,7 +323,7 @@ def test_reads_work_when_every_process_slot_of_the_session_is_taken(store):
     lookups go uncounted."""
     import fcntl
 
-    from shmcache.registry import MAX_SLOTS, SessionRegistry
+    from shmcache.cache.registry import MAX_SLOTS, SessionRegistry
 
     store.put(1, "one")
     slots = SessionRegistry().session_dir("st") / "slots"
@@ -355,7 +355,7 @@ def test_a_handle_that_outlives_a_forced_destroy_never_touches_the_cache_made_ag
     """``destroy --force`` under a live reader, then the same session and cache made again (with
     other values under the same keys): the old handle gets misses, never the new cache's bytes,
     and its writes never show up in (or damage) the new cache."""
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
 
     writer = CacheStore("again", "c", capacity_bytes=8 << 20)
     for k in range(200):

@@ -1,4 +1,4 @@
-"""The tier seam (shmcache.tiers, NOTE [tiers]): portable keys and records, and TieredStore reading
+"""The tier seam (shmcache.tiers.tiered_store, NOTE [tiers]): portable keys and records, and TieredStore reading
 shared memory first, then each tier in order, admitting hits and offering what is computed.
 
 The tier here is a real implementation of the Protocol that keeps its records in a dict of this
@@ -11,9 +11,9 @@ import logging
 import numpy as np
 import pytest
 
-from shmcache import codec
-from shmcache.store import MISSING, CacheStore
-from shmcache.tiers import Tier, TieredStore, decode_portable, portable_key, portable_record
+from shmcache.cache import codec
+from shmcache.cache.store import MISSING, CacheStore
+from shmcache.tiers.tiered_store import Tier, TieredStore, decode_portable, portable_key, portable_record
 
 
 class DictTier:
@@ -150,7 +150,7 @@ def test_stats_and_close_reach_every_tier(local):
 
 @pytest.mark.parametrize("key", [0, 7, -1, -(1 << 63), (1 << 63) - 1, "", "a", "é\udcff", b"", b"a\x00"])
 def test_key_of_portable_inverts_portable_key(key):
-    from shmcache.tiers import key_of_portable
+    from shmcache.tiers.tiered_store import key_of_portable
 
     back = key_of_portable(portable_key(key))
     assert back == key and type(back) is type(key)
@@ -158,7 +158,7 @@ def test_key_of_portable_inverts_portable_key(key):
 
 @pytest.mark.parametrize("bad", [b"", b"1234567", b"\x00" * 8 + b"xabc", b"\x00" * 8 + b"sabc"])
 def test_key_of_portable_refuses_bytes_that_are_no_portable_key(bad):
-    from shmcache.tiers import key_of_portable
+    from shmcache.tiers.tiered_store import key_of_portable
 
     with pytest.raises(ValueError):
         key_of_portable(bad)

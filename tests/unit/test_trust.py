@@ -8,10 +8,10 @@ import marshal
 import numpy as np
 import pytest
 
-from shmcache import codec
+from shmcache.base.trust import FORGED, SIGNED, Mac, resolve_secret
+from shmcache.cache import codec
 from shmcache.errors import EncodeError, InvalidArgument
-from shmcache.tiers import PickleRefused, decode_portable, portable_record
-from shmcache.trust import FORGED, SIGNED, Mac, resolve_secret
+from shmcache.tiers.tiered_store import PickleRefused, decode_portable, portable_record
 
 
 def test_the_secret_comes_from_the_argument_else_the_environment(monkeypatch):

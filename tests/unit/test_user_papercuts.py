@@ -16,9 +16,9 @@ import torch
 from torch.utils.data import Dataset
 
 from shmcache import ShmDatasetCache
-from shmcache.cli import main as cli
+from shmcache.cache.registry import SessionRegistry
+from shmcache.cli.main import main as cli
 from shmcache.errors import SessionNotFound, SpillError
-from shmcache.registry import SessionRegistry
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,7 +132,7 @@ def test_import_snapshot_spilling_without_a_spill_dir_leaves_no_session(tmp_path
 
 @pytest.mark.parametrize("where", ["/proc", "/sys"])
 def test_spill_dir_on_a_kernel_filesystem_says_so(where):
-    from shmcache.spill.files import check_spill_dir
+    from shmcache.tiers.spill.files import check_spill_dir
 
     with pytest.raises(SpillError) as info:
         check_spill_dir(where)

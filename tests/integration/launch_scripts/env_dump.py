@@ -13,7 +13,7 @@ def session_exists() -> bool | None:
     session = os.environ.get("SHMCACHE_SESSION")
     if session is None:
         return None
-    from shmcache.registry import SessionRegistry
+    from shmcache.cache.registry import SessionRegistry
 
     return SessionRegistry().exists(session)
 

@@ -1,0 +1,320 @@
+"""Cross-process locks that the kernel releases when their holder dies.
+
+NOTE [lock files]
+    Every cross-process lock in shmcache is an ``flock`` on a small file in the namespace
+    directory. The kernel drops it the moment the holding process dies, however it dies, so a
+    SIGKILLed holder never blocks anyone (a POSIX semaphore would stay at 0 forever). Lock files
+    are opened with O_CLOEXEC, once per process: after ``fork`` the child shares the parent's open
+    file description (and so its lock), so a child always re-opens its own descriptor before use.
+    The same mechanism judges liveness: a process holds a *slot lock* for its whole life, and
+    anyone can test whether the slot's owner is alive with a non-blocking attempt - never with a
+    PID, which the kernel reuses.
+
+    A forked child closes every inherited lock descriptor at once (``close_in_forked_children``),
+    not on its first use of the lock: a child that never takes the lock - a read-only DataLoader
+    worker - would otherwise keep the open file description, and so a lock its parent held, alive
+    after the parent died. Closing our copy never releases the parent's lock (no ``LOCK_UN``).
+
+    Two implementations, one mechanism. The session registry's lock is taken rarely (creating,
+    attaching or destroying a session), so it is filelock's ``FileLock`` (:class:`RegistryLock`).
+    A cache's lock is taken on every ``put``, so :class:`FileLock` here keeps its descriptor open
+    for the life of the process; filelock opens and closes the file on every acquire. Both are an
+    exclusive ``flock`` on the whole file, so the two would even exclude each other on one path.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import filelock
+
+from ..errors import LockTimeout, NotOwner
+
+__all__ = ["FileLock", "RegistryLock", "LivenessSlot", "slot_is_alive", "flock_within", "DEFAULT_TIMEOUT_S",
+           "close_in_forked_children"]
+
+DEFAULT_TIMEOUT_S = 60.0
+_REOPEN = threading.Lock()
+_HOLDERS_OF_DESCRIPTORS: weakref.WeakSet = weakref.WeakSet()
+
+
+def close_in_forked_children(obj) -> None:
+    """Have ``obj.after_fork_in_child()`` run in every forked child, first thing after the fork:
+    it must close the inherited descriptors that carry locks (see NOTE [lock files])."""
+    _HOLDERS_OF_DESCRIPTORS.add(obj)
+
+
+def _after_fork_in_child() -> None:
+    global _REOPEN
+    _REOPEN = threading.Lock()  # another thread of the parent may have held it at the fork
+    for obj in list(_HOLDERS_OF_DESCRIPTORS):
+        obj.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _not_owner(path: Path) -> NotOwner:
+    return NotOwner(
+        f"cannot open lock file {path}: permission denied; it belongs to another user - "
+        f"set $SHMCACHE_DIR to a directory of your own"
+    )
+
+
+def _open_lock_file(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except PermissionError:
+        raise _not_owner(path) from None
+
+
+def flock_within(fd: int, timeout_s: float, timed_out: Callable[[], Exception],
+                 first_sleep_s: float = 20e-6) -> None:
+    """Take an exclusive flock on ``fd``, polling with a growing sleep; raise ``timed_out()``
+    after ``timeout_s``. (A blocking flock cannot time out; a holder that died has released it
+    already, so a long wait always means a live holder - which the error should name.)"""
+    deadline = time.monotonic() + timeout_s
+    delay = first_sleep_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        if time.monotonic() >= deadline:
+            raise timed_out()
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+
+
+class FileLock:
+    """An exclusive ``flock`` on ``path`` with a timeout; usable from threads and after fork."""
+
+    def __init__(self, path: str | os.PathLike, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = ""):
+        self.path = Path(path)
+        self.timeout_s = timeout_s
+        self.what = what or f"lock {self.path.name}"
+        self._fd = -1
+        self._pid = -1
+        self._thread_lock = threading.Lock()  # flock does not exclude threads sharing one fd
+        self.reopened = 0  # times the file at ``path`` was found replaced (see acquire)
+        close_in_forked_children(self)
+
+    def after_fork_in_child(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # our copy only: the parent's descriptor keeps its lock
+        self._fd, self._pid = -1, -1  # the next acquire opens this process's own
+        self._thread_lock = threading.Lock()
+
+    def _enter_this_process(self) -> None:
+        """First use, or first use in a forked child: a thread lock of this process's own (the
+        descriptor is opened under it). Serialised, so threads racing here agree on one."""
+        with _REOPEN:
+            if self._pid != os.getpid():
+                if self._fd >= 0:  # inherited: closing our copy leaves the parent's lock alone
+                    os.close(self._fd)
+                self._fd = -1
+                self._thread_lock = threading.Lock()
+                self._pid = os.getpid()
+
+    def acquire(self, timeout_s: float | None = None) -> None:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        if self._pid != os.getpid():
+            self._enter_this_process()
+        if not self._thread_lock.acquire(timeout=max(timeout, 0)):
+            raise LockTimeout(f"timed out after {timeout:.1f}s waiting for {self.what} (another thread holds it)")
+        try:
+            if self._fd < 0:
+                self._fd = _open_lock_file(self.path)
+            while True:
+                flock_within(self._fd, max(0.0, deadline - time.monotonic()),
+                             lambda: _held_elsewhere(self.what, self.path, timeout))
+                if _same_file(self._fd, self.path):
+                    return
+                # The file was removed (its session destroyed) or replaced while we held it open:
+                # a lock on it excludes nobody any more. Lock the file that is there now;
+                # FileNotFoundError when its directory is gone too.
+                os.close(self._fd)
+                self._fd = -1
+                self._fd = _open_lock_file(self.path)
+                self.reopened += 1
+        except BaseException:
+            self._thread_lock.release()
+            raise
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._thread_lock.release()
+
+    def __enter__(self) -> FileLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def close(self) -> None:
+        if self._fd >= 0 and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd, self._pid = -1, -1
+
+
+def _held_elsewhere(what: str, path: Path, timeout_s: float) -> LockTimeout:
+    return LockTimeout(
+        f"timed out after {timeout_s:.1f}s waiting for {what} ({path}): a live process holds it "
+        f"(a dead one would have released it); find it with `fuser {path}`"
+    )
+
+
+class _ForkAwareFileLock(filelock.FileLock):
+    """filelock's lock whose finaliser does nothing in a forked child.
+
+    filelock 3.x releases a dropped lock in ``__del__`` with ``LOCK_UN`` - and in a child that
+    inherited the parent's held descriptor, that unlocks the *parent's* lock (the two share one
+    open file description). filelock 4 checks the creating PID itself; this does it for 3.x.
+    """
+
+    # No __init__ here: filelock 3.x passes a subclass only the arguments its __init__ names.
+
+    def __del__(self) -> None:
+        if self.__dict__.get("_created_in") == os.getpid():
+            super().__del__()
+
+
+def _fork_aware_filelock(path: Path) -> _ForkAwareFileLock:
+    lock = _ForkAwareFileLock(path, mode=0o600)
+    lock._created_in = os.getpid()
+    return lock
+
+
+class RegistryLock:
+    """filelock's ``FileLock`` on ``path`` (mode 0600), raising :class:`LockTimeout` after ``timeout_s``.
+
+    Reentrant within one thread (filelock counts the holds); other threads and other processes
+    are excluded. A forked child builds its own filelock object: the inherited one would count a
+    hold of the parent's as its own, and dropping it must not unlock the parent (see
+    _ForkAwareFileLock).
+    """
+
+    POLL_S = 0.005  # the registry lock is held for milliseconds: filelock's 50 ms default is too coarse
+
+    def __init__(self, path: str | os.PathLike, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = ""):
+        self.path = Path(path)
+        self.timeout_s = timeout_s
+        self.what = what or f"lock {self.path.name}"
+        self._lock: _ForkAwareFileLock | None = None
+        self._pid = -1
+
+    def acquire(self, timeout_s: float | None = None) -> None:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self._pid != os.getpid():
+            with _REOPEN:  # threads racing to the first acquire must share one filelock object
+                if self._pid != os.getpid():
+                    # thread_local (the default): threads of one process exclude each other too
+                    self._lock, self._pid = _fork_aware_filelock(self.path), os.getpid()
+        try:
+            self._lock.acquire(timeout=max(timeout, 0.0), poll_interval=self.POLL_S)
+        except filelock.Timeout:
+            raise _held_elsewhere(self.what, self.path, timeout) from None
+        except PermissionError:
+            raise _not_owner(self.path) from None
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> RegistryLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def close(self) -> None:
+        """Nothing is kept open between holds (filelock closes the file on release); here so that
+        both lock classes can be used the same way."""
+
+
+def slot_is_alive(path: Path, *, unlink_if_dead: bool = False) -> bool:
+    """True if a live process holds the slot lock at ``path`` (see NOTE [lock files]).
+
+    With ``unlink_if_dead``, a dead slot's file is removed *while we hold its lock*: a process
+    that opened it just before has to notice (LivenessSlot checks the inode after locking),
+    instead of holding a lock on a file nobody else can see.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if unlink_if_dead and _same_file(fd, path):
+            os.unlink(path)
+    except BlockingIOError:
+        return True
+    except OSError as exc:  # pragma: no cover - exotic filesystems
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            return True
+        raise
+    finally:
+        os.close(fd)  # closing drops our lock, if we got it
+    return False
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+class LivenessSlot:
+    """Slot ``k`` in ``directory``, held by this process for its whole life.
+
+    The first free ``<k>.lock`` is taken with a non-blocking flock; the owner's PID is written
+    into it for display only. Counters indexed by the slot number are then written by one live
+    process at a time, which makes them race-free without atomic instructions.
+    """
+
+    def __init__(self, directory: Path, max_slots: int):
+        self.directory = Path(directory)
+        self.pid = os.getpid()
+        k = 0
+        while k < max_slots:
+            path = self.directory / f"{k}.lock"
+            fd = _open_lock_file(path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                k += 1
+                continue
+            if not _same_file(fd, path):  # gc unlinked it between our open and our lock
+                os.close(fd)
+                continue  # the same k again, on a fresh file
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{self.pid}\n".encode(), 0)
+            self.index, self.path, self._fd = k, path, fd
+            return
+        raise LockTimeout(
+            f"all {max_slots} process slots in {self.directory} are held by live processes "
+            f"(each process that reads a cache of the session holds one until it exits)"
+        )
+
+    def release(self) -> None:
+        if self._fd >= 0 and self.pid == os.getpid():
+            os.close(self._fd)  # the kernel drops the lock with the last descriptor
+        self._fd = -1
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close the inherited descriptor without touching the parent's lock."""
+        if self._fd >= 0:
+            os.close(self._fd)  # the parent's descriptor keeps the open file, and so the lock
+        self._fd = -1

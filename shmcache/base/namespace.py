@@ -1,0 +1,273 @@
+"""Where shmcache keeps its objects, how names are checked, and which directories are private.
+
+Every name of a shared-memory object comes from :func:`segment_name`, so the CLI can list them and
+tests can check for leaks. One environment variable, ``SHMCACHE_DIR``, moves the whole namespace:
+the registry directory, the lock files and the prefix of every segment name. Parallel test runs and
+parallel jobs therefore never collide (mosaicml/streaming#884).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import pwd
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InvalidArgument, NotOwner
+
+__all__ = [
+    "ENV_DIR",
+    "ENV_SESSION",
+    "ENV_SPILL_DIR",
+    "ENV_SIZE_MB",
+    "ENV_SPILLING",
+    "Namespace",
+    "namespace",
+    "validate_name",
+    "resolve_session_name",
+    "SHM_ROOT",
+    "make_private_dir",
+    "squatter_error",
+]
+
+ENV_DIR = "SHMCACHE_DIR"
+ENV_SESSION = "SHMCACHE_SESSION"
+ENV_SPILL_DIR = "SHMCACHE_SPILL_DIR"
+ENV_SIZE_MB = "SHMCACHE_SIZE_MB"  # default size= of caches (the launcher's --size)
+ENV_SPILLING = "SHMCACHE_SPILLING"  # "1": default spilling=True (the launcher's --spilling)
+SHM_ROOT = "/dev/shm"
+SEP = "+"  # joins the parts of segment names: a character session and cache names cannot contain
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def validate_name(value: object, what: str = "session") -> str:
+    """Return ``value`` if it is a valid session or cache name, else raise naming the rule."""
+    if not isinstance(value, str):
+        raise InvalidArgument(
+            f"{what} name must be a str, got {type(value).__name__} {value!r}; "
+            f"use 1-64 characters from A-Z a-z 0-9 _ . -"
+        )
+    if not _NAME_RE.fullmatch(value) or value.startswith((".", "-")):
+        raise InvalidArgument(
+            f"invalid {what} name {value!r}: use 1-64 characters from A-Z a-z 0-9 _ . - "
+            f"(no '/', no spaces, not starting with '.' or '-')"
+        )
+    return value
+
+
+def resolve_session_name(session: object) -> str:
+    """``"auto"`` means ``$SHMCACHE_SESSION`` if set (the launcher sets it), else ``"default"``."""
+    if session is None or session == "auto":
+        env = os.environ.get(ENV_SESSION)
+        if env:
+            return validate_name(env, f"session (from ${ENV_SESSION})")
+        return "default"
+    return validate_name(session, "session")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """One user's (or one test's) private world: a registry directory and a segment-name prefix."""
+
+    root: Path
+    prefix: str
+
+    def segment_name(self, *parts: str) -> str:
+        """The posix_ipc name ('/...') of a shared-memory object; ``parts`` are validated names.
+
+        Parts are joined with '+', a character session and cache names cannot contain, so the
+        prefix of one session never matches another's ('a' vs 'a-b').
+        """
+        return "/" + SEP.join((self.prefix, *parts))
+
+    def shm_path(self, name: str) -> Path:
+        return Path(SHM_ROOT) / name.lstrip("/")
+
+    def owned_segments(self) -> list[str]:
+        """Names of every shared-memory object of this namespace that exists now.
+
+        Only regular files of our uid: a name is a claim anyone can make in /dev/shm (1777), so
+        another user's file, FIFO or symlink that squats our prefix is never listed - hence never
+        unlinked by gc, destroy or clear, which root could otherwise do to anyone's file.
+        """
+        try:
+            entries = os.listdir(SHM_ROOT)
+        except FileNotFoundError:
+            return []
+        head = self.prefix + SEP
+        return sorted("/" + e for e in entries if e.startswith(head) and _ours(os.path.join(SHM_ROOT, e)))
+
+    def occupied_bytes(self, prefix: str) -> int:
+        """Bytes of /dev/shm that the segments whose names start with ``prefix`` really occupy
+        (allocated pages: sparse segments count what was committed, not their size)."""
+        total = 0
+        for name in self.owned_segments():
+            if name.startswith(prefix):
+                try:
+                    total += os.stat(self.shm_path(name)).st_blocks * 512
+                except FileNotFoundError:  # removed meanwhile (a clear(), a destroy)
+                    pass
+        return total
+
+    def unlink_segment(self, name: str) -> bool:
+        """Unlink segment ``name`` if it is a file of ours; True if it was removed.
+
+        The owner is checked with lstat first: /dev/shm is sticky, so once a file is ours nobody
+        else can replace it before the unlink."""
+        path = self.shm_path(name)
+        if not _ours(path):
+            return False
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    @property
+    def sessions_dir(self) -> Path:
+        return self.root / "sessions"
+
+
+def _ours(path: str | os.PathLike) -> bool:
+    """A regular file of our uid (lstat: a symlink is never followed)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+
+def squatter_error(path: str | os.PathLike, st: os.stat_result) -> NotOwner:
+    """The error for a name of ours in /dev/shm that holds another user's file, FIFO or symlink."""
+    kind = ("symlink" if stat.S_ISLNK(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode)
+            else "file" if stat.S_ISREG(st.st_mode) else "special file")
+    return NotOwner(
+        f"the shared-memory name {path} is taken by a {kind} of uid {st.st_uid} ({_user(st.st_uid)}), "
+        f"not by a segment shmcache made for you (uid {os.getuid()}): another user squats it - an "
+        f"attack or a leftover of theirs; shmcache does not use, follow or remove it. Remove it "
+        f"(as root, after checking it: rm {path}), or use another namespace: set ${ENV_DIR} to a "
+        f"directory you own"
+    )
+
+
+def _default_root() -> Path:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime) and os.access(runtime, os.W_OK):
+        return Path(runtime) / "shmcache"
+    return Path("/tmp") / f"shmcache-{os.getuid()}"
+
+
+def namespace(root: str | os.PathLike | None = None) -> Namespace:
+    """The namespace at ``root``, else the one in force now (``$SHMCACHE_DIR`` or a per-user
+    default); its directory is created mode 0700."""
+    raw = root if root is not None else os.environ.get(ENV_DIR)
+    root = Path(raw).expanduser() if raw else _default_root()
+    root = root.absolute()
+    _ensure_private_dir(root)
+    digest = hashlib.blake2b(str(root.resolve()).encode(), digest_size=4).hexdigest()
+    return Namespace(root=root, prefix=f"shmcache-{os.getuid()}-{digest}")
+
+
+def _ensure_private_dir(path: Path) -> None:
+    fix = f"set ${ENV_DIR} (or $XDG_RUNTIME_DIR) to a directory you own"
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the user's own path: as given
+        make_private_dir(path, "the shmcache directory", fix)
+    except NotADirectoryError:
+        raise InvalidArgument(f"${ENV_DIR}={path} is not a directory; point it at a directory "
+                              f"(it is created if missing)") from None
+    except NotOwner:
+        raise
+    except PermissionError as exc:
+        raise NotOwner(f"cannot create the shmcache directory {path}: {exc.strerror}; {fix}") from None
+    except OSError as exc:  # a parent that is a file, a read-only or pseudo filesystem (/proc)
+        raise InvalidArgument(
+            f"cannot create the shmcache directory {path} (${ENV_DIR}): {exc.strerror}; "
+            f"point ${ENV_DIR} at a writable directory of your own"
+        ) from None
+
+
+def make_private_dir(path: Path, what: str, fix: str) -> None:
+    """Create ``path`` mode 0700, or accept it if it already is a directory of ours; never follow
+    a symlink there, never chmod by path.
+
+    Why so careful: the path is predictable (``/tmp/shmcache-0``, ``<spill_dir>/<prefix>+s+c``)
+    and its parent may be shared (sticky /tmp, a 1777 scratch disk). Another user can plant a
+    symlink there before we come, so that root chmods /tmp to 0700 and writes into it. mkdir never
+    follows a symlink; an existing entry is opened with O_NOFOLLOW (only a symlink that our own uid
+    made is followed) and judged by fstat of what was opened, and a mode that is too open is fixed
+    with fchmod on that descriptor. Once verified, the directory is ours in a sticky parent, so
+    nobody else can rename or replace it.
+
+    Raises NotOwner (a symlink, or a directory of another user: named as a likely attack, with
+    ``fix``), NotADirectoryError (something else is there), or the OSError of mkdir.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        if not _own_symlink(path):
+            raise _not_a_dir(path, what, fix) from None
+        fd = os.open(path, flags)  # a symlink of our own making (`ln -s /scratch/me ~/ns`): followed
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise NotOwner(
+                f"{what} {path} belongs to uid {st.st_uid} ({_user(st.st_uid)}), not to you (uid "
+                f"{os.getuid()}): another user made it - a squat or an attack; shmcache does not use, "
+                f"chmod or remove it. Remove it (as root, after checking it), or {fix}"
+            )
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)  # the descriptor we checked, not a path that could be swapped
+    finally:
+        os.close(fd)
+
+
+def _own_symlink(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid()
+
+
+def _not_a_dir(path: Path, what: str, fix: str) -> OSError:
+    """The error for something at ``path`` that is not a directory (lstat: never followed)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:  # gone meanwhile: say what we were told
+        return NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return NotOwner(
+            f"{what} {path} is a symlink (to {target}, made by uid {st.st_uid} ({_user(st.st_uid)})); "
+            f"shmcache never follows a symlink it did not make: one planted there is an attack to "
+            f"make shmcache chmod or write into its target. Remove it (rm {path}), or {fix}"
+        )
+    if st.st_uid != os.getuid():
+        return NotOwner(
+            f"{what} {path} is not a directory but a file of uid {st.st_uid} ({_user(st.st_uid)}): "
+            f"another user put it there (a squat or an attack). Remove it (as root), or {fix}"
+        )
+    return NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no such user"

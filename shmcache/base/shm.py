@@ -1,0 +1,239 @@
+"""Shared-memory segments: posix_ipc objects in ``/dev/shm``, mapped with mmap.
+
+NOTE [segment lifecycle]
+    * Create: ``O_CREAT|O_EXCL`` with size 0 (posix_ipc truncates - and on failure unlinks - when
+      given a size, even for an attacher), ``fchmod`` to 0600 (posix_ipc's mode is subject to the
+      umask), ``ftruncate`` to the full virtual size (sparse: costs nothing), then
+      ``posix_fallocate`` of every byte range *before* anything touches it. On a full tmpfs,
+      ``ftruncate`` + ``mmap`` succeed and the first write kills the process with SIGBUS;
+      ``posix_fallocate`` raises ENOSPC instead (PyTorch #5040, #108861). The header's ready word
+      is written last.
+    * Attach: open with size 0 and check the header (magic, version, size, ready); never
+      truncate, resize or unlink what another process created.
+    * Unlink: only after checking that the name still refers to the inode we mapped: a name can
+      be recreated while old mappings live on, and unlinking the new one would split processes
+      between two different segments.
+    Creation and unlinking of a cache's segments happen under that cache's lock, so an attacher
+    never sees a half-made segment unless its creator died - which the ready word tells.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import struct
+
+import posix_ipc
+
+from ..errors import CorruptSegment, NotOwner, SharedMemoryFull
+from . import ordering
+from .namespace import SHM_ROOT, squatter_error
+
+__all__ = ["Segment", "HEADER_BYTES", "PAGE", "word_view"]
+
+MAGIC = 0x31484341434D4853  # b"SHMCACH1" little-endian
+VERSION = 1
+HEADER_BYTES = 64
+PAGE = mmap.PAGESIZE
+# magic u64, version u32, kind u32, size u64, ready u64 (native order: 8-byte aligned stores)
+_HEADER = struct.Struct("QIIQQ")
+_READY = 0x5245414459  # "READY"
+
+
+def word_view(buf) -> memoryview:
+    """``buf`` as native 8-byte words: ``view[offset >> 3] = value`` is ONE aligned 8-byte store.
+
+    Every word that another process reads without a lock (the root's epoch word, a meta segment's
+    counts, a class's bump and committed count, an index entry's words) is written through such a
+    view, never with ``struct.pack_into``: CPython's pack_into first zeroes its whole destination
+    (a memset in _struct.c) and then stores the value, so a lock-free reader in another process
+    can see a transient 0 - an epoch of no generation, "0 layouts", "75 chunks handed out of 0
+    committed" - where NOTE [publish order] relies on one store (seen here: ~1 read in 3,000 of a
+    word rewritten in a loop; 0 with this view)."""
+    return memoryview(buf).cast("Q")
+
+
+def _shm_hint() -> str:
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+        total = st.f_blocks * st.f_frsize
+        where = f"/dev/shm has {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB"
+    except OSError:
+        where = "/dev/shm is not available"
+    return (f"{where}; free space there (`shmcache gc`, `shmcache destroy`), give the cache a smaller "
+            f"size=, or in Docker raise --shm-size")
+
+
+class Segment:
+    """One mapped shared-memory object. ``buf`` is the writable mmap of the whole segment.
+
+    The mapping is never unmapped explicitly: another thread of the process may be reading it
+    (through ``buf`` or an array over it) while this one moves on to a new generation. It goes
+    when the last reference to it does. The descriptor is closed as soon as the mapping exists
+    (mmap keeps a duplicate of its own): ``commit`` reopens the object by name when it needs one.
+    """
+
+    def __init__(self, name: str, shm: posix_ipc.SharedMemory, size: int, kind: int):
+        ordering.register()  # before this process reads any mapping: NOTE [publish order]
+        self.name = name
+        self.size = size
+        self.kind = kind
+        self._inode = os.fstat(shm.fd).st_ino
+        self.buf = mmap.mmap(shm.fd, size)
+        self.words = word_view(self.buf)  # single-store writes of shared words (see word_view)
+
+    # --- creation and attachment -----------------------------------------------------------
+
+    @classmethod
+    def create(cls, name: str, size: int, *, kind: int = 0, commit: int = HEADER_BYTES) -> Segment:
+        """Create ``name`` with a virtual ``size``; commit its first ``commit`` bytes."""
+        size = _round_up(max(size, HEADER_BYTES), PAGE)
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+        except posix_ipc.ExistentialError:
+            raise _taken(name) from None
+        try:
+            os.fchmod(shm.fd, 0o600)
+            os.ftruncate(shm.fd, size)
+            _fallocate(shm.fd, 0, _round_up(max(commit, HEADER_BYTES), PAGE), name)
+            seg = cls(name, shm, size, kind)
+        except OSError as exc:
+            shm.unlink()  # ours: created exclusively just above
+            if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):  # address space, descriptors
+                raise SharedMemoryFull(f"cannot map segment {name} of {size / 2**30:.1f} GiB: "
+                                       f"{exc.strerror}; give the cache a smaller size=") from None
+            raise
+        except BaseException:
+            shm.unlink()
+            raise
+        finally:
+            shm.close_fd()
+        _HEADER.pack_into(seg.buf, 0, MAGIC, VERSION, kind, size, 0)
+        struct.pack_into("Q", seg.buf, 24, _READY)  # published last
+        return seg
+
+    @classmethod
+    def attach(cls, name: str, *, kind: int | None = None) -> Segment:
+        """Map an existing segment, checking its header. Raises FileNotFoundError if absent."""
+        try:
+            shm = posix_ipc.SharedMemory(name, 0, size=0)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(errno.ENOENT, "no such shared-memory segment", name) from None
+        except posix_ipc.PermissionsError:
+            raise _foreign(name) from None
+        except OSError as exc:  # ELOOP: shm_open never follows a symlink
+            if exc.errno == errno.ELOOP:
+                raise _foreign(name) from None
+            raise
+        try:
+            st = os.fstat(shm.fd)
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):  # root opens anyone's
+                raise squatter_error(_path(name), st)
+            if st.st_size < HEADER_BYTES:
+                raise CorruptSegment(f"segment {name} is {st.st_size} bytes: its creator died before sizing it")
+            seg = cls(name, shm, st.st_size, -1)
+        except OSError as exc:
+            if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
+                raise SharedMemoryFull(f"cannot map segment {name}: {exc.strerror}; this process "
+                                       f"has too many mappings or descriptors") from None
+            raise
+        finally:
+            shm.close_fd()
+        magic, version, seg_kind, size, ready = _HEADER.unpack_from(seg.buf, 0)
+        if magic != MAGIC or ready != _READY or size != st.st_size:
+            seg.close()
+            raise CorruptSegment(
+                f"segment {name} has no valid shmcache header (magic {magic:#x}, ready {ready:#x}); "
+                f"its creator died while making it or another program wrote it - run `shmcache gc`"
+            )
+        if version != VERSION:
+            seg.close()
+            raise CorruptSegment(f"segment {name} is format version {version}; this shmcache reads {VERSION}")
+        if kind is not None and seg_kind != kind:
+            seg.close()
+            raise CorruptSegment(f"segment {name} is of kind {seg_kind}, expected {kind}")
+        seg.kind = seg_kind
+        return seg
+
+    # --- memory ------------------------------------------------------------------------------
+
+    def commit(self, offset: int, length: int) -> None:
+        """Back ``[offset, offset+length)`` with real pages before anything touches it (no SIGBUS)."""
+        try:
+            shm = posix_ipc.SharedMemory(self.name, 0, size=0)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(errno.ENOENT, "shared-memory segment was removed", self.name) from None
+        try:
+            if os.fstat(shm.fd).st_ino != self._inode:  # replaced by name: never touch another object
+                raise FileNotFoundError(errno.ENOENT, "shared-memory segment was replaced", self.name)
+            _fallocate(shm.fd, offset, length, self.name)
+        finally:
+            shm.close_fd()
+
+    # --- teardown ----------------------------------------------------------------------------
+
+    def unlink(self) -> bool:
+        """Unlink the name if it still refers to our inode (see NOTE [segment lifecycle])."""
+        path = _path(self.name)
+        try:
+            if os.lstat(path).st_ino != self._inode:
+                return False
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        """Nothing to release by hand: the mapping goes with the last reference to it (see the
+        class docstring), the descriptor is closed already. Kept so that owners can say so."""
+
+
+def _path(name: str) -> str:
+    return os.path.join(SHM_ROOT, name.lstrip("/"))
+
+
+def _squat(name: str) -> NotOwner | None:
+    """NotOwner if ``name`` holds another user's file, FIFO or symlink (lstat: never followed)."""
+    try:
+        st = os.lstat(_path(name))
+    except FileNotFoundError:
+        return None
+    if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+        return squatter_error(_path(name), st)
+    return None
+
+
+def _foreign(name: str) -> OSError:
+    """Why ``name`` could not be opened (EACCES, ELOOP): a squat, or a segment of ours whose mode
+    someone changed."""
+    return _squat(name) or NotOwner(
+        f"shared-memory segment {_path(name)} denies you access (its mode was changed); remove it "
+        f"(`shmcache gc`), or set $SHMCACHE_DIR to a directory you own")
+
+
+def _taken(name: str) -> OSError:
+    """O_EXCL creation found ``name`` taken: another user's squat, or (never expected: creation
+    happens under the cache's lock) a segment of ours."""
+    return _squat(name) or FileExistsError(
+        errno.EEXIST, "shared-memory segment exists already (run `shmcache gc`)", _path(name))
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _fallocate(fd: int, offset: int, length: int, name: str) -> None:
+    if length <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise SharedMemoryFull(
+                f"no room in /dev/shm for {length / 2**10:.0f} KiB more of segment {name}: "
+                f"{_shm_hint()}"
+            ) from None
+        raise

@@ -1,0 +1,814 @@
+"""Encode samples as a small header plus raw buffers; decode them without pickle.
+
+NOTE [record format]
+    A record is what one cache entry's bytes hold, in shared memory or in a spill file::
+
+        0   u32 layout id (INLINE: the layout bytes are stored in the record itself)
+        4   u32 key length (keys other than ints; 0 for int keys)
+        8   u32 inline layout length (0 unless INLINE)
+        12  u32 reserved
+        16  fixed-size scalars, 8 bytes each (int64, float64, bool, None takes none)
+        ..  variable-length leaves (str, bytes, pickled objects), then arrays, each 64-byte aligned
+        ..  the inline layout bytes, if any, then the key bytes - last, so that offsets of the data
+            never depend on the key or on where the layout lives.
+
+    The *layout* is the structure of the sample with every leaf's kind, dtype, shape, length and
+    offset: a marshal'd nested tuple. Samples of one fixed structure (an image and a label) share
+    one layout, so each process compiles a decoder for it once, and a batch of them can be gathered
+    field by field with one vectorised copy (store.get_batch). Layouts are interned per cache in a
+    shared table; the record carries only the id. Everything starts 64-byte aligned: the chunk does,
+    and arrays sit at 64-byte offsets inside it.
+
+    A layout from outside this user's shared memory (a tier, a snapshot) is data from a stranger:
+    ``check_layout`` walks it (marshal builds plain values, it never runs code) and refuses any
+    node the encoder does not write, offsets beyond the record, object or structured dtypes
+    (``np.ndarray(buffer=...)`` would build Python objects out of bytes; the decoders refuse them
+    too, wherever the layout came from), and reports pickled leaves (NOTE [record
+    authentication] in trust.py decides who may unpickle them). marshal trusts the counts it
+    reads and shares objects by back-reference, so before ``marshal.loads`` the bytes are scanned
+    (only tuple, list, str, int, None and bools; no count beyond the bytes that follow), and the
+    walk visits at most one node per byte of the layout: a 5-byte tuple of 2**31 items or 563
+    bytes naming 2**40 nodes are refused in time and memory linear in the layout's bytes.
+
+Torch tensors and PIL images are registered extensions (see :func:`register_type`), so this module
+never imports torch: their handlers (shmcache.data.tensors, shmcache.data.images) load lazily, the first time a
+process encodes such a value or decodes a record that holds one - and only then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import marshal
+import pickle
+import re
+import struct
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..errors import EncodeError
+
+__all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "RECORD_HEADER", "RecordHeader",
+           "record_header", "record_key", "inline_layout", "LayoutCheck", "check_layout",
+           "INLINE", "ALIGN", "Leaf", "MAX_DECODERS", "cached_decoders", "clear_decoders"]
+
+INLINE = 0xFFFFFFFF
+ALIGN = 64
+RECORD_HEADER = struct.Struct("<IIII")
+_I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
+_U64 = struct.Struct("<Q")
+
+# Leaf and node tags inside a layout.
+_INT, _FLOAT, _BOOL, _NONE, _STR, _BYTES, _PICKLE, _ARRAY, _EXT = "ifbnsypae"
+_NPSCALAR = "g"  # a numpy scalar (np.float32(1.5)): stored like a 0-d array, returned as a scalar
+_TUPLE, _LIST, _DICT = "TLD"
+
+# Extension types (torch.Tensor): tag -> (type, to_parts, from_parts)
+_EXT_TO: dict[type, tuple[str, Callable]] = {}
+_EXT_FROM: dict[str, Callable] = {}
+_EXT_BASES: dict[type, tuple[str, Callable]] = {}  # registered with subclasses=True
+_LAZY: dict[str, Callable] = {}  # tag -> a loader that registers it (imports its package)
+_LAZY_MODULES: dict[str, str] = {}  # top-level package of the type -> tag
+
+
+def register_type(tp: type, tag: str, to_parts: Callable, from_parts: Callable, *,
+                  subclasses: bool = False) -> None:
+    """Teach the codec a type: ``to_parts(x) -> (meta: str, shape: tuple, uint8 ndarray)`` (None:
+    pickle this one) and ``from_parts(meta, shape, uint8 ndarray) -> x``; ``meta`` ends with
+    ``":<itemsize>"``. With ``subclasses``, subclasses of ``tp`` are handled too (PIL's
+    JpegImageFile is an Image.Image)."""
+    _EXT_TO[tp] = (tag, to_parts)
+    _EXT_FROM[tag] = from_parts
+    if subclasses:
+        _EXT_BASES[tp] = (tag, to_parts)
+
+
+def register_lazy(tag: str, package: str, loader: Callable[[], None]) -> None:
+    """Register the type of ``tag`` only when needed: ``loader()`` (which imports ``package`` and
+    calls register_type) runs the first time a value whose type comes from ``package`` is
+    encoded, or a record holding a ``tag`` value is decoded. Optional packages (Pillow) are
+    thus never imported by shmcache for users who do not use them."""
+    _LAZY[tag] = loader
+    _LAZY_MODULES[package] = tag
+
+
+def _builtin(module: str) -> Callable[[], None]:
+    def load() -> None:
+        import importlib
+
+        importlib.import_module(module).register()
+    return load
+
+
+# The handlers of the torch layer, named here (not imported: they live above this layer) so that
+# any process that meets one of their records - the command line, an import, a DataLoader worker
+# that never imported torch itself - loads it then, and only then (issue 17).
+for _tag, _package, _module in (("torch", "torch", "shmcache.data.tensors"), ("pil", "PIL", "shmcache.data.images")):
+    register_lazy(_tag, _package, _builtin(_module))
+
+
+def _load(tag: str) -> None:
+    loader = _LAZY.get(tag)
+    if loader is None:
+        return
+    try:
+        loader()
+    except ImportError as exc:
+        raise EncodeError(f"a cached value holds a {tag!r} object, but its handler cannot be loaded "
+                          f"here ({exc}); install what it needs in this environment") from None
+    _LAZY.pop(tag, None)
+
+
+def _handler(tag: str) -> Callable:
+    """The ``from_parts`` of ``tag``, loading a lazily registered handler first."""
+    from_parts = _EXT_FROM.get(tag)
+    if from_parts is None:
+        _load(tag)
+        from_parts = _EXT_FROM.get(tag)
+        if from_parts is None:
+            raise EncodeError(f"a cached value holds a {tag!r} object, but no handler of that type is "
+                              f"registered in this process; import the module that registers it "
+                              f"(shmcache.cache.codec.register_type or register_lazy) before reading")
+    return from_parts
+
+
+def _unregistered(tp: type) -> tuple[str, Callable] | None:
+    """The handler of a type not registered itself: a lazily registered one, or a subclass of a
+    type registered with subclasses=True (then remembered for the exact type)."""
+    package = (getattr(tp, "__module__", None) or "").split(".", 1)[0]
+    if package in _LAZY_MODULES:
+        _load(_LAZY_MODULES[package])
+    ext = _EXT_TO.get(tp)
+    if ext is None:
+        for base, handler in _EXT_BASES.items():
+            if issubclass(tp, base):
+                ext = _EXT_TO[tp] = handler
+                break
+    return ext
+
+
+class RecordHeader(NamedTuple):
+    """The first 16 bytes of a record (NOTE [record format]; the fourth word is reserved)."""
+
+    layout_id: int  # the layout's id in the cache's meta segment, or INLINE
+    key_len: int  # the key bytes at the record's end
+    layout_len: int  # the inline layout before the key (INLINE only)
+
+
+def record_header(buf) -> RecordHeader:
+    """The header of the record in ``buf`` (struct.error if ``buf`` is shorter than one)."""
+    return RecordHeader(*RECORD_HEADER.unpack_from(buf, 0)[:3])
+
+
+def record_key(buf):
+    """The key bytes stored at the end of the record in ``buf`` (a slice of it)."""
+    return buf[len(buf) - RECORD_HEADER.unpack_from(buf, 0)[1]:]
+
+
+def inline_layout(buf) -> bytes:
+    """The layout carried by a record whose layout id is INLINE; ValueError when its lengths do
+    not fit the record (damaged, or not such a record)."""
+    head = record_header(buf)
+    end = len(buf) - head.key_len
+    if not RECORD_HEADER.size <= end - head.layout_len < end:
+        raise ValueError(f"an inline layout of {head.layout_len} bytes and a key of {head.key_len} "
+                         f"in a record of {len(buf)} bytes")
+    return bytes(buf[end - head.layout_len:end])
+
+
+class Encoded:
+    """A value ready to be written: its layout bytes, body length and the pieces to copy."""
+
+    __slots__ = ("layout", "body_len", "scalars", "pieces", "pickled")
+
+    def __init__(self, layout: bytes, body_len: int, scalars: bytes, pieces: list,
+                 pickled: tuple = ()):
+        self.layout = layout
+        self.body_len = body_len  # header + scalars + variable leaves + arrays, padded
+        self.scalars = scalars  # packed at offset 16
+        self.pieces = pieces  # [(offset, buffer)] for variable leaves and arrays
+        self.pickled = pickled  # names of the types stored with pickle (slow): the torch layer warns
+
+    def record_len(self, key_len: int, inline: bool) -> int:
+        return self.body_len + (len(self.layout) if inline else 0) + key_len
+
+    def write(self, dst: memoryview, layout_id: int, key: bytes) -> int:
+        """Write the whole record into ``dst`` (at least ``record_len`` bytes); return its length."""
+        inline = layout_id == INLINE
+        extra = self.layout if inline else b""
+        RECORD_HEADER.pack_into(dst, 0, layout_id, len(key), len(extra), 0)
+        n = len(self.scalars)
+        dst[16:16 + n] = self.scalars
+        for off, piece in self.pieces:
+            mv = memoryview(piece).cast("B")
+            dst[off:off + mv.nbytes] = mv
+        end = self.body_len
+        if extra:
+            dst[end:end + len(extra)] = extra
+            end += len(extra)
+        dst[end:end + len(key)] = key
+        return end + len(key)
+
+
+class _Builder:
+    def __init__(self):
+        self.scalars: list[tuple[str, Any]] = []
+        self.var: list[tuple[int, bytes]] = []  # (index in var list, bytes) -> offsets fixed later
+        self.arrays: list[np.ndarray] = []
+        self.pickled: list[str] = []
+
+    def node(self, x: Any, path: str) -> tuple:
+        tp = type(x)
+        if tp is int:
+            if -(1 << 63) <= x < (1 << 63):
+                self.scalars.append((_INT, x))
+                return (_INT, len(self.scalars) - 1)
+            return self._pickled(x, path)
+        if tp is float:
+            self.scalars.append((_FLOAT, x))
+            return (_FLOAT, len(self.scalars) - 1)
+        if tp is bool:
+            self.scalars.append((_BOOL, x))
+            return (_BOOL, len(self.scalars) - 1)
+        if isinstance(x, np.generic) and not x.dtype.hasobject and x.dtype.fields is None:
+            self.arrays.append(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+            return (_NPSCALAR, x.dtype.str, (), len(self.arrays) - 1)
+        if x is None:
+            return (_NONE,)
+        if tp is str:
+            b = x.encode("utf-8", "surrogatepass")
+            self.var.append((len(self.var), b))
+            return (_STR, len(self.var) - 1, len(b))
+        if tp is bytes:
+            self.var.append((len(self.var), x))
+            return (_BYTES, len(self.var) - 1, len(x))
+        if tp is tuple:
+            return (_TUPLE, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
+        if tp is list:
+            return (_LIST, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
+        if tp is dict and all(type(k) in (str, int) for k in x):
+            return (_DICT, tuple((k, self.node(v, f"{path}[{k!r}]")) for k, v in x.items()))
+        if tp is np.ndarray and not x.dtype.hasobject and x.dtype.fields is None:
+            # (ascontiguousarray would turn a 0-d array into shape (1,))
+            arr = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+            self.arrays.append(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8))
+            return (_ARRAY, arr.dtype.str, tuple(arr.shape), len(self.arrays) - 1)
+        ext = _EXT_TO.get(tp)
+        if ext is None:
+            ext = _unregistered(tp)
+        if ext is not None:
+            tag, to_parts = ext
+            parts = to_parts(x)
+            if parts is not None:
+                meta, shape, raw = parts
+                self.arrays.append(raw)
+                return (_EXT, tag, meta, tuple(shape), len(self.arrays) - 1)
+        return self._pickled(x, path)
+
+    def _pickled(self, x: Any, path: str) -> tuple:
+        try:
+            b = pickle.dumps(x, protocol=5)
+        except Exception as exc:
+            raise EncodeError(
+                f"cannot store {path or 'the value'} of type {type(x).__name__}: it is neither an "
+                f"array, tensor, number, str, bytes or container of them, nor picklable ({exc}); "
+                f"return plain arrays/tensors from the dataset or transform"
+            ) from None
+        self.var.append((len(self.var), b))
+        name = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
+        if name not in self.pickled:
+            self.pickled.append(name)
+        return (_PICKLE, len(self.var) - 1, len(b))
+
+
+def _place(node: tuple, scalar_off: list[int], var_off: list[int], arr_off: list[int]) -> tuple:
+    """Replace list indices in ``node`` by absolute record offsets."""
+    tag = node[0]
+    if tag in (_INT, _FLOAT, _BOOL):
+        return (tag, scalar_off[node[1]])
+    if tag in (_STR, _BYTES, _PICKLE):
+        return (tag, var_off[node[1]], node[2])
+    if tag in (_ARRAY, _NPSCALAR):
+        return (tag, node[1], node[2], arr_off[node[3]])
+    if tag == _EXT:
+        return (tag, node[1], node[2], node[3], arr_off[node[4]])
+    if tag in (_TUPLE, _LIST):
+        return (tag, tuple(_place(c, scalar_off, var_off, arr_off) for c in node[1]))
+    if tag == _DICT:
+        return (tag, tuple((k, _place(c, scalar_off, var_off, arr_off)) for k, c in node[1]))
+    return node
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def encode(value: Any, path: str = "") -> Encoded:
+    """Encode ``value``; raises EncodeError (naming ``path``) if it cannot be stored."""
+    b = _Builder()
+    try:
+        tree = b.node(value, path)
+    except RecursionError:  # nested deeper than the layout walks can go: the whole value is pickled
+        b = _Builder()
+        tree = b._pickled(value, path)
+    scalar_off = [16 + 8 * i for i in range(len(b.scalars))]
+    pos = 16 + 8 * len(b.scalars)
+    var_off = []
+    pieces: list[tuple[int, Any]] = []
+    for _, data in b.var:
+        var_off.append(pos)
+        pieces.append((pos, data))
+        pos += len(data)
+    arr_off = []
+    for arr in b.arrays:
+        pos = _align(pos)
+        arr_off.append(pos)
+        pieces.append((pos, arr))
+        pos += arr.nbytes
+    layout = marshal.dumps(_place(tree, scalar_off, var_off, arr_off), 4)
+    scalars = b"".join(
+        _I64.pack(v) if t == _INT else _F64.pack(v) if t == _FLOAT else _U64.pack(int(v))
+        for t, v in b.scalars
+    )
+    return Encoded(layout, pos, scalars, pieces, tuple(b.pickled))
+
+
+# --- decoding ------------------------------------------------------------------------------------
+
+# Compiled decoders of this process, by layout. Bounded: a str's length is part of its layout, so
+# samples with variable-length str fields make a new layout almost every time (37,929 decoders,
+# +87 MiB, for 100k such samples). When full, the oldest entry goes (first in, first out: a hit
+# pays no bookkeeping); a layout read again after that is compiled again (microseconds).
+MAX_DECODERS = 1024
+# ... and at most this many bytes of layouts: a tier's record brings a layout as large as itself,
+# and a decoder holds about 16x its layout (a closure per leaf); 1024 decoders of 1 MiB layouts,
+# read from a Redis anyone with its password writes, held 17 GiB. Usual layouts are 100s of bytes.
+MAX_DECODER_BYTES = 8 << 20
+_DECODERS: dict[tuple[bytes, bool], Callable] = {}
+_decoder_bytes = 0  # the layouts' bytes in _DECODERS (threads may race it: it heals when emptied)
+
+
+def _make_room(n: int) -> None:
+    """Evict the oldest decoders until one more, of a layout of ``n`` bytes, fits both limits."""
+    global _decoder_bytes
+    while _DECODERS and (len(_DECODERS) >= MAX_DECODERS or _decoder_bytes + n > MAX_DECODER_BYTES):
+        try:
+            oldest = next(iter(_DECODERS))
+            del _DECODERS[oldest]
+        except (KeyError, RuntimeError, StopIteration):  # another thread changed it meanwhile
+            continue
+        _decoder_bytes -= len(oldest[0])
+    if not _DECODERS:
+        _decoder_bytes = 0
+
+
+def decoder_for(layout: bytes, private: bool = False) -> Callable[[Any], Any]:
+    """A compiled decoder for ``layout``: ``fn(record_buffer) -> value`` (cached per process).
+    ``private``: for records copied into a bytearray of their own (arrays are made 4x faster)."""
+    fn = _DECODERS.get((layout, private))
+    if fn is None:
+        node = marshal.loads(layout)
+        tags = _ext_tags(node)
+        if any(tag not in _EXT_FROM for tag in tags):
+            return _deferred(layout, private, tags)
+        fn = _compile_flat(node, private) or _compile(node, private)
+        if len(layout) > MAX_DECODER_BYTES:
+            return fn  # used once, not kept
+        global _decoder_bytes
+        _make_room(len(layout))
+        _DECODERS[(layout, private)] = fn
+        _decoder_bytes += len(layout)
+    return fn
+
+
+def _ext_tags(node: tuple) -> set[str]:
+    """The extension tags a layout names (its structure only: no handler is needed)."""
+    tag = node[0]
+    if tag == _EXT:
+        return {node[1]}
+    if tag in (_TUPLE, _LIST):
+        return set().union(*(_ext_tags(c) for c in node[1]))
+    if tag == _DICT:
+        return set().union(*(_ext_tags(c) for _, c in node[1]))
+    return set()
+
+
+def _deferred(layout: bytes, private: bool, tags: set[str]) -> Callable[[Any], Any]:
+    """The decoder of a layout whose handlers this process has not loaded: they load on its first
+    decode, not before. Checking, exporting or importing a cache needs its layouts, never its
+    handlers: gc, stat and export of a cache of tensors never import torch (issue 17)."""
+    fn = None
+
+    def decode(buf):
+        nonlocal fn
+        if fn is None:
+            for tag in tags:
+                _handler(tag)  # loads it, or raises naming what is missing
+            fn = decoder_for(layout, private)
+        return fn(buf)
+    return decode
+
+
+def cached_decoders() -> int:
+    """How many compiled decoders this process holds (at most ``MAX_DECODERS``)."""
+    return len(_DECODERS)
+
+
+def clear_decoders() -> None:
+    """Forget every compiled decoder of this process (``clear()`` of a cache calls it)."""
+    global _decoder_bytes
+    _DECODERS.clear()
+    _decoder_bytes = 0
+
+
+def _compile_flat(node: tuple, private: bool) -> Callable | None:
+    """The decoder of ``node`` as one generated function (a hit is dominated by Python calls: a
+    closure per field costs one call each); None where a layout is too deep or large for that.
+    Only ints go into the source text (int() of every offset); everything else is a constant."""
+    consts: dict[str, Any] = {"_i64": _I64.unpack_from, "_f64": _F64.unpack_from, "_fb": np.frombuffer,
+                              "_nd": np.ndarray, "_u8": np.dtype(np.uint8), "_loads": pickle.loads}
+    sliced_end = 0  # where the str/bytes/pickled leaves end: slicing clamps a record cut short
+
+    def sliced(n: tuple) -> str:
+        nonlocal sliced_end
+        start, end = int(n[1]), int(n[1]) + int(n[2])
+        sliced_end = max(sliced_end, end)
+        return f"buf[{start}:{end}]"
+
+    def const(value: Any) -> str:
+        name = f"_c{len(consts)}"
+        consts[name] = value
+        return name
+
+    def expr(n: tuple) -> str:
+        tag = n[0]
+        if tag == _INT:
+            return f"_i64(buf, {int(n[1])})[0]"
+        if tag == _FLOAT:
+            return f"_f64(buf, {int(n[1])})[0]"
+        if tag == _BOOL:
+            return f"(buf[{int(n[1])}] != 0)"
+        if tag == _NONE:
+            return "None"
+        if tag == _STR:
+            return f"bytes({sliced(n)}).decode('utf-8', 'surrogatepass')"
+        if tag == _BYTES:
+            return f"bytes({sliced(n)})"
+        if tag == _PICKLE:
+            return f"_loads({sliced(n)})"
+        if tag == _ARRAY:
+            dtype, shape = _plain_dtype(n[1]), tuple(n[2])
+            count = int(np.prod(shape, dtype=np.int64))
+            if private and count:
+                return f"_nd({const(shape)}, {const(dtype)}, buf, {int(n[3])})"
+            return f"_fb(buf, {const(dtype)}, {count}, {int(n[3])}).reshape({const(shape)})"
+        if tag == _NPSCALAR:
+            return f"_fb(buf, {const(_plain_dtype(n[1]))}, 1, {int(n[3])})[0]"
+        if tag == _EXT:
+            from_parts = _handler(n[1])
+            size = _ext_nbytes(n[2], n[3])
+            off = int(n[4])
+            raw = f"_nd(({size},), _u8, buf, {off})" if private and size else f"_fb(buf, _u8, {size}, {off})"
+            return f"{const(from_parts)}({const(n[2])}, {const(tuple(n[3]))}, {raw})"
+        if tag == _TUPLE:
+            return "(" + "".join(expr(c) + ", " for c in n[1]) + ")"
+        if tag == _LIST:
+            return "[" + ", ".join(expr(c) for c in n[1]) + "]"
+        if tag == _DICT:
+            return "{" + ", ".join(f"{const(k)}: {expr(c)}" for k, c in n[1]) + "}"
+        raise EncodeError(f"unknown layout tag {tag!r}: the cache was written by another shmcache version")
+
+    try:
+        body = expr(node)
+        # the one check numpy and struct do not make for us: a record too short for its layout
+        # (damage, issue 8) must raise, never decode a truncated str, bytes or pickle
+        guard = (f"    if len(buf) < {sliced_end}:\n        raise ValueError('a record of %d bytes, its "
+                 f"layout needs {sliced_end}' % len(buf))\n") if sliced_end else ""
+        source = f"def decode(buf):\n{guard}    return {body}\n"
+        if len(source) > 100_000:
+            return None
+        exec(compile(source, "<shmcache decoder>", "exec"), consts)  # noqa: S102 - our own text
+    except (RecursionError, SyntaxError, MemoryError):
+        return None
+    return consts["decode"]
+
+
+def _compile(node: tuple, private: bool = False, check: bool = False) -> Callable:
+    """Turn a layout node into a closure ``fn(buf) -> value``.
+
+    ``buf`` is the record as a buffer: a private bytearray (values come out writable and owned) or
+    a read-only memoryview of shared memory (zero-copy, read-only arrays). ``private``: ``buf`` is
+    always a bytearray nobody else holds, so arrays may be plain ``np.ndarray(buffer=buf)`` views
+    (that keep only a reference to ``buf``, no buffer export: fine, as nobody resizes it).
+    """
+    tag = node[0]
+    if tag == _INT:
+        unpack, off = _I64.unpack_from, node[1]
+        return lambda buf: unpack(buf, off)[0]
+    if tag == _FLOAT:
+        unpack, off = _F64.unpack_from, node[1]
+        return lambda buf: unpack(buf, off)[0]
+    if tag == _BOOL:
+        off = node[1]
+        return lambda buf: buf[off] != 0
+    if tag == _NONE:
+        return lambda buf: None
+    if tag in (_STR, _BYTES) or (tag == _PICKLE and check):  # check: a pickle is located, never loaded
+        # the one kind of leaf that a record too short for its layout (damage) would otherwise
+        # truncate silently: slicing clamps, where numpy and struct raise
+        off, n = node[1], node[2]
+        text = tag == _STR
+
+        def var_leaf(buf):
+            b = bytes(buf[off:off + n])
+            if len(b) != n:
+                raise ValueError(f"a leaf of {n} bytes at offset {off} in a record of {len(buf)}")
+            return b.decode("utf-8", "surrogatepass") if text else b
+        return var_leaf
+    if tag == _PICKLE:
+        off, n = node[1], node[2]
+        return lambda buf: pickle.loads(buf[off:off + n])
+    if tag == _ARRAY:
+        # frombuffer, not np.ndarray(buffer=...): it holds a buffer export on the mapping, so a
+        # zero-copy view keeps the memory mapped (mmap.close() refuses) for as long as it lives
+        dtype, shape, off = _plain_dtype(node[1]), node[2], node[3]
+        count = int(np.prod(shape, dtype=np.int64))
+        if private and count:
+            ndarray = np.ndarray
+            return lambda buf: ndarray(shape, dtype, buf, off)
+        return lambda buf: np.frombuffer(buf, dtype, count, off).reshape(shape)
+    if tag == _NPSCALAR:
+        dtype, off = _plain_dtype(node[1]), node[3]
+        return lambda buf: np.frombuffer(buf, dtype, 1, off)[0]
+    if tag == _EXT:
+        ext, meta, shape, off = node[1], node[2], node[3], node[4]
+        # check: a handler not loaded is not loaded for it; the leaf's bytes are still located
+        from_parts = (_EXT_FROM.get(ext) or _located) if check else _handler(ext)
+        n = _ext_nbytes(meta, shape)
+        if private and n:
+            ndarray, u8, flat = np.ndarray, np.dtype(np.uint8), (n,)
+            return lambda buf: from_parts(meta, shape, ndarray(flat, u8, buf, off))
+        return lambda buf: from_parts(meta, shape, np.frombuffer(buf, np.uint8, n, off))
+    if tag in (_TUPLE, _LIST):
+        parts = [_compile(c, private, check) for c in node[1]]
+        if len(parts) == 2:  # the common (sample, label) pair, without a comprehension
+            a, b = parts
+            if tag == _TUPLE:
+                return lambda buf: (a(buf), b(buf))
+            return lambda buf: [a(buf), b(buf)]
+        if tag == _TUPLE:
+            return lambda buf: tuple([p(buf) for p in parts])
+        return lambda buf: [p(buf) for p in parts]
+    if tag == _DICT:
+        items = [(k, _compile(c, private, check)) for k, c in node[1]]
+        return lambda buf: {k: p(buf) for k, p in items}
+    raise EncodeError(f"unknown layout tag {tag!r}: the cache was written by another shmcache version")
+
+
+def _plain_dtype(spec: Any) -> np.dtype:
+    """The dtype of an array leaf: only what the encoder writes (a plain dtype string, no object
+    fields, no structure). An object dtype would build Python objects out of the record's bytes
+    (np.ndarray(buffer=...) does that), so it is refused wherever a layout comes from."""
+    if type(spec) is not str:
+        raise EncodeError(f"a layout's dtype is {type(spec).__name__}, not a dtype string: the record is "
+                          f"damaged or forged")
+    try:
+        dt = np.dtype(spec)
+    except Exception:  # noqa: BLE001 - any string numpy refuses
+        raise EncodeError(f"a layout names dtype {spec[:40]!r}, which numpy does not know: the record is "
+                          f"damaged or forged") from None
+    if dt.hasobject or dt.fields is not None or dt.subdtype is not None:
+        raise EncodeError(f"a layout names dtype {spec[:40]!r}: object or structured arrays are never "
+                          f"built from a record's bytes (the encoder never writes them)")
+    return dt
+
+
+class LayoutCheck(NamedTuple):
+    """What :func:`check_layout` found: ``problem`` (None: a layout the encoder could have
+    written), ``pickled`` (it holds a pickled leaf), ``needed`` (the body bytes its leaves span)."""
+
+    problem: str | None
+    pickled: bool
+    needed: int
+
+
+_CHECKED: dict[bytes, LayoutCheck] = {}
+_META = re.compile(r"[A-Za-z0-9_.;,=|-]{1,64}:[0-9]{1,3}")
+_TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
+_MAX_LEAF_BYTES = 1 << 62
+
+
+_MARSHAL_FIXED = {ord(c): n for c, n in (("N", 0), ("T", 0), ("F", 0), ("i", 4), ("r", 4))}
+_MARSHAL_SIZED = {ord(c): w for c, w in (("z", 1), ("Z", 1), ("a", 4), ("A", 4), ("u", 4), ("t", 4))}
+
+
+def _marshal_bounded(data: bytes) -> None:
+    """Refuse marshal bytes that are not plain tuples, lists, str, int, None and bools, or whose
+    counts exceed the bytes that follow: marshal allocates a container of the count it reads
+    before reading an item (a 5-byte tuple of 2**31 items is 16 GiB). Linear, allocates nothing."""
+    pos, pending, end = 0, 1, len(data)
+    while pending:
+        if pos >= end:
+            raise ValueError("the layout's bytes end early")
+        code, pos, pending = data[pos] & 0x7F, pos + 1, pending - 1
+        if code in _MARSHAL_FIXED:
+            pos += _MARSHAL_FIXED[code]
+            continue
+        width = 1 if code in (0x29, 0x7A, 0x5A) else 4  # ")": a small tuple; "z", "Z": a short str
+        if pos + width > end:
+            raise ValueError("the layout's bytes end early")
+        n = data[pos] if width == 1 else int.from_bytes(data[pos:pos + 4], "little", signed=code == 0x6C)
+        pos += width
+        if code in _MARSHAL_SIZED:  # str: n bytes
+            pos += n
+        elif code == 0x6C:  # "l": an int of |n| 15-bit digits
+            pos += 2 * abs(n)
+        elif code in (0x28, 0x29, 0x5B):  # "(", ")", "[": n objects of at least a byte each
+            pending += n
+        else:
+            raise ValueError(f"marshal type {chr(code)!r} is not one the encoder writes")
+        if pos + pending > end:
+            raise ValueError("a count in the layout exceeds its bytes")
+
+
+def check_layout(layout: bytes) -> LayoutCheck:
+    """Check a layout that came from outside this user's shared memory (a tier, a snapshot)
+    without decoding a record and without unpickling anything: its structure, every leaf's kind,
+    offsets, lengths, dtype and extension (NOTE [record authentication], trust.py). Cached per
+    layout (bounded like the decoders)."""
+    # keyed by the layout itself when small (usual), else by its digest: a tier's record may bring
+    # a layout as large as itself, and a refused one would be kept whole (1024 x its size)
+    ckey = layout if len(layout) <= 4096 else hashlib.blake2b(layout, digest_size=16).digest()
+    found = _CHECKED.get(ckey)
+    if found is not None:
+        return found
+    pickled = False
+    needed = 0
+    budget = len(layout)  # nodes a layout of these bytes can hold: marshal's back-references
+    # let a few hundred bytes name a tree of 2**40 nodes (one node twice, the second by reference)
+
+    def num(x: Any, what: str) -> int:
+        if type(x) is not int or not 0 <= x < _MAX_LEAF_BYTES:
+            raise ValueError(f"{what} {x!r} is not a byte count")
+        return x
+
+    def shape_of(x: Any) -> int:
+        if type(x) is not tuple or len(x) > 64:
+            raise ValueError(f"shape {x!r} is not a tuple of dimensions")
+        count = 1
+        for d in x:
+            count *= num(d, "a dimension")
+        return num(count, "an element count")
+
+    def walk(node: Any, depth: int) -> None:
+        nonlocal pickled, needed, budget
+        budget -= 1
+        if budget < 0:
+            raise ValueError("it names more nodes than its bytes can hold (shared by reference)")
+        if depth > 200 or type(node) is not tuple or not node or type(node[0]) is not str:
+            raise ValueError("it is not a layout tree")
+        tag, n = node[0], len(node)
+        if tag in (_TUPLE, _LIST) and n == 2 and type(node[1]) is tuple:
+            for child in node[1]:
+                walk(child, depth + 1)
+        elif tag == _DICT and n == 2 and type(node[1]) is tuple:
+            for item in node[1]:
+                if type(item) is not tuple or len(item) != 2 or type(item[0]) not in (str, int):
+                    raise ValueError("a dict entry is not a (str or int key, node) pair")
+                walk(item[1], depth + 1)
+        elif tag in (_INT, _FLOAT, _BOOL) and n == 2:
+            needed = max(needed, num(node[1], "an offset") + 8)
+        elif tag == _NONE and n == 1:
+            pass
+        elif tag in (_STR, _BYTES, _PICKLE) and n == 3:
+            needed = max(needed, num(node[1], "an offset") + num(node[2], "a length"))
+            pickled = pickled or tag == _PICKLE
+        elif tag in (_ARRAY, _NPSCALAR) and n == 4:
+            count = shape_of(node[2])
+            if tag == _NPSCALAR and count != 1:
+                raise ValueError("a numpy scalar of more than one element")
+            needed = max(needed, num(node[3], "an offset") + count * _plain_dtype(node[1]).itemsize)
+        elif tag == _EXT and n == 5:
+            # the tag names a handler registered in this process (its own code), or none yet: the
+            # record is stored undecoded, and a read without the handler says which to import
+            if type(node[1]) is not str or not _TAG.fullmatch(node[1]):
+                raise ValueError(f"extension tag {node[1]!r} is not one the encoder writes")
+            if type(node[2]) is not str or not _META.fullmatch(node[2]):
+                raise ValueError(f"extension meta {node[2]!r} is not what the encoder writes")
+            shape_of(node[3])
+            needed = max(needed, num(node[4], "an offset") + _ext_nbytes(node[2], node[3]))
+        else:
+            raise ValueError(f"a node {tag!r} of {n} fields is not one the encoder writes")
+
+    try:
+        _marshal_bounded(layout)
+        walk(marshal.loads(layout), 0)  # marshal builds plain values (never runs code)
+        found = LayoutCheck(None, pickled, needed)
+    except (ValueError, EOFError, TypeError, EncodeError, RecursionError, MemoryError) as exc:
+        found = LayoutCheck(f"its layout is not one the encoder writes ({exc})", False, 0)
+    if len(_CHECKED) >= MAX_DECODERS:
+        _CHECKED.clear()
+    _CHECKED[ckey] = found
+    return found
+
+
+def _ext_nbytes(meta: str, shape: tuple) -> int:
+    itemsize = int(meta.rsplit(":", 1)[1])  # extension meta strings end with ":<itemsize>"
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
+
+
+def _located(meta: str, shape: tuple, raw: np.ndarray) -> None:
+    return None
+
+
+def check(record: Any, layout: bytes) -> None:
+    """Decode ``record`` by ``layout`` to check that they fit (the error numpy, struct or utf-8
+    raise when not), without loading a handler and without unpickling: a pickled leaf, and an
+    extension leaf whose handler this process has not loaded, are only located within the record
+    (an import of a snapshot of tensors checks its records without importing torch)."""
+    _compile(marshal.loads(layout), False, True)(record)
+
+
+def decode(record: Any, layout: bytes) -> Any:
+    """Decode one record (a buffer starting at the record header)."""
+    return decoder_for(layout)(record)
+
+
+# --- layout introspection for the vectorised batch path ----------------------------------------
+
+
+class Leaf:
+    """One leaf of a layout: where it sits in the record and how to view a column of them."""
+
+    __slots__ = ("tag", "offset", "nbytes", "dtype", "shape", "meta", "ext")
+
+    def __init__(self, tag, offset, nbytes, dtype=None, shape=(), meta=None, ext=None):
+        self.tag, self.offset, self.nbytes = tag, offset, nbytes
+        self.dtype, self.shape, self.meta, self.ext = dtype, shape, meta, ext
+
+
+def leaves(layout: bytes) -> tuple[tuple, list[Leaf]]:
+    """The layout's tree (with leaf indices in place of leaves) and its list of leaves."""
+    out: list[Leaf] = []
+
+    def walk(node):
+        tag = node[0]
+        if tag in (_TUPLE, _LIST):
+            return (tag, tuple(walk(c) for c in node[1]))
+        if tag == _DICT:
+            return (tag, tuple((k, walk(c)) for k, c in node[1]))
+        if tag == _INT:
+            out.append(Leaf(tag, node[1], 8, np.dtype("<i8")))
+        elif tag == _FLOAT:
+            out.append(Leaf(tag, node[1], 8, np.dtype("<f8")))
+        elif tag == _BOOL:
+            out.append(Leaf(tag, node[1], 1, np.dtype("?")))
+        elif tag in (_ARRAY, _NPSCALAR):
+            dt = _plain_dtype(node[1])
+            out.append(Leaf(_ARRAY, node[3], int(np.prod(node[2], dtype=np.int64)) * dt.itemsize, dt, node[2]))
+        elif tag == _EXT:
+            out.append(Leaf(tag, node[4], _ext_nbytes(node[2], node[3]), None, node[3], node[2], node[1]))
+        elif tag == _NONE:
+            out.append(Leaf(tag, 0, 0))
+        else:  # str, bytes, pickle: decoded per item
+            out.append(Leaf(tag, node[1], node[2]))
+        return ("leaf", len(out) - 1)
+
+    tree = walk(marshal.loads(layout))
+    return tree, out
+
+
+def ext_from_parts(tag: str) -> Callable:
+    return _handler(tag)
+
+
+def to_parts(x: Any) -> tuple | None:
+    """``(meta, shape, uint8 ndarray)`` of a value of a registered type; None if it has none."""
+    ext = _EXT_TO.get(type(x)) or _unregistered(type(x))
+    return ext[1](x) if ext is not None else None
+
+
+def pickled_offsets(layout: bytes) -> set[int]:
+    """Record offsets of the pickled leaves of an encoded value (see ``Encoded.pieces``)."""
+    found: set[int] = set()
+
+    def walk(node: tuple) -> None:
+        tag = node[0]
+        if tag == _PICKLE:
+            found.add(node[1])
+        elif tag in (_TUPLE, _LIST):
+            for child in node[1]:
+                walk(child)
+        elif tag == _DICT:
+            for _, child in node[1]:
+                walk(child)
+
+    walk(marshal.loads(layout))
+    return found
+
+
+def leaf_decoder(leaf: Leaf) -> Callable:
+    """Decoder of one str / bytes / pickle leaf, for records that are otherwise gathered as columns."""
+    return _compile((leaf.tag, leaf.offset, leaf.nbytes))

@@ -1,0 +1,184 @@
+"""A cache's generation: the words of its root, the layout of its meta segment, the totals and the
+intent record of NOTE [publish order] (store.py), and this process's mappings of one generation.
+
+A cache (store.py) is a root segment that names, in its epoch word, the generation ``g`` and the
+table version ``v`` in force; a generation is a meta segment, a table and the data segments of its
+size classes. ``clear()`` and gc's drop of a damaged cache make a new generation; a table growth
+makes a new table version of the same generation. This module says where every word of the root
+and of the meta segment is, and how the totals and the intent record are written (each word a
+reader reads without the lock is one aligned store: ``Segment.words``); the store decides when.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..base.shm import Segment, word_view
+from .allocator import MAX_CLASSES, ClassTable
+from .index import TableView
+from .registry import DESTROYED, MAX_SLOTS, ROOT_EPOCH
+
+__all__ = ["KIND_ROOT", "KIND_META", "KIND_TABLE", "KIND_DATA", "RootLayout", "SIZED", "AUTO", "AUTO_NONE",
+           "MetaLayout", "M", "HITS", "MISSES", "REJECTED", "CORRUPT", "COUNTER_NAMES", "INTENT", "Intent",
+           "SPILL_CLASS", "Generation", "DEAD_GEN", "destroyed_generation", "close_generation", "epoch_of",
+           "split_epoch"]
+
+KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4  # segment kinds (segment.py's header)
+_Q = struct.Struct("Q")
+
+
+class RootLayout:
+    """Byte offsets of the root's words (the root is one page; every word one aligned store)."""
+
+    EPOCH = ROOT_EPOCH  # generation << 32 | table version, or DESTROYED (registry.retire_root)
+    CAPACITY = 72  # the cap in bytes (NOTE [memory limits])
+    INCARNATION = 80  # a random word drawn when the root is made (store.py module docstring)
+    SIZING = 88  # how the cap was set: SIZED, AUTO or AUTO_NONE
+
+
+SIZED, AUTO, AUTO_NONE = 0, 1, 2  # size= given; size=0; size=0 on a full machine: nothing in memory
+
+
+def epoch_of(gen: int, version: int) -> int:
+    """The epoch word that names generation ``gen`` and table version ``version``."""
+    return (gen << 32) | version
+
+
+def split_epoch(epoch: int) -> tuple[int, int]:
+    """``(generation, table version)`` of an epoch word (DESTROYED: DEAD_GEN)."""
+    return epoch >> 32, epoch & 0xFFFFFFFF
+
+
+class MetaLayout:
+    """Byte offsets inside a meta segment (one per generation)."""
+
+    ITEMS_MEM, BYTES_MEM, COMMITTED, CAPACITY = 64, 72, 80, 88
+    ITEMS_DISK, BYTES_DISK, BYTES_DISK_RAW, N_LAYOUTS, TABLE_ITEMS = 96, 104, 112, 120, 128
+    # intent record (NOTE [publish order]): phase, table position, class, chunk, old bump,
+    # new items, new bytes
+    INTENT = 192
+    COUNTERS = 4096  # MAX_SLOTS rows of (hits, misses, rejected, corrupt): one row per liveness slot
+    COUNTER_ROW = 32
+    CLASSES = COUNTERS + MAX_SLOTS * COUNTER_ROW
+    LAYOUTS = CLASSES + MAX_CLASSES * 32
+    MAX_LAYOUTS, LAYOUT_BYTES = 128, 512
+    SIZE = LAYOUTS + MAX_LAYOUTS * LAYOUT_BYTES
+
+
+M = MetaLayout
+
+# a row of counters (NOTE [lock files]: each live process writes only its own row, no atomics)
+HITS, MISSES, REJECTED, CORRUPT = 0, 1, 2, 3
+COUNTER_NAMES = ("hits", "misses", "rejected", "corrupt")
+
+# The intent record: phase, table position, class (SPILL_CLASS: a spilled record), old bump, then
+# the totals after this write: items, bytes, raw bytes (disk only) and table items
+INTENT = struct.Struct("QQQQQQQQ")
+SPILL_CLASS = 0xFFFF
+
+
+class Intent(NamedTuple):
+    """What a writer is about to do (NOTE [publish order]); phase 0: nothing."""
+
+    phase: int
+    pos: int
+    cls: int
+    old_bump: int
+    items: int
+    total: int
+    raw: int
+    table_items: int
+
+
+@dataclass
+class Generation:
+    """This process's mappings of one generation."""
+
+    gen: int
+    version: int
+    meta: Segment
+    table: Segment
+    index: TableView
+    classes: ClassTable
+    data: dict  # class id -> (Segment, read-only memoryview, chunk size, chunks handed out as last seen)
+    # layout id -> (layout bytes, decoder, end of its last leaf (at least a record header),
+    #               decoder of a private copy)
+    layouts: dict
+    columns: dict  # layout id -> (tree, leaves, end of the last leaf) for the batch path
+
+    # --- totals (read lock-free by len() and stats) ------------------------------------------
+
+    def word(self, off: int) -> int:
+        return _Q.unpack_from(self.meta.buf, off)[0]
+
+    def table_items(self) -> int:
+        return self.word(M.TABLE_ITEMS)
+
+    def mem_totals(self) -> tuple[int, int, int]:
+        """``(items, bytes, committed bytes)`` in memory."""
+        return struct.unpack_from("QQQ", self.meta.buf, M.ITEMS_MEM)
+
+    def disk_totals(self) -> tuple[int, int, int]:
+        """``(items, stored bytes, raw bytes)`` spilled."""
+        return struct.unpack_from("QQQ", self.meta.buf, M.ITEMS_DISK)
+
+    def apply_totals(self, intent: Intent) -> None:
+        """Assign the totals after a write (one store each; assignments: redoing them is harmless)."""
+        words = self.meta.words
+        if intent.cls == SPILL_CLASS:
+            words[M.ITEMS_DISK >> 3], words[M.BYTES_DISK >> 3] = intent.items, intent.total
+            words[M.BYTES_DISK_RAW >> 3] = intent.raw
+        else:
+            words[M.ITEMS_MEM >> 3], words[M.BYTES_MEM >> 3] = intent.items, intent.total
+        words[M.TABLE_ITEMS >> 3] = intent.table_items
+
+    # --- the intent record (NOTE [publish order]; the caller holds the cache's lock) ----------
+
+    def intent(self) -> Intent:
+        return Intent._make(INTENT.unpack_from(self.meta.buf, M.INTENT))
+
+    def begin(self, intent: Intent) -> None:
+        """Step 1: write the intent, then phase 1 in one store (an undo restores the bump)."""
+        INTENT.pack_into(self.meta.buf, M.INTENT, 0, *intent[1:])
+        self.meta.words[M.INTENT >> 3] = 1
+
+    def published(self) -> None:
+        """After step 3: phase 2 (the entry is READY; a repair redoes the totals)."""
+        self.meta.words[M.INTENT >> 3] = 2
+
+    def end(self) -> None:
+        """Step 5: no write in progress."""
+        self.meta.words[M.INTENT >> 3] = 0
+
+
+class _Private:
+    """Process-private memory in place of a segment (the generation of a destroyed cache)."""
+
+    def __init__(self, size: int):
+        self.buf = bytearray(size)
+        self.words = word_view(self.buf)
+
+    def close(self) -> None:
+        pass
+
+
+DEAD_GEN = DESTROYED >> 32  # never a real generation (they count up from 1)
+
+
+def destroyed_generation() -> Generation:
+    """What a handle maps once its cache's root is tombstoned: an empty generation in private
+    memory, so every read path (lookup, batches, contains, len, stats) finds nothing."""
+    meta, table = _Private(M.SIZE), _Private(TableView.bytes_for(8))
+    TableView.init(table.buf, 8)
+    return Generation(DEAD_GEN, 0, meta, table, TableView(table.buf), ClassTable(meta.buf, M.CLASSES),
+                      {}, {}, {})
+
+
+def close_generation(g: Generation) -> None:
+    """Forget a generation's mappings. Nothing is unmapped by hand: another thread may still be
+    inside a lookup or a gather on them; they go with the last reference (segment.Segment)."""
+    g.data.clear()
+    g.layouts.clear()
+    g.columns.clear()

@@ -1,0 +1,558 @@
+"""The session registry: named sessions in a namespace directory, and the processes attached to them.
+
+NOTE [session lifecycle]
+    A session is a directory ``<root>/sessions/<name>/`` holding ``session.json``, ``caches/``
+    (one ``<cache>.json`` and one ``<cache>.lock`` per cache) and ``slots/`` (one liveness lock per
+    attached process, see NOTE [lock files]). Creation happens under ``<root>/registry.lock``: the
+    creator builds the directory under a temporary name and renames it into place last, so nobody
+    ever sees a half-made session. Sessions outlive their processes (the next run must find the
+    cache) until ``destroy``, which unlinks every segment whose name carries the session's prefix,
+    also under the registry lock. A session whose creator died mid-way leaves only a temporary
+    directory, which ``gc`` removes; so do segments of caches or sessions that no longer exist.
+
+    Last use. ``<root>/sessions/<name>/last_used`` is an empty file whose mtime says when a
+    process last used the session: every attach touches it, so does a clean exit (``process_slot``)
+    and ``destroy_idle`` when it finds the session in use; while a process is attached the session
+    is in use *now*. No lock guards it: it only ever moves forward, and a lost touch can only make
+    a session look older, never make one with a live process go (``destroy_idle`` skips those).
+
+    Attaching races with destroying. ``destroy`` checks for live slots, renames the directory away,
+    then checks the slots again in the renamed directory: a process that took a slot in between
+    is seen there, the directory goes back, and the destroy is refused (unless forced). A process
+    that tries to take a slot while the directory is away finds no file; it then waits for the
+    registry lock, which the destroy holds, and tries again: it attaches if the session is back,
+    and gets FileNotFoundError (the session is gone) if not. So an attach either wins, or comes
+    after the destroy's decision; never does a destroy pull a session from under an attached process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import struct
+import time
+from collections.abc import Callable, Collection
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..base import ordering
+from ..base.locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
+from ..base.namespace import SEP, Namespace, namespace, validate_name
+from ..base.shm import Segment
+from ..errors import (
+    CorruptSegment,
+    InvalidArgument,
+    LockTimeout,
+    SessionExists,
+    SessionInUse,
+    SessionNotFound,
+    ShmcacheError,
+)
+
+__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "SEP", "MAX_SLOTS", "ROOT_EPOCH",
+           "DESTROYED", "retire_root", "unlink_segments"]
+
+MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
+# A cache root's epoch word (store.py) and its tombstone: whoever removes a cache writes DESTROYED
+# there before unlinking anything, so every process that still maps the root - and compares that
+# word on every lookup anyway - sees at once that its cache is gone (NOTE [publish order]).
+ROOT_EPOCH = 64
+DESTROYED = (1 << 64) - 1
+_VERSION = 1
+
+
+@dataclass
+class SessionInfo:
+    name: str
+    created: float
+    uid: int
+    creator_pid: int
+    spill_dir: str | None = None
+    # the default remote tier of the session's caches (remote.py); a URL that may carry a
+    # password: session.json is the user's own (0700 directory), and it is never shown unmasked
+    remote: str | None = field(default=None, repr=False)
+    version: int = _VERSION
+    path: Path = field(default=Path(), compare=False)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("path")
+        return d
+
+
+@dataclass
+class GcReport:
+    removed_segments: list[str] = field(default_factory=list)
+    removed_dirs: list[str] = field(default_factory=list)
+    removed_locks: list[str] = field(default_factory=list)
+    reclaimed_entries: int = 0
+    reclaimed_bytes: int = 0
+    removed_spill_files: list[str] = field(default_factory=list)
+    removed_caches: list[str] = field(default_factory=list)  # "session/cache" of caches never made
+
+
+@dataclass
+class IdleSession:
+    """A session that ``destroy_idle`` destroyed: nobody had used it for ``idle_s`` seconds."""
+
+    name: str
+    last_used: float
+    idle_s: float
+    removed_segments: list[str] = field(default_factory=list)
+
+
+class SessionRegistry:
+    """Create, find, list and destroy sessions of one namespace (``$SHMCACHE_DIR``)."""
+
+    def __init__(self, ns: Namespace | None = None, *, timeout_s: float = 60.0):
+        self.ns = ns or namespace()
+        self.ns.sessions_dir.mkdir(mode=0o700, exist_ok=True)
+        self._lock = RegistryLock(self.ns.root / "registry.lock", timeout_s=timeout_s,
+                                  what="the session registry lock")
+
+    # --- paths ------------------------------------------------------------------------------
+
+    def session_dir(self, name: str) -> Path:
+        return self.ns.sessions_dir / validate_name(name, "session")
+
+    def segment_prefix(self, session: str) -> str:
+        """Every segment of ``session`` has a name starting with this (see Namespace.segment_name)."""
+        return self.ns.segment_name(session) + SEP
+
+    # --- queries ----------------------------------------------------------------------------
+
+    def exists(self, name: str) -> bool:
+        return (self.session_dir(name) / "session.json").is_file()
+
+    def get(self, name: str) -> SessionInfo:
+        path = self.session_dir(name)
+        try:
+            raw = json.loads((path / "session.json").read_text())
+        except FileNotFoundError:
+            known = ", ".join(s.name for s in self.list()) or "none"
+            raise SessionNotFound(
+                f"no session {name!r} in {self.ns.root} (sessions: {known}); create it with "
+                f"`shmcache new {name}` or use session='auto'"
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise ShmcacheError(
+                f"session {name!r} has an unreadable {path / 'session.json'} ({exc}); remove it "
+                f"with `shmcache destroy {name}`"
+            ) from None
+        return SessionInfo(**{k: raw[k] for k in raw if k in SessionInfo.__dataclass_fields__}, path=path)
+
+    def list(self) -> list[SessionInfo]:
+        out = []
+        for entry in sorted(self.ns.sessions_dir.iterdir()):
+            if entry.name.startswith(".") or not (entry / "session.json").is_file():
+                continue  # a session being made or destroyed (names never start with '.')
+            try:
+                out.append(self.get(entry.name))
+            except ShmcacheError:
+                continue
+        return out
+
+    def live_pids(self, name: str) -> list[int]:
+        """PIDs of the processes attached to session ``name`` right now (judged by their slot locks)."""
+        return _live_pids_in(self.session_dir(name) / "slots")
+
+    def last_used(self, name: str) -> float:
+        """When a process last used session ``name`` (epoch seconds); now while one is attached
+        (NOTE [session lifecycle], last use)."""
+        if self.live_pids(name):
+            return time.time()
+        return self._recorded_use(self.get(name))
+
+    def _recorded_use(self, info: SessionInfo) -> float:
+        try:
+            return os.stat(self.session_dir(info.name) / "last_used").st_mtime
+        except FileNotFoundError:  # never attached (or made before last_used existed)
+            return info.created
+
+    def cache_meta_path(self, session: str, cache: str) -> Path:
+        """The metadata file of cache ``cache`` (fingerprint, cap, spill folder)."""
+        return self.session_dir(session) / "caches" / f"{cache}.json"
+
+    def read_cache_meta(self, session: str, cache: str) -> dict:
+        """The metadata of cache ``cache``; {} when it is missing or unreadable (being replaced,
+        or its creator died before writing it)."""
+        try:
+            meta = json.loads(self.cache_meta_path(session, cache).read_text())
+        except (OSError, ValueError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
+    def cache_names(self, name: str) -> list[str]:
+        return sorted(p.stem for p in (self.session_dir(name) / "caches").glob("*.json"))
+
+    # --- changes ----------------------------------------------------------------------------
+
+    def mark_used(self, name: str) -> None:
+        """Record that session ``name`` is used now (NOTE [session lifecycle], last use)."""
+        path = self.session_dir(name) / "last_used"
+        try:
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        except OSError:
+            pass  # the session is gone, or its directory is read-only: a lost touch only ages it
+
+    def create(self, name: str | None = None, *, spill_dir: str | os.PathLike | None = None,
+               exist_ok: bool = False, remote: str | None = None) -> SessionInfo:
+        """Create a session (a random name when ``name`` is None) and return it."""
+        if name is None:
+            name = "s-" + secrets.token_hex(4)
+        validate_name(name, "session")
+        if spill_dir is not None:
+            spill_dir = str(Path(spill_dir).expanduser().absolute())
+        with self._lock:
+            if self.exists(name):
+                if exist_ok:
+                    return self.get(name)
+                raise SessionExists(
+                    f"session {name!r} already exists in {self.ns.root}; attach to it with "
+                    f"session={name!r}, or `shmcache destroy {name}` first"
+                )
+            info = SessionInfo(name=name, created=time.time(), uid=os.getuid(),
+                               creator_pid=os.getpid(), spill_dir=spill_dir, remote=remote)
+            final = self.session_dir(name)
+            tmp = self.ns.sessions_dir / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+            tmp.mkdir(mode=0o700)
+            (tmp / "caches").mkdir(mode=0o700)
+            (tmp / "slots").mkdir(mode=0o700)
+            _write_json(tmp / "session.json", info.to_json())
+            if final.exists():  # a directory without session.json: debris of a dead creator
+                shutil.rmtree(final, ignore_errors=True)
+            # segments under this name are debris of a destroy that was killed half-way: they
+            # must not come back to life as caches of the new session
+            unlink_segments(self.ns, self.segment_prefix(name))
+            os.rename(tmp, final)  # published: from here on, others see a complete session
+            info.path = final
+            return info
+
+    def ensure(self, name: str, *, spill_dir: str | os.PathLike | None = None) -> SessionInfo:
+        """The session ``name``, created on first use."""
+        if self.exists(name):
+            return self.get(name)
+        return self.create(name, spill_dir=spill_dir, exist_ok=True)
+
+    def destroy(self, name: str, *, force: bool = False) -> list[str]:
+        """Drop session ``name`` and everything in it; returns the segment names it unlinked.
+
+        Crash-safe order: the session directory is renamed away first (the session is gone for
+        everyone at once, and a half-removed directory is gc's to finish), then every cache's
+        root segment is unlinked before its other segments (a cache without its root is debris
+        that nobody opens and gc removes).
+        """
+        validate_name(name, "session")
+        with self._lock:
+            if not self.session_dir(name).exists():
+                self.get(name)  # raises SessionNotFound with the list of sessions
+            pids = [p for p in self.live_pids(name) if p != os.getpid()]
+            if pids and not force:
+                raise _in_use(name, pids)
+            spill_dirs = self._spill_dirs_of(name)
+            doomed = self.ns.sessions_dir / f".{name}.tmp-destroy-{os.getpid()}-{secrets.token_hex(3)}"
+            held = self._hold_cache_locks(name)
+            try:
+                os.rename(self.session_dir(name), doomed)
+                # NOTE [session lifecycle], attaching races with destroying: a slot taken since
+                # the check above is seen here, and that process wins
+                late = [p for p in _live_pids_in(doomed / "slots") if p != os.getpid()]
+                if late and not force:
+                    os.rename(doomed, self.session_dir(name))
+                    raise _in_use(name, late)
+                prefix = self.segment_prefix(name)
+                removed = unlink_segments(self.ns, prefix)
+            finally:
+                for lock in held:  # a writer waiting on one finds its lock file gone (FileLock.acquire)
+                    lock.release()
+                    lock.close()
+            for spill in spill_dirs:
+                shutil.rmtree(spill, ignore_errors=True)
+            shutil.rmtree(doomed, ignore_errors=True)
+            return removed
+
+    def _hold_cache_locks(self, session: str, timeout_s: float = 10.0) -> list[FileLock]:
+        """Every cache lock of ``session`` that can be had within ``timeout_s``: no write is in
+        flight while the session goes (``force`` goes on without a lock whose holder is stuck)."""
+        held, deadline = [], time.monotonic() + timeout_s
+        for path in sorted((self.session_dir(session) / "caches").glob("*.lock")):
+            lock = self.cache_lock(session, path.stem)
+            try:
+                lock.acquire(timeout_s=max(0.0, deadline - time.monotonic()))
+            except (LockTimeout, FileNotFoundError):
+                lock.close()
+                continue
+            held.append(lock)
+        return held
+
+    def cache_lock(self, session: str, cache: str, timeout_s: float = 5.0) -> FileLock:
+        """The lock of cache ``cache`` of ``session``: its writers, gc and destroy take it."""
+        return FileLock(self.session_dir(session) / "caches" / f"{cache}.lock", timeout_s=timeout_s,
+                        what=f"the lock of cache {session}/{cache}")
+
+    def auto_capacity(self, name: str, compute: Callable[[], int], floor: int) -> int:
+        """The automatic cap (size=0) that the caches of session ``name`` share (NOTE [memory
+        limits] in store.py): ``compute()`` by the first auto-sized cache, kept in the session's
+        ``auto_capacity`` file, so that caches made later share it instead of each taking 80% of
+        what is left. The first writer wins (a hard link fails if the name exists: no lock is
+        needed, and none is taken under the cache lock our caller holds). A value below
+        ``floor`` (memory full right now) is not kept: the next cache asks again."""
+        path = self.session_dir(name) / "auto_capacity"
+        try:
+            return int(path.read_text())
+        except (FileNotFoundError, ValueError):
+            pass
+        cap = compute()
+        if cap < floor:
+            return cap
+        tmp = path.with_name(f".auto_capacity.{os.getpid()}.{secrets.token_hex(3)}.tmp")
+        tmp.write_text(str(cap))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another cache was first: its value is the session's
+            try:
+                return int(path.read_text())
+            except ValueError:  # damaged (truncated, overwritten): what we measured replaces it
+                os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return cap
+
+    def raise_auto_capacity(self, name: str, cap: int) -> int:
+        """Raise the automatic cap of session ``name`` to ``cap`` if that is more than it is; the
+        cap in force after (NOTE [memory limits] in store.py: memory was short when it was set).
+        Replaced atomically; two raisers at once both write what they measured a moment apart."""
+        path = self.session_dir(name) / "auto_capacity"
+        try:
+            now = int(path.read_text())
+        except (FileNotFoundError, ValueError):
+            now = 0
+        if cap <= now:
+            return now
+        tmp = path.with_name(f".auto_capacity.{os.getpid()}.{secrets.token_hex(3)}.tmp")
+        tmp.write_text(str(cap))
+        os.replace(tmp, path)
+        return cap
+
+    def attach_process(self, name: str) -> LivenessSlot:
+        """Hold a liveness slot in session ``name`` for as long as this process uses it.
+
+        FileNotFoundError: the session was destroyed (NOTE [session lifecycle], attaching races
+        with destroying)."""
+        slots = self.session_dir(name) / "slots"
+        try:
+            slot = LivenessSlot(slots, MAX_SLOTS)
+        except FileNotFoundError:  # a destroy has the directory away: wait for its decision
+            with self._lock:
+                slot = LivenessSlot(slots, MAX_SLOTS)
+        self.mark_used(name)
+        return slot
+
+    def destroy_idle(self, idle_for_s: float) -> list[IdleSession]:
+        """Destroy every session that no live process is attached to and that nobody has used
+        for ``idle_for_s`` seconds or more (NOTE [session lifecycle], last use); returns them.
+
+        A session in use is never destroyed, however old: ``destroy`` checks again after taking
+        the directory away, so a process attaching at that moment wins.
+        """
+        if not idle_for_s >= 0:
+            raise InvalidArgument(f"idle_for_s={idle_for_s!r}: a duration in seconds is >= 0")
+        destroyed = []
+        with self._lock:
+            for info in self.list():
+                if self.live_pids(info.name):
+                    self.mark_used(info.name)  # seen in use: idle from now at the earliest
+                    continue
+                last = self._recorded_use(info)
+                idle_s = time.time() - last
+                if idle_s < idle_for_s:
+                    continue
+                try:
+                    removed = self.destroy(info.name)  # reentrant: we hold the registry lock
+                except SessionInUse:
+                    continue  # a process attached just now
+                destroyed.append(IdleSession(info.name, last, idle_s, removed))
+        return destroyed
+
+    def gc(self) -> GcReport:
+        """Remove what dead processes left behind: orphan segments, half-made or half-destroyed
+        sessions, dead slot locks, unfinished metadata files."""
+        report = GcReport()
+        with self._lock:
+            live = {s.name for s in self.list()}
+            for entry in self.ns.sessions_dir.iterdir():
+                if entry.name.startswith(".") and ".tmp-" in entry.name:
+                    shutil.rmtree(entry, ignore_errors=True)
+                    report.removed_dirs.append(str(entry))
+            # roots first: each is tombstoned before anything of its cache goes (retire_root)
+            for seg in sorted(self.ns.owned_segments(), key=lambda n: not n.endswith(SEP + "root")):
+                session = seg[len(self.ns.segment_name()) + 1:].split(SEP, 1)[0]
+                if session not in live:
+                    report.removed_segments += unlink_segments(self.ns, seg)
+            for name in live:
+                sdir = self.session_dir(name)
+                for path in (sdir / "slots").glob("*.lock"):
+                    if not slot_is_alive(path, unlink_if_dead=True):
+                        report.removed_locks.append(str(path))
+                for path in (sdir / "caches").glob(".*.json.*.tmp"):  # a writer died in write_json
+                    cache = path.name[1:].split(".json.", 1)[0]
+                    lock = self.cache_lock(name, cache)
+                    with lock:  # cache metadata is written under it: a live writer is not racing us
+                        path.unlink(missing_ok=True)
+                    lock.close()
+                report.removed_caches += self._remove_caches_without_root(name)
+                report.removed_segments += self._remove_rootless_caches(name)
+        return report
+
+    def _remove_caches_without_root(self, session: str) -> list[str]:
+        """The json of every cache that has no usable root - a creation that failed or was killed
+        before it made its root, a destroy killed after its tombstone - and that nobody holds the
+        lock of (a creator holds it from before its json until its cache is whole): such a json
+        would be an error row in `shmcache stat` forever. Returns "session/cache" of each."""
+        prefix, removed = self.segment_prefix(session), []
+        for path in sorted((self.session_dir(session) / "caches").glob("*.json")):
+            cache = path.stem
+            root = f"{prefix}{cache}{SEP}root"
+            if _root_in_use(root):
+                continue
+            lock = self.cache_lock(session, cache)
+            try:
+                lock.acquire(timeout_s=0)
+            except (LockTimeout, FileNotFoundError):  # being created or written right now: not debris
+                lock.close()
+                continue
+            try:
+                if not _root_in_use(root):
+                    unlink_segments(self.ns, f"{prefix}{cache}{SEP}")
+                    path.unlink(missing_ok=True)
+                    removed.append(f"{session}/{cache}")
+            finally:
+                lock.release()
+                lock.close()
+        return removed
+
+    def drop_cache_contents(self, session: str, cache: str) -> list[str]:
+        """Remove every segment (roots tombstoned first) and the spill folder of cache ``cache``,
+        keeping its metadata: for a cache whose segments no longer open (a damaged header). The
+        next open makes it again, empty - it is a cache, its contents are recomputed on use.
+        Returns the segment names removed."""
+        lock = self.cache_lock(session, cache)
+        try:
+            with lock:
+                prefix = self.ns.segment_name(session, cache) + SEP
+                removed = unlink_segments(self.ns, prefix)
+                spill = self.read_cache_meta(session, cache).get("spill_path")
+                if spill:
+                    shutil.rmtree(spill, ignore_errors=True)
+        finally:
+            lock.close()
+        return removed
+
+    def _remove_rootless_caches(self, session: str) -> list[str]:
+        """Segments of caches whose root is gone (a destroy or a creation cut short)."""
+        prefix = self.segment_prefix(session)
+        by_cache: dict[str, list[str]] = {}
+        for seg in self.ns.owned_segments():
+            if seg.startswith(prefix):
+                by_cache.setdefault(seg[len(prefix):].split(SEP, 1)[0], []).append(seg)
+        removed = []
+        for cache, segs in by_cache.items():
+            root = f"{prefix}{cache}{SEP}root"
+            if root in segs:
+                continue
+            lock = self.cache_lock(session, cache)
+            with lock:  # a creator holds it while it makes the root: never race one
+                if not self.ns.shm_path(root).exists():
+                    removed += unlink_segments(self.ns, f"{prefix}{cache}{SEP}")
+            lock.close()
+        return removed
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _spill_dirs_of(self, name: str) -> list[Path]:
+        """Spill directories of every cache of the session (each cache spills into its own folder)."""
+        out = []
+        for cache in self.cache_names(name):
+            spill = self.read_cache_meta(name, cache).get("spill_path")
+            if spill:
+                out.append(Path(spill))
+        return out
+
+
+def _in_use(name: str, pids: list[int]) -> SessionInUse:
+    # Library callers read this; the CLI words the fix its own way (cli.cmd_destroy).
+    return SessionInUse(
+        f"session {name!r} is in use by {len(pids)} live process(es) (pids "
+        f"{', '.join(map(str, pids))}); stop them first, or pass force=True to destroy it anyway "
+        f"(their caches vanish under them)"
+    )
+
+
+def _live_pids_in(slots: Path) -> list[int]:
+    """PIDs of the live holders of the slot locks in ``slots``; -1 for one whose file is unreadable."""
+    pids = []
+    for path in sorted(slots.glob("*.lock")):
+        if slot_is_alive(path):
+            try:
+                pids.append(int(path.read_text().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pids.append(-1)
+    return pids
+
+
+def _root_in_use(name: str) -> bool:
+    """Cache root ``name`` exists, finished and not tombstoned (retire_root)."""
+    try:
+        root = Segment.attach(name)
+    except (FileNotFoundError, CorruptSegment):
+        return False
+    except (OSError, ShmcacheError):  # another user's, no memory to map it: cannot tell, keep it
+        return True
+    in_use = root.size < ROOT_EPOCH + 8 or struct.unpack_from("Q", root.buf, ROOT_EPOCH)[0] != DESTROYED
+    root.close()
+    return in_use
+
+
+def unlink_segments(ns: Namespace, prefix: str, *, keep: Collection[str] = ()) -> list[str]:
+    """Unlink our segments whose names start with ``prefix``, but those in ``keep``; roots first,
+    each tombstoned before it goes (retire_root: a process still mapping it misses from then on,
+    NOTE [publish order], Destroying). Only files of ours: never another user's squat. Returns
+    the names removed."""
+    names = [seg for seg in ns.owned_segments() if seg.startswith(prefix) and seg not in keep]
+    roots = [seg for seg in names if seg.endswith(SEP + "root")]
+    removed = []
+    for seg in roots + [seg for seg in names if not seg.endswith(SEP + "root")]:
+        if seg.endswith(SEP + "root"):
+            retire_root(seg)
+        if ns.unlink_segment(seg):
+            removed.append(seg)
+    return removed
+
+
+def retire_root(name: str) -> None:
+    """Write the tombstone into the epoch word of cache root ``name`` (before it is unlinked)."""
+    try:
+        root = Segment.attach(name)
+    except (OSError, ShmcacheError):  # gone, or never finished (no reader maps it): unlink it
+        return
+    if root.size >= ROOT_EPOCH + 8:
+        root.words[ROOT_EPOCH >> 3] = DESTROYED  # one store: readers compare it lock-free
+        ordering.fence()  # retired for every reader before its spill files and name are reused
+    root.close()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write ``path`` atomically (temporary file + rename), mode 0600."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.rename(tmp, path)
+
+
+write_json = _write_json

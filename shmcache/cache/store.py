@@ -1,0 +1,1726 @@
+"""The cache store: one named cache of a session, shared by every process that opens it.
+
+Objects of one cache (names from Namespace.segment_name; ``g`` is the generation, ``v`` the table
+version)::
+
+    +root            epoch word (generation << 32 | table version), capacity, incarnation, sizing
+                     (generation.RootLayout)
+    +<i>+g<g>+meta   counters, allocator classes, layout table, totals, the intent record
+                     (generation.MetaLayout, generation.Generation)
+    +<i>+g<g>+t<v>   the hash table (index.py)
+    +<i>+g<g>+c<k>   the data segment of size class k (allocator.py)
+
+``i`` is the root's incarnation: a random word drawn when the root is made. A process that still
+maps a destroyed cache's root (``destroy --force`` under it) keeps its own names, so it can never
+attach, grow or unlink the segments of the cache made again under the same name.
+
+NOTE [publish order]
+    Readers never lock. Writers hold the cache's lock file (NOTE [lock files]) while they
+    allocate, copy and publish, in this order:
+
+      1. write the *intent* (phase 1: what is about to be allocated, and the class's old bump);
+      2. allocate the chunk (move the class's bump) and copy the record into it;
+      3. write the entry's key and location words, then its state word READY in one aligned
+         8-byte store - from here readers see a complete record;
+      4. phase 2: the new totals (items, bytes) are assigned, not added, so redoing them is harmless;
+      5. clear the intent.
+
+    "One store" is meant literally: every word a reader reads without the lock (the root's epoch
+    word, the meta segment's counts and totals, a class's bump and committed count, an entry's
+    words, the counters) is written through ``Segment.words`` (segment.word_view), one aligned
+    8-byte store. Never with struct.pack_into, which zeroes its destination before it stores: a
+    reader in another process then sees a transient 0 (it did: false CorruptSegment in stress).
+
+    A writer can die anywhere (SIGKILL); the kernel then releases the lock, and whoever takes it
+    next - a writer, or ``shmcache gc`` - finds the intent and repairs: if the entry never became
+    READY, it restores the class's bump (the chunk is free again: nothing leaked, nothing visible);
+    if it did, it re-assigns the totals. Readers never saw a half-written record, because a record
+    becomes reachable only by step 3, and memory that was reachable is never reused within a
+    generation: ``clear()`` starts a new generation in new segments, and table growth builds a new
+    table. Processes still holding old mappings keep reading consistent (old) data until their next
+    operation sees the new epoch word. The one entry that is ever rewritten in place is a spilled
+    one whose record turned out corrupt: readers verify every spilled record they read (key,
+    lengths, checksum), so any mix of old and new location words is a right value or a miss.
+
+    Memory ordering (ordering.py). All of the above says "after" of stores that other processes
+    load without a lock; on x86-64 (TSO) the order of a writer's stores is the order every reader
+    sees, and nothing more is done. On a weakly ordered CPU (aarch64) the writer makes that order
+    with ``ordering.fence()`` - membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED): every registered
+    process passes a full barrier before it returns - and readers pay nothing. Point by point:
+
+      * an entry: the record's bytes, its class record (chunk size, bump) and layout record, and
+        the entry's w1 and w2 are stored, then a fence, then w0 = READY (index.TableView.publish;
+        every insert, spilled or not, and put_records / an import: one fence per record). A reader
+        loads w0 first and the rest after, so if it sees READY it sees all of them.
+      * a commit step: the class's committed count (and the meta's total), a fence, and only then a
+        bump that relies on it (_commit); ClassTable.get loads the bump before the committed count.
+      * a generation or a table version: the meta, the table (every entry of a grown table: no
+        fence per entry there, nobody reads it yet) and the root's capacity, incarnation and sizing
+        words, a fence, then the epoch word (_create_generation, _grow_table). A raised automatic
+        cap: CAPACITY, a fence, SIZING.
+      * retire, then reuse: clear() and gc's drop publish the new epoch word, fence, and only then
+        clear the spill files (whose offsets the new generation reuses): a reader whose read of a
+        reused file fails and then loads the epoch word sees the new one (a plain miss). A destroy
+        (here and registry.retire_root) fences after the tombstone, before its files and name go.
+        Memory inside a generation is never reused (above), and the repair gives back only a
+        chunk that no entry ever named, so nothing else is retired.
+      * not fenced: the intent record, the totals and the counters. The intent is read under the
+        lock only (the lock file's flock orders it, as it orders one writer after the other); the
+        totals and counters are statistics, each word one aligned store.
+    The argument for membarrier (ordering.py's docstring): a reader's barrier falls before its load
+    of the published word (then it sees what the fence covered) or after it (then that load was
+    done before the fence returned, so before the word was published: it saw the old one). Every
+    process registers when it first maps a segment; a forked child keeps its parent's registration
+    (the kernel copies it with the mm; the tests check) and registers again anyway.
+
+    Destroying. Whoever removes a cache (``CacheStore.destroy``, ``SessionRegistry.destroy``,
+    ``gc`` of a dead session's segments) first writes the tombstone DESTROYED into its root's epoch
+    word, then unlinks the root, then the rest (registry.retire_root). Unlinked segments stay
+    mapped in the processes that use them, so without it an old handle would go on returning the
+    destroyed values; with it, the word every lookup already compares changes, and the handle maps
+    an empty private generation instead: its reads miss, and ``locked()`` refuses its writes with
+    CacheNotFound. A reader that compared the word just before the tombstone returns a value that
+    was current when it looked (as with ``clear()``). An opener that finds a tombstoned root under
+    the lock finishes the dead destroy (unlinks it) and makes a new incarnation.
+
+    Opening. The root is made READY-last (segment.py), then its capacity and incarnation words,
+    then the first generation, and its epoch word is published last. So an opener attaches the
+    root without the lock when its epoch word names a generation whose meta and table exist: a
+    writer stopped while holding the lock (SIGSTOP, a debugger) never blocks readers or workers
+    that re-attach. Only a root that is missing, half-made, tombstoned or without its generation
+    sends the opener to the lock, to create or repair it. A put that cannot get the lock
+    within its timeout serves its value uncached (counted as rejected; CacheStore._write_locked).
+
+    Damage (a stray write into /dev/shm, a hostile process of the same user) must never turn into
+    a wrong value or a moved bump. Readers check each entry before following it: a class in use,
+    a chunk below the class's bump, a length within the chunk, a layout id the meta segment
+    holds (_record, _layout; on the batch path with numpy over the batch). Handed out, not merely
+    committed: a committed chunk above the bump holds zeros. Sound in every legitimate state: an
+    entry is READY only after its chunk's bump step, and a bump goes back (repair) only for a
+    chunk no entry ever pointed at. The repairer checks the
+    intent is one a writer can leave: phase 1 or 2, a position inside the table, a class in use (or
+    SPILL_CLASS), an old bump equal to the class's bump or one less, phase 2 only with its entry
+    READY, totals at most one item on. Anything else raises CorruptSegment and touches nothing;
+    ``shmcache gc`` (collect_garbage) finds the same damage and replaces the generation by an
+    empty one, as clear() does.
+
+NOTE [memory limits]
+    What a cache may take of shared memory is checked where it grows: at each commit step of a
+    data segment (``_commit``: 64 KiB or one chunk at a time, so the checks below are rare).
+
+    * ``size=`` (MiB) given: the cache's own cap (RootLayout.CAPACITY); meta, index and data count.
+    * ``size=0``: the *session's* automatic cap - 80% of what is really available (MemAvailable,
+      the process's cgroup, /dev/shm's free space; config.memory_limits) when the session's
+      first auto-sized cache is made, kept in the session's ``auto_capacity`` file
+      (SessionRegistry.auto_capacity) so caches made later share it rather than each taking 80%
+      of what is left. An auto-sized cache checks what all segments of the session really
+      occupy in /dev/shm (st_blocks, as ``shmcache ls`` counts) against it, again each time its
+      process has committed 1/16 of what was left at the last look (so the checks grow frequent
+      as the session fills) or 50 ms have passed: together they stay within it, give or take
+      what more than 16 processes committing within the same 50 ms could add, and an index
+      growth (a few bytes per item), which is not checked.
+      Caches with their own size= are counted in that sum but keep their own caps.
+      The cap was measured once; memory short at that moment must not shrink the session for
+      good: an auto-sized cache that finds no room asks again (at most once a second per handle,
+      _raise_auto_cap) and raises the session's cap - the file, then its root's CAPACITY and
+      SIZING words - to 80% of what is available now plus what the session holds, if that is 1/8
+      more. Its data
+      segments are sized for all of /dev/shm (sparse), so a raised cap can be committed.
+    * Memory full at creation (the automatic cap below one page of data): the cache is made with
+      no room for data (RootLayout.SIZING = AUTO_NONE), every item is rejected or spilled, and
+      that is said once. If not even the cache's own segments fit, CacheStore raises SharedMemoryFull,
+      having removed what it made; ShmDatasetCache then serves from an UncachedStore (computes
+      from the source, counts the rejections in the process).
+    * Spilling on: spilled records are found through the index, which lives in shared memory and
+      doubles as it fills (the old and the new table coexist during a growth). So data admission
+      into memory stops early enough to leave a reserve - 1/16 of the cap or of /dev/shm,
+      whichever is smaller, at least 1 MiB (at most a quarter), at most 256 MiB - free both under
+      the cap and in /dev/shm. A reserve of R bytes lets the index double until a new table no
+      longer fits beside the old one: about 11,000 spilled items per MiB of reserve (a 64 MiB
+      /dev/shm keeps 4 MiB: ~45,000 spilled items; a cache of 4 GiB or more keeps 256 MiB: ~2.9
+      million; more when the index was already large when memory filled). Beyond that, and when
+      others fill /dev/shm meanwhile, new items are rejected (counted, said once). ``wrap()`` of a
+      map-style dataset sizes the index for all its items up front: it never grows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import secrets
+import shutil
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..base import ordering
+from ..base.faults import ARMED as _CRASH_TESTS
+from ..base.faults import crash_point
+from ..base.memory import memory_limits
+from ..base.namespace import SHM_ROOT, Namespace, namespace, validate_name
+from ..base.shm import PAGE, Segment
+from ..errors import (
+    CacheMismatch,
+    CacheNotFound,
+    CorruptSegment,
+    InvalidArgument,
+    ItemTooLarge,
+    LockTimeout,
+    SessionNotFound,
+    SharedMemoryFull,
+    ShmcacheError,
+    SnapshotError,
+)
+from . import codec, gather, process_slot
+from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
+from .generation import (
+    AUTO,
+    AUTO_NONE,
+    CORRUPT,
+    COUNTER_NAMES,
+    DEAD_GEN,
+    HITS,
+    KIND_DATA,
+    KIND_META,
+    KIND_ROOT,
+    KIND_TABLE,
+    MISSES,
+    REJECTED,
+    SIZED,
+    SPILL_CLASS,
+    Generation,
+    Intent,
+    M,
+    RootLayout,
+    close_generation,
+    destroyed_generation,
+    epoch_of,
+    split_epoch,
+)
+from .index import (
+    ENTRY_BYTES,
+    INLINE24,
+    INT_KEY,
+    LOCATION_MASK,
+    MAX_LOAD,
+    READY,
+    SPILLED,
+    TABLE_OFF,
+    TableView,
+    entry_class,
+    entry_layout,
+    entry_length,
+    key_bytes,
+    location_word,
+    state_word,
+    tier_key,
+)
+from .indexed_tier import IndexedTier, Location
+from .registry import DESTROYED, MAX_SLOTS, SEP, SessionRegistry, unlink_segments, write_json
+
+__all__ = ["CacheStore", "UncachedStore", "STAT_KEYS"]
+
+log = logging.getLogger("shmcache")
+
+_Q = struct.Struct("Q")
+_QQ = struct.Struct("QQ")
+R = RootLayout
+_KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.record_header, inlined)
+MIN_TABLE = 1024
+_STUCK_COOLDOWN_S = 30.0  # puts stop waiting for a lock that a live process keeps (_write_locked)
+MAX_RECORD = (1 << 32) - 1
+_MIN_RECORD = codec.RECORD_HEADER.size
+# what decoding damaged bytes raises (marshal, struct, numpy, pickle, utf-8): CorruptSegment instead
+_UNDECODABLE = (ValueError, TypeError, OverflowError, IndexError, KeyError, EOFError, struct.error,
+                RecursionError, pickle.UnpicklingError)
+
+
+_MIN_CAPACITY = M.SIZE + PAGE  # a cap below this holds nothing
+
+STAT_KEYS = ("session", "name", "items_mem", "items_disk", "bytes_mem", "bytes_disk",
+             "bytes_disk_raw", "avg_item_bytes", "hits", "misses", "rejected", "capacity_bytes")
+
+
+class Found(NamedTuple):
+    """What ``CacheStore._find`` found for a key (index.py has the entry's words)."""
+
+    w0: int  # the state word: 0 when the key is absent
+    w2: int  # the location word
+    pos: int  # the entry's position (where the key would go when absent)
+    kb: bytes  # the key's bytes (empty for an int key; index.key_bytes)
+    w1: int  # the key word
+
+
+class _Full(Exception):
+    """Internal: the cache (or /dev/shm) has no room for this record."""
+
+
+class CacheStore:
+    """One cache (``session``/``name``); see the module docstring for what lives where."""
+
+    uncached = False  # see UncachedStore
+
+    def __init__(self, session: str, name: str, *, capacity_bytes: int = 0,
+                 fingerprint: str | None = None, table_hint: int = 0,
+                 ns: Namespace | str | None = None, lock_timeout_s: float = 60.0,
+                 create: bool = True):
+        ordering.register()  # a weakly ordered machine without membarrier refuses here (ordering.py)
+        self.session = validate_name(session, "session")
+        self.name = validate_name(name, "cache")
+        self.ns = ns if isinstance(ns, Namespace) else namespace(ns)
+        self.registry = SessionRegistry(self.ns)
+        if create:
+            self.registry.ensure(self.session)
+        else:
+            self.registry.get(self.session)  # SessionNotFound, naming the sessions there are
+        self.meta_path = self.registry.cache_meta_path(self.session, self.name)
+        self.lock = self.registry.cache_lock(self.session, self.name, lock_timeout_s)
+        self._base = self.ns.segment_name(self.session, self.name)
+        self._gen: Generation | None = None
+        self._epoch = -1
+        self._counters = [0, 0, 0, 0]  # hits, misses, rejected, corrupt: this process's totals
+        self._counter_off = -1
+        self._proc_gen = -1
+        self._shm_full_logged = False
+        self._shm_full_until = 0.0
+        self._auto_retry_at = 0.0  # an auto-sized cache found full asks again then (_raise_auto_cap)
+        self._map_lock = threading.Lock()
+        self._lock_gen = process_slot.generation()
+        self._buffers = gather.BatchBuffers()
+        self.spill: IndexedTier | None = None  # where records go when memory is full (spill_to)
+        self._root = None
+        self._incarnation = 0  # the root's (set when it is opened; see the module docstring)
+        self._lock_stuck_until = 0.0  # puts try the lock without waiting until then (_write_locked)
+        self._lock_stuck_logged = False
+        # a whole cache opens without the lock (NOTE [publish order]: Opening): a writer stopped
+        # while it holds the lock must not block readers and re-attaching workers
+        self._root = self._attach_whole_root(fingerprint)
+        if self._root is None:  # missing, half-made or tombstoned: create or repair, under the lock
+            try:
+                self.lock.acquire()
+            except FileNotFoundError:  # the session's directory went away under us
+                raise SessionNotFound(f"session {self.session!r} was destroyed while cache {self.name!r} "
+                                      f"was being opened in it; open it again") from None
+            try:
+                self._root = self._open_root(capacity_bytes, fingerprint, table_hint, create)
+            finally:
+                self.lock.release()
+        self._lock_reopened = self.lock.reopened
+        self.capacity_bytes = _Q.unpack_from(self._root.buf, R.CAPACITY)[0]
+        if capacity_bytes and capacity_bytes != self.capacity_bytes:
+            log.warning("cache %s/%s exists with a cap of %.0f MiB; size=%.0f MiB applies only to a "
+                        "new cache (clear() keeps the cap: destroy the session to change it)",
+                        self.session, self.name, self.capacity_bytes / 2**20, capacity_bytes / 2**20)
+        self._attached = -1  # the process generation in which this store counts as a user
+        if create:
+            try:  # attached from now on: `shmcache ls` counts us, `destroy` waits for us
+                process_slot.attach(self.registry, self.session)
+                self._attached = process_slot.generation()
+            except LockTimeout:
+                pass  # served without a slot; _count says so when it first counts
+            except FileNotFoundError:  # its slots directory is gone: destroyed just now
+                raise self._destroyed() from None
+        self._refresh()
+
+    # --- opening ------------------------------------------------------------------------------
+
+    def _seg_name(self, *parts: str) -> str:
+        """The name of the root (``"root"``), or of a segment of this incarnation of the cache."""
+        if parts == ("root",):
+            return self._base + SEP + "root"
+        return self._base + SEP + SEP.join((f"{self._incarnation:08x}", *parts))
+
+    def _adopt(self, root: Segment) -> Segment:
+        self._incarnation = _Q.unpack_from(root.buf, R.INCARNATION)[0]
+        return root
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the cache's lock, and make sure it is still the lock of the cache this handle
+        opened: a lock file found replaced means the session was destroyed (and maybe made again)."""
+        self._acquire(None)
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def _write_locked(self):
+        """``locked()`` for a put: yields False, holding nothing, when the lock cannot be had - a
+        live process keeps it (stopped, in a debugger), and the caller serves its value uncached.
+        After one full wait, puts only try without waiting until a try has not failed for
+        _STUCK_COOLDOWN_S: a stuck lock costs one timeout, not one per miss."""
+        try:
+            self._acquire(0.0 if time.monotonic() < self._lock_stuck_until else None)
+        except LockTimeout as exc:
+            self._lock_stuck_until = time.monotonic() + _STUCK_COOLDOWN_S
+            if not self._lock_stuck_logged:
+                self._lock_stuck_logged = True
+                log.warning("cache %s/%s: %s; new values are served uncached (counted as rejected), "
+                            "and writes stop waiting for it until it is free", self.session, self.name, exc)
+            yield False
+            return
+        if self._lock_stuck_logged:
+            self._lock_stuck_logged, self._lock_stuck_until = False, 0.0
+            log.info("cache %s/%s: its lock is free again; new values are cached", self.session, self.name)
+        try:
+            yield True
+        finally:
+            self.lock.release()
+
+    def _acquire(self, timeout_s: float | None) -> None:
+        """Take the lock for ``locked()``: CacheNotFound if this handle's cache was destroyed."""
+        try:
+            self.lock.acquire(timeout_s)
+        except FileNotFoundError:  # the session's directory is gone: only a destroy removes it
+            raise self._destroyed() from None
+        try:
+            if self.lock.reopened != self._lock_reopened:
+                stale = self._destroyed_under_us()
+                if stale is not None:
+                    raise stale
+                self._lock_reopened = self.lock.reopened
+            if self._root is not None and _Q.unpack_from(self._root.buf, R.EPOCH)[0] == DESTROYED:
+                raise self._destroyed()  # its root was tombstoned: this cache is gone
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _destroyed_under_us(self) -> CacheNotFound | None:
+        """The error to raise if this cache's root is gone or is another incarnation's now."""
+        try:
+            live = Segment.attach(self._seg_name("root"), kind=KIND_ROOT)
+            same = _Q.unpack_from(live.buf, R.INCARNATION)[0] == self._incarnation
+            live.close()
+        except (FileNotFoundError, CorruptSegment):
+            same = False
+        return None if same else self._destroyed()
+
+    def _destroyed(self) -> CacheNotFound:
+        return CacheNotFound(f"cache {self.session}/{self.name} was destroyed while this process used it "
+                             f"(`shmcache destroy --force`?); open it again (a new ShmDatasetCache)")
+
+    def _attach_whole_root(self, fingerprint: str | None) -> Segment | None:
+        """The root, attached without the lock, if its epoch word names a generation whose meta
+        and table exist (NOTE [publish order]: Opening); None when only the lock can tell."""
+        try:
+            root = self._adopt(Segment.attach(self._seg_name("root"), kind=KIND_ROOT))
+        except (FileNotFoundError, CorruptSegment):
+            return None
+        if _Q.unpack_from(root.buf, R.EPOCH)[0] == DESTROYED or not self._generation_exists(root):
+            root.close()
+            return None
+        self._check_fingerprint(fingerprint)
+        return root
+
+    def _open_root(self, capacity_bytes: int, fingerprint: str | None, table_hint: int,
+                   create: bool) -> Segment:
+        name = self._seg_name("root")
+        try:
+            root = self._adopt(Segment.attach(name, kind=KIND_ROOT))
+        except FileNotFoundError:
+            root = None
+        except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
+            self.ns.unlink_segment(name)
+            root = None
+        if root is not None and _Q.unpack_from(root.buf, R.EPOCH)[0] == DESTROYED:
+            root.unlink()  # tombstoned by a destroy that died before it unlinked it: finish that
+            root = None
+        if root is not None and _Q.unpack_from(root.buf, R.EPOCH)[0] == 0:
+            # its creator died before publishing the first generation, maybe before writing the
+            # cap (a cache of 0 bytes for good): nobody ever read it - make it afresh, below
+            log.info("cache %s/%s: its creator died while making it; what it made is removed",
+                     self.session, self.name)
+            root.unlink()
+            root = None
+            unlink_segments(self.ns, self._base + SEP)
+            if not create:  # the cache was never made: forget it, as gc does (no error row in stat)
+                self.meta_path.unlink(missing_ok=True)
+        if root is not None and not self._generation_exists(root):
+            # its creator died after making it, before the first generation; or a destroy died
+            # after unlinking some segments: what is left is debris - start the cache afresh
+            log.warning("cache %s/%s was left half-made or half-destroyed by a process that died; "
+                        "it starts empty", self.session, self.name)
+            capacity = _Q.unpack_from(root.buf, R.CAPACITY)[0]
+            unlink_segments(self.ns, self._base + SEP, keep=(name,))
+            # a generation number this root never named: a handle still mapping the lost one must
+            # see the epoch word change, never new segments under the names it maps lazily
+            gen = split_epoch(_Q.unpack_from(root.buf, R.EPOCH)[0])[0] + 1
+            self._create_generation(root, gen, capacity, _table_capacity(table_hint))
+        if root is not None:
+            self._check_fingerprint(fingerprint)
+            return root
+        if not create:
+            raise CacheNotFound(
+                f"no cache {self.name!r} in session {self.session!r} (caches: "
+                f"{', '.join(self.registry.cache_names(self.session)) or 'none'})"
+            )
+        unlink_segments(self.ns, self._base + SEP)  # debris of an earlier incarnation of this cache
+        sizing, capacity = SIZED, capacity_bytes
+        if not capacity:  # size=0: the session's automatic cap (NOTE [memory limits])
+            sizing, capacity = AUTO, self.registry.auto_capacity(
+                self.session, lambda: memory_limits().auto_capacity(), _MIN_CAPACITY)
+            if capacity < _MIN_CAPACITY:  # memory is full now: a cache that holds nothing in memory
+                sizing, capacity = AUTO_NONE, _MIN_CAPACITY
+        if capacity < _MIN_CAPACITY:
+            raise InvalidArgument(
+                f"the cache {self.session}/{self.name} would get {capacity / 2**20:.2f} MiB, too "
+                f"little to hold anything; give it size= (MiB) of at least 1, or size=0 for the "
+                f"automatic cap (`shmcache info` shows what limits memory here)"
+            )
+        # the metadata first: a creator that dies later leaves a cache that stat and gc can see
+        write_json(self.meta_path, {
+            "session": self.session, "name": self.name, "fingerprint": fingerprint,
+            "created": time.time(), "capacity_bytes": capacity,
+        })
+        try:
+            root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
+            root.words[R.CAPACITY >> 3] = capacity
+            root.words[R.INCARNATION >> 3] = secrets.randbits(32)
+            root.words[R.SIZING >> 3] = sizing
+            self._adopt(root)
+            self._create_generation(root, 1, capacity, _table_capacity(table_hint))
+        except BaseException:
+            # no room, or interrupted: take back what this attempt made, json last (we hold the
+            # lock, and the epoch word was never published, so nobody attached any of it)
+            unlink_segments(self.ns, self._base + SEP)
+            self.meta_path.unlink(missing_ok=True)
+            raise
+        if sizing == AUTO_NONE:  # said once, here: a cache that could not be made says it above us
+            self._log_no_memory()
+        return root
+
+    def _log_no_memory(self) -> None:
+        lim = memory_limits()
+        log.warning(
+            "cache %s/%s gets no memory: the automatic cap (size=0) is 80%% of what is free, and "
+            "/dev/shm has %.1f MiB free of %.1f MiB (MemAvailable %.0f MiB, cgroup %s); its items go to "
+            "disk if spilling is on, else are computed from the source, not cached. "
+            "Free /dev/shm (`shmcache gc`, `shmcache destroy`), or in Docker raise --shm-size",
+            self.session, self.name, (lim.shm_free or 0) / 2**20, (lim.shm_total or 0) / 2**20,
+            (lim.mem_available or 0) / 2**20,
+            f"{lim.cgroup_free / 2**20:.0f} MiB free" if lim.cgroup_limit else "no limit")
+
+    def _generation_exists(self, root: Segment) -> bool:
+        """The meta and table segments the root's epoch word names are there. Under the lock nobody
+        is making or removing them; without it, a clear() may replace them right after (_refresh
+        copes), or make this False for a moment (the opener then asks under the lock)."""
+        epoch = _Q.unpack_from(root.buf, R.EPOCH)[0]
+        gen, version = split_epoch(epoch)
+        return gen > 0 and all(self.ns.shm_path(self._seg_name(f"g{gen}", part)).exists()
+                               for part in ("meta", f"t{version}"))
+
+    def bind_fingerprint(self, fingerprint: str) -> None:
+        """Record which dataset this cache holds (first binding), or raise if it holds another."""
+        if self.read_meta().get("fingerprint") == fingerprint:
+            return  # recorded already: nothing to write, no lock to wait for
+        with self.locked():
+            self._check_fingerprint(fingerprint)
+            meta = self.read_meta()
+            if meta.get("fingerprint") is None:
+                meta["fingerprint"] = fingerprint
+                write_json(self.meta_path, meta)
+
+    def read_meta(self) -> dict:
+        return self.registry.read_cache_meta(self.session, self.name)
+
+    def record_label(self, label: str) -> None:
+        """What a user recognises the cache by (wrap(label=), else the dataset's repr), kept in its
+        metadata for `shmcache stat`; rewritten under the lock only when it changes."""
+        if self.read_meta().get("label") == label:
+            return
+        with self.locked():
+            meta = self.read_meta()
+            if meta and meta.get("label") != label:
+                meta["label"] = label
+                write_json(self.meta_path, meta)
+
+    def _check_fingerprint(self, fingerprint: str | None) -> None:
+        if fingerprint is None:
+            return
+        known = self.read_meta().get("fingerprint")
+        if known and known != fingerprint:
+            raise CacheMismatch(
+                f"cache {self.session}/{self.name} holds another dataset (fingerprint {known}, "
+                f"this one is {fingerprint}); use another name=, let shmcache name it "
+                f"(name=None), or drop the old one with cache.clear() / `shmcache destroy "
+                f"{self.session}`"
+            )
+
+    def _create_generation(self, root: Segment, gen: int, capacity: int, cap: int) -> None:
+        """Make the meta and table (``cap`` entries) of ``gen`` and publish it (caller holds the
+        lock). Leftovers of an attempt whose process died are removed first."""
+        unlink_segments(self.ns, self._seg_name(f"g{gen}", ""))
+        meta = Segment.create(self._seg_name(f"g{gen}", "meta"), M.SIZE, kind=KIND_META, commit=M.SIZE)
+        table = Segment.create(self._seg_name(f"g{gen}", "t1"), TableView.bytes_for(cap),
+                               kind=KIND_TABLE, commit=TableView.bytes_for(cap))
+        TableView.init(table.buf, cap)
+        meta.words[M.CAPACITY >> 3] = capacity
+        meta.words[M.COMMITTED >> 3] = M.SIZE + TableView.bytes_for(cap)
+        meta.close()
+        table.close()
+        ordering.fence()  # the root's words, the meta and the table before the epoch word names them
+        root.words[R.EPOCH >> 3] = epoch_of(gen, 1)  # the epoch word: published last, one store
+
+    # --- generations ----------------------------------------------------------------------------
+
+    def _refresh(self) -> Generation:
+        """Map the generation and table version the root announces now (if not mapped already)."""
+        if self._root is None:
+            raise InvalidArgument(f"cache {self.session}/{self.name} was closed in this process; "
+                                  f"open it again")
+        for _ in range(100):
+            epoch = _Q.unpack_from(self._root.buf, R.EPOCH)[0]
+            if epoch == self._epoch and self._gen is not None:
+                return self._gen
+            if self._lock_gen != process_slot.generation():  # forked: a thread of the parent may
+                self._map_lock = threading.Lock()        # have held it at the fork
+                self._lock_gen = process_slot.generation()
+            try:
+                with self._map_lock:  # a prefetch thread and the main thread may both get here
+                    if epoch != self._epoch or self._gen is None:
+                        self._map_epoch(epoch)
+                return self._gen
+            except FileNotFoundError:
+                time.sleep(0.001)  # a clear() or a table growth is replacing it right now
+        stale = self._destroyed_under_us()
+        if stale is not None:
+            raise stale
+        raise CorruptSegment(f"cache {self.session}/{self.name}: the root names segments that do not "
+                             f"exist; run `shmcache gc`")
+
+    def _map_epoch(self, epoch: int) -> None:
+        old = self._gen
+        if epoch == DESTROYED:  # tombstoned (NOTE [publish order]): every read is a miss from now on
+            self._gen = destroyed_generation()
+            self._proc_gen = -1  # its counters went with it (_count)
+            self._epoch = epoch
+            if old is not None:
+                close_generation(old)
+            return
+        gen, version = split_epoch(epoch)
+        if old is not None and old.gen == gen:
+            table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
+            # a new Generation, not an update in place: a thread inside a lookup keeps the one it has
+            self._gen = Generation(gen, version, old.meta, table, TableView(table.buf, table.name), old.classes,
+                             old.data, old.layouts, old.columns)
+        else:
+            meta = Segment.attach(self._seg_name(f"g{gen}", "meta"), kind=KIND_META)
+            try:
+                table = Segment.attach(self._seg_name(f"g{gen}", f"t{version}"), kind=KIND_TABLE)
+            except BaseException:
+                meta.close()
+                raise
+            self._gen = Generation(gen, version, meta, table, TableView(table.buf, table.name),
+                             ClassTable(meta.buf, M.CLASSES), {}, {}, {})
+            if old is not None:
+                close_generation(old)
+                if self.spill is not None:  # clear() elsewhere replaced the spill files too
+                    self.spill.reopen()
+            self._proc_gen = -1  # counters live in the new meta: re-read our slot's totals
+        self._epoch = epoch
+
+    def _data(self, g: Generation, cls: int) -> tuple:
+        """``(segment, read-only view, chunk size, chunks handed out when last checked)`` of size
+        class ``cls``, mapped on first use (its class record checked by :meth:`_committed`)."""
+        entry = g.data.get(cls)
+        if entry is None:
+            if not (0 < cls < MAX_CLASSES and g.classes.chunk_size(cls)):
+                raise self._corrupt(f"an entry of {g.table.name} names size class {cls}, which holds "
+                                    f"no chunks in {g.meta.name}")
+            seg = Segment.attach(self._seg_name(f"g{g.gen}", f"c{cls}"), kind=KIND_DATA)
+            entry = self._committed(g, cls, (seg, memoryview(seg.buf).toreadonly(), 0, 0))
+        return entry
+
+    def _committed(self, g: Generation, cls: int, entry: tuple) -> tuple:
+        """``entry`` of :meth:`_data` with the class record read again from meta and checked: a
+        chunk size the allocator gives that class, ``bump <= committed``, and committed chunks
+        inside the segment. Called when an entry points past what this process saw handed out.
+        The bump, not the committed count: a committed chunk above the bump was never written, and
+        an entry pointing there would read as a record of zeros."""
+        seg, view = entry[:2]
+        chunk, bump, committed = g.classes.get(cls)
+        try:
+            ok = size_class(chunk) == (cls, chunk)
+        except OverflowError:
+            ok = False
+        if not ok or bump > committed or DATA_OFF + committed * chunk > seg.size:
+            raise self._corrupt(f"the record of size class {cls} in {g.meta.name} is damaged (chunks of "
+                                f"{chunk} bytes, {bump} handed out of {committed} committed, in "
+                                f"{seg.name} of {seg.size} bytes)")
+        entry = g.data[cls] = (seg, view, chunk, bump)
+        return entry
+
+    def _record(self, g: Generation, w0: int, w2: int, w1: int, kb: bytes) -> memoryview:
+        """The bytes of the in-memory record that entry (w0, w2) points at. The entry is checked
+        first with a few int compares: a damaged one (issue 8) names a class, a chunk or a length
+        the allocator never handed out, where reading would return zeros or another record."""
+        # index.entry_class, entry_chunk and entry_length, inlined (every str key's read comes here)
+        cls = w2 >> 48
+        entry = g.data.get(cls) or self._data(g, cls)
+        chunk, n = w2 & LOCATION_MASK, w0 >> 32
+        if chunk >= entry[3] or not 16 <= n <= entry[2]:  # 16: _MIN_RECORD, as a constant
+            entry = self._committed(g, cls, entry)  # more may have been handed out since
+            if chunk >= entry[3] or not _MIN_RECORD <= n <= entry[2]:
+                raise self._corrupt(f"the entry of key {_key_repr(w1, kb)} in {g.table.name} points at "
+                                    f"{n} bytes in chunk {chunk} of size class {cls}, which has handed "
+                                    f"out {entry[3]} chunks of {entry[2]} bytes")
+        start = DATA_OFF + chunk * entry[2]
+        return entry[1][start:start + n]
+
+    def _layout(self, g: Generation, lid: int) -> tuple[bytes, Callable, int]:
+        """``(layout bytes, decoder, the end of its last leaf)`` of layout ``lid``, checked on
+        first use: an id the table never gave out or bytes that are not a layout are damage."""
+        item = g.layouts.get(lid)
+        if item is None:
+            meta = g.meta.buf
+            count = _Q.unpack_from(meta, M.N_LAYOUTS)[0]
+            if lid >= min(count, M.MAX_LAYOUTS):
+                raise self._corrupt(f"an entry of {g.table.name} names layout {lid}, but {g.meta.name} "
+                                    f"holds {count} layouts (at most {M.MAX_LAYOUTS})")
+            off = M.LAYOUTS + lid * M.LAYOUT_BYTES
+            n = struct.unpack_from("I", meta, off)[0]
+            raw = bytes(meta[off + 4:off + 4 + min(n, M.LAYOUT_BYTES - 4)])
+            try:
+                if n > M.LAYOUT_BYTES - 4:
+                    raise ValueError(f"a length of {n} bytes in a slot of {M.LAYOUT_BYTES - 4}")
+                leaves = codec.leaves(raw)[1]
+                end = max((leaf.offset + leaf.nbytes for leaf in leaves), default=0)
+                item = (raw, codec.decoder_for(raw), max(end, _MIN_RECORD),
+                        codec.decoder_for(raw, private=True))
+            except ShmcacheError:
+                raise
+            except _UNDECODABLE as exc:
+                raise self._corrupt(f"layout {lid} in {g.meta.name} is damaged ({exc!r})") from None
+            g.layouts[lid] = item
+        return item
+
+    def _corrupt(self, what: str, fix: str = "it will drop this cache's contents; they are "
+                                             "recomputed on use") -> CorruptSegment:
+        """The error for damaged shared memory; `shmcache gc` finds the same damage and drops the
+        generation (or recounts counters: collect_garbage), so that is the fix the message gives."""
+        return CorruptSegment(f"cache {self.session}/{self.name}: {what}; its shared memory is damaged. "
+                              f"Run `shmcache gc` ({fix})")
+
+    # --- counters (NOTE [lock files]: one slot per live process, so no atomics are needed) -----
+
+    def _count(self, which: int, n: int = 1) -> None:
+        g = self._gen
+        if self._proc_gen != process_slot.generation():
+            if g.gen == DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
+                self._counters, self._counter_off = [0, 0, 0, 0], -1
+                self._proc_gen = process_slot.generation()
+                return
+            try:
+                slot = process_slot.slot(self.registry, self.session)
+            except LockTimeout as exc:  # every slot taken: serve, but count nowhere
+                log.warning("cache %s/%s: this process's hits and misses are not counted: %s",
+                            self.session, self.name, exc)
+                self._counters, self._counter_off = [0, 0, 0, 0], -1
+                self._proc_gen = process_slot.generation()
+                return
+            off = M.COUNTERS + M.COUNTER_ROW * slot
+            key = f"{self.ns.root}{self._base}+g{g.gen}+{slot}"
+            # a total of garbage (a damaged slot) restarts at 0: a stat, not worth failing reads over,
+            # and one at the top of the word would overflow on the next count (struct.error)
+            self._counters = process_slot.counters(key, lambda: [c if c < 1 << 62 else 0 for c in
+                                                             struct.unpack_from("QQQQ", g.meta.buf, off)])
+            self._counter_off = off
+            self._proc_gen = process_slot.generation()
+        self._counters[which] += n
+        if self._counter_off >= 0:
+            g.meta.words[(self._counter_off >> 3) + which] = self._counters[which]
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def _find(self, g: Generation, key: Any) -> Found:
+        """The entry of ``key`` (``Found.w0`` == 0 when absent: ``pos`` is then where it would go)."""
+        w1, kb = key_bytes(key)
+        index = g.index
+        pos, w0, w2 = index.find(w1, not kb)
+        # a hash matched: compare the key bytes stored at the end of the record (a spilled record
+        # is checked against the key when it is read)
+        probes = 0
+        while w0 and kb and not w0 & SPILLED:
+            rec = self._record(g, w0, w2, w1, kb)
+            # codec.record_header(rec).key_len and codec.record_key(rec), inlined: a call less per probe
+            if _KEY_LEN.unpack_from(rec, 4)[0] == len(kb) and rec[len(rec) - len(kb):] == kb:
+                break
+            probes += 1
+            if probes >= index.capacity:  # around the whole table: no EMPTY entry ends the probe
+                raise index.corrupt()
+            pos, w0, w2 = index.find_from((pos + 1) & index.mask, w1, False)
+        return Found(w0, w2, pos, kb, w1)
+
+    def _decode(self, g: Generation, w0: int, w2: int, copy: bool, w1: int = 0, kb: bytes = b"") -> Any:
+        if w0 & SPILLED:
+            buf = self._read_spilled(w0, w2, w1, kb, g.gen)
+            if buf is None:
+                return _CORRUPT
+        else:
+            view = self._record(g, w0, w2, w1, kb)
+            buf = bytearray(view) if copy else view
+        lid = entry_layout(w0)
+        try:  # a damaged record must not decode to a raw exception (issue 8); free unless raised
+            if lid == INLINE24:
+                return codec.decode(buf, codec.inline_layout(buf))
+            return self._layout(g, lid)[1](buf)  # a record too short for it raises (codec)
+        except ShmcacheError:
+            raise
+        except _UNDECODABLE as exc:
+            where = "a spill file" if w0 & SPILLED else self._seg_name(f"g{g.gen}", f"c{entry_class(w2)}")
+            raise self._undecodable(f"the record of key {_key_repr(w1, kb)} in {where}", exc) from None
+
+    def _undecodable(self, what: str, exc: Exception) -> CorruptSegment:
+        """A record whose bytes do not decode: gc checks metadata, not every record, so the fix
+        given is a clear."""
+        return CorruptSegment(f"cache {self.session}/{self.name}: {what} cannot be decoded ({exc!r}); its "
+                              f"bytes are damaged. Clear the cache (cache.clear(), or `shmcache destroy "
+                              f"{self.session}`): its contents are recomputed on use")
+
+    def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
+        """The cached value of ``key``, or ``MISSING``."""
+        # 64: R.EPOCH, inlined (a constant, not an attribute lookup, on the hot path)
+        g = self._gen if _Q.unpack_from(self._root.buf, 64)[0] == self._epoch else self._refresh()
+        if type(key) is int and 0 <= key < g.index.capacity:
+            # the hot path, inlined (a hit of a dataset index costs ~2x a plain row copy): the key
+            # sits at its own position (index.py), in memory, with an interned layout whose
+            # decoder and data segment this process already has; anything else goes the long way.
+            # It is _find + _decode for that case, with the same checks of the entry (_record:
+            # the chunk handed out, the length within the chunk and covering the layout); anything
+            # unexpected - a check that fails, bytes that do not decode - takes the long way,
+            # which names the damage (NOTE [publish order], Damage).
+            buf = g.index.buf
+            off = TABLE_OFF + ENTRY_BYTES * key
+            w0 = _Q.unpack_from(buf, off)[0]  # first, on its own: see index.py
+            if w0 & 7 == READY | INT_KEY:  # and not SPILLED
+                k, w2 = _QQ.unpack_from(buf, off + 8)
+                # index.entry_class, entry_layout, entry_chunk and entry_length, inlined
+                data = g.data.get(w2 >> 48)
+                layout = g.layouts.get((w0 >> 8) & INLINE24)
+                chunk, n = w2 & LOCATION_MASK, w0 >> 32
+                value = MISSING
+                if k == key and data is not None and layout is not None and chunk < data[3] \
+                        and layout[2] <= n <= data[2]:
+                    start = DATA_OFF + chunk * data[2]
+                    view = data[1][start:start + n]
+                    try:
+                        value = layout[3](bytearray(view)) if copy else layout[1](view)
+                    except _UNDECODABLE:
+                        value = MISSING  # the long way below raises CorruptSegment naming the key
+                if value is not MISSING:
+                    if count:
+                        if self._proc_gen == process_slot._generation and self._counter_off >= 0:
+                            counters = self._counters
+                            counters[0] += 1  # counters[HITS], inlined
+                            g.meta.words[self._counter_off >> 3] = counters[0]
+                        else:
+                            self._count(HITS)
+                    return value
+        try:
+            w0, w2, _, kb, w1 = self._find(g, key)
+            value = self._decode(g, w0, w2, copy, w1, kb) if w0 else MISSING
+        except FileNotFoundError:  # a clear() elsewhere unlinked a segment we had yet to map
+            w0, value = 0, MISSING
+        if w0:
+            if value is not _CORRUPT:
+                if count:
+                    self._count(HITS)
+                return value
+            if self.is_current(g.gen):  # else a clear() dropped the record under us: a plain miss
+                self._count(CORRUPT)
+        if count:
+            self._count(MISSES)
+        return MISSING
+
+    def _spill(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded, *,
+               replace: bool = False) -> bool:
+        """Write the record to the spill tier and publish where it went at table position ``pos``
+        (caller holds the lock): the same intent protocol as a record in memory (NOTE [publish
+        order]). ``replace``: the entry there is a spilled record found corrupt, rewritten in
+        place. False if the tier did not take it."""
+        tier = self.spill
+        if tier is None or not tier.accepting:
+            return False
+        lid = self._intern_layout(g, enc.layout)
+        record = bytearray(enc.record_len(len(kb), lid == INLINE24))
+        enc.write(memoryview(record), codec.INLINE if lid == INLINE24 else lid, kb)
+        loc = tier.write(tier_key(w1, kb), record)
+        if loc is None or loc.stored >= 1 << 32:  # the entry's length field has 32 bits
+            return False
+        if _CRASH_TESTS:
+            crash_point("spilled")  # record on disk, not yet in the index
+        items, total, raw = g.disk_totals()
+        new = 0 if replace else 1  # a replaced corrupt record is still one item
+        intent = Intent(1, pos, SPILL_CLASS, 0, items + new, total + loc.stored, raw + loc.raw,
+                        g.table_items() + new)
+        g.begin(intent)
+        g.index.publish(pos, state_word(READY | SPILLED | (0 if kb else INT_KEY), lid, loc.stored), w1, loc.word)
+        g.published()
+        g.apply_totals(intent)
+        g.end()
+        return True
+
+    def _read_spilled(self, w0: int, w2: int, w1: int, kb: bytes, gen: int = -1) -> bytearray | None:
+        """The record a spilled entry of generation ``gen`` names, or None; a read that fails
+        because a clear() replaced that generation meanwhile is a quiet miss (the caller counts
+        it as a plain miss)."""
+        if self.spill is None:
+            return None
+        stale = None if gen < 0 else (lambda: not self.is_current(gen))
+        return self.spill.read(Location(w2, entry_length(w0)), tier_key(w1, kb), stale)
+
+    def spill_to(self, tier: IndexedTier, *, record: bool = True) -> None:
+        """Put records that memory refuses into ``tier`` from now on (NOTE [tiers]), and read
+        spilled entries from it. ``record``: note its place in the cache's metadata first, so
+        ``destroy`` and ``gc`` find it (a reader that only looks - stat, gc - passes False)."""
+        if record and self.read_meta().get("spill_path") != tier.where:
+            with self.locked():  # the cache's metadata is only ever rewritten under its lock
+                meta = self.read_meta()
+                if meta.get("spill_path") != tier.where:
+                    meta["spill_path"] = tier.where
+                    write_json(self.meta_path, meta)
+        self.spill = tier
+
+    @property
+    def incarnation(self) -> int:
+        """The root's incarnation (module docstring): tells this cache from one made again."""
+        return self._incarnation
+
+    def is_current(self, gen: int) -> bool:
+        """Generation ``gen`` is still the cache's (no clear() replaced it): asked after a failed
+        read of a spilled record, which is damage only if its generation is still in force."""
+        root = self._root
+        return root is not None and split_epoch(_Q.unpack_from(root.buf, R.EPOCH)[0])[0] == gen
+
+    def contains(self, key: Any) -> bool:
+        try:
+            return self._find(self._refresh(), key)[0] != 0
+        except FileNotFoundError:  # cleared meanwhile
+            return False
+
+    # --- writes ----------------------------------------------------------------------------------
+
+    def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
+        """Store ``value`` under ``key`` unless present. False if it was not admitted: the cache is
+        full, or a live process keeps its lock beyond the lock timeout (see _write_locked)."""
+        enc = encoded or codec.encode(value, f"the value of key {key!r}")
+        w1, kb = key_bytes(key)
+        with self._write_locked() as locked:
+            if not locked:  # a live process keeps the lock: the caller serves the value uncached
+                self._count(REJECTED)
+                return False
+            if _CRASH_TESTS:
+                crash_point("locked")
+            g = self._refresh()
+            self._repair(g)
+            return self._put_locked(g, key, w1, kb, enc)
+
+    def _put_locked(self, g: Generation, key: Any, w1: int, kb: bytes, enc: codec.Encoded) -> bool:
+        """The body of ``put`` (and of each item of ``put_records``); the caller holds the lock."""
+        w0, w2, pos, _, _ = self._find(g, key)
+        if w0 and w0 & SPILLED and self.spill is not None and self._read_spilled(w0, w2, w1, kb) is None:
+            return self._spill(g, pos, w1, kb, enc, replace=True)  # a corrupt record
+        if w0:
+            return True  # another process stored it first: stored once
+        if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
+            try:
+                g = self._grow_table(g)
+            except _Full:  # the index cannot grow: nothing more is admitted, not even to disk
+                self._count(REJECTED)
+                return False
+            w0, _, pos, _, _ = self._find(g, key)
+        try:
+            self._insert(g, pos, w1, kb, enc)
+            return True
+        except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
+            raise self._destroyed_under_us() or CorruptSegment(
+                f"cache {self.session}/{self.name} lost a data segment; run `shmcache gc`") from None
+        except ItemTooLarge:
+            if self.spill is None:
+                raise
+            # it can never fit in memory, but a spill file takes any size: spill it below
+        except _Full:
+            pass
+        if self._spill(g, pos, w1, kb, enc):
+            return True
+        self._count(REJECTED)
+        return False
+
+    # --- portable records (NOTE [tiers]): what a snapshot export reads and an import admits ------
+
+    def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
+        """``put`` of (key, portable record) pairs (the codec record with its layout inline,
+        tiers.py) without decoding them: their bytes go straight into shared memory (or a spill
+        file), one copy each, under one hold of the lock (an import stores thousands: the lock,
+        refresh and repair check once per batch). InvalidArgument for bytes that are not a
+        portable record, before anything is stored."""
+        encs = [(key, _encoded_from_portable(rec, key, self)) for key, rec in items]
+        with self._write_locked() as locked:
+            if not locked:  # a live process keeps the lock: the caller serves the values uncached
+                self._count(REJECTED, len(encs))
+                return [False] * len(encs)
+            self._repair(self._refresh())
+            out = []
+            for key, enc in encs:
+                w1, kb = key_bytes(key)
+                out.append(self._put_locked(self._refresh(), key, w1, kb, enc))  # a grown table
+            return out
+
+    def portable_records(self):
+        """Every item of the current generation as ``(portable key, portable record)``; the record
+        is None for a spilled one that fails its checks (damaged: the caller counts it). Lock-free,
+        like every read: items stored meanwhile may or may not be included. SnapshotError when a
+        clear() or destroy replaced the generation under the walk (what was read is not one state)."""
+        g = self._refresh()
+        try:
+            for w0, w1, w2 in g.index.entries():
+                kb = b""
+                if w0 & SPILLED:
+                    if self.spill is None:
+                        yield w1.to_bytes(8, "little"), None
+                        continue
+                    if not w0 & INT_KEY:
+                        kb = self.spill.key_of(Location(w2, entry_length(w0)), w1)
+                    rec = None if kb is None else self._read_spilled(w0, w2, w1, kb, g.gen)
+                    if rec is None:
+                        yield w1.to_bytes(8, "little") + (kb or b""), None
+                        continue
+                else:
+                    rec = self._record(g, w0, w2, w1, b"")
+                    if not w0 & INT_KEY:
+                        kb = bytes(rec[len(rec) - _KEY_LEN.unpack_from(rec, 4)[0]:])
+                yield w1.to_bytes(8, "little") + kb, self._portable(g, w0, rec, kb)
+        except FileNotFoundError:  # a segment of this generation was unlinked: cleared under us
+            pass
+        if not self.is_current(g.gen):
+            raise SnapshotError(f"cache {self.session}/{self.name} was cleared or destroyed while it was "
+                                f"read; export it again when nothing clears it")
+
+    def _portable(self, g: Generation, w0: int, rec: Any, kb: bytes) -> bytes | bytearray:
+        """A stored record with its layout inline (a record whose layout is inline already is one)."""
+        lid = (w0 >> 8) & INLINE24
+        if lid == INLINE24:
+            return bytes(rec)
+        layout = self._layout(g, lid)[0]
+        body = len(rec) - len(kb)
+        out = bytearray(body + len(layout) + len(kb))
+        codec.RECORD_HEADER.pack_into(out, 0, codec.INLINE, len(kb), len(layout), 0)
+        out[_MIN_RECORD:body] = rec[_MIN_RECORD:body]
+        out[body:body + len(layout)] = layout
+        out[body + len(layout):] = kb
+        return out
+
+    def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
+        lid = self._intern_layout(g, enc.layout)
+        nbytes = enc.record_len(len(kb), lid == INLINE24)
+        cls, chunk_size = size_class(nbytes)
+        room = self.capacity_bytes - M.SIZE - TableView.bytes_for(g.index.capacity)
+        if chunk_size > min(room, MAX_RECORD) and self._raise_auto_cap():
+            room = self.capacity_bytes - M.SIZE - TableView.bytes_for(g.index.capacity)
+        if chunk_size > min(room, MAX_RECORD):  # would not fit even in the empty cache
+            if self._sizing() != SIZED and chunk_size <= MAX_RECORD:
+                raise _Full  # size=0 on a machine short of memory: nothing to fix in size=
+            need = (chunk_size + M.SIZE + TableView.bytes_for(g.index.capacity)) / 2**20
+            raise ItemTooLarge(
+                f"an item of {nbytes / 2**20:.2f} MiB can never fit in cache {self.session}/"
+                f"{self.name} of {self.capacity_bytes / 2**20:.2f} MiB (its index takes "
+                f"{(self.capacity_bytes - room) / 2**20:.2f} MiB); give it size= (MiB) of at least "
+                f"{int(need) + 1}, or store smaller samples"
+            )
+        seg = self._class_segment(g, cls, chunk_size)
+        self._committed(g, cls, g.data[cls])  # a damaged class record must not place this record
+        chunk_size_, bump, committed = g.classes.get(cls)
+        if bump >= committed:
+            committed = self._commit(g, cls, seg, chunk_size, committed)
+        items, total, _ = g.mem_totals()
+        items, total, table_items = items + 1, total + nbytes, g.table_items()
+        if items > g.index.capacity or table_items >= g.index.capacity or total >> 63:
+            raise self._corrupt(f"the counters in {g.meta.name} are impossible ({items - 1} items and "
+                                f"{total - nbytes} bytes in memory, {table_items} entries, in a "
+                                f"table of {g.index.capacity})", fix="it recounts them")
+        intent = Intent(1, pos, cls, bump, items, total, 0, table_items + 1)
+        g.begin(intent)  # phase 1: allocating (undo restores the bump)
+        g.classes.set_bump(cls, bump + 1)
+        if _CRASH_TESTS:
+            crash_point("allocated")
+        start = DATA_OFF + bump * chunk_size
+        with memoryview(seg.buf) as mv:
+            if _CRASH_TESTS:  # die with half of the record written
+                mv[start:start + nbytes // 2] = b"\xee" * (nbytes // 2)
+                crash_point("mid_copy")
+            enc.write(mv[start:start + nbytes], lid if lid != INLINE24 else codec.INLINE, kb)
+        w0 = state_word(READY | (0 if kb else INT_KEY), lid, nbytes)
+        if _CRASH_TESTS:
+            crash_point("before_publish")
+        g.index.publish(pos, w0, w1, location_word(cls, bump))
+        g.published()  # phase 2: published (redo the totals)
+        if _CRASH_TESTS:
+            crash_point("after_publish")
+        g.apply_totals(intent)
+        g.end()
+
+    def _repair(self, g: Generation) -> int:
+        """Undo or finish the last writer's work if it died mid-way (NOTE [publish order])."""
+        intent = g.intent()
+        if intent.phase == 0:
+            return 0
+        wrong = self._impossible_intent(g, intent)
+        if wrong:  # restoring that bump would hand out live chunks again: touch nothing
+            raise self._corrupt(f"the intent record in {g.meta.name} is impossible: {wrong}")
+        w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * intent.pos)[0]
+        if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
+            g.apply_totals(intent)
+            reclaimed = 0
+        elif intent.cls == SPILL_CLASS:  # a spill record nobody points to: dead bytes on disk, no chunk
+            reclaimed = 0
+        else:  # never visible: give the chunk back
+            g.classes.set_bump(intent.cls, intent.old_bump)
+            reclaimed = 1
+        g.end()
+        log.info("cache %s/%s: repaired an entry left by a dead writer (%s)", self.session,
+                 self.name, "reclaimed its chunk" if reclaimed else "counted it")
+        return reclaimed
+
+    def _impossible_intent(self, g: Generation, intent: Intent) -> str:
+        """Why the intent record cannot be one a writer left (NOTE [publish order]), or "". A
+        writer dies with the bump where it found it or one on; phase 2 comes after its entry is
+        READY; its totals are the current ones or one item more."""
+        phase, pos, cls, old_bump, items, total, raw, table_items = intent
+        if phase not in (1, 2):
+            return f"phase {phase} (a writer writes 1 or 2)"
+        if pos >= g.index.capacity:
+            return f"table position {pos} (the table has {g.index.capacity} entries)"
+        ready = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0] & READY
+        if phase == 2 and not ready:
+            return f"phase 2 (published) with entry {pos} of {g.table.name} empty"
+        if cls == SPILL_CLASS:
+            now_items, now_total, now_raw = g.disk_totals()
+            most = total  # spilled sizes are not bounded by a chunk
+        elif 0 < cls < MAX_CLASSES and g.classes.chunk_size(cls):
+            most, bump, _ = g.classes.get(cls)
+            if not ready and old_bump not in (bump, bump - 1):
+                return f"old bump {old_bump} of size class {cls}, whose bump is {bump}"
+            now_items, now_total, _ = g.mem_totals()
+            now_raw = raw
+        else:
+            return f"size class {cls} (not in use)"
+        now_table = g.table_items()
+        if items - now_items not in (0, 1) or table_items - now_table not in (0, 1) \
+                or not 0 <= total - now_total <= most or raw < now_raw:
+            return (f"totals of {items} items, {total} bytes and {table_items} entries after a write "
+                    f"to {now_items} items, {now_total} bytes and {now_table} entries")
+        return ""
+
+    def collect_garbage(self, report: dict | None = None) -> tuple[int, list[str]]:
+        """``shmcache gc`` for this cache: repair a dead writer's entry and unlink segments of
+        generations or table versions that are no longer current (a clear() or a table growth
+        whose process died before it unlinked them). Returns (chunks reclaimed, names removed).
+
+        Damaged shared memory (issue 8: an impossible intent, an entry, class record or layout
+        the allocator never wrote, a table with no EMPTY entry) cannot be repaired entry by entry:
+        the generation is dropped for a new empty one (it is a cache: the data is recomputed), and
+        ``report["dropped"]`` says why. Item counters that disagree with the table are recounted
+        (``report["recounted"]``)."""
+        report = {} if report is None else report
+        with self.locked():
+            try:
+                g = self._refresh()
+                reclaimed = self._repair(g)
+                damage = self._damage(g)
+            except CorruptSegment as exc:
+                damage, reclaimed = str(exc), 0
+            if damage:
+                self._drop_generation(damage)
+                report["dropped"] = damage
+                g = self._refresh()
+            else:
+                report["recounted"] = self._recount_items(g)
+            self._recount_committed(g)
+            keep = {self._seg_name("root"), self._seg_name(f"g{g.gen}", "meta"),
+                    self._seg_name(f"g{g.gen}", f"t{g.version}")}
+            keep |= {self._seg_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
+            removed = unlink_segments(self.ns, self._base + SEP, keep=keep)
+            if self.spill is not None:
+                self.spill.collect_garbage()
+            return reclaimed, removed
+
+    def _damage(self, g: Generation) -> str:
+        """What is damaged in generation ``g``, or "" (gc; caller holds the lock). Every READY
+        entry is checked as readers check one, with numpy over the whole table."""
+        if g.index.damage:
+            raise g.index.corrupt()
+        count = _Q.unpack_from(g.meta.buf, M.N_LAYOUTS)[0]
+        if count > M.MAX_LAYOUTS:
+            return f"{g.meta.name} counts {count} layouts, more than its {M.MAX_LAYOUTS} slots"
+        for lid in range(count):
+            self._layout(g, lid)  # raises CorruptSegment on a damaged one
+        chunk = np.zeros(MAX_CLASSES + 1, np.uint64)  # class MAX_CLASSES: "not in use"
+        handed = np.zeros(MAX_CLASSES + 1, np.uint64)
+        for cls in g.classes.used_classes():
+            try:
+                entry = self._committed(g, cls, self._data(g, cls))
+            except FileNotFoundError:
+                return f"the data segment of size class {cls} is missing"
+            chunk[cls], handed[cls] = entry[2], entry[3]
+        w = g.index.words
+        s0, w2 = w[:, 0], w[:, 2]
+        if (s0 != 0).all():
+            raise g.index.corrupt()
+        ready = (s0 & np.uint64(READY)) != 0
+        if ((s0 != 0) & ~ready).any() or (s0 & np.uint64(0xF8)).any():
+            return f"{g.table.name} holds entries with state bits no writer sets"
+        lid = (s0 >> np.uint64(8)) & np.uint64(INLINE24)  # index.entry_layout, over the whole table
+        bad_lid = ready & (lid >= np.uint64(count)) & (lid != np.uint64(INLINE24))
+        mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
+        cls = np.minimum(w2 >> np.uint64(48), np.uint64(MAX_CLASSES)).astype(np.intp)
+        n = s0 >> np.uint64(32)
+        bad = mem & (((w2 & np.uint64(LOCATION_MASK)) >= handed[cls]) | (n > chunk[cls])
+                     | (n < np.uint64(_MIN_RECORD)))
+        if bad.any() or bad_lid.any():
+            pos = int(np.flatnonzero(bad | bad_lid)[0])
+            return (f"entry {pos} of {g.table.name} points where no record is (words "
+                    f"{int(s0[pos]):#x}, {int(w2[pos]):#x})")
+        return ""
+
+    def _recount_items(self, g: Generation) -> list[str]:
+        """Set the item counters that the table's entries determine; the names of those that were
+        wrong (a damaged meta segment: len() and stats would lie, and a wrong entry count would
+        grow the table on every write)."""
+        s0 = g.index.words[:, 0]
+        ready = (s0 & np.uint64(READY)) != 0
+        mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
+        right = {M.TABLE_ITEMS: int(ready.sum()), M.ITEMS_MEM: int(mem.sum()),
+                 M.BYTES_MEM: int((s0[mem] >> np.uint64(32)).sum()),
+                 M.ITEMS_DISK: int((ready & ~mem).sum())}
+        names = {M.TABLE_ITEMS: "table entries", M.ITEMS_MEM: "items in memory",
+                 M.BYTES_MEM: "bytes in memory", M.ITEMS_DISK: "items on disk"}
+        wrong = []
+        for off, value in right.items():
+            if _Q.unpack_from(g.meta.buf, off)[0] != value:
+                wrong.append(f"{names[off]} ({_Q.unpack_from(g.meta.buf, off)[0]}, now {value})")
+                g.meta.words[off >> 3] = value
+        if wrong:
+            log.warning("cache %s/%s: gc recounted %s", self.session, self.name, ", ".join(wrong))
+        return wrong
+
+    def _drop_generation(self, why: str) -> None:
+        """Replace a damaged generation by a new empty one (caller holds the lock): the fix that
+        CorruptSegment messages promise. Old segments go with gc's sweep of non-current names."""
+        gen = split_epoch(_Q.unpack_from(self._root.buf, R.EPOCH)[0])[0] + 1
+        g = self._gen
+        cap = g.index.capacity if g is not None and g.index.capacity else MIN_TABLE
+        self._create_generation(self._root, gen if gen < 1 << 32 else 1, self.capacity_bytes, cap)
+        ordering.fence()  # as in clear(): the new epoch word (the retirement) before the files' reuse
+        if self.spill is not None:
+            self.spill.clear()
+        elif self.read_meta().get("spill_path"):
+            shutil.rmtree(self.read_meta()["spill_path"], ignore_errors=True)
+        log.warning("cache %s/%s was damaged (%s); gc dropped its contents (they are recomputed on "
+                    "use)", self.session, self.name, why)
+
+    def _intern_layout(self, g: Generation, layout: bytes) -> int:
+        cache = g.layouts
+        for lid, (raw, *_) in cache.items():
+            if raw == layout:
+                return lid
+        n = _Q.unpack_from(g.meta.buf, M.N_LAYOUTS)[0]
+        if n > M.MAX_LAYOUTS:
+            raise self._corrupt(f"{g.meta.name} counts {n} layouts, more than its {M.MAX_LAYOUTS} slots")
+        for lid in range(n):
+            if self._layout(g, lid)[0] == layout:
+                return lid
+        if n >= M.MAX_LAYOUTS or len(layout) > M.LAYOUT_BYTES - 4:
+            return INLINE24
+        off = M.LAYOUTS + n * M.LAYOUT_BYTES
+        struct.pack_into("I", g.meta.buf, off, len(layout))
+        g.meta.buf[off + 4:off + 4 + len(layout)] = layout
+        g.meta.words[M.N_LAYOUTS >> 3] = n + 1  # after the bytes: readers never see it half-made
+        return n
+
+    def _class_segment(self, g: Generation, cls: int, chunk_size: int) -> Segment:
+        if g.classes.chunk_size(cls):
+            return self._data(g, cls)[0]
+        name = self._seg_name(f"g{g.gen}", f"c{cls}")
+        self.ns.unlink_segment(name)  # debris of a writer that died before registering the class
+        try:
+            shm_total = memory_limits().shm_total or self.capacity_bytes
+            # size=0: the cap may rise later (_raise_auto_cap), so the segment is sized for all of
+            # /dev/shm (sparse: address space only); size= is a cap for good
+            virtual = min(self.capacity_bytes, shm_total) if self._sizing() == SIZED else shm_total
+            seg = Segment.create(name, DATA_OFF + virtual + chunk_size, kind=KIND_DATA, commit=PAGE)
+        except SharedMemoryFull as exc:
+            self._log_shm_full(exc)
+            raise _Full from None
+        g.classes.create(cls, chunk_size)
+        g.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size, 0)
+        return seg
+
+    def _commit(self, g: Generation, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
+        """Commit more chunks of class ``cls`` within the cap; raise _Full when there is no room
+        (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling)."""
+        if time.monotonic() < self._shm_full_until:
+            raise _Full  # /dev/shm was full a moment ago: don't ask the kernel on every miss
+        meta = g.meta.buf
+        used = _Q.unpack_from(meta, M.COMMITTED)[0]
+        step = commit_step_chunks(chunk_size)
+        keep = shm_free = 0
+        if self.spill is not None and self.spill.accepting:  # one statvfs, when spilling only
+            shm_total, shm_free = _shm_space()
+            keep = _index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))
+        room = (self.capacity_bytes - keep - used) // chunk_size
+        auto = self._sizing() == AUTO
+        if auto:  # one allowance per process and session, shared by all its caches there
+            budget = _SESSION_BUDGETS.setdefault((str(self.ns.root), self.session, os.getpid()), [0, 0.0])
+        if room >= 1 and auto and (budget[0] < min(step, room) * chunk_size or time.monotonic() > budget[1]):
+            # the session's caches together: what they occupy is summed again once this process
+            # has committed 1/16 of what was left at the last look, or 50 ms later (NOTE [memory
+            # limits])
+            session_bytes = self._session_shm_bytes()
+            left = self.capacity_bytes - keep - session_bytes
+            room = min(room, left // chunk_size)
+            budget[:] = max(0, left // 16), time.monotonic() + 0.05
+            if room < 1:
+                self._shm_full_until = time.monotonic() + 1.0  # don't list /dev/shm on every miss
+                self._log_memory_full(
+                    f"the caches of session {self.session} hold {session_bytes / 2**20:.1f} MiB of "
+                    f"shared memory, their automatic cap (size=0) is {self.capacity_bytes / 2**20:.1f} "
+                    f"MiB for all of them together")
+        if room >= 1 and keep:  # /dev/shm keeps room for the index of what goes to disk
+            room = min(room, (shm_free - keep) // chunk_size)
+            if room < 1:
+                self._shm_full_until = time.monotonic() + 1.0
+        # never past the segment's virtual size (made for the cap of its time: a cap that rose)
+        room = min(room, (seg.size - DATA_OFF) // chunk_size - committed)
+        if room < 1 and self._raise_auto_cap():
+            self._shm_full_until = 0.0
+            return self._commit(g, cls, seg, chunk_size, committed)
+        if room < 1:
+            if keep:
+                self._log_memory_full(f"memory is full ({used / 2**20:.1f} MiB committed; "
+                                      f"{keep / 2**20:.1f} MiB of shared memory kept for the index "
+                                      f"of spilled items)")
+            raise _Full
+        step = min(step, room)
+        try:
+            seg.commit(DATA_OFF + committed * chunk_size, step * chunk_size)
+        except SharedMemoryFull as exc:
+            self._log_shm_full(exc)
+            raise _Full from None
+        g.classes.set_committed(cls, committed + step)
+        g.meta.words[M.COMMITTED >> 3] = used + step * chunk_size
+        ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)
+        if auto:
+            budget[0] = max(0, budget[0] - step * chunk_size)
+        return committed + step
+
+    def _raise_auto_cap(self) -> bool:
+        """An auto-sized cache (size=0) has no room: if the session's cap was set while memory was
+        short and memory is free now, raise it (NOTE [memory limits]); True if it rose. Asked at
+        most once a second per handle; caller holds the lock."""
+        if self._sizing() == SIZED or time.monotonic() < self._auto_retry_at:
+            return False
+        self._auto_retry_at = time.monotonic() + 1.0
+        cap = _Q.unpack_from(self._root.buf, R.CAPACITY)[0]  # raised by another process already?
+        if cap <= self.capacity_bytes:
+            now = memory_limits().auto_capacity(self._session_shm_bytes())
+            if now <= self.capacity_bytes + self.capacity_bytes // 8:  # the cap as measured, give or
+                return False  # take what the session's own metadata and rounding make: kept
+            cap = self.registry.raise_auto_capacity(self.session, now)
+            self._root.words[R.CAPACITY >> 3] = cap
+            ordering.fence()
+            self._root.words[R.SIZING >> 3] = AUTO  # after the cap: AUTO_NONE no more
+        log.info("cache %s/%s: memory is free again; the automatic cap rises from %.1f to %.1f MiB",
+                 self.session, self.name, self.capacity_bytes / 2**20, cap / 2**20)
+        self.capacity_bytes = cap
+        _SESSION_BUDGETS.pop((str(self.ns.root), self.session, os.getpid()), None)  # sum it again
+        self._shm_full_logged = False
+        return True
+
+    def _sizing(self) -> int:
+        """How this cache's cap was set: SIZED, AUTO or AUTO_NONE (the root's word)."""
+        return _Q.unpack_from(self._root.buf, R.SIZING)[0]
+
+    def _session_shm_bytes(self) -> int:
+        """Bytes of /dev/shm that every cache of this session really occupies (allocated pages)."""
+        return self.ns.occupied_bytes(self.registry.segment_prefix(self.session))
+
+    def _log_shm_full(self, exc: Exception) -> None:
+        self._shm_full_until = time.monotonic() + 1.0
+        self._log_memory_full(str(exc))
+
+    def _log_memory_full(self, why: str) -> None:
+        """Say once that memory is full, and what happens to new items now."""
+        if self._shm_full_logged:
+            return
+        self._shm_full_logged = True
+        if self.spill is not None and self.spill.accepting:
+            then = f"new items go to disk (spill files in {self.spill.where})"
+        else:
+            then = "new items are not cached (spilling=True would keep them on disk)"
+        log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)
+
+    def _grow_table(self, g: Generation) -> Generation:
+        """Rebuild the table at twice the size as a new version (caller holds the lock)."""
+        cap = g.index.capacity * 2
+        version = g.version + 1
+        name = self._seg_name(f"g{g.gen}", f"t{version}")
+        self.ns.unlink_segment(name)
+        size = TableView.bytes_for(cap)
+        try:
+            table = Segment.create(name, size, kind=KIND_TABLE, commit=size)
+        except SharedMemoryFull as exc:
+            self._log_shm_full(exc)
+            raise _Full from None
+        TableView.init(table.buf, cap)
+        new = TableView(table.buf)
+        for w0, w1, w2 in g.index.entries():
+            pos = _first_empty(new, w1)  # keys are unique: the first EMPTY slot on its path
+            new.publish(pos, w0, w1, w2, fence=False)  # unreachable until the epoch word names it
+        table.close()
+        old = g.table
+        if _CRASH_TESTS:
+            crash_point("table_built")
+        ordering.fence()  # every entry of the new table before the epoch word names it
+        self._root.words[R.EPOCH >> 3] = epoch_of(g.gen, version)  # publish: one store
+        old.unlink()
+        g = self._refresh()
+        self._recount_committed(g)
+        return g
+
+    def _recount_committed(self, g: Generation) -> None:
+        """Set the committed total from what it is made of (after a growth, and in gc: a writer
+        killed between two of its updates must not skew it for good)."""
+        total = M.SIZE + TableView.bytes_for(g.index.capacity)
+        for cls in g.classes.used_classes():
+            chunk, _, committed = g.classes.get(cls)
+            total += chunk * committed
+        g.meta.words[M.COMMITTED >> 3] = total
+
+    # --- batches ---------------------------------------------------------------------------------
+
+    def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
+        """Values for ``keys`` (MISSING where absent) and the positions of the misses."""
+        g = self._refresh()
+        values: list = [MISSING] * len(keys)
+        missing = []
+        for i, key in enumerate(keys):
+            try:
+                w0, w2, _, kb, w1 = self._find(g, key)
+                v = self._decode(g, w0, w2, copy, w1, kb) if w0 else MISSING
+            except FileNotFoundError:  # cleared meanwhile
+                v = MISSING
+            if v is _CORRUPT:
+                if self.is_current(g.gen):  # else cleared under us: a plain miss
+                    self._count(CORRUPT)
+                v = MISSING
+            if v is MISSING:
+                missing.append(i)
+            else:
+                values[i] = v
+        self._count(HITS, len(keys) - len(missing))
+        if missing:
+            self._count(MISSES, len(missing))
+        return values, missing
+
+    def batch_layout(self, keys: np.ndarray) -> tuple | None:
+        """``(tree, leaves, end of the last leaf)`` of the record of ``keys[0]`` (codec.leaves): the structure a
+        vectorised batch of ``keys`` would have. None if that key is not cached with a shared layout."""
+        g = self._refresh()
+        try:  # one key: a scalar probe costs a tenth of the vectorised lookup's numpy calls
+            w0 = self._find(g, int(keys[0]))[0]
+        except FileNotFoundError:  # cleared meanwhile
+            return None
+        lid = entry_layout(w0)
+        if not w0 or lid == INLINE24:
+            return None
+        return self._columns(g, lid)
+
+    def _columns(self, g: Generation, lid: int) -> tuple:
+        """``(tree, leaves, end of the last leaf)`` of layout ``lid`` for the batch path."""
+        shape = g.columns.get(lid)
+        if shape is None:
+            raw, _, end, _ = self._layout(g, lid)  # checked there: codec.leaves takes it as sound
+            shape = g.columns[lid] = (*codec.leaves(raw), end)
+        return shape
+
+    out_matches = staticmethod(gather.out_matches)
+
+    def absent_ints(self, keys: np.ndarray) -> np.ndarray:
+        """The int64 ``keys`` that are not cached (in memory or on disk), in their order: one
+        vectorised lookup, nothing counted (warm-up skips what is there)."""
+        w0, _ = self._refresh().index.lookup_ints(keys)
+        return keys[w0 == 0]
+
+    def all_in_memory(self, keys: np.ndarray) -> bool:
+        """True if every int key is cached in memory with one layout and size class: what
+        :meth:`gather_ints` needs (checked without copying or counting anything)."""
+        g = self._refresh()
+        return len(keys) > 0 and gather.uniform(*g.index.lookup_ints(keys))
+
+    def gather_ints(self, keys: np.ndarray, out: list | None = None):
+        """Vectorised batch of int keys that share one layout and one size class, all in memory.
+
+        Returns ``(tree, leaves, columns)`` - the layout tree, its leaves (codec.Leaf) and one
+        stacked array per leaf - or None
+        when the batch is not uniform (the caller falls back to :meth:`lookup_batch`). ``out``:
+        optional list of arrays, one per leaf, to gather into (e.g. pinned host buffers).
+        """
+        g = self._refresh()
+        if len(keys) == 0:
+            return None
+        batch = gather.plan(g.index, keys)
+        if batch is None:
+            return None
+        tree, leaves, end = self._columns(g, batch.layout)
+        cls, n = batch.cls, batch.length
+        try:
+            entry = g.data.get(cls) or self._data(g, cls)
+        except FileNotFoundError:  # cleared meanwhile: the caller's slow path sees misses
+            return None
+        # the checks of _record, for the whole batch at once: every chunk handed out, the one
+        # length within a chunk and long enough for the layout (issue 8: never zeros or a neighbour)
+        top = int(batch.chunks.max())
+        if top >= entry[3] or not end <= n <= entry[2]:  # end: at least a record header (_layout)
+            entry = self._committed(g, cls, entry)
+            if top >= entry[3] or not end <= n <= entry[2]:
+                raise self._corrupt(f"an entry of {g.table.name} in a batch of keys from {int(keys[0])} "
+                                    f"points at {n} bytes in chunk {top} of size class {cls}, which "
+                                    f"has handed out {entry[3]} chunks of {entry[2]} bytes (layout "
+                                    f"{batch.layout} needs {end})")
+        seg, _, chunk, handed_out = entry
+        try:  # str, bytes and pickled leaves decode per item: damaged bytes raise there
+            columns = gather.columns(seg.buf, handed_out, chunk, batch.chunks, leaves, out, self._buffers)
+        except ShmcacheError:
+            raise
+        except _UNDECODABLE as exc:
+            raise self._undecodable(f"a record of the batch of keys from {int(keys[0])} in {seg.name}",
+                                    exc) from None
+        self._count(HITS, len(keys))
+        return tree, leaves, columns
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        g = self._refresh()
+        meta = g.meta.buf
+        items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
+        items_disk, bytes_disk, bytes_disk_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
+        counters = np.ndarray((MAX_SLOTS, len(COUNTER_NAMES)), np.uint64, meta, M.COUNTERS).sum(axis=0)
+        items = items_mem + items_disk
+        return {
+            "session": self.session, "name": self.name,
+            "items_mem": items_mem, "items_disk": items_disk,
+            "bytes_mem": bytes_mem, "bytes_disk": bytes_disk, "bytes_disk_raw": bytes_disk_raw,
+            "avg_item_bytes": (bytes_mem + bytes_disk_raw) // items if items else 0,
+            **{name: int(n) for name, n in zip(COUNTER_NAMES, counters)},
+            "capacity_bytes": self.capacity_bytes, "committed_bytes": committed,
+            "shm_bytes": self.shm_bytes() if g.gen != DEAD_GEN else 0,  # not the cache made again
+        }
+
+    def shm_bytes(self) -> int:
+        """Bytes of /dev/shm that this cache's segments really occupy (allocated pages)."""
+        return self.ns.occupied_bytes(self._base + SEP)
+
+    def __len__(self) -> int:
+        g = self._refresh()
+        n = _Q.unpack_from(g.meta.buf, M.ITEMS_MEM)[0] + _Q.unpack_from(g.meta.buf, M.ITEMS_DISK)[0]
+        if n > g.index.capacity:  # every item has an entry: more is garbage (len() cannot return it)
+            raise self._corrupt(f"the item counters in {g.meta.name} say {n} items, in a table of "
+                                f"{g.index.capacity} entries", fix="it recounts them")
+        return n
+
+    def clear(self) -> None:
+        """Drop every item: a new generation in new segments; old mappings stay valid for readers."""
+        with self.locked():
+            g = self._refresh()
+            self._create_generation(self._root, g.gen + 1, self.capacity_bytes, g.index.capacity)
+            # The spill files go after the new generation is published: a reader whose read of
+            # them fails then sees the generation moved on - a plain miss, not damage to report.
+            # (Writers wait for our lock, so nothing of the new generation is in them yet.) The
+            # fence puts the retirement (the epoch word) before that reuse for every reader.
+            ordering.fence()
+            if self.spill is not None:
+                self.spill.clear()
+            elif self.read_meta().get("spill_path"):  # spilled by others; this handle doesn't spill
+                shutil.rmtree(self.read_meta()["spill_path"], ignore_errors=True)
+            if _CRASH_TESTS:
+                crash_point("cleared_before_unlink")
+            unlink_segments(self.ns, self._seg_name(f"g{g.gen}", ""))
+            self._refresh()
+        codec.clear_decoders()  # the old generation's layouts are gone: free their decoders
+
+    def close(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
+        if self._gen is not None:
+            close_generation(self._gen)
+            self._gen = None
+        self._epoch = -1
+        if self._root is not None:
+            self._root.close()
+            self._root = None
+        self.lock.close()
+        if self._attached == process_slot.generation():  # (a forked child never attached this one)
+            self._attached = -1
+            process_slot.detach(self.registry, self.session)
+
+    def destroy(self) -> None:
+        """Remove this cache from its session (segments, metadata and spill files)."""
+        with self.locked():
+            spill_path = self.read_meta().get("spill_path")
+            # the tombstone first: every handle still mapping this root misses from now on
+            self._root.words[R.EPOCH >> 3] = DESTROYED
+            ordering.fence()  # retired for every reader before its spill files and name are reused
+            self.meta_path.unlink(missing_ok=True)
+            unlink_segments(self.ns, self._base + SEP)  # the root first: the cache is gone at once
+            if self.spill is not None:
+                self.spill.destroy()
+            elif spill_path:
+                shutil.rmtree(spill_path, ignore_errors=True)
+        self.close()
+
+class UncachedStore:
+    """A cache that could not be made: not even its own segments fit in /dev/shm (or the process
+    could not map them). It has the methods the dataset layer calls on a CacheStore: every lookup
+    misses, every put is refused and counted as rejected (in this process: there is no shared
+    memory for counters), so a training run computes its items from the source instead of
+    stopping. Said once, in the log, with what to do about it."""
+
+    uncached = True
+
+    def __init__(self, session: str, name: str, reason: Exception):
+        self.session, self.name = session, name
+        self.capacity_bytes = 0
+        self.spill = None
+        self._counters = [0, 0, 0]  # hits, misses, rejected
+        log.warning("cache %s/%s is not cached: %s; its items are computed from the source", session,
+                    name, reason)
+
+    def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
+        if count:
+            self._counters[MISSES] += 1
+        return MISSING
+
+    def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
+        self._counters[MISSES] += len(keys)
+        return [MISSING] * len(keys), list(range(len(keys)))
+
+    def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
+        if encoded is None:
+            codec.encode(value, f"the value of key {key!r}")  # what is not cacheable says so anyway
+        self._counters[REJECTED] += 1
+        return False
+
+    def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
+        self._counters[REJECTED] += len(items)
+        return [False] * len(items)
+
+    def contains(self, key: Any) -> bool:
+        return False
+
+    def batch_layout(self, keys: np.ndarray) -> None:
+        return None
+
+    def absent_ints(self, keys: np.ndarray) -> np.ndarray:
+        return keys
+
+    def all_in_memory(self, keys: np.ndarray) -> bool:
+        return False
+
+    def gather_ints(self, keys: np.ndarray, out: list | None = None) -> None:
+        return None
+
+    out_matches = CacheStore.out_matches
+
+    def bind_fingerprint(self, fingerprint: str) -> None:
+        """Nothing is stored, so nothing can be another dataset's."""
+
+    def stats(self) -> dict:
+        st = dict.fromkeys(STAT_KEYS, 0)
+        st.update(session=self.session, name=self.name, hits=self._counters[HITS],
+                  misses=self._counters[MISSES], rejected=self._counters[REJECTED], corrupt=0,
+                  committed_bytes=0, shm_bytes=0, uncached=True)
+        return st
+
+    def __len__(self) -> int:
+        return 0
+
+    def clear(self) -> None:
+        """Nothing to drop."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()
+_CORRUPT: Any = object()
+
+
+def _encoded_from_portable(record: Any, key: Any, store: CacheStore) -> codec.Encoded:
+    """A portable record as what ``_insert`` writes: its body and its layout, views of ``record``."""
+    view = memoryview(record).cast("B")
+    lid, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(view, 0) if len(view) >= _MIN_RECORD \
+        else (0, 0, 0, 0)
+    body = len(view) - key_len - lay_len
+    if lid != codec.INLINE or not _MIN_RECORD <= body < body + lay_len:
+        raise InvalidArgument(f"the record for key {key!r} in cache {store.session}/{store.name} is not "
+                              f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
+                              f"tiers.portable_record(...) bytes")
+    return codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
+
+
+def _first_empty(index: TableView, w1: int) -> int:
+    pos = index.home(w1)
+    for _ in range(index.capacity):  # bounded, as every probe of shared memory is
+        if not _Q.unpack_from(index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]:
+            return pos
+        pos = (pos + 1) & index.mask
+    raise index.corrupt()
+
+
+def _key_repr(w1: int, kb: bytes) -> str:
+    """The key of an entry, for messages: ``kb`` is its tagged bytes (empty for int keys)."""
+    if not kb:
+        return str(w1 - (1 << 64) if w1 >> 63 else w1)
+    return repr(kb[1:].decode("utf-8", "surrogatepass") if kb[:1] == b"s" else kb[1:])
+
+
+# (namespace, session, pid) -> [bytes this process may still commit, until when] before the
+# session's caches are summed again (CacheStore._commit, NOTE [memory limits]). Per process, not
+# per handle: two caches of one process that each trusted their own look would each take the
+# same room. The pid keeps a forked child from trusting its parent's allowance.
+_SESSION_BUDGETS: dict[tuple[str, str, int], list] = {}
+
+
+def _shm_space() -> tuple[int, int]:
+    """``(total, free)`` bytes of /dev/shm (one statvfs)."""
+    try:
+        st = os.statvfs(SHM_ROOT)
+    except OSError:
+        return 0, 0
+    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def _index_reserve(limit: int) -> int:
+    """Shared memory a spilling cache of ``limit`` bytes (its cap, or /dev/shm if smaller) leaves
+    free for its index: 1/16 of it, at least 1 MiB (at most a quarter), at most 256 MiB
+    (NOTE [memory limits])."""
+    return min(max(limit // 16, 1 << 20), limit // 4, 256 << 20)
+
+
+def _table_capacity(hint: int) -> int:
+    want = max(MIN_TABLE, int(hint / MAX_LOAD) + 1)
+    return 1 << (want - 1).bit_length()

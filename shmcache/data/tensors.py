@@ -1,0 +1,72 @@
+"""Torch tensors as a codec type: stored as their raw bytes, returned as tensors (no pickle).
+
+The codec names this module (it never imports it): a process that encodes a tensor, or decodes a
+record that holds one, loads it then - the command line, an import of a snapshot, a DataLoader
+worker - so no process imports torch unless a value needs it. ``shmcache.data.dataset`` registers it
+when it is imported.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..cache import codec
+
+__all__ = ["TAG", "register"]
+
+TAG = "torch"
+
+
+def _tensor_to_parts(t: torch.Tensor):
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
+        return None  # pickled instead
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    if not t.numel():
+        return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), np.empty(0, np.uint8)
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:  # one element: contiguous() keeps any stride, and view(uint8) needs 1
+        flat = flat.as_strided((1,), (1,))
+    raw = flat.view(torch.uint8).numpy()
+    return f"{str(t.dtype).removeprefix('torch.')}:{t.element_size()}", tuple(t.shape), raw
+
+
+_DTYPES: dict[str, torch.dtype] = {}  # a leaf's meta -> its dtype, checked once per meta
+
+
+def _dtype_of(meta: str) -> torch.dtype:
+    """The dtype a leaf's meta names, checked the first time that meta is seen (a layout from a
+    tier or a snapshot names anything); after that a dict lookup on every decode (the hit path)."""
+    dtype = _DTYPES.get(meta)
+    if dtype is not None:
+        return dtype
+    name, _, size = meta.partition(":")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"a tensor leaf names dtype {meta!r}, not a torch dtype")
+    if size != str(dtype.itemsize):  # ":0" made torch.empty(shape) of 0 bytes
+        raise ValueError(f"a tensor leaf names dtype {meta!r}, whose elements are {dtype.itemsize} bytes: "
+                         f"the record is damaged or forged")
+    if len(_DTYPES) < 256:  # metas that pass are torch's dtypes: a handful, bounded anyway
+        _DTYPES[meta] = dtype
+    return dtype
+
+
+def _tensor_from_parts(meta: str, shape: tuple, raw: np.ndarray) -> torch.Tensor:
+    dtype = _dtype_of(meta)
+    if raw.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    # A read-only buffer is a zero-copy read (copy=False) of shared memory. torch has no read-only
+    # tensors, and one in-place op on a view would change the cache for every process: tensors
+    # are always copied (numpy arrays stay zero-copy, read-only).
+    flat = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
+    return flat.view(dtype).reshape(shape)
+
+
+def register() -> None:
+    """Register tensors (and parameters) with the codec; the codec's lazy loader calls it."""
+    codec.register_type(torch.Tensor, TAG, _tensor_to_parts, _tensor_from_parts)
+    codec.register_type(torch.nn.Parameter, TAG, _tensor_to_parts, _tensor_from_parts)

@@ -1,0 +1,880 @@
+"""The remote tier: a cache's values in Redis, behind each node's shared memory (issue 11).
+
+Several nodes, one cache: each node keeps what it has in shared memory (store.py), and what it
+misses is read from Redis before it is computed; what it computes is written to Redis behind the
+training loop, so each sample is computed about once per job and crosses the network at most once
+per node. redis-py (with hiredis) is the client: ``pip install 'shmcache[redis]'``.
+
+URLs (``ShmDatasetCache(remote=...)``, ``$SHMCACHE_REMOTE``, ``shmcache new NAME --remote URL``)::
+
+    redis://[[user]:password@]host[:port][/db]           one server
+    rediss://...                                           the same over TLS
+    redis+cluster://[[user]:password@]h1:p1[,h2:p2...]     a Redis Cluster (rediss+cluster: TLS)
+    redis+shards://[[user]:password@]h1:p1,h2:p2,...[/db]  N standalone servers, keys sharded by
+                                                           jump consistent hash in the listed order
+                                                           (rediss+shards: TLS)
+
+A query ``?timeout=SECONDS`` sets the socket timeout of every call (default 1 s); with TLS,
+``&ca=FILE`` names the CA that signed the servers' certificates (else the system's, or
+``$SSL_CERT_FILE``). A URL without a password takes ``$SHMCACHE_REMOTE_PASSWORD``.
+
+NOTE [remote tier]
+    Values. One Redis value holds one self-checking record (spill/format.py: magic, key,
+    lengths, checksum), whose key is the cache's identity plus the item's portable key
+    (tiers.portable_key). The Redis key is ``shmcache:<identity>:<portable key>``; the identity
+    comes from the cache's name and dataset fingerprint, never from the session's name, so every
+    node finds the others' values and two datasets never share one. A value that is not such a
+    record for exactly this key - garbage, truncated by a client, another cache's record, a
+    format from another version - is a miss, counted as ``corrupt``, never returned. Redis
+    replaces a value whole (SET), so an eviction never leaves half a record.
+
+    Authentication (NOTE [record authentication], trust.py). With the job's secret
+    (``secret=``, ``$SHMCACHE_SECRET``) every value is the record followed by a 40-byte MAC
+    trailer over the whole Redis key and the record's bytes; a value read without the right one
+    (unsigned, another secret's, another key's, changed) is a miss counted as ``forged``, checked
+    before anything of it is parsed, and the value computed then is written with a plain SET (not
+    NX), replacing it. Such a tier is ``authenticated``: the job's own values, pickled objects
+    included. Without a secret anyone who can write to the Redis can change values (not run
+    code: a pickled leaf from an unauthenticated tier is refused, tiers.TieredStore).
+
+    Reads are on the training step's path: one round trip per batch (one MGET per server, the
+    commands to every server sent before any reply is read; on a Cluster, GETs grouped by the
+    master of each key's slot, sent the same way - not redis-py's cluster pipeline, which after
+    a timeout re-sends each key alone, a timeout each). Writes never are: ``offer`` only
+    appends to a bounded queue (full: the value is dropped, counted); one background thread per
+    process drains it with pipelined ``SET key value NX`` (the first writer wins: values of a
+    key are equal by construction, and NX spares the bandwidth of rewriting them). The queue is flushed, within a
+    deadline, at ``close()`` and at exit (atexit).
+
+    Faults are misses, never errors and never waits: every call has a socket timeout; a failure
+    opens a circuit breaker for a backoff (1 s doubling to 30 s, jittered) during which reads
+    miss at once and writes are dropped; the first success closes it. Each condition
+    (unreachable, timeout, out of memory, authentication, corrupt value, any other error) is
+    logged once, until the server answers again. An out-of-memory reply (``maxmemory`` with
+    ``noeviction``) pauses writes only: reads go on.
+
+    Secrets. The password lives in the parsed URL only (RemoteURL.password, not in its repr);
+    every URL that is shown - logs, errors, stats, ``shmcache info``, reprs - is ``masked``
+    (``***``), and every message from the client is scrubbed of the password before it is
+    logged.
+
+    Processes. A forked child (DataLoader workers) inherits neither the thread nor the sockets:
+    the tier notices the new PID on its next call and starts its own (redis-py's pools do the
+    same for their connections).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import random
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+from urllib.parse import unquote
+
+import numpy as np
+import zstandard
+
+from ..base.trust import ENV_SECRET, FORGED, Mac
+from ..errors import InvalidArgument
+from . import counts as tier_counts
+from .records import MAX_RAW_BYTES, pack_record, unpack_record
+
+__all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
+           "probe", "read_counts", "COUNTERS", "resolve", "identity", "counts_path", "tiered", "stats_keys"]
+
+log = logging.getLogger("shmcache")
+
+ENV_REMOTE = "SHMCACHE_REMOTE"  # the default remote= of caches (the launcher's --remote)
+ENV_PASSWORD = "SHMCACHE_REMOTE_PASSWORD"  # the password of a URL that has none (kept off command lines)
+INSTALL = "pip install 'shmcache[redis]'"
+DEFAULT_TIMEOUT_S = 1.0
+BACKOFF_S = (1.0, 30.0)  # the circuit breaker's first and longest pause
+QUEUE_ITEMS = 16384  # the write-behind queue's bounds (a full queue drops, counted)
+QUEUE_BYTES = 256 << 20
+BATCH_ITEMS = 512  # one pipelined write: at most this many values ...
+BATCH_BYTES = 16 << 20  # ... or this many bytes
+FLUSH_S = 5.0  # how long close() and exit wait for the queue to drain
+
+_SCHEMES = {
+    "redis": ("server", False), "rediss": ("server", True),
+    "redis+cluster": ("cluster", False), "rediss+cluster": ("cluster", True),
+    "redis+shards": ("shards", False), "rediss+shards": ("shards", True),
+}
+_M64 = (1 << 64) - 1
+
+
+# --- URLs ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RemoteURL:
+    """A parsed remote URL. ``str()`` and ``repr()`` show it with the password masked."""
+
+    kind: str  # "server", "cluster" or "shards"
+    tls: bool
+    nodes: tuple[tuple[str, int], ...]
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    masked: str = ""
+    ca: str | None = None  # rediss: the CA file that signed the server's certificate
+
+    def __str__(self) -> str:
+        return self.masked
+
+    def __repr__(self) -> str:
+        return f"RemoteURL({self.masked!r})"
+
+
+def _split_userinfo(url: str) -> tuple[str, str, str]:
+    """``(scheme://, userinfo, the rest)``: the userinfo runs to the *last* '@' of the URL (no
+    host, port, database or option holds one), so a password may hold '/', '?', '#' or '@' - a
+    generated one often has '/' - and parse_url and mask_url always agree on where it ends."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, tail = rest.rpartition("@")
+    return (scheme + sep, userinfo, tail) if sep and at else (url, "", "")
+
+
+def mask_url(url: str) -> str:
+    """``url`` with the password in its user part replaced by ``***`` (anything shown to a user)."""
+    if not isinstance(url, str):
+        return f"<{type(url).__name__}>"
+    head, userinfo, tail = _split_userinfo(url)
+    if head == url:
+        return url
+    user, sep, _ = userinfo.partition(":")
+    shown = f"{user}:***" if sep else "***"  # a bare userinfo is a password (redis://pw@host)
+    return f"{head}{shown}@{tail}"
+
+
+def _bad(url: str, what: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"invalid remote URL {mask_url(url)!r}: {what}; use redis://[:password@]host:port[/db], "
+        f"rediss://... for TLS, redis+cluster://[:password@]h1:p1[,h2:p2...] or "
+        f"redis+shards://[:password@]h1:p1,h2:p2,...[/db]")
+
+
+def parse_url(url: Any) -> RemoteURL:
+    """Parse a remote URL (module docstring); a bad one raises InvalidArgument without its password."""
+    if not isinstance(url, str):
+        raise InvalidArgument(f"remote must be a URL string such as 'redis://host:6379', "
+                              f"got {type(url).__name__}")
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in _SCHEMES:
+        raise _bad(url, f"the scheme must be one of {', '.join(sorted(_SCHEMES))}")
+    kind, tls = _SCHEMES[scheme.lower()]
+    head, userinfo, tail = _split_userinfo(url)  # the password first: it may hold a '?' or a '/'
+    at = head != url
+    hostpart, _, query = (tail if at else rest).partition("?")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username, password = (unquote(user) or None, unquote(pw)) if colon else (None, unquote(user))
+        password = password or None
+    password = password or os.environ.get(ENV_PASSWORD) or None
+    hostlist, slash, dbpart = hostpart.partition("/")
+    nodes = tuple(_host_port(url, h) for h in hostlist.split(","))
+    db = 0
+    if slash and dbpart:
+        if not dbpart.isdigit() or int(dbpart) > 65535:
+            raise _bad(url, f"the database after '/' must be a number, got {dbpart!r}")
+        db = int(dbpart)
+    if kind == "server" and len(nodes) != 1:
+        raise _bad(url, f"{scheme}:// names one server; for {len(nodes)} use redis+shards:// "
+                        f"(independent servers) or redis+cluster:// (a Redis Cluster)")
+    if kind == "cluster" and db:
+        raise _bad(url, "a Redis Cluster has only database 0")
+    if len(set(nodes)) != len(nodes):
+        raise _bad(url, "a server is listed twice")
+    timeout_s, ca = DEFAULT_TIMEOUT_S, None
+    for item in filter(None, query.split("&")):
+        name, _, value = item.partition("=")
+        if name == "ca" and tls and value:
+            ca = unquote(value)
+            continue
+        if name != "timeout":
+            raise _bad(url, f"unknown option {name!r} (the options are timeout=SECONDS, and ca=FILE "
+                            f"with rediss)")
+        try:
+            timeout_s = float(value)
+        except ValueError:
+            timeout_s = -1.0
+        if not 0 < timeout_s <= 600:
+            raise _bad(url, f"timeout must be a number of seconds in (0, 600], got {value!r}")
+    return RemoteURL(kind, tls, nodes, db, username, password, timeout_s, mask_url(url), ca)
+
+
+def _host_port(url: str, item: str) -> tuple[str, int]:
+    item = item.strip()
+    if item.startswith("["):  # [ipv6]:port
+        host, _, port = item[1:].partition("]")
+        port = port[1:] if port.startswith(":") else port
+    else:
+        host, _, port = item.rpartition(":") if ":" in item else (item, "", "")
+    if not host:
+        raise _bad(url, f"a server has no host name ({item!r})")
+    if port and (not port.isdigit() or not 0 < int(port) < 65536):
+        raise _bad(url, f"the port of {host!r} must be 1-65535, got {port!r}")
+    return host, int(port or 6379)
+
+
+# --- sharding --------------------------------------------------------------------------------------
+
+def jump_hash(key: int, buckets: int) -> int:
+    """Jump consistent hash (Lamping & Veach, 2014): the bucket in [0, buckets) of a 64-bit key.
+
+    Growing the buckets from N to N+1 moves only the keys that land in the new one, about 1/(N+1)
+    of them, and none between the old ones (``xxh64 % N``, Bagua's choice, moves almost all)."""
+    b, j = -1, 0
+    key &= _M64
+    while j < buckets:
+        b = j
+        key = (key * 2862933555777941757 + 1) & _M64
+        j = int((b + 1) * (2147483648.0 / ((key >> 33) + 1)))
+    return b
+
+
+def _key_hash(rkey: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(rkey, digest_size=8).digest(), "little")
+
+
+# --- the client ---------------------------------------------------------------------------------
+
+def _redis():
+    try:
+        import redis
+    except ImportError as exc:
+        raise InvalidArgument(f"a remote tier needs redis-py, which is not installed ({exc}); "
+                              f"install it with: {INSTALL}") from None
+    return redis
+
+
+def _client_kwargs(url: RemoteURL, timeout_s: float | None = None) -> dict:
+    """Every call times out; no retries inside the client (the circuit breaker decides when to
+    try again: a retrying client would multiply the wait of a step on a dead server)."""
+    _redis()
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    t = url.timeout_s if timeout_s is None else timeout_s
+    kw = dict(password=url.password, username=url.username, socket_timeout=t,
+              socket_connect_timeout=t, retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    if url.tls:  # the server's certificate is checked: against ?ca=FILE, else the system's CAs
+        kw["ssl"] = True      # ($SSL_CERT_FILE moves those)
+        if url.ca:
+            kw["ssl_ca_certs"] = url.ca
+    return kw
+
+
+def _servers(url: RemoteURL, timeout_s: float | None = None) -> list:
+    redis = _redis()
+    kw = _client_kwargs(url, timeout_s)
+    return [redis.Redis(host=h, port=p, db=url.db, **kw) for h, p in url.nodes]
+
+
+def _cluster(url: RemoteURL, timeout_s: float | None = None):
+    _redis()
+    from redis.cluster import ClusterNode, RedisCluster
+
+    kw = _client_kwargs(url, timeout_s)
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in url.nodes],
+                        require_full_coverage=False, **kw)
+
+
+def _faults() -> tuple:
+    """The exceptions that are a remote's faults (a miss); anything else is a bug and raises."""
+    e = _redis().exceptions
+    return (e.RedisError, e.RedisClusterException, OSError)  # (a cluster's is not a RedisError)
+
+
+def _condition(exc: BaseException) -> str:
+    """Which of the logged conditions a client error is."""
+    redis = _redis()
+    e = redis.exceptions
+    text = str(exc)
+    if isinstance(exc, e.AuthenticationError) or any(
+            s in text for s in ("NOAUTH", "WRONGPASS", "invalid password", "AUTH")):
+        return "auth"
+    if isinstance(exc, (e.TimeoutError, TimeoutError)):
+        return "timeout"
+    if text.startswith("OOM") or "maxmemory" in text:
+        return "oom"
+    if isinstance(exc, (e.ConnectionError, ConnectionError, OSError)) or "ClusterDown" in type(exc).__name__:
+        return "unreachable"
+    return "error"
+
+
+_SAY = {
+    "unreachable": "is unreachable; values are computed from the source until it answers "
+                   "(start it, or check the host, port and firewall)",
+    "timeout": "did not answer within {t} s (stopped or overloaded); values are computed from "
+               "the source until it answers (raise ?timeout= in the URL if it is only slow)",
+    "oom": "is out of memory (maxmemory reached with the noeviction policy): new values are not "
+           "stored there; reads go on (give it more maxmemory, or an allkeys-lru policy)",
+    "auth": "refused the credentials (wrong or missing password); values are computed from the "
+            "source (put the right password in the URL: redis://:PASSWORD@host:port)",
+    "corrupt": "returned a value that is not this cache's record for that key (garbage, "
+               "truncated, or another cache's): a miss, recomputed; later ones are counted as "
+               "'corrupt' in stats()",
+    "error": "failed; values are computed from the source until it answers",
+    "forged": "returned a value without this job's MAC (written without the job's secret, with "
+              "another secret, under another key, or changed): a miss, recomputed and written again; "
+              f"later ones are counted as 'forged' in stats() (every process of the job needs the same "
+              f"${ENV_SECRET})",
+}
+
+COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "dropped", "backlog", "forged")
+_I = {name: i for i, name in enumerate(COUNTERS)}
+
+
+def read_counts(path: str | os.PathLike) -> dict | None:
+    """The remote counters of one cache summed over every process, and ``url``, the masked URL
+    (None: the cache never had a remote). NOTE [tier counts]."""
+    out = tier_counts.read_counts(path, COUNTERS)
+    if out is not None and out["url"]:
+        out["url"] = mask_url(out["url"])
+    return out
+
+
+class RedisTier:
+    """The values of one cache in Redis (NOTE [remote tier]), a ``tiers.Tier``: portable keys and
+    records in and out, each stored as a self-checking record; faults are misses. ``identity``
+    names the cache (its name and fingerprint, not the session)."""
+
+    name = "remote"
+    # the most bytes one batch's values may take in all (TieredStore lowers it to the cache's
+    # cap): values that each claim a GiB are refused past it, never all decoded
+    max_batch_bytes = MAX_RAW_BYTES
+
+    def __init__(self, url: str | RemoteURL, identity: str, *, queue_items: int = QUEUE_ITEMS,
+                 queue_bytes: int = QUEUE_BYTES, counts_path: str | os.PathLike | None = None,
+                 slot: Callable[[], int] | None = None, secret: bytes | None = None):
+        self.url = url if isinstance(url, RemoteURL) else parse_url(url)
+        # with the job's secret every value written carries a MAC over its Redis key and bytes, and
+        # a value read without the right one is a miss (NOTE [record authentication])
+        self._mac = Mac(secret) if secret else None
+        _redis()  # a missing client is an error now, not a silent miss later
+        self.identity = identity
+        self.prefix = b"shmcache:" + identity.encode() + b":"  # + the portable key: the Redis key
+        self.queue_items, self.queue_bytes = queue_items, queue_bytes
+        # counts_path + slot(): this process's counters go to its row of a shared file (NOTE
+        # [tier counts]), so `shmcache stat` sees them; else they stay in the process
+        self._counts_path, self._slot = counts_path, slot
+        self._c = np.zeros(len(COUNTERS), np.uint64)
+        self._lock = threading.Lock()  # the queue, the breaker, the counters
+        self._wake = threading.Condition(self._lock)
+        self._pid = -1
+        self._closed = False
+        _LIVE.add(self)
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self.url.masked!r}, {self.identity!r})"
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether every value this tier returns carried the job's MAC (TieredStore trusts those)."""
+        return self._mac is not None
+
+    def set_identity(self, identity: str) -> None:
+        """A named cache bound to its dataset's fingerprint after it was opened (dataset._bind)."""
+        self.identity = identity
+        self.prefix = b"shmcache:" + identity.encode() + b":"
+
+    # --- per process: clients, queue, writer thread --------------------------------------------
+
+    def _ensure(self) -> None:
+        if self._pid == os.getpid():
+            return
+        with self._lock:
+            if self._pid == os.getpid():
+                return
+            # a new process (or the first use): nothing of the parent's is ours
+            self._wake = threading.Condition(self._lock)
+            self._queue: deque = deque()
+            self._queued_bytes = 0
+            self._inflight = 0
+            self._clients: list | None = None
+            self._cluster = None
+            self._retry_at = 0.0
+            self._backoff = 0.0
+            self._writes_after = 0.0  # an OOM pauses writes only
+            self._logged: set[str] = set()
+            self._dctx = threading.local()  # zstd contexts are not thread-safe
+            self._replace: set[bytes] = set()  # Redis keys read as forged: rewritten without NX
+            self._thread: threading.Thread | None = None
+            self._stop = False
+            self._c = self._counts_row()
+            self._pid = os.getpid()
+
+    def _counts_row(self) -> np.ndarray:
+        row = tier_counts.process_row(self._counts_path, self.url.masked, self._slot,
+                                      f"remote tier {self.url.masked} of cache {self.identity}")
+        row[_I["backlog"]] = 0  # a level, not a total: this process has queued nothing yet
+        return row
+
+    def _add(self, name: str, n: int) -> None:
+        """One counter of this process, one aligned store (the lock is held)."""
+        self._c[_I[name]] += n
+
+    def _connect(self):
+        if self.url.kind == "cluster":
+            if self._cluster is None:
+                self._cluster = _cluster(self.url)
+            return self._cluster
+        if self._clients is None:
+            self._clients = _servers(self.url)
+        return self._clients
+
+    # --- the breaker and the log -----------------------------------------------------------------
+
+    def _open(self) -> bool:
+        """True while the breaker is open (reads miss at once, writes are dropped)."""
+        return time.monotonic() < self._retry_at
+
+    def _failed(self, exc: BaseException) -> None:
+        cond = _condition(exc)
+        with self._lock:
+            self._add("errors", 1)
+            if cond == "oom":  # the server answers: pause the writes, keep reading
+                self._writes_after = time.monotonic() + BACKOFF_S[1]
+            else:
+                self._backoff = min(max(self._backoff * 2, BACKOFF_S[0]), BACKOFF_S[1])
+                self._retry_at = time.monotonic() + self._backoff * random.uniform(0.8, 1.2)
+            if self._cluster is not None and cond != "oom":
+                cluster, self._cluster = self._cluster, None  # rebuilt (slots re-read) when it answers
+                _quietly(cluster.close)
+        self._say(cond, exc)
+
+    def _succeeded(self) -> None:
+        if self._backoff or self._logged - {"corrupt", "oom", "forged"}:
+            with self._lock:
+                if self._logged - {"corrupt", "oom", "forged"}:
+                    log.warning("remote tier %s of cache %s answers again", self.url.masked, self.identity)
+                self._backoff = 0.0
+                self._logged &= {"corrupt", "oom", "forged"}
+
+    def _say(self, cond: str, exc: BaseException | None = None, detail: str = "") -> None:
+        if cond in self._logged:
+            return
+        self._logged.add(cond)
+        if exc is not None:
+            detail = f" ({type(exc).__name__}: {self._scrub(str(exc))})"
+        log.warning("remote tier %s of cache %s %s%s", self.url.masked, self.identity,
+                    _SAY[cond].format(t=self.url.timeout_s), detail)
+
+    def _scrub(self, text: str) -> str:
+        pw = self.url.password
+        return text.replace(pw, "***") if pw else text
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def rkey(self, pkey: bytes) -> bytes:
+        return self.prefix + pkey
+
+    def get(self, pkey: bytes) -> bytes | None:
+        return self.get_many([pkey])[0]
+
+    def get_many(self, pkeys: Sequence[bytes]) -> list[bytearray | None]:
+        """The portable records of ``pkeys`` (None: a miss, a fault, the breaker open, or a value
+        that is not this cache's record for that key); one round trip in all."""
+        raw = self.fetch(pkeys)
+        dctx = getattr(self._dctx, "ctx", None)
+        if dctx is None:
+            dctx = self._dctx.ctx = zstandard.ZstdDecompressor()
+        out: list = []
+        bad = forged = 0
+        left = self.max_batch_bytes
+        for pkey, value in zip(pkeys, raw):
+            if value is not None and self._mac is not None:
+                rkey = self.prefix + pkey
+                value, verdict = self._mac.open(rkey, value)  # before a byte of it is parsed
+                if verdict == FORGED:
+                    forged += 1
+                    if len(self._replace) < QUEUE_ITEMS:
+                        self._replace.add(rkey)
+                    if "forged" not in self._logged:
+                        self._say("forged", None, f" (the first: key {pkey!r})")
+            if value is not None:
+                value, why = unpack_record(value, self.prefix + pkey, dctx, limit=left)
+                if value is not None:
+                    left -= len(value)
+                else:
+                    bad += 1
+                    self._corrupt_logged(pkey, why)
+            out.append(value)
+        if bad:
+            self.corrupt(bad)
+        if forged:
+            self.corrupt(forged, "forged")
+        return out
+
+    def _corrupt_logged(self, pkey: bytes, why: str | None) -> None:
+        if "corrupt" not in self._logged:
+            self._say("corrupt", None, f" (the first: key {pkey!r}: {why})")
+
+    def fetch(self, pkeys: Sequence[bytes]) -> list[bytes | None]:
+        """The raw Redis values of ``pkeys`` (unchecked); one round trip in all."""
+        self._ensure()
+        if not pkeys or self._closed or self._open():
+            return [None] * len(pkeys)
+        rkeys = [self.prefix + k for k in pkeys]
+        try:
+            raw = self._read(rkeys)
+        except _faults() as exc:  # every client fault is a miss (NOTE [remote tier])
+            self._failed(exc)
+            return [None] * len(pkeys)
+        self._succeeded()
+        hits = sum(v is not None for v in raw)
+        with self._lock:
+            self._add("hits", hits)
+            self._add("misses", len(raw) - hits)
+            self._add("bytes_read", sum(len(v) for v in raw if v is not None))
+        return raw
+
+    def _read(self, rkeys: list[bytes]) -> list:
+        conn = self._connect()
+        if self.url.kind == "cluster":
+            return _get_clustered(conn, rkeys)
+        if len(conn) == 1:
+            return conn[0].mget(rkeys)
+        return _mget_sharded(conn, rkeys)
+
+    def corrupt(self, n: int = 1, counter: str = "corrupt") -> None:
+        """The caller found ``n`` values that failed their checks (a miss each)."""
+        with self._lock:
+            self._add(counter, n)
+            self._c[_I["hits"]] -= min(n, int(self._c[_I["hits"]]))
+            self._add("misses", n)
+
+    # --- writes (behind the training loop) -------------------------------------------------------
+
+    def offer(self, pairs: Sequence[tuple[bytes, bytes]]) -> None:
+        """Queue ``(portable key, portable record)`` pairs for writing; never blocks (a full queue
+        drops). The records are wrapped and written by the writer thread, off the training step."""
+        self._ensure()
+        if self._closed:
+            return
+        with self._lock:
+            for pkey, value in pairs:
+                if len(self._queue) >= self.queue_items or self._queued_bytes + len(value) > self.queue_bytes:
+                    self._add("dropped", 1)
+                    continue
+                self._queue.append((self.prefix + pkey, bytes(value)))
+                self._queued_bytes += len(value)
+            self._c[_I["backlog"]] = len(self._queue) + self._inflight
+            if self._thread is None and self._queue:
+                self._thread = threading.Thread(target=self._writer, name="shmcache-remote-writer",
+                                                daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def _writer(self) -> None:
+        cctx = zstandard.ZstdCompressor(level=1)
+        while True:
+            with self._lock:
+                while not self._queue and not self._stop:
+                    self._wake.wait()
+                if not self._queue:
+                    return
+                wait = max(self._retry_at, self._writes_after) - time.monotonic()
+                if wait > 0:  # breaker open or server full: drop what waits, do not pile up
+                    dropped = len(self._queue)
+                    self._queue.clear()
+                    self._queued_bytes = 0
+                    self._add("dropped", dropped)
+                    if not self._stop:
+                        self._wake.wait(min(wait, 1.0))
+                    continue
+                batch, size = [], 0
+                while self._queue and len(batch) < BATCH_ITEMS and size < BATCH_BYTES:
+                    item = self._queue.popleft()
+                    batch.append(item)
+                    size += len(item[1])
+                self._queued_bytes -= size
+                self._inflight = len(batch)
+            try:
+                batch = [(k, self._sealed(k, pack_record(k, v, cctx))) for k, v in batch]
+                size = sum(len(v) for _, v in batch)
+                self._write(batch)
+            except Exception as exc:  # noqa: BLE001 - a failed write is a value not shared, no more
+                self._failed(exc)
+                with self._lock:
+                    self._add("dropped", len(batch))
+            else:
+                self._succeeded()
+                with self._lock:
+                    self._add("bytes_written", size)
+            finally:
+                with self._lock:
+                    self._inflight = 0
+                    self._c[_I["backlog"]] = len(self._queue)
+                    self._wake.notify_all()
+
+    def _sealed(self, rkey: bytes, parts: list) -> bytes:
+        """The Redis value of one record: its parts, and with a secret the MAC trailer over the
+        Redis key (the cache's identity and the item's key) and those bytes."""
+        if self._mac is not None:
+            parts = [*parts, self._mac.trailer(rkey, *parts)]
+        return b"".join(parts)
+
+    def _write(self, batch: list[tuple[bytes, bytes]]) -> None:
+        conn = self._connect()
+        if self.url.kind == "cluster":
+            groups = [(conn, batch)]
+        elif len(conn) == 1:
+            groups = [(conn[0], batch)]
+        else:
+            by = [[] for _ in conn]
+            for item in batch:
+                by[jump_hash(_key_hash(item[0]), len(conn))].append(item)
+            groups = [(c, b) for c, b in zip(conn, by) if b]
+        for client, items in groups:
+            pipe = client.pipeline(transaction=False)
+            replace = self._replace
+            for k, v in items:
+                # NX: the first writer wins; but a value read as forged is replaced by the job's
+                pipe.set(k, v, nx=k not in replace)
+                replace.discard(k)
+            pipe.execute(raise_on_error=True)
+
+    def flush(self, timeout_s: float = FLUSH_S) -> bool:
+        """Wait until what was offered is written (or dropped); False if the deadline passed."""
+        if self._pid != os.getpid():
+            return True  # nothing of this process's is queued
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._wake.notify_all()
+            while self._queue or self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.wait(min(left, 0.1))
+        return True
+
+    # --- visibility and lifecycle ---------------------------------------------------------------
+
+    def counters(self) -> dict:
+        """This process's counts (hits, misses, bytes read and written, errors, corrupt, dropped)
+        and the write-behind backlog (values queued, not yet written)."""
+        self._ensure()
+        with self._lock:
+            out = {name: int(self._c[i]) for i, name in enumerate(COUNTERS)}
+            out["backlog"] = len(self._queue) + self._inflight
+        return out
+
+    def totals(self) -> dict:
+        """The counters summed over every process of the session (NOTE [tier counts]); this
+        process's alone when they are not shared."""
+        self._ensure()
+        shared = read_counts(self._counts_path) if self._counts_path and self._slot else None
+        return shared if shared is not None else self.counters()
+
+    def close(self, timeout_s: float = FLUSH_S) -> None:
+        """Flush the queue (within ``timeout_s``), stop the writer, close the connections."""
+        if self._closed:
+            return
+        if self._pid == os.getpid():
+            if not self.flush(timeout_s):
+                log.warning("remote tier %s of cache %s: %d value(s) not written at close (the "
+                            "server is slow or gone); they stay computed on this node only",
+                            self.url.masked, self.identity, len(self._queue) + self._inflight)
+            with self._lock:
+                self._stop = True
+                self._add("dropped", len(self._queue))
+                self._queue.clear()
+                self._c[_I["backlog"]] = 0
+                self._wake.notify_all()
+            for client in (self._clients or []):
+                _quietly(client.close)
+            if self._cluster is not None:
+                _quietly(self._cluster.close)
+        self._closed = True
+        _LIVE.discard(self)
+
+
+def _mget_sharded(clients: list, rkeys: list[bytes]) -> list:
+    """One MGET per server, all sent before any reply is read: one round trip for N servers."""
+    n = len(clients)
+    groups: dict[int, list[int]] = {}
+    for i, k in enumerate(rkeys):
+        groups.setdefault(jump_hash(_key_hash(k), n), []).append(i)
+    out: list = [None] * len(rkeys)
+    batches = [(clients[s].connection_pool, [("MGET", *[rkeys[i] for i in idx])], idx)
+               for s, idx in groups.items()]
+    for idx, (values,) in _round_trip(batches):
+        for i, v in zip(idx, values):
+            out[i] = v
+    return out
+
+
+def _get_clustered(cluster, rkeys: list[bytes]) -> list:
+    """GETs grouped by the master that owns each key's slot, all sent before any reply is read:
+    one round trip, and one timeout at most when a master is stopped. (redis-py's cluster
+    pipeline, after a timeout, re-sends each of that master's keys alone, each waiting its own
+    timeout: 85 s for a 256-key batch at the default 1 s.) A redirection (the cluster is being
+    resharded) or any other error reply raises: a fault, so the breaker opens and the client,
+    rebuilt, reads the slots again."""
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    nodes = cluster.nodes_manager
+    for i, k in enumerate(rkeys):
+        node = nodes.get_node_from_slot(cluster.keyslot(k))
+        groups.setdefault(node.name, (node, []))[1].append(i)
+    out: list = [None] * len(rkeys)
+    batches = [(cluster.get_redis_connection(node).connection_pool, [("GET", rkeys[i]) for i in idx], idx)
+               for node, idx in groups.values()]
+    for idx, values in _round_trip(batches):
+        for i, v in zip(idx, values):
+            out[i] = v
+    return out
+
+
+def _round_trip(batches: list) -> list:
+    """Send each ``(pool, commands, tag)``'s commands on a connection of its own pool, all before
+    reading any reply; then ``[(tag, replies)]``. A connection left with an unread reply (a
+    timeout, an error) is disconnected, never reused."""
+    sent, out = [], []
+    try:
+        for pool, commands, _tag in batches:
+            conn = pool.get_connection()
+            sent.append((pool, conn))
+            conn.send_packed_command(conn.pack_commands(commands))
+        for (_, conn), (_, commands, tag) in zip(sent, batches):
+            out.append((tag, [conn.read_response() for _ in commands]))
+    except BaseException:
+        for _, conn in sent:
+            _quietly(conn.disconnect)
+        raise
+    finally:
+        for pool, conn in sent:
+            pool.release(conn)
+    return out
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - closing a broken connection: nothing left to say
+        pass
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A fork may have copied a tier's lock held by its writer thread, which the child lacks:
+    give every tier a fresh one before anything in the child can wait on it (_ensure then
+    starts the child's own queue, thread and connections)."""
+    for tier in list(_LIVE):
+        tier._lock = threading.Lock()
+        tier._wake = threading.Condition(tier._lock)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """Write what is queued before the interpreter goes (within FLUSH_S in all)."""
+    deadline = time.monotonic() + FLUSH_S
+    for tier in list(_LIVE):
+        tier.close(max(0.0, deadline - time.monotonic()))
+
+
+# --- shmcache info ------------------------------------------------------------------------------
+
+def probe(url: str | RemoteURL, timeout_s: float = 0.5) -> dict:
+    """What ``shmcache info`` shows of a remote: its masked URL, whether every server answers a
+    PING within ``timeout_s``, and the memory it uses and may use (summed over the servers)."""
+    u = url if isinstance(url, RemoteURL) else parse_url(url)
+    out = {"url": u.masked, "kind": u.kind, "servers": len(u.nodes), "answers": False,
+           "used_memory": None, "maxmemory": None, "error": None}
+    try:
+        if u.kind == "cluster":
+            rc = _cluster(u, timeout_s)
+            try:
+                nodes = [rc.get_redis_connection(n) for n in rc.get_primaries()]
+                infos = [c.info("memory") for c in nodes]
+                answers = all(c.ping() for c in nodes)
+            finally:
+                rc.close()
+        else:
+            clients = _servers(u, timeout_s)
+            try:
+                answers = all(c.ping() for c in clients)
+                infos = [c.info("memory") for c in clients]
+            finally:
+                for c in clients:
+                    _quietly(c.close)
+    except InvalidArgument:
+        raise
+    except Exception as exc:  # noqa: BLE001 - info reports, it does not fail
+        pw = u.password
+        text = f"{type(exc).__name__}: {exc}"
+        out["error"] = text.replace(pw, "***") if pw else text
+        return out
+    out["answers"] = answers
+    out["used_memory"] = sum(int(i.get("used_memory", 0)) for i in infos)
+    maxes = [int(i.get("maxmemory", 0)) for i in infos]
+    out["maxmemory"] = 0 if 0 in maxes else sum(maxes)  # 0: one server has no limit
+    return out
+
+
+# --- wiring: a cache's store with its remote tier behind it ----------------------------------------
+
+def resolve(remote: Any, session_remote: str | None) -> str | None:
+    """The remote URL in force: ``remote=`` given (``""``: none), else ``$SHMCACHE_REMOTE``, else the
+    session's (``shmcache new NAME --remote URL``); None when there is none. Checked here: a bad
+    URL, or a missing redis-py, is an error when the cache is made, not a silent miss later."""
+    if remote is not None and not isinstance(remote, str):
+        raise InvalidArgument(f"remote must be a URL such as 'redis://:PASSWORD@host:6379' (or '' for "
+                              f"none), got {type(remote).__name__}")
+    if remote is None:
+        remote = os.environ.get(ENV_REMOTE) or session_remote
+    if not remote:
+        return None
+    parse_url(remote)
+    _redis()
+    return remote
+
+
+def identity(name: str, fingerprint: str | None) -> str:
+    """What names a cache in Redis: its name, and its dataset's fingerprint when it has one - never
+    the session's name, so every node's session finds the same values (NOTE [remote tier])."""
+    return f"{name}.{fingerprint[:32]}" if fingerprint else name
+
+
+def counts_path(registry, session: str, name: str) -> Path:
+    """The file of a cache's remote counters (NOTE [tier counts]), beside its metadata."""
+    return tier_counts.counts_path(registry, session, name, "remote")
+
+
+def tiered(local, url: str, fingerprint: str | None, registry, secret: bytes | None = None,
+           allow_pickle: bool = False):
+    """``local`` (a CacheStore) with the remote tier at ``url`` behind it (tiers.TieredStore);
+    ``secret``: the job's (trust.resolve_secret), ``allow_pickle``: NOTE [record authentication]."""
+    from ..cache import process_slot
+    from .tiered_store import TieredStore
+
+    shared = not getattr(local, "uncached", False)  # an uncached store holds no liveness slot
+    tier = RedisTier(url, identity(local.name, fingerprint),
+                     counts_path=counts_path(registry, local.session, local.name) if shared else None,
+                     slot=(lambda: process_slot.slot(registry, local.session)) if shared else None,
+                     secret=secret)
+    return TieredStore(local, [tier], allow_pickle=allow_pickle)
+
+
+def stats_keys(url: str | None, counts: dict | None) -> dict:
+    """The ``remote_*`` keys of ``stats()`` and ``shmcache stat``: the masked URL and the counters
+    summed over every process (``counts``: read_counts, or None for a cache without a remote)."""
+    url = url or (counts or {}).get("url")
+    out = {"remote": mask_url(url) if url else None}
+    out.update({f"remote_{k}": (counts or {}).get(k, 0) for k in COUNTERS})
+    return out

@@ -1,0 +1,29 @@
+"""Spill: where a cache's items go on disk when its shared memory is full.
+
+    format.py     the self-checking record (also the record of the remote and snapshot tiers)
+    recovery.py   the file-level crash protocol: take over a slot file, repair a torn tail
+    files.py      SpillStore: one folder of append-only slot files, lock-free reads
+    tier.py       SpillTier, the store's indexed tier (tier_protocol.IndexedTier): where its folder
+                  is, write a record and answer its Location, read a Location back
+
+NOTE [spill records] (format.py) holds the protocol.
+"""
+
+from ...errors import SpillFull
+from ..records import FILE_HEADER_BYTES, MAX_KEY_BYTES, RECORD_HEADER_BYTES, pack_record, unpack_record
+from .files import MAX_SLOTS, SpillLoc, SpillStore, check_spill_dir
+from .recovery import RecoverReport
+
+__all__ = [
+    "SpillStore",
+    "SpillLoc",
+    "SpillFull",
+    "RecoverReport",
+    "check_spill_dir",
+    "pack_record",
+    "unpack_record",
+    "MAX_SLOTS",
+    "MAX_KEY_BYTES",
+    "FILE_HEADER_BYTES",
+    "RECORD_HEADER_BYTES",
+]

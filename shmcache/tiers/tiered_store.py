@@ -1,0 +1,325 @@
+"""The tier seam: what a place for a cache's values outside its shared memory must do, and the
+store that reads through such places in order.
+
+A value lives first in shared memory, and, when that is full, in the cache's spill files (both
+found through the shared index: ``store.CacheStore``). Behind them may stand *tiers* shared
+wider than one node or one run: a Redis server for every node of a job (``remote.py``), a
+read-only snapshot on disk or object storage (``snapshot/``). :class:`TieredStore` composes
+them::
+
+    store = TieredStore(CacheStore(...), [snapshot_tier, remote_tier])
+    store.lookup(key)          # shared memory; else each tier in order; a tier's hit is admitted
+    store.lookup_batch(keys)   # the same, one batched call per tier for the batch's misses
+    store.put(key, value)      # into shared memory, and offered to every tier (write-behind)
+
+NOTE [tiers]
+    A tier is reached with the *portable* key and holds the *portable* record, never anything
+    that is only meaningful on one node:
+
+    * portable key = the index word of the key (8 bytes, little-endian: an int key itself, else
+      the hash of the key bytes) followed by the key bytes (none for an int key) - the same key a
+      spill record carries. A tier adds the cache's identity (from its fingerprint, never the
+      session's name) to it, so nodes find each other's values and two datasets never meet.
+    * portable record = the codec's record with its layout inline (``codec.INLINE``), so it
+      decodes anywhere, with no interned layout table. A tier wraps it in the self-checking
+      record of ``spill/format.py`` (magic, key, lengths, codec, checksum): a value that is
+      corrupt, cut short or another key's is a miss, counted by the tier, never returned.
+
+    Trust (NOTE [record authentication], trust.py): a tier whose every record carried the job's
+    MAC (``tier.authenticated``) serves the job's own values. Any other tier serves data: before a
+    record is decoded or admitted its layout is checked (codec.check_layout: structure, dtypes,
+    bounds, never an unpickling) and one holding a pickled leaf is refused - a miss, counted as
+    ``tier_pickle_refused``, one log line naming ``allow_pickle=True`` - since once admitted into
+    shared memory it would be unpickled by every process that reads it.
+
+    Order: shared memory, then the snapshot (read-only, exact: a value of this very dataset,
+    checked when it was opened, and the cheapest to reach - a local file or one ranged read),
+    then the remote (shared and writable, but a network round trip and values other nodes wrote);
+    ``snapshot.tier.tiered`` puts a snapshot tier first whatever was attached before it.
+
+    A tier never raises for its own faults (unreachable, slow, full, damaged): it answers a miss,
+    counts it, and logs one line per condition. ``TieredStore`` still guards every call, so a tier
+    that breaks this rule costs a miss and one log line, never a training step. A tier's hit is
+    admitted into shared memory within its cap (a cache that is full keeps serving it from the
+    tier), and what the process computes is offered to every tier, which may write it behind the
+    training loop and drop it when its queue is full. A value in shared memory is never replaced
+    by a tier's: shared memory is the first and final word on one node.
+
+    The spill files are a tier too, of the other kind: an *indexed* tier
+    (``tier_protocol.IndexedTier``, implemented by ``spill/tier.py``'s ``SpillTier``), found
+    through the store's own shared index rather than asked by key. It holds the same key
+    (``index.tier_key``) with the record, but it does not decide anything: the store, under its
+    lock, calls ``write(key, record)``, which only stores and answers a ``Location`` (or None: not
+    stored, a miss later), and publishes that location in the index with the intent record of
+    NOTE [publish order]; a reader hands the entry's location back to ``read(location, key)``,
+    which checks the key and the record and answers None for anything else. The store gets it
+    through ``CacheStore.spill_to(tier)`` and never calls back into the spill package, and the
+    tier never touches the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from ..base.trust import PICKLE_HINT
+from ..cache import codec
+from ..cache.index import key_bytes, tier_key
+from ..cache.store import MISSING
+from ..errors import ShmcacheError
+
+__all__ = ["Tier", "TieredStore", "portable_key", "key_of_portable", "portable_record", "decode_portable",
+           "PickleRefused", "untrusted_problem"]
+
+log = logging.getLogger("shmcache")
+
+Buffer = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A place a cache's values can live behind its shared memory (NOTE [tiers])."""
+
+    name: str  # "remote", "snapshot": how stats() and the logs call it
+    # optional: a tier with ``read_only = True`` is never offered anything (TieredStore.put skips
+    # packing the portable record, a copy of the value, for it)
+
+    def get(self, key: bytes) -> Buffer | None:
+        """The portable record stored under the portable ``key``, or None (a miss, or a fault).
+        A bytearray must be fresh, referenced by nothing else: the value decoded from it keeps it."""
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        """``get`` for many keys in one batched round trip, in the order given."""
+
+    def offer(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
+        """(portable key, portable record) pairs this process computed; the tier may store them
+        now or later, or drop them (a read-only tier ignores them). Never blocks for long."""
+
+    def counters(self) -> dict[str, int]:
+        """What this process saw of the tier: hits, misses, errors, bytes read and written, ..."""
+
+    def close(self) -> None:
+        """Finish pending writes (bounded in time) and release connections and files."""
+
+
+def portable_key(key: Any) -> bytes:
+    """The key a tier is asked for (NOTE [tiers]); InvalidKey for a key the cache refuses."""
+    return tier_key(*key_bytes(key))
+
+
+def key_of_portable(pkey: Buffer) -> Any:
+    """The cache key a portable key stands for (its inverse): an int, str or bytes. ValueError
+    when the bytes are not a portable key (a reader of a damaged file counts a miss)."""
+    pkey = bytes(pkey)
+    if len(pkey) < 8:
+        raise ValueError(f"a portable key of {len(pkey)} bytes is shorter than its index word")
+    w1, kb = int.from_bytes(pkey[:8], "little"), pkey[8:]
+    if not kb:
+        return w1 - (1 << 64) if w1 >> 63 else w1  # an int key stores itself, two's complement
+    try:
+        key = kb[1:].decode("utf-8", "surrogatepass") if kb[:1] == b"s" else kb[1:] if kb[:1] == b"b" else None
+    except UnicodeDecodeError:
+        key = None
+    if key is None or key_bytes(key) != (w1, kb):
+        raise ValueError(f"not a portable key: {pkey[:40]!r}")
+    return key
+
+
+def portable_record(enc: codec.Encoded, key: Any) -> bytes:
+    """The encoded value as a record that decodes on any node (its layout inline)."""
+    kb = key_bytes(key)[1]
+    out = bytearray(enc.record_len(len(kb), True))
+    enc.write(memoryview(out), codec.INLINE, kb)
+    return bytes(out)
+
+
+class PickleRefused(ValueError):
+    """A record from outside this user's shared memory, not authenticated, holds a pickled leaf
+    (NOTE [record authentication]): refused before anything of it is unpickled."""
+
+
+def untrusted_problem(record: Buffer, allow_pickle: bool) -> str | None:
+    """Why the portable record in ``record`` may not be decoded or stored when it does not come
+    from this user's own memory nor carries the job's MAC: a layout the encoder does not write,
+    leaves beyond its body, or (unless ``allow_pickle``) a pickled leaf - found without decoding
+    or unpickling anything; None when it may. PickleRefused is said with the prefix
+    ``"pickle: "``."""
+    view = memoryview(record).cast("B")
+    n = len(view)
+    if n < codec.RECORD_HEADER.size:
+        return f"a record of {n} bytes is shorter than its header"
+    layout_id, key_len, layout_len, _ = codec.RECORD_HEADER.unpack_from(view, 0)
+    if layout_id != codec.INLINE:
+        return f"not a portable record (layout id {layout_id:#x}, not an inline layout)"
+    body = n - key_len - layout_len
+    if not codec.RECORD_HEADER.size <= body < n - key_len:
+        return f"an inline layout of {layout_len} bytes and a key of {key_len} in a record of {n} bytes"
+    check = codec.check_layout(view[body:body + layout_len].tobytes())  # cached per layout
+    if check.problem is not None:
+        return check.problem
+    if check.needed > body:
+        return f"its leaves span {check.needed} bytes, its body holds {body}"
+    if check.pickled and not allow_pickle:
+        return "pickle: it holds a pickled object"
+    return None
+
+
+def decode_portable(record: Buffer, trusted: bool = True, allow_pickle: bool = False) -> Any:
+    """The value of a portable record (its arrays view ``record``: pass a private buffer).
+    ValueError when the bytes are not a portable record (the caller counts a miss). Not
+    ``trusted`` (neither this user's memory nor authenticated): the record is checked first
+    (``untrusted_problem``), PickleRefused for a pickled leaf unless ``allow_pickle``."""
+    view = memoryview(record).cast("B")
+    if not trusted:
+        why = untrusted_problem(view, allow_pickle)
+        if why is not None:
+            raise PickleRefused(why[8:]) if why.startswith("pickle: ") else ValueError(why)
+    if len(view) < codec.RECORD_HEADER.size:
+        raise ValueError(f"a record of {len(view)} bytes is shorter than its header")
+    layout_id = codec.record_header(view).layout_id
+    if layout_id != codec.INLINE:
+        raise ValueError(f"not a portable record (layout id {layout_id:#x}, not an inline layout)")
+    layout = codec.inline_layout(view)  # ValueError: not a portable record either
+    try:
+        return codec.decode(view, layout)
+    except ShmcacheError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - bytes that passed the tier's checksum yet do not decode
+        raise ValueError(f"the record does not decode: {exc!r}") from None
+
+
+class TieredStore:
+    """A cache's local store (shared memory, then spill) with tiers behind it (NOTE [tiers]).
+
+    Everything but reads, writes, stats and close goes to the local store unchanged (the batch
+    gather serves only keys that are all in shared memory; anything else comes back here through
+    ``lookup_batch``). Without tiers, callers keep the local store itself: no cost on a hit.
+    """
+
+    def __init__(self, local, behind: Sequence[Tier], allow_pickle: bool = False):
+        self.local = local
+        self.behind = list(behind)
+        # a tier whose records are not authenticated (``tier.authenticated`` false) serves data,
+        # never code: a pickled leaf is refused unless allowed (NOTE [record authentication])
+        self.allow_pickle = allow_pickle
+        cap = getattr(local, "capacity_bytes", 0)
+        for tier in self.behind:  # a batch's values past the cache's cap are refused, never decoded
+            if cap and isinstance(getattr(tier, "max_batch_bytes", None), int):
+                tier.max_batch_bytes = min(tier.max_batch_bytes, cap)
+        self._failed: set[tuple[str, str]] = set()  # (tier, method) that raised: logged once
+        self.admitted = 0  # tier hits this process admitted into shared memory
+        self.undecodable = 0  # tier records that passed their checks yet did not decode
+        self.pickle_refused = 0  # unauthenticated tier records refused for a pickled leaf
+
+    def __getattr__(self, name: str):
+        return getattr(self.local, name)  # only for what this class does not define
+
+    # --- reads ------------------------------------------------------------------------------
+
+    def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
+        value = self.local.lookup(key, copy, count)
+        if value is not MISSING or not self.behind:
+            return value
+        pk = portable_key(key)
+        for tier in self.behind:
+            record = self._call(tier, "get", pk)
+            if record is not None:
+                value = self._admit(key, record, tier)
+                if value is not MISSING:
+                    return value
+        return MISSING
+
+    def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
+        values, missing = self.local.lookup_batch(keys, copy)
+        if not missing or not self.behind:
+            return values, missing
+        pks = {i: portable_key(keys[i]) for i in missing}
+        for tier in self.behind:
+            records = self._call(tier, "get_many", [pks[i] for i in missing]) or [None] * len(missing)
+            still = []
+            for i, record in zip(missing, records):
+                value = MISSING if record is None else self._admit(keys[i], record, tier)
+                if value is MISSING:
+                    still.append(i)
+                else:
+                    values[i] = value
+            missing = still
+            if not missing:
+                break
+        return values, missing
+
+    def contains(self, key: Any) -> bool:
+        return self.local.contains(key)  # what this node holds; a tier is asked only on a read
+
+    def _admit(self, key: Any, record: Buffer, tier: Tier) -> Any:
+        """A tier's record as a value, stored in shared memory too (within its cap). Decoded first:
+        bytes that passed the tier's checks yet are no portable record are refused before they
+        reach shared memory; so is a pickled leaf from a tier whose records are not authenticated
+        (unless allow_pickle): it would run code here, and in every process that reads it later."""
+        try:
+            # private bytes: the value owns them (a tier returns a bytearray only when it is fresh
+            # and its own - Tier.get - so it is not copied again)
+            value = decode_portable(record if type(record) is bytearray else bytearray(record),
+                                    bool(getattr(tier, "authenticated", False)), self.allow_pickle)
+        except PickleRefused as exc:
+            self.pickle_refused += 1
+            if ("pickle", tier.name) not in self._failed:
+                self._failed.add(("pickle", tier.name))
+                log.warning("cache %s/%s: the %s tier returned a record of key %r that %s, and its records "
+                            "are not authenticated: refused unread (a miss, computed from the source); %s. "
+                            "Further ones are only counted", self.local.session, self.local.name,
+                            tier.name, key, str(exc).removeprefix("it "), PICKLE_HINT)
+            return MISSING
+        except ValueError as exc:
+            self.undecodable += 1
+            if ("decode", "") not in self._failed:
+                self._failed.add(("decode", ""))
+                log.warning("cache %s/%s: a tier returned a record of key %r that does not decode "
+                            "(%s); treated as a miss, further ones are only counted",
+                            self.local.session, self.local.name, key, exc)
+            return MISSING
+        # the record as it came, no decode-and-encode round: put_records copies its bytes in once
+        if self.local.put_records([(key, record)])[0]:
+            self.admitted += 1
+        return value
+
+    # --- writes -----------------------------------------------------------------------------
+
+    def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
+        enc = encoded or codec.encode(value, f"the value of key {key!r}")
+        stored = self.local.put(key, value, encoded=enc)
+        writable = [tier for tier in self.behind if not getattr(tier, "read_only", False)]
+        if writable:  # a read-only tier (a snapshot) takes nothing: no copy of the value for it
+            item = [(portable_key(key), portable_record(enc, key))]
+            for tier in writable:
+                self._call(tier, "offer", item)
+        return stored
+
+    # --- the rest ---------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        st = self.local.stats()
+        st["tiers"] = {tier.name: self._call(tier, "counters") or {} for tier in self.behind}
+        st["tier_admitted"], st["tier_undecodable"] = self.admitted, self.undecodable
+        st["tier_pickle_refused"] = self.pickle_refused
+        return st
+
+    def close(self) -> None:
+        try:
+            for tier in self.behind:
+                self._call(tier, "close")
+        finally:
+            self.local.close()
+
+    def _call(self, tier: Tier, method: str, *args):
+        """``tier.method(*args)``, a raise turned into None (a miss) and one log line."""
+        try:
+            return getattr(tier, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - NOTE [tiers]: a tier's fault never stops training
+            if (tier.name, method) not in self._failed:
+                self._failed.add((tier.name, method))
+                log.warning("cache %s/%s: the %s tier failed in %s (%s: %s); treated as a miss, "
+                            "further failures are only counted", self.local.session,
+                            self.local.name, tier.name, method, type(exc).__name__, exc)
+            return None
