@@ -17,10 +17,9 @@ import pytest
 from _nodes import Counted, calls_of, expected, same
 from _redis import PASSWORD
 
-from shmcache import ShmDatasetCache
+from shmcache import ShmDatasetCache, cli
 from shmcache.base.namespace import namespace
 from shmcache.cache.store import CacheStore
-from shmcache.cli import main as cli
 from shmcache.errors import InvalidArgument
 from shmcache.tiers.tiered_store import TieredStore
 

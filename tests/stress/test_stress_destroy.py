@@ -13,9 +13,9 @@ import subprocess
 import sys
 import textwrap
 
+from shmcache import cli
 from shmcache.cache.registry import SessionRegistry
 from shmcache.cache.store import MISSING, CacheStore
-from shmcache.cli import main as cli
 
 WORKER = textwrap.dedent("""
     import json, random, sys, time
