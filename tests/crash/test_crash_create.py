@@ -17,9 +17,9 @@ import pytest
 from _procs_util import Zygote, release_barrier, status_of, wait_for
 from _shmcheck import cache_segments, check_store, same_value, value_for
 
+from shmcache import cli
 from shmcache.cache.registry import SessionRegistry
 from shmcache.cache.store import MISSING, CacheStore
-from shmcache.cli import main as cli
 from shmcache.errors import CacheNotFound
 
 C = "c"

@@ -13,10 +13,9 @@ import pytest
 from _procs_util import Procs, Zygote, status_of, wait_for
 from _worker import stuck_lock_items
 
-from shmcache import ShmDatasetCache
+from shmcache import ShmDatasetCache, cli
 from shmcache.cache.registry import SessionRegistry
 from shmcache.cache.store import MISSING, CacheStore
-from shmcache.cli import main as cli
 
 S, C, N = "stuck", "c", 20
 
