@@ -30,7 +30,7 @@ from ..base.trust import Mac, resolve_secret, snapshot_ident
 from ..cache import codec
 from ..errors import InvalidArgument, SnapshotError
 from . import format as fmt
-from .location import Location, open_location
+from .location import SnapshotLocation, open_location
 
 __all__ = ["export_cache", "ExportReport", "progress_bar"]
 
@@ -93,7 +93,7 @@ def export_cache(store: Any, dest: str | os.PathLike, *, overwrite: bool = False
         loc.close()
 
 
-def _export(store: Any, loc: Location, overwrite: bool, length: int | None, segment_bytes: int, level: int,
+def _export(store: Any, loc: SnapshotLocation, overwrite: bool, length: int | None, segment_bytes: int, level: int,
             progress: bool | None, key: bytes | None) -> ExportReport:
     _prepare(loc, overwrite)
     started = time.perf_counter()
@@ -137,7 +137,7 @@ def _export(store: Any, loc: Location, overwrite: bool, length: int | None, segm
     return report
 
 
-def _prepare(loc: Location, overwrite: bool) -> None:
+def _prepare(loc: SnapshotLocation, overwrite: bool) -> None:
     """Refuse an existing destination unless ``overwrite``; then make it take no old snapshot for
     a new one: the old manifest goes first, then its segments. A local destination is made, or
     checked to be the user's own and writable by no one else, before anything is listed there."""
@@ -165,7 +165,7 @@ def _prepare(loc: Location, overwrite: bool) -> None:
 class _Writer:
     """Fills segment after segment (``*.tmp``, renamed when complete)."""
 
-    def __init__(self, loc: Location, segment_bytes: int, level: int, mac: Any = None, ident: bytes = b""):
+    def __init__(self, loc: SnapshotLocation, segment_bytes: int, level: int, mac: Any = None, ident: bytes = b""):
         self.loc = loc
         self.mac, self.ident = mac, ident
         self.segment_bytes = segment_bytes
@@ -223,7 +223,7 @@ class _Writer:
                 self.loc.remove(name[:-4])
 
 
-def _write_file(loc: Location, name: str, data: bytes) -> None:
+def _write_file(loc: SnapshotLocation, name: str, data: bytes) -> None:
     f = loc.open_write(name + ".tmp")
     try:
         f.write(data)

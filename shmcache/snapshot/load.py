@@ -37,7 +37,7 @@ from ..tiers import records as records
 from ..tiers.tiered_store import key_of_portable, untrusted_problem
 from . import format as fmt
 from .export import progress_bar
-from .location import Location, open_location
+from .location import SnapshotLocation, open_location
 
 __all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_index", "ImportReport",
            "replace_other_dataset"]
@@ -103,7 +103,7 @@ class ImportReport:
         return text
 
 
-def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -> tuple[Location, fmt.Manifest]:
+def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -> tuple[SnapshotLocation, fmt.Manifest]:
     """The snapshot's location and manifest; SnapshotError if there is no whole snapshot there."""
     loc = open_location(src, storage_options)
     try:
@@ -164,7 +164,7 @@ def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str 
         store.close()
 
 
-def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: bool = False,
+def import_into(store: Any, loc: SnapshotLocation, manifest: fmt.Manifest, *, force: bool = False,
                 threads: int | None = None, progress: bool | None = None, secret: str | bytes | None = None,
                 allow_pickle: bool = False, allow_unsigned: bool = False) -> ImportReport:
     """Store the snapshot's items in ``store`` (a CacheStore, maybe with spilling attached).
@@ -260,7 +260,7 @@ def _chunks(seg: fmt.SegmentInfo, index: np.ndarray):
         i = j
 
 
-def read_segment_index(loc: Location, seg: fmt.SegmentInfo, number: int) -> np.ndarray:
+def read_segment_index(loc: SnapshotLocation, seg: fmt.SegmentInfo, number: int) -> np.ndarray:
     """The index of segment ``number``, read with three ranged reads (header, footer, index) and
     checked against the manifest: what a reader that looks keys up (format.find) starts from.
     SnapshotError naming the file when it is missing, truncated, damaged or not the one named."""
@@ -345,7 +345,7 @@ def _bind(store: Any, manifest: fmt.Manifest, force: bool) -> None:
 class _Job:
     """The work of one import, shared by its threads."""
 
-    def __init__(self, store: Any, loc: Location, report: ImportReport, bar: Any, mac: Any = None,
+    def __init__(self, store: Any, loc: SnapshotLocation, report: ImportReport, bar: Any, mac: Any = None,
                  ident: bytes = b"", allow_pickle: bool = False):
         self.mac, self.ident = mac, ident  # a trust.Mac: every record must carry it
         self.allow_pickle = allow_pickle  # authenticated, or the caller's opt-in
