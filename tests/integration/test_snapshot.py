@@ -251,7 +251,7 @@ def test_a_truncated_segment_is_refused_naming_it(snap):
 def test_a_missing_segment_is_refused_naming_it(snap):
     name = _segments(snap)[-1]
     os.unlink(snap / name)
-    with pytest.raises(SnapshotError, match=f"segment .*{name} is missing"):
+    with pytest.raises(SnapshotError, match=f"data file .*{name} is missing"):
         ShmDatasetCache.from_snapshot(snap, session="dst")
 
 
@@ -261,7 +261,7 @@ def test_a_swapped_segment_is_refused(snap, tmp_path):
     cache.close()
     name = _segments(snap)[0]
     shutil.copy(tmp_path / "other" / name, snap / name)
-    with pytest.raises(SnapshotError, match=f"{name}.*(manifest says|not the segment the manifest names)"):
+    with pytest.raises(SnapshotError, match=f"{name}.*(manifest says|not the data file the manifest names)"):
         ShmDatasetCache.from_snapshot(snap, session="dst")
 
 

@@ -21,8 +21,8 @@ from _forks import die_holding_after_forking_an_idle_child, reap
 from shmcache.base.locks import FlockLock, LivenessSlot, slot_is_alive
 from shmcache.errors import LockTimeout
 
-RegistryLock = partial(FlockLock, keep_open=False, reentrant=True)  # as SessionRegistry makes it
-LOCK_CLASSES = pytest.mark.parametrize("Lock", [FlockLock, RegistryLock], ids=["cache-lock", "registry-lock"])
+registry_lock = partial(FlockLock, keep_open=False, reentrant=True)  # as SessionRegistry makes it
+LOCK_CLASSES = pytest.mark.parametrize("Lock", [FlockLock, registry_lock], ids=["cache-lock", "registry-lock"])
 
 _HOLD = r"""
 import sys, time
@@ -171,7 +171,7 @@ def test_forked_child_does_not_share_the_parents_lock(tmp_path, Lock):
 def test_lock_files_are_mode_0600_whatever_the_umask(tmp_path):
     old = os.umask(0)
     try:
-        locks = [FlockLock(tmp_path / "m.lock"), RegistryLock(tmp_path / "r.lock")]
+        locks = [FlockLock(tmp_path / "m.lock"), registry_lock(tmp_path / "r.lock")]
         for lock in locks:
             with lock:
                 pass
@@ -199,7 +199,7 @@ def test_registry_lock_held_by_another_flock_user_times_out_with_shmcache_error(
             os.close(self.fd)
 
     other = OtherFlockUser()
-    lock = RegistryLock(tmp_path / "reg.lock", what="the session registry lock")
+    lock = registry_lock(tmp_path / "reg.lock", what="the session registry lock")
     errors = []
 
     def attempt():
@@ -259,7 +259,7 @@ def test_a_forked_child_that_never_takes_the_lock_does_not_keep_a_dead_parents_l
 def test_registry_lock_is_reentrant_within_a_thread_and_keeps_no_descriptor(tmp_path):
     """The registry's lock: ``destroy_idle`` calls ``destroy`` under it (a nested hold), the
     last release lets others in, and no descriptor stays open between holds."""
-    lock = RegistryLock(tmp_path / "r.lock", what="the registry lock")
+    lock = registry_lock(tmp_path / "r.lock", what="the registry lock")
     other = FlockLock(tmp_path / "r.lock")
     with lock:
         with lock:
