@@ -1,7 +1,10 @@
 """Every error shmcache raises.
 
 Each leaf subclasses ``ShmcacheError`` and the builtin it refines, so callers can catch either
-(``except MemoryError`` still catches ``CacheFull``). Messages say what happened, where, the value,
+(``except MemoryError`` still catches ``ItemTooLarge``). ``CacheFull`` is the base of the errors
+that mean the memory the cache lives in cannot take an item, ``ItemTooLarge`` and
+``SharedMemoryFull``: ``except CacheFull`` catches both, and both are still a ``ShmcacheError`` and
+a ``MemoryError`` through it. Messages say what happened, where, the value,
 and how to fix it. Errors cross process boundaries (DataLoader workers, the launcher), so each one
 pickles: they keep their message as the only constructor argument.
 """
@@ -72,15 +75,20 @@ class CacheMismatch(ShmcacheError, ValueError):
 
 
 class CacheFull(ShmcacheError, MemoryError):
-    """The cache reached its memory cap (only raised where refusing is not an option)."""
+    """The cache's memory cannot take an item: the base of :class:`ItemTooLarge` and
+    :class:`SharedMemoryFull`, never raised itself. A cache that reaches its cap in normal use
+    raises nothing: ``put`` returns False (or spills) and the dataset serves the item uncached.
+    A full spill disk is not one of these: :class:`SpillFull` is a disk error (an ``OSError``)
+    that the spill tier catches, after which the store keeps going memory-only."""
 
 
-class ItemTooLarge(ShmcacheError, MemoryError):
-    """One item is larger than the whole cache can ever hold."""
+class ItemTooLarge(CacheFull):
+    """One item is larger than the whole cache can ever hold (a ``MemoryError`` via CacheFull)."""
 
 
-class SharedMemoryFull(ShmcacheError, MemoryError):
-    """``/dev/shm`` itself has no room left (ENOSPC from posix_fallocate)."""
+class SharedMemoryFull(CacheFull):
+    """``/dev/shm`` itself has no room left (ENOSPC from posix_fallocate; a ``MemoryError`` via
+    CacheFull)."""
 
 
 class LockTimeout(ShmcacheError, TimeoutError):

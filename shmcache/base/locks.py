@@ -15,11 +15,13 @@ NOTE [lock files]
     worker - would otherwise keep the open file description, and so a lock its parent held, alive
     after the parent died. Closing our copy never releases the parent's lock (no ``LOCK_UN``).
 
-    Two implementations, one mechanism. The session registry's lock is taken rarely (creating,
-    attaching or destroying a session), so it is filelock's ``FileLock`` (:class:`RegistryLock`).
-    A cache's lock is taken on every ``put``, so :class:`FileLock` here keeps its descriptor open
-    for the life of the process; filelock opens and closes the file on every acquire. Both are an
-    exclusive ``flock`` on the whole file, so the two would even exclude each other on one path.
+    One lock class, :class:`FlockLock`, serves both kinds of lock. A cache's lock is taken on
+    every ``put``, so it keeps its descriptor open for the life of the process. The session
+    registry's lock is taken rarely (creating, attaching or destroying a session) and by short-lived
+    registry objects, so it opens the file on acquire and closes it on release (``keep_open=False``:
+    an idle registry holds no descriptor), and it is reentrant within one thread (``destroy_idle``
+    calls ``destroy`` under it). Both are an exclusive ``flock`` on the whole file, so they exclude
+    any other flock user of the same path too (filelock's ``FileLock``, ``flock(1)``).
 """
 
 from __future__ import annotations
@@ -33,11 +35,9 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
-import filelock
-
 from ..errors import LockTimeout, NotOwner
 
-__all__ = ["FileLock", "RegistryLock", "LivenessSlot", "slot_is_alive", "flock_within", "DEFAULT_TIMEOUT_S",
+__all__ = ["FlockLock", "LivenessSlot", "slot_is_alive", "flock_within", "DEFAULT_TIMEOUT_S",
            "close_in_forked_children"]
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -94,24 +94,37 @@ def flock_within(fd: int, timeout_s: float, timed_out: Callable[[], Exception],
         delay = min(delay * 2, 0.01)
 
 
-class FileLock:
-    """An exclusive ``flock`` on ``path`` with a timeout; usable from threads and after fork."""
+class FlockLock:
+    """An exclusive ``flock`` on ``path`` with a timeout; usable from threads and after fork.
 
-    def __init__(self, path: str | os.PathLike, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = ""):
+    ``keep_open``: the descriptor stays open between holds (a lock taken often); otherwise it is
+    closed on every release. ``reentrant``: the thread that holds the lock may take it again,
+    and releases it with its last ``release`` (other threads and processes are excluded either
+    way). See NOTE [lock files].
+    """
+
+    def __init__(self, path: str | os.PathLike, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "",
+                 keep_open: bool = True, reentrant: bool = False):
         self.path = Path(path)
         self.timeout_s = timeout_s
         self.what = what or f"lock {self.path.name}"
+        self.keep_open = keep_open
+        self.reentrant = reentrant
         self._fd = -1
         self._pid = -1
-        self._thread_lock = threading.Lock()  # flock does not exclude threads sharing one fd
+        self._holds = 0  # this process's nested holds (at most 1 unless reentrant)
+        self._thread_lock = self._new_thread_lock()  # flock does not exclude threads sharing one fd
         self.reopened = 0  # times the file at ``path`` was found replaced (see acquire)
         close_in_forked_children(self)
+
+    def _new_thread_lock(self) -> threading.Lock | threading.RLock:
+        return threading.RLock() if self.reentrant else threading.Lock()
 
     def after_fork_in_child(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)  # our copy only: the parent's descriptor keeps its lock
-        self._fd, self._pid = -1, -1  # the next acquire opens this process's own
-        self._thread_lock = threading.Lock()
+        self._fd, self._pid, self._holds = -1, -1, 0  # the next acquire opens this process's own
+        self._thread_lock = self._new_thread_lock()
 
     def _enter_this_process(self) -> None:
         """First use, or first use in a forked child: a thread lock of this process's own (the
@@ -120,8 +133,8 @@ class FileLock:
             if self._pid != os.getpid():
                 if self._fd >= 0:  # inherited: closing our copy leaves the parent's lock alone
                     os.close(self._fd)
-                self._fd = -1
-                self._thread_lock = threading.Lock()
+                self._fd, self._holds = -1, 0
+                self._thread_lock = self._new_thread_lock()
                 self._pid = os.getpid()
 
     def acquire(self, timeout_s: float | None = None) -> None:
@@ -131,9 +144,20 @@ class FileLock:
             self._enter_this_process()
         if not self._thread_lock.acquire(timeout=max(timeout, 0)):
             raise LockTimeout(f"timed out after {timeout:.1f}s waiting for {self.what} (another thread holds it)")
+        if self._holds:  # reentrant, and this thread holds the flock already
+            self._holds += 1
+            return
         try:
-            if self._fd < 0:
-                self._fd = _open_lock_file(self.path)
+            self._flock_until(deadline, timeout)
+        except BaseException:
+            self._thread_lock.release()
+            raise
+        self._holds = 1
+
+    def _flock_until(self, deadline: float, timeout: float) -> None:
+        if self._fd < 0:
+            self._fd = _open_lock_file(self.path)
+        try:
             while True:
                 flock_within(self._fd, max(0.0, deadline - time.monotonic()),
                              lambda: _held_elsewhere(self.what, self.path, timeout))
@@ -147,19 +171,30 @@ class FileLock:
                 self._fd = _open_lock_file(self.path)
                 self.reopened += 1
         except BaseException:
-            self._thread_lock.release()
+            if not self.keep_open:
+                self._close_fd()
             raise
 
     def release(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._holds -= 1
+        if not self._holds:
+            if self.keep_open:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            else:
+                self._close_fd()  # closing drops the flock
         self._thread_lock.release()
 
-    def __enter__(self) -> FileLock:
+    def __enter__(self) -> FlockLock:
         self.acquire()
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = -1
 
     def close(self) -> None:
         if self._fd >= 0 and self._pid == os.getpid():
@@ -172,74 +207,6 @@ def _held_elsewhere(what: str, path: Path, timeout_s: float) -> LockTimeout:
         f"timed out after {timeout_s:.1f}s waiting for {what} ({path}): a live process holds it "
         f"(a dead one would have released it); find it with `fuser {path}`"
     )
-
-
-class _ForkAwareFileLock(filelock.FileLock):
-    """filelock's lock whose finaliser does nothing in a forked child.
-
-    filelock 3.x releases a dropped lock in ``__del__`` with ``LOCK_UN`` - and in a child that
-    inherited the parent's held descriptor, that unlocks the *parent's* lock (the two share one
-    open file description). filelock 4 checks the creating PID itself; this does it for 3.x.
-    """
-
-    # No __init__ here: filelock 3.x passes a subclass only the arguments its __init__ names.
-
-    def __del__(self) -> None:
-        if self.__dict__.get("_created_in") == os.getpid():
-            super().__del__()
-
-
-def _fork_aware_filelock(path: Path) -> _ForkAwareFileLock:
-    lock = _ForkAwareFileLock(path, mode=0o600)
-    lock._created_in = os.getpid()
-    return lock
-
-
-class RegistryLock:
-    """filelock's ``FileLock`` on ``path`` (mode 0600), raising :class:`LockTimeout` after ``timeout_s``.
-
-    Reentrant within one thread (filelock counts the holds); other threads and other processes
-    are excluded. A forked child builds its own filelock object: the inherited one would count a
-    hold of the parent's as its own, and dropping it must not unlock the parent (see
-    _ForkAwareFileLock).
-    """
-
-    POLL_S = 0.005  # the registry lock is held for milliseconds: filelock's 50 ms default is too coarse
-
-    def __init__(self, path: str | os.PathLike, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = ""):
-        self.path = Path(path)
-        self.timeout_s = timeout_s
-        self.what = what or f"lock {self.path.name}"
-        self._lock: _ForkAwareFileLock | None = None
-        self._pid = -1
-
-    def acquire(self, timeout_s: float | None = None) -> None:
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        if self._pid != os.getpid():
-            with _REOPEN:  # threads racing to the first acquire must share one filelock object
-                if self._pid != os.getpid():
-                    # thread_local (the default): threads of one process exclude each other too
-                    self._lock, self._pid = _fork_aware_filelock(self.path), os.getpid()
-        try:
-            self._lock.acquire(timeout=max(timeout, 0.0), poll_interval=self.POLL_S)
-        except filelock.Timeout:
-            raise _held_elsewhere(self.what, self.path, timeout) from None
-        except PermissionError:
-            raise _not_owner(self.path) from None
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> RegistryLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def close(self) -> None:
-        """Nothing is kept open between holds (filelock closes the file on release); here so that
-        both lock classes can be used the same way."""
 
 
 def slot_is_alive(path: Path, *, unlink_if_dead: bool = False) -> bool:

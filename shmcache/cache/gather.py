@@ -142,7 +142,7 @@ class BatchBuffers:
         # a DataLoader's pin-memory thread gathers batches sent by workers as keys, next to the
         # main thread (NOTE [collated batch] in dataset.py): two must never take one buffer
         self._lock = threading.Lock()
-        self._lock_gen = process_slot.generation()
+        self._lock_gen = process_slot.fork_count()
         self._local = threading.local()
 
     def scratch(self, n: int, chunk: int) -> np.ndarray:
@@ -155,8 +155,8 @@ class BatchBuffers:
         return buf[:n * chunk].reshape(n, chunk)
 
     def take(self, shape: tuple) -> np.ndarray:
-        if self._lock_gen != process_slot.generation():  # forked: a thread of the parent may have held it
-            self._lock, self._lock_gen = threading.Lock(), process_slot.generation()
+        if self._lock_gen != process_slot.fork_count():  # forked: a thread of the parent may have held it
+            self._lock, self._lock_gen = threading.Lock(), process_slot.fork_count()
         with self._lock:
             return self._take(shape)
 

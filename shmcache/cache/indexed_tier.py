@@ -2,7 +2,7 @@
 found again through the store's own shared index (NOTE [tiers] in tiers.py).
 
 The store (store.py) decides what goes to such a tier and publishes where it went: it writes the
-record through ``write``, which only stores it and answers its ``Location``; the store puts that
+record through ``write``, which only stores it and answers its ``RecordLocation``; the store puts that
 location into the index entry (NOTE [publish order]), with the same intent record and totals as
 a record in memory. A reader of the entry hands the location back to ``read``. The tier never
 touches the store, and the store never knows how the tier stores a record.
@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple, Protocol, runtime_checkable
 
-__all__ = ["Location", "IndexedTier"]
+__all__ = ["RecordLocation", "IndexedTier"]
 
 Buffer = bytes | bytearray | memoryview
 
 
-class Location(NamedTuple):
+class RecordLocation(NamedTuple):
     """Where an indexed tier put a record: what the store writes into the record's index entry."""
 
     word: int  # the entry's location word (the spill tier: file id << 48 | offset)
@@ -44,15 +44,15 @@ class IndexedTier(Protocol):
     where: str  # for messages and the cache's metadata: the spill tier's folder
     accepting: bool  # False once it stopped taking writes (a full disk): the store stops asking
 
-    def write(self, key: bytes, record: Buffer) -> Location | None:
+    def write(self, key: bytes, record: Buffer) -> RecordLocation | None:
         """Store ``record`` under ``key``; where it went, or None (not stored)."""
 
-    def read(self, location: Location, key: bytes, stale: Callable[[], bool] | None = None) -> bytearray | None:
+    def read(self, location: RecordLocation, key: bytes, stale: Callable[[], bool] | None = None) -> bytearray | None:
         """The record at ``location`` if it is ``key``'s and intact, else None. ``stale``, asked
         only after a failed read, says whether the location was dropped meanwhile (a clear()):
         then the miss is not damage."""
 
-    def key_of(self, location: Location, w1: int) -> bytes | None:
+    def key_of(self, location: RecordLocation, w1: int) -> bytes | None:
         """The key bytes stored with the record at ``location`` (whose index word is ``w1``), or
         None: a walk over entries (a snapshot export) learns a str/bytes key of a spilled record."""
 

@@ -1,7 +1,7 @@
 """Per-process state that must not survive ``fork``: liveness slots held in each session.
 
 After a fork the child shares its parent's open lock files, and so its slots (NOTE [lock files]).
-``generation()`` changes in every forked child, so objects that cache per-process state (a
+``fork_count()`` changes in every forked child, so objects that cache per-process state (a
 store's counter slot) notice and take their own; the inherited descriptors are closed without
 releasing the parent's locks.
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 from ..base.locks import LivenessSlot
 
-__all__ = ["generation", "slot", "attach", "detach", "counters", "release_all"]
+__all__ = ["fork_count", "slot", "attach", "detach", "counters", "release_all"]
 
-_generation = 0
+_fork_count = 0  # one more in every forked child (_after_fork_in_child)
 
 
 @dataclass
@@ -35,8 +35,10 @@ _counters: dict[str, list[int]] = {}
 _lock = threading.Lock()
 
 
-def generation() -> int:
-    return _generation
+def fork_count() -> int:
+    """How many forks separate this process from the one that imported shmcache: differs in
+    every forked child, so a value kept beside per-process state says whether it is ours."""
+    return _fork_count
 
 
 def slot(registry, session: str) -> int:
@@ -109,8 +111,8 @@ def _mark_used() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _generation, _lock
-    _generation += 1
+    global _fork_count, _lock
+    _fork_count += 1
     _lock = threading.Lock()
     for held in _held.values():
         held.slot.forget_after_fork()

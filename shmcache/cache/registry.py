@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..base import ordering
-from ..base.locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
+from ..base.locks import FlockLock, LivenessSlot, slot_is_alive
 from ..base.namespace import SEP, Namespace, namespace, validate_name
 from ..base.shm import Segment
 from ..errors import (
@@ -109,8 +109,9 @@ class SessionRegistry:
     def __init__(self, ns: Namespace | None = None, *, timeout_s: float = 60.0):
         self.ns = ns or namespace()
         self.ns.sessions_dir.mkdir(mode=0o700, exist_ok=True)
-        self._lock = RegistryLock(self.ns.root / "registry.lock", timeout_s=timeout_s,
-                                  what="the session registry lock")
+        # taken rarely, by short-lived registries: no descriptor kept; destroy_idle calls destroy
+        self._lock = FlockLock(self.ns.root / "registry.lock", timeout_s=timeout_s,
+                               what="the session registry lock", keep_open=False, reentrant=True)
 
     # --- paths ------------------------------------------------------------------------------
 
@@ -268,7 +269,7 @@ class SessionRegistry:
                 prefix = self.segment_prefix(name)
                 removed = unlink_segments(self.ns, prefix)
             finally:
-                for lock in held:  # a writer waiting on one finds its lock file gone (FileLock.acquire)
+                for lock in held:  # a writer waiting on one finds its lock file gone (FlockLock.acquire)
                     lock.release()
                     lock.close()
             for spill in spill_dirs:
@@ -276,7 +277,7 @@ class SessionRegistry:
             shutil.rmtree(doomed, ignore_errors=True)
             return removed
 
-    def _hold_cache_locks(self, session: str, timeout_s: float = 10.0) -> list[FileLock]:
+    def _hold_cache_locks(self, session: str, timeout_s: float = 10.0) -> list[FlockLock]:
         """Every cache lock of ``session`` that can be had within ``timeout_s``: no write is in
         flight while the session goes (``force`` goes on without a lock whose holder is stuck)."""
         held, deadline = [], time.monotonic() + timeout_s
@@ -290,10 +291,10 @@ class SessionRegistry:
             held.append(lock)
         return held
 
-    def cache_lock(self, session: str, cache: str, timeout_s: float = 5.0) -> FileLock:
+    def cache_lock(self, session: str, cache: str, timeout_s: float = 5.0) -> FlockLock:
         """The lock of cache ``cache`` of ``session``: its writers, gc and destroy take it."""
-        return FileLock(self.session_dir(session) / "caches" / f"{cache}.lock", timeout_s=timeout_s,
-                        what=f"the lock of cache {session}/{cache}")
+        return FlockLock(self.session_dir(session) / "caches" / f"{cache}.lock", timeout_s=timeout_s,
+                         what=f"the lock of cache {session}/{cache}")
 
     def auto_capacity(self, name: str, compute: Callable[[], int], floor: int) -> int:
         """The automatic cap (size=0) that the caches of session ``name`` share (NOTE [memory

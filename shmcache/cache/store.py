@@ -221,7 +221,7 @@ from .index import (
     state_word,
     tier_key,
 )
-from .indexed_tier import IndexedTier, Location
+from .indexed_tier import IndexedTier, RecordLocation
 from .registry import DESTROYED, MAX_SLOTS, SEP, SessionRegistry, unlink_segments, write_json
 
 __all__ = ["CacheStore", "UncachedStore", "STAT_KEYS"]
@@ -291,7 +291,7 @@ class CacheStore:
         self._shm_full_until = 0.0
         self._auto_retry_at = 0.0  # an auto-sized cache found full asks again then (_raise_auto_cap)
         self._map_lock = threading.Lock()
-        self._lock_gen = process_slot.generation()
+        self._lock_gen = process_slot.fork_count()
         self._buffers = gather.BatchBuffers()
         self.spill: IndexedTier | None = None  # where records go when memory is full (spill_to)
         self._root = None
@@ -321,7 +321,7 @@ class CacheStore:
         if create:
             try:  # attached from now on: `shmcache ls` counts us, `destroy` waits for us
                 process_slot.attach(self.registry, self.session)
-                self._attached = process_slot.generation()
+                self._attached = process_slot.fork_count()
             except LockTimeout:
                 pass  # served without a slot; _count says so when it first counts
             except FileNotFoundError:  # its slots directory is gone: destroyed just now
@@ -579,9 +579,9 @@ class CacheStore:
             epoch = _Q.unpack_from(self._root.buf, R.EPOCH)[0]
             if epoch == self._epoch and self._gen is not None:
                 return self._gen
-            if self._lock_gen != process_slot.generation():  # forked: a thread of the parent may
+            if self._lock_gen != process_slot.fork_count():  # forked: a thread of the parent may
                 self._map_lock = threading.Lock()        # have held it at the fork
-                self._lock_gen = process_slot.generation()
+                self._lock_gen = process_slot.fork_count()
             try:
                 with self._map_lock:  # a prefetch thread and the main thread may both get here
                     if epoch != self._epoch or self._gen is None:
@@ -712,10 +712,10 @@ class CacheStore:
 
     def _count(self, which: int, n: int = 1) -> None:
         g = self._gen
-        if self._proc_gen != process_slot.generation():
+        if self._proc_gen != process_slot.fork_count():
             if g.gen == DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
-                self._proc_gen = process_slot.generation()
+                self._proc_gen = process_slot.fork_count()
                 return
             try:
                 slot = process_slot.slot(self.registry, self.session)
@@ -723,7 +723,7 @@ class CacheStore:
                 log.warning("cache %s/%s: this process's hits and misses are not counted: %s",
                             self.session, self.name, exc)
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
-                self._proc_gen = process_slot.generation()
+                self._proc_gen = process_slot.fork_count()
                 return
             off = M.COUNTERS + M.COUNTER_ROW * slot
             key = f"{self.ns.root}{self._base}+g{g.gen}+{slot}"
@@ -732,7 +732,7 @@ class CacheStore:
             self._counters = process_slot.counters(key, lambda: [c if c < 1 << 62 else 0 for c in
                                                              struct.unpack_from("QQQQ", g.meta.buf, off)])
             self._counter_off = off
-            self._proc_gen = process_slot.generation()
+            self._proc_gen = process_slot.fork_count()
         self._counters[which] += n
         if self._counter_off >= 0:
             g.meta.words[(self._counter_off >> 3) + which] = self._counters[which]
@@ -816,7 +816,7 @@ class CacheStore:
                         value = MISSING  # the long way below raises CorruptSegment naming the key
                 if value is not MISSING:
                     if count:
-                        if self._proc_gen == process_slot._generation and self._counter_off >= 0:
+                        if self._proc_gen == process_slot._fork_count and self._counter_off >= 0:
                             counters = self._counters
                             counters[0] += 1  # counters[HITS], inlined
                             g.meta.words[self._counter_off >> 3] = counters[0]
@@ -874,7 +874,7 @@ class CacheStore:
         if self.spill is None:
             return None
         stale = None if gen < 0 else (lambda: not self.is_current(gen))
-        return self.spill.read(Location(w2, entry_length(w0)), tier_key(w1, kb), stale)
+        return self.spill.read(RecordLocation(w2, entry_length(w0)), tier_key(w1, kb), stale)
 
     def spill_to(self, tier: IndexedTier, *, record: bool = True) -> None:
         """Put records that memory refuses into ``tier`` from now on (NOTE [tiers]), and read
@@ -987,7 +987,7 @@ class CacheStore:
                         yield w1.to_bytes(8, "little"), None
                         continue
                     if not w0 & INT_KEY:
-                        kb = self.spill.key_of(Location(w2, entry_length(w0)), w1)
+                        kb = self.spill.key_of(RecordLocation(w2, entry_length(w0)), w1)
                     rec = None if kb is None else self._read_spilled(w0, w2, w1, kb, g.gen)
                     if rec is None:
                         yield w1.to_bytes(8, "little") + (kb or b""), None
@@ -1568,7 +1568,7 @@ class CacheStore:
             self._root.close()
             self._root = None
         self.lock.close()
-        if self._attached == process_slot.generation():  # (a forked child never attached this one)
+        if self._attached == process_slot.fork_count():  # (a forked child never attached this one)
             self._attached = -1
             process_slot.detach(self.registry, self.session)
 

@@ -415,7 +415,7 @@ def _parser() -> argparse.ArgumentParser:
                         "a new directory, or s3://bucket/prefix, file://..., memory://...")
     s.add_argument("--overwrite", action="store_true", help="replace a snapshot already at DEST")
     s.add_argument("--segment-mb", type=_positive_int, default=512, metavar="MB",
-                   help="segment file size in MiB (default 512)")
+                   help="size of each data file of the snapshot in MiB (default 512)")
     s.set_defaults(func=cmd_export)
     s = sub.add_parser("import", help="fill a cache from a snapshot (then it runs without its source)")
     s.add_argument("src", help="the snapshot: a directory, or s3://bucket/prefix, file://..., memory://...")

@@ -3,7 +3,7 @@
     report = export_cache(store, "/data/snap")              # or "s3://bucket/snap", "memory://x"
     report = export_cache(store, dest, overwrite=True, segment_bytes=256 << 20)
 
-The files are written in the order of NOTE [snapshot format] (format.py): segments as ``*.tmp``
+The files are written in the order of NOTE [snapshot format] (format.py): data files as ``*.tmp``
 renamed when complete, the manifest last, so an export that dies half-way (a full disk, a kill)
 leaves no snapshot that looks whole. The cache is read without its lock, like every read: a
 process that keeps storing items meanwhile does not stop the export (what it adds may or may not
@@ -30,7 +30,7 @@ from ..base.trust import Mac, resolve_secret, snapshot_ident
 from ..cache import codec
 from ..errors import InvalidArgument, SnapshotError
 from . import format as fmt
-from .location import Location, open_location
+from .location import SnapshotLocation, open_location
 
 __all__ = ["export_cache", "ExportReport", "progress_bar"]
 
@@ -47,8 +47,8 @@ class ExportReport:
     dest: str
     items: int = 0
     bytes: int = 0  # portable records, before compression
-    stored_bytes: int = 0  # the segment files
-    segments: int = 0
+    stored_bytes: int = 0  # the data files
+    segments: int = 0  # data files written (the field keeps its public name, as segment_bytes= does)
     damaged: int = 0  # spilled records that failed their checks: not exported
     seconds: float = 0.0
     damaged_keys: list = field(default_factory=list)
@@ -56,7 +56,7 @@ class ExportReport:
     def __str__(self) -> str:
         ratio = self.bytes / self.stored_bytes if self.stored_bytes else 1.0
         text = (f"exported {self.items} items ({self.bytes / 2**20:.1f} MiB, stored in "
-                f"{self.stored_bytes / 2**20:.1f} MiB: {ratio:.2f}x) in {self.segments} segment(s) to "
+                f"{self.stored_bytes / 2**20:.1f} MiB: {ratio:.2f}x) in {self.segments} data file(s) to "
                 f"{self.dest} in {self.seconds:.1f} s")
         if self.damaged:
             text += (f"; {self.damaged} damaged spilled record(s) were left out (recomputed from the "
@@ -93,7 +93,7 @@ def export_cache(store: Any, dest: str | os.PathLike, *, overwrite: bool = False
         loc.close()
 
 
-def _export(store: Any, loc: Location, overwrite: bool, length: int | None, segment_bytes: int, level: int,
+def _export(store: Any, loc: SnapshotLocation, overwrite: bool, length: int | None, segment_bytes: int, level: int,
             progress: bool | None, key: bytes | None) -> ExportReport:
     _prepare(loc, overwrite)
     started = time.perf_counter()
@@ -113,12 +113,12 @@ def _export(store: Any, loc: Location, overwrite: bool, length: int | None, segm
             writer.add(pkey, record)
             keys.add(pkey)
             bar.update(1)
-        segments = writer.close()
+        parts = writer.close()
         manifest = fmt.Manifest(
             store.session, store.name, meta.get("fingerprint"),
             length if length is not None else meta.get("length", keys.length()),
-            writer.items, writer.raw_bytes, sum(s.size for s in segments),
-            fmt.describe_layouts(writer.layouts), segments,
+            writer.items, writer.raw_bytes, sum(s.size for s in parts),
+            fmt.describe_layouts(writer.layouts), parts,
             datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), _version())
         _write_file(loc, fmt.MANIFEST, manifest.to_json(mac))
     except BaseException as exc:
@@ -132,14 +132,14 @@ def _export(store: Any, loc: Location, overwrite: bool, length: int | None, segm
         log.warning("export of %s/%s: %d spilled record(s) failed their checks and were left out",
                     store.session, store.name, report.damaged)
     report.items, report.bytes = writer.items, writer.raw_bytes
-    report.stored_bytes, report.segments = manifest.stored_bytes, len(segments)
+    report.stored_bytes, report.segments = manifest.stored_bytes, len(parts)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _prepare(loc: Location, overwrite: bool) -> None:
+def _prepare(loc: SnapshotLocation, overwrite: bool) -> None:
     """Refuse an existing destination unless ``overwrite``; then make it take no old snapshot for
-    a new one: the old manifest goes first, then its segments. A local destination is made, or
+    a new one: the old manifest goes first, then its data files. A local destination is made, or
     checked to be the user's own and writable by no one else, before anything is listed there."""
     loc.prepare_export()
     names = loc.listdir()
@@ -163,51 +163,51 @@ def _prepare(loc: Location, overwrite: bool) -> None:
 
 
 class _Writer:
-    """Fills segment after segment (``*.tmp``, renamed when complete)."""
+    """Fills data file after data file (``*.tmp``, renamed when complete)."""
 
-    def __init__(self, loc: Location, segment_bytes: int, level: int, mac: Any = None, ident: bytes = b""):
+    def __init__(self, loc: SnapshotLocation, segment_bytes: int, level: int, mac: Any = None, ident: bytes = b""):
         self.loc = loc
         self.mac, self.ident = mac, ident
         self.segment_bytes = segment_bytes
         self.cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-        self.done: list[fmt.SegmentInfo] = []
+        self.done: list[fmt.DataFileInfo] = []
         self.items = 0
         self.raw_bytes = 0
         self.layouts: dict[bytes, int] = {}
         self._f: Any = None
-        self._seg: fmt.SegmentWriter | None = None
+        self._part: fmt.DataFileWriter | None = None
         self._tmp: list[str] = []
 
     def add(self, pkey: bytes, record: Any) -> None:
-        if self._seg is None:
+        if self._part is None:
             self._open()
-        self._seg.add(pkey, record)
+        self._part.add(pkey, record)
         self.items += 1
         self.raw_bytes += len(record)
         layout = _layout_of(record)
         self.layouts[layout] = self.layouts.get(layout, 0) + 1
-        if self._seg.size >= self.segment_bytes:
+        if self._part.size >= self.segment_bytes:
             self._finish()
 
     def _open(self) -> None:
-        name = fmt.segment_name(len(self.done)) + ".tmp"
+        name = fmt.data_file_name(len(self.done)) + ".tmp"
         self._tmp.append(name)
         self._f = self.loc.open_write(name)
-        self._seg = fmt.SegmentWriter(self._f, len(self.done), self.cctx, self.mac, self.ident)
+        self._part = fmt.DataFileWriter(self._f, len(self.done), self.cctx, self.mac, self.ident)
 
     def _finish(self) -> None:
-        info = self._seg.finish()
+        info = self._part.finish()
         self._f.close()  # flushes: a full disk raises here at the latest, before the rename
-        self._f = self._seg = None
+        self._f = self._part = None
         self.loc.rename(info.file + ".tmp", info.file)
         self.done.append(info)
         if _CRASH_TESTS:
-            crash_point("snapshot_segment")  # segments complete, no manifest yet
+            crash_point("snapshot_segment")  # data files complete, no manifest yet (the point keeps its name)
 
-    def close(self) -> list[fmt.SegmentInfo]:
-        if self._seg is None and not self.done:
-            self._open()  # an empty cache is an empty snapshot: one segment with no records
-        if self._seg is not None:
+    def close(self) -> list[fmt.DataFileInfo]:
+        if self._part is None and not self.done:
+            self._open()  # an empty cache is an empty snapshot: one data file with no records
+        if self._part is not None:
             self._finish()
         return self.done
 
@@ -223,7 +223,7 @@ class _Writer:
                 self.loc.remove(name[:-4])
 
 
-def _write_file(loc: Location, name: str, data: bytes) -> None:
+def _write_file(loc: SnapshotLocation, name: str, data: bytes) -> None:
     f = loc.open_write(name + ".tmp")
     try:
         f.write(data)

@@ -1,15 +1,15 @@
 """The snapshot format: a cache as files that can be copied, shipped and read anywhere.
 
 NOTE [snapshot format]
-    A snapshot is a directory (or an object-store prefix) holding ``manifest.json`` and segment
-    files ``seg-00000.shms``, ``seg-00001.shms``, ... of about ``segment_bytes`` each (512 MiB by
-    default). Everything is little-endian. A segment file is::
+    A snapshot is a directory (or an object-store prefix) holding ``manifest.json`` and data files
+    ``seg-00000.shms``, ``seg-00001.shms``, ... of about ``segment_bytes`` each (512 MiB by
+    default). Everything is little-endian. A data file is::
 
         header (32 bytes)                       footer (the last 40 bytes of the file)
          0  8s  magic b"SHMCSNP\\0"               0  8s  magic b"SnapIdx\\0"
          8  H   format version (1)                8  H   format version (1)
         10  H   record alignment (8)             10  H   index entry bytes (32)
-        12  I   segment number                   12  I   reserved (0)
+        12  I   data file number                 12  I   reserved (0)
         16  8x  reserved                         16  Q   index offset
         24  I   crc32 of bytes 0..24             24  Q   index entries (= records)
         28  4x                                   32  I   crc32 of the index bytes
@@ -36,10 +36,10 @@ NOTE [snapshot format]
         {"format": "shmcache-snapshot", "version": 1,
          "cache": {"session": ..., "name": ..., "fingerprint": ... or null},
          "length": the wrapped dataset's len() or null, "items": N, "bytes": portable record bytes,
-         "stored_bytes": segment bytes, "layouts": {"count": K, "b64": [...] (when K <= 64)},
+         "stored_bytes": data file bytes, "layouts": {"count": K, "b64": [...] (when K <= 64)},
          "key_hash": "index-word", "created": ISO-8601 UTC, "shmcache": version,
          "segments": [{"file": "seg-00000.shms", "size": bytes, "items": n,
-                       "sha256": hex of the segment's index bytes + footer}]}
+                       "sha256": hex of the data file's index bytes + footer}]}
 
     Signed snapshots (an export with the job's secret: NOTE [record authentication], trust.py):
     each record is followed by a 40-byte MAC trailer (``b"SpMac\x01\0\0"`` + HMAC-SHA256 over the
@@ -48,21 +48,25 @@ NOTE [snapshot format]
     ``"mac": {"alg": "hmac-sha256", "tag": HEX}`` over the canonical JSON of the rest of it. A
     reader without a secret ignores both (bytes after a spill record's end are never read).
 
-    The segment hash covers the index and footer only: the index binds every record's offset,
+    The data file hash covers the index and footer only: the index binds every record's offset,
     length and head check (which covers the record's header, key and body check), so a swapped,
-    truncated or mixed-up segment fails it without hashing the whole file at import; a flipped
+    truncated or mixed-up data file fails it without hashing the whole file at import; a flipped
     bit inside a record fails that record's own checks.
 
     Reading trusts no count: local files are opened O_NOFOLLOW|O_NONBLOCK and must be regular
     files (location.open_regular), the manifest has at most MAX_MANIFEST_BYTES, every number in it
-    is checked against what its segments can hold (_check_counts), and a record decodes to at most
+    is checked against what its data files can hold (_check_counts), and a record decodes to at most
     the length it declares, within the reader's limit (spill.format.decompress_bounded).
 
     Writing order (export.py): every file is written as ``<name>.tmp`` and renamed when complete;
     the manifest is renamed last. An export over an existing snapshot (--overwrite) removes the
     old manifest first. So whatever dies half-way - the process, the disk filling up - leaves no
-    ``manifest.json`` that names incomplete segments: a half-written snapshot never looks whole.
-    A version other than FORMAT_VERSION is refused, by manifest and by each segment's header.
+    ``manifest.json`` that names incomplete data files: a half-written snapshot never looks whole.
+    A version other than FORMAT_VERSION is refused, by manifest and by each data file's header.
+
+    Data files were called segments; what is on disk or public keeps that word, unchanged: the
+    file names ``seg-*.shms``, the manifest's key ``"segments"``, export's ``segment_bytes=`` and
+    the CLI's ``--segment-mb`` (a "segment" in the code is a shared-memory object: base/shm.py).
 """
 
 from __future__ import annotations
@@ -85,19 +89,19 @@ from ..tiers import records as records
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "HEADER_BYTES", "FOOTER_BYTES", "INDEX_DTYPE",
-    "DEFAULT_SEGMENT_BYTES", "key_hash", "segment_name", "SegmentWriter", "SegmentInfo", "Footer",
-    "parse_header", "parse_footer", "parse_index", "segment_digest", "read_record", "iter_records",
+    "DEFAULT_SEGMENT_BYTES", "key_hash", "data_file_name", "DataFileWriter", "DataFileInfo", "Footer",
+    "parse_header", "parse_footer", "parse_index", "data_file_digest", "read_record", "iter_records",
     "find", "Manifest", "authenticate", "MAX_MANIFEST_BYTES", "MAX_LENGTH",
 ]
 
 FORMAT_NAME = "shmcache-snapshot"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-SEGMENT_MAGIC = b"SHMCSNP\x00"
+DATA_FILE_MAGIC = b"SHMCSNP\x00"
 FOOTER_MAGIC = b"SnapIdx\x00"
 ALIGN = 8
-DEFAULT_SEGMENT_BYTES = 512 << 20
-MAX_MANIFEST_BYTES = 64 << 20  # ~300,000 segments; a larger manifest.json is refused unread
+DEFAULT_SEGMENT_BYTES = 512 << 20  # a data file's size: the default of export's segment_bytes=
+MAX_MANIFEST_BYTES = 64 << 20  # ~300,000 data files; a larger manifest.json is refused unread
 MAX_LENGTH = 1 << 40  # a dataset length beyond this is refused (a sampler allocates 8 bytes an item)
 
 _HEADER = struct.Struct("<8sHHI8xI4x")
@@ -111,7 +115,7 @@ _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _KEY_LEN_AT = 6  # where a spill record header holds its key length (NOTE [spill records]) ...
 _HEAD_CHECK_AT = 28  # ... and its head check
-_SEGMENT_RE = re.compile(r"seg-\d{5,}\.shms")
+_DATA_FILE_RE = re.compile(r"seg-\d{5,}\.shms")
 _FINGERPRINT_RE = re.compile(r"[0-9a-f]{1,128}")  # what fingerprint.py makes: a hex digest
 
 
@@ -122,7 +126,7 @@ def key_hash(pkey: bytes) -> int:
     return int.from_bytes(pkey[:8], "little")
 
 
-def segment_name(number: int) -> str:
+def data_file_name(number: int) -> str:
     return f"seg-{number:05d}.shms"
 
 
@@ -130,8 +134,8 @@ def segment_name(number: int) -> str:
 
 
 @dataclass
-class SegmentInfo:
-    """What the manifest says of one segment."""
+class DataFileInfo:
+    """What the manifest says of one data file."""
 
     file: str
     size: int
@@ -142,8 +146,8 @@ class SegmentInfo:
         return {"file": self.file, "size": self.size, "items": self.items, "sha256": self.sha256}
 
 
-class SegmentWriter:
-    """Appends records to one segment file (any binary file object with ``write``), then its
+class DataFileWriter:
+    """Appends records to one data file (any binary file object with ``write``), then its
     index and footer. The caller closes and renames the file (NOTE [snapshot format])."""
 
     def __init__(self, f: BinaryIO, number: int, cctx: Any, mac: Any = None, ident: bytes = b""):
@@ -175,8 +179,8 @@ class SegmentWriter:
             self._write(part)
         return length
 
-    def finish(self) -> SegmentInfo:
-        """Write the index and footer; return the segment's manifest entry."""
+    def finish(self) -> DataFileInfo:
+        """Write the index and footer; return the data file's manifest entry."""
         index = np.zeros(len(self._entries), INDEX_DTYPE)
         if len(index):
             index["hash"] = np.array(self._hashes, np.uint64)
@@ -190,7 +194,7 @@ class SegmentWriter:
                               len(index), zlib.crc32(body), 0)
         footer = footer[:36] + struct.pack("<I", zlib.crc32(footer[:36]))
         self._write(footer)
-        return SegmentInfo(segment_name(self.number), self.size, len(index), segment_digest(body, footer))
+        return DataFileInfo(data_file_name(self.number), self.size, len(index), data_file_digest(body, footer))
 
     def _write(self, data: Any) -> None:
         n = memoryview(data).nbytes
@@ -199,11 +203,11 @@ class SegmentWriter:
 
 
 def _pack_header(number: int) -> bytes:
-    head = _HEADER.pack(SEGMENT_MAGIC, FORMAT_VERSION, ALIGN, number, 0)
+    head = _HEADER.pack(DATA_FILE_MAGIC, FORMAT_VERSION, ALIGN, number, 0)
     return head[:24] + struct.pack("<I", zlib.crc32(head[:24])) + bytes(4)
 
 
-def segment_digest(index_bytes: Any, footer: Any) -> str:
+def data_file_digest(index_bytes: Any, footer: Any) -> str:
     h = hashlib.sha256(index_bytes)
     h.update(footer)
     return h.hexdigest()
@@ -217,7 +221,7 @@ class Footer:
     index_offset: int
     count: int
     index_crc: int
-    raw: bytes  # the footer's 40 bytes (for the segment digest)
+    raw: bytes  # the footer's 40 bytes (for the data file digest)
 
     @property
     def index_bytes(self) -> int:
@@ -225,19 +229,19 @@ class Footer:
 
 
 def parse_header(head: Any, where: str, number: int | None = None) -> None:
-    """Check a segment's first 32 bytes; raise SnapshotError naming ``where`` if they are wrong."""
+    """Check a data file's first 32 bytes; raise SnapshotError naming ``where`` if they are wrong."""
     head = bytes(head[:HEADER_BYTES])
     if len(head) < HEADER_BYTES:
-        raise SnapshotError(f"{where} is {len(head)} bytes long, shorter than a segment header: it is "
+        raise SnapshotError(f"{where} is {len(head)} bytes long, shorter than a data file header: it is "
                             f"truncated; copy the snapshot again, or export it again")
     magic, version, align, num, crc = _HEADER.unpack(head)
-    if magic != SEGMENT_MAGIC:
-        raise SnapshotError(f"{where} is not a shmcache snapshot segment (magic {magic!r}); the "
+    if magic != DATA_FILE_MAGIC:
+        raise SnapshotError(f"{where} is not a shmcache snapshot data file (magic {magic!r}); the "
                             f"snapshot holds a foreign file: copy it again, or export it again")
     if version != FORMAT_VERSION:
         raise SnapshotError(_version_message(where, version))
     if crc != zlib.crc32(head[:24]) or align != ALIGN or (number is not None and num != number):
-        raise SnapshotError(f"{where}: its header is damaged (segment number {num}, alignment {align}); "
+        raise SnapshotError(f"{where}: its header is damaged (data file number {num}, alignment {align}); "
                             f"copy the snapshot again, or export it again")
 
 
@@ -245,7 +249,7 @@ def parse_footer(tail: Any, size: int, where: str) -> Footer:
     """The footer from the file's last FOOTER_BYTES bytes (``size``: the file's length)."""
     tail = bytes(tail[-FOOTER_BYTES:]) if len(tail) >= FOOTER_BYTES else bytes(tail)
     if size < HEADER_BYTES + FOOTER_BYTES or len(tail) != FOOTER_BYTES:
-        raise SnapshotError(f"{where} is {size} bytes long, too short for a segment: it is truncated; "
+        raise SnapshotError(f"{where} is {size} bytes long, too short for a data file: it is truncated; "
                             f"copy the snapshot again, or export it again")
     magic, version, entry, _, offset, count, index_crc, crc = _FOOTER.unpack(tail)
     if magic != FOOTER_MAGIC or crc != zlib.crc32(tail[:36]):
@@ -276,7 +280,7 @@ def parse_index(body: Any, footer: Footer, where: str) -> np.ndarray:
 
 
 def read_record(buf: Any, offset: int, length: int, dctx: Any) -> tuple[bytes | None, Any, str | None]:
-    """``(portable key, payload, None)`` of the record at ``offset`` of ``buf`` (a segment's bytes
+    """``(portable key, payload, None)`` of the record at ``offset`` of ``buf`` (a data file's bytes
     or an mmap), or ``(key or None, None, why)`` if it fails any check: a damaged record is a
     miss, never a value."""
     view = memoryview(buf).cast("B")[offset:offset + length]
@@ -291,7 +295,7 @@ def read_record(buf: Any, offset: int, length: int, dctx: Any) -> tuple[bytes | 
 
 
 def iter_records(buf: Any, index: np.ndarray, dctx: Any) -> Iterator[tuple[bytes | None, Any, str | None]]:
-    """Every record of a segment in file order, as :func:`read_record` gives them."""
+    """Every record of a data file in file order, as :func:`read_record` gives them."""
     for offset, length in sorted(zip(index["offset"].tolist(), index["length"].tolist())):
         yield read_record(buf, offset, length, dctx)
 
@@ -323,7 +327,7 @@ class Manifest:
     bytes: int
     stored_bytes: int
     layouts: dict
-    segments: list[SegmentInfo]
+    data_files: list[DataFileInfo]  # the manifest's key for them is "segments" (kept: the file format)
     created: str = ""
     shmcache: str = ""
     mac: Any = None  # the manifest's "mac" field as read (None: unsigned)
@@ -336,7 +340,7 @@ class Manifest:
                "length": self.length, "items": self.items, "bytes": self.bytes,
                "stored_bytes": self.stored_bytes, "layouts": self.layouts, "key_hash": "index-word",
                "created": self.created, "shmcache": self.shmcache,
-               "segments": [s.to_json() for s in self.segments]}
+               "segments": [s.to_json() for s in self.data_files]}
         if mac is not None:
             doc = mac.sign_doc(doc)
         return (json.dumps(doc, indent=1) + "\n").encode()
@@ -357,12 +361,12 @@ class Manifest:
         mac = doc.pop("mac", None)  # what a reader with the job's secret checks (trust.Mac.doc_verdict)
         try:
             cache = doc["cache"]
-            segments = [SegmentInfo(str(s["file"]), int(s["size"]), int(s["items"]), str(s["sha256"]))
+            data_files = [DataFileInfo(str(s["file"]), int(s["size"]), int(s["items"]), str(s["sha256"]))
                         for s in doc["segments"]]
             m = cls(str(cache["session"]), str(cache["name"]), cache.get("fingerprint"),
                     None if doc.get("length") is None else int(doc["length"]), int(doc["items"]),
                     int(doc["bytes"]), int(doc["stored_bytes"]), dict(doc.get("layouts") or {}),
-                    segments, str(doc.get("created", "")), str(doc.get("shmcache", "")), mac,
+                    data_files, str(doc.get("created", "")), str(doc.get("shmcache", "")), mac,
                     canonical(doc))
         except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(1e999)
             raise SnapshotError(f"{where} lacks a field or has a wrong one ({exc!r}); it is damaged: "
@@ -371,31 +375,31 @@ class Manifest:
         if fp is not None and not (isinstance(fp, str) and _FINGERPRINT_RE.fullmatch(fp)):
             raise SnapshotError(f"{where} says the dataset's fingerprint is {str(fp)[:80]!r}, not a hex digest "
                                 f"an export writes; it is damaged or forged: export the snapshot again")
-        for s in m.segments:  # names come from a file: never a path out of the snapshot
-            if not _SEGMENT_RE.fullmatch(s.file):
-                raise SnapshotError(f"{where} names segment {s.file!r}, not a name an export writes; it is "
+        for s in m.data_files:  # names come from a file: never a path out of the snapshot
+            if not _DATA_FILE_RE.fullmatch(s.file):
+                raise SnapshotError(f"{where} names data file {s.file!r}, not a name an export writes; it is "
                                     f"damaged or forged: export the snapshot again")
         _check_counts(m, where)
-        if sum(s.items for s in m.segments) != m.items:
-            raise SnapshotError(f"{where} says {m.items} items, its segments {sum(s.items for s in m.segments)}; "
+        if sum(s.items for s in m.data_files) != m.items:
+            raise SnapshotError(f"{where} says {m.items} items, its data files {sum(s.items for s in m.data_files)}; "
                                 f"it is damaged: export the snapshot again")
         return m
 
 
 def _check_counts(m: Manifest, where: str) -> None:
     """Every number of a manifest within what its files can hold: a reader sizes its reads and
-    the cache's table by them before a segment is opened (a forged count must not become a
+    the cache's table by them before a data file is opened (a forged count must not become a
     32 TB read, nor a dataset length that len() cannot return)."""
     def bad(what: str, value: Any) -> SnapshotError:
-        return SnapshotError(f"{where} says {what} {value!r}, which no segment of its size can hold; "
+        return SnapshotError(f"{where} says {what} {value!r}, which no data file of its size can hold; "
                              f"it is damaged or forged: export the snapshot again")
 
     fixed = HEADER_BYTES + FOOTER_BYTES
-    for s in m.segments:
+    for s in m.data_files:
         if not fixed <= s.size < 1 << 63:
-            raise bad(f"segment {s.file} has size", s.size)
+            raise bad(f"data file {s.file} has size", s.size)
         if not 0 <= s.items <= (s.size - fixed) // (INDEX_DTYPE.itemsize + records.RECORD_HEADER_BYTES):
-            raise bad(f"segment {s.file} of {s.size} bytes has items", s.items)
+            raise bad(f"data file {s.file} of {s.size} bytes has items", s.items)
     if m.length is not None and not 0 <= m.length <= MAX_LENGTH:
         raise SnapshotError(f"{where} says the dataset's length is {m.length!r}, beyond the {MAX_LENGTH} items a "
                             f"snapshot may have (a sampler allocates 8 bytes per item): it is damaged or "
@@ -403,8 +407,8 @@ def _check_counts(m: Manifest, where: str) -> None:
     for name in ("items", "bytes", "stored_bytes"):
         if not 0 <= getattr(m, name) < 1 << 63:
             raise bad(f"{name} is", getattr(m, name))
-    if m.stored_bytes != sum(s.size for s in m.segments):
-        raise bad(f"stored_bytes (its segments have {sum(s.size for s in m.segments)}) is", m.stored_bytes)
+    if m.stored_bytes != sum(s.size for s in m.data_files):
+        raise bad(f"stored_bytes (its data files have {sum(s.size for s in m.data_files)}) is", m.stored_bytes)
     if m.bytes > m.items * records.MAX_RAW_BYTES:
         raise bad(f"{m.items} items of at most {records.MAX_RAW_BYTES} bytes each hold bytes", m.bytes)
 

@@ -3,9 +3,9 @@
     report = import_snapshot("/data/snap", session="job")      # opens (or makes) the cache
     report = import_into(store, loc, manifest)                  # into a store already open
 
-Every segment is checked before anything is stored (present, its size, header, footer, and index
-against the manifest's sha256: NOTE [snapshot format]), so a truncated, swapped or missing segment
-is an error naming it, not half an import. Then a thread pool reads the segments (file reads and
+Every data file is checked before anything is stored (present, its size, header, footer, and index
+against the manifest's sha256: NOTE [snapshot format]), so a truncated, swapped or missing data file
+is an error naming it, not half an import. Then a thread pool reads the data files (file reads and
 zstd release the GIL) in chunks of whole records, checks each record, and stores the portable
 records of a chunk straight into shared memory under one hold of the lock
 (``CacheStore.put_records``: no decoding, one copy; raw records are not even copied out of the
@@ -37,14 +37,14 @@ from ..tiers import records as records
 from ..tiers.tiered_store import key_of_portable, untrusted_problem
 from . import format as fmt
 from .export import progress_bar
-from .location import Location, open_location
+from .location import SnapshotLocation, open_location
 
-__all__ = ["import_snapshot", "import_into", "read_manifest", "read_segment_index", "ImportReport",
+__all__ = ["import_snapshot", "import_into", "read_manifest", "read_data_file_index", "ImportReport",
            "replace_other_dataset"]
 
 log = logging.getLogger("shmcache")
 
-_CHUNK_BYTES = 4 << 20  # read this much of a segment at once (whole records; a larger one alone)
+_CHUNK_BYTES = 4 << 20  # read this much of a data file at once (whole records; a larger one alone)
 # header, key, pads and a MAC's trailer: what an index entry may add to the record's decoded bytes
 _RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN + TRAILER_BYTES
 _BATCH_RAW_BYTES = 64 << 20  # store a chunk's records once they decode to this much (bombs do not add up)
@@ -67,7 +67,7 @@ class ImportReport:
     pickled: int = 0  # records holding a pickled object, not authenticated: refused unread
     duplicates: int = 0  # index entries of a key already imported: skipped, not counted as imported
     overlapping: int = 0  # index entries sharing bytes with the entry before them: skipped
-    bytes: int = 0  # segment bytes read
+    bytes: int = 0  # data file bytes read
     seconds: float = 0.0
     length: int | None = None
     damaged_where: list = field(default_factory=list)
@@ -103,7 +103,7 @@ class ImportReport:
         return text
 
 
-def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -> tuple[Location, fmt.Manifest]:
+def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -> tuple[SnapshotLocation, fmt.Manifest]:
     """The snapshot's location and manifest; SnapshotError if there is no whole snapshot there."""
     loc = open_location(src, storage_options)
     try:
@@ -113,7 +113,7 @@ def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -
         half = any(n.endswith(".tmp") or n.endswith(".shms") for n in names)
         raise SnapshotError(
             f"{loc.where(fmt.MANIFEST)} does not exist: "
-            + ("the export that wrote this snapshot did not finish (segments but no manifest); export "
+            + ("the export that wrote this snapshot did not finish (data files but no manifest); export "
                "it again (--overwrite)" if half else "no snapshot there; pass the directory `shmcache "
                "export` wrote")
         ) from None
@@ -164,7 +164,7 @@ def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str 
         store.close()
 
 
-def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: bool = False,
+def import_into(store: Any, loc: SnapshotLocation, manifest: fmt.Manifest, *, force: bool = False,
                 threads: int | None = None, progress: bool | None = None, secret: str | bytes | None = None,
                 allow_pickle: bool = False, allow_unsigned: bool = False) -> ImportReport:
     """Store the snapshot's items in ``store`` (a CacheStore, maybe with spilling attached).
@@ -180,24 +180,24 @@ def import_into(store: Any, loc: Location, manifest: fmt.Manifest, *, force: boo
         raise InvalidArgument(f"threads must be a positive int or None, got {threads!r}")
     started = time.perf_counter()
     report = ImportReport(loc.url, store.session, store.name, items=manifest.items, length=manifest.length)
-    indexes = [read_segment_index(loc, seg, i) for i, seg in enumerate(manifest.segments)]  # all, first
+    indexes = [read_data_file_index(loc, part, i) for i, part in enumerate(manifest.data_files)]  # all, first
     _bind(store, manifest, force)
     if getattr(store, "uncached", False):
         report.rejected = manifest.items
         return report
     spilled_before = store.stats().get("items_disk", 0)
-    job = _Job(store, loc, report, progress_bar(progress, sum(s.size for s in manifest.segments),
+    job = _Job(store, loc, report, progress_bar(progress, sum(s.size for s in manifest.data_files),
                                                  f"import {store.session}/{store.name}", "B"),
                mac, fmt_ident(manifest), allow_pickle or mac is not None)
     job.repeated = _repeated_hashes(indexes)
-    indexes = [_within(seg, _without_overlaps(index, report), job.limit, report)
-               for seg, index in zip(manifest.segments, indexes)]
-    units = [u for seg, index in zip(manifest.segments, indexes) for u in _chunks(seg, index)]
+    indexes = [_within(part, _without_overlaps(index, report), job.limit, report)
+               for part, index in zip(manifest.data_files, indexes)]
+    units = [u for part, index in zip(manifest.data_files, indexes) for u in _chunks(part, index)]
     workers = threads or min(4, os.cpu_count() or 1, max(1, len(units)))
     try:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="shmcache-import") as pool:
             for fut in [pool.submit(job.chunk, *unit) for unit in units]:
-                fut.result()  # the first error (a segment that changed under us, a dead store) raises
+                fut.result()  # the first error (a data file that changed under us, a dead store) raises
     finally:
         job.bar.close()
     report.spilled = max(0, store.stats().get("items_disk", 0) - spilled_before)
@@ -223,14 +223,14 @@ def _without_overlaps(index: np.ndarray, report: ImportReport) -> np.ndarray:
     return index[keep]
 
 
-def _within(seg: fmt.SegmentInfo, index: np.ndarray, limit: int, report: ImportReport) -> np.ndarray:
+def _within(part: fmt.DataFileInfo, index: np.ndarray, limit: int, report: ImportReport) -> np.ndarray:
     """The index less the entries longer on disk than any record of at most ``limit`` bytes can be:
     counted damaged without a byte of them read (a forged entry must not size a read)."""
     over = index["length"] > np.uint64(limit + _RECORD_SLACK)
     if over.any():
         report.damaged += int(over.sum())
         offsets, lengths = index["offset"][over][:3].tolist(), index["length"][over][:3].tolist()
-        report.damaged_where += [f"{seg.file} at offset {off} (an entry of {n} bytes)"
+        report.damaged_where += [f"{part.file} at offset {off} (an entry of {n} bytes)"
                                  for off, n in zip(offsets, lengths)]
     return index[~over]
 
@@ -246,9 +246,9 @@ def _repeated_hashes(indexes: list[np.ndarray]) -> frozenset[int]:
     return frozenset(hashes[1:][same].tolist())
 
 
-def _chunks(seg: fmt.SegmentInfo, index: np.ndarray):
-    """The segment's records in file order, as reads of up to _CHUNK_BYTES (a larger record alone):
-    ``(segment, start, end, offsets, lengths)``, the thread pool's units of work."""
+def _chunks(part: fmt.DataFileInfo, index: np.ndarray):
+    """The data file's records in file order, as reads of up to _CHUNK_BYTES (a larger record alone):
+    ``(part, start, end, offsets, lengths)``, the thread pool's units of work."""
     order = np.argsort(index["offset"], kind="stable")
     offsets = index["offset"][order].astype(np.int64)
     ends = offsets + index["length"][order].astype(np.int64)
@@ -256,38 +256,38 @@ def _chunks(seg: fmt.SegmentInfo, index: np.ndarray):
     while i < n:
         start = int(offsets[i])
         j = i + 1 + int(np.searchsorted(ends[i + 1:], start + _CHUNK_BYTES, "right"))
-        yield seg, start, int(ends[j - 1]), offsets[i:j].tolist(), (ends[i:j] - offsets[i:j]).tolist()
+        yield part, start, int(ends[j - 1]), offsets[i:j].tolist(), (ends[i:j] - offsets[i:j]).tolist()
         i = j
 
 
-def read_segment_index(loc: Location, seg: fmt.SegmentInfo, number: int) -> np.ndarray:
-    """The index of segment ``number``, read with three ranged reads (header, footer, index) and
+def read_data_file_index(loc: SnapshotLocation, part: fmt.DataFileInfo, number: int) -> np.ndarray:
+    """The index of data file ``number``, read with three ranged reads (header, footer, index) and
     checked against the manifest: what a reader that looks keys up (format.find) starts from.
     SnapshotError naming the file when it is missing, truncated, damaged or not the one named."""
-    where = loc.where(seg.file)
+    where = loc.where(part.file)
     try:
-        size = loc.size(seg.file)
-        if size != seg.size:
-            raise SnapshotError(f"{where} is {size} bytes, the manifest says {seg.size}: it is "
-                                f"{'truncated' if size < seg.size else 'not the file exported'}; copy "
+        size = loc.size(part.file)
+        if size != part.size:
+            raise SnapshotError(f"{where} is {size} bytes, the manifest says {part.size}: it is "
+                                f"{'truncated' if size < part.size else 'not the file exported'}; copy "
                                 f"the snapshot again, or export it again")
-        fmt.parse_header(loc.read_range(seg.file, 0, fmt.HEADER_BYTES), where, number)
-        footer = fmt.parse_footer(loc.read_range(seg.file, size - fmt.FOOTER_BYTES, size), size, where)
-        if footer.count != seg.items:  # before the index is read: its size is the manifest's, checked
-            raise SnapshotError(f"{where} holds {footer.count} index entries, the manifest says {seg.items}: "
+        fmt.parse_header(loc.read_range(part.file, 0, fmt.HEADER_BYTES), where, number)
+        footer = fmt.parse_footer(loc.read_range(part.file, size - fmt.FOOTER_BYTES, size), size, where)
+        if footer.count != part.items:  # before the index is read: its size is the manifest's, checked
+            raise SnapshotError(f"{where} holds {footer.count} index entries, the manifest says {part.items}: "
                                 f"it was replaced or mixed with another snapshot's; copy the snapshot "
                                 f"again, or export it again")
-        body = loc.read_range(seg.file, footer.index_offset, footer.index_offset + footer.index_bytes)
+        body = loc.read_range(part.file, footer.index_offset, footer.index_offset + footer.index_bytes)
     except FileNotFoundError:
-        raise SnapshotError(f"segment {where} is missing (the manifest names it); copy the whole "
+        raise SnapshotError(f"data file {where} is missing (the manifest names it); copy the whole "
                             f"snapshot again") from None
     except OSError as exc:
         if isinstance(exc, SnapshotError):
             raise
         raise loc.error(exc, "read") from None
     index = fmt.parse_index(body, footer, where)
-    if fmt.segment_digest(body, footer.raw) != seg.sha256 or len(index) != seg.items:
-        raise SnapshotError(f"{where} is not the segment the manifest names (its index hash or item "
+    if fmt.data_file_digest(body, footer.raw) != part.sha256 or len(index) != part.items:
+        raise SnapshotError(f"{where} is not the data file the manifest names (its index hash or item "
                             f"count differs): it was replaced or mixed with another snapshot's; copy "
                             f"the snapshot again, or export it again")
     return index
@@ -345,7 +345,7 @@ def _bind(store: Any, manifest: fmt.Manifest, force: bool) -> None:
 class _Job:
     """The work of one import, shared by its threads."""
 
-    def __init__(self, store: Any, loc: Location, report: ImportReport, bar: Any, mac: Any = None,
+    def __init__(self, store: Any, loc: SnapshotLocation, report: ImportReport, bar: Any, mac: Any = None,
                  ident: bytes = b"", allow_pickle: bool = False):
         self.mac, self.ident = mac, ident  # a trust.Mac: every record must carry it
         self.allow_pickle = allow_pickle  # authenticated, or the caller's opt-in
@@ -362,9 +362,9 @@ class _Job:
             else min(records.MAX_RAW_BYTES, cap)
         self._local = threading.local()  # a zstd decompressor per thread
 
-    def chunk(self, seg: fmt.SegmentInfo, start: int, end: int, offsets: list[int], lengths: list[int]) -> None:
-        """Read records [start, end) of a segment in one read, check them, store them in one batch."""
-        buf = memoryview(self._read(seg, start, end))
+    def chunk(self, part: fmt.DataFileInfo, start: int, end: int, offsets: list[int], lengths: list[int]) -> None:
+        """Read records [start, end) of a data file in one read, check them, store them in one batch."""
+        buf = memoryview(self._read(part, start, end))
         dctx = self._dctx()
         items, damaged, raw, stored, rejected, duplicates, forged, pickled = [], [], 0, 0, 0, 0, 0, 0
         for off, length in zip(offsets, lengths):
@@ -376,7 +376,7 @@ class _Job:
                 pickled += 1
                 continue
             if item is None:
-                damaged.append(f"{seg.file} at offset {off}")
+                damaged.append(f"{part.file} at offset {off}")
                 continue
             if self._repeats(item[2]):
                 duplicates += 1
@@ -419,14 +419,14 @@ class _Job:
             dctx = self._local.dctx = zstandard.ZstdDecompressor()
         return dctx
 
-    def _read(self, seg: fmt.SegmentInfo, start: int, end: int) -> Any:
+    def _read(self, part: fmt.DataFileInfo, start: int, end: int) -> Any:
         try:
-            buf = self.loc.read_range(seg.file, start, end)
+            buf = self.loc.read_range(part.file, start, end)
         except OSError as exc:
             raise self.loc.error(exc, "read") from None
         if len(buf) != end - start:
-            raise SnapshotError(f"{self.loc.where(seg.file)} ended at {start + len(buf)} bytes while it was "
-                                f"imported (it was {seg.size}): it changed under the import; copy it again")
+            raise SnapshotError(f"{self.loc.where(part.file)} ended at {start + len(buf)} bytes while it was "
+                                f"imported (it was {part.size}): it changed under the import; copy it again")
         return buf
 
     def _checked(self, view: memoryview, dctx: Any) -> Any:

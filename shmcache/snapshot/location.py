@@ -1,6 +1,6 @@
 """Where a snapshot lives: a local directory, or a prefix behind an fsspec URL.
 
-A :class:`Location` gives export and import the few file operations they need - write a file,
+A :class:`SnapshotLocation` gives export and import the few file operations they need - write a file,
 rename it, list, read it whole or a byte range, remove - for a local path (plain ``os``, no extra
 package) and for any fsspec URL (``file://``, ``memory://``, ``s3://``, ``gs://``...; the optional
 extra ``shmcache[snapshot]``, and the protocol's own package, e.g. ``shmcache[s3]`` for s3fs).
@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 from ..base.namespace import _user
 from ..errors import InvalidArgument, SnapshotError
 
-__all__ = ["Location", "open_location", "SPACE_ERRNOS", "mask_url", "scrub_secret", "open_regular"]
+__all__ = ["SnapshotLocation", "open_location", "SPACE_ERRNOS", "mask_url", "scrub_secret", "open_regular"]
 
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _WRITE_BUFFER = 8 << 20
@@ -62,7 +62,7 @@ def _too_large(where: str, size: int, limit: int) -> SnapshotError:
                          f"what `shmcache export` writes (damaged or hostile); export the snapshot again")
 
 
-def open_location(where: str | os.PathLike, storage_options: dict | None = None) -> Location:
+def open_location(where: str | os.PathLike, storage_options: dict | None = None) -> SnapshotLocation:
     """A local path (``/data/snap``, ``./snap``) or an fsspec URL (``s3://bucket/snap``)."""
     if not isinstance(where, (str, os.PathLike)):
         raise InvalidArgument(f"a snapshot location is a path or a URL, got {type(where).__name__}")
@@ -114,7 +114,7 @@ def scrub_secret(message: str, url: str) -> str:
     return message.replace(secret, "***") if len(secret) >= 3 else message
 
 
-class Location:
+class SnapshotLocation:
     """The operations on a snapshot's files; ``name`` is a file name inside the snapshot."""
 
     url: str
@@ -141,7 +141,7 @@ class Location:
         return SnapshotError(f"cannot {what} {where}: {detail}; check the path and your access to it")
 
 
-class LocalLocation(Location):
+class LocalLocation(SnapshotLocation):
     def __init__(self, path: Path):
         self.path = path
         self.url = str(path)
@@ -254,7 +254,7 @@ class LocalLocation(Location):
             os.close(fd)
 
 
-class FsspecLocation(Location):
+class FsspecLocation(SnapshotLocation):
     def __init__(self, fs: Any, path: str, url: str):
         self.fs = fs
         self.path = path

@@ -21,25 +21,25 @@ NOTE [snapshot read-through]
     A manifest that cannot be reached yet (the store is down) is read again later; if it then
     names another dataset the tier turns itself off (a log line: a tier never raises from a read).
 
-    The first read loads every segment's index: one ranged read of the file's tail (the index and
-    the footer are its last ``items * 32 + 40`` bytes; all segments in one ``cat_ranges`` call on
+    The first read loads every data file's index: one ranged read of the file's tail (the index and
+    the footer are its last ``items * 32 + 40`` bytes; all data files in one ``cat_ranges`` call on
     an fsspec store), checked like an import checks it (footer, index crc, the manifest's sha256
     of index + footer). The indexes are merged into one array sorted by the key's index word, so a
     batch is one ``np.searchsorted`` pair; colliding words are all read and the record's own key
     decides. Then the records a batch needs are read in one call: on a local file (a path or
-    ``file://``) ``os.preadv`` on one descriptor per segment, adjacent records in one call; on an
+    ``file://``) ``os.preadv`` on one descriptor per data file, adjacent records in one call; on an
     fsspec store one ``fs.cat_ranges`` for the whole batch, bounded by ``timeout_s``. Each record
     is checked by spill/format.py's ``unpack_record`` (magic, key, lengths, head and body checks)
     and against its index entry's head check, and its payload - the portable record - returned.
 
-    The segment must still be the one whose index was loaded: each batch also checks every
-    segment it touches - a local file's link count (0: deleted) and its footer, re-read (40 bytes,
-    in the same ``cat_ranges`` call on a store) and compared with the one loaded. A segment that
+    The data file must still be the one whose index was loaded: each batch also checks every
+    data file it touches - a local file's link count (0: deleted) and its footer, re-read (40 bytes,
+    in the same ``cat_ranges`` call on a store) and compared with the one loaded. A data file that
     was deleted, truncated or replaced is dropped for the rest of the run (its keys miss: they are
     computed from the source); a record that fails its checks is a miss. Faults of the store
     (unreachable, slow: the timeout) are misses too, and open a circuit breaker: for 1 s, doubling
     up to 30 s while they go on, reads of the tier are misses without a call. Every condition is
-    logged once per process (the segment, the URL, the fix) and counted; nothing is raised, and a
+    logged once per process (the data file, the URL, the fix) and counted; nothing is raised, and a
     wrong value is never returned.
 
     Counters (hits, misses, bytes read, reads, errors, corrupt) live in one row per process of a
@@ -78,7 +78,7 @@ __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "cou
 
 log = logging.getLogger("shmcache")
 _ADVICE = "copy the snapshot again, or export it again"
-_VERBS = ("is ", "has", "was", "can")  # a reason that reads on from the segment's path
+_VERBS = ("is ", "has", "was", "can")  # a reason that reads on from the data file's path
 
 ENV_SNAPSHOT = "SHMCACHE_SNAPSHOT"
 OPTIONS = ("force", "storage_options", "timeout_s", "allow_unsigned")  # snapshot_options= of ShmDatasetCache
@@ -132,10 +132,10 @@ def check_options(options: dict | None) -> dict:
     return dict(options)
 
 
-class _Segment:
-    """One segment as the tier reads it; ``index`` etc. are set once it is loaded."""
+class _DataFile:
+    """One data file as the tier reads it; ``index`` etc. are set once it is loaded."""
 
-    def __init__(self, number: int, info: fmt.SegmentInfo):
+    def __init__(self, number: int, info: fmt.DataFileInfo):
         self.number, self.info = number, info
         self.footer: bytes | None = None  # the 40 bytes loaded: later reads compare against them
         self.dead: str | None = None  # why it is no longer read (deleted, truncated, replaced)
@@ -182,8 +182,8 @@ class SnapshotTier:
         self.manifest: fmt.Manifest | None = None
         self.off: str | None = None  # why the tier serves nothing (a manifest of another dataset)
         self.pending: str | None = None  # why it serves nothing yet (the cache's dataset is unknown)
-        self._segments: list[_Segment] = []
-        # the merged index: hashes sorted, and per row the segment number << 40 | its row there;
+        self._parts: list[_DataFile] = []
+        # the merged index: hashes sorted, and per row the data file number << 40 | its row there;
         # replaced whole (never changed in place), so a reading thread sees one consistent state
         self._merged = (np.zeros(0, np.uint64), np.zeros(0, np.int64), {})
         self._indexes: dict[int, np.ndarray] = {}
@@ -203,7 +203,7 @@ class SnapshotTier:
         if self._pid == os.getpid():
             return
         # a new process (or the first use): descriptors, threads and locks of the parent are not ours
-        self._lock = threading.Lock()  # counters, breaker, segments
+        self._lock = threading.Lock()  # counters, breaker, data files
         self._load_lock = threading.Lock()  # one thread loads the indexes
         self.loc = open_location(self._target, self._storage_options)
         self.local = isinstance(self.loc, LocalLocation)
@@ -237,8 +237,8 @@ class SnapshotTier:
         self._mac = fmt.authenticate(manifest, self._secret, self.allow_unsigned,
                                      f"snapshot={self.url}: {self.loc.where(fmt.MANIFEST)}")
         self._ident = snapshot_ident(manifest.fingerprint, manifest.name)
-        self._segments = [_Segment(i, s) for i, s in enumerate(manifest.segments)]
-        self._unloaded = set(range(len(self._segments)))
+        self._parts = [_DataFile(i, s) for i, s in enumerate(manifest.data_files)]
+        self._unloaded = set(range(len(self._parts)))
         self.manifest = manifest
         if self._bound is not None:
             self._check_identity(*self._bound)
@@ -345,62 +345,62 @@ class SnapshotTier:
         return True
 
     def _load_indexes(self) -> None:
-        """Every segment's index and footer, one ranged read each (one call on an fsspec store)."""
-        todo = [self._segments[i] for i in sorted(self._unloaded)]
+        """Every data file's index and footer, one ranged read each (one call on an fsspec store)."""
+        todo = [self._parts[i] for i in sorted(self._unloaded)]
         if self.local:
             tails = []
-            for seg in todo:
+            for part in todo:
                 try:
-                    fd = self._fd(seg)
+                    fd = self._fd(part)
                     st = os.fstat(fd)
-                    if st.st_size != seg.info.size:
-                        raise SnapshotError(f"is {st.st_size} bytes, the manifest says {seg.info.size}")
-                    tails.append(os.pread(fd, seg.info.size - seg.tail_start, seg.tail_start))
+                    if st.st_size != part.info.size:
+                        raise SnapshotError(f"is {st.st_size} bytes, the manifest says {part.info.size}")
+                    tails.append(os.pread(fd, part.info.size - part.tail_start, part.tail_start))
                 except FileNotFoundError:
                     tails.append(SnapshotError("is missing"))
                 except OSError as exc:
                     tails.append(exc if isinstance(exc, SnapshotError) else SnapshotError(str(exc)))
         else:
-            tails = self._cat([seg.info.file for seg in todo], [seg.tail_start for seg in todo],
-                              [seg.info.size for seg in todo])
-        for seg, tail in zip(todo, tails):
+            tails = self._cat([part.info.file for part in todo], [part.tail_start for part in todo],
+                              [part.info.size for part in todo])
+        for part, tail in zip(todo, tails):
             if isinstance(tail, BaseException):
                 if not _of_the_file(tail):
-                    raise _Fault("unreachable", f"{self.loc.where(seg.info.file)}: {tail!r}")
-                self._drop(seg, str(tail) if isinstance(tail, SnapshotError) else
+                    raise _Fault("unreachable", f"{self.loc.where(part.info.file)}: {tail!r}")
+                self._drop(part, str(tail) if isinstance(tail, SnapshotError) else
                            "is missing" if isinstance(tail, FileNotFoundError) else f"cannot be read ({tail})")
                 continue
             with self._lock:
                 self._add("bytes_read", len(tail))
             try:
-                self._indexes[seg.number] = self._parse_tail(seg, tail)
+                self._indexes[part.number] = self._parse_tail(part, tail)
             except SnapshotError as exc:
-                self._drop(seg, str(exc))
+                self._drop(part, str(exc))
         self._unloaded.clear()
         self._merge()
 
-    def _parse_tail(self, seg: _Segment, tail: bytes) -> np.ndarray:
-        where = self.loc.where(seg.info.file)
-        if len(tail) != seg.info.size - seg.tail_start:
+    def _parse_tail(self, part: _DataFile, tail: bytes) -> np.ndarray:
+        where = self.loc.where(part.info.file)
+        if len(tail) != part.info.size - part.tail_start:
             raise SnapshotError(f"is truncated (read {len(tail)} bytes of its index and footer)")
         body, footer_raw = tail[:-fmt.FOOTER_BYTES], tail[-fmt.FOOTER_BYTES:]
-        footer = fmt.parse_footer(footer_raw, seg.info.size, where)
+        footer = fmt.parse_footer(footer_raw, part.info.size, where)
         index = fmt.parse_index(body, footer, where)
-        if fmt.segment_digest(body, footer.raw) != seg.info.sha256 or len(index) != seg.info.items:
-            raise SnapshotError("is not the segment the manifest names (its index hash or item count "
+        if fmt.data_file_digest(body, footer.raw) != part.info.sha256 or len(index) != part.info.items:
+            raise SnapshotError("is not the data file the manifest names (its index hash or item count "
                                 "differs): it was replaced or mixed with another snapshot's")
-        seg.footer = footer.raw
+        part.footer = footer.raw
         return index
 
     def _merge(self) -> None:
-        parts = [(n, idx) for n, idx in sorted(self._indexes.items()) if self._segments[n].dead is None]
-        if not parts:
+        live = [(n, idx) for n, idx in sorted(self._indexes.items()) if self._parts[n].dead is None]
+        if not live:
             self._merged = (np.zeros(0, np.uint64), np.zeros(0, np.int64), {})
             return
-        hashes = np.concatenate([idx["hash"] for _, idx in parts])
-        rows = np.concatenate([(np.int64(n) << 40) | np.arange(len(idx), dtype=np.int64) for n, idx in parts])
+        hashes = np.concatenate([idx["hash"] for _, idx in live])
+        rows = np.concatenate([(np.int64(n) << 40) | np.arange(len(idx), dtype=np.int64) for n, idx in live])
         order = np.argsort(hashes, kind="stable")
-        self._merged = (np.ascontiguousarray(hashes[order]), rows[order], dict(parts))
+        self._merged = (np.ascontiguousarray(hashes[order]), rows[order], dict(live))
 
     def _lookup(self, keys: Sequence[bytes], out: list) -> None:
         merged, rows, indexes = self._merged
@@ -415,28 +415,28 @@ class SnapshotTier:
         key_i = np.repeat(found, cnt)
         first = np.repeat(lo[found] - (np.cumsum(cnt) - cnt), cnt)
         cand = rows[first + np.arange(len(key_i))]
-        seg_of, row_of = cand >> 40, cand & ((1 << 40) - 1)
-        wanted: dict[int, list[tuple[int, int, int, int]]] = {}  # segment -> (key i, offset, length, check)
+        part_of, row_of = cand >> 40, cand & ((1 << 40) - 1)
+        wanted: dict[int, list[tuple[int, int, int, int]]] = {}  # data file -> (key i, offset, length, check)
         corrupt: list = []
         room = self.max_batch_bytes + len(keys) * _RECORD_SLACK  # what the batch may read from the files
-        for seg_n in np.unique(seg_of).tolist():
-            sel = seg_of == seg_n
-            e = indexes[seg_n][row_of[sel]]
+        for part_n in np.unique(part_of).tolist():
+            sel = part_of == part_n
+            e = indexes[part_n][row_of[sel]]
             rows = []
             for row in zip(key_i[sel].tolist(), e["offset"].tolist(), e["length"].tolist(), e["check"].tolist()):
                 if row[2] > min(room, self.max_batch_bytes + _RECORD_SLACK):  # read nothing of it
-                    corrupt.append((seg_n, row[1], f"its index entry says {row[2]} bytes, more than the "
+                    corrupt.append((part_n, row[1], f"its index entry says {row[2]} bytes, more than the "
                                                    f"{self.max_batch_bytes} a batch's values may have here"))
                     continue
                 room -= row[2]
                 rows.append(row)
-            wanted[seg_n] = rows
+            wanted[part_n] = rows
         reads = self._read_local(wanted) if self.local else self._read_remote(wanted)
         dctx, nbytes, left, forged = self._decompressor(), 0, self.max_batch_bytes, []
-        for seg_n, items in wanted.items():
-            bufs = reads.get(seg_n)
+        for part_n, items in wanted.items():
+            bufs = reads.get(part_n)
             if bufs is None:
-                continue  # the segment changed under us: dropped, its keys miss
+                continue  # the data file changed under us: dropped, its keys miss
             for (i, offset, length, check), buf in zip(items, bufs):
                 nbytes += len(buf)
                 if out[i] is not None:
@@ -451,7 +451,7 @@ class SnapshotTier:
                         continue  # another key's record (a colliding index word): not this key's
                     buf, verdict = self._mac.open(self._ident + key, buf)  # before it is decompressed
                     if verdict == FORGED:
-                        forged.append((seg_n, offset))
+                        forged.append((part_n, offset))
                         continue
                 if why is None:
                     payload, why = records.unpack_record(buf, key, dctx, limit=left)
@@ -459,32 +459,32 @@ class SnapshotTier:
                     out[i] = payload
                     left -= len(payload)
                 elif why != "it holds another key" and not why.startswith("its key is"):
-                    corrupt.append((seg_n, offset, why))  # (another key's intact record: a collision)
+                    corrupt.append((part_n, offset, why))  # (another key's intact record: a collision)
         with self._lock:
             self._add("reads", 1)
             self._add("bytes_read", nbytes)
             self._add("corrupt", len(corrupt))
             self._add("forged", len(forged))
         if forged:
-            seg_n, offset = forged[0]
-            detail = f"{self.loc.where(self._segments[seg_n].info.file)} at offset {offset}"
+            part_n, offset = forged[0]
+            detail = f"{self.loc.where(self._parts[part_n].info.file)} at offset {offset}"
             self._log("forged", f"snapshot tier {self.url} {_REASONS['forged'].format(detail=detail)}")
         if corrupt:
-            seg_n, offset, why = corrupt[0]
-            detail = f"{self.loc.where(self._segments[seg_n].info.file)} at offset {offset}: {why}"
+            part_n, offset, why = corrupt[0]
+            detail = f"{self.loc.where(self._parts[part_n].info.file)} at offset {offset}: {why}"
             self._log("corrupt", f"snapshot tier {self.url} {_REASONS['corrupt'].format(detail=detail)}")
 
     def _read_local(self, wanted: dict) -> dict[int, list]:
-        """The records of each segment: preadv on its descriptor, adjacent records in one call."""
+        """The records of each data file: preadv on its descriptor, adjacent records in one call."""
         out = {}
-        for seg_n, items in wanted.items():
-            seg = self._segments[seg_n]
+        for part_n, items in wanted.items():
+            part = self._parts[part_n]
             try:
-                fd = self._fd(seg)
+                fd = self._fd(part)
                 if os.fstat(fd).st_nlink == 0:
                     raise SnapshotError("was deleted while the job ran")
-                tail = os.pread(fd, fmt.FOOTER_BYTES, seg.info.size - fmt.FOOTER_BYTES)
-                if tail != seg.footer:
+                tail = os.pread(fd, fmt.FOOTER_BYTES, part.info.size - fmt.FOOTER_BYTES)
+                if tail != part.footer:
                     raise SnapshotError("was truncated or rewritten while the job ran (its footer changed)")
                 bufs: list = [None] * len(items)
                 order = sorted(range(len(items)), key=lambda j: items[j][1])
@@ -501,40 +501,40 @@ class SnapshotTier:
                     if j is not None:
                         run.append(j)
             except (OSError, SnapshotError) as exc:
-                self._drop(seg, str(exc) if isinstance(exc, SnapshotError) else f"cannot be read: {exc}")
+                self._drop(part, str(exc) if isinstance(exc, SnapshotError) else f"cannot be read: {exc}")
                 continue
-            out[seg_n] = bufs
+            out[part_n] = bufs
         return out
 
     def _read_remote(self, wanted: dict) -> dict[int, list]:
-        """The records of every segment in one ``cat_ranges`` call, with each segment's footer."""
+        """The records of every data file in one ``cat_ranges`` call, with each data file's footer."""
         paths, starts, ends, where = [], [], [], []
-        for seg_n, items in wanted.items():
-            seg = self._segments[seg_n]
-            paths.append(seg.info.file)
-            starts.append(seg.info.size - fmt.FOOTER_BYTES)
-            ends.append(seg.info.size)
-            where.append(seg_n)
+        for part_n, items in wanted.items():
+            part = self._parts[part_n]
+            paths.append(part.info.file)
+            starts.append(part.info.size - fmt.FOOTER_BYTES)
+            ends.append(part.info.size)
+            where.append(part_n)
             for _, offset, length, _ in items:
-                paths.append(seg.info.file)
+                paths.append(part.info.file)
                 starts.append(offset)
                 ends.append(offset + length)
         got = self._cat(paths, starts, ends)
         out, pos = {}, 0
-        for seg_n in where:
-            seg, n = self._segments[seg_n], len(wanted[seg_n])
+        for part_n in where:
+            part, n = self._parts[part_n], len(wanted[part_n])
             footer, bufs = got[pos], got[pos + 1:pos + 1 + n]
             pos += 1 + n
             errors = [b for b in [footer, *bufs] if isinstance(b, BaseException)]
             faults = [e for e in errors if not _of_the_file(e)]
             if faults:
-                raise _Fault("unreachable", f"{self.loc.where(seg.info.file)}: {faults[0]!r}")
+                raise _Fault("unreachable", f"{self.loc.where(part.info.file)}: {faults[0]!r}")
             if any(isinstance(e, FileNotFoundError) for e in errors):
-                self._drop(seg, "was deleted while the job ran")
-            elif errors or footer != seg.footer:  # a range past its end: it is shorter now
-                self._drop(seg, "was truncated or rewritten while the job ran (its footer changed)")
+                self._drop(part, "was deleted while the job ran")
+            elif errors or footer != part.footer:  # a range past its end: it is shorter now
+                self._drop(part, "was truncated or rewritten while the job ran (its footer changed)")
             else:
-                out[seg_n] = bufs
+                out[part_n] = bufs
         return out
 
     def _cat(self, names: list[str], starts: list[int], ends: list[int]) -> list:
@@ -586,24 +586,24 @@ class SnapshotTier:
         text = _REASONS[fault.kind].format(detail=fault.detail, t=self.timeout_s)
         self._log(fault.kind, f"snapshot tier {self.url} {text}")
 
-    def _drop(self, seg: _Segment, why: str) -> None:
-        """A segment that can no longer be trusted: its keys miss from now on."""
+    def _drop(self, part: _DataFile, why: str) -> None:
+        """A data file that can no longer be trusted: its keys miss from now on."""
         with self._lock:
-            if seg.dead is not None:
+            if part.dead is not None:
                 return
-            seg.dead = why
+            part.dead = why
             self._add("errors", 1)
-            fd = self._fds.pop(seg.number, None)
+            fd = self._fds.pop(part.number, None)
             if fd is not None:  # closed at close(): another thread may be reading it right now
                 self._dead_fds.append(fd)
-            if self._indexes.pop(seg.number, None) is not None:
+            if self._indexes.pop(part.number, None) is not None:
                 self._merge()
-        where = self.loc.where(seg.info.file)
+        where = self.loc.where(part.info.file)
         # the format's own errors name the file and give the advice: said once here, not twice
         why = why.removeprefix(where).removeprefix(":").strip().removesuffix(_ADVICE).rstrip("; ")
-        self._log(f"seg{seg.number}", f"snapshot tier: segment {where}{' ' if why[:3] in _VERBS else ': '}{why}; "
-                                      f"its {seg.info.items} items are computed from the source from now on "
-                                      f"({_ADVICE})")
+        self._log(f"part{part.number}", f"snapshot tier: data file {where}{' ' if why[:3] in _VERBS else ': '}{why}; "
+                                       f"its {part.info.items} items are computed from the source from now on "
+                                       f"({_ADVICE})")
 
     def _log(self, condition: str, text: str) -> None:
         if condition not in self._logged:
@@ -615,11 +615,11 @@ class SnapshotTier:
         if n:
             self._c[_I[counter]] += np.uint64(n)
 
-    def _fd(self, seg: _Segment) -> int:
-        fd = self._fds.get(seg.number)
+    def _fd(self, part: _DataFile) -> int:
+        fd = self._fds.get(part.number)
         if fd is None:
-            fd = open_regular(self.loc.path / seg.info.file)[0]  # no link followed, no FIFO waited on
-            self._fds[seg.number] = fd
+            fd = open_regular(self.loc.path / part.info.file)[0]  # no link followed, no FIFO waited on
+            self._fds[part.number] = fd
         return fd
 
     def _decompressor(self) -> zstandard.ZstdDecompressor:

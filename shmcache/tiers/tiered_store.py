@@ -49,7 +49,7 @@ NOTE [tiers]
     (``tier_protocol.IndexedTier``, implemented by ``spill/tier.py``'s ``SpillTier``), found
     through the store's own shared index rather than asked by key. It holds the same key
     (``index.tier_key``) with the record, but it does not decide anything: the store, under its
-    lock, calls ``write(key, record)``, which only stores and answers a ``Location`` (or None: not
+    lock, calls ``write(key, record)``, which only stores and answers a ``RecordLocation`` (or None: not
     stored, a miss later), and publishes that location in the index with the intent record of
     NOTE [publish order]; a reader hands the entry's location back to ``read(location, key)``,
     which checks the key and the record and answers None for anything else. The store gets it

@@ -1,7 +1,8 @@
 """A cache's lifecycle seen from a process that keeps using it: ``shmcache destroy --force`` under a
 live reader (real CLI process), the session and cache made again (another process) with other
 values under the same keys. The old handle must see misses or ``CacheNotFound``, never old bytes
-(README: "their next write raises CacheNotFound and their reads miss")."""
+(README: "their next write raises CacheNotFound and their reads miss"). And reader threads while
+another handle clears the cache and grows its table: never a crash."""
 
 from __future__ import annotations
 
@@ -78,3 +79,42 @@ def test_a_reader_never_sees_the_values_of_a_destroyed_cache(tmp_path):
     fresh = ShmDatasetCache(session="s", name="c")
     assert all(int(fresh[k][0]) == 100_000 + k for k in keys), "the cache made again was damaged"
     fresh.close()
+
+
+def test_a_reader_thread_survives_clears_and_table_growth_elsewhere(tmp_path):
+    """A thread inside get_batch/stats while the generation or the table changes used to touch
+    unmapped memory (SIGSEGV). Run in a child so that a crash is a failed test, not a dead run."""
+    script = textwrap.dedent("""
+        import threading, time, subprocess, sys
+        import numpy as np
+        from shmcache import ShmDatasetCache
+        cache = ShmDatasetCache(session="thr", name="c", size=64)
+        for i in range(2000):
+            cache.put(i, (np.full(64, i % 200, np.uint8), i))
+        stop = time.monotonic() + 4
+        errors = []
+        def reader():
+            while time.monotonic() < stop:
+                try:
+                    b = cache.get_batch(list(range(0, 256)), fn=lambda k: (np.full(64, k % 200, np.uint8), k))
+                    assert int(b[0][7, 0]) == 7 and int(b[1][9]) == 9
+                    cache.stats()
+                except Exception as exc:
+                    errors.append(repr(exc))
+        threads = [threading.Thread(target=reader) for _ in range(2)]
+        for t in threads:
+            t.start()
+        other = ShmDatasetCache(session="thr", name="c")
+        n = 0
+        while time.monotonic() < stop:
+            other.clear()  # a new generation under the readers' feet
+            for i in range(3000):  # and table growth
+                other.put(f"k{n}-{i}", i)
+            n += 1
+        for t in threads:
+            t.join()
+        print("errors", errors[:3], "clears", n)
+        sys.exit(1 if errors else 0)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])

@@ -251,7 +251,7 @@ def test_a_truncated_segment_is_refused_naming_it(snap):
 def test_a_missing_segment_is_refused_naming_it(snap):
     name = _segments(snap)[-1]
     os.unlink(snap / name)
-    with pytest.raises(SnapshotError, match=f"segment .*{name} is missing"):
+    with pytest.raises(SnapshotError, match=f"data file .*{name} is missing"):
         ShmDatasetCache.from_snapshot(snap, session="dst")
 
 
@@ -261,7 +261,7 @@ def test_a_swapped_segment_is_refused(snap, tmp_path):
     cache.close()
     name = _segments(snap)[0]
     shutil.copy(tmp_path / "other" / name, snap / name)
-    with pytest.raises(SnapshotError, match=f"{name}.*(manifest says|not the segment the manifest names)"):
+    with pytest.raises(SnapshotError, match=f"{name}.*(manifest says|not the data file the manifest names)"):
         ShmDatasetCache.from_snapshot(snap, session="dst")
 
 
@@ -378,3 +378,23 @@ def test_progress_bars_go_to_stderr_when_asked(tmp_path, capsys):
     got = ShmDatasetCache.from_snapshot(tmp_path / "s", session="dst")  # not a terminal: no bar
     assert capsys.readouterr().err == ""
     got.close()
+
+
+def test_exporting_onto_a_file_says_it_is_a_file(tmp_path):
+    """export(dest) with dest an existing file said "cannot replace the snapshot at DEST:
+    SnapshotError('cannot create the directory DEST: File exists; ...'); check the path and your
+    access to it": a snapshot that is not there, an error inside an error, two fixes neither of
+    which applies. It now says that DEST is a file and what to pass instead."""
+    afile = tmp_path / "weights.bin"
+    afile.write_bytes(b"not a snapshot")
+    cache, _ = _filled(n=4)
+    try:
+        for dest in (afile, afile / "snap"):
+            with pytest.raises(SnapshotError) as err:
+                cache.export(dest)
+            text = str(err.value)
+            assert f"{afile} is a file" in text and "directory" in text, text
+            assert "SnapshotError(" not in text and "replace the snapshot" not in text, text
+        assert afile.read_bytes() == b"not a snapshot"
+    finally:
+        cache.close()

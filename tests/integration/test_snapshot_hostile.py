@@ -63,8 +63,8 @@ def _forge(dest, like: fmt.Manifest, good=(), bad=(), aliases=(), hole=None):
     (pkey, n) an index entry for a "record" of n bytes that is a hole in a sparse file."""
     dest.mkdir()
     cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
-    with open(dest / fmt.segment_name(0), "wb") as f:
-        w = fmt.SegmentWriter(f, 0, cctx)
+    with open(dest / fmt.data_file_name(0), "wb") as f:
+        w = fmt.DataFileWriter(f, 0, cctx)
         where = {}
         for pkey, rec in good:
             where[pkey] = (w.size, w.add(pkey, rec))
@@ -83,7 +83,7 @@ def _forge(dest, like: fmt.Manifest, good=(), bad=(), aliases=(), hole=None):
             f.seek(hole[1], os.SEEK_CUR)
             w.size += hole[1]
         info = w.finish()
-    m = dataclasses.replace(like, items=info.items, stored_bytes=info.size, segments=[info])
+    m = dataclasses.replace(like, items=info.items, stored_bytes=info.size, data_files=[info])
     (dest / fmt.MANIFEST).write_bytes(m.to_json())
     return dest
 

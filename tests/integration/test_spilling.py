@@ -1,4 +1,5 @@
-"""Spilling end to end: more data than memory, several processes, damaged and vanished spill files.
+"""Spilling end to end: more data than memory, several processes, damaged and vanished spill files,
+two handles of one spilling cache, an index that cannot grow.
 
 Workers are plain interpreters using the store layer (no torch import: they start fast).
 """
@@ -10,14 +11,16 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from shmcache import ShmDatasetCache
+from shmcache.base.shm import Segment
 from shmcache.cache.store import MISSING, CacheStore
-from shmcache.errors import ItemTooLarge, SpillError
+from shmcache.errors import ItemTooLarge, SharedMemoryFull, SpillError
 from shmcache.tiers.spill import tier as spilling
 
 ITEMS = 400
@@ -378,3 +381,54 @@ def test_a_read_racing_a_clear_is_a_quiet_miss(tmp_path, caplog):
     assert other.stats()["corrupt"] == 0
     other.close()
     store.close()
+
+
+def test_a_full_index_that_cannot_grow_rejects_instead_of_hanging(monkeypatch, tmp_path):
+    store = CacheStore("full", "c", capacity_bytes=64 << 20)
+    from shmcache.tiers.spill import tier as spilling
+
+    spilling.attach(store, tmp_path)
+    real = Segment.create
+
+    def no_room_for_tables(name, *a, **kw):
+        if name.rsplit("+", 1)[-1].startswith("t"):  # a table segment (+g<gen>+t<version>)
+            raise SharedMemoryFull("no room for the table (injected)")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(Segment, "create", staticmethod(no_room_for_tables))
+    t0 = time.monotonic()
+    stored = [store.put(f"key-{i}", i) for i in range(1500)]
+    assert time.monotonic() - t0 < 30
+    assert not all(stored) and store.stats()["rejected"] > 0
+    assert store.lookup("absent") is MISSING  # probing stops (it spun forever on a full table)
+    store.close()
+
+
+def test_two_handles_of_one_spilling_cache_in_one_process(tmp_path):
+    a = ShmDatasetCache(session="sp2", name="c", size=1, spilling=True, spill_dir=tmp_path)
+    b = ShmDatasetCache(session="sp2", name="c", size=1, spilling=True, spill_dir=tmp_path)
+    t0 = time.monotonic()
+    for i in range(30):
+        (a if i % 2 else b).put(i, np.full(40_000, i, np.uint8))
+    assert time.monotonic() - t0 < 5, "the handles waited on each other's spill file lock"
+    assert a.stats()["items_disk"] > 0
+    assert all(int(a.get(i)[0]) == i for i in range(30))
+    a.close()
+    b.close()
+
+
+def test_clear_from_a_handle_that_does_not_spill_deletes_the_spill_files(tmp_path):
+    a = ShmDatasetCache(session="sp3", name="c", size=1, spilling=True, spill_dir=tmp_path)
+    for i in range(30):  # random bytes: stored raw, so the files hold every byte
+        a.put(i, np.random.default_rng(i).integers(0, 256, 40_000, dtype=np.uint8))
+    spilled = sum(f.stat().st_size for f in tmp_path.rglob("*.spill"))
+    assert spilled > 100_000
+    plain = ShmDatasetCache(session="sp3", name="c")
+    plain.clear()
+    assert sum(f.stat().st_size for f in tmp_path.rglob("*.spill")) < 1000
+    value = np.random.default_rng(0).integers(0, 256, 40_000, dtype=np.uint8)
+    for i in range(30):  # the spilling handle goes on after the clear
+        a.put(i, value)
+    assert np.array_equal(a.get(29), value)
+    a.close()
+    plain.close()

@@ -1,7 +1,8 @@
 """The remote tier under ShmDatasetCache, against real redis-server processes: several simulated
 nodes (separate processes, each its own $SHMCACHE_DIR), each item computed about once per job;
 the batch path; Redis killed, stopped, filled and corrupted mid-epoch; a wrong password; a
-Cluster; passwords absent from every log line, message, stat and info output."""
+Cluster; passwords absent from every log line, message, stat and info output; an imported cache
+shares remote values by dataset, not by name."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _nodes import Counted, calls_of, expected, same
 from _redis import PASSWORD
@@ -327,3 +329,49 @@ def test_queue_flushed_at_exit(redis_server):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]
     assert int(redis_server.cli("dbsize")) == N
+
+
+class _Numbers:
+    """A small map-style dataset; ``seed`` makes another dataset of the same length and type."""
+
+    def __init__(self, seed, n=24):
+        self.seed, self.n = seed, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full(64, self.seed * 1000 + i, np.int64)
+
+
+def test_an_imported_cache_shares_its_remote_values_by_dataset_not_by_name(redis_server, tmp_path):
+    """ShmDatasetCache.from_snapshot opened its remote tier before the import told it the
+    dataset, so the tier kept the bare cache name as its identity ('train', where every other
+    process of the cache uses 'train.<fingerprint>'): an imported node shared nothing with the
+    others, and two datasets imported under one name read each other's values - a wrong value."""
+    snaps = {}
+    for seed in (1, 2):  # two datasets, both exported as cache "train", items 0-7 only
+        cache = ShmDatasetCache(session=f"make{seed}", name="train", remote="")
+        ds = cache.wrap(_Numbers(seed))
+        for i in range(8):
+            ds[i]
+        snaps[seed] = tmp_path / f"snap{seed}"
+        cache.export(snaps[seed])
+        cache.close()
+    a = ShmDatasetCache.from_snapshot(snaps[1], session="node_a", remote=redis_server.url)
+    b = ShmDatasetCache.from_snapshot(snaps[2], session="node_b", remote=redis_server.url)
+    try:
+        da, db = a.wrap(_Numbers(1)), b.wrap(_Numbers(2))
+        assert int(da[15][0]) == 1015  # computed on node a, written to Redis behind the loop
+        a.store.behind[0].flush(5)
+        assert int(db[15][0]) == 2015, "node b was served dataset 1's value"
+        other = ShmDatasetCache(session="node_c", name="train", remote=redis_server.url)
+        try:  # a third node of dataset 1, opened the ordinary way, finds node a's value
+            dc = other.wrap(_Numbers(1))
+            assert other.store.behind[0].identity == a.store.behind[0].identity
+            assert int(dc[15][0]) == 1015
+        finally:
+            other.close()
+    finally:
+        a.close()
+        b.close()

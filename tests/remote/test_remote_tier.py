@@ -1,17 +1,20 @@
-"""The Redis tier on its own (shmcache/tiers/remote.py), against real redis-server processes: URLs,
-jump hash, reads and write-behind on one server, shards and a Cluster, and its faults."""
+"""The Redis tier on its own (shmcache/tiers/remote.py), against real redis-server processes: URLs
+(passwords with URL characters masked everywhere), jump hash, reads and write-behind on one server,
+shards and a Cluster, and its faults (a stopped Cluster master costs one timeout per batch)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 
 import pytest
-from _redis import PASSWORD
+from _redis import PASSWORD, RedisServer, need_redis
 
 from shmcache.errors import InvalidArgument
+from shmcache.launch.remote_option import mask_url as mask_text
 from shmcache.tiers.remote import RedisTier, jump_hash, mask_url, parse_url, probe
 
 # --- URLs --------------------------------------------------------------------------------------
@@ -323,3 +326,81 @@ def test_tls(redis_factory, tmp_path):
         assert untrusting.get(b"k") is None and untrusting.counters()["errors"] == 1
     finally:
         untrusting.close()
+
+
+# generated passwords (base64, `openssl rand -base64`) hold "/" and "+"; people type "@" and "?"
+ODD_PASSWORDS = ["Ab3/xY9+kL0q/Zz8", "p@ss@w0rd-9x7", "qu?ery#hash-4k2"]
+
+
+def _pieces(pw: str) -> list[str]:
+    """The parts of ``pw`` between its URL characters (3+ characters: none is a common word)."""
+    return [p for p in re.split(r"[/@?#]", pw) if len(p) >= 3]
+
+
+@pytest.mark.parametrize("pw", ODD_PASSWORDS)
+def test_a_password_with_url_characters_is_masked_everywhere(pw):
+    """parse_url took everything up to the last '@' as the userinfo, but mask_url stopped at the
+    first '/' or '@': a password with a '/' was shown whole in every log line, error, stat and
+    repr; one with an '@' in part; a '?' split it into a host and a 'port' named in the error."""
+    url = f"redis://:{pw}@127.0.0.1:6390/2"
+    u = parse_url(url)
+    assert (u.password, u.nodes, u.db) == (pw, (("127.0.0.1", 6390),), 2)
+    shown = [str(u), repr(u), mask_url(url), mask_text(f"--remote {url} --nnodes 2")]
+    for text in shown:
+        assert "***" in text, text
+        for part in _pieces(pw):
+            assert part not in text, (part, text)
+    with pytest.raises(InvalidArgument) as err:
+        parse_url(f"redis://:{pw}@127.0.0.1:99999")
+    assert "99999" in str(err.value) and pw not in str(err.value)
+    for part in _pieces(pw):
+        assert part not in str(err.value), (part, str(err.value))
+
+
+def test_a_slash_password_never_reaches_the_log(tmp_path, caplog):
+    """End to end against a server whose password has a '/': the tier's log lines (here: the
+    server killed) carry the masked URL."""
+    need_redis()
+    pw = ODD_PASSWORDS[0]
+    server = RedisServer(tmp_path, pw)
+    caplog.set_level(logging.WARNING, "shmcache")
+    tier = RedisTier(f"redis://:{pw}@{server.addr}?timeout=0.3", "c")
+    try:
+        tier.offer([(b"k", b"v")])
+        assert tier.flush(5)
+        assert tier.get(b"k") == b"v"
+        server.kill()
+        assert tier.get(b"k") is None
+        text = "\n".join(r.getMessage() for r in caplog.records) + repr(tier)
+        assert "unreachable" in text and "***" in text
+        assert "Ab3" not in text and "Zz8" not in text, text
+    finally:
+        tier.close(1)
+        server.close()
+
+
+def test_a_stopped_cluster_master_costs_one_timeout_per_batch(redis_cluster, caplog):
+    """A batch's read on a Cluster with one master SIGSTOPped took ~36 timeouts (10.9 s with
+    ?timeout=0.3, for 100 keys): redis-py's cluster pipeline, after the timeout, re-sent each of
+    the stopped master's keys on its own, each waiting its own timeout (a 256-key batch at the
+    default 1 s: about 85 s of a training step). A batch must cost at most about one timeout."""
+    caplog.set_level(logging.WARNING, "shmcache")
+    tier = RedisTier(redis_cluster.url + "?timeout=0.3", "clustered")
+    try:
+        pairs = [(f"key{i}".encode(), f"value{i}".encode()) for i in range(100)]
+        tier.offer(pairs)
+        assert tier.flush(10)
+        assert tier.get_many([k for k, _ in pairs]) == [v for _, v in pairs]
+        redis_cluster.servers[1].stop()
+        t0 = time.monotonic()
+        got = tier.get_many([k for k, _ in pairs])
+        took = time.monotonic() - t0
+        assert took < 1.5, f"one batch took {took:.1f} s with a 0.3 s timeout"
+        assert all(v is None or v == dict(pairs)[k] for (k, _), v in zip(pairs, got))
+        assert "did not answer" in "\n".join(r.getMessage() for r in caplog.records)
+        redis_cluster.servers[1].cont()
+        time.sleep(1.3)  # past the breaker's first pause
+        assert tier.get_many([k for k, _ in pairs]) == [v for _, v in pairs]
+    finally:
+        redis_cluster.servers[1].cont()
+        tier.close(2)

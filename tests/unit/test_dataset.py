@@ -934,3 +934,9 @@ def test_verify_off_by_default_and_validated():
         ds[5]
         src.shift = 7
         assert ds[5][0][0] == 5  # no check: the cached value
+
+
+def test_one_shot_iterators_are_refused():
+    with ShmDatasetCache(session="rr") as cache:
+        with pytest.raises(InvalidArgument, match="one-shot iterator"):
+            cache.wrap(iter([1, 2, 3]))

@@ -1,30 +1,33 @@
 """flock locks: exclusion between processes and threads, timeouts that name the lock, a forked
 child never shares its parent's lock, release when the holder exits, liveness slots.
 
-Each lock test runs against both lock classes: our own FileLock (a cache's lock) and RegistryLock
-(filelock's, for the session registry)."""
+Each lock test runs against both kinds of FlockLock: a cache's (descriptor kept open) and the
+session registry's (opened per hold, reentrant)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import pytest
 from _forks import die_holding_after_forking_an_idle_child, reap
 
-from shmcache.base.locks import FileLock, LivenessSlot, RegistryLock, slot_is_alive
+from shmcache.base.locks import FlockLock, LivenessSlot, slot_is_alive
 from shmcache.errors import LockTimeout
 
-LOCK_CLASSES = pytest.mark.parametrize("Lock", [FileLock, RegistryLock])
+registry_lock = partial(FlockLock, keep_open=False, reentrant=True)  # as SessionRegistry makes it
+LOCK_CLASSES = pytest.mark.parametrize("Lock", [FlockLock, registry_lock], ids=["cache-lock", "registry-lock"])
 
 _HOLD = r"""
 import sys, time
-from shmcache.base.locks import FileLock
-lock = FileLock(sys.argv[1])
+from shmcache.base.locks import FlockLock
+lock = FlockLock(sys.argv[1])
 lock.acquire()
 print("held", flush=True)
 sys.stdin.read()          # hold until the parent closes our stdin, then exit WITHOUT releasing
@@ -63,7 +66,7 @@ def test_other_process_excludes_then_exit_releases(tmp_path, Lock):
 @LOCK_CLASSES
 @pytest.mark.parametrize("warm", [True, False], ids=["used-before", "first-use-in-threads"])
 def test_threads_sharing_one_lock_object_exclude_each_other(tmp_path, warm, monkeypatch, Lock):
-    """FileLock is "usable from threads": threads that share one lock object (a store used by a
+    """FlockLock is "usable from threads": threads that share one lock object (a store used by a
     prefetch thread and the main thread) never overlap inside it - also when their very first
     acquire happens at the same time (opening the file is slowed down to make that likely)."""
     import shmcache.base.locks as locks_mod
@@ -75,13 +78,6 @@ def test_threads_sharing_one_lock_object_exclude_each_other(tmp_path, warm, monk
         return real_open(path)
 
     monkeypatch.setattr(locks_mod, "_open_lock_file", slow_open)
-    real_filelock = locks_mod._fork_aware_filelock
-
-    def slow_filelock(*args, **kwargs):
-        time.sleep(0.02)
-        return real_filelock(*args, **kwargs)
-
-    monkeypatch.setattr(locks_mod, "_fork_aware_filelock", slow_filelock)
     lock = Lock(tmp_path / "t.lock", timeout_s=1)
     if warm:
         with lock:
@@ -175,7 +171,7 @@ def test_forked_child_does_not_share_the_parents_lock(tmp_path, Lock):
 def test_lock_files_are_mode_0600_whatever_the_umask(tmp_path):
     old = os.umask(0)
     try:
-        locks = [FileLock(tmp_path / "m.lock"), RegistryLock(tmp_path / "r.lock")]
+        locks = [FlockLock(tmp_path / "m.lock"), registry_lock(tmp_path / "r.lock")]
         for lock in locks:
             with lock:
                 pass
@@ -190,12 +186,20 @@ def test_lock_files_are_mode_0600_whatever_the_umask(tmp_path):
         lock.close()
 
 
-def test_registry_lock_held_by_a_filelock_user_times_out_with_shmcache_error(tmp_path):
-    """Another process's filelock.FileLock on the registry path excludes us; the error is ours."""
-    import filelock
+def test_registry_lock_held_by_another_flock_user_times_out_with_shmcache_error(tmp_path):
+    """Another flock holder of the registry path (filelock's FileLock, flock(1): an exclusive
+    flock on their own open file) excludes us; the error is ours."""
 
-    other = filelock.FileLock(tmp_path / "reg.lock")  # thread-local: this thread's hold
-    lock = RegistryLock(tmp_path / "reg.lock", what="the session registry lock")
+    class OtherFlockUser:
+        def __enter__(self):
+            self.fd = os.open(tmp_path / "reg.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+        def __exit__(self, *exc):
+            os.close(self.fd)
+
+    other = OtherFlockUser()
+    lock = registry_lock(tmp_path / "reg.lock", what="the session registry lock")
     errors = []
 
     def attempt():
@@ -235,7 +239,7 @@ def test_a_forked_child_that_never_takes_the_lock_does_not_keep_a_dead_parents_l
     """The kernel releases a lock when the last descriptor of its open file description closes;
     a child that inherited one and never used the lock must not be that last descriptor."""
     path = tmp_path / "c.lock"
-    lock = FileLock(path)
+    lock = FlockLock(path)
 
     def hold():
         lock.acquire()
@@ -244,9 +248,39 @@ def test_a_forked_child_that_never_takes_the_lock_does_not_keep_a_dead_parents_l
     child = die_holding_after_forking_an_idle_child(hold, tmp_path / "child.pid")
     try:
         os.kill(child, 0)  # the idle child is alive...
-        other = FileLock(path)
+        other = FlockLock(path)
         other.acquire(timeout_s=2)  # ...and the dead parent's lock is free anyway
         other.release()
         other.close()
     finally:
         reap(child)
+
+
+def test_registry_lock_is_reentrant_within_a_thread_and_keeps_no_descriptor(tmp_path):
+    """The registry's lock: ``destroy_idle`` calls ``destroy`` under it (a nested hold), the
+    last release lets others in, and no descriptor stays open between holds."""
+    lock = registry_lock(tmp_path / "r.lock", what="the registry lock")
+    other = FlockLock(tmp_path / "r.lock")
+    with lock:
+        with lock:
+            pass
+        with pytest.raises(LockTimeout, match="the registry lock|lock r.lock"):
+            other.acquire(timeout_s=0.1)  # still held after the inner release
+        err = []
+        t = threading.Thread(target=lambda: _try(lock, err))
+        t.start()
+        t.join(timeout=10)
+        assert err and "the registry lock" in str(err[0])  # another thread is excluded
+    assert lock._fd == -1
+    other.acquire(timeout_s=1)
+    other.release()
+    other.close()
+
+
+def test_a_cache_lock_is_not_reentrant(tmp_path):
+    """A cache's lock taken twice by one thread times out (a bug, never a silent nested hold)."""
+    lock = FlockLock(tmp_path / "c.lock", what="the cache lock")
+    with lock:
+        with pytest.raises(LockTimeout, match="another thread holds it"):
+            lock.acquire(timeout_s=0.05)
+    lock.close()

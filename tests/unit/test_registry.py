@@ -1,5 +1,6 @@
 """The session registry: create / get / list / destroy, names that cannot escape the namespace,
-destroy that touches only its own session's segments, liveness by slot locks, gc."""
+destroy that touches only its own session's segments, liveness by slot locks (a process that only
+writes is attached too), gc."""
 
 from __future__ import annotations
 
@@ -361,3 +362,20 @@ def test_a_damaged_auto_capacity_file_is_measured_again(text):
     finally:
         store.close()
         process_slot.release_all()
+
+
+def test_a_process_that_only_writes_counts_as_attached():
+    script = ("import sys, numpy as np\nfrom shmcache.cache.store import MISSING, CacheStore\n"
+              "s = CacheStore('w', 'c', capacity_bytes=8 << 20)\ns.put(1, np.zeros(3))\n"
+              "print('ready', flush=True)\nsys.stdin.read()\n")
+    p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        assert p.pid in SessionRegistry().live_pids("w")
+        with pytest.raises(SessionInUse, match="in use"):
+            SessionRegistry().destroy("w")
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+        p.stdout.close()

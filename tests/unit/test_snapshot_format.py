@@ -33,7 +33,7 @@ def _items(n=50):
 
 def _segment(items, number=0):
     f = io.BytesIO()
-    w = fmt.SegmentWriter(f, number, CCTX)
+    w = fmt.DataFileWriter(f, number, CCTX)
     for key, _, rec in items:
         w.add(portable_key(key), rec)
     info = w.finish()
@@ -53,7 +53,7 @@ def test_a_segment_reads_back_every_record_and_its_digest():
     assert info.size == len(data) and info.items == len(items) and info.file == "seg-00000.shms"
     assert w.raw_bytes == sum(len(r) for _, _, r in items)
     footer, index, body = _open(data)
-    assert fmt.segment_digest(body, footer.raw) == info.sha256
+    assert fmt.data_file_digest(body, footer.raw) == info.sha256
     assert (np.diff(index["hash"].astype(np.float64)) >= 0).all()  # sorted: binary-searchable
     got = {pk: bytes(p) for pk, p, why in fmt.iter_records(data, index, DCTX)}
     assert got == {portable_key(k): r for k, _, r in items}
@@ -131,7 +131,7 @@ def test_another_format_version_is_refused_by_header_footer_and_manifest():
         fmt.parse_footer(bytes(tail), len(data), "s")
     m = fmt.Manifest("s", "c", "0123456789abcdef" * 2, 2, 2, 10, len(data), {}, [info])
     doc = json.loads(m.to_json())
-    assert fmt.Manifest.from_json(m.to_json(), "m").segments == [info]
+    assert fmt.Manifest.from_json(m.to_json(), "m").data_files == [info]
     doc["version"] = 99
     with pytest.raises(SnapshotError, match="version 99"):
         fmt.Manifest.from_json(json.dumps(doc).encode(), "m")

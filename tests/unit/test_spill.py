@@ -815,9 +815,9 @@ def test_pack_and_unpack_record_round_trip_and_refuse_other_keys_cuts_and_flips(
 
 
 def test_the_spill_tier_is_an_indexed_tier_and_round_trips_through_a_location(tmp_path):
-    """The seam of NOTE [tiers]: the store writes through ``write`` and reads a ``Location`` back;
+    """The seam of NOTE [tiers]: the store writes through ``write`` and reads a ``RecordLocation`` back;
     a location with another key, or one cut short, is a miss, never another record."""
-    from shmcache.cache.indexed_tier import IndexedTier, Location
+    from shmcache.cache.indexed_tier import IndexedTier, RecordLocation
     from shmcache.cache.store import CacheStore
     from shmcache.tiers.spill import tier as spilling
 
@@ -826,9 +826,9 @@ def test_the_spill_tier_is_an_indexed_tier_and_round_trips_through_a_location(tm
         tier = spilling.attach(store, tmp_path)
         assert isinstance(tier, IndexedTier) and store.spill is tier
         loc = tier.write(b"k" * 8, b"r" * 100)
-        assert isinstance(loc, Location) and loc.raw == 100
+        assert isinstance(loc, RecordLocation) and loc.raw == 100
         assert tier.read(loc, b"k" * 8) == b"r" * 100
         assert tier.read(loc, b"j" * 8) is None
-        assert tier.read(Location(loc.word, loc.stored - 1), b"k" * 8) is None
+        assert tier.read(RecordLocation(loc.word, loc.stored - 1), b"k" * 8) is None
     finally:
         store.destroy()

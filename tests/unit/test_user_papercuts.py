@@ -216,7 +216,7 @@ def test_a_damaged_segment_is_named_once_with_its_advice_once(tmp_path, caplog):
     ds = reader.wrap(Squares(20))
     with caplog.at_level(logging.WARNING, logger="shmcache"):
         assert ds[5].tolist() == [5]  # computed from the source
-    [said] = [r.getMessage() for r in caplog.records if "snapshot tier: segment" in r.getMessage()]
+    [said] = [r.getMessage() for r in caplog.records if "snapshot tier: data file" in r.getMessage()]
     assert said.count(str(segment)) == 1, said
     assert said.count("copy the snapshot again") == 1, said
     reader.close()

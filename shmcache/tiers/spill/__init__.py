@@ -4,7 +4,7 @@
     recovery.py   the file-level crash protocol: take over a slot file, repair a torn tail
     files.py      SpillStore: one folder of append-only slot files, lock-free reads
     tier.py       SpillTier, the store's indexed tier (tier_protocol.IndexedTier): where its folder
-                  is, write a record and answer its Location, read a Location back
+                  is, write a record and answer its RecordLocation, read a RecordLocation back
 
 NOTE [spill records] (format.py) holds the protocol.
 """

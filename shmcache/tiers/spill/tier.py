@@ -1,7 +1,7 @@
 """The spill tier: when a cache's memory is full, its records go to zstd spill files (files.py).
 
 ``SpillTier`` is the store's indexed tier (``tier_protocol.IndexedTier``, NOTE [tiers]): it only
-writes a record and says where it went (``write`` -> ``Location``), and reads a location back
+writes a record and says where it went (``write`` -> ``RecordLocation``), and reads a location back
 (``read``); the store decides what to spill and publishes the location in its index (a spilled
 entry has the SPILLED flag; its location word holds the spill file - the writer's liveness
 slot - and the offset, and its length field the *stored* length, so any process reads any
@@ -28,7 +28,7 @@ from pathlib import Path
 from ...base.namespace import ENV_SPILL_DIR
 from ...cache import process_slot
 from ...cache.index import LOCATION_MASK, entry_chunk, entry_class, location_word
-from ...cache.indexed_tier import Location
+from ...cache.indexed_tier import RecordLocation
 from ...cache.registry import SEP
 from ...errors import SpillError, SpillFull
 from ..records import RECORD_HEADER_BYTES
@@ -73,7 +73,7 @@ class SpillTier:
         """The process's SpillStore for this folder (shared by every handle of the process)."""
         return _shared_files(self.path, self.level, self._incarnation)
 
-    def write(self, key: bytes, record) -> Location | None:
+    def write(self, key: bytes, record) -> RecordLocation | None:
         """Append ``record`` to this process's spill file; None (and stop accepting) when the disk
         is full or fails."""
         if not self.accepting:
@@ -91,16 +91,16 @@ class SpillTier:
             return None
         if loc.offset > LOCATION_MASK:  # the location word has 48 bits for the offset
             return None
-        return Location(location_word(loc.file_id, loc.offset), loc.stored_len, loc.raw_len)
+        return RecordLocation(location_word(loc.file_id, loc.offset), loc.stored_len, loc.raw_len)
 
-    def read(self, location: Location, key: bytes, stale: Callable[[], bool] | None = None) -> bytearray | None:
+    def read(self, location: RecordLocation, key: bytes, stale: Callable[[], bool] | None = None) -> bytearray | None:
         word = location.word  # a spilled entry's class and chunk are the file id and offset
         return self.files.read((entry_class(word), entry_chunk(word), location.stored), key, stale)
 
     def counters(self) -> dict[str, int]:
         return self.files.stats()
 
-    def key_of(self, location: Location, w1: int) -> bytes | None:
+    def key_of(self, location: RecordLocation, w1: int) -> bytes | None:
         """The key bytes of the record at ``location``, read from its header (a snapshot export
         walks entries whose str/bytes keys it does not know); None when no intact header of that
         index word ``w1`` is there. ``read`` then checks the whole record."""

@@ -1,89 +1,16 @@
-"""An adversary's review of snapshots (issue 12): forged manifests whose counts do not fit their
-files, read by an import and by the read-through tier."""
+"""Snapshots at URLs that go wrong: an S3 server that stopped answering (an import; a job reading
+through at exit), S3 without credentials, and a password in a snapshot's URL, never shown."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 
 import pytest
-from test_snapshot import N, Source, _filled, _same
+from test_snapshot import Source, _filled, _same
 
 from shmcache import ShmDatasetCache
 from shmcache.errors import SnapshotError
-from shmcache.snapshot import format as fmt
-
-
-@pytest.fixture
-def snap(tmp_path):
-    cache, _ = _filled()
-    dest = tmp_path / "snap"
-    cache.export(dest, segment_bytes=40_000)
-    cache.close()
-    return dest
-
-
-def _forge(src, dest, change):
-    shutil.copytree(src, dest)
-    doc = json.loads((dest / fmt.MANIFEST).read_text())
-    change(doc)
-    (dest / fmt.MANIFEST).write_text(json.dumps(doc))
-    return dest
-
-
-def _items(n):
-    def change(doc):  # a segment's count, and the total with it (so the sum still agrees)
-        doc["items"] += n - doc["segments"][0]["items"]
-        doc["segments"][0]["items"] = n
-    return change
-
-
-FORGERIES = {
-    "items beyond the file": _items(10**12),
-    "negative items": _items(-3),
-    "a dataset length beyond 2**63": lambda d: d.update(length=2**70),
-    "a negative dataset length": lambda d: d.update(length=-5),
-    "a negative segment size": lambda d: d["segments"][0].update(size=-1),
-}
-
-
-@pytest.mark.parametrize("what", FORGERIES)
-def test_a_manifest_whose_counts_do_not_fit_is_refused_naming_the_field(snap, tmp_path, what):
-    """The manifest's numbers were taken as they were: a dataset length of 2**70 was imported
-    (then len() of wrap(None) raised a raw OverflowError), and a segment said to hold 10**12
-    items made the read-through tier allocate 32 TB for its index (a MemoryError from every
-    batch). Each number is now checked against what a segment of its size can hold."""
-    bad = _forge(snap, tmp_path / "bad", FORGERIES[what])
-    with pytest.raises(SnapshotError) as err:
-        fmt.Manifest.from_json((bad / fmt.MANIFEST).read_bytes(), str(bad / fmt.MANIFEST))
-    text = str(err.value)
-    assert str(bad / fmt.MANIFEST) in text and "export the snapshot again" in text, text
-    with pytest.raises(SnapshotError):
-        ShmDatasetCache.from_snapshot(bad, session="dst")
-
-
-def test_the_tier_refuses_a_forged_manifest_at_once(snap, tmp_path, caplog):
-    """A snapshot= whose manifest does not fit its files is refused when the cache is made (a
-    clear SnapshotError), rather than a MemoryError logged from the first batch."""
-    caplog.set_level(logging.WARNING, "shmcache")
-    bad = _forge(snap, tmp_path / "bad", _items(10**12))
-    cache = ShmDatasetCache(session="rt", snapshot=str(bad))
-    try:
-        with pytest.raises(SnapshotError, match="items"):
-            cache.wrap(Source())
-    finally:
-        cache.close()
-    good = ShmDatasetCache(session="rt2", snapshot=str(snap))
-    try:
-        ds = good.wrap(Source())
-        assert all(_same(ds[i], Source()[i]) for i in range(N))
-        assert good.stats()["snapshot_hits"] > 0
-    finally:
-        good.close()
-    assert "MemoryError" not in caplog.text
-
 
 _BLACKHOLE_IMPORT = """
 import sys, time
@@ -189,26 +116,6 @@ def test_s3_without_credentials_is_a_snapshot_error_naming_the_url(monkeypatch):
     try:
         with pytest.raises(SnapshotError, match=r"s3://bucket/out.*credentials"):
             cache.export("s3://bucket/out", storage_options=opts)
-    finally:
-        cache.close()
-
-
-def test_exporting_onto_a_file_says_it_is_a_file(tmp_path):
-    """export(dest) with dest an existing file said "cannot replace the snapshot at DEST:
-    SnapshotError('cannot create the directory DEST: File exists; ...'); check the path and your
-    access to it": a snapshot that is not there, an error inside an error, two fixes neither of
-    which applies. It now says that DEST is a file and what to pass instead."""
-    afile = tmp_path / "weights.bin"
-    afile.write_bytes(b"not a snapshot")
-    cache, _ = _filled(n=4)
-    try:
-        for dest in (afile, afile / "snap"):
-            with pytest.raises(SnapshotError) as err:
-                cache.export(dest)
-            text = str(err.value)
-            assert f"{afile} is a file" in text and "directory" in text, text
-            assert "SnapshotError(" not in text and "replace the snapshot" not in text, text
-        assert afile.read_bytes() == b"not a snapshot"
     finally:
         cache.close()
 
