@@ -390,7 +390,7 @@ class ShmDatasetCache:
             manifest = tier.manifest if tier is not None else None
         if manifest is not None and not (isinstance(length, int) and not isinstance(length, bool)):
             if manifest.length is None:
-                from ..snapshot.location import mask_url
+                from ..base.urls import mask_url
 
                 raise InvalidArgument(
                     f"wrap(None) serves a dataset of the snapshot's length, but the snapshot at "
@@ -403,7 +403,7 @@ class ShmDatasetCache:
             meta = {**meta, "fingerprint": meta.get("fingerprint") or manifest.fingerprint}
         if not isinstance(length, int) or isinstance(length, bool) or length < 0:
             if self._snapshot is not None and manifest is None:
-                from ..snapshot.location import mask_url
+                from ..base.urls import mask_url
 
                 raise SnapshotError(
                     f"wrap(None) serves cache {self.session}/{self.name} at the length that the manifest "

@@ -138,12 +138,13 @@ from dataclasses import dataclass
 
 from ..base.locks import LivenessSlot
 from ..base.namespace import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name
+from ..base.urls import mask_url
 from ..cache.registry import SessionRegistry
 from ..errors import InvalidArgument, LaunchError, ShmcacheError, SpillError
 from ..tiers.remote import ENV_REMOTE, parse_url
 from ..tiers.spill import check_spill_dir
 from .redis_node import DEFAULT_MAXMEMORY_MB, RedisNode, find_redis_server, is_loopback, route_address
-from .remote_option import RemoteOption, hide_in_process_title, mask_url, parse_remote, shards_url
+from .remote_option import RemoteOption, hide_in_process_title, parse_remote, shards_url
 from .rendezvous import (
     ENV_RDZV_TOKEN,
     TOKEN_HINT,

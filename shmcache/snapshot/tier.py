@@ -67,11 +67,12 @@ import numpy as np
 import zstandard
 
 from ..base.trust import FORGED, TRAILER_BYTES, snapshot_ident
+from ..base.urls import mask_url, scrub_secret
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..tiers import counts as tier_counts
 from ..tiers import records as records
 from . import format as fmt
-from .location import FsspecLocation, LocalLocation, mask_url, open_location, open_regular, scrub_secret
+from .location import FsspecLocation, LocalLocation, open_location, open_regular
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
            "stats_keys", "check_options", "manifest_of"]

@@ -83,6 +83,7 @@ import numpy as np
 import zstandard
 
 from ..base.trust import ENV_SECRET, FORGED, Mac
+from ..base.urls import mask_url, split_userinfo
 from ..errors import InvalidArgument
 from . import counts as tier_counts
 from .records import MAX_RAW_BYTES, pack_record, unpack_record
@@ -134,27 +135,6 @@ class RemoteURL:
         return f"RemoteURL({self.masked!r})"
 
 
-def _split_userinfo(url: str) -> tuple[str, str, str]:
-    """``(scheme://, userinfo, the rest)``: the userinfo runs to the *last* '@' of the URL (no
-    host, port, database or option holds one), so a password may hold '/', '?', '#' or '@' - a
-    generated one often has '/' - and parse_url and mask_url always agree on where it ends."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, tail = rest.rpartition("@")
-    return (scheme + sep, userinfo, tail) if sep and at else (url, "", "")
-
-
-def mask_url(url: str) -> str:
-    """``url`` with the password in its user part replaced by ``***`` (anything shown to a user)."""
-    if not isinstance(url, str):
-        return f"<{type(url).__name__}>"
-    head, userinfo, tail = _split_userinfo(url)
-    if head == url:
-        return url
-    user, sep, _ = userinfo.partition(":")
-    shown = f"{user}:***" if sep else "***"  # a bare userinfo is a password (redis://pw@host)
-    return f"{head}{shown}@{tail}"
-
-
 def _bad(url: str, what: str) -> InvalidArgument:
     return InvalidArgument(
         f"invalid remote URL {mask_url(url)!r}: {what}; use redis://[:password@]host:port[/db], "
@@ -171,7 +151,7 @@ def parse_url(url: Any) -> RemoteURL:
     if not sep or scheme.lower() not in _SCHEMES:
         raise _bad(url, f"the scheme must be one of {', '.join(sorted(_SCHEMES))}")
     kind, tls = _SCHEMES[scheme.lower()]
-    head, userinfo, tail = _split_userinfo(url)  # the password first: it may hold a '?' or a '/'
+    head, userinfo, tail = split_userinfo(url)  # the password first: it may hold a '?' or a '/'
     at = head != url
     hostpart, _, query = (tail if at else rest).partition("?")
     username = password = None

@@ -12,8 +12,8 @@ import pytest
 from _redis import RedisServer, need_redis
 
 from shmcache import ShmDatasetCache
+from shmcache.base.urls import mask_url as mask_text
 from shmcache.errors import InvalidArgument
-from shmcache.launch.remote_option import mask_url as mask_text
 from shmcache.tiers.remote import RedisTier, mask_url, parse_url
 
 # generated passwords (base64, `openssl rand -base64`) hold "/" and "+"; people type "@" and "?"
