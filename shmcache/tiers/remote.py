@@ -69,7 +69,6 @@ import atexit
 import hashlib
 import logging
 import os
-import random
 import threading
 import time
 import weakref
@@ -86,6 +85,7 @@ from ..base.trust import ENV_SECRET, FORGED, Mac
 from ..base.urls import mask_url, split_userinfo
 from ..errors import InvalidArgument
 from . import counts as tier_counts
+from .breaker import Breaker
 from .records import MAX_RAW_BYTES, pack_record, unpack_record
 
 __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
@@ -383,8 +383,7 @@ class RedisTier:
             self._inflight = 0
             self._clients: list | None = None
             self._cluster = None
-            self._retry_at = 0.0
-            self._backoff = 0.0
+            self._breaker = Breaker(*BACKOFF_S, jitter=0.2)
             self._writes_after = 0.0  # an OOM pauses writes only
             self._logged: set[str] = set()
             self._dctx = threading.local()  # zstd contexts are not thread-safe
@@ -417,7 +416,7 @@ class RedisTier:
 
     def _open(self) -> bool:
         """True while the breaker is open (reads miss at once, writes are dropped)."""
-        return time.monotonic() < self._retry_at
+        return self._breaker.is_open()
 
     def _failed(self, exc: BaseException) -> None:
         cond = _condition(exc)
@@ -426,19 +425,18 @@ class RedisTier:
             if cond == "oom":  # the server answers: pause the writes, keep reading
                 self._writes_after = time.monotonic() + BACKOFF_S[1]
             else:
-                self._backoff = min(max(self._backoff * 2, BACKOFF_S[0]), BACKOFF_S[1])
-                self._retry_at = time.monotonic() + self._backoff * random.uniform(0.8, 1.2)
+                self._breaker.trip()
             if self._cluster is not None and cond != "oom":
                 cluster, self._cluster = self._cluster, None  # rebuilt (slots re-read) when it answers
                 _quietly(cluster.close)
         self._say(cond, exc)
 
     def _succeeded(self) -> None:
-        if self._backoff or self._logged - {"corrupt", "oom", "forged"}:
+        if self._breaker.pause_s or self._logged - {"corrupt", "oom", "forged"}:
             with self._lock:
                 if self._logged - {"corrupt", "oom", "forged"}:
                     log.warning("remote tier %s of cache %s answers again", self.url.masked, self.identity)
-                self._backoff = 0.0
+                self._breaker.reset()
                 self._logged &= {"corrupt", "oom", "forged"}
 
     def _say(self, cond: str, exc: BaseException | None = None, detail: str = "") -> None:
@@ -564,7 +562,7 @@ class RedisTier:
                     self._wake.wait()
                 if not self._queue:
                     return
-                wait = max(self._retry_at, self._writes_after) - time.monotonic()
+                wait = max(self._breaker.retry_at, self._writes_after) - time.monotonic()
                 if wait > 0:  # breaker open or server full: drop what waits, do not pile up
                     dropped = len(self._queue)
                     self._queue.clear()
