@@ -26,6 +26,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from ..base.namespace import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
+from ..base.progress import progress_bar
 from ..base.trust import resolve_secret
 from ..cache import codec
 from ..cache.store import MISSING, CacheStore, UncachedStore
@@ -660,7 +661,7 @@ class ShmDatasetCache:
         progress = progress and rank == 0  # one bar per machine, not one per process
         if isinstance(ds, CachedIterableDataset):
             count = 0
-            for _ in _progress(ds, progress, desc or f"warmup {self.name}", None):
+            for _ in progress_bar(progress, None, desc or f"warmup {self.name}", iterable=ds, notebook=True):
                 count += 1
             return count
         n = len(ds)
@@ -670,7 +671,7 @@ class ShmDatasetCache:
         start = (n * rank) // world
         order = np.concatenate([np.arange(start, n), np.arange(0, start)]).astype(np.int64)
         store, computed = self.store, 0
-        bar = _progress(None, progress, desc or f"warmup {self.name}", n)
+        bar = progress_bar(progress, n, desc or f"warmup {self.name}", notebook=True)
         try:
             for lo in range(0, n, 4096):
                 chunk = order[lo:lo + 4096]
@@ -1287,13 +1288,3 @@ def _copy_into(out: Any, batch: Any, path: str = "out") -> None:
             _copy_into(out[k], batch[k], f"{path}[{k!r}]")
     else:
         raise InvalidArgument(f"{path} is a {type(out).__name__}; give tensors or arrays shaped like the batch")
-
-
-def _progress(iterable, enabled: bool, desc: str, total: int | None):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    if iterable is None:
-        return tqdm(total=total, desc=desc, unit="item", dynamic_ncols=True)
-    return tqdm(iterable, desc=desc, unit="item", total=total, dynamic_ncols=True)
