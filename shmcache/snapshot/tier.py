@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from ..base.settings import ENV_SNAPSHOT
 from ..base.trust import FORGED, TRAILER_BYTES, snapshot_ident
 from ..base.urls import mask_url, scrub_secret
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
@@ -81,7 +82,6 @@ log = logging.getLogger("shmcache")
 _ADVICE = "copy the snapshot again, or export it again"
 _VERBS = ("is ", "has", "was", "can")  # a reason that reads on from the segment's path
 
-ENV_SNAPSHOT = "SHMCACHE_SNAPSHOT"
 OPTIONS = ("force", "storage_options", "timeout_s", "allow_unsigned")  # snapshot_options= of ShmDatasetCache
 COUNTERS = ("hits", "misses", "bytes_read", "reads", "errors", "corrupt", "forged")
 _I = {name: i for i, name in enumerate(COUNTERS)}

@@ -81,6 +81,8 @@ from urllib.parse import unquote
 import numpy as np
 import zstandard
 
+from ..base import settings
+from ..base.settings import ENV_REMOTE, ENV_REMOTE_PASSWORD
 from ..base.trust import ENV_SECRET, FORGED, Mac
 from ..base.urls import mask_url, split_userinfo
 from ..errors import InvalidArgument
@@ -93,8 +95,7 @@ __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "
 
 log = logging.getLogger("shmcache")
 
-ENV_REMOTE = "SHMCACHE_REMOTE"  # the default remote= of caches (the launcher's --remote)
-ENV_PASSWORD = "SHMCACHE_REMOTE_PASSWORD"  # the password of a URL that has none (kept off command lines)
+ENV_PASSWORD = ENV_REMOTE_PASSWORD  # the password of a URL that has none (kept off command lines)
 INSTALL = "pip install 'shmcache[redis]'"
 DEFAULT_TIMEOUT_S = 1.0
 BACKOFF_S = (1.0, 30.0)  # the circuit breaker's first and longest pause
@@ -159,7 +160,7 @@ def parse_url(url: Any) -> RemoteURL:
         user, colon, pw = userinfo.partition(":")
         username, password = (unquote(user) or None, unquote(pw)) if colon else (None, unquote(user))
         password = password or None
-    password = password or os.environ.get(ENV_PASSWORD) or None
+    password = password or settings.get(ENV_PASSWORD) or None
     hostlist, slash, dbpart = hostpart.partition("/")
     nodes = tuple(_host_port(url, h) for h in hostlist.split(","))
     db = 0
@@ -815,7 +816,7 @@ def resolve(remote: Any, session_remote: str | None) -> str | None:
         raise InvalidArgument(f"remote must be a URL such as 'redis://:PASSWORD@host:6379' (or '' for "
                               f"none), got {type(remote).__name__}")
     if remote is None:
-        remote = os.environ.get(ENV_REMOTE) or session_remote
+        remote = settings.get(ENV_REMOTE) or session_remote
     if not remote:
         return None
     parse_url(remote)
