@@ -655,7 +655,7 @@ class ShmDatasetCache:
         """
         ds = dataset if isinstance(dataset, (CachedDataset, CachedIterableDataset)) else self.wrap(dataset)
         rank = int(settings.get(settings.ENV_LOCAL_RANK, "0"))
-        progress = progress and rank == 0  # one bar per machine, not one per process
+        progress = bool(progress) and rank == 0  # one bar per machine, not one per process (None: none)
         if isinstance(ds, CachedIterableDataset):
             count = 0
             for _ in progress_bar(progress, None, desc or f"warmup {self.name}", iterable=ds, notebook=True):
