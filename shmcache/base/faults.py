@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import signal
 
+from . import settings
+
 __all__ = ["crash_point", "ARMED"]
 
-_points = frozenset(p for p in os.environ.get("SHMCACHE_CRASH_AT", "").split(",") if p)
-_skip = int(os.environ.get("SHMCACHE_CRASH_AFTER", "0") or 0)
+_points = frozenset(p for p in settings.get(settings.ENV_CRASH_AT, "").split(",") if p)  # read at import
+_skip = int(settings.get(settings.ENV_CRASH_AFTER, "0") or 0)
 ARMED = bool(_points)
 
 

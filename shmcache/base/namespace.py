@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidArgument, NotOwner
+from . import settings
+from .settings import ENV_DIR, ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING
 
 __all__ = [
     "ENV_DIR",
@@ -34,11 +36,6 @@ __all__ = [
     "squatter_error",
 ]
 
-ENV_DIR = "SHMCACHE_DIR"
-ENV_SESSION = "SHMCACHE_SESSION"
-ENV_SPILL_DIR = "SHMCACHE_SPILL_DIR"
-ENV_SIZE_MB = "SHMCACHE_SIZE_MB"  # default size= of caches (the launcher's --size)
-ENV_SPILLING = "SHMCACHE_SPILLING"  # "1": default spilling=True (the launcher's --spilling)
 SHM_ROOT = "/dev/shm"
 SEP = "+"  # joins the parts of segment names: a character session and cache names cannot contain
 
@@ -63,7 +60,7 @@ def validate_name(value: object, what: str = "session") -> str:
 def resolve_session_name(session: object) -> str:
     """``"auto"`` means ``$SHMCACHE_SESSION`` if set (the launcher sets it), else ``"default"``."""
     if session is None or session == "auto":
-        env = os.environ.get(ENV_SESSION)
+        env = settings.get(ENV_SESSION)
         if env:
             return validate_name(env, f"session (from ${ENV_SESSION})")
         return "default"
@@ -165,7 +162,7 @@ def _default_root() -> Path:
 def namespace(root: str | os.PathLike | None = None) -> Namespace:
     """The namespace at ``root``, else the one in force now (``$SHMCACHE_DIR`` or a per-user
     default); its directory is created mode 0700."""
-    raw = root if root is not None else os.environ.get(ENV_DIR)
+    raw = root if root is not None else settings.get(ENV_DIR)
     root = Path(raw).expanduser() if raw else _default_root()
     root = root.absolute()
     _ensure_private_dir(root)

@@ -47,10 +47,11 @@ import os
 import platform
 
 from ..errors import OrderingUnavailable
+from . import settings
 
 __all__ = ["fence", "register", "mode", "fences", "enabled", "OrderingUnavailable", "ENV"]
 
-ENV = "SHMCACHE_ORDERING"
+ENV = settings.ENV_ORDERING
 
 MEMBARRIER_CMD_QUERY = 0
 MEMBARRIER_CMD_GLOBAL_EXPEDITED = 1 << 1
@@ -73,7 +74,7 @@ def _machine() -> str:
 
 
 def _choose_mode() -> str:
-    wanted = os.environ.get(ENV, "").strip().lower()
+    wanted = settings.get(ENV, "").strip().lower()
     if wanted not in ("", "membarrier", "tso"):
         raise OrderingUnavailable(f"{ENV}={wanted!r} is not a setting; use {ENV}=membarrier (fences on, "
                                   f"any machine) or leave it unset")

@@ -48,16 +48,16 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import struct
 from typing import Any
 
 from ..errors import InvalidArgument
+from . import settings
+from .settings import ENV_SECRET
 
 __all__ = ["ENV_SECRET", "resolve_secret", "Mac", "SIGNED", "UNSIGNED", "FORGED", "TRAILER_BYTES",
            "canonical", "PICKLE_HINT"]
 
-ENV_SECRET = "SHMCACHE_SECRET"
 TRAILER_MAGIC = b"SpMac\x01\x00\x00"
 TAG_BYTES = 32
 TRAILER_BYTES = len(TRAILER_MAGIC) + TAG_BYTES  # 40: keeps a record's 8-byte alignment
@@ -74,7 +74,7 @@ def resolve_secret(secret: Any = None) -> bytes | None:
     """The key in force: ``secret`` (str: its UTF-8 bytes; bytes as given; ``""``: none), else
     ``$SHMCACHE_SECRET``; None when there is none."""
     if secret is None:
-        secret = os.environ.get(ENV_SECRET, "")
+        secret = settings.get(ENV_SECRET, "")
     if isinstance(secret, str):
         secret = secret.encode("utf-8", "surrogatepass")
     if not isinstance(secret, (bytes, bytearray)):

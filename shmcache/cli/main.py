@@ -38,8 +38,10 @@ import pwd
 import sys
 import time
 
+from ..base import settings
 from ..base.memory import memory_limits
-from ..base.namespace import ENV_SPILL_DIR, namespace, resolve_session_name
+from ..base.namespace import namespace, resolve_session_name
+from ..base.settings import ENV_REMOTE, ENV_SPILL_DIR
 from ..cache.registry import SessionRegistry
 from ..errors import CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
 
@@ -264,7 +266,7 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
 def cmd_info(args, registry: SessionRegistry) -> int:
     lim = memory_limits()
     ns = registry.ns
-    spill = os.environ.get(ENV_SPILL_DIR)
+    spill = settings.get(ENV_SPILL_DIR)
     spill_free = None
     if spill:
         try:
@@ -313,9 +315,9 @@ def cmd_info(args, registry: SessionRegistry) -> int:
 def _remotes(registry: SessionRegistry) -> list[dict]:
     """The remote tiers in force here ($SHMCACHE_REMOTE, each session's), each probed with a short
     timeout (remote.probe): masked URL, whether it answers, its used and maximum memory."""
-    from ..tiers.remote import ENV_REMOTE, probe
+    from ..tiers.remote import probe
 
-    found = [("$" + ENV_REMOTE, os.environ.get(ENV_REMOTE))]
+    found = [("$" + ENV_REMOTE, settings.get(ENV_REMOTE))]
     found += [(f"session {s.name}", s.remote) for s in registry.list()]
     out = []
     for source, url in found:
@@ -358,7 +360,7 @@ def cmd_export(args, registry: SessionRegistry) -> int:
 def cmd_import(args, registry: SessionRegistry) -> int:
     from ..snapshot.load import import_snapshot
 
-    if args.spilling and not args.spill_dir and not os.environ.get(ENV_SPILL_DIR):
+    if args.spilling and not args.spill_dir and not settings.get(ENV_SPILL_DIR):
         session = resolve_session_name(args.session)
         if not (registry.exists(session) and registry.get(session).spill_dir):
             raise InvalidArgument(f"--spilling needs a spill directory: add --spill-dir DIR (an existing "

@@ -25,7 +25,10 @@ from torch.utils.data import Dataset, IterableDataset, default_collate, get_work
 from torch.utils.data._utils.collate import default_collate_fn_map
 from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
-from ..base.namespace import ENV_SIZE_MB, ENV_SPILLING, namespace, resolve_session_name, validate_name
+from ..base import settings
+from ..base.namespace import namespace, resolve_session_name, validate_name
+from ..base.progress import progress_bar
+from ..base.settings import ENV_REMOTE, ENV_SIZE_MB, ENV_SNAPSHOT, ENV_SPILLING
 from ..base.trust import resolve_secret
 from ..cache import codec
 from ..cache.store import MISSING, CacheStore, UncachedStore
@@ -39,7 +42,6 @@ from ..errors import (
     SharedMemoryFull,
     SnapshotError,
 )
-from ..tiers.remote import ENV_REMOTE
 from ..tiers.remote import resolve as resolve_remote
 from . import tensors as _torch
 from .fingerprint import fingerprint, length_or_none
@@ -110,17 +112,13 @@ def _check_size(size: Any, what: str = "size") -> int:
 
 
 def _size_from_env() -> int:
-    raw = os.environ.get(ENV_SIZE_MB, "").strip()
+    raw = settings.get(ENV_SIZE_MB, "").strip()
     try:
         value = int(raw)
     except ValueError:
         raise InvalidArgument(f"${ENV_SIZE_MB}={raw!r} is not an int number of MiB; set it to e.g. "
                               f"4096, or unset it") from None
     return _check_size(value, f"${ENV_SIZE_MB}")
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 _VERIFY_RNG = random.Random()  # its own: verify= must not shift the user's seeded random streams
@@ -199,14 +197,14 @@ class ShmDatasetCache:
         if name is not None:
             validate_name(name, "cache")
         size = _check_size(size)
-        if size == 0 and os.environ.get(ENV_SIZE_MB):
+        if size == 0 and settings.get(ENV_SIZE_MB):
             size = _size_from_env()
         if not isinstance(spilling, bool):
             raise InvalidArgument(f"spilling must be True or False, got {spilling!r}")
         if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
             raise InvalidArgument(f"spill_dir must be a path, got {type(spill_dir).__name__}")
         self.size_mb = size
-        self.spilling = spilling or _env_flag(ENV_SPILLING)
+        self.spilling = spilling or settings.flag(ENV_SPILLING)
         self.spill_dir = spill_dir  # None: the session's, then $SHMCACHE_SPILL_DIR (spill/tier.py)
         if spill_dir is not None and not self.spilling:  # a forgotten spilling=True: say so once
             warnings.warn(f"spill_dir={os.fspath(spill_dir)!r} has no effect without spilling=True "
@@ -235,7 +233,7 @@ class ShmDatasetCache:
         # may see another $SHMCACHE_DIR, and would otherwise build an empty twin of the cache
         self._ns_root = str(namespace().root)
         self._remote_arg = remote  # resolved with the session's when the store is opened (_open)
-        if remote or (remote is None and os.environ.get(ENV_REMOTE)):  # a bad URL fails here
+        if remote or (remote is None and settings.get(ENV_REMOTE)):  # a bad URL fails here
             resolve_remote(remote, None)
         self._snapshot = _snapshot_arg(snapshot, snapshot_options)  # (url, options) or None
         if self.spilling:  # a missing or unusable spill directory is an error now, not later
@@ -277,7 +275,7 @@ class ShmDatasetCache:
 
         registry = SessionRegistry(namespace(self._ns_root))
         session_remote = None
-        if self._remote_arg is None and not os.environ.get(ENV_REMOTE):
+        if self._remote_arg is None and not settings.get(ENV_REMOTE):
             try:
                 session_remote = registry.get(self.session).remote
             except SessionNotFound:  # destroyed under us: the store's next use says so
@@ -390,7 +388,7 @@ class ShmDatasetCache:
             manifest = tier.manifest if tier is not None else None
         if manifest is not None and not (isinstance(length, int) and not isinstance(length, bool)):
             if manifest.length is None:
-                from ..snapshot.location import mask_url
+                from ..base.urls import mask_url
 
                 raise InvalidArgument(
                     f"wrap(None) serves a dataset of the snapshot's length, but the snapshot at "
@@ -403,7 +401,7 @@ class ShmDatasetCache:
             meta = {**meta, "fingerprint": meta.get("fingerprint") or manifest.fingerprint}
         if not isinstance(length, int) or isinstance(length, bool) or length < 0:
             if self._snapshot is not None and manifest is None:
-                from ..snapshot.location import mask_url
+                from ..base.urls import mask_url
 
                 raise SnapshotError(
                     f"wrap(None) serves cache {self.session}/{self.name} at the length that the manifest "
@@ -656,21 +654,21 @@ class ShmDatasetCache:
         warming up together compute each item about once.
         """
         ds = dataset if isinstance(dataset, (CachedDataset, CachedIterableDataset)) else self.wrap(dataset)
-        rank = int(os.environ.get("LOCAL_RANK", 0))
-        progress = progress and rank == 0  # one bar per machine, not one per process
+        rank = int(settings.get(settings.ENV_LOCAL_RANK, "0"))
+        progress = bool(progress) and rank == 0  # one bar per machine, not one per process (None: none)
         if isinstance(ds, CachedIterableDataset):
             count = 0
-            for _ in _progress(ds, progress, desc or f"warmup {self.name}", None):
+            for _ in progress_bar(progress, None, desc or f"warmup {self.name}", iterable=ds, notebook=True):
                 count += 1
             return count
         n = len(ds)
         if self.store.uncached:  # nowhere to keep them (logged when it was opened)
             return 0
-        world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        world = max(1, int(settings.get(settings.ENV_LOCAL_WORLD_SIZE, "1")))
         start = (n * rank) // world
         order = np.concatenate([np.arange(start, n), np.arange(0, start)]).astype(np.int64)
         store, computed = self.store, 0
-        bar = _progress(None, progress, desc or f"warmup {self.name}", n)
+        bar = progress_bar(progress, n, desc or f"warmup {self.name}", notebook=True)
         try:
             for lo in range(0, n, 4096):
                 chunk = order[lo:lo + 4096]
@@ -759,10 +757,10 @@ class ShmDatasetCache:
 
 def _snapshot_arg(snapshot: Any, options: dict | None) -> tuple[str, dict] | None:
     """``snapshot=`` and ``snapshot_options=`` checked: (url, options), or None for no snapshot."""
-    from ..snapshot.tier import ENV_SNAPSHOT, check_options
+    from ..snapshot.tier import check_options
 
     if snapshot is None:
-        snapshot = os.environ.get(ENV_SNAPSHOT, "").strip()
+        snapshot = settings.get(ENV_SNAPSHOT, "").strip()
     if snapshot is not None and not isinstance(snapshot, (str, os.PathLike)):
         raise InvalidArgument(f"snapshot must be a path or a URL (e.g. 's3://bucket/snap'), got "
                               f"{type(snapshot).__name__}")
@@ -994,7 +992,7 @@ class CachedIterableDataset(IterableDataset):
     def _stream(self) -> str:
         info = get_worker_info()
         worker = f"{info.id}of{info.num_workers}" if info is not None else "main"
-        return f"{os.environ.get('RANK', '0')}.{worker}"
+        return f"{settings.get(settings.ENV_RANK, '0')}.{worker}"
 
     def __iter__(self):
         store = self.cache._ensure_open()
@@ -1287,13 +1285,3 @@ def _copy_into(out: Any, batch: Any, path: str = "out") -> None:
             _copy_into(out[k], batch[k], f"{path}[{k!r}]")
     else:
         raise InvalidArgument(f"{path} is a {type(out).__name__}; give tensors or arrays shaped like the batch")
-
-
-def _progress(iterable, enabled: bool, desc: str, total: int | None):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    if iterable is None:
-        return tqdm(total=total, desc=desc, unit="item", dynamic_ncols=True)
-    return tqdm(iterable, desc=desc, unit="item", total=total, dynamic_ncols=True)

@@ -31,7 +31,6 @@ On one node (or with ``nproc_per_node == num_replicas``) the indices are exactly
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
+from ..base import settings
 from ..errors import InvalidArgument
 
 __all__ = ["NodeAffineSampler"]
@@ -55,7 +55,7 @@ def _int_arg(value: Any, what: str, low: int | None, fix: str) -> int:
 
 
 def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
+    raw = settings.get(name)
     if raw is None or not raw.strip():
         return None
     try:
@@ -71,7 +71,7 @@ def _world() -> tuple[int | None, int | None, str]:
     DistributedSampler does), else the environment the launcher sets, else (None, None)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank(), "the process group"
-    return _env_int("WORLD_SIZE"), _env_int("RANK"), "$WORLD_SIZE/$RANK"
+    return _env_int(settings.ENV_WORLD_SIZE), _env_int(settings.ENV_RANK), "$WORLD_SIZE/$RANK"
 
 
 # Subclassing DistributedSampler is for the frameworks that test isinstance(sampler,
@@ -153,7 +153,7 @@ class NodeAffineSampler(DistributedSampler):
     def _nproc_per_node(self, nproc_per_node: int | None) -> int:
         where = "nproc_per_node"
         if nproc_per_node is None:
-            nproc_per_node = _env_int("LOCAL_WORLD_SIZE")
+            nproc_per_node = _env_int(settings.ENV_LOCAL_WORLD_SIZE)
             where = "$LOCAL_WORLD_SIZE"
             if nproc_per_node is None:
                 return 1
@@ -170,7 +170,7 @@ class NodeAffineSampler(DistributedSampler):
         ranks otherwise (Slurm's cyclic distribution) the processes of one machine would read the
         parts of several nodes: every sample still read, but each machine's cache would fill with
         several parts and miss as with DistributedSampler."""
-        local = _env_int("LOCAL_RANK")
+        local = _env_int(settings.ENV_LOCAL_RANK)
         if local is not None and local != self.local_rank:
             raise InvalidArgument(
                 f"NodeAffineSampler: rank {self.rank} with {self.nproc_per_node} processes per node "

@@ -17,6 +17,7 @@ import shutil
 import socket
 import time
 
+from ..base import settings
 from ..errors import LaunchError
 from .supervisor import Companion
 
@@ -181,7 +182,7 @@ class RedisNode:
 def _server_environment() -> dict[str, str]:
     """The launcher's environment less every SHMCACHE_* variable: the job's secret, the
     rendezvous token and the remote tier's URL are no business of the server's."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SHMCACHE_")}
+    return settings.without_ours(os.environ)
 
 
 def _free_port(bind: str) -> int:

@@ -8,17 +8,11 @@ calls, so that a typo fails at once on every node rather than in every worker).
 from __future__ import annotations
 
 import ctypes
-import re
 from dataclasses import dataclass
 
-__all__ = ["RemoteOption", "parse_remote", "mask_url", "shards_url", "hide_in_process_title"]
+from ..base.urls import mask_url
 
-# scheme://[user][:password]@ anywhere in a text: the userinfo runs to the last "@" of the token,
-# as shmcache.tiers.remote.parse_url reads it, so a password may hold "/", "?", "#" or "@" (a generated
-# one often has "/") ("[" and "]" are not allowed in a userinfo, RFC 3986: "redis://[:PASSWORD@]host"
-# is left alone)
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^\s\[\]\0]*)@")
-_QUERY_PASSWORD = re.compile(r"(?i)([?&]password=)[^&#\s]*")
+__all__ = ["RemoteOption", "parse_remote", "shards_url", "hide_in_process_title"]
 
 
 @dataclass(frozen=True)
@@ -54,17 +48,6 @@ def _spawn_mb(text: str, default_mb: int) -> int:
     return mb
 
 
-def mask_url(text: str) -> str:
-    """``text`` with the password of every URL in it as ``***`` (and a lone userinfo, which
-    redis-py may take as one); for every message, the summary and the process title."""
-    return _QUERY_PASSWORD.sub(r"\1***", _USERINFO.sub(_masked_userinfo, text))
-
-
-def _masked_userinfo(match: re.Match) -> str:
-    user, sep, _secret = match.group("userinfo").partition(":")
-    return match.group("scheme") + (f"{user}:***" if sep else "***") + "@"
-
-
 def shards_url(password: str, endpoints: list[str]) -> str:
     """``$SHMCACHE_REMOTE`` for the per-node servers: the remote tier shards keys over them by
     jump consistent hash, in this order (node rank), so every node must list them alike."""
@@ -91,16 +74,6 @@ def hide_in_process_title() -> None:
     current = ctypes.string_at(start, end - start).decode("latin-1")
     updated = mask_url(current)
     if len(updated) > len(current):  # a password shorter than "***": stars of its own length
-        updated = _QUERY_PASSWORD.sub(_same_length, _USERINFO.sub(_same_length_userinfo, current))
+        updated = mask_url(current, keep_length=True)
     if updated != current:
         ctypes.memmove(start, updated.encode("latin-1").ljust(end - start, b"\0"), end - start)
-
-
-def _same_length_userinfo(match: re.Match) -> str:
-    user, sep, secret = match.group("userinfo").partition(":")
-    hidden = f"{user}:{'*' * len(secret)}" if sep else "*" * len(user)
-    return match.group("scheme") + hidden + "@"
-
-
-def _same_length(match: re.Match) -> str:
-    return match.group(1) + "*" * (match.end() - match.end(1))

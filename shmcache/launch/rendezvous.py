@@ -88,13 +88,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# ENV_RDZV_TOKEN: the job token every launcher of a multi-node ``--remote spawn`` job holds (NOTE, 5)
+from ..base.settings import ENV_RDZV_TOKEN
 from ..errors import LaunchError, RendezvousTimeout
 
 __all__ = ["rendezvous_port", "host_exchange", "join_exchange", "new_password", "new_secret",
            "check_token", "ENV_RDZV_TOKEN", "MIN_TOKEN_CHARS"]
 
-#: The job token every launcher of a multi-node ``--remote spawn`` job holds (NOTE, 5).
-ENV_RDZV_TOKEN = "SHMCACHE_RDZV_TOKEN"
 #: Shortest token accepted: 16 characters (``secrets.token_hex(32)`` gives 64).
 MIN_TOKEN_CHARS = 16
 #: How to make one, for the error messages.

@@ -136,16 +136,26 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..base import settings
 from ..base.locks import LivenessSlot
-from ..base.namespace import ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING, resolve_session_name
+from ..base.namespace import resolve_session_name
+from ..base.settings import (
+    ENV_RDZV_TOKEN,
+    ENV_REMOTE,
+    ENV_SECRET,
+    ENV_SESSION,
+    ENV_SIZE_MB,
+    ENV_SPILL_DIR,
+    ENV_SPILLING,
+)
+from ..base.urls import mask_url
 from ..cache.registry import SessionRegistry
 from ..errors import InvalidArgument, LaunchError, ShmcacheError, SpillError
-from ..tiers.remote import ENV_REMOTE, parse_url
+from ..tiers.remote import parse_url
 from ..tiers.spill import check_spill_dir
 from .redis_node import DEFAULT_MAXMEMORY_MB, RedisNode, find_redis_server, is_loopback, route_address
-from .remote_option import RemoteOption, hide_in_process_title, mask_url, parse_remote, shards_url
+from .remote_option import RemoteOption, hide_in_process_title, parse_remote, shards_url
 from .rendezvous import (
-    ENV_RDZV_TOKEN,
     TOKEN_HINT,
     check_token,
     host_exchange,
@@ -157,10 +167,6 @@ from .rendezvous import (
 from .supervisor import FORWARDED_SIGNALS, RunOutcome, WorkerSpec, launch_directory, run_workers
 
 __all__ = ["main"]
-
-#: The job's record secret, for the workers' remote tier and snapshots (issue 16, item 2): made
-#: per job by --remote spawn (by node 0, for every node) unless the user set one.
-ENV_SECRET = "SHMCACHE_SECRET"
 
 PROG = "python -m shmcache.launch"
 USAGE = (
@@ -327,7 +333,7 @@ def _plan(parser: argparse.ArgumentParser, argv: list[str]) -> LaunchPlan:
         parser.error("argument --master-port: 65535 leaves no port for the exchange of the Redis "
                      "endpoints (--master-port + 1); pick a lower one")
     if args.remote is not None and args.remote.spawn and args.nnodes > 1:
-        why = check_token(os.environ.get(ENV_RDZV_TOKEN))
+        why = check_token(settings.get(ENV_RDZV_TOKEN))
         if why is not None:
             parser.error(f"argument --remote: spawn on {args.nnodes} nodes needs a job token, so "
                          f"that only this job's launchers join node 0's exchange on port "
@@ -410,7 +416,7 @@ def _check_spill_settings(parser: argparse.ArgumentParser, session: str, spill_d
         parser.error(f"argument --spill-dir: session {session!r} already spills to "
                      f"{session_spill_dir!r}, not {spill_dir!r}; drop --spill-dir, or "
                      f"`shmcache destroy {session}` first")
-    if not spilling or spill_dir or session_spill_dir or os.environ.get(ENV_SPILL_DIR):
+    if not spilling or spill_dir or session_spill_dir or settings.get(ENV_SPILL_DIR):
         return
     parser.error(f"argument --spilling: no spill directory; pass --spill-dir DIR or set "
                  f"${ENV_SPILL_DIR}")
@@ -570,10 +576,10 @@ def _rank_env(plan: LaunchPlan, local_rank: int) -> dict[str, str]:
     rank = plan.node_rank * plan.nproc + local_rank
     world_size = plan.nnodes * plan.nproc
     return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(plan.nproc),
+        settings.ENV_RANK: str(rank),
+        settings.ENV_LOCAL_RANK: str(local_rank),
+        settings.ENV_WORLD_SIZE: str(world_size),
+        settings.ENV_LOCAL_WORLD_SIZE: str(plan.nproc),
         "GROUP_RANK": str(plan.node_rank),
         "GROUP_WORLD_SIZE": str(plan.nnodes),
         "ROLE_RANK": str(rank),
@@ -642,12 +648,12 @@ def _exchange(plan: LaunchPlan, node: RedisNode) -> tuple[str, str, list[str]]:
     """The job's password, its secret and every node's endpoint, by node rank (NOTE [remote
     rendezvous]). The secret is the user's $SHMCACHE_SECRET if set (node 0's, for every node),
     else a new one: never on a command line, never in a file, never sent to Redis."""
-    own_secret = os.environ.get(ENV_SECRET) or None
+    own_secret = settings.get(ENV_SECRET) or None
     if plan.nnodes == 1:
         password = new_password()
         return password, own_secret or new_secret(), [node.start(password)]
     port = rendezvous_port(plan.master_port)
-    token = os.environ[ENV_RDZV_TOKEN]  # checked by _plan
+    token = settings.get(ENV_RDZV_TOKEN)  # set: checked by _plan
     if plan.node_rank == 0:
         secret = own_secret or new_secret()
         password, endpoints = host_exchange(port=port, nnodes=plan.nnodes, job=plan.run_id, token=token,

@@ -17,7 +17,6 @@ import datetime
 import logging
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,13 +25,14 @@ import zstandard
 
 from ..base.faults import ARMED as _CRASH_TESTS
 from ..base.faults import crash_point
+from ..base.progress import progress_bar
 from ..base.trust import Mac, resolve_secret, snapshot_ident
 from ..cache import codec
 from ..errors import InvalidArgument, SnapshotError
 from . import format as fmt
 from .location import SnapshotLocation, open_location
 
-__all__ = ["export_cache", "ExportReport", "progress_bar"]
+__all__ = ["export_cache", "ExportReport"]
 
 log = logging.getLogger("shmcache")
 
@@ -260,27 +260,6 @@ class _KeyRange:
         if self.count and self.ints and self.lo == 0 and self.hi == self.count - 1:
             return self.count
         return None
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def progress_bar(progress: bool | None, total: int, desc: str, unit: str = "item") -> Any:
-    """A tqdm bar on stderr (None: when stderr is a terminal); no bar: a no-op object."""
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
-        return _NoBar()
-    from tqdm import tqdm
-
-    scale = unit == "B"
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
-                file=sys.stderr, dynamic_ncols=True)
 
 
 def _version() -> str:

@@ -30,13 +30,13 @@ import zstandard
 from ..base.faults import ARMED as _CRASH_TESTS
 from ..base.faults import crash_point
 from ..base.namespace import namespace, resolve_session_name
+from ..base.progress import progress_bar
 from ..base.trust import FORGED, PICKLE_HINT, TRAILER_BYTES, resolve_secret, snapshot_ident
 from ..cache.registry import write_json
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..tiers import records as records
 from ..tiers.tiered_store import key_of_portable, untrusted_problem
 from . import format as fmt
-from .export import progress_bar
 from .location import SnapshotLocation, open_location
 
 __all__ = ["import_snapshot", "import_into", "read_manifest", "read_data_file_index", "ImportReport",

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..base.namespace import _user
+from ..base.urls import mask_url, scrub_secret
 from ..errors import InvalidArgument, SnapshotError
 
-__all__ = ["SnapshotLocation", "open_location", "SPACE_ERRNOS", "mask_url", "scrub_secret", "open_regular"]
+__all__ = ["SnapshotLocation", "open_location", "SPACE_ERRNOS", "open_regular"]
 
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _WRITE_BUFFER = 8 << 20
@@ -88,30 +89,6 @@ def open_location(where: str | os.PathLike, storage_options: dict | None = None)
     if type(fs).__name__ == "LocalFileSystem":  # file://: the local path, with mmap and fast reads
         return LocalLocation(Path(path))
     return FsspecLocation(fs, path.rstrip("/"), shown)
-
-
-def mask_url(text: str) -> str:
-    """``text`` with the password of its user part as ``***`` (https://user:TOKEN@host/snap,
-    ftp://user:PW@host/snap): what every message, stat and repr shows of a snapshot's URL. The
-    user part is the authority (up to the first '/', '?' or '#') up to its last '@', as RFC 3986
-    and the backends read it; one with no ':' may be a token, and is masked whole."""
-    scheme, sep, rest = text.partition("://")
-    if not sep:
-        return text
-    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    userinfo, at, host = rest[:end].rpartition("@")
-    if not at:
-        return text
-    user, colon, _ = userinfo.partition(":")
-    return f"{scheme}://{user + ':***' if colon else '***'}@{host}{rest[end:]}"
-
-
-def scrub_secret(message: str, url: str) -> str:
-    """A backend's message with the URL's password (and the URL itself) masked."""
-    message = message.replace(url, mask_url(url))
-    userinfo = url.partition("://")[2].split("/", 1)[0].rpartition("@")[0]
-    secret = userinfo.partition(":")[2] or userinfo
-    return message.replace(secret, "***") if len(secret) >= 3 else message
 
 
 class SnapshotLocation:

@@ -58,7 +58,6 @@ import errno
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,12 +65,15 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from ..base.settings import ENV_SNAPSHOT
 from ..base.trust import FORGED, TRAILER_BYTES, snapshot_ident
+from ..base.urls import mask_url, scrub_secret
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..tiers import counts as tier_counts
 from ..tiers import records as records
+from ..tiers.breaker import Breaker
 from . import format as fmt
-from .location import FsspecLocation, LocalLocation, mask_url, open_location, open_regular, scrub_secret
+from .location import FsspecLocation, LocalLocation, open_location, open_regular
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
            "stats_keys", "check_options", "manifest_of"]
@@ -80,7 +82,6 @@ log = logging.getLogger("shmcache")
 _ADVICE = "copy the snapshot again, or export it again"
 _VERBS = ("is ", "has", "was", "can")  # a reason that reads on from the data file's path
 
-ENV_SNAPSHOT = "SHMCACHE_SNAPSHOT"
 OPTIONS = ("force", "storage_options", "timeout_s", "allow_unsigned")  # snapshot_options= of ShmDatasetCache
 COUNTERS = ("hits", "misses", "bytes_read", "reads", "errors", "corrupt", "forged")
 _I = {name: i for i, name in enumerate(COUNTERS)}
@@ -211,7 +212,7 @@ class SnapshotTier:
         self._dead_fds: list[int] = []
         self._dctx = threading.local()
         self._logged: set[str] = set()
-        self._retry_at, self._backoff = 0.0, 0.0
+        self._breaker = Breaker(_BACKOFF_MIN_S, _BACKOFF_MAX_S)  # no jitter: a snapshot's reads
         self._c = self._counts_row()
         self._pid = os.getpid()
 
@@ -326,7 +327,7 @@ class SnapshotTier:
 
     def _ready(self) -> bool:
         """Whether reads may go to the store now: not paused, manifest and indexes loaded."""
-        if self.off is not None or time.monotonic() < self._retry_at:
+        if self.off is not None or self._breaker.is_open():
             return False
         if self.pending is not None:
             self._log("pending", self.pending)
@@ -581,8 +582,7 @@ class SnapshotTier:
     def _fault(self, fault: _Fault) -> None:
         with self._lock:
             self._add("errors", 1)
-            self._backoff = min(max(_BACKOFF_MIN_S, 2 * self._backoff), _BACKOFF_MAX_S)
-            self._retry_at = time.monotonic() + self._backoff
+            self._breaker.trip()
         text = _REASONS[fault.kind].format(detail=fault.detail, t=self.timeout_s)
         self._log(fault.kind, f"snapshot tier {self.url} {text}")
 

@@ -69,7 +69,6 @@ import atexit
 import hashlib
 import logging
 import os
-import random
 import threading
 import time
 import weakref
@@ -82,9 +81,13 @@ from urllib.parse import unquote
 import numpy as np
 import zstandard
 
+from ..base import settings
+from ..base.settings import ENV_REMOTE, ENV_REMOTE_PASSWORD
 from ..base.trust import ENV_SECRET, FORGED, Mac
+from ..base.urls import mask_url, split_userinfo
 from ..errors import InvalidArgument
 from . import counts as tier_counts
+from .breaker import Breaker
 from .records import MAX_RAW_BYTES, pack_record, unpack_record
 
 __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
@@ -92,8 +95,7 @@ __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "
 
 log = logging.getLogger("shmcache")
 
-ENV_REMOTE = "SHMCACHE_REMOTE"  # the default remote= of caches (the launcher's --remote)
-ENV_PASSWORD = "SHMCACHE_REMOTE_PASSWORD"  # the password of a URL that has none (kept off command lines)
+ENV_PASSWORD = ENV_REMOTE_PASSWORD  # the password of a URL that has none (kept off command lines)
 INSTALL = "pip install 'shmcache[redis]'"
 DEFAULT_TIMEOUT_S = 1.0
 BACKOFF_S = (1.0, 30.0)  # the circuit breaker's first and longest pause
@@ -134,27 +136,6 @@ class RemoteURL:
         return f"RemoteURL({self.masked!r})"
 
 
-def _split_userinfo(url: str) -> tuple[str, str, str]:
-    """``(scheme://, userinfo, the rest)``: the userinfo runs to the *last* '@' of the URL (no
-    host, port, database or option holds one), so a password may hold '/', '?', '#' or '@' - a
-    generated one often has '/' - and parse_url and mask_url always agree on where it ends."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, tail = rest.rpartition("@")
-    return (scheme + sep, userinfo, tail) if sep and at else (url, "", "")
-
-
-def mask_url(url: str) -> str:
-    """``url`` with the password in its user part replaced by ``***`` (anything shown to a user)."""
-    if not isinstance(url, str):
-        return f"<{type(url).__name__}>"
-    head, userinfo, tail = _split_userinfo(url)
-    if head == url:
-        return url
-    user, sep, _ = userinfo.partition(":")
-    shown = f"{user}:***" if sep else "***"  # a bare userinfo is a password (redis://pw@host)
-    return f"{head}{shown}@{tail}"
-
-
 def _bad(url: str, what: str) -> InvalidArgument:
     return InvalidArgument(
         f"invalid remote URL {mask_url(url)!r}: {what}; use redis://[:password@]host:port[/db], "
@@ -171,7 +152,7 @@ def parse_url(url: Any) -> RemoteURL:
     if not sep or scheme.lower() not in _SCHEMES:
         raise _bad(url, f"the scheme must be one of {', '.join(sorted(_SCHEMES))}")
     kind, tls = _SCHEMES[scheme.lower()]
-    head, userinfo, tail = _split_userinfo(url)  # the password first: it may hold a '?' or a '/'
+    head, userinfo, tail = split_userinfo(url)  # the password first: it may hold a '?' or a '/'
     at = head != url
     hostpart, _, query = (tail if at else rest).partition("?")
     username = password = None
@@ -179,7 +160,7 @@ def parse_url(url: Any) -> RemoteURL:
         user, colon, pw = userinfo.partition(":")
         username, password = (unquote(user) or None, unquote(pw)) if colon else (None, unquote(user))
         password = password or None
-    password = password or os.environ.get(ENV_PASSWORD) or None
+    password = password or settings.get(ENV_PASSWORD) or None
     hostlist, slash, dbpart = hostpart.partition("/")
     nodes = tuple(_host_port(url, h) for h in hostlist.split(","))
     db = 0
@@ -403,8 +384,7 @@ class RedisTier:
             self._inflight = 0
             self._clients: list | None = None
             self._cluster = None
-            self._retry_at = 0.0
-            self._backoff = 0.0
+            self._breaker = Breaker(*BACKOFF_S, jitter=0.2)
             self._writes_after = 0.0  # an OOM pauses writes only
             self._logged: set[str] = set()
             self._dctx = threading.local()  # zstd contexts are not thread-safe
@@ -437,7 +417,7 @@ class RedisTier:
 
     def _open(self) -> bool:
         """True while the breaker is open (reads miss at once, writes are dropped)."""
-        return time.monotonic() < self._retry_at
+        return self._breaker.is_open()
 
     def _failed(self, exc: BaseException) -> None:
         cond = _condition(exc)
@@ -446,19 +426,18 @@ class RedisTier:
             if cond == "oom":  # the server answers: pause the writes, keep reading
                 self._writes_after = time.monotonic() + BACKOFF_S[1]
             else:
-                self._backoff = min(max(self._backoff * 2, BACKOFF_S[0]), BACKOFF_S[1])
-                self._retry_at = time.monotonic() + self._backoff * random.uniform(0.8, 1.2)
+                self._breaker.trip()
             if self._cluster is not None and cond != "oom":
                 cluster, self._cluster = self._cluster, None  # rebuilt (slots re-read) when it answers
                 _quietly(cluster.close)
         self._say(cond, exc)
 
     def _succeeded(self) -> None:
-        if self._backoff or self._logged - {"corrupt", "oom", "forged"}:
+        if self._breaker.pause_s or self._logged - {"corrupt", "oom", "forged"}:
             with self._lock:
                 if self._logged - {"corrupt", "oom", "forged"}:
                     log.warning("remote tier %s of cache %s answers again", self.url.masked, self.identity)
-                self._backoff = 0.0
+                self._breaker.reset()
                 self._logged &= {"corrupt", "oom", "forged"}
 
     def _say(self, cond: str, exc: BaseException | None = None, detail: str = "") -> None:
@@ -584,7 +563,7 @@ class RedisTier:
                     self._wake.wait()
                 if not self._queue:
                     return
-                wait = max(self._retry_at, self._writes_after) - time.monotonic()
+                wait = max(self._breaker.retry_at, self._writes_after) - time.monotonic()
                 if wait > 0:  # breaker open or server full: drop what waits, do not pile up
                     dropped = len(self._queue)
                     self._queue.clear()
@@ -837,7 +816,7 @@ def resolve(remote: Any, session_remote: str | None) -> str | None:
         raise InvalidArgument(f"remote must be a URL such as 'redis://:PASSWORD@host:6379' (or '' for "
                               f"none), got {type(remote).__name__}")
     if remote is None:
-        remote = os.environ.get(ENV_REMOTE) or session_remote
+        remote = settings.get(ENV_REMOTE) or session_remote
     if not remote:
         return None
     parse_url(remote)

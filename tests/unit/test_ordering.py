@@ -349,6 +349,6 @@ def test_forced_mode_dataset_reads_make_no_fence():
 
 def test_the_default_mode_follows_the_machine():
     """No setting: x86 makes no fence, every other machine fences (aarch64 under emulation too)."""
-    proc = _run("from shmcache import ordering; print(ordering.mode())", {ordering.ENV: ""})
+    proc = _run("from shmcache.base import ordering; print(ordering.mode())", {ordering.ENV: ""})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == ("tso" if X86 else "membarrier")

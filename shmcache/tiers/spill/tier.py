@@ -25,7 +25,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ...base.namespace import ENV_SPILL_DIR
+from ...base import settings
+from ...base.settings import ENV_SPILL_DIR
 from ...cache import process_slot
 from ...cache.index import LOCATION_MASK, entry_chunk, entry_class, location_word
 from ...cache.indexed_tier import RecordLocation
@@ -41,7 +42,7 @@ log = logging.getLogger("shmcache")
 
 def resolve_spill_dir(spill_dir, session_spill_dir: str | None) -> Path:
     """The spill directory in force, checked (exists or is created, is a directory, is writable)."""
-    chosen = spill_dir or session_spill_dir or os.environ.get(ENV_SPILL_DIR)
+    chosen = spill_dir or session_spill_dir or settings.get(ENV_SPILL_DIR)
     if not chosen:
         raise SpillError(
             "spilling=True needs a spill directory: pass spill_dir=... (or `shmcache new NAME "

@@ -1,0 +1,77 @@
+"""Every ``SHMCACHE_*`` environment variable, and the one place that reads them.
+
+The launcher writes some of these for its workers (with the same names from here); a cache reads
+them as the defaults of its arguments. Each is read when it is needed - at the call, so a test or a
+program may set one at run time - except two read once, when their module is imported:
+``SHMCACHE_ORDERING`` (the fences of base/ordering.py) and ``SHMCACHE_CRASH_AT``/``_AFTER`` (the
+crash points of base/faults.py).
+
+======================== ===================================================================
+variable                 meaning (read by)
+======================== ===================================================================
+SHMCACHE_DIR             the namespace's directory (base/namespace.py)
+SHMCACHE_SESSION         the session of ``session="auto"`` (base/namespace.py; the launcher sets it)
+SHMCACHE_SIZE_MB         the default ``size=`` of caches, MiB (data/; the launcher's --size)
+SHMCACHE_SPILLING        "1", "true", "yes", "on": the default ``spilling=True`` (the launcher's --spilling)
+SHMCACHE_SPILL_DIR       the spill directory of last resort (tiers/spill/tier.py, the launcher, the CLI)
+SHMCACHE_REMOTE          the default ``remote=`` URL (tiers/remote.py; the launcher's --remote)
+SHMCACHE_REMOTE_PASSWORD the password of a remote URL that has none (tiers/remote.py)
+SHMCACHE_SNAPSHOT        the default ``snapshot=`` (data/)
+SHMCACHE_SECRET          the job's secret: MACs of records (base/trust.py; the launcher may make one)
+SHMCACHE_RDZV_TOKEN      the launcher's rendezvous token (launch/; never passed to the workers)
+SHMCACHE_ORDERING        "membarrier" or "tso": the memory-ordering mode (base/ordering.py, at import)
+SHMCACHE_CRASH_AT        crash points of the crash tests (base/faults.py, at import) ...
+SHMCACHE_CRASH_AFTER     ... and how many of them to pass first
+RANK, LOCAL_RANK,        torchrun's, which the launcher sets for each worker as torchrun does:
+WORLD_SIZE,              the torch layer reads them (data/sampler.py; a warm-up's bar and
+LOCAL_WORLD_SIZE         offsets; a worker's name)
+======================== ===================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+__all__ = ["PREFIX", "ENV_DIR", "ENV_SESSION", "ENV_SIZE_MB", "ENV_SPILLING", "ENV_SPILL_DIR", "ENV_REMOTE",
+           "ENV_REMOTE_PASSWORD", "ENV_SNAPSHOT", "ENV_SECRET", "ENV_RDZV_TOKEN", "ENV_ORDERING",
+           "ENV_CRASH_AT", "ENV_CRASH_AFTER", "ENV_RANK", "ENV_LOCAL_RANK", "ENV_WORLD_SIZE",
+           "ENV_LOCAL_WORLD_SIZE", "get", "flag", "without_ours"]
+
+PREFIX = "SHMCACHE_"
+ENV_DIR = "SHMCACHE_DIR"
+ENV_SESSION = "SHMCACHE_SESSION"
+ENV_SIZE_MB = "SHMCACHE_SIZE_MB"  # default size= of caches (the launcher's --size)
+ENV_SPILLING = "SHMCACHE_SPILLING"  # "1": default spilling=True (the launcher's --spilling)
+ENV_SPILL_DIR = "SHMCACHE_SPILL_DIR"
+ENV_REMOTE = "SHMCACHE_REMOTE"  # the default remote= of caches (the launcher's --remote)
+ENV_REMOTE_PASSWORD = "SHMCACHE_REMOTE_PASSWORD"  # the password of a URL that has none (kept off command lines)
+ENV_SNAPSHOT = "SHMCACHE_SNAPSHOT"
+ENV_SECRET = "SHMCACHE_SECRET"  # the job's record secret (made per job by --remote spawn unless set)
+ENV_RDZV_TOKEN = "SHMCACHE_RDZV_TOKEN"
+ENV_ORDERING = "SHMCACHE_ORDERING"
+ENV_CRASH_AT = "SHMCACHE_CRASH_AT"
+ENV_CRASH_AFTER = "SHMCACHE_CRASH_AFTER"
+# torchrun's, which the launcher sets for each worker like torchrun and the torch layer reads
+ENV_RANK = "RANK"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """The variable's value now, as set (``default`` when it is not set)."""
+    return os.environ.get(name, default)
+
+
+def flag(name: str) -> bool:
+    """Whether the variable is set to 1, true, yes or on (any case, spaces around ignored)."""
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def without_ours(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less every ``SHMCACHE_*`` variable (for a process that is not a worker: the
+    job's secret, the rendezvous token and the remote URL are none of its business)."""
+    return {k: v for k, v in environ.items() if not k.startswith(PREFIX)}

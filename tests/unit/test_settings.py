@@ -1,0 +1,66 @@
+"""base/settings.py: every SHMCACHE_* variable's name, and the one place that reads them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import shmcache
+from shmcache.base import settings
+
+PKG = Path(shmcache.__file__).resolve().parent
+
+
+def test_names_are_unchanged():
+    assert {name: getattr(settings, name) for name in settings.__all__ if name.startswith("ENV_")} == {
+        "ENV_DIR": "SHMCACHE_DIR", "ENV_SESSION": "SHMCACHE_SESSION", "ENV_SIZE_MB": "SHMCACHE_SIZE_MB",
+        "ENV_SPILLING": "SHMCACHE_SPILLING", "ENV_SPILL_DIR": "SHMCACHE_SPILL_DIR",
+        "ENV_REMOTE": "SHMCACHE_REMOTE", "ENV_REMOTE_PASSWORD": "SHMCACHE_REMOTE_PASSWORD",
+        "ENV_SNAPSHOT": "SHMCACHE_SNAPSHOT", "ENV_SECRET": "SHMCACHE_SECRET",
+        "ENV_RDZV_TOKEN": "SHMCACHE_RDZV_TOKEN", "ENV_ORDERING": "SHMCACHE_ORDERING",
+        "ENV_CRASH_AT": "SHMCACHE_CRASH_AT", "ENV_CRASH_AFTER": "SHMCACHE_CRASH_AFTER",
+        "ENV_RANK": "RANK", "ENV_LOCAL_RANK": "LOCAL_RANK", "ENV_WORLD_SIZE": "WORLD_SIZE",
+        "ENV_LOCAL_WORLD_SIZE": "LOCAL_WORLD_SIZE",
+    }
+
+
+def test_get_reads_at_the_call(monkeypatch):
+    monkeypatch.delenv(settings.ENV_REMOTE, raising=False)
+    assert settings.get(settings.ENV_REMOTE) is None
+    assert settings.get(settings.ENV_REMOTE, "") == ""
+    monkeypatch.setenv(settings.ENV_REMOTE, "redis://h:1")
+    assert settings.get(settings.ENV_REMOTE) == "redis://h:1"
+
+
+@pytest.mark.parametrize(("value", "on"), [
+    ("1", True), ("true", True), (" Yes ", True), ("ON", True),
+    ("0", False), ("", False), ("no", False), ("2", False),
+])
+def test_flag(monkeypatch, value, on):
+    monkeypatch.setenv(settings.ENV_SPILLING, value)
+    assert settings.flag(settings.ENV_SPILLING) is on
+
+
+def test_flag_unset_is_off(monkeypatch):
+    monkeypatch.delenv(settings.ENV_SPILLING, raising=False)
+    assert settings.flag(settings.ENV_SPILLING) is False
+
+
+def test_without_ours():
+    env = {"PATH": "/bin", "SHMCACHE_SECRET": "s", "SHMCACHE_RDZV_TOKEN": "t", "HOME": "/h"}
+    assert settings.without_ours(env) == {"PATH": "/bin", "HOME": "/h"}
+
+
+def test_no_module_but_settings_names_or_reads_a_shmcache_variable():
+    """The names live in settings.py; every other module reads the environment's settings
+    through it (the launcher's copy of the environment for its workers aside)."""
+    named = re.compile(r"""^\s*ENV\w*\s*=\s*["']""", re.M)
+    read = re.compile(r"""os\.(environ|getenv)\b[^\n]*(SHMCACHE|ENV_|["'](LOCAL_)?(RANK|WORLD_SIZE)["'])""")
+    for path in PKG.rglob("*.py"):
+        if path.name == "settings.py" and path.parent.name == "base":
+            continue
+        text = path.read_text()
+        assert not named.search(text), f"{path}: a variable's name belongs in base/settings.py"
+        assert not read.search(text), f"{path}: read it with base.settings"
