@@ -36,7 +36,7 @@ __all__ = ["TableView", "key_bytes", "key_hash", "tier_key", "READY", "INT_KEY",
            "state_word", "location_word", "entry_length", "entry_layout", "entry_class", "entry_chunk"]
 
 # The entry's bit layout (the docstring's table) is defined here only. Hot paths inline it as
-# literals (store.CacheStore.lookup and _record, gather.plan): each such place names the accessor it
+# literals (store.CacheStore.lookup and _record): each such place names the accessor it
 # inlines, and tests/unit/test_index.py checks every inlined copy against the functions below.
 READY, INT_KEY, SPILLED = 1, 2, 4  # the state bits of w0
 FLAG_BITS = 0xFF  # w0's low byte: the state bits (those above SPILLED no writer sets)

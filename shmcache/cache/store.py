@@ -604,7 +604,8 @@ class CacheStore:
         """The bytes of the in-memory record that entry (w0, w2) points at. The entry is checked
         first with a few int compares: a damaged one (issue 8) names a class, a chunk or a length
         the allocator never handed out, where reading would return zeros or another record."""
-        # index.entry_class, entry_chunk and entry_length, inlined (every str key's read comes here)
+        # index.entry_class, entry_chunk and entry_length, inlined (every str key's read comes here;
+        # tests/unit/test_index.py checks these copies against index's layout)
         cls = w2 >> 48
         entry = g.data.get(cls) or self._data(g, cls)
         chunk, n = w2 & LOCATION_MASK, w0 >> 32
@@ -729,7 +730,8 @@ class CacheStore:
 
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
-        # 64: R.EPOCH, inlined (a constant, not an attribute lookup, on the hot path)
+        # 64: R.EPOCH, inlined (a constant, not an attribute lookup, on the hot path; every copy of
+        # the root's and the entry's layout inlined here is checked by tests/unit/test_index.py)
         g = self._gen if _Q.unpack_from(self._root.buf, 64)[0] == self._epoch else self._refresh()
         if type(key) is int and 0 <= key < g.index.capacity:
             # the hot path, inlined (a hit of a dataset index costs ~2x a plain row copy): the key
@@ -742,7 +744,7 @@ class CacheStore:
             buf = g.index.buf
             off = TABLE_OFF + ENTRY_BYTES * key
             w0 = _Q.unpack_from(buf, off)[0]  # first, on its own: see index.py
-            if w0 & 7 == READY | INT_KEY:  # and not SPILLED
+            if w0 & 7 == READY | INT_KEY:  # 7: READY | INT_KEY | SPILLED (and not SPILLED)
                 k, w2 = _QQ.unpack_from(buf, off + 8)
                 # index.entry_class, entry_layout, entry_chunk and entry_length, inlined
                 data = g.data.get(w2 >> 48)
