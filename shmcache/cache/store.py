@@ -136,15 +136,13 @@ from ..errors import (
     SessionNotFound,
     SharedMemoryFull,
     ShmcacheError,
-    SnapshotError,
 )
-from . import codec, gather, process_slot, repair
+from . import codec, gather, portable, process_slot, repair, stats
 from .admission import MIN_CAPACITY, Admission, NoRoom, initial_capacity, log_no_memory
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, size_class
 from .generation import (
     AUTO_NONE,
     CORRUPT,
-    COUNTER_NAMES,
     DEAD_GEN,
     DESTROYED,
     HITS,
@@ -185,7 +183,8 @@ from .index import (
     tier_key,
 )
 from .indexed_tier import IndexedTier, Location
-from .registry import MAX_SLOTS, SEP, SessionRegistry, unlink_segments, write_json
+from .registry import SEP, SessionRegistry, unlink_segments, write_json
+from .stats import STAT_KEYS
 
 __all__ = ["CacheStore", "UncachedStore", "STAT_KEYS"]
 
@@ -200,10 +199,6 @@ _MIN_RECORD = codec.RECORD_HEADER.size
 # what decoding damaged bytes raises (marshal, struct, numpy, pickle, utf-8): CorruptSegment instead
 _UNDECODABLE = (ValueError, TypeError, OverflowError, IndexError, KeyError, EOFError, struct.error,
                 RecursionError, pickle.UnpicklingError)
-
-
-STAT_KEYS = ("session", "name", "items_mem", "items_disk", "bytes_mem", "bytes_disk",
-             "bytes_disk_raw", "avg_item_bytes", "hits", "misses", "rejected", "capacity_bytes")
 
 
 class Found(NamedTuple):
@@ -919,48 +914,9 @@ class CacheStore:
             return out
 
     def portable_records(self):
-        """Every item of the current generation as ``(portable key, portable record)``; the record
-        is None for a spilled one that fails its checks (damaged: the caller counts it). Lock-free,
-        like every read: items stored meanwhile may or may not be included. SnapshotError when a
-        clear() or destroy replaced the generation under the walk (what was read is not one state)."""
-        g = self._refresh()
-        try:
-            for w0, w1, w2 in g.index.entries():
-                kb = b""
-                if w0 & SPILLED:
-                    if self.spill is None:
-                        yield w1.to_bytes(8, "little"), None
-                        continue
-                    if not w0 & INT_KEY:
-                        kb = self.spill.key_of(Location(w2, entry_length(w0)), w1)
-                    rec = None if kb is None else self._read_spilled(w0, w2, w1, kb, g.gen)
-                    if rec is None:
-                        yield w1.to_bytes(8, "little") + (kb or b""), None
-                        continue
-                else:
-                    rec = self._record(g, w0, w2, w1, b"")
-                    if not w0 & INT_KEY:
-                        kb = bytes(rec[len(rec) - _KEY_LEN.unpack_from(rec, 4)[0]:])
-                yield w1.to_bytes(8, "little") + kb, self._portable(g, w0, rec, kb)
-        except FileNotFoundError:  # a segment of this generation was unlinked: cleared under us
-            pass
-        if not self.is_current(g.gen):
-            raise SnapshotError(f"cache {self.session}/{self.name} was cleared or destroyed while it was "
-                                f"read; export it again when nothing clears it")
-
-    def _portable(self, g: Generation, w0: int, rec: Any, kb: bytes) -> bytes | bytearray:
-        """A stored record with its layout inline (a record whose layout is inline already is one)."""
-        lid = entry_layout(w0)
-        if lid == INLINE24:
-            return bytes(rec)
-        layout = self._layout(g, lid)[0]
-        body = len(rec) - len(kb)
-        out = bytearray(body + len(layout) + len(kb))
-        codec.RECORD_HEADER.pack_into(out, 0, codec.INLINE, len(kb), len(layout), 0)
-        out[_MIN_RECORD:body] = rec[_MIN_RECORD:body]
-        out[body:body + len(layout)] = layout
-        out[body + len(layout):] = kb
-        return out
+        """Every item of the current generation as ``(portable key, portable record)``, lock-free
+        (portable.records, which says what a damaged or cleared one gives)."""
+        return portable.records(self)
 
     def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
         lid = self._intern_layout(g, enc.layout)
@@ -1182,21 +1138,7 @@ class CacheStore:
     # --- bookkeeping ------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        g = self._refresh()
-        meta = g.meta.buf
-        items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
-        items_disk, bytes_disk, bytes_disk_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
-        counters = np.ndarray((MAX_SLOTS, len(COUNTER_NAMES)), np.uint64, meta, M.COUNTERS).sum(axis=0)
-        items = items_mem + items_disk
-        return {
-            "session": self.session, "name": self.name,
-            "items_mem": items_mem, "items_disk": items_disk,
-            "bytes_mem": bytes_mem, "bytes_disk": bytes_disk, "bytes_disk_raw": bytes_disk_raw,
-            "avg_item_bytes": (bytes_mem + bytes_disk_raw) // items if items else 0,
-            **{name: int(n) for name, n in zip(COUNTER_NAMES, counters)},
-            "capacity_bytes": self.capacity_bytes, "committed_bytes": committed,
-            "shm_bytes": self.shm_bytes() if g.gen != DEAD_GEN else 0,  # not the cache made again
-        }
+        return stats.cache_stats(self)
 
     def shm_bytes(self) -> int:
         """Bytes of /dev/shm that this cache's segments really occupy (allocated pages)."""
@@ -1318,11 +1260,7 @@ class UncachedStore:
         """Nothing is stored, so nothing can be another dataset's."""
 
     def stats(self) -> dict:
-        st = dict.fromkeys(STAT_KEYS, 0)
-        st.update(session=self.session, name=self.name, hits=self._counters[HITS],
-                  misses=self._counters[MISSES], rejected=self._counters[REJECTED], corrupt=0,
-                  committed_bytes=0, shm_bytes=0, uncached=True)
-        return st
+        return stats.uncached_stats(self.session, self.name, self._counters)
 
     def __len__(self) -> int:
         return 0
