@@ -20,7 +20,7 @@ import numpy as np
 
 from . import codec, process_slot
 from .allocator import DATA_OFF
-from .index import INLINE24, LOCATION_MASK, READY, SPILLED, TableView
+from .index import INLINE24, READY, SPILLED, TableView, entry_chunk, entry_class, entry_layout, entry_length
 
 __all__ = ["Batch", "plan", "uniform", "columns", "out_matches", "BatchBuffers", "gather_leaf"]
 
@@ -47,19 +47,18 @@ def plan(index: TableView, keys: np.ndarray) -> Batch | None:
     if not uniform(w0, w2):
         return None
     first0, first2 = int(w0[0]), int(w2[0])
-    lid = (first0 >> 8) & INLINE24  # index.entry_layout, inlined (once per batch: the batch's hot path)
+    lid = entry_layout(first0)  # index's accessors: a few calls per batch, none per key
     if lid == INLINE24:
         return None
-    # index.entry_class, entry_length and entry_chunk, inlined
-    return Batch(lid, first2 >> 48, first0 >> 32, (w2 & np.uint64(LOCATION_MASK)).astype(np.intp))
+    return Batch(lid, entry_class(first2), entry_length(first0), entry_chunk(w2).astype(np.intp))
 
 
 def uniform(w0: np.ndarray, w2: np.ndarray) -> bool:
     """All present, in memory, one layout, one class: the w0 words are equal (READY set; one layout
     and int keys make one record length), and the w2 words agree on the class bits."""
     first0 = int(w0[0])
-    return bool(first0 & READY) and not first0 & SPILLED \
-        and not (w0 != w0[0]).any() and not ((w2 ^ w2[0]) >> np.uint64(48)).any()  # 48: entry_class
+    return bool(first0 & READY) and not first0 & SPILLED and not (w0 != w0[0]).any() \
+        and not entry_class(w2 ^ w2[0]).any()
 
 
 def columns(buf, handed_out: int, chunk: int, chunks: np.ndarray, leaves: list, out: list | None,

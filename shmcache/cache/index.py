@@ -32,15 +32,21 @@ from ..base.shm import word_view
 from ..errors import CorruptSegment, InvalidKey
 
 __all__ = ["TableView", "key_bytes", "key_hash", "tier_key", "READY", "INT_KEY", "SPILLED", "INLINE24",
-           "ENTRY_BYTES", "TABLE_OFF", "MAX_LOAD", "LOCATION_MASK", "state_word", "location_word",
-           "entry_length", "entry_layout", "entry_class", "entry_chunk"]
+           "ENTRY_BYTES", "TABLE_OFF", "MAX_LOAD", "MIN_TABLE", "LOCATION_MASK", "FLAG_BITS", "MAX_RECORD",
+           "state_word", "location_word", "entry_length", "entry_layout", "entry_class", "entry_chunk"]
 
+# The entry's bit layout (the docstring's table) is defined here only. Hot paths inline it as
+# literals (store.CacheStore.lookup and _record): each such place names the accessor it
+# inlines, and tests/unit/test_index.py checks every inlined copy against the functions below.
 READY, INT_KEY, SPILLED = 1, 2, 4  # the state bits of w0
+FLAG_BITS = 0xFF  # w0's low byte: the state bits (those above SPILLED no writer sets)
 INLINE24 = 0xFFFFFF  # layout id field of an entry whose record carries its layout inline
 LOCATION_MASK = (1 << 48) - 1  # w2 below the class (or file id): the chunk (or file offset)
+MAX_RECORD = (1 << 32) - 1  # the length field of w0: no record (in memory or spilled) is longer
 ENTRY_BYTES = 24
 TABLE_OFF = 128  # entries start here in the table segment; capacity is stored at offset 64
 MAX_LOAD = 0.7  # linear probing: ~2 probes per hit on average at this load
+MIN_TABLE = 1024  # the fewest entries a cache's table has
 _M64 = (1 << 64) - 1
 _FIB = 0x9E3779B97F4A7C15
 _Q = struct.Struct("Q")

@@ -51,15 +51,10 @@ from ..errors import (
     ShmcacheError,
 )
 
-__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "SEP", "MAX_SLOTS", "ROOT_EPOCH",
-           "DESTROYED", "retire_root", "unlink_segments"]
+__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "SEP", "MAX_SLOTS", "retire_root",
+           "unlink_segments"]
 
 MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
-# A cache root's epoch word (store.py) and its tombstone: whoever removes a cache writes DESTROYED
-# there before unlinking anything, so every process that still maps the root - and compares that
-# word on every lookup anyway - sees at once that its cache is gone (NOTE [publish order]).
-ROOT_EPOCH = 64
-DESTROYED = (1 << 64) - 1
 _VERSION = 1
 
 
@@ -326,7 +321,7 @@ class SessionRegistry:
 
     def raise_auto_capacity(self, name: str, cap: int) -> int:
         """Raise the automatic cap of session ``name`` to ``cap`` if that is more than it is; the
-        cap in force after (NOTE [memory limits] in store.py: memory was short when it was set).
+        cap in force after (NOTE [memory limits] in admission.py: memory was short when it was set).
         Replaced atomically; two raisers at once both write what they measured a moment apart."""
         path = self.session_dir(name) / "auto_capacity"
         try:
@@ -508,13 +503,16 @@ def _live_pids_in(slots: Path) -> list[int]:
 
 def _root_in_use(name: str) -> bool:
     """Cache root ``name`` exists, finished and not tombstoned (retire_root)."""
+    from .generation import DESTROYED, RootLayout  # the root's layout (generation imports this module)
+
     try:
         root = Segment.attach(name)
     except (FileNotFoundError, CorruptSegment):
         return False
     except (OSError, ShmcacheError):  # another user's, no memory to map it: cannot tell, keep it
         return True
-    in_use = root.size < ROOT_EPOCH + 8 or struct.unpack_from("Q", root.buf, ROOT_EPOCH)[0] != DESTROYED
+    epoch = RootLayout.EPOCH
+    in_use = root.size < epoch + 8 or struct.unpack_from("Q", root.buf, epoch)[0] != DESTROYED
     root.close()
     return in_use
 
@@ -537,12 +535,14 @@ def unlink_segments(ns: Namespace, prefix: str, *, keep: Collection[str] = ()) -
 
 def retire_root(name: str) -> None:
     """Write the tombstone into the epoch word of cache root ``name`` (before it is unlinked)."""
+    from .generation import DESTROYED, RootLayout  # the root's layout (generation imports this module)
+
     try:
         root = Segment.attach(name)
     except (OSError, ShmcacheError):  # gone, or never finished (no reader maps it): unlink it
         return
-    if root.size >= ROOT_EPOCH + 8:
-        root.words[ROOT_EPOCH >> 3] = DESTROYED  # one store: readers compare it lock-free
+    if root.size >= RootLayout.EPOCH + 8:
+        root.words[RootLayout.EPOCH >> 3] = DESTROYED  # one store: readers compare it lock-free
         ordering.fence()  # retired for every reader before its spill files and name are reused
     root.close()
 

@@ -53,7 +53,8 @@ NOTE [publish order]
         every insert, spilled or not, and put_records / an import: one fence per record). A reader
         loads w0 first and the rest after, so if it sees READY it sees all of them.
       * a commit step: the class's committed count (and the meta's total), a fence, and only then a
-        bump that relies on it (_commit); ClassTable.get loads the bump before the committed count.
+        bump that relies on it (admission.Admission.commit); ClassTable.get loads the bump before
+        the committed count.
       * a generation or a table version: the meta, the table (every entry of a grown table: no
         fence per entry there, nobody reads it yet) and the root's capacity, incarnation and sizing
         words, a fence, then the epoch word (_create_generation, _grow_table). A raised automatic
@@ -100,54 +101,15 @@ NOTE [publish order]
     chunk no entry ever pointed at. The repairer checks the
     intent is one a writer can leave: phase 1 or 2, a position inside the table, a class in use (or
     SPILL_CLASS), an old bump equal to the class's bump or one less, phase 2 only with its entry
-    READY, totals at most one item on. Anything else raises CorruptSegment and touches nothing;
-    ``shmcache gc`` (collect_garbage) finds the same damage and replaces the generation by an
-    empty one, as clear() does.
-
-NOTE [memory limits]
-    What a cache may take of shared memory is checked where it grows: at each commit step of a
-    data segment (``_commit``: 64 KiB or one chunk at a time, so the checks below are rare).
-
-    * ``size=`` (MiB) given: the cache's own cap (RootLayout.CAPACITY); meta, index and data count.
-    * ``size=0``: the *session's* automatic cap - 80% of what is really available (MemAvailable,
-      the process's cgroup, /dev/shm's free space; config.memory_limits) when the session's
-      first auto-sized cache is made, kept in the session's ``auto_capacity`` file
-      (SessionRegistry.auto_capacity) so caches made later share it rather than each taking 80%
-      of what is left. An auto-sized cache checks what all segments of the session really
-      occupy in /dev/shm (st_blocks, as ``shmcache ls`` counts) against it, again each time its
-      process has committed 1/16 of what was left at the last look (so the checks grow frequent
-      as the session fills) or 50 ms have passed: together they stay within it, give or take
-      what more than 16 processes committing within the same 50 ms could add, and an index
-      growth (a few bytes per item), which is not checked.
-      Caches with their own size= are counted in that sum but keep their own caps.
-      The cap was measured once; memory short at that moment must not shrink the session for
-      good: an auto-sized cache that finds no room asks again (at most once a second per handle,
-      _raise_auto_cap) and raises the session's cap - the file, then its root's CAPACITY and
-      SIZING words - to 80% of what is available now plus what the session holds, if that is 1/8
-      more. Its data
-      segments are sized for all of /dev/shm (sparse), so a raised cap can be committed.
-    * Memory full at creation (the automatic cap below one page of data): the cache is made with
-      no room for data (RootLayout.SIZING = AUTO_NONE), every item is rejected or spilled, and
-      that is said once. If not even the cache's own segments fit, CacheStore raises SharedMemoryFull,
-      having removed what it made; ShmDatasetCache then serves from an UncachedStore (computes
-      from the source, counts the rejections in the process).
-    * Spilling on: spilled records are found through the index, which lives in shared memory and
-      doubles as it fills (the old and the new table coexist during a growth). So data admission
-      into memory stops early enough to leave a reserve - 1/16 of the cap or of /dev/shm,
-      whichever is smaller, at least 1 MiB (at most a quarter), at most 256 MiB - free both under
-      the cap and in /dev/shm. A reserve of R bytes lets the index double until a new table no
-      longer fits beside the old one: about 11,000 spilled items per MiB of reserve (a 64 MiB
-      /dev/shm keeps 4 MiB: ~45,000 spilled items; a cache of 4 GiB or more keeps 256 MiB: ~2.9
-      million; more when the index was already large when memory filled). Beyond that, and when
-      others fill /dev/shm meanwhile, new items are rejected (counted, said once). ``wrap()`` of a
-      map-style dataset sizes the index for all its items up front: it never grows.
+    READY, totals at most one item on (repair.py). Anything else raises CorruptSegment and touches
+    nothing; ``shmcache gc`` (collect_garbage, repair.py) finds the same damage and replaces the
+    generation by an empty one, as clear() does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pickle
 import secrets
 import shutil
@@ -162,8 +124,7 @@ import numpy as np
 from ..base import ordering
 from ..base.faults import ARMED as _CRASH_TESTS
 from ..base.faults import crash_point
-from ..base.memory import memory_limits
-from ..base.namespace import SHM_ROOT, Namespace, namespace, validate_name
+from ..base.namespace import Namespace, namespace, validate_name
 from ..base.shm import PAGE, Segment
 from ..errors import (
     CacheMismatch,
@@ -175,16 +136,15 @@ from ..errors import (
     SessionNotFound,
     SharedMemoryFull,
     ShmcacheError,
-    SnapshotError,
 )
-from . import codec, gather, process_slot
-from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
+from . import codec, gather, portable, process_slot, repair, stats
+from .admission import MIN_CAPACITY, Admission, NoRoom, initial_capacity, log_no_memory
+from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, size_class
 from .generation import (
-    AUTO,
     AUTO_NONE,
     CORRUPT,
-    COUNTER_NAMES,
     DEAD_GEN,
+    DESTROYED,
     HITS,
     KIND_DATA,
     KIND_META,
@@ -192,7 +152,6 @@ from .generation import (
     KIND_TABLE,
     MISSES,
     REJECTED,
-    SIZED,
     SPILL_CLASS,
     Generation,
     Intent,
@@ -209,6 +168,8 @@ from .index import (
     INT_KEY,
     LOCATION_MASK,
     MAX_LOAD,
+    MAX_RECORD,
+    MIN_TABLE,
     READY,
     SPILLED,
     TABLE_OFF,
@@ -222,7 +183,8 @@ from .index import (
     tier_key,
 )
 from .indexed_tier import IndexedTier, RecordLocation
-from .registry import DESTROYED, MAX_SLOTS, SEP, SessionRegistry, unlink_segments, write_json
+from .registry import SEP, SessionRegistry, unlink_segments, write_json
+from .stats import STAT_KEYS
 
 __all__ = ["CacheStore", "UncachedStore", "STAT_KEYS"]
 
@@ -232,19 +194,11 @@ _Q = struct.Struct("Q")
 _QQ = struct.Struct("QQ")
 R = RootLayout
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.record_header, inlined)
-MIN_TABLE = 1024
 _STUCK_COOLDOWN_S = 30.0  # puts stop waiting for a lock that a live process keeps (_write_locked)
-MAX_RECORD = (1 << 32) - 1
 _MIN_RECORD = codec.RECORD_HEADER.size
 # what decoding damaged bytes raises (marshal, struct, numpy, pickle, utf-8): CorruptSegment instead
 _UNDECODABLE = (ValueError, TypeError, OverflowError, IndexError, KeyError, EOFError, struct.error,
                 RecursionError, pickle.UnpicklingError)
-
-
-_MIN_CAPACITY = M.SIZE + PAGE  # a cap below this holds nothing
-
-STAT_KEYS = ("session", "name", "items_mem", "items_disk", "bytes_mem", "bytes_disk",
-             "bytes_disk_raw", "avg_item_bytes", "hits", "misses", "rejected", "capacity_bytes")
 
 
 class Found(NamedTuple):
@@ -255,10 +209,6 @@ class Found(NamedTuple):
     pos: int  # the entry's position (where the key would go when absent)
     kb: bytes  # the key's bytes (empty for an int key; index.key_bytes)
     w1: int  # the key word
-
-
-class _Full(Exception):
-    """Internal: the cache (or /dev/shm) has no room for this record."""
 
 
 class CacheStore:
@@ -287,9 +237,6 @@ class CacheStore:
         self._counters = [0, 0, 0, 0]  # hits, misses, rejected, corrupt: this process's totals
         self._counter_off = -1
         self._proc_gen = -1
-        self._shm_full_logged = False
-        self._shm_full_until = 0.0
-        self._auto_retry_at = 0.0  # an auto-sized cache found full asks again then (_raise_auto_cap)
         self._map_lock = threading.Lock()
         self._lock_gen = process_slot.fork_count()
         self._buffers = gather.BatchBuffers()
@@ -312,7 +259,8 @@ class CacheStore:
             finally:
                 self.lock.release()
         self._lock_reopened = self.lock.reopened
-        self.capacity_bytes = _Q.unpack_from(self._root.buf, R.CAPACITY)[0]
+        # the cap, and whether there is room (NOTE [memory limits]): the store asks it, under the lock
+        self.admission = Admission(self._root, self.registry, self.session, self.name)
         if capacity_bytes and capacity_bytes != self.capacity_bytes:
             log.warning("cache %s/%s exists with a cap of %.0f MiB; size=%.0f MiB applies only to a "
                         "new cache (clear() keeps the cap: destroy the session to change it)",
@@ -327,6 +275,11 @@ class CacheStore:
             except FileNotFoundError:  # its slots directory is gone: destroyed just now
                 raise self._destroyed() from None
         self._refresh()
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The cache's cap in bytes (the root's CAPACITY word as this handle last read it)."""
+        return self.admission.capacity_bytes
 
     # --- opening ------------------------------------------------------------------------------
 
@@ -462,13 +415,9 @@ class CacheStore:
                 f"{', '.join(self.registry.cache_names(self.session)) or 'none'})"
             )
         unlink_segments(self.ns, self._base + SEP)  # debris of an earlier incarnation of this cache
-        sizing, capacity = SIZED, capacity_bytes
-        if not capacity:  # size=0: the session's automatic cap (NOTE [memory limits])
-            sizing, capacity = AUTO, self.registry.auto_capacity(
-                self.session, lambda: memory_limits().auto_capacity(), _MIN_CAPACITY)
-            if capacity < _MIN_CAPACITY:  # memory is full now: a cache that holds nothing in memory
-                sizing, capacity = AUTO_NONE, _MIN_CAPACITY
-        if capacity < _MIN_CAPACITY:
+        # size=0: the session's automatic cap (NOTE [memory limits])
+        sizing, capacity = initial_capacity(self.registry, self.session, capacity_bytes)
+        if capacity < MIN_CAPACITY:
             raise InvalidArgument(
                 f"the cache {self.session}/{self.name} would get {capacity / 2**20:.2f} MiB, too "
                 f"little to hold anything; give it size= (MiB) of at least 1, or size=0 for the "
@@ -493,19 +442,8 @@ class CacheStore:
             self.meta_path.unlink(missing_ok=True)
             raise
         if sizing == AUTO_NONE:  # said once, here: a cache that could not be made says it above us
-            self._log_no_memory()
+            log_no_memory(self.session, self.name)
         return root
-
-    def _log_no_memory(self) -> None:
-        lim = memory_limits()
-        log.warning(
-            "cache %s/%s gets no memory: the automatic cap (size=0) is 80%% of what is free, and "
-            "/dev/shm has %.1f MiB free of %.1f MiB (MemAvailable %.0f MiB, cgroup %s); its items go to "
-            "disk if spilling is on, else are computed from the source, not cached. "
-            "Free /dev/shm (`shmcache gc`, `shmcache destroy`), or in Docker raise --shm-size",
-            self.session, self.name, (lim.shm_free or 0) / 2**20, (lim.shm_total or 0) / 2**20,
-            (lim.mem_available or 0) / 2**20,
-            f"{lim.cgroup_free / 2**20:.0f} MiB free" if lim.cgroup_limit else "no limit")
 
     def _generation_exists(self, root: Segment) -> bool:
         """The meta and table segments the root's epoch word names are there. Under the lock nobody
@@ -661,7 +599,8 @@ class CacheStore:
         """The bytes of the in-memory record that entry (w0, w2) points at. The entry is checked
         first with a few int compares: a damaged one (issue 8) names a class, a chunk or a length
         the allocator never handed out, where reading would return zeros or another record."""
-        # index.entry_class, entry_chunk and entry_length, inlined (every str key's read comes here)
+        # index.entry_class, entry_chunk and entry_length, inlined (every str key's read comes here;
+        # tests/unit/test_index.py checks these copies against index's layout)
         cls = w2 >> 48
         entry = g.data.get(cls) or self._data(g, cls)
         chunk, n = w2 & LOCATION_MASK, w0 >> 32
@@ -786,7 +725,8 @@ class CacheStore:
 
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
-        # 64: R.EPOCH, inlined (a constant, not an attribute lookup, on the hot path)
+        # 64: R.EPOCH, inlined (a constant, not an attribute lookup, on the hot path; every copy of
+        # the root's and the entry's layout inlined here is checked by tests/unit/test_index.py)
         g = self._gen if _Q.unpack_from(self._root.buf, 64)[0] == self._epoch else self._refresh()
         if type(key) is int and 0 <= key < g.index.capacity:
             # the hot path, inlined (a hit of a dataset index costs ~2x a plain row copy): the key
@@ -799,7 +739,7 @@ class CacheStore:
             buf = g.index.buf
             off = TABLE_OFF + ENTRY_BYTES * key
             w0 = _Q.unpack_from(buf, off)[0]  # first, on its own: see index.py
-            if w0 & 7 == READY | INT_KEY:  # and not SPILLED
+            if w0 & 7 == READY | INT_KEY:  # 7: READY | INT_KEY | SPILLED (and not SPILLED)
                 k, w2 = _QQ.unpack_from(buf, off + 8)
                 # index.entry_class, entry_layout, entry_chunk and entry_length, inlined
                 data = g.data.get(w2 >> 48)
@@ -852,7 +792,7 @@ class CacheStore:
         record = bytearray(enc.record_len(len(kb), lid == INLINE24))
         enc.write(memoryview(record), codec.INLINE if lid == INLINE24 else lid, kb)
         loc = tier.write(tier_key(w1, kb), record)
-        if loc is None or loc.stored >= 1 << 32:  # the entry's length field has 32 bits
+        if loc is None or loc.stored > MAX_RECORD:  # the entry's length field has 32 bits
             return False
         if _CRASH_TESTS:
             crash_point("spilled")  # record on disk, not yet in the index
@@ -932,7 +872,7 @@ class CacheStore:
         if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
             try:
                 g = self._grow_table(g)
-            except _Full:  # the index cannot grow: nothing more is admitted, not even to disk
+            except NoRoom:  # the index cannot grow: nothing more is admitted, not even to disk
                 self._count(REJECTED)
                 return False
             w0, _, pos, _, _ = self._find(g, key)
@@ -946,7 +886,7 @@ class CacheStore:
             if self.spill is None:
                 raise
             # it can never fit in memory, but a spill file takes any size: spill it below
-        except _Full:
+        except NoRoom:
             pass
         if self._spill(g, pos, w1, kb, enc):
             return True
@@ -974,71 +914,20 @@ class CacheStore:
             return out
 
     def portable_records(self):
-        """Every item of the current generation as ``(portable key, portable record)``; the record
-        is None for a spilled one that fails its checks (damaged: the caller counts it). Lock-free,
-        like every read: items stored meanwhile may or may not be included. SnapshotError when a
-        clear() or destroy replaced the generation under the walk (what was read is not one state)."""
-        g = self._refresh()
-        try:
-            for w0, w1, w2 in g.index.entries():
-                kb = b""
-                if w0 & SPILLED:
-                    if self.spill is None:
-                        yield w1.to_bytes(8, "little"), None
-                        continue
-                    if not w0 & INT_KEY:
-                        kb = self.spill.key_of(RecordLocation(w2, entry_length(w0)), w1)
-                    rec = None if kb is None else self._read_spilled(w0, w2, w1, kb, g.gen)
-                    if rec is None:
-                        yield w1.to_bytes(8, "little") + (kb or b""), None
-                        continue
-                else:
-                    rec = self._record(g, w0, w2, w1, b"")
-                    if not w0 & INT_KEY:
-                        kb = bytes(rec[len(rec) - _KEY_LEN.unpack_from(rec, 4)[0]:])
-                yield w1.to_bytes(8, "little") + kb, self._portable(g, w0, rec, kb)
-        except FileNotFoundError:  # a segment of this generation was unlinked: cleared under us
-            pass
-        if not self.is_current(g.gen):
-            raise SnapshotError(f"cache {self.session}/{self.name} was cleared or destroyed while it was "
-                                f"read; export it again when nothing clears it")
-
-    def _portable(self, g: Generation, w0: int, rec: Any, kb: bytes) -> bytes | bytearray:
-        """A stored record with its layout inline (a record whose layout is inline already is one)."""
-        lid = (w0 >> 8) & INLINE24
-        if lid == INLINE24:
-            return bytes(rec)
-        layout = self._layout(g, lid)[0]
-        body = len(rec) - len(kb)
-        out = bytearray(body + len(layout) + len(kb))
-        codec.RECORD_HEADER.pack_into(out, 0, codec.INLINE, len(kb), len(layout), 0)
-        out[_MIN_RECORD:body] = rec[_MIN_RECORD:body]
-        out[body:body + len(layout)] = layout
-        out[body + len(layout):] = kb
-        return out
+        """Every item of the current generation as ``(portable key, portable record)``, lock-free
+        (portable.records, which says what a damaged or cleared one gives)."""
+        return portable.records(self)
 
     def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
         lid = self._intern_layout(g, enc.layout)
         nbytes = enc.record_len(len(kb), lid == INLINE24)
         cls, chunk_size = size_class(nbytes)
-        room = self.capacity_bytes - M.SIZE - TableView.bytes_for(g.index.capacity)
-        if chunk_size > min(room, MAX_RECORD) and self._raise_auto_cap():
-            room = self.capacity_bytes - M.SIZE - TableView.bytes_for(g.index.capacity)
-        if chunk_size > min(room, MAX_RECORD):  # would not fit even in the empty cache
-            if self._sizing() != SIZED and chunk_size <= MAX_RECORD:
-                raise _Full  # size=0 on a machine short of memory: nothing to fix in size=
-            need = (chunk_size + M.SIZE + TableView.bytes_for(g.index.capacity)) / 2**20
-            raise ItemTooLarge(
-                f"an item of {nbytes / 2**20:.2f} MiB can never fit in cache {self.session}/"
-                f"{self.name} of {self.capacity_bytes / 2**20:.2f} MiB (its index takes "
-                f"{(self.capacity_bytes - room) / 2**20:.2f} MiB); give it size= (MiB) of at least "
-                f"{int(need) + 1}, or store smaller samples"
-            )
+        self.admission.check_fits(nbytes, chunk_size, g.index.capacity)  # ItemTooLarge, NoRoom
         seg = self._class_segment(g, cls, chunk_size)
         self._committed(g, cls, g.data[cls])  # a damaged class record must not place this record
         chunk_size_, bump, committed = g.classes.get(cls)
         if bump >= committed:
-            committed = self._commit(g, cls, seg, chunk_size, committed)
+            committed = self.admission.commit(g, cls, seg, chunk_size, committed, self.spill)
         items, total, _ = g.mem_totals()
         items, total, table_items = items + 1, total + nbytes, g.table_items()
         if items > g.index.capacity or table_items >= g.index.capacity or total >> 63:
@@ -1067,56 +956,8 @@ class CacheStore:
         g.end()
 
     def _repair(self, g: Generation) -> int:
-        """Undo or finish the last writer's work if it died mid-way (NOTE [publish order])."""
-        intent = g.intent()
-        if intent.phase == 0:
-            return 0
-        wrong = self._impossible_intent(g, intent)
-        if wrong:  # restoring that bump would hand out live chunks again: touch nothing
-            raise self._corrupt(f"the intent record in {g.meta.name} is impossible: {wrong}")
-        w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * intent.pos)[0]
-        if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
-            g.apply_totals(intent)
-            reclaimed = 0
-        elif intent.cls == SPILL_CLASS:  # a spill record nobody points to: dead bytes on disk, no chunk
-            reclaimed = 0
-        else:  # never visible: give the chunk back
-            g.classes.set_bump(intent.cls, intent.old_bump)
-            reclaimed = 1
-        g.end()
-        log.info("cache %s/%s: repaired an entry left by a dead writer (%s)", self.session,
-                 self.name, "reclaimed its chunk" if reclaimed else "counted it")
-        return reclaimed
-
-    def _impossible_intent(self, g: Generation, intent: Intent) -> str:
-        """Why the intent record cannot be one a writer left (NOTE [publish order]), or "". A
-        writer dies with the bump where it found it or one on; phase 2 comes after its entry is
-        READY; its totals are the current ones or one item more."""
-        phase, pos, cls, old_bump, items, total, raw, table_items = intent
-        if phase not in (1, 2):
-            return f"phase {phase} (a writer writes 1 or 2)"
-        if pos >= g.index.capacity:
-            return f"table position {pos} (the table has {g.index.capacity} entries)"
-        ready = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0] & READY
-        if phase == 2 and not ready:
-            return f"phase 2 (published) with entry {pos} of {g.table.name} empty"
-        if cls == SPILL_CLASS:
-            now_items, now_total, now_raw = g.disk_totals()
-            most = total  # spilled sizes are not bounded by a chunk
-        elif 0 < cls < MAX_CLASSES and g.classes.chunk_size(cls):
-            most, bump, _ = g.classes.get(cls)
-            if not ready and old_bump not in (bump, bump - 1):
-                return f"old bump {old_bump} of size class {cls}, whose bump is {bump}"
-            now_items, now_total, _ = g.mem_totals()
-            now_raw = raw
-        else:
-            return f"size class {cls} (not in use)"
-        now_table = g.table_items()
-        if items - now_items not in (0, 1) or table_items - now_table not in (0, 1) \
-                or not 0 <= total - now_total <= most or raw < now_raw:
-            return (f"totals of {items} items, {total} bytes and {table_items} entries after a write "
-                    f"to {now_items} items, {now_total} bytes and {now_table} entries")
-        return ""
+        """Undo or finish the last writer's work if it died mid-way (repair.repair_intent)."""
+        return repair.repair_intent(self, g)
 
     def collect_garbage(self, report: dict | None = None) -> tuple[int, list[str]]:
         """``shmcache gc`` for this cache: repair a dead writer's entry and unlink segments of
@@ -1128,102 +969,7 @@ class CacheStore:
         the generation is dropped for a new empty one (it is a cache: the data is recomputed), and
         ``report["dropped"]`` says why. Item counters that disagree with the table are recounted
         (``report["recounted"]``)."""
-        report = {} if report is None else report
-        with self.locked():
-            try:
-                g = self._refresh()
-                reclaimed = self._repair(g)
-                damage = self._damage(g)
-            except CorruptSegment as exc:
-                damage, reclaimed = str(exc), 0
-            if damage:
-                self._drop_generation(damage)
-                report["dropped"] = damage
-                g = self._refresh()
-            else:
-                report["recounted"] = self._recount_items(g)
-            self._recount_committed(g)
-            keep = {self._seg_name("root"), self._seg_name(f"g{g.gen}", "meta"),
-                    self._seg_name(f"g{g.gen}", f"t{g.version}")}
-            keep |= {self._seg_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
-            removed = unlink_segments(self.ns, self._base + SEP, keep=keep)
-            if self.spill is not None:
-                self.spill.collect_garbage()
-            return reclaimed, removed
-
-    def _damage(self, g: Generation) -> str:
-        """What is damaged in generation ``g``, or "" (gc; caller holds the lock). Every READY
-        entry is checked as readers check one, with numpy over the whole table."""
-        if g.index.damage:
-            raise g.index.corrupt()
-        count = _Q.unpack_from(g.meta.buf, M.N_LAYOUTS)[0]
-        if count > M.MAX_LAYOUTS:
-            return f"{g.meta.name} counts {count} layouts, more than its {M.MAX_LAYOUTS} slots"
-        for lid in range(count):
-            self._layout(g, lid)  # raises CorruptSegment on a damaged one
-        chunk = np.zeros(MAX_CLASSES + 1, np.uint64)  # class MAX_CLASSES: "not in use"
-        handed = np.zeros(MAX_CLASSES + 1, np.uint64)
-        for cls in g.classes.used_classes():
-            try:
-                entry = self._committed(g, cls, self._data(g, cls))
-            except FileNotFoundError:
-                return f"the data segment of size class {cls} is missing"
-            chunk[cls], handed[cls] = entry[2], entry[3]
-        w = g.index.words
-        s0, w2 = w[:, 0], w[:, 2]
-        if (s0 != 0).all():
-            raise g.index.corrupt()
-        ready = (s0 & np.uint64(READY)) != 0
-        if ((s0 != 0) & ~ready).any() or (s0 & np.uint64(0xF8)).any():
-            return f"{g.table.name} holds entries with state bits no writer sets"
-        lid = (s0 >> np.uint64(8)) & np.uint64(INLINE24)  # index.entry_layout, over the whole table
-        bad_lid = ready & (lid >= np.uint64(count)) & (lid != np.uint64(INLINE24))
-        mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
-        cls = np.minimum(w2 >> np.uint64(48), np.uint64(MAX_CLASSES)).astype(np.intp)
-        n = s0 >> np.uint64(32)
-        bad = mem & (((w2 & np.uint64(LOCATION_MASK)) >= handed[cls]) | (n > chunk[cls])
-                     | (n < np.uint64(_MIN_RECORD)))
-        if bad.any() or bad_lid.any():
-            pos = int(np.flatnonzero(bad | bad_lid)[0])
-            return (f"entry {pos} of {g.table.name} points where no record is (words "
-                    f"{int(s0[pos]):#x}, {int(w2[pos]):#x})")
-        return ""
-
-    def _recount_items(self, g: Generation) -> list[str]:
-        """Set the item counters that the table's entries determine; the names of those that were
-        wrong (a damaged meta segment: len() and stats would lie, and a wrong entry count would
-        grow the table on every write)."""
-        s0 = g.index.words[:, 0]
-        ready = (s0 & np.uint64(READY)) != 0
-        mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
-        right = {M.TABLE_ITEMS: int(ready.sum()), M.ITEMS_MEM: int(mem.sum()),
-                 M.BYTES_MEM: int((s0[mem] >> np.uint64(32)).sum()),
-                 M.ITEMS_DISK: int((ready & ~mem).sum())}
-        names = {M.TABLE_ITEMS: "table entries", M.ITEMS_MEM: "items in memory",
-                 M.BYTES_MEM: "bytes in memory", M.ITEMS_DISK: "items on disk"}
-        wrong = []
-        for off, value in right.items():
-            if _Q.unpack_from(g.meta.buf, off)[0] != value:
-                wrong.append(f"{names[off]} ({_Q.unpack_from(g.meta.buf, off)[0]}, now {value})")
-                g.meta.words[off >> 3] = value
-        if wrong:
-            log.warning("cache %s/%s: gc recounted %s", self.session, self.name, ", ".join(wrong))
-        return wrong
-
-    def _drop_generation(self, why: str) -> None:
-        """Replace a damaged generation by a new empty one (caller holds the lock): the fix that
-        CorruptSegment messages promise. Old segments go with gc's sweep of non-current names."""
-        gen = split_epoch(_Q.unpack_from(self._root.buf, R.EPOCH)[0])[0] + 1
-        g = self._gen
-        cap = g.index.capacity if g is not None and g.index.capacity else MIN_TABLE
-        self._create_generation(self._root, gen if gen < 1 << 32 else 1, self.capacity_bytes, cap)
-        ordering.fence()  # as in clear(): the new epoch word (the retirement) before the files' reuse
-        if self.spill is not None:
-            self.spill.clear()
-        elif self.read_meta().get("spill_path"):
-            shutil.rmtree(self.read_meta()["spill_path"], ignore_errors=True)
-        log.warning("cache %s/%s was damaged (%s); gc dropped its contents (they are recomputed on "
-                    "use)", self.session, self.name, why)
+        return repair.collect_garbage(self, report)
 
     def _intern_layout(self, g: Generation, layout: bytes) -> int:
         cache = g.layouts
@@ -1250,121 +996,14 @@ class CacheStore:
         name = self._seg_name(f"g{g.gen}", f"c{cls}")
         self.ns.unlink_segment(name)  # debris of a writer that died before registering the class
         try:
-            shm_total = memory_limits().shm_total or self.capacity_bytes
-            # size=0: the cap may rise later (_raise_auto_cap), so the segment is sized for all of
-            # /dev/shm (sparse: address space only); size= is a cap for good
-            virtual = min(self.capacity_bytes, shm_total) if self._sizing() == SIZED else shm_total
+            virtual = self.admission.data_segment_bytes()
             seg = Segment.create(name, DATA_OFF + virtual + chunk_size, kind=KIND_DATA, commit=PAGE)
         except SharedMemoryFull as exc:
-            self._log_shm_full(exc)
-            raise _Full from None
+            self.admission.log_shm_full(exc, self.spill)
+            raise NoRoom from None
         g.classes.create(cls, chunk_size)
         g.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size, 0)
         return seg
-
-    def _commit(self, g: Generation, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
-        """Commit more chunks of class ``cls`` within the cap; raise _Full when there is no room
-        (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling)."""
-        if time.monotonic() < self._shm_full_until:
-            raise _Full  # /dev/shm was full a moment ago: don't ask the kernel on every miss
-        meta = g.meta.buf
-        used = _Q.unpack_from(meta, M.COMMITTED)[0]
-        step = commit_step_chunks(chunk_size)
-        keep = shm_free = 0
-        if self.spill is not None and self.spill.accepting:  # one statvfs, when spilling only
-            shm_total, shm_free = _shm_space()
-            keep = _index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))
-        room = (self.capacity_bytes - keep - used) // chunk_size
-        auto = self._sizing() == AUTO
-        if auto:  # one allowance per process and session, shared by all its caches there
-            budget = _SESSION_BUDGETS.setdefault((str(self.ns.root), self.session, os.getpid()), [0, 0.0])
-        if room >= 1 and auto and (budget[0] < min(step, room) * chunk_size or time.monotonic() > budget[1]):
-            # the session's caches together: what they occupy is summed again once this process
-            # has committed 1/16 of what was left at the last look, or 50 ms later (NOTE [memory
-            # limits])
-            session_bytes = self._session_shm_bytes()
-            left = self.capacity_bytes - keep - session_bytes
-            room = min(room, left // chunk_size)
-            budget[:] = max(0, left // 16), time.monotonic() + 0.05
-            if room < 1:
-                self._shm_full_until = time.monotonic() + 1.0  # don't list /dev/shm on every miss
-                self._log_memory_full(
-                    f"the caches of session {self.session} hold {session_bytes / 2**20:.1f} MiB of "
-                    f"shared memory, their automatic cap (size=0) is {self.capacity_bytes / 2**20:.1f} "
-                    f"MiB for all of them together")
-        if room >= 1 and keep:  # /dev/shm keeps room for the index of what goes to disk
-            room = min(room, (shm_free - keep) // chunk_size)
-            if room < 1:
-                self._shm_full_until = time.monotonic() + 1.0
-        # never past the segment's virtual size (made for the cap of its time: a cap that rose)
-        room = min(room, (seg.size - DATA_OFF) // chunk_size - committed)
-        if room < 1 and self._raise_auto_cap():
-            self._shm_full_until = 0.0
-            return self._commit(g, cls, seg, chunk_size, committed)
-        if room < 1:
-            if keep:
-                self._log_memory_full(f"memory is full ({used / 2**20:.1f} MiB committed; "
-                                      f"{keep / 2**20:.1f} MiB of shared memory kept for the index "
-                                      f"of spilled items)")
-            raise _Full
-        step = min(step, room)
-        try:
-            seg.commit(DATA_OFF + committed * chunk_size, step * chunk_size)
-        except SharedMemoryFull as exc:
-            self._log_shm_full(exc)
-            raise _Full from None
-        g.classes.set_committed(cls, committed + step)
-        g.meta.words[M.COMMITTED >> 3] = used + step * chunk_size
-        ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)
-        if auto:
-            budget[0] = max(0, budget[0] - step * chunk_size)
-        return committed + step
-
-    def _raise_auto_cap(self) -> bool:
-        """An auto-sized cache (size=0) has no room: if the session's cap was set while memory was
-        short and memory is free now, raise it (NOTE [memory limits]); True if it rose. Asked at
-        most once a second per handle; caller holds the lock."""
-        if self._sizing() == SIZED or time.monotonic() < self._auto_retry_at:
-            return False
-        self._auto_retry_at = time.monotonic() + 1.0
-        cap = _Q.unpack_from(self._root.buf, R.CAPACITY)[0]  # raised by another process already?
-        if cap <= self.capacity_bytes:
-            now = memory_limits().auto_capacity(self._session_shm_bytes())
-            if now <= self.capacity_bytes + self.capacity_bytes // 8:  # the cap as measured, give or
-                return False  # take what the session's own metadata and rounding make: kept
-            cap = self.registry.raise_auto_capacity(self.session, now)
-            self._root.words[R.CAPACITY >> 3] = cap
-            ordering.fence()
-            self._root.words[R.SIZING >> 3] = AUTO  # after the cap: AUTO_NONE no more
-        log.info("cache %s/%s: memory is free again; the automatic cap rises from %.1f to %.1f MiB",
-                 self.session, self.name, self.capacity_bytes / 2**20, cap / 2**20)
-        self.capacity_bytes = cap
-        _SESSION_BUDGETS.pop((str(self.ns.root), self.session, os.getpid()), None)  # sum it again
-        self._shm_full_logged = False
-        return True
-
-    def _sizing(self) -> int:
-        """How this cache's cap was set: SIZED, AUTO or AUTO_NONE (the root's word)."""
-        return _Q.unpack_from(self._root.buf, R.SIZING)[0]
-
-    def _session_shm_bytes(self) -> int:
-        """Bytes of /dev/shm that every cache of this session really occupies (allocated pages)."""
-        return self.ns.occupied_bytes(self.registry.segment_prefix(self.session))
-
-    def _log_shm_full(self, exc: Exception) -> None:
-        self._shm_full_until = time.monotonic() + 1.0
-        self._log_memory_full(str(exc))
-
-    def _log_memory_full(self, why: str) -> None:
-        """Say once that memory is full, and what happens to new items now."""
-        if self._shm_full_logged:
-            return
-        self._shm_full_logged = True
-        if self.spill is not None and self.spill.accepting:
-            then = f"new items go to disk (spill files in {self.spill.where})"
-        else:
-            then = "new items are not cached (spilling=True would keep them on disk)"
-        log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)
 
     def _grow_table(self, g: Generation) -> Generation:
         """Rebuild the table at twice the size as a new version (caller holds the lock)."""
@@ -1376,8 +1015,8 @@ class CacheStore:
         try:
             table = Segment.create(name, size, kind=KIND_TABLE, commit=size)
         except SharedMemoryFull as exc:
-            self._log_shm_full(exc)
-            raise _Full from None
+            self.admission.log_shm_full(exc, self.spill)
+            raise NoRoom from None
         TableView.init(table.buf, cap)
         new = TableView(table.buf)
         for w0, w1, w2 in g.index.entries():
@@ -1391,17 +1030,8 @@ class CacheStore:
         self._root.words[R.EPOCH >> 3] = epoch_of(g.gen, version)  # publish: one store
         old.unlink()
         g = self._refresh()
-        self._recount_committed(g)
+        repair.recount_committed(g)
         return g
-
-    def _recount_committed(self, g: Generation) -> None:
-        """Set the committed total from what it is made of (after a growth, and in gc: a writer
-        killed between two of its updates must not skew it for good)."""
-        total = M.SIZE + TableView.bytes_for(g.index.capacity)
-        for cls in g.classes.used_classes():
-            chunk, _, committed = g.classes.get(cls)
-            total += chunk * committed
-        g.meta.words[M.COMMITTED >> 3] = total
 
     # --- batches ---------------------------------------------------------------------------------
 
@@ -1508,21 +1138,7 @@ class CacheStore:
     # --- bookkeeping ------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        g = self._refresh()
-        meta = g.meta.buf
-        items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
-        items_disk, bytes_disk, bytes_disk_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
-        counters = np.ndarray((MAX_SLOTS, len(COUNTER_NAMES)), np.uint64, meta, M.COUNTERS).sum(axis=0)
-        items = items_mem + items_disk
-        return {
-            "session": self.session, "name": self.name,
-            "items_mem": items_mem, "items_disk": items_disk,
-            "bytes_mem": bytes_mem, "bytes_disk": bytes_disk, "bytes_disk_raw": bytes_disk_raw,
-            "avg_item_bytes": (bytes_mem + bytes_disk_raw) // items if items else 0,
-            **{name: int(n) for name, n in zip(COUNTER_NAMES, counters)},
-            "capacity_bytes": self.capacity_bytes, "committed_bytes": committed,
-            "shm_bytes": self.shm_bytes() if g.gen != DEAD_GEN else 0,  # not the cache made again
-        }
+        return stats.cache_stats(self)
 
     def shm_bytes(self) -> int:
         """Bytes of /dev/shm that this cache's segments really occupy (allocated pages)."""
@@ -1644,11 +1260,7 @@ class UncachedStore:
         """Nothing is stored, so nothing can be another dataset's."""
 
     def stats(self) -> dict:
-        st = dict.fromkeys(STAT_KEYS, 0)
-        st.update(session=self.session, name=self.name, hits=self._counters[HITS],
-                  misses=self._counters[MISSES], rejected=self._counters[REJECTED], corrupt=0,
-                  committed_bytes=0, shm_bytes=0, uncached=True)
-        return st
+        return stats.uncached_stats(self.session, self.name, self._counters)
 
     def __len__(self) -> int:
         return 0
@@ -1696,29 +1308,6 @@ def _key_repr(w1: int, kb: bytes) -> str:
     if not kb:
         return str(w1 - (1 << 64) if w1 >> 63 else w1)
     return repr(kb[1:].decode("utf-8", "surrogatepass") if kb[:1] == b"s" else kb[1:])
-
-
-# (namespace, session, pid) -> [bytes this process may still commit, until when] before the
-# session's caches are summed again (CacheStore._commit, NOTE [memory limits]). Per process, not
-# per handle: two caches of one process that each trusted their own look would each take the
-# same room. The pid keeps a forked child from trusting its parent's allowance.
-_SESSION_BUDGETS: dict[tuple[str, str, int], list] = {}
-
-
-def _shm_space() -> tuple[int, int]:
-    """``(total, free)`` bytes of /dev/shm (one statvfs)."""
-    try:
-        st = os.statvfs(SHM_ROOT)
-    except OSError:
-        return 0, 0
-    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-
-
-def _index_reserve(limit: int) -> int:
-    """Shared memory a spilling cache of ``limit`` bytes (its cap, or /dev/shm if smaller) leaves
-    free for its index: 1/16 of it, at least 1 MiB (at most a quarter), at most 256 MiB
-    (NOTE [memory limits])."""
-    return min(max(limit // 16, 1 << 20), limit // 4, 256 << 20)
 
 
 def _table_capacity(hint: int) -> int:

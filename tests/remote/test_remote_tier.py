@@ -13,8 +13,8 @@ import time
 import pytest
 from _redis import PASSWORD, RedisServer, need_redis
 
-from shmcache.errors import InvalidArgument
 from shmcache.base.urls import mask_url as mask_text
+from shmcache.errors import InvalidArgument
 from shmcache.tiers.remote import RedisTier, jump_hash, mask_url, parse_url, probe
 
 # --- URLs --------------------------------------------------------------------------------------

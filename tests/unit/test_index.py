@@ -1,16 +1,42 @@
 """The shared index: which keys are the same key, which are not, growth of the table while other
-store objects keep reading, and the vectorised int lookup agreeing with the scalar one.
+store objects keep reading, the vectorised int lookup agreeing with the scalar one, and the entry's
+bit layout (defined in index.py; every copy inlined on a hot path matches it).
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import itertools
+import re
 import unicodedata
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import shmcache
 import shmcache.cache.index as index_mod
-from shmcache.cache.index import INT_KEY, READY, TableView, key_bytes, key_hash
+from shmcache.cache import codec
+from shmcache.cache.generation import RootLayout
+from shmcache.cache.index import (
+    FLAG_BITS,
+    INLINE24,
+    INT_KEY,
+    LOCATION_MASK,
+    MAX_RECORD,
+    READY,
+    SPILLED,
+    TableView,
+    entry_chunk,
+    entry_class,
+    entry_layout,
+    entry_length,
+    key_bytes,
+    key_hash,
+    location_word,
+    state_word,
+)
 from shmcache.cache.store import MISSING, CacheStore
 from shmcache.errors import InvalidKey
 
@@ -243,3 +269,93 @@ def test_the_entry_accessors_read_what_the_store_wrote(store):
     assert other.w0 == state_word(READY | INT_KEY, entry_layout(other.w0), entry_length(other.w0))
     assert other.w2 == location_word(entry_class(other.w2), entry_chunk(other.w2))
     assert not other.w0 & SPILLED and entry_length(state_word(SPILLED, INLINE24, (1 << 32) - 1)) == (1 << 32) - 1
+
+
+# --- the entry's layout: index.py defines it; every copy inlined elsewhere must match ----------
+
+# (module, function, expression as written there, what it must compute from the words w0 and w2).
+# The hot paths inline index's accessors as literals (a call or a global less per item); a new
+# inlined copy, or a change to one, must be listed here (test_no_other_inlined_copies).
+INLINED = [
+    ("shmcache.cache.store", "CacheStore.lookup", "w0 & 7 == READY | INT_KEY",
+     lambda w0, w2: w0 & (READY | INT_KEY | SPILLED) == READY | INT_KEY),
+    ("shmcache.cache.store", "CacheStore.lookup", "w2 >> 48", lambda w0, w2: entry_class(w2)),
+    ("shmcache.cache.store", "CacheStore.lookup", "(w0 >> 8) & INLINE24", lambda w0, w2: entry_layout(w0)),
+    ("shmcache.cache.store", "CacheStore.lookup", "w2 & LOCATION_MASK", lambda w0, w2: entry_chunk(w2)),
+    ("shmcache.cache.store", "CacheStore.lookup", "w0 >> 32", lambda w0, w2: entry_length(w0)),
+    ("shmcache.cache.store", "CacheStore._record", "w2 >> 48", lambda w0, w2: entry_class(w2)),
+    ("shmcache.cache.store", "CacheStore._record", "w2 & LOCATION_MASK", lambda w0, w2: entry_chunk(w2)),
+    ("shmcache.cache.store", "CacheStore._record", "w0 >> 32", lambda w0, w2: entry_length(w0)),
+]
+FLAGS = range(8)  # every combination of READY, INT_KEY, SPILLED
+LAYOUT_EDGES = [0, 1, 127, INLINE24 - 1, INLINE24]
+LENGTH_EDGES = [0, 16, 4096, MAX_RECORD - 1, MAX_RECORD]
+CLASS_EDGES = [0, 1, 255, 0xFFFE, 0xFFFF]
+CHUNK_EDGES = [0, 1, 1 << 32, LOCATION_MASK - 1, LOCATION_MASK]
+
+
+def _source(module: str, qualname: str) -> str:
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return inspect.getsource(obj)
+
+
+def _words():
+    for flags, lid, n, cls, chunk in itertools.product(FLAGS, LAYOUT_EDGES, LENGTH_EDGES, CLASS_EDGES, CHUNK_EDGES):
+        yield state_word(flags, lid, n), location_word(cls, chunk)
+
+
+def test_the_accessors_take_back_what_the_packers_pack():
+    for flags, lid, n, cls, chunk in itertools.product(FLAGS, LAYOUT_EDGES, LENGTH_EDGES, CLASS_EDGES, CHUNK_EDGES):
+        w0, w2 = state_word(flags, lid, n), location_word(cls, chunk)
+        assert w0 < 1 << 64 and w2 < 1 << 64
+        assert (w0 & FLAG_BITS, entry_layout(w0), entry_length(w0)) == (flags, lid, n)
+        assert (entry_class(w2), entry_chunk(w2)) == (cls, chunk)
+
+
+@pytest.mark.parametrize("module, function, expr, means", INLINED, ids=lambda v: v if isinstance(v, str) else "")
+def test_every_inlined_copy_of_the_entry_layout_matches_index(module, function, expr, means):
+    assert expr in _source(module, function), f"{module}.{function} no longer has {expr!r}: update INLINED"
+    names = {"READY": READY, "INT_KEY": INT_KEY, "SPILLED": SPILLED, "INLINE24": INLINE24,
+             "LOCATION_MASK": LOCATION_MASK}
+    for w0, w2 in _words():
+        assert eval(expr, {**names, "w0": w0, "w2": w2}) == means(w0, w2), (expr, hex(w0), hex(w2))
+
+
+def test_the_vectorised_accessors_match_the_scalar_ones():
+    """gather and repair use index's accessors over arrays of words (uint64 in, uint64 out)."""
+    words = list(_words())
+    w0 = np.array([w for w, _ in words], np.uint64)
+    w2 = np.array([w for _, w in words], np.uint64)
+    for accessor, arr, col in ((entry_layout, w0, 0), (entry_length, w0, 0), (entry_class, w2, 1),
+                               (entry_chunk, w2, 1)):
+        got = accessor(arr)
+        assert got.dtype == np.uint64
+        assert got.tolist() == [accessor(w[col]) for w in words]
+
+
+def test_the_inlined_constants_are_the_layouts():
+    """The hot path's other literals: the root's epoch word at 64, a record header of 16 bytes."""
+    assert RootLayout.EPOCH == 64 and "self._root.buf, 64)" in _source("shmcache.cache.store", "CacheStore.lookup")
+    assert codec.RECORD_HEADER.size == 16 and "16 <= n" in _source("shmcache.cache.store", "CacheStore._record")
+
+
+def test_no_other_inlined_copies():
+    """Shifts and masks of the entry's words appear only in index.py and in the copies listed in
+    INLINED (generation.py's shifts are the epoch word's, which it defines)."""
+    pattern = re.compile(r">>\s*(np\.uint64\()?(8|32|48)\b"  # the layout id, length, class
+                         r"|&\s*(np\.uint64\()?(3|7|0x[fF]8)\b"  # the state bits
+                         r"|&\s*(LOCATION_MASK|INLINE24)\b")  # the chunk, the layout id
+    listed = {(module, expr) for module, _, expr, _ in INLINED}
+    pkg = Path(shmcache.__file__).parent
+    stray = []
+    for path in sorted(pkg.rglob("*.py")):
+        module = "shmcache." + ".".join(path.relative_to(pkg).with_suffix("").parts)
+        if module in ("shmcache.cache.index", "shmcache.cache.generation"):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if pattern.search(code) and not any(m == module and expr in code for m, expr in listed):
+                stray.append(f"{path.relative_to(pkg)}:{i}: {line.strip()}")
+    assert not stray, "the entry's layout inlined outside index.py, not in INLINED: " + "; ".join(stray)

@@ -1,0 +1,222 @@
+"""Repair and gc of one cache: a dead writer's intent (NOTE [publish order] in store.py), damaged
+shared memory, and the segments of generations and table versions no longer current.
+
+Every function here runs under the cache's lock. ``repair_intent`` runs before each write (and in
+gc): it undoes or finishes what the last writer left, after ``impossible_intent`` has checked the
+intent is one a writer can leave. ``collect_garbage`` is ``shmcache gc`` for one cache: repair,
+look for damage as readers would find it (``find_damage``), drop a damaged generation for an empty
+one (``drop_generation``, the fix CorruptSegment messages promise), recount the totals, and unlink
+what is no longer current. They work on a store (``CacheStore``): its mappings of the generation
+(``_refresh``, ``_data``, ``_committed``, ``_layout``), its names and its error for damage.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import struct
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..base import ordering
+from ..errors import CorruptSegment
+from . import codec
+from .allocator import MAX_CLASSES
+from .generation import SPILL_CLASS, Generation, Intent, M, RootLayout, split_epoch
+from .index import (
+    ENTRY_BYTES,
+    FLAG_BITS,
+    INLINE24,
+    INT_KEY,
+    MIN_TABLE,
+    READY,
+    SPILLED,
+    TABLE_OFF,
+    TableView,
+    entry_chunk,
+    entry_class,
+    entry_layout,
+    entry_length,
+)
+from .registry import SEP, unlink_segments
+
+if TYPE_CHECKING:
+    from .store import CacheStore
+
+__all__ = ["repair_intent", "impossible_intent", "collect_garbage", "find_damage", "recount_items",
+           "recount_committed", "drop_generation"]
+
+log = logging.getLogger("shmcache")
+
+_Q = struct.Struct("Q")
+_MIN_RECORD = codec.RECORD_HEADER.size  # the shortest record
+
+
+def repair_intent(store: CacheStore, g: Generation) -> int:
+    """Undo or finish the last writer's work if it died mid-way (NOTE [publish order])."""
+    intent = g.intent()
+    if intent.phase == 0:
+        return 0
+    wrong = impossible_intent(g, intent)
+    if wrong:  # restoring that bump would hand out live chunks again: touch nothing
+        raise store._corrupt(f"the intent record in {g.meta.name} is impossible: {wrong}")
+    w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * intent.pos)[0]
+    if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
+        g.apply_totals(intent)
+        reclaimed = 0
+    elif intent.cls == SPILL_CLASS:  # a spill record nobody points to: dead bytes on disk, no chunk
+        reclaimed = 0
+    else:  # never visible: give the chunk back
+        g.classes.set_bump(intent.cls, intent.old_bump)
+        reclaimed = 1
+    g.end()
+    log.info("cache %s/%s: repaired an entry left by a dead writer (%s)", store.session,
+             store.name, "reclaimed its chunk" if reclaimed else "counted it")
+    return reclaimed
+
+
+def impossible_intent(g: Generation, intent: Intent) -> str:
+    """Why the intent record cannot be one a writer left (NOTE [publish order]), or "". A
+    writer dies with the bump where it found it or one on; phase 2 comes after its entry is
+    READY; its totals are the current ones or one item more."""
+    phase, pos, cls, old_bump, items, total, raw, table_items = intent
+    if phase not in (1, 2):
+        return f"phase {phase} (a writer writes 1 or 2)"
+    if pos >= g.index.capacity:
+        return f"table position {pos} (the table has {g.index.capacity} entries)"
+    ready = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0] & READY
+    if phase == 2 and not ready:
+        return f"phase 2 (published) with entry {pos} of {g.table.name} empty"
+    if cls == SPILL_CLASS:
+        now_items, now_total, now_raw = g.disk_totals()
+        most = total  # spilled sizes are not bounded by a chunk
+    elif 0 < cls < MAX_CLASSES and g.classes.chunk_size(cls):
+        most, bump, _ = g.classes.get(cls)
+        if not ready and old_bump not in (bump, bump - 1):
+            return f"old bump {old_bump} of size class {cls}, whose bump is {bump}"
+        now_items, now_total, _ = g.mem_totals()
+        now_raw = raw
+    else:
+        return f"size class {cls} (not in use)"
+    now_table = g.table_items()
+    if items - now_items not in (0, 1) or table_items - now_table not in (0, 1) \
+            or not 0 <= total - now_total <= most or raw < now_raw:
+        return (f"totals of {items} items, {total} bytes and {table_items} entries after a write "
+                f"to {now_items} items, {now_total} bytes and {now_table} entries")
+    return ""
+
+
+def collect_garbage(store: CacheStore, report: dict | None = None) -> tuple[int, list[str]]:
+    """``shmcache gc`` for this cache (CacheStore.collect_garbage, which documents it)."""
+    report = {} if report is None else report
+    with store.locked():
+        try:
+            g = store._refresh()
+            reclaimed = repair_intent(store, g)
+            damage = find_damage(store, g)
+        except CorruptSegment as exc:
+            damage, reclaimed = str(exc), 0
+        if damage:
+            drop_generation(store, damage)
+            report["dropped"] = damage
+            g = store._refresh()
+        else:
+            report["recounted"] = recount_items(store, g)
+        recount_committed(g)
+        name = store._seg_name
+        keep = {name("root"), name(f"g{g.gen}", "meta"), name(f"g{g.gen}", f"t{g.version}")}
+        keep |= {name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
+        removed = unlink_segments(store.ns, store._base + SEP, keep=keep)
+        if store.spill is not None:
+            store.spill.collect_garbage()
+        return reclaimed, removed
+
+
+def find_damage(store: CacheStore, g: Generation) -> str:
+    """What is damaged in generation ``g``, or "" (gc; caller holds the lock). Every READY
+    entry is checked as readers check one, with numpy over the whole table (index's accessors
+    over arrays of words)."""
+    if g.index.damage:
+        raise g.index.corrupt()
+    count = _Q.unpack_from(g.meta.buf, M.N_LAYOUTS)[0]
+    if count > M.MAX_LAYOUTS:
+        return f"{g.meta.name} counts {count} layouts, more than its {M.MAX_LAYOUTS} slots"
+    for lid in range(count):
+        store._layout(g, lid)  # raises CorruptSegment on a damaged one
+    chunk = np.zeros(MAX_CLASSES + 1, np.uint64)  # class MAX_CLASSES: "not in use"
+    handed = np.zeros(MAX_CLASSES + 1, np.uint64)
+    for cls in g.classes.used_classes():
+        try:
+            entry = store._committed(g, cls, store._data(g, cls))
+        except FileNotFoundError:
+            return f"the data segment of size class {cls} is missing"
+        chunk[cls], handed[cls] = entry[2], entry[3]
+    w = g.index.words
+    s0, w2 = w[:, 0], w[:, 2]
+    if (s0 != 0).all():
+        raise g.index.corrupt()
+    ready = (s0 & np.uint64(READY)) != 0
+    unused = FLAG_BITS & ~(READY | INT_KEY | SPILLED)
+    if ((s0 != 0) & ~ready).any() or (s0 & np.uint64(unused)).any():
+        return f"{g.table.name} holds entries with state bits no writer sets"
+    lid = entry_layout(s0)
+    bad_lid = ready & (lid >= np.uint64(count)) & (lid != np.uint64(INLINE24))
+    mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
+    cls = np.minimum(entry_class(w2), np.uint64(MAX_CLASSES)).astype(np.intp)
+    n = entry_length(s0)
+    bad = mem & ((entry_chunk(w2) >= handed[cls]) | (n > chunk[cls]) | (n < np.uint64(_MIN_RECORD)))
+    if bad.any() or bad_lid.any():
+        pos = int(np.flatnonzero(bad | bad_lid)[0])
+        return (f"entry {pos} of {g.table.name} points where no record is (words "
+                f"{int(s0[pos]):#x}, {int(w2[pos]):#x})")
+    return ""
+
+
+def recount_items(store: CacheStore, g: Generation) -> list[str]:
+    """Set the item counters that the table's entries determine; the names of those that were
+    wrong (a damaged meta segment: len() and stats would lie, and a wrong entry count would
+    grow the table on every write)."""
+    s0 = g.index.words[:, 0]
+    ready = (s0 & np.uint64(READY)) != 0
+    mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
+    right = {M.TABLE_ITEMS: int(ready.sum()), M.ITEMS_MEM: int(mem.sum()),
+             M.BYTES_MEM: int(entry_length(s0[mem]).sum()),
+             M.ITEMS_DISK: int((ready & ~mem).sum())}
+    names = {M.TABLE_ITEMS: "table entries", M.ITEMS_MEM: "items in memory",
+             M.BYTES_MEM: "bytes in memory", M.ITEMS_DISK: "items on disk"}
+    wrong = []
+    for off, value in right.items():
+        if _Q.unpack_from(g.meta.buf, off)[0] != value:
+            wrong.append(f"{names[off]} ({_Q.unpack_from(g.meta.buf, off)[0]}, now {value})")
+            g.meta.words[off >> 3] = value
+    if wrong:
+        log.warning("cache %s/%s: gc recounted %s", store.session, store.name, ", ".join(wrong))
+    return wrong
+
+
+def recount_committed(g: Generation) -> None:
+    """Set the committed total from what it is made of (after a growth, and in gc: a writer
+    killed between two of its updates must not skew it for good)."""
+    total = M.SIZE + TableView.bytes_for(g.index.capacity)
+    for cls in g.classes.used_classes():
+        chunk, _, committed = g.classes.get(cls)
+        total += chunk * committed
+    g.meta.words[M.COMMITTED >> 3] = total
+
+
+def drop_generation(store: CacheStore, why: str) -> None:
+    """Replace a damaged generation by a new empty one (caller holds the lock): the fix that
+    CorruptSegment messages promise. Old segments go with gc's sweep of non-current names."""
+    root = store._root
+    gen = split_epoch(_Q.unpack_from(root.buf, RootLayout.EPOCH)[0])[0] + 1
+    g = store._gen
+    cap = g.index.capacity if g is not None and g.index.capacity else MIN_TABLE
+    store._create_generation(root, gen if gen < 1 << 32 else 1, store.capacity_bytes, cap)
+    ordering.fence()  # as in clear(): the new epoch word (the retirement) before the files' reuse
+    if store.spill is not None:
+        store.spill.clear()
+    elif store.read_meta().get("spill_path"):
+        shutil.rmtree(store.read_meta()["spill_path"], ignore_errors=True)
+    log.warning("cache %s/%s was damaged (%s); gc dropped its contents (they are recomputed on "
+                "use)", store.session, store.name, why)

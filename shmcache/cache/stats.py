@@ -1,0 +1,48 @@
+"""A cache's statistics (``stats()``, ``shmcache stat``): the totals of its meta segment and the
+sum of every process's row of counters, read without the lock (each word one aligned store:
+statistics, not a snapshot of one state)."""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .generation import COUNTER_NAMES, DEAD_GEN, HITS, MISSES, REJECTED, M
+from .registry import MAX_SLOTS
+
+if TYPE_CHECKING:
+    from .store import CacheStore
+
+__all__ = ["STAT_KEYS", "cache_stats", "uncached_stats"]
+
+STAT_KEYS = ("session", "name", "items_mem", "items_disk", "bytes_mem", "bytes_disk",
+             "bytes_disk_raw", "avg_item_bytes", "hits", "misses", "rejected", "capacity_bytes")
+
+
+def cache_stats(store: CacheStore) -> dict:
+    """The statistics of ``store``'s current generation (CacheStore.stats)."""
+    g = store._refresh()
+    meta = g.meta.buf
+    items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
+    items_disk, bytes_disk, bytes_disk_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
+    counters = np.ndarray((MAX_SLOTS, len(COUNTER_NAMES)), np.uint64, meta, M.COUNTERS).sum(axis=0)
+    items = items_mem + items_disk
+    return {
+        "session": store.session, "name": store.name,
+        "items_mem": items_mem, "items_disk": items_disk,
+        "bytes_mem": bytes_mem, "bytes_disk": bytes_disk, "bytes_disk_raw": bytes_disk_raw,
+        "avg_item_bytes": (bytes_mem + bytes_disk_raw) // items if items else 0,
+        **{name: int(n) for name, n in zip(COUNTER_NAMES, counters)},
+        "capacity_bytes": store.capacity_bytes, "committed_bytes": committed,
+        "shm_bytes": store.shm_bytes() if g.gen != DEAD_GEN else 0,  # not the cache made again
+    }
+
+
+def uncached_stats(session: str, name: str, counters: list[int]) -> dict:
+    """The statistics of an UncachedStore: its process's ``counters`` (hits, misses, rejected)."""
+    st = dict.fromkeys(STAT_KEYS, 0)
+    st.update(session=session, name=name, hits=counters[HITS], misses=counters[MISSES],
+              rejected=counters[REJECTED], corrupt=0, committed_bytes=0, shm_bytes=0, uncached=True)
+    return st
