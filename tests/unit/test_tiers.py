@@ -18,6 +18,10 @@ from shmcache.tiers.tiered_store import Tier, TieredStore, decode_portable, port
 
 class DictTier:
     name = "dict"
+    COUNTERS = ("records",)
+    read_only = False
+    authenticated = False
+    max_batch_bytes = 1 << 30
 
     def __init__(self, fail: str = ""):
         self.records: dict[bytes, bytes] = {}
@@ -40,8 +44,14 @@ class DictTier:
         self.calls.append(("offer", len(items)))
         self.records.update(items)
 
+    def bind(self, name, fingerprint):
+        self.calls.append(("bind", 0))
+
     def counters(self):
         return {"records": len(self.records)}
+
+    def totals(self):
+        return self.counters()
 
     def close(self):
         self.calls.append(("close", 0))
