@@ -92,7 +92,7 @@ def stats_from_files(registry, session: str, name: str) -> dict:
         counts = (remote.read_counts if tier == "remote" else _reader(tier))(
             tier_counts.counts_path(registry, session, name, tier))
         if counts is not None:
-            found[tier] = counts
+            found[tier] = (tier_counts.COUNTERS[tier], counts)
     if not found:
         return {}
     seam = tier_counts.read_counts(tier_counts.counts_path(registry, session, name, "tiers"),

@@ -97,17 +97,16 @@ def read_counts(path: str | os.PathLike, names: Sequence[str]) -> dict | None:
     return out
 
 
-def stats_keys(tiers: dict[str, dict | None], seam: dict | None) -> dict:
+def stats_keys(tiers: dict[str, tuple[Sequence[str], dict | None]], seam: dict | None) -> dict:
     """The tier keys of ``stats()`` and ``shmcache stat --json``, built here alone so the two agree:
-    from each tier's counters summed over every process (``tiers``: name -> counts with ``url``, None
-    for a tier never in force) ``<name>`` (its URL, password masked) and ``<name>_<counter>``; then
-    ``tiers`` ({name: its counters}) and, from the seam's counters (``seam``), ``tier_admitted``,
+    for each tier (name -> (its COUNTERS, its counts summed over every process with ``url``, or
+    None)) ``<name>`` (its URL, password masked) and ``<name>_<counter>``; then ``tiers`` ({name:
+    its counters}) and, from the seam's counters (``seam``), ``tier_admitted``,
     ``tier_undecodable`` and ``tier_pickle_refused``."""
     out: dict = {}
     grouped: dict = {}
-    for name, counts in tiers.items():
+    for name, (names, counts) in tiers.items():
         counts = counts or {}
-        names = COUNTERS.get(name) or [k for k in counts if k != "url"]
         out[name] = counts.get("url")
         grouped[name] = {k: counts.get(k, 0) for k in names}
         out.update({f"{name}_{k}": v for k, v in grouped[name].items()})

@@ -384,8 +384,8 @@ class TieredStore:
         """The local store's stats and the tier keys (counts.stats_keys: the keys of
         ``shmcache stat --json`` too), every counter summed over every process."""
         st = self.local.stats()
-        st.update(tier_counts.stats_keys({tier.name: self._call(tier, "totals") for tier in self.behind},
-                                         self.seam_totals()))
+        st.update(tier_counts.stats_keys({tier.name: (tier.COUNTERS, self._call(tier, "totals"))
+                                          for tier in self.behind}, self.seam_totals()))
         return st
 
     # --- lifecycle --------------------------------------------------------------------------
