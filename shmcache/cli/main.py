@@ -96,8 +96,7 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
 
 def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
     from ..cache.store import CacheStore  # numpy, no torch
-    from ..snapshot import tier as snapshot_tier  # numpy, no fsspec until a snapshot is read
-    from ..tiers.remote import counts_path, read_counts, stats_keys  # no redis-py needed
+    from ..tiers import assembly  # numpy, no redis-py nor fsspec: the tiers' counts files only
 
     out = []
     for name in registry.cache_names(session):
@@ -112,12 +111,8 @@ def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
             st["label"] = store.read_meta().get("label")  # wrap(label=), else the dataset's repr
         finally:
             store.close()
-        counts = read_counts(counts_path(registry, session, name))
-        if counts is not None:  # the cache has (had) a remote tier: its counters, every process's
-            st.update(stats_keys(None, counts))
-        counts = snapshot_tier.read_counts(snapshot_tier.counts_path(registry, session, name))
-        if counts is not None:  # a snapshot tier read through for it: its counters, every process's
-            st.update(snapshot_tier.stats_keys(counts))
+        # the tiers it has (had): their counters and the seam's, every process's - the keys stats() has
+        st.update(assembly.stats_from_files(registry, session, name))
         out.append(st)
     return out
 

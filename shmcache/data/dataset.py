@@ -262,7 +262,7 @@ class ShmDatasetCache:
 
             spilling.attach(self._store, self.spill_dir)
         self._attach_remote(fingerprint)
-        if self._snapshot is not None:  # in front of the remote tier (NOTE [tiers]: the order)
+        if self._snapshot is not None:  # assembly.ORDER puts it in front of the remote tier
             self._attach_snapshot(name, fingerprint)
         return self._store
 
@@ -282,25 +282,29 @@ class ShmDatasetCache:
                 pass
         url = resolve_remote(self._remote_arg, session_remote)
         if url is not None:
-            from ..tiers import remote
+            from ..tiers import assembly, remote
 
             if fingerprint is None and not self._store.uncached:  # a named cache bound earlier
                 fingerprint = self._store.read_meta().get("fingerprint")
-            self._store = remote.tiered(self._store, url, fingerprint, registry, self._secret, self.allow_pickle)
+            tier = remote.open_tier(self._store, url, fingerprint, registry, self._secret)
+            self._store = assembly.assemble(self._store, [tier], name=self._store.name, fingerprint=fingerprint,
+                                            allow_pickle=self.allow_pickle, registry=registry)
 
     def _attach_snapshot(self, name: str, fingerprint: str | None) -> None:
         """With a snapshot, the store becomes ``TieredStore(local, [SnapshotTier, ...])``; without
         one it stays the local store itself (no extra call on a hit)."""
         from ..cache.registry import SessionRegistry
-        from ..snapshot.tier import tiered
+        from ..snapshot.tier import open_tier
+        from ..tiers import assembly
 
         if fingerprint is None and not self._store.uncached:  # a named cache bound earlier
             fingerprint = self._store.read_meta().get("fingerprint")
         local = self._store
+        registry = SessionRegistry(namespace(self._ns_root))
         try:
-            self._store = tiered(local, self._snapshot[0], name, fingerprint,
-                                 SessionRegistry(namespace(self._ns_root)), self._snapshot[1],
-                                 self._secret, self.allow_pickle)
+            tier = open_tier(local, self._snapshot[0], registry, self._snapshot[1], self._secret)
+            self._store = assembly.assemble(local, [tier], name=name, fingerprint=fingerprint,
+                                            allow_pickle=self.allow_pickle, registry=registry)
         except BaseException:
             self._store = None
             local.close()
@@ -512,14 +516,9 @@ class ShmDatasetCache:
         opened by name, an import): a snapshot tier checks it (CacheMismatch), and a remote tier
         takes the identity every other process of this dataset uses (NOTE [remote tier]) - under
         the bare name it would share nothing with them, and meet another dataset of that name."""
-        for tier in getattr(self._store, "behind", ()):
-            if hasattr(tier, "bind"):
-                tier.bind(self.name, fp)
-        for tier in getattr(self._store, "behind", ()):
-            if hasattr(tier, "set_identity"):
-                from ..tiers.remote import identity
+        from ..tiers import assembly
 
-                tier.set_identity(identity(self.name, fp))
+        assembly.bind(self._store, self.name, fp)
 
     # --- single items ----------------------------------------------------------------------------
 
@@ -690,19 +689,11 @@ class ShmDatasetCache:
 
     def stats(self) -> dict:
         """Counters shared by every process (keys: docs/design.md §10); with a remote or a snapshot
-        tier, also its ``remote_*`` or ``snapshot_*`` counters, summed over every process."""
-        store = self.store
-        st = store.stats()
-        tiers = {tier.name: tier for tier in getattr(store, "behind", ())}
-        if "remote" in tiers:
-            from ..tiers import remote
+        tier, also its ``remote_*`` or ``snapshot_*`` counters and the seam's ``tier_*``, summed over
+        every process (tiers.assembly: the keys of ``shmcache stat --json`` too)."""
+        from ..tiers import assembly
 
-            st.update(remote.stats_keys(str(tiers["remote"].url), tiers["remote"].totals()))
-        if "snapshot" in tiers:
-            from ..snapshot.tier import stats_keys
-
-            st.update(stats_keys({**tiers["snapshot"].totals(), "url": tiers["snapshot"].url}))
-        return st
+        return assembly.stats(self.store)
 
     def clear(self) -> None:
         self.store.clear()

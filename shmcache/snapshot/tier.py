@@ -69,6 +69,7 @@ from ..base.settings import ENV_SNAPSHOT
 from ..base.trust import FORGED, TRAILER_BYTES, snapshot_ident
 from ..base.urls import mask_url, scrub_secret
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
+from ..tiers import assembly
 from ..tiers import counts as tier_counts
 from ..tiers import records as records
 from ..tiers.breaker import Breaker
@@ -76,14 +77,14 @@ from . import format as fmt
 from .location import FsspecLocation, LocalLocation, open_location, open_regular
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
-           "stats_keys", "check_options", "manifest_of"]
+           "open_tier", "check_options", "manifest_of", "snapshot_tier"]
 
 log = logging.getLogger("shmcache")
 _ADVICE = "copy the snapshot again, or export it again"
 _VERBS = ("is ", "has", "was", "can")  # a reason that reads on from the data file's path
 
 OPTIONS = ("force", "storage_options", "timeout_s", "allow_unsigned")  # snapshot_options= of ShmDatasetCache
-COUNTERS = ("hits", "misses", "bytes_read", "reads", "errors", "corrupt", "forged")
+COUNTERS = tier_counts.COUNTERS["snapshot"]  # hits, misses, bytes read, ... (NOTE [tier counts])
 _I = {name: i for i, name in enumerate(COUNTERS)}
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 1.0, 30.0
 _ENTRY = fmt.INDEX_DTYPE.itemsize
@@ -158,6 +159,7 @@ class SnapshotTier:
     ``counts_path`` and ``slot``: where this process's counters go (else they stay in it)."""
 
     name = "snapshot"
+    COUNTERS = COUNTERS
     read_only = True  # TieredStore.put offers it nothing (NOTE [tiers])
     # the most bytes one batch's values may take in all (TieredStore lowers it to the cache's
     # cap): a batch of records that each claim a GiB is refused past it, never all decoded
@@ -306,10 +308,11 @@ class SnapshotTier:
         self._ensure()
         return {name: int(self._c[i]) for i, name in enumerate(COUNTERS)}
 
-    def totals(self) -> dict[str, int]:
-        """The counts summed over every process of the session (this process's when not shared)."""
+    def totals(self) -> dict:
+        """The counts summed over every process of the session (this process's when not shared),
+        and ``url``: this tier's (no password)."""
         shared = read_counts(self._counts_path) if self._counts_path and self._slot else None
-        return shared if shared is not None else self.counters()
+        return {**(shared if shared is not None else self.counters()), "url": self.url}
 
     def close(self) -> None:
         if self._pid != os.getpid():
@@ -663,38 +666,29 @@ def read_counts(path: str | os.PathLike) -> dict | None:
     return tier_counts.read_counts(path, COUNTERS)
 
 
-def stats_keys(counts: dict | None) -> dict:
-    """The ``snapshot`` and ``snapshot_*`` keys of ``stats()`` and ``shmcache stat``."""
-    out = {"snapshot": (counts or {}).get("url")}
-    out.update({f"snapshot_{k}": (counts or {}).get(k, 0) for k in COUNTERS})
-    return out
-
-
 # --- wiring ---------------------------------------------------------------------------------------------
+
+
+def open_tier(local: Any, url: str | os.PathLike, registry, options: dict | None = None,
+              secret: bytes | None = None) -> SnapshotTier:
+    """The snapshot tier at ``url`` of cache ``local`` (a CacheStore or a TieredStore), its
+    counters in the cache's counts file when the store is shared. The caller hands it to
+    ``tiers.assembly.assemble``, which binds it to the cache and puts it first (NOTE [tiers])."""
+    from ..cache import process_slot
+
+    shared = not local.uncached  # an uncached store holds no liveness slot
+    session, name = local.session, local.name
+    return SnapshotTier(url, **check_options(options), secret=secret,
+                        counts_path=counts_path(registry, session, name) if shared else None,
+                        slot=(lambda: process_slot.slot(registry, session)) if shared else None)
 
 
 def tiered(local: Any, url: str | os.PathLike, name: str, fingerprint: str | None, registry,
            options: dict | None = None, secret: bytes | None = None, allow_pickle: bool = False) -> Any:
     """``local`` (a CacheStore, or a TieredStore already) with the snapshot at ``url`` as its first
-    tier: read-only, exact and cheap, it is asked before a remote (NOTE [tiers])."""
-    from ..cache import process_slot
-    from ..tiers.tiered_store import TieredStore
-
-    shared = not getattr(local, "uncached", False)  # an uncached store holds no liveness slot
-    base = local.local if isinstance(local, TieredStore) else local
-    tier = SnapshotTier(url, **check_options(options), secret=secret,
-                        counts_path=counts_path(registry, base.session, base.name) if shared else None,
-                        slot=(lambda: process_slot.slot(registry, base.session)) if shared else None)
-    try:
-        tier.bind(name, fingerprint)
-    except BaseException:
-        tier.close()
-        raise
-    if isinstance(local, TieredStore):
-        local.behind.insert(0, tier)
-        local.allow_pickle = allow_pickle
-        return local
-    return TieredStore(local, [tier], allow_pickle=allow_pickle)
+    tier: read-only, exact and cheap, it is asked before a remote (assembly.ORDER)."""
+    return assembly.assemble(local, [open_tier(local, url, registry, options, secret)], name=name,
+                             fingerprint=fingerprint, allow_pickle=allow_pickle, registry=registry)
 
 
 def manifest_of(url: str | os.PathLike, options: dict | None = None, secret: bytes | None = None) -> fmt.Manifest:
@@ -715,7 +709,7 @@ def manifest_of(url: str | os.PathLike, options: dict | None = None, secret: byt
 
 def snapshot_tier(store: Any) -> SnapshotTier | None:
     """The snapshot tier behind ``store``, if any."""
-    for tier in getattr(store, "behind", ()):
+    for tier in assembly.tiers_of(store):
         if isinstance(tier, SnapshotTier):
             return tier
     return None

@@ -1,5 +1,7 @@
-"""The counters of a tier behind shared memory (remote, snapshot), shared by the processes of a
-session: one file per cache and tier, ``caches/<cache>.<tier>``, beside the cache's metadata.
+"""The counters of a tier behind shared memory (remote, snapshot) and of the seam that reads
+them (``tiers``: TieredStore's), shared by the processes of a session: one file per cache and
+tier, ``caches/<cache>.<tier>``, beside the cache's metadata; ``stats_keys`` makes the keys of
+``stats()`` and ``shmcache stat --json`` from them.
 
 NOTE [tier counts]
     The file is MAX_SLOTS rows of ROW_WORDS uint64 words, then URL_BYTES of the tier's URL (its
@@ -23,7 +25,7 @@ import numpy as np
 
 from ..cache.registry import MAX_SLOTS
 
-__all__ = ["ROW_WORDS", "counts_path", "process_row", "read_counts"]
+__all__ = ["ROW_WORDS", "COUNTERS", "counts_path", "process_row", "read_counts"]
 
 log = logging.getLogger("shmcache")
 
@@ -31,9 +33,18 @@ ROW_WORDS = 16  # one 128-byte row per process slot (the remote tier counts 9 th
 URL_BYTES = 512  # after the rows: the URL the counts are of (for `shmcache stat`)
 _ROWS_BYTES = MAX_SLOTS * ROW_WORDS * 8
 
+# the words of a row of each counts file, in order: one file per tier (its name), and ``tiers``
+# for the seam's own (tiered_store.TieredStore: tier hits admitted, records refused)
+COUNTERS = {
+    "snapshot": ("hits", "misses", "bytes_read", "reads", "errors", "corrupt", "forged"),
+    "remote": ("hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "dropped", "backlog",
+               "forged"),
+    "tiers": ("admitted", "undecodable", "pickle_refused"),
+}
+
 
 def counts_path(registry, session: str, name: str, tier: str) -> Path:
-    """The counts file of cache ``name``'s tier ``tier`` ("remote", "snapshot")."""
+    """The counts file of cache ``name``'s tier ``tier`` ("remote", "snapshot"; "tiers": the seam's)."""
     return registry.session_dir(session) / "caches" / f"{name}.{tier}"
 
 
@@ -83,4 +94,22 @@ def read_counts(path: str | os.PathLike, names: Sequence[str]) -> dict | None:
     total = rows.sum(axis=0) if len(rows) else np.zeros(ROW_WORDS, np.uint64)
     out: dict = {name: int(total[i]) for i, name in enumerate(names)}
     out["url"] = raw[n:n + URL_BYTES].rstrip(b"\0").decode(errors="replace") or None
+    return out
+
+
+def stats_keys(tiers: dict[str, tuple[Sequence[str], dict | None]], seam: dict | None) -> dict:
+    """The tier keys of ``stats()`` and ``shmcache stat --json``, built here alone so the two agree:
+    for each tier (name -> (its COUNTERS, its counts summed over every process with ``url``, or
+    None)) ``<name>`` (its URL, password masked) and ``<name>_<counter>``; then ``tiers`` ({name:
+    its counters}) and, from the seam's counters (``seam``), ``tier_admitted``,
+    ``tier_undecodable`` and ``tier_pickle_refused``."""
+    out: dict = {}
+    grouped: dict = {}
+    for name, (names, counts) in tiers.items():
+        counts = counts or {}
+        out[name] = counts.get("url")
+        grouped[name] = {k: counts.get(k, 0) for k in names}
+        out.update({f"{name}_{k}": v for k, v in grouped[name].items()})
+    out["tiers"] = grouped
+    out.update({f"tier_{k}": (seam or {}).get(k, 0) for k in COUNTERS["tiers"]})
     return out

@@ -91,7 +91,7 @@ from .breaker import Breaker
 from .records import MAX_RAW_BYTES, pack_record, unpack_record
 
 __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
-           "probe", "read_counts", "COUNTERS", "resolve", "identity", "counts_path", "tiered", "stats_keys"]
+           "probe", "read_counts", "COUNTERS", "resolve", "identity", "counts_path", "open_tier"]
 
 log = logging.getLogger("shmcache")
 
@@ -312,7 +312,7 @@ _SAY = {
               f"${ENV_SECRET})",
 }
 
-COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "dropped", "backlog", "forged")
+COUNTERS = tier_counts.COUNTERS["remote"]  # hits, misses, bytes read and written, ... (NOTE [tier counts])
 _I = {name: i for i, name in enumerate(COUNTERS)}
 
 
@@ -326,11 +326,13 @@ def read_counts(path: str | os.PathLike) -> dict | None:
 
 
 class RedisTier:
-    """The values of one cache in Redis (NOTE [remote tier]), a ``tiers.Tier``: portable keys and
-    records in and out, each stored as a self-checking record; faults are misses. ``identity``
-    names the cache (its name and fingerprint, not the session)."""
+    """The values of one cache in Redis (NOTE [remote tier]), a ``tiers.protocol.Tier``: portable
+    keys and records in and out, each stored as a self-checking record; faults are misses.
+    ``identity`` names the cache (its name and fingerprint, not the session: ``bind``)."""
 
     name = "remote"
+    COUNTERS = COUNTERS
+    read_only = False  # what the job computes is offered, and written behind the training loop
     # the most bytes one batch's values may take in all (TieredStore lowers it to the cache's
     # cap): values that each claim a GiB are refused past it, never all decoded
     max_batch_bytes = MAX_RAW_BYTES
@@ -364,10 +366,14 @@ class RedisTier:
         """Whether every value this tier returns carried the job's MAC (TieredStore trusts those)."""
         return self._mac is not None
 
-    def set_identity(self, identity: str) -> None:
-        """A named cache bound to its dataset's fingerprint after it was opened (dataset._bind)."""
-        self.identity = identity
-        self.prefix = b"shmcache:" + identity.encode() + b":"
+    def bind(self, name: str | None, fingerprint: str | None) -> None:
+        """The cache's identity (``identity(name, fingerprint)``): at assembly, and again when a
+        named cache learns its dataset after it was opened - under the bare name it would share
+        nothing with the other processes of this dataset, and meet another dataset of that name."""
+        if name is None:  # the identity the tier was made with stays
+            return
+        self.identity = identity(name, fingerprint)
+        self.prefix = b"shmcache:" + self.identity.encode() + b":"
 
     # --- per process: clients, queue, writer thread --------------------------------------------
 
@@ -464,16 +470,16 @@ class RedisTier:
     def get_many(self, pkeys: Sequence[bytes]) -> list[bytearray | None]:
         """The portable records of ``pkeys`` (None: a miss, a fault, the breaker open, or a value
         that is not this cache's record for that key); one round trip in all."""
-        raw = self.fetch(pkeys)
+        rkeys = [self.prefix + k for k in pkeys]  # the Redis keys, made once: read, MAC, record
+        raw = self._fetch(rkeys)
         dctx = getattr(self._dctx, "ctx", None)
         if dctx is None:
             dctx = self._dctx.ctx = zstandard.ZstdDecompressor()
         out: list = []
         bad = forged = 0
         left = self.max_batch_bytes
-        for pkey, value in zip(pkeys, raw):
+        for pkey, rkey, value in zip(pkeys, rkeys, raw):
             if value is not None and self._mac is not None:
-                rkey = self.prefix + pkey
                 value, verdict = self._mac.open(rkey, value)  # before a byte of it is parsed
                 if verdict == FORGED:
                     forged += 1
@@ -482,7 +488,7 @@ class RedisTier:
                     if "forged" not in self._logged:
                         self._say("forged", None, f" (the first: key {pkey!r})")
             if value is not None:
-                value, why = unpack_record(value, self.prefix + pkey, dctx, limit=left)
+                value, why = unpack_record(value, rkey, dctx, limit=left)
                 if value is not None:
                     left -= len(value)
                 else:
@@ -501,15 +507,18 @@ class RedisTier:
 
     def fetch(self, pkeys: Sequence[bytes]) -> list[bytes | None]:
         """The raw Redis values of ``pkeys`` (unchecked); one round trip in all."""
+        return self._fetch([self.prefix + k for k in pkeys])
+
+    def _fetch(self, rkeys: list[bytes]) -> list[bytes | None]:
+        """``fetch`` of the Redis keys ``rkeys``."""
         self._ensure()
-        if not pkeys or self._closed or self._open():
-            return [None] * len(pkeys)
-        rkeys = [self.prefix + k for k in pkeys]
+        if not rkeys or self._closed or self._open():
+            return [None] * len(rkeys)
         try:
             raw = self._read(rkeys)
         except _faults() as exc:  # every client fault is a miss (NOTE [remote tier])
             self._failed(exc)
-            return [None] * len(pkeys)
+            return [None] * len(rkeys)
         self._succeeded()
         hits = sum(v is not None for v in raw)
         with self._lock:
@@ -651,10 +660,10 @@ class RedisTier:
 
     def totals(self) -> dict:
         """The counters summed over every process of the session (NOTE [tier counts]); this
-        process's alone when they are not shared."""
+        process's alone when they are not shared; ``url``: this tier's, password masked."""
         self._ensure()
         shared = read_counts(self._counts_path) if self._counts_path and self._slot else None
-        return shared if shared is not None else self.counters()
+        return {**(shared if shared is not None else self.counters()), "url": mask_url(self.url.masked)}
 
     def close(self, timeout_s: float = FLUSH_S) -> None:
         """Flush the queue (within ``timeout_s``), stop the writer, close the connections."""
@@ -835,25 +844,14 @@ def counts_path(registry, session: str, name: str) -> Path:
     return tier_counts.counts_path(registry, session, name, "remote")
 
 
-def tiered(local, url: str, fingerprint: str | None, registry, secret: bytes | None = None,
-           allow_pickle: bool = False):
-    """``local`` (a CacheStore) with the remote tier at ``url`` behind it (tiers.TieredStore);
-    ``secret``: the job's (trust.resolve_secret), ``allow_pickle``: NOTE [record authentication]."""
+def open_tier(local, url: str, fingerprint: str | None, registry, secret: bytes | None = None) -> RedisTier:
+    """The remote tier at ``url`` of cache ``local`` (a CacheStore), its counters in the cache's
+    counts file when the store is shared; ``secret``: the job's (trust.resolve_secret). The
+    caller hands it to ``assembly.assemble``."""
     from ..cache import process_slot
-    from .tiered_store import TieredStore
 
-    shared = not getattr(local, "uncached", False)  # an uncached store holds no liveness slot
-    tier = RedisTier(url, identity(local.name, fingerprint),
+    shared = not local.uncached  # an uncached store holds no liveness slot
+    return RedisTier(url, identity(local.name, fingerprint),
                      counts_path=counts_path(registry, local.session, local.name) if shared else None,
                      slot=(lambda: process_slot.slot(registry, local.session)) if shared else None,
                      secret=secret)
-    return TieredStore(local, [tier], allow_pickle=allow_pickle)
-
-
-def stats_keys(url: str | None, counts: dict | None) -> dict:
-    """The ``remote_*`` keys of ``stats()`` and ``shmcache stat``: the masked URL and the counters
-    summed over every process (``counts``: read_counts, or None for a cache without a remote)."""
-    url = url or (counts or {}).get("url")
-    out = {"remote": mask_url(url) if url else None}
-    out.update({f"remote_{k}": (counts or {}).get(k, 0) for k in COUNTERS})
-    return out

@@ -7,7 +7,7 @@ wider than one node or one run: a Redis server for every node of a job (``remote
 read-only snapshot on disk or object storage (``snapshot/``). :class:`TieredStore` composes
 them::
 
-    store = TieredStore(CacheStore(...), [snapshot_tier, remote_tier])
+    store = assembly.assemble(CacheStore(...), [remote_tier, snapshot_tier], name=..., fingerprint=...)
     store.lookup(key)          # shared memory; else each tier in order; a tier's hit is admitted
     store.lookup_batch(keys)   # the same, one batched call per tier for the batch's misses
     store.put(key, value)      # into shared memory, and offered to every tier (write-behind)
@@ -22,7 +22,7 @@ NOTE [tiers]
       session's name) to it, so nodes find each other's values and two datasets never meet.
     * portable record = the codec's record with its layout inline (``codec.INLINE``), so it
       decodes anywhere, with no interned layout table. A tier wraps it in the self-checking
-      record of ``spill/format.py`` (magic, key, lengths, codec, checksum): a value that is
+      record of ``tiers/records.py`` (magic, key, lengths, codec, checksum): a value that is
       corrupt, cut short or another key's is a miss, counted by the tier, never returned.
 
     Trust (NOTE [record authentication], trust.py): a tier whose every record carried the job's
@@ -32,10 +32,25 @@ NOTE [tiers]
     ``tier_pickle_refused``, one log line naming ``allow_pickle=True`` - since once admitted into
     shared memory it would be unpickled by every process that reads it.
 
-    Order: shared memory, then the snapshot (read-only, exact: a value of this very dataset,
-    checked when it was opened, and the cheapest to reach - a local file or one ranged read),
-    then the remote (shared and writable, but a network round trip and values other nodes wrote);
-    ``snapshot.tier.tiered`` puts a snapshot tier first whatever was attached before it.
+    Assembly: one place, ``assembly.py``, wires a cache's tiers, only through the methods of
+    the ``Tier`` protocol (``protocol.py``; RedisTier and SnapshotTier implement it): the layer
+    of each tier makes it (``remote.open_tier``, ``snapshot.tier.open_tier``), and
+    ``assembly.assemble`` binds it to the cache's identity (``Tier.bind``: name and fingerprint,
+    again through ``assembly.bind`` when the dataset becomes known later), puts it in ORDER,
+    lowers its ``max_batch_bytes`` to the cache's cap and offers writes only to the tiers that
+    are not ``read_only``. The order: shared memory, then the snapshot (read-only, exact: a value
+    of this very dataset, checked when it was opened, and the cheapest to reach - a local file or
+    one ranged read), then the remote (shared and writable, but a network round trip and values
+    other nodes wrote), whatever order they were attached in.
+
+    The key is converted once: the seam turns the cache key into its portable key (and, for a
+    write, the key bytes the record carries) once per read or write, and hands the same bytes
+    to every tier.
+
+    Counts: each tier counts in its own file, the seam (tier hits admitted, records that do not
+    decode, pickled leaves refused) in the cache's ``tiers`` file, both NOTE [tier counts];
+    ``counts.stats_keys`` alone turns them into the keys of ``stats()`` and of
+    ``shmcache stat --json`` (``assembly.stats_from_files``), which therefore agree.
 
     A tier never raises for its own faults (unreachable, slow, full, damaged): it answers a miss,
     counts it, and logs one line per condition. ``TieredStore`` still guards every call, so a tier
@@ -46,7 +61,7 @@ NOTE [tiers]
     by a tier's: shared memory is the first and final word on one node.
 
     The spill files are a tier too, of the other kind: an *indexed* tier
-    (``tier_protocol.IndexedTier``, implemented by ``spill/tier.py``'s ``SpillTier``), found
+    (``cache.indexed_tier.IndexedTier``, implemented by ``spill/tier.py``'s ``SpillTier``), found
     through the store's own shared index rather than asked by key. It holds the same key
     (``index.tier_key``) with the record, but it does not decide anything: the store, under its
     lock, calls ``write(key, record)``, which only stores and answers a ``RecordLocation`` (or None: not
@@ -60,47 +75,25 @@ NOTE [tiers]
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
 
 from ..base.trust import PICKLE_HINT
 from ..cache import codec
 from ..cache.index import key_bytes, tier_key
 from ..cache.store import MISSING
 from ..errors import ShmcacheError
+from . import counts as tier_counts
+from .protocol import Buffer, Tier
 
 __all__ = ["Tier", "TieredStore", "portable_key", "key_of_portable", "portable_record", "decode_portable",
            "PickleRefused", "untrusted_problem"]
 
 log = logging.getLogger("shmcache")
-
-Buffer = bytes | bytearray | memoryview
-
-
-@runtime_checkable
-class Tier(Protocol):
-    """A place a cache's values can live behind its shared memory (NOTE [tiers])."""
-
-    name: str  # "remote", "snapshot": how stats() and the logs call it
-    # optional: a tier with ``read_only = True`` is never offered anything (TieredStore.put skips
-    # packing the portable record, a copy of the value, for it)
-
-    def get(self, key: bytes) -> Buffer | None:
-        """The portable record stored under the portable ``key``, or None (a miss, or a fault).
-        A bytearray must be fresh, referenced by nothing else: the value decoded from it keeps it."""
-
-    def get_many(self, keys: Sequence[bytes]) -> list[Buffer | None]:
-        """``get`` for many keys in one batched round trip, in the order given."""
-
-    def offer(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
-        """(portable key, portable record) pairs this process computed; the tier may store them
-        now or later, or drop them (a read-only tier ignores them). Never blocks for long."""
-
-    def counters(self) -> dict[str, int]:
-        """What this process saw of the tier: hits, misses, errors, bytes read and written, ..."""
-
-    def close(self) -> None:
-        """Finish pending writes (bounded in time) and release connections and files."""
+_SEAM = {name: i for i, name in enumerate(tier_counts.COUNTERS["tiers"])}
 
 
 def portable_key(key: Any) -> bytes:
@@ -128,7 +121,11 @@ def key_of_portable(pkey: Buffer) -> Any:
 
 def portable_record(enc: codec.Encoded, key: Any) -> bytes:
     """The encoded value as a record that decodes on any node (its layout inline)."""
-    kb = key_bytes(key)[1]
+    return _portable_record(enc, key_bytes(key)[1])
+
+
+def _portable_record(enc: codec.Encoded, kb: bytes) -> bytes:
+    """``portable_record`` of the key whose bytes (index.key_bytes) are ``kb``."""
     out = bytearray(enc.record_len(len(kb), True))
     enc.write(memoryview(out), codec.INLINE, kb)
     return bytes(out)
@@ -189,31 +186,99 @@ def decode_portable(record: Buffer, trusted: bool = True, allow_pickle: bool = F
         raise ValueError(f"the record does not decode: {exc!r}") from None
 
 
+
+
 class TieredStore:
     """A cache's local store (shared memory, then spill) with tiers behind it (NOTE [tiers]).
 
-    Everything but reads, writes, stats and close goes to the local store unchanged (the batch
-    gather serves only keys that are all in shared memory; anything else comes back here through
-    ``lookup_batch``). Without tiers, callers keep the local store itself: no cost on a hit.
+    Reads, writes, stats and close go through the tiers; the local store's other methods that
+    callers use (the batch gather, metadata, import and export, lifecycle) are this object's own,
+    bound to the local store once (no lookup per call; the batch gather serves only keys that are
+    all in shared memory, anything else comes back here through ``lookup_batch``). Without tiers,
+    callers keep the local store itself: no cost on a hit. Built by ``assembly.assemble``, which
+    orders the tiers; ``tiers`` here are asked in the order given.
     """
 
-    def __init__(self, local, behind: Sequence[Tier], allow_pickle: bool = False):
+    def __init__(self, local, behind: Sequence[Tier], allow_pickle: bool = False, *,
+                 counts_path: str | os.PathLike | None = None, slot: Callable[[], int] | None = None):
         self.local = local
-        self.behind = list(behind)
         # a tier whose records are not authenticated (``tier.authenticated`` false) serves data,
         # never code: a pickled leaf is refused unless allowed (NOTE [record authentication])
         self.allow_pickle = allow_pickle
-        cap = getattr(local, "capacity_bytes", 0)
-        for tier in self.behind:  # a batch's values past the cache's cap are refused, never decoded
-            if cap and isinstance(getattr(tier, "max_batch_bytes", None), int):
-                tier.max_batch_bytes = min(tier.max_batch_bytes, cap)
+        self.behind: list[Tier] = []
+        self._writable: list[Tier] = []
+        self.set_tiers(behind)
         self._failed: set[tuple[str, str]] = set()  # (tier, method) that raised: logged once
-        self.admitted = 0  # tier hits this process admitted into shared memory
-        self.undecodable = 0  # tier records that passed their checks yet did not decode
-        self.pickle_refused = 0  # unauthenticated tier records refused for a pickled leaf
+        # the seam's counters (tier hits admitted, records refused): this process's row of the
+        # cache's ``tiers`` counts file (NOTE [tier counts]), made again in a forked child
+        self._counts_path, self._slot = counts_path, slot
+        self._pid, self._c = -1, np.zeros(len(_SEAM), np.uint64)
+        # the batch gather's calls, bound to the local store once (no lookup per call on a hit)
+        self.batch_layout, self.absent_ints = local.batch_layout, local.absent_ints
+        self.all_in_memory, self.gather_ints = local.all_in_memory, local.gather_ints
+        self.out_matches = local.out_matches
 
-    def __getattr__(self, name: str):
-        return getattr(self.local, name)  # only for what this class does not define
+    def set_tiers(self, tiers: Sequence[Tier]) -> None:
+        """Read through ``tiers`` in this order from now on (``assembly.assemble`` orders them)."""
+        cap = getattr(self.local, "capacity_bytes", 0)  # an uncached store has none
+        for tier in tiers:  # a batch's values past the cache's cap are refused, never decoded
+            if cap:
+                tier.max_batch_bytes = min(tier.max_batch_bytes, cap)
+        self.behind = list(tiers)
+        # a read-only tier (a snapshot) takes nothing: put packs no copy of the value for it
+        self._writable = [tier for tier in self.behind if not tier.read_only]
+
+    # --- the local store's state ------------------------------------------------------------
+
+    @property
+    def session(self) -> str:
+        return self.local.session
+
+    @property
+    def name(self) -> str:
+        return self.local.name
+
+    @property
+    def uncached(self) -> bool:
+        return self.local.uncached
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.local.capacity_bytes
+
+    @property
+    def spill(self):
+        return self.local.spill
+
+    @property
+    def meta_path(self):
+        return self.local.meta_path
+
+    # --- the local store's own calls (metadata, import and export, lifecycle) ---------------
+
+    def locked(self):
+        return self.local.locked()
+
+    def read_meta(self) -> dict:
+        return self.local.read_meta()
+
+    def record_label(self, label: str) -> None:
+        self.local.record_label(label)
+
+    def bind_fingerprint(self, fingerprint: str) -> None:
+        self.local.bind_fingerprint(fingerprint)
+
+    def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
+        return self.local.put_records(items)  # an import: into shared memory only, not offered
+
+    def portable_records(self):
+        return self.local.portable_records()  # an export: what this node holds
+
+    def clear(self) -> None:
+        self.local.clear()  # shared memory (the tiers are shared wider: left as they are)
+
+    def destroy(self) -> None:
+        self.local.destroy()
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -221,7 +286,7 @@ class TieredStore:
         value = self.local.lookup(key, copy, count)
         if value is not MISSING or not self.behind:
             return value
-        pk = portable_key(key)
+        pk = portable_key(key)  # converted once: every tier is asked with these bytes
         for tier in self.behind:
             record = self._call(tier, "get", pk)
             if record is not None:
@@ -234,7 +299,7 @@ class TieredStore:
         values, missing = self.local.lookup_batch(keys, copy)
         if not missing or not self.behind:
             return values, missing
-        pks = {i: portable_key(keys[i]) for i in missing}
+        pks = {i: portable_key(keys[i]) for i in missing}  # converted once for every tier
         for tier in self.behind:
             records = self._call(tier, "get_many", [pks[i] for i in missing]) or [None] * len(missing)
             still = []
@@ -261,9 +326,9 @@ class TieredStore:
             # private bytes: the value owns them (a tier returns a bytearray only when it is fresh
             # and its own - Tier.get - so it is not copied again)
             value = decode_portable(record if type(record) is bytearray else bytearray(record),
-                                    bool(getattr(tier, "authenticated", False)), self.allow_pickle)
+                                    tier.authenticated, self.allow_pickle)
         except PickleRefused as exc:
-            self.pickle_refused += 1
+            self._count("pickle_refused")
             if ("pickle", tier.name) not in self._failed:
                 self._failed.add(("pickle", tier.name))
                 log.warning("cache %s/%s: the %s tier returned a record of key %r that %s, and its records "
@@ -272,7 +337,7 @@ class TieredStore:
                             tier.name, key, str(exc).removeprefix("it "), PICKLE_HINT)
             return MISSING
         except ValueError as exc:
-            self.undecodable += 1
+            self._count("undecodable")
             if ("decode", "") not in self._failed:
                 self._failed.add(("decode", ""))
                 log.warning("cache %s/%s: a tier returned a record of key %r that does not decode "
@@ -281,7 +346,7 @@ class TieredStore:
             return MISSING
         # the record as it came, no decode-and-encode round: put_records copies its bytes in once
         if self.local.put_records([(key, record)])[0]:
-            self.admitted += 1
+            self._count("admitted")
         return value
 
     # --- writes -----------------------------------------------------------------------------
@@ -289,21 +354,41 @@ class TieredStore:
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
         enc = encoded or codec.encode(value, f"the value of key {key!r}")
         stored = self.local.put(key, value, encoded=enc)
-        writable = [tier for tier in self.behind if not getattr(tier, "read_only", False)]
-        if writable:  # a read-only tier (a snapshot) takes nothing: no copy of the value for it
-            item = [(portable_key(key), portable_record(enc, key))]
-            for tier in writable:
+        if self._writable:  # a read-only tier (a snapshot) takes nothing: no copy of the value for it
+            w1, kb = key_bytes(key)  # converted once, for the key and the record
+            item = [(tier_key(w1, kb), _portable_record(enc, kb))]
+            for tier in self._writable:
                 self._call(tier, "offer", item)
         return stored
 
-    # --- the rest ---------------------------------------------------------------------------
+    # --- counters ---------------------------------------------------------------------------
+
+    def _count(self, counter: str) -> None:
+        """One more of the seam's ``counter`` in this process's row (NOTE [tier counts])."""
+        if self._pid != os.getpid():  # the first count, or a forked child: its own row
+            self._c = tier_counts.process_row(self._counts_path, "", self._slot,
+                                              f"the tiers of cache {self.local.session}/{self.local.name}")
+            self._pid = os.getpid()
+        self._c[_SEAM[counter]] += np.uint64(1)
+
+    def seam_totals(self) -> dict:
+        """The seam's counters summed over every process (this process's when not shared)."""
+        if self._counts_path is not None and self._slot is not None:
+            shared = tier_counts.read_counts(self._counts_path, tier_counts.COUNTERS["tiers"])
+            if shared is not None:
+                return shared
+        mine = self._c if self._pid == os.getpid() else np.zeros(len(_SEAM), np.uint64)
+        return {name: int(mine[i]) for name, i in _SEAM.items()}
 
     def stats(self) -> dict:
+        """The local store's stats and the tier keys (counts.stats_keys: the keys of
+        ``shmcache stat --json`` too), every counter summed over every process."""
         st = self.local.stats()
-        st["tiers"] = {tier.name: self._call(tier, "counters") or {} for tier in self.behind}
-        st["tier_admitted"], st["tier_undecodable"] = self.admitted, self.undecodable
-        st["tier_pickle_refused"] = self.pickle_refused
+        st.update(tier_counts.stats_keys({tier.name: (tier.COUNTERS, self._call(tier, "totals"))
+                                          for tier in self.behind}, self.seam_totals()))
         return st
+
+    # --- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
         try:

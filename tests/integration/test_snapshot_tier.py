@@ -158,6 +158,24 @@ def test_dataloader_workers_read_through_and_count_into_the_shared_counters(tmp_
     cache.close()
 
 
+def test_stats_and_stat_json_have_the_same_tier_keys_and_counts(tmp_path):
+    """One place builds the tier keys (tiers.counts.stats_keys): stats() of the job, from its
+    tiers, and `shmcache stat --json`, from the counts files, have the same keys and numbers -
+    the seam's tier_* and tiers too, counted by the DataLoader's workers in their own rows."""
+    url = tmp_path / "snap"
+    _export(url)
+    cache, ds, _ = _job(url)
+    for _ in DataLoader(ds, batch_size=10, num_workers=2):
+        pass
+    st = cache.stats()
+    row = next(r for r in _cli_stat_json() if r["session"] == "dst")
+    tier_keys = {k for k in st if k == "tiers" or k.startswith(("snapshot", "remote", "tier_"))}
+    assert {"tiers", "tier_admitted", "tier_undecodable", "tier_pickle_refused", "snapshot_hits"} <= tier_keys
+    assert {k: row.get(k) for k in tier_keys} == {k: st[k] for k in tier_keys}
+    assert st["tier_admitted"] == st["snapshot_hits"] == st["tiers"]["snapshot"]["hits"] > 0
+    cache.close()
+
+
 def _cli_stat_json():
     import contextlib
     import io
@@ -441,6 +459,8 @@ def test_a_snapshot_goes_in_front_of_a_tier_attached_before_it(tmp_path):
 
     class Other:
         name = "remote"
+        read_only = False
+        max_batch_bytes = 1 << 30
 
     url = tmp_path / "snap"
     _export(url)

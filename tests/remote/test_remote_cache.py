@@ -255,6 +255,23 @@ def test_cluster(redis_cluster, tmp_path):
 
 # --- what a user sees: stat, info -----------------------------------------------------------------
 
+def test_stats_and_stat_json_have_the_same_tier_keys_with_a_remote(redis_server, capsys):
+    from shmcache.cli.main import main as cli_main
+
+    cache, ds = _cache("agree", redis_server.url)
+    for i in range(20):
+        ds[i]
+    _flush(cache)
+    st = cache.stats()
+    assert cli_main(["stat", "agree", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    keys = {k for k in st if k == "tiers" or k.startswith(("remote", "tier_"))}
+    assert {"remote", "remote_misses", "tiers", "tier_admitted", "tier_pickle_refused"} <= keys
+    assert {k: row.get(k) for k in keys} == {k: st[k] for k in keys}
+    assert st["tiers"]["remote"]["misses"] == st["remote_misses"] >= 16
+    cache.close()
+
+
 def test_stat_and_info_show_the_remote_never_its_password(redis_server, capsys, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)
     cache, ds = _cache("nodeA", redis_server.url)

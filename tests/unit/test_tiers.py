@@ -18,6 +18,10 @@ from shmcache.tiers.tiered_store import Tier, TieredStore, decode_portable, port
 
 class DictTier:
     name = "dict"
+    COUNTERS = ("records",)
+    read_only = False
+    authenticated = False
+    max_batch_bytes = 1 << 30
 
     def __init__(self, fail: str = ""):
         self.records: dict[bytes, bytes] = {}
@@ -40,8 +44,14 @@ class DictTier:
         self.calls.append(("offer", len(items)))
         self.records.update(items)
 
+    def bind(self, name, fingerprint):
+        self.calls.append(("bind", 0))
+
     def counters(self):
         return {"records": len(self.records)}
+
+    def totals(self):
+        return self.counters()
 
     def close(self):
         self.calls.append(("close", 0))
@@ -162,3 +172,22 @@ def test_key_of_portable_refuses_bytes_that_are_no_portable_key(bad):
 
     with pytest.raises(ValueError):
         key_of_portable(bad)
+
+
+def test_the_assembly_orders_binds_and_offers_writes_only_to_writable_tiers(local):
+    from shmcache.tiers import assembly
+
+    remote, snapshot, other = DictTier(), DictTier(), DictTier()
+    remote.name, snapshot.name, other.name = "remote", "snapshot", "other"
+    snapshot.read_only = True
+    store = assembly.assemble(local, [other, remote], name="main", fingerprint="fp")
+    assert assembly.assemble(store, [snapshot], name="main", fingerprint="fp") is store
+    assert [t.name for t in assembly.tiers_of(store)] == ["snapshot", "remote", "other"]  # ORDER
+    assert all(("bind", 0) in t.calls for t in (remote, snapshot, other))
+    assembly.bind(store, "main", "fp2")  # the dataset became known later: every tier learns it
+    assert all(t.calls.count(("bind", 0)) == 2 for t in (remote, snapshot, other))
+    store.put(1, sample(1))
+    assert not snapshot.records and remote.records and other.records  # a read-only tier takes nothing
+    assert assembly.tiers_of(local) == [] and assembly.stats(store)["tiers"]["remote"] == {"records": 1}
+    assert not hasattr(store, "collect_garbage")  # no silent forwarding to the local store
+    store.close()
