@@ -177,6 +177,7 @@ from ..errors import (
     ShmcacheError,
     SnapshotError,
 )
+from . import chunk as chunks
 from . import codec, gather, process_slot
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, commit_step_chunks, size_class
 from .generation import (
@@ -922,13 +923,24 @@ class CacheStore:
             self._repair(g)
             return self._put_locked(g, key, w1, kb, enc)
 
-    def _put_locked(self, g: Generation, key: Any, w1: int, kb: bytes, enc: codec.Encoded) -> bool:
-        """The body of ``put`` (and of each item of ``put_records``); the caller holds the lock."""
+    def _put_locked(self, g: Generation, key: Any, w1: int, kb: bytes, enc: codec.Encoded,
+                    chunk: chunks.Chunk | None = None) -> bool:
+        """The body of ``put`` (and of each item of ``put_records``, with its ``chunk``: chunk.py);
+        the caller holds the lock."""
         w0, w2, pos, _, _ = self._find(g, key)
+        if chunk is not None and not w0 and pos in chunk:  # the chunk took that entry
+            pos = chunk.probe(g.index, pos, w1, kb)
+            if pos < 0:
+                return True  # twice in this put_records: stored once
         if w0 and w0 & SPILLED and self.spill is not None and self._read_spilled(w0, w2, w1, kb) is None:
+            if chunk is not None:
+                chunk.flush()  # one intent record in use at a time
             return self._spill(g, pos, w1, kb, enc, replace=True)  # a corrupt record
         if w0:
             return True  # another process stored it first: stored once
+        if chunk is not None and _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + len(chunk) + 1 > \
+                MAX_LOAD * g.index.capacity:
+            chunk.flush()  # a table growth copies READY entries only
         if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
             try:
                 g = self._grow_table(g)
@@ -937,7 +949,7 @@ class CacheStore:
                 return False
             w0, _, pos, _, _ = self._find(g, key)
         try:
-            self._insert(g, pos, w1, kb, enc)
+            self._insert(g, pos, w1, kb, enc, chunk)
             return True
         except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
             raise self._destroyed_under_us() or CorruptSegment(
@@ -948,6 +960,8 @@ class CacheStore:
             # it can never fit in memory, but a spill file takes any size: spill it below
         except _Full:
             pass
+        if chunk is not None and self.spill is not None:
+            chunk.flush()  # one intent record in use at a time
         if self._spill(g, pos, w1, kb, enc):
             return True
         self._count(REJECTED)
@@ -959,7 +973,8 @@ class CacheStore:
         """``put`` of (key, portable record) pairs (the codec record with its layout inline,
         tiers.py) without decoding them: their bytes go straight into shared memory (or a spill
         file), one copy each, under one hold of the lock (an import stores thousands: the lock,
-        refresh and repair check once per batch). InvalidArgument for bytes that are not a
+        refresh and repair check once per batch), published a chunk at a time (chunk.py: two
+        fences per chunk of records, not one per record). InvalidArgument for bytes that are not a
         portable record, before anything is stored."""
         encs = [(key, _encoded_from_portable(rec, key, self)) for key, rec in items]
         with self._write_locked() as locked:
@@ -968,9 +983,15 @@ class CacheStore:
                 return [False] * len(encs)
             self._repair(self._refresh())
             out = []
-            for key, enc in encs:
-                w1, kb = key_bytes(key)
-                out.append(self._put_locked(self._refresh(), key, w1, kb, enc))  # a grown table
+            chunk = chunks.Chunk()
+            try:
+                for key, enc in encs:
+                    w1, kb = key_bytes(key)
+                    out.append(self._put_locked(self._refresh(), key, w1, kb, enc, chunk))  # a grown table
+                chunk.flush()
+            except BaseException:
+                chunk.abandon(self._corrupt)  # undone before its fence, finished after
+                raise
             return out
 
     def portable_records(self):
@@ -1017,7 +1038,10 @@ class CacheStore:
         out[body + len(layout):] = kb
         return out
 
-    def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded) -> None:
+    def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded,
+                chunk: chunks.Chunk | None = None) -> None:
+        """Allocate, copy and publish a record at EMPTY entry ``pos`` (NOTE [publish order]); with
+        a ``chunk`` (put_records), allocate and copy it and stage its entry: the chunk publishes."""
         lid = self._intern_layout(g, enc.layout)
         nbytes = enc.record_len(len(kb), lid == INLINE24)
         cls, chunk_size = size_class(nbytes)
@@ -1037,17 +1061,25 @@ class CacheStore:
         seg = self._class_segment(g, cls, chunk_size)
         self._committed(g, cls, g.data[cls])  # a damaged class record must not place this record
         chunk_size_, bump, committed = g.classes.get(cls)
-        if bump >= committed:
-            committed = self._commit(g, cls, seg, chunk_size, committed)
+        if chunk is not None:  # the chunk's bumps move when it is published
+            bump = chunk.next_chunk(cls, bump)
+        if bump >= committed:  # a chunk's commits are fenced with the chunk (chunk.py)
+            committed = self._commit(g, cls, seg, chunk_size, committed, fence=chunk is None)
         items, total, _ = g.mem_totals()
         items, total, table_items = items + 1, total + nbytes, g.table_items()
+        if chunk is not None:
+            items, total, table_items = items + len(chunk), total + chunk.bytes, table_items + len(chunk)
         if items > g.index.capacity or table_items >= g.index.capacity or total >> 63:
             raise self._corrupt(f"the counters in {g.meta.name} are impossible ({items - 1} items and "
                                 f"{total - nbytes} bytes in memory, {table_items} entries, in a "
                                 f"table of {g.index.capacity})", fix="it recounts them")
-        intent = Intent(1, pos, cls, bump, items, total, 0, table_items + 1)
-        g.begin(intent)  # phase 1: allocating (undo restores the bump)
-        g.classes.set_bump(cls, bump + 1)
+        w0 = state_word(READY | (0 if kb else INT_KEY), lid, nbytes)
+        if chunk is not None:
+            chunk.allocate(g, pos, w1, kb, cls, bump, w0)  # in the chunk's intent (undo: forget it)
+        else:
+            intent = Intent(1, pos, cls, bump, items, total, 0, table_items + 1)
+            g.begin(intent)  # phase 1: allocating (undo restores the bump)
+            g.classes.set_bump(cls, bump + 1)
         if _CRASH_TESTS:
             crash_point("allocated")
         start = DATA_OFF + bump * chunk_size
@@ -1056,7 +1088,13 @@ class CacheStore:
                 mv[start:start + nbytes // 2] = b"\xee" * (nbytes // 2)
                 crash_point("mid_copy")
             enc.write(mv[start:start + nbytes], lid if lid != INLINE24 else codec.INLINE, kb)
-        w0 = state_word(READY | (0 if kb else INT_KEY), lid, nbytes)
+        if chunk is not None:
+            g.index.stage(pos, w1, location_word(cls, bump))
+            if _CRASH_TESTS:
+                crash_point("chunk_copied")
+            if len(chunk) >= chunks.CHUNK_RECORDS:
+                chunk.flush()
+            return
         if _CRASH_TESTS:
             crash_point("before_publish")
         g.index.publish(pos, w0, w1, location_word(cls, bump))
@@ -1068,6 +1106,10 @@ class CacheStore:
 
     def _repair(self, g: Generation) -> int:
         """Undo or finish the last writer's work if it died mid-way (NOTE [publish order])."""
+        # --- a chunk of put_records has its own intent record and repair (chunk.py) ---
+        if g.chunk_phase():
+            return chunks.repair(g, self._corrupt)
+        # --- end of the chunk's part ---
         intent = g.intent()
         if intent.phase == 0:
             return 0
@@ -1262,9 +1304,11 @@ class CacheStore:
         g.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size, 0)
         return seg
 
-    def _commit(self, g: Generation, cls: int, seg: Segment, chunk_size: int, committed: int) -> int:
+    def _commit(self, g: Generation, cls: int, seg: Segment, chunk_size: int, committed: int,
+                fence: bool = True) -> int:
         """Commit more chunks of class ``cls`` within the cap; raise _Full when there is no room
-        (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling)."""
+        (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling).
+        ``fence=False``: a chunk of put_records, whose fence A comes before it moves the bump."""
         if time.monotonic() < self._shm_full_until:
             raise _Full  # /dev/shm was full a moment ago: don't ask the kernel on every miss
         meta = g.meta.buf
@@ -1300,7 +1344,7 @@ class CacheStore:
         room = min(room, (seg.size - DATA_OFF) // chunk_size - committed)
         if room < 1 and self._raise_auto_cap():
             self._shm_full_until = 0.0
-            return self._commit(g, cls, seg, chunk_size, committed)
+            return self._commit(g, cls, seg, chunk_size, committed, fence)
         if room < 1:
             if keep:
                 self._log_memory_full(f"memory is full ({used / 2**20:.1f} MiB committed; "
@@ -1315,7 +1359,8 @@ class CacheStore:
             raise _Full from None
         g.classes.set_committed(cls, committed + step)
         g.meta.words[M.COMMITTED >> 3] = used + step * chunk_size
-        ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)
+        if fence:
+            ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)
         if auto:
             budget[0] = max(0, budget[0] - step * chunk_size)
         return committed + step
