@@ -25,6 +25,30 @@ NOTE [publish order]
       4. phase 2: the new totals (items, bytes) are assigned, not added, so redoing them is harmless;
       5. clear the intent.
 
+    A chunk (``put_records``, so an import and a tier hit: cache/chunk.py) publishes up to
+    generation.CHUNK_RECORDS records under the one hold of the lock, with its own intent record
+    (generation.ChunkIntent, in the meta segment beside the intent above; a writer uses one at a
+    time). Point by point, as for one record:
+
+      1. phase 1; per record: note it in the chunk intent (table position, size class, the
+         entry's state word; for its class's first record the class's bump before the chunk),
+         commit chunks if needed, copy it into the next chunk of its class - counted by the
+         writer: the class's bump in shared memory does not move yet - and write the entry's
+         key and location words (w1, w2; w0 stays EMPTY, so readers ignore them);
+      2. a fence (A), then phase 2 with the totals after the chunk;
+      3. each class's bump moves past the chunk's records; a fence (B);
+      4. every entry's state word READY, the totals assigned, the chunk intent cleared.
+
+    The repair: in phase 1 nothing is reachable and no bump moved, so it forgets the staged w1
+    and w2 and clears the intent (every chunk free again; commit steps stay committed for the
+    next writer); in phase 2 every record is whole and fenced, so it finishes steps 3-4 (all
+    assignments: bumps, READY words - the same word where one is READY already - totals). A
+    writer that raises in the middle of a chunk does what the repair would, before it raises.
+    The chunk's impossible intents (CorruptSegment, gc drops the generation): phase 1 with an
+    entry filled or a bump moved; phase 2 with a bump neither where it was nor past the chunk's
+    records, an entry READY with another word, a staged location outside the chunk's chunks,
+    totals neither the current ones nor the chunk's records more; both intents in use.
+
     "One store" is meant literally: every word a reader reads without the lock (the root's epoch
     word, the meta segment's counts and totals, a class's bump and committed count, an entry's
     words, the counters) is written through ``Segment.words`` (segment.word_view), one aligned
@@ -50,8 +74,15 @@ NOTE [publish order]
 
       * an entry: the record's bytes, its class record (chunk size, bump) and layout record, and
         the entry's w1 and w2 are stored, then a fence, then w0 = READY (index.TableView.publish;
-        every insert, spilled or not, and put_records / an import: one fence per record). A reader
-        loads w0 first and the rest after, so if it sees READY it sees all of them.
+        every put, spilled or not: one fence per record). A reader loads w0 first and the rest
+        after, so if it sees READY it sees all of them.
+      * a chunk (put_records, an import): two fences per chunk of up to CHUNK_RECORDS records,
+        whatever their commit steps. Fence A orders every record's bytes, every w1 and w2, the
+        committed counts of the chunk's commit steps (_commit(fence=False)), class and layout
+        records before the bumps; fence B orders the bumps before the READY words. So a reader
+        that sees READY sees the bump that hands its chunk out, the bytes and w1, w2; one that
+        sees a moved bump sees the committed count it needs. A repair that finishes a dead
+        writer's chunk makes its own fence B; the dead writer's fence A came before its phase 2.
       * a commit step: the class's committed count (and the meta's total), a fence, and only then a
         bump that relies on it (_commit); ClassTable.get loads the bump before the committed count.
       * a generation or a table version: the meta, the table (every entry of a grown table: no
@@ -63,8 +94,9 @@ NOTE [publish order]
         reused file fails and then loads the epoch word sees the new one (a plain miss). A destroy
         (here and registry.retire_root) fences after the tombstone, before its files and name go.
         Memory inside a generation is never reused (above), and the repair gives back only a
-        chunk that no entry ever named, so nothing else is retired.
-      * not fenced: the intent record, the totals and the counters. The intent is read under the
+        chunk that no READY entry ever named (a chunk's staged w2 in an EMPTY entry names nothing
+        to a reader: it stops at EMPTY), so nothing else is retired.
+      * not fenced: the intent records, the totals and the counters. The intent is read under the
         lock only (the lock file's flock orders it, as it orders one writer after the other); the
         totals and counters are statistics, each word one aligned store.
     The argument for membarrier (ordering.py's docstring): a reader's barrier falls before its load
@@ -97,10 +129,11 @@ NOTE [publish order]
     holds (_record, _layout; on the batch path with numpy over the batch). Handed out, not merely
     committed: a committed chunk above the bump holds zeros. Sound in every legitimate state: an
     entry is READY only after its chunk's bump step, and a bump goes back (repair) only for a
-    chunk no entry ever pointed at. The repairer checks the
-    intent is one a writer can leave: phase 1 or 2, a position inside the table, a class in use (or
-    SPILL_CLASS), an old bump equal to the class's bump or one less, phase 2 only with its entry
-    READY, totals at most one item on. Anything else raises CorruptSegment and touches nothing;
+    chunk no entry ever pointed at (a chunk's bumps move only once all its records are whole,
+    and then forward). The repairer checks the intent is one a writer can leave: phase 1 or 2,
+    a position inside the table, a class in use (or SPILL_CLASS), an old bump equal to the
+    class's bump or one less, phase 2 only with its entry READY, totals at most one item on (a
+    chunk's: above, "A chunk"). Anything else raises CorruptSegment and touches nothing;
     ``shmcache gc`` (collect_garbage) finds the same damage and replaces the generation by an
     empty one, as clear() does.
 
