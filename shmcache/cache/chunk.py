@@ -195,8 +195,11 @@ def impossible(g: Generation, ci: ChunkIntent) -> str:
             return f"a class word for size class {cls}, which holds none of its records or another word"
         olds[cls] = old
         _, bump, committed = g.classes.get(cls)
-        moved = bump == old + count[cls] and old + count[cls] <= committed
-        if bump != old and not (ci.phase == 2 and moved):
+        if ci.phase == 1:  # no bump moves before phase 2
+            ok = bump == old
+        else:  # where it was, or past the chunk's records; committed for all of them
+            ok = bump in (old, old + count[cls]) and old + count[cls] <= committed
+        if not ok:
             return (f"size class {cls} with bump {bump} and {committed} chunks committed, for "
                     f"{count[cls]} records from chunk {old} in phase {ci.phase}")
     if ci.phase == 1:
