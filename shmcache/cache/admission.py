@@ -158,9 +158,11 @@ class Admission:
         return min(self.capacity_bytes, shm_total) if self.sizing() == SIZED else shm_total
 
     def commit(self, g: Generation, cls: int, seg: Segment, chunk_size: int, committed: int,
-               spill: IndexedTier | None) -> int:
+               spill: IndexedTier | None, fence: bool = True) -> int:
         """Commit more chunks of class ``cls`` within the cap; raise NoRoom when there is no room
-        (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling)."""
+        (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling).
+        ``fence=False``: a chunk of put_records, whose fence A comes before it moves the bump
+        (NOTE [publish order], "A chunk")."""
         if time.monotonic() < self._shm_full_until:
             raise NoRoom  # /dev/shm was full a moment ago: don't ask the kernel on every miss
         meta = g.meta.buf
@@ -197,7 +199,7 @@ class Admission:
         room = min(room, (seg.size - DATA_OFF) // chunk_size - committed)
         if room < 1 and self.raise_auto_cap():
             self._shm_full_until = 0.0
-            return self.commit(g, cls, seg, chunk_size, committed, spill)
+            return self.commit(g, cls, seg, chunk_size, committed, spill, fence)
         if room < 1:
             if keep:
                 self.log_memory_full(f"memory is full ({used / 2**20:.1f} MiB committed; "
@@ -212,7 +214,8 @@ class Admission:
             raise NoRoom from None
         g.classes.set_committed(cls, committed + step)
         g.meta.words[M.COMMITTED >> 3] = used + step * chunk_size
-        ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)
+        if fence:
+            ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)
         if auto:
             budget[0] = max(0, budget[0] - step * chunk_size)
         return committed + step

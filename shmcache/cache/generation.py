@@ -22,6 +22,7 @@ from .registry import MAX_SLOTS
 
 __all__ = ["KIND_ROOT", "KIND_META", "KIND_TABLE", "KIND_DATA", "RootLayout", "DESTROYED", "SIZED", "AUTO", "AUTO_NONE",
            "MetaLayout", "M", "HITS", "MISSES", "REJECTED", "CORRUPT", "COUNTER_NAMES", "INTENT", "Intent",
+           "CHUNK_RECORDS", "ChunkIntent",
            "SPILL_CLASS", "Generation", "DEAD_GEN", "destroyed_generation", "close_generation", "epoch_of",
            "split_epoch"]
 
@@ -66,6 +67,9 @@ class MetaLayout:
     # intent record (NOTE [publish order]): phase, table position, class, chunk, old bump,
     # new items, new bytes
     INTENT = 192
+    # the chunk intent of put_records (NOTE [publish order]; chunk.py): a header of 8 words, then
+    # CHUNK_RECORDS records of 2 words and CHUNK_RECORDS class words, ending before COUNTERS
+    CHUNK = 256
     COUNTERS = 4096  # MAX_SLOTS rows of (hits, misses, rejected, corrupt): one row per liveness slot
     COUNTER_ROW = 32
     CLASSES = COUNTERS + MAX_SLOTS * COUNTER_ROW
@@ -84,6 +88,30 @@ COUNTER_NAMES = ("hits", "misses", "rejected", "corrupt")
 # the totals after this write: items, bytes, raw bytes (disk only) and table items
 INTENT = struct.Struct("QQQQQQQQ")
 SPILL_CLASS = 0xFFFF
+
+
+# The chunk intent: many records put under one hold of the lock (put_records, an import) are
+# published together, with two fences per chunk instead of one or two per record (chunk.py).
+# Header: phase (0 none, 1 writing, 2 publishing), records, classes, then the totals after the
+# chunk: items, bytes and table items in memory. A record: class << 48 | table position, and the
+# entry's state word w0 to publish. A class word: class << 48 | its bump when the chunk began.
+CHUNK_RECORDS = 128
+CHUNK_HEAD = struct.Struct("QQQQQQ")
+_CHUNK_RECORDS_OFF = MetaLayout.CHUNK + 64
+_CHUNK_CLASSES_OFF = _CHUNK_RECORDS_OFF + 16 * CHUNK_RECORDS
+assert _CHUNK_CLASSES_OFF + 8 * CHUNK_RECORDS <= MetaLayout.COUNTERS, "the chunk intent overlaps the counters"
+_M48 = (1 << 48) - 1
+
+
+class ChunkIntent(NamedTuple):
+    """What a writer of a chunk is doing (NOTE [publish order], chunk.py); phase 0: nothing."""
+
+    phase: int
+    items: int  # the totals once the chunk is published
+    total: int
+    table_items: int
+    records: list  # (table position, class, w0) per record, in the order they were allocated
+    classes: list  # (class, its bump when the chunk began), one per class the chunk allocates in
 
 
 class Intent(NamedTuple):
@@ -158,6 +186,54 @@ class Generation:
     def end(self) -> None:
         """Step 5: no write in progress."""
         self.meta.words[M.INTENT >> 3] = 0
+
+    # --- the chunk intent (NOTE [publish order], chunk.py; the caller holds the lock) ---------
+
+    def chunk_phase(self) -> int:
+        return self.meta.words[M.CHUNK >> 3]
+
+    def chunk_intent(self) -> ChunkIntent:
+        """The chunk intent as written (counts clamped to its slots: gc judges the rest)."""
+        buf = self.meta.buf
+        phase, n, n_cls, items, total, table_items = CHUNK_HEAD.unpack_from(buf, M.CHUNK)
+        n, n_cls = min(n, CHUNK_RECORDS), min(n_cls, CHUNK_RECORDS)
+        recs = struct.unpack_from(f"{2 * n}Q", buf, _CHUNK_RECORDS_OFF)
+        cls_words = struct.unpack_from(f"{n_cls}Q", buf, _CHUNK_CLASSES_OFF)
+        return ChunkIntent(phase, items, total, table_items,
+                           [(recs[i] & _M48, recs[i] >> 48, recs[i + 1]) for i in range(0, 2 * n, 2)],
+                           [(c >> 48, c & _M48) for c in cls_words])
+
+    def chunk_counts(self) -> tuple[int, int]:
+        """``(records, classes)`` as the header says (unclamped)."""
+        w = self.meta.words
+        return w[(M.CHUNK >> 3) + 1], w[(M.CHUNK >> 3) + 2]
+
+    def chunk_begin(self) -> None:
+        """Phase 1, no records yet (a writer about to allocate the first record of a chunk)."""
+        w, h = self.meta.words, M.CHUNK >> 3
+        w[h + 1] = w[h + 2] = 0
+        w[h] = 1
+
+    def chunk_record(self, i: int, pos: int, cls: int, w0: int) -> None:
+        """Record ``i`` of the chunk, then the count that makes it part of the intent."""
+        w, r = self.meta.words, (_CHUNK_RECORDS_OFF >> 3) + 2 * i
+        w[r], w[r + 1] = cls << 48 | pos, w0
+        w[(M.CHUNK >> 3) + 1] = i + 1
+
+    def chunk_class(self, j: int, cls: int, bump: int) -> None:
+        """Class word ``j``: ``cls`` and its bump before the chunk, then the count."""
+        self.meta.words[(_CHUNK_CLASSES_OFF >> 3) + j] = cls << 48 | bump
+        self.meta.words[(M.CHUNK >> 3) + 2] = j + 1
+
+    def chunk_publishing(self, items: int, total: int, table_items: int) -> None:
+        """Phase 2: every record's bytes and its entry's w1 and w2 are written and fenced; the
+        totals after the chunk go with it (a repair from here finishes the chunk)."""
+        w, h = self.meta.words, M.CHUNK >> 3
+        w[h + 3], w[h + 4], w[h + 5] = items, total, table_items
+        w[h] = 2
+
+    def chunk_end(self) -> None:
+        self.meta.words[M.CHUNK >> 3] = 0
 
 
 class _Private:

@@ -206,6 +206,18 @@ class TableView:
             ordering.fence()
         self._store[w] = w0  # one aligned 8-byte store (segment.word_view: never struct.pack_into)
 
+    def stage(self, pos: int, w1: int, w2: int) -> None:
+        """Write w1 and w2 of EMPTY entry ``pos`` (caller holds the lock): the first half of
+        :meth:`publish`, for a chunk of put_records (chunk.py), whose one fence covers many
+        entries. Readers ignore them until w0 is READY (they load w0 first)."""
+        w = (TABLE_OFF + ENTRY_BYTES * pos) >> 3
+        self._store[w + 1] = w1
+        self._store[w + 2] = w2
+
+    def ready(self, pos: int, w0: int) -> None:
+        """The second half: w0 in one aligned store, after a fence that follows :meth:`stage`."""
+        self._store[(TABLE_OFF + ENTRY_BYTES * pos) >> 3] = w0
+
     def entries(self):
         """Every READY entry as ``(w0, w1, w2)`` (for rebuilding and for gc)."""
         w = self.words

@@ -83,6 +83,18 @@ def op_put(session, cache, keys, cap, kind="mixed"):
     return {"stored": stored.count(True), "rejected": stored.count(False)}
 
 
+def op_put_records(session, cache, keys, cap, kind="mixed"):
+    """``put_records`` of the keys' values as portable records (what an import stores): one
+    chunk intent per CHUNK_RECORDS of them (cache/chunk.py)."""
+    from shmcache.cache import codec
+    from shmcache.tiers.tiered_store import portable_record
+
+    s = _store(session, cache, cap)
+    recs = [(k, portable_record(codec.encode(_value(k, kind), "a test value"), k)) for k in keys]
+    stored = s.put_records(recs)
+    return {"stored": stored.count(True), "rejected": stored.count(False)}
+
+
 def op_clear(session, cache, cap):
     _store(session, cache, cap).clear()
     return {"cleared": True}

@@ -1,0 +1,224 @@
+"""A chunk of ``put_records``: up to CHUNK_RECORDS records put under one hold of the lock and
+published together, with two fences per chunk rather than a fence or two per record (NOTE
+[publish order] in store.py, "a chunk"; the intent record is generation.ChunkIntent).
+
+The writer (``Chunk``, driven by CacheStore._put_locked and _insert):
+
+  1. phase 1 (``chunk_begin``); for each record: note it in the intent (table position, class,
+     the entry's state word w0; the class's bump before the chunk, for its first record of that
+     class), commit more chunks of its class if needed (no fence here), copy the record into the
+     next chunk of its class (counted here, in the process: the class's bump in shared memory
+     does not move yet), and write the entry's w1 and w2 (``TableView.stage``);
+  2. fence A: the records' bytes, w1 and w2, committed counts, class and layout records;
+  3. phase 2, with the totals after the chunk; each class's bump moves past the chunk's records;
+  4. fence B: the bumps;
+  5. every entry's w0 = READY (``TableView.ready``), the totals, phase 0 (``finish``).
+
+A reader that sees a READY w0 sees the bump that hands its chunk out (B) and the record's bytes
+and w1, w2 (A, before B); one that sees a moved bump sees the committed count it needs (A). A
+writer SIGKILLed in phase 1 has published nothing and moved no bump: the repair clears the w1
+and w2 it staged in EMPTY entries and ends the intent (its chunks were never handed out: nothing
+leaks; commit steps it made stay committed for the next writer). In phase 2 every record is
+whole and fenced: the repair finishes the chunk (``finish`` again: stores are assignments, so
+redoing the bumps, w0 words and totals is harmless; its own fence B orders its bump stores
+before its w0 stores, and the dead writer's fence A came before its phase 2).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+from ..base import ordering
+from ..base.faults import ARMED as _CRASH_TESTS
+from ..base.faults import crash_point
+from ..errors import CorruptSegment
+from .allocator import MAX_CLASSES
+from .generation import CHUNK_RECORDS, ChunkIntent, Generation, Intent
+from .index import READY, SPILLED, TableView, entry_chunk, entry_class, entry_length
+
+__all__ = ["Chunk", "finish", "repair", "impossible", "CHUNK_RECORDS"]
+
+log = logging.getLogger("shmcache")
+_MIN_RECORD = 16  # codec.RECORD_HEADER.size
+
+
+class Chunk:
+    """The records of one chunk that this writer has allocated and not yet published (the caller
+    holds the cache's lock from the first ``allocate`` to ``flush``)."""
+
+    def __init__(self):
+        self.g: Generation | None = None
+        self.positions: dict[int, tuple[int, bytes]] = {}  # table position -> its key (w1, key bytes)
+        self.bumps: dict[int, list[int]] = {}  # class -> [its bump before the chunk, next chunk]
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __contains__(self, pos: int) -> bool:
+        return pos in self.positions
+
+    def probe(self, index: TableView, pos: int, w1: int, kb: bytes) -> int:
+        """Where a key goes whose probe found EMPTY entry ``pos`` taken by this chunk: the next
+        EMPTY entry on its path that the chunk has not taken, or -1 when the chunk holds the key
+        already. (A READY entry past an EMPTY one is never this key: its probe passed non-EMPTY
+        entries only, and none is ever emptied; so only the chunk's own entries are compared.)"""
+        words = index.words
+        for _ in range(index.capacity):
+            taken = self.positions.get(pos)
+            if taken == (w1, kb):
+                return -1
+            if taken is None and not words[pos, 0]:
+                return pos
+            pos = (pos + 1) & index.mask
+        raise index.corrupt()
+
+    def next_chunk(self, cls: int, bump: int) -> int:
+        """The chunk of ``cls`` the next record gets (``bump``: the class's bump in shared memory)."""
+        b = self.bumps.get(cls)
+        return bump if b is None else b[1]
+
+    def allocate(self, g: Generation, pos: int, w1: int, kb: bytes, cls: int, chunk: int, w0: int) -> None:
+        """Note a record in the intent before its bytes are written: entry ``pos`` gets key
+        ``w1``/``kb``, ``w0`` and chunk ``chunk`` of class ``cls`` (from :meth:`next_chunk`)."""
+        if not self.positions:
+            self.g = g
+            g.chunk_begin()
+        assert g is self.g, "a chunk is published before its table grows"
+        g.chunk_record(len(self.positions), pos, cls, w0)
+        self.positions[pos] = (w1, kb)
+        b = self.bumps.get(cls)
+        if b is None:
+            g.chunk_class(len(self.bumps), cls, chunk)
+            self.bumps[cls] = [chunk, chunk + 1]
+        else:
+            b[1] += 1
+        self.bytes += entry_length(w0)
+
+    def flush(self) -> None:
+        """Publish the chunk's records (steps 2-5); nothing to do when it has none."""
+        if not self.positions:
+            return
+        g, n = self.g, len(self.positions)
+        items, total, _ = g.mem_totals()
+        table_items = g.table_items()
+        ordering.fence()  # A: bytes, w1 and w2, committed counts, class and layout records
+        if _CRASH_TESTS:
+            crash_point("chunk_fenced")
+        g.chunk_publishing(items + n, total + self.bytes, table_items + n)
+        finish(g)
+        self.positions.clear()
+        self.bumps.clear()
+        self.bytes = 0
+
+    def abandon(self, corrupt: Callable[..., CorruptSegment]) -> None:
+        """After an exception in the middle of a chunk: what a repair would do (undo it before its
+        fence, finish it after)."""
+        if self.positions and self.g.chunk_phase():
+            repair(self.g, corrupt, dead=False)
+        self.positions.clear()
+        self.bumps.clear()
+        self.bytes = 0
+
+
+def finish(g: Generation) -> None:
+    """Steps 3-5 of a chunk in phase 2 (its writer, or the repair of a dead one)."""
+    ci = g.chunk_intent()
+    count = Counter(cls for _, cls, _ in ci.records)
+    for cls, bump in ci.classes:
+        g.classes.set_bump(cls, bump + count[cls])
+    if _CRASH_TESTS:
+        crash_point("chunk_bumped")
+    ordering.fence()  # B: the bumps before the entries that point below them
+    index = g.index
+    for pos, _, w0 in ci.records:
+        if _CRASH_TESTS:
+            crash_point("chunk_publishing")
+        index.ready(pos, w0)  # the same word again where a dead writer published it already
+    if _CRASH_TESTS:
+        crash_point("chunk_published")
+    g.apply_totals(Intent(2, 0, 0, 0, ci.items, ci.total, 0, ci.table_items))
+    g.chunk_end()
+
+
+def repair(g: Generation, corrupt: Callable[..., CorruptSegment], dead: bool = True) -> int:
+    """Undo (phase 1) or finish (phase 2) the chunk in generation ``g``'s intent (caller holds the
+    lock); the number of chunks given back. ``corrupt``: CacheStore._corrupt, for an intent no
+    writer can leave (damage: touch nothing; gc drops the generation)."""
+    ci = g.chunk_intent()
+    wrong = impossible(g, ci)
+    if wrong:
+        raise corrupt(f"the chunk intent record in {g.meta.name} is impossible: {wrong}")
+    if ci.phase == 1:  # nothing published, no bump moved: forget the words staged in EMPTY entries
+        for pos, _, _ in ci.records:
+            g.index.stage(pos, 0, 0)
+        g.chunk_end()
+        reclaimed = len(ci.records)
+    else:
+        finish(g)
+        reclaimed = 0
+    if dead:
+        log.info("cache %s: repaired a chunk of %d records left by a dead writer (%s)", g.meta.name,
+                 len(ci.records), "gave its chunks back" if reclaimed else "published them")
+    return reclaimed
+
+
+def impossible(g: Generation, ci: ChunkIntent) -> str:
+    """Why the chunk intent cannot be one a writer left (NOTE [publish order]), or "". Phase 1:
+    no entry of it filled and no bump moved; phase 2: its classes' bumps where they were or past
+    its records, its entries EMPTY or holding its w0, their staged chunks those it took, the
+    totals the current ones or its records more."""
+    if ci.phase not in (1, 2):
+        return f"phase {ci.phase} (a writer writes 1 or 2)"
+    if g.intent().phase:
+        return "the record intent is in use too (a writer uses one at a time)"
+    n, n_cls = g.chunk_counts()
+    if n > CHUNK_RECORDS or n_cls > n or (ci.phase == 2 and not n):
+        return f"{n} records in {n_cls} size classes in phase {ci.phase} (at most {CHUNK_RECORDS} records)"
+    words, count, seen = g.index.words, Counter(), set()
+    for pos, cls, w0 in ci.records:
+        if pos >= g.index.capacity or pos in seen:
+            return f"table position {pos} (twice, or past the table's {g.index.capacity} entries)"
+        seen.add(pos)
+        count[cls] += 1
+        size = g.classes.chunk_size(cls) if 0 < cls < MAX_CLASSES else 0
+        if not size or w0 & (READY | SPILLED) != READY or not _MIN_RECORD <= entry_length(w0) <= size:
+            return f"a record of {entry_length(w0)} bytes in size class {cls} (chunks of {size} bytes), state {w0:#x}"
+        now = int(words[pos, 0])
+        if now and (ci.phase == 1 or now != w0):
+            return f"entry {pos} of {g.table.name} holds {now:#x} in phase {ci.phase}"
+    olds = {}
+    for cls, old in ci.classes:
+        if cls in olds or cls not in count:
+            return f"a class word for size class {cls}, which holds none of its records or another word"
+        olds[cls] = old
+        _, bump, committed = g.classes.get(cls)
+        if ci.phase == 1:  # no bump moves before phase 2
+            ok = bump == old
+        else:  # where it was, or past the chunk's records; committed for all of them
+            ok = bump in (old, old + count[cls]) and old + count[cls] <= committed
+        if not ok:
+            return (f"size class {cls} with bump {bump} and {committed} chunks committed, for "
+                    f"{count[cls]} records from chunk {old} in phase {ci.phase}")
+    if ci.phase == 1:
+        return ""
+    if set(olds) != set(count):
+        return "a record whose size class has no class word in phase 2"
+    chunks = set()
+    for pos, cls, _ in ci.records:
+        w2 = int(words[pos, 2])
+        chunks.add(w2)
+        if entry_class(w2) != cls or not olds[cls] <= entry_chunk(w2) < olds[cls] + count[cls]:
+            return f"entry {pos} of {g.table.name} locates its record at {w2:#x}, not in the chunk's"
+    if len(chunks) != n:
+        return "two of its entries locate the same chunk"
+    now_items, now_total, _ = g.mem_totals()
+    now_table = g.table_items()
+    most = sum(entry_length(w0) for _, _, w0 in ci.records)
+    if not (0 <= ci.items - now_items <= n and 0 <= ci.table_items - now_table <= n
+            and 0 <= ci.total - now_total <= most):
+        return (f"totals of {ci.items} items, {ci.total} bytes and {ci.table_items} entries after a chunk of "
+                f"{n} to {now_items} items, {now_total} bytes and {now_table} entries")
+    return ""

@@ -1,0 +1,98 @@
+"""SIGKILL a writer of ``put_records`` (what an import and a tier hit store through) at every step
+of a chunk (cache/chunk.py, NOTE [publish order]: "a chunk"), with a reader hammering lookups.
+
+A chunk's records are allocated and copied, fenced, their bumps moved, fenced, then published. A
+writer killed before the first fence has published nothing and moved no bump: the repair (the next
+writer or ``shmcache gc``) gives every chunk back. Killed after it, every record is whole: the
+repair publishes the rest. Either way no reader sees a torn value, every published record reads
+right, the totals and the allocator agree with the table, and the chunks are there to reuse. Each
+case runs with the x86 default and with the fences forced on (SHMCACHE_ORDERING=membarrier).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _procs_util import Zygote, crash_env, status_of, wait_for
+from _shmcheck import check_store, chunk_phase, gc_json, same_value, value_for
+
+from shmcache.cache import process_slot
+from shmcache.cache.generation import CHUNK_RECORDS
+from shmcache.cache.store import MISSING, CacheStore
+
+S, C = "crashchunk", "c"
+CAP = 64 << 20
+N = 40  # records put: one chunk (CHUNK_RECORDS is 128)
+# point, crash_after (hits of the point to pass), records put, doomed keys present once repaired,
+# chunks the repair gives back, who repairs
+CASES = [
+    ("allocated", 10, N, 0, 11, "gc"),  # 10 records copied, the 11th allocated
+    ("mid_copy", 10, N, 0, 11, "writer"),  # the 11th half-copied
+    ("chunk_copied", 20, N, 0, 21, "gc"),
+    ("chunk_fenced", 0, N, 0, N, "writer"),  # all copied and fenced, phase 2 not yet written
+    ("chunk_bumped", 0, N, N, 0, "gc"),  # phase 2, bumps moved, before the second fence
+    ("chunk_publishing", 15, N, N, 0, "writer"),  # 15 entries READY, 25 not
+    ("chunk_published", 0, N, N, 0, "gc"),  # every entry READY, the totals not yet
+    ("chunk_fenced", 1, 3 * CHUNK_RECORDS // 2, CHUNK_RECORDS, CHUNK_RECORDS // 2, "writer"),  # the 2nd chunk
+]
+
+
+@pytest.fixture(autouse=True)
+def _own_slots():
+    yield
+    process_slot.release_all()
+
+
+def _keys(n: int) -> list:
+    return [f"s{i}" if i % 4 == 0 else 1000 + i for i in range(n)]  # str keys hash anywhere
+
+
+@pytest.mark.parametrize("ordering", ["default", "membarrier"])
+@pytest.mark.parametrize("point,after,n,present_after,given_back,repairer", CASES)
+def test_a_chunk_killed_anywhere_is_undone_or_finished(point, after, n, present_after, given_back, repairer,
+                                                       ordering, tmp_path, capsys):
+    extra = {"SHMCACHE_ORDERING": "membarrier"} if ordering == "membarrier" else {}
+    store = CacheStore(S, C, capacity_bytes=CAP)
+    base = list(range(60))  # every kind and size class of value_for
+    for k in base:
+        assert store.put(k, value_for(k))
+    doomed, later = _keys(n), [9000]
+    universe = base + doomed + later
+    stop, ready = tmp_path / "stop", tmp_path / "reader.ready"
+    with Zygote(tmp_path / "crashing", env=crash_env(point, after, **extra)) as crashing, \
+            Zygote(tmp_path / "clean", env=crash_env(**extra)) as clean:
+        reader, reader_out = clean.spawn("reader", S, C, CAP, universe, str(stop), str(ready))
+        wait_for(ready.exists, 30, "the reader to start")
+        status, _ = crashing.run("put_records", S, C, doomed, CAP)
+        assert status == -9, f"the writer should die at {point!r}, but it ended with {status_of(status)}"
+        assert chunk_phase(store) != 0, "the dead writer's chunk intent should still be there"
+        seen = {k: store.lookup(k, count=False) for k in doomed}
+        assert all(v is MISSING or same_value(v, value_for(k)) for k, v in seen.items()), point
+        if given_back:  # undone: nothing of the killed chunk was ever visible
+            assert [k for k, v in seen.items() if v is not MISSING] == doomed[:present_after]
+
+        if repairer == "writer":  # the next writer, another process, repairs on its way in
+            assert clean.run("put", S, C, later, CAP)[0] == 0
+            assert gc_json(capsys)["reclaimed_entries"] == 0  # nothing left to repair
+        else:
+            assert gc_json(capsys)["reclaimed_entries"] == given_back
+        assert chunk_phase(store) == 0
+        stored = len(base) + present_after + (len(later) if repairer == "writer" else 0)
+        # an undone chunk's commit steps stay committed for the next writer (not leaked: below)
+        assert check_store(store, universe, slack_steps=64) == []
+        assert [k for k in doomed if store.lookup(k, count=False) is not MISSING] == doomed[:present_after]
+        assert store.stats()["items_mem"] == stored
+
+        # the chunks given back are handed out again: every doomed key stored, nothing left over
+        status, res = clean.run("put_records", S, C, doomed, CAP)
+        assert status == 0 and res["stored"] == n, (status, res)
+        assert check_store(store, universe) == []
+        assert store.stats()["items_mem"] == stored + n - present_after
+        stop.touch()
+        assert clean.wait(reader, 30) == 0
+    report = json.loads(reader_out.read_text())
+    assert report["errors"] == [], f"the reader got exceptions: {report['errors']}"
+    assert report["bad"] == [], f"the reader read torn or foreign values: {report['bad']}"
+    assert report["hits"] > 0
+    store.destroy()

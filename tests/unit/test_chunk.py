@@ -1,0 +1,146 @@
+"""A chunk of put_records (cache/chunk.py, NOTE [publish order] "A chunk"): keys twice in one call
+and keys whose entries collide with the chunk's own, an exception in the middle of a chunk, and
+the repair's checks - a chunk intent a writer can leave is undone or finished, an impossible one
+is CorruptSegment that moves nothing, and gc drops the generation (the crash tests kill real
+writers: tests/crash/test_crash_chunk.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shmcache.cache import chunk as chunks
+from shmcache.cache import codec
+from shmcache.cache.generation import CHUNK_RECORDS, Intent, M
+from shmcache.cache.index import key_bytes
+from shmcache.cache.store import MISSING, CacheStore, _encoded_from_portable
+from shmcache.errors import CorruptSegment
+from shmcache.tiers.tiered_store import portable_record
+
+
+def _value(k):
+    n = k if isinstance(k, int) else sum(k.encode())
+    return np.full(50 + (n % 7) * 100, n, np.int64)
+
+
+def _recs(keys):
+    return [(k, portable_record(codec.encode(_value(k)), k)) for k in keys]
+
+
+@pytest.fixture
+def store():
+    s = CacheStore("chunk", "c", capacity_bytes=32 << 20)
+    yield s
+    s.destroy()
+
+
+def _bumps(g) -> dict:
+    """Each size class's bump (classes made but never handed out: left out)."""
+    return {c: g.classes.get(c)[1] for c in g.classes.used_classes() if g.classes.get(c)[1]}
+
+
+def test_keys_twice_and_colliding_entries_are_stored_once(store):
+    keys = [f"s{i}" for i in range(300)] + list(range(450))  # str keys hash onto int keys' homes
+    keys += keys[::7]  # and some again, in the same call
+    assert store.put_records(_recs(keys)) == [True] * len(keys)
+    unique = list(dict.fromkeys(keys))
+    assert len(store) == len(unique) == store.stats()["items_mem"]
+    assert all(np.array_equal(store.lookup(k), _value(k)) for k in unique)
+    g = store._refresh()
+    assert g.chunk_phase() == 0 and g.index.capacity > 1024  # grown once, mid-call
+
+
+def test_an_exception_in_the_middle_of_a_chunk_undoes_it(store, monkeypatch):
+    store.put_records(_recs(range(5)))
+    g = store._refresh()
+    before = _bumps(g)
+    real, calls = codec.Encoded.write, [0]
+
+    def write(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == 7:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(codec.Encoded, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        store.put_records(_recs(range(100, 120)))
+    monkeypatch.undo()
+    assert g.chunk_phase() == 0 and _bumps(g) == before  # six records copied, none kept
+    assert all(store.lookup(k) is MISSING for k in range(100, 120)) and len(store) == 5
+    assert store.put_records(_recs(range(100, 120))) == [True] * 20
+    assert all(np.array_equal(store.lookup(k), _value(k)) for k in range(100, 120))
+
+
+def _half_done(store, keys):
+    """A chunk of ``keys`` allocated, copied and staged, not published: a writer killed before
+    its first fence. Returns (generation, bumps before, the Chunk)."""
+    g = store._refresh()
+    before = _bumps(g)
+    chunk = chunks.Chunk()
+    with store.locked():
+        for key, rec in _recs(keys):
+            w1, kb = key_bytes(key)
+            assert store._put_locked(g, key, w1, kb, _encoded_from_portable(rec, key, store), chunk)
+    assert g.chunk_phase() == 1 and len(chunk) == len(keys) < CHUNK_RECORDS
+    return g, before, chunk
+
+
+def _publishing(g, chunk) -> None:
+    """... and killed after it (phase 2, nothing published yet)."""
+    items, total, _ = g.mem_totals()
+    g.chunk_publishing(items + len(chunk), total + chunk.bytes, g.table_items() + len(chunk))
+
+
+def test_a_chunk_before_its_fence_is_undone_and_after_it_finished(store):
+    store.put_records(_recs(range(5)))
+    g, before, _ = _half_done(store, range(10, 14))
+    assert all(store.lookup(k) is MISSING for k in range(10, 14))
+    report = {}
+    assert store.collect_garbage(report)[0] == 4 and "dropped" not in report  # 4 chunks given back
+    assert g.chunk_phase() == 0 and _bumps(g) == before and len(store) == 5
+
+    g, before, chunk = _half_done(store, range(10, 14))
+    _publishing(g, chunk)
+    assert store.put(99, _value(99))  # the next writer finishes it on its way in
+    assert g.chunk_phase() == 0 and len(store) == 10
+    assert all(np.array_equal(store.lookup(k), _value(k)) for k in [*range(10, 14), 99])
+
+
+def _damage(g, chunk, which):
+    pos = next(iter(chunk.positions))
+    ci = g.chunk_intent()
+    if which == "phase":
+        g.meta.words[M.CHUNK >> 3] = 7
+    elif which == "bump_moved_before_the_fence":
+        cls = ci.classes[0][0]
+        g.classes.set_bump(cls, g.classes.get(cls)[1] + 1)
+    elif which == "entry_ready_before_the_fence":
+        g.index.ready(pos, ci.records[0][2])
+    elif which == "staged_outside_its_chunks":
+        _publishing(g, chunk)
+        cls, old = ci.classes[0]  # the first record's class
+        g.index.stage(ci.records[0][0], 0, cls << 48 | (old + CHUNK_RECORDS))
+    elif which == "totals":
+        _publishing(g, chunk)
+        g.meta.words[(M.CHUNK >> 3) + 3] = 1 << 50
+    elif which == "both_intents":
+        g.begin(Intent(1, pos, ci.classes[0][0], 0, 0, 0, 0, 0))
+
+
+@pytest.mark.parametrize("which", ["phase", "bump_moved_before_the_fence", "entry_ready_before_the_fence",
+                                   "staged_outside_its_chunks", "totals", "both_intents"])
+def test_an_impossible_chunk_intent_moves_nothing_and_gc_drops_the_cache(store, which):
+    store.put_records(_recs(range(5)))
+    g, _, chunk = _half_done(store, range(10, 14))
+    _damage(g, chunk, which)
+    bumps = _bumps(g)
+    with pytest.raises(CorruptSegment, match="chunk intent record .* is impossible") as exc:
+        store.put(99, _value(99))
+    assert "shmcache gc" in str(exc.value)
+    assert _bumps(g) == bumps  # nothing given back, nothing handed out
+    assert all(np.array_equal(store.lookup(k), _value(k)) for k in range(5))
+    report = {}
+    store.collect_garbage(report)
+    assert "impossible" in report["dropped"]
+    assert len(store) == 0 and store.put(99, _value(99)) and np.array_equal(store.lookup(99), _value(99))
