@@ -147,7 +147,7 @@ class TableView:
         self.shift = 64 - max(cap.bit_length() - 1, 0)
         self.mask = max(cap - 1, 0)
         self.words = np.ndarray((cap, 3), np.uint64, buf, TABLE_OFF)
-        self._store = word_view(buf)  # writes: one aligned store per word (segment.word_view)
+        self._store = word_view(buf)  # writes: one aligned store per word (base/shm.py word_view)
 
     @staticmethod
     def init(buf, capacity: int) -> None:
@@ -204,7 +204,7 @@ class TableView:
         self._store[w + 2] = w2
         if fence:
             ordering.fence()
-        self._store[w] = w0  # one aligned 8-byte store (segment.word_view: never struct.pack_into)
+        self._store[w] = w0  # one aligned 8-byte store (base/shm.py word_view: never struct.pack_into)
 
     def stage(self, pos: int, w1: int, w2: int) -> None:
         """Write w1 and w2 of EMPTY entry ``pos`` (caller holds the lock): the first half of

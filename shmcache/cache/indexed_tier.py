@@ -1,5 +1,5 @@
 """What the store needs of an *indexed* tier: a place its records go when shared memory is full,
-found again through the store's own shared index (NOTE [tiers] in tiers.py).
+found again through the store's own shared index (NOTE [tiers] in tiers/tiered_store.py).
 
 The store (store.py) decides what goes to such a tier and publishes where it went: it writes the
 record through ``write``, which only stores it and answers its ``RecordLocation``; the store puts that

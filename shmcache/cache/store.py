@@ -51,7 +51,7 @@ NOTE [publish order]
 
     "One store" is meant literally: every word a reader reads without the lock (the root's epoch
     word, the meta segment's counts and totals, a class's bump and committed count, an entry's
-    words, the counters) is written through ``Segment.words`` (segment.word_view), one aligned
+    words, the counters) is written through ``Segment.words`` (base/shm.py word_view), one aligned
     8-byte store. Never with struct.pack_into, which zeroes its destination before it stores: a
     reader in another process then sees a transient 0 (it did: false CorruptSegment in stress).
 
@@ -116,7 +116,7 @@ NOTE [publish order]
     was current when it looked (as with ``clear()``). An opener that finds a tombstoned root under
     the lock finishes the dead destroy (unlinks it) and makes a new incarnation.
 
-    Opening. The root is made READY-last (segment.py), then its capacity and incarnation words,
+    Opening. The root is made READY-last (base/shm.py), then its capacity and incarnation words,
     then the first generation, and its epoch word is published last. So an opener attaches the
     root without the lock when its epoch word names a generation whose meta and table exist: a
     writer stopped while holding the lock (SIGSTOP, a debugger) never blocks readers or workers

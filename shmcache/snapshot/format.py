@@ -14,7 +14,7 @@ NOTE [snapshot format]
         24  I   crc32 of bytes 0..24             24  Q   index entries (= records)
         28  4x                                   32  I   crc32 of the index bytes
                                                  36  I   crc32 of footer bytes 0..36
-        records: spill records (spill/format.py, NOTE [spill records]), each 8-byte aligned,
+        records: spill records (tiers/records.py, NOTE [spill records]), each 8-byte aligned,
                  from offset 32; the record's key is the portable key (tiers.portable_key), its
                  payload the portable record (tiers.portable_record: the codec record with its
                  layout inline and its key), zstd-compressed unless that saves under 5%
@@ -29,7 +29,7 @@ NOTE [snapshot format]
     A reader that looks keys up (the read-through tier) reads the footer, then the index (one
     ranged read, or an mmap), binary-searches ``hash`` (np.searchsorted; equal hashes are
     adjacent: the record's own key decides), then reads ``length`` bytes at ``offset`` and checks
-    them with spill.format.unpack_record: a record that fails its checks is a miss, never a value.
+    them with records.unpack_record (tiers/records.py): a record that fails its checks is a miss, never a value.
 
     manifest.json (written last; a snapshot without one is not a snapshot)::
 
@@ -56,7 +56,7 @@ NOTE [snapshot format]
     Reading trusts no count: local files are opened O_NOFOLLOW|O_NONBLOCK and must be regular
     files (location.open_regular), the manifest has at most MAX_MANIFEST_BYTES, every number in it
     is checked against what its data files can hold (_check_counts), and a record decodes to at most
-    the length it declares, within the reader's limit (spill.format.decompress_bounded).
+    the length it declares, within the reader's limit (records.decompress_bounded).
 
     Writing order (export.py): every file is written as ``<name>.tmp`` and renamed when complete;
     the manifest is renamed last. An export over an existing snapshot (--overwrite) removes the

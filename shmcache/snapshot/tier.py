@@ -29,7 +29,7 @@ NOTE [snapshot read-through]
     decides. Then the records a batch needs are read in one call: on a local file (a path or
     ``file://``) ``os.preadv`` on one descriptor per data file, adjacent records in one call; on an
     fsspec store one ``fs.cat_ranges`` for the whole batch, bounded by ``timeout_s``. Each record
-    is checked by spill/format.py's ``unpack_record`` (magic, key, lengths, head and body checks)
+    is checked by tiers/records.py's ``unpack_record`` (magic, key, lengths, head and body checks)
     and against its index entry's head check, and its payload - the portable record - returned.
 
     The data file must still be the one whose index was loaded: each batch also checks every

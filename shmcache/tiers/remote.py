@@ -19,7 +19,7 @@ A query ``?timeout=SECONDS`` sets the socket timeout of every call (default 1 s)
 ``$SSL_CERT_FILE``). A URL without a password takes ``$SHMCACHE_REMOTE_PASSWORD``.
 
 NOTE [remote tier]
-    Values. One Redis value holds one self-checking record (spill/format.py: magic, key,
+    Values. One Redis value holds one self-checking record (tiers/records.py: magic, key,
     lengths, checksum), whose key is the cache's identity plus the item's portable key
     (tiers.portable_key). The Redis key is ``shmcache:<identity>:<portable key>``; the identity
     comes from the cache's name and dataset fingerprint, never from the session's name, so every

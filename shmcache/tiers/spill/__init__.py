@@ -1,12 +1,12 @@
 """Spill: where a cache's items go on disk when its shared memory is full.
 
-    format.py     the self-checking record (also the record of the remote and snapshot tiers)
+    ../records.py the self-checking record (also the record of the remote and snapshot tiers)
     recovery.py   the file-level crash protocol: take over a slot file, repair a torn tail
     files.py      SpillStore: one folder of append-only slot files, lock-free reads
-    tier.py       SpillTier, the store's indexed tier (tier_protocol.IndexedTier): where its folder
+    tier.py       SpillTier, the store's indexed tier (cache.indexed_tier.IndexedTier): where its folder
                   is, write a record and answer its RecordLocation, read a RecordLocation back
 
-NOTE [spill records] (format.py) holds the protocol.
+NOTE [spill records] (tiers/records.py) holds the protocol.
 """
 
 from ...errors import SpillFull

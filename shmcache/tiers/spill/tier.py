@@ -1,6 +1,6 @@
 """The spill tier: when a cache's memory is full, its records go to zstd spill files (files.py).
 
-``SpillTier`` is the store's indexed tier (``tier_protocol.IndexedTier``, NOTE [tiers]): it only
+``SpillTier`` is the store's indexed tier (``cache.indexed_tier.IndexedTier``, NOTE [tiers]): it only
 writes a record and says where it went (``write`` -> ``RecordLocation``), and reads a location back
 (``read``); the store decides what to spill and publishes the location in its index (a spilled
 entry has the SPILLED flag; its location word holds the spill file - the writer's liveness
