@@ -471,7 +471,7 @@ def test_a_process_that_never_imported_pil_decodes_pil_records(tmp_path):
     code = (
         "import sys\n"
         "import shmcache.data.dataset\n"
-        "from shmcache import codec\n"
+        "from shmcache.cache import codec\n"
         "assert 'PIL' not in sys.modules, 'importing shmcache imported PIL'\n"
         "layout, record = open(sys.argv[1], 'rb').read(), open(sys.argv[2], 'rb').read()\n"
         "got = codec.decode(bytearray(record), layout)\n"
@@ -518,7 +518,7 @@ def test_a_layout_whose_handler_is_not_registered_compiles_and_fails_only_when_d
 
 def test_the_tensor_handler_loads_in_a_process_that_never_imported_torch():
     code = ("import sys\n"
-            "from shmcache import codec\n"
+            "from shmcache.cache import codec\n"
             "assert 'torch' not in sys.modules\n"
             "import numpy as np\n"
             "layout = __import__('marshal').dumps(('e', 'torch', 'float32:4', (2,), 64), 4)\n"
@@ -536,7 +536,7 @@ def test_check_locates_a_tensor_leaf_without_loading_torch():
     """An import checks a snapshot's records by decoding them; a tensor leaf is only located
     within its record when torch is not loaded, and a record too short for it still fails."""
     code = ("import sys, marshal\n"
-            "from shmcache import codec\n"
+            "from shmcache.cache import codec\n"
             "layout = marshal.dumps(('T', (('e', 'torch', 'float32:4', (2,), 64), ('i', 16))), 4)\n"
             "codec.check(bytearray(72), layout)\n"
             "try:\n"
