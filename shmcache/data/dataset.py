@@ -32,7 +32,7 @@ from ..errors import (
 )
 from ..tiers.remote import ENV_REMOTE
 from ..tiers.remote import resolve as resolve_remote
-from . import tensors as _torch
+from . import tensors
 from .arguments import check_session, check_size, default_name, env_flag, label_of, size_from_env, snapshot_arg
 from .batches import as_int_keys, copy_into, gather
 from .fingerprint import fingerprint, length_or_none
@@ -40,7 +40,7 @@ from .wrapped import CachedDataset, CachedIterableDataset, _compute, _NoSource, 
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
-_torch.register()  # torch is imported here anyway: tensors are encoded without a lookup
+tensors.register()  # torch is imported here anyway: tensors are encoded without a lookup
 
 
 # --- the cache ------------------------------------------------------------------------------------
