@@ -66,10 +66,9 @@ def _collated(spec: Any, leaves: Iterator[Any], in_sequence: bool) -> Any:
     if spec is LEAF:
         leaf = next(leaves)
         return tuple(leaf) if in_sequence and isinstance(leaf, list) else leaf
-    kind, aux, children = spec
-    if kind == "map":
-        return {k: _collated(c, leaves, False) for k, c in zip(aux[1], children)}
-    return [_collated(c, leaves, True) for c in children]
+    if spec[0] == "map":  # (indexing, not unpacking: once per batch on the DataLoader's path)
+        return {k: _collated(c, leaves, False) for k, c in zip(spec[1][1], spec[2])}
+    return [_collated(c, leaves, True) for c in spec[2]]
 
 
 def flatten_like(tree: Any, spec: Any, unlike: Callable[[str, Any, str], Exception],

@@ -102,7 +102,7 @@ default_collate_fn_map[_Collated] = _collate_gathered
 _LIVE: dict[str, weakref.WeakSet] = {}
 
 
-def _register(ds: Any) -> None:
+def register_live(ds: Any) -> None:
     """Serve ``ds`` (a CachedDataset) under its token to the batches its workers send as keys."""
     _LIVE.setdefault(ds._token, weakref.WeakSet()).add(ds)
 

@@ -36,7 +36,7 @@ from . import tensors
 from .arguments import check_session, check_size, default_name, env_flag, label_of, size_from_env, snapshot_arg
 from .batches import as_int_keys, copy_into, gather
 from .fingerprint import fingerprint, length_or_none
-from .wrapped import CachedDataset, CachedIterableDataset, _compute, _NoSource, _same
+from .wrapped import CachedDataset, CachedIterableDataset, NoSource, compute_item, same_sample
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
@@ -249,10 +249,10 @@ class ShmDatasetCache:
         samples = []  # encoded once: to check them, to fingerprint the dataset, to store them
         for i in probe:
             try:
-                samples.append(codec.encode(_compute(dataset, transform, i)))
+                samples.append(codec.encode(compute_item(dataset, transform, i)))
             except EncodeError as exc:
                 raise EncodeError(f"sample {i} of {type(dataset).__name__}: {exc}") from None
-        if samples and not _same(samples[0], _compute(dataset, transform, probe[0])):
+        if samples and not same_sample(samples[0], compute_item(dataset, transform, probe[0])):
             raise InvalidArgument(
                 f"{type(dataset).__name__}[0] differs between two reads: the dataset (or transform) "
                 f"is random, and a cache would freeze one draw; cache the deterministic part "
@@ -321,7 +321,7 @@ class ShmDatasetCache:
             self._tiers_learn(meta["fingerprint"])  # imported by another process since we opened it
             self._fingerprint = meta["fingerprint"]  # wrap(another dataset) later is refused
         self._source_len = length  # export() records it
-        return CachedDataset(self, _NoSource(self.session, self.name, length), None)
+        return CachedDataset(self, NoSource(self.session, self.name, length), None)
 
     @classmethod
     def from_snapshot(cls, src: str | os.PathLike, session: str = "auto", name: str | None = None,

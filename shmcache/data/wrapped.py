@@ -21,7 +21,7 @@ from ..cache import codec
 from ..cache.store import MISSING, CacheStore
 from ..errors import CacheMismatch, EncodeError, InvalidArgument, ItemNotCached
 from .batches import as_int64, integer_array, plain_ints
-from .collate import _Collated, _register, collates_by_default, gather_collated
+from .collate import _Collated, collates_by_default, gather_collated, register_live
 
 if TYPE_CHECKING:
     from .dataset import ShmDatasetCache
@@ -31,7 +31,7 @@ __all__ = ["CachedDataset", "CachedIterableDataset"]
 _VERIFY_RNG = random.Random()  # its own: verify= must not shift the user's seeded random streams
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_sample(a: Any, b: Any) -> bool:
     """Bit-for-bit equality of two samples (or their encodings), through the codec."""
     ea = a if isinstance(a, codec.Encoded) else codec.encode(a)
     eb = b if isinstance(b, codec.Encoded) else codec.encode(b)
@@ -41,7 +41,7 @@ def _same(a: Any, b: Any) -> bool:
                for (_, x), (_, y) in zip(ea.pieces, eb.pieces))
 
 
-class _NoSource:
+class NoSource:
     """What ``wrap(None)`` wraps: a dataset of a known length whose items are only in the cache."""
 
     def __init__(self, session: str, name: str, length: int):
@@ -58,7 +58,7 @@ class _NoSource:
             f"itself so that missing items are computed")
 
 
-def _compute(dataset, transform, index):
+def compute_item(dataset, transform, index):
     sample = dataset[index]
     return transform(sample) if transform is not None else sample
 
@@ -74,7 +74,7 @@ class CachedDataset(Dataset):
         # names this dataset to the main process when a worker sends a batch as its keys (NOTE
         # [collated batch]); copies pickled to workers keep it
         self._token = secrets.token_hex(8)
-        _register(self)
+        register_live(self)
 
     def __len__(self) -> int:
         return self._len
@@ -117,7 +117,7 @@ class CachedDataset(Dataset):
         return arr
 
     def _compute(self, i: int) -> Any:
-        return _compute(self.dataset, self.transform, int(i))
+        return compute_item(self.dataset, self.transform, int(i))
 
     def _store_computed(self, store: CacheStore, i: int, value: Any) -> None:
         try:
@@ -144,7 +144,7 @@ class CachedDataset(Dataset):
         return value
 
     def _verify(self, i: int, cached: Any) -> None:
-        if not _same(cached, self._compute(i)):
+        if not same_sample(cached, self._compute(i)):
             raise CacheMismatch(
                 f"sample {i} of {type(self.dataset).__name__} differs from its cached copy in "
                 f"{self.cache.session}/{self.cache.name}: the dataset changed since it was cached, "
@@ -194,7 +194,7 @@ class CachedDataset(Dataset):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        _register(self)  # a worker's copy, or a copy made in this process: either serves the token
+        register_live(self)  # a worker's copy, or a copy made in this process: either serves the token
 
 
 class CachedIterableDataset(IterableDataset):
