@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..base import trees
 from ..errors import EncodeError
 
 __all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "RECORD_HEADER", "RecordHeader",
@@ -749,16 +750,18 @@ class Leaf:
         self.dtype, self.shape, self.meta, self.ext = dtype, shape, meta, ext
 
 
-def leaves(layout: bytes) -> tuple[tuple, list[Leaf]]:
-    """The layout's tree (with leaf indices in place of leaves) and its list of leaves."""
+def leaves(layout: bytes) -> tuple[Any, list[Leaf]]:
+    """The layout's structure as a spec of ``base.trees`` (what a batch of such records is rebuilt
+    from) and its list of leaves, depth first."""
     out: list[Leaf] = []
 
     def walk(node):
         tag = node[0]
         if tag in (_TUPLE, _LIST):
-            return (tag, tuple(walk(c) for c in node[1]))
+            return ("tuple" if tag == _TUPLE else "list", None, tuple(walk(c) for c in node[1]))
         if tag == _DICT:
-            return (tag, tuple((k, walk(c)) for k, c in node[1]))
+            keys = tuple(k for k, _ in node[1])
+            return ("map", (dict, keys), tuple(walk(c) for _, c in node[1]))
         if tag == _INT:
             out.append(Leaf(tag, node[1], 8, np.dtype("<i8")))
         elif tag == _FLOAT:
@@ -774,7 +777,7 @@ def leaves(layout: bytes) -> tuple[tuple, list[Leaf]]:
             out.append(Leaf(tag, 0, 0))
         else:  # str, bytes, pickle: decoded per item
             out.append(Leaf(tag, node[1], node[2]))
-        return ("leaf", len(out) - 1)
+        return trees.LEAF
 
     tree = walk(marshal.loads(layout))
     return tree, out

@@ -139,7 +139,7 @@ class BatchBuffers:
         # path (so it holds whatever an interpreter version borrows or adds)
         self._alone = _refs([np.empty(1)], 0)
         # a DataLoader's pin-memory thread gathers batches sent by workers as keys, next to the
-        # main thread (NOTE [collated batch] in dataset.py): two must never take one buffer
+        # main thread (NOTE [collated batch] in data/collate.py): two must never take one buffer
         self._lock = threading.Lock()
         self._lock_gen = process_slot.fork_count()
         self._local = threading.local()

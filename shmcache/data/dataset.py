@@ -1,145 +1,52 @@
 """``ShmDatasetCache``: the public face of shmcache for PyTorch (docs/design.md §1).
 
 It binds one named cache of a session (``store.CacheStore``) and adds what PyTorch users need:
-wrapping map-style and iterable datasets, batches collated like ``default_collate`` (gathered
-straight into caller buffers such as pinned memory), warm-up with a progress bar, and tensors as a
-first-class sample type (shmcache.data.tensors, which the codec loads lazily where a process meets a tensor).
+wrapping map-style and iterable datasets (shmcache.data.wrapped), batches collated like
+``default_collate`` (gathered straight into caller buffers such as pinned memory:
+shmcache.data.batches, and a DataLoader's own batches: shmcache.data.collate), warm-up with a
+progress bar, and tensors as a first-class sample type (shmcache.data.tensors, which the codec
+loads lazily where a process meets a tensor). Its arguments are checked in shmcache.data.arguments.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import os
-import random
-import secrets
-import sys
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
-from torch.utils.data._utils.collate import default_collate_fn_map
-from torch.utils.data._utils.fetch import _MapDatasetFetcher
+from torch.utils.data import IterableDataset, default_collate
 
 from ..base import settings
 from ..base.namespace import namespace, resolve_session_name, validate_name
 from ..base.progress import progress_bar
-from ..base.settings import ENV_REMOTE, ENV_SIZE_MB, ENV_SNAPSHOT, ENV_SPILLING
+from ..base.settings import ENV_REMOTE, ENV_SIZE_MB, ENV_SPILLING
 from ..base.trust import resolve_secret
 from ..cache import codec
 from ..cache.store import MISSING, CacheStore, UncachedStore
 from ..errors import (
-    CacheMismatch,
     EncodeError,
     InvalidArgument,
-    InvalidKey,
-    ItemNotCached,
     SessionNotFound,
     SharedMemoryFull,
     SnapshotError,
 )
 from ..tiers.remote import resolve as resolve_remote
-from . import tensors as _torch
+from . import tensors
+from .arguments import check_session, check_size, default_name, label_of, size_from_env, snapshot_arg
+from .batches import as_int_keys, copy_into, gather
 from .fingerprint import fingerprint, length_or_none
+from .wrapped import CachedDataset, CachedIterableDataset, NoSource, compute_item, same_sample
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
-_torch.register()  # torch is imported here anyway: tensors are encoded without a lookup
-
-log = logging.getLogger("shmcache")
-_MAX_SIZE_MB = 1 << 26  # 64 TiB: anything larger is a unit mistake (bytes given as MiB)
-
-
-# --- arguments ------------------------------------------------------------------------------------
-
-_SESSIONS_SAID: set[tuple[str, str]] = set()  # (namespace, session): a new session is logged once
-
-
-def _check_session(session: str, create: bool) -> None:
-    """A session that does not exist: an error with create=False, else said once in the log (a
-    misspelled ``session=`` would otherwise silently start an empty one)."""
-    from ..cache.registry import SessionRegistry
-
-    registry = SessionRegistry(namespace())
-    if registry.exists(session):
-        return
-    known = ", ".join(sorted(s.name for s in registry.list()))
-    if not create:
-        raise SessionNotFound(f"no session {session!r} in {registry.ns.root} (sessions there: {known or 'none'}) "
-                              f"and create=False; check the name, or create it (`shmcache new {session}`, "
-                              f"or create=True)")
-    if (str(registry.ns.root), session) in _SESSIONS_SAID:
-        return
-    _SESSIONS_SAID.add((str(registry.ns.root), session))
-    if known:
-        log.warning("session %r does not exist in %s: it is created now (sessions there: %s); if the "
-                    "name is misspelled, fix it - create=False makes a missing session an error",
-                    session, registry.ns.root, known)
-    else:
-        log.info("session %r does not exist in %s: it is created now", session, registry.ns.root)
-
-
-
-_LABEL_CHARS = 80
-
-
-def _label(dataset: Any, label: str | None) -> str:
-    """``label``, else a bounded ``repr`` of the dataset (its class where the repr is object's)."""
-    if label is None:
-        try:
-            label = repr(dataset)
-        except Exception:  # noqa: BLE001 - a repr that fails must not fail wrap()
-            label = ""
-        if not label or type(dataset).__repr__ is object.__repr__:
-            label = type(dataset).__qualname__
-    label = " ".join(label.split())  # one line in a table
-    return label if len(label) <= _LABEL_CHARS else label[:_LABEL_CHARS - 3] + "..."
-
-
-def _check_size(size: Any, what: str = "size") -> int:
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-        raise InvalidArgument(f"{what} must be an int number of MiB (0 = automatic), got "
-                              f"{type(size).__name__} {size!r}")
-    if size < 0 or size > _MAX_SIZE_MB:
-        raise InvalidArgument(f"{what}={size} MiB is out of range: give 0 (80% of the memory really "
-                              f"available) or a number of MiB up to {_MAX_SIZE_MB} "
-                              f"(size is in MiB, not bytes)")
-    return int(size)
-
-
-def _size_from_env() -> int:
-    raw = settings.get(ENV_SIZE_MB, "").strip()
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InvalidArgument(f"${ENV_SIZE_MB}={raw!r} is not an int number of MiB; set it to e.g. "
-                              f"4096, or unset it") from None
-    return _check_size(value, f"${ENV_SIZE_MB}")
-
-
-_VERIFY_RNG = random.Random()  # its own: verify= must not shift the user's seeded random streams
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Bit-for-bit equality of two samples (or their encodings), through the codec."""
-    ea = a if isinstance(a, codec.Encoded) else codec.encode(a)
-    eb = b if isinstance(b, codec.Encoded) else codec.encode(b)
-    if ea.layout != eb.layout or ea.scalars != eb.scalars:
-        return False
-    return all(memoryview(x).cast("B") == memoryview(y).cast("B")
-               for (_, x), (_, y) in zip(ea.pieces, eb.pieces))
-
-
-def _default_name(dataset: Any, fingerprint: str) -> str:
-    base = "".join(c if c.isalnum() or c in "_.-" else "_" for c in type(dataset).__name__)[:40]
-    return validate_name(f"{base}-{fingerprint[:12]}", "cache")
+tensors.register()  # torch is imported here anyway: tensors are encoded without a lookup
 
 
 # --- the cache ------------------------------------------------------------------------------------
+
 
 
 class ShmDatasetCache:
@@ -193,12 +100,12 @@ class ShmDatasetCache:
         self.allow_pickle = allow_pickle
         if not isinstance(create, bool):
             raise InvalidArgument(f"create must be True or False, got {create!r}")
-        _check_session(self.session, create)
+        check_session(self.session, create)
         if name is not None:
             validate_name(name, "cache")
-        size = _check_size(size)
+        size = check_size(size)
         if size == 0 and settings.get(ENV_SIZE_MB):
-            size = _size_from_env()
+            size = size_from_env()
         if not isinstance(spilling, bool):
             raise InvalidArgument(f"spilling must be True or False, got {spilling!r}")
         if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
@@ -235,7 +142,7 @@ class ShmDatasetCache:
         self._remote_arg = remote  # resolved with the session's when the store is opened (_open)
         if remote or (remote is None and settings.get(ENV_REMOTE)):  # a bad URL fails here
             resolve_remote(remote, None)
-        self._snapshot = _snapshot_arg(snapshot, snapshot_options)  # (url, options) or None
+        self._snapshot = snapshot_arg(snapshot, snapshot_options)  # (url, options) or None
         if self.spilling:  # a missing or unusable spill directory is an error now, not later
             from ..cache.registry import SessionRegistry
             from ..tiers.spill.tier import resolve_spill_dir
@@ -331,7 +238,7 @@ class ShmDatasetCache:
         wrapped = self._wrap(dataset, transform)
         store = self._store
         if store is not None and not store.uncached:
-            store.record_label(_label(dataset, label))
+            store.record_label(label_of(dataset, label))
         return wrapped
 
     def _wrap(self, dataset: Any, transform: Callable | None):
@@ -348,10 +255,10 @@ class ShmDatasetCache:
         samples = []  # encoded once: to check them, to fingerprint the dataset, to store them
         for i in probe:
             try:
-                samples.append(codec.encode(_compute(dataset, transform, i)))
+                samples.append(codec.encode(compute_item(dataset, transform, i)))
             except EncodeError as exc:
                 raise EncodeError(f"sample {i} of {type(dataset).__name__}: {exc}") from None
-        if samples and not _same(samples[0], _compute(dataset, transform, probe[0])):
+        if samples and not same_sample(samples[0], compute_item(dataset, transform, probe[0])):
             raise InvalidArgument(
                 f"{type(dataset).__name__}[0] differs between two reads: the dataset (or transform) "
                 f"is random, and a cache would freeze one draw; cache the deterministic part "
@@ -420,7 +327,7 @@ class ShmDatasetCache:
             self._tiers_learn(meta["fingerprint"])  # imported by another process since we opened it
             self._fingerprint = meta["fingerprint"]  # wrap(another dataset) later is refused
         self._source_len = length  # export() records it
-        return CachedDataset(self, _NoSource(self.session, self.name, length), None)
+        return CachedDataset(self, NoSource(self.session, self.name, length), None)
 
     @classmethod
     def from_snapshot(cls, src: str | os.PathLike, session: str = "auto", name: str | None = None,
@@ -500,7 +407,7 @@ class ShmDatasetCache:
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
         fp = fingerprint(dataset, transform, samples)
         if self._store is None:
-            self._open(self.name or _default_name(dataset, fp), fp, table_hint)
+            self._open(self.name or default_name(dataset, fp), fp, table_hint)
         elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset
             self._tiers_learn(fp)  # a snapshot of another dataset: refused
             self._store.bind_fingerprint(fp)
@@ -578,9 +485,9 @@ class ShmDatasetCache:
         if len(keys) == 0:
             raise InvalidArgument("get_batch() needs at least one key; got an empty sequence")
         store = self.store
-        ints = _as_int_keys(keys)
+        ints = as_int_keys(keys)
         if ints is not None:  # the vectorised path: every key cached, one layout, in memory
-            batch = self._gather(store, ints, out)
+            batch = gather(store, ints, out)
             if batch is not None:
                 return batch
         values, missing = store.lookup_batch(keys, self.copy)
@@ -593,54 +500,9 @@ class ShmDatasetCache:
                 self._put(store, keys[i], values[i])
         batch = default_collate(values)
         if out is not None:
-            _copy_into(out, batch)
+            copy_into(out, batch)
             return out
         return batch
-
-    def _gather(self, store: CacheStore, keys: np.ndarray, out: Any):
-        arrays = None
-        if out is not None:
-            layout = store.batch_layout(keys)
-            if layout is None:
-                return None
-            # out's leaves in the record's order: a dict out is matched by key, never by position
-            arrays, dtypes, shapes = _out_leaves(_flatten_like(out, layout[0]))
-            if not store.out_matches(layout, len(keys), arrays, dtypes, shapes):  # another dtype/shape:
-                batch = self._gather(store, keys, None)               # convert, like copy_ does
-                if batch is not None:
-                    _copy_into(out, batch)
-                    return out
-                return None
-        got = store.gather_ints(keys, arrays)
-        if got is None:
-            return None
-        tree, leaves, columns = got
-        if out is not None:
-            return out
-        return _build_collated(tree, [_to_tensor(c, leaf) for c, leaf in zip(columns, leaves)], False)
-
-    def _gather_collated(self, store: CacheStore, keys: np.ndarray, sent_from: Any = None) -> Any:
-        """The batch of int ``keys`` exactly as ``default_collate`` makes it from the samples
-        (NOTE [collated batch]), gathered by the vectorised path; None when the batch is not all
-        cached in memory with one layout, or holds a field default_collate would not stack the
-        same way (None, pickled objects, dtypes torch lacks): the caller then goes item by item.
-        ``sent_from``: the CachedDataset asking, in a DataLoader worker (see the code)."""
-        layout = store.batch_layout(keys)
-        if layout is None:
-            return None
-        tree, leaves = layout[:2]
-        dtypes = [_collated_dtype(leaf) for leaf in leaves]
-        if None in dtypes:
-            return None
-        if sent_from is not None:
-            # in a DataLoader worker: a warm batch crosses the queue as its keys, and the main
-            # process gathers it from the cache itself (NOTE [collated batch])
-            return _Keys(sent_from, keys) if store.all_in_memory(keys) else None
-        got = store.gather_ints(keys)
-        if got is None:
-            return None
-        columns = [c if d is str else _to_tensor(c, leaf) for c, leaf, d in zip(got[2], leaves, dtypes)]
-        return _build_collated(tree, columns, False)
 
     # --- housekeeping --------------------------------------------------------------------------
 
@@ -746,25 +608,7 @@ class ShmDatasetCache:
         return self._store
 
 
-def _snapshot_arg(snapshot: Any, options: dict | None) -> tuple[str, dict] | None:
-    """``snapshot=`` and ``snapshot_options=`` checked: (url, options), or None for no snapshot."""
-    from ..snapshot.tier import check_options
-
-    if snapshot is None:
-        snapshot = settings.get(ENV_SNAPSHOT, "").strip()
-    if snapshot is not None and not isinstance(snapshot, (str, os.PathLike)):
-        raise InvalidArgument(f"snapshot must be a path or a URL (e.g. 's3://bucket/snap'), got "
-                              f"{type(snapshot).__name__}")
-    options = check_options(options)
-    if not os.fspath(snapshot):
-        if options:
-            warnings.warn("snapshot_options has no effect without snapshot= (or $SHMCACHE_SNAPSHOT); "
-                          "pass snapshot=URL, or drop snapshot_options", UserWarning, stacklevel=3)
-        return None
-    return os.fspath(snapshot), options
-
-
-# --- wrapped datasets -----------------------------------------------------------------------------
+# --- warm-up --------------------------------------------------------------------------------------
 
 
 def _not_behind(store, keys: list, per_trip: int = 256) -> list:
@@ -775,504 +619,3 @@ def _not_behind(store, keys: list, per_trip: int = 256) -> list:
         part = keys[lo:lo + per_trip]
         out += [part[j] for j in store.lookup_batch(part, False)[1]]
     return out
-
-
-class _NoSource:
-    """What ``wrap(None)`` wraps: a dataset of a known length whose items are only in the cache."""
-
-    def __init__(self, session: str, name: str, length: int):
-        self.session, self.name, self.length = session, name, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, i: int):
-        raise ItemNotCached(
-            f"item {i!r} is not in cache {self.session}/{self.name}, and the cache has no source "
-            f"(wrap(None)) to compute it from; import the whole snapshot into it (if the import said "
-            f"items did not fit, give the cache a larger size= or spilling=True), or wrap the dataset "
-            f"itself so that missing items are computed")
-
-
-def _compute(dataset, transform, index):
-    sample = dataset[index]
-    return transform(sample) if transform is not None else sample
-
-
-class CachedDataset(Dataset):
-    """A map-style dataset whose items come from the cache (computed once, by any process)."""
-
-    def __init__(self, cache: ShmDatasetCache, dataset: Any, transform: Callable | None):
-        self.cache = cache
-        self.dataset = dataset
-        self.transform = transform
-        self._len = len(dataset)
-        # names this dataset to the main process when a worker sends a batch as its keys (NOTE
-        # [collated batch]); copies pickled to workers keep it
-        self._token = secrets.token_hex(8)
-        _register(self)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def _index(self, i: Any) -> int:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            if isinstance(i, torch.Tensor) and i.numel() == 1 and not (
-                    i.dtype == torch.bool or i.is_floating_point() or i.is_complex()):
-                i = int(i)
-            elif isinstance(i, np.ndarray) and i.ndim == 0 and i.dtype.kind in "iu":  # as cache.get takes it
-                i = int(i)
-            else:
-                raise TypeError(f"dataset indices must be integers, not {type(i).__name__}")
-        i = int(i)
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(f"index {i} out of range for a dataset of {self._len} items")
-        return i
-
-    def _indices(self, indices: Any) -> np.ndarray:
-        """A batch of indices as int64, negatives wrapped and bounds checked in one numpy pass
-        (the batch path must not pay a Python call per index)."""
-        if type(indices) is list:  # a sampler's list of ints: fromiter is 3x faster than asarray
-            arr = _plain_ints(indices)
-        else:
-            arr = _integer_array(indices, "dataset indices", TypeError)
-        if arr is None:  # a list: fine if numpy makes it an integer array, else one by one
-            arr = np.asarray(indices)
-            if arr.dtype.kind not in "iu" or arr.ndim != 1:
-                return np.fromiter((self._index(i) for i in indices), np.int64)
-        arr = _as_int64(arr, lambda i: IndexError(f"index {i} out of range for a dataset of {self._len} items"))
-        if not arr.size or (arr.min() >= 0 and arr.max() < self._len):  # the common case: 2 reductions
-            return arr
-        arr = np.where(arr < 0, arr + self._len, arr)
-        bad = (arr < 0) | (arr >= self._len)
-        if bad.any():
-            raise IndexError(f"index {int(np.asarray(indices)[bad][0])} out of range for a dataset "
-                             f"of {self._len} items")
-        return arr
-
-    def _compute(self, i: int) -> Any:
-        return _compute(self.dataset, self.transform, int(i))
-
-    def _store_computed(self, store: CacheStore, i: int, value: Any) -> None:
-        try:
-            self.cache._put(store, i, value)
-        except EncodeError as exc:
-            raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
-
-    def __getitem__(self, i):
-        if type(i) is not int or not 0 <= i < self._len:  # a plain index needs no more checks
-            if isinstance(i, list) or (isinstance(i, np.ndarray) and i.ndim) or (
-                    isinstance(i, torch.Tensor) and i.dim() == 1):
-                # DataLoader(ds, sampler=BatchSampler(...), batch_size=None): a whole batch per
-                # call, collated by the vectorised path (the DataLoader then does no collation)
-                return self.get_batch(i)
-            i = self._index(i)
-        cache = self.cache
-        store = cache._store if cache._store is not None else cache._ensure_open()
-        value = store.lookup(i, cache.copy)
-        if value is MISSING:
-            value = self._compute(i)
-            self._store_computed(store, i, value)
-        elif cache.verify and _VERIFY_RNG.random() < cache.verify:
-            self._verify(i, value)
-        return value
-
-    def _verify(self, i: int, cached: Any) -> None:
-        if not _same(cached, self._compute(i)):
-            raise CacheMismatch(
-                f"sample {i} of {type(self.dataset).__name__} differs from its cached copy in "
-                f"{self.cache.session}/{self.cache.name}: the dataset changed since it was cached, "
-                f"or it is not deterministic; drop the stale cache (cache.clear()), and keep random "
-                f"augmentation outside the cache"
-            )
-
-    def __getitems__(self, indices: Sequence) -> list:
-        """The DataLoader's batch hook: the batch gathered by the vectorised path when the
-        DataLoader collates with default_collate (NOTE [collated batch]); else the samples from
-        one batch lookup. Misses are computed and stored."""
-        idx = self._indices(indices)
-        cache = self.cache
-        store = cache._ensure_open()
-        if not cache.verify and _collates_by_default(sys._getframe(1)):
-            batch = cache._gather_collated(store, idx, self if get_worker_info() is not None else None)
-            if batch is not None:
-                return [_Collated(batch)] * len(idx)
-        return self._samples(idx)
-
-    def _samples(self, keys: np.ndarray) -> list:
-        """The samples of ``keys`` from one batch lookup (verified if asked); misses computed and stored."""
-        cache = self.cache
-        store = cache._ensure_open()
-        idx = keys.tolist()
-        values, missing = store.lookup_batch(idx, cache.copy)
-        if cache.verify:
-            hits = set(range(len(idx))) - set(missing)
-            for j in hits:
-                if _VERIFY_RNG.random() < cache.verify:
-                    self._verify(idx[j], values[j])
-        for j in missing:
-            values[j] = self._compute(idx[j])
-            self._store_computed(store, idx[j], values[j])
-        return values
-
-    def get_batch(self, indices: Sequence, fn: Callable | None = None, out: Any = None) -> Any:
-        """A collated batch (the vectorised path), misses computed from the dataset (or ``fn``).
-
-        Same signature as ``ShmDatasetCache.get_batch``, so a wrapped dataset can feed
-        ``PrefetchRing.from_cache(ds, key_batches)`` directly.
-        """
-        return self.cache.get_batch(self._indices(indices), fn=fn or self._compute, out=out)
-
-    def __getstate__(self) -> dict:
-        return self.__dict__.copy()  # the cache pickles by name (ShmDatasetCache.__getstate__)
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        _register(self)  # a worker's copy, or a copy made in this process: either serves the token
-
-
-class CachedIterableDataset(IterableDataset):
-    """An iterable dataset: the first full pass records, later passes replay from the cache.
-
-    Each stream (rank x DataLoader worker) records its own sequence under its own keys, with a
-    completion marker written only after a full pass; a pass that was cut short, or finds an item
-    missing, reads the source again and fills the gaps.
-
-    DataLoader workers: each worker gets its own copy of the dataset and records what *its* copy
-    yields, under its own keys (``RANK.<worker id>of<num_workers>``). An unsharded stream is thus
-    read, yielded and stored once per worker (what PyTorch does with any IterableDataset), so
-    shard it in the source's ``__iter__`` with ``torch.utils.data.get_worker_info()`` (for example
-    ``itertools.islice(items, info.id, None, info.num_workers)``); a different ``num_workers`` (or
-    world size) records anew.
-    """
-
-    def __init__(self, cache: ShmDatasetCache, dataset: Iterable, transform: Callable | None,
-                 one_shot: bool = False):
-        self.cache = cache
-        self.dataset = dataset
-        self.transform = transform
-        self._one_shot = one_shot  # a plain iterator: one pass of the source, ever
-        self._pending: tuple[int, list, Any] | None = None  # pid, items wrap() read, their iterator
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_pending"] = None  # the items wrap() read belong to this process's first pass
-        return state
-
-    def _source(self):
-        """The source for a recording pass: the items wrap() read, then the rest of their
-        iterator (first pass in this process), else a fresh iterator of the dataset."""
-        pending, self._pending = self._pending, None
-        # not in a DataLoader worker, even a forked one that inherited it: a worker opens its own
-        # iterator (a source that shards by get_worker_info() must see the worker)
-        if pending is not None and pending[0] == os.getpid() and get_worker_info() is None:
-            return itertools.chain(pending[1], pending[2])
-        if self._one_shot:
-            if getattr(self, "_consumed", False):
-                raise InvalidArgument(
-                    f"the one-shot iterator ({type(self.dataset).__name__}) wrapped as "
-                    f"{self.cache.session}/{self.cache.name} was read once already, and the cache "
-                    f"does not hold all of it (the first pass stopped early, or the cache was "
-                    f"full), so it cannot be replayed; wrap a re-iterable dataset (an "
-                    f"IterableDataset or a container), or finish the first pass")
-            self._consumed = True
-        return iter(self.dataset)
-
-    def _stream(self) -> str:
-        info = get_worker_info()
-        worker = f"{info.id}of{info.num_workers}" if info is not None else "main"
-        return f"{settings.get(settings.ENV_RANK, '0')}.{worker}"
-
-    def __iter__(self):
-        store = self.cache._ensure_open()
-        stream = self._stream()
-        marker = f"__stream__:{stream}"
-        total = store.lookup(marker, count=False)
-        if total is not MISSING:
-            self._pending = None
-            for i in range(total):
-                value = store.lookup(f"{stream}:{i}", self.cache.copy)
-                if value is MISSING:
-                    yield from self._record(store, stream, marker, skip=i)
-                    return
-                yield value
-            return
-        yield from self._record(store, stream, marker, skip=0)
-
-    def _record(self, store: CacheStore, stream: str, marker: str, skip: int):
-        count = 0
-        for i, sample in enumerate(self._source()):
-            count = i + 1
-            if i < skip:
-                continue  # already yielded from the cache in this pass
-            value = self.transform(sample) if self.transform is not None else sample
-            self.cache._put(store, f"{stream}:{i}", value)
-            yield value
-        store.put(marker, count)  # only after a full pass
-
-
-# --- the DataLoader's default collation (NOTE [collated batch]) ------------------------------------
-
-# NOTE [collated batch]
-#     ``DataLoader(ds, batch_size=B)`` calls ``ds.__getitems__(indices)`` and hands what it returns
-#     to its ``collate_fn`` (torch.utils.data._utils.fetch._MapDatasetFetcher.fetch). Samples one by
-#     one, stacked again by default_collate, cost 5-10x the vectorised gather. So when the caller is
-#     torch's fetcher and its collate_fn is default_collate itself, __getitems__ gathers the batch
-#     already collated and returns it as a list of n references to one ``_Collated`` marker;
-#     default_collate looks only at ``type(batch[0])``, finds ``_Collated`` in its
-#     ``default_collate_fn_map`` (registered below: a private type, so nobody else's collation
-#     changes) and returns the batch. ``_gather_collated`` builds exactly what default_collate would
-#     (dtypes, shapes, dict/list/tuple types), and refuses (None: item by item) what it cannot.
-#     Any other caller - a custom collate_fn, a wrapper around default_collate, a direct call, a
-#     torch whose fetcher looks different - gets the plain list of samples, as before.
-#
-#     In a DataLoader worker the collated batch would cross the worker's queue pickled: tensors
-#     moved to a new shared-memory segment, sent by file descriptor, mapped again by the main
-#     process - more work than the gather itself, for data that is in shared memory already. So a
-#     worker that finds every key of a batch in memory with one layout (store.all_in_memory)
-#     returns a ``_Keys`` batch instead: it pickles as the dataset's token and the keys, and
-#     unpickling it in the main process (or its pin-memory thread) gathers the batch there, from
-#     the CachedDataset registered under that token (``_LIVE``). If the cache lost items meanwhile
-#     (clear()), the main process reads them item by item, computing misses. A worker's own
-#     misses, cold epochs and every other sample type are computed in the worker as before.
-
-
-class _Collated:
-    """Every element of a batch that __getitems__ returned already collated."""
-
-    __slots__ = ("batch",)
-
-    def __init__(self, batch: Any):
-        self.batch = batch
-
-
-def _collate_gathered(batch: list, *, collate_fn_map: dict | None = None) -> Any:
-    return batch[0].batch
-
-
-default_collate_fn_map[_Collated] = _collate_gathered
-
-# token -> the CachedDatasets of this process that carry it (copies of one dataset, same cache)
-_LIVE: dict[str, weakref.WeakSet] = {}
-
-
-def _register(ds: CachedDataset) -> None:
-    _LIVE.setdefault(ds._token, weakref.WeakSet()).add(ds)
-
-
-class _Keys:
-    """A warm batch in a worker: pickled as its keys, gathered where it is unpickled."""
-
-    __slots__ = ("ds", "keys")
-
-    def __init__(self, ds: CachedDataset, keys: np.ndarray):
-        self.ds, self.keys = ds, keys
-
-    def __reduce__(self):
-        return _gather_sent, (self.ds._token, self.keys.tobytes())
-
-
-def _gather_sent(token: str, raw: bytes) -> Any:
-    """Unpickling a ``_Keys`` batch: gather it here (NOTE [collated batch])."""
-    ds = next(iter(_LIVE.get(token, ())), None)
-    if ds is None:  # the DataLoader holds its dataset: only a process that is not its parent gets here
-        raise InvalidArgument(f"a DataLoader batch arrived for a CachedDataset (token {token}) "
-                              f"that this process no longer holds; keep the dataset alive while "
-                              f"its DataLoader runs")
-    keys = np.frombuffer(raw, np.int64)
-    store = ds.cache._ensure_open()
-    batch = ds.cache._gather_collated(store, keys)
-    if batch is None:  # cleared since the worker looked: item by item, computing misses
-        batch = default_collate(ds._samples(keys))
-    return batch
-
-_FETCH_CODE = getattr(getattr(_MapDatasetFetcher, "fetch", None), "__code__", None)
-
-
-def _collates_by_default(frame: Any) -> bool:
-    """True if ``frame`` (__getitems__'s caller) is torch's map-style fetcher collating with
-    default_collate (NOTE [collated batch])."""
-    if frame.f_code is not _FETCH_CODE:
-        return False
-    fetcher = frame.f_locals.get("self")
-    return getattr(fetcher, "collate_fn", None) is default_collate
-
-
-_TORCH_DTYPES: dict[str, Any] = {}
-
-
-def _collated_dtype(leaf: codec.Leaf) -> Any:
-    """The torch dtype default_collate gives a column of ``leaf`` (str for str/bytes: a list of
-    them), or None where its result would differ from a stacked column (None, pickled objects) or
-    torch has no such dtype (default_collate raises there: the item-by-item path lets it)."""
-    tag = leaf.tag
-    if tag in ("s", "y"):
-        return str
-    if tag == "e":  # tensors; other registered types (PIL images) are not stacked by default_collate
-        return getattr(torch, leaf.meta.split(":", 1)[0], None) if leaf.ext == "torch" else None
-    if tag not in ("i", "f", "b", "a"):
-        return None
-    key = leaf.dtype.str
-    if key not in _TORCH_DTYPES:
-        try:
-            _TORCH_DTYPES[key] = torch.from_numpy(np.empty(0, leaf.dtype)).dtype
-        except (TypeError, ValueError):
-            _TORCH_DTYPES[key] = None
-    return _TORCH_DTYPES[key]
-
-
-def _build_collated(tree: tuple, columns: list, in_sequence: bool) -> Any:
-    """default_collate's structure: a list for tuples and lists, a dict for dicts; str and bytes
-    fields stay a list of them - a tuple inside a tuple or list sample (it transposes with zip)."""
-    tag = tree[0]
-    if tag == "leaf":
-        column = columns[tree[1]]
-        return tuple(column) if in_sequence and isinstance(column, list) else column
-    if tag in ("T", "L"):
-        return [_build_collated(c, columns, True) for c in tree[1]]
-    return {k: _build_collated(c, columns, False) for k, c in tree[1]}
-
-
-# --- collation helpers ---------------------------------------------------------------------------
-
-
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-def _integer_array(values: Any, what: str, error: type[Exception]) -> np.ndarray | None:
-    """An ndarray or tensor of ``what`` as a 1-D integer numpy array (None for anything else, such
-    as a list). Raises ``error`` naming the problem for bool, float or complex values and for
-    arrays that are not 1-D: a float array silently truncated to ints would read other items."""
-    if isinstance(values, torch.Tensor):
-        if values.dtype == torch.bool or values.is_floating_point() or values.is_complex():
-            raise error(f"{what} must be integers, not a tensor of {values.dtype}")
-        values = values.cpu().numpy()
-    if not isinstance(values, np.ndarray):
-        return None
-    if values.dtype.kind not in "iu":
-        raise error(f"{what} must be integers, not an array of {values.dtype}"
-                    + ("; pass str keys as a list" if values.dtype.kind in "US" else ""))
-    if values.ndim != 1:
-        raise error(f"{what} must be a 1-D sequence, not an array of shape {tuple(values.shape)}")
-    return values
-
-
-def _as_int64(values: np.ndarray, out_of_range: Callable[[int], Exception]) -> np.ndarray:
-    """``values`` as int64; a uint64 above 2**63-1 raises ``out_of_range(value)`` instead of
-    wrapping around to a negative number (which would silently read another item)."""
-    if values.dtype.kind == "u" and values.dtype.itemsize == 8 and values.size:
-        big = values > _INT64_MAX
-        if big.any():
-            raise out_of_range(int(values[big][0]))
-    return values.astype(np.int64, copy=False)
-
-
-def _as_int_keys(keys: Sequence) -> np.ndarray | None:
-    """Cache keys as one int64 array for the vectorised path, or None for keys looked up one by
-    one (str, bytes, mixed, or ints beyond 64 bits: those raise InvalidKey there)."""
-    arr = _integer_array(keys, "an array of cache keys", InvalidKey)
-    if arr is not None:
-        return _as_int64(arr, lambda k: InvalidKey(
-            f"int key {k} does not fit in a signed 64-bit integer; use a str key (str({k}))"))
-    return _plain_ints(keys)
-
-
-def _plain_ints(keys: Sequence) -> np.ndarray | None:
-    """``keys`` as int64 if every one is a plain int that fits; else None."""
-    try:
-        if all(type(k) is int for k in keys):
-            return np.fromiter(keys, np.int64, len(keys))
-    except (OverflowError, TypeError):
-        return None
-    return None
-
-
-def _to_tensor(column: Any, leaf: codec.Leaf) -> Any:
-    if column is None or isinstance(column, list):
-        return column
-    if leaf.tag == "e":
-        from_parts = codec.ext_from_parts(leaf.ext)
-        return from_parts(leaf.meta, (len(column), *leaf.shape), column.reshape(-1))
-    return torch.from_numpy(column)
-
-
-def _out_leaves(leaves: list) -> tuple[list, list, list]:
-    """``out``'s leaves as numpy arrays over the same memory (any dtype: through a uint8 view
-    where numpy has no such dtype, e.g. bfloat16), with their torch dtype names and shapes."""
-    arrays, dtypes, shapes = [], [], []
-    for t in leaves:
-        if isinstance(t, torch.Tensor):
-            if not t.is_cpu:  # is_cpu, requires_grad: attributes, a microsecond less a leaf than .device, .detach()
-                raise InvalidArgument(f"out= tensors must be in CPU memory (pinned is fine), got one on "
-                                      f"{t.device}; gather on the host and copy, or use PrefetchRing")
-            if t.requires_grad:
-                t = t.detach()
-            arrays.append(t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy())
-            dtypes.append(str(t.dtype).removeprefix("torch."))
-            shapes.append(tuple(t.shape))
-        elif isinstance(t, np.ndarray):
-            arrays.append(t)
-            dtypes.append(None)
-            shapes.append(t.shape)
-        else:
-            raise InvalidArgument(f"out= holds a {type(t).__name__}; give tensors or arrays shaped "
-                                  f"like the batch")
-    return arrays, dtypes, shapes
-
-
-def _flatten_like(out: Any, tree: tuple, path: str = "out") -> list:
-    """The leaves of ``out`` in the order of the record's layout ``tree``; InvalidArgument naming
-    the place where ``out`` is shaped unlike the batch (a missing field would stay unfilled)."""
-    tag = tree[0]
-    if tag == "leaf":
-        return [out]
-    if tag in ("T", "L"):
-        if not isinstance(out, (tuple, list)) or len(out) != len(tree[1]):
-            raise _unlike(path, out, f"a sequence of {len(tree[1])} fields")
-        return [leaf for i, (o, c) in enumerate(zip(out, tree[1])) for leaf in _flatten_like(o, c, f"{path}[{i}]")]
-    keys = [k for k, _ in tree[1]]
-    if not isinstance(out, dict) or set(out) != set(keys):
-        raise _unlike(path, out, f"a dict with keys {keys}")
-    return [leaf for k, c in tree[1] for leaf in _flatten_like(out[k], c, f"{path}[{k!r}]")]
-
-
-def _described(value: Any) -> str:
-    if isinstance(value, dict):
-        return f"a dict with keys {list(value)}"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
-
-
-def _unlike(path: str, out: Any, batch_has: str) -> InvalidArgument:
-    return InvalidArgument(f"{path} is {_described(out)} where the batch has {batch_has}; give one "
-                           f"buffer per field, shaped like the batch")
-
-
-def _copy_into(out: Any, batch: Any, path: str = "out") -> None:
-    """Copy a collated ``batch`` into ``out``, field by field, converting dtypes like ``copy_``;
-    InvalidArgument (nothing half-copied is returned) where the two are shaped differently."""
-    if isinstance(out, (torch.Tensor, np.ndarray)):
-        if not isinstance(batch, (torch.Tensor, np.ndarray)):
-            raise _unlike(path, out, _described(batch))
-        if tuple(batch.shape) != tuple(out.shape):
-            raise InvalidArgument(f"{path} has shape {tuple(out.shape)} where the batch has "
-                                  f"{tuple(batch.shape)}; size out= like the batch")
-        if isinstance(out, torch.Tensor):
-            out.copy_(torch.as_tensor(batch))
-        else:
-            out[...] = batch.numpy() if isinstance(batch, torch.Tensor) else batch
-    elif isinstance(out, (tuple, list)):
-        if not isinstance(batch, (tuple, list)) or len(batch) != len(out):
-            raise _unlike(path, out, _described(batch))
-        for i, (o, b) in enumerate(zip(out, batch)):
-            _copy_into(o, b, f"{path}[{i}]")
-    elif isinstance(out, dict):
-        if not isinstance(batch, dict) or set(batch) != set(out):
-            raise _unlike(path, out, _described(batch))
-        for k in out:
-            _copy_into(out[k], batch[k], f"{path}[{k!r}]")
-    else:
-        raise InvalidArgument(f"{path} is a {type(out).__name__}; give tensors or arrays shaped like the batch")

@@ -50,13 +50,15 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from ..base.trees import flatten, rebuild
 from ..errors import InvalidArgument, PrefetchError, PrefetchStall
+from .tensors import torch_dtype
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -120,69 +122,21 @@ _THREAD_NAME = "shmcache-prefetch"
 _FREE, _FILLED, _HELD = "free", "filled", "held"
 
 
-# -- nested batches ------------------------------------------------------------------------------
-# A spec describes a batch's containers; the leaves are listed separately so the ring can swap them
-# (source tensor -> slot view) and rebuild the same structure. Shared with shmcache.data.sink.
-
-_LEAF = None  # the spec of a leaf
-
-
-def flatten_batch(batch: Any, leaves: list[Any]) -> Any:
-    """Append ``batch``'s leaves to ``leaves`` (depth first) and return the spec to rebuild it."""
-    if isinstance(batch, Mapping):
-        keys = tuple(batch.keys())
-        return ("map", (type(batch), keys), tuple(flatten_batch(batch[k], leaves) for k in keys))
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return ("namedtuple", type(batch), tuple(flatten_batch(v, leaves) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        kind = "list" if isinstance(batch, list) else "tuple"
-        return (kind, None, tuple(flatten_batch(v, leaves) for v in batch))
-    leaves.append(batch)
-    return _LEAF
-
-
-def rebuild_batch(spec: Any, leaves: Iterator[Any]) -> Any:
-    """Inverse of :func:`flatten_batch`: the same containers, filled from ``leaves`` in order."""
-    if spec is _LEAF:
-        return next(leaves)
-    kind, aux, children = spec
-    values = [rebuild_batch(child, leaves) for child in children]
-    if kind == "map":
-        mapping_type, keys = aux
-        try:  # keep OrderedDict & co; fall back to dict for mappings that can't be built from pairs
-            return mapping_type(zip(keys, values, strict=True))
-        except TypeError:
-            return dict(zip(keys, values, strict=True))
-    if kind == "namedtuple":
-        return aux(*values)
-    return values if kind == "list" else tuple(values)
-
-
 # -- leaves that travel through the slots --------------------------------------------------------
-
-_NUMPY_TO_TORCH: dict[np.dtype, torch.dtype | None] = {}
-
-
-def _torch_dtype_of(array: np.ndarray) -> torch.dtype | None:
-    """The torch dtype of a numpy array, or None where torch has none (object, str, byte order)."""
-    if array.dtype not in _NUMPY_TO_TORCH:
-        try:
-            _NUMPY_TO_TORCH[array.dtype] = torch.from_numpy(np.empty(0, array.dtype)).dtype
-        except (TypeError, ValueError):
-            _NUMPY_TO_TORCH[array.dtype] = None
-    return _NUMPY_TO_TORCH[array.dtype]
+# A batch is the spec of its containers and a list of leaves (base.trees.flatten): the ring swaps
+# the leaves (source tensor -> slot view) and rebuilds the same structure.
 
 
 def _is_slot_leaf(leaf: Any) -> bool:
     """True for the leaves the ring copies to the device; anything else is passed through."""
     if isinstance(leaf, torch.Tensor):
         return leaf.layout == torch.strided
-    return isinstance(leaf, np.ndarray) and _torch_dtype_of(leaf) is not None
+    return isinstance(leaf, np.ndarray) and torch_dtype(leaf.dtype) is not None
 
 
 def _dtype_and_shape(leaf: torch.Tensor | np.ndarray) -> tuple[torch.dtype, tuple[int, ...]]:
     if isinstance(leaf, np.ndarray):
-        dtype = _torch_dtype_of(leaf)
+        dtype = torch_dtype(leaf.dtype)
         assert dtype is not None  # _is_slot_leaf admitted it
         return dtype, leaf.shape
     return leaf.dtype, tuple(leaf.shape)
@@ -530,7 +484,7 @@ class PrefetchRing:
             return
         staged = self._gather(slot, item) if self._cache is not None else self._stage(slot, item)
         leaves = self._upload(slot, staged) if self._cuda else staged.leaves
-        slot.batch = rebuild_batch(staged.spec, iter(leaves))
+        slot.batch = rebuild(staged.spec, iter(leaves))
 
     def _wait_copy_done(self, pass_: _Pass, slot: _Slot) -> bool:
         """Step 2: the previous H2D copy out of the pinned buffers is done (False: pass stopped)."""
@@ -544,7 +498,7 @@ class PrefetchRing:
     def _stage(self, slot: _Slot, batch: Any) -> _Staged:
         """Copy a batch's array leaves into the slot's host buffers; pass other leaves through."""
         leaves: list[Any] = []
-        staged = _Staged(flatten_batch(batch, leaves))
+        staged = _Staged(flatten(batch, leaves))
         for position, leaf in enumerate(leaves):
             if _is_slot_leaf(leaf):
                 dtype, shape = _dtype_and_shape(leaf)
@@ -567,7 +521,7 @@ class PrefetchRing:
             self._view(slot, "host", position, dtype, (len(keys), *sample_shape))
             for position, (dtype, sample_shape) in enumerate(leaf_layouts)
         ]
-        out = rebuild_batch(spec, iter(views))
+        out = rebuild(spec, iter(views))
         returned = self._cache.get_batch(keys, fn=self._gather_fn, out=out)
         if returned is not out:  # the contract says it returns out; copy if a cache returns its own
             return self._stage(slot, returned)
@@ -577,7 +531,7 @@ class PrefetchRing:
 
     def _learn_layout(self, batch: Any, batch_size: int) -> None:
         leaves: list[Any] = []
-        spec = flatten_batch(batch, leaves)
+        spec = flatten(batch, leaves)
         self._gatherable = all(
             isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch_size
             for leaf in leaves

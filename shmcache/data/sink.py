@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
+from ..base.trees import flatten, rebuild
 from ..errors import InvalidArgument
-from .prefetch import flatten_batch, rebuild_batch
 
 __all__ = ["LossMonitor", "SinkResult", "TimeMonitor", "sink_loop"]
 
@@ -224,7 +224,7 @@ class _GraphedStep:
 
     def __call__(self, batch: Any) -> torch.Tensor:
         leaves: list[Any] = []
-        spec = flatten_batch(batch, leaves)
+        spec = flatten(batch, leaves)
         if self._graph is None:
             _check_on_cuda(leaves)
         if self._warmup_left > 0:
@@ -254,7 +254,7 @@ class _GraphedStep:
         self._static_leaves = [
             leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves
         ]
-        static_batch = rebuild_batch(spec, iter(self._static_leaves))
+        static_batch = rebuild(spec, iter(self._static_leaves))
         graph = torch.cuda.CUDAGraph()
         # thread_local: a PrefetchRing's producer thread keeps querying events, copying and maybe
         # allocating pinned memory during the capture; under the default "global" mode any of those

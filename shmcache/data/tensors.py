@@ -4,6 +4,9 @@ The codec names this module (it never imports it): a process that encodes a tens
 record that holds one, loads it then - the command line, an import of a snapshot, a DataLoader
 worker - so no process imports torch unless a value needs it. ``shmcache.data.dataset`` registers it
 when it is imported.
+
+Also the torch side of a gathered batch: a column of a leaf as a tensor (``column_tensor``) and the
+torch dtype of a numpy dtype (``torch_dtype``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 
 from ..cache import codec
 
-__all__ = ["TAG", "register"]
+__all__ = ["TAG", "register", "column_tensor", "torch_dtype"]
 
 TAG = "torch"
 
@@ -70,3 +73,28 @@ def register() -> None:
     """Register tensors (and parameters) with the codec; the codec's lazy loader calls it."""
     codec.register_type(torch.Tensor, TAG, _tensor_to_parts, _tensor_from_parts)
     codec.register_type(torch.nn.Parameter, TAG, _tensor_to_parts, _tensor_from_parts)
+
+
+def column_tensor(column, leaf: codec.Leaf):
+    """A gathered column of ``leaf`` (an array of n rows) as a tensor; a list (str, bytes, pickled
+    values) or None stays as it is."""
+    if column is None or isinstance(column, list):
+        return column
+    if leaf.tag == "e":
+        from_parts = codec.ext_from_parts(leaf.ext)
+        return from_parts(leaf.meta, (len(column), *leaf.shape), column.reshape(-1))
+    return torch.from_numpy(column)
+
+
+_TORCH_DTYPES: dict[np.dtype, torch.dtype | None] = {}
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype | None:
+    """The torch dtype of arrays of numpy ``dtype``, or None where torch has none (object, str,
+    byte order); asked once per dtype."""
+    if dtype not in _TORCH_DTYPES:
+        try:
+            _TORCH_DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+        except (TypeError, ValueError):
+            _TORCH_DTYPES[dtype] = None
+    return _TORCH_DTYPES[dtype]

@@ -1,5 +1,5 @@
 """pin_memory=True over a cached dataset: warm batches sent by workers as keys are gathered in the
-DataLoader's pin-memory thread (NOTE [collated batch] in shmcache/data/dataset.py), then pinned.
+DataLoader's pin-memory thread (NOTE [collated batch] in shmcache/data/collate.py), then pinned.
 
 Skipped without CUDA (capability probe). On a GPU machine: ``pytest tests/gpu -m gpu -q``.
 """

@@ -1,5 +1,5 @@
 """The batches of an unchanged ``DataLoader(ds, batch_size=B)`` over a cached dataset: gathered by
-the vectorised path (NOTE [collated batch] in shmcache/data/dataset.py) and equal - values, dtypes,
+the vectorised path (NOTE [collated batch] in shmcache/data/collate.py) and equal - values, dtypes,
 shapes, container types - to what plain default_collate makes of the source's samples, for every
 sample structure; misses, custom collate functions and verify= keep the item-by-item path."""
 
@@ -204,7 +204,7 @@ def _sent(ds, keys):
     """What a DataLoader worker sends for a warm batch, as the main process receives it."""
     import pickle
 
-    from shmcache.data.dataset import _Keys
+    from shmcache.data.collate import _Keys
 
     return pickle.loads(pickle.dumps(_Keys(ds, np.asarray(keys, np.int64))))
 
@@ -233,7 +233,7 @@ def test_a_copy_of_the_dataset_serves_its_batches():
     import copy
     import gc
 
-    from shmcache.data.dataset import _gather_sent
+    from shmcache.data.collate import _gather_sent
     from shmcache.errors import InvalidArgument
 
     src = Samples("numpy")
