@@ -24,7 +24,7 @@ from _shmcheck import check_store  # noqa: E402
 
 from shmcache.cache import process_slot
 from shmcache.cache.store import CacheStore  # noqa: E402
-from shmcache.cli import main as cli  # noqa: E402
+from shmcache import cli  # noqa: E402
 
 S, C = "stress", "c"
 CAP = 512 << 20
