@@ -15,7 +15,7 @@ NOTE [record format]
     The *layout* is the structure of the sample with every leaf's kind, dtype, shape, length and
     offset: a marshal'd nested tuple. Samples of one fixed structure (an image and a label) share
     one layout, so each process compiles a decoder for it once, and a batch of them can be gathered
-    field by field with one vectorised copy (store.get_batch). Layouts are interned per cache in a
+    field by field with one vectorised copy (store.CacheStore.gather_ints). Layouts are interned per cache in a
     shared table; the record carries only the id. Everything starts 64-byte aligned: the chunk does,
     and arrays sit at 64-byte offsets inside it.
 

@@ -481,7 +481,7 @@ class SessionRegistry:
 
 
 def _in_use(name: str, pids: list[int]) -> SessionInUse:
-    # Library callers read this; the CLI words the fix its own way (cli.cmd_destroy).
+    # Library callers read this; the CLI words the fix its own way (cli.main.cmd_destroy).
     return SessionInUse(
         f"session {name!r} is in use by {len(pids)} live process(es) (pids "
         f"{', '.join(map(str, pids))}); stop them first, or pass force=True to destroy it anyway "
