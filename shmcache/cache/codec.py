@@ -728,7 +728,8 @@ def check(record: Any, layout: bytes) -> None:
     """Decode ``record`` by ``layout`` to check that they fit (the error numpy, struct or utf-8
     raise when not), without loading a handler and without unpickling: a pickled leaf, and an
     extension leaf whose handler this process has not loaded, are only located within the record
-    (an import of a snapshot of tensors checks its records without importing torch)."""
+    (a record of tensors is checked without importing torch; an import checks a snapshot's records
+    with tiered_store.untrusted_problem, which reads only the layout: check_layout)."""
     _compile(marshal.loads(layout), False, True)(record)
 
 
