@@ -41,7 +41,7 @@ NOTE [record authentication]
     else (an unsigned snapshot, a value from a Redis without a secret) is data: a record whose
     layout holds a pickled leaf is refused before it is decoded or stored (``allow_pickle=True``
     / ``--allow-pickle`` opts in), and layouts are checked without unpickling anything
-    (codec.layout_problem).
+    (codec.check_layout).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ A class segment is sized to the cache's capacity with ftruncate (sparse: free) a
 posix_fallocate 64 KiB (or one chunk, if larger) at a time as chunks are handed out (NOTE [segment
 lifecycle]): shared memory used tracks the payload, not the segment size.
 
-All allocator state lives in the cache's meta segment (see store.MetaLayout) and is changed only
+All allocator state lives in the cache's meta segment (generation.MetaLayout) and is changed only
 under the cache's lock; the store's intent record makes each allocation undoable if its writer dies
 (NOTE [publish order] in store.py). No chunk is ever freed except by undoing its allocation, so
 the state of a class is its chunk size, a bump index and the number of chunks committed.
@@ -67,8 +67,8 @@ class ClassTable:
 
     def get(self, cls: int) -> tuple[int, int, int]:
         """``(chunk size, bump, committed chunks)``; chunk size 0 means the class is unused. The
-        bump is loaded first, on its own: a writer commits, fences, then moves the bump (store.py
-        _commit), so a reader that sees a bump sees the committed count it needs (``bump <=
+        bump is loaded first, on its own: a writer commits, fences, then moves the bump
+        (admission.Admission.commit), so a reader that sees a bump sees the committed count it needs (``bump <=
         committed``, NOTE [publish order]); one unpack of all three may load them in any order."""
         w = self._off(cls) >> 3
         words = self._words

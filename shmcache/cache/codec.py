@@ -15,7 +15,7 @@ NOTE [record format]
     The *layout* is the structure of the sample with every leaf's kind, dtype, shape, length and
     offset: a marshal'd nested tuple. Samples of one fixed structure (an image and a label) share
     one layout, so each process compiles a decoder for it once, and a batch of them can be gathered
-    field by field with one vectorised copy (store.get_batch). Layouts are interned per cache in a
+    field by field with one vectorised copy (store.CacheStore.gather_ints). Layouts are interned per cache in a
     shared table; the record carries only the id. Everything starts 64-byte aligned: the chunk does,
     and arrays sit at 64-byte offsets inside it.
 
@@ -728,7 +728,8 @@ def check(record: Any, layout: bytes) -> None:
     """Decode ``record`` by ``layout`` to check that they fit (the error numpy, struct or utf-8
     raise when not), without loading a handler and without unpickling: a pickled leaf, and an
     extension leaf whose handler this process has not loaded, are only located within the record
-    (an import of a snapshot of tensors checks its records without importing torch)."""
+    (a record of tensors is checked without importing torch; an import checks a snapshot's records
+    with tiered_store.untrusted_problem, which reads only the layout: check_layout)."""
     _compile(marshal.loads(layout), False, True)(record)
 
 

@@ -64,8 +64,8 @@ class MetaLayout:
 
     ITEMS_MEM, BYTES_MEM, COMMITTED, CAPACITY = 64, 72, 80, 88
     ITEMS_DISK, BYTES_DISK, BYTES_DISK_RAW, N_LAYOUTS, TABLE_ITEMS = 96, 104, 112, 120, 128
-    # intent record (NOTE [publish order]): phase, table position, class, chunk, old bump,
-    # new items, new bytes
+    # intent record (NOTE [publish order]): phase, table position, class, old bump, then the
+    # totals after the write: items, bytes, raw bytes (disk) and table items (INTENT below)
     INTENT = 192
     # the chunk intent of put_records (NOTE [publish order]; chunk.py): a header of 8 words, then
     # CHUNK_RECORDS records of 2 words and CHUNK_RECORDS class words, ending before COUNTERS

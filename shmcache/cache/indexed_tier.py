@@ -8,7 +8,7 @@ a record in memory. A reader of the entry hands the location back to ``read``. T
 touches the store, and the store never knows how the tier stores a record.
 
 The spill files are the one indexed tier (``spill/tier.py``: ``SpillTier``). Tiers *behind* the
-store, asked by key rather than found through the index (remote, snapshot), are ``tiers.Tier``.
+store, asked by key rather than found through the index (remote, snapshot), are ``tiers.protocol.Tier``.
 This module sits below the store so the store can name the protocol it calls.
 """
 

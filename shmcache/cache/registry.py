@@ -293,7 +293,7 @@ class SessionRegistry:
 
     def auto_capacity(self, name: str, compute: Callable[[], int], floor: int) -> int:
         """The automatic cap (size=0) that the caches of session ``name`` share (NOTE [memory
-        limits] in store.py): ``compute()`` by the first auto-sized cache, kept in the session's
+        limits] in cache/admission.py): ``compute()`` by the first auto-sized cache, kept in the session's
         ``auto_capacity`` file, so that caches made later share it instead of each taking 80% of
         what is left. The first writer wins (a hard link fails if the name exists: no lock is
         needed, and none is taken under the cache lock our caller holds). A value below
@@ -481,7 +481,7 @@ class SessionRegistry:
 
 
 def _in_use(name: str, pids: list[int]) -> SessionInUse:
-    # Library callers read this; the CLI words the fix its own way (cli.cmd_destroy).
+    # Library callers read this; the CLI words the fix its own way (cli.main.cmd_destroy).
     return SessionInUse(
         f"session {name!r} is in use by {len(pids)} live process(es) (pids "
         f"{', '.join(map(str, pids))}); stop them first, or pass force=True to destroy it anyway "

@@ -945,7 +945,7 @@ class CacheStore:
 
     def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
         """``put`` of (key, portable record) pairs (the codec record with its layout inline,
-        tiers.py) without decoding them: their bytes go straight into shared memory (or a spill
+        tiers/tiered_store.py) without decoding them: their bytes go straight into shared memory (or a spill
         file), one copy each, under one hold of the lock (an import stores thousands: the lock,
         refresh and repair check once per batch), published a chunk at a time (chunk.py: two
         fences per chunk of records, not one per record). InvalidArgument for bytes that are not a
@@ -1363,7 +1363,7 @@ def _encoded_from_portable(record: Any, key: Any, store: CacheStore) -> codec.En
     if lid != codec.INLINE or not _MIN_RECORD <= body < body + lay_len:
         raise InvalidArgument(f"the record for key {key!r} in cache {store.session}/{store.name} is not "
                               f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
-                              f"tiers.portable_record(...) bytes")
+                              f"shmcache.tiers.tiered_store.portable_record(...) bytes")
     return codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
 
 

@@ -15,8 +15,8 @@ NOTE [snapshot format]
         28  4x                                   32  I   crc32 of the index bytes
                                                  36  I   crc32 of footer bytes 0..36
         records: spill records (tiers/records.py, NOTE [spill records]), each 8-byte aligned,
-                 from offset 32; the record's key is the portable key (tiers.portable_key), its
-                 payload the portable record (tiers.portable_record: the codec record with its
+                 from offset 32; the record's key is the portable key (tiers.tiered_store.portable_key), its
+                 payload the portable record (tiers.tiered_store.portable_record: the codec record with its
                  layout inline and its key), zstd-compressed unless that saves under 5%
         index:   INDEX_DTYPE entries sorted by (hash, offset), 8-byte aligned, after the records:
                    hash   u64  the portable key's first 8 bytes: the index word (key_hash)

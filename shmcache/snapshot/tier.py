@@ -6,7 +6,7 @@
 
 ``ShmDatasetCache(..., snapshot=URL)`` (or ``$SHMCACHE_SNAPSHOT``) puts one in front of every
 other tier (``tiered``): a miss in shared memory reads just the records it needs from the
-snapshot, one batched read per batch, and admits them into shared memory (tiers.TieredStore).
+snapshot, one batched read per batch, and admits them into shared memory (tiers.tiered_store.TieredStore).
 
 NOTE [snapshot read-through]
     Opening reads manifest.json only: its format version, and the cache's identity, checked by
@@ -152,7 +152,7 @@ _RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * record
 
 
 class SnapshotTier:
-    """A snapshot as a read-only ``tiers.Tier`` (NOTE [snapshot read-through]); ``offer`` ignores.
+    """A snapshot as a read-only ``tiers.protocol.Tier`` (NOTE [snapshot read-through]); ``offer`` ignores.
 
     ``url``: a local path or an fsspec URL. ``force``: serve it even if it names another dataset.
     ``timeout_s``: the longest a read of an fsspec store may take (then a miss, and a pause).

@@ -101,7 +101,7 @@ FILE_HEADER_BYTES = _FILE_HDR.size  # 32
 RECORD_HEADER_BYTES = _REC_HDR.size  # 32
 _HEAD_CHECKED = 28  # the head check covers the record header up to itself, then the key
 MAX_KEY_BYTES = (1 << 16) - 1
-# The most bytes a record may claim (store.MAX_RECORD: no item larger is ever stored); a caller
+# The most bytes a record may claim (index.MAX_RECORD: no item larger is ever stored); a caller
 # that knows a smaller bound (the cache's cap, what is left of a batch's) passes it as ``limit``.
 MAX_RAW_BYTES = (1 << 32) - 1
 _ONE_SHOT_BELOW = 1 << 20  # a frame that declares its exact size decodes in one call below this

@@ -21,7 +21,7 @@ A query ``?timeout=SECONDS`` sets the socket timeout of every call (default 1 s)
 NOTE [remote tier]
     Values. One Redis value holds one self-checking record (tiers/records.py: magic, key,
     lengths, checksum), whose key is the cache's identity plus the item's portable key
-    (tiers.portable_key). The Redis key is ``shmcache:<identity>:<portable key>``; the identity
+    (tiered_store.portable_key). The Redis key is ``shmcache:<identity>:<portable key>``; the identity
     comes from the cache's name and dataset fingerprint, never from the session's name, so every
     node finds the others' values and two datasets never share one. A value that is not such a
     record for exactly this key - garbage, truncated by a client, another cache's record, a
@@ -35,7 +35,7 @@ NOTE [remote tier]
     before anything of it is parsed, and the value computed then is written with a plain SET (not
     NX), replacing it. Such a tier is ``authenticated``: the job's own values, pickled objects
     included. Without a secret anyone who can write to the Redis can change values (not run
-    code: a pickled leaf from an unauthenticated tier is refused, tiers.TieredStore).
+    code: a pickled leaf from an unauthenticated tier is refused, tiered_store.TieredStore).
 
     Reads are on the training step's path: one round trip per batch (one MGET per server, the
     commands to every server sent before any reply is read; on a Cluster, GETs grouped by the
