@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crash"))
 from _procs_util import Zygote, release_barrier, status_of  # noqa: E402
 from _shmcheck import check_store  # noqa: E402
 
+from shmcache import cli  # noqa: E402
 from shmcache.cache import process_slot
 from shmcache.cache.store import CacheStore  # noqa: E402
-from shmcache import cli  # noqa: E402
 
 S, C = "stress", "c"
 CAP = 512 << 20
