@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from shmcache.cache.index import INT_KEY, SPILLED, TableView, key_bytes
 from shmcache.cache.store import MISSING, CacheStore, M
 
 __all__ = ["SIZES", "value_for", "fixed_value", "same_value", "check_store", "cache_segments",
-           "intent_phase", "chunk_phase"]
+           "intent_phase", "chunk_phase", "reader_saw_no_harm"]
 
 # Record sizes spanning several size classes: 64-byte classes, the doubling classes, and a few
 # records large enough to need their own commit step.
@@ -64,6 +65,15 @@ def same_value(a, b) -> bool:
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
                 and a.shape == b.shape and bool((a == b).all()))
     return type(a) is type(b) and a == b
+
+
+def reader_saw_no_harm(report_path) -> None:
+    """A reader process's report (JSON: errors, bad, hits): no exception, no torn or foreign value,
+    and it did read something."""
+    report = json.loads(Path(report_path).read_text())
+    assert report["errors"] == [], f"the reader got exceptions: {report['errors']}"
+    assert report["bad"] == [], f"the reader read torn or foreign values: {report['bad']}"
+    assert report["hits"] > 0
 
 
 def intent_phase(store: CacheStore) -> int:
