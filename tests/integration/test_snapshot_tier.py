@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -161,19 +163,31 @@ def test_dataloader_workers_read_through_and_count_into_the_shared_counters(tmp_
 def test_stats_and_stat_json_have_the_same_tier_keys_and_counts(tmp_path):
     """One place builds the tier keys (tiers.counts.stats_keys): stats() of the job, from its
     tiers, and `shmcache stat --json`, from the counts files, have the same keys and numbers -
-    the seam's tier_* and tiers too, counted by the DataLoader's workers in their own rows."""
+    the seam's tier_* and tiers too, counted by the DataLoader's workers in their own rows, and
+    read by the command in a fresh process that never imports torch."""
     url = tmp_path / "snap"
     _export(url)
     cache, ds, _ = _job(url)
     for _ in DataLoader(ds, batch_size=10, num_workers=2):
         pass
     st = cache.stats()
-    row = next(r for r in _cli_stat_json() if r["session"] == "dst")
+    row = next(r for r in _stat_json_in_a_fresh_process() if r["session"] == "dst")
     tier_keys = {k for k in st if k == "tiers" or k.startswith(("snapshot", "remote", "tier_"))}
     assert {"tiers", "tier_admitted", "tier_undecodable", "tier_pickle_refused", "snapshot_hits"} <= tier_keys
     assert {k: row.get(k) for k in tier_keys} == {k: st[k] for k in tier_keys}
     assert st["tier_admitted"] == st["snapshot_hits"] == st["tiers"]["snapshot"]["hits"] > 0
     cache.close()
+
+
+def _stat_json_in_a_fresh_process():
+    code = ("import sys\n"
+            "from shmcache.cli import main\n"
+            "rc = main(['stat', '--json'])\n"
+            "assert 'torch' not in sys.modules, 'shmcache stat imported torch'\n"
+            "sys.exit(rc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
 
 
 def _cli_stat_json():

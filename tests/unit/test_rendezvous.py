@@ -308,21 +308,7 @@ def test_a_node_0_impostor_sending_deep_json_is_a_launch_error():
     """Something listening where node 0 should be answers the hello with JSON nested deeper than
     the parser recurses: the joining launcher says so (LaunchError), it does not die of a
     RecursionError."""
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        port = server.getsockname()[1]
-
-        def impostor():
-            conn, _ = server.accept()
-            with conn:
-                conn.recv(4096)
-                conn.sendall(b"[" * 60000 + b"\n")
-                time.sleep(1)
-
-        t = threading.Thread(target=impostor, daemon=True)
-        t.start()
-        node = Node(1, port, 2, timeout_s=10)
-        run_all([node])
-        t.join(5)
+    node = _join_an_impostor([b"[" * 60000 + b"\n"])
     assert isinstance(node.error, LaunchError), repr(node.error)
     assert node.passwords == []
 
@@ -348,23 +334,8 @@ def test_a_proof_with_non_ascii_characters_is_refused_and_the_exchange_goes_on(c
 
 
 def test_a_node_0_impostor_with_a_non_ascii_proof_is_a_launch_error():
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        port = server.getsockname()[1]
-
-        def impostor():
-            conn, _ = server.accept()
-            with conn:
-                conn.recv(4096)
-                conn.sendall(json.dumps({"nonce": secrets.token_hex(16)}).encode() + b"\n")
-                conn.recv(4096)
-                conn.sendall(json.dumps({"proof": "\u00e9" * 64}).encode() + b"\n")
-                time.sleep(1)
-
-        t = threading.Thread(target=impostor, daemon=True)
-        t.start()
-        node = Node(1, port, 2, timeout_s=10)
-        run_all([node])
-        t.join(5)
+    node = _join_an_impostor([json.dumps({"nonce": secrets.token_hex(16)}).encode() + b"\n",
+                              json.dumps({"proof": "\u00e9" * 64}).encode() + b"\n"])
     assert isinstance(node.error, LaunchError), repr(node.error)
     assert "did not prove it holds" in str(node.error) and node.passwords == []
 
@@ -394,3 +365,25 @@ def test_what_a_refused_peer_sent_is_quoted_short(capsys):
     assert "node ranks [2] of 3 did not join" in str(node.error)
     refusals = [ln for ln in capsys.readouterr().err.splitlines() if "refused" in ln]
     assert len(refusals) >= 6 and max(map(len, refusals)) < 1000
+
+
+def _join_an_impostor(replies: list[bytes]):
+    """A joining launcher (rank 1) against something listening where node 0 should be, which
+    answers each message it receives with the next of ``replies``; the node, after its run."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+
+        def impostor():
+            conn, _ = server.accept()
+            with conn:
+                for reply in replies:
+                    conn.recv(4096)
+                    conn.sendall(reply)
+                time.sleep(1)
+
+        t = threading.Thread(target=impostor, daemon=True)
+        t.start()
+        node = Node(1, port, 2, timeout_s=10)
+        run_all([node])
+        t.join(5)
+    return node
