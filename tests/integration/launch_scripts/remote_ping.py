@@ -7,7 +7,9 @@ Every rank writes OUTDIR/remote-<RANK>.json: its PID, $SHMCACHE_REMOTE, the endp
 (the Redis protocol by hand: two commands need no client library), and the PID and command line
 of every ``redis-server`` whose parent is this worker's parent (the launcher), the job's
 ``$SHMCACHE_SECRET`` and whether ``$SHMCACHE_RDZV_TOKEN`` reached it. Actions:
-    exit0   exit 0
+    exit0   wait until every rank wrote its file (30 s at most), then exit 0: a node's launcher
+            stops its redis-server when its workers are done, so a rank that left early would
+            take its endpoint away from a rank still pinging it
     raise   wait until every rank wrote its file, then raise
     sleep   sleep for a minute (the launcher must stop it)
 """
@@ -55,6 +57,16 @@ def redis_servers_of(parent: int) -> dict[str, str]:
     return servers
 
 
+def every_rank_reported(out_dir: str, world_size: int, timeout_s: float = 30.0) -> bool:
+    """Wait until every rank wrote its report (True), or timeout_s passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(os.path.join(out_dir, f"remote-{r}.json")) for r in range(world_size)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def main() -> None:
     out_dir, actions = sys.argv[1], sys.argv[2:]
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -74,13 +86,11 @@ def main() -> None:
     os.replace(path + ".tmp", path)
 
     action = actions[rank]
+    if action == "exit0":
+        every_rank_reported(out_dir, world_size)
     if action == "raise":
-        deadline = time.monotonic() + 30
-        while not all(os.path.exists(os.path.join(out_dir, f"remote-{r}.json"))
-                      for r in range(world_size)):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the other ranks did not start within 30 s")
-            time.sleep(0.02)
+        if not every_rank_reported(out_dir, world_size):
+            raise TimeoutError("the other ranks did not start within 30 s")
         raise RuntimeError(f"rank {rank} fails on purpose")
     if action == "sleep":
         time.sleep(60)
