@@ -1,34 +1,84 @@
 """One ``redis-server`` per node for ``--remote spawn``: started for the job, stopped with it.
 
 The server is a cache, never a store: no snapshot, no append-only file, a memory cap with LRU
-eviction, a random password per job (NOTE [remote rendezvous], 2), bound to the address by which
-this host reaches the master (the other nodes reach it the same way; 127.0.0.1 when the master
-is this host's loopback). Its configuration, password included, goes in on its standard input,
-so no password is ever on a command line (``ps`` shows ``redis-server HOST:PORT``). It is a
-companion process of the supervisor: in a session of its own, killed by the kernel if the
-launcher dies, and by the guard (NOTE [launcher shutdown], 8-9).
+eviction, bound to the address by which this host reaches the master (the other nodes reach it
+the same way; 127.0.0.1 when the master is this host's loopback). Its configuration, passwords
+included, goes in on its standard input, so no password is ever on a command line (``ps`` shows
+``redis-server HOST:PORT``). It is a companion process of the supervisor: in a session of its
+own, killed by the kernel if the launcher dies, and by the guard (NOTE [launcher shutdown], 8-9).
+
+NOTE [spawned redis]
+    How the launcher knows the server it speaks to is the one it started, and what the workers
+    may do there. The endpoint it announces (NOTE [remote rendezvous], 2) is the proven one.
+
+    1. The launcher picks a free port (bind to port 0, close) and starts redis-server on it.
+       Between that close and the server's bind another local user can take the port and answer
+       like Redis, so the launcher never speaks to that port at all: the server also listens on
+       a Unix socket in a directory of the launcher's own (``<launch dir>/redis``, 0700 in the
+       launcher's 0700 directory; ``unixsocketperm 700``), which nobody else can reach or
+       replace, and the launcher's readiness check (AUTH + INFO server, by hand) goes there.
+    2. Before it announces ``host:port`` the launcher proves the port is its child's: INFO
+       over the socket names the child's PID and the port, and every socket in LISTEN state on
+       that port at the bound address or the wildcard (/proc/net/tcp and tcp6) is one of the
+       child's file descriptors (/proc/PID/fd). A server that exits with "Address already in
+       use" lost the race: the launcher names the user who holds the port (the uid of
+       /proc/net/tcp), warns, and tries a fresh port, START_ATTEMPTS (3) times in all, then
+       fails with exit status 1 and that cause. No byte went to the other port. Once the
+       server holds its port nobody else can bind it (SO_REUSEPORT is per user); if the server
+       dies during the job, the launcher says so at the end.
+    3. Users (Redis 6.0 or newer: access control lists). ``default`` is off: no connection
+       without a user and its password. The workers' user, WORKER_USER, has the job's password
+       (made by node 0, the same on every node) and may run only WORKER_COMMANDS - what the
+       remote tier sends - on KEY_PATTERN keys, with no pub/sub channel: Lua (EVAL, FUNCTION),
+       ACL, replication (SYNC, PSYNC, REPLICAOF), MIGRATE, CLIENT, SHUTDOWN, DEBUG, CONFIG,
+       MODULE, KEYS, SCAN and FLUSHALL are refused (NOPERM) to whoever holds that password. The
+       launcher's user, ADMIN_USER, may only AUTH, PING and INFO; its password is new for each
+       server and never leaves the launcher. The launcher stops the server with SIGTERM, not
+       SHUTDOWN. The workers' URL names the user: ``redis+shards://shmcache:PASSWORD@...``.
+    4. What is not covered: the workers, and the other nodes, reach the server over TCP, where
+       the password crosses the network in clear at every AUTH (NOTE [remote rendezvous], 5);
+       on a network you do not trust, use a TLS Redis of your own (``--remote rediss://``).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import pwd
+import re
+import secrets
 import shutil
 import socket
+import stat
+import subprocess
 import time
+from collections.abc import Callable
 
 from ..base import settings
 from ..errors import LaunchError
 from .supervisor import Companion
 
 __all__ = ["DEFAULT_MAXMEMORY_MB", "RedisNode", "find_redis_server", "route_address",
-           "format_endpoint"]
+           "format_endpoint", "server_version", "WORKER_USER", "WORKER_COMMANDS", "KEY_PATTERN"]
 
 #: ``--remote spawn`` without ``:MB``: each node's server may hold this much (MiB), then evicts.
 DEFAULT_MAXMEMORY_MB = 1024
-#: Commands the spawned server refuses (renamed to nothing): see RedisNode._config.
-_ADMIN_COMMANDS = ("CONFIG", "MODULE", "DEBUG", "SLAVEOF", "REPLICAOF", "EVAL", "EVALSHA", "SCRIPT", "SAVE",
-                   "BGSAVE", "BGREWRITEAOF")
+#: The workers' user on the spawned server (NOTE [spawned redis], 3), in their URL.
+WORKER_USER = "shmcache"
+#: What the remote tier sends (tiers/remote.py): AUTH at connect, MGET to read, SET (NX) in a
+#: pipeline to write, PING and INFO for ``shmcache info``; redis-py's CLIENT SETINFO at connect
+#: is refused, which redis-py ignores. GET: a Cluster's reads (not this server's, but harmless).
+WORKER_COMMANDS = ("auth", "hello", "ping", "info", "get", "mget", "set")
+#: The keys of every cache's values (RedisTier.prefix: shmcache:<identity>:<key>).
+KEY_PATTERN = "shmcache:*"
+#: The launcher's own user, on the Unix socket only in practice: readiness and the proof of the
+#: port; no key. Its password is made per server and never leaves the launcher.
+ADMIN_USER = "shmcache-launcher"
+ADMIN_COMMANDS = ("auth", "ping", "info")
+#: Access control lists (``user`` in redis.conf) came with Redis 6.0.
+MIN_VERSION = (6, 0)
+#: sun_path holds 108 bytes with its NUL on Linux.
+MAX_SOCKET_PATH = 107
 #: A new server that does not answer PING within this time is reported as failed to start.
 START_TIMEOUT_S = 30.0
 #: A free port can be taken between our look and the server's bind: try again with another.
@@ -87,28 +137,68 @@ def is_loopback(endpoint: str) -> bool:
 
 
 class RedisNode:
-    """This node's server: ``start(password)`` returns its endpoint, ``stop()`` ends it."""
+    """This node's server: ``start(password)`` returns its endpoint, ``stop()`` ends it.
 
-    def __init__(self, *, executable: str, bind: str, maxmemory_mb: int, workdir: str) -> None:
+    ``password`` is the workers' (user WORKER_USER, NOTE [spawned redis], 3); the launcher's own
+    password is made here and never leaves this object. ``warn`` hears of a port another process
+    took (the start then goes on with another port)."""
+
+    def __init__(self, *, executable: str, bind: str, maxmemory_mb: int, workdir: str,
+                 warn: Callable[[str], None] | None = None) -> None:
         self._executable = executable
         self._bind = bind
         self._maxmemory_mb = maxmemory_mb
         self._workdir = workdir
+        self._warn = warn or (lambda _message: None)
         self._log_path = os.path.join(workdir, "redis-server.log")
+        # NOTE [spawned redis], 1: the launcher speaks to its server only here, in a directory
+        # of its own (0700): nobody else can be listening at this path
+        self._socket_dir = os.path.join(workdir, "redis")
+        self._socket_path = os.path.join(self._socket_dir, "redis.sock")
+        self._admin_password = secrets.token_urlsafe(24)
         self._server: Companion | None = None
         self.endpoint: str | None = None
 
     def start(self, password: str) -> str:
-        """Start the server and wait until it answers AUTH + PING; returns ``host:port``."""
-        for attempt in range(START_ATTEMPTS):
+        """Start the server, prove that the port it listens on is its own, and return
+        ``host:port`` (NOTE [spawned redis]); a port taken by another process between our pick
+        and the server's bind is named, and another is tried, START_ATTEMPTS times in all."""
+        version = server_version(self._executable)
+        if version < MIN_VERSION:
+            raise LaunchError(
+                f"--remote spawn: {self._executable} is Redis {'.'.join(map(str, version))}, which "
+                f"has no access control lists; the spawned server needs Redis "
+                f"{'.'.join(map(str, MIN_VERSION))} or newer, so that the workers' user may run "
+                f"only the commands the cache sends (install a newer redis-server, or give every "
+                f"node an existing Redis with --remote redis://[USER:PASSWORD@]HOST:PORT)")
+        if len(self._socket_path.encode()) > MAX_SOCKET_PATH:
+            raise LaunchError(f"--remote spawn: the launcher's directory {self._workdir!r} is too "
+                              f"long a path for a Unix socket ({MAX_SOCKET_PATH} bytes at most); "
+                              f"set $TMPDIR to a shorter directory, e.g. /tmp")
+        os.makedirs(self._socket_dir, mode=0o700, exist_ok=True)
+        _check_private(self._socket_dir)
+        taken: list[str] = []
+        for _attempt in range(START_ATTEMPTS):
             port = _free_port(self._bind)
-            self._server = Companion([self._executable, "-"], stdin_text=self._config(port, password),
+            config = self._config(port, password, version)
+            self._server = Companion([self._executable, "-"], stdin_text=config,
                                      log_path=self._log_path, env=_server_environment())
-            if self._wait_ready(port, password, last_attempt=attempt == START_ATTEMPTS - 1):
+            holder = self._wait_ready(port)
+            if holder is None:
                 self.endpoint = format_endpoint(self._bind, port)
                 return self.endpoint
-            # the port was taken between our look and its bind: try another one
-        raise AssertionError("unreachable: the last attempt raises")  # pragma: no cover
+            taken.append(f"port {port} by {holder}")
+            if len(taken) < START_ATTEMPTS:
+                self._warn(f"--remote spawn: port {port} on {self._bind} was taken by another "
+                           f"process ({holder}) between the launcher's pick and redis-server's "
+                           f"bind; its server was not used, and nothing was sent to it; trying "
+                           f"another port")
+        raise LaunchError(
+            f"--remote spawn: another process took the port picked for this node's redis-server "
+            f"on {self._bind} before the server could bind it, {START_ATTEMPTS} times "
+            f"({'; '.join(taken)}); nothing was sent to those ports. Another local user may be "
+            f"racing for free ports: run the job again, or give every node an existing Redis "
+            f"with --remote redis://[USER:PASSWORD@]HOST:PORT")
 
     def poll(self) -> int | None:
         """The server's exit status if it has exited (on its own: a crash, the OOM killer)."""
@@ -125,31 +215,37 @@ class RedisNode:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def _config(self, port: int, password: str) -> str:
-        """redis.conf on standard input: a cache (no persistence), capped, LRU, with a password."""
+    def _config(self, port: int, password: str, version: tuple[int, ...]) -> str:
+        """redis.conf on standard input: a cache (no persistence), capped, LRU, its users
+        (NOTE [spawned redis], 3), and a Unix socket only the launcher's user reaches."""
+        channels = " resetchannels" if version >= (6, 2) else ""  # 6.0: no channel rules (nor need)
         return "\n".join([
             f"bind {self._bind}",
             f"port {port}",
             "protected-mode yes",
-            f"requirepass {password}",
+            f'dir "{self._workdir}"',
+            f'unixsocket "{self._socket_path}"',
+            "unixsocketperm 700",
             'save ""',
             "appendonly no",
             f"maxmemory {self._maxmemory_mb}mb",
             "maxmemory-policy allkeys-lru",
-            f'dir "{self._workdir}"',
             "daemonize no",
             'logfile ""',
             "loglevel warning",
-            # whoever holds the password may change values, never run code as this user (design 9):
-            # off with what reaches the file system or the server's code (CONFIG SET dir and
-            # dbfilename + SAVE write any file on Redis 5-6; MODULE LOAD; Debian's Lua escape).
-            # The workers use AUTH, PING, GET, MGET, SET, INFO. All of these exist from Redis 5 on.
-            *(f'rename-command {c} ""' for c in _ADMIN_COMMANDS),
+            # nobody connects as "default"; the launcher's user sees the server and no key; the
+            # workers' user may run what the remote tier sends, on the cache's keys only
+            "user default off resetkeys resetchannels -@all" if channels else "user default off -@all",
+            f"user {ADMIN_USER} on >{self._admin_password} resetkeys{channels} -@all "
+            f"{' '.join('+' + c for c in ADMIN_COMMANDS)}",
+            f"user {WORKER_USER} on >{password} resetkeys ~{KEY_PATTERN}{channels} -@all "
+            f"{' '.join('+' + c for c in WORKER_COMMANDS)}",
             "",
         ])
 
-    def _wait_ready(self, port: int, password: str, *, last_attempt: bool) -> bool:
-        """True once the server answers; False if it exited because its port was taken."""
+    def _wait_ready(self, port: int) -> str | None:
+        """None once the server answers on its Unix socket and the TCP port is proven its own;
+        who holds the port (a description) if the server exited because the port was taken."""
         deadline = time.monotonic() + START_TIMEOUT_S
         assert self._server is not None
         while time.monotonic() < deadline:
@@ -157,18 +253,45 @@ class RedisNode:
             if status is not None:
                 log = self.log_tail()
                 self.stop()  # reaps it, and dismisses its guard
-                if "Address already in use" in log and not last_attempt:
-                    return False
+                if "Address already in use" in log:
+                    return _holder(self._bind, port)
                 raise LaunchError(f"--remote spawn: redis-server exited with status {status} at "
                                   f"start (bind {self._bind}, port {port}); its log "
                                   f"({self._log_path}) ends with: {log or '(nothing)'}")
-            if _answers(self._bind, port, password):
-                return True
+            info = _server_info(self._socket_path, ADMIN_USER, self._admin_password)
+            if info is not None:
+                self._prove(port, info)
+                return None
             time.sleep(0.02)
         self.stop()
         raise LaunchError(f"--remote spawn: redis-server on {format_endpoint(self._bind, port)} did "
-                          f"not answer PING within {START_TIMEOUT_S:g} s; its log ends with: "
-                          f"{self.log_tail() or '(nothing)'}")
+                          f"not answer on its Unix socket within {START_TIMEOUT_S:g} s; its log "
+                          f"ends with: {self.log_tail() or '(nothing)'}")
+
+    def _prove(self, port: int, info: dict[str, str]) -> None:
+        """NOTE [spawned redis], 2: the server behind the socket is our child, listening on
+        ``port``, and whatever listens on ``bind:port`` is that child's socket."""
+        assert self._server is not None
+        pid = self._server.pid
+        why = None
+        if info.get("process_id") != str(pid) or info.get("tcp_port") != str(port):
+            why = (f"the server on the launcher's socket says it is PID {info.get('process_id')} on "
+                   f"port {info.get('tcp_port')}, not the child {pid} on port {port}")
+        else:
+            listeners = _listeners(self._bind, port)
+            ours = _socket_inodes(pid)
+            strangers = [uid for inode, uid in listeners if inode not in ours]
+            if not listeners:
+                why = f"no socket listens on {format_endpoint(self._bind, port)}"
+            elif strangers:
+                why = (f"another process ({_describe_uid(strangers[0])}) also listens on "
+                       f"{format_endpoint(self._bind, port)}")
+        if why is not None:
+            self.stop()
+            raise LaunchError(f"--remote spawn: the redis-server the launcher started is not the "
+                              f"one on {format_endpoint(self._bind, port)}: {why}; nothing was "
+                              f"sent to that port. Run the job again, or give every node an "
+                              f"existing Redis with --remote redis://[USER:PASSWORD@]HOST:PORT")
 
     def log_tail(self, lines: int = 5) -> str:
         """The last lines of the server's log, on one line (for an error message)."""
@@ -187,24 +310,130 @@ def _server_environment() -> dict[str, str]:
 
 def _free_port(bind: str) -> int:
     family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((bind, 0))
-        return s.getsockname()[1]
-
-
-def _answers(host: str, port: int, password: str, timeout_s: float = 1.0) -> bool:
-    """AUTH + PING in the Redis protocol (two commands: no client library in the launcher)."""
-    secret = password.encode()
-    request = (b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n*1\r\n$4\r\nPING\r\n" % (len(secret), secret))
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((bind, 0))
+            return s.getsockname()[1]
+    except OSError as exc:
+        raise LaunchError(f"--remote spawn: no free port on {bind} for this node's redis-server "
+                          f"({exc.strerror or exc}); free some, or give every node an existing "
+                          f"Redis with --remote redis://[USER:PASSWORD@]HOST:PORT") from None
+
+
+def server_version(executable: str) -> tuple[int, ...]:
+    """``redis-server --version``'s ``v=X.Y.Z`` as a tuple ((0,) when it says nothing readable)."""
+    try:
+        out = subprocess.run([executable, "--version"], capture_output=True, text=True,
+                             timeout=10, env=_server_environment()).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LaunchError(f"--remote spawn: {executable} --version failed ({exc}); {INSTALL_HINT}") from None
+    match = re.search(r"\bv=(\d+)\.(\d+)(?:\.(\d+))?", out)
+    return tuple(int(g) for g in match.groups() if g is not None) if match else (0,)
+
+
+def _check_private(path: str) -> None:
+    """The socket's directory is ours alone: a directory (not a link), our own, mode 0700."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise LaunchError(f"--remote spawn: {path} is not a private directory of this user "
+                          f"(mode {stat.S_IMODE(st.st_mode):o}, owner {st.st_uid}); the launcher "
+                          f"made it 0700 in its own directory: something else changed it")
+
+
+def _command(*words: bytes) -> bytes:
+    return b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words)
+
+
+def _server_info(path: str, user: str, password: str, timeout_s: float = 1.0) -> dict[str, str] | None:
+    """AUTH + INFO server over the Unix socket (the Redis protocol by hand: no client library in
+    the launcher); its fields, or None while the server does not answer there."""
+    request = _command(b"AUTH", user.encode(), password.encode()) + _command(b"INFO", b"server")
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
             sock.sendall(request)
             reply = b""
-            while reply.count(b"\r\n") < 2:
-                chunk = sock.recv(256)
-                if not chunk:
-                    break
+            while not _complete_info(reply):
+                chunk = sock.recv(1 << 16)
+                if not chunk or len(reply) > 1 << 20:
+                    return None
                 reply += chunk
     except OSError:
+        return None
+    if not reply.startswith(b"+OK\r\n$"):
+        return None
+    body = reply[5:].split(b"\r\n", 1)[1].decode(errors="replace")
+    return dict(line.split(":", 1) for line in body.splitlines() if ":" in line and not line.startswith("#"))
+
+
+def _complete_info(reply: bytes) -> bool:
+    """Whether ``reply`` holds +OK and the whole bulk string of INFO (or an error instead)."""
+    if b"\r\n" not in reply:
         return False
-    return reply.startswith(b"+OK\r\n+PONG\r\n")
+    first, rest = reply.split(b"\r\n", 1)
+    if first != b"+OK":
+        return True  # an error: nothing more to wait for
+    if not rest.startswith(b"$") or b"\r\n" not in rest:
+        return rest.startswith(b"-")
+    head, body = rest.split(b"\r\n", 1)
+    try:
+        return len(body) >= int(head[1:]) + 2
+    except ValueError:
+        return True
+
+
+def _listeners(bind: str, port: int) -> list[tuple[str, int]]:
+    """``(inode, uid)`` of every TCP socket in LISTEN state on ``port`` at ``bind`` or at the
+    wildcard address (where a connection to ``bind:port`` may land), from /proc/net/tcp{,6}."""
+    addresses = {ipaddress.ip_address(bind), ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::")}
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != "0A":  # 0A: TCP_LISTEN
+                continue
+            host_hex, _, port_hex = fields[1].partition(":")
+            if int(port_hex, 16) != port:
+                continue
+            raw = bytes.fromhex(host_hex)  # in the kernel's byte order, 32 bits at a time
+            address = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+            mapped = getattr(address, "ipv4_mapped", None)
+            if address in addresses or (mapped is not None and mapped in addresses):
+                found.append((fields[9], int(fields[7])))
+    return found
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets process ``pid`` holds (/proc/PID/fd/N -> socket:[INODE])."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def _holder(bind: str, port: int) -> str:
+    """Who listens on ``bind:port`` now, for a message: its user, from /proc/net/tcp."""
+    uids = sorted({uid for _inode, uid in _listeners(bind, port)})
+    return ", ".join(_describe_uid(u) for u in uids) if uids else "it no longer listens"
+
+
+def _describe_uid(uid: int) -> str:
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name}, uid {uid}"
+    except KeyError:
+        return f"uid {uid}"

@@ -48,10 +48,11 @@ def _spawn_mb(text: str, default_mb: int) -> int:
     return mb
 
 
-def shards_url(password: str, endpoints: list[str]) -> str:
+def shards_url(user: str, password: str, endpoints: list[str]) -> str:
     """``$SHMCACHE_REMOTE`` for the per-node servers: the remote tier shards keys over them by
-    jump consistent hash, in this order (node rank), so every node must list them alike."""
-    return f"redis+shards://:{password}@{','.join(endpoints)}"
+    jump consistent hash, in this order (node rank), so every node must list them alike; ``user``
+    is the workers' user on them (NOTE [spawned redis], 3)."""
+    return f"redis+shards://{user}:{password}@{','.join(endpoints)}"
 
 
 def hide_in_process_title() -> None:

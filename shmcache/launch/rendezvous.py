@@ -25,8 +25,9 @@ NOTE [remote rendezvous]
        The password is made once, by node 0 (``secrets.token_urlsafe``), so every server of the
        job shares it; the secret is node 0's ``$SHMCACHE_SECRET`` or a new one (a node whose
        own ``$SHMCACHE_SECRET`` differs stops there, before its endpoint). The node starts
-       its server with the password and, once the server answers AUTH + PING, sends
-       {"endpoint": "host:port"}. Node 0 does the same for itself in-process. Whenever an
+       its server with the password (the workers' user's, NOTE [spawned redis] in
+       redis_node.py) and, once the server answers on its own Unix socket and its TCP port is
+       proven the server's, sends {"endpoint": "host:port"}. Node 0 does the same for itself in-process. Whenever an
        endpoint arrives, node 0 sends every proven node {"waiting_for": [ranks]}; when the last
        one arrives it sends {"endpoints": [...]} (ordered by node rank) to all, and closes.
     3. Time. One deadline, ``--rdzv-timeout`` seconds from the start of the exchange, bounds

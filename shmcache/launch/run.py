@@ -48,12 +48,17 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
     --remote spawn[:MB]     start one redis-server per node for the job (Redis's own package:
                             apt-get install redis-server), capped at MB MiB each (default 1024),
                             evicting the least recently used values when full, never saving to
-                            disk, with a new random password; bound to this node's address on
-                            the route to --master-addr (127.0.0.1 when that is a loopback).
+                            disk, with a new random password for its one user, who may run
+                            only the commands the cache sends, on its keys (see NOTE [spawned
+                            redis] in shmcache/launch/redis_node.py); bound to this node's
+                            address on the route to --master-addr (127.0.0.1 when that is a
+                            loopback). The launcher checks that the port is its server's before
+                            it tells anyone (a port another process took is named, and another
+                            one is tried).
                             With several nodes, the launchers exchange their servers' addresses
                             through node 0's launcher, on port --master-port + 1 (MASTER_PORT is
                             the training's own), and every process gets the same
-                            SHMCACHE_REMOTE=redis+shards://:PASSWORD@H0:P0,H1:P1,... (by node
+                            SHMCACHE_REMOTE=redis+shards://shmcache:PASSWORD@H0:P0,... (by node
                             rank; the cache spreads keys over them by a consistent hash). Each
                             server stops with the job: on success, failure, Ctrl-C, and when
                             its launcher is killed (see NOTE [remote rendezvous] in
@@ -153,7 +158,7 @@ from ..cache.registry import SessionRegistry
 from ..errors import InvalidArgument, LaunchError, ShmcacheError, SpillError
 from ..tiers.remote import parse_url
 from ..tiers.spill import check_spill_dir
-from .redis_node import DEFAULT_MAXMEMORY_MB, RedisNode, find_redis_server, is_loopback, route_address
+from .redis_node import DEFAULT_MAXMEMORY_MB, WORKER_USER, RedisNode, find_redis_server, is_loopback, route_address
 from .remote_option import RemoteOption, hide_in_process_title, parse_remote, shards_url
 from .rendezvous import (
     TOKEN_HINT,
@@ -625,11 +630,12 @@ def _spawned_remote(plan: LaunchPlan, workdir: str) -> Iterator[tuple[str, str]]
     rendezvous]; NOTE [launcher shutdown], 9)."""
     assert plan.remote is not None and plan.remote.spawn_mb is not None
     node = RedisNode(executable=find_redis_server(), bind=route_address(plan.master_addr),
-                     maxmemory_mb=plan.remote.spawn_mb, workdir=workdir)
+                     maxmemory_mb=plan.remote.spawn_mb, workdir=workdir,
+                     warn=lambda message: print(f"{PROG}: warning: {message}", file=sys.stderr))
     try:
         with _signals_raise():
             password, secret, endpoints = _exchange(plan, node)
-        url = shards_url(password, endpoints)
+        url = shards_url(WORKER_USER, password, endpoints)
         print(f"{PROG}: --remote spawn: node {plan.node_rank} of {plan.nnodes} serves "
               f"{node.endpoint} (maxmemory {plan.remote.spawn_mb} MiB, allkeys-lru); "
               f"{ENV_REMOTE}={mask_url(url)}", file=sys.stderr)

@@ -1,11 +1,11 @@
 """The Redis that `--remote spawn` starts runs as the launcher's user, and its password crosses
-the network in clear at every AUTH (design 9): whoever holds it may change values, never run
-code. Its administrative commands were left on: on Redis 5 and 6 (what `apt-get install
-redis-server` gives on Ubuntu 20.04 and 22.04) `CONFIG SET dir ~/.ssh`, `CONFIG SET dbfilename
-authorized_keys` and `SAVE` write a file of the client's choosing as that user, `MODULE LOAD`
-loads a shared object, and Debian's Lua (CVE-2022-0543) escapes through `EVAL`. Redis 7 protects
-`dir` by default, but CONFIG, SAVE and EVAL still answer. The workers need GET, MGET, SET, INFO:
-everything else that reaches the file system or the server's code is renamed away."""
+the network in clear at every AUTH (design 9): whoever holds it may change the cache's values,
+never run code, read or destroy anything else, or take the server. Its `default` user is off;
+the workers' user (NOTE [spawned redis], 3 in shmcache/launch/redis_node.py) may run what the
+remote tier sends, on the cache's keys, and nothing else: no Lua (EVAL, FUNCTION), no ACL (which
+opened the server to every local user by `ACL SETUSER default nopass`), no replication (SYNC: a
+full dump), no MIGRATE, CLIENT, SHUTDOWN, DEBUG, CONFIG (on Redis 5 and 6, `CONFIG SET dir` and
+`SAVE` write a file of the client's choosing as that user), MODULE, KEYS, SCAN or FLUSHALL."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import shutil
 import pytest
 import redis
 
-from shmcache.launch.redis_node import RedisNode, find_redis_server
+from shmcache.launch.redis_node import WORKER_USER, RedisNode, find_redis_server
+from shmcache.tiers.remote import RedisTier
 
 if shutil.which("redis-server") is None and os.environ.get("SHMCACHE_REQUIRE_REAL_PARTS") == "1":
     raise RuntimeError("redis-server is missing but $SHMCACHE_REQUIRE_REAL_PARTS=1: install it "
@@ -23,28 +24,84 @@ if shutil.which("redis-server") is None and os.environ.get("SHMCACHE_REQUIRE_REA
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server is not installed (apt-get install redis-server)")
 
-_OFF = [("CONFIG", "SET", "dir", "/tmp"), ("CONFIG", "GET", "dir"), ("MODULE", "LIST"), ("DEBUG", "SLEEP", "0"),
-        ("SLAVEOF", "NO", "ONE"), ("REPLICAOF", "NO", "ONE"), ("EVAL", "return 1", "0"),
-        ("SCRIPT", "FLUSH"), ("SAVE",), ("BGSAVE",), ("BGREWRITEAOF",)]
+PASSWORD = "a-job-password-0123456789"
+
+#: What a worker's password must not open. DEBUG and MODULE are also off by Redis 7's own
+#: defaults (enable-debug-command, enable-module-command), which answer before the ACL does.
+_REFUSED = [("FUNCTION", "LOAD", "#!lua name=x\nredis.register_function('f', function() return 1 end)"),
+            ("FCALL", "f", "0"), ("EVAL", "return 1", "0"), ("EVALSHA", "0" * 40, "0"), ("SCRIPT", "FLUSH"),
+            ("ACL", "SETUSER", "default", "on", "nopass", "+@all", "~*"), ("ACL", "LIST"),
+            ("SYNC",), ("PSYNC", "?", "-1"), ("REPLICAOF", "127.0.0.1", "1"), ("SLAVEOF", "NO", "ONE"),
+            ("MIGRATE", "127.0.0.1", "1", "shmcache:k", "0", "1000"), ("CLIENT", "PAUSE", "100"),
+            ("CLIENT", "KILL", "TYPE", "normal"), ("CLIENT", "LIST"), ("SHUTDOWN", "NOSAVE"),
+            ("DEBUG", "SLEEP", "0"), ("CONFIG", "SET", "dir", "/tmp"), ("CONFIG", "GET", "*"),
+            ("MODULE", "LOAD", "/tmp/x.so"), ("KEYS", "*"), ("SCAN", "0"), ("FLUSHALL",), ("FLUSHDB",),
+            ("SAVE",), ("BGSAVE",), ("MONITOR",), ("SUBSCRIBE", "c"), ("PUBLISH", "c", "m")]
 
 
 @pytest.fixture
 def spawned(tmp_path):
+    """The spawned server and a client with the workers' credentials, as their URL gives them."""
     node = RedisNode(executable=find_redis_server(), bind="127.0.0.1", maxmemory_mb=16, workdir=str(tmp_path))
     with node:
-        host, port = node.start("a-job-password-0123456789").rsplit(":", 1)
-        client = redis.Redis(host=host, port=int(port), password="a-job-password-0123456789")
+        host, port = node.start(PASSWORD).rsplit(":", 1)
+        client = redis.Redis(host=host, port=int(port), username=WORKER_USER, password=PASSWORD)
+        client.endpoint = f"{host}:{port}"
         yield client
         client.close()
 
 
-@pytest.mark.parametrize("command", _OFF, ids=lambda c: " ".join(c[:2]))
-def test_the_spawned_servers_admin_commands_are_off(spawned, command):
-    with pytest.raises(redis.ResponseError, match="unknown command"):
+@pytest.mark.parametrize("command", _REFUSED, ids=lambda c: " ".join(c[:2]))
+def test_the_workers_user_cannot_run_anything_else(spawned, command):
+    with pytest.raises(redis.ResponseError, match="no permissions|not allowed") as refused:
+        spawned.execute_command(*command)
+    if command[0] not in ("DEBUG", "MODULE"):
+        assert isinstance(refused.value, redis.exceptions.NoPermissionError), refused.value
+    assert spawned.ping()  # the server is still there, still answering
+
+
+@pytest.mark.parametrize("command", [("SET", "other:k", "v"), ("GET", "other:k"), ("MGET", "shmcache:a", "b"),
+                                     ("SET", "shmcache", "v")])
+def test_the_workers_user_cannot_touch_a_key_outside_the_caches(spawned, command):
+    with pytest.raises(redis.exceptions.NoPermissionError, match="keys"):
         spawned.execute_command(*command)
 
 
-def test_what_the_workers_use_still_works(spawned):
-    spawned.set(b"k", b"v")
-    assert spawned.mget([b"k", b"x"]) == [b"v", None]
+@pytest.mark.parametrize("password", [None, PASSWORD, "nopass"])
+def test_the_default_user_cannot_connect(spawned, password):
+    host, port = spawned.endpoint.rsplit(":", 1)
+    stranger = redis.Redis(host=host, port=int(port), password=password, protocol=2)
+    with pytest.raises((redis.exceptions.AuthenticationError, redis.ResponseError)):
+        stranger.ping()
+    stranger.close()
+
+
+def test_what_the_workers_send_still_works(spawned):
+    assert spawned.set(b"shmcache:c:k", b"v", nx=True)
+    assert not spawned.set(b"shmcache:c:k", b"w", nx=True)
+    pipe = spawned.pipeline(transaction=False)
+    pipe.set(b"shmcache:c:j", b"x", nx=True)
+    pipe.set(b"shmcache:c:k", b"y")
+    assert pipe.execute(raise_on_error=True) == [True, True]
+    assert spawned.mget([b"shmcache:c:k", b"shmcache:c:j", b"shmcache:c:none"]) == [b"y", b"x", None]
+    assert spawned.ping()
     assert "used_memory" in spawned.info("memory")
+
+
+def test_the_remote_tier_reads_and_writes_with_the_workers_url(spawned):
+    """The tier itself (its connect, MGET, pipelined SET NX, probe) with the URL the launcher gives."""
+    from shmcache.launch.remote_option import shards_url
+    from shmcache.tiers.remote import probe
+
+    url = shards_url(WORKER_USER, PASSWORD, [spawned.endpoint])
+    tier = RedisTier(url, "acl-test", secret=b"s" * 32)
+    try:
+        tier.offer([(b"k1", b"value one"), (b"k2", b"value two")])
+        assert tier.flush()
+        assert tier.get_many([b"k1", b"k2", b"k3"]) == [b"value one", b"value two", None]
+        counters = tier.counters()
+        assert counters["errors"] == 0 and counters["dropped"] == 0, counters
+    finally:
+        tier.close()
+    info = probe(url)
+    assert info["answers"] and info["error"] is None and info["used_memory"], info

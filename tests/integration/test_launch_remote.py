@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from shmcache.launch import main
+from shmcache.launch.redis_node import WORKER_USER
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
@@ -160,7 +161,7 @@ def check_job(reports: list[dict], nnodes: int) -> str:
     urls = {r["url"] for r in reports}
     assert len(urls) == 1, urls
     url = urls.pop()
-    assert url.startswith("redis+shards://:"), url
+    assert url.startswith(f"redis+shards://{WORKER_USER}:"), url
     servers = [r["redis_servers"] for r in reports]
     for report in reports:
         assert len(report["endpoints"]) == nnodes, report
@@ -197,7 +198,7 @@ def test_spawn_gives_every_worker_the_same_shards_and_stops_them_after_success(t
     secret = password_of(url)
     for _code, out, err in results:
         assert secret not in out and secret not in err
-        assert "redis+shards://:***@" in err  # the launcher says what it set, masked
+        assert f"redis+shards://{WORKER_USER}:***@" in err  # the launcher says what it set, masked
 
 
 @needs_redis
@@ -616,6 +617,167 @@ def test_another_user_on_the_rendezvous_port_gets_nothing_and_injects_nothing(tm
     check_job(read_reports(tmp_path, 2, timeout_s=1), 2)
     for attempt in tries:
         assert f"refused {attempt['me']}" in err0, (attempt, err0)  # node 0 names the peer
+
+
+# --- the port race: another user takes the port between the pick and redis-server's bind ---------
+# (issue 24, item 1; NOTE [spawned redis] in shmcache/launch/redis_node.py)
+
+#: The other user's listener: on each port read from stdin, bind and listen at once ("bound"),
+#: then accept, say "conn", answer every chunk as Redis answers AUTH + PING (+OK +PONG), and
+#: keep what it received; at the end of stdin, one JSON line with everything received.
+HOSTILE = r"""
+import json, socket, sys, threading
+got = []
+def talk(conn):
+    record = bytearray()
+    got.append(record)
+    conn.settimeout(5)
+    try:
+        while chunk := conn.recv(1 << 16):
+            record += chunk
+            conn.sendall(b"+OK\r\n+PONG\r\n")
+    except OSError:
+        pass
+def serve(srv):
+    while True:
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return
+        print("conn", flush=True)
+        threading.Thread(target=talk, args=(conn,), daemon=True).start()
+for line in sys.stdin:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", int(line)))
+    srv.listen(16)
+    print("bound", flush=True)
+    threading.Thread(target=serve, args=(srv,), daemon=True).start()
+print(json.dumps([bytes(r).decode("latin-1") for r in got]), flush=True)
+"""
+
+#: What stands in PATH as redis-server: it reads the configuration the launcher sends, tells the
+#: race driver the port it names, waits for its go, and only then becomes the real redis-server
+#: (same PID) with the same configuration: the window between the launcher's pick and the
+#: server's bind, opened wide and on cue, so the other user takes the port every time.
+WRAPPER = r"""#!{python}
+import os, socket, sys
+real = {real!r}
+if sys.argv[1:] != ["-"]:
+    os.execv(real, [real, *sys.argv[1:]])
+config = sys.stdin.buffer.read()
+port = next(ln.split()[1] for ln in config.decode().splitlines() if ln.startswith("port "))
+with socket.socket(socket.AF_UNIX) as ctl:
+    ctl.connect("\0shmcache-race-ctl")
+    ctl.sendall(port.encode())
+    ctl.recv(16)
+r, w = os.pipe()
+os.write(w, config)
+os.close(w)
+os.dup2(r, 0)
+os.execv(real, [real, "-"])
+"""
+
+#: Runs in a private network namespace (its own loopback): the other user's listener, the cue
+#: between the wrapper and that user (the first TAKES ports the launcher picks are taken, and
+#: the server waits up to 0.5 s for a connection to them, so a launcher that speaks to the port
+#: does it before the server starts), then one launcher with --remote spawn. Prints a JSON
+#: report: the launcher's status and stderr, the ports taken, what the other user received.
+RACE_DRIVER = r"""
+import json, os, queue, socket, subprocess, sys, threading
+attacker_python, attacker, takes, out_dir, ping = sys.argv[1:6]
+launch = sys.argv[6:]
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+hostile = subprocess.Popen(["runuser", "-u", attacker, "--", attacker_python, "-c", os.environ["HOSTILE"]],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                           env={"PATH": os.environ["PATH"]})
+lines = queue.Queue()
+threading.Thread(target=lambda: [lines.put(ln.strip()) for ln in hostile.stdout], daemon=True).start()
+ctl = socket.socket(socket.AF_UNIX)
+ctl.bind("\0shmcache-race-ctl")
+ctl.listen(8)
+taken = []
+def cue():
+    while True:
+        conn, _ = ctl.accept()
+        with conn:
+            port = int(conn.recv(16))
+            if len(taken) < int(takes):
+                taken.append(port)
+                hostile.stdin.write(f"{port}\n")
+                hostile.stdin.flush()
+                assert lines.get(timeout=10) == "bound"
+                try:
+                    lines.get(timeout=0.5)  # "conn": someone spoke to the other user's port
+                except queue.Empty:
+                    pass
+            conn.sendall(b"go")
+threading.Thread(target=cue, daemon=True).start()
+job = subprocess.run([*launch, "--remote", "spawn:16", ping, out_dir, "exit0"], capture_output=True,
+                     text=True, timeout=90)
+hostile.stdin.close()
+hostile.wait(timeout=30)
+rest = []
+while not lines.empty():
+    rest.append(lines.get())
+print(json.dumps({"code": job.returncode, "stderr": job.stderr, "taken": taken,
+                  "received": json.loads(rest[-1]), "connections": rest.count("conn")}))
+"""
+
+
+def launch_racing_another_user(tmp_path: Path, attacker_python: str, takes: int) -> dict:
+    """One launcher with --remote spawn, in a private network namespace, while another user
+    takes the first ``takes`` ports it picks (RACE_DRIVER); the driver's report."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs unshare (util-linux) and ip (iproute2) for a private loopback")
+    wrappers = tmp_path / "bin"
+    wrappers.mkdir()
+    wrapper = wrappers / "redis-server"
+    wrapper.write_text(WRAPPER.format(python=sys.executable, real=REDIS_SERVER))
+    wrapper.chmod(0o755)
+    env = {**os.environ, "HOSTILE": HOSTILE, "PATH": f"{wrappers}{os.pathsep}{os.environ['PATH']}",
+           "SHMCACHE_DIR": str(tmp_path / "ns")}
+    driver = subprocess.run(["unshare", "-n", "--", sys.executable, "-c", RACE_DRIVER, attacker_python,
+                             ATTACKER, str(takes), str(tmp_path), PING, *LAUNCH],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    return json.loads(driver.stdout)
+
+
+def assert_nothing_left(reports: list[dict]) -> None:
+    assert_servers_gone(reports)
+    assert not _redis_servers_started_here()
+    assert not list(Path(os.environ["TMPDIR"]).glob("shmcache-launch-*"))
+
+
+@needs_redis
+def test_a_port_taken_between_pick_and_bind_gets_nothing_and_another_is_used(tmp_path, attacker_python):
+    race = launch_racing_another_user(tmp_path, attacker_python, takes=1)
+    (port,) = race["taken"]
+    assert race["received"] == [] and race["connections"] == 0, race  # not a byte, not a connect
+    assert race["code"] == 0, race["stderr"]
+    (report,) = read_reports(tmp_path, 1, timeout_s=1)
+    (endpoint,) = report["endpoints"]
+    assert endpoint != f"127.0.0.1:{port}" and report["answers"] == [True], report
+    err = race["stderr"]
+    assert f"port {port} on 127.0.0.1 was taken by another process (user {ATTACKER}" in err, err
+    assert "trying another port" in err
+    assert password_of(report["url"]) not in err
+    assert_nothing_left([report])
+
+
+@needs_redis
+def test_a_port_taken_on_every_attempt_fails_naming_the_cause(tmp_path, attacker_python):
+    race = launch_racing_another_user(tmp_path, attacker_python, takes=3)
+    assert len(race["taken"]) == 3
+    assert race["received"] == [] and race["connections"] == 0, race
+    assert race["code"] == 1, race["stderr"]
+    err = race["stderr"]
+    assert "another process took the port picked for this node's redis-server on 127.0.0.1" in err, err
+    for port in race["taken"]:
+        assert f"port {port} by user {ATTACKER}" in err, err
+    assert "nothing was sent to those ports" in err and "--remote redis://" in err
+    assert not list(tmp_path.glob("remote-*.json"))  # no worker started
+    assert_nothing_left([])
 
 
 @pytest.mark.parametrize("remote", [[], ["--remote", "spawn:32"]], ids=["workers", "spawn"])

@@ -3,7 +3,7 @@
 Usage: remote_ping.py OUTDIR ACTION_OF_RANK_0 ACTION_OF_RANK_1 ...
 
 Every rank writes OUTDIR/remote-<RANK>.json: its PID, $SHMCACHE_REMOTE, the endpoints of a
-``redis+shards://`` URL and, for each, whether it answered AUTH + PING with the URL's password
+``redis+shards://`` URL and, for each, whether it answered AUTH + PING with the URL's user and password
 (the Redis protocol by hand: two commands need no client library), and the PID and command line
 of every ``redis-server`` whose parent is this worker's parent (the launcher), the job's
 ``$SHMCACHE_SECRET`` and whether ``$SHMCACHE_RDZV_TOKEN`` reached it. Actions:
@@ -22,10 +22,11 @@ import time
 from urllib.parse import urlsplit
 
 
-def answers(endpoint: str, password: str) -> bool:
+def answers(endpoint: str, user: str, password: str) -> bool:
     host, port = endpoint.rsplit(":", 1)
-    secret = password.encode()
-    request = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n*1\r\n$4\r\nPING\r\n" % (len(secret), secret)
+    words = [b"AUTH", user.encode(), password.encode()] if user else [b"AUTH", password.encode()]
+    request = b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words)
+    request += b"*1\r\n$4\r\nPING\r\n"
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=5) as sock:
             sock.sendall(request)
@@ -78,7 +79,7 @@ def main() -> None:
         parts = urlsplit(url)
         endpoints = parts.netloc.rsplit("@", 1)[1].split(",")
         record["endpoints"] = endpoints
-        record["answers"] = [answers(e, parts.password or "") for e in endpoints]
+        record["answers"] = [answers(e, parts.username or "", parts.password or "") for e in endpoints]
     record["redis_servers"] = redis_servers_of(os.getppid())
     path = os.path.join(out_dir, f"remote-{rank}.json")
     with open(path + ".tmp", "w") as f:
