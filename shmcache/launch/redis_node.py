@@ -38,6 +38,11 @@ NOTE [spawned redis]
     4. What is not covered: the workers, and the other nodes, reach the server over TCP, where
        the password crosses the network in clear at every AUTH (NOTE [remote rendezvous], 5);
        on a network you do not trust, use a TLS Redis of your own (``--remote rediss://``).
+       A server that dies during the job frees its port: another local user may take it, and
+       the workers' next AUTH goes there (the launcher reports the death at the end). Whoever
+       learns the password can then read and write the cache's keys on every node's server,
+       nothing more (3); what they write is a miss without the job's secret (NOTE [record
+       authentication]).
 """
 
 from __future__ import annotations

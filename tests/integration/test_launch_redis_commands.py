@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 
 import pytest
 import redis
 
+from shmcache.errors import LaunchError
 from shmcache.launch.redis_node import WORKER_USER, RedisNode, find_redis_server
 from shmcache.tiers.remote import RedisTier
 
@@ -105,3 +107,38 @@ def test_the_remote_tier_reads_and_writes_with_the_workers_url(spawned):
         tier.close()
     info = probe(url)
     assert info["answers"] and info["error"] is None and info["used_memory"], info
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_the_port_is_proven_the_servers_over_ipv6_too(tmp_path):
+    """The proof reads /proc/net/tcp6 (addresses in the kernel's word order) as well."""
+    node = RedisNode(executable=find_redis_server(), bind="::1", maxmemory_mb=16, workdir=str(tmp_path))
+    with node:
+        endpoint = node.start(PASSWORD)
+        assert endpoint.startswith("[::1]:")
+        client = redis.Redis(host="::1", port=int(endpoint.rsplit(":", 1)[1]), username=WORKER_USER,
+                             password=PASSWORD)
+        assert client.ping()
+        client.close()
+
+
+def test_a_redis_without_access_control_lists_is_refused_by_name(tmp_path):
+    """Redis 5 (Ubuntu 20.04's) has no ACL users: the launcher says so, and what to do, before
+    it starts anything."""
+    old = tmp_path / "redis-server"
+    old.write_text("#!/bin/sh\necho 'Redis server v=5.0.7 sha=00000000:0 malloc=jemalloc-5.2.1 bits=64'\n")
+    old.chmod(0o755)
+    node = RedisNode(executable=str(old), bind="127.0.0.1", maxmemory_mb=16, workdir=str(tmp_path))
+    with pytest.raises(LaunchError, match=r"is Redis 5\.0\.7, which has no access control lists.*6\.0 or "
+                                          r"newer.*--remote redis://"):
+        node.start(PASSWORD)
+    assert node.poll() is None and not (tmp_path / "redis-server.log").exists()  # nothing started
