@@ -35,14 +35,17 @@ NOTE [spawned redis]
        launcher's user, ADMIN_USER, may only AUTH, PING and INFO; its password is new for each
        server and never leaves the launcher. The launcher stops the server with SIGTERM, not
        SHUTDOWN. The workers' URL names the user: ``redis+shards://shmcache:PASSWORD@...``.
-    4. What is not covered: the workers, and the other nodes, reach the server over TCP, where
-       the password crosses the network in clear at every AUTH (NOTE [remote rendezvous], 5);
-       on a network you do not trust, use a TLS Redis of your own (``--remote rediss://``).
-       A server that dies during the job frees its port: another local user may take it, and
-       the workers' next AUTH goes there (the launcher reports the death at the end). Whoever
-       learns the password can then read and write the cache's keys on every node's server,
-       nothing more (3); what they write is a miss without the job's secret (NOTE [record
-       authentication]).
+    4. The node's own processes reach its server over that Unix socket too: their URL is the
+       job's, the same server list on every node (the tier shards keys by position), plus
+       ``?socket=K:PATH`` for their own node K (tiers/remote.py), so they never AUTH over TCP
+       to their own node's port - not even if the server died during the job and another
+       local user took its port. What is not covered: the other nodes reach a server over TCP,
+       where the password crosses the network in clear at every AUTH (NOTE [remote
+       rendezvous], 5), and would follow a dead server's port to whoever took it; whoever
+       learns the password can read and write the cache's keys on every node's server, nothing
+       more (3), and what they write is a miss without the job's secret (NOTE [record
+       authentication]). On a network you do not trust, use a TLS Redis of your own
+       (``--remote rediss://``).
 """
 
 from __future__ import annotations
@@ -204,6 +207,12 @@ class RedisNode:
             f"({'; '.join(taken)}); nothing was sent to those ports. Another local user may be "
             f"racing for free ports: run the job again, or give every node an existing Redis "
             f"with --remote redis://[USER:PASSWORD@]HOST:PORT")
+
+    @property
+    def socket_path(self) -> str:
+        """The server's Unix socket, in the launcher's own directory (NOTE [spawned redis], 1):
+        this node's processes reach their server there, never over its TCP port."""
+        return self._socket_path
 
     def poll(self) -> int | None:
         """The server's exit status if it has exited (on its own: a crash, the OOM killer)."""

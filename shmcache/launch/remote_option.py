@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from urllib.parse import quote
 
 from ..base.urls import mask_url
 
@@ -48,11 +49,13 @@ def _spawn_mb(text: str, default_mb: int) -> int:
     return mb
 
 
-def shards_url(user: str, password: str, endpoints: list[str]) -> str:
+def shards_url(user: str, password: str, endpoints: list[str], local: tuple[int, str] | None = None) -> str:
     """``$SHMCACHE_REMOTE`` for the per-node servers: the remote tier shards keys over them by
     jump consistent hash, in this order (node rank), so every node must list them alike; ``user``
-    is the workers' user on them (NOTE [spawned redis], 3)."""
-    return f"redis+shards://{user}:{password}@{','.join(endpoints)}"
+    is the workers' user on them; ``local``: this node's rank and its server's Unix socket, which
+    this node's processes use instead of its TCP port (NOTE [spawned redis], 3-4)."""
+    url = f"redis+shards://{user}:{password}@{','.join(endpoints)}"
+    return url if local is None else f"{url}?socket={local[0]}:{quote(local[1], safe='')}"
 
 
 def hide_in_process_title() -> None:

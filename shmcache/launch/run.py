@@ -59,7 +59,9 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
                             through node 0's launcher, on port --master-port + 1 (MASTER_PORT is
                             the training's own), and every process gets the same
                             SHMCACHE_REMOTE=redis+shards://shmcache:PASSWORD@H0:P0,... (by node
-                            rank; the cache spreads keys over them by a consistent hash). Each
+                            rank; the cache spreads keys over them by a consistent hash), with
+                            ?socket=K:PATH for its own node K's server, which it reaches over
+                            that Unix socket, never over TCP. Each
                             server stops with the job: on success, failure, Ctrl-C, and when
                             its launcher is killed (see NOTE [remote rendezvous] in
                             shmcache/launch/rendezvous.py). Several nodes need a job token,
@@ -635,7 +637,7 @@ def _spawned_remote(plan: LaunchPlan, workdir: str) -> Iterator[tuple[str, str]]
     try:
         with _signals_raise():
             password, secret, endpoints = _exchange(plan, node)
-        url = shards_url(WORKER_USER, password, endpoints)
+        url = shards_url(WORKER_USER, password, endpoints, local=(plan.node_rank, node.socket_path))
         print(f"{PROG}: --remote spawn: node {plan.node_rank} of {plan.nnodes} serves "
               f"{node.endpoint} (maxmemory {plan.remote.spawn_mb} MiB, allkeys-lru); "
               f"{ENV_REMOTE}={mask_url(url)}", file=sys.stderr)

@@ -16,7 +16,10 @@ URLs (``ShmDatasetCache(remote=...)``, ``$SHMCACHE_REMOTE``, ``shmcache new NAME
 
 A query ``?timeout=SECONDS`` sets the socket timeout of every call (default 1 s); with TLS,
 ``&ca=FILE`` names the CA that signed the servers' certificates (else the system's, or
-``$SSL_CERT_FILE``). A URL without a password takes ``$SHMCACHE_REMOTE_PASSWORD``.
+``$SSL_CERT_FILE``); without TLS, ``&socket=K:PATH`` reaches the K-th listed server (from 0)
+over the Unix socket PATH (percent-encoded) on this host instead of its address - how
+``--remote spawn`` gives each node's processes their own node's server (NOTE [spawned redis]).
+A URL without a password takes ``$SHMCACHE_REMOTE_PASSWORD``.
 
 NOTE [remote tier]
     Values. One Redis value holds one self-checking record (tiers/records.py: magic, key,
@@ -128,6 +131,7 @@ class RemoteURL:
     timeout_s: float = DEFAULT_TIMEOUT_S
     masked: str = ""
     ca: str | None = None  # rediss: the CA file that signed the server's certificate
+    sockets: tuple[tuple[int, str], ...] = ()  # socket=K:PATH: server K over a Unix socket here
 
     def __str__(self) -> str:
         return self.masked
@@ -175,22 +179,31 @@ def parse_url(url: Any) -> RemoteURL:
         raise _bad(url, "a Redis Cluster has only database 0")
     if len(set(nodes)) != len(nodes):
         raise _bad(url, "a server is listed twice")
-    timeout_s, ca = DEFAULT_TIMEOUT_S, None
+    timeout_s, ca, sockets = DEFAULT_TIMEOUT_S, None, {}
     for item in filter(None, query.split("&")):
         name, _, value = item.partition("=")
         if name == "ca" and tls and value:
             ca = unquote(value)
             continue
+        if name == "socket" and not tls and kind != "cluster":
+            index, _, path = value.partition(":")
+            path = unquote(path)
+            if not index.isdigit() or int(index) >= len(nodes) or not path.startswith("/"):
+                raise _bad(url, f"socket= takes K:PATH, the index of a listed server (0-{len(nodes) - 1}) "
+                                f"and the absolute path of its Unix socket, got {value!r}")
+            sockets[int(index)] = path
+            continue
         if name != "timeout":
-            raise _bad(url, f"unknown option {name!r} (the options are timeout=SECONDS, and ca=FILE "
-                            f"with rediss)")
+            raise _bad(url, f"unknown option {name!r} (the options are timeout=SECONDS, ca=FILE "
+                            f"with rediss, socket=K:PATH without)")
         try:
             timeout_s = float(value)
         except ValueError:
             timeout_s = -1.0
         if not 0 < timeout_s <= 600:
             raise _bad(url, f"timeout must be a number of seconds in (0, 600], got {value!r}")
-    return RemoteURL(kind, tls, nodes, db, username, password, timeout_s, mask_url(url), ca)
+    return RemoteURL(kind, tls, nodes, db, username, password, timeout_s, mask_url(url), ca,
+                     tuple(sorted(sockets.items())))
 
 
 def _host_port(url: str, item: str) -> tuple[str, int]:
@@ -258,7 +271,9 @@ def _client_kwargs(url: RemoteURL, timeout_s: float | None = None) -> dict:
 def _servers(url: RemoteURL, timeout_s: float | None = None) -> list:
     redis = _redis()
     kw = _client_kwargs(url, timeout_s)
-    return [redis.Redis(host=h, port=p, db=url.db, **kw) for h, p in url.nodes]
+    sockets = dict(url.sockets)
+    return [redis.Redis(unix_socket_path=sockets[i], db=url.db, **kw) if i in sockets
+            else redis.Redis(host=h, port=p, db=url.db, **kw) for i, (h, p) in enumerate(url.nodes)]
 
 
 def _cluster(url: RemoteURL, timeout_s: float | None = None):

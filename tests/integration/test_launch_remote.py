@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
@@ -157,10 +157,20 @@ def finish(proc: subprocess.Popen, timeout_s: float = 60.0) -> tuple[int, str, s
 
 
 def check_job(reports: list[dict], nnodes: int) -> str:
-    """Every worker got the same redis+shards URL, N endpoints by node rank, all answering."""
-    urls = {r["url"] for r in reports}
+    """Every worker got the same redis+shards URL, N endpoints by node rank, all answering; each
+    node's its own server's Unix socket (?socket=K:PATH, K its node rank). Returns the URL
+    without that query."""
+    urls = {r["url"].split("?", 1)[0] for r in reports}
     assert len(urls) == 1, urls
     url = urls.pop()
+    ranks_of_launcher: dict[int, set[int]] = {}
+    for report in reports:
+        name, _, value = urlsplit(report["url"]).query.partition("=")
+        index, _, path = unquote(value).partition(":")
+        assert name == "socket" and path.endswith("/redis/redis.sock"), report["url"]
+        assert Path(path).parent.parent.name.startswith("shmcache-launch-"), path
+        ranks_of_launcher.setdefault(report["launcher"], set()).add(int(index))
+    assert sorted(k for ks in ranks_of_launcher.values() for k in ks) == list(range(nnodes))
     assert url.startswith(f"redis+shards://{WORKER_USER}:"), url
     servers = [r["redis_servers"] for r in reports]
     for report in reports:
@@ -302,6 +312,19 @@ def _redis_servers_started_here() -> list[int]:
 
 
 @needs_redis
+@pytest.mark.skipif(importlib.util.find_spec("redis") is None and not REQUIRED,
+                    reason="redis-py is not installed (pip install 'shmcache[redis]')")
+def test_a_nodes_own_processes_reach_its_server_over_its_unix_socket(tmp_path):
+    """Not over TCP: a port the server lost (it died mid-job, someone took it) would get their
+    AUTH (NOTE [spawned redis], 4)."""
+    assert main(["--remote", "spawn:32", str(SCRIPTS / "remote_socket.py"), str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "socket-0.json").read_text())
+    assert report["value"] == "a value", report
+    assert report["connections"]["tcp"] == 0 and report["connections"]["unix"] >= 1, report
+    assert report["counters"]["errors"] == 0, report
+
+
+@needs_redis
 def test_spawn_on_one_node_needs_no_exchange(tmp_path, capsys):
     assert main(["--remote", "spawn:32", PING, str(tmp_path), "exit0"]) == 0
     (report,) = read_reports(tmp_path, 1, timeout_s=1)
@@ -387,8 +410,8 @@ def test_two_nodes_over_spawned_redis_compute_each_item_about_once(tmp_path, nod
     for node in (0, 1):  # a node's counters are shared by its ranks: the last to finish saw all
         hits = max(r["stats"]["remote_hits"] for r in records[2 * node:2 * node + 2])
         assert hits >= n // 2 - 8, records[2 * node]["stats"]  # the other node's half, from Redis
-    url = records[0]["url"]
-    assert {r["url"] for r in records} == {url}
+    url = records[0]["url"].split("?", 1)[0]
+    assert {r["url"].split("?", 1)[0] for r in records} == {url}
     secret = password_of(url)
     for _code, out, err in results:
         assert secret not in out + err

@@ -29,6 +29,8 @@ def test_urls_parse():
     assert u.kind == "cluster" and u.nodes == (("a", 7000), ("b", 7001), ("::1", 7002))
     u = parse_url("redis+shards://h1:1,h2:2,h3:3/2?timeout=0.25")
     assert (u.kind, len(u.nodes), u.db, u.timeout_s, u.password) == ("shards", 3, 2, 0.25, None)
+    u = parse_url(f"redis+shards://shmcache:{PASSWORD}@h1:1,h2:2?socket=1:%2Ftmp%2Fd%40x%2Fredis.sock")
+    assert (u.username, u.nodes, u.sockets) == ("shmcache", (("h1", 1), ("h2", 2)), ((1, "/tmp/d@x/redis.sock"),))
 
 
 @pytest.mark.parametrize("url, says", [
@@ -41,6 +43,10 @@ def test_urls_parse():
     ("redis://:{pw}@:6379", "no host"),
     ("redis://:{pw}@h:1?timeout=0", "timeout"),
     ("redis://:{pw}@h:1?retries=3", "unknown option"),
+    ("redis+shards://:{pw}@h:1,g:2?socket=2:%2Fs", "socket= takes K:PATH"),
+    ("redis+shards://:{pw}@h:1,g:2?socket=1:s", "socket= takes K:PATH"),
+    ("rediss://:{pw}@h:1?socket=0:%2Fs", "unknown option"),
+    ("redis+cluster://:{pw}@h:1?socket=0:%2Fs", "unknown option"),
 ])
 def test_bad_urls_name_the_url_without_its_password(url, says):
     with pytest.raises(InvalidArgument) as err:
