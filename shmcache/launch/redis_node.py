@@ -171,6 +171,10 @@ class RedisNode:
         """Start the server, prove that the port it listens on is its own, and return
         ``host:port`` (NOTE [spawned redis]); a port taken by another process between our pick
         and the server's bind is named, and another is tried, START_ATTEMPTS times in all."""
+        if not re.fullmatch(r"[A-Za-z0-9_-]{16,256}", password):  # it goes into redis.conf's ACL line
+            raise LaunchError("--remote spawn: the job's Redis password must be 16-256 URL-safe "
+                              "characters (A-Z a-z 0-9 _ -), as node 0's launcher makes it; this "
+                              "one is not (not shown), so no redis-server was started")
         version = server_version(self._executable)
         if version < MIN_VERSION:
             raise LaunchError(

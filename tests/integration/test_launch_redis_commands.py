@@ -142,3 +142,12 @@ def test_a_redis_without_access_control_lists_is_refused_by_name(tmp_path):
                                           r"newer.*--remote redis://"):
         node.start(PASSWORD)
     assert node.poll() is None and not (tmp_path / "redis-server.log").exists()  # nothing started
+
+
+@pytest.mark.parametrize("password", ["short", "x" * 20 + "\nuser default on nopass +@all ~*", "a b" * 10])
+def test_a_password_that_would_change_the_configuration_is_refused(tmp_path, password):
+    """The password goes into redis.conf's ACL line: only node 0's kind (URL-safe) is accepted."""
+    node = RedisNode(executable=find_redis_server(), bind="127.0.0.1", maxmemory_mb=16, workdir=str(tmp_path))
+    with pytest.raises(LaunchError, match="URL-safe") as refused:
+        node.start(password)
+    assert password not in str(refused.value) and node.poll() is None
