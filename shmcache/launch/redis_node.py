@@ -67,7 +67,7 @@ from ..errors import LaunchError
 from .supervisor import Companion
 
 __all__ = ["DEFAULT_MAXMEMORY_MB", "RedisNode", "find_redis_server", "route_address",
-           "format_endpoint", "server_version", "WORKER_USER", "WORKER_COMMANDS", "KEY_PATTERN"]
+           "format_endpoint", "server_version", "socket_inodes", "WORKER_USER", "WORKER_COMMANDS", "KEY_PATTERN"]
 
 #: ``--remote spawn`` without ``:MB``: each node's server may hold this much (MiB), then evicts.
 DEFAULT_MAXMEMORY_MB = 1024
@@ -297,7 +297,7 @@ class RedisNode:
                    f"port {info.get('tcp_port')}, not the child {pid} on port {port}")
         else:
             listeners = _listeners(self._bind, port)
-            ours = _socket_inodes(pid)
+            ours = socket_inodes(pid)
             strangers = [uid for inode, uid in listeners if inode not in ours]
             if not listeners:
                 why = f"no socket listens on {format_endpoint(self._bind, port)}"
@@ -427,7 +427,7 @@ def _listeners(bind: str, port: int) -> list[tuple[str, int]]:
     return found
 
 
-def _socket_inodes(pid: int) -> set[str]:
+def socket_inodes(pid: int) -> set[str]:
     """The inodes of the sockets process ``pid`` holds (/proc/PID/fd/N -> socket:[INODE])."""
     inodes = set()
     try:

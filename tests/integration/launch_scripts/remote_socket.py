@@ -15,18 +15,12 @@ import sys
 
 from remote_ping import redis_servers_of
 
+from shmcache.launch.redis_node import socket_inodes
 from shmcache.tiers.remote import RedisTier
 
 
 def connections(pid: int) -> dict[str, int]:
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    inodes = socket_inodes(pid)
     out = {"tcp": 0, "unix": 0}
     for table, kind in (("/proc/net/tcp", "tcp"), ("/proc/net/tcp6", "tcp"), ("/proc/net/unix", "unix")):
         with open(table) as f:
