@@ -68,13 +68,13 @@ import zstandard
 from ..base.settings import ENV_SNAPSHOT
 from ..base.trust import FORGED, TRAILER_BYTES, snapshot_ident
 from ..base.urls import mask_url, scrub_secret
-from ..errors import CacheMismatch, InvalidArgument, SnapshotError
+from ..errors import CacheMismatch, InvalidArgument, RangeNotHonored, SnapshotError
 from ..tiers import assembly
 from ..tiers import counts as tier_counts
 from ..tiers import records as records
 from ..tiers.breaker import Breaker
 from . import format as fmt
-from .location import FsspecLocation, LocalLocation, open_location, open_regular
+from .location import FsspecLocation, LocalLocation, check_stored, open_location, open_regular
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
            "open_tier", "check_options", "manifest_of", "snapshot_tier"]
@@ -210,6 +210,8 @@ class SnapshotTier:
         self._load_lock = threading.Lock()  # one thread loads the indexes
         self.loc = open_location(self._target, self._storage_options)
         self.local = isinstance(self.loc, LocalLocation)
+        if not self.local:  # its transfers are cancelled past the bound (an HTTP response closed)
+            self.loc.timeout_s = self.timeout_s
         self._fds: dict[int, int] = {}
         self._dead_fds: list[int] = []
         self._dctx = threading.local()
@@ -294,6 +296,12 @@ class SnapshotTier:
                 self._lookup(keys, out)
         except _Fault as fault:
             self._fault(fault)
+        except RangeNotHonored as exc:  # the server's behaviour, not a file's: nothing more is asked of it
+            with self._lock:
+                self._add("errors", 1)
+            self.off = str(exc)
+            self._log("off", f"snapshot tier {self.url} is turned off: {exc}; its items are computed "
+                             f"from the source")
         found = sum(v is not None for v in out)
         with self._lock:
             self._add("hits", found)
@@ -359,6 +367,7 @@ class SnapshotTier:
                     st = os.fstat(fd)
                     if st.st_size != part.info.size:
                         raise SnapshotError(f"is {st.st_size} bytes, the manifest says {part.info.size}")
+                    check_stored(fd, part.tail_start, part.info.size, self.loc.where(part.info.file))
                     tails.append(os.pread(fd, part.info.size - part.tail_start, part.tail_start))
                 except FileNotFoundError:
                     tails.append(SnapshotError("is missing"))
@@ -368,6 +377,8 @@ class SnapshotTier:
             tails = self._cat([part.info.file for part in todo], [part.tail_start for part in todo],
                               [part.info.size for part in todo])
         for part, tail in zip(todo, tails):
+            if isinstance(tail, RangeNotHonored):
+                raise tail  # the server's, not the file's: the tier turns itself off
             if isinstance(tail, BaseException):
                 if not _of_the_file(tail):
                     raise _Fault("unreachable", f"{self.loc.where(part.info.file)}: {tail!r}")
@@ -530,6 +541,9 @@ class SnapshotTier:
             footer, bufs = got[pos], got[pos + 1:pos + 1 + n]
             pos += 1 + n
             errors = [b for b in [footer, *bufs] if isinstance(b, BaseException)]
+            refused = [e for e in errors if isinstance(e, RangeNotHonored)]
+            if refused:
+                raise refused[0]
             faults = [e for e in errors if not _of_the_file(e)]
             if faults:
                 raise _Fault("unreachable", f"{self.loc.where(part.info.file)}: {faults[0]!r}")
@@ -542,11 +556,11 @@ class SnapshotTier:
         return out
 
     def _cat(self, names: list[str], starts: list[int], ends: list[int]) -> list:
-        """``fs.cat_ranges`` on the snapshot's files, each result bytes or the exception; a fault of
-        the whole call (or one longer than ``timeout_s``) raises _Fault."""
+        """Byte ranges of the snapshot's files (FsspecLocation.read_ranges: none longer than asked
+        for), each result bytes or the exception; a fault of the whole call (or one longer than
+        ``timeout_s``: then cancelled) raises _Fault."""
         loc: FsspecLocation = self.loc
-        paths = [loc._p(n) for n in names]
-        return self._call(lambda: loc.fs.cat_ranges(paths, starts, ends, on_error="return"), "read")
+        return self._call(lambda: loc.read_ranges(names, starts, ends), "read")
 
     def _call(self, fn: Callable, what: str) -> Any:
         """``fn()`` bounded by ``timeout_s`` on a store (a local file needs no bound).
