@@ -346,8 +346,14 @@ class ShmDatasetCache:
         imported unless ``allow_unsigned=True``; pickled objects of a snapshot that is not signed are
         skipped unless ``allow_pickle=True`` (NOTE [record authentication]). Other keyword arguments
         go to ShmDatasetCache."""
-        from ..snapshot.load import (cache_exists, given_back_on_failure, import_into, read_indexes, read_manifest,
-                                     replace_other_dataset)
+        from ..snapshot.load import (
+            cache_exists,
+            given_back_on_failure,
+            import_into,
+            read_indexes,
+            read_manifest,
+            replace_other_dataset,
+        )
 
         loc, manifest = read_manifest(src, storage_options)
         from ..snapshot.format import MANIFEST, authenticate

@@ -22,19 +22,20 @@ NOTE [snapshot read-through]
     names another dataset the tier turns itself off (a log line: a tier never raises from a read).
 
     The first read loads every data file's index: one ranged read of the file's tail (the index and
-    the footer are its last ``items * 32 + 40`` bytes; all data files in one ``cat_ranges`` call on
-    an fsspec store), checked like an import checks it (footer, index crc, the manifest's sha256
+    the footer are its last ``items * 32 + 40`` bytes, really stored; all data files in one
+    ``read_ranges`` call on an fsspec store), checked like an import checks it (footer, index crc, the manifest's sha256
     of index + footer). The indexes are merged into one array sorted by the key's index word, so a
     batch is one ``np.searchsorted`` pair; colliding words are all read and the record's own key
     decides. Then the records a batch needs are read in one call: on a local file (a path or
     ``file://``) ``os.preadv`` on one descriptor per data file, adjacent records in one call; on an
-    fsspec store one ``fs.cat_ranges`` for the whole batch, bounded by ``timeout_s``. Each record
+    fsspec store one ``read_ranges`` for the whole batch, bounded by ``timeout_s`` (over HTTP the
+    transfer is then cancelled; a server that ignores Range turns the tier off, one log line). Each record
     is checked by tiers/records.py's ``unpack_record`` (magic, key, lengths, head and body checks)
     and against its index entry's head check, and its payload - the portable record - returned.
 
     The data file must still be the one whose index was loaded: each batch also checks every
     data file it touches - a local file's link count (0: deleted) and its footer, re-read (40 bytes,
-    in the same ``cat_ranges`` call on a store) and compared with the one loaded. A data file that
+    in the same ``read_ranges`` call on a store) and compared with the one loaded. A data file that
     was deleted, truncated or replaced is dropped for the rest of the run (its keys miss: they are
     computed from the source); a record that fails its checks is a miss. Faults of the store
     (unreachable, slow: the timeout) are misses too, and open a circuit breaker: for 1 s, doubling
@@ -522,7 +523,7 @@ class SnapshotTier:
         return out
 
     def _read_remote(self, wanted: dict) -> dict[int, list]:
-        """The records of every data file in one ``cat_ranges`` call, with each data file's footer."""
+        """The records of every data file in one ``read_ranges`` call, with each data file's footer."""
         paths, starts, ends, where = [], [], [], []
         for part_n, items in wanted.items():
             part = self._parts[part_n]
