@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from shmcache import ShmDatasetCache
-from shmcache.errors import ItemNotCached, RangeNotHonored
+from shmcache.base.namespace import namespace
+from shmcache.errors import ItemNotCached, RangeNotHonored, SnapshotError
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("fsspec")
@@ -44,9 +45,10 @@ def _gzip_bomb(n: int) -> bytes:
 class _Server(http.server.SimpleHTTPRequestHandler):
     """http.server as it is (it ignores Range) in mode "no-ranges"; in the other modes a data file
     (``*.shms``) is answered "endless" (the range asked for, as 206, then 512 MiB more),
-    "gzip" (a gzip bomb with Content-Encoding: gzip) or "trickle" (a byte every 20 ms, without
-    end). Every body's bytes that reached the socket are counted in ``sent``; a body that ended
-    because the client closed the connection is counted in ``cut``."""
+    "gzip" (a gzip bomb with Content-Encoding: gzip), "trickle" (a byte every 20 ms, without
+    end) or "short" (a read of records, from offset 32, is sent half of them). Every body's bytes
+    that reached the socket are counted in ``sent``; a body that ended because the client closed
+    the connection is counted in ``cut``."""
 
     mode: str
     sent: list
@@ -79,8 +81,11 @@ class _Server(http.server.SimpleHTTPRequestHandler):
                 time.sleep(0.02)
                 yield b"\0"
 
+        def short():  # the records asked for, cut in half: the file "changed under the import"
+            yield want if start != 32 else want[:len(want) // 2]
+
         self._body(206, {"Content-Range": f"bytes {start}-{end}/{os.path.getsize(path)}"},
-                   endless if self.mode == "endless" else trickle)
+                   {"endless": endless, "trickle": trickle, "short": short}[self.mode])
 
     def _body(self, status, headers, chunks):
         self.send_response(status)
@@ -262,3 +267,14 @@ def test_a_read_past_timeout_s_is_cancelled_not_left_downloading(served):
         assert not [t for t in threading.enumerate() if t.name == "shmcache-snapshot-read"]
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("served", ["short"], indirect=True)
+def test_an_import_that_fails_after_making_its_cache_gives_its_shared_memory_back(served):
+    """An import that failed after it had made the cache left the cache's table and segments in
+    /dev/shm (3 GiB for a forged count). Now the cache it made is destroyed before the error is
+    raised; the error names what happened."""
+    url, _, _, _ = served
+    with pytest.raises(SnapshotError, match="changed under the import"):
+        ShmDatasetCache.from_snapshot(url, session="dst", threads=1)
+    assert [n for n in namespace().owned_segments() if "+dst+" in n] == []
