@@ -408,7 +408,8 @@ class _HttpReader:
         headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
         kw.pop("auto_decompress", None)
         session = await self.fs.set_session()
-        async with session.get(self.fs.encode_url(path), headers=headers, **kw) as r:
+        url = getattr(self.fs, "encode_url", lambda u: u)(path)  # (fsspec before 2023.9 has none)
+        async with session.get(url, headers=headers, **kw) as r:
             if r.status == 404:
                 raise FileNotFoundError(errno.ENOENT, "not found", path)
             if r.status == 416:  # the range starts past the end: the file is shorter than asked
