@@ -396,7 +396,10 @@ class _HttpReader:
             return await (asyncio.wait_for(run(), timeout_s) if timeout_s else run())
 
         with _as_oserror():
-            return sync(self.fs.loop, bounded)
+            got = sync(self.fs.loop, bounded)
+        # a range's own failure as an OSError too (aiohttp's ClientResponseError is not one)
+        return [g if not isinstance(g, BaseException) or isinstance(g, OSError) else
+                OSError(0, f"{type(g).__name__}: {scrub_secret(str(g), path)}") for g, path in zip(got, paths)]
 
     async def _one(self, path: str, start: int, end: int) -> bytes | bytearray:
         if end <= start:
@@ -411,7 +414,7 @@ class _HttpReader:
         url = getattr(self.fs, "encode_url", lambda u: u)(path)  # (fsspec before 2023.9 has none)
         async with session.get(url, headers=headers, **kw) as r:
             if r.status == 404:
-                raise FileNotFoundError(errno.ENOENT, "not found", path)
+                raise FileNotFoundError(errno.ENOENT, "not found", mask_url(path))
             if r.status == 416:  # the range starts past the end: the file is shorter than asked
                 raise OSError(errno.EINVAL, f"{mask_url(path)}: range {start}-{end} is past its end")
             if r.status >= 400:
