@@ -34,6 +34,7 @@ __all__ = [
     "LaunchError",
     "RendezvousTimeout",
     "SnapshotError",
+    "RangeNotHonored",
     "ItemNotCached",
     "OrderingUnavailable",
 ]
@@ -138,6 +139,11 @@ class RendezvousTimeout(LaunchError, TimeoutError):
 class SnapshotError(ShmcacheError, OSError):
     """A snapshot cannot be written or read: its destination exists, its disk is full, or it is
     truncated, damaged, incomplete or of another format version; the message names the file."""
+
+
+class RangeNotHonored(SnapshotError):
+    """The server behind a snapshot's URL answered a ranged read with something else (the whole
+    file, or an encoded body): a snapshot is read in byte ranges, never downloaded whole."""
 
 
 class ItemNotCached(ShmcacheError, KeyError):

@@ -288,7 +288,9 @@ class ShmDatasetCache:
             from ..snapshot.tier import manifest_of
 
             manifest = manifest_of(*self._snapshot, secret=self._secret)
-            self._open(manifest.name, manifest.fingerprint, manifest.length or manifest.items)
+            # the table grows as records arrive: the manifest's counts (length, items) claim, they
+            # do not prove, and a table sized by them commits /dev/shm that outlives the process
+            self._open(manifest.name, manifest.fingerprint, 0)
         store = self._ensure_open()
         meta = store.read_meta() if not store.uncached else {}
         length = meta.get("length")
@@ -344,21 +346,33 @@ class ShmDatasetCache:
         imported unless ``allow_unsigned=True``; pickled objects of a snapshot that is not signed are
         skipped unless ``allow_pickle=True`` (NOTE [record authentication]). Other keyword arguments
         go to ShmDatasetCache."""
-        from ..snapshot.load import import_into, read_manifest, replace_other_dataset
+        from ..snapshot.load import (
+            cache_exists,
+            given_back_on_failure,
+            import_into,
+            read_indexes,
+            read_manifest,
+            replace_other_dataset,
+        )
 
         loc, manifest = read_manifest(src, storage_options)
         from ..snapshot.format import MANIFEST, authenticate
 
-        # refused before a cache is made: a snapshot not signed with the job's secret
+        # refused before a cache is made: a snapshot not signed with the job's secret, or one whose
+        # data files fail their checks (read first: nothing in /dev/shm is sized before they pass)
         authenticate(manifest, resolve_secret(kwargs.get("secret")), allow_unsigned, loc.where(MANIFEST))
+        indexes = read_indexes(loc, manifest)
+        made = not cache_exists(session, name or manifest.name)
         cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
         try:
-            if replace_other_dataset(cache.store, manifest, force):  # destroyed: a new incarnation
-                cache.close()
-                cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
-            cache.last_import = import_into(cache.store, loc, manifest, force=force, threads=threads,
-                                            progress=progress, secret=cache._secret or "",
-                                            allow_pickle=cache.allow_pickle, allow_unsigned=allow_unsigned)
+            with given_back_on_failure(cache.store, made):  # a failed import leaves no cache it made
+                if replace_other_dataset(cache.store, manifest, force):  # destroyed: a new incarnation
+                    cache.close()
+                    cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
+                cache.last_import = import_into(cache.store, loc, manifest, force=force, threads=threads,
+                                                progress=progress, secret=cache._secret or "",
+                                                allow_pickle=cache.allow_pickle, allow_unsigned=allow_unsigned,
+                                                indexes=indexes)
             if manifest.fingerprint:  # the tiers were opened before the import named the dataset
                 cache._tiers_learn(manifest.fingerprint)
                 cache._fingerprint = manifest.fingerprint

@@ -55,8 +55,15 @@ NOTE [snapshot format]
 
     Reading trusts no count: local files are opened O_NOFOLLOW|O_NONBLOCK and must be regular
     files (location.open_regular), the manifest has at most MAX_MANIFEST_BYTES, every number in it
-    is checked against what its data files can hold (_check_counts), and a record decodes to at most
-    the length it declares, within the reader's limit (records.decompress_bounded).
+    is checked against what its data files can hold (_check_counts), an index is read only once
+    its bytes are really stored (location.check_stored: a sparse file's holes prove nothing), and
+    a record decodes to at most the length it declares, within the reader's limit
+    (records.decompress_bounded).
+
+    Reading over HTTP (location._HttpReader): every read is a ranged GET with ``Accept-Encoding:
+    identity`` that reads at most the range and then closes the response; an encoded body, and a
+    whole-file answer (200) to a range that does not start at 0 (the server ignores Range), are
+    refused unread (RangeNotHonored); past the reader's ``timeout_s`` the request is cancelled.
 
     Writing order (export.py): every file is written as ``<name>.tmp`` and renamed when complete;
     the manifest is renamed last. An export over an existing snapshot (--overwrite) removes the

@@ -17,6 +17,7 @@ do.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -39,8 +40,8 @@ from ..tiers.tiered_store import key_of_portable, untrusted_problem
 from . import format as fmt
 from .location import SnapshotLocation, open_location
 
-__all__ = ["import_snapshot", "import_into", "read_manifest", "read_data_file_index", "ImportReport",
-           "replace_other_dataset"]
+__all__ = ["import_snapshot", "import_into", "read_manifest", "read_data_file_index", "read_indexes",
+           "ImportReport", "replace_other_dataset", "cache_exists", "given_back_on_failure"]
 
 log = logging.getLogger("shmcache")
 
@@ -142,32 +143,64 @@ def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str 
         registry, name_s = SessionRegistry(namespace()), resolve_session_name(session)
         spill_dir = resolve_spill_dir(spill_dir, registry.get(name_s).spill_dir if registry.exists(name_s) else None)
 
+    # every index is read and checked before a cache is made: the table is sized by the entries
+    # really read (never by a count that claims them), and a snapshot that fails commits nothing
+    indexes = read_indexes(loc, manifest)
+
     def opened() -> CacheStore:
         return CacheStore(resolve_session_name(session), name or manifest.name, capacity_bytes=size_mb << 20,
-                          table_hint=manifest.items)
+                          table_hint=sum(len(i) for i in indexes))
 
+    made = not cache_exists(session, name or manifest.name)
     store = opened()
     try:
-        if replace_other_dataset(store, manifest, force):
-            store = opened()
-    except BaseException:
-        store.close()
-        raise
-    try:
-        if spilling:
-            from ..tiers.spill import tier
+        with given_back_on_failure(store, made):
+            if replace_other_dataset(store, manifest, force):  # destroyed (and closed): a new incarnation
+                store = opened()
+            if spilling:
+                from ..tiers.spill import tier
 
-            tier.attach(store, spill_dir)
-        return import_into(store, loc, manifest, force=force, threads=threads, progress=progress, secret=key,
-                           allow_pickle=allow_pickle, allow_unsigned=allow_unsigned)
+                tier.attach(store, spill_dir)
+            return import_into(store, loc, manifest, force=force, threads=threads, progress=progress, secret=key,
+                               allow_pickle=allow_pickle, allow_unsigned=allow_unsigned, indexes=indexes)
     finally:
         store.close()
 
 
+def read_indexes(loc: SnapshotLocation, manifest: fmt.Manifest) -> list[np.ndarray]:
+    """Every data file's index, read and checked (read_data_file_index)."""
+    return [read_data_file_index(loc, part, i) for i, part in enumerate(manifest.data_files)]
+
+
+def cache_exists(session: str, name: str) -> bool:
+    """Whether cache ``name`` of ``session`` exists now (an import that makes it gives it back
+    if it fails: given_back_on_failure)."""
+    from ..cache.registry import SessionRegistry
+
+    registry, session = SessionRegistry(namespace()), resolve_session_name(session)
+    return registry.exists(session) and registry.cache_meta_path(session, name).exists()
+
+
+@contextlib.contextmanager
+def given_back_on_failure(store: Any, made: bool):
+    """An import into ``store``: if it raises and the import ``made`` the cache, the cache is
+    destroyed before the error goes on - its table and segments in /dev/shm given back, not left
+    for ``shmcache gc``."""
+    try:
+        yield
+    except BaseException:
+        if made and not getattr(store, "uncached", False):
+            with contextlib.suppress(Exception):
+                store.destroy()
+        raise
+
+
 def import_into(store: Any, loc: SnapshotLocation, manifest: fmt.Manifest, *, force: bool = False,
                 threads: int | None = None, progress: bool | None = None, secret: str | bytes | None = None,
-                allow_pickle: bool = False, allow_unsigned: bool = False) -> ImportReport:
-    """Store the snapshot's items in ``store`` (a CacheStore, maybe with spilling attached).
+                allow_pickle: bool = False, allow_unsigned: bool = False,
+                indexes: list[np.ndarray] | None = None) -> ImportReport:
+    """Store the snapshot's items in ``store`` (a CacheStore, maybe with spilling attached);
+    ``indexes``: the data files' indexes if read already (read_indexes).
 
     ``secret`` (None: ``$SHMCACHE_SECRET``): a snapshot signed with it has every record's MAC
     checked (a record without it is skipped, counted ``forged``) and is trusted, pickled leaves
@@ -180,7 +213,8 @@ def import_into(store: Any, loc: SnapshotLocation, manifest: fmt.Manifest, *, fo
         raise InvalidArgument(f"threads must be a positive int or None, got {threads!r}")
     started = time.perf_counter()
     report = ImportReport(loc.url, store.session, store.name, items=manifest.items, length=manifest.length)
-    indexes = [read_data_file_index(loc, part, i) for i, part in enumerate(manifest.data_files)]  # all, first
+    if indexes is None:
+        indexes = read_indexes(loc, manifest)  # all, first
     _bind(store, manifest, force)
     if getattr(store, "uncached", False):
         report.rejected = manifest.items
@@ -277,7 +311,9 @@ def read_data_file_index(loc: SnapshotLocation, part: fmt.DataFileInfo, number: 
             raise SnapshotError(f"{where} holds {footer.count} index entries, the manifest says {part.items}: "
                                 f"it was replaced or mixed with another snapshot's; copy the snapshot "
                                 f"again, or export it again")
-        body = loc.read_range(part.file, footer.index_offset, footer.index_offset + footer.index_bytes)
+        # the footer's count sizes this read: only once the bytes it names are really stored
+        body = loc.read_range(part.file, footer.index_offset, footer.index_offset + footer.index_bytes,
+                              stored=True)
     except FileNotFoundError:
         raise SnapshotError(f"data file {where} is missing (the manifest names it); copy the whole "
                             f"snapshot again") from None

@@ -18,15 +18,16 @@ from typing import Any, BinaryIO
 
 from ..base.namespace import _user
 from ..base.urls import mask_url, scrub_secret
-from ..errors import InvalidArgument, SnapshotError
+from ..errors import InvalidArgument, RangeNotHonored, SnapshotError
 
-__all__ = ["SnapshotLocation", "open_location", "SPACE_ERRNOS", "open_regular"]
+__all__ = ["SnapshotLocation", "open_location", "SPACE_ERRNOS", "open_regular", "check_stored"]
 
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _WRITE_BUFFER = 8 << 20
 # a snapshot's local files are input from a stranger: never follow a link at the name, never block
 # on open (a FIFO), and fstat before any read
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_HTTP_CHUNK = 1 << 20  # an HTTP body is read this much at a time, never more than the range asked for
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFSOCK: "a socket"}
 
@@ -56,6 +57,27 @@ def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, st
+
+
+def check_stored(fd: int, start: int, end: int, where: str) -> None:
+    """SnapshotError unless bytes [start, end) of the file at ``fd`` are really stored: a sparse
+    file's apparent size is what it claims, and a hole reads as zeros for as long as it says. A
+    count read from the file (an index's entries) sizes a read only after this (SEEK_HOLE; a file
+    system without it reports no holes, and its blocks are counted instead)."""
+    if end <= start:
+        return
+    try:
+        hole = os.lseek(fd, start, os.SEEK_HOLE)
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:  # ENXIO: start is past the end (a short file: the reader says so)
+            hole = end if os.fstat(fd).st_blocks * 512 >= end - start else start
+        else:
+            return
+    if hole < end:
+        raise SnapshotError(f"{where} is a sparse file: bytes {hole}..{end} of it, which its index should "
+                            f"fill, are a hole (nothing stored, {end - hole} bytes that read as zeros): it is "
+                            f"not what `shmcache export` writes (damaged or hostile); copy the snapshot "
+                            f"again (with its bytes, not a sparse copy), or export it again")
 
 
 def _too_large(where: str, size: int, limit: int) -> SnapshotError:
@@ -223,19 +245,31 @@ class LocalLocation(SnapshotLocation):
         os.close(fd)
         return st.st_size
 
-    def read_range(self, name: str, start: int, end: int) -> bytes:
+    def read_range(self, name: str, start: int, end: int, *, stored: bool = False) -> bytes:
+        """Bytes [start, end) (fewer at the file's end); ``stored``: SnapshotError unless they are
+        all really stored (check_stored), before a byte is read."""
         fd, _ = open_regular(self.path / name)
         try:
+            if stored:
+                check_stored(fd, start, end, self.where(name))
             return os.pread(fd, end - start, start)
         finally:
             os.close(fd)
 
 
 class FsspecLocation(SnapshotLocation):
+    """A prefix behind an fsspec URL. Over HTTP(S) (aiohttp) every read is shmcache's own
+    streaming ranged GET (_HttpReader): at most the bytes asked for are read, then the response
+    is closed; other backends read through ``cat_file``/``cat_ranges`` (their servers honour
+    Range: S3, GCS, Azure). ``timeout_s`` (None: none) bounds each call: past it an HTTP
+    transfer is cancelled, its response closed."""
+
     def __init__(self, fs: Any, path: str, url: str):
         self.fs = fs
         self.path = path
         self.url = url
+        self.timeout_s: float | None = None
+        self._http = _HttpReader(fs, url) if _is_http(fs) else None
 
     def _p(self, name: str) -> str:
         return f"{self.path}/{name}" if name else self.path
@@ -275,8 +309,7 @@ class FsspecLocation(SnapshotLocation):
 
     def read_bytes(self, name: str, limit: int) -> bytes:
         """The whole object, which may have at most ``limit`` bytes (else SnapshotError)."""
-        with _as_oserror():
-            data = self.fs.cat_file(self._p(name), start=0, end=limit + 1)
+        data = self.read_range(name, 0, limit + 1)
         if len(data) > limit:
             raise _too_large(self.where(name), len(data), limit)
         return data
@@ -285,9 +318,135 @@ class FsspecLocation(SnapshotLocation):
         with _as_oserror():
             return int(self.fs.size(self._p(name)))
 
-    def read_range(self, name: str, start: int, end: int) -> bytes:
+    def read_range(self, name: str, start: int, end: int, *, stored: bool = False) -> bytes:
+        """Bytes [start, end) (fewer at the object's end); what is read is what is stored."""
+        if self._http is None:
+            with _as_oserror():
+                return _at_most(self.fs.cat_file(self._p(name), start=start, end=end), end - start, self.where(name))
+        out = self.read_ranges([name], [start], [end])[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def read_ranges(self, names: list[str], starts: list[int], ends: list[int]) -> list:
+        """Bytes [start, end) of each named file, each result bytes or the exception that read
+        raised (a fault of the whole call raises); none longer than asked for."""
+        paths = [self._p(n) for n in names]
+        if self._http is not None:
+            return self._http.read(paths, starts, ends, self.timeout_s)
         with _as_oserror():
-            return self.fs.cat_file(self._p(name), start=start, end=end)
+            got = self.fs.cat_ranges(paths, starts, ends, on_error="return")
+        out = []
+        for g, n, s, e in zip(got, names, starts, ends):
+            try:
+                out.append(g if isinstance(g, BaseException) else _at_most(g, e - s, self.where(n)))
+            except OSError as exc:
+                out.append(exc)
+        return out
+
+
+def _at_most(data: bytes, n: int, where: str) -> bytes:
+    if len(data) > n:
+        raise OSError(errno.EIO, f"{where}: the store sent {len(data)} bytes for a range of {n}")
+    return data
+
+
+def _is_http(fs: Any) -> bool:
+    return any(c.__name__ == "HTTPFileSystem" and c.__module__.startswith("fsspec.") for c in type(fs).__mro__)
+
+
+class _HttpReader:
+    """Ranged GETs on fsspec's aiohttp session, each bounded by what it asks for (NOTE [snapshot
+    format], Reading over HTTP).
+
+    A request asks for ``Range: bytes=a-b`` and ``Accept-Encoding: identity``. The body is read in
+    chunks into one buffer until the range is complete, then the response is closed: an endless
+    body costs the range and a chunk. An encoded body (``Content-Encoding`` other than identity:
+    aiohttp would inflate a gzip bomb) is refused unread. A whole body (200) to a range that does
+    not start at 0 means the server ignores Range: refused unread (RangeNotHonored, naming the
+    server's behaviour), and every later read of this location too, without a request. Until the
+    server has answered one ranged read, a call's ranges go one at a time (a server that ignores
+    Range costs one response, never one per data file); then concurrently. Past ``timeout_s`` the
+    call is cancelled on the event loop: its responses are closed, nothing keeps downloading."""
+
+    def __init__(self, fs: Any, url: str):
+        self.fs, self.url = fs, url
+        self.ranges_ok = False  # the server answered a ranged read with 206
+        self.refused: str | None = None  # why this server's bodies are not read
+
+    def read(self, paths: list[str], starts: list[int], ends: list[int], timeout_s: float | None) -> list:
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        async def some(at: int) -> list:  # ranges [at:] concurrently
+            return await asyncio.gather(*(self._one(*a) for a in zip(paths[at:], starts[at:], ends[at:])),
+                                        return_exceptions=True)
+
+        async def run() -> list:
+            out: list = []
+            while len(out) < len(paths) and not self.ranges_ok:  # one at a time until Range is known
+                try:
+                    out.append(await self._one(paths[len(out)], starts[len(out)], ends[len(out)]))
+                except Exception as exc:  # noqa: BLE001 - per range, as cat_ranges(on_error="return")
+                    out.append(exc)
+            return out + (await some(len(out)) if len(out) < len(paths) else [])
+
+        async def bounded() -> list:
+            return await (asyncio.wait_for(run(), timeout_s) if timeout_s else run())
+
+        with _as_oserror():
+            got = sync(self.fs.loop, bounded)
+        # a range's own failure as an OSError too (aiohttp's ClientResponseError is not one)
+        return [g if not isinstance(g, BaseException) or isinstance(g, OSError) else
+                OSError(0, f"{type(g).__name__}: {scrub_secret(str(g), path)}") for g, path in zip(got, paths)]
+
+    async def _one(self, path: str, start: int, end: int) -> bytes | bytearray:
+        if end <= start:
+            return b""
+        if self.refused is not None:
+            raise RangeNotHonored(self.refused)
+        kw = dict(self.fs.kwargs)  # the request options of storage_options (auth, headers, ...)
+        headers = {k: v for k, v in (kw.pop("headers", None) or {}).items() if k.lower() != "accept-encoding"}
+        headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
+        kw.pop("auto_decompress", None)
+        session = await self.fs.set_session()
+        url = getattr(self.fs, "encode_url", lambda u: u)(path)  # (fsspec before 2023.9 has none)
+        async with session.get(url, headers=headers, **kw) as r:
+            if r.status == 404:
+                raise FileNotFoundError(errno.ENOENT, "not found", mask_url(path))
+            if r.status == 416:  # the range starts past the end: the file is shorter than asked
+                raise OSError(errno.EINVAL, f"{mask_url(path)}: range {start}-{end} is past its end")
+            if r.status >= 400:
+                r.raise_for_status()
+            coding = r.headers.get("Content-Encoding", "identity").strip().lower()
+            if coding not in ("", "identity"):
+                r.close()
+                self.refused = (
+                    f"the server at {self.url} sent a snapshot file with Content-Encoding: {coding:.40} "
+                    f"although identity was asked for (a compressed body can inflate without bound): "
+                    f"serve the snapshot's files as they are (no on-the-fly compression), or copy the "
+                    f"snapshot and read the copy")
+                raise RangeNotHonored(self.refused)
+            if r.status != 206 and start > 0:
+                r.close()
+                self.refused = (
+                    f"the server at {self.url} ignores HTTP Range requests (it answered {r.status} with the "
+                    f"whole file to a request for bytes {start}-{end - 1} of {mask_url(path)}): a snapshot is "
+                    f"read in byte ranges, never downloaded whole; serve it with a server that supports "
+                    f"Range (nginx, Apache, S3, GCS), or copy the snapshot to a local disk and read the copy")
+                raise RangeNotHonored(self.refused)
+            if r.status == 206:
+                self.ranges_ok = True
+            want, buf = end - start, bytearray()  # grown as bytes arrive, never sized by a header
+            while len(buf) < want:
+                chunk = await r.content.read(min(_HTTP_CHUNK, want - len(buf)))
+                if not chunk:
+                    break
+                buf += chunk
+            if not r.content.at_eof():
+                r.close()  # the rest is never read: the connection goes, the transfer stops
+        return buf  # not copied into bytes: a range costs its own size once
 
 
 @contextlib.contextmanager

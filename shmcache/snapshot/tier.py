@@ -22,19 +22,20 @@ NOTE [snapshot read-through]
     names another dataset the tier turns itself off (a log line: a tier never raises from a read).
 
     The first read loads every data file's index: one ranged read of the file's tail (the index and
-    the footer are its last ``items * 32 + 40`` bytes; all data files in one ``cat_ranges`` call on
-    an fsspec store), checked like an import checks it (footer, index crc, the manifest's sha256
+    the footer are its last ``items * 32 + 40`` bytes, really stored; all data files in one
+    ``read_ranges`` call on an fsspec store), checked like an import checks it (footer, index crc, the manifest's sha256
     of index + footer). The indexes are merged into one array sorted by the key's index word, so a
     batch is one ``np.searchsorted`` pair; colliding words are all read and the record's own key
     decides. Then the records a batch needs are read in one call: on a local file (a path or
     ``file://``) ``os.preadv`` on one descriptor per data file, adjacent records in one call; on an
-    fsspec store one ``fs.cat_ranges`` for the whole batch, bounded by ``timeout_s``. Each record
+    fsspec store one ``read_ranges`` for the whole batch, bounded by ``timeout_s`` (over HTTP the
+    transfer is then cancelled; a server that ignores Range turns the tier off, one log line). Each record
     is checked by tiers/records.py's ``unpack_record`` (magic, key, lengths, head and body checks)
     and against its index entry's head check, and its payload - the portable record - returned.
 
     The data file must still be the one whose index was loaded: each batch also checks every
     data file it touches - a local file's link count (0: deleted) and its footer, re-read (40 bytes,
-    in the same ``cat_ranges`` call on a store) and compared with the one loaded. A data file that
+    in the same ``read_ranges`` call on a store) and compared with the one loaded. A data file that
     was deleted, truncated or replaced is dropped for the rest of the run (its keys miss: they are
     computed from the source); a record that fails its checks is a miss. Faults of the store
     (unreachable, slow: the timeout) are misses too, and open a circuit breaker: for 1 s, doubling
@@ -68,13 +69,13 @@ import zstandard
 from ..base.settings import ENV_SNAPSHOT
 from ..base.trust import FORGED, TRAILER_BYTES, snapshot_ident
 from ..base.urls import mask_url, scrub_secret
-from ..errors import CacheMismatch, InvalidArgument, SnapshotError
+from ..errors import CacheMismatch, InvalidArgument, RangeNotHonored, SnapshotError
 from ..tiers import assembly
 from ..tiers import counts as tier_counts
 from ..tiers import records as records
 from ..tiers.breaker import Breaker
 from . import format as fmt
-from .location import FsspecLocation, LocalLocation, open_location, open_regular
+from .location import FsspecLocation, LocalLocation, check_stored, open_location, open_regular
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
            "open_tier", "check_options", "manifest_of", "snapshot_tier"]
@@ -210,6 +211,8 @@ class SnapshotTier:
         self._load_lock = threading.Lock()  # one thread loads the indexes
         self.loc = open_location(self._target, self._storage_options)
         self.local = isinstance(self.loc, LocalLocation)
+        if not self.local:  # its transfers are cancelled past the bound (an HTTP response closed)
+            self.loc.timeout_s = self.timeout_s
         self._fds: dict[int, int] = {}
         self._dead_fds: list[int] = []
         self._dctx = threading.local()
@@ -294,6 +297,12 @@ class SnapshotTier:
                 self._lookup(keys, out)
         except _Fault as fault:
             self._fault(fault)
+        except RangeNotHonored as exc:  # the server's behaviour, not a file's: nothing more is asked of it
+            with self._lock:
+                self._add("errors", 1)
+            self.off = str(exc)
+            self._log("off", f"snapshot tier {self.url} is turned off: {exc}; its items are computed "
+                             f"from the source")
         found = sum(v is not None for v in out)
         with self._lock:
             self._add("hits", found)
@@ -359,6 +368,7 @@ class SnapshotTier:
                     st = os.fstat(fd)
                     if st.st_size != part.info.size:
                         raise SnapshotError(f"is {st.st_size} bytes, the manifest says {part.info.size}")
+                    check_stored(fd, part.tail_start, part.info.size, self.loc.where(part.info.file))
                     tails.append(os.pread(fd, part.info.size - part.tail_start, part.tail_start))
                 except FileNotFoundError:
                     tails.append(SnapshotError("is missing"))
@@ -368,6 +378,8 @@ class SnapshotTier:
             tails = self._cat([part.info.file for part in todo], [part.tail_start for part in todo],
                               [part.info.size for part in todo])
         for part, tail in zip(todo, tails):
+            if isinstance(tail, RangeNotHonored):
+                raise tail  # the server's, not the file's: the tier turns itself off
             if isinstance(tail, BaseException):
                 if not _of_the_file(tail):
                     raise _Fault("unreachable", f"{self.loc.where(part.info.file)}: {tail!r}")
@@ -511,7 +523,7 @@ class SnapshotTier:
         return out
 
     def _read_remote(self, wanted: dict) -> dict[int, list]:
-        """The records of every data file in one ``cat_ranges`` call, with each data file's footer."""
+        """The records of every data file in one ``read_ranges`` call, with each data file's footer."""
         paths, starts, ends, where = [], [], [], []
         for part_n, items in wanted.items():
             part = self._parts[part_n]
@@ -530,6 +542,9 @@ class SnapshotTier:
             footer, bufs = got[pos], got[pos + 1:pos + 1 + n]
             pos += 1 + n
             errors = [b for b in [footer, *bufs] if isinstance(b, BaseException)]
+            refused = [e for e in errors if isinstance(e, RangeNotHonored)]
+            if refused:
+                raise refused[0]
             faults = [e for e in errors if not _of_the_file(e)]
             if faults:
                 raise _Fault("unreachable", f"{self.loc.where(part.info.file)}: {faults[0]!r}")
@@ -542,11 +557,11 @@ class SnapshotTier:
         return out
 
     def _cat(self, names: list[str], starts: list[int], ends: list[int]) -> list:
-        """``fs.cat_ranges`` on the snapshot's files, each result bytes or the exception; a fault of
-        the whole call (or one longer than ``timeout_s``) raises _Fault."""
+        """Byte ranges of the snapshot's files (FsspecLocation.read_ranges: none longer than asked
+        for), each result bytes or the exception; a fault of the whole call (or one longer than
+        ``timeout_s``: then cancelled) raises _Fault."""
         loc: FsspecLocation = self.loc
-        paths = [loc._p(n) for n in names]
-        return self._call(lambda: loc.fs.cat_ranges(paths, starts, ends, on_error="return"), "read")
+        return self._call(lambda: loc.read_ranges(names, starts, ends), "read")
 
     def _call(self, fn: Callable, what: str) -> Any:
         """``fn()`` bounded by ``timeout_s`` on a store (a local file needs no bound).
