@@ -48,7 +48,7 @@ def _hostile_snapshot(made, dest, seed: int):
     good, bad, own = [], [], {}
     for i in range(N):
         pkey = portable_key(i)
-        if i % 2 == 0:
+        if i % 2 == 0 or i == N - 1:  # (wrap() computes the last item itself: its fingerprint)
             good.append((pkey, recs[pkey]))
             continue
         kind, rec = mutate(recs[pkey], rng)
@@ -140,6 +140,6 @@ def test_hostile_records_through_an_import_are_never_stored_undecodable(real, tm
 
 @pytest.mark.slow
 def test_hostile_records_fuzz_many_seeds(real, tmp_path):  # noqa: F811
-    for seed in range(100, 140):
+    for seed in range(100, 200):
         _read_through(real, tmp_path, seed)
         _imported(real, tmp_path, seed)
