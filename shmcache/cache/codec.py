@@ -24,7 +24,13 @@ NOTE [record format]
     node the encoder does not write, offsets beyond the record, object or structured dtypes
     (``np.ndarray(buffer=...)`` would build Python objects out of bytes; the decoders refuse them
     too, wherever the layout came from), and reports pickled leaves (NOTE [record
-    authentication] in trust.py decides who may unpickle them). marshal trusts the counts it
+    authentication] in trust.py decides who may unpickle them). It refuses what decode would
+    refuse, so a record it passes decodes (an import stores nothing else): extension tags no
+    handler is registered or named for, extension metas the handler's own ``check`` refuses
+    (torch dtypes and image modes by name: nothing is imported for them), leaves inside the
+    header, zero-size dtypes; untrusted_problem (tiered_store.py) also checks that str leaves are
+    UTF-8. A layout from outside has at most MAX_LAYOUT_BYTES and MAX_LAYOUT_NODES, which bound
+    the work of one decode. marshal trusts the counts it
     reads and shares objects by back-reference, so before ``marshal.loads`` the bytes are scanned
     (only tuple, list, str, int, None and bools; no count beyond the bytes that follow), and the
     walk visits at most one node per byte of the layout: a 5-byte tuple of 2**31 items or 563

@@ -181,3 +181,12 @@ def test_np_dtypes_the_decoder_cannot_build_are_refused():
     np.testing.assert_array_equal(
         decode_portable(bytearray(_portable(("a", "<f4", (2,), 64), bytes(48) + bytes(64))), trusted=False),
         np.zeros(2, np.float32))
+
+
+def test_a_leaf_in_the_record_header_is_refused():
+    """A label at offset 8 read the header's layout length: 50 from the tier, 0 once stored in
+    shared memory with its layout interned - two values for one key (found by the fuzz)."""
+    for node in [("i", 8), ("s", 0, 4), ("a", "|u1", (4,), 12), ("e", "torch", "uint8:1", (4,), 0)]:
+        why = untrusted_problem(_portable(node, bytes(64)), allow_pickle=False)
+        assert why is not None and "header" in why, node
+    assert untrusted_problem(_portable(("i", 16), bytes(64)), allow_pickle=False) is None
