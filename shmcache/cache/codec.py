@@ -773,8 +773,8 @@ def check_layout(layout: bytes) -> LayoutCheck:
                 texts.append((node[1], node[2]))
         elif tag in (_ARRAY, _NPSCALAR) and n == 4:
             count = shape_of(node[2])
-            if tag == _NPSCALAR and count != 1:
-                raise ValueError("a numpy scalar of more than one element")
+            if tag == _NPSCALAR and node[2] != ():  # a batch would gather it as an array of that shape
+                raise ValueError(f"a numpy scalar of shape {node[2]!r}, not ()")
             needed = max(needed, offset(node[3]) + count * _plain_dtype(node[1]).itemsize)
         elif tag == _EXT and n == 5:
             # the tag names a handler registered in this process (its own code, maybe not loaded

@@ -220,3 +220,9 @@ def test_what_the_encoder_writes_for_tensors_and_images_passes_the_check():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             decode_portable(bytearray(rec), trusted=False)
+
+
+def test_a_numpy_scalar_of_a_shape_is_refused():
+    """Decoded alone it is a scalar, gathered in a batch an array of that shape: the encoder writes ()."""
+    assert "not ()" in untrusted_problem(_portable(("g", "<f4", (1, 1), 64), bytes(48) + bytes(64)), False)
+    assert decode_portable(bytearray(_portable(("g", "<f4", (), 64), bytes(48) + bytes(64))), trusted=False) == 0
