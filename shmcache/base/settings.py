@@ -18,6 +18,8 @@ SHMCACHE_REMOTE          the default ``remote=`` URL (tiers/remote.py; the launc
 SHMCACHE_REMOTE_PASSWORD the password of a remote URL that has none (tiers/remote.py)
 SHMCACHE_SNAPSHOT        the default ``snapshot=`` (data/)
 SHMCACHE_SECRET          the job's secret: MACs of records (base/trust.py; the launcher may make one)
+SHMCACHE_MAX_ITEM_MB     the most MiB one value from an unauthenticated tier, snapshot or import may
+                         decode to (default 256; tiers/records.py: max_item_bytes)
 SHMCACHE_RDZV_TOKEN      the launcher's rendezvous token (launch/; never passed to the workers)
 SHMCACHE_ORDERING        "membarrier" or "tso": the memory-ordering mode (base/ordering.py, at import)
 SHMCACHE_CRASH_AT        crash points of the crash tests (base/faults.py, at import) ...
@@ -34,7 +36,7 @@ import os
 from collections.abc import Mapping
 
 __all__ = ["PREFIX", "ENV_DIR", "ENV_SESSION", "ENV_SIZE_MB", "ENV_SPILLING", "ENV_SPILL_DIR", "ENV_REMOTE",
-           "ENV_REMOTE_PASSWORD", "ENV_SNAPSHOT", "ENV_SECRET", "ENV_RDZV_TOKEN", "ENV_ORDERING",
+           "ENV_REMOTE_PASSWORD", "ENV_SNAPSHOT", "ENV_SECRET", "ENV_MAX_ITEM_MB", "ENV_RDZV_TOKEN", "ENV_ORDERING",
            "ENV_CRASH_AT", "ENV_CRASH_AFTER", "ENV_RANK", "ENV_LOCAL_RANK", "ENV_WORLD_SIZE",
            "ENV_LOCAL_WORLD_SIZE", "get", "flag", "without_ours"]
 
@@ -48,6 +50,7 @@ ENV_REMOTE = "SHMCACHE_REMOTE"  # the default remote= of caches (the launcher's 
 ENV_REMOTE_PASSWORD = "SHMCACHE_REMOTE_PASSWORD"  # the password of a URL that has none (kept off command lines)
 ENV_SNAPSHOT = "SHMCACHE_SNAPSHOT"
 ENV_SECRET = "SHMCACHE_SECRET"  # the job's record secret (made per job by --remote spawn unless set)
+ENV_MAX_ITEM_MB = "SHMCACHE_MAX_ITEM_MB"  # the largest value from an unauthenticated source, MiB
 ENV_RDZV_TOKEN = "SHMCACHE_RDZV_TOKEN"
 ENV_ORDERING = "SHMCACHE_ORDERING"
 ENV_CRASH_AT = "SHMCACHE_CRASH_AT"

@@ -24,7 +24,13 @@ NOTE [record format]
     node the encoder does not write, offsets beyond the record, object or structured dtypes
     (``np.ndarray(buffer=...)`` would build Python objects out of bytes; the decoders refuse them
     too, wherever the layout came from), and reports pickled leaves (NOTE [record
-    authentication] in trust.py decides who may unpickle them). marshal trusts the counts it
+    authentication] in trust.py decides who may unpickle them). It refuses what decode would
+    refuse, so a record it passes decodes (an import stores nothing else): extension tags no
+    handler is registered or named for, extension metas the handler's own ``check`` refuses
+    (torch dtypes and image modes by name: nothing is imported for them), leaves inside the
+    header, zero-size dtypes; untrusted_problem (tiered_store.py) also checks that str leaves are
+    UTF-8. A layout from outside has at most MAX_LAYOUT_BYTES and MAX_LAYOUT_NODES, which bound
+    the work of one decode. marshal trusts the counts it
     reads and shares objects by back-reference, so before ``marshal.loads`` the bytes are scanned
     (only tuple, list, str, int, None and bools; no count beyond the bytes that follow), and the
     walk visits at most one node per byte of the layout: a 5-byte tuple of 2**31 items or 563
@@ -52,7 +58,8 @@ from ..errors import EncodeError
 
 __all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "RECORD_HEADER", "RecordHeader",
            "record_header", "record_key", "inline_layout", "LayoutCheck", "check_layout",
-           "INLINE", "ALIGN", "Leaf", "MAX_DECODERS", "cached_decoders", "clear_decoders"]
+           "INLINE", "ALIGN", "Leaf", "MAX_DECODERS", "cached_decoders", "clear_decoders", "MAX_LAYOUT_BYTES",
+           "MAX_LAYOUT_NODES", "TORCH_METAS", "PIL_PIXEL_BYTES", "torch_check", "pil_check"]
 
 INLINE = 0xFFFFFFFF
 ALIGN = 64
@@ -74,25 +81,39 @@ _LAZY: dict[str, Callable] = {}  # tag -> a loader that registers it (imports it
 _LAZY_MODULES: dict[str, str] = {}  # top-level package of the type -> tag
 
 
+_EXT_CHECK: dict[str, Callable[[str, tuple], str | None]] = {}  # tag -> check of a leaf's meta and shape
+_CHECKED: dict[bytes, Any] = {}  # layout (or its digest) -> its LayoutCheck (check_layout)
+
+
 def register_type(tp: type, tag: str, to_parts: Callable, from_parts: Callable, *,
-                  subclasses: bool = False) -> None:
+                  subclasses: bool = False, check: Callable[[str, tuple], str | None] | None = None) -> None:
     """Teach the codec a type: ``to_parts(x) -> (meta: str, shape: tuple, uint8 ndarray)`` (None:
     pickle this one) and ``from_parts(meta, shape, uint8 ndarray) -> x``; ``meta`` ends with
     ``":<itemsize>"``. With ``subclasses``, subclasses of ``tp`` are handled too (PIL's
-    JpegImageFile is an Image.Image)."""
+    JpegImageFile is an Image.Image). ``check(meta, shape)``: why a leaf of a record from outside
+    cannot be what ``to_parts`` writes (None: it can); it runs before ``from_parts`` is ever
+    called for such a leaf, and must import nothing (check_layout)."""
     _EXT_TO[tp] = (tag, to_parts)
     _EXT_FROM[tag] = from_parts
+    if check is not None:
+        _EXT_CHECK[tag] = check
     if subclasses:
         _EXT_BASES[tp] = (tag, to_parts)
+    _CHECKED.clear()  # a layout refused for naming this tag is judged again
 
 
-def register_lazy(tag: str, package: str, loader: Callable[[], None]) -> None:
+def register_lazy(tag: str, package: str, loader: Callable[[], None], *,
+                  check: Callable[[str, tuple], str | None] | None = None) -> None:
     """Register the type of ``tag`` only when needed: ``loader()`` (which imports ``package`` and
     calls register_type) runs the first time a value whose type comes from ``package`` is
     encoded, or a record holding a ``tag`` value is decoded. Optional packages (Pillow) are
-    thus never imported by shmcache for users who do not use them."""
+    thus never imported by shmcache for users who do not use them. ``check``: as for
+    register_type, known before the package is imported."""
     _LAZY[tag] = loader
     _LAZY_MODULES[package] = tag
+    if check is not None:
+        _EXT_CHECK[tag] = check
+    _CHECKED.clear()
 
 
 def _builtin(module: str) -> Callable[[], None]:
@@ -103,11 +124,49 @@ def _builtin(module: str) -> Callable[[], None]:
     return load
 
 
+# The metas the torch layer writes: ``str(dtype)`` less "torch.", then ":<itemsize>"
+# (data/tensors.py). Checked here, by name, before anything is imported for a leaf from outside:
+# torch resolves an unknown attribute by importing a submodule of that name (a meta naming
+# "_inductor" imported 315 modules before it was refused). tests/unit/test_codec_ext_checks.py
+# checks that every dtype of the installed torch is here.
+TORCH_METAS = frozenset(
+    f"{name}:{size}" for size, names in (
+        (1, "bool uint8 int8 qint8 quint8 quint4x2 quint2x4 float8_e4m3fn float8_e5m2 float8_e4m3fnuz "
+            "float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2 bits8 bits1x8 bits2x4 bits4x2 "
+            "uint1 uint2 uint3 uint4 uint5 uint6 uint7 int1 int2 int3 int4 int5 int6 int7"),
+        (2, "int16 uint16 float16 bfloat16 bits16"),
+        (4, "int32 uint32 float32 qint32 complex32"),
+        (8, "int64 uint64 float64 complex64"),
+        (16, "complex128"))
+    for name in names.split())
+# The modes the PIL layer writes (data/images.py: those whose raw bytes round-trip) -> bytes per
+# pixel ("1": 1 bit, rows padded to a byte).
+PIL_PIXEL_BYTES = {"1": 0, "L": 1, "LA": 2, "La": 2, "I": 4, "I;16": 2, "I;16B": 2, "I;16L": 2, "F": 4,
+                   "RGB": 3, "RGBA": 4, "RGBa": 4, "RGBX": 4, "CMYK": 4, "YCbCr": 3, "LAB": 3, "HSV": 3}
+_IMAGE_META = re.compile(r"([A-Za-z0-9;]{1,8})\|([0-9]{1,9})x([0-9]{1,9}):1")
+
+
+def torch_check(meta: str, shape: tuple) -> str | None:
+    return None if meta in TORCH_METAS else f"a tensor leaf names dtype {meta[:40]!r}, not one torch writes"
+
+
+def pil_check(meta: str, shape: tuple) -> str | None:
+    found = _IMAGE_META.fullmatch(meta)
+    if found is None or found[1] not in PIL_PIXEL_BYTES or len(shape) != 1:
+        return f"an image leaf of meta {meta[:40]!r} and shape {shape!r} is not what the encoder writes"
+    mode, width, height = found[1], int(found[2]), int(found[3])
+    row = (width + 7) // 8 if mode == "1" else PIL_PIXEL_BYTES[mode] * width
+    if row * height != shape[0]:
+        return f"an image leaf of {shape[0]} bytes says it is a {width}x{height} {mode} image"
+    return None
+
+
 # The handlers of the torch layer, named here (not imported: they live above this layer) so that
 # any process that meets one of their records - the command line, an import, a DataLoader worker
 # that never imported torch itself - loads it then, and only then (issue 17).
-for _tag, _package, _module in (("torch", "torch", "shmcache.data.tensors"), ("pil", "PIL", "shmcache.data.images")):
-    register_lazy(_tag, _package, _builtin(_module))
+for _tag, _package, _module, _check in (("torch", "torch", "shmcache.data.tensors", torch_check),
+                                        ("pil", "PIL", "shmcache.data.images", pil_check)):
+    register_lazy(_tag, _package, _builtin(_module), check=_check)
 
 
 def _load(tag: str) -> None:
@@ -583,19 +642,32 @@ def _plain_dtype(spec: Any) -> np.dtype:
     if dt.hasobject or dt.fields is not None or dt.subdtype is not None:
         raise EncodeError(f"a layout names dtype {spec[:40]!r}: object or structured arrays are never "
                           f"built from a record's bytes (the encoder never writes them)")
+    if not dt.itemsize:  # numpy builds no array of them from bytes ("itemsize cannot be zero")
+        raise EncodeError(f"a layout names dtype {spec[:40]!r}, of elements of no bytes: the record is "
+                          f"damaged or forged")
     return dt
 
 
 class LayoutCheck(NamedTuple):
     """What :func:`check_layout` found: ``problem`` (None: a layout the encoder could have
-    written), ``pickled`` (it holds a pickled leaf), ``needed`` (the body bytes its leaves span)."""
+    written), ``pickled`` (it holds a pickled leaf), ``needed`` (the body bytes its leaves span),
+    ``texts`` (the (offset, length) of its str leaves: the one kind whose bytes, not only its
+    layout, decide whether it decodes - they must be UTF-8)."""
 
     problem: str | None
     pickled: bool
     needed: int
+    texts: tuple = ()
 
 
-_CHECKED: dict[bytes, LayoutCheck] = {}
+# A layout from outside (check_layout) may have at most this many bytes and nodes: what one decode
+# of it costs, in time and memory, is bounded by them (a 19.5 MB layout of 4 million nodes shared
+# by reference cost 9.3 s and 1.3 GB per decode). A sample of more leaves than this is stored
+# and read locally, but not taken from a tier or a snapshot (an import counts it damaged).
+MAX_LAYOUT_BYTES = 1 << 20
+MAX_LAYOUT_NODES = 1 << 16
+
+
 _META = re.compile(r"[A-Za-z0-9_.;,=|-]{1,64}:[0-9]{1,3}")
 _TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
 _MAX_LEAF_BYTES = 1 << 62
@@ -647,12 +719,22 @@ def check_layout(layout: bytes) -> LayoutCheck:
         return found
     pickled = False
     needed = 0
-    budget = len(layout)  # nodes a layout of these bytes can hold: marshal's back-references
-    # let a few hundred bytes name a tree of 2**40 nodes (one node twice, the second by reference)
+    texts: list[tuple[int, int]] = []
+    # nodes a layout of these bytes can hold: marshal's back-references let a few hundred bytes
+    # name a tree of 2**40 nodes (one node twice, the second by reference); and at most
+    # MAX_LAYOUT_NODES, whatever its bytes
+    budget = min(len(layout), MAX_LAYOUT_NODES)
 
     def num(x: Any, what: str) -> int:
         if type(x) is not int or not 0 <= x < _MAX_LEAF_BYTES:
             raise ValueError(f"{what} {x!r} is not a byte count")
+        return x
+
+    def offset(x: Any) -> int:
+        # a leaf in the record's header would read its lengths, which differ once the record is
+        # stored with its layout interned: the encoder starts every leaf after the header
+        if num(x, "an offset") < RECORD_HEADER.size:
+            raise ValueError(f"a leaf at offset {x} lies in the record's header")
         return x
 
     def shape_of(x: Any) -> int:
@@ -667,7 +749,8 @@ def check_layout(layout: bytes) -> LayoutCheck:
         nonlocal pickled, needed, budget
         budget -= 1
         if budget < 0:
-            raise ValueError("it names more nodes than its bytes can hold (shared by reference)")
+            raise ValueError(f"it names more nodes than its bytes can hold (shared by reference), or more "
+                             f"than {MAX_LAYOUT_NODES}")
         if depth > 200 or type(node) is not tuple or not node or type(node[0]) is not str:
             raise ValueError("it is not a layout tree")
         tag, n = node[0], len(node)
@@ -680,33 +763,45 @@ def check_layout(layout: bytes) -> LayoutCheck:
                     raise ValueError("a dict entry is not a (str or int key, node) pair")
                 walk(item[1], depth + 1)
         elif tag in (_INT, _FLOAT, _BOOL) and n == 2:
-            needed = max(needed, num(node[1], "an offset") + 8)
+            needed = max(needed, offset(node[1]) + 8)
         elif tag == _NONE and n == 1:
             pass
         elif tag in (_STR, _BYTES, _PICKLE) and n == 3:
-            needed = max(needed, num(node[1], "an offset") + num(node[2], "a length"))
+            needed = max(needed, offset(node[1]) + num(node[2], "a length"))
             pickled = pickled or tag == _PICKLE
+            if tag == _STR:
+                texts.append((node[1], node[2]))
         elif tag in (_ARRAY, _NPSCALAR) and n == 4:
             count = shape_of(node[2])
-            if tag == _NPSCALAR and count != 1:
-                raise ValueError("a numpy scalar of more than one element")
-            needed = max(needed, num(node[3], "an offset") + count * _plain_dtype(node[1]).itemsize)
+            if tag == _NPSCALAR and node[2] != ():  # a batch would gather it as an array of that shape
+                raise ValueError(f"a numpy scalar of shape {node[2]!r}, not ()")
+            needed = max(needed, offset(node[3]) + count * _plain_dtype(node[1]).itemsize)
         elif tag == _EXT and n == 5:
-            # the tag names a handler registered in this process (its own code), or none yet: the
-            # record is stored undecoded, and a read without the handler says which to import
+            # the tag names a handler registered in this process (its own code, maybe not loaded
+            # yet: a record of tensors is checked without importing torch); the leaf's meta is
+            # checked by name by the handler's own check, before anything is imported for it
             if type(node[1]) is not str or not _TAG.fullmatch(node[1]):
                 raise ValueError(f"extension tag {node[1]!r} is not one the encoder writes")
+            if node[1] not in _EXT_FROM and node[1] not in _LAZY:
+                raise ValueError(f"extension tag {node[1]!r} names no type registered in this process")
             if type(node[2]) is not str or not _META.fullmatch(node[2]):
                 raise ValueError(f"extension meta {node[2]!r} is not what the encoder writes")
             shape_of(node[3])
-            needed = max(needed, num(node[4], "an offset") + _ext_nbytes(node[2], node[3]))
+            ext_check = _EXT_CHECK.get(node[1])
+            why = ext_check(node[2], node[3]) if ext_check is not None else None
+            if why is not None:
+                raise ValueError(why)
+            needed = max(needed, offset(node[4]) + _ext_nbytes(node[2], node[3]))
         else:
             raise ValueError(f"a node {tag!r} of {n} fields is not one the encoder writes")
 
     try:
+        if len(layout) > MAX_LAYOUT_BYTES:
+            raise ValueError(f"it has {len(layout)} bytes, more than the {MAX_LAYOUT_BYTES} a layout from "
+                             f"outside may have")
         _marshal_bounded(layout)
         walk(marshal.loads(layout), 0)  # marshal builds plain values (never runs code)
-        found = LayoutCheck(None, pickled, needed)
+        found = LayoutCheck(None, pickled, needed, tuple(texts))
     except (ValueError, EOFError, TypeError, EncodeError, RecursionError, MemoryError) as exc:
         found = LayoutCheck(f"its layout is not one the encoder writes ({exc})", False, 0)
     if len(_CHECKED) >= MAX_DECODERS:

@@ -69,4 +69,4 @@ def register() -> None:
     """Register PIL images with the codec; the codec's lazy loader calls it (it names this module)."""
     from PIL import Image
 
-    codec.register_type(Image.Image, TAG, _to_parts, _from_parts, subclasses=True)
+    codec.register_type(Image.Image, TAG, _to_parts, _from_parts, subclasses=True, check=codec.pil_check)

@@ -46,6 +46,8 @@ def _dtype_of(meta: str) -> torch.dtype:
     dtype = _DTYPES.get(meta)
     if dtype is not None:
         return dtype
+    if meta not in codec.TORCH_METAS:  # by name first: getattr(torch, "_inductor") imports it
+        raise ValueError(f"a tensor leaf names dtype {meta[:40]!r}, not one torch writes")
     name, _, size = meta.partition(":")
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -71,8 +73,8 @@ def _tensor_from_parts(meta: str, shape: tuple, raw: np.ndarray) -> torch.Tensor
 
 def register() -> None:
     """Register tensors (and parameters) with the codec; the codec's lazy loader calls it."""
-    codec.register_type(torch.Tensor, TAG, _tensor_to_parts, _tensor_from_parts)
-    codec.register_type(torch.nn.Parameter, TAG, _tensor_to_parts, _tensor_from_parts)
+    codec.register_type(torch.Tensor, TAG, _tensor_to_parts, _tensor_from_parts, check=codec.torch_check)
+    codec.register_type(torch.nn.Parameter, TAG, _tensor_to_parts, _tensor_from_parts, check=codec.torch_check)
 
 
 def column_tensor(column, leaf: codec.Leaf):

@@ -177,6 +177,7 @@ class SnapshotTier:
         # record's MAC checked (and is trusted); another is refused unless allow_unsigned
         self._secret, self.allow_unsigned = secret, allow_unsigned
         self._mac: Any = None
+        self._max_item = records.max_item_bytes()  # what an unsigned record may decode to (records.py)
         self._ident = b""
         self.timeout_s = float(timeout_s)
         self._storage_options = _with_timeouts(self.url, storage_options, self.timeout_s)
@@ -470,7 +471,8 @@ class SnapshotTier:
                         forged.append((part_n, offset))
                         continue
                 if why is None:
-                    payload, why = records.unpack_record(buf, key, dctx, limit=left)
+                    payload, why = records.unpack_record(
+                        buf, key, dctx, limit=left if self._mac is not None else min(left, self._max_item))
                 if payload is not None:
                     out[i] = payload
                     left -= len(payload)

@@ -19,8 +19,12 @@ from typing import NamedTuple, Union
 import numpy as np
 import zstandard
 
+from ..base import settings
+from ..errors import InvalidArgument
+
 __all__ = ["pack_record", "unpack_record", "record_problem", "RECORD_HEADER_BYTES", "FILE_HEADER_BYTES",
-           "MAX_KEY_BYTES", "MAX_RAW_BYTES", "ALIGN", "FLAG_ZSTD", "decompress_bounded"]
+           "MAX_KEY_BYTES", "MAX_RAW_BYTES", "MAX_ITEM_MB", "max_item_bytes", "ALIGN", "FLAG_ZSTD",
+           "decompress_bounded"]
 
 # NOTE [spill records]
 #
@@ -104,6 +108,29 @@ MAX_KEY_BYTES = (1 << 16) - 1
 # The most bytes a record may claim (index.MAX_RECORD: no item larger is ever stored); a caller
 # that knows a smaller bound (the cache's cap, what is left of a batch's) passes it as ``limit``.
 MAX_RAW_BYTES = (1 << 32) - 1
+# The most bytes one value from a source whose records are not authenticated (a Redis or snapshot
+# without the job's secret, an import with wrap(None)) may decode to: a zstd frame is bounded by
+# the length its record declares, and that length is the writer's choice - three records claiming
+# a GiB each took 3.3 GiB in one batch when only the cache's cap bounded them. Authenticated
+# records are the job's own: only the cap bounds them. $SHMCACHE_MAX_ITEM_MB changes it.
+MAX_ITEM_MB = 256
+
+
+def max_item_bytes() -> int:
+    """The most bytes a value from an unauthenticated source may have here (MAX_ITEM_MB, or
+    $SHMCACHE_MAX_ITEM_MB: a positive number of MiB)."""
+    raw = settings.get(settings.ENV_MAX_ITEM_MB)
+    if raw is None or not raw.strip():
+        return MAX_ITEM_MB << 20
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = -1.0
+    if not 0 < mib <= MAX_RAW_BYTES >> 20:
+        raise InvalidArgument(f"${settings.ENV_MAX_ITEM_MB}={raw!r}: the largest value from an unauthenticated "
+                              f"source, in MiB, must be a number from 1 to {MAX_RAW_BYTES >> 20}; unset it "
+                              f"for the default ({MAX_ITEM_MB})")
+    return min(MAX_RAW_BYTES, int(mib * (1 << 20)))
 _ONE_SHOT_BELOW = 1 << 20  # a frame that declares its exact size decodes in one call below this
 _BLOCK_WORDS = 512  # body check: one uint64 sum per 4 KiB block ...
 _CRC_BELOW = 8192  # ... for stored bytes this long; shorter ones are faster with plain crc32

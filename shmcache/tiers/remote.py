@@ -91,7 +91,7 @@ from ..base.urls import mask_url, split_userinfo
 from ..errors import InvalidArgument
 from . import counts as tier_counts
 from .breaker import Breaker
-from .records import MAX_RAW_BYTES, pack_record, unpack_record
+from .records import MAX_RAW_BYTES, max_item_bytes, pack_record, unpack_record
 
 __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
            "probe", "read_counts", "COUNTERS", "resolve", "identity", "counts_path", "open_tier"]
@@ -359,6 +359,8 @@ class RedisTier:
         # with the job's secret every value written carries a MAC over its Redis key and bytes, and
         # a value read without the right one is a miss (NOTE [record authentication])
         self._mac = Mac(secret) if secret else None
+        # without the secret a value is a stranger's: it may decode to at most this (records.py)
+        self.max_item_bytes = MAX_RAW_BYTES if self._mac is not None else max_item_bytes()
         _redis()  # a missing client is an error now, not a silent miss later
         self.identity = identity
         self.prefix = b"shmcache:" + identity.encode() + b":"  # + the portable key: the Redis key
@@ -503,7 +505,7 @@ class RedisTier:
                     if "forged" not in self._logged:
                         self._say("forged", None, f" (the first: key {pkey!r})")
             if value is not None:
-                value, why = unpack_record(value, rkey, dctx, limit=left)
+                value, why = unpack_record(value, rkey, dctx, limit=min(left, self.max_item_bytes))
                 if value is not None:
                     left -= len(value)
                 else:

@@ -85,7 +85,6 @@ from ..base.trust import PICKLE_HINT
 from ..cache import codec
 from ..cache.index import key_bytes, tier_key
 from ..cache.store import MISSING
-from ..errors import ShmcacheError
 from . import counts as tier_counts
 from .protocol import Buffer, Tier
 
@@ -157,6 +156,11 @@ def untrusted_problem(record: Buffer, allow_pickle: bool) -> str | None:
         return check.problem
     if check.needed > body:
         return f"its leaves span {check.needed} bytes, its body holds {body}"
+    for off, length in check.texts:  # the one leaf whose bytes can fail to decode: what decode would raise
+        try:
+            str(view[off:off + length], "utf-8", "surrogatepass")
+        except UnicodeDecodeError as exc:
+            return f"its str leaf at offset {off} is not UTF-8 ({exc.reason})"
     if check.pickled and not allow_pickle:
         return "pickle: it holds a pickled object"
     return None
@@ -180,9 +184,8 @@ def decode_portable(record: Buffer, trusted: bool = True, allow_pickle: bool = F
     layout = codec.inline_layout(view)  # ValueError: not a portable record either
     try:
         return codec.decode(view, layout)
-    except ShmcacheError:
-        raise
     except Exception as exc:  # noqa: BLE001 - bytes that passed the tier's checksum yet do not decode
+        # (an EncodeError too: a handler this process lacks, a tag of another version)
         raise ValueError(f"the record does not decode: {exc!r}") from None
 
 
