@@ -652,12 +652,15 @@ class LayoutCheck(NamedTuple):
     """What :func:`check_layout` found: ``problem`` (None: a layout the encoder could have
     written), ``pickled`` (it holds a pickled leaf), ``needed`` (the body bytes its leaves span),
     ``texts`` (the (offset, length) of its str leaves: the one kind whose bytes, not only its
-    layout, decide whether it decodes - they must be UTF-8)."""
+    layout, decide whether it decodes - they must be UTF-8), ``unknown_tag`` (an extension tag no
+    handler of this process is registered or named for: a record of a type the user registered
+    in another process; it decodes only where that type is registered)."""
 
     problem: str | None
     pickled: bool
     needed: int
     texts: tuple = ()
+    unknown_tag: str | None = None
 
 
 # A layout from outside (check_layout) may have at most this many bytes and nodes: what one decode
@@ -720,6 +723,7 @@ def check_layout(layout: bytes) -> LayoutCheck:
     pickled = False
     needed = 0
     texts: list[tuple[int, int]] = []
+    unknown: list[str] = []
     # nodes a layout of these bytes can hold: marshal's back-references let a few hundred bytes
     # name a tree of 2**40 nodes (one node twice, the second by reference); and at most
     # MAX_LAYOUT_NODES, whatever its bytes
@@ -783,7 +787,7 @@ def check_layout(layout: bytes) -> LayoutCheck:
             if type(node[1]) is not str or not _TAG.fullmatch(node[1]):
                 raise ValueError(f"extension tag {node[1]!r} is not one the encoder writes")
             if node[1] not in _EXT_FROM and node[1] not in _LAZY:
-                raise ValueError(f"extension tag {node[1]!r} names no type registered in this process")
+                unknown.append(node[1])
             if type(node[2]) is not str or not _META.fullmatch(node[2]):
                 raise ValueError(f"extension meta {node[2]!r} is not what the encoder writes")
             shape_of(node[3])
@@ -801,7 +805,7 @@ def check_layout(layout: bytes) -> LayoutCheck:
                              f"outside may have")
         _marshal_bounded(layout)
         walk(marshal.loads(layout), 0)  # marshal builds plain values (never runs code)
-        found = LayoutCheck(None, pickled, needed, tuple(texts))
+        found = LayoutCheck(None, pickled, needed, tuple(texts), unknown[0] if unknown else None)
     except (ValueError, EOFError, TypeError, EncodeError, RecursionError, MemoryError) as exc:
         found = LayoutCheck(f"its layout is not one the encoder writes ({exc})", False, 0)
     if len(_CHECKED) >= MAX_DECODERS:

@@ -488,7 +488,7 @@ class _Job:
             return None
         # checked bytes can still be a forged or foreign record: its layout must be one the encoder
         # writes, its leaves inside it, and a pickled leaf only from an authenticated snapshot
-        why = untrusted_problem(payload, self.allow_pickle)
+        why = untrusted_problem(payload, self.allow_pickle, authenticated=self.mac is not None)
         if why is None:
             return key, payload, pkey
         return _PICKLED if why.startswith("pickle: ") else None

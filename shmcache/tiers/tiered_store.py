@@ -135,12 +135,13 @@ class PickleRefused(ValueError):
     (NOTE [record authentication]): refused before anything of it is unpickled."""
 
 
-def untrusted_problem(record: Buffer, allow_pickle: bool) -> str | None:
+def untrusted_problem(record: Buffer, allow_pickle: bool, authenticated: bool = False) -> str | None:
     """Why the portable record in ``record`` may not be decoded or stored when it does not come
-    from this user's own memory nor carries the job's MAC: a layout the encoder does not write,
-    leaves beyond its body, or (unless ``allow_pickle``) a pickled leaf - found without decoding
-    or unpickling anything; None when it may. PickleRefused is said with the prefix
-    ``"pickle: "``."""
+    from this user's own memory: a layout the encoder does not write, leaves beyond its body, an
+    extension type no handler of this process knows (unless ``authenticated``: the job's MAC says
+    our own writer made it, with a type registered where it runs, and it is stored to be decoded
+    there), or (unless ``allow_pickle``) a pickled leaf - found without decoding or unpickling
+    anything; None when it may. PickleRefused is said with the prefix ``"pickle: "``."""
     view = memoryview(record).cast("B")
     n = len(view)
     if n < codec.RECORD_HEADER.size:
@@ -154,6 +155,9 @@ def untrusted_problem(record: Buffer, allow_pickle: bool) -> str | None:
     check = codec.check_layout(view[body:body + layout_len].tobytes())  # cached per layout
     if check.problem is not None:
         return check.problem
+    if check.unknown_tag is not None and not authenticated:
+        return (f"its layout is not one the encoder writes (extension tag {check.unknown_tag!r} names no type "
+                f"registered in this process)")
     if check.needed > body:
         return f"its leaves span {check.needed} bytes, its body holds {body}"
     for off, length in check.texts:  # the one leaf whose bytes can fail to decode: what decode would raise

@@ -149,6 +149,39 @@ def test_gc_keeps_a_cache_whose_handler_no_process_has_loaded(tmp_path):
     assert json.loads(out)[0]["items_mem"] == 50
 
 
+def test_an_authenticated_import_keeps_a_type_only_the_users_script_registers(tmp_path, monkeypatch):
+    """The job's MAC says our own writer made a record of the user's registered type: the CLI,
+    which cannot decode it, imports it for the script that can. Without a MAC the same records
+    are a stranger's, of a type nothing here decodes: never stored (issue 24)."""
+    monkeypatch.setenv("SHMCACHE_SECRET", "a-job-secret-of-enough-bytes-0123456789")
+    script = tmp_path / "fill_custom.py"
+    script.write_text(_FILL_CUSTOM)
+    proc = _run([sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for signed, dest in ((True, tmp_path / "signed"), (False, tmp_path / "unsigned")):
+        if not signed:
+            monkeypatch.delenv("SHMCACHE_SECRET")
+        rc, out, err, _ = shmcache("export", "default", "points", str(dest))
+        assert rc == 0, err
+        rc, out, err, _ = shmcache("destroy", "default")
+        assert rc == 0, err
+        rc, out, err, _ = shmcache("import", str(dest), *(() if signed else ("--allow-unsigned",)))
+        if signed:
+            assert rc == 0 and "imported 50 of 50" in out, err + out
+            reader = tmp_path / "read_custom.py"
+            reader.write_text(_FILL_CUSTOM.split("store = CacheStore")[0] + textwrap.dedent("""\
+                from shmcache import ShmDatasetCache
+                with ShmDatasetCache(name="points") as cache:
+                    p, i = cache[7]
+                assert i == 7 and p.xy == [7, -7], (p.xy, i)
+                print("ok")
+            """))
+            proc = _run([sys.executable, str(reader)])
+            assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+        else:
+            assert "imported 0 of 50" in out + err, err + out
+
+
 def test_export_then_import_a_cache_of_tensors_with_no_import(tensor_cache, tmp_path):
     dest = tmp_path / "snap"
     rc, out, err, torch_imported = shmcache("export", "default", str(dest))
