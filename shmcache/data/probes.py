@@ -36,8 +36,9 @@ class Probe(NamedTuple):
     error: BaseException | None
 
 
-def read_probes(dataset: Any, transform: Callable | None, indices: Sequence[int],
-                timeout_s: float | None = None) -> tuple[list[Probe], Probe | None]:
+def read_probes(
+    dataset: Any, transform: Callable | None, indices: Sequence[int], timeout_s: float | None = None
+) -> tuple[list[Probe], Probe | None]:
     """The probes of ``indices``, and a second read of the first one (None if that raised): each
     read bounded by ``timeout_s`` (PROBE_TIMEOUT_S by default)."""
     from .wrapped import compute_item
@@ -74,7 +75,8 @@ def read_probes(dataset: Any, transform: Callable | None, indices: Sequence[int]
                     f"that waits for DataLoader workers, a barrier, a slow source?); the read is "
                     f"abandoned: give wrap(dataset, fingerprint='...') a name of its contents (a "
                     f"version, a hash of its file list) and wrap() reads no sample (name the cache "
-                    f"with ShmDatasetCache(name=...))") from None
+                    f"with ShmDatasetCache(name=...))"
+                ) from None
             if n == len(indices):
                 again = Probe(i, value, None, error)
                 continue

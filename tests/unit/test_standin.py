@@ -118,15 +118,18 @@ def test_a_record_names_a_namedtuple_never_a_class_to_import():
     assert type(again) is type(got) and again.cmd.tolist() == [0, 1]
 
 
-@pytest.mark.parametrize("name, fields, why", [
-    ("Batch", ("data", "__class__"), "field"),
-    ("Batch", ("data", "class"), "field"),
-    ("Batch", ("data", "data"), "distinct"),
-    ("Batch", ("data",), "differ in number"),
-    ("a b", ("data", "label"), "qualified name"),
-    ("B" * 300, ("data", "label"), "qualified name"),
-    (("x",), ("data", "label"), "qualified name"),
-])
+@pytest.mark.parametrize(
+    "name, fields, why",
+    [
+        ("Batch", ("data", "__class__"), "field"),
+        ("Batch", ("data", "class"), "field"),
+        ("Batch", ("data", "data"), "distinct"),
+        ("Batch", ("data",), "differ in number"),
+        ("a b", ("data", "label"), "qualified name"),
+        ("B" * 300, ("data", "label"), "qualified name"),
+        (("x",), ("data", "label"), "qualified name"),
+    ],
+)
 def test_a_namedtuple_node_with_names_the_encoder_never_writes_is_refused(name, fields, why):
     node = marshal.loads(codec.encode(Batch(1, 2)).layout)
     bad = marshal.dumps(("N", name, fields, node[3]), 4)
@@ -143,6 +146,7 @@ class Sample:  # pickled (not a container the codec knows)
 def test_samples_whose_encodings_differ_but_values_are_equal_are_not_called_random():
     """Keys in another order (a dict built from a set, a pickled object holding one) encode
     differently; the values are the same: not random."""
+
     class Src(Dataset):
         reads = 0
 
@@ -197,8 +201,10 @@ def test_a_list_index_means_what_the_dataset_makes_of_it():
         _same(ds[1:4], [1, 2, 3])
         _same(ds[-1], 50)
         sampler = [[0, 1], [2, 3], [4, 5]]
-        _same(list(DataLoader(ds, batch_size=None, sampler=sampler)),
-              list(DataLoader(src, batch_size=None, sampler=sampler)))
+        _same(
+            list(DataLoader(ds, batch_size=None, sampler=sampler)),
+            list(DataLoader(src, batch_size=None, sampler=sampler)),
+        )
 
 
 def test_a_list_index_the_dataset_refuses_is_a_batch_from_the_cache():
