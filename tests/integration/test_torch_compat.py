@@ -17,6 +17,7 @@ import multiprocessing
 import numpy as np
 import pytest
 import torch
+from _workers import assert_same
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -92,26 +93,6 @@ class Raises(Dataset):
         return torch.tensor(i)
 
 
-def _same(a, b, path="batch"):
-    """Same containers (types included), dtypes and values."""
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
-        assert a.is_pinned() == b.is_pinned(), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            _same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for j, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{path}[{j}]")
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and np.array_equal(a, b), path
-    else:
-        assert a == b, path
-
-
 def _both(src, epochs=1, make=None, **loader_kw):
     """The batches of ``epochs`` epochs over ``src`` and over its wrapper, twice: the first
     epoch over the wrapper computes (misses), a second wrapper of the same cache hits.
@@ -125,8 +106,8 @@ def _both(src, epochs=1, make=None, **loader_kw):
     with ShmDatasetCache(session="compat", size=16) as cache:
         got = run(cache.wrap(src))
         again = run(cache.wrap(src))  # warm: every batch from the cache
-    _same(got, want)
-    _same(again, want)
+    assert_same(got, want)
+    assert_same(again, want)
     return want
 
 
@@ -196,7 +177,8 @@ def test_workers_and_persistent_workers():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pin_memory pins only where an accelerator is")
 def test_pin_memory():
-    _both(Counting(), batch_size=4, pin_memory=True)
+    batches = _both(Counting(), batch_size=4, pin_memory=True)
+    assert all(b["x"].is_pinned() for b in batches[0])
     _both(
         NamedTuples(),
         batch_size=4,
@@ -219,8 +201,9 @@ def _first_error(loader):
     return n, *raised
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_errors_raise_where_the_dataloader_reads_with_their_type(workers):
+    """(With workers, torch itself takes 5 s per loader to stop them after the error: slow.)"""
     kw = {"batch_size": 2, "num_workers": workers}
     if workers:
         kw["multiprocessing_context"] = multiprocessing.get_context("fork")

@@ -11,6 +11,7 @@ import marshal
 import sys
 import threading
 import warnings
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -22,6 +23,9 @@ from shmcache import ShmDatasetCache
 from shmcache.cache import codec
 from shmcache.data import probes
 from shmcache.errors import InvalidArgument, ProbeTimeout
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from _workers import assert_same  # noqa: E402
 
 Batch = collections.namedtuple("Batch", "data label")
 
@@ -48,23 +52,6 @@ def _cache(**kw):
     return ShmDatasetCache(**kw)
 
 
-def _same(a, b):
-    """Same containers (types included) and same values."""
-    assert type(a) is type(b), (type(a), type(b))
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    else:
-        assert a == b
-
-
 # --- namedtuples are containers ----------------------------------------------------------------
 
 
@@ -74,10 +61,10 @@ def test_a_deterministic_dataset_of_namedtuples_is_wrapped_and_served_as_namedtu
         warnings.simplefilter("error")  # stored field by field: no pickle warning
         ds = cache.wrap(src)
         for i in range(len(src)):
-            _same(ds[i], src[i])
-            _same(ds[i], src[i])  # a hit
+            assert_same(ds[i], src[i])
+            assert_same(ds[i], src[i])  # a hit
         for batch_size in (None, 4):
-            _same(list(DataLoader(ds, batch_size=batch_size)), list(DataLoader(src, batch_size=batch_size)))
+            assert_same(list(DataLoader(ds, batch_size=batch_size)), list(DataLoader(src, batch_size=batch_size)))
         assert not cache.stats().get("pickled")
 
 
@@ -94,7 +81,7 @@ def test_a_namedtuple_class_pickle_cannot_find_is_stored_and_returned_as_itself(
     with _cache() as cache:
         ds = cache.wrap(Src())
         for i in range(5):
-            _same(ds[i], Src()[i])
+            assert_same(ds[i], Src()[i])
             assert type(ds[i].meta["pt"]) is Local
 
 
@@ -197,11 +184,11 @@ def test_a_list_index_means_what_the_dataset_makes_of_it():
     src = ListIndexed()
     with _cache() as cache:
         ds = cache.wrap(src)
-        _same(ds[[1, 2, 3]], [10, 20, 30])
-        _same(ds[1:4], [1, 2, 3])
-        _same(ds[-1], 50)
+        assert_same(ds[[1, 2, 3]], [10, 20, 30])
+        assert_same(ds[1:4], [1, 2, 3])
+        assert_same(ds[-1], 50)
         sampler = [[0, 1], [2, 3], [4, 5]]
-        _same(
+        assert_same(
             list(DataLoader(ds, batch_size=None, sampler=sampler)),
             list(DataLoader(src, batch_size=None, sampler=sampler)),
         )
@@ -237,9 +224,9 @@ def test_getitems_datasets_keep_torchs_contract_and_compute_misses_by_their_own_
         ds = cache.wrap(src)
         got = ds.__getitems__([1, 3, 5])
         assert isinstance(got, list) and len(got) == 3
-        _same(got, [src[i] for i in (1, 3, 5)])
+        assert_same(got, [src[i] for i in (1, 3, 5)])
         assert src.batches == [[1, 3, 5]]
-        _same(list(DataLoader(ds, batch_size=3)), list(DataLoader(WithGetitems(), batch_size=3)))
+        assert_same(list(DataLoader(ds, batch_size=3)), list(DataLoader(WithGetitems(), batch_size=3)))
 
 
 def test_getitems_that_breaks_torchs_contract_is_refused_clearly():
