@@ -175,6 +175,31 @@ def test_workers_and_persistent_workers():
     _both(NamedTuples(), epochs=2, batch_size=3, num_workers=2, persistent_workers=True, multiprocessing_context=ctx)
 
 
+def _namedtuples_as_they_are(batch):
+    """A collate_fn that runs in the worker: the samples it decoded are this process's Batch."""
+    assert all(type(s) is Batch and type(s.data) is Data for s in batch), [type(s) for s in batch]
+    return batch
+
+
+def test_namedtuples_decoded_in_a_spawned_worker_are_the_datasets_class():
+    """A spawned worker never encoded a Batch itself: the wrapped dataset brings the classes it
+    decodes by (NOTE [record format])."""
+    src = NamedTuples()
+    with ShmDatasetCache(session="compat", size=16) as cache:
+        ds = cache.wrap(src)
+        for i in range(len(ds)):
+            ds[i]  # warm: the worker only decodes
+        loader = DataLoader(
+            ds,
+            batch_size=4,
+            num_workers=1,
+            collate_fn=_namedtuples_as_they_are,
+            multiprocessing_context=multiprocessing.get_context("spawn"),
+        )
+        assert_same([s for b in loader for s in b], [src[i] for i in range(len(src))])
+        del loader
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pin_memory pins only where an accelerator is")
 def test_pin_memory():
     batches = _both(Counting(), batch_size=4, pin_memory=True)
