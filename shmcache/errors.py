@@ -24,6 +24,7 @@ __all__ = [
     "ItemTooLarge",
     "SharedMemoryFull",
     "LockTimeout",
+    "ProbeTimeout",
     "NotOwner",
     "CorruptSegment",
     "EncodeError",
@@ -94,6 +95,12 @@ class SharedMemoryFull(CacheFull):
 
 class LockTimeout(ShmcacheError, TimeoutError):
     """A lock held by a live process was not released in time."""
+
+
+class ProbeTimeout(ShmcacheError, TimeoutError):
+    """``wrap()`` read a sample of the dataset to name its cache, and the read did not return in
+    time (a ``__getitem__`` that waits for DataLoader workers, a barrier); the message names the
+    dataset and ``fingerprint=``, which skips the reads."""
 
 
 class NotOwner(ShmcacheError, PermissionError):

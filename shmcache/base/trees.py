@@ -42,7 +42,8 @@ def rebuild(spec: Any, leaves: Iterator[Any], collated: bool = False) -> Any:
     """Inverse of :func:`flatten`: the same containers, filled from ``leaves`` in order.
 
     ``collated``: the batch of such samples as torch's ``default_collate`` shapes it (NOTE
-    [collated batch] in shmcache/data/collate.py): every sequence a list, every mapping a dict, and
+    [collated batch] in shmcache/data/collate.py): every sequence a list (a namedtuple its own
+    type), every mapping a dict, and
     a leaf that is a list (a column of str or bytes) a tuple inside a sequence (default_collate
     transposes a sequence with zip)."""
     if collated:
@@ -68,6 +69,8 @@ def _collated(spec: Any, leaves: Iterator[Any], in_sequence: bool) -> Any:
         return tuple(leaf) if in_sequence and isinstance(leaf, list) else leaf
     if spec[0] == "map":  # (indexing, not unpacking: once per batch on the DataLoader's path)
         return {k: _collated(c, leaves, False) for k, c in zip(spec[1][1], spec[2])}
+    if spec[0] == "namedtuple":  # default_collate keeps a namedtuple's type
+        return spec[1](*[_collated(c, leaves, True) for c in spec[2]])
     return [_collated(c, leaves, True) for c in spec[2]]
 
 

@@ -36,6 +36,17 @@ NOTE [record format]
     walk visits at most one node per byte of the layout: a 5-byte tuple of 2**31 items or 563
     bytes naming 2**40 nodes are refused in time and memory linear in the layout's bytes.
 
+    Layouts carry no version: a new kind of node gets a tag of its own, so records without it read
+    as before, and a reader that does not know it refuses the record (check_layout: "not one the
+    encoder writes"; a decoder: "written by another shmcache version") - never a guess.
+
+    A namedtuple (issue 30) is a node ``("N", qualname, field names, children)``: its class is
+    never looked up by the names a record carries (no import, no attribute of a module): decoding
+    returns the class this process registered under that (qualname, fields) - every namedtuple
+    this process encoded, and those a wrapped dataset carries to its DataLoader workers - else a
+    plain ``collections.namedtuple`` of those fields made here (names checked first: identifiers,
+    bounded in length and count).
+
 Torch tensors and PIL images are registered extensions (see :func:`register_type`), so this module
 never imports torch: their handlers (shmcache.data.tensors, shmcache.data.images) load lazily, the first time a
 process encodes such a value or decodes a record that holds one - and only then.
@@ -43,7 +54,10 @@ process encodes such a value or decodes a record that holds one - and only then.
 
 from __future__ import annotations
 
+import collections
+import functools
 import hashlib
+import keyword
 import marshal
 import pickle
 import re
@@ -56,7 +70,8 @@ import numpy as np
 from ..base import trees
 from ..errors import EncodeError
 
-__all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "RECORD_HEADER", "RecordHeader",
+__all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "register_namedtuple",
+           "registered_namedtuples", "RECORD_HEADER", "RecordHeader",
            "record_header", "record_key", "inline_layout", "LayoutCheck", "check_layout",
            "INLINE", "ALIGN", "Leaf", "MAX_DECODERS", "cached_decoders", "clear_decoders", "MAX_LAYOUT_BYTES",
            "MAX_LAYOUT_NODES", "TORCH_METAS", "PIL_PIXEL_BYTES", "torch_check", "pil_check"]
@@ -72,6 +87,7 @@ _U64 = struct.Struct("<Q")
 _INT, _FLOAT, _BOOL, _NONE, _STR, _BYTES, _PICKLE, _ARRAY, _EXT = "ifbnsypae"
 _NPSCALAR = "g"  # a numpy scalar (np.float32(1.5)): stored like a 0-d array, returned as a scalar
 _TUPLE, _LIST, _DICT = "TLD"
+_NAMED = "N"  # a namedtuple: (N, qualname, field names, children); NOTE [record format]
 
 # Extension types (torch.Tensor): tag -> (type, to_parts, from_parts)
 _EXT_TO: dict[type, tuple[str, Callable]] = {}
@@ -79,6 +95,84 @@ _EXT_FROM: dict[str, Callable] = {}
 _EXT_BASES: dict[type, tuple[str, Callable]] = {}  # registered with subclasses=True
 _LAZY: dict[str, Callable] = {}  # tag -> a loader that registers it (imports its package)
 _LAZY_MODULES: dict[str, str] = {}  # top-level package of the type -> tag
+
+# namedtuple classes by (qualname, fields): those this process registered (encoded, or carried by a
+# wrapped dataset) and those it made for records of classes it never saw (NOTE [record format])
+MAX_NAMED_TYPES = 1024
+_NAMED_TYPES: dict[tuple[str, tuple[str, ...]], type] = {}
+_MADE_TYPES: dict[tuple[str, tuple[str, ...]], type] = {}
+_QUALNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.<>]{0,199}")
+_FIELD = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+_MAX_FIELDS = 1024
+
+
+def _named_fields(tp: type) -> tuple[str, tuple[str, ...]] | None:
+    """``(qualname, fields)`` of a namedtuple class the codec stores as a container; None for any
+    other type (and for namedtuples whose names are not plain identifiers: pickled)."""
+    fields = getattr(tp, "_fields", None)
+    name = getattr(tp, "__qualname__", None)
+    if not (issubclass(tp, tuple) and type(fields) is tuple and type(name) is str
+            and callable(getattr(tp, "_make", None))):
+        return None
+    if _named_problem(name, fields) is not None:
+        return None
+    return name, fields
+
+
+def _named_problem(name: Any, fields: Any) -> str | None:
+    """Why ``(name, fields)`` is not a namedtuple node the encoder writes (None: it is one)."""
+    if type(name) is not str or not _QUALNAME.fullmatch(name):
+        return f"namedtuple name {str(name)[:40]!r} is not a qualified name"
+    if type(fields) is not tuple or len(fields) > _MAX_FIELDS or len(set(fields)) != len(fields):
+        return "namedtuple fields are not a tuple of distinct names"
+    for f in fields:
+        if type(f) is not str or not _FIELD.fullmatch(f) or keyword.iskeyword(f):
+            return f"namedtuple field {str(f)[:40]!r} is not an identifier"
+    return None
+
+
+def register_namedtuple(tp: type) -> None:
+    """Decode records of namedtuples named like ``tp`` (qualname and fields) as ``tp`` in this
+    process (the encoder registers every namedtuple it stores; a wrapped dataset registers those
+    it met in its DataLoader workers). Never from a record: NOTE [record format]."""
+    key = _named_fields(tp)
+    if key is None or _NAMED_TYPES.get(key) is tp:
+        return
+    if len(_NAMED_TYPES) >= MAX_NAMED_TYPES:
+        _NAMED_TYPES.pop(next(iter(_NAMED_TYPES)), None)
+    _NAMED_TYPES[key] = tp
+    if _MADE_TYPES.pop(key, None) is not None:
+        clear_decoders()  # decoders compiled with the stand-in class: compile them again
+
+
+def registered_namedtuples() -> list[type]:
+    """The namedtuple classes this process decodes by (see register_namedtuple)."""
+    return list(_NAMED_TYPES.values())
+
+
+def _named_type(name: str, fields: tuple[str, ...]) -> type:
+    """The class of a namedtuple node: registered here, else made here from its (checked) names."""
+    key = (name, fields)
+    tp = _NAMED_TYPES.get(key) or _MADE_TYPES.get(key)
+    if tp is None:
+        problem = _named_problem(name, fields)
+        if problem is not None:
+            raise EncodeError(f"a layout's {problem}: the record is damaged or forged")
+        short = name.rpartition(".")[2]
+        base = collections.namedtuple(short if short.isidentifier() else "namedtuple", fields)
+        # pickled (to a DataLoader's main process) by its names, made or found again there
+        tp = type(base.__name__, (base,), {"__slots__": (), "__reduce__": lambda self: (
+            _remade, (name, fields, tuple(self)))})
+        tp.__qualname__ = name
+        if len(_MADE_TYPES) >= MAX_NAMED_TYPES:
+            _MADE_TYPES.pop(next(iter(_MADE_TYPES)), None)
+        _MADE_TYPES[key] = tp
+    return tp
+
+
+def _remade(name: str, fields: tuple[str, ...], values: tuple) -> tuple:
+    """Unpickling a namedtuple of a class made by the codec: the class of these names here."""
+    return tuple.__new__(_named_type(name, fields), values)
 
 
 _EXT_CHECK: dict[str, Callable[[str, tuple], str | None]] = {}  # tag -> check of a leaf's meta and shape
@@ -308,6 +402,10 @@ class _Builder:
             return (_TUPLE, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
         if tp is list:
             return (_LIST, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
+        if isinstance(x, tuple) and (named := _named_fields(tp)) is not None \
+                and len(x) == len(named[1]) and not getattr(x, "__dict__", None):
+            register_namedtuple(tp)
+            return (_NAMED, *named, tuple(self.node(v, f"{path}.{f}") for f, v in zip(named[1], x)))
         if tp is dict and all(type(k) in (str, int) for k in x):
             return (_DICT, tuple((k, self.node(v, f"{path}[{k!r}]")) for k, v in x.items()))
         if tp is np.ndarray and not x.dtype.hasobject and x.dtype.fields is None:
@@ -358,6 +456,8 @@ def _place(node: tuple, scalar_off: list[int], var_off: list[int], arr_off: list
         return (tag, tuple(_place(c, scalar_off, var_off, arr_off) for c in node[1]))
     if tag == _DICT:
         return (tag, tuple((k, _place(c, scalar_off, var_off, arr_off)) for k, c in node[1]))
+    if tag == _NAMED:
+        return (tag, node[1], node[2], tuple(_place(c, scalar_off, var_off, arr_off) for c in node[3]))
     return node
 
 
@@ -452,6 +552,8 @@ def _ext_tags(node: tuple) -> set[str]:
         return set().union(*(_ext_tags(c) for c in node[1]))
     if tag == _DICT:
         return set().union(*(_ext_tags(c) for _, c in node[1]))
+    if tag == _NAMED:
+        return set().union(*(_ext_tags(c) for c in node[3]))
     return set()
 
 
@@ -538,6 +640,9 @@ def _compile_flat(node: tuple, private: bool) -> Callable | None:
             return "[" + ", ".join(expr(c) for c in n[1]) + "]"
         if tag == _DICT:
             return "{" + ", ".join(f"{const(k)}: {expr(c)}" for k, c in n[1]) + "}"
+        if tag == _NAMED:
+            new = const(functools.partial(tuple.__new__, _named_type(n[1], n[2])))
+            return f"{new}((" + "".join(expr(c) + ", " for c in n[3]) + "))"
         raise EncodeError(f"unknown layout tag {tag!r}: the cache was written by another shmcache version")
 
     try:
@@ -624,6 +729,11 @@ def _compile(node: tuple, private: bool = False, check: bool = False) -> Callabl
     if tag == _DICT:
         items = [(k, _compile(c, private, check)) for k, c in node[1]]
         return lambda buf: {k: p(buf) for k, p in items}
+    if tag == _NAMED:
+        # check: the class is not made for it (a plain tuple locates the leaves just as well)
+        new = tuple if check else functools.partial(tuple.__new__, _named_type(node[1], node[2]))
+        fields = [_compile(c, private, check) for c in node[3]]
+        return lambda buf: new([p(buf) for p in fields])
     raise EncodeError(f"unknown layout tag {tag!r}: the cache was written by another shmcache version")
 
 
@@ -766,6 +876,13 @@ def check_layout(layout: bytes) -> LayoutCheck:
                 if type(item) is not tuple or len(item) != 2 or type(item[0]) not in (str, int):
                     raise ValueError("a dict entry is not a (str or int key, node) pair")
                 walk(item[1], depth + 1)
+        elif tag == _NAMED and n == 4 and type(node[3]) is tuple:
+            problem = _named_problem(node[1], node[2])
+            if problem is not None or len(node[2]) != len(node[3]):
+                raise ValueError(problem or "a namedtuple's fields and children differ in number")
+            budget -= len(node[2])
+            for child in node[3]:
+                walk(child, depth + 1)
         elif tag in (_INT, _FLOAT, _BOOL) and n == 2:
             needed = max(needed, offset(node[1]) + 8)
         elif tag == _NONE and n == 1:
@@ -862,6 +979,8 @@ def leaves(layout: bytes) -> tuple[Any, list[Leaf]]:
         if tag == _DICT:
             keys = tuple(k for k, _ in node[1])
             return ("map", (dict, keys), tuple(walk(c) for _, c in node[1]))
+        if tag == _NAMED:
+            return ("namedtuple", _named_type(node[1], node[2]), tuple(walk(c) for c in node[3]))
         if tag == _INT:
             out.append(Leaf(tag, node[1], 8, np.dtype("<i8")))
         elif tag == _FLOAT:
@@ -906,6 +1025,9 @@ def pickled_offsets(layout: bytes) -> set[int]:
                 walk(child)
         elif tag == _DICT:
             for _, child in node[1]:
+                walk(child)
+        elif tag == _NAMED:
+            for child in node[3]:
                 walk(child)
 
     walk(marshal.loads(layout))

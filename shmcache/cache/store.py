@@ -230,6 +230,7 @@ _QQ = struct.Struct("QQ")
 R = RootLayout
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.record_header, inlined)
 _STUCK_COOLDOWN_S = 30.0  # puts stop waiting for a lock that a live process keeps (_write_locked)
+_SAY_WAIT_S = 1.0  # a put waiting this long for the lock (a write under it takes ms) says why (issue 30)
 _MIN_RECORD = codec.RECORD_HEADER.size
 # what decoding damaged bytes raises (marshal, struct, numpy, pickle, utf-8): CorruptSegment instead
 _UNDECODABLE = (ValueError, TypeError, OverflowError, IndexError, KeyError, EOFError, struct.error,
@@ -345,7 +346,10 @@ class CacheStore:
         After one full wait, puts only try without waiting until a try has not failed for
         _STUCK_COOLDOWN_S: a stuck lock costs one timeout, not one per miss."""
         try:
-            self._acquire(0.0 if time.monotonic() < self._lock_stuck_until else None)
+            if time.monotonic() < self._lock_stuck_until:
+                self._acquire(0.0)
+            else:
+                self._acquire_saying_why()
         except LockTimeout as exc:
             self._lock_stuck_until = time.monotonic() + _STUCK_COOLDOWN_S
             if not self._lock_stuck_logged:
@@ -361,6 +365,23 @@ class CacheStore:
             yield True
         finally:
             self.lock.release()
+
+    def _acquire_saying_why(self) -> None:
+        """Wait for the lock up to its timeout; a wait longer than any write under it (_SAY_WAIT_S)
+        is said, once per wait, while it lasts: who holds it, how long it may go on, the fix."""
+        full = self.lock.timeout_s
+        try:
+            self._acquire(min(_SAY_WAIT_S, full))
+            return
+        except LockTimeout:
+            if full <= _SAY_WAIT_S:
+                raise
+        log.warning("cache %s/%s: a put waits for the cache's lock (%s), which a live process has held for "
+                    "over %.0f s, where a write under it takes milliseconds (a writer stopped, or in a "
+                    "debugger? `fuser %s` names it); it waits up to lock_timeout_s=%g s in all, then "
+                    "serves new values uncached", self.session, self.name, self.lock.path, _SAY_WAIT_S,
+                    self.lock.path, full)
+        self._acquire(full - _SAY_WAIT_S)
 
     def _acquire(self, timeout_s: float | None) -> None:
         """Take the lock for ``locked()``: CacheNotFound if this handle's cache was destroyed."""

@@ -27,7 +27,6 @@ from ..base.trust import resolve_secret
 from ..cache import codec
 from ..cache.store import MISSING, CacheStore, UncachedStore
 from ..errors import (
-    EncodeError,
     InvalidArgument,
     SessionNotFound,
     SharedMemoryFull,
@@ -37,8 +36,9 @@ from ..tiers.remote import resolve as resolve_remote
 from . import tensors
 from .arguments import check_session, check_size, default_name, label_of, size_from_env, snapshot_arg
 from .batches import as_int_keys, copy_into, gather
-from .fingerprint import fingerprint, length_or_none
-from .wrapped import CachedDataset, CachedIterableDataset, NoSource, compute_item, same_sample
+from .fingerprint import fingerprint, given_fingerprint, length_or_none
+from .probes import read_probes, same_value
+from .wrapped import CachedDataset, CachedIterableDataset, NoSource, same_sample
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
@@ -132,6 +132,7 @@ class ShmDatasetCache:
         self.name = name
         self._store: CacheStore | None = None
         self._fingerprint: str | None = None
+        self._given_fp: str | None = None  # wrap(fingerprint=...) of the wrap() under way
         self._closed = False
         self._warned_pickle = False  # one warning per cache object when samples are pickled
         self._source_len: int | None = None  # len() of the map-style dataset wrapped: export() records it
@@ -224,17 +225,25 @@ class ShmDatasetCache:
 
     # --- wrapping datasets ----------------------------------------------------------------------
 
-    def wrap(self, dataset: Any, transform: Callable | None = None, *, label: str | None = None):
+    def wrap(self, dataset: Any, transform: Callable | None = None, *, label: str | None = None,
+             fingerprint: str | None = None):
         """A dataset that reads through this cache: map-style or iterable, same items as ``dataset``.
         ``dataset=None``: the cache alone (imported from a snapshot), with no source behind it.
         ``label``: what `shmcache stat` shows to tell this cache from others (default: the
-        dataset's ``repr``, cut to 80 characters; its class name where the repr is Python's own)."""
+        dataset's ``repr``, cut to 80 characters; its class name where the repr is Python's own).
+        ``fingerprint``: the identity of the dataset's contents, given by the caller (a version,
+        a hash of its file list): wrap() then reads no sample (NOTE [fingerprint] is skipped:
+        the caller answers for it naming these contents and no others)."""
         if dataset is None:
             return self._wrap_without_source(transform)
         if transform is not None and not callable(transform):
             raise InvalidArgument(f"transform must be callable, got {type(transform).__name__}")
         if label is not None and not isinstance(label, str):
             raise InvalidArgument(f"label must be a str, got {type(label).__name__}")
+        if fingerprint is not None and (not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= 256):
+            raise InvalidArgument(f"fingerprint must be a non-empty str (a version or a hash of the "
+                                  f"dataset's contents, at most 256 characters), got {fingerprint!r:.80}")
+        self._given_fp = fingerprint
         wrapped = self._wrap(dataset, transform)
         store = self._store
         if store is not None and not store.uncached:
@@ -251,23 +260,24 @@ class ShmDatasetCache:
                 f"dataset, got {type(dataset).__name__}"
             )
         n = len(dataset)
-        probe = sorted({0, n // 2, n - 1}) if n else []
-        samples = []  # encoded once: to check them, to fingerprint the dataset, to store them
-        for i in probe:
-            try:
-                samples.append(codec.encode(compute_item(dataset, transform, i)))
-            except EncodeError as exc:
-                raise EncodeError(f"sample {i} of {type(dataset).__name__}: {exc}") from None
-        if samples and not same_sample(samples[0], compute_item(dataset, transform, probe[0])):
+        indices = sorted({0, n // 2, n - 1}) if n and self._given_fp is None else []
+        # encoded once: to check them, to fingerprint the dataset, to store them; a probe that
+        # raised counts by its exception's type, and raises again where the DataLoader reads it
+        probes, again = read_probes(dataset, transform, indices)
+        if again is not None and again.error is None and not same_sample(probes[0].encoded, again.value) \
+                and not same_value(probes[0].value, again.value):
             raise InvalidArgument(
-                f"{type(dataset).__name__}[0] differs between two reads: the dataset (or transform) "
-                f"is random, and a cache would freeze one draw; cache the deterministic part "
+                f"{type(dataset).__name__}[{indices[0]}] differs between two reads: the dataset (or "
+                f"transform) is random, and a cache would freeze one draw; cache the deterministic part "
                 f"(cache.wrap(ds, transform=decode)) and apply random augmentation on top"
             )
+        samples = [p.encoded if p.error is None else codec.encode(("raised", type(p.error).__qualname__))
+                   for p in probes]
         self._bind(dataset, transform, samples, table_hint=n)
         self._source_len = n
-        for i, enc in zip(probe, samples):  # computed anyway: keep them
-            self._put(self._store, i, None, enc)
+        for p in probes:  # computed anyway: keep them
+            if p.error is None:
+                self._put(self._store, p.index, None, p.encoded)
         return CachedDataset(self, dataset, transform)
 
     def _wrap_without_source(self, transform: Callable | None) -> CachedDataset:
@@ -400,7 +410,7 @@ class ShmDatasetCache:
         iterator the first pass then goes on with, so a stream that cannot be read twice (a
         queue, a socket behind ``__iter__``) loses nothing."""
         one_shot = isinstance(dataset, Iterator)  # (calling iter() would open a stream)
-        if self.name is not None or self._fingerprint is not None:
+        if self.name is not None or self._fingerprint is not None or self._given_fp is not None:
             self._bind(dataset, transform, [], table_hint=0)
             return CachedIterableDataset(self, dataset, transform, one_shot=one_shot)
         if one_shot:
@@ -419,7 +429,8 @@ class ShmDatasetCache:
         return wrapped
 
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
-        fp = fingerprint(dataset, transform, samples)
+        given = self._given_fp
+        fp = fingerprint(dataset, transform, samples) if given is None else given_fingerprint(dataset, given)
         if self._store is None:
             self._open(self.name or default_name(dataset, fp), fp, table_hint)
         elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import random
 import secrets
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +66,34 @@ def compute_item(dataset, transform, index):
     return transform(sample) if transform is not None else sample
 
 
+def add_note(exc: BaseException, note: str) -> None:
+    """Say on a dataset's exception where shmcache met it (which sample, which stage); its type
+    and traceback stay the dataset's. Python 3.10 has no notes: the exception goes on unchanged."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
+def _int_index(i: Any) -> int | None:
+    """``i`` as an int if it is one of the integer indices a cache key can be (numpy and one-element
+    torch integers, as cache.get takes them); None for any other index (a list, a slice, a str)."""
+    if isinstance(i, bool):
+        return None
+    if isinstance(i, (int, np.integer)):
+        return int(i)
+    if isinstance(i, torch.Tensor) and i.numel() == 1 and i.dim() == 0 and not (
+            i.dtype == torch.bool or i.is_floating_point() or i.is_complex()):
+        return int(i)
+    if isinstance(i, np.ndarray) and i.ndim == 0 and i.dtype.kind in "iu":
+        return int(i)
+    return None
+
+
+def _batch_index(i: Any) -> bool:
+    """A list of indices, or a 1-d array or tensor of them: a whole batch in one call."""
+    return isinstance(i, list) or (isinstance(i, np.ndarray) and i.ndim == 1) or (
+        isinstance(i, torch.Tensor) and i.dim() == 1)
+
+
 class CachedDataset(Dataset):
     """A map-style dataset whose items come from the cache (computed once, by any process)."""
 
@@ -72,24 +102,38 @@ class CachedDataset(Dataset):
         self.dataset = dataset
         self.transform = transform
         self._len = len(dataset)
+        self._len_said = False  # a length changed since wrap() was said (once)
+        # what a non-int index means, by its type: "dataset" (its own meaning: passed through,
+        # uncached) or "cache" (the dataset refused it: a batch gathered from the cache)
+        self._index_kinds: dict[type, str] = {}
         # names this dataset to the main process when a worker sends a batch as its keys (NOTE
         # [collated batch]); copies pickled to workers keep it
         self._token = secrets.token_hex(8)
         register_live(self)
 
     def __len__(self) -> int:
+        # the DataLoader's samplers ask each epoch: one len() of the source notices it grew
+        if not self._len_said:
+            self._check_len()
         return self._len
 
+    def _check_len(self) -> None:
+        try:
+            now = len(self.dataset)
+        except Exception:  # noqa: BLE001 - a source that cannot say: nothing to compare
+            return
+        if now != self._len:
+            self._len_said = True
+            warnings.warn(
+                f"{type(self.dataset).__name__} has {now} items now, {self._len} when it was wrapped: "
+                f"the wrapped dataset serves {self._len} (the cache is named after the dataset as it "
+                f"was); wrap it again (cache.wrap(dataset)) after it changes", UserWarning, stacklevel=3)
+
     def _index(self, i: Any) -> int:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            if isinstance(i, torch.Tensor) and i.numel() == 1 and not (
-                    i.dtype == torch.bool or i.is_floating_point() or i.is_complex()):
-                i = int(i)
-            elif isinstance(i, np.ndarray) and i.ndim == 0 and i.dtype.kind in "iu":  # as cache.get takes it
-                i = int(i)
-            else:
-                raise TypeError(f"dataset indices must be integers, not {type(i).__name__}")
-        i = int(i)
+        j = _int_index(i)
+        if j is None:
+            raise TypeError(f"dataset indices must be integers, not {type(i).__name__}")
+        i = j
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
@@ -118,7 +162,36 @@ class CachedDataset(Dataset):
         return arr
 
     def _compute(self, i: int) -> Any:
-        return compute_item(self.dataset, self.transform, int(i))
+        try:
+            return compute_item(self.dataset, self.transform, int(i))
+        except Exception as exc:
+            add_note(exc, f"(shmcache: raised by {self._stage(i)}, computed on a cache miss)")
+            raise
+
+    def _stage(self, i: Any) -> str:
+        what = "its transform on " if self.transform is not None else ""
+        return (f"{what}{type(self.dataset).__name__}[{i!r}] wrapped in cache "
+                f"{self.cache.session}/{self.cache.name}")
+
+    def _compute_many(self, keys: list[int]) -> list:
+        """The samples of ``keys`` computed from the source: by its own ``__getitems__`` where it
+        has one (torch's contract: a list of samples, in order), else one by one."""
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is None or len(keys) < 2:
+            return [self._compute(k) for k in keys]
+        try:
+            got = getitems(keys)
+        except Exception as exc:
+            add_note(exc, f"(shmcache: raised by {type(self.dataset).__name__}.__getitems__({keys!r}) "
+                          f"wrapped in cache {self.cache.session}/{self.cache.name}, on cache misses)")
+            raise
+        if not isinstance(got, list) or len(got) != len(keys):
+            raise InvalidArgument(
+                f"{type(self.dataset).__name__}.__getitems__ of {len(keys)} indices returned "
+                f"{type(got).__name__}{f' of {len(got)}' if isinstance(got, list) else ''}, not a list "
+                f"of {len(keys)} samples (torch's contract): a wrapped dataset caches its samples one by "
+                f"one; return one sample per index from __getitems__, and batch-level work in collate_fn")
+        return got if self.transform is None else [self.transform(x) for x in got]
 
     def _store_computed(self, store: CacheStore, i: int, value: Any) -> None:
         try:
@@ -128,11 +201,8 @@ class CachedDataset(Dataset):
 
     def __getitem__(self, i):
         if type(i) is not int or not 0 <= i < self._len:  # a plain index needs no more checks
-            if isinstance(i, list) or (isinstance(i, np.ndarray) and i.ndim) or (
-                    isinstance(i, torch.Tensor) and i.dim() == 1):
-                # DataLoader(ds, sampler=BatchSampler(...), batch_size=None): a whole batch per
-                # call, collated by the vectorised path (the DataLoader then does no collation)
-                return self.get_batch(i)
+            if _int_index(i) is None:
+                return self._other_index(i)
             i = self._index(i)
         cache = self.cache
         store = cache._store if cache._store is not None else cache._ensure_open()
@@ -143,6 +213,35 @@ class CachedDataset(Dataset):
         elif cache.verify and _VERIFY_RNG.random() < cache.verify:
             self._verify(i, value)
         return value
+
+    def _other_index(self, i: Any) -> Any:
+        """``ds[i]`` for an index that is not one int: what the dataset makes of it (passed
+        through, uncached), so the wrapper never answers with another container than its
+        dataset. A batch of indices that the dataset refuses (it takes ints only) is the
+        DataLoader's ``sampler=BatchSampler(...), batch_size=None`` pattern: that one is gathered
+        from the cache, collated (the DataLoader then does no collation). Decided at the first
+        such index of each type, then kept (workers inherit what the main process found)."""
+        kind = self._index_kinds.get(type(i))
+        if kind == "cache":
+            return self.get_batch(i)
+        if kind is None and _batch_index(i) and not isinstance(self.dataset, NoSource):
+            try:
+                value = compute_item(self.dataset, self.transform, i)
+            except Exception:  # noqa: BLE001 - it takes no batch: the cache's batch path does
+                self._index_kinds[type(i)] = "cache"
+                return self.get_batch(i)
+            self._index_kinds[type(i)] = "dataset"
+            return value
+        if isinstance(self.dataset, NoSource):
+            if _batch_index(i):
+                return self.get_batch(i)
+            raise TypeError(f"dataset indices must be integers, not {type(i).__name__}")
+        try:
+            return compute_item(self.dataset, self.transform, i)
+        except Exception as exc:
+            add_note(exc, f"(shmcache: raised by {self._stage(i)}: an index that is not an int is "
+                          f"passed to the dataset, uncached)")
+            raise
 
     def _verify(self, i: int, cached: Any) -> None:
         if not same_sample(cached, self._compute(i)):
@@ -177,9 +276,11 @@ class CachedDataset(Dataset):
             for j in hits:
                 if _VERIFY_RNG.random() < cache.verify:
                     self._verify(idx[j], values[j])
-        for j in missing:
-            values[j] = self._compute(idx[j])
-            self._store_computed(store, idx[j], values[j])
+        if missing:
+            computed = self._compute_many([idx[j] for j in missing])
+            for j, value in zip(missing, computed):
+                values[j] = value
+                self._store_computed(store, idx[j], value)
         return values
 
     def get_batch(self, indices: Sequence, fn: Callable | None = None, out: Any = None) -> Any:
@@ -191,11 +292,25 @@ class CachedDataset(Dataset):
         return self.cache.get_batch(self._indices(indices), fn=fn or self._compute, out=out)
 
     def __getstate__(self) -> dict:
-        return self.__dict__.copy()  # the cache pickles by name (ShmDatasetCache.__getstate__)
+        state = self.__dict__.copy()  # the cache pickles by name (ShmDatasetCache.__getstate__)
+        # the namedtuple classes this process decodes by go along: a spawned worker decodes
+        # records as the same classes (NOTE [record format]); those pickle cannot find stay
+        state["_namedtuples"] = [tp for tp in codec.registered_namedtuples() if _picklable(tp)]
+        return state
 
     def __setstate__(self, state: dict) -> None:
+        for tp in state.pop("_namedtuples", ()):
+            codec.register_namedtuple(tp)
         self.__dict__.update(state)
         register_live(self)  # a worker's copy, or a copy made in this process: either serves the token
+
+
+def _picklable(tp: type) -> bool:
+    try:
+        pickle.dumps(tp)
+    except Exception:  # noqa: BLE001 - a class pickle cannot find by its name
+        return False
+    return True
 
 
 class CachedIterableDataset(IterableDataset):

@@ -258,11 +258,18 @@ def test_dict_key_order_and_non_string_keys_roundtrip():
     assert_same(record_roundtrip(odd), odd)
 
 
+def test_a_namedtuple_is_a_container_not_a_pickle():
+    value = Point(1, np.arange(3))  # issue 30: stored field by field, returned as Point
+    assert codec.encode(value).pickled == ()
+    got = record_roundtrip(value)
+    assert type(got) is Point and got.x == 1 and np.array_equal(got.y, value.y)
+
+
 @pytest.mark.parametrize("value", [
-    Point(1, np.arange(3)), OrderedDict(b=1, a=2), bytearray(b"abc"), frozenset({1, 2}),
+    OrderedDict(b=1, a=2), bytearray(b"abc"), frozenset({1, 2}),
     {1, 2, 3}, complex(1, -2), range(3, 9, 2), np.ma.masked_array([1, 2], mask=[0, 1]),
     np.array([(1, 2.0)], dtype=[("a", "<i4"), ("b", "<f8")]), np.array([1, "x", None], dtype=object),
-], ids=["namedtuple", "ordereddict", "bytearray", "frozenset", "set", "complex", "range",
+], ids=["ordereddict", "bytearray", "frozenset", "set", "complex", "range",
         "masked", "structured", "object-array"])
 def test_other_picklable_values_roundtrip_with_their_type(value):
     got = record_roundtrip(value)

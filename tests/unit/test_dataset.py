@@ -58,7 +58,10 @@ class Unpicklable(Dataset):
         return (np.zeros(2), (lambda: i) if i in self.bad else i)
 
 
-Point = __import__("collections").namedtuple("Point", "x y")  # pickled (not a plain tuple)
+@__import__("dataclasses").dataclass
+class Point:  # pickled (a dataclass is not a container the codec stores field by field)
+    x: int
+    y: int
 
 
 def _cache(**kw):
@@ -116,12 +119,35 @@ def test_transform_is_cached_and_called_once_per_item():
         assert len(calls) == 30 + 1  # wrap() reads sample 0 twice (its randomness check)
 
 
+class Items(Dataset):
+    """A dataset that indexes a list: the list takes or refuses each index."""
+
+    def __init__(self, n):
+        self.items = [np.full(2, i) for i in range(n)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+@pytest.mark.parametrize("src", [Items(5), FixedDataset(5, 8)], ids=["list", "fixed"])
 @pytest.mark.parametrize("bad", [3.0, "1", None, [[1]], (1, 2), True])
-def test_bad_indices(bad):
+def test_indices_that_are_not_ints_are_the_datasets_to_take_or_refuse(bad, src):
+    """The wrapper answers an index that is not an int as its dataset does (issue 30): the same
+    error type where it refuses one, the same value where it takes one (FixedDataset takes 3.0)."""
+    try:
+        want = src[bad]
+    except (TypeError, IndexError) as exc:
+        want = type(exc)
     with _cache() as cache:
-        ds = cache.wrap(FixedDataset(5, 8))
-        with pytest.raises((TypeError, IndexError)):
-            ds[bad]
+        ds = cache.wrap(src)
+        if isinstance(want, type):
+            with pytest.raises(want):
+                ds[bad]
+        else:
+            assert_same(ds[bad], want)
 
 
 @pytest.mark.parametrize("i", [5, 6, -6, 2**40])
@@ -278,11 +304,20 @@ def test_batch_indices_beyond_int64_are_out_of_range_not_counted_from_the_end(in
 
 
 @pytest.mark.parametrize("index", [torch.tensor(True), torch.tensor([1.0]), torch.tensor([True, False])])
-def test_bool_and_float_tensor_indices_are_refused(index):
+def test_bool_and_float_tensor_indices_are_not_cache_keys(index):
+    """Never a cache key; the dataset's to take (a list takes a 0-d bool tensor as 1) or refuse."""
     with _cache() as cache:
-        ds = cache.wrap(Labelled(range(4)))
-        with pytest.raises(TypeError, match="must be integers"):
-            ds[index]
+        ds = cache.wrap(Items(4))
+        try:
+            want = Items(4)[index]
+        except TypeError:
+            with pytest.raises(TypeError):
+                ds[index]
+        else:
+            assert_same(ds[index], want)
+        assert cache.stats()["misses"] == 0 and cache.stats()["hits"] == 0
+        with pytest.raises(TypeError):
+            ds.get_batch([index])
 
 
 def test_copy_false_returns_read_only_arrays_and_copy_true_private_ones():

@@ -425,6 +425,36 @@ def test_a_put_that_cannot_get_the_lock_is_served_uncached_and_waits_once(shm_na
     store.close()
 
 
+def test_a_put_that_waits_longer_than_a_write_says_why_while_it_waits(shm_namespace, caplog):
+    """Issue 30: a lock wait on the read path (a miss's put) longer than the work it waits for
+    (a write under the lock: milliseconds) is said while it lasts - not only at its timeout."""
+    import fcntl
+    import threading
+    import time
+
+    store = CacheStore("s", "c", capacity_bytes=8 << 20, lock_timeout_s=20)
+    lock = shm_namespace.sessions_dir / "s" / "caches" / "c.lock"
+    fd = os.open(lock, os.O_RDWR)
+    done = []
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        putter = threading.Thread(target=lambda: done.append(store.put(1, b"one")))
+        putter.start()
+        deadline = time.monotonic() + 10
+        while not [r for r in caplog.records if "a put waits" in r.getMessage()]:
+            assert time.monotonic() < deadline, "a put waited 10 s for the lock without saying why"
+            time.sleep(0.05)
+        said = [r.getMessage() for r in caplog.records if "a put waits" in r.getMessage()]
+        assert not done and len(said) == 1, said
+        assert str(lock) in said[0] and "lock_timeout_s=20" in said[0] and "fuser" in said[0]
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    putter.join(20)
+    assert done == [True] and store.lookup(1) == b"one"
+    store.close()
+
+
 def test_a_cache_restarted_after_losing_its_generation_never_reuses_its_names(shm_namespace):
     """The segments of a cache's generation vanished under its root (what an older destroy killed
     half-way left). The next opener starts it afresh - under a generation number the root never
