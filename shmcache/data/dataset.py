@@ -25,6 +25,7 @@ from ..base.progress import progress_bar
 from ..base.settings import ENV_REMOTE, ENV_SIZE_MB, ENV_SPILLING
 from ..base.trust import resolve_secret
 from ..cache import codec
+from ..cache.registry import SessionRegistry
 from ..cache.store import MISSING, CacheStore, UncachedStore
 from ..errors import (
     EncodeError,
@@ -35,7 +36,15 @@ from ..errors import (
 )
 from ..tiers.remote import resolve as resolve_remote
 from . import tensors
-from .arguments import check_session, check_size, default_name, label_of, size_from_env, snapshot_arg
+from .arguments import (
+    check_session,
+    check_size,
+    default_name,
+    label_of,
+    say_earlier_versions,
+    size_from_env,
+    snapshot_arg,
+)
 from .batches import as_int_keys, copy_into, gather
 from .fingerprint import fingerprint, length_or_none
 from .wrapped import CachedDataset, CachedIterableDataset, NoSource, compute_item, same_sample
@@ -407,7 +416,12 @@ class ShmDatasetCache:
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
         fp = fingerprint(dataset, transform, samples)
         if self._store is None:
-            self._open(self.name or default_name(dataset, fp), fp, table_hint)
+            name = self.name or default_name(dataset, fp)
+            registry = SessionRegistry(namespace(self._ns_root)) if self.name is None else None
+            new = registry is not None and not registry.cache_meta_path(self.session, name).exists()
+            self._open(name, fp, table_hint)
+            if new:  # a dataset that changed leaves its old cache: say so (NOTE [cache use])
+                say_earlier_versions(registry, self.session, name)
         elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset
             self._tiers_learn(fp)  # a snapshot of another dataset: refused
             self._store.bind_fingerprint(fp)
