@@ -178,7 +178,7 @@ def _debris(ns) -> list[str]:
     return debris
 
 
-@pytest.mark.parametrize("cycles", [pytest.param(150, id="150"),
+@pytest.mark.parametrize("cycles", [pytest.param(60, id="60"),
                                     pytest.param(1000, id="1000", marks=pytest.mark.slow)])
 def test_create_attach_destroy_cycles_with_random_kills_stay_flat(cycles, tmp_path, capsys,
                                                                    shm_namespace):
