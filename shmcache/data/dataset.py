@@ -563,6 +563,21 @@ class ShmDatasetCache:
                 bar.close()  # on Ctrl-C too: the bar's last line is the count stored
         return computed
 
+    def verify_sample(self, dataset: Any, fraction: float = 0.01, *, seed: int | None = None,
+               progress: bool | None = None, raise_on_stale: bool = True):
+        """Recompute ``fraction`` of the cached items of ``dataset`` (wrapped by this cache, or the
+        dataset itself: it is wrapped) and compare each with its cached copy, with a progress bar
+        (``None``: when stderr is a terminal). Returns a ``VerifyReport`` (``ok``, ``checked``,
+        ``stale``); a stale item raises ``CacheMismatch`` naming them (``raise_on_stale=False``:
+        logged and reported instead). The check the fingerprint cannot make: it sees a dataset's
+        file paths, not the files, so an edited file is served stale until this (or ``verify=``)
+        recomputes it. (``verify=``, the fraction of hits checked as they are read, keeps the
+        attribute name ``verify``.)"""
+        from .verify import verify_sample
+
+        ds = dataset if isinstance(dataset, CachedDataset) else self.wrap(dataset)
+        return verify_sample(ds, fraction, seed=seed, progress=progress, raise_on_stale=raise_on_stale)
+
     def stats(self) -> dict:
         """Counters shared by every process (keys: docs/design.md §10); with a remote or a snapshot
         tier, also its ``remote_*`` or ``snapshot_*`` counters and the seam's ``tier_*``, summed over
