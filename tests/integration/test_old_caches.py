@@ -42,8 +42,9 @@ DAY = 86400
 
 def train(version: int) -> subprocess.Popen:
     code = TRAIN.replace("VERSION", str(version))
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -53,8 +54,7 @@ def finish(proc: subprocess.Popen) -> str:
 
 
 def cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shmcache", *argv], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, "-m", "shmcache", *argv], capture_output=True, text=True, timeout=60)
 
 
 def age(session: str, cache: str, seconds: float) -> None:
