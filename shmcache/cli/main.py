@@ -7,7 +7,7 @@ Commands::
                                          average item size, hits, misses; a snapshot read
                                          through (snapshot=): its hits, misses, bytes, errors
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
-                                         memory
+                                         memory, the cache opened longest ago
     shmcache new [NAME] [--spill-dir D] [--remote URL]
                                          create a session and print its name
     shmcache destroy NAME [--force] [--cache C]
@@ -186,10 +186,13 @@ def cmd_ls(args, registry: SessionRegistry) -> int:
             owner = str(info.uid)
         live = len(registry.live_pids(info.name))
         last_used = now if live else registry.last_used(info.name)
+        opened = {c: registry.cache_last_opened(info.name, c) for c in registry.cache_names(info.name)}
+        # per cache, how long since a process last had it open (0: open now): NOTE [cache use]
+        idle = {c: 0.0 if t is None else round(max(0.0, now - t), 1) for c, t in opened.items()}
         rows.append({"session": info.name, "owner": owner, "created": info.created,
                      "age_s": round(now - info.created, 1), "last_used": round(last_used, 1),
                      "idle_s": round(max(0.0, now - last_used), 1), "live_processes": live,
-                     "caches": len(registry.cache_names(info.name)), "shm_bytes": mem,
+                     "caches": len(idle), "caches_idle_s": idle, "shm_bytes": mem,
                      "spill_dir": info.spill_dir})
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -197,10 +200,12 @@ def cmd_ls(args, registry: SessionRegistry) -> int:
     if not rows:
         print(f"no sessions in {registry.ns.root}")
         return 0
-    print(_table(["session", "owner", "age", "last used", "live procs", "caches", "memory"],
+    print(_table(["session", "owner", "age", "last used", "live procs", "caches", "memory", "oldest cache opened"],
                  [[r["session"], r["owner"], _age(r["age_s"]),
                    _ago(None if r["live_processes"] else r["idle_s"]), str(r["live_processes"]),
-                   str(r["caches"]), _size(r["shm_bytes"])] for r in rows], right={2, 3, 4, 5, 6}))
+                   str(r["caches"]), _size(r["shm_bytes"]),
+                   _ago(max(r["caches_idle_s"].values()) or None) if r["caches_idle_s"] else "-"]
+                  for r in rows], right={2, 3, 4, 5, 6, 7}))
     return 0
 
 
@@ -400,7 +405,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("session", nargs="?", help="only this session")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_stat)
-    s = sub.add_parser("ls", help="list sessions (owner, age, last use, live processes, memory)")
+    s = sub.add_parser("ls", help="list sessions (owner, age, last use, live processes, memory, the "
+                                  "cache opened longest ago)")
     s.add_argument("--json", action="store_true", help="machine-readable output (last_used in epoch seconds, idle_s)")
     s.set_defaults(func=cmd_ls)
     s = sub.add_parser("new", help="create a session and print its name")

@@ -84,6 +84,12 @@ def test_a_changed_dataset_names_the_cache_it_leaves_and_gc_drops_it_by_age():
         lines = {ln.split()[1]: ln for ln in table.stdout.splitlines()[2:]}
         assert "last opened" in table.stdout.splitlines()[0]
         assert lines[old].endswith("3d ago") and lines[new].endswith("in use"), table.stdout
+        ls = cli("ls", "--json")
+        assert ls.returncode == 0, ls.stderr
+        idle = json.loads(ls.stdout)[0]["caches_idle_s"]
+        assert idle[new] == 0 and 3 * DAY <= idle[old] < 3 * DAY + 600
+        table = cli("ls")
+        assert "oldest cache opened" in table.stdout and table.stdout.splitlines()[2].endswith("3d ago")
         gc = cli("gc", "--cache-idle-for", "1d", "--json")
         assert gc.returncode == 0, gc.stderr
         dropped = json.loads(gc.stdout)["dropped_idle_caches"]
