@@ -18,8 +18,8 @@ label, ImageNet-like), random order, batches of 256. Baselines measured in the s
 shmcache rows: ``cache.get_batch(keys)`` (collated torch tensors, one copy out of shared memory),
 the same gathered into preallocated buffers (``out=``, as the prefetch ring does with pinned
 slots), and ``ds[i]`` for single items. Reported: median and p90 per batch, GB/s of sample bytes,
-and the ratio to the matching yardstick (rows without out= against the new-array one). Targets (issue 2): 150 KB >= 0.8x yardstick, 3 KB >= 0.5x,
-single 3 KB get < 3 us.
+and the ratio to the matching yardstick (rows without out= against the new-array one). Targets
+(issue 2): 150 KB >= 0.8x yardstick, 3 KB >= 0.5x, single 3 KB get < 3 us.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ __all__ = [
     "SessionExists",
     "SessionInUse",
     "CacheNotFound",
+    "CacheInUse",
     "CacheMismatch",
     "CacheFull",
     "ItemTooLarge",
@@ -62,6 +63,10 @@ class SessionNotFound(ShmcacheError, LookupError):
 
 class SessionInUse(ShmcacheError, RuntimeError):
     """The session has live processes attached (destroy it with force=True, or stop them)."""
+
+
+class CacheInUse(ShmcacheError, RuntimeError):
+    """The cache is open in a live process (drop it with force=True, or stop them)."""
 
 
 class SessionExists(ShmcacheError, FileExistsError):

@@ -26,19 +26,20 @@ NOTE [lock files]
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import LockTimeout, NotOwner
 
-__all__ = ["FlockLock", "LivenessSlot", "slot_is_alive", "flock_within", "DEFAULT_TIMEOUT_S",
-           "close_in_forked_children"]
+__all__ = ["FlockLock", "LivenessSlot", "SharedHold", "slot_is_alive", "flock_within", "DEFAULT_TIMEOUT_S",
+           "close_in_forked_children", "unless_held"]
 
 DEFAULT_TIMEOUT_S = 60.0
 _REOPEN = threading.Lock()
@@ -285,3 +286,73 @@ class LivenessSlot:
         if self._fd >= 0:
             os.close(self._fd)  # the parent's descriptor keeps the open file, and so the lock
         self._fd = -1
+
+
+class SharedHold:
+    """A shared ``flock`` on ``path``, held while this process uses what the file stands for (an
+    open cache: NOTE [cache use] in cache/registry.py). Any number of processes hold it at once;
+    :func:`unless_held` takes it exclusively only when none does. Taking it and letting it go
+    touch the file: its mtime says when it was last taken or let go. A forked child closes its
+    inherited copy (NOTE [lock files]): the parent's hold is the parent's."""
+
+    def __init__(self, path: str | os.PathLike, *, timeout_s: float = DEFAULT_TIMEOUT_S, what: str = ""):
+        self.path, self.pid, self._fd = Path(path), os.getpid(), -1
+        deadline, delay = time.monotonic() + timeout_s, 20e-6
+        while True:
+            fd = _open_lock_file(self.path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # unless_held has it, for a moment (it drops the cache, or not)
+                os.close(fd)
+                if time.monotonic() >= deadline:
+                    raise _held_elsewhere(what or "a shared lock", self.path, timeout_s) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+                continue
+            if not _same_file(fd, self.path):  # removed by whoever held it: take the new file
+                os.close(fd)
+                continue
+            break
+        self._fd = fd
+        _touch(fd)
+        close_in_forked_children(self)
+
+    def release(self) -> None:
+        if self._fd >= 0 and self.pid == os.getpid():
+            _touch(self._fd)
+            os.close(self._fd)
+        self._fd = -1
+
+    def after_fork_in_child(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # the parent's descriptor keeps the open file, and so its hold
+        self._fd = -1
+
+
+def _touch(fd: int) -> None:
+    try:
+        os.utime(fd)
+    except OSError:  # a read-only directory: the time only looks older
+        pass
+
+
+@contextlib.contextmanager
+def unless_held(path: str | os.PathLike) -> Iterator[bool]:
+    """Yield True holding ``path`` exclusively when no process holds it (SharedHold), so that
+    nobody takes it until the block ends - the block may remove the file: a waiting SharedHold
+    then takes a new one; yield False, holding nothing, when a live process holds it."""
+    path = Path(path)
+    try:
+        fd = _open_lock_file(path)
+    except FileNotFoundError:  # its directory is gone
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)

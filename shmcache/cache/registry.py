@@ -23,6 +23,17 @@ NOTE [session lifecycle]
     registry lock, which the destroy holds, and tries again: it attaches if the session is back,
     and gets FileNotFoundError (the session is gone) if not. So an attach either wins, or comes
     after the destroy's decision; never does a destroy pull a session from under an attached process.
+
+NOTE [cache use]
+    Sessions live long, and a dataset whose identity changes leaves its old cache there. So each
+    cache has ``caches/<cache>.open``: every process that opens the cache to use it holds a shared
+    flock on it (``SharedHold``) from before it maps the root until it closes the cache, and the
+    file's mtime says when one last opened or closed it (``cache_last_opened``). Dropping a cache
+    by age or by name (``drop_cache``) takes the file exclusively without waiting (``unless_held``):
+    refused while any live process holds it; else, still holding it, it tombstones and unlinks the
+    cache's segments and removes its metadata, spill folder and the file itself. An opener that
+    came meanwhile waits for the exclusive hold to end, finds its file removed, takes the new one,
+    and makes the cache again (empty); never does a drop pull a cache from under a process using it.
 """
 
 from __future__ import annotations
@@ -38,10 +49,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..base import ordering
-from ..base.locks import FlockLock, LivenessSlot, slot_is_alive
+from ..base.locks import FlockLock, LivenessSlot, SharedHold, slot_is_alive, unless_held
 from ..base.namespace import SEP, Namespace, namespace, validate_name
 from ..base.shm import Segment
 from ..errors import (
+    CacheInUse,
+    CacheNotFound,
     CorruptSegment,
     InvalidArgument,
     LockTimeout,
@@ -51,7 +64,7 @@ from ..errors import (
     ShmcacheError,
 )
 
-__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "SEP", "MAX_SLOTS", "retire_root",
+__all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "IdleCache", "SEP", "MAX_SLOTS", "retire_root",
            "unlink_segments"]
 
 MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
@@ -95,6 +108,18 @@ class IdleSession:
     name: str
     last_used: float
     idle_s: float
+    removed_segments: list[str] = field(default_factory=list)
+
+
+@dataclass
+class IdleCache:
+    """A cache that ``drop_idle_caches`` dropped: no process had opened it for ``idle_s`` seconds."""
+
+    session: str
+    cache: str
+    last_opened: float
+    idle_s: float
+    shm_bytes: int
     removed_segments: list[str] = field(default_factory=list)
 
 
@@ -179,6 +204,80 @@ class SessionRegistry:
         except (OSError, ValueError):
             return {}
         return meta if isinstance(meta, dict) else {}
+
+    def cache_use_path(self, session: str, cache: str) -> Path:
+        """The file that every process using cache ``cache`` holds shared (NOTE [cache use])."""
+        return self.session_dir(session) / "caches" / f"{cache}.open"
+
+    def hold_cache(self, session: str, cache: str, timeout_s: float = 10.0) -> SharedHold:
+        """Count this process as using cache ``cache`` until the hold's ``release()`` (NOTE [cache use])."""
+        return SharedHold(self.cache_use_path(session, cache), timeout_s=timeout_s,
+                          what=f"cache {session}/{cache}'s use lock (a drop of it in progress)")
+
+    def cache_last_opened(self, session: str, cache: str) -> float | None:
+        """When a process last opened or closed cache ``cache`` (epoch seconds); None while a live
+        process has it open (NOTE [cache use]). A cache made before this was recorded: when its
+        metadata was last written."""
+        path = self.cache_use_path(session, cache)
+        if slot_is_alive(path):
+            return None
+        for p in (path, self.cache_meta_path(session, cache)):
+            try:
+                return os.stat(p).st_mtime
+            except FileNotFoundError:
+                continue
+        return time.time()  # gone meanwhile
+
+    def cache_shm_bytes(self, session: str, cache: str) -> int:
+        """What cache ``cache``'s segments occupy in /dev/shm."""
+        return self.ns.occupied_bytes(self.ns.segment_name(session, cache) + SEP)
+
+    def drop_cache(self, session: str, cache: str, *, force: bool = False) -> list[str]:
+        """Remove cache ``cache`` from ``session`` (segments, metadata, spill folder); CacheInUse
+        while a live process has it open, unless ``force`` (their handles then miss: the root is
+        tombstoned first). Returns the segment names removed (NOTE [cache use])."""
+        if not self.cache_meta_path(session, cache).exists():
+            known = ", ".join(self.cache_names(session)) or "none"
+            raise CacheNotFound(f"no cache {cache!r} in session {session!r} (caches: {known}); "
+                                f"`shmcache stat {session}` lists them")
+        use = self.cache_use_path(session, cache)
+        with unless_held(use) as free:
+            if not (free or force):
+                raise CacheInUse(
+                    f"cache {session}/{cache} is open in a live process (find it with `fuser {use}`); "
+                    f"stop it first, or drop the cache anyway with force (its handles then miss)")
+            lock = self.cache_lock(session, cache)
+            try:
+                with lock:  # no writer is halfway through a put, a spill or the metadata
+                    spill = self.read_cache_meta(session, cache).get("spill_path")
+                    removed = unlink_segments(self.ns, self.ns.segment_name(session, cache) + SEP)
+                    if spill:
+                        shutil.rmtree(spill, ignore_errors=True)
+                    self.cache_meta_path(session, cache).unlink(missing_ok=True)
+                    if free:
+                        use.unlink(missing_ok=True)  # held by us: an opener waiting takes a new one
+            finally:
+                lock.close()
+        return removed
+
+    def drop_idle_caches(self, idle_for_s: float) -> list[IdleCache]:
+        """Drop every cache that no live process has open and none opened for ``idle_for_s``
+        seconds or more, in every session (NOTE [cache use]); returns them."""
+        if not idle_for_s >= 0:
+            raise InvalidArgument(f"idle_for_s={idle_for_s!r}: a duration in seconds is >= 0")
+        dropped = []
+        for info in self.list():
+            for cache in self.cache_names(info.name):
+                last = self.cache_last_opened(info.name, cache)
+                if last is None or time.time() - last < idle_for_s:
+                    continue
+                size = self.cache_shm_bytes(info.name, cache)
+                try:
+                    removed = self.drop_cache(info.name, cache)
+                except (CacheInUse, CacheNotFound, LockTimeout):  # opened, or dropped, just now
+                    continue
+                dropped.append(IdleCache(info.name, cache, last, time.time() - last, size, removed))
+        return dropped
 
     def cache_names(self, name: str) -> list[str]:
         return sorted(p.stem for p in (self.session_dir(name) / "caches").glob("*.json"))
@@ -430,7 +529,17 @@ class SessionRegistry:
             finally:
                 lock.release()
                 lock.close()
+        self.remove_stray_use_files(session)
         return removed
+
+    def remove_stray_use_files(self, session: str) -> None:
+        """The use file of each cache that is gone - its json removed by a destroy, a drop, or a
+        creation cut short - and that no process holds (NOTE [cache use])."""
+        for use in sorted((self.session_dir(session) / "caches").glob("*.open")):
+            if not self.cache_meta_path(session, use.stem).exists():
+                with unless_held(use) as free:  # held: an opener is making the cache anew
+                    if free and not self.cache_meta_path(session, use.stem).exists():
+                        use.unlink(missing_ok=True)
 
     def drop_cache_contents(self, session: str, cache: str) -> list[str]:
         """Remove every segment (roots tombstoned first) and the spill folder of cache ``cache``,

@@ -281,6 +281,20 @@ class CacheStore:
         self._incarnation = 0  # the root's (set when it is opened; see the module docstring)
         self._lock_stuck_until = 0.0  # puts try the lock without waiting until then (_write_locked)
         self._lock_stuck_logged = False
+        self._use = None  # held while this handle is open to use the cache (NOTE [cache use])
+        if create:
+            try:
+                self._use = self.registry.hold_cache(self.session, self.name)
+            except FileNotFoundError:  # the session's directory went away under us
+                raise SessionNotFound(f"session {self.session!r} was destroyed while cache {self.name!r} "
+                                      f"was being opened in it; open it again") from None
+        try:
+            self._open_cache(capacity_bytes, fingerprint, table_hint, create)
+        except BaseException:
+            self._release_use()
+            raise
+
+    def _open_cache(self, capacity_bytes: int, fingerprint: str | None, table_hint: int, create: bool) -> None:
         # a whole cache opens without the lock (NOTE [publish order]: Opening): a writer stopped
         # while it holds the lock must not block readers and re-attaching workers
         self._root = self._attach_whole_root(fingerprint)
@@ -1278,9 +1292,15 @@ class CacheStore:
             self._root.close()
             self._root = None
         self.lock.close()
+        self._release_use()
         if self._attached == process_slot.fork_count():  # (a forked child never attached this one)
             self._attached = -1
             process_slot.detach(self.registry, self.session)
+
+    def _release_use(self) -> None:
+        if self._use is not None:
+            self._use.release()
+            self._use = None
 
     def destroy(self) -> None:
         """Remove this cache from its session (segments, metadata and spill files)."""

@@ -7,13 +7,15 @@ Commands::
                                          average item size, hits, misses; a snapshot read
                                          through (snapshot=): its hits, misses, bytes, errors
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
-                                         memory
+                                         memory, the cache opened longest ago
     shmcache new [NAME] [--spill-dir D] [--remote URL]
                                          create a session and print its name
-    shmcache destroy NAME [--force]      drop a session and everything in it
+    shmcache destroy NAME [--force] [--cache C]
+                                         drop a session and everything in it (or only cache C)
     shmcache gc [--idle-for D] [--json]  reclaim what dead processes left behind; with --idle-for
                                          (90s, 30m, 12h, 1d, 2w), also destroy the sessions
-                                         nobody has used for that long
+                                         nobody has used for that long; with --cache-idle-for D,
+                                         the caches no process has opened for that long
     shmcache info [--json]               limits and configuration
     shmcache export SESSION [CACHE] DEST [--overwrite]
                                          write a cache to a snapshot: a directory, or an fsspec URL
@@ -43,7 +45,7 @@ from ..base.memory import memory_limits
 from ..base.namespace import namespace, resolve_session_name
 from ..base.settings import ENV_REMOTE, ENV_SPILL_DIR
 from ..cache.registry import SessionRegistry
-from ..errors import CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
+from ..errors import CacheInUse, CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
 
 __all__ = ["main"]
 
@@ -111,6 +113,10 @@ def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
             st["label"] = store.read_meta().get("label")  # wrap(label=), else the dataset's repr
         finally:
             store.close()
+        last = registry.cache_last_opened(session, name)  # None: open in a live process now
+        st["in_use"] = last is None
+        st["last_opened"] = None if last is None else round(last, 1)
+        st["idle_s"] = 0.0 if last is None else round(max(0.0, time.time() - last), 1)
         # the tiers it has (had): their counters and the seam's, every process's - the keys stats() has
         st.update(assembly.stats_from_files(registry, session, name))
         out.append(st)
@@ -139,7 +145,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         print(f"no caches in {where}")
         return 0
     headers = ["session", "cache", "dataset", "items mem", "items disk", "bytes mem", "bytes disk",
-               "avg item", "hits", "misses", "rejected"]
+               "avg item", "hits", "misses", "rejected", "last opened"]
     remote = any("remote" in st for st in rows)
     if remote:  # the remote tier's columns, only when a cache has one (NOTE [tier counts])
         headers += ["remote hits", "remote misses", "read", "written", "errors", "forged", "backlog"]
@@ -155,7 +161,8 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         label = label if len(label) <= 40 else label[:37] + "..."
         table.append([st["session"], st["name"], label, str(st["items_mem"]), str(st["items_disk"]),
                       _size(st["bytes_mem"]), _size(st["bytes_disk"]), _size(st["avg_item_bytes"]),
-                      str(st["hits"]), str(st["misses"]), str(st["rejected"])])
+                      str(st["hits"]), str(st["misses"]), str(st["rejected"]),
+                      _ago(None if st["in_use"] else st["idle_s"])])
         if remote:
             table[-1] += ([str(st["remote_hits"]), str(st["remote_misses"]), _size(st["remote_bytes_read"]),
                            _size(st["remote_bytes_written"]), str(st["remote_errors"]), str(st["remote_forged"]),
@@ -179,10 +186,13 @@ def cmd_ls(args, registry: SessionRegistry) -> int:
             owner = str(info.uid)
         live = len(registry.live_pids(info.name))
         last_used = now if live else registry.last_used(info.name)
+        opened = {c: registry.cache_last_opened(info.name, c) for c in registry.cache_names(info.name)}
+        # per cache, how long since a process last had it open (0: open now): NOTE [cache use]
+        idle = {c: 0.0 if t is None else round(max(0.0, now - t), 1) for c, t in opened.items()}
         rows.append({"session": info.name, "owner": owner, "created": info.created,
                      "age_s": round(now - info.created, 1), "last_used": round(last_used, 1),
                      "idle_s": round(max(0.0, now - last_used), 1), "live_processes": live,
-                     "caches": len(registry.cache_names(info.name)), "shm_bytes": mem,
+                     "caches": len(idle), "caches_idle_s": idle, "shm_bytes": mem,
                      "spill_dir": info.spill_dir})
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -190,10 +200,12 @@ def cmd_ls(args, registry: SessionRegistry) -> int:
     if not rows:
         print(f"no sessions in {registry.ns.root}")
         return 0
-    print(_table(["session", "owner", "age", "last used", "live procs", "caches", "memory"],
+    print(_table(["session", "owner", "age", "last used", "live procs", "caches", "memory", "oldest cache opened"],
                  [[r["session"], r["owner"], _age(r["age_s"]),
                    _ago(None if r["live_processes"] else r["idle_s"]), str(r["live_processes"]),
-                   str(r["caches"]), _size(r["shm_bytes"])] for r in rows], right={2, 3, 4, 5, 6}))
+                   str(r["caches"]), _size(r["shm_bytes"]),
+                   _ago(max(r["caches_idle_s"].values()) or None) if r["caches_idle_s"] else "-"]
+                  for r in rows], right={2, 3, 4, 5, 6, 7}))
     return 0
 
 
@@ -214,6 +226,16 @@ def cmd_new(args, registry: SessionRegistry) -> int:
 
 
 def cmd_destroy(args, registry: SessionRegistry) -> int:
+    if args.cache is not None:
+        size = registry.cache_shm_bytes(args.name, args.cache)
+        try:
+            removed = registry.drop_cache(args.name, args.cache, force=args.force)
+        except CacheInUse as exc:  # the library's message says force: say what to type here
+            raise CacheInUse(str(exc).replace("with force", f"with `shmcache destroy --force {args.name} "
+                                              f"--cache {args.cache}`")) from None
+        print(f"destroyed cache {args.name}/{args.cache} ({_size(size)} of shared memory freed, "
+              f"{len(removed)} segments removed)")
+        return 0
     try:
         removed = registry.destroy(args.name, force=args.force)
     except SessionInUse:  # the library's message says force=True: say what to type here
@@ -230,7 +252,7 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
     from ..launch.supervisor import remove_stale_launch_directories
     from ..tiers.namespace_gc import collect_garbage
 
-    done = collect_garbage(registry, args.idle_for)
+    done = collect_garbage(registry, args.idle_for, args.cache_idle_for)
     result, report, idle, reclaimed = done.to_json(), done.registry, done.idle, done.reclaimed
     result["removed_launch_dirs"] = launch_dirs = remove_stale_launch_directories()
     dropped, recounted, skipped = done.dropped, done.recounted, done.skipped
@@ -240,6 +262,9 @@ def cmd_gc(args, registry: SessionRegistry) -> int:
         for s in idle:
             print(f"gc: destroyed session {s.name!r}, unused for {_age(s.idle_s)} "
                   f"({len(s.removed_segments)} segments removed)")
+        for c in done.idle_caches:
+            print(f"gc: dropped cache {c.session}/{c.cache}, not opened for {_age(c.idle_s)} "
+                  f"({_size(c.shm_bytes)} of shared memory freed)")
         # slot files of exited processes are normal leftovers (a clean exit leaves one too)
         print(f"gc: {len(result['removed_segments'])} orphaned segments removed, "
               f"{reclaimed} half-written entries reclaimed, {len(report.removed_dirs)} half-made "
@@ -380,7 +405,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("session", nargs="?", help="only this session")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_stat)
-    s = sub.add_parser("ls", help="list sessions (owner, age, last use, live processes, memory)")
+    s = sub.add_parser("ls", help="list sessions (owner, age, last use, live processes, memory, the "
+                                  "cache opened longest ago)")
     s.add_argument("--json", action="store_true", help="machine-readable output (last_used in epoch seconds, idle_s)")
     s.set_defaults(func=cmd_ls)
     s = sub.add_parser("new", help="create a session and print its name")
@@ -394,11 +420,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("name", help="the session to destroy (see `shmcache ls`)")
     s.add_argument("--force", action="store_true",
                    help="even if live processes are attached (their caches vanish under them)")
+    s.add_argument("--cache", metavar="CACHE", help="drop only this cache of the session (see `shmcache stat`)")
     s.set_defaults(func=cmd_destroy)
     s = sub.add_parser("gc", help="reclaim what dead processes left behind")
     s.add_argument("--idle-for", type=_duration, metavar="DURATION",
                    help="also destroy the sessions no live process is attached to and nobody has "
                         "used for DURATION or longer: a number and s, m, h, d or w (90s, 30m, 12h, 1d, 2w)")
+    s.add_argument("--cache-idle-for", type=_duration, metavar="DURATION",
+                   help="also drop every cache that no live process has open and none opened for "
+                        "DURATION or longer (an old version of a dataset, say)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_gc)
     s = sub.add_parser("info", help="limits and configuration")

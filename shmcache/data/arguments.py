@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from typing import Any
 
@@ -17,7 +18,8 @@ from ..base.namespace import namespace, validate_name
 from ..base.settings import ENV_SIZE_MB, ENV_SNAPSHOT
 from ..errors import InvalidArgument, SessionNotFound
 
-__all__ = ["check_session", "check_size", "size_from_env", "label_of", "default_name", "snapshot_arg"]
+__all__ = ["check_session", "check_size", "size_from_env", "label_of", "default_name", "snapshot_arg",
+           "say_earlier_versions"]
 
 log = logging.getLogger("shmcache")
 _MAX_SIZE_MB = 1 << 26  # 64 TiB: anything larger is a unit mistake (bytes given as MiB)
@@ -88,7 +90,35 @@ def size_from_env() -> int:
 
 def default_name(dataset: Any, fingerprint: str) -> str:
     base = "".join(c if c.isalnum() or c in "_.-" else "_" for c in type(dataset).__name__)[:40]
-    return validate_name(f"{base}-{fingerprint[:12]}", "cache")
+    return validate_name(f"{base}-{fingerprint[:_FP_CHARS]}", "cache")
+
+
+_FP_CHARS = 12  # of the fingerprint in a default name
+
+
+def say_earlier_versions(registry: Any, session: str, name: str) -> None:
+    """Cache ``name`` (a default name) was just made: if the session holds caches of the same
+    dataset type under another fingerprint - the dataset changed - say which ones stay behind in
+    shared memory, their size and how to drop them (NOTE [cache use] in cache/registry.py)."""
+    base = name[:-_FP_CHARS]
+    for other in registry.cache_names(session):
+        if other == name or not other.startswith(base) or len(other) != len(name):
+            continue
+        last = registry.cache_last_opened(session, other)
+        when = "open in a live process now" if last is None else f"last opened {_ago(time.time() - last)}"
+        log.warning("cache %s/%s is new: the %s dataset changed (its length, attributes, code, "
+                    "transform or samples differ), and the cache of an earlier version, %s/%s "
+                    "(%.1f MiB of shared memory, %s), stays in memory; drop it with `shmcache "
+                    "destroy %s --cache %s`, or every cache no process opened for a day with "
+                    "`shmcache gc --cache-idle-for 1d`", session, name, base[:-1], session, other,
+                    registry.cache_shm_bytes(session, other) / 2**20, when, session, other)
+
+
+def _ago(seconds: float) -> str:
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
 
 
 def snapshot_arg(snapshot: Any, options: dict | None) -> tuple[str, dict] | None:

@@ -25,6 +25,7 @@ from ..base.progress import progress_bar
 from ..base.settings import ENV_REMOTE, ENV_SIZE_MB, ENV_SPILLING
 from ..base.trust import resolve_secret
 from ..cache import codec
+from ..cache.registry import SessionRegistry
 from ..cache.store import MISSING, CacheStore, UncachedStore
 from ..errors import (
     InvalidArgument,
@@ -34,7 +35,15 @@ from ..errors import (
 )
 from ..tiers.remote import resolve as resolve_remote
 from . import tensors
-from .arguments import check_session, check_size, default_name, label_of, size_from_env, snapshot_arg
+from .arguments import (
+    check_session,
+    check_size,
+    default_name,
+    label_of,
+    say_earlier_versions,
+    size_from_env,
+    snapshot_arg,
+)
 from .batches import as_int_keys, copy_into, gather
 from .fingerprint import fingerprint, given_fingerprint, length_or_none
 from .probes import read_probes, same_value
@@ -432,7 +441,12 @@ class ShmDatasetCache:
         given = self._given_fp
         fp = fingerprint(dataset, transform, samples) if given is None else given_fingerprint(dataset, given)
         if self._store is None:
-            self._open(self.name or default_name(dataset, fp), fp, table_hint)
+            name = self.name or default_name(dataset, fp)
+            registry = SessionRegistry(namespace(self._ns_root)) if self.name is None else None
+            new = registry is not None and not registry.cache_meta_path(self.session, name).exists()
+            self._open(name, fp, table_hint)
+            if new:  # a dataset that changed leaves its old cache: say so (NOTE [cache use])
+                say_earlier_versions(registry, self.session, name)
         elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset
             self._tiers_learn(fp)  # a snapshot of another dataset: refused
             self._store.bind_fingerprint(fp)
@@ -573,6 +587,21 @@ class ShmDatasetCache:
             if bar is not None:
                 bar.close()  # on Ctrl-C too: the bar's last line is the count stored
         return computed
+
+    def verify_sample(self, dataset: Any, fraction: float = 0.01, *, seed: int | None = None,
+               progress: bool | None = None, raise_on_stale: bool = True):
+        """Recompute ``fraction`` of the cached items of ``dataset`` (wrapped by this cache, or the
+        dataset itself: it is wrapped) and compare each with its cached copy, with a progress bar
+        (``None``: when stderr is a terminal). Returns a ``VerifyReport`` (``ok``, ``checked``,
+        ``stale``); a stale item raises ``CacheMismatch`` naming them (``raise_on_stale=False``:
+        logged and reported instead). The check the fingerprint cannot make: it sees a dataset's
+        file paths, not the files, so an edited file is served stale until this (or ``verify=``)
+        recomputes it. (``verify=``, the fraction of hits checked as they are read, keeps the
+        attribute name ``verify``.)"""
+        from .verify import verify_sample
+
+        ds = dataset if isinstance(dataset, CachedDataset) else self.wrap(dataset)
+        return verify_sample(ds, fraction, seed=seed, progress=progress, raise_on_stale=raise_on_stale)
 
     def stats(self) -> dict:
         """Counters shared by every process (keys: docs/design.md §10); with a remote or a snapshot

@@ -37,7 +37,8 @@ NOTE [fingerprint]
 
     It stays a heuristic: two datasets that differ only in state it skips, and agree on the probe
     samples, still look the same; so does data nested deeper than ``_MAX_DEPTH`` levels.
-    ``verify=`` (recompute a share of the hits) catches that.
+    ``verify=`` (recompute a share of the hits) catches that, and ``verify_sample`` (a share of the
+    cached items, at once: data/verify.py) catches files edited under unchanged paths too.
 """
 
 from __future__ import annotations

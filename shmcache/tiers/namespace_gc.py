@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cache.registry import GcReport, IdleSession, SessionRegistry
+from ..cache.registry import GcReport, IdleCache, IdleSession, SessionRegistry
 from ..cache.store import CacheStore
 from ..errors import CacheNotFound, CorruptSegment, LockTimeout, ShmcacheError
 from .spill.tier import attach_existing, remove_orphans
@@ -28,6 +28,7 @@ class GcResult:
 
     registry: GcReport
     idle: list[IdleSession] = field(default_factory=list)  # sessions destroyed for --idle-for
+    idle_caches: list[IdleCache] = field(default_factory=list)  # caches dropped for --cache-idle-for
     stale_segments: list[str] = field(default_factory=list)  # of caches that exist
     reclaimed: int = 0  # half-written entries of dead writers
     dropped: list[dict] = field(default_factory=list)  # {"cache", "reason"}: damaged, now empty
@@ -43,17 +44,24 @@ class GcResult:
                 "recounted_caches": self.recounted, "skipped_caches": self.skipped,
                 "destroyed_idle_sessions": [{"session": s.name, "last_used": round(s.last_used, 1),
                                              "idle_s": round(s.idle_s, 1),
-                                             "removed_segments": s.removed_segments} for s in self.idle]}
+                                             "removed_segments": s.removed_segments} for s in self.idle],
+                "dropped_idle_caches": [{"cache": f"{c.session}/{c.cache}", "last_opened": round(c.last_opened, 1),
+                                         "idle_s": round(c.idle_s, 1), "shm_bytes": c.shm_bytes,
+                                         "removed_segments": c.removed_segments} for c in self.idle_caches]}
 
 
-def collect_garbage(registry: SessionRegistry, idle_for_s: float | None = None) -> GcResult:
+def collect_garbage(registry: SessionRegistry, idle_for_s: float | None = None,
+                    cache_idle_for_s: float | None = None) -> GcResult:
     """``shmcache gc`` on ``registry``'s namespace; ``idle_for_s``: first destroy the sessions
-    nobody used for that long (NOTE [session lifecycle], last use)."""
+    nobody used for that long (NOTE [session lifecycle], last use); ``cache_idle_for_s``: then
+    drop the caches no process opened for that long (NOTE [cache use])."""
     idle = registry.destroy_idle(idle_for_s) if idle_for_s is not None else []
-    result = GcResult(registry.gc(), idle)
+    idle_caches = registry.drop_idle_caches(cache_idle_for_s) if cache_idle_for_s is not None else []
+    result = GcResult(registry.gc(), idle, idle_caches=idle_caches)
     for info in registry.list():
         for name in registry.cache_names(info.name):
             _collect_cache(registry, info.name, name, result)
+        registry.remove_stray_use_files(info.name)  # of caches that opening found never made
     result.registry.removed_spill_files += remove_orphans(registry.ns, {s.name for s in registry.list()})
     return result
 

@@ -47,6 +47,13 @@ def _touch(path) -> None:
     Path(path).touch()
 
 
+def _write_json(path, data) -> None:
+    """``data`` into ``path`` whole (a reader polling for the file never sees half of it)."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
 def _wait_file(path, timeout_s: float = DEADLINE_S) -> None:
     deadline = time.monotonic() + timeout_s
     p = Path(path)
@@ -300,17 +307,34 @@ def op_hold_registry_lock(held_path):
     return {}
 
 
-def op_timed_put(session, cache, cap, key, timeout_s):
-    """A writer that may have to wait for the lock: how long its put took."""
+def op_timed_put(session, cache, cap, key, timeout_s, refused_path=None):
+    """A writer that may have to wait for the lock: how long its put took. With ``refused_path``,
+    first a put that waits 0.2 s at most, whose outcome goes to that file (the test's handshake:
+    refused, so the lock is held), then the put that waits up to ``timeout_s``."""
+    if refused_path is not None:
+        first = _store(session, cache, cap, lock_timeout_s=0.2)
+        stored = first.put(key, value_for(key))  # False: served uncached, the lock is held
+        first.close()
+        _write_json(refused_path, {"stored": stored})
     s = _store(session, cache, cap, lock_timeout_s=timeout_s)
     t0 = time.monotonic()
     ok = s.put(key, value_for(key))
     return {"ok": ok, "waited_s": time.monotonic() - t0, "done_at": time.time()}
 
 
-def op_timed_create(name, timeout_s):
+def op_timed_create(name, timeout_s, refused_path=None):
+    """``SessionRegistry.create`` that may have to wait for the registry lock; ``refused_path``:
+    as op_timed_put's, a first try that waits 0.2 s at most."""
     from shmcache.cache.registry import SessionRegistry
+    from shmcache.errors import LockTimeout
 
+    if refused_path is not None:
+        try:
+            SessionRegistry(timeout_s=0.2).create(name, exist_ok=True)
+            stored = True
+        except LockTimeout:
+            stored = False
+        _write_json(refused_path, {"stored": stored})
     t0 = time.monotonic()
     SessionRegistry(timeout_s=timeout_s).create(name, exist_ok=True)
     return {"waited_s": time.monotonic() - t0, "done_at": time.time()}

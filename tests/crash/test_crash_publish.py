@@ -154,12 +154,16 @@ def test_waiters_get_the_lock_as_soon_as_its_holder_is_sigkilled(lock, tmp_path)
         else:
             holder, _ = z.spawn("hold_registry_lock", str(held))
         wait_for(held.exists, 30, f"the {lock} lock holder")
+        refused = [tmp_path / f"refused-{i}" for i in range(3)]
         if lock == "cache":
-            waiters = [z.spawn("timed_put", S, C, CAP, 500 + i, 30) for i in range(3)]
+            waiters = [z.spawn("timed_put", S, C, CAP, 500 + i, 30, str(refused[i])) for i in range(3)]
         else:
-            waiters = [z.spawn("timed_create", f"new-{i}", 30) for i in range(3)]
-        time.sleep(0.5)
-        assert not any(out.exists() for _, out in waiters), "a waiter got a lock that is held"
+            waiters = [z.spawn("timed_create", f"new-{i}", 30, str(refused[i])) for i in range(3)]
+        # the handshake: each waiter's first try (0.2 s at most) was refused, so the lock is held
+        # and each is now in its second, long wait
+        wait_for(lambda: all(p.exists() for p in refused), 30, "the waiters' first tries")
+        assert [json.loads(p.read_text())["stored"] for p in refused] == [False] * 3, \
+            "a waiter got a lock that is held"
         killed_at = time.time()
         z.kill(holder)
         assert z.wait(holder, 10) == -9

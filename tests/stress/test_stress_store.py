@@ -93,7 +93,7 @@ def test_processes_get_put_and_clear(tmp_path):
     assert store.collect_garbage() == (0, [])
 
 
-@pytest.mark.parametrize("seconds", [pytest.param(4.0, id="4s"),
+@pytest.mark.parametrize("seconds", [pytest.param(2.5, id="2.5s"),
                                      pytest.param(60.0, id="60s", marks=pytest.mark.slow)])
 def test_random_sigkills_during_get_put(seconds, tmp_path, capsys):
     """Four workers doing get/put; every 20-150 ms one of them is SIGKILLed, wherever it is, and

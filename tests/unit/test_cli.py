@@ -55,7 +55,7 @@ def test_stat_table(capsys, populated):
     assert len(rows) == 1
     row = rows[0]
     assert row[:5] == ["train", "images", "-", "3", "0"]  # "-": no dataset was wrapped
-    assert row[-3:] == ["2", "1", "0"]  # hits, misses, rejected
+    assert row[-5:] == ["2", "1", "0", "in", "use"]  # hits, misses, rejected; last opened: open here
 
 
 def test_stat_json_matches_the_store(capsys, populated):

@@ -295,8 +295,14 @@ def test_attaching_while_a_destroy_has_the_directory_away_waits_for_its_decision
         proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         try:
-            time.sleep(1.0)
-            assert proc.poll() is None, proc.communicate()[1]  # waiting for the lock, not failed
+            # the handshake: it opens the registry lock only to wait for it (keep_open=False)
+            lock = str(shm_namespace.root / "registry.lock")
+            deadline = time.monotonic() + 30
+            while not _has_open(proc.pid, lock):
+                assert proc.poll() is None, proc.communicate()[1]  # waiting for the lock, not failed
+                assert time.monotonic() < deadline, "the attacher never waited for the registry lock"
+                time.sleep(0.01)
+            assert proc.poll() is None, proc.communicate()[1]
             os.rename(away, reg.session_dir("s"))  # the destroy was refused: the directory is back
             reg._lock.release()
             assert proc.stdout.readline().strip() == "attached"
@@ -379,3 +385,18 @@ def test_a_process_that_only_writes_counts_as_attached():
         p.stdin.close()
         p.wait(timeout=30)
         p.stdout.close()
+
+
+def _has_open(pid: int, path: str) -> bool:
+    """Process ``pid`` has ``path`` open (one of its /proc/PID/fd links names it)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == path:
+                return True
+        except OSError:
+            continue
+    return False
