@@ -24,6 +24,9 @@ SHMCACHE_RDZV_TOKEN      the launcher's rendezvous token (launch/; never passed 
 SHMCACHE_ORDERING        "membarrier" or "tso": the memory-ordering mode (base/ordering.py, at import)
 SHMCACHE_CRASH_AT        crash points of the crash tests (base/faults.py, at import) ...
 SHMCACHE_CRASH_AFTER     ... and how many of them to pass first
+SHMCACHE_CLAIMS          "0", "false", "no", "off": misses compute without claims (cache/claims.py)
+SHMCACHE_CLAIM_TIMEOUT_S the longest a miss waits for another process's claim, s (default 10;
+                         cache/claims.py)
 RANK, LOCAL_RANK,        torchrun's, which the launcher sets for each worker as torchrun does:
 WORLD_SIZE,              the torch layer reads them (data/sampler.py; a warm-up's bar and
 LOCAL_WORLD_SIZE         offsets; a worker's name)
@@ -37,8 +40,8 @@ from collections.abc import Mapping
 
 __all__ = ["PREFIX", "ENV_DIR", "ENV_SESSION", "ENV_SIZE_MB", "ENV_SPILLING", "ENV_SPILL_DIR", "ENV_REMOTE",
            "ENV_REMOTE_PASSWORD", "ENV_SNAPSHOT", "ENV_SECRET", "ENV_MAX_ITEM_MB", "ENV_RDZV_TOKEN", "ENV_ORDERING",
-           "ENV_CRASH_AT", "ENV_CRASH_AFTER", "ENV_RANK", "ENV_LOCAL_RANK", "ENV_WORLD_SIZE",
-           "ENV_LOCAL_WORLD_SIZE", "get", "flag", "without_ours"]
+           "ENV_CRASH_AT", "ENV_CRASH_AFTER", "ENV_CLAIMS", "ENV_CLAIM_TIMEOUT_S", "ENV_RANK", "ENV_LOCAL_RANK",
+           "ENV_WORLD_SIZE", "ENV_LOCAL_WORLD_SIZE", "get", "flag", "without_ours"]
 
 PREFIX = "SHMCACHE_"
 ENV_DIR = "SHMCACHE_DIR"
@@ -55,6 +58,8 @@ ENV_RDZV_TOKEN = "SHMCACHE_RDZV_TOKEN"
 ENV_ORDERING = "SHMCACHE_ORDERING"
 ENV_CRASH_AT = "SHMCACHE_CRASH_AT"
 ENV_CRASH_AFTER = "SHMCACHE_CRASH_AFTER"
+ENV_CLAIMS = "SHMCACHE_CLAIMS"  # "0": misses compute without claims (NOTE [claims])
+ENV_CLAIM_TIMEOUT_S = "SHMCACHE_CLAIM_TIMEOUT_S"  # the longest wait for another's claim
 # torchrun's, which the launcher sets for each worker like torchrun and the torch layer reads
 ENV_RANK = "RANK"
 ENV_LOCAL_RANK = "LOCAL_RANK"

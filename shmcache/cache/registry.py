@@ -209,6 +209,10 @@ class SessionRegistry:
         """The file that every process using cache ``cache`` holds shared (NOTE [cache use])."""
         return self.session_dir(session) / "caches" / f"{cache}.open"
 
+    def cache_claims_path(self, session: str, cache: str) -> Path:
+        """The claims file of cache ``cache``: its claim locks and counters (NOTE [claims])."""
+        return self.session_dir(session) / "caches" / f"{cache}.claims"
+
     def hold_cache(self, session: str, cache: str, timeout_s: float = 10.0) -> SharedHold:
         """Count this process as using cache ``cache`` until the hold's ``release()`` (NOTE [cache use])."""
         return SharedHold(self.cache_use_path(session, cache), timeout_s=timeout_s,
@@ -254,6 +258,7 @@ class SessionRegistry:
                     if spill:
                         shutil.rmtree(spill, ignore_errors=True)
                     self.cache_meta_path(session, cache).unlink(missing_ok=True)
+                    self.cache_claims_path(session, cache).unlink(missing_ok=True)
                     if free:
                         use.unlink(missing_ok=True)  # held by us: an opener waiting takes a new one
             finally:
@@ -534,7 +539,11 @@ class SessionRegistry:
 
     def remove_stray_use_files(self, session: str) -> None:
         """The use file of each cache that is gone - its json removed by a destroy, a drop, or a
-        creation cut short - and that no process holds (NOTE [cache use])."""
+        creation cut short - and that no process holds (NOTE [cache use]); and its claims file
+        (NOTE [claims]: a claim on a file nobody opens any more guards nothing)."""
+        for claims in sorted((self.session_dir(session) / "caches").glob("*.claims")):
+            if not self.cache_meta_path(session, claims.stem).exists():
+                claims.unlink(missing_ok=True)
         for use in sorted((self.session_dir(session) / "caches").glob("*.open")):
             if not self.cache_meta_path(session, use.stem).exists():
                 with unless_held(use) as free:  # held: an opener is making the cache anew

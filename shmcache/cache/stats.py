@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import claims
 from .generation import COUNTER_NAMES, DEAD_GEN, HITS, MISSES, REJECTED, M
 from .registry import MAX_SLOTS
 
@@ -35,14 +36,17 @@ def cache_stats(store: CacheStore) -> dict:
         "bytes_mem": bytes_mem, "bytes_disk": bytes_disk, "bytes_disk_raw": bytes_disk_raw,
         "avg_item_bytes": (bytes_mem + bytes_disk_raw) // items if items else 0,
         **{name: int(n) for name, n in zip(COUNTER_NAMES, counters)},
+        **claims.read_counts(store.claims.path),  # computed, claim_waits, claim_timeouts (NOTE [claims])
         "capacity_bytes": store.capacity_bytes, "committed_bytes": committed,
         "shm_bytes": store.shm_bytes() if g.gen != DEAD_GEN else 0,  # not the cache made again
     }
 
 
-def uncached_stats(session: str, name: str, counters: list[int]) -> dict:
-    """The statistics of an UncachedStore: its process's ``counters`` (hits, misses, rejected)."""
+def uncached_stats(session: str, name: str, counters: list[int], computed: int = 0) -> dict:
+    """The statistics of an UncachedStore: its process's ``counters`` (hits, misses, rejected)
+    and the values it computed."""
     st = dict.fromkeys(STAT_KEYS, 0)
     st.update(session=session, name=name, hits=counters[HITS], misses=counters[MISSES],
-              rejected=counters[REJECTED], corrupt=0, committed_bytes=0, shm_bytes=0, uncached=True)
+              rejected=counters[REJECTED], corrupt=0, computed=computed, claim_waits=0,
+              claim_timeouts=0, committed_bytes=0, shm_bytes=0, uncached=True)
     return st

@@ -172,7 +172,7 @@ from ..errors import (
     ShmcacheError,
 )
 from . import chunk as chunks
-from . import codec, gather, portable, process_slot, repair, stats
+from . import claims, codec, gather, portable, process_slot, repair, stats
 from .admission import MIN_CAPACITY, Admission, NoRoom, initial_capacity, log_no_memory
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, size_class
 from .generation import (
@@ -255,7 +255,7 @@ class CacheStore:
     def __init__(self, session: str, name: str, *, capacity_bytes: int = 0,
                  fingerprint: str | None = None, table_hint: int = 0,
                  ns: Namespace | str | None = None, lock_timeout_s: float = 60.0,
-                 create: bool = True):
+                 create: bool = True, claim_timeout_s: float | None = None):
         ordering.register()  # a weakly ordered machine without membarrier refuses here (ordering.py)
         self.session = validate_name(session, "session")
         self.name = validate_name(name, "cache")
@@ -268,6 +268,9 @@ class CacheStore:
         self.meta_path = self.registry.cache_meta_path(self.session, self.name)
         self.lock = self.registry.cache_lock(self.session, self.name, lock_timeout_s)
         self._base = self.ns.segment_name(self.session, self.name)
+        # who computes a key many processes miss at once (NOTE [claims]); opened on first use
+        self.claims = claims.Claims(self.registry.cache_claims_path(self.session, self.name),
+                                    lambda: process_slot.slot(self.registry, self.session), claim_timeout_s)
         self._gen: Generation | None = None
         self._epoch = -1
         self._counters = [0, 0, 0, 0]  # hits, misses, rejected, corrupt: this process's totals
@@ -909,6 +912,17 @@ class CacheStore:
         root = self._root
         return root is not None and split_epoch(_Q.unpack_from(root.buf, R.EPOCH)[0])[0] == gen
 
+    def fill(self, key: Any, compute: Callable[[Any], Any], publish: Callable[[Any, Any], Any],
+             copy: bool = True) -> Any:
+        """The value of ``key`` after a miss: ``compute(key)``, stored by ``publish(key, value)``,
+        under a claim so that processes missing it at once compute it once (NOTE [claims])."""
+        return claims.fill(self.claims, key, lambda: self.lookup(key, copy, count=False), MISSING,
+                           compute, publish)
+
+    def count_computed(self, n: int = 1) -> None:
+        """``n`` values computed for this cache on a path without claims (a batch, a warm-up)."""
+        self.claims.count(claims.COMPUTED, n)
+
     def contains(self, key: Any) -> bool:
         try:
             return self._find(self._refresh(), key)[0] != 0
@@ -1292,6 +1306,7 @@ class CacheStore:
             self._root.close()
             self._root = None
         self.lock.close()
+        self.claims.close()
         self._release_use()
         if self._attached == process_slot.fork_count():  # (a forked child never attached this one)
             self._attached = -1
@@ -1310,6 +1325,7 @@ class CacheStore:
             self._root.words[R.EPOCH >> 3] = DESTROYED
             ordering.fence()  # retired for every reader before its spill files and name are reused
             self.meta_path.unlink(missing_ok=True)
+            self.claims.path.unlink(missing_ok=True)  # its claims and their counters go with it
             unlink_segments(self.ns, self._base + SEP)  # the root first: the cache is gone at once
             if self.spill is not None:
                 self.spill.destroy()
@@ -1331,6 +1347,7 @@ class UncachedStore:
         self.capacity_bytes = 0
         self.spill = None
         self._counters = [0, 0, 0]  # hits, misses, rejected
+        self._computed = 0
         log.warning("cache %s/%s is not cached: %s; its items are computed from the source", session,
                     name, reason)
 
@@ -1356,6 +1373,15 @@ class UncachedStore:
     def contains(self, key: Any) -> bool:
         return False
 
+    def fill(self, key: Any, compute: Callable[[Any], Any], publish: Callable[[Any, Any], Any],
+             copy: bool = True) -> Any:
+        """No shared memory, so no claims: compute (and offer it to ``publish``, which refuses)."""
+        self._computed += 1
+        return claims.fill(None, key, lambda: MISSING, MISSING, compute, publish)
+
+    def count_computed(self, n: int = 1) -> None:
+        self._computed += n
+
     def batch_layout(self, keys: np.ndarray) -> None:
         return None
 
@@ -1374,7 +1400,7 @@ class UncachedStore:
         """Nothing is stored, so nothing can be another dataset's."""
 
     def stats(self) -> dict:
-        return stats.uncached_stats(self.session, self.name, self._counters)
+        return stats.uncached_stats(self.session, self.name, self._counters, self._computed)
 
     def __len__(self) -> int:
         return 0

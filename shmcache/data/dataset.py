@@ -14,6 +14,7 @@ import itertools
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -284,6 +285,8 @@ class ShmDatasetCache:
                    for p in probes]
         self._bind(dataset, transform, samples, table_hint=n)
         self._source_len = n
+        # the fingerprint's probes (and the second read of the first): computations too
+        self._store.count_computed(len(probes) + (again is not None))
         for p in probes:  # computed anyway: keep them
             if p.error is None:
                 self._put(self._store, p.index, None, p.encoded)
@@ -478,9 +481,7 @@ class ShmDatasetCache:
             return value
         if fn is None:
             raise KeyError(key)
-        value = fn(key)
-        self.put(key, value)
-        return value
+        return store.fill(key, fn, partial(self._put, store), self.copy)  # NOTE [claims]
 
     def put(self, key: int | str | bytes, value: Any) -> bool:
         """Store ``value`` under ``key`` (kept if present). False if the cache was full."""
@@ -536,6 +537,7 @@ class ShmDatasetCache:
                                f"{[keys[i] for i in missing[:10]]}; pass fn= to compute them")
             for i in missing:
                 values[i] = fn(keys[i])
+                store.count_computed()
                 self._put(store, keys[i], values[i])
         batch = default_collate(values)
         if out is not None:
@@ -580,6 +582,7 @@ class ShmDatasetCache:
                 for i in absent:
                     if not store.contains(i):
                         self._put(store, i, ds._compute(i))
+                        store.count_computed()
                         computed += 1
                     if bar is not None:
                         bar.update(1)  # as each is stored (tqdm redraws at most 10 times a second)

@@ -13,6 +13,7 @@ import secrets
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -207,9 +208,8 @@ class CachedDataset(Dataset):
         cache = self.cache
         store = cache._store if cache._store is not None else cache._ensure_open()
         value = store.lookup(i, cache.copy)
-        if value is MISSING:
-            value = self._compute(i)
-            self._store_computed(store, i, value)
+        if value is MISSING:  # computed once, whoever else misses it now (NOTE [claims])
+            value = store.fill(i, self._compute, partial(self._store_computed, store), cache.copy)
         elif cache.verify and _VERIFY_RNG.random() < cache.verify:
             self._verify(i, value)
         return value
@@ -278,6 +278,7 @@ class CachedDataset(Dataset):
                     self._verify(idx[j], values[j])
         if missing:
             computed = self._compute_many([idx[j] for j in missing])
+            store.count_computed(len(computed))
             for j, value in zip(missing, computed):
                 values[j] = value
                 self._store_computed(store, idx[j], value)

@@ -324,6 +324,16 @@ class TieredStore:
     def contains(self, key: Any) -> bool:
         return self.local.contains(key)  # what this node holds; a tier is asked only on a read
 
+    def fill(self, key: Any, compute: Callable[[Any], Any], publish: Callable[[Any, Any], Any],
+             copy: bool = True) -> Any:
+        """The miss path of shared memory (NOTE [claims]): the tiers were asked already (the miss
+        was ours); a waiter polls shared memory, where the holder's value (or its tier hit) lands.
+        ``publish`` is the caller's: this store's put, so the tiers are offered the value too."""
+        return self.local.fill(key, compute, publish, copy)
+
+    def count_computed(self, n: int = 1) -> None:
+        self.local.count_computed(n)
+
     def _admit(self, key: Any, record: Buffer, tier: Tier) -> Any:
         """A tier's record as a value, stored in shared memory too (within its cap). Decoded first:
         bytes that passed the tier's checks yet are no portable record are refused before they

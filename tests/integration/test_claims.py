@@ -1,0 +1,225 @@
+"""Claims (NOTE [claims]): processes that miss one key at once compute it once; a claim dies with
+its holder (kill -9: the next waiter takes it at once); a stopped holder is waited for at most
+claim_timeout_s; a forked DataLoader worker has claims of its own; the counters are summed over
+processes in stats() and `shmcache stat --json`; nothing is left behind.
+
+Every count is the source's own (an O_APPEND file, one byte per computation)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import queue as queue_mod
+import signal
+import subprocess
+import sys
+
+import _claims
+import numpy as np
+import pytest
+import torch
+
+from shmcache import ShmDatasetCache
+from shmcache.cache import claims as claims_mod
+from shmcache.cache.store import CacheStore
+
+PROBES = 4  # wrap() computes at most 4 samples to fingerprint a dataset (3 probes, one read twice)
+
+
+def _race(tmp_path, nprocs: int, n: int, sleep_s: float, claims_on: bool,
+          method: str = "spawn") -> tuple[int, list[dict]]:
+    ctx = multiprocessing.get_context(method)
+    count_path = str(tmp_path / "computed")
+    q, barrier = ctx.Queue(), ctx.Barrier(nprocs)
+    procs = [ctx.Process(target=_claims.racer, args=(q, barrier, r, n, count_path, sleep_s, claims_on))
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    results, errors = [], []
+    try:
+        for _ in procs:
+            try:
+                status, payload = q.get(timeout=100)
+            except queue_mod.Empty:
+                errors.append(f"a racer gave no result (exit codes {[p.exitcode for p in procs]})")
+                break
+            (results if status == "ok" else errors).append(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        q.close()
+        q.join_thread()
+    assert not errors, "\n".join(errors)
+    return os.path.getsize(count_path), results
+
+
+def _check_race(tmp_path, nprocs: int, n: int, sleep_s: float, method: str) -> None:
+    computed, results = _race(tmp_path, nprocs, n, sleep_s, claims_on=True, method=method)
+    assert sum(r["wrong"] for r in results) == 0
+    assert computed <= n + PROBES * nprocs, f"{computed} computations of {n} keys by {nprocs} processes"
+    # the counters, summed over the processes, from a fresh process: the library's and the CLI's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    code = ("from shmcache.cache.store import CacheStore; import json; c = CacheStore('race', 'race', "
+            "create=False); print(json.dumps(c.stats())); c.close()")
+    st = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                   timeout=60, check=True).stdout)
+    rows = json.loads(subprocess.run([sys.executable, "-m", "shmcache", "stat", "race", "--json"], env=env,
+                                     capture_output=True, text=True, timeout=60, check=True).stdout)
+    row = next(r for r in rows if r["name"] == "race")
+    for got in (st, row):
+        assert got["computed"] == computed  # every computation of the source, probes included
+        assert got["claim_waits"] > 0  # the racers read in one order: they met on keys
+        assert got["claim_timeouts"] == 0
+        assert got["misses"] - got["claim_waits"] <= computed
+
+
+def test_racing_processes_compute_each_key_once(tmp_path):
+    """4 processes read the same 300 keys (2 ms each) in one order: each key computed once, plus
+    wrap()'s probes; no wrong value, no hang. Forked here, to stay fast (a spawned process
+    imports torch for 2 s): the slow test below spawns them, as separate jobs would be."""
+    _check_race(tmp_path, 4, 300, 0.002, "fork")
+
+
+@pytest.mark.slow
+def test_eight_spawned_processes_race_over_1500_keys(tmp_path):
+    _check_race(tmp_path, 8, 1500, 0.002, "spawn")
+
+
+@pytest.mark.slow
+def test_without_claims_racing_processes_compute_keys_again(tmp_path):
+    """What the claims prevent (so the test above can fail): with SHMCACHE_CLAIMS=0 the same race
+    computes keys more than once."""
+    computed, results = _race(tmp_path, 4, 300, 0.002, claims_on=False)
+    assert sum(r["wrong"] for r in results) == 0
+    assert computed > 300 + PROBES * 4
+
+
+def _start_holder(ctx, tmp_path, key: int):
+    count_path = str(tmp_path / "computed")
+    started, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_claims.holder, args=(key, count_path, started, release, 60))
+    holder.start()
+    assert started.wait(60), f"the holder never computed (exit code {holder.exitcode})"
+    return holder, release, count_path
+
+
+def _start_waiter(ctx, key: int, count_path: str, claim_timeout_s: float):
+    q, busy_seen = ctx.Queue(), ctx.Event()
+    waiter = ctx.Process(target=_claims.waiter, args=(q, key, count_path, claim_timeout_s, busy_seen))
+    waiter.start()
+    return waiter, q, busy_seen
+
+
+def _result(q, proc) -> dict:
+    try:
+        status, payload = q.get(timeout=90)
+    finally:
+        proc.join(timeout=30)
+    assert status == "ok", payload
+    return payload
+
+
+def test_a_killed_holder_releases_its_claim_at_once(tmp_path):
+    """kill -9 of a process computing a key under its claim: the kernel drops the claim, and the
+    process waiting for it takes it and computes (well within its 60 s claim_timeout_s: a wait
+    that ran out would count as a claim_timeout). The key is computed twice, no more."""
+    ctx = multiprocessing.get_context("spawn")
+    holder, release, count_path = _start_holder(ctx, tmp_path, 7)
+    waiter, q, busy_seen = _start_waiter(ctx, 7, count_path, 60.0)
+    try:
+        assert busy_seen.wait(60), "the waiter never saw the claim held"
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(30)
+        res = _result(q, waiter)
+    finally:
+        for p in (holder, waiter):
+            if p.is_alive():
+                p.kill()
+            p.join()
+    assert holder.exitcode == -signal.SIGKILL
+    # computed counts finished computations: the holder died in its own
+    assert res == {"right": True, "computed": 1, "claim_waits": 0, "claim_timeouts": 0}
+    with open(count_path, "rb") as f:
+        assert f.read() == b"hw"  # the holder began, the waiter computed after the kill
+
+
+def test_a_stopped_holder_is_waited_for_at_most_claim_timeout(tmp_path):
+    """SIGSTOP of a process computing a key under its claim: the waiter computes after its
+    claim_timeout_s (counted as a claim timeout); the holder, continued, finishes: one value."""
+    ctx = multiprocessing.get_context("spawn")
+    holder, release, count_path = _start_holder(ctx, tmp_path, 9)
+    os.kill(holder.pid, signal.SIGSTOP)
+    waiter, q, busy_seen = _start_waiter(ctx, 9, count_path, 0.3)
+    try:
+        res = _result(q, waiter)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        release.set()
+        holder.join(30)
+        for p in (holder, waiter):
+            if p.is_alive():
+                p.kill()
+            p.join()
+    assert holder.exitcode == 0
+    assert res == {"right": True, "computed": 1, "claim_waits": 0, "claim_timeouts": 1}
+    store = CacheStore("race", "hold", create=False)
+    try:
+        assert np.array_equal(store.lookup(9), _claims.value_for(9))
+        assert len(store) == 1
+        st = store.stats()
+        assert (st["computed"], st["claim_waits"], st["claim_timeouts"]) == (2, 0, 1)  # and the holder's
+    finally:
+        store.close()
+    with open(count_path, "rb") as f:
+        assert f.read() == b"hw"
+
+
+class _TriesTheClaim(torch.utils.data.Dataset):
+    """Each item: what this process's claim on ``bucket`` of the cache gets (a DataLoader worker)."""
+
+    def __init__(self, cache: ShmDatasetCache, bucket: int):
+        self.cache, self.bucket = cache, bucket
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> int:
+        claims = self.cache.store.claims
+        claims._ready()
+        got = claims.take(self.bucket)
+        if got == claims_mod.TAKEN:
+            claims.release(self.bucket)
+        return got
+
+
+def test_a_forked_worker_does_not_share_its_parents_claims():
+    """The parent holds a claim; a forked DataLoader worker, which inherited the parent's claims
+    file descriptor, must find that claim busy (a shared open file description would let it
+    take the very same lock)."""
+    cache = ShmDatasetCache(session="race", name="fork", size=16)
+    claims = cache.store.claims
+    try:
+        claims._ready()
+        assert claims.take(123) == claims_mod.TAKEN
+        loader = torch.utils.data.DataLoader(_TriesTheClaim(cache, 123), batch_size=None, num_workers=1,
+                                             multiprocessing_context="fork")
+        assert list(loader) == [claims_mod.BUSY]
+        claims.release(123)
+        assert list(loader) == [claims_mod.TAKEN]  # and free once the parent lets it go
+    finally:
+        cache.close()
+
+
+def test_the_claims_file_goes_with_its_cache():
+    cache = ShmDatasetCache(session="race", name="gone", size=16)
+    assert cache.get(1, lambda k: k + 1) == 2
+    path = cache.store.claims.path
+    assert path.exists() and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert cache.stats()["computed"] == 1
+    cache.store.destroy()
+    assert not path.exists()
+    cache.close()
