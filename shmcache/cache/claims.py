@@ -55,7 +55,6 @@ import mmap
 import os
 import stat
 import struct
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -96,8 +95,9 @@ _BUSY = (errno.EAGAIN, errno.EACCES)
 TAKEN, BUSY, OURS, FOUND, TIMED_OUT = 0, 1, 2, 3, 4
 
 
-def _lock_arg(kind: int, bucket: int) -> bytes:
-    return _FLOCK.pack(kind, os.SEEK_SET, _LOCKS_OFF + bucket, 1, 0)
+_WRLCK, _UNLCK = fcntl.F_WRLCK, fcntl.F_UNLCK  # l_whence 0: SEEK_SET
+_M64 = (1 << 64) - 1
+_FIB, _BUCKET_SHIFT = 0x9E3779B97F4A7C15, 64 - 16  # BUCKETS == 1 << 16
 
 
 class Claims:
@@ -112,10 +112,9 @@ class Claims:
             "0", "false", "no", "off")
         self._fd = -1
         self._gen = -1  # process_slot.fork_count() when the descriptor and row were made
-        self._row: Any = None
+        self._row: Any = None  # this process's counter words: a memoryview of the file's row, or a list
         self._mm: mmap.mmap | None = None
-        self._held: set[int] = set()
-        self._mutex = threading.Lock()
+        self._held: set[int] = set()  # buckets this process holds (NOTE [claims]: threads)
         close_in_forked_children(self)
 
     # --- per process -------------------------------------------------------------------------
@@ -127,7 +126,6 @@ class Claims:
             os.close(self._fd)
         self._fd, self._row, self._mm, self._gen = -1, None, None, -1
         self._held = set()
-        self._mutex = threading.Lock()
 
     def _open(self) -> None:
         """This process's descriptor of the claims file and its counter row (once per process)."""
@@ -147,13 +145,15 @@ class Claims:
             raise
         self._fd, self._mm, self._gen = fd, mm, process_slot.fork_count()
         try:
-            row = np.ndarray((MAX_SLOTS, ROW_WORDS), np.uint64, mm)[self._slot()]
-            if (row >= 1 << 62).any():  # garbage: a statistic restarts, reads go on
-                row[:] = 0
+            slot = self._slot()
+            # one aligned 8-byte store per count (memoryview 'Q' items), as the store's counters
+            row = memoryview(mm).cast("Q")[slot * ROW_WORDS:(slot + 1) * ROW_WORDS]
+            if any(w >= 1 << 62 for w in row):  # garbage: a statistic restarts, reads go on
+                row[:] = memoryview(bytes(8 * ROW_WORDS)).cast("Q")
         except Exception as exc:  # noqa: BLE001 - no slot (every one taken): count in this process only
             log.warning("cache claims %s: this process's counts are kept in the process only (%s)",
                         self.path, exc)
-            row = np.zeros(ROW_WORDS, np.uint64)
+            row = [0] * ROW_WORDS
         self._row = row
 
     def _ready(self) -> bool:
@@ -165,39 +165,39 @@ class Claims:
                     log.warning("cache claims %s cannot be used (%s): misses compute without claims",
                                 self.path, exc)
                 self.on = False
-                self._row, self._gen = np.zeros(ROW_WORDS, np.uint64), process_slot.fork_count()
+                self._row, self._gen = [0] * ROW_WORDS, process_slot.fork_count()
                 return False
         return True
 
     def count(self, which: int, n: int = 1) -> None:
-        self._ready()
+        if self._gen != process_slot._fork_count:
+            self._ready()
         self._row[which] += n  # one aligned store into our own row
 
     # --- claims ------------------------------------------------------------------------------
 
     def bucket(self, key: Any) -> int:
-        w1 = key_bytes(key)[0]
-        return (w1 ^ (w1 >> 16) ^ (w1 >> 32) ^ (w1 >> 48)) & (BUCKETS - 1)
+        w1 = key & _M64 if type(key) is int else key_bytes(key)[0]
+        return ((w1 * _FIB) & _M64) >> _BUCKET_SHIFT  # Fibonacci hashing: the top 16 bits
 
     def take(self, bucket: int) -> int:
         """TAKEN (ours now), BUSY (another process holds it) or OURS (this process holds it)."""
-        with self._mutex:
-            if bucket in self._held:
-                return OURS
-            try:
-                fcntl.fcntl(self._fd, _SETLK, _lock_arg(fcntl.F_WRLCK, bucket))
-            except OSError as exc:
-                if exc.errno in _BUSY:
-                    return BUSY
-                raise
-            self._held.add(bucket)
-            return TAKEN
+        # no thread lock: two threads of ours that both take one bucket both compute (waste only)
+        if bucket in self._held:
+            return OURS
+        try:
+            fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_WRLCK, 0, _LOCKS_OFF + bucket, 1, 0))
+        except OSError as exc:
+            if exc.errno in _BUSY:
+                return BUSY
+            raise
+        self._held.add(bucket)
+        return TAKEN
 
     def release(self, bucket: int) -> None:
-        with self._mutex:
-            self._held.discard(bucket)
-            if self._fd >= 0:
-                fcntl.fcntl(self._fd, _SETLK, _lock_arg(fcntl.F_UNLCK, bucket))
+        self._held.discard(bucket)
+        if self._fd >= 0:
+            fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_UNLCK, 0, _LOCKS_OFF + bucket, 1, 0))
 
     def wait(self, bucket: int, look: Callable[[], Any], missing: Any) -> tuple[int, Any]:
         """Wait for another process's claim on ``bucket`` (NOTE [claims]): ``(TAKEN, missing)``
@@ -249,7 +249,7 @@ def fill(claims: Claims | None, key: Any, look: Callable[[], Any], missing: Any,
         value = compute(key)
         publish(key, value)
         return value
-    if not (claims._ready() and claims.on):
+    if not ((claims._gen == process_slot._fork_count or claims._ready()) and claims.on):
         value = compute(key)
         claims.count(COMPUTED)
         publish(key, value)

@@ -812,6 +812,10 @@ class CacheStore:
             buf = g.index.buf
             off = TABLE_OFF + ENTRY_BYTES * key
             w0 = _Q.unpack_from(buf, off)[0]  # first, on its own: see index.py
+            if not w0:  # EMPTY at the key's own position: absent (index.find stops there too)
+                if count:
+                    self._count(MISSES)
+                return MISSING
             if w0 & 7 == READY | INT_KEY:  # 7: READY | INT_KEY | SPILLED (and not SPILLED)
                 k, w2 = _QQ.unpack_from(buf, off + 8)
                 # index.entry_class, entry_layout, entry_chunk and entry_length, inlined
