@@ -8,7 +8,7 @@ NOTE [claims]
          cache's claims file, ``caches/<cache>.claims`` in the session's private directory; the
          byte is the key's bucket, a hash of its index word (index.key_bytes) modulo BUCKETS;
       2. re-check: look the key up again (someone may have published it between our miss and our
-         claim); found: release, serve it;
+         claim); found: release, serve it (counted ``claim_waits``, as a wait that found it);
       3. compute the value, then publish it (``put``: NOTE [publish order]);
       4. release the claim - after the publish, so whoever takes the claim next finds the value.
 
@@ -274,6 +274,8 @@ def fill(claims: Claims | None, key: Any, look: Callable[[], Any], missing: Any,
             value = compute(key)
             claims.count(COMPUTED)
             publish(key, value)  # before the release: the next taker finds it
+        else:
+            claims.count(CLAIM_WAITS)  # another's value, not computed: a miss is one or the other
     finally:
         with contextlib.suppress(OSError):
             claims.release(bucket)
