@@ -145,7 +145,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         print(f"no caches in {where}")
         return 0
     headers = ["session", "cache", "dataset", "items mem", "items disk", "bytes mem", "bytes disk",
-               "avg item", "hits", "misses", "rejected", "last opened"]
+               "avg item", "hits", "misses", "rejected", "computed", "claim waits", "last opened"]
     remote = any("remote" in st for st in rows)
     if remote:  # the remote tier's columns, only when a cache has one (NOTE [tier counts])
         headers += ["remote hits", "remote misses", "read", "written", "errors", "forged", "backlog"]
@@ -162,6 +162,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         table.append([st["session"], st["name"], label, str(st["items_mem"]), str(st["items_disk"]),
                       _size(st["bytes_mem"]), _size(st["bytes_disk"]), _size(st["avg_item_bytes"]),
                       str(st["hits"]), str(st["misses"]), str(st["rejected"]),
+                      str(st["computed"]), str(st["claim_waits"]),  # NOTE [claims]
                       _ago(None if st["in_use"] else st["idle_s"])])
         if remote:
             table[-1] += ([str(st["remote_hits"]), str(st["remote_misses"]), _size(st["remote_bytes_read"]),

@@ -223,3 +223,22 @@ def test_the_claims_file_goes_with_its_cache():
     cache.store.destroy()
     assert not path.exists()
     cache.close()
+
+
+def test_drop_and_gc_take_the_claims_file_too():
+    from shmcache.cache.registry import SessionRegistry
+
+    registry = SessionRegistry()
+    for name in ("dropped", "stray"):
+        cache = ShmDatasetCache(session="race", name=name, size=16)
+        assert cache.get(1, lambda k: k + 1) == 2
+        cache.close()
+    dropped = registry.cache_claims_path("race", "dropped")
+    stray = registry.cache_claims_path("race", "stray")
+    assert dropped.exists() and stray.exists()
+    registry.drop_cache("race", "dropped")
+    assert not dropped.exists()
+    # a cache whose metadata went (a destroy killed half-way): gc takes its claims file
+    registry.cache_meta_path("race", "stray").unlink()
+    registry.gc()
+    assert not stray.exists()

@@ -55,7 +55,8 @@ def test_stat_table(capsys, populated):
     assert len(rows) == 1
     row = rows[0]
     assert row[:5] == ["train", "images", "-", "3", "0"]  # "-": no dataset was wrapped
-    assert row[-5:] == ["2", "1", "0", "in", "use"]  # hits, misses, rejected; last opened: open here
+    # hits, misses, rejected, computed, claim waits; last opened: open here
+    assert row[-7:] == ["2", "1", "0", "0", "0", "in", "use"]
 
 
 def test_stat_json_matches_the_store(capsys, populated):
