@@ -47,7 +47,6 @@ NOTE [claims]
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import logging
@@ -69,8 +68,18 @@ from . import process_slot
 from .index import key_bytes
 from .registry import MAX_SLOTS
 
-__all__ = ["BUCKETS", "CLAIM_TIMEOUT_S", "COUNTER_NAMES", "COMPUTED", "CLAIM_WAITS", "CLAIM_TIMEOUTS",
-           "Claims", "fill", "read_counts", "SUPPORTED"]
+__all__ = [
+    "BUCKETS",
+    "CLAIM_TIMEOUT_S",
+    "COUNTER_NAMES",
+    "COMPUTED",
+    "CLAIM_WAITS",
+    "CLAIM_TIMEOUTS",
+    "Claims",
+    "fill",
+    "read_counts",
+    "SUPPORTED",
+]
 
 log = logging.getLogger("shmcache")
 
@@ -109,7 +118,11 @@ class Claims:
         self._slot = slot  # this process's liveness slot in the session (its counter row)
         self.timeout_s = _timeout(timeout_s)
         self.on = SUPPORTED and settings.get(settings.ENV_CLAIMS, "1").strip().lower() not in (
-            "0", "false", "no", "off")
+            "0",
+            "false",
+            "no",
+            "off",
+        )
         self._fd = -1
         self._gen = -1  # process_slot.fork_count() when the descriptor and row were made
         self._row: Any = None  # this process's counter words: a memoryview of the file's row, or a list
@@ -147,12 +160,11 @@ class Claims:
         try:
             slot = self._slot()
             # one aligned 8-byte store per count (memoryview 'Q' items), as the store's counters
-            row = memoryview(mm).cast("Q")[slot * ROW_WORDS:(slot + 1) * ROW_WORDS]
+            row = memoryview(mm).cast("Q")[slot * ROW_WORDS : (slot + 1) * ROW_WORDS]
             if any(w >= 1 << 62 for w in row):  # garbage: a statistic restarts, reads go on
                 row[:] = memoryview(bytes(8 * ROW_WORDS)).cast("Q")
         except Exception as exc:  # noqa: BLE001 - no slot (every one taken): count in this process only
-            log.warning("cache claims %s: this process's counts are kept in the process only (%s)",
-                        self.path, exc)
+            log.warning("cache claims %s: this process's counts are kept in the process only (%s)", self.path, exc)
             row = [0] * ROW_WORDS
         self._row = row
 
@@ -162,8 +174,7 @@ class Claims:
                 self._open()
             except OSError as exc:
                 if self.on:
-                    log.warning("cache claims %s cannot be used (%s): misses compute without claims",
-                                self.path, exc)
+                    log.warning("cache claims %s cannot be used (%s): misses compute without claims", self.path, exc)
                 self.on = False
                 self._row, self._gen = [0] * ROW_WORDS, process_slot.fork_count()
                 return False
@@ -235,13 +246,21 @@ def _timeout(given: float | None) -> float:
         value = -1.0
     if not 0 <= value < float("inf"):
         where = "claim_timeout_s" if given is not None else f"${settings.ENV_CLAIM_TIMEOUT_S}"
-        raise InvalidArgument(f"{where}={raw!r}: the longest a miss waits for another process's claim "
-                              f"is a number of seconds >= 0 (default {CLAIM_TIMEOUT_S:g})")
+        raise InvalidArgument(
+            f"{where}={raw!r}: the longest a miss waits for another process's claim "
+            f"is a number of seconds >= 0 (default {CLAIM_TIMEOUT_S:g})"
+        )
     return value
 
 
-def fill(claims: Claims | None, key: Any, look: Callable[[], Any], missing: Any,
-         compute: Callable[[Any], Any], publish: Callable[[Any, Any], Any]) -> Any:
+def fill(
+    claims: Claims | None,
+    key: Any,
+    look: Callable[[], Any],
+    missing: Any,
+    compute: Callable[[Any], Any],
+    publish: Callable[[Any, Any], Any],
+) -> Any:
     """The value of ``key`` after a miss (NOTE [claims]): computed by ``compute(key)`` and
     published by ``publish(key, value)`` under a claim, or found by ``look()`` (no count) once
     another process published it."""
@@ -277,8 +296,10 @@ def fill(claims: Claims | None, key: Any, look: Callable[[], Any], missing: Any,
         else:
             claims.count(CLAIM_WAITS)  # another's value, not computed: a miss is one or the other
     finally:
-        with contextlib.suppress(OSError):
+        try:
             claims.release(bucket)
+        except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
+            pass
     return value
 
 

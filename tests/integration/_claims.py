@@ -104,7 +104,14 @@ def waiter(q, key: int, count_path: str, claim_timeout_s: float, busy_seen) -> N
         got = store.fill(key, compute, lambda k, v: store.put(k, v))
         st = store.stats()
         store.close()
-        q.put(("ok", {"right": bool(np.array_equal(got, value_for(key))),
-                      **{k: st[k] for k in ("computed", "claim_waits", "claim_timeouts")}}))
+        q.put(
+            (
+                "ok",
+                {
+                    "right": bool(np.array_equal(got, value_for(key))),
+                    **{k: st[k] for k in ("computed", "claim_waits", "claim_timeouts")},
+                },
+            )
+        )
     except BaseException:  # noqa: BLE001 - reported to the test
         q.put(("error", traceback.format_exc()))

@@ -27,13 +27,16 @@ from shmcache.cache.store import CacheStore
 PROBES = 4  # wrap() computes at most 4 samples to fingerprint a dataset (3 probes, one read twice)
 
 
-def _race(tmp_path, nprocs: int, n: int, sleep_s: float, claims_on: bool,
-          method: str = "spawn") -> tuple[int, list[dict]]:
+def _race(
+    tmp_path, nprocs: int, n: int, sleep_s: float, claims_on: bool, method: str = "spawn"
+) -> tuple[int, list[dict]]:
     ctx = multiprocessing.get_context(method)
     count_path = str(tmp_path / "computed")
     q, barrier = ctx.Queue(), ctx.Barrier(nprocs)
-    procs = [ctx.Process(target=_claims.racer, args=(q, barrier, r, n, count_path, sleep_s, claims_on))
-             for r in range(nprocs)]
+    procs = [
+        ctx.Process(target=_claims.racer, args=(q, barrier, r, n, count_path, sleep_s, claims_on))
+        for r in range(nprocs)
+    ]
     for p in procs:
         p.start()
     results, errors = [], []
@@ -63,12 +66,25 @@ def _check_race(tmp_path, nprocs: int, n: int, sleep_s: float, method: str) -> N
     assert computed <= n + PROBES * nprocs, f"{computed} computations of {n} keys by {nprocs} processes"
     # the counters, summed over the processes, from a fresh process: the library's and the CLI's
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    code = ("from shmcache.cache.store import CacheStore; import json; c = CacheStore('race', 'race', "
-            "create=False); print(json.dumps(c.stats())); c.close()")
-    st = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                                   timeout=60, check=True).stdout)
-    rows = json.loads(subprocess.run([sys.executable, "-m", "shmcache", "stat", "race", "--json"], env=env,
-                                     capture_output=True, text=True, timeout=60, check=True).stdout)
+    code = (
+        "from shmcache.cache.store import CacheStore; import json; c = CacheStore('race', 'race', "
+        "create=False); print(json.dumps(c.stats())); c.close()"
+    )
+    st = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+    )
+    rows = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "shmcache", "stat", "race", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    )
     row = next(r for r in rows if r["name"] == "race")
     for got in (st, row):
         assert got["computed"] == computed  # every computation of the source, probes included
@@ -205,8 +221,9 @@ def test_a_forked_worker_does_not_share_its_parents_claims():
     try:
         claims._ready()
         assert claims.take(123) == claims_mod.TAKEN
-        loader = torch.utils.data.DataLoader(_TriesTheClaim(cache, 123), batch_size=None, num_workers=1,
-                                             multiprocessing_context="fork")
+        loader = torch.utils.data.DataLoader(
+            _TriesTheClaim(cache, 123), batch_size=None, num_workers=1, multiprocessing_context="fork"
+        )
         assert list(loader) == [claims_mod.BUSY]
         claims.release(123)
         assert list(loader) == [claims_mod.TAKEN]  # and free once the parent lets it go
