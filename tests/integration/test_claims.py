@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import queue as queue_mod
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import _claims
 import numpy as np
 import pytest
 import torch
+from test_multiprocess import _run  # start, collect one result each, reap
 
 from shmcache import ShmDatasetCache
 from shmcache.cache import claims as claims_mod
@@ -30,33 +30,9 @@ PROBES = 4  # wrap() computes at most 4 samples to fingerprint a dataset (3 prob
 def _race(
     tmp_path, nprocs: int, n: int, sleep_s: float, claims_on: bool, method: str = "spawn"
 ) -> tuple[int, list[dict]]:
-    ctx = multiprocessing.get_context(method)
     count_path = str(tmp_path / "computed")
-    q, barrier = ctx.Queue(), ctx.Barrier(nprocs)
-    procs = [
-        ctx.Process(target=_claims.racer, args=(q, barrier, r, n, count_path, sleep_s, claims_on))
-        for r in range(nprocs)
-    ]
-    for p in procs:
-        p.start()
-    results, errors = [], []
-    try:
-        for _ in procs:
-            try:
-                status, payload = q.get(timeout=100)
-            except queue_mod.Empty:
-                errors.append(f"a racer gave no result (exit codes {[p.exitcode for p in procs]})")
-                break
-            (results if status == "ok" else errors).append(payload)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        q.close()
-        q.join_thread()
-    assert not errors, "\n".join(errors)
+    ctx = multiprocessing.get_context(method)
+    results = _run(ctx, _claims.racer, lambda r: (r, n, count_path, sleep_s, claims_on), nprocs)
     return os.path.getsize(count_path), results
 
 
