@@ -6,7 +6,7 @@ NOTE [claims]
 
       1. claim: an OFD byte-range lock (``fcntl.F_OFD_SETLK``, a write lock on one byte) on the
          cache's claims file, ``caches/<cache>.claims`` in the session's private directory; the
-         byte is the key's bucket, a hash of its index word (index.key_bytes) modulo BUCKETS;
+         byte is the key's bucket, a hash of its index word (index.key_bytes) into BUCKETS;
       2. re-check: look the key up again (someone may have published it between our miss and our
          claim); found: release, serve it (counted ``claim_waits``, as a wait that found it);
       3. compute the value, then publish it (``put``: NOTE [publish order]);
@@ -19,16 +19,20 @@ NOTE [claims]
     bounded by ``claim_timeout_s`` (CLAIM_TIMEOUT_S, or $SHMCACHE_CLAIM_TIMEOUT_S): then it
     computes and publishes without the claim (counted ``claim_timeouts``): a stopped holder
     (SIGSTOP, a debugger) or a very slow sample costs one timeout, never a hang. Two keys in one
-    bucket wait for each other the same way: a bounded wait, never a wrong value. A claim never
-    decides which value is served: values are deterministic and the first publish wins, as
-    without claims; a second computation is waste, never damage (at least once per key).
+    bucket wait for each other the same way: a bounded wait, never a wrong value. So does a holder
+    whose computation misses other keys (a ``fn`` that reads the cache): a cycle of such holders
+    costs one ``claim_timeout_s``, then each computes. A claim never decides which value is
+    served: values are deterministic and the first publish wins, as without claims; a second
+    computation is waste, never damage (at least once per key). A publish that stores nothing
+    (a full cache) leaves the next taker to compute again: misses of one key then take turns.
 
     What dies with whom. An OFD lock belongs to the open file description, and the kernel drops
     it when the last descriptor of it closes: when its holder exits or is killed (SIGKILL too) -
     at once, not after a timeout, so a waiter takes the claim on its next poll. Threads of one
     process share the description (a lock taken twice is one lock), so a process keeps the
     buckets its threads hold in a set: another thread (or a nested miss of the same thread) that
-    finds its bucket held in its own process computes without a claim, never waits for itself.
+    finds its bucket held in its own process computes without a claim, never waits for itself
+    (two threads that take one bucket at the same instant may both compute: waste only).
 
     Fork. An inherited descriptor shares the parent's description, so a forked child (a
     DataLoader worker) and its parent would not exclude each other, and a child that kept it would

@@ -389,6 +389,7 @@ class CachedIterableDataset(IterableDataset):
             if i < skip:
                 continue  # already yielded from the cache in this pass
             value = self.transform(sample) if self.transform is not None else sample
+            store.count_computed()
             self.cache._put(store, f"{stream}:{i}", value)
             yield value
         store.put(marker, count)  # only after a full pass
