@@ -235,3 +235,18 @@ def test_drop_and_gc_take_the_claims_file_too():
     registry.cache_meta_path("race", "stray").unlink()
     registry.gc()
     assert not stray.exists()
+
+
+def test_computed_counts_every_path(tmp_path):
+    """wrap()'s probes, warm-up, get_batch(fn=) and single misses: every computation is counted
+    (before, a warm-up of the whole dataset showed none)."""
+    count_path = str(tmp_path / "computed")
+    cache = ShmDatasetCache(session="race", name="paths", size=16)
+    try:
+        ds = cache.wrap(_claims.CountingSource(40, count_path))
+        assert cache.warmup(ds, progress=False) > 0
+        cache.get_batch([1000, 1001], fn=_claims.value_for)
+        assert np.array_equal(cache.get(1002, _claims.value_for), _claims.value_for(1002))
+        assert cache.stats()["computed"] == os.path.getsize(count_path) + 3
+    finally:
+        cache.close()
