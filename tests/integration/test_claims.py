@@ -250,3 +250,30 @@ def test_computed_counts_every_path(tmp_path):
         assert cache.stats()["computed"] == os.path.getsize(count_path) + 3
     finally:
         cache.close()
+
+
+def test_claim_timeout_and_switches(monkeypatch):
+    from shmcache.errors import InvalidArgument
+
+    monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", "soon")
+    with pytest.raises(InvalidArgument, match="SHMCACHE_CLAIM_TIMEOUT_S"):
+        CacheStore("race", "switch", capacity_bytes=4 << 20)
+    monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", "2.5")
+    store = CacheStore("race", "switch", capacity_bytes=4 << 20)
+    assert store.claims.timeout_s == 2.5 and store.claims.on
+    store.close()
+    store = CacheStore("race", "switch", claim_timeout_s=0.5)
+    assert store.claims.timeout_s == 0.5
+    store.close()
+    # without OFD locks (not Linux), or SHMCACHE_CLAIMS=0: misses compute without claims, counted
+    monkeypatch.setattr(claims_mod, "SUPPORTED", False)
+    store = CacheStore("race", "switch")
+    assert not store.claims.on
+    assert store.fill(5, lambda k: k * 2, store.put) == 10
+    assert store.lookup(5) == 10 and store.stats()["computed"] == 1
+    store.close()
+    monkeypatch.setattr(claims_mod, "SUPPORTED", True)
+    monkeypatch.setenv("SHMCACHE_CLAIMS", "0")
+    store = CacheStore("race", "switch")
+    assert not store.claims.on
+    store.close()
