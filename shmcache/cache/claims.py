@@ -185,7 +185,7 @@ class Claims:
         return True
 
     def count(self, which: int, n: int = 1) -> None:
-        if self._gen != process_slot._fork_count:
+        if self._gen != process_slot.fork_count():
             self._ready()
         self._row[which] += n  # one aligned store into our own row
 
@@ -272,7 +272,7 @@ def fill(
         value = compute(key)
         publish(key, value)
         return value
-    if not ((claims._gen == process_slot._fork_count or claims._ready()) and claims.on):
+    if not ((claims._gen == process_slot.fork_count() or claims._ready()) and claims.on):
         value = compute(key)
         claims.count(COMPUTED)
         publish(key, value)
