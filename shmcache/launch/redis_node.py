@@ -46,6 +46,14 @@ NOTE [spawned redis]
        more (3), and what they write is a miss without the job's secret (NOTE [record
        authentication]). On a network you do not trust, use a TLS Redis of your own
        (``--remote rediss://``).
+    5. Memory. ``maxmemory`` (the MB of ``spawn:MB``) bounds the keys, not what a client holds:
+       one MGET naming a 2 MiB key 100 times made a 16 MiB server hold 206 MiB, and a bulk of
+       512 MiB (Redis's own limit) on each of many connections waits in their query buffers. So
+       with the workers' password nobody could make the server take the node's memory, a value,
+       a client's pending input and its pending reply are each bounded by the same MB (a value
+       larger than the whole cap could not be kept anyway; a reply of distinct keys fits in
+       what the server holds), and on Redis 7 all clients together too (``maxmemory-clients``):
+       the server closes a client past them, which the remote tier counts as a fault (a miss).
 """
 
 from __future__ import annotations
@@ -248,6 +256,11 @@ class RedisNode:
             "appendonly no",
             f"maxmemory {self._maxmemory_mb}mb",
             "maxmemory-policy allkeys-lru",
+            # NOTE [spawned redis], 5: what a client sends or is sent is bounded by the cap too
+            f"proto-max-bulk-len {self._maxmemory_mb}mb",
+            f"client-query-buffer-limit {self._maxmemory_mb}mb",
+            f"client-output-buffer-limit normal {self._maxmemory_mb}mb {self._maxmemory_mb}mb 0",
+            *([f"maxmemory-clients {self._maxmemory_mb}mb"] if version >= (7, 0) else []),
             "daemonize no",
             'logfile ""',
             "loglevel warning",

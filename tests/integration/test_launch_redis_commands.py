@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from shmcache.errors import LaunchError
-from shmcache.launch.redis_node import WORKER_USER, RedisNode, find_redis_server
+from shmcache.launch.redis_node import WORKER_USER, RedisNode, find_redis_server, server_version
 from shmcache.tiers.remote import RedisTier
 
 if shutil.which("redis-server") is None and os.environ.get("SHMCACHE_REQUIRE_REAL_PARTS") == "1":
@@ -151,3 +151,58 @@ def test_a_password_that_would_change_the_configuration_is_refused(tmp_path, pas
     with pytest.raises(LaunchError, match="URL-safe") as refused:
         node.start(password)
     assert password not in str(refused.value) and node.poll() is None
+
+
+#: The workers' AUTH, by hand (a client that then sends what redis-py would not).
+_AUTH = b"*3\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+    len(WORKER_USER), WORKER_USER.encode(), len(PASSWORD), PASSWORD.encode())
+
+
+def _peak_mib(client) -> float:
+    return client.info("memory")["used_memory_peak"] / (1 << 20)
+
+
+def test_one_reply_cannot_make_the_server_hold_more_than_its_cap(spawned):
+    """NOTE [spawned redis], 5: an MGET that names one 2 MiB key 100 times asked a 16 MiB server
+    for a 200 MiB reply, which it built in memory (peak 206 MiB). Now the server closes that
+    client once its pending reply passes the cap."""
+    spawned.set(b"shmcache:big", b"x" * (2 << 20))
+    with pytest.raises(redis.exceptions.ConnectionError):
+        spawned.mget([b"shmcache:big"] * 100)
+    assert spawned.get(b"shmcache:big") is not None  # the server is still there, the key too
+    assert _peak_mib(spawned) < 4 * 16, spawned.info("memory")["used_memory_peak_human"]
+
+
+def test_a_bulk_larger_than_the_cap_is_refused_before_it_is_read(spawned):
+    """A SET that announces a 100 MiB value (Redis's own bound is 512 MiB) on a 16 MiB server:
+    refused at its length, so nobody can make many connections each buffer one."""
+    host, port = spawned.endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(_AUTH)
+        assert sock.recv(5) == b"+OK\r\n"
+        sock.sendall(b"*3\r\n$3\r\nSET\r\n$10\r\nshmcache:q\r\n$%d\r\n" % (100 << 20) + b"x" * 4096)
+        assert b"invalid bulk length" in sock.recv(1024)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None or server_version(shutil.which("redis-server")) < (7, 0),
+                    reason="maxmemory-clients came with Redis 7.0")
+def test_many_clients_together_cannot_make_the_server_hold_more_than_its_cap(spawned):
+    """Twelve clients each send 12 MiB of a 15 MiB value (under the per-client bound) and never
+    the rest: 144 MiB of pending input on a 16 MiB server. Redis 7's maxmemory-clients closes
+    the largest clients once all of them together pass the cap."""
+    host, port = spawned.endpoint.rsplit(":", 1)
+    head = b"*3\r\n$3\r\nSET\r\n$10\r\nshmcache:q\r\n$%d\r\n" % (15 << 20)
+    socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(12)]
+    try:
+        for sock in socks:
+            sock.sendall(_AUTH)
+            assert sock.recv(5) == b"+OK\r\n"
+            try:
+                sock.sendall(head + b"x" * (12 << 20))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # closed by the server on the way
+        assert spawned.ping()  # answered after the server read what it could of the others
+        assert _peak_mib(spawned) < 4 * 16, spawned.info("memory")["used_memory_peak_human"]
+    finally:
+        for sock in socks:
+            sock.close()
