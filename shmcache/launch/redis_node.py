@@ -17,6 +17,10 @@ NOTE [spawned redis]
        a Unix socket in a directory of the launcher's own (``<launch dir>/redis``, 0700 in the
        launcher's 0700 directory; ``unixsocketperm 700``), which nobody else can reach or
        replace, and the launcher's readiness check (AUTH + INFO server, by hand) goes there.
+       That holds only if nobody else can rename the launcher's directory, so it is made only
+       in a $TMPDIR that no other user can write without the sticky bit, nor own
+       (supervisor.launch_directory): in a scratch directory writable by all, another user
+       moved it away, answered INFO on a socket of their own and got the workers' AUTH.
     2. Before it announces ``host:port`` the launcher proves the port is its child's: INFO
        over the socket names the child's PID and the port, and every socket in LISTEN state on
        that port at the bound address or the wildcard (/proc/net/tcp and tcp6) is one of the
