@@ -16,7 +16,9 @@ NOTE [spawned redis]
        like Redis, so the launcher never speaks to that port at all: the server also listens on
        a Unix socket in a directory of the launcher's own (``<launch dir>/redis``, 0700 in the
        launcher's 0700 directory; ``unixsocketperm 700``), which nobody else can reach or
-       replace, and the launcher's readiness check (AUTH + INFO server, by hand) goes there.
+       replace, and the launcher's readiness check (AUTH + INFO server, by hand) goes there,
+       and only once the kernel says the process listening there is the child (SO_PEERCRED):
+       INFO's process_id is the other end's word, which an impostor at that path gave.
        That holds only if nobody else can rename the launcher's directory, so it is made only
        in a $TMPDIR that no other user can write without the sticky bit, nor own
        (supervisor.launch_directory): in a scratch directory writable by all, another user
@@ -70,6 +72,7 @@ import secrets
 import shutil
 import socket
 import stat
+import struct
 import subprocess
 import time
 from collections.abc import Callable
@@ -293,7 +296,14 @@ class RedisNode:
                 raise LaunchError(f"--remote spawn: redis-server exited with status {status} at "
                                   f"start (bind {self._bind}, port {port}); its log "
                                   f"({self._log_path}) ends with: {log or '(nothing)'}")
-            info = _server_info(self._socket_path, ADMIN_USER, self._admin_password)
+            try:
+                info = _server_info(self._socket_path, ADMIN_USER, self._admin_password, self._server.pid)
+            except _Stranger as stranger:
+                self.stop()
+                raise LaunchError(f"--remote spawn: another process ({stranger}) listens on the "
+                                  f"launcher's socket {self._socket_path}, not the redis-server it "
+                                  f"started (PID {stranger.expected}); nothing was sent to it. Check "
+                                  f"who can write to {self._workdir}, and run the job again") from None
             if info is not None:
                 self._prove(port, info)
                 return None
@@ -379,14 +389,28 @@ def _command(*words: bytes) -> bytes:
     return b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words)
 
 
-def _server_info(path: str, user: str, password: str, timeout_s: float = 1.0) -> dict[str, str] | None:
+class _Stranger(Exception):
+    """The process listening on the launcher's socket is not its child (SO_PEERCRED)."""
+
+    def __init__(self, pid: int, uid: int, expected: int) -> None:
+        super().__init__(f"PID {pid}, {_describe_uid(uid)}")
+        self.expected = expected
+
+
+def _server_info(path: str, user: str, password: str, pid: int, timeout_s: float = 1.0) -> dict[str, str] | None:
     """AUTH + INFO server over the Unix socket (the Redis protocol by hand: no client library in
-    the launcher); its fields, or None while the server does not answer there."""
+    the launcher); its fields, or None while the server does not answer there. The kernel names
+    the process that listens there (SO_PEERCRED): unless it is ``pid``, nothing is sent, and
+    _Stranger says who it is (INFO's process_id is only what the other end writes)."""
     request = _command(b"AUTH", user.encode(), password.encode()) + _command(b"INFO", b"server")
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
             sock.connect(path)
+            peer_pid, peer_uid, _gid = struct.unpack("3i", sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            if peer_pid != pid:
+                raise _Stranger(peer_pid, peer_uid, pid)
             sock.sendall(request)
             reply = b""
             while not _complete_info(reply):

@@ -206,3 +206,58 @@ def test_many_clients_together_cannot_make_the_server_hold_more_than_its_cap(spa
     finally:
         for sock in socks:
             sock.close()
+
+
+#: What stands in PATH as redis-server: it reads the launcher's configuration, forks an impostor
+#: that listens on the launcher's socket and answers AUTH + INFO as the server would (the
+#: child's PID and port), then becomes the real redis-server (same PID, the launcher's child)
+#: with its socket beside it. INFO's fields are the other end's word; the kernel's is not.
+IMPOSTOR = r"""#!{python}
+import os, socket, sys
+real = {real!r}
+if sys.argv[1:] != ["-"]:
+    os.execv(real, [real, *sys.argv[1:]])
+config = sys.stdin.read()
+path = next(ln.split(None, 1)[1].strip('"') for ln in config.splitlines() if ln.startswith("unixsocket "))
+port = next(ln.split()[1] for ln in config.splitlines() if ln.startswith("port "))
+child, ready = os.getpid(), os.pipe()
+if os.fork() == 0:
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(4)
+    os.write(ready[1], b"x")
+    body = f"# Server\r\nprocess_id:{{child}}\r\ntcp_port:{{port}}\r\n".encode()
+    while True:
+        conn, _ = srv.accept()
+        got = conn.recv(4096)
+        with open(path + ".got", "ab") as f:
+            f.write(got)
+        conn.sendall(b"+OK\r\n$%d\r\n%s\r\n" % (len(body), body))
+        conn.close()
+os.read(ready[0], 1)
+r, w = os.pipe()
+os.write(w, config.replace(f'unixsocket "{{path}}"', f'unixsocket "{{path}}.real"').encode())
+os.close(w)
+os.dup2(r, 0)
+os.execv(real, [real, "-"])
+"""
+
+
+def test_a_process_that_is_not_the_child_on_the_launchers_socket_gets_nothing(tmp_path):
+    """Another process at the socket's path (it cannot be there unless someone can write to the
+    launcher's directory) answered INFO with the child's PID and port, and got the launcher's
+    AUTH: now the kernel's word on who listens there (SO_PEERCRED) decides, before a byte."""
+    import sys
+
+    wrapper = tmp_path / "bin" / "redis-server"
+    wrapper.parent.mkdir()
+    wrapper.write_text(IMPOSTOR.format(python=sys.executable, real=find_redis_server()))
+    wrapper.chmod(0o755)
+    workdir = tmp_path / "launch"
+    workdir.mkdir(mode=0o700)
+    node = RedisNode(executable=str(wrapper), bind="127.0.0.1", maxmemory_mb=16, workdir=str(workdir))
+    with node, pytest.raises(LaunchError, match=r"another process \(PID \d+, user root, uid 0\) listens on the "
+                                                r"launcher's socket .*not the redis-server it started \(PID \d+\); "
+                                                r"nothing was sent to it"):
+        node.start(PASSWORD)
+    assert not (workdir / "redis" / "redis.sock.got").exists()  # not a byte
