@@ -929,7 +929,8 @@ class CacheStore:
             raise self._destroyed_under_us() or CorruptSegment(
                 f"cache {self.session}/{self.name} lost a data segment; run `shmcache gc`") from None
         except ItemTooLarge:
-            if self.spill is None:
+            if self.spill is None:  # counted as every overflow is; the caller decides what to say
+                self._count(REJECTED)  # (a dataset serves it from the source, said once)
                 raise
             # it can never fit in memory, but a spill file takes any size: spill it below
         except NoRoom:

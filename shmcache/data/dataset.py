@@ -11,6 +11,7 @@ loads lazily where a process meets a tensor). Its arguments are checked in shmca
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -29,6 +30,7 @@ from ..cache.store import MISSING, CacheStore, UncachedStore
 from ..errors import (
     EncodeError,
     InvalidArgument,
+    ItemTooLarge,
     SessionNotFound,
     SharedMemoryFull,
     SnapshotError,
@@ -41,6 +43,8 @@ from .fingerprint import fingerprint, length_or_none
 from .wrapped import CachedDataset, CachedIterableDataset, NoSource, compute_item, same_sample
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
+
+log = logging.getLogger("shmcache")
 
 tensors.register()  # torch is imported here anyway: tensors are encoded without a lookup
 
@@ -134,6 +138,7 @@ class ShmDatasetCache:
         self._fingerprint: str | None = None
         self._closed = False
         self._warned_pickle = False  # one warning per cache object when samples are pickled
+        self._warned_too_large = False  # one log line per cache object when an item can never fit
         self._source_len: int | None = None  # len() of the map-style dataset wrapped: export() records it
         self.last_import = None  # from_snapshot(): what the import stored (snapshot.load.ImportReport)
         # the namespace travels with the cache (pickled to workers): a forkserver or spawn child
@@ -440,20 +445,33 @@ class ShmDatasetCache:
         if fn is None:
             raise KeyError(key)
         value = fn(key)
-        self.put(key, value)
+        self._put(store, key, value)
         return value
 
     def put(self, key: int | str | bytes, value: Any) -> bool:
-        """Store ``value`` under ``key`` (kept if present). False if the cache was full."""
-        return self._put(self.store, key, value)
+        """Store ``value`` under ``key`` (kept if present). False if the cache was full;
+        ItemTooLarge if it can never fit (a cache of its own ``size=``, not spilling)."""
+        return self._put(self.store, key, value, explicit=True)
 
-    def _put(self, store: CacheStore, key: Any, value: Any, enc: codec.Encoded | None = None) -> bool:
-        """``store.put``, warning once per cache when a sample had to be pickled."""
+    def _put(self, store: CacheStore, key: Any, value: Any, enc: codec.Encoded | None = None,
+             explicit: bool = False) -> bool:
+        """``store.put``, warning once per cache when a sample had to be pickled. A value the
+        cache computed for its caller (``explicit=False``) that can never fit is served anyway,
+        like every other overflow: counted as rejected (by the store) and said once per cache."""
         if enc is None:
             enc = codec.encode(value, f"the value of key {key!r}")
         if enc.pickled and not self._warned_pickle:
             self._warn_pickled(enc.pickled)
-        return store.put(key, None, encoded=enc)
+        try:
+            return store.put(key, None, encoded=enc)
+        except ItemTooLarge as exc:
+            if explicit:
+                raise
+            if not self._warned_too_large:
+                self._warned_too_large = True
+                log.warning("%s; such items are served from the source, not cached, and counted as "
+                            "rejected (said once per cache)", exc)
+            return False
 
     def _warn_pickled(self, types: tuple) -> None:
         self._warned_pickle = True

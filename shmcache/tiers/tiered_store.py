@@ -85,7 +85,7 @@ from ..base.trust import PICKLE_HINT
 from ..cache import codec
 from ..cache.index import key_bytes, tier_key
 from ..cache.store import MISSING
-from ..errors import ShmcacheError
+from ..errors import ItemTooLarge, ShmcacheError
 from . import counts as tier_counts
 from .protocol import Buffer, Tier
 
@@ -345,8 +345,14 @@ class TieredStore:
                             self.local.session, self.local.name, key, exc)
             return MISSING
         # the record as it came, no decode-and-encode round: put_records copies its bytes in once
-        if self.local.put_records([(key, record)])[0]:
-            self._count("admitted")
+        try:
+            if self.local.put_records([(key, record)])[0]:
+                self._count("admitted")
+        except ItemTooLarge as exc:  # served, counted as rejected (by the store), said once
+            if ("too_large", "") not in self._failed:
+                self._failed.add(("too_large", ""))
+                log.warning("%s; such items are served from the tier, not cached in shared memory, and "
+                            "counted as rejected (said once)", exc)
         return value
 
     # --- writes -----------------------------------------------------------------------------
