@@ -13,12 +13,13 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from ..base import settings
 from ..base.namespace import namespace, resolve_session_name, validate_name
@@ -28,6 +29,7 @@ from ..base.trust import resolve_secret
 from ..cache import codec
 from ..cache.store import MISSING, CacheStore, UncachedStore
 from ..errors import (
+    CacheNotFound,
     EncodeError,
     InvalidArgument,
     ItemTooLarge,
@@ -50,6 +52,19 @@ tensors.register()  # torch is imported here anyway: tensors are encoded without
 
 
 # --- the cache ------------------------------------------------------------------------------------
+
+# frames that are not the user's: shmcache's own, and a DataLoader's fetch (which calls ds[i])
+_NOT_USERS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (
+    os.path.dirname(os.path.abspath(__file__)), sys.modules[DataLoader.__module__].__file__))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised by this function's caller that names the user's line:
+    the first frame outside shmcache and torch.utils.data (the last frame if there is none)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_NOT_USERS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 
@@ -139,6 +154,7 @@ class ShmDatasetCache:
         self._closed = False
         self._warned_pickle = False  # one warning per cache object when samples are pickled
         self._warned_too_large = False  # one log line per cache object when an item can never fit
+        self._warned_gone = False  # one log line per cache object when the cache was destroyed under it
         self._source_len: int | None = None  # len() of the map-style dataset wrapped: export() records it
         self.last_import = None  # from_snapshot(): what the import stored (snapshot.load.ImportReport)
         # the namespace travels with the cache (pickled to workers): a forkserver or spawn child
@@ -450,7 +466,8 @@ class ShmDatasetCache:
 
     def put(self, key: int | str | bytes, value: Any) -> bool:
         """Store ``value`` under ``key`` (kept if present). False if the cache was full;
-        ItemTooLarge if it can never fit (a cache of its own ``size=``, not spilling)."""
+        ItemTooLarge if it can never fit (a cache of its own ``size=``, not spilling);
+        CacheNotFound if the cache was destroyed while this process used it."""
         return self._put(self.store, key, value, explicit=True)
 
     def _put(self, store: CacheStore, key: Any, value: Any, enc: codec.Encoded | None = None,
@@ -472,6 +489,14 @@ class ShmDatasetCache:
                 log.warning("%s; such items are served from the source, not cached, and counted as "
                             "rejected (said once per cache)", exc)
             return False
+        except CacheNotFound as exc:  # destroyed under us (`shmcache destroy --force`, `import --force`)
+            if explicit:
+                raise
+            if not self._warned_gone:  # reads miss (counted), values come from the source
+                self._warned_gone = True
+                log.warning("%s; until then this process computes its items from its own source, "
+                            "uncached (said once per cache)", exc)
+            return False
 
     def _warn_pickled(self, types: tuple) -> None:
         self._warned_pickle = True
@@ -480,7 +505,7 @@ class ShmDatasetCache:
             f"pickle: slower to store and read than arrays, often larger, and never zero-copy or "
             f"gathered as a batch; return numpy arrays or tensors from the dataset or transform "
             f"(np.asarray(x), torch.as_tensor(x)) (warned once per cache)",
-            UserWarning, stacklevel=3)
+            UserWarning, stacklevel=_user_stacklevel())
 
     def __getitem__(self, key):
         return self.get(key)
@@ -559,6 +584,7 @@ class ShmDatasetCache:
                 for i in absent:
                     if not store.contains(i):
                         self._put(store, i, ds._compute(i))
+                        store.count_misses(1)  # computed from the source: a miss, as ds[i]'s would be
                         computed += 1
                     if bar is not None:
                         bar.update(1)  # as each is stored (tqdm redraws at most 10 times a second)

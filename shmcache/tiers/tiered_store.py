@@ -314,6 +314,9 @@ class TieredStore:
                 break
         return values, missing
 
+    def count_misses(self, n: int = 1) -> None:
+        self.local.count_misses(n)
+
     def contains(self, key: Any) -> bool:
         return self.local.contains(key)  # what this node holds; a tier is asked only on a read
 
