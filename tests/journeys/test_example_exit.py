@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -71,8 +72,9 @@ def test_the_example_leaves_no_process_group_thread_to_interpreter_teardown(tmp_
 def test_the_readme_command_never_fails_after_succeeding_under_cpu_load(tmp_path):
     """The README's command as it is (`python -m shmcache.launch --nproc 2 examples/train.py`),
     15 times, warm after the first, while two busy loops compete for the CPUs."""
-    command = next(part.strip() for part in (ROOT / "README.md").read_text().split("&&") if "shmcache.launch" in part)
-    argv = command.split()
+    quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1]
+    first = re.findall(r"```bash\n(.*?)```", quick_start, re.S)[0]
+    argv = next(part for part in first.split("&&") if "shmcache.launch" in part).split()
     assert argv[:5] == ["python", "-m", "shmcache.launch", "--nproc", "2"] and argv[5] == "examples/train.py", argv
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     failures = []
