@@ -69,6 +69,7 @@ def test_the_example_leaves_no_process_group_thread_to_interpreter_teardown(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_the_readme_command_never_fails_after_succeeding_under_cpu_load(tmp_path):
     """The README's command as it is (`python -m shmcache.launch --nproc 2 examples/train.py`),
     15 times, warm after the first, while two busy loops compete for the CPUs."""
