@@ -18,6 +18,7 @@ time, the share of it spent waiting for data, the mean loss and the cache's hits
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  before init_process_group: see teardown() below
 import torch.nn.functional as F
 from torch import nn
 
@@ -99,6 +101,20 @@ def setup() -> tuple[int, int, torch.device]:
         dist.init_process_group("nccl" if cuda else "gloo", init_method="env://")
     torch.manual_seed(0)
     return rank, world, device
+
+
+def teardown() -> None:
+    """Destroy the process group so that it is really gone, its threads (gloo's, the TCPStore's)
+    joined here, while the interpreter is whole. DistributedDataParallel imports
+    torch.distributed.nn.functional, whose functions take ``group=group.WORLD`` as a default
+    evaluated at import: imported after init_process_group, they hold the process group for good,
+    and it was destroyed only while Python finalized its modules, after the script had ended (one
+    run in 13 under load died there of SIGABRT, "terminate called without an active exception",
+    after a successful training). Imported before (above), the defaults hold None; the DDP wrappers
+    are garbage by now, collected here, so destroy_process_group() drops the last reference."""
+    gc.collect()  # the DDP wrappers (reference cycles) of the tasks trained
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def train(task: str, cache: ShmDatasetCache, source, train_idx, epochs: int, args, rank: int,
@@ -174,8 +190,7 @@ def main() -> int:
             print(f"[digits] test accuracy {100 * accuracy(model, digits, test_idx, device, lambda x: x):.1f}% "
                   f"on {len(test_idx)} held-out digits")
     if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+        teardown()
     if rank == 0 and not os.environ.get("CACHE_SH_PRINTS_STAT"):  # launch/cache.sh prints it after us
         session = os.environ.get("SHMCACHE_SESSION", "default")
         subprocess.run([sys.executable, "-m", "shmcache", "stat", session], check=False)

@@ -8,7 +8,7 @@ set -euo pipefail
 
 usage() {
     cat <<'USAGE'
-Usage: launch/cache.sh [-n N] [-s SESSION] [--size MB] [--spill-dir DIR] [--destroy]
+Usage: launch/cache.sh [-n N] [-s SESSION] [--size MIB] [--spill-dir DIR] [--destroy]
                        [--] script.py [script args...]
 
 Runs `python -m shmcache.launch --nproc N --session SESSION ... script.py args...` (the session
@@ -16,7 +16,7 @@ is created if missing and kept for the next run), then prints `shmcache stat SES
 
   -n, --nproc N        processes on this machine: a number, or auto (one per GPU). Default 1
   -s, --session NAME   the session. Default: $SHMCACHE_SESSION, else "default"
-      --size MB        memory cap of the caches in MB. Default: automatic
+      --size MIB       memory cap of each cache in MiB. Default: automatic
       --spill-dir DIR  spill to DIR when memory is full (turns spilling on)
       --destroy        destroy the session, and everything cached in it, after the statistics
   -h, --help           this help
@@ -47,7 +47,7 @@ while [ $# -gt 0 ]; do
         -h | --help) usage; exit 0 ;;
         -n | --nproc) [ $# -ge 2 ] || die "$1 needs a value, e.g. $1 4"; NPROC=$2; shift 2 ;;
         -s | --session) [ $# -ge 2 ] || die "$1 needs a name"; SESSION=$2; shift 2 ;;
-        --size) [ $# -ge 2 ] || die "--size needs a number of MB"; launcher_opts+=(--size "$2"); shift 2 ;;
+        --size) [ $# -ge 2 ] || die "--size needs a number of MiB"; launcher_opts+=(--size "$2"); shift 2 ;;
         --spill-dir)
             [ $# -ge 2 ] || die "--spill-dir needs a directory"
             launcher_opts+=(--spilling --spill-dir "$2")

@@ -90,7 +90,9 @@ class CacheFull(ShmcacheError, MemoryError):
 
 
 class ItemTooLarge(CacheFull):
-    """One item is larger than the whole cache can ever hold (a ``MemoryError`` via CacheFull)."""
+    """One item is larger than the whole cache can ever hold (a ``MemoryError`` via CacheFull).
+    Raised by an explicit ``put``; a value the cache computes for its caller (``ds[i]``,
+    ``get(key, fn)``, a batch) is served instead, counted as rejected and logged once."""
 
 
 class SharedMemoryFull(CacheFull):

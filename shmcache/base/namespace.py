@@ -159,13 +159,15 @@ def _default_root() -> Path:
     return Path("/tmp") / f"shmcache-{os.getuid()}"
 
 
-def namespace(root: str | os.PathLike | None = None) -> Namespace:
+def namespace(root: str | os.PathLike | None = None, *, create: bool = True) -> Namespace:
     """The namespace at ``root``, else the one in force now (``$SHMCACHE_DIR`` or a per-user
-    default); its directory is created mode 0700."""
+    default); its directory is created mode 0700 (``create=False``, for a read-only look: left
+    missing if it is, checked if it is there)."""
     raw = root if root is not None else settings.get(ENV_DIR)
     root = Path(raw).expanduser() if raw else _default_root()
     root = root.absolute()
-    _ensure_private_dir(root)
+    if create or os.path.lexists(root):
+        _ensure_private_dir(root)
     digest = hashlib.blake2b(str(root.resolve()).encode(), digest_size=4).hexdigest()
     return Namespace(root=root, prefix=f"shmcache-{os.getuid()}-{digest}")
 

@@ -205,6 +205,13 @@ class Admission:
                 self.log_memory_full(f"memory is full ({used / 2**20:.1f} MiB committed; "
                                      f"{keep / 2**20:.1f} MiB of shared memory kept for the index "
                                      f"of spilled items)", spill)
+            elif self.sizing() == SIZED:  # a filled cap is said too, naming it and the fix
+                self.log_memory_full(f"its cap is full (size={self.capacity_bytes / 2**20:g} MiB, "
+                                     f"{used / 2**20:.1f} MiB of records committed)", spill,
+                                     fix="give it a larger size= (MiB)")
+            else:
+                self.log_memory_full(f"its automatic cap (size=0) of {self.capacity_bytes / 2**20:.1f} "
+                                     f"MiB is full", spill)
             raise NoRoom
         step = min(step, room)
         try:
@@ -248,15 +255,16 @@ class Admission:
         self._shm_full_until = time.monotonic() + 1.0
         self.log_memory_full(str(exc), spill)
 
-    def log_memory_full(self, why: str, spill: IndexedTier | None) -> None:
-        """Say once that memory is full, and what happens to new items now."""
+    def log_memory_full(self, why: str, spill: IndexedTier | None, fix: str = "") -> None:
+        """Say once that memory is full, what happens to new items now, and ``fix`` if any."""
         if self._shm_full_logged:
             return
         self._shm_full_logged = True
         if spill is not None and spill.accepting:
             then = f"new items go to disk (spill files in {spill.where})"
         else:
-            then = "new items are not cached (spilling=True would keep them on disk)"
+            then = ("new items are served from the source, not cached, and counted as rejected; "
+                    f"{fix + ', or ' if fix else ''}spilling=True would keep them on disk")
         log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)
 
 

@@ -128,7 +128,8 @@ class SessionRegistry:
 
     def __init__(self, ns: Namespace | None = None, *, timeout_s: float = 60.0):
         self.ns = ns or namespace()
-        self.ns.sessions_dir.mkdir(mode=0o700, exist_ok=True)
+        if self.ns.root.is_dir():  # a namespace looked at only (namespace(create=False)) stays missing
+            self.ns.sessions_dir.mkdir(mode=0o700, exist_ok=True)
         # taken rarely, by short-lived registries: no descriptor kept; destroy_idle calls destroy
         self._lock = FlockLock(self.ns.root / "registry.lock", timeout_s=timeout_s,
                                what="the session registry lock", keep_open=False, reentrant=True)
@@ -147,16 +148,16 @@ class SessionRegistry:
     def exists(self, name: str) -> bool:
         return (self.session_dir(name) / "session.json").is_file()
 
-    def get(self, name: str) -> SessionInfo:
+    def get(self, name: str, *, fix: str | None = None) -> SessionInfo:
+        """The session's record; SessionNotFound naming the sessions there are, and ``fix`` (what
+        the caller can do: by default, in Python, how to create it or use the automatic one)."""
         path = self.session_dir(name)
         try:
             raw = json.loads((path / "session.json").read_text())
         except FileNotFoundError:
             known = ", ".join(s.name for s in self.list()) or "none"
-            raise SessionNotFound(
-                f"no session {name!r} in {self.ns.root} (sessions: {known}); create it with "
-                f"`shmcache new {name}` or use session='auto'"
-            ) from None
+            fix = fix or f"create it with `shmcache new {name}`, or use ShmDatasetCache(session='auto')"
+            raise SessionNotFound(f"no session {name!r} in {self.ns.root} (sessions: {known}); {fix}") from None
         except (OSError, ValueError) as exc:
             raise ShmcacheError(
                 f"session {name!r} has an unreadable {path / 'session.json'} ({exc}); remove it "
@@ -166,6 +167,8 @@ class SessionRegistry:
 
     def list(self) -> list[SessionInfo]:
         out = []
+        if not self.ns.sessions_dir.is_dir():  # a namespace never made (namespace(create=False))
+            return out
         for entry in sorted(self.ns.sessions_dir.iterdir()):
             if entry.name.startswith(".") or not (entry / "session.json").is_file():
                 continue  # a session being made or destroyed (names never start with '.')
@@ -348,9 +351,12 @@ class SessionRegistry:
         that nobody opens and gc removes).
         """
         validate_name(name, "session")
-        with self._lock:
+        gone = "nothing to destroy; check the name (`shmcache ls` lists the sessions)"
+        if not self.session_dir(name).exists():
+            self.get(name, fix=gone)  # raises SessionNotFound with the list of sessions (no lock
+        with self._lock:  # file made in a namespace that does not exist)
             if not self.session_dir(name).exists():
-                self.get(name)  # raises SessionNotFound with the list of sessions
+                self.get(name, fix=gone)
             pids = [p for p in self.live_pids(name) if p != os.getpid()]
             if pids and not force:
                 raise _in_use(name, pids)

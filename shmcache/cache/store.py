@@ -430,7 +430,8 @@ class CacheStore:
 
     def _destroyed(self) -> CacheNotFound:
         return CacheNotFound(f"cache {self.session}/{self.name} was destroyed while this process used it "
-                             f"(`shmcache destroy --force`?); open it again (a new ShmDatasetCache)")
+                             f"(`shmcache destroy --force`, or `shmcache import --force` replacing it?); open it again "
+                             f"(a new ShmDatasetCache) to use the cache made since")
 
     def _attach_whole_root(self, fingerprint: str | None) -> Segment | None:
         """The root, attached without the lock, if its epoch word names a generation whose meta
@@ -927,6 +928,11 @@ class CacheStore:
         """``n`` values computed for this cache on a path without claims (a batch, a warm-up)."""
         self.claims.count(claims.COMPUTED, n)
 
+    def count_misses(self, n: int = 1) -> None:
+        """Count ``n`` items computed from the source without a lookup (warm-up) as misses: every
+        item computed from the source is a miss in stats()."""
+        self._count(MISSES, n)
+
     def contains(self, key: Any) -> bool:
         try:
             return self._find(self._refresh(), key)[0] != 0
@@ -982,7 +988,8 @@ class CacheStore:
             raise self._destroyed_under_us() or CorruptSegment(
                 f"cache {self.session}/{self.name} lost a data segment; run `shmcache gc`") from None
         except ItemTooLarge:
-            if self.spill is None:
+            if self.spill is None:  # counted as every overflow is; the caller decides what to say
+                self._count(REJECTED)  # (a dataset serves it from the source, said once)
                 raise
             # it can never fit in memory, but a spill file takes any size: spill it below
         except NoRoom:
@@ -1359,6 +1366,9 @@ class UncachedStore:
         if count:
             self._counters[MISSES] += 1
         return MISSING
+
+    def count_misses(self, n: int = 1) -> None:
+        self._counters[MISSES] += n
 
     def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
         self._counters[MISSES] += len(keys)

@@ -9,7 +9,8 @@ Commands::
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
                                          memory, the cache opened longest ago
     shmcache new [NAME] [--spill-dir D] [--remote URL]
-                                         create a session and print its name
+                                         create a session and print its name (a session has no
+                                         size: --size says where a cap goes)
     shmcache destroy NAME [--force] [--cache C]
                                          drop a session and everything in it (or only cache C)
     shmcache gc [--idle-for D] [--json]  reclaim what dead processes left behind; with --idle-for
@@ -132,9 +133,11 @@ def _attach_spill(store) -> None:
 
 # --- commands -------------------------------------------------------------------------------------
 
+_CHECK_NAME = "check the name (`shmcache ls` lists the sessions)"
+
 
 def cmd_stat(args, registry: SessionRegistry) -> int:
-    sessions = ([registry.get(args.session).name] if args.session is not None
+    sessions = ([registry.get(args.session, fix=_CHECK_NAME).name] if args.session is not None
                 else [s.name for s in registry.list()])
     rows = [st for s in sessions for st in _cache_stats(registry, s)]
     if args.json:
@@ -211,6 +214,12 @@ def cmd_ls(args, registry: SessionRegistry) -> int:
 
 
 def cmd_new(args, registry: SessionRegistry) -> int:
+    if args.size is not None:  # where a MindSpore user looks for a session's size: say where it is
+        raise InvalidArgument(
+            f"a session has no size of its own: each cache has its cap, size= in MiB "
+            f"(ShmDatasetCache(size={args.size})), and the caches with size=0 share the session's "
+            f"automatic cap (80% of the memory free); for a whole job: `python -m shmcache.launch "
+            f"--size {args.size} ...` or $SHMCACHE_SIZE_MB={args.size}; then `shmcache new` without --size")
     spill = args.spill_dir
     if spill is not None:
         from ..tiers.spill import check_spill_dir
@@ -357,7 +366,7 @@ def cmd_export(args, registry: SessionRegistry) -> int:
     if len(args.where) > 2:
         raise InvalidArgument(f"export takes SESSION [CACHE] DEST, got {len(args.where) + 1} arguments")
     name, dest = (args.where if len(args.where) == 2 else (None, args.where[0]))
-    registry.get(args.session)  # SessionNotFound, naming the sessions there are
+    registry.get(args.session, fix=_CHECK_NAME)  # SessionNotFound, naming the sessions there are
     if name is None:
         names = registry.cache_names(args.session)
         if len(names) != 1:
@@ -413,6 +422,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("new", help="create a session and print its name")
     s.add_argument("name", nargs="?", help="session name (default: a random one)")
     s.add_argument("--spill-dir", help="default spill directory of the session's caches")
+    s.add_argument("--size", type=_positive_int, metavar="MIB",
+                   help="not an option of a session: each cache has its own cap (size= in MiB, or "
+                        "$SHMCACHE_SIZE_MB, or the launcher's --size); this says so")
     s.add_argument("--remote", metavar="URL",
                    help="default remote tier of the session's caches: redis://[:password@]host:port[/db], "
                         "rediss://, redis+cluster://h1:p1,h2:p2, redis+shards://h1:p1,h2:p2")
@@ -476,10 +488,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# commands that only look: they never create $SHMCACHE_DIR (a typo in it must not leave a directory)
+_LOOKING = ("stat", "ls", "info", "export", "destroy")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return args.func(args, SessionRegistry(namespace()))
+        return args.func(args, SessionRegistry(namespace(create=args.command not in _LOOKING)))
     except InvalidArgument as exc:
         print(f"shmcache {args.command}: error: {exc}", file=sys.stderr)
         return 2

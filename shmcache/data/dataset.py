@@ -11,14 +11,16 @@ loads lazily where a process meets a tensor). Its arguments are checked in shmca
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
 import numpy as np
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from ..base import settings
 from ..base.namespace import namespace, resolve_session_name, validate_name
@@ -29,7 +31,9 @@ from ..cache import codec
 from ..cache.registry import SessionRegistry
 from ..cache.store import MISSING, CacheStore, UncachedStore
 from ..errors import (
+    CacheNotFound,
     InvalidArgument,
+    ItemTooLarge,
     SessionNotFound,
     SharedMemoryFull,
     SnapshotError,
@@ -52,10 +56,25 @@ from .wrapped import CachedDataset, CachedIterableDataset, NoSource, same_sample
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
+log = logging.getLogger("shmcache")
+
 tensors.register()  # torch is imported here anyway: tensors are encoded without a lookup
 
 
 # --- the cache ------------------------------------------------------------------------------------
+
+# frames that are not the user's: shmcache's own, and a DataLoader's fetch (which calls ds[i])
+_NOT_USERS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (
+    os.path.dirname(os.path.abspath(__file__)), sys.modules[DataLoader.__module__].__file__))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning raised by this function's caller that names the user's line:
+    the first frame outside shmcache and torch.utils.data (the last frame if there is none)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_NOT_USERS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 
@@ -145,6 +164,8 @@ class ShmDatasetCache:
         self._given_fp: str | None = None  # wrap(fingerprint=...) of the wrap() under way
         self._closed = False
         self._warned_pickle = False  # one warning per cache object when samples are pickled
+        self._warned_too_large = False  # one log line per cache object when an item can never fit
+        self._warned_gone = False  # one log line per cache object when the cache was destroyed under it
         self._source_len: int | None = None  # len() of the map-style dataset wrapped: export() records it
         self.last_import = None  # from_snapshot(): what the import stored (snapshot.load.ImportReport)
         # the namespace travels with the cache (pickled to workers): a forkserver or spawn child
@@ -484,16 +505,38 @@ class ShmDatasetCache:
         return store.fill(key, fn, partial(self._put, store), self.copy)  # NOTE [claims]
 
     def put(self, key: int | str | bytes, value: Any) -> bool:
-        """Store ``value`` under ``key`` (kept if present). False if the cache was full."""
-        return self._put(self.store, key, value)
+        """Store ``value`` under ``key`` (kept if present). False if the cache was full;
+        ItemTooLarge if it can never fit (a cache of its own ``size=``, not spilling);
+        CacheNotFound if the cache was destroyed while this process used it."""
+        return self._put(self.store, key, value, explicit=True)
 
-    def _put(self, store: CacheStore, key: Any, value: Any, enc: codec.Encoded | None = None) -> bool:
-        """``store.put``, warning once per cache when a sample had to be pickled."""
+    def _put(self, store: CacheStore, key: Any, value: Any, enc: codec.Encoded | None = None,
+             explicit: bool = False) -> bool:
+        """``store.put``, warning once per cache when a sample had to be pickled. A value the
+        cache computed for its caller (``explicit=False``) that can never fit is served anyway,
+        like every other overflow: counted as rejected (by the store) and said once per cache."""
         if enc is None:
             enc = codec.encode(value, f"the value of key {key!r}")
         if enc.pickled and not self._warned_pickle:
             self._warn_pickled(enc.pickled)
-        return store.put(key, None, encoded=enc)
+        try:
+            return store.put(key, None, encoded=enc)
+        except ItemTooLarge as exc:
+            if explicit:
+                raise
+            if not self._warned_too_large:
+                self._warned_too_large = True
+                log.warning("%s; such items are served from the source, not cached, and counted as "
+                            "rejected (said once per cache)", exc)
+            return False
+        except CacheNotFound as exc:  # destroyed under us (`shmcache destroy --force`, `import --force`)
+            if explicit:
+                raise
+            if not self._warned_gone:  # reads miss (counted), values come from the source
+                self._warned_gone = True
+                log.warning("%s; until then this process computes its items from its own source, "
+                            "uncached (said once per cache)", exc)
+            return False
 
     def _warn_pickled(self, types: tuple) -> None:
         self._warned_pickle = True
@@ -502,7 +545,7 @@ class ShmDatasetCache:
             f"pickle: slower to store and read than arrays, often larger, and never zero-copy or "
             f"gathered as a batch; return numpy arrays or tensors from the dataset or transform "
             f"(np.asarray(x), torch.as_tensor(x)) (warned once per cache)",
-            UserWarning, stacklevel=3)
+            UserWarning, stacklevel=_user_stacklevel())
 
     def __getitem__(self, key):
         return self.get(key)
@@ -583,6 +626,7 @@ class ShmDatasetCache:
                     if not store.contains(i):
                         self._put(store, i, ds._compute(i))
                         store.count_computed()
+                        store.count_misses(1)  # computed from the source: a miss, as ds[i]'s would be
                         computed += 1
                     if bar is not None:
                         bar.update(1)  # as each is stored (tqdm redraws at most 10 times a second)

@@ -16,7 +16,13 @@ NOTE [spawned redis]
        like Redis, so the launcher never speaks to that port at all: the server also listens on
        a Unix socket in a directory of the launcher's own (``<launch dir>/redis``, 0700 in the
        launcher's 0700 directory; ``unixsocketperm 700``), which nobody else can reach or
-       replace, and the launcher's readiness check (AUTH + INFO server, by hand) goes there.
+       replace, and the launcher's readiness check (AUTH + INFO server, by hand) goes there,
+       and only once the kernel says the process listening there is the child (SO_PEERCRED):
+       INFO's process_id is the other end's word, which an impostor at that path gave.
+       That holds only if nobody else can rename the launcher's directory, so it is made only
+       in a $TMPDIR that no other user can write without the sticky bit, nor own
+       (supervisor.launch_directory): in a scratch directory writable by all, another user
+       moved it away, answered INFO on a socket of their own and got the workers' AUTH.
     2. Before it announces ``host:port`` the launcher proves the port is its child's: INFO
        over the socket names the child's PID and the port, and every socket in LISTEN state on
        that port at the bound address or the wildcard (/proc/net/tcp and tcp6) is one of the
@@ -46,6 +52,14 @@ NOTE [spawned redis]
        more (3), and what they write is a miss without the job's secret (NOTE [record
        authentication]). On a network you do not trust, use a TLS Redis of your own
        (``--remote rediss://``).
+    5. Memory. ``maxmemory`` (the MB of ``spawn:MB``) bounds the keys, not what a client holds:
+       one MGET naming a 2 MiB key 100 times made a 16 MiB server hold 206 MiB, and a bulk of
+       512 MiB (Redis's own limit) on each of many connections waits in their query buffers. So
+       with the workers' password nobody could make the server take the node's memory, a value,
+       a client's pending input and its pending reply are each bounded by the same MB (a value
+       larger than the whole cap could not be kept anyway; a reply of distinct keys fits in
+       what the server holds), and on Redis 7 all clients together too (``maxmemory-clients``):
+       the server closes a client past them, which the remote tier counts as a fault (a miss).
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ import secrets
 import shutil
 import socket
 import stat
+import struct
 import subprocess
 import time
 from collections.abc import Callable
@@ -248,6 +263,11 @@ class RedisNode:
             "appendonly no",
             f"maxmemory {self._maxmemory_mb}mb",
             "maxmemory-policy allkeys-lru",
+            # NOTE [spawned redis], 5: what a client sends or is sent is bounded by the cap too
+            f"proto-max-bulk-len {self._maxmemory_mb}mb",
+            f"client-query-buffer-limit {self._maxmemory_mb}mb",
+            f"client-output-buffer-limit normal {self._maxmemory_mb}mb {self._maxmemory_mb}mb 0",
+            *([f"maxmemory-clients {self._maxmemory_mb}mb"] if version >= (7, 0) else []),
             "daemonize no",
             'logfile ""',
             "loglevel warning",
@@ -276,7 +296,14 @@ class RedisNode:
                 raise LaunchError(f"--remote spawn: redis-server exited with status {status} at "
                                   f"start (bind {self._bind}, port {port}); its log "
                                   f"({self._log_path}) ends with: {log or '(nothing)'}")
-            info = _server_info(self._socket_path, ADMIN_USER, self._admin_password)
+            try:
+                info = _server_info(self._socket_path, ADMIN_USER, self._admin_password, self._server.pid)
+            except _Stranger as stranger:
+                self.stop()
+                raise LaunchError(f"--remote spawn: another process ({stranger}) listens on the "
+                                  f"launcher's socket {self._socket_path}, not the redis-server it "
+                                  f"started (PID {stranger.expected}); nothing was sent to it. Check "
+                                  f"who can write to {self._workdir}, and run the job again") from None
             if info is not None:
                 self._prove(port, info)
                 return None
@@ -362,14 +389,28 @@ def _command(*words: bytes) -> bytes:
     return b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words)
 
 
-def _server_info(path: str, user: str, password: str, timeout_s: float = 1.0) -> dict[str, str] | None:
+class _Stranger(Exception):
+    """The process listening on the launcher's socket is not its child (SO_PEERCRED)."""
+
+    def __init__(self, pid: int, uid: int, expected: int) -> None:
+        super().__init__(f"PID {pid}, {_describe_uid(uid)}")
+        self.expected = expected
+
+
+def _server_info(path: str, user: str, password: str, pid: int, timeout_s: float = 1.0) -> dict[str, str] | None:
     """AUTH + INFO server over the Unix socket (the Redis protocol by hand: no client library in
-    the launcher); its fields, or None while the server does not answer there."""
+    the launcher); its fields, or None while the server does not answer there. The kernel names
+    the process that listens there (SO_PEERCRED): unless it is ``pid``, nothing is sent, and
+    _Stranger says who it is (INFO's process_id is only what the other end writes)."""
     request = _command(b"AUTH", user.encode(), password.encode()) + _command(b"INFO", b"server")
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
             sock.connect(path)
+            peer_pid, peer_uid, _gid = struct.unpack("3i", sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            if peer_pid != pid:
+                raise _Stranger(peer_pid, peer_uid, pid)
             sock.sendall(request)
             reply = b""
             while not _complete_info(reply):

@@ -71,11 +71,13 @@ NOTE [launcher shutdown]
 from __future__ import annotations
 
 import ctypes
+import grp
 import json
 import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -84,6 +86,8 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from ..errors import LaunchError
 
 __all__ = [
     "WorkerSpec", "WorkerResult", "RunOutcome", "run_workers", "Companion", "FORWARDED_SIGNALS",
@@ -532,8 +536,12 @@ def launch_directory(prefix: str = LAUNCH_DIR_PREFIX) -> Iterator[str]:
     """A private temporary directory (0700, under $TMPDIR) for one launch, removed when the
     launch ends - and, if the launcher is SIGKILLed, by a guard of its own (NOTE [launcher
     shutdown], 8), which then waits for nothing else: it only removes the directory. If the
-    guard died too, ``shmcache gc`` removes it (``remove_stale_launch_directories``)."""
-    path = tempfile.mkdtemp(prefix=prefix)
+    guard died too, ``shmcache gc`` removes it (``remove_stale_launch_directories``).
+
+    It is made in $TMPDIR's real path, and only if nobody else can rename or replace what is
+    made there (``_private_parent``): the launcher, its server and its workers reach what is in
+    it by path (redis-server's socket, the error files)."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=_private_parent(tempfile.gettempdir()))
     with open(os.path.join(path, LAUNCHER_FILE), "x") as f:
         f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
     try:
@@ -546,6 +554,43 @@ def launch_directory(prefix: str = LAUNCH_DIR_PREFIX) -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
         if guard is not None:
             guard.__exit__(None, None, None)
+
+
+def _private_parent(tmpdir: str) -> str:
+    """The real path of ``tmpdir``, or a LaunchError if another user could rename or replace an
+    entry in it or in a directory above it: each must be root's or ours, and writable by nobody
+    else - unless sticky (/tmp), where only an entry's owner may rename or remove it. In a
+    scratch directory writable by all and not sticky, another user renamed the launcher's
+    directory away, put one of their own in its place with a socket where redis-server's was,
+    answered the launcher's INFO as the server would, and read the job's Redis password from
+    the first worker's AUTH."""
+    real = os.path.realpath(tmpdir)
+    current = real
+    while True:
+        try:
+            st = os.stat(current)
+        except OSError as exc:
+            raise LaunchError(f"the temporary directory {tmpdir!r} ($TMPDIR) is unusable: {current}: "
+                              f"{exc.strerror}; set $TMPDIR to a directory of your own, or unset it") from None
+        shared_group = st.st_mode & stat.S_IWGRP and (st.st_gid != os.getegid() or grp.getgrgid(st.st_gid).gr_mem)
+        if not st.st_mode & stat.S_ISVTX and (st.st_mode & stat.S_IWOTH or shared_group):
+            why = f"writable by {'every user' if st.st_mode & stat.S_IWOTH else 'its group'} and not sticky"
+        elif st.st_uid not in (0, os.geteuid()):
+            why = f"owned by another user (uid {st.st_uid})"
+        else:
+            why = None
+        if why is not None:
+            raise LaunchError(
+                f"the temporary directory {tmpdir!r} ($TMPDIR) is not safe for the launcher's "
+                f"private directory: {current} is {why} (mode {stat.S_IMODE(st.st_mode):o}), so "
+                f"another user could rename the launcher's directory and put their own in its "
+                f"place (the workers' error files; with --remote spawn, the socket where they "
+                f"send the job's Redis password); set "
+                f"$TMPDIR to a directory of your own, or to a sticky one such as /tmp")
+        parent = os.path.dirname(current)
+        if parent == current:
+            return real
+        current = parent
 
 
 def remove_stale_launch_directories(tmpdir: str | None = None) -> list[str]:

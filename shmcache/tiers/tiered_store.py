@@ -85,6 +85,7 @@ from ..base.trust import PICKLE_HINT
 from ..cache import codec
 from ..cache.index import key_bytes, tier_key
 from ..cache.store import MISSING
+from ..errors import ItemTooLarge
 from . import counts as tier_counts
 from .protocol import Buffer, Tier
 
@@ -321,6 +322,9 @@ class TieredStore:
                 break
         return values, missing
 
+    def count_misses(self, n: int = 1) -> None:
+        self.local.count_misses(n)
+
     def contains(self, key: Any) -> bool:
         return self.local.contains(key)  # what this node holds; a tier is asked only on a read
 
@@ -362,8 +366,14 @@ class TieredStore:
                             self.local.session, self.local.name, key, exc)
             return MISSING
         # the record as it came, no decode-and-encode round: put_records copies its bytes in once
-        if self.local.put_records([(key, record)])[0]:
-            self._count("admitted")
+        try:
+            if self.local.put_records([(key, record)])[0]:
+                self._count("admitted")
+        except ItemTooLarge as exc:  # served, counted as rejected (by the store), said once
+            if ("too_large", "") not in self._failed:
+                self._failed.add(("too_large", ""))
+                log.warning("%s; such items are served from the tier, not cached in shared memory, and "
+                            "counted as rejected (said once)", exc)
         return value
 
     # --- writes -----------------------------------------------------------------------------

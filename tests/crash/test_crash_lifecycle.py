@@ -52,8 +52,11 @@ def test_a_writer_stopped_holding_the_lock_blocks_neither_opening_nor_serving(tm
             # the first write that cannot get the lock waits its timeout (2 s); later ones do not
             assert max(res["miss_s"]) < 3 and sorted(res["miss_s"])[1] < 0.5, res["miss_s"]
             assert res["rejected"] >= 4 and not any(res["cached"]), res
-            stuck = [line for line in res["logs"] if str(lock) in line and "fuser" in line]
-            assert len(stuck) == 1, res["logs"]
+            named = [line for line in res["logs"] if str(lock) in line and "fuser" in line]
+            # one line when the writes give up on the lock; before it, at most one while the first
+            # write waits (past _SAY_WAIT_S: a wait longer than any write is said while it lasts)
+            stuck = [line for line in named if "stop waiting" in line]
+            assert len(stuck) == 1 and len(named) <= 2, res["logs"]
             assert time.monotonic() - t0 < 60
         finally:
             os.kill(holder, signal.SIGCONT)

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from shmcache.errors import LaunchError
-from shmcache.launch.redis_node import WORKER_USER, RedisNode, find_redis_server
+from shmcache.launch.redis_node import WORKER_USER, RedisNode, find_redis_server, server_version
 from shmcache.tiers.remote import RedisTier
 
 if shutil.which("redis-server") is None and os.environ.get("SHMCACHE_REQUIRE_REAL_PARTS") == "1":
@@ -151,3 +151,113 @@ def test_a_password_that_would_change_the_configuration_is_refused(tmp_path, pas
     with pytest.raises(LaunchError, match="URL-safe") as refused:
         node.start(password)
     assert password not in str(refused.value) and node.poll() is None
+
+
+#: The workers' AUTH, by hand (a client that then sends what redis-py would not).
+_AUTH = b"*3\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+    len(WORKER_USER), WORKER_USER.encode(), len(PASSWORD), PASSWORD.encode())
+
+
+def _peak_mib(client) -> float:
+    return client.info("memory")["used_memory_peak"] / (1 << 20)
+
+
+def test_one_reply_cannot_make_the_server_hold_more_than_its_cap(spawned):
+    """NOTE [spawned redis], 5: an MGET that names one 2 MiB key 100 times asked a 16 MiB server
+    for a 200 MiB reply, which it built in memory (peak 206 MiB). Now the server closes that
+    client once its pending reply passes the cap."""
+    spawned.set(b"shmcache:big", b"x" * (2 << 20))
+    with pytest.raises(redis.exceptions.ConnectionError):
+        spawned.mget([b"shmcache:big"] * 100)
+    assert spawned.get(b"shmcache:big") is not None  # the server is still there, the key too
+    assert _peak_mib(spawned) < 4 * 16, spawned.info("memory")["used_memory_peak_human"]
+
+
+def test_a_bulk_larger_than_the_cap_is_refused_before_it_is_read(spawned):
+    """A SET that announces a 100 MiB value (Redis's own bound is 512 MiB) on a 16 MiB server:
+    refused at its length, so nobody can make many connections each buffer one."""
+    host, port = spawned.endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(_AUTH)
+        assert sock.recv(5) == b"+OK\r\n"
+        sock.sendall(b"*3\r\n$3\r\nSET\r\n$10\r\nshmcache:q\r\n$%d\r\n" % (100 << 20) + b"x" * 4096)
+        assert b"invalid bulk length" in sock.recv(1024)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None or server_version(shutil.which("redis-server")) < (7, 0),
+                    reason="maxmemory-clients came with Redis 7.0")
+def test_many_clients_together_cannot_make_the_server_hold_more_than_its_cap(spawned):
+    """Twelve clients each send 12 MiB of a 15 MiB value (under the per-client bound) and never
+    the rest: 144 MiB of pending input on a 16 MiB server. Redis 7's maxmemory-clients closes
+    the largest clients once all of them together pass the cap."""
+    host, port = spawned.endpoint.rsplit(":", 1)
+    head = b"*3\r\n$3\r\nSET\r\n$10\r\nshmcache:q\r\n$%d\r\n" % (15 << 20)
+    socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(12)]
+    try:
+        for sock in socks:
+            sock.sendall(_AUTH)
+            assert sock.recv(5) == b"+OK\r\n"
+            try:
+                sock.sendall(head + b"x" * (12 << 20))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # closed by the server on the way
+        assert spawned.ping()  # answered after the server read what it could of the others
+        assert _peak_mib(spawned) < 4 * 16, spawned.info("memory")["used_memory_peak_human"]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+#: What stands in PATH as redis-server: it reads the launcher's configuration, forks an impostor
+#: that listens on the launcher's socket and answers AUTH + INFO as the server would (the
+#: child's PID and port), then becomes the real redis-server (same PID, the launcher's child)
+#: with its socket beside it. INFO's fields are the other end's word; the kernel's is not.
+IMPOSTOR = r"""#!{python}
+import os, socket, sys
+real = {real!r}
+if sys.argv[1:] != ["-"]:
+    os.execv(real, [real, *sys.argv[1:]])
+config = sys.stdin.read()
+path = next(ln.split(None, 1)[1].strip('"') for ln in config.splitlines() if ln.startswith("unixsocket "))
+port = next(ln.split()[1] for ln in config.splitlines() if ln.startswith("port "))
+child, ready = os.getpid(), os.pipe()
+if os.fork() == 0:
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(4)
+    os.write(ready[1], b"x")
+    body = f"# Server\r\nprocess_id:{{child}}\r\ntcp_port:{{port}}\r\n".encode()
+    while True:
+        conn, _ = srv.accept()
+        got = conn.recv(4096)
+        with open(path + ".got", "ab") as f:
+            f.write(got)
+        conn.sendall(b"+OK\r\n$%d\r\n%s\r\n" % (len(body), body))
+        conn.close()
+os.read(ready[0], 1)
+r, w = os.pipe()
+os.write(w, config.replace(f'unixsocket "{{path}}"', f'unixsocket "{{path}}.real"').encode())
+os.close(w)
+os.dup2(r, 0)
+os.execv(real, [real, "-"])
+"""
+
+
+def test_a_process_that_is_not_the_child_on_the_launchers_socket_gets_nothing(tmp_path):
+    """Another process at the socket's path (it cannot be there unless someone can write to the
+    launcher's directory) answered INFO with the child's PID and port, and got the launcher's
+    AUTH: now the kernel's word on who listens there (SO_PEERCRED) decides, before a byte."""
+    import sys
+
+    wrapper = tmp_path / "bin" / "redis-server"
+    wrapper.parent.mkdir()
+    wrapper.write_text(IMPOSTOR.format(python=sys.executable, real=find_redis_server()))
+    wrapper.chmod(0o755)
+    workdir = tmp_path / "launch"
+    workdir.mkdir(mode=0o700)
+    node = RedisNode(executable=str(wrapper), bind="127.0.0.1", maxmemory_mb=16, workdir=str(workdir))
+    with node, pytest.raises(LaunchError, match=r"another process \(PID \d+, user root, uid 0\) listens on the "
+                                                r"launcher's socket .*not the redis-server it started \(PID \d+\); "
+                                                r"nothing was sent to it"):
+        node.start(PASSWORD)
+    assert not (workdir / "redis" / "redis.sock.got").exists()  # not a byte

@@ -15,12 +15,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -802,6 +805,157 @@ def test_a_port_taken_on_every_attempt_fails_naming_the_cause(tmp_path, attacker
     assert "nothing was sent to those ports" in err and "--remote redis://" in err
     assert not list(tmp_path.glob("remote-*.json"))  # no worker started
     assert_nothing_left([])
+
+
+#: The other user, in a $TMPDIR that everyone may write and that is not sticky. Reads the
+#: launcher's PID on stdin; once a launcher's directory is there and that launcher's
+#: redis-server runs, renames the directory away (anyone may, in such a parent), makes its own
+#: in its place with a Unix socket where the server's was, prints "swapped", and answers every
+#: connection as the server answers the launcher's AUTH + INFO (the child's PID and port, from
+#: /proc), keeping what each sent. At the end of stdin: one JSON line.
+SWAPPER = r"""
+import json, os, socket, sys, threading, time
+shared = sys.argv[1]
+launcher = sys.stdin.readline().strip()
+ended = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), ended.set()), daemon=True).start()
+def server():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = f.read().rsplit(")", 1)[1].split()[1]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if ppid == launcher and "redis-server" in title and ":" in title:
+            return pid, title.rsplit(":", 1)[1].strip("\0 ")
+got = b""
+while not ended.wait(0.01):
+    made = [d for d in os.listdir(shared) if d.startswith("shmcache-launch-")]
+    found = server() if made else None
+    if found:
+        pid, port = found
+        mine = os.path.join(shared, made[0])
+        os.rename(mine, mine + ".away")
+        os.mkdir(mine)
+        os.mkdir(os.path.join(mine, "redis"))
+        for d in (mine, os.path.join(mine, "redis")):
+            os.chmod(d, 0o777)
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(os.path.join(mine, "redis", "redis.sock"))
+        os.chmod(os.path.join(mine, "redis", "redis.sock"), 0o777)
+        srv.listen(8)
+        srv.settimeout(1)
+        print("swapped", flush=True)
+        body = f"# Server\r\nprocess_id:{pid}\r\ntcp_port:{port}\r\n".encode()
+        while not ended.is_set() and len(got) < 4000:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            conn.settimeout(1)
+            try:
+                got += conn.recv(4096)
+                conn.sendall(b"+OK\r\n$%d\r\n%s\r\n" % (len(body), body))
+            except OSError:
+                pass
+            conn.close()
+        break
+ended.wait(60)
+print(json.dumps({"got": got.decode("latin-1")}), flush=True)
+"""
+
+#: A worker that reaches its Redis only once the test says so (after the other user's move).
+CUED_WORKER = """
+import os, sys, time
+deadline = time.monotonic() + 30
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.02)
+from shmcache.tiers.remote import RedisTier
+tier = RedisTier(os.environ["SHMCACHE_REMOTE"], "cued", secret=os.environ["SHMCACHE_SECRET"].encode())
+tier.get_many([b"k"])
+tier.close()
+"""
+
+
+@needs_redis
+def test_a_tmpdir_others_can_write_without_the_sticky_bit_is_refused(tmp_path, attacker_python):
+    """In a $TMPDIR that every user may write and that is not sticky, another user renamed the
+    launcher's directory away and put their own in its place: the launcher's INFO and the
+    workers' AUTH (the job's password) went to their socket. The launcher refuses such a
+    $TMPDIR before it makes anything there."""
+    base = Path(tempfile.mkdtemp(prefix="shmcache-test-scratch-", dir="/tmp"))  # the other user reaches it
+    try:
+        base.chmod(0o755)
+        shared = base / "scratch"
+        shared.mkdir()
+        shared.chmod(0o777)  # writable by all, no sticky bit: some clusters' scratch disks
+        worker = tmp_path / "cued_worker.py"
+        worker.write_text(CUED_WORKER)
+        cue = tmp_path / "go"
+        hostile = subprocess.Popen(["runuser", "-u", ATTACKER, "--", attacker_python, "-c", SWAPPER, str(shared)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                   env={"PATH": os.environ["PATH"]})
+        job = subprocess.Popen([*LAUNCH, "--remote", "spawn:16", str(worker), str(cue)], stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "TMPDIR": str(shared),
+                                               "SHMCACHE_DIR": str(tmp_path / "ns")})
+        hostile.stdin.write(f"{job.pid}\n")
+        hostile.stdin.flush()
+        lines: list[str] = []
+
+        def read() -> None:
+            for line in hostile.stdout:
+                lines.append(line)
+                if line.strip() == "swapped":
+                    cue.touch()  # the other user is in place: the worker may go
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        _, err = job.communicate(timeout=90)
+        hostile.stdin.close()
+        reader.join(timeout=60)
+        hostile.wait(timeout=10)
+        hostile.stdout.close()
+        got = json.loads(lines[-1])["got"]
+        assert "AUTH" not in got and "INFO" not in got, got  # nothing reached the other user
+        assert job.returncode == 1, err
+        assert f"the temporary directory '{shared}' ($TMPDIR) is not safe" in err, err
+        assert "writable by every user and not sticky (mode 777)" in err and "/tmp" in err, err
+        assert list(shared.iterdir()) == []  # nothing made there
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode, uid, gid, refused", [
+    (0o1777, 0, 0, None),  # /tmp's kind: sticky
+    (0o700, None, None, None),  # the user's own
+    (0o755, 65534, 65534, "owned by another user (uid 65534)"),  # its owner may rename anything there
+    (0o770, None, 65534, "writable by its group and not sticky (mode 770)"),
+    (0o777, None, None, "writable by every user and not sticky (mode 777)"),
+], ids=["sticky", "own", "another-users", "group-writable", "world-writable"])
+def test_the_launchers_directory_is_made_only_where_nobody_else_can_replace_it(tmp_path, monkeypatch, mode, uid,
+                                                                                  gid, refused):
+    from shmcache.errors import LaunchError
+    from shmcache.launch.supervisor import launch_directory
+
+    if (uid, gid) != (None, None) and os.geteuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    os.chown(parent, os.geteuid() if uid is None else uid, os.getegid() if gid is None else gid)
+    parent.chmod(mode)
+    link = tmp_path / "link"
+    link.symlink_to(parent)  # $TMPDIR through a symlink: judged, and used, by its real path
+    monkeypatch.setattr(tempfile, "tempdir", str(link))
+    if refused is None:
+        with launch_directory() as made:
+            assert Path(made).parent == parent and (Path(made).stat().st_mode & 0o777) == 0o700
+        return
+    with pytest.raises(LaunchError, match=rf"{link}.*not safe.*{parent} is {re.escape(refused)}.*set \$TMPDIR"):
+        with launch_directory():
+            pass
+    assert list(parent.iterdir()) == []
 
 
 @pytest.mark.parametrize("remote", [[], ["--remote", "spawn:32"]], ids=["workers", "spawn"])

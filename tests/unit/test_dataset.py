@@ -572,12 +572,17 @@ def test_tiny_cache_stops_admitting_but_still_returns_values():
         assert cache.get(10**6, lambda k: "fresh") == "fresh"
 
 
-def test_item_larger_than_the_cap_raises_naming_the_size():
+def test_item_larger_than_the_cap_raises_from_put_and_is_served_by_get(caplog):
+    """An explicit put says it cannot store the item; get(key, fn) serves it like any overflow:
+    counted as rejected, said once (issue 25, item 3)."""
     with _cache(size=1, name="small") as cache:
         with pytest.raises(ItemTooLarge, match=r"\b3(\.0+)? MiB"):
             cache.put(1, np.zeros(3 << 20, np.uint8))
-        with pytest.raises(ItemTooLarge, match="size="):
-            cache.get(2, lambda k: np.zeros(3 << 20, np.uint8))
+        for k in (2, 3):
+            assert len(cache.get(k, lambda k: np.zeros(3 << 20, np.uint8))) == 3 << 20
+        assert cache.stats()["rejected"] == 3 and 2 not in cache
+        said = [r.getMessage() for r in caplog.records if "can never fit" in r.getMessage()]
+        assert len(said) == 1 and "size=" in said[0], said
 
 
 # --- fingerprints -------------------------------------------------------------------------------

@@ -36,3 +36,12 @@ def test_readme_lists_exactly_the_keys_that_stats_returns():
     text = (ROOT / "README.md").read_text()
     bullet = text.split("- **`stats()`**", 1)[1].split("\n- ", 1)[0]
     assert set(re.findall(r"`(\w+)`", bullet)) == keys
+
+
+def test_pyproject_states_a_torch_range_open_upward():
+    """A library states the torch it needs, never caps it at today's version (installing shmcache
+    into an environment with a newer torch must not downgrade it); the README's commands pin it."""
+    text = (ROOT / "pyproject.toml").read_text()
+    deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
+    (torch,) = re.findall(r'"(torch[^"]*)"', deps)
+    assert re.fullmatch(r"torch>=[\d.]+", torch), torch
