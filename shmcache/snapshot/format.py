@@ -278,8 +278,11 @@ def parse_index(body: Any, footer: Footer, where: str) -> np.ndarray:
         raise SnapshotError(f"{where}: its index fails its checksum (damaged); copy the snapshot "
                             f"again, or export it again")
     index = np.frombuffer(body, INDEX_DTYPE)
-    ends = index["offset"] + index["length"]
-    if len(index) and (index["offset"].min() < HEADER_BYTES or ends.max() > footer.index_offset
+    # offset + length may not be summed in uint64: 2**64 - 64 and 96 "end" at 32 (wrapped)
+    records_end = np.uint64(footer.index_offset)
+    lengths = index["length"]
+    outside = (lengths > records_end) | (index["offset"] > records_end - np.minimum(lengths, records_end))
+    if len(index) and (index["offset"].min() < HEADER_BYTES or outside.any()
                        or (index["hash"][1:] < index["hash"][:-1]).any()):
         raise SnapshotError(f"{where}: its index is not sorted or points outside its records; copy the snapshot "
                             f"again, or export it again")
