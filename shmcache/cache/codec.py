@@ -45,7 +45,7 @@ NOTE [record format]
     returns the class this process registered under that (qualname, fields) - every namedtuple
     this process encoded, and those a wrapped dataset carries to its DataLoader workers - else a
     plain ``collections.namedtuple`` of those fields made here (names checked first: identifiers,
-    bounded in length and count).
+    bounded in length and count; a layout from outside names at most MAX_LAYOUT_NAMED classes).
 
 Torch tensors and PIL images are registered extensions (see :func:`register_type`), so this module
 never imports torch: their handlers (shmcache.data.tensors, shmcache.data.images) load lazily, the first time a
@@ -74,7 +74,7 @@ __all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "regis
            "registered_namedtuples", "RECORD_HEADER", "RecordHeader",
            "record_header", "record_key", "inline_layout", "LayoutCheck", "check_layout",
            "INLINE", "ALIGN", "Leaf", "MAX_DECODERS", "cached_decoders", "clear_decoders", "MAX_LAYOUT_BYTES",
-           "MAX_LAYOUT_NODES", "TORCH_METAS", "PIL_PIXEL_BYTES", "torch_check", "pil_check"]
+           "MAX_LAYOUT_NODES", "MAX_LAYOUT_NAMED", "TORCH_METAS", "PIL_PIXEL_BYTES", "torch_check", "pil_check"]
 
 INLINE = 0xFFFFFFFF
 ALIGN = 64
@@ -779,6 +779,11 @@ class LayoutCheck(NamedTuple):
 # and read locally, but not taken from a tier or a snapshot (an import counts it damaged).
 MAX_LAYOUT_BYTES = 1 << 20
 MAX_LAYOUT_NODES = 1 << 16
+# ... and at most this many namedtuple classes (distinct name and fields): a decode makes a class
+# for each one this process has not registered (collections.namedtuple: about 0.5 ms each), and a
+# 529 KB layout naming 20,000 of them cost 9.3 s on its first decode. A sample of many
+# namedtuples is usually many of one class, which counts once.
+MAX_LAYOUT_NAMED = 64
 
 
 _META = re.compile(r"[A-Za-z0-9_.;,=|-]{1,64}:[0-9]{1,3}")
@@ -838,6 +843,7 @@ def check_layout(layout: bytes) -> LayoutCheck:
     # name a tree of 2**40 nodes (one node twice, the second by reference); and at most
     # MAX_LAYOUT_NODES, whatever its bytes
     budget = min(len(layout), MAX_LAYOUT_NODES)
+    named: set[tuple[str, tuple[str, ...]]] = set()  # the namedtuple classes it names
 
     def num(x: Any, what: str) -> int:
         if type(x) is not int or not 0 <= x < _MAX_LEAF_BYTES:
@@ -880,6 +886,10 @@ def check_layout(layout: bytes) -> LayoutCheck:
             problem = _named_problem(node[1], node[2])
             if problem is not None or len(node[2]) != len(node[3]):
                 raise ValueError(problem or "a namedtuple's fields and children differ in number")
+            named.add((node[1], node[2]))
+            if len(named) > MAX_LAYOUT_NAMED:
+                raise ValueError(f"it names more than {MAX_LAYOUT_NAMED} namedtuple classes (a class is made "
+                                 f"for each when decoded)")
             budget -= len(node[2])
             for child in node[3]:
                 walk(child, depth + 1)

@@ -226,3 +226,23 @@ def test_a_numpy_scalar_of_a_shape_is_refused():
     """Decoded alone it is a scalar, gathered in a batch an array of that shape: the encoder writes ()."""
     assert "not ()" in untrusted_problem(_portable(("g", "<f4", (1, 1), 64), bytes(48) + bytes(64)), False)
     assert decode_portable(bytearray(_portable(("g", "<f4", (), 64), bytes(48) + bytes(64))), trusted=False) == 0
+
+
+def _named_layout(classes: int, nodes: int) -> bytes:
+    """A record of ``nodes`` one-field namedtuple nodes of ``classes`` distinct class names."""
+    node = tuple(("N", f"Made{i % classes}", ("x",), (("n",),)) for i in range(nodes))
+    return _portable(("T", node), b"")
+
+
+def test_a_layout_naming_thousands_of_namedtuple_classes_is_refused():
+    """Found attacking issue 24: a record of 529 KB naming 20,000 namedtuple classes passed the
+    check (within the node bound) and its first decode made a class for each - 9.3 s and +190
+    MiB for one record, again for every such record a stranger writes. A layout from outside now
+    names at most MAX_LAYOUT_NAMED classes; many namedtuples of one class count once."""
+    why = untrusted_problem(_named_layout(20_000, 20_000), allow_pickle=False)
+    assert why is not None and f"more than {codec.MAX_LAYOUT_NAMED} namedtuple classes" in why, why
+    for classes, nodes in ((codec.MAX_LAYOUT_NAMED, codec.MAX_LAYOUT_NAMED), (1, 20_000)):
+        rec = _named_layout(classes, nodes)
+        assert untrusted_problem(rec, allow_pickle=False) is None
+        value = decode_portable(bytearray(rec), trusted=False)
+        assert len(value) == nodes and len({type(v) for v in value}) == classes
