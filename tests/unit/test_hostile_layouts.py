@@ -164,7 +164,7 @@ def test_max_item_bytes_reads_its_setting(monkeypatch, value, want):
     assert records.max_item_bytes() == want
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "lots", "1e9"])
+@pytest.mark.parametrize("value", ["0", "-3", "lots", "1e9", "nan", "inf", "1e-9"])  # 1e-9: a bound of 0 bytes
 def test_a_bad_max_item_setting_names_itself_and_the_fix(monkeypatch, value):
     from shmcache.errors import InvalidArgument
 
