@@ -419,8 +419,11 @@ class _HttpReader:
                 raise OSError(errno.EINVAL, f"{mask_url(path)}: range {start}-{end} is past its end")
             if r.status >= 400:
                 r.raise_for_status()
-            coding = r.headers.get("Content-Encoding", "identity").strip().lower()
-            if coding not in ("", "identity"):
+            # every Content-Encoding the server said, not the first: aiohttp's parser inflates by the
+            # last one ("identity" then "gzip" passed a check of headers.get and was inflated)
+            coding = ", ".join(c for said in r.headers.getall("Content-Encoding", ()) for c in
+                               (part.strip().lower() for part in said.split(",")) if c not in ("", "identity"))
+            if coding:
                 r.close()
                 self.refused = (
                     f"the server at {self.url} sent a snapshot file with Content-Encoding: {coding:.40} "

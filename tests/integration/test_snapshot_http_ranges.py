@@ -60,8 +60,10 @@ class _Server(http.server.SimpleHTTPRequestHandler):
         if self.mode == "no-ranges" or not self.path.endswith(".shms"):
             return super().do_GET()
         path = self.translate_path(self.path)
-        if self.mode == "gzip":
-            self._body(200, {"Content-Encoding": "gzip", "Content-Length": str(len(_gzip_bomb(256 * MiB)))},
+        if self.mode in ("gzip", "gzip-after-identity"):
+            # (after identity: aiohttp's headers.get() answers the first, its parser inflates by the last)
+            said = [("Content-Encoding", "identity")] if self.mode == "gzip-after-identity" else []
+            self._body(200, [*said, ("Content-Encoding", "gzip"), ("Content-Length", str(len(_gzip_bomb(256 * MiB))))],
                        lambda: iter([_gzip_bomb(256 * MiB)]))
             return
         start, end = (int(x) for x in self.headers["Range"].removeprefix("bytes=").split("-"))
@@ -89,7 +91,7 @@ class _Server(http.server.SimpleHTTPRequestHandler):
 
     def _body(self, status, headers, chunks):
         self.send_response(status)
-        for k, v in headers.items():
+        for k, v in headers.items() if isinstance(headers, dict) else headers:
             self.send_header(k, v)
         self.end_headers()
         self.copy(chunks())
@@ -231,12 +233,14 @@ def test_an_endless_body_costs_the_range_asked_for(served, how):
 
 
 @pytest.mark.parametrize("how", ["import", "read-through"])
-@pytest.mark.parametrize("served", ["gzip"], indirect=True)
+@pytest.mark.parametrize("served", ["gzip", "gzip-after-identity"], indirect=True)
 def test_an_encoded_body_is_refused_unread(served, how):
     """A Content-Encoding: gzip body of a few MB inflated past 2.5 GiB (aiohttp decompresses by
     default). Now identity is asked for and an encoded body refused before it is read: a
     RangeNotHonored naming the encoding for an import, a counted miss and one log line for the
-    read-through."""
+    read-through. "gzip-after-identity" (found attacking issue 24): a body that says
+    ``Content-Encoding`` twice, identity then gzip, passed the check (the first) and was inflated
+    (aiohttp's parser takes the last): 64 MiB out of 1 MB for a manifest."""
     url, _, _, _ = served
     out = _read(how, url)
     assert out["grew_mib"] < 48, out
