@@ -60,7 +60,7 @@ NOTE [snapshot format]
     a record decodes to at most the length it declares, within the reader's limit
     (records.decompress_bounded).
 
-    Reading over HTTP (location._HttpReader): every read is a ranged GET with ``Accept-Encoding:
+    Reading over HTTP and S3 (location._HttpReader, _S3Reader): every read is a ranged GET with ``Accept-Encoding:
     identity`` that reads at most the range and then closes the response; an encoded body, and a
     whole-file answer (200) to a range that does not start at 0 (the server ignores Range), are
     refused unread (RangeNotHonored); past the reader's ``timeout_s`` the request is cancelled.

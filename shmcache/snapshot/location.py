@@ -258,18 +258,18 @@ class LocalLocation(SnapshotLocation):
 
 
 class FsspecLocation(SnapshotLocation):
-    """A prefix behind an fsspec URL. Over HTTP(S) (aiohttp) every read is shmcache's own
-    streaming ranged GET (_HttpReader): at most the bytes asked for are read, then the response
-    is closed; other backends read through ``cat_file``/``cat_ranges`` (their servers honour
-    Range: S3, GCS, Azure). ``timeout_s`` (None: none) bounds each call: past it an HTTP
-    transfer is cancelled, its response closed."""
+    """A prefix behind an fsspec URL. Over HTTP(S) (aiohttp) and S3 (s3fs) every read is
+    shmcache's own streaming ranged GET (_HttpReader, _S3Reader): at most the bytes asked for are
+    read, then the response is closed; other backends read through ``cat_file``/``cat_ranges``
+    (their servers honour Range: GCS, Azure). ``timeout_s`` (None: none) bounds each call: past
+    it an HTTP or S3 transfer is cancelled, its response closed."""
 
     def __init__(self, fs: Any, path: str, url: str):
         self.fs = fs
         self.path = path
         self.url = url
         self.timeout_s: float | None = None
-        self._http = _HttpReader(fs, url) if _is_http(fs) else None
+        self._http = _HttpReader(fs, url) if _is_http(fs) else _S3Reader(fs, url) if _is_s3(fs) else None
 
     def _p(self, name: str) -> str:
         return f"{self.path}/{name}" if name else self.path
@@ -355,9 +355,14 @@ def _is_http(fs: Any) -> bool:
     return any(c.__name__ == "HTTPFileSystem" and c.__module__.startswith("fsspec.") for c in type(fs).__mro__)
 
 
+def _is_s3(fs: Any) -> bool:
+    return any(c.__name__ == "S3FileSystem" and c.__module__.startswith("s3fs") for c in type(fs).__mro__) \
+        and callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
+
+
 class _HttpReader:
     """Ranged GETs on fsspec's aiohttp session, each bounded by what it asks for (NOTE [snapshot
-    format], Reading over HTTP).
+    format], Reading over HTTP; _S3Reader: the same over s3fs).
 
     A request asks for ``Range: bytes=a-b`` and ``Accept-Encoding: identity``. The body is read in
     chunks into one buffer until the range is complete, then the response is closed: an endless
@@ -433,23 +438,58 @@ class _HttpReader:
                 raise RangeNotHonored(self.refused)
             if r.status != 206 and start > 0:
                 r.close()
-                self.refused = (
-                    f"the server at {self.url} ignores HTTP Range requests (it answered {r.status} with the "
-                    f"whole file to a request for bytes {start}-{end - 1} of {mask_url(path)}): a snapshot is "
-                    f"read in byte ranges, never downloaded whole; serve it with a server that supports "
-                    f"Range (nginx, Apache, S3, GCS), or copy the snapshot to a local disk and read the copy")
-                raise RangeNotHonored(self.refused)
+                raise self._ignored(r.status, path, start, end)
             if r.status == 206:
                 self.ranges_ok = True
-            want, buf = end - start, bytearray()  # grown as bytes arrive, never sized by a header
-            while len(buf) < want:
-                chunk = await r.content.read(min(_HTTP_CHUNK, want - len(buf)))
-                if not chunk:
-                    break
-                buf += chunk
+            buf = await _read_at_most(r.content.read, end - start)
             if not r.content.at_eof():
                 r.close()  # the rest is never read: the connection goes, the transfer stops
         return buf  # not copied into bytes: a range costs its own size once
+
+    def _ignored(self, status: int, path: str, start: int, end: int) -> RangeNotHonored:
+        self.refused = (
+            f"the server at {self.url} ignores HTTP Range requests (it answered {status} with the "
+            f"whole file to a request for bytes {start}-{end - 1} of {mask_url(path)}): a snapshot is "
+            f"read in byte ranges, never downloaded whole; serve it with a server that supports "
+            f"Range (nginx, Apache, S3, GCS), or copy the snapshot to a local disk and read the copy")
+        return RangeNotHonored(self.refused)
+
+
+class _S3Reader(_HttpReader):
+    """Ranged GetObject calls through s3fs, each read in chunks up to the range and then closed,
+    as _HttpReader does over HTTP: s3fs's own ``cat_file`` reads a whole response body, so an
+    S3 endpoint that ignored Range (or sent without end) cost the whole body in memory (512 MiB
+    for a manifest read). aiobotocore never inflates a body (its session does not decompress)."""
+
+    async def _one(self, path: str, start: int, end: int) -> bytes | bytearray:
+        if end <= start:
+            return b""
+        if self.refused is not None:
+            raise RangeNotHonored(self.refused)
+        bucket, key, version = self.fs.split_path(path)
+        resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                      **({"VersionId": version} if version else {}))
+        body = resp["Body"]
+        try:
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status != 206 and start > 0:
+                raise self._ignored(status, path, start, end)
+            if status == 206:
+                self.ranges_ok = True
+            return await _read_at_most(body.read, end - start)
+        finally:
+            body.close()  # the rest is never read: the transfer stops
+
+
+async def _read_at_most(read: Any, want: int) -> bytearray:
+    """At most ``want`` bytes of a body, read a chunk at a time (never sized by a header)."""
+    buf = bytearray()
+    while len(buf) < want:
+        chunk = await read(min(_HTTP_CHUNK, want - len(buf)))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
 
 
 @contextlib.contextmanager
