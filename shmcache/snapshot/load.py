@@ -110,8 +110,7 @@ def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -
     try:
         data = loc.read_bytes(fmt.MANIFEST, fmt.MAX_MANIFEST_BYTES)
     except FileNotFoundError:
-        names = loc.listdir()
-        half = any(n.endswith(".tmp") or n.endswith(".shms") for n in names)
+        half = loc.export_left_files(fmt.data_file_name(0))
         raise SnapshotError(
             f"{loc.where(fmt.MANIFEST)} does not exist: "
             + ("the export that wrote this snapshot did not finish (data files but no manifest); export "

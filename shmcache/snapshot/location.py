@@ -128,6 +128,11 @@ class SnapshotLocation:
     def where(self, name: str = "") -> str:
         return f"{self.url.rstrip('/')}/{name}" if name else self.url
 
+    def export_left_files(self, first: str) -> bool:
+        """Whether an export left data files here (``first``: the first one's name), or its
+        temporary files: what to say of a snapshot without a manifest."""
+        return any(n.endswith(".tmp") or n.endswith(".shms") for n in self.listdir())
+
     def error(self, exc: BaseException, what: str, name: str = "") -> SnapshotError:
         where = self.where(name)
         if isinstance(exc, OSError) and exc.errno in SPACE_ERRNOS:
@@ -295,6 +300,20 @@ class FsspecLocation(SnapshotLocation):
     def open_write(self, name: str) -> BinaryIO:
         with _as_oserror():
             return self.fs.open(self._p(name), "wb")
+
+    def export_left_files(self, first: str) -> bool:
+        """Over HTTP and S3 one bounded read of ``first`` (or its temporary file), never a listing:
+        fsspec's HTTP ``ls`` downloads and parses the whole page at the URL (a 256 MiB page took
+        525 MiB), s3fs's follows every page of keys a server offers."""
+        if self._http is None:
+            return super().export_left_files(first)
+        for name in (first, f"{first}.tmp"):
+            try:
+                self.read_range(name, 0, 1)
+                return True
+            except OSError:  # FileNotFoundError among them: not there (or not readable: said as such)
+                continue
+        return False
 
     def rename(self, src: str, dst: str) -> None:
         with _as_oserror():

@@ -57,6 +57,12 @@ class _Server(http.server.SimpleHTTPRequestHandler):
     stop: threading.Event
 
     def do_GET(self):
+        if self.mode == "no-manifest" and not self.path.endswith(".shms"):
+            if self.path.endswith("manifest.json"):
+                return self.send_error(404)
+            self._body(200, {"Content-Type": "text/html"},  # the "directory": links without end
+                       lambda: (b'<a href="x.shms">x</a>' * 4096 for _ in range(4096) if not self.stop.is_set()))
+            return
         if self.mode == "no-ranges" or not self.path.endswith(".shms"):
             return super().do_GET()
         path = self.translate_path(self.path)
@@ -282,3 +288,17 @@ def test_an_import_that_fails_after_making_its_cache_gives_its_shared_memory_bac
     with pytest.raises(SnapshotError, match="changed under the import"):
         ShmDatasetCache.from_snapshot(url, session="dst", threads=1)
     assert [n for n in namespace().owned_segments() if "+dst+" in n] == []
+
+
+@pytest.mark.parametrize("served", ["no-manifest"], indirect=True)
+def test_a_snapshot_url_without_a_manifest_lists_nothing(served):
+    """Found attacking issue 24: an import from a URL whose manifest.json is missing listed the
+    "directory" to say whether an export was left half-done, and fsspec's HTTP listing downloads
+    and parses the whole page at the URL: a page of 256 MiB took 525 MiB, one without end took
+    whatever it sent (4 GiB for a page of 350 MB of links). Now it reads at most a byte of the
+    first data file (here the export's data files are there: it did not finish)."""
+    url, sent, _, started = served
+    out = _read("import", url)
+    assert "manifest.json does not exist: the export that wrote this snapshot did not finish" in out.get("error", ""), out
+    assert out["grew_mib"] < 48, out
+    assert not [p for p in started if not p.endswith((".shms", ".shms.tmp"))], started
