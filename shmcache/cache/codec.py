@@ -136,7 +136,9 @@ def register_namedtuple(tp: type) -> None:
     process (the encoder registers every namedtuple it stores; a wrapped dataset registers those
     it met in its DataLoader workers). Never from a record: NOTE [record format]."""
     key = _named_fields(tp)
-    if key is None or _NAMED_TYPES.get(key) is tp:
+    # a class made here for a record (_named_type) is never registered: a stranger's records would
+    # then fill the registry (a value of one stored again) and evict the user's own classes
+    if key is None or _NAMED_TYPES.get(key) is tp or vars(tp).get("_shmcache_made"):
         return
     if len(_NAMED_TYPES) >= MAX_NAMED_TYPES:
         _NAMED_TYPES.pop(next(iter(_NAMED_TYPES)), None)
@@ -161,7 +163,7 @@ def _named_type(name: str, fields: tuple[str, ...]) -> type:
         short = name.rpartition(".")[2]
         base = collections.namedtuple(short if short.isidentifier() else "namedtuple", fields)
         # pickled (to a DataLoader's main process) by its names, made or found again there
-        tp = type(base.__name__, (base,), {"__slots__": (), "__reduce__": lambda self: (
+        tp = type(base.__name__, (base,), {"__slots__": (), "_shmcache_made": True, "__reduce__": lambda self: (
             _remade, (name, fields, tuple(self)))})
         tp.__qualname__ = name
         if len(_MADE_TYPES) >= MAX_NAMED_TYPES:

@@ -246,3 +246,30 @@ def test_a_layout_naming_thousands_of_namedtuple_classes_is_refused():
         assert untrusted_problem(rec, allow_pickle=False) is None
         value = decode_portable(bytearray(rec), trusted=False)
         assert len(value) == nodes and len({type(v) for v in value}) == classes
+
+
+def test_a_strangers_namedtuples_never_evict_the_users_own_classes():
+    """Found attacking issue 24: a value decoded from a stranger's record of a namedtuple class
+    this process never saw is of a class the codec made; storing it again (a pipeline that puts
+    what it read into another cache) registered that made class as if the user's, and 1,024 of
+    them evicted the user's own classes from the registry: the user's records then decoded as a
+    stand-in of the same name (``isinstance(x, TheirClass)`` false). Made classes are never
+    registered: only the user's own."""
+    import collections
+
+    Mine = collections.namedtuple("Mine", "image label")
+    codec.register_namedtuple(Mine)
+    mine = codec.encode(Mine(1, 2))
+    for i in range(codec.MAX_NAMED_TYPES + 8):  # a stranger's records, each of a class of its own
+        value = decode_portable(bytearray(_portable(("N", f"Theirs{i}", ("x",), (("i", 16),)), bytes(8))),
+                                trusted=False)
+        assert type(value).__qualname__ == f"Theirs{i}"
+        codec.encode(value)  # stored again by the user's pipeline
+    assert codec.decode(_record_of(mine), mine.layout).__class__ is Mine
+    assert all(getattr(t, "__qualname__", "").startswith("Theirs") is False for t in codec.registered_namedtuples())
+
+
+def _record_of(enc) -> bytearray:
+    buf = bytearray(enc.record_len(0, False))
+    enc.write(memoryview(buf), 0, b"")
+    return buf
