@@ -43,7 +43,8 @@ NOTE [record format]
     A namedtuple (issue 30) is a node ``("N", qualname, field names, children)``: its class is
     never looked up by the names a record carries (no import, no attribute of a module): decoding
     returns the class this process registered under that (qualname, fields) - every namedtuple
-    this process encoded, and those a wrapped dataset carries to its DataLoader workers - else a
+    this process encoded (but the classes made here for records: a stranger's records never fill
+    the registry), and those a wrapped dataset carries to its DataLoader workers - else a
     plain ``collections.namedtuple`` of those fields made here (names checked first: identifiers,
     bounded in length and count; a layout from outside names at most MAX_LAYOUT_NAMED classes).
 
