@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import pytest
 import zstandard
@@ -26,21 +27,31 @@ from shmcache.tiers.tiered_store import portable_key
 WRAP = (1 << 64) - 64  # + 96 bytes: "ends" at 32 in uint64
 
 
-def _wrapping(made, dest):
-    """``made``'s snapshot (the ``real`` fixture) plus a second index entry for key 3 (the same
-    index word: a reader tries both), whose offset + length wraps past 2**64."""
+def _with_entries(made, dest, extra):
+    """``made``'s snapshot (the ``real`` fixture) at ``dest`` plus the index entries ``extra``:
+    (pkey, offset, length), an offset of None meaning "here, over a hole of that length"."""
     _, manifest, recs = made
     dest.mkdir()
     with open(dest / fmt.data_file_name(0), "wb") as f:
         w = fmt.DataFileWriter(f, 0, zstandard.ZstdCompressor(level=1, write_content_size=True))
         for pkey, rec in recs.items():
             w.add(pkey, rec)
-        w._hashes.append(fmt.key_hash(portable_key(3)))
-        w._entries.append((WRAP, 96, 0))
+        for pkey, offset, length in extra:
+            w._hashes.append(fmt.key_hash(pkey))
+            w._entries.append((w.size if offset is None else offset, length, 0))
+            if offset is None:
+                f.seek(length, os.SEEK_CUR)
+                w.size += length
         info = w.finish()
     m = dataclasses.replace(manifest, items=info.items, stored_bytes=info.size, data_files=[info])
     (dest / fmt.MANIFEST).write_bytes(m.to_json())
     return dest
+
+
+def _wrapping(made, dest):
+    """``made``'s snapshot plus a second index entry for key 3 (the same index word: a reader
+    tries both), whose offset + length wraps past 2**64."""
+    return _with_entries(made, dest, [(portable_key(3), WRAP, 96)])
 
 
 def test_an_index_entry_that_wraps_past_2_64_is_an_index_pointing_outside_its_records(real, tmp_path):  # noqa: F811

@@ -9,12 +9,9 @@ cache the import made is given back."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
 import pytest
-import zstandard
 from test_snapshot_hostile import real  # noqa: F401 - the fixture
+from test_snapshot_index_wrap import _with_entries
 
 from shmcache.base.namespace import namespace
 from shmcache.errors import SnapshotError
@@ -28,22 +25,8 @@ HOLES, HOLE_BYTES = 16, 8 << 20  # (a test's size: the attack is the same at 256
 def _holey(made, dest):
     """``made``'s snapshot (the ``real`` fixture) and HOLES index entries of HOLE_BYTES each, for
     keys no record has, over holes."""
-    _, manifest, recs = made
-    dest.mkdir()
-    with open(dest / fmt.data_file_name(0), "wb") as f:
-        w = fmt.DataFileWriter(f, 0, zstandard.ZstdCompressor(level=1, write_content_size=True))
-        for pkey, rec in recs.items():
-            w.add(pkey, rec)
-        for i in range(HOLES):
-            w._hashes.append(fmt.key_hash(portable_key(10_000 + i)))
-            w._entries.append((w.size, HOLE_BYTES, 0))
-            f.seek(HOLE_BYTES, os.SEEK_CUR)
-            w.size += HOLE_BYTES
-        info = w.finish()
-    m = dataclasses.replace(manifest, items=info.items, stored_bytes=info.size, data_files=[info])
-    (dest / fmt.MANIFEST).write_bytes(m.to_json())
-    path = dest / fmt.data_file_name(0)
-    assert path.stat().st_blocks * 512 < HOLE_BYTES, "the file system filled the holes"
+    _with_entries(made, dest, [(portable_key(10_000 + i), None, HOLE_BYTES) for i in range(HOLES)])
+    assert (dest / fmt.data_file_name(0)).stat().st_blocks * 512 < HOLE_BYTES, "the file system filled the holes"
     return dest
 
 
