@@ -78,5 +78,5 @@ def test_a_read_through_drops_that_data_file_and_computes_its_items(real, tmp_pa
 
 def _index_and_footer(snap):
     data = (snap / fmt.data_file_name(0)).read_bytes()
-    footer = fmt.parse_footer(data[-fmt.FOOTER_BYTES:], len(data), "seg")
-    return data[footer.index_offset:footer.index_offset + footer.index_bytes], footer
+    footer = fmt.parse_footer(data[-fmt.FOOTER_BYTES :], len(data), "seg")
+    return data[footer.index_offset : footer.index_offset + footer.index_bytes], footer
