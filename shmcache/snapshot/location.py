@@ -420,7 +420,11 @@ class _HttpReader:
             return await (asyncio.wait_for(run(), timeout_s) if timeout_s else run())
 
         with _as_oserror():
-            got = sync(self.fs.loop, bounded)
+            try:
+                got = sync(self.fs.loop, bounded)
+            except asyncio.TimeoutError:  # (fsspec's FSTimeoutError; not the builtin one before 3.11)
+                raise TimeoutError(errno.ETIMEDOUT, f"{self.url} did not answer within {timeout_s} s (the "
+                                   f"transfer is cancelled)") from None
         # a range's own failure as an OSError too (aiohttp's ClientResponseError is not one)
         return [g if not isinstance(g, BaseException) or isinstance(g, OSError) else
                 OSError(0, f"{type(g).__name__}: {scrub_secret(str(g), path)}") for g, path in zip(got, paths)]
