@@ -43,9 +43,10 @@ NOTE [record format]
     A namedtuple (issue 30) is a node ``("N", qualname, field names, children)``: its class is
     never looked up by the names a record carries (no import, no attribute of a module): decoding
     returns the class this process registered under that (qualname, fields) - every namedtuple
-    this process encoded, and those a wrapped dataset carries to its DataLoader workers - else a
+    this process encoded (but the classes made here for records: a stranger's records never fill
+    the registry), and those a wrapped dataset carries to its DataLoader workers - else a
     plain ``collections.namedtuple`` of those fields made here (names checked first: identifiers,
-    bounded in length and count).
+    bounded in length and count; a layout from outside names at most MAX_LAYOUT_NAMED classes).
 
 Torch tensors and PIL images are registered extensions (see :func:`register_type`), so this module
 never imports torch: their handlers (shmcache.data.tensors, shmcache.data.images) load lazily, the first time a
@@ -74,7 +75,7 @@ __all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "regis
            "registered_namedtuples", "RECORD_HEADER", "RecordHeader",
            "record_header", "record_key", "inline_layout", "LayoutCheck", "check_layout",
            "INLINE", "ALIGN", "Leaf", "MAX_DECODERS", "cached_decoders", "clear_decoders", "MAX_LAYOUT_BYTES",
-           "MAX_LAYOUT_NODES", "TORCH_METAS", "PIL_PIXEL_BYTES", "torch_check", "pil_check"]
+           "MAX_LAYOUT_NODES", "MAX_LAYOUT_NAMED", "TORCH_METAS", "PIL_PIXEL_BYTES", "torch_check", "pil_check"]
 
 INLINE = 0xFFFFFFFF
 ALIGN = 64
@@ -136,7 +137,9 @@ def register_namedtuple(tp: type) -> None:
     process (the encoder registers every namedtuple it stores; a wrapped dataset registers those
     it met in its DataLoader workers). Never from a record: NOTE [record format]."""
     key = _named_fields(tp)
-    if key is None or _NAMED_TYPES.get(key) is tp:
+    # a class made here for a record (_named_type) is never registered: a stranger's records would
+    # then fill the registry (a value of one stored again) and evict the user's own classes
+    if key is None or _NAMED_TYPES.get(key) is tp or vars(tp).get("_shmcache_made"):
         return
     if len(_NAMED_TYPES) >= MAX_NAMED_TYPES:
         _NAMED_TYPES.pop(next(iter(_NAMED_TYPES)), None)
@@ -161,7 +164,7 @@ def _named_type(name: str, fields: tuple[str, ...]) -> type:
         short = name.rpartition(".")[2]
         base = collections.namedtuple(short if short.isidentifier() else "namedtuple", fields)
         # pickled (to a DataLoader's main process) by its names, made or found again there
-        tp = type(base.__name__, (base,), {"__slots__": (), "__reduce__": lambda self: (
+        tp = type(base.__name__, (base,), {"__slots__": (), "_shmcache_made": True, "__reduce__": lambda self: (
             _remade, (name, fields, tuple(self)))})
         tp.__qualname__ = name
         if len(_MADE_TYPES) >= MAX_NAMED_TYPES:
@@ -779,6 +782,11 @@ class LayoutCheck(NamedTuple):
 # and read locally, but not taken from a tier or a snapshot (an import counts it damaged).
 MAX_LAYOUT_BYTES = 1 << 20
 MAX_LAYOUT_NODES = 1 << 16
+# ... and at most this many namedtuple classes (distinct name and fields): a decode makes a class
+# for each one this process has not registered (collections.namedtuple: about 0.5 ms each), and a
+# 529 KB layout naming 20,000 of them cost 9.3 s on its first decode. A sample of many
+# namedtuples is usually many of one class, which counts once.
+MAX_LAYOUT_NAMED = 64
 
 
 _META = re.compile(r"[A-Za-z0-9_.;,=|-]{1,64}:[0-9]{1,3}")
@@ -838,6 +846,7 @@ def check_layout(layout: bytes) -> LayoutCheck:
     # name a tree of 2**40 nodes (one node twice, the second by reference); and at most
     # MAX_LAYOUT_NODES, whatever its bytes
     budget = min(len(layout), MAX_LAYOUT_NODES)
+    named: set[tuple[str, tuple[str, ...]]] = set()  # the namedtuple classes it names
 
     def num(x: Any, what: str) -> int:
         if type(x) is not int or not 0 <= x < _MAX_LEAF_BYTES:
@@ -880,6 +889,10 @@ def check_layout(layout: bytes) -> LayoutCheck:
             problem = _named_problem(node[1], node[2])
             if problem is not None or len(node[2]) != len(node[3]):
                 raise ValueError(problem or "a namedtuple's fields and children differ in number")
+            named.add((node[1], node[2]))
+            if len(named) > MAX_LAYOUT_NAMED:
+                raise ValueError(f"it names more than {MAX_LAYOUT_NAMED} namedtuple classes (a class is made "
+                                 f"for each when decoded)")
             budget -= len(node[2])
             for child in node[3]:
                 walk(child, depth + 1)

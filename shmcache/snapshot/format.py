@@ -60,7 +60,7 @@ NOTE [snapshot format]
     a record decodes to at most the length it declares, within the reader's limit
     (records.decompress_bounded).
 
-    Reading over HTTP (location._HttpReader): every read is a ranged GET with ``Accept-Encoding:
+    Reading over HTTP and S3 (location._HttpReader, _S3Reader): every read is a ranged GET with ``Accept-Encoding:
     identity`` that reads at most the range and then closes the response; an encoded body, and a
     whole-file answer (200) to a range that does not start at 0 (the server ignores Range), are
     refused unread (RangeNotHonored); past the reader's ``timeout_s`` the request is cancelled.
@@ -278,8 +278,11 @@ def parse_index(body: Any, footer: Footer, where: str) -> np.ndarray:
         raise SnapshotError(f"{where}: its index fails its checksum (damaged); copy the snapshot "
                             f"again, or export it again")
     index = np.frombuffer(body, INDEX_DTYPE)
-    ends = index["offset"] + index["length"]
-    if len(index) and (index["offset"].min() < HEADER_BYTES or ends.max() > footer.index_offset
+    # offset + length may not be summed in uint64: 2**64 - 64 and 96 "end" at 32 (wrapped)
+    records_end = np.uint64(footer.index_offset)
+    lengths = index["length"]
+    outside = (lengths > records_end) | (index["offset"] > records_end - np.minimum(lengths, records_end))
+    if len(index) and (index["offset"].min() < HEADER_BYTES or outside.any()
                        or (index["hash"][1:] < index["hash"][:-1]).any()):
         raise SnapshotError(f"{where}: its index is not sorted or points outside its records; copy the snapshot "
                             f"again, or export it again")

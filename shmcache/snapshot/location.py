@@ -128,6 +128,11 @@ class SnapshotLocation:
     def where(self, name: str = "") -> str:
         return f"{self.url.rstrip('/')}/{name}" if name else self.url
 
+    def export_left_files(self, first: str) -> bool:
+        """Whether an export left data files here (``first``: the first one's name), or its
+        temporary files: what to say of a snapshot without a manifest."""
+        return any(n.endswith(".tmp") or n.endswith(".shms") for n in self.listdir())
+
     def error(self, exc: BaseException, what: str, name: str = "") -> SnapshotError:
         where = self.where(name)
         if isinstance(exc, OSError) and exc.errno in SPACE_ERRNOS:
@@ -258,18 +263,18 @@ class LocalLocation(SnapshotLocation):
 
 
 class FsspecLocation(SnapshotLocation):
-    """A prefix behind an fsspec URL. Over HTTP(S) (aiohttp) every read is shmcache's own
-    streaming ranged GET (_HttpReader): at most the bytes asked for are read, then the response
-    is closed; other backends read through ``cat_file``/``cat_ranges`` (their servers honour
-    Range: S3, GCS, Azure). ``timeout_s`` (None: none) bounds each call: past it an HTTP
-    transfer is cancelled, its response closed."""
+    """A prefix behind an fsspec URL. Over HTTP(S) (aiohttp) and S3 (s3fs) every read is
+    shmcache's own streaming ranged GET (_HttpReader, _S3Reader): at most the bytes asked for are
+    read, then the response is closed; other backends read through ``cat_file``/``cat_ranges``
+    (their servers honour Range: GCS, Azure). ``timeout_s`` (None: none) bounds each call: past
+    it an HTTP or S3 transfer is cancelled, its response closed."""
 
     def __init__(self, fs: Any, path: str, url: str):
         self.fs = fs
         self.path = path
         self.url = url
         self.timeout_s: float | None = None
-        self._http = _HttpReader(fs, url) if _is_http(fs) else None
+        self._http = _HttpReader(fs, url) if _is_http(fs) else _S3Reader(fs, url) if _is_s3(fs) else None
 
     def _p(self, name: str) -> str:
         return f"{self.path}/{name}" if name else self.path
@@ -295,6 +300,20 @@ class FsspecLocation(SnapshotLocation):
     def open_write(self, name: str) -> BinaryIO:
         with _as_oserror():
             return self.fs.open(self._p(name), "wb")
+
+    def export_left_files(self, first: str) -> bool:
+        """Over HTTP and S3 one bounded read of ``first`` (or its temporary file), never a listing:
+        fsspec's HTTP ``ls`` downloads and parses the whole page at the URL (a 256 MiB page took
+        525 MiB), s3fs's follows every page of keys a server offers."""
+        if self._http is None:
+            return super().export_left_files(first)
+        for name in (first, f"{first}.tmp"):
+            try:
+                self.read_range(name, 0, 1)
+                return True
+            except OSError:  # FileNotFoundError among them: not there (or not readable: said as such)
+                continue
+        return False
 
     def rename(self, src: str, dst: str) -> None:
         with _as_oserror():
@@ -355,9 +374,14 @@ def _is_http(fs: Any) -> bool:
     return any(c.__name__ == "HTTPFileSystem" and c.__module__.startswith("fsspec.") for c in type(fs).__mro__)
 
 
+def _is_s3(fs: Any) -> bool:
+    return any(c.__name__ == "S3FileSystem" and c.__module__.startswith("s3fs") for c in type(fs).__mro__) \
+        and callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
+
+
 class _HttpReader:
     """Ranged GETs on fsspec's aiohttp session, each bounded by what it asks for (NOTE [snapshot
-    format], Reading over HTTP).
+    format], Reading over HTTP; _S3Reader: the same over s3fs).
 
     A request asks for ``Range: bytes=a-b`` and ``Accept-Encoding: identity``. The body is read in
     chunks into one buffer until the range is complete, then the response is closed: an endless
@@ -396,7 +420,11 @@ class _HttpReader:
             return await (asyncio.wait_for(run(), timeout_s) if timeout_s else run())
 
         with _as_oserror():
-            got = sync(self.fs.loop, bounded)
+            try:
+                got = sync(self.fs.loop, bounded)
+            except asyncio.TimeoutError:  # (fsspec's FSTimeoutError; not the builtin one before 3.11)
+                raise TimeoutError(errno.ETIMEDOUT, f"{self.url} did not answer within {timeout_s} s (the "
+                                   f"transfer is cancelled)") from None
         # a range's own failure as an OSError too (aiohttp's ClientResponseError is not one)
         return [g if not isinstance(g, BaseException) or isinstance(g, OSError) else
                 OSError(0, f"{type(g).__name__}: {scrub_secret(str(g), path)}") for g, path in zip(got, paths)]
@@ -419,8 +447,11 @@ class _HttpReader:
                 raise OSError(errno.EINVAL, f"{mask_url(path)}: range {start}-{end} is past its end")
             if r.status >= 400:
                 r.raise_for_status()
-            coding = r.headers.get("Content-Encoding", "identity").strip().lower()
-            if coding not in ("", "identity"):
+            # every Content-Encoding the server said, not the first: aiohttp's parser inflates by the
+            # last one ("identity" then "gzip" passed a check of headers.get and was inflated)
+            coding = ", ".join(c for said in r.headers.getall("Content-Encoding", ()) for c in
+                               (part.strip().lower() for part in said.split(",")) if c not in ("", "identity"))
+            if coding:
                 r.close()
                 self.refused = (
                     f"the server at {self.url} sent a snapshot file with Content-Encoding: {coding:.40} "
@@ -430,23 +461,58 @@ class _HttpReader:
                 raise RangeNotHonored(self.refused)
             if r.status != 206 and start > 0:
                 r.close()
-                self.refused = (
-                    f"the server at {self.url} ignores HTTP Range requests (it answered {r.status} with the "
-                    f"whole file to a request for bytes {start}-{end - 1} of {mask_url(path)}): a snapshot is "
-                    f"read in byte ranges, never downloaded whole; serve it with a server that supports "
-                    f"Range (nginx, Apache, S3, GCS), or copy the snapshot to a local disk and read the copy")
-                raise RangeNotHonored(self.refused)
+                raise self._ignored(r.status, path, start, end)
             if r.status == 206:
                 self.ranges_ok = True
-            want, buf = end - start, bytearray()  # grown as bytes arrive, never sized by a header
-            while len(buf) < want:
-                chunk = await r.content.read(min(_HTTP_CHUNK, want - len(buf)))
-                if not chunk:
-                    break
-                buf += chunk
+            buf = await _read_at_most(r.content.read, end - start)
             if not r.content.at_eof():
                 r.close()  # the rest is never read: the connection goes, the transfer stops
         return buf  # not copied into bytes: a range costs its own size once
+
+    def _ignored(self, status: int, path: str, start: int, end: int) -> RangeNotHonored:
+        self.refused = (
+            f"the server at {self.url} ignores HTTP Range requests (it answered {status} with the "
+            f"whole file to a request for bytes {start}-{end - 1} of {mask_url(path)}): a snapshot is "
+            f"read in byte ranges, never downloaded whole; serve it with a server that supports "
+            f"Range (nginx, Apache, S3, GCS), or copy the snapshot to a local disk and read the copy")
+        return RangeNotHonored(self.refused)
+
+
+class _S3Reader(_HttpReader):
+    """Ranged GetObject calls through s3fs, each read in chunks up to the range and then closed,
+    as _HttpReader does over HTTP: s3fs's own ``cat_file`` reads a whole response body, so an
+    S3 endpoint that ignored Range (or sent without end) cost the whole body in memory (512 MiB
+    for a manifest read). aiobotocore never inflates a body (its session does not decompress)."""
+
+    async def _one(self, path: str, start: int, end: int) -> bytes | bytearray:
+        if end <= start:
+            return b""
+        if self.refused is not None:
+            raise RangeNotHonored(self.refused)
+        bucket, key, version = self.fs.split_path(path)
+        resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                      **({"VersionId": version} if version else {}))
+        body = resp["Body"]
+        try:
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status != 206 and start > 0:
+                raise self._ignored(status, path, start, end)
+            if status == 206:
+                self.ranges_ok = True
+            return await _read_at_most(body.read, end - start)
+        finally:
+            body.close()  # the rest is never read: the transfer stops
+
+
+async def _read_at_most(read: Any, want: int) -> bytearray:
+    """At most ``want`` bytes of a body, read a chunk at a time (never sized by a header)."""
+    buf = bytearray()
+    while len(buf) < want:
+        chunk = await read(min(_HTTP_CHUNK, want - len(buf)))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
 
 
 @contextlib.contextmanager

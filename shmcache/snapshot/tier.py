@@ -595,6 +595,8 @@ class SnapshotTier:
             raise exc
         if not isinstance(exc, Exception):
             raise exc
+        if isinstance(exc, TimeoutError):  # the read's own bound (HTTP, S3: cancelled at timeout_s)
+            raise _Fault("timeout", f"{what} {self.url}") from None
         raise _Fault("unreachable", f"{type(exc).__name__}: {exc}") from None
 
     # --- faults -----------------------------------------------------------------------------------------

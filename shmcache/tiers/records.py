@@ -126,10 +126,11 @@ def max_item_bytes() -> int:
         mib = float(raw)
     except ValueError:
         mib = -1.0
-    if not 0 < mib <= MAX_RAW_BYTES >> 20:
+    # (1e-9 is positive, yet a bound of 0 bytes: every value refused)
+    if not 0 < mib <= MAX_RAW_BYTES >> 20 or int(mib * (1 << 20)) < 1:
         raise InvalidArgument(f"${settings.ENV_MAX_ITEM_MB}={raw!r}: the largest value from an unauthenticated "
-                              f"source, in MiB, must be a number from 1 to {MAX_RAW_BYTES >> 20}; unset it "
-                              f"for the default ({MAX_ITEM_MB})")
+                              f"source, in MiB, must be a positive number of at least a byte (0.5: 512 KiB) "
+                              f"and at most {MAX_RAW_BYTES >> 20}; unset it for the default ({MAX_ITEM_MB})")
     return min(MAX_RAW_BYTES, int(mib * (1 << 20)))
 _ONE_SHOT_BELOW = 1 << 20  # a frame that declares its exact size decodes in one call below this
 _BLOCK_WORDS = 512  # body check: one uint64 sum per 4 KiB block ...

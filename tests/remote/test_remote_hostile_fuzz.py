@@ -118,3 +118,30 @@ def test_a_value_past_max_item_mb_is_a_corrupt_miss_never_decoded(redis_server, 
         assert signed.max_item_bytes > 1 << 31  # authenticated: the job's own values, only the cap bounds them
     finally:
         signed.close()
+
+
+@pytest.mark.xfail(strict=True, reason="found attacking issue 24, not fixed: MGET reads every value whole before "
+                   "any check, so $SHMCACHE_MAX_ITEM_MB bounds what a value decodes to, not what a batch reads "
+                   "(bounding it needs GETRANGE or STRLEN, which the spawned Redis's worker ACL does not allow)")
+def test_a_batch_reads_no_more_of_a_strangers_values_than_max_item_mb_allows(redis_server, monkeypatch):
+    """A stranger who can write the Redis (no secret) puts 32 MiB of junk under each of 4 keys; a
+    batch of them under a 1 MiB bound read all 128 MiB into the reader's memory (4 keys of 256
+    MiB each under the default bound: +1,280 MiB; Redis allows 512 MB a value)."""
+    from shmcache.tiers.remote import RedisTier
+
+    monkeypatch.delenv("SHMCACHE_SECRET", raising=False)
+    monkeypatch.setenv("SHMCACHE_MAX_ITEM_MB", "1")
+    tier = RedisTier(redis_server.url, "c")
+    try:
+        host, port = redis_server.addr.split(":")
+        stranger = redis.Redis(host=host, port=int(port), password=redis_server.password)
+        keys = [portable_key(i) for i in range(4)]
+        for k in keys:
+            stranger.set(tier.prefix + k, bytes(32 << 20))
+        assert tier.get_many(keys) == [None] * 4
+        assert tier.counters()["bytes_read"] <= 4 * (2 << 20), tier.counters()
+    finally:
+        tier.close()
+        host, port = redis_server.addr.split(":")
+        redis.Redis(host=host, port=int(port), password=redis_server.password).delete(
+            *[tier.prefix + portable_key(i) for i in range(4)])

@@ -164,7 +164,7 @@ def test_max_item_bytes_reads_its_setting(monkeypatch, value, want):
     assert records.max_item_bytes() == want
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "lots", "1e9"])
+@pytest.mark.parametrize("value", ["0", "-3", "lots", "1e9", "nan", "inf", "1e-9"])  # 1e-9: a bound of 0 bytes
 def test_a_bad_max_item_setting_names_itself_and_the_fix(monkeypatch, value):
     from shmcache.errors import InvalidArgument
 
@@ -226,3 +226,50 @@ def test_a_numpy_scalar_of_a_shape_is_refused():
     """Decoded alone it is a scalar, gathered in a batch an array of that shape: the encoder writes ()."""
     assert "not ()" in untrusted_problem(_portable(("g", "<f4", (1, 1), 64), bytes(48) + bytes(64)), False)
     assert decode_portable(bytearray(_portable(("g", "<f4", (), 64), bytes(48) + bytes(64))), trusted=False) == 0
+
+
+def _named_layout(classes: int, nodes: int) -> bytes:
+    """A record of ``nodes`` one-field namedtuple nodes of ``classes`` distinct class names."""
+    node = tuple(("N", f"Made{i % classes}", ("x",), (("n",),)) for i in range(nodes))
+    return _portable(("T", node), b"")
+
+
+def test_a_layout_naming_thousands_of_namedtuple_classes_is_refused():
+    """Found attacking issue 24: a record of 529 KB naming 20,000 namedtuple classes passed the
+    check (within the node bound) and its first decode made a class for each - 9.3 s and +190
+    MiB for one record, again for every such record a stranger writes. A layout from outside now
+    names at most MAX_LAYOUT_NAMED classes; many namedtuples of one class count once."""
+    why = untrusted_problem(_named_layout(20_000, 20_000), allow_pickle=False)
+    assert why is not None and f"more than {codec.MAX_LAYOUT_NAMED} namedtuple classes" in why, why
+    for classes, nodes in ((codec.MAX_LAYOUT_NAMED, codec.MAX_LAYOUT_NAMED), (1, 20_000)):
+        rec = _named_layout(classes, nodes)
+        assert untrusted_problem(rec, allow_pickle=False) is None
+        value = decode_portable(bytearray(rec), trusted=False)
+        assert len(value) == nodes and len({type(v) for v in value}) == classes
+
+
+def test_a_strangers_namedtuples_never_evict_the_users_own_classes():
+    """Found attacking issue 24: a value decoded from a stranger's record of a namedtuple class
+    this process never saw is of a class the codec made; storing it again (a pipeline that puts
+    what it read into another cache) registered that made class as if the user's, and 1,024 of
+    them evicted the user's own classes from the registry: the user's records then decoded as a
+    stand-in of the same name (``isinstance(x, TheirClass)`` false). Made classes are never
+    registered: only the user's own."""
+    import collections
+
+    Mine = collections.namedtuple("Mine", "image label")
+    codec.register_namedtuple(Mine)
+    mine = codec.encode(Mine(1, 2))
+    for i in range(codec.MAX_NAMED_TYPES + 8):  # a stranger's records, each of a class of its own
+        value = decode_portable(bytearray(_portable(("N", f"Theirs{i}", ("x",), (("i", 16),)), bytes(8))),
+                                trusted=False)
+        assert type(value).__qualname__ == f"Theirs{i}"
+        codec.encode(value)  # stored again by the user's pipeline
+    assert codec.decode(_record_of(mine), mine.layout).__class__ is Mine
+    assert all(getattr(t, "__qualname__", "").startswith("Theirs") is False for t in codec.registered_namedtuples())
+
+
+def _record_of(enc) -> bytearray:
+    buf = bytearray(enc.record_len(0, False))
+    enc.write(memoryview(buf), 0, b"")
+    return buf
