@@ -299,6 +299,7 @@ def test_a_snapshot_url_without_a_manifest_lists_nothing(served):
     first data file (here the export's data files are there: it did not finish)."""
     url, sent, _, started = served
     out = _read("import", url)
-    assert "manifest.json does not exist: the export that wrote this snapshot did not finish" in out.get("error", ""), out
+    unfinished = "manifest.json does not exist: the export that wrote this snapshot did not finish"
+    assert unfinished in out.get("error", ""), out
     assert out["grew_mib"] < 48, out
     assert not [p for p in started if not p.endswith((".shms", ".shms.tmp"))], started
