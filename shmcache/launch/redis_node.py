@@ -53,7 +53,8 @@ NOTE [spawned redis]
        authentication]). On a network you do not trust, use a TLS Redis of your own
        (``--remote rediss://``).
     5. Memory. ``maxmemory`` (the MB of ``spawn:MB``) bounds the keys, not what a client holds:
-       one MGET naming a 2 MiB key 100 times made a 16 MiB server hold 206 MiB, and a bulk of
+       one read naming a 2 MiB key 100 times (an MGET, or GETRANGEs in one pipeline) made a
+       16 MiB server hold 206 MiB, and a bulk of
        512 MiB (Redis's own limit) on each of many connections waits in their query buffers. So
        with the workers' password nobody could make the server take the node's memory, a value,
        a client's pending input and its pending reply are each bounded by the same MB (a value
@@ -88,10 +89,11 @@ __all__ = ["DEFAULT_MAXMEMORY_MB", "RedisNode", "find_redis_server", "route_addr
 DEFAULT_MAXMEMORY_MB = 1024
 #: The workers' user on the spawned server (NOTE [spawned redis], 3), in their URL.
 WORKER_USER = "shmcache"
-#: What the remote tier sends (tiers/remote.py): AUTH at connect, MGET to read, SET (NX) in a
-#: pipeline to write, PING and INFO for ``shmcache info``; redis-py's CLIENT SETINFO at connect
-#: is refused, which redis-py ignores. GET: a Cluster's reads (not this server's, but harmless).
-WORKER_COMMANDS = ("auth", "hello", "ping", "info", "get", "mget", "set")
+#: What the remote tier sends (tiers/remote.py): AUTH at connect, GETRANGE in a pipeline to read
+#: (each value only as far as the largest acceptable record), SET (NX) in a pipeline to write,
+#: PING and INFO for ``shmcache info``; redis-py's CLIENT SETINFO at connect is refused, which
+#: redis-py ignores. GET and MGET are not sent, so not allowed.
+WORKER_COMMANDS = ("auth", "hello", "ping", "info", "getrange", "set")
 #: The keys of every cache's values (RedisTier.prefix: shmcache:<identity>:<key>).
 KEY_PATTERN = "shmcache:*"
 #: The launcher's own user, on the Unix socket only in practice: readiness and the proof of the

@@ -23,7 +23,7 @@ from ..base import settings
 from ..errors import InvalidArgument
 
 __all__ = ["pack_record", "unpack_record", "record_problem", "RECORD_HEADER_BYTES", "FILE_HEADER_BYTES",
-           "MAX_KEY_BYTES", "MAX_RAW_BYTES", "MAX_ITEM_MB", "max_item_bytes", "ALIGN", "FLAG_ZSTD",
+           "MAX_KEY_BYTES", "MAX_RAW_BYTES", "MAX_ITEM_MB", "max_item_bytes", "max_record_bytes", "ALIGN", "FLAG_ZSTD",
            "decompress_bounded"]
 
 # NOTE [spill records]
@@ -156,6 +156,15 @@ def _pad(n: int) -> int:
 
 def _record_bytes(key_len: int, stored_len: int) -> int:
     return RECORD_HEADER_BYTES + key_len + _pad(key_len) + stored_len + _pad(stored_len)
+
+
+def max_record_bytes(key_len: int, limit: int) -> int:
+    """The most bytes an acceptable record of a ``key_len``-byte key whose payload has at most
+    ``limit`` bytes can weigh: header, key, stored bytes, padding. The stored bytes never exceed
+    the raw ones (zstd is kept only when it saves 5%, and a record claiming otherwise is refused:
+    ``_length_problem``), so zstd's worst-case expansion never enters; a longer value is no such
+    record, and reading more of it is wasted."""
+    return _record_bytes(key_len, limit)
 
 
 def _body_check(data: Buffer) -> int:

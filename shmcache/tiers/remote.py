@@ -40,10 +40,13 @@ NOTE [remote tier]
     included. Without a secret anyone who can write to the Redis can change values (not run
     code: a pickled leaf from an unauthenticated tier is refused, tiered_store.TieredStore).
 
-    Reads are on the training step's path: one round trip per batch (one MGET per server, the
-    commands to every server sent before any reply is read; on a Cluster, GETs grouped by the
-    master of each key's slot, sent the same way - not redis-py's cluster pipeline, which after
-    a timeout re-sends each key alone, a timeout each). Writes never are: ``offer`` only
+    Reads are on the training step's path: one round trip per batch (one pipelined ``GETRANGE
+    key 0 bound-1`` per key, not MGET, so a value is read only as far as the largest record the
+    tier would accept - ``$SHMCACHE_MAX_ITEM_MB`` bounds what a batch reads, not only what it
+    decodes; the commands to every server sent before any reply is read; on a Cluster, grouped
+    by the master of each key's slot, sent the same way - not redis-py's cluster pipeline, which
+    after a timeout re-sends each key alone, a timeout each). A Redis user that may not run
+    GETRANGE (an ACL) is a fault logged as such, with the fix. Writes never are: ``offer`` only
     appends to a bounded queue (full: the value is dropped, counted); one background thread per
     process drains it with pipelined ``SET key value NX`` (the first writer wins: values of a
     key are equal by construction, and NX spares the bandwidth of rewriting them). The queue is flushed, within a
@@ -86,12 +89,12 @@ import zstandard
 
 from ..base import settings
 from ..base.settings import ENV_REMOTE, ENV_REMOTE_PASSWORD
-from ..base.trust import ENV_SECRET, FORGED, Mac
+from ..base.trust import ENV_SECRET, FORGED, TRAILER_BYTES, Mac
 from ..base.urls import mask_url, split_userinfo
 from ..errors import InvalidArgument
 from . import counts as tier_counts
 from .breaker import Breaker
-from .records import MAX_RAW_BYTES, max_item_bytes, pack_record, unpack_record
+from .records import MAX_RAW_BYTES, max_item_bytes, max_record_bytes, pack_record, unpack_record
 
 __all__ = ["ENV_REMOTE", "ENV_PASSWORD", "RemoteURL", "parse_url", "mask_url", "jump_hash", "RedisTier",
            "probe", "read_counts", "COUNTERS", "resolve", "identity", "counts_path", "open_tier"]
@@ -296,6 +299,8 @@ def _condition(exc: BaseException) -> str:
     redis = _redis()
     e = redis.exceptions
     text = str(exc)
+    if isinstance(exc, e.NoPermissionError) or text.startswith("NOPERM"):
+        return "noperm"
     if isinstance(exc, e.AuthenticationError) or any(
             s in text for s in ("NOAUTH", "WRONGPASS", "invalid password", "AUTH")):
         return "auth"
@@ -317,6 +322,9 @@ _SAY = {
            "stored there; reads go on (give it more maxmemory, or an allkeys-lru policy)",
     "auth": "refused the credentials (wrong or missing password); values are computed from the "
             "source (put the right password in the URL: redis://:PASSWORD@host:port)",
+    "noperm": "refused a command or key the tier needs (its ACL): values are computed from the source "
+              "until it allows them (give the URL's user `+getrange +set +ping +info ~shmcache:*`, e.g. "
+              "ACL SETUSER <user> +getrange: reads are GETRANGE, not MGET or GET)",
     "corrupt": "returned a value that is not this cache's record for that key (garbage, "
                "truncated, or another cache's): a miss, recomputed; later ones are counted as "
                "'corrupt' in stats()",
@@ -545,12 +553,30 @@ class RedisTier:
         return raw
 
     def _read(self, rkeys: list[bytes]) -> list:
+        """The values of ``rkeys``, each read only as far as the largest record this tier would
+        accept for its key can weigh (``GETRANGE key 0 bound-1``): a stranger's 512 MB value costs
+        a batch that bound, then fails its checks (cut short: a miss). Like MGET otherwise: a
+        missing key (GETRANGE's b"": a record is never empty) or one of another type is None."""
         conn = self._connect()
+        limit = min(self.max_item_bytes, self.max_batch_bytes)
+        extra = TRAILER_BYTES if self._mac is not None else 0
+        commands = [_getrange(k, max_record_bytes(len(k), limit) + extra - 1) for k in rkeys]
         if self.url.kind == "cluster":
-            return _get_clustered(conn, rkeys)
-        if len(conn) == 1:
-            return conn[0].mget(rkeys)
-        return _mget_sharded(conn, rkeys)
+            groups = _cluster_groups(conn, rkeys)
+        elif len(conn) == 1:
+            groups = [(conn[0].connection_pool, list(range(len(rkeys))))]
+        else:
+            groups = _shard_groups(conn, rkeys)
+        out: list = [None] * len(rkeys)
+        batches = [(pool, b"".join([commands[i] for i in idx]), len(idx), idx) for pool, idx in groups]
+        for idx, values in _round_trip(batches):
+            for i, v in zip(idx, values):
+                if isinstance(v, Exception):
+                    if not str(v).startswith("WRONGTYPE"):
+                        raise v
+                    v = None
+                out[i] = v or None
+        return out
 
     def corrupt(self, n: int = 1, counter: str = "corrupt") -> None:
         """The caller found ``n`` values that failed their checks (a miss each)."""
@@ -705,54 +731,50 @@ class RedisTier:
         _LIVE.discard(self)
 
 
-def _mget_sharded(clients: list, rkeys: list[bytes]) -> list:
-    """One MGET per server, all sent before any reply is read: one round trip for N servers."""
-    n = len(clients)
+def _shard_groups(clients: list, rkeys: list[bytes]) -> list:
+    """``[(pool, indices)]``: the keys of each server (jump hash), for one round trip to all."""
     groups: dict[int, list[int]] = {}
     for i, k in enumerate(rkeys):
-        groups.setdefault(jump_hash(_key_hash(k), n), []).append(i)
-    out: list = [None] * len(rkeys)
-    batches = [(clients[s].connection_pool, [("MGET", *[rkeys[i] for i in idx])], idx)
-               for s, idx in groups.items()]
-    for idx, (values,) in _round_trip(batches):
-        for i, v in zip(idx, values):
-            out[i] = v
-    return out
+        groups.setdefault(jump_hash(_key_hash(k), len(clients)), []).append(i)
+    return [(clients[s].connection_pool, idx) for s, idx in groups.items()]
 
 
-def _get_clustered(cluster, rkeys: list[bytes]) -> list:
-    """GETs grouped by the master that owns each key's slot, all sent before any reply is read:
-    one round trip, and one timeout at most when a master is stopped. (redis-py's cluster
-    pipeline, after a timeout, re-sends each of that master's keys alone, each waiting its own
-    timeout: 85 s for a 256-key batch at the default 1 s.) A redirection (the cluster is being
-    resharded) or any other error reply raises: a fault, so the breaker opens and the client,
-    rebuilt, reads the slots again."""
+def _cluster_groups(cluster, rkeys: list[bytes]) -> list:
+    """``[(pool, indices)]``: the keys of each master that owns their slots, all sent before any
+    reply is read: one round trip, and one timeout at most when a master is stopped. (redis-py's
+    cluster pipeline, after a timeout, re-sends each of that master's keys alone, each waiting
+    its own timeout: 85 s for a 256-key batch at the default 1 s.) A redirection (the cluster is
+    being resharded) or any other error reply raises: a fault, so the breaker opens and the
+    client, rebuilt, reads the slots again."""
     groups: dict[str, tuple[Any, list[int]]] = {}
     nodes = cluster.nodes_manager
     for i, k in enumerate(rkeys):
         node = nodes.get_node_from_slot(cluster.keyslot(k))
         groups.setdefault(node.name, (node, []))[1].append(i)
-    out: list = [None] * len(rkeys)
-    batches = [(cluster.get_redis_connection(node).connection_pool, [("GET", rkeys[i]) for i in idx], idx)
-               for node, idx in groups.values()]
-    for idx, values in _round_trip(batches):
-        for i, v in zip(idx, values):
-            out[i] = v
-    return out
+    return [(cluster.get_redis_connection(node).connection_pool, idx) for node, idx in groups.values()]
+
+
+def _getrange(rkey: bytes, end: int) -> bytes:
+    """``GETRANGE rkey 0 end``, packed (RESP): a batch's 256 packed by redis-py took as long as
+    Redis took to answer them (benchmarks/bench_remote_read.py)."""
+    end_b = b"%d" % end
+    return b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n%s\r\n" % (len(rkey), rkey, len(end_b), end_b)
 
 
 def _round_trip(batches: list) -> list:
-    """Send each ``(pool, commands, tag)``'s commands on a connection of its own pool, all before
-    reading any reply; then ``[(tag, replies)]``. A connection left with an unread reply (a
-    timeout, an error) is disconnected, never reused."""
+    """Send each ``(pool, packed commands, their count, tag)``'s commands on a connection of its
+    own pool, all before reading any reply; then ``[(tag, replies)]``, an error reply as its
+    exception (every reply is read: the connection stays clean). A connection left with an
+    unread reply (a timeout, a broken connection) is disconnected, never reused."""
+    response_error = _redis().exceptions.ResponseError
     sent, out = [], []
     try:
-        for pool, commands, _tag in batches:
+        for pool, packed, _n, _tag in batches:
             conn = pool.get_connection()
             sent.append((pool, conn))
-            conn.send_packed_command(conn.pack_commands(commands))
-        for (_, conn), (_, commands, tag) in zip(sent, batches):
-            out.append((tag, [conn.read_response() for _ in commands]))
+            conn.send_packed_command([packed])
+        for (_, conn), (_, _, n, tag) in zip(sent, batches):
+            out.append((tag, [_reply(conn, response_error) for _ in range(n)]))
     except BaseException:
         for _, conn in sent:
             _quietly(conn.disconnect)
@@ -761,6 +783,13 @@ def _round_trip(batches: list) -> list:
         for pool, conn in sent:
             pool.release(conn)
     return out
+
+
+def _reply(conn, response_error: type) -> Any:
+    try:
+        return conn.read_response()
+    except response_error as exc:  # a whole reply, read: the next one follows on the socket
+        return exc
 
 
 def _quietly(fn) -> None:

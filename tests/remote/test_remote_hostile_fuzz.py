@@ -120,13 +120,12 @@ def test_a_value_past_max_item_mb_is_a_corrupt_miss_never_decoded(redis_server, 
         signed.close()
 
 
-@pytest.mark.xfail(strict=True, reason="found attacking issue 24, not fixed: MGET reads every value whole before "
-                   "any check, so $SHMCACHE_MAX_ITEM_MB bounds what a value decodes to, not what a batch reads "
-                   "(bounding it needs GETRANGE or STRLEN, which the spawned Redis's worker ACL does not allow)")
 def test_a_batch_reads_no_more_of_a_strangers_values_than_max_item_mb_allows(redis_server, monkeypatch):
     """A stranger who can write the Redis (no secret) puts 32 MiB of junk under each of 4 keys; a
     batch of them under a 1 MiB bound read all 128 MiB into the reader's memory (4 keys of 256
-    MiB each under the default bound: +1,280 MiB; Redis allows 512 MB a value)."""
+    MiB each under the default bound: +1,280 MiB; Redis allows 512 MB a value). Now each value is
+    read only as far as the largest acceptable record (GETRANGE), and the rest of the batch's
+    values are still read: a right record beside them is a hit."""
     from shmcache.tiers.remote import RedisTier
 
     monkeypatch.delenv("SHMCACHE_SECRET", raising=False)
@@ -140,6 +139,12 @@ def test_a_batch_reads_no_more_of_a_strangers_values_than_max_item_mb_allows(red
             stranger.set(tier.prefix + k, bytes(32 << 20))
         assert tier.get_many(keys) == [None] * 4
         assert tier.counters()["bytes_read"] <= 4 * (2 << 20), tier.counters()
+        assert tier.counters()["corrupt"] == 4, tier.counters()  # cut short: each a counted miss
+        right = os.urandom(1 << 20)  # 1 MiB, stored raw: the largest record the bound allows
+        stranger.set(tier.prefix + keys[0], b"".join(pack_record(tier.prefix + keys[0], right,
+                                                                 zstandard.ZstdCompressor(level=-5))))
+        stranger.set(tier.prefix + keys[1], b"")  # an empty value is no record: a miss
+        assert tier.get_many([*keys[:2], portable_key(99)]) == [bytearray(right), None, None]
     finally:
         tier.close()
         host, port = redis_server.addr.split(":")

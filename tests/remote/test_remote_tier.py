@@ -145,6 +145,30 @@ def test_values_that_are_not_this_caches_records_are_misses(redis_server, caplog
         b.close()
 
 
+def test_a_redis_user_without_getrange_is_a_fault_that_names_the_command_and_the_fix(redis_server, caplog):
+    """Reads are GETRANGE (a value read only as far as the largest acceptable record), not MGET: a
+    user's own Redis whose ACL allows only GET and MGET refuses them. That is logged once, naming
+    what was refused and the fix, never a silent miss; writes still go."""
+    caplog.set_level(logging.WARNING, "shmcache")
+    admin = __import__("redis").Redis(port=redis_server.port, password=PASSWORD)
+    admin.acl_setuser("reader", enabled=True, passwords=["+reader-pw"], keys=["shmcache:*"],
+                      commands=["-@all", "+auth", "+hello", "+ping", "+get", "+mget", "+set"])
+    tier = RedisTier(f"redis://reader:reader-pw@{redis_server.addr}", "acl")
+    try:
+        tier.offer([(b"k", b"v" * 100)])
+        assert tier.flush(10) and admin.exists(b"shmcache:acl:k")
+        assert tier.get_many([b"k"]) == [None]
+        assert tier.counters()["errors"] == 1, tier.counters()
+        text = _no_password(caplog)
+        assert "refused a command or key the tier needs" in text and "+getrange" in text, text
+        assert "getrange" in text.split("(NoPermissionError:")[1], text  # which command: the server's words
+    finally:
+        tier.close()
+        admin.acl_deluser("reader")
+        admin.delete(b"shmcache:acl:k")
+        admin.close()
+
+
 def test_full_queue_drops_and_counts(redis_server):
     tier = RedisTier(redis_server.url, "c", queue_items=4)
     try:
