@@ -10,7 +10,7 @@ Rows:
   items, and ``imagenet``-like 147 KiB random items) exported with a secret and without, each
   imported into a fresh session; items/s and MiB/s, the median of ``--repeats`` imports, taken
   alternately so the machine's load falls on both alike.
-- ``remote batch read``: ``RedisTier.get_many`` of batches of 256 keys (one MGET round trip,
+- ``remote batch read``: ``RedisTier.get_many`` of batches of 256 keys (one GETRANGE pipeline round trip,
   every record checked) from a local ``redis-server``, values written with a secret and without
   (target >= 0.8x); median over the batches of ``--repeats`` passes.
 - ``local hit``: ``cache.get(key)`` from shared memory, a cache made with a secret vs without: the

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate
 from ..base import settings
 from ..base.namespace import namespace, resolve_session_name, validate_name
 from ..base.progress import progress_bar
-from ..base.settings import ENV_REMOTE, ENV_SIZE_MB, ENV_SPILLING
+from ..base.settings import ENV_REMOTE, ENV_SECRET, ENV_SIZE_MB, ENV_SPILLING
 from ..base.trust import resolve_secret
 from ..cache import codec
 from ..cache.registry import SessionRegistry
@@ -337,11 +337,16 @@ class ShmDatasetCache:
         store = self._ensure_open()
         meta = store.read_meta() if not store.uncached else {}
         length = meta.get("length")
-        if manifest is None and self._snapshot is not None:
+        # what proves the length: the job's secret, else the items held (the cache's own count of
+        # what an import stored, verified; or what the snapshot's data files hold)
+        authenticated, items = meta.get("length_authenticated") is True, None
+        tier = None
+        if self._snapshot is not None:
             from ..snapshot.tier import snapshot_tier
 
             tier = snapshot_tier(store)
-            manifest = tier.manifest if tier is not None else None
+            if manifest is None:
+                manifest = tier.manifest if tier is not None else None
         if manifest is not None and not (isinstance(length, int) and not isinstance(length, bool)):
             if manifest.length is None:
                 from ..base.urls import mask_url
@@ -352,6 +357,7 @@ class ShmDatasetCache:
                     f"{manifest.session}/{manifest.name}, no wrapped dataset, no length): read them "
                     f"by key, cache.get(key) and cache.get_batch(keys)")
             length = manifest.length
+            authenticated, items = tier is not None and tier.authenticated, manifest.items
             if self._fingerprint is None and manifest.fingerprint and meta.get("fingerprint") is None:
                 store.bind_fingerprint(manifest.fingerprint)  # this cache holds the snapshot's dataset
             meta = {**meta, "fingerprint": meta.get("fingerprint") or manifest.fingerprint}
@@ -368,6 +374,20 @@ class ShmDatasetCache:
                 f"does not record the length of its dataset (it was not imported from a snapshot of a "
                 f"wrapped map-style dataset); import one (ShmDatasetCache.from_snapshot, `shmcache "
                 f"import`), pass snapshot=URL of one, or wrap the dataset itself")
+        from ..snapshot.format import unproven_length_problem
+
+        problem = None if authenticated else unproven_length_problem(length, len(store) if items is None else items)
+        if problem is not None:
+            from ..base.urls import mask_url
+
+            where = (f"the manifest of snapshot={mask_url(self._snapshot[0])}" if items is not None
+                     else f"cache {self.session}/{self.name} (as imported)")
+            raise SnapshotError(
+                f"wrap(None) would serve {where} at its length, but it states {problem}, and no secret of "
+                f"this job authenticates it (an unsigned snapshot, or one read with allow_unsigned). Export "
+                f"the snapshot with this job's secret (${ENV_SECRET}, secret=) and import or read it with "
+                f"that secret, or wrap the dataset itself (cache.wrap(dataset)): nothing from outside sizes "
+                f"memory")
         if self._fingerprint is None and meta.get("fingerprint"):
             self._tiers_learn(meta["fingerprint"])  # imported by another process since we opened it
             self._fingerprint = meta["fingerprint"]  # wrap(another dataset) later is refused

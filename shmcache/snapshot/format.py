@@ -98,7 +98,7 @@ __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "HEADER_BYTES", "FOOTER_BYTES", "INDEX_DTYPE",
     "DEFAULT_SEGMENT_BYTES", "key_hash", "data_file_name", "DataFileWriter", "DataFileInfo", "Footer",
     "parse_header", "parse_footer", "parse_index", "data_file_digest", "read_record", "iter_records",
-    "find", "Manifest", "authenticate", "MAX_MANIFEST_BYTES", "MAX_LENGTH",
+    "find", "Manifest", "authenticate", "MAX_MANIFEST_BYTES", "MAX_LENGTH", "unproven_length_problem",
 ]
 
 FORMAT_NAME = "shmcache-snapshot"
@@ -110,6 +110,13 @@ ALIGN = 8
 DEFAULT_SEGMENT_BYTES = 512 << 20  # a data file's size: the default of export's segment_bytes=
 MAX_MANIFEST_BYTES = 64 << 20  # ~300,000 data files; a larger manifest.json is refused unread
 MAX_LENGTH = 1 << 40  # a dataset length beyond this is refused (a sampler allocates 8 bytes an item)
+# A length that the job's secret does not authenticate (no secret, or allow_unsigned) is a
+# stranger's claim, and len() of wrap(None) sizes a shuffled sampler's memory by it (8 bytes an
+# item): it may be at most this many times the items the snapshot holds, or UNPROVEN_LENGTH_FLOOR
+# (8 MiB of sampler), whichever is larger. wrap(None) serves only what is held (anything else is
+# ItemNotCached), so a real dataset's length is near its items.
+UNPROVEN_LENGTH_PER_ITEM = 16
+UNPROVEN_LENGTH_FLOOR = 1 << 20
 
 _HEADER = struct.Struct("<8sHHI8xI4x")
 _FOOTER = struct.Struct("<8sHHIQQII")
@@ -421,6 +428,17 @@ def _check_counts(m: Manifest, where: str) -> None:
         raise bad(f"stored_bytes (its data files have {sum(s.size for s in m.data_files)}) is", m.stored_bytes)
     if m.bytes > m.items * records.MAX_RAW_BYTES:
         raise bad(f"{m.items} items of at most {records.MAX_RAW_BYTES} bytes each hold bytes", m.bytes)
+
+
+def unproven_length_problem(length: int, items: int) -> str | None:
+    """Why a dataset ``length`` that no secret authenticates is not to be believed for a snapshot
+    that proves ``items`` items (None: it may be): see UNPROVEN_LENGTH_PER_ITEM."""
+    bound = max(UNPROVEN_LENGTH_FLOOR, UNPROVEN_LENGTH_PER_ITEM * max(items, 0))
+    if length <= bound:
+        return None
+    return (f"a dataset length of {length} over the {items} items the snapshot holds, beyond the {bound} "
+            f"an unauthenticated length may claim ({UNPROVEN_LENGTH_PER_ITEM} per item, at least "
+            f"{UNPROVEN_LENGTH_FLOOR}; a shuffled sampler allocates 8 bytes an item)")
 
 
 def describe_layouts(layouts: dict[bytes, int]) -> dict:

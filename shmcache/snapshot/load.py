@@ -214,7 +214,7 @@ def import_into(store: Any, loc: SnapshotLocation, manifest: fmt.Manifest, *, fo
     report = ImportReport(loc.url, store.session, store.name, items=manifest.items, length=manifest.length)
     if indexes is None:
         indexes = read_indexes(loc, manifest)  # all, first
-    _bind(store, manifest, force)
+    _bind(store, manifest, force, authenticated=mac is not None)
     if getattr(store, "uncached", False):
         report.rejected = manifest.items
         return report
@@ -354,8 +354,9 @@ def replace_other_dataset(store: Any, manifest: fmt.Manifest, force: bool) -> bo
     return True
 
 
-def _bind(store: Any, manifest: fmt.Manifest, force: bool) -> None:
-    """Record the snapshot's dataset (fingerprint) and length in the cache; a cache holding another
+def _bind(store: Any, manifest: fmt.Manifest, force: bool, authenticated: bool = False) -> None:
+    """Record the snapshot's dataset (fingerprint) and length in the cache, and whether the job's
+    secret authenticated that length (wrap(None) bounds one it did not); a cache holding another
     dataset is refused (CacheMismatch): ``force`` replaces it only through
     :func:`replace_other_dataset`, before the store is handed here."""
     if getattr(store, "uncached", False):
@@ -374,6 +375,7 @@ def _bind(store: Any, manifest: fmt.Manifest, force: bool) -> None:
             meta["fingerprint"] = fp
         if manifest.length is not None:
             meta["length"] = manifest.length
+            meta["length_authenticated"] = authenticated
         write_json(store.meta_path, meta)
 
 

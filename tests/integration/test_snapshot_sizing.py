@@ -120,17 +120,82 @@ def test_a_sparse_data_file_sizes_nothing_before_its_bytes_are_read(tmp_path, ho
 def test_wrap_none_of_a_manifest_claiming_a_long_dataset_commits_no_table_for_it(tmp_path):
     """`length` 2**22 over 64 items: wrap(None) sized the cache's table for 2**22 items (192 MiB
     of /dev/shm, left after the process exits; 3 GiB for 2**26). The table now grows as records
-    arrive; len() is still what the manifest says."""
+    arrive; len() is still what the manifest says (2**20: as long as an unsigned manifest may
+    claim over 64 items, test_wrap_none_refuses_a_length_that_no_secret_and_no_item_proves)."""
     snap = tmp_path / "snap"
     _snapshot(snap)
     doc = json.loads((snap / fmt.MANIFEST).read_text())
-    doc["length"] = 1 << 22
+    doc["length"] = fmt.UNPROVEN_LENGTH_FLOOR
     (snap / fmt.MANIFEST).write_text(json.dumps(doc))
     cache = ShmDatasetCache(session="dst", snapshot=snap)
     try:
         ds = cache.wrap(None)
-        assert len(ds) == 1 << 22
+        assert len(ds) == fmt.UNPROVEN_LENGTH_FLOOR
         assert np.array_equal(ds[5], np.full(32, 5, np.int64))
         assert _shm_bytes() < 4 * MiB, _shm_bytes()
     finally:
         cache.close()
+
+
+_LENGTH_READER = """
+import json, sys
+from torch.utils.data import DataLoader
+from shmcache import ShmDatasetCache
+from shmcache.errors import SnapshotError
+how, snap, secret = sys.argv[1:4]
+trust = {"secret": secret or None}
+out = {}
+try:
+    if how == "import":
+        cache = ShmDatasetCache.from_snapshot(snap, session="dst", allow_unsigned=bool(secret), **trust)
+    else:
+        cache = ShmDatasetCache(session="dst", snapshot=snap, snapshot_options={"allow_unsigned": bool(secret)},
+                                **trust)
+    try:
+        ds = cache.wrap(None)
+        out["len"] = len(ds)
+        if len(ds) <= 1 << 20:  # what a sampler of it costs: 8 bytes an item
+            out["batch"] = len(next(iter(DataLoader(ds, batch_size=8, shuffle=True, collate_fn=list))))
+    finally:
+        cache.close()
+except SnapshotError as exc:
+    out["error"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def _read_length(how: str, snap, secret: str = "") -> dict:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_LENGTH_READER), how, str(snap), secret],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("how", ["import", "read-through"])
+@pytest.mark.parametrize("secret", ["", "the-job-secret"], ids=["no-secret", "allow-unsigned"])
+def test_wrap_none_refuses_a_length_that_no_secret_and_no_item_proves(tmp_path, how, secret):
+    """`length` 2**40 over 64 items, unsigned (read without a secret, or with allow_unsigned):
+    wrap(None) said len() == 2**40, and a DataLoader with shuffle=True then asked for 8 TiB (2**30
+    over 64 items: 8 GiB, allocated). Now such a length may be at most 16 per item held, or 2**20:
+    past it wrap(None) refuses, naming the length, the items and the fix; within it, it serves."""
+    snap = tmp_path / "snap"
+    m = _snapshot(snap)
+    (snap / fmt.MANIFEST).write_bytes(dataclasses.replace(m, length=1 << 40).to_json())
+    out = _read_length(how, snap, secret)
+    assert "error" in out, out
+    assert f"a dataset length of {1 << 40} over the 64 items" in out["error"], out
+    assert "Export the snapshot with this job's secret" in out["error"] and "cache.wrap(dataset)" in out["error"]
+    (snap / fmt.MANIFEST).write_bytes(dataclasses.replace(m, length=64).to_json())
+    assert _read_length(how, snap, secret) == {"len": 64, "batch": 8}
+
+
+@pytest.mark.parametrize("how", ["import", "read-through"])
+def test_wrap_none_believes_a_length_the_jobs_secret_signed(tmp_path, how):
+    """A manifest signed with the job's secret is the job's own: its length is not bounded by its
+    items (len() only: nothing is allocated for it here)."""
+    from shmcache.base.trust import Mac
+
+    snap = tmp_path / "snap"
+    m = _snapshot(snap)
+    (snap / fmt.MANIFEST).write_bytes(dataclasses.replace(m, length=1 << 40).to_json(Mac(b"the-job-secret")))
+    assert _read_length(how, snap, "the-job-secret") == {"len": 1 << 40}

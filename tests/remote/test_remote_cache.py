@@ -127,7 +127,7 @@ def test_batches_read_another_nodes_values_in_one_round_trip(redis_server, tmp_p
     b, dsb = _cache("nodeB", redis_server.url, calls=calls)  # another session: another node's memory
     first = b.stats()
     keys = list(range(100, 164))
-    got = b.get_batch(keys)  # collated, from Redis: one MGET
+    got = b.get_batch(keys)  # collated, from Redis: one round trip
     for j, k in enumerate(keys):
         assert same((got[0][j], got[1][j]), k)
     st = b.stats()
