@@ -22,7 +22,7 @@ Commands::
                                          write a cache to a snapshot: a directory, or an fsspec URL
                                          (s3://bucket/prefix, file://, memory://)
     shmcache import SRC [--session S] [--name N] [--force] [--size MB] [--spilling --spill-dir D]
-                    [--allow-pickle] [--allow-unsigned]   ($SHMCACHE_SECRET: the job's secret)
+                    [--allow-pickle] [--allow-unsigned] [--timeout-s S]   ($SHMCACHE_SECRET: the job's secret)
                                          fill a cache from a snapshot (it then runs without its
                                          source: cache.wrap(None))
 
@@ -399,7 +399,8 @@ def cmd_import(args, registry: SessionRegistry) -> int:
     report = import_snapshot(args.src, session=args.session, name=args.name, size_mb=args.size,
                              spilling=args.spilling, spill_dir=args.spill_dir, force=args.force,
                              threads=args.threads, allow_pickle=args.allow_pickle,
-                             allow_unsigned=args.allow_unsigned)  # the secret: $SHMCACHE_SECRET
+                             allow_unsigned=args.allow_unsigned,  # the secret: $SHMCACHE_SECRET
+                             timeout_s=args.timeout_s)
     print(report)
     return 0 if report.complete else 1
 
@@ -474,6 +475,9 @@ def _parser() -> argparse.ArgumentParser:
                         "$SHMCACHE_SECRET (unpickling them can run any code: only for a snapshot you trust)")
     s.add_argument("--allow-unsigned", action="store_true",
                    help="with $SHMCACHE_SECRET set, import a snapshot not signed with it, as untrusted data")
+    s.add_argument("--timeout-s", type=_positive_float, default=None, metavar="S",
+                   help="the longest one read from an HTTP(S) or S3 snapshot may take, in seconds (default "
+                        "60); past it the import fails and gives back the cache it made")
     s.set_defaults(func=cmd_import)
     return p
 
@@ -485,6 +489,16 @@ def _positive_int(text: str) -> int:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative whole number")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds (e.g. 60, 0.5)")
     return value
 
 

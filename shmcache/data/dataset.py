@@ -399,7 +399,7 @@ class ShmDatasetCache:
                       size: int = 0, spilling: bool = False, spill_dir: str | os.PathLike | None = None, *,
                       force: bool = False, threads: int | None = None, progress: bool | None = None,
                       storage_options: dict | None = None, allow_unsigned: bool = False,
-                      **kwargs: Any) -> ShmDatasetCache:
+                      timeout_s: float | None = None, **kwargs: Any) -> ShmDatasetCache:
         """A cache filled from the snapshot at ``src`` (a path or an fsspec URL, e.g. ``s3://b/snap``):
         named as the exported cache unless ``name=`` is given; ``wrap(None)`` then serves it with no
         source. A cache of that name holding another dataset is refused (CacheMismatch) unless
@@ -407,8 +407,10 @@ class ShmDatasetCache:
         did not fit the cap (spilled with ``spilling=True``, else left out), records skipped as
         damaged. With a secret (``secret=``, ``$SHMCACHE_SECRET``) only a snapshot signed with it is
         imported unless ``allow_unsigned=True``; pickled objects of a snapshot that is not signed are
-        skipped unless ``allow_pickle=True`` (NOTE [record authentication]). Other keyword arguments
-        go to ShmDatasetCache."""
+        skipped unless ``allow_pickle=True`` (NOTE [record authentication]). ``timeout_s``: the
+        longest one read of an HTTP(S) or S3 snapshot may take (None: 60 s, snapshot/load.py's
+        IMPORT_TIMEOUT_S); past it the import fails (SnapshotError naming the server) and gives back
+        the cache it made. Other keyword arguments go to ShmDatasetCache."""
         from ..snapshot.load import (
             cache_exists,
             given_back_on_failure,
@@ -418,7 +420,7 @@ class ShmDatasetCache:
             replace_other_dataset,
         )
 
-        loc, manifest = read_manifest(src, storage_options)
+        loc, manifest = read_manifest(src, storage_options, timeout_s)
         from ..snapshot.format import MANIFEST, authenticate
 
         # refused before a cache is made: a snapshot not signed with the job's secret, or one whose

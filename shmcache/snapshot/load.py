@@ -41,11 +41,17 @@ from . import format as fmt
 from .location import SnapshotLocation, open_location
 
 __all__ = ["import_snapshot", "import_into", "read_manifest", "read_data_file_index", "read_indexes",
-           "ImportReport", "replace_other_dataset", "cache_exists", "given_back_on_failure"]
+           "ImportReport", "replace_other_dataset", "cache_exists", "given_back_on_failure", "IMPORT_TIMEOUT_S"]
 
 log = logging.getLogger("shmcache")
 
 _CHUNK_BYTES = 4 << 20  # read this much of a data file at once (whole records; a larger one alone)
+#: The longest one read of an import from an HTTP(S) or S3 snapshot may take (the manifest, an
+#: index, a chunk of _CHUNK_BYTES or one larger record): a server that trickles bytes, or stopped
+#: answering, fails the import then, naming the server and the fix, instead of holding it for
+#: ever (aiohttp allows 300 s a request, botocore 60 s a socket read, each retried). timeout_s= of
+#: import_snapshot and ShmDatasetCache.from_snapshot, `shmcache import --timeout-s`.
+IMPORT_TIMEOUT_S = 60.0
 # header, key, pads and a MAC's trailer: what an index entry may add to the record's decoded bytes
 _RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN + TRAILER_BYTES
 _BATCH_RAW_BYTES = 64 << 20  # store a chunk's records once they decode to this much (bombs do not add up)
@@ -104,9 +110,16 @@ class ImportReport:
         return text
 
 
-def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -> tuple[SnapshotLocation, fmt.Manifest]:
-    """The snapshot's location and manifest; SnapshotError if there is no whole snapshot there."""
-    loc = open_location(src, storage_options)
+def read_manifest(src: str | os.PathLike, storage_options: dict | None = None,
+                  timeout_s: float | None = None) -> tuple[SnapshotLocation, fmt.Manifest]:
+    """The snapshot's location and manifest; SnapshotError if there is no whole snapshot there.
+    ``timeout_s``: the longest each read from the location may take (None: IMPORT_TIMEOUT_S)."""
+    if timeout_s is None:
+        timeout_s = IMPORT_TIMEOUT_S
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise InvalidArgument(f"timeout_s must be a positive number of seconds (the longest one read of the "
+                              f"import may take; default {IMPORT_TIMEOUT_S:g}), got {timeout_s!r}")
+    loc = open_location(src, storage_options, float(timeout_s))
     try:
         data = loc.read_bytes(fmt.MANIFEST, fmt.MAX_MANIFEST_BYTES)
     except FileNotFoundError:
@@ -118,7 +131,7 @@ def read_manifest(src: str | os.PathLike, storage_options: dict | None = None) -
                "export` wrote")
         ) from None
     except OSError as exc:
-        raise loc.error(exc, "read") from None
+        raise loc.error(exc, "read", fmt.MANIFEST) from None
     return loc, fmt.Manifest.from_json(data, loc.where(fmt.MANIFEST))
 
 
@@ -126,13 +139,15 @@ def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str 
                     size_mb: int = 0, spilling: bool = False, spill_dir: str | os.PathLike | None = None,
                     force: bool = False, threads: int | None = None, progress: bool | None = None,
                     storage_options: dict | None = None, secret: str | bytes | None = None,
-                    allow_pickle: bool = False, allow_unsigned: bool = False) -> ImportReport:
+                    allow_pickle: bool = False, allow_unsigned: bool = False,
+                    timeout_s: float | None = None) -> ImportReport:
     """Import the snapshot at ``src`` into cache ``name`` (default: the exported cache's name) of
     ``session``; the cache is made if needed (``size_mb``: its cap, 0 automatic). ``secret``,
-    ``allow_pickle``, ``allow_unsigned``: see import_into."""
+    ``allow_pickle``, ``allow_unsigned``: see import_into. ``timeout_s``: the longest one read may
+    take (None: IMPORT_TIMEOUT_S, 60 s); past it the import fails, giving back the cache it made."""
     from ..cache.store import CacheStore
 
-    loc, manifest = read_manifest(src, storage_options)
+    loc, manifest = read_manifest(src, storage_options, timeout_s)
     key = resolve_secret(secret)
     fmt.authenticate(manifest, key, allow_unsigned, loc.where(fmt.MANIFEST))  # before a cache is made
     if spilling:  # checked before the cache (and its session) is made: a refusal leaves nothing behind
@@ -319,7 +334,7 @@ def read_data_file_index(loc: SnapshotLocation, part: fmt.DataFileInfo, number: 
     except OSError as exc:
         if isinstance(exc, SnapshotError):
             raise
-        raise loc.error(exc, "read") from None
+        raise loc.error(exc, "read", part.file) from None
     index = fmt.parse_index(body, footer, where)
     if fmt.data_file_digest(body, footer.raw) != part.sha256 or len(index) != part.items:
         raise SnapshotError(f"{where} is not the data file the manifest names (its index hash or item "
@@ -466,7 +481,7 @@ class _Job:
         except SnapshotError:
             raise  # it names the file and the fix already
         except OSError as exc:
-            raise self.loc.error(exc, "read") from None
+            raise self.loc.error(exc, "read", part.file) from None
         if len(buf) != end - start:
             raise SnapshotError(f"{self.loc.where(part.file)} ended at {start + len(buf)} bytes while it was "
                                 f"imported (it was {part.size}): it changed under the import; copy it again")

@@ -20,7 +20,7 @@ from ..base.namespace import _user
 from ..base.urls import mask_url, scrub_secret
 from ..errors import InvalidArgument, RangeNotHonored, SnapshotError
 
-__all__ = ["SnapshotLocation", "open_location", "SPACE_ERRNOS", "open_regular", "check_stored"]
+__all__ = ["SnapshotLocation", "open_location", "SPACE_ERRNOS", "open_regular", "check_stored", "with_timeouts"]
 
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _WRITE_BUFFER = 8 << 20
@@ -85,8 +85,11 @@ def _too_large(where: str, size: int, limit: int) -> SnapshotError:
                          f"what `shmcache export` writes (damaged or hostile); export the snapshot again")
 
 
-def open_location(where: str | os.PathLike, storage_options: dict | None = None) -> SnapshotLocation:
-    """A local path (``/data/snap``, ``./snap``) or an fsspec URL (``s3://bucket/snap``)."""
+def open_location(where: str | os.PathLike, storage_options: dict | None = None,
+                  timeout_s: float | None = None) -> SnapshotLocation:
+    """A local path (``/data/snap``, ``./snap``) or an fsspec URL (``s3://bucket/snap``).
+    ``timeout_s``: the longest one read of an fsspec store may take (over HTTP and S3 it is then
+    cancelled: a TimeoutError, which ``error`` names); None: no bound of shmcache's own."""
     if not isinstance(where, (str, os.PathLike)):
         raise InvalidArgument(f"a snapshot location is a path or a URL, got {type(where).__name__}")
     text = os.fspath(where)
@@ -101,7 +104,7 @@ def open_location(where: str | os.PathLike, storage_options: dict | None = None)
                             f"(and the protocol's package, e.g. 'shmcache[s3]' for s3://)") from None
     shown = mask_url(text)
     try:
-        fs, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(text, **(with_timeouts(text, storage_options, timeout_s) or {}))
     except (ImportError, ValueError) as exc:
         raise SnapshotError(f"cannot open {shown}: {scrub_secret(str(exc), text)}; install the package "
                             f"of its protocol (e.g. pip install 'shmcache[s3]' for s3://)") from None
@@ -110,7 +113,19 @@ def open_location(where: str | os.PathLike, storage_options: dict | None = None)
                             f"check the URL, the network and your credentials") from None
     if type(fs).__name__ == "LocalFileSystem":  # file://: the local path, with mmap and fast reads
         return LocalLocation(Path(path))
-    return FsspecLocation(fs, path.rstrip("/"), shown)
+    loc = FsspecLocation(fs, path.rstrip("/"), shown)
+    loc.timeout_s = timeout_s
+    return loc
+
+
+def with_timeouts(url: str, storage_options: dict | None, timeout_s: float | None) -> dict | None:
+    """s3fs retries a refused connection for minutes by default: bound it by ``timeout_s``
+    (unless the caller configured it, or there is no bound)."""
+    opts = dict(storage_options or {})
+    if timeout_s is not None and url.startswith(("s3://", "s3a://")) and "config_kwargs" not in opts:
+        opts["config_kwargs"] = {"connect_timeout": timeout_s, "read_timeout": timeout_s,
+                                 "retries": {"max_attempts": 1}}
+    return opts or None
 
 
 class SnapshotLocation:
@@ -142,6 +157,9 @@ class SnapshotLocation:
             return SnapshotError(f"cannot {what} {where}: it does not exist; check the path, or copy "
                                  f"the whole snapshot again")
         detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
+        if isinstance(exc, TimeoutError):  # a read's own bound (timeout_s): the transfer is cancelled
+            return SnapshotError(f"cannot {what} {where}: {detail}; the server is stalled or too slow: check "
+                                 f"it, or give each read more time (timeout_s=, `shmcache import --timeout-s`)")
         return SnapshotError(f"cannot {what} {where}: {detail}; check the path and your access to it")
 
 

@@ -75,7 +75,7 @@ from ..tiers import counts as tier_counts
 from ..tiers import records as records
 from ..tiers.breaker import Breaker
 from . import format as fmt
-from .location import FsspecLocation, LocalLocation, check_stored, open_location, open_regular
+from .location import FsspecLocation, LocalLocation, check_stored, open_location, open_regular, with_timeouts
 
 __all__ = ["SnapshotTier", "tiered", "ENV_SNAPSHOT", "OPTIONS", "COUNTERS", "counts_path", "read_counts",
            "open_tier", "check_options", "manifest_of", "snapshot_tier"]
@@ -180,7 +180,7 @@ class SnapshotTier:
         self._max_item = records.max_item_bytes()  # what an unsigned record may decode to (records.py)
         self._ident = b""
         self.timeout_s = float(timeout_s)
-        self._storage_options = _with_timeouts(self.url, storage_options, self.timeout_s)
+        self._storage_options = with_timeouts(self.url, storage_options, self.timeout_s)
         self._counts_path, self._slot = counts_path, slot
         self._pid = -1
         self._bound: tuple[str | None, str | None] | None = None  # (cache name, fingerprint) to check
@@ -659,16 +659,6 @@ def _of_the_file(exc: BaseException) -> bool:
     416 arrives as EINVAL) rather than the store's (unreachable, slow: the breaker's business)."""
     return isinstance(exc, (FileNotFoundError, SnapshotError, ValueError)) or (
         isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.ERANGE))
-
-
-def _with_timeouts(url: str, storage_options: dict | None, timeout_s: float) -> dict | None:
-    """s3fs retries a refused connection for minutes by default: bound it by ``timeout_s``
-    (unless the caller configured it)."""
-    opts = dict(storage_options or {})
-    if url.startswith(("s3://", "s3a://")) and "config_kwargs" not in opts:
-        opts["config_kwargs"] = {"connect_timeout": timeout_s, "read_timeout": timeout_s,
-                                 "retries": {"max_attempts": 1}}
-    return opts or None
 
 
 # --- counters shared by the processes of a session -------------------------------------------------

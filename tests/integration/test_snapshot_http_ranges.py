@@ -46,7 +46,8 @@ class _Server(http.server.SimpleHTTPRequestHandler):
     """http.server as it is (it ignores Range) in mode "no-ranges"; in the other modes a data file
     (``*.shms``) is answered "endless" (the range asked for, as 206, then 512 MiB more),
     "gzip" (a gzip bomb with Content-Encoding: gzip), "trickle" (a byte every 20 ms, without
-    end) or "short" (a read of records, from offset 32, is sent half of them). Every body's bytes
+    end), "trickle-records" (so for a read of records, from offset 32; the headers, indexes and
+    footers as they are) or "short" (a read of records is sent half of them). Every body's bytes
     that reached the socket are counted in ``sent``; a body that ended because the client closed
     the connection is counted in ``cut``."""
 
@@ -92,8 +93,12 @@ class _Server(http.server.SimpleHTTPRequestHandler):
         def short():  # the records asked for, cut in half: the file "changed under the import"
             yield want if start != 32 else want[:len(want) // 2]
 
+        def trickle_records():
+            return trickle() if start == 32 else iter([want])
+
         self._body(206, {"Content-Range": f"bytes {start}-{end}/{os.path.getsize(path)}"},
-                   {"endless": endless, "trickle": trickle, "short": short}[self.mode])
+                   {"endless": endless, "trickle": trickle, "short": short,
+                    "trickle-records": trickle_records}[self.mode])
 
     def _body(self, status, headers, chunks):
         self.send_response(status)
@@ -303,3 +308,34 @@ def test_a_snapshot_url_without_a_manifest_lists_nothing(served):
     assert unfinished in out.get("error", ""), out
     assert out["grew_mib"] < 48, out
     assert not [p for p in started if not p.endswith((".shms", ".shms.tmp"))], started
+
+
+@pytest.mark.parametrize("served", ["trickle-records"], indirect=True)
+def test_an_import_from_a_server_that_trickles_fails_at_timeout_s_and_gives_back_its_cache(served):
+    """An import had no time limit of its own: a server that sends a byte every 20 ms held
+    from_snapshot for ever (aiohttp allows 300 s a request). Now each read of the import is
+    bounded (timeout_s=, 60 s by default): past it the transfer is cancelled, and the import
+    fails naming the server and the fix, after destroying the cache it had made."""
+    url, _, cut, started = served
+    with pytest.raises(SnapshotError, match=r"did not answer within 0\.5 s .*--timeout-s") as refused:
+        ShmDatasetCache.from_snapshot(url, session="dst", threads=1, timeout_s=0.5)
+    assert url in str(refused.value), refused.value
+    assert [n for n in namespace().owned_segments() if "+dst+" in n] == []  # the records' read: after the cache
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not cut:
+        time.sleep(0.05)  # bounded: the handshake is the server seeing the connection closed
+    assert cut and any(p.endswith(".shms") for p in started), (cut, started)
+
+
+@pytest.mark.parametrize("served", ["trickle"], indirect=True)
+def test_shmcache_import_takes_timeout_s(served):
+    """The CLI, in a fresh process: `--timeout-s` bounds each read; an error, exit status 1."""
+    url, _, _, _ = served
+    proc = subprocess.run([sys.executable, "-m", "shmcache", "import", url, "--session", "dst", "--timeout-s", "0.5"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "did not answer within 0.5 s" in proc.stderr and "--timeout-s" in proc.stderr, proc.stderr[-2000:]
+    assert [n for n in namespace().owned_segments() if "+dst+" in n] == []
+    bad = subprocess.run([sys.executable, "-m", "shmcache", "import", url, "--timeout-s", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "not a positive number of seconds" in bad.stderr, bad.stderr[-2000:]
