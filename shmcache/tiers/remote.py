@@ -531,7 +531,8 @@ class RedisTier:
             self._say("corrupt", None, f" (the first: key {pkey!r}: {why})")
 
     def fetch(self, pkeys: Sequence[bytes]) -> list[bytes | None]:
-        """The raw Redis values of ``pkeys`` (unchecked); one round trip in all."""
+        """The raw Redis values of ``pkeys`` (unchecked), each only as far as the largest record
+        this tier would accept for it (``_read``); one round trip in all."""
         return self._fetch([self.prefix + k for k in pkeys])
 
     def _fetch(self, rkeys: list[bytes]) -> list[bytes | None]:
