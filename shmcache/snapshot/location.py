@@ -352,6 +352,8 @@ class FsspecLocation(SnapshotLocation):
         return data
 
     def size(self, name: str) -> int:
+        if self._http is not None:  # a HEAD (HTTP) or HeadObject (S3): bounded like a read
+            return self._http.size(self._p(name), self.timeout_s)
         with _as_oserror():
             return int(self.fs.size(self._p(name)))
 
@@ -419,8 +421,6 @@ class _HttpReader:
     def read(self, paths: list[str], starts: list[int], ends: list[int], timeout_s: float | None) -> list:
         import asyncio
 
-        from fsspec.asyn import sync
-
         async def some(at: int) -> list:  # ranges [at:] concurrently
             return await asyncio.gather(*(self._one(*a) for a in zip(paths[at:], starts[at:], ends[at:])),
                                         return_exceptions=True)
@@ -434,18 +434,31 @@ class _HttpReader:
                     out.append(exc)
             return out + (await some(len(out)) if len(out) < len(paths) else [])
 
-        async def bounded() -> list:
-            return await (asyncio.wait_for(run(), timeout_s) if timeout_s else run())
-
-        with _as_oserror():
-            try:
-                got = sync(self.fs.loop, bounded)
-            except asyncio.TimeoutError:  # (fsspec's FSTimeoutError; not the builtin one before 3.11)
-                raise TimeoutError(errno.ETIMEDOUT, f"{self.url} did not answer within {timeout_s} s (the "
-                                   f"transfer is cancelled)") from None
+        got = self._bounded(run, timeout_s)
         # a range's own failure as an OSError too (aiohttp's ClientResponseError is not one)
         return [g if not isinstance(g, BaseException) or isinstance(g, OSError) else
                 OSError(0, f"{type(g).__name__}: {scrub_secret(str(g), path)}") for g, path in zip(got, paths)]
+
+    def size(self, path: str, timeout_s: float | None) -> int:
+        """The size of the file at ``path``, as the store's metadata says (HEAD), within ``timeout_s``."""
+        return int(self._bounded(lambda: self.fs._size(path), timeout_s))
+
+    def _bounded(self, make: Any, timeout_s: float | None) -> Any:
+        """``await make()`` on fsspec's event loop, cancelled past ``timeout_s`` (a TimeoutError
+        naming the server); a backend's own error as an OSError."""
+        import asyncio
+
+        from fsspec.asyn import sync
+
+        async def bounded() -> Any:
+            return await (asyncio.wait_for(make(), timeout_s) if timeout_s else make())
+
+        with _as_oserror():
+            try:
+                return sync(self.fs.loop, bounded)
+            except asyncio.TimeoutError:  # (fsspec's FSTimeoutError; not the builtin one before 3.11)
+                raise TimeoutError(errno.ETIMEDOUT, f"{self.url} did not answer within {timeout_s} s (the "
+                                   f"transfer is cancelled)") from None
 
     async def _one(self, path: str, start: int, end: int) -> bytes | bytearray:
         if end <= start:

@@ -47,7 +47,8 @@ class _Server(http.server.SimpleHTTPRequestHandler):
     (``*.shms``) is answered "endless" (the range asked for, as 206, then 512 MiB more),
     "gzip" (a gzip bomb with Content-Encoding: gzip), "trickle" (a byte every 20 ms, without
     end), "trickle-records" (so for a read of records, from offset 32; the headers, indexes and
-    footers as they are) or "short" (a read of records is sent half of them). Every body's bytes
+    footers as they are), "slow-head" (a HEAD of a data file answered only when the test ends;
+    its reads as they are) or "short" (a read of records is sent half of them). Every body's bytes
     that reached the socket are counted in ``sent``; a body that ended because the client closed
     the connection is counted in ``cut``."""
 
@@ -56,6 +57,11 @@ class _Server(http.server.SimpleHTTPRequestHandler):
     cut: list
     started: list
     stop: threading.Event
+
+    def do_HEAD(self):
+        if self.mode == "slow-head" and self.path.endswith(".shms"):
+            self.stop.wait(60)  # bounded: the fixture sets it when the test ends
+        return super().do_HEAD()
 
     def do_GET(self):
         if self.mode == "no-manifest" and not self.path.endswith(".shms"):
@@ -98,7 +104,7 @@ class _Server(http.server.SimpleHTTPRequestHandler):
 
         self._body(206, {"Content-Range": f"bytes {start}-{end}/{os.path.getsize(path)}"},
                    {"endless": endless, "trickle": trickle, "short": short,
-                    "trickle-records": trickle_records}[self.mode])
+                    "trickle-records": trickle_records, "slow-head": lambda: iter([want])}[self.mode])
 
     def _body(self, status, headers, chunks):
         self.send_response(status)
@@ -325,6 +331,16 @@ def test_an_import_from_a_server_that_trickles_fails_at_timeout_s_and_gives_back
     while time.monotonic() < deadline and not cut:
         time.sleep(0.05)  # bounded: the handshake is the server seeing the connection closed
     assert cut and any(p.endswith(".shms") for p in started), (cut, started)
+
+
+@pytest.mark.parametrize("served", ["slow-head"], indirect=True)
+def test_an_import_bounds_the_size_request_too(served):
+    """Before its reads, an import asks each data file's size (a HEAD, which fsspec sent unbounded:
+    aiohttp's 300 s); a server that never answers it fails the import at timeout_s, naming the file."""
+    url, _, _, _ = served
+    with pytest.raises(SnapshotError, match=r"seg-00000\.shms: .*did not answer within 0\.5 s"):
+        ShmDatasetCache.from_snapshot(url, session="dst", timeout_s=0.5)  # (the HEAD: answered at the end)
+    assert [n for n in namespace().owned_segments() if "+dst+" in n] == []
 
 
 @pytest.mark.parametrize("served", ["trickle"], indirect=True)
