@@ -278,14 +278,19 @@ def fill(
         publish(key, value)
         return value
     bucket = claims.bucket(key)
-    got = claims.take(bucket)
-    if got == BUSY:
-        got, value = claims.wait(bucket, look, missing)
-        if got == FOUND:  # published by the holder while we waited
-            claims.count(CLAIM_WAITS)
-            return value
-        if got == TIMED_OUT:  # a stopped or very slow holder: compute without the claim
-            claims.count(CLAIM_TIMEOUTS)
+    try:
+        got = claims.take(bucket)
+        if got == BUSY:
+            got, value = claims.wait(bucket, look, missing)
+            if got == FOUND:  # published by the holder while we waited
+                claims.count(CLAIM_WAITS)
+                return value
+            if got == TIMED_OUT:  # a stopped or very slow holder: compute without the claim
+                claims.count(CLAIM_TIMEOUTS)
+    except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
+        log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, exc)
+        claims.on = False
+        got = OURS  # compute without a claim, as with claims off
     if got != TAKEN:  # another thread of this process holds it, or we timed out: no claim
         value = compute(key)
         claims.count(COMPUTED)

@@ -547,14 +547,19 @@ class SessionRegistry:
         """The use file of each cache that is gone - its json removed by a destroy, a drop, or a
         creation cut short - and that no process holds (NOTE [cache use]); and its claims file
         (NOTE [claims]: a claim on a file nobody opens any more guards nothing)."""
-        for claims in sorted((self.session_dir(session) / "caches").glob("*.claims")):
-            if not self.cache_meta_path(session, claims.stem).exists():
-                claims.unlink(missing_ok=True)
-        for use in sorted((self.session_dir(session) / "caches").glob("*.open")):
+        caches = self.session_dir(session) / "caches"
+        for use in sorted(caches.glob("*.open")):
             if not self.cache_meta_path(session, use.stem).exists():
                 with unless_held(use) as free:  # held: an opener is making the cache anew
                     if free and not self.cache_meta_path(session, use.stem).exists():
                         use.unlink(missing_ok=True)
+                        # its claims go only with it: a cache being made keeps the file its
+                        # open handles claim on (a new inode would split them into two groups)
+                        (caches / f"{use.stem}.claims").unlink(missing_ok=True)
+        for claims in sorted(caches.glob("*.claims")):  # no use file at all: nobody opens it
+            if not (caches / f"{claims.stem}.open").exists() and not self.cache_meta_path(
+                    session, claims.stem).exists():
+                claims.unlink(missing_ok=True)
 
     def drop_cache_contents(self, session: str, cache: str) -> list[str]:
         """Remove every segment (roots tombstoned first) and the spill folder of cache ``cache``,

@@ -74,6 +74,7 @@ import ctypes
 import grp
 import json
 import os
+import pwd
 import select
 import shutil
 import signal
@@ -531,6 +532,21 @@ LAUNCH_DIR_PREFIX = "shmcache-launch-"
 LAUNCHER_FILE = "launcher"
 
 
+def _group_has_others(gid: int) -> bool:
+    """Whether users other than this one may be in group ``gid``: any group but our own primary
+    one, a group with no entry (containers: who is in it is unknown), members listed, or another
+    user whose primary group it is (``gr_mem`` lists only secondary members)."""
+    if gid != os.getegid():
+        return True
+    try:
+        if grp.getgrgid(gid).gr_mem:
+            return True
+    except KeyError:
+        return True
+    me = os.geteuid()
+    return any(pw.pw_gid == gid and pw.pw_uid != me for pw in pwd.getpwall())
+
+
 @contextmanager
 def launch_directory(prefix: str = LAUNCH_DIR_PREFIX) -> Iterator[str]:
     """A private temporary directory (0700, under $TMPDIR) for one launch, removed when the
@@ -572,7 +588,7 @@ def _private_parent(tmpdir: str) -> str:
         except OSError as exc:
             raise LaunchError(f"the temporary directory {tmpdir!r} ($TMPDIR) is unusable: {current}: "
                               f"{exc.strerror}; set $TMPDIR to a directory of your own, or unset it") from None
-        shared_group = st.st_mode & stat.S_IWGRP and (st.st_gid != os.getegid() or grp.getgrgid(st.st_gid).gr_mem)
+        shared_group = st.st_mode & stat.S_IWGRP and _group_has_others(st.st_gid)
         if not st.st_mode & stat.S_ISVTX and (st.st_mode & stat.S_IWOTH or shared_group):
             why = f"writable by {'every user' if st.st_mode & stat.S_IWOTH else 'its group'} and not sticky"
         elif st.st_uid not in (0, os.geteuid()):

@@ -42,8 +42,9 @@ NOTE [remote tier]
 
     Reads are on the training step's path: one round trip per batch (one pipelined ``GETRANGE
     key 0 bound-1`` per key, not MGET, so a value is read only as far as the largest record the
-    tier would accept - ``$SHMCACHE_MAX_ITEM_MB`` bounds what a batch reads, not only what it
-    decodes; the commands to every server sent before any reply is read; on a Cluster, grouped
+    tier would accept - ``$SHMCACHE_MAX_ITEM_MB`` bounds what each value reads, not only what it
+    decodes (a batch of N keys may still read N such values: no total across the batch yet);
+    the commands to every server sent before any reply is read; on a Cluster, grouped
     by the master of each key's slot, sent the same way - not redis-py's cluster pipeline, which
     after a timeout re-sends each key alone, a timeout each). A Redis user that may not run
     GETRANGE (an ACL) is a fault logged as such, with the fix. Writes never are: ``offer`` only

@@ -233,8 +233,17 @@ def test_drop_and_gc_take_the_claims_file_too():
     assert not dropped.exists()
     # a cache whose metadata went (a destroy killed half-way): gc takes its claims file
     registry.cache_meta_path("race", "stray").unlink()
+    opener = ShmDatasetCache(session="race", name="held", size=16)  # holds its use file
+    assert opener.get(1, lambda k: k + 1) == 2
+    held = registry.cache_claims_path("race", "held")
+    registry.cache_meta_path("race", "held").rename(held.with_suffix(".json.away"))  # as while being made
     registry.gc()
     assert not stray.exists()
+    # an opener still holds the cache's use file (it is being made): its claims file stays, or
+    # the next opener would claim on a new inode, apart from the handles open now
+    assert held.exists()
+    held.with_suffix(".json.away").rename(registry.cache_meta_path("race", "held"))
+    opener.close()
 
 
 def test_computed_counts_every_path(tmp_path):

@@ -273,3 +273,11 @@ def _record_of(enc) -> bytearray:
     buf = bytearray(enc.record_len(0, False))
     enc.write(memoryview(buf), 0, b"")
     return buf
+
+
+def test_the_layout_checks_image_modes_are_the_ones_the_encoder_writes():
+    """Two lists of one fact (codec.py cannot import the PIL layer above it): a mode the encoder
+    writes and the check does not know would make every import refuse such records."""
+    from shmcache.data import images
+
+    assert set(codec.PIL_PIXEL_BYTES) == set(images.MODES)
