@@ -59,7 +59,7 @@ import os
 import stat
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,8 @@ __all__ = [
     "CLAIM_TIMEOUTS",
     "Claims",
     "fill",
+    "fill_batch",
+    "Served",
     "read_counts",
     "SUPPORTED",
 ]
@@ -268,15 +270,8 @@ def fill(
     """The value of ``key`` after a miss (NOTE [claims]): computed by ``compute(key)`` and
     published by ``publish(key, value)`` under a claim, or found by ``look()`` (no count) once
     another process published it."""
-    if claims is None:
-        value = compute(key)
-        publish(key, value)
-        return value
-    if not ((claims._gen == process_slot.fork_count() or claims._ready()) and claims.on):
-        value = compute(key)
-        claims.count(COMPUTED)
-        publish(key, value)
-        return value
+    if claims is None or not ((claims._gen == process_slot.fork_count() or claims._ready()) and claims.on):
+        return _compute_one(claims, key, compute, publish)
     bucket = claims.bucket(key)
     try:
         got = claims.take(bucket)
@@ -292,16 +287,11 @@ def fill(
         claims.on = False
         got = OURS  # compute without a claim, as with claims off
     if got != TAKEN:  # another thread of this process holds it, or we timed out: no claim
-        value = compute(key)
-        claims.count(COMPUTED)
-        publish(key, value)
-        return value
+        return _compute_one(claims, key, compute, publish)
     try:
         value = look()  # the re-check: published between our miss and our claim?
         if value is missing:
-            value = compute(key)
-            claims.count(COMPUTED)
-            publish(key, value)  # before the release: the next taker finds it
+            value = _compute_one(claims, key, compute, publish)  # published before the release
         else:
             claims.count(CLAIM_WAITS)  # another's value, not computed: a miss is one or the other
     finally:
@@ -310,6 +300,135 @@ def fill(
         except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
             pass
     return value
+
+
+def _compute_one(claims: Claims | None, key: Any, compute: Callable, publish: Callable) -> Any:
+    """``compute(key)``, published and counted unless it was ``Served``."""
+    value = compute(key)
+    if type(value) is Served:
+        return value.value
+    if claims is not None:
+        claims.count(COMPUTED)
+    publish(key, value)
+    return value
+
+
+class Served:
+    """A compute callback's answer for a key whose value it did not compute but found (another
+    node's, read from a tier after waiting on its lease): already admitted into shared memory;
+    neither counted as computed nor published again."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def fill_batch(
+    claims: Claims | None,
+    keys: Sequence,
+    look_many: Callable[[list], list],
+    missing: Any,
+    compute_many: Callable[[list], list],
+    publish_many: Callable[[list], Any],
+) -> list:
+    """The values of ``keys``, every one a miss (NOTE [claims], a batch): the keys whose claims
+    this process takes are re-checked with one ``look_many(keys)`` (values, ``missing`` where
+    absent), computed with one ``compute_many(keys)`` and published with one ``publish_many([(key,
+    value), ...])``, then released; only then does it wait for the keys other processes hold,
+    polling them with ``look_many`` and taking and computing what they leave, within one
+    ``claim_timeout_s`` for the whole batch."""
+    out = [missing] * len(keys)
+    if claims is None or not ((claims._gen == process_slot.fork_count() or claims._ready()) and claims.on):
+        _compute(claims, keys, list(range(len(keys))), out, compute_many, publish_many)
+        return out
+    buckets = [claims.bucket(key) for key in keys]
+    todo: list[int] = list(range(len(keys)))
+    deadline, delay, first = 0.0, FIRST_SLEEP_S, True
+    while todo:
+        held: list[int] = []  # buckets taken in this round
+        mine: list[int] = []  # positions to compute now: their claim is ours (or this process's)
+        busy: list[int] = []
+        try:
+            for j in todo:
+                got = claims.take(buckets[j])
+                if got == BUSY:
+                    busy.append(j)
+                else:
+                    mine.append(j)
+                    if got == TAKEN:
+                        held.append(buckets[j])
+        except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
+            _release_all(claims, held)
+            log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, exc)
+            claims.on = False
+            _compute(claims, keys, todo, out, compute_many, publish_many)
+            return out
+        try:
+            if held:  # the re-check: published between our miss (or last poll) and our claim?
+                mine = _found(claims, keys, mine, out, look_many, missing)
+            _compute(claims, keys, mine, out, compute_many, publish_many)  # published before the release
+        finally:
+            _release_all(claims, held)
+        if not busy:
+            break
+        if first:
+            deadline, first = time.monotonic() + claims.timeout_s, False
+        elif time.monotonic() >= deadline:  # stopped or very slow holders: compute without the claims
+            claims.count(CLAIM_TIMEOUTS, len(busy))
+            _compute(claims, keys, busy, out, compute_many, publish_many)
+            break
+        time.sleep(delay)
+        delay = min(delay * 2, MAX_SLEEP_S)
+        todo = _found(claims, keys, busy, out, look_many, missing)  # published by their holders
+    return out
+
+
+def _found(claims: Claims, keys: Sequence, positions: list[int], out: list, look_many: Callable,
+           missing: Any) -> list[int]:
+    """Look ``positions`` up; the values found go to ``out`` (counted as claim waits: another's
+    value, not computed); the positions still missing are returned."""
+    if not positions:
+        return positions
+    values = look_many([keys[j] for j in positions])
+    still = []
+    for j, value in zip(positions, values):
+        if value is missing:
+            still.append(j)
+        else:
+            out[j] = value
+    if len(still) < len(positions):
+        claims.count(CLAIM_WAITS, len(positions) - len(still))
+    return still
+
+
+def _compute(claims: Claims | None, keys: Sequence, positions: list[int], out: list,
+             compute_many: Callable, publish_many: Callable) -> None:
+    """Compute the keys at ``positions`` in one call, publish what was computed (not what was
+    ``Served``), and count it."""
+    if not positions:
+        return
+    batch = [keys[j] for j in positions]
+    values = compute_many(batch)
+    pairs = []
+    for j, key, value in zip(positions, batch, values):
+        if type(value) is Served:
+            out[j] = value.value
+        else:
+            out[j] = value
+            pairs.append((key, value))
+    if claims is not None and pairs:
+        claims.count(COMPUTED, len(pairs))
+    if pairs:
+        publish_many(pairs)
+
+
+def _release_all(claims: Claims, buckets: list[int]) -> None:
+    for bucket in buckets:
+        try:
+            claims.release(bucket)
+        except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
+            pass
 
 
 def read_counts(path: Path) -> dict:

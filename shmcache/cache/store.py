@@ -924,8 +924,15 @@ class CacheStore:
         return claims.fill(self.claims, key, lambda: self.lookup(key, copy, count=False), MISSING,
                            compute, publish)
 
+    def fill_batch(self, keys: list, compute_many: Callable[[list], list],
+                   publish_many: Callable[[list], Any], copy: bool = True) -> list:
+        """The values of ``keys``, every one a miss: ``compute_many(keys)`` of those this process
+        claims, stored by ``publish_many([(key, value), ...])``, the rest waited for (NOTE [claims])."""
+        return claims.fill_batch(self.claims, keys, lambda ks: self.lookup_batch(ks, copy, count=False)[0],
+                                 MISSING, compute_many, publish_many)
+
     def count_computed(self, n: int = 1) -> None:
-        """``n`` values computed for this cache on a path without claims (a batch, a warm-up)."""
+        """``n`` values computed for this cache on a path without claims (an iterable's pass)."""
         self.claims.count(claims.COMPUTED, n)
 
     def count_misses(self, n: int = 1) -> None:
@@ -1010,18 +1017,31 @@ class CacheStore:
         refresh and repair check once per batch), published a chunk at a time (chunk.py: two
         fences per chunk of records, not one per record). InvalidArgument for bytes that are not a
         portable record, before anything is stored."""
-        encs = [(key, _encoded_from_portable(rec, key, self)) for key, rec in items]
+        return self.put_many([(key, _encoded_from_portable(rec, key, self)) for key, rec in items])
+
+    def put_many(self, items: Sequence[tuple[Any, codec.Encoded]], *,
+                 too_large: list | None = None) -> list[bool]:
+        """``put`` of many (key, encoded value) pairs under one hold of the lock, published a
+        chunk at a time (chunk.py): a batch's or a warm-up's computed misses, a batch's tier hits,
+        an import. A value that can never fit (ItemTooLarge, no spill) is False, counted as
+        rejected, and its error appended to ``too_large`` when given (else raised, as ``put``)."""
         with self._write_locked() as locked:
             if not locked:  # a live process keeps the lock: the caller serves the values uncached
-                self._count(REJECTED, len(encs))
-                return [False] * len(encs)
+                self._count(REJECTED, len(items))
+                return [False] * len(items)
             self._repair(self._refresh())
             out = []
             chunk = chunks.Chunk()
             try:
-                for key, enc in encs:
+                for key, enc in items:
                     w1, kb = key_bytes(key)
-                    out.append(self._put_locked(self._refresh(), key, w1, kb, enc, chunk))  # a grown table
+                    try:
+                        out.append(self._put_locked(self._refresh(), key, w1, kb, enc, chunk))  # a grown table
+                    except ItemTooLarge as exc:  # counted by _put_locked; nothing of it was staged
+                        if too_large is None:
+                            raise
+                        too_large.append(exc)
+                        out.append(False)
                 chunk.flush()
             except BaseException:
                 chunk.abandon(self._corrupt)  # undone before its fence, finished after
@@ -1168,8 +1188,9 @@ class CacheStore:
 
     # --- batches ---------------------------------------------------------------------------------
 
-    def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
-        """Values for ``keys`` (MISSING where absent) and the positions of the misses."""
+    def lookup_batch(self, keys: Sequence, copy: bool = True, count: bool = True) -> tuple[list, list[int]]:
+        """Values for ``keys`` (MISSING where absent) and the positions of the misses; counted as
+        hits and misses unless not ``count`` (a claim's re-check, a waiter's poll)."""
         g = self._refresh()
         values: list = [MISSING] * len(keys)
         missing = []
@@ -1187,9 +1208,10 @@ class CacheStore:
                 missing.append(i)
             else:
                 values[i] = v
-        self._count(HITS, len(keys) - len(missing))
-        if missing:
-            self._count(MISSES, len(missing))
+        if count:
+            self._count(HITS, len(keys) - len(missing))
+            if missing:
+                self._count(MISSES, len(missing))
         return values, missing
 
     def batch_layout(self, keys: np.ndarray) -> tuple | None:
@@ -1370,8 +1392,9 @@ class UncachedStore:
     def count_misses(self, n: int = 1) -> None:
         self._counters[MISSES] += n
 
-    def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
-        self._counters[MISSES] += len(keys)
+    def lookup_batch(self, keys: Sequence, copy: bool = True, count: bool = True) -> tuple[list, list[int]]:
+        if count:
+            self._counters[MISSES] += len(keys)
         return [MISSING] * len(keys), list(range(len(keys)))
 
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
@@ -1384,6 +1407,10 @@ class UncachedStore:
         self._counters[REJECTED] += len(items)
         return [False] * len(items)
 
+    def put_many(self, items: Sequence[tuple[Any, codec.Encoded]], *,
+                 too_large: list | None = None) -> list[bool]:
+        return self.put_records(items)
+
     def contains(self, key: Any) -> bool:
         return False
 
@@ -1392,6 +1419,11 @@ class UncachedStore:
         """No shared memory, so no claims: compute (and offer it to ``publish``, which refuses)."""
         self._computed += 1
         return claims.fill(None, key, lambda: MISSING, MISSING, compute, publish)
+
+    def fill_batch(self, keys: list, compute_many: Callable[[list], list],
+                   publish_many: Callable[[list], Any], copy: bool = True) -> list:
+        self._computed += len(keys)
+        return claims.fill_batch(None, keys, lambda ks: [MISSING] * len(ks), MISSING, compute_many, publish_many)
 
     def count_computed(self, n: int = 1) -> None:
         self._computed += n

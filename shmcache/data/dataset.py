@@ -64,6 +64,8 @@ tensors.register()  # torch is imported here anyway: tensors are encoded without
 # --- the cache ------------------------------------------------------------------------------------
 
 # frames that are not the user's: shmcache's own, and a DataLoader's fetch (which calls ds[i])
+WARMUP_BATCH = 256  # misses a warm-up claims, computes and stores together (NOTE [claims])
+
 _NOT_USERS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (
     os.path.dirname(os.path.abspath(__file__)), sys.modules[DataLoader.__module__].__file__))
 
@@ -537,28 +539,56 @@ class ShmDatasetCache:
         """``store.put``, warning once per cache when a sample had to be pickled. A value the
         cache computed for its caller (``explicit=False``) that can never fit is served anyway,
         like every other overflow: counted as rejected (by the store) and said once per cache."""
-        if enc is None:
-            enc = codec.encode(value, f"the value of key {key!r}")
-        if enc.pickled and not self._warned_pickle:
-            self._warn_pickled(enc.pickled)
+        enc = self._encode(key, value) if enc is None else self._warned(enc)
         try:
             return store.put(key, None, encoded=enc)
         except ItemTooLarge as exc:
             if explicit:
                 raise
-            if not self._warned_too_large:
-                self._warned_too_large = True
-                log.warning("%s; such items are served from the source, not cached, and counted as "
-                            "rejected (said once per cache)", exc)
+            self._say_too_large(exc)
             return False
         except CacheNotFound as exc:  # destroyed under us (`shmcache destroy --force`, `import --force`)
             if explicit:
                 raise
-            if not self._warned_gone:  # reads miss (counted), values come from the source
-                self._warned_gone = True
-                log.warning("%s; until then this process computes its items from its own source, "
-                            "uncached (said once per cache)", exc)
+            self._say_gone(exc)
             return False
+
+    def _put_many(self, store: CacheStore, pairs: list) -> None:
+        """Store the values a miss path computed (``(key, value)`` pairs) under one hold of the
+        lock (``store.put_many``): what can never fit or finds the cache destroyed is served
+        anyway, said once per cache, as with ``_put``."""
+        self._put_encoded(store, [(key, self._encode(key, value)) for key, value in pairs])
+
+    def _put_encoded(self, store: CacheStore, items: list) -> None:
+        """``_put_many`` of values encoded already (``(key, codec.Encoded)`` pairs)."""
+        too_large: list = []
+        try:
+            store.put_many(items, too_large=too_large)
+        except CacheNotFound as exc:
+            self._say_gone(exc)
+        if too_large:
+            self._say_too_large(too_large[0])
+
+    def _encode(self, key: Any, value: Any) -> codec.Encoded:
+        return self._warned(codec.encode(value, f"the value of key {key!r}"))
+
+    def _warned(self, enc: codec.Encoded) -> codec.Encoded:
+        """``enc``, warned about once per cache when it had to be pickled."""
+        if enc.pickled and not self._warned_pickle:
+            self._warn_pickled(enc.pickled)
+        return enc
+
+    def _say_too_large(self, exc: ItemTooLarge) -> None:
+        if not self._warned_too_large:
+            self._warned_too_large = True
+            log.warning("%s; such items are served from the source, not cached, and counted as "
+                        "rejected (said once per cache)", exc)
+
+    def _say_gone(self, exc: CacheNotFound) -> None:
+        if not self._warned_gone:  # reads miss (counted), values come from the source
+            self._warned_gone = True
+            log.warning("%s; until then this process computes its items from its own source, "
+                        "uncached (said once per cache)", exc)
 
     def _warn_pickled(self, types: tuple) -> None:
         self._warned_pickle = True
@@ -580,12 +610,14 @@ class ShmDatasetCache:
 
     # --- batches -----------------------------------------------------------------------------------
 
-    def get_batch(self, keys: Sequence, fn: Callable | None = None, out: Any = None) -> Any:
+    def get_batch(self, keys: Sequence, fn: Callable | None = None, out: Any = None, *,
+                  fn_many: Callable | None = None) -> Any:
         """Values of ``keys`` collated like ``default_collate`` (stacked tensors).
 
         Misses are computed with ``fn(key)`` and stored, or raise a KeyError naming them. With
         ``out`` (a structure of tensors shaped like the batch, e.g. pinned buffers), the batch is
-        gathered straight into it and ``out`` is returned.
+        gathered straight into it and ``out`` is returned. ``fn_many`` (a list of keys -> a list
+        of their values), when given with ``fn``, computes a batch's misses in one call.
         """
         if len(keys) == 0:
             raise InvalidArgument("get_batch() needs at least one key; got an empty sequence")
@@ -600,10 +632,11 @@ class ShmDatasetCache:
             if fn is None:
                 raise KeyError(f"{len(missing)} of {len(keys)} keys are not cached: "
                                f"{[keys[i] for i in missing[:10]]}; pass fn= to compute them")
-            for i in missing:
-                values[i] = fn(keys[i])
-                store.count_computed()
-                self._put(store, keys[i], values[i])
+            many = fn_many or (lambda ks: [fn(k) for k in ks])
+            got = store.fill_batch([keys[i] for i in missing], many, partial(self._put_many, store),
+                                   self.copy)  # NOTE [claims]
+            for i, value in zip(missing, got):
+                values[i] = value
         batch = default_collate(values)
         if out is not None:
             copy_into(out, batch)
@@ -634,7 +667,7 @@ class ShmDatasetCache:
         world = max(1, int(settings.get(settings.ENV_LOCAL_WORLD_SIZE, "1")))
         start = (n * rank) // world
         order = np.concatenate([np.arange(start, n), np.arange(0, start)]).astype(np.int64)
-        store, computed = self.store, 0
+        store, computed, shown = self.store, 0, 0
         bar = progress_bar(progress, n, desc or f"warmup {self.name}", notebook=True)
         try:
             for lo in range(0, n, 4096):
@@ -642,19 +675,24 @@ class ShmDatasetCache:
                 absent = store.absent_ints(chunk).tolist()
                 if absent and getattr(store, "behind", None):  # what another node computed: read it
                     absent = _not_behind(store, absent)
-                if bar is not None:
-                    bar.update(len(chunk) - len(absent))  # cached already: done
-                for i in absent:
-                    if not store.contains(i):
-                        self._put(store, i, ds._compute(i))
-                        store.count_computed()
-                        store.count_misses(1)  # computed from the source: a miss, as ds[i]'s would be
-                        computed += 1
-                    if bar is not None:
-                        bar.update(1)  # as each is stored (tqdm redraws at most 10 times a second)
+                bar.update(len(chunk) - len(absent))  # cached already: done
+                shown += len(chunk) - len(absent)
+                for at in range(0, len(absent), WARMUP_BATCH):
+                    part = absent[at:at + WARMUP_BATCH]
+                    todo = store.absent_ints(np.asarray(part, np.int64)).tolist()  # stored meanwhile?
+                    made = ds.fill_misses(store, todo)[1] if todo else 0  # claimed, computed, stored a chunk at a time
+                    store.count_misses(made)  # computed from the source: misses, as ds[i]'s would be
+                    computed += made
+                    bar.update(len(part))  # as they are stored (tqdm redraws at most 10 times a second)
+                    shown += len(part)
+        except BaseException:  # Ctrl-C, a source's error: the bar's last line is the count stored
+            try:
+                bar.update(n - len(store.absent_ints(order)) - shown)
+            except Exception:  # noqa: BLE001 - the store went too (destroyed): the bar stays as it was
+                pass
+            raise
         finally:
-            if bar is not None:
-                bar.close()  # on Ctrl-C too: the bar's last line is the count stored
+            bar.close()
         return computed
 
     def verify_sample(self, dataset: Any, fraction: float = 0.01, *, seed: int | None = None,

@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from ..base import settings
 from ..cache import codec
+from ..cache.claims import Served
 from ..cache.store import MISSING, CacheStore
 from ..errors import CacheMismatch, EncodeError, InvalidArgument, ItemNotCached
 from .batches import as_int64, integer_array, plain_ints
@@ -277,12 +278,45 @@ class CachedDataset(Dataset):
                 if _VERIFY_RNG.random() < cache.verify:
                     self._verify(idx[j], values[j])
         if missing:
-            computed = self._compute_many([idx[j] for j in missing])
-            store.count_computed(len(computed))
-            for j, value in zip(missing, computed):
+            got = self.fill_misses(store, [idx[j] for j in missing])[0]
+            for j, value in zip(missing, got):
                 values[j] = value
-                self._store_computed(store, idx[j], value)
         return values
+
+    def fill_misses(self, store: CacheStore, keys: list) -> tuple[list, int]:
+        """The values of ``keys``, all missed: those this process claims computed in one
+        ``_compute_many`` (the dataset's ``__getitems__`` when it has one) and stored a chunk at
+        a time, the rest waited for (NOTE [claims]); and how many this process computed."""
+        computed = 0
+
+        def compute_many(ks: list) -> list:
+            nonlocal computed
+            if len(ks) < 2 or getattr(self.dataset, "__getitems__", None) is None:
+                got: list = []
+                try:
+                    for k in ks:
+                        got.append(self._compute(k))
+                except BaseException:  # Ctrl-C, a sample that raises: what was computed is kept
+                    if got:
+                        self._store_many(store, list(zip(ks, got)))
+                        store.count_computed(len(got))
+                    raise
+            else:
+                got = self._compute_many(ks)
+            computed += sum(type(v) is not Served for v in got)
+            return got
+
+        values = store.fill_batch(keys, compute_many, partial(self._store_many, store), self.cache.copy)
+        return values, computed
+
+    def _store_many(self, store: CacheStore, pairs: list) -> None:
+        items = []
+        for i, value in pairs:
+            try:
+                items.append((i, self.cache._encode(i, value)))
+            except EncodeError as exc:
+                raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
+        self.cache._put_encoded(store, items)
 
     def get_batch(self, indices: Sequence, fn: Callable | None = None, out: Any = None) -> Any:
         """A collated batch (the vectorised path), misses computed from the dataset (or ``fn``).
@@ -290,7 +324,8 @@ class CachedDataset(Dataset):
         Same signature as ``ShmDatasetCache.get_batch``, so a wrapped dataset can feed
         ``PrefetchRing.from_cache(ds, key_batches)`` directly.
         """
-        return self.cache.get_batch(self._indices(indices), fn=fn or self._compute, out=out)
+        return self.cache.get_batch(self._indices(indices), fn=fn or self._compute, out=out,
+                                    fn_many=None if fn else self._compute_many)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()  # the cache pickles by name (ShmDatasetCache.__getstate__)

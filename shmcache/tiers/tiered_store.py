@@ -303,8 +303,8 @@ class TieredStore:
                     return value
         return MISSING
 
-    def lookup_batch(self, keys: Sequence, copy: bool = True) -> tuple[list, list[int]]:
-        values, missing = self.local.lookup_batch(keys, copy)
+    def lookup_batch(self, keys: Sequence, copy: bool = True, count: bool = True) -> tuple[list, list[int]]:
+        values, missing = self.local.lookup_batch(keys, copy, count)
         if not missing or not self.behind:
             return values, missing
         pks = {i: portable_key(keys[i]) for i in missing}  # converted once for every tier
@@ -334,6 +334,12 @@ class TieredStore:
         was ours); a waiter polls shared memory, where the holder's value (or its tier hit) lands.
         ``publish`` is the caller's: this store's put, so the tiers are offered the value too."""
         return self.local.fill(key, compute, publish, copy)
+
+    def fill_batch(self, keys: list, compute_many: Callable[[list], list],
+                   publish_many: Callable[[list], Any], copy: bool = True) -> list:
+        """The batch miss path of shared memory (NOTE [claims]), as ``fill``: ``publish_many`` is
+        the caller's, this store's ``put_many``, so the tiers are offered the values too."""
+        return self.local.fill_batch(keys, compute_many, publish_many, copy)
 
     def count_computed(self, n: int = 1) -> None:
         self.local.count_computed(n)
@@ -386,6 +392,20 @@ class TieredStore:
             item = [(tier_key(w1, kb), _portable_record(enc, kb))]
             for tier in self._writable:
                 self._call(tier, "offer", item)
+        return stored
+
+    def put_many(self, items: Sequence[tuple[Any, codec.Encoded]], *,
+                 too_large: list | None = None) -> list[bool]:
+        """``put`` of many encoded values: into shared memory under one hold of its lock, and
+        offered to every writable tier in one call."""
+        stored = self.local.put_many(items, too_large=too_large)
+        if self._writable:
+            pairs = []
+            for key, enc in items:
+                w1, kb = key_bytes(key)
+                pairs.append((tier_key(w1, kb), _portable_record(enc, kb)))
+            for tier in self._writable:
+                self._call(tier, "offer", pairs)
         return stored
 
     # --- counters ---------------------------------------------------------------------------

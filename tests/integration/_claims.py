@@ -115,3 +115,96 @@ def waiter(q, key: int, count_path: str, claim_timeout_s: float, busy_seen) -> N
         )
     except BaseException:  # noqa: BLE001 - reported to the test
         q.put(("error", traceback.format_exc()))
+
+
+def batch_racer(q, barrier, rank: int, n: int, count_path: str, sleep_s: float, modes: tuple) -> None:
+    """Wrap the source and read every key in one order, by the batch path ``modes[rank]`` names:
+    ``get_batch`` (the wrapped dataset's, batches of 16), ``getitems`` (its ``__getitems__``),
+    ``loader`` (a DataLoader, batches of 16, in the process: a daemonic racer has no workers; the
+    jobs test runs workers), ``warmup`` (then every key by ``ds[i]``),
+    ``item`` (``ds[i]``). Reports the wrong values it got."""
+    try:
+        import torch
+        from torch.utils.data import DataLoader
+
+        from shmcache import ShmDatasetCache
+
+        mode = modes[rank % len(modes)]
+        cache = ShmDatasetCache(session="race", name="batch", size=64)
+        source = CountingSource(n, count_path, sleep_s)
+        ds = cache.wrap(source)
+        barrier.wait(timeout=60)
+        wrong = 0
+        batches = [list(range(lo, min(n, lo + 16))) for lo in range(0, n, 16)]
+        if mode == "get_batch":
+            got = [(keys, ds.get_batch(keys)) for keys in batches]
+        elif mode == "getitems":
+            got = [(keys, torch.as_tensor(np.stack(ds.__getitems__(keys)))) for keys in batches]
+        elif mode == "loader":
+            got = list(zip(batches, DataLoader(ds, batch_size=16)))
+        else:
+            if mode == "warmup":
+                cache.warmup(ds, progress=False)
+            got = [(keys, torch.as_tensor(np.stack([ds[i] for i in keys]))) for keys in batches]
+        for keys, batch in got:
+            wrong += not np.array_equal(batch.numpy(), np.stack([value_for(i) for i in keys]))
+        cache.close()
+        q.put(("ok", {"rank": rank, "wrong": wrong, "mode": mode}))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put(("error", traceback.format_exc()))
+
+
+def batch_holder(keys: list, count_path: str, started, release, timeout_s: float) -> None:
+    """Miss ``keys`` in cache race/hold as one batch and compute them under their claims, saying
+    so (``started``) and then blocking on ``release`` (bounded): the process a test kills or stops."""
+    from shmcache.cache.store import CacheStore
+
+    store = CacheStore("race", "hold", capacity_bytes=16 << 20)
+
+    def compute_many(ks):
+        for _ in ks:
+            count_one(count_path, b"h")
+        started.set()
+        release.wait(timeout_s)
+        return [value_for(k) for k in ks]
+
+    store.fill_batch(list(keys), compute_many, lambda pairs: store.put_many([(k, _enc(v)) for k, v in pairs]))
+    store.close()
+
+
+def _enc(value):
+    from shmcache.cache import codec
+
+    return codec.encode(value)
+
+
+def batch_waiter(q, keys: list, held: list, count_path: str, claim_timeout_s: float, busy_seen) -> None:
+    """Miss ``keys`` as one batch while another process holds the claims of ``held`` (checked
+    first), then fill them; report the values' correctness, the calls of compute_many (the keys
+    of each, in order) and the claim counters."""
+    try:
+        from shmcache.cache.claims import BUSY
+        from shmcache.cache.store import MISSING, CacheStore
+
+        store = CacheStore("race", "hold", capacity_bytes=16 << 20, claim_timeout_s=claim_timeout_s)
+        claims = store.claims
+        assert all(store.lookup(k) is MISSING for k in keys)
+        claims._ready()
+        assert all(claims.take(claims.bucket(k)) == BUSY for k in held), "the holder's claims are not held"
+        busy_seen.set()
+        calls = []
+
+        def compute_many(ks):
+            calls.append(list(ks))
+            for _ in ks:
+                count_one(count_path, b"w")
+            return [value_for(k) for k in ks]
+
+        got = store.fill_batch(list(keys), compute_many,
+                               lambda pairs: store.put_many([(k, _enc(v)) for k, v in pairs]))
+        st = store.stats()
+        store.close()
+        q.put(("ok", {"right": all(np.array_equal(g, value_for(k)) for k, g in zip(keys, got)),
+                      "calls": calls, **{k: st[k] for k in ("computed", "claim_waits", "claim_timeouts")}}))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put(("error", traceback.format_exc()))

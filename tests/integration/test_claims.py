@@ -90,6 +90,74 @@ def test_without_claims_racing_processes_compute_keys_again(tmp_path):
     assert computed > 300 + PROBES * 4
 
 
+BATCH_MODES = ("get_batch", "getitems", "loader", "warmup", "item")
+
+
+def test_racing_batch_paths_compute_each_key_once(tmp_path):
+    """5 processes read the same 300 keys (2 ms each) in one order, each by another path:
+    get_batch, __getitems__, a DataLoader, warmup then ds[i], ds[i]. A batch's misses are claimed
+    together (NOTE [claims]): each key computed once, plus wrap()'s probes; no wrong value."""
+    n, nprocs = 300, len(BATCH_MODES)
+    count_path = str(tmp_path / "computed")
+    ctx = multiprocessing.get_context("fork")
+    results = _run(ctx, _claims.batch_racer, lambda r: (r, n, count_path, 0.002, BATCH_MODES), nprocs)
+    assert sum(r["wrong"] for r in results) == 0
+    computed = os.path.getsize(count_path)
+    assert computed <= n + PROBES * nprocs, f"{computed} computations of {n} keys by {nprocs} processes"
+    store = CacheStore("race", "batch", create=False)
+    try:
+        st = store.stats()
+    finally:
+        store.close()
+    assert st["computed"] == computed and st["claim_timeouts"] == 0 and st["claim_waits"] > 0
+
+
+_JOB = """
+import os, sys
+import numpy as np, torch
+from torch.utils.data import DataLoader
+sys.path.insert(0, {here!r})
+import _claims
+from shmcache import ShmDatasetCache
+cache = ShmDatasetCache(session="race", name="jobs", size=64)
+ds = cache.wrap(_claims.CountingSource({n}, {count!r}, 0.002))
+torch.manual_seed(int(sys.argv[1]))
+wrong = 0
+loader = DataLoader(ds, batch_size=16, shuffle=True, num_workers=2)
+seen = 0
+for batch in loader:
+    seen += len(batch)
+assert seen == {n}, seen
+for i in range(0, {n}, 37):
+    wrong += not np.array_equal(ds[i], _claims.value_for(i))
+cache.close()
+print("wrong", wrong)
+"""
+
+
+def test_two_jobs_cold_on_one_cache_compute_each_sample_about_once(tmp_path):
+    """Two independent jobs (separate processes, DataLoaders of 2 workers, different shuffles)
+    read one cold cache at once: at most 1.02 computations per sample, plus wrap()'s probes."""
+    n = 400
+    count_path = str(tmp_path / "computed")
+    code = _JOB.format(here=os.path.dirname(__file__), n=n, count=count_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    jobs = [subprocess.Popen([sys.executable, "-c", code, str(seed)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
+    try:
+        outs = [job.communicate(timeout=240) for job in jobs]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    for job, (out, err) in zip(jobs, outs):
+        assert job.returncode == 0, err
+        assert out.split()[-2:] == ["wrong", "0"], out
+    computed = os.path.getsize(count_path)
+    assert computed <= 1.02 * n + PROBES * 2, f"{computed} computations of {n} samples by two jobs"
+
+
 def _start_holder(ctx, tmp_path, key: int):
     count_path = str(tmp_path / "computed")
     started, release = ctx.Event(), ctx.Event()
@@ -168,6 +236,57 @@ def test_a_stopped_holder_is_waited_for_at_most_claim_timeout(tmp_path):
         store.close()
     with open(count_path, "rb") as f:
         assert f.read() == b"hw"
+
+
+def _batch_holder_and_waiter(ctx, tmp_path, claim_timeout_s: float):
+    count_path = str(tmp_path / "computed")
+    started, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_claims.batch_holder, args=(list(range(10, 20)), count_path, started, release, 60))
+    holder.start()
+    assert started.wait(60), f"the holder never computed (exit code {holder.exitcode})"
+    q, busy_seen = ctx.Queue(), ctx.Event()
+    waiter = ctx.Process(target=_claims.batch_waiter,
+                         args=(q, list(range(15, 25)), list(range(15, 20)), count_path, claim_timeout_s, busy_seen))
+    waiter.start()
+    return holder, release, waiter, q, busy_seen, count_path
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_batch_computes_its_own_claims_first_then_waits_for_a_dead_or_stopped_holder(tmp_path, how):
+    """A batch of 10 misses, 5 of them claimed by another process's batch: the waiter computes
+    its own 5 first (one call), then waits for the other 5. Holder killed (kill -9): the kernel
+    drops its claims and the waiter takes and computes them at once (no timeout counted, within a
+    60 s claim_timeout_s). Holder stopped (SIGSTOP): the waiter computes them after its
+    claim_timeout_s, each counted as a timeout; the holder, continued, finishes."""
+    ctx = multiprocessing.get_context("spawn")
+    holder, release, waiter, q, busy_seen, count_path = _batch_holder_and_waiter(
+        ctx, tmp_path, 60.0 if how == "kill" else 0.3)
+    try:
+        if how == "stop":
+            os.kill(holder.pid, signal.SIGSTOP)
+        if not busy_seen.wait(60):
+            raise AssertionError(f"the waiter never saw the claims held: {q.get(timeout=5)}")
+        if how == "kill":
+            os.kill(holder.pid, signal.SIGKILL)
+        res = _result(q, waiter)
+    finally:
+        if how == "stop":
+            os.kill(holder.pid, signal.SIGCONT)
+            release.set()  # (a killed holder may have died holding the event's lock)
+        holder.join(30)
+        for p in (holder, waiter):
+            if p.is_alive():
+                p.kill()
+            p.join()
+    assert res["right"]
+    if how == "stop":
+        assert res["calls"] == [list(range(20, 25)), list(range(15, 20))]
+    else:  # the kill may land before the waiter's first round, which then takes all ten
+        assert res["calls"] in ([list(range(20, 25)), list(range(15, 20))], [list(range(15, 25))])
+    assert (res["computed"], res["claim_waits"], res["claim_timeouts"]) == (10, 0, 0 if how == "kill" else 5)
+    assert holder.exitcode == (-signal.SIGKILL if how == "kill" else 0)
+    with open(count_path, "rb") as f:
+        assert sorted(f.read()) == sorted(b"h" * 10 + b"w" * 10)
 
 
 class _TriesTheClaim(torch.utils.data.Dataset):
