@@ -12,6 +12,20 @@ NOTE [claims]
       3. compute the value, then publish it (``put``: NOTE [publish order]);
       4. release the claim - after the publish, so whoever takes the claim next finds the value.
 
+    A batch (``CacheStore.fill_batch``: ``get_batch(fn=)``, ``__getitems__`` and so a
+    DataLoader's batches, a warm-up's batches of misses, data/dataset.py WARMUP_BATCH), after its
+    lookup missed ``keys``: 1. try to claim every key, never waiting (a refused claim is set
+    aside); 2. re-check the claimed ones (one vectorised probe for int keys: someone may have
+    published them meanwhile); 3. compute the rest in ONE call (the dataset's ``__getitems__``
+    where it has one) and publish them in one ``put_many`` (one lock hold, a chunk at a time:
+    NOTE [publish order]); 4. release them. Only then 5. poll the keys set aside: found ones are
+    served (``claim_waits``), free ones claimed and taken through 2-4; the whole batch's wait is
+    bounded by one ``claim_timeout_s``, then what is left is computed without claims
+    (``claim_timeouts``, one per key). So a process holds claims only while it computes, never
+    while it waits: two batches that overlap cannot wait for each other. A compute callback may
+    answer ``Served(value)`` for a key it did not compute (a remote tier's lease holder published
+    it): not counted, not published again.
+
     Who waits, how long. A process whose claim is refused (another process holds the bucket)
     waits: it polls with a growing sleep (50 us, doubling, at most 5 ms) for either the value in
     the index (it serves it: counted ``claim_waits``) or the claim free (it takes it and goes on

@@ -928,8 +928,24 @@ class CacheStore:
                    publish_many: Callable[[list], Any], copy: bool = True) -> list:
         """The values of ``keys``, every one a miss: ``compute_many(keys)`` of those this process
         claims, stored by ``publish_many([(key, value), ...])``, the rest waited for (NOTE [claims])."""
-        return claims.fill_batch(self.claims, keys, lambda ks: self.lookup_batch(ks, copy, count=False)[0],
-                                 MISSING, compute_many, publish_many)
+        return claims.fill_batch(self.claims, keys, lambda ks: self._look_many(ks, copy), MISSING,
+                                 compute_many, publish_many)
+
+    def _look_many(self, keys: list, copy: bool) -> list:
+        """A claim's re-check of ``keys`` (values, MISSING where absent; nothing counted): int keys
+        by one vectorised probe first, and only those present decoded."""
+        try:
+            ints = np.fromiter(keys, np.int64, len(keys)) if all(type(k) is int for k in keys) else None
+        except OverflowError:
+            ints = None
+        if ints is None:
+            return self.lookup_batch(keys, copy, count=False)[0]
+        present = np.flatnonzero(self._refresh().index.lookup_ints(ints)[0]).tolist()
+        out = [MISSING] * len(keys)
+        if present:
+            for j, value in zip(present, self.lookup_batch([keys[j] for j in present], copy, count=False)[0]):
+                out[j] = value
+        return out
 
     def count_computed(self, n: int = 1) -> None:
         """``n`` values computed for this cache on a path without claims (an iterable's pass)."""
