@@ -2,10 +2,12 @@
 
 Commands::
 
-    shmcache stat [SESSION] [--json]     one row per cache: its dataset (wrap(label=), else its
+    shmcache stat [SESSION] [--json | --prometheus]
+                                         one row per cache: its dataset (wrap(label=), else its
                                          repr), items and bytes in memory and on disk,
                                          average item size, hits, misses; a snapshot read
-                                         through (snapshot=): its hits, misses, bytes, errors
+                                         through (snapshot=): its hits, misses, bytes, errors;
+                                         --prometheus: the text exposition format
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
                                          memory, the cache opened longest ago
     shmcache new [NAME] [--spill-dir D] [--remote URL]
@@ -98,30 +100,9 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
 
 
 def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
-    from ..cache.store import CacheStore  # numpy, no torch
-    from ..tiers import assembly  # numpy, no redis-py nor fsspec: the tiers' counts files only
+    from ..tiers.node_stats import cache_rows
 
-    out = []
-    for name in registry.cache_names(session):
-        try:
-            store = CacheStore(session, name, ns=registry.ns, create=False, lock_timeout_s=5)
-        except ShmcacheError as exc:
-            out.append({"session": session, "name": name, "error": str(exc)})
-            continue
-        try:
-            _attach_spill(store)
-            st = store.stats()
-            st["label"] = store.read_meta().get("label")  # wrap(label=), else the dataset's repr
-        finally:
-            store.close()
-        last = registry.cache_last_opened(session, name)  # None: open in a live process now
-        st["in_use"] = last is None
-        st["last_opened"] = None if last is None else round(last, 1)
-        st["idle_s"] = 0.0 if last is None else round(max(0.0, time.time() - last), 1)
-        # the tiers it has (had): their counters and the seam's, every process's - the keys stats() has
-        st.update(assembly.stats_from_files(registry, session, name))
-        out.append(st)
-    return out
+    return cache_rows(registry, session)
 
 
 def _attach_spill(store) -> None:
@@ -140,6 +121,11 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
     sessions = ([registry.get(args.session, fix=_CHECK_NAME).name] if args.session is not None
                 else [s.name for s in registry.list()])
     rows = [st for s in sessions for st in _cache_stats(registry, s)]
+    if args.prometheus:  # the text exposition format: node_exporter's textfile collector reads it
+        from ..tiers.prometheus import exposition
+
+        sys.stdout.write(exposition(rows))
+        return 0
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -414,7 +400,11 @@ def _parser() -> argparse.ArgumentParser:
                            help="what to do; `shmcache COMMAND -h` for its arguments")
     s = sub.add_parser("stat", help="one row per cache (its dataset, items, bytes, hits, misses)")
     s.add_argument("session", nargs="?", help="only this session")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
+    out = s.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="machine-readable output")
+    out.add_argument("--prometheus", action="store_true",
+                     help="Prometheus's text exposition format, labelled by session, cache and rank "
+                          "(for node_exporter's textfile collector; needs pip install 'shmcache[metrics]')")
     s.set_defaults(func=cmd_stat)
     s = sub.add_parser("ls", help="list sessions (owner, age, last use, live processes, memory, the "
                                   "cache opened longest ago)")
