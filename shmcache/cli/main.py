@@ -8,6 +8,9 @@ Commands::
                                          average item size, hits, misses; a snapshot read
                                          through (snapshot=): its hits, misses, bytes, errors;
                                          --prometheus: the text exposition format
+    shmcache top [SESSION] [--once] [--interval S] [--sort K]
+                                         a live view: per cache hit ratio, hits/s, misses/s, MB/s,
+                                         tier reads/s; per rank the share of time waiting for batches
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
                                          memory, the cache opened longest ago
     shmcache new [NAME] [--spill-dir D] [--remote URL]
@@ -162,6 +165,18 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
                            str(st["snapshot_errors"] + st["snapshot_corrupt"]), str(st["snapshot_forged"])]
                           if "snapshot" in st else ["-"] * 5)
     print(_table(headers, table, right=set(range(3, len(headers)))))
+    return 0
+
+
+def cmd_top(args, registry: SessionRegistry) -> int:
+    from . import top
+
+    if args.session is not None:
+        registry.get(args.session, fix=_CHECK_NAME)
+    if args.once or not sys.stdout.isatty():
+        top.print_once(registry, args.session, args.sort, args.interval)
+    else:
+        top.run_live(registry, args.session, args.sort, args.interval)
     return 0
 
 
@@ -406,6 +421,17 @@ def _parser() -> argparse.ArgumentParser:
                      help="Prometheus's text exposition format, labelled by session, cache and rank "
                           "(for node_exporter's textfile collector; needs pip install 'shmcache[metrics]')")
     s.set_defaults(func=cmd_stat)
+    s = sub.add_parser("top", help="a live view of the caches: hit ratio, hits/s, misses/s, MB/s, tier "
+                                   "reads/s, and each rank's share of time waiting for batches")
+    s.add_argument("session", nargs="?", help="only this session")
+    s.add_argument("--once", action="store_true",
+                   help="print one frame (two readings --interval apart) to stdout and exit")
+    s.add_argument("--interval", type=_positive_float, default=1.0, metavar="S",
+                   help="seconds between refreshes (default 1)")
+    s.add_argument("--sort", choices=["h", "m", "b", "i", "n", "s"], default="h",
+                   help="sort by hits/s (h, default), misses/s (m), MB/s (b), items (i), name (n) or "
+                        "stall (s); the same keys sort the live view")
+    s.set_defaults(func=cmd_top)
     s = sub.add_parser("ls", help="list sessions (owner, age, last use, live processes, memory, the "
                                   "cache opened longest ago)")
     s.add_argument("--json", action="store_true", help="machine-readable output (last_used in epoch seconds, idle_s)")
@@ -493,7 +519,7 @@ def _positive_float(text: str) -> float:
 
 
 # commands that only look: they never create $SHMCACHE_DIR (a typo in it must not leave a directory)
-_LOOKING = ("stat", "ls", "info", "export", "destroy")
+_LOOKING = ("stat", "top", "ls", "info", "export", "destroy")
 
 
 def main(argv: list[str] | None = None) -> int:
