@@ -63,3 +63,88 @@ def test_stat_prometheus_of_nothing_parses(tmp_path):
     text = run(["-m", "shmcache", "stat", "--prometheus"], tmp_path, env())
     got, _ = samples(text)
     assert got == {}
+
+
+_WORKER = '''
+import json, os, sys, time
+from pathlib import Path
+import torch
+from torch.utils.data import DataLoader
+import shmcache
+from shmcache import ShmDatasetCache
+
+out = Path(sys.argv[1])
+cache = ShmDatasetCache(name="data", size=16)
+ds = cache.wrap([torch.full((4,), float(i)) for i in range(32)], fingerprint="list-v1")
+for batch in shmcache.timed(DataLoader(ds, batch_size=4)):
+    pass
+(out / "stats.tmp").write_text(json.dumps(cache.stats()))
+(out / "stats.tmp").rename(out / "stats.json")
+deadline = time.monotonic() + 60  # the test scrapes meanwhile, then says done
+while not (out / "done").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+'''
+
+
+def test_launcher_serves_metrics_and_sums_up(tmp_path):
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    (tmp_path / "worker.py").write_text(_WORKER)
+    proc = subprocess.Popen([sys.executable, "-m", "shmcache.launch", "--session", "job", "--metrics-port", "0",
+                             "worker.py", str(tmp_path)], cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()  # the launcher's first line names the address
+        assert first.startswith("python -m shmcache.launch: metrics at http://127.0.0.1:"), first
+        url = first.split(" at ", 1)[1].strip()
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "stats.json").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the worker never filled its cache"
+            time.sleep(0.05)
+        st = json.loads((tmp_path / "stats.json").read_text())
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.status == 200
+            text = response.read().decode()
+        check_equal(text, st)
+        assert st["ranks"]["0"]["stall_waits"] == 8
+        (tmp_path / "done").write_text("")
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("shmcache.launch: cache job/data:")]
+    assert "hit ratio" in line and "stall share" in line and "computed 32" in line, line
+
+
+def test_a_taken_metrics_port_is_named(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    (tmp_path / "worker.py").write_text("print('never')\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "shmcache.launch", "--metrics-port", str(port), "worker.py"],
+                              cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert f"--metrics-port {port} on 127.0.0.1 cannot be served" in done.stderr
+    assert "pick another port" in done.stderr and "never" not in done.stdout
+
+
+def test_without_prometheus_client_the_fix_is_named(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['prometheus_client'] = None; from shmcache.cli.main import main; "
+            "sys.exit(main(['stat', '--prometheus']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "pip install 'shmcache[metrics]'" in done.stderr
