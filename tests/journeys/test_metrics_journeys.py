@@ -148,3 +148,54 @@ def test_without_prometheus_client_the_fix_is_named(tmp_path):
                           timeout=60)
     assert done.returncode == 2
     assert "pip install 'shmcache[metrics]'" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("shutil").which("prometheus") is None, reason="needs Debian's prometheus")
+def test_a_prometheus_server_scrapes_the_launcher(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.parse
+    import urllib.request
+
+    (tmp_path / "worker.py").write_text(_WORKER)
+    launcher = subprocess.Popen([sys.executable, "-m", "shmcache.launch", "--session", "job", "--metrics-port", "0",
+                                 "worker.py", str(tmp_path)], cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    server = None
+    try:
+        first = launcher.stderr.readline()
+        target = first.split("http://", 1)[1].split("/", 1)[0]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            web = s.getsockname()[1]
+        (tmp_path / "prometheus.yml").write_text(
+            "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: shmcache\n"
+            f"    static_configs:\n      - targets: ['{target}']\n")
+        server = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                                   f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"],
+                                  cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        query = urllib.parse.quote('shmcache_input_waits_total{session="job",cache="data",rank="0"}')
+        deadline, value = time.monotonic() + 90, None
+        while value != "8":
+            assert time.monotonic() < deadline, f"prometheus never saw 8 waits (last: {value})"
+            assert launcher.poll() is None and server.poll() is None
+            time.sleep(0.5)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{web}/api/v1/query?query={query}", timeout=5) as r:
+                    result = json.loads(r.read())["data"]["result"]
+            except OSError:
+                continue  # not listening yet
+            value = result[0]["value"][1] if result else None
+        (tmp_path / "done").write_text("")
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 0, err
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(30)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate(timeout=10)
