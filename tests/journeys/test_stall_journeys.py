@@ -54,3 +54,9 @@ def test_a_fresh_cache_has_no_ranks(tmp_path):
             "c.put(1, b'x'); print(json.dumps(c.stats())); c.close()")
     st = json.loads(run(["-c", code], tmp_path, env()).splitlines()[-1])
     assert (st["stall_waits"], st["stall_seconds"], st["stall_share"], st["ranks"]) == (0, 0.0, 0.0, {})
+
+
+def test_a_dropped_cache_made_again_starts_its_stall_counts_at_zero(tmp_path):
+    assert _loop(tmp_path, "timed", 0, 0.0, 0.0)["ranks"]["0"]["stall_waits"] == 8
+    run(["-m", "shmcache", "destroy", "stall", "--cache", "data"], tmp_path, env())
+    assert _loop(tmp_path, "timed", 0, 0.0, 0.0)["ranks"]["0"]["stall_waits"] == 8
