@@ -13,7 +13,9 @@ and their ratio the stall share.
 NOTE [stall counts]
     The file is MAX_SLOTS rows of ROW_WORDS uint64 words, one row per liveness slot of the session
     (NOTE [lock files]); each process writes only its own row, one aligned 8-byte store per word
-    (a memoryview 'Q' item), so no lock is needed, and readers sum the rows of each rank. Words:
+    (a memoryview 'Q' item), so no lock is needed, and readers sum the rows of each rank. (Two
+    loops of one process over one cache at once share its row: their sums stay right only as long
+    as they do not count at the same instant, a statistic's error, never a reader's.) Words:
     RANK (the process's $RANK + 1; 0: a row never used), WAITS (batches waited for), STALL_NS and
     LOOP_NS (nanoseconds, as above), WAITING_SINCE (CLOCK_MONOTONIC ns of the ask the loop is
     waiting on now, 0 when it is not waiting: one clock for every process of the machine, so

@@ -173,10 +173,17 @@ def cmd_top(args, registry: SessionRegistry) -> int:
 
     if args.session is not None:
         registry.get(args.session, fix=_CHECK_NAME)
-    if args.once or not sys.stdout.isatty():
+    if args.once or not sys.stdout.isatty():  # piped: one frame, as --once
         top.print_once(registry, args.session, args.sort, args.interval)
-    else:
+        return 0
+    import curses
+
+    try:
         top.run_live(registry, args.session, args.sort, args.interval)
+    except curses.error as exc:  # no usable terminal ($TERM unset or unknown)
+        raise InvalidArgument(f"this terminal cannot show the live view ({exc}; TERM="
+                              f"{os.environ.get('TERM', '')!r}): set TERM (e.g. xterm-256color), "
+                              f"or print frames with `shmcache top --once`") from None
     return 0
 
 
@@ -425,7 +432,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "reads/s, and each rank's share of time waiting for batches")
     s.add_argument("session", nargs="?", help="only this session")
     s.add_argument("--once", action="store_true",
-                   help="print one frame (two readings --interval apart) to stdout and exit")
+                   help="print one frame (two readings --interval apart) to stdout and exit (also "
+                        "what a piped top does)")
     s.add_argument("--interval", type=_positive_float, default=1.0, metavar="S",
                    help="seconds between refreshes (default 1)")
     s.add_argument("--sort", choices=["h", "m", "b", "i", "n", "s"], default="h",

@@ -157,7 +157,10 @@ def run_live(registry: SessionRegistry, session: str | None, sort: str, interval
     import curses
 
     def loop(screen) -> None:
-        curses.curs_set(0)
+        try:
+            curses.curs_set(0)
+        except curses.error:  # a terminal without cursor control: the cursor stays
+            pass
         screen.timeout(100)  # a key is seen within 0.1 s
         sampler = Sampler(registry, session)
         order, lines, due = sort, sampler.lines(), time.monotonic() + interval
