@@ -17,6 +17,7 @@ _LAZY = {
     "CachedIterableDataset": "data.dataset",
     "NodeAffineSampler": "data.sampler",
     "PrefetchRing": "data.prefetch",
+    "timed": "data.stall",
     "sink_loop": "data.sink",
     "SinkResult": "data.sink",
     "LossMonitor": "data.sink",

@@ -262,6 +262,8 @@ class SessionRegistry:
                         shutil.rmtree(spill, ignore_errors=True)
                     self.cache_meta_path(session, cache).unlink(missing_ok=True)
                     self.cache_claims_path(session, cache).unlink(missing_ok=True)
+                    # its training loops' waits (NOTE [stall counts]): a cache made again starts at 0
+                    self.cache_meta_path(session, cache).with_suffix(".stall").unlink(missing_ok=True)
                     if free:
                         use.unlink(missing_ok=True)  # held by us: an opener waiting takes a new one
             finally:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import claims
+from . import claims, stall
 from .generation import COUNTER_NAMES, DEAD_GEN, HITS, MISSES, REJECTED, M
 from .registry import MAX_SLOTS
 
@@ -39,6 +39,8 @@ def cache_stats(store: CacheStore) -> dict:
         **claims.read_counts(store.claims.path),  # computed, claim_waits, claim_timeouts (NOTE [claims])
         "capacity_bytes": store.capacity_bytes, "committed_bytes": committed,
         "shm_bytes": store.shm_bytes() if g.gen != DEAD_GEN else 0,  # not the cache made again
+        # the training loops' waits for batches, per rank (NOTE [stall counts])
+        **stall.stats_keys(stall.stall_path(store.meta_path)),
     }
 
 
@@ -48,5 +50,6 @@ def uncached_stats(session: str, name: str, counters: list[int], computed: int =
     st = dict.fromkeys(STAT_KEYS, 0)
     st.update(session=session, name=name, hits=counters[HITS], misses=counters[MISSES],
               rejected=counters[REJECTED], corrupt=0, computed=computed, claim_waits=0,
-              claim_timeouts=0, committed_bytes=0, shm_bytes=0, uncached=True)
+              claim_timeouts=0, committed_bytes=0, shm_bytes=0, uncached=True,
+              stall_waits=0, stall_seconds=0.0, loop_seconds=0.0, stall_share=0.0, ranks={})
     return st

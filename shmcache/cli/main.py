@@ -2,10 +2,15 @@
 
 Commands::
 
-    shmcache stat [SESSION] [--json]     one row per cache: its dataset (wrap(label=), else its
+    shmcache stat [SESSION] [--json | --prometheus]
+                                         one row per cache: its dataset (wrap(label=), else its
                                          repr), items and bytes in memory and on disk,
                                          average item size, hits, misses; a snapshot read
-                                         through (snapshot=): its hits, misses, bytes, errors
+                                         through (snapshot=): its hits, misses, bytes, errors;
+                                         --prometheus: the text exposition format
+    shmcache top [SESSION] [--once] [--interval S] [--sort K]
+                                         a live view: per cache hit ratio, hits/s, misses/s, MB/s,
+                                         tier reads/s; per rank the share of time waiting for batches
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
                                          memory, the cache opened longest ago
     shmcache new [NAME] [--spill-dir D] [--remote URL]
@@ -98,30 +103,9 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
 
 
 def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
-    from ..cache.store import CacheStore  # numpy, no torch
-    from ..tiers import assembly  # numpy, no redis-py nor fsspec: the tiers' counts files only
+    from ..tiers.node_stats import cache_rows
 
-    out = []
-    for name in registry.cache_names(session):
-        try:
-            store = CacheStore(session, name, ns=registry.ns, create=False, lock_timeout_s=5)
-        except ShmcacheError as exc:
-            out.append({"session": session, "name": name, "error": str(exc)})
-            continue
-        try:
-            _attach_spill(store)
-            st = store.stats()
-            st["label"] = store.read_meta().get("label")  # wrap(label=), else the dataset's repr
-        finally:
-            store.close()
-        last = registry.cache_last_opened(session, name)  # None: open in a live process now
-        st["in_use"] = last is None
-        st["last_opened"] = None if last is None else round(last, 1)
-        st["idle_s"] = 0.0 if last is None else round(max(0.0, time.time() - last), 1)
-        # the tiers it has (had): their counters and the seam's, every process's - the keys stats() has
-        st.update(assembly.stats_from_files(registry, session, name))
-        out.append(st)
-    return out
+    return cache_rows(registry, session)
 
 
 def _attach_spill(store) -> None:
@@ -140,6 +124,11 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
     sessions = ([registry.get(args.session, fix=_CHECK_NAME).name] if args.session is not None
                 else [s.name for s in registry.list()])
     rows = [st for s in sessions for st in _cache_stats(registry, s)]
+    if args.prometheus:  # the text exposition format: node_exporter's textfile collector reads it
+        from ..tiers.prometheus import exposition
+
+        sys.stdout.write(exposition(rows))
+        return 0
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -176,6 +165,25 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
                            str(st["snapshot_errors"] + st["snapshot_corrupt"]), str(st["snapshot_forged"])]
                           if "snapshot" in st else ["-"] * 5)
     print(_table(headers, table, right=set(range(3, len(headers)))))
+    return 0
+
+
+def cmd_top(args, registry: SessionRegistry) -> int:
+    from . import top
+
+    if args.session is not None:
+        registry.get(args.session, fix=_CHECK_NAME)
+    if args.once or not sys.stdout.isatty():  # piped: one frame, as --once
+        top.print_once(registry, args.session, args.sort, args.interval)
+        return 0
+    import curses
+
+    try:
+        top.run_live(registry, args.session, args.sort, args.interval)
+    except curses.error as exc:  # no usable terminal ($TERM unset or unknown)
+        raise InvalidArgument(f"this terminal cannot show the live view ({exc}; TERM="
+                              f"{os.environ.get('TERM', '')!r}): set TERM (e.g. xterm-256color), "
+                              f"or print frames with `shmcache top --once`") from None
     return 0
 
 
@@ -414,8 +422,24 @@ def _parser() -> argparse.ArgumentParser:
                            help="what to do; `shmcache COMMAND -h` for its arguments")
     s = sub.add_parser("stat", help="one row per cache (its dataset, items, bytes, hits, misses)")
     s.add_argument("session", nargs="?", help="only this session")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
+    out = s.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="machine-readable output")
+    out.add_argument("--prometheus", action="store_true",
+                     help="Prometheus's text exposition format, labelled by session, cache and rank "
+                          "(for node_exporter's textfile collector; needs pip install 'shmcache[metrics]')")
     s.set_defaults(func=cmd_stat)
+    s = sub.add_parser("top", help="a live view of the caches: hit ratio, hits/s, misses/s, MB/s, tier "
+                                   "reads/s, and each rank's share of time waiting for batches")
+    s.add_argument("session", nargs="?", help="only this session")
+    s.add_argument("--once", action="store_true",
+                   help="print one frame (two readings --interval apart) to stdout and exit (also "
+                        "what a piped top does)")
+    s.add_argument("--interval", type=_positive_float, default=1.0, metavar="S",
+                   help="seconds between refreshes (default 1)")
+    s.add_argument("--sort", choices=["h", "m", "b", "i", "n", "s"], default="h",
+                   help="sort by hits/s (h, default), misses/s (m), MB/s (b), items (i), name (n) or "
+                        "stall (s); the same keys sort the live view")
+    s.set_defaults(func=cmd_top)
     s = sub.add_parser("ls", help="list sessions (owner, age, last use, live processes, memory, the "
                                   "cache opened longest ago)")
     s.add_argument("--json", action="store_true", help="machine-readable output (last_used in epoch seconds, idle_s)")
@@ -503,7 +527,7 @@ def _positive_float(text: str) -> float:
 
 
 # commands that only look: they never create $SHMCACHE_DIR (a typo in it must not leave a directory)
-_LOOKING = ("stat", "ls", "info", "export", "destroy")
+_LOOKING = ("stat", "top", "ls", "info", "export", "destroy")
 
 
 def main(argv: list[str] | None = None) -> int:

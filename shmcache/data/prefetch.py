@@ -58,6 +58,7 @@ import torch
 
 from ..base.trees import flatten, rebuild
 from ..errors import InvalidArgument, PrefetchError, PrefetchStall
+from . import stall
 from .tensors import torch_dtype
 
 if TYPE_CHECKING:
@@ -193,6 +194,8 @@ class _RingIterator:
     def __init__(self, ring: PrefetchRing, pass_: _Pass) -> None:
         self._ring = ring
         self._pass = pass_
+        counts = ring._stall_counts()
+        self._stall = None if counts is None else stall.counts.Pass(counts)  # NOTE [stall counts]
         self._index = 0
         self._held: _Slot | None = None
         self._closed = False
@@ -204,17 +207,24 @@ class _RingIterator:
         if self._held is not None:
             self._ring._release(self._pass, self._held)
             self._held = None
+        asked = self._stall.ask() if self._stall is not None else 0
         try:
             slot = self._ring._wait_filled(self._pass, self._index)
         except PrefetchStall:
+            if self._stall is not None:
+                self._stall.got(asked, batch=False)
             # Joining would wait out the stall. The producer leaves by itself once the source
             # returns; ring.close() or the next pass joins it.
             self._closed = True
             self._ring._stop_pass(self._pass, join=False)
             raise
         except BaseException:
+            if self._stall is not None:
+                self._stall.got(asked, batch=False)
             self.close()
             raise
+        if self._stall is not None:
+            self._stall.got(asked, batch=slot is not None)
         if slot is None:
             self.close()
             raise StopIteration
@@ -249,7 +259,9 @@ class PrefetchRing:
         timeout_s: float = 60.0,
     ) -> None:
         _check_depth_and_timeout(depth, timeout_s)
-        self._source = source
+        # a timed(loader) given to the ring: the ring counts the loop's waits itself (its
+        # producer's waits are no stall of the loop)
+        self._source = source.batches if isinstance(source, stall.Timed) else source
         self._device = _resolve_device(device)
         self._cuda = self._device.type == "cuda"
         self._depth = depth
@@ -263,6 +275,7 @@ class PrefetchRing:
         self._active: _Pass | None = None
         self._allocations = 0
         self._side_stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._stall: Any = False  # the stall counts the consumer's waits go to (False: not looked up)
 
     @classmethod
     def from_cache(
@@ -310,6 +323,13 @@ class PrefetchRing:
 
     def __len__(self) -> int:
         return len(self._source)  # type: ignore[arg-type]  # TypeError when the source has no len
+
+    def _stall_counts(self) -> Any:
+        """Where the consumer's waits count (NOTE [stall counts]): the cache of from_cache, else
+        the one behind the source (a DataLoader over a wrapped dataset); None: not counted."""
+        if self._stall is False:
+            self._stall = stall.counts_for(self._cache if self._cache is not None else self._source)
+        return self._stall
 
     def __iter__(self) -> Iterator[Any]:
         # iter() here, not in the thread: a DataLoader starts its workers from the caller's thread

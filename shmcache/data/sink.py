@@ -45,6 +45,7 @@ import torch
 
 from ..base.trees import flatten, rebuild
 from ..errors import InvalidArgument
+from . import stall
 
 __all__ = ["LossMonitor", "SinkResult", "TimeMonitor", "sink_loop"]
 
@@ -85,6 +86,9 @@ def sink_loop(
         step_fn, epochs, sink_size, callbacks, graph, graph_warmup_steps
     )
     step = _GraphedStep(step_fn, graph_warmup_steps) if graph else step_fn
+    if not stall.measured(batches):  # a DataLoader over a wrapped dataset: count its waits
+        counts = stall.counts_for(batches)
+        batches = batches if counts is None else stall.Timed(batches, counts)
     endless = _endless(batches) if sink_size > 0 else None
     results: list[SinkResult] = []
     try:

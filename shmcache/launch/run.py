@@ -75,6 +75,15 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
     --rdzv-timeout S        seconds the launchers of a --remote spawn job wait for each other
                             (and for their servers to start) before failing with the node ranks
                             that did not come. Default 300
+    --metrics-port P        serve the node's cache metrics (every cache here, as `shmcache stat
+                            --prometheus` prints them: hits, misses, bytes, tiers, and each
+                            rank's time waiting for batches) at http://ADDR:P/metrics while the
+                            job runs, for Prometheus to scrape; 0: a free port (the address is
+                            printed). Needs pip install 'shmcache[metrics]'
+    --metrics-addr A        the address it binds. Default 127.0.0.1 (this machine only); for a
+                            Prometheus elsewhere, the node's address on the cluster network (or
+                            0.0.0.0) behind the cluster's firewall: the endpoint has no
+                            authentication and names sessions, caches and datasets
     --standalone            accepted and ignored (torchrun's flag; one node is what this does)
     -m, --module            run a module, as ``python -m``
     --no-python             run the program directly, not through Python
@@ -160,6 +169,7 @@ from ..cache.registry import SessionRegistry
 from ..errors import InvalidArgument, LaunchError, ShmcacheError, SpillError
 from ..tiers.remote import parse_url
 from ..tiers.spill import check_spill_dir
+from . import metrics_server
 from .redis_node import DEFAULT_MAXMEMORY_MB, WORKER_USER, RedisNode, find_redis_server, is_loopback, route_address
 from .remote_option import RemoteOption, hide_in_process_title, parse_remote, shards_url
 from .rendezvous import (
@@ -180,6 +190,7 @@ USAGE = (
     f"{PROG} [--nproc N] [--session NAME] [--size MIB] [--spilling] [--spill-dir DIR]\n"
     f"       [--destroy-session] [--shutdown-timeout S] [--master-addr A] [--master-port P]\n"
     f"       [--nnodes N --node-rank K] [--remote URL | --remote spawn[:MB]] [--rdzv-timeout S]\n"
+    f"       [--metrics-port P [--metrics-addr A]]\n"
     f"       [-m | --no-python] script.py [args...]     (-h for the manual)"
 )
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
@@ -204,6 +215,8 @@ class LaunchPlan:
     shutdown_timeout_s: float
     remote: RemoteOption | None  # --remote: a URL for the workers, or spawn
     rdzv_timeout_s: float
+    metrics_port: int | None = None  # --metrics-port: /metrics of the node while the job runs
+    metrics_addr: str = "127.0.0.1"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -219,9 +232,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShmcacheError as exc:  # the namespace or registry is unusable: the message says why
         print(f"{PROG}: error: cannot prepare the session: {exc}", file=sys.stderr)
         return 1
+    server = None
     try:
+        if plan.metrics_port is not None:
+            server = metrics_server.start(registry, plan.metrics_addr, plan.metrics_port)
+            host, port = server.server_address[:2]
+            print(f"{PROG}: metrics at http://{host}:{port}/metrics", file=sys.stderr, flush=True)
         with launch_directory() as error_dir:
             outcome = _run(plan, error_dir)
+    except InvalidArgument as exc:  # --metrics-port: the port is taken, or no prometheus_client
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
     except LaunchError as exc:  # --remote spawn: this node's Redis, or the exchange, failed
         print(f"{PROG}: error: {mask_url(str(exc))}", file=sys.stderr)
         return 1
@@ -230,12 +251,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: received {name} while preparing --remote spawn; stopped", file=sys.stderr)
         return 128 + exc.signo
     finally:
+        if server is not None:
+            metrics_server.stop(server)
+        # the job's closing summary per cache of its session, read before a --destroy-session
+        closing = metrics_server.summary(registry, plan.session)
         slot.release()
         registry.mark_used(plan.session)  # `shmcache gc --idle-for` counts from the job's end
         if plan.destroy_session:
             _destroy_session(registry, plan.session)
     for line in outcome.summary():
         print(mask_url(line), file=sys.stderr)
+    for line in closing:  # after the outcome: its first line names the root cause
+        print(f"shmcache.launch: {line}", file=sys.stderr)  # as the outcome's lines
     return outcome.exit_code
 
 
@@ -297,6 +324,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remote", type=_parse_remote, metavar="URL")
     p.add_argument("--rdzv-timeout", "--rdzv_timeout", dest="rdzv_timeout", type=_positive_float,
                    default=DEFAULT_RDZV_TIMEOUT_S, metavar="S")
+    p.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", type=_port, metavar="P")
+    p.add_argument("--metrics-addr", "--metrics_addr", dest="metrics_addr", default="127.0.0.1", metavar="A")
     p.add_argument("--standalone", action="store_true")
     p.add_argument("-m", "--module", action="store_true")
     p.add_argument("--no-python", "--no_python", dest="no_python", action="store_true")
@@ -354,7 +383,7 @@ def _plan(parser: argparse.ArgumentParser, argv: list[str]) -> LaunchPlan:
         master_addr=master_addr, master_port=master_port, run_id=run_id, command=command,
         shmcache_env=env, spill_dir=spill_dir, destroy_session=args.destroy_session,
         shutdown_timeout_s=args.shutdown_timeout, remote=args.remote,
-        rdzv_timeout_s=args.rdzv_timeout,
+        rdzv_timeout_s=args.rdzv_timeout, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
     )
 
 

@@ -1,0 +1,247 @@
+"""Input stall: how long each rank's training loop waits for its next batch, per cache, counted
+in a file beside the cache's other counters (``caches/<cache>.stall``) and read by ``stats()``,
+``shmcache stat``, ``shmcache top`` and the Prometheus exposition.
+
+Who measures (docs/design.md §10): a ``PrefetchRing``'s consumer (its wait for a filled slot), a
+``sink_loop`` over a DataLoader of a wrapped dataset, and ``shmcache.timed(loader)`` (each
+``next()`` on the loader's iterator). A ``Pass`` is one traversal: ``ask()`` when the loop asks
+for a batch, ``got()`` when it has it. Between ``got()`` and the next ``ask()`` the loop works (a
+step); from ``ask()`` to ``got()`` it waits. So per rank ``stall_seconds`` is the time spent
+waiting, ``loop_seconds`` the time from a pass's first ask to its last batch (waits and steps),
+and their ratio the stall share.
+
+NOTE [stall counts]
+    The file is MAX_SLOTS rows of ROW_WORDS uint64 words, one row per liveness slot of the session
+    (NOTE [lock files]); each process writes only its own row, one aligned 8-byte store per word
+    (a memoryview 'Q' item), so no lock is needed, and readers sum the rows of each rank. (Two
+    loops of one process over one cache at once share its row: their sums stay right only as long
+    as they do not count at the same instant, a statistic's error, never a reader's.) Words:
+    RANK (the process's $RANK + 1; 0: a row never used), WAITS (batches waited for), STALL_NS and
+    LOOP_NS (nanoseconds, as above), WAITING_SINCE (CLOCK_MONOTONIC ns of the ask the loop is
+    waiting on now, 0 when it is not waiting: one clock for every process of the machine, so
+    ``shmcache top`` counts a wait still running), PID (the row's writer). A process that takes
+    over a slot whose row is another rank's first carries that row's counts into the file's
+    RETIRED rows (one per rank below RETIRED_RANKS, after the slot rows), under an flock of the
+    file (held for a few word stores, taken within LOCK_WAIT_S or the counts are dropped with a
+    log line), then starts the row again; one of its own rank goes on from its totals, as the
+    store's counters do. So a rank's counts outlive its processes; a reader between the carry and
+    the reset counts them twice for that instant (a statistic, not a snapshot). Readers sum the
+    live and retired rows of each rank and leave a garbage row (a word at or above 2**62) out:
+    a statistic is no reason to fail a read.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..base import settings
+from . import process_slot
+from .registry import MAX_SLOTS
+
+__all__ = ["ROW_WORDS", "StallCounts", "Pass", "stall_path", "counts_for_store", "read_ranks",
+           "stats_keys", "this_rank"]
+
+log = logging.getLogger("shmcache")
+
+ROW_WORDS = 8  # two spare words per row
+RANK, WAITS, STALL_NS, LOOP_NS, WAITING_SINCE, PID = range(6)
+RETIRED_RANKS = 1024  # ranks whose counts outlive their processes (a larger rank's are dropped)
+LOCK_WAIT_S = 1.0  # the longest a process waits for the file's flock to carry a row
+_ROWS_BYTES = (MAX_SLOTS + RETIRED_RANKS) * ROW_WORDS * 8
+_GARBAGE = 1 << 62
+
+
+def stall_path(meta_path: str | os.PathLike) -> Path:
+    """The stall counts file of the cache whose metadata file is ``meta_path`` (``caches/<c>.json``)."""
+    meta_path = Path(meta_path)
+    return meta_path.with_name(meta_path.stem + ".stall")
+
+
+def this_rank() -> int:
+    """This process's rank: torchrun's $RANK (the launcher sets it), else 0."""
+    try:
+        return max(0, int(settings.get(settings.ENV_RANK, "0") or 0))
+    except ValueError:
+        return 0
+
+
+class StallCounts:
+    """This process's row of one cache's stall counts file (NOTE [stall counts]), mapped on first
+    use in each process (a forked child maps its own row)."""
+
+    def __init__(self, path: Path, slot: Callable[[], int]):
+        self.path = Path(path)
+        self._slot = slot
+        self._gen = -1  # process_slot.fork_count() when the row was mapped
+        self._row: Any = None
+
+    def row(self) -> Any:
+        """The words of this process's row (a list of its own when the file cannot be used)."""
+        if self._gen != process_slot.fork_count():
+            self._row, self._gen = self._open(), process_slot.fork_count()
+        return self._row
+
+    def _open(self) -> Any:
+        rank = this_rank() + 1
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    raise PermissionError(f"{self.path} is not a regular file of this user")
+                if st.st_size < _ROWS_BYTES:
+                    os.ftruncate(fd, _ROWS_BYTES)  # two makers at once truncate to one size: harmless
+                mm = mmap.mmap(fd, _ROWS_BYTES)
+                words = memoryview(mm).cast("Q")
+                slot = self._slot()
+                row = words[slot * ROW_WORDS:(slot + 1) * ROW_WORDS]
+                if row[RANK] != rank and not any(w >= _GARBAGE for w in row):
+                    _carry(fd, words, row, self.path)
+            finally:
+                os.close(fd)
+        except Exception as exc:  # noqa: BLE001 - counting is no reason to fail a training loop
+            log.warning("stall counts %s: this process's counts are kept in the process only (%s)", self.path, exc)
+            row = [0] * ROW_WORDS
+        if row[RANK] != rank or any(w >= _GARBAGE for w in row):  # another rank's row, or garbage
+            for i in range(ROW_WORDS):
+                row[i] = 0
+            row[RANK] = rank
+        row[WAITING_SINCE] = 0  # a wait its previous owner died in is over
+        row[PID] = os.getpid()
+        return row
+
+
+def _carry(fd: int, words: Any, row: Any, path: Path) -> None:
+    """Add ``row`` (a dead process's of another rank) into its rank's retired row, under the
+    file's flock (NOTE [stall counts]); the caller then starts the row again."""
+    rank = row[RANK] - 1
+    if row[RANK] == 0 or rank >= RETIRED_RANKS:
+        return
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                log.warning("stall counts %s: rank %d's earlier counts are dropped (the file's lock "
+                            "was busy for %.0f s)", path, rank, LOCK_WAIT_S)
+                return
+            time.sleep(0.001)
+    try:
+        base = (MAX_SLOTS + rank) * ROW_WORDS
+        retired = words[base:base + ROW_WORDS]
+        if any(w >= _GARBAGE for w in retired):
+            for i in range(ROW_WORDS):
+                retired[i] = 0
+        retired[RANK] = rank + 1
+        for i in (WAITS, STALL_NS, LOOP_NS):
+            retired[i] += row[i]
+        row[RANK] = 0  # the caller starts it again
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+class Pass:
+    """One traversal of batches by a training loop: ``asked = p.ask()`` before asking for a batch,
+    ``p.got(asked)`` once it came (``batch=False``: the source ran out or failed; the wait still
+    counts, as no batch)."""
+
+    __slots__ = ("_counts", "_mark")
+
+    def __init__(self, counts: StallCounts):
+        self._counts = counts
+        self._mark = 0  # when the last ask or got happened (0: this pass has not asked yet)
+
+    def ask(self) -> int:
+        now = time.monotonic_ns()
+        row = self._counts.row()
+        if self._mark:
+            row[LOOP_NS] += now - self._mark  # the step since the last batch came
+        self._mark = now
+        row[WAITING_SINCE] = now
+        return now
+
+    def got(self, asked: int, batch: bool = True) -> None:
+        now = time.monotonic_ns()
+        row = self._counts.row()
+        row[STALL_NS] += now - asked
+        row[LOOP_NS] += now - self._mark
+        if batch:
+            row[WAITS] += 1
+        row[WAITING_SINCE] = 0
+        self._mark = now
+
+
+_by_path: dict[str, StallCounts] = {}
+_lock = threading.Lock()
+
+
+def counts_for_store(store: Any) -> StallCounts | None:
+    """The stall counts of ``store``'s cache (a CacheStore, or a TieredStore in front of one); None
+    for an uncached store (no file: nothing to count into)."""
+    local = getattr(store, "local", store)
+    if getattr(local, "uncached", False) or getattr(local, "registry", None) is None:
+        return None
+    path = stall_path(local.meta_path)
+    with _lock:
+        counts = _by_path.get(str(path))
+        if counts is None:
+            registry, session = local.registry, local.session
+            counts = _by_path[str(path)] = StallCounts(path, lambda: process_slot.slot(registry, session))
+    return counts
+
+
+def read_ranks(path: str | os.PathLike) -> dict[int, dict]:
+    """Each rank's counts summed over its processes' rows: {rank: {"waits", "stall_ns", "loop_ns",
+    "waiting_since" (the oldest wait running now, CLOCK_MONOTONIC ns; 0: none), "processes"}}."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_ROWS_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    n = len(raw) // (ROW_WORDS * 8) * (ROW_WORDS * 8)
+    rows = np.frombuffer(raw[:n], np.uint64).reshape(-1, ROW_WORDS)
+    rows = rows[(rows < _GARBAGE).all(axis=1) & (rows[:, RANK] > 0)]
+    out: dict[int, dict] = {}
+    for row in rows:
+        r = out.setdefault(int(row[RANK]) - 1, {"waits": 0, "stall_ns": 0, "loop_ns": 0,
+                                                 "waiting_since": 0, "processes": 0})
+        r["waits"] += int(row[WAITS])
+        r["stall_ns"] += int(row[STALL_NS])
+        r["loop_ns"] += int(row[LOOP_NS])
+        r["processes"] += int(row[PID] != 0)  # a retired row has none
+        since = int(row[WAITING_SINCE])
+        if since and (not r["waiting_since"] or since < r["waiting_since"]):
+            r["waiting_since"] = since
+    return dict(sorted(out.items()))
+
+
+def _share(stall_ns: int, loop_ns: int) -> float:
+    return stall_ns / loop_ns if loop_ns else 0.0
+
+
+def stats_keys(path: str | os.PathLike) -> dict:
+    """The stall keys of ``stats()`` and ``shmcache stat --json`` (docs/design.md §10): the cache's
+    ``stall_waits``, ``stall_seconds``, ``loop_seconds``, ``stall_share`` over every rank, and
+    ``ranks``: {str(rank): the same four for that rank}. Waits still running are not in them
+    (``shmcache top`` adds those)."""
+    ranks = read_ranks(path)
+    per = {str(rank): {"stall_waits": r["waits"], "stall_seconds": r["stall_ns"] / 1e9,
+                       "loop_seconds": r["loop_ns"] / 1e9, "stall_share": _share(r["stall_ns"], r["loop_ns"])}
+           for rank, r in ranks.items()}
+    stall_ns = sum(r["stall_ns"] for r in ranks.values())
+    loop_ns = sum(r["loop_ns"] for r in ranks.values())
+    return {"stall_waits": sum(r["waits"] for r in ranks.values()), "stall_seconds": stall_ns / 1e9,
+            "loop_seconds": loop_ns / 1e9, "stall_share": _share(stall_ns, loop_ns), "ranks": per}
