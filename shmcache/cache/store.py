@@ -561,8 +561,9 @@ class CacheStore:
             raise CacheMismatch(
                 f"cache {self.session}/{self.name} holds another dataset (fingerprint {known}, "
                 f"this one is {fingerprint}); use another name=, let shmcache name it "
-                f"(name=None), or drop the old one with cache.clear() / `shmcache destroy "
-                f"{self.session}`"
+                f"(name=None), or drop the old cache with `shmcache destroy {self.session} --cache "
+                f"{self.name}` (clear() empties a cache but keeps which dataset it holds: a "
+                f"process still reading the old one must not fill it with the new)"
             )
 
     def _create_generation(self, root: Segment, gen: int, capacity: int, cap: int) -> None:

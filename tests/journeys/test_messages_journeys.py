@@ -338,3 +338,38 @@ def test_launch_from_the_parent_of_a_clone_named_shmcache_runs_the_package(tmp_p
         assert f"{clone} (a clone in the current directory) hides the installed package" in done.stderr
     finally:
         _shmcache("destroy", os.environ.get("SHMCACHE_SESSION", "default"), "--force", cwd=tmp_path, e=e)
+
+
+_WRAP = """
+import sys
+from shmcache import ShmDatasetCache
+from shmcache.errors import CacheMismatch
+cache = ShmDatasetCache(session="mm", name="photos", size=8)
+try:
+    cache.wrap([[float(sys.argv[1])] * 4 for _ in range(10)])
+except CacheMismatch as exc:
+    print("MISMATCH", exc)
+else:
+    print("BOUND")
+if sys.argv[2:] == ["clear"]:
+    cache.clear()
+    print("CLEARED", len(cache))
+cache.close()
+"""
+
+
+def test_a_cache_of_another_dataset_names_the_fix_that_works(tmp_path):
+    """Issue 31: CacheMismatch said "drop the old one with cache.clear()"; after a clear() (0 items)
+    a fresh process wrapping the new dataset met the same error. The message names what works,
+    and what it names works, as a user runs it: each step a fresh process."""
+    e = env(tmp_path / "shm")
+    script = tmp_path / "wrap.py"
+    script.write_text(_WRAP)
+    assert "BOUND" in run([script, "1", "clear"], tmp_path, e)
+    out = run([script, "2"], tmp_path, e)  # another dataset, a fresh process, the cache cleared
+    assert out.startswith("MISMATCH"), out
+    assert "cache.clear()" not in out, out  # not offered: it drops the items, not the dataset bound
+    fix = re.search(r"`(shmcache destroy [^`]+)`", out)
+    assert fix, out
+    run(["-m", *fix.group(1).split()], tmp_path, e)
+    assert "BOUND" in run([script, "2"], tmp_path, e)
