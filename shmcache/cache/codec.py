@@ -438,10 +438,30 @@ class _Builder:
                 f"return plain arrays/tensors from the dataset or transform"
             ) from None
         self.var.append((len(self.var), b))
-        name = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
+        name = _unsupported(x)
         if name not in self.pickled:
             self.pickled.append(name)
         return (_PICKLE, len(self.var) - 1, len(b))
+
+
+def _unsupported(x: Any) -> str:
+    """What about ``x`` made it pickled, as a warning names it: its type, and for an array or a
+    tensor (which are stored natively) the dtype or kind that is not."""
+    name = f"{type(x).__module__}.{type(x).__qualname__}".removeprefix("builtins.")
+    if isinstance(x, (np.ndarray, np.generic)):
+        if x.dtype.hasobject:
+            return f"{name} of dtype object"
+        if x.dtype.fields is not None:
+            return f"{name} of a structured dtype"
+    if name == "torch.Tensor" or (type(x).__module__.startswith("torch") and hasattr(x, "is_nested")):
+        for attr, kind in (("is_nested", "nested"), ("is_sparse", "sparse"), ("is_quantized", "quantized"),
+                           ("is_meta", "on the meta device")):
+            if getattr(x, attr, False):
+                return f"{name} ({kind})"
+        layout = getattr(x, "layout", None)
+        if layout is not None and str(layout) != "torch.strided":
+            return f"{name} ({str(layout).removeprefix('torch.')})"
+    return name
 
 
 def _place(node: tuple, scalar_off: list[int], var_off: list[int], arr_off: list[int]) -> tuple:

@@ -80,6 +80,18 @@ def _user_stacklevel() -> int:
 
 
 
+def _native_hint(types: tuple) -> str:
+    """What to return instead of the pickled ``types`` (codec names them: type, and the dtype or
+    kind of an array or tensor that is not stored natively)."""
+    if all(t.startswith(("numpy.", "torch.Tensor")) and t.endswith((")", "dtype object", "dtype"))
+           for t in types):  # arrays and tensors already: their dtype or kind is the problem
+        return ("what is stored natively is dense numeric arrays and strided tensors of a numeric "
+                "dtype: split object or structured arrays into numeric arrays (or a list), and make "
+                "nested, sparse or quantized tensors dense (t.to_dense(), t.dequantize(), padding)")
+    return ("return numpy arrays or tensors from the dataset or transform (np.asarray(x), "
+            "torch.as_tensor(x))")
+
+
 class ShmDatasetCache:
     """One cache in shared memory, shared by every process of the machine that opens it.
 
@@ -595,8 +607,7 @@ class ShmDatasetCache:
         warnings.warn(
             f"cache {self.session}/{self.name}: samples holding {', '.join(types)} are stored with "
             f"pickle: slower to store and read than arrays, often larger, and never zero-copy or "
-            f"gathered as a batch; return numpy arrays or tensors from the dataset or transform "
-            f"(np.asarray(x), torch.as_tensor(x)) (warned once per cache)",
+            f"gathered as a batch; {_native_hint(types)} (warned once per cache)",
             UserWarning, stacklevel=_user_stacklevel())
 
     def __getitem__(self, key):

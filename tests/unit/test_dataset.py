@@ -555,6 +555,25 @@ def test_samples_that_fall_back_to_pickle_warn_once_per_cache_naming_the_type_an
         assert ds[2][1] == Point(2, 2)
 
 
+@pytest.mark.parametrize("make, named", [
+    (lambda: np.array([1, "a", None], dtype=object), "numpy.ndarray of dtype object"),
+    (lambda: np.zeros(2, dtype=[("x", "i4"), ("y", "f4")]), "numpy.ndarray of a structured dtype"),
+    (lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "torch.Tensor (nested)"),
+    (lambda: torch.zeros(3, 3).to_sparse(), "torch.Tensor (sparse"),
+])
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_the_pickle_warning_names_what_is_unsupported(make, named):
+    """Issue 31: an object-dtype array or a nested tensor was warned about as "samples holding
+    numpy.ndarray / torch.Tensor ... return numpy arrays or tensors": odd advice for a sample that
+    is one. The warning names the dtype or kind that is not stored natively."""
+    with _cache(name="unsupported") as cache:
+        with pytest.warns(UserWarning) as got:
+            cache.put(0, {"x": make()})
+    text = str(next(w.message for w in got if "pickle" in str(w.message)))
+    assert named in text, text
+    assert "return numpy arrays or tensors" not in text, text
+
+
 # --- capacity as users see it ---------------------------------------------------------------------
 
 
