@@ -141,10 +141,12 @@ def _cgroup_limits(proc_self: str = "/proc/self") -> tuple[int | None, int | Non
     return best
 
 
-def memory_limits(proc_self: str = "/proc/self") -> MemoryLimits:
+def memory_limits(proc_self: str = "/proc/self", shm_root: str = SHM_ROOT) -> MemoryLimits:
+    """The limits now; ``shm_root``: where the shared memory lives (/dev/shm, or a session's memory
+    directory: its filesystem's size and free space are the ``shm_`` fields)."""
     limit, free, source = _cgroup_limits(proc_self)
     try:
-        st = os.statvfs(SHM_ROOT)
+        st = os.statvfs(shm_root)
         shm_total, shm_free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     except OSError:
         shm_total = shm_free = None

@@ -8,7 +8,7 @@ Commands::
                                          through (snapshot=): its hits, misses, bytes, errors
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
                                          memory, the cache opened longest ago
-    shmcache new [NAME] [--spill-dir D] [--remote URL]
+    shmcache new [NAME] [--spill-dir D] [--memory-dir D] [--remote URL]
                                          create a session and print its name (a session has no
                                          size: --size says where a cap goes)
     shmcache destroy NAME [--force] [--cache C]
@@ -230,7 +230,7 @@ def cmd_new(args, registry: SessionRegistry) -> int:
         from ..tiers.remote import parse_url
 
         parse_url(remote)  # a bad URL is an error now (without its password), not at first use
-    info = registry.create(args.name, spill_dir=spill, remote=remote)
+    info = registry.create(args.name, spill_dir=spill, remote=remote, memory_dir=args.memory_dir)
     print(info.name)
     return 0
 
@@ -423,6 +423,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("new", help="create a session and print its name")
     s.add_argument("name", nargs="?", help="session name (default: a random one)")
     s.add_argument("--spill-dir", help="default spill directory of the session's caches")
+    s.add_argument("--memory-dir", metavar="DIR",
+                   help="a tmpfs or hugetlbfs directory for the session's shared memory instead of "
+                        "/dev/shm (default: $SHMCACHE_MEMORY_DIR)")
     s.add_argument("--size", type=_positive_int, metavar="MIB",
                    help="not an option of a session: each cache has its own cap (size= in MiB, or "
                         "$SHMCACHE_SIZE_MB, or the launcher's --size); this says so")
