@@ -34,7 +34,7 @@ from .namespace import SHM_ROOT, make_private_dir
 from .settings import ENV_MEMORY_DIR
 
 __all__ = ["TMPFS_MAGIC", "HUGETLBFS_MAGIC", "Backing", "backing", "private_dir", "private_path", "pmd_size",
-           "mount_fix"]
+           "mount_fix", "space"]
 
 TMPFS_MAGIC = 0x01021994
 HUGETLBFS_MAGIC = 0x958458F6
@@ -102,8 +102,12 @@ def private_dir(directory: str | os.PathLike) -> str:
             f"the sticky bit: anyone could rename your segments' directory away and plant another; "
             f"`chmod +t {path}` (as /dev/shm and /tmp are, 1777), `chmod go-w {path}`, or name another")
     private = Path(private_path(os.path.normpath(path)))
-    make_private_dir(private, "shmcache's directory in the memory directory",
-                     f"name another memory directory (${ENV_MEMORY_DIR}, --memory-dir, memory_dir=)")
+    fix = f"name another memory directory (${ENV_MEMORY_DIR}, --memory-dir, memory_dir=)"
+    if os.path.islink(private):  # even one of ours: it would lead out of the memory filesystem
+        raise NotOwner(f"shmcache's directory in the memory directory, {private}, is a symlink (to "
+                       f"{os.readlink(private)}); shmcache does not follow one there. Remove it "
+                       f"(rm {private}), or {fix}")
+    make_private_dir(private, "shmcache's directory in the memory directory", fix)
     return str(private)
 
 
@@ -213,6 +217,21 @@ def _shmem_enabled() -> str:
         return "never"
     start, end = text.find("["), text.find("]")
     return text[start + 1:end] if 0 <= start < end else "never"
+
+
+def space(directory: str) -> tuple[int, int]:
+    """``(total, free)`` bytes of the filesystem of ``directory`` (statvfs); a hugetlbfs mounted
+    without size= reports none, and has its pool of huge pages of its size (nr_hugepages, free)."""
+    st = os.statvfs(directory)
+    total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    if total == 0 and backing(directory).huge == "hugetlbfs":
+        pool = Path("/sys/kernel/mm/hugepages", f"hugepages-{st.f_bsize >> 10}kB")
+        try:
+            total = int((pool / "nr_hugepages").read_text()) * st.f_bsize
+            free = int((pool / "free_hugepages").read_text()) * st.f_bsize
+        except (OSError, ValueError):
+            pass
+    return total, free
 
 
 def pmd_size() -> int:

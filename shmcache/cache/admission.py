@@ -56,7 +56,7 @@ import os
 import struct
 import time
 
-from ..base import ordering
+from ..base import memdir, ordering
 from ..base.memory import memory_limits
 from ..base.shm import PAGE, Segment
 from ..errors import ItemTooLarge, SharedMemoryFull
@@ -274,10 +274,9 @@ class Admission:
 def _shm_space(root: str) -> tuple[int, int]:
     """``(total, free)`` bytes of /dev/shm or a memory directory (one statvfs)."""
     try:
-        st = os.statvfs(root)
+        return memdir.space(root)
     except OSError:
         return 0, 0
-    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
 def index_reserve(limit: int) -> int:
