@@ -34,7 +34,7 @@ from .namespace import SHM_ROOT, make_private_dir
 from .settings import ENV_MEMORY_DIR
 
 __all__ = ["TMPFS_MAGIC", "HUGETLBFS_MAGIC", "Backing", "backing", "private_dir", "private_path", "pmd_size",
-           "mount_fix", "space"]
+           "mount_fix", "space", "shmem_enabled"]
 
 TMPFS_MAGIC = 0x01021994
 HUGETLBFS_MAGIC = 0x958458F6
@@ -182,7 +182,7 @@ def _backing_of(where: str, dev: int) -> Backing:
         except OSError:
             return Backing(fs, "hugetlbfs", pmd_size())
     huge = opts.get("huge", "never")
-    forced = _shmem_enabled()
+    forced = shmem_enabled()
     if forced == "force":
         huge = "always"
     elif forced == "deny":
@@ -209,7 +209,7 @@ def _mount_of(dev: int) -> tuple[str, dict[str, str]]:
     return found
 
 
-def _shmem_enabled() -> str:
+def shmem_enabled() -> str:
     """The bracketed choice of shmem_enabled (``force`` and ``deny`` override every tmpfs mount)."""
     try:
         text = Path(_THP, "shmem_enabled").read_text()

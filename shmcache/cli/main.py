@@ -36,15 +36,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import pwd
 import sys
 import time
 
-from ..base import settings
+from ..base import memdir, settings
 from ..base.memory import memory_limits
 from ..base.namespace import namespace, resolve_session_name
-from ..base.settings import ENV_REMOTE, ENV_SPILL_DIR
+from ..base.settings import ENV_MEMORY_DIR, ENV_REMOTE, ENV_SPILL_DIR
 from ..cache.registry import SessionRegistry
 from ..errors import CacheInUse, CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
 
@@ -120,8 +121,31 @@ def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
         st["idle_s"] = 0.0 if last is None else round(max(0.0, time.time() - last), 1)
         # the tiers it has (had): their counters and the seam's, every process's - the keys stats() has
         st.update(assembly.stats_from_files(registry, session, name))
+        st.update(_pages(registry, session, st))
         out.append(st)
     return out
+
+
+def _page(n: int) -> str:
+    """A page size as its power-of-two unit: 4 KiB, 64 KiB, 2 MiB, 1 GiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+HUGE_HELPS_BYTES = 256 << 20  # far beyond what a TLB of base pages reaches (~6 MiB of 4 KiB pages)
+
+
+def _pages(registry: SessionRegistry, session: str, st: dict) -> dict:
+    """What backs a cache's memory (its session's memory directory, or /dev/shm: base/memdir.py),
+    and whether huge pages would help: random reads of small items across more memory than the
+    TLB reaches miss it on nearly every item (docs/design.md §6)."""
+    where = registry.segment_dir(session)
+    back = memdir.backing(where)
+    helps = back.page_size <= mmap.PAGESIZE and not back.advise and st.get("bytes_mem", 0) >= HUGE_HELPS_BYTES
+    return {"memory_dir": registry.get(session).memory_dir or "/dev/shm", "page_size": back.page_size,
+            "pages": back.describe(), "huge_pages_would_help": helps}
 
 
 def _attach_spill(store) -> None:
@@ -148,7 +172,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         print(f"no caches in {where}")
         return 0
     headers = ["session", "cache", "dataset", "items mem", "items disk", "bytes mem", "bytes disk",
-               "avg item", "hits", "misses", "rejected", "computed", "claim waits", "last opened"]
+               "avg item", "pages", "hits", "misses", "rejected", "computed", "claim waits", "last opened"]
     remote = any("remote" in st for st in rows)
     if remote:  # the remote tier's columns, only when a cache has one (NOTE [tier counts])
         headers += ["remote hits", "remote misses", "read", "written", "errors", "forged", "backlog"]
@@ -164,7 +188,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         label = label if len(label) <= 40 else label[:37] + "..."
         table.append([st["session"], st["name"], label, str(st["items_mem"]), str(st["items_disk"]),
                       _size(st["bytes_mem"]), _size(st["bytes_disk"]), _size(st["avg_item_bytes"]),
-                      str(st["hits"]), str(st["misses"]), str(st["rejected"]),
+                      _page(st["page_size"]), str(st["hits"]), str(st["misses"]), str(st["rejected"]),
                       str(st["computed"]), str(st["claim_waits"]),  # NOTE [claims]
                       _ago(None if st["in_use"] else st["idle_s"])])
         if remote:
@@ -176,6 +200,12 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
                            str(st["snapshot_errors"] + st["snapshot_corrupt"]), str(st["snapshot_forged"])]
                           if "snapshot" in st else ["-"] * 5)
     print(_table(headers, table, right=set(range(3, len(headers)))))
+    for st in rows:
+        if st.get("huge_pages_would_help"):
+            print(f"\n{st['session']}/{st['name']}: {_size(st['bytes_mem'])} on {st['pages']}: random reads of "
+                  f"small items miss the TLB on nearly every item; huge pages make them faster (README: Memory "
+                  f"in containers and huge pages): a tmpfs mounted huge=within_size, then ${ENV_MEMORY_DIR} "
+                  f"or `shmcache new --memory-dir` for a new session there")
     return 0
 
 
@@ -306,6 +336,12 @@ def cmd_info(args, registry: SessionRegistry) -> int:
             pass
     from .. import __version__
 
+    memory_dir, mem_total, mem_free = settings.get(ENV_MEMORY_DIR) or None, None, None
+    if memory_dir:
+        try:
+            mem_total, mem_free = memdir.space(memory_dir)
+        except OSError:
+            pass
     info = {
         "version": __version__, "namespace": str(ns.root), "segment_prefix": ns.prefix,
         "shm_total_bytes": lim.shm_total, "shm_free_bytes": lim.shm_free,
@@ -313,7 +349,12 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         "cgroup_free_bytes": lim.cgroup_free, "cgroup_limit_file": lim.cgroup_file,
         "auto_capacity_bytes": lim.auto_capacity(),
         "spill_dir": spill, "spill_free_bytes": spill_free,
-        "sessions": len(registry.list()), "segments": len(ns.owned_segments()),
+        "shm_pages": memdir.backing().describe(),
+        "memory_dir": memory_dir, "memory_dir_total_bytes": mem_total, "memory_dir_free_bytes": mem_free,
+        "memory_dir_pages": memdir.backing(memdir.private_path(memory_dir)).describe() if memory_dir else None,
+        "thp_shmem_enabled": memdir.shmem_enabled(),
+        "sessions": len(registry.list()),
+        "segments": sum(len(ns.owned_segments(d)) for d in [None, *registry.memory_dirs()]),
         "remotes": _remotes(registry),
     }
     if args.json:
@@ -322,7 +363,12 @@ def cmd_info(args, registry: SessionRegistry) -> int:
     lines = [
         ("version", info["version"]), ("namespace", f"{ns.root}  ($SHMCACHE_DIR)"),
         ("segment prefix", f"/dev/shm/{ns.prefix}+..."),
-        ("/dev/shm", f"{_size(lim.shm_free)} free of {_size(lim.shm_total)}"),
+        ("/dev/shm", f"{_size(lim.shm_free)} free of {_size(lim.shm_total)}; {info['shm_pages']}"),
+        ("memory dir", f"{memory_dir}  ({_size(mem_free)} free of {_size(mem_total)}; {info['memory_dir_pages']}; "
+                       f"$SHMCACHE_MEMORY_DIR, for new sessions)" if memory_dir
+         else "not set: new sessions in /dev/shm ($SHMCACHE_MEMORY_DIR, shmcache new --memory-dir)"),
+        ("huge pages (shmem THP)", f"shmem_enabled {info['thp_shmem_enabled']}; a tmpfs mount's huge= "
+                                   f"decides for its files (`shmcache stat` shows each cache's pages)"),
         ("MemAvailable", _size(lim.mem_available)),
         ("cgroup memory limit", f"{_size(lim.cgroup_limit)} ({_size(lim.cgroup_free)} free; "
                                 f"{lim.cgroup_file})" if lim.cgroup_limit else "no limit"),

@@ -12,6 +12,7 @@ before that. The refusals need no mount of their own: /dev/shm is a tmpfs to mak
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -22,12 +23,13 @@ from pathlib import Path
 import pytest
 
 from shmcache import ShmDatasetCache
+from shmcache.base.memdir import pmd_size
 from shmcache.cache.registry import SessionRegistry
 from shmcache.errors import InvalidArgument, NotOwner
 
 SCRIPT = r"""
 import json, os, subprocess, sys
-OUT, SMALL, HUGE, HTLB = sys.argv[1:5]
+OUT, SMALL, HUGE, HTLB, ADVISE = sys.argv[1:6]
 PY = sys.executable
 ENV = {k: v for k, v in os.environ.items() if k != "SHMCACHE_MEMORY_DIR"}
 
@@ -68,7 +70,28 @@ ok = all(int(c.get(i)[0]) == i and int(c.get(i)[-1]) == i for i in range(n))
 b = c.get_batch(np.arange(n))
 print(json.dumps({"ok": ok, "batch": bool((b[:, 0] == np.arange(n)).all())}))
 '''
-result = {}
+PAGES = r'''
+import json, re, sys, numpy as np
+from shmcache import ShmDatasetCache
+c = ShmDatasetCache(session=sys.argv[1], name="c", size=64)
+for i in range(2000):
+    c.put(i, np.full(3000 // 4, i, dtype=np.int32))
+assert (c.get_batch(np.arange(2000))[:, 5] == np.arange(2000)).all()
+pmd_kb, hg, cur = 0, False, False
+for line in open("/proc/self/smaps"):
+    if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping: is it a data segment in the mount?
+        cur = sys.argv[2] in line and line.rstrip().rsplit("+", 1)[-1][:1] == "c"
+    elif cur and line.startswith(("ShmemPmdMapped:", "FilePmdMapped:")):
+        pmd_kb += int(line.split()[1])
+    elif cur and line.startswith("VmFlags:"):
+        hg = hg or "hg" in line.split()
+print(json.dumps({"pmd_kb": pmd_kb, "hg": hg}))
+'''
+result = {"pages_huge": json.loads(run(PAGES, HUGE, "mem-pages-huge", HUGE)),
+          "pages_advise": json.loads(run(PAGES, ADVISE, "mem-pages-advise", ADVISE)),
+          "pages_small": json.loads(run(PAGES, SMALL, "mem-pages-small", SMALL))}
+for s in ("mem-pages-huge", "mem-pages-advise", "mem-pages-small"):
+    cli("destroy", s)
 for tag, mount in (("small", SMALL), ("huge", HUGE)):
     s = "mem-" + tag
     written = run(WRITE, mount, s, "4", "200", "3000").split()
@@ -127,15 +150,16 @@ def _in_mounts(tmp_path: Path) -> dict:
         pytest.skip("needs root: mounts tmpfs and hugetlbfs in a private mount namespace")
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1) (util-linux) for a private mount namespace")
-    small, huge, htlb = tmp_path / "small", tmp_path / "huge", tmp_path / "htlb"
-    for d in (small, huge, htlb):
+    small, huge, htlb, advise = tmp_path / "small", tmp_path / "huge", tmp_path / "htlb", tmp_path / "advise"
+    for d in (small, huge, htlb, advise):
         d.mkdir()
     script, out = tmp_path / "scenario.py", tmp_path / "result.json"
     script.write_text(SCRIPT)
     inner = (f"mount -t tmpfs -o size=16m,mode=1777 tmpfs {small} || exit 99; "
              f"mount -t tmpfs -o size=64m,huge=always tmpfs {huge} || exit 99; "
+             f"mount -t tmpfs -o size=64m,huge=advise tmpfs {advise} || exit 99; "
              f"H={htlb}; mount -t hugetlbfs none {htlb} || H=-; "
-             f"exec {sys.executable} {script} {out} {small} {huge} $H")
+             f"exec {sys.executable} {script} {out} {small} {huge} $H {advise}")
     proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner],
                           capture_output=True, text=True, timeout=500)
     if proc.returncode == 99 or "unshare failed" in proc.stderr:
@@ -167,8 +191,20 @@ def test_a_session_lives_in_the_mount_and_is_found_without_the_variable(journey,
     assert r["dev_shm"] == []  # nothing of it in /dev/shm
     (row,) = r["stat"]
     assert row["items_mem"] == 200
+    assert row["memory_dir"].endswith(f"/{tag}")
+    huge = tag == "huge"  # stat says what backs it: the mount's huge=, its page size
+    assert row["page_size"] == (pmd_size() if huge else mmap.PAGESIZE), row
+    assert row["pages"] == (f"{pmd_size() >> 20} MiB pages (tmpfs huge=always)" if huge
+                            else f"{mmap.PAGESIZE >> 10} KiB pages (tmpfs huge=never)")
+    assert row["huge_pages_would_help"] is False  # 600 KB: within a TLB's reach
     assert r["destroy"]["rc"] == 0, r["destroy"]
     assert r["after_destroy"] == []  # destroy leaves the mount empty
+
+
+def test_huge_pages_back_a_huge_mount_and_are_asked_for_on_an_advise_one(journey):
+    assert journey["pages_huge"]["pmd_kb"] > 0, journey["pages_huge"]  # PMD-mapped: huge pages
+    assert journey["pages_small"]["pmd_kb"] == 0 and not journey["pages_small"]["hg"]
+    assert journey["pages_advise"]["hg"], journey["pages_advise"]  # madvise(MADV_HUGEPAGE) on it
 
 
 def test_gc_sweeps_a_memory_directory(journey):
