@@ -132,6 +132,8 @@ class Segment:
     def _create_file(cls, name: str, directory: str, size: int, kind: int, commit: int) -> Segment:
         """``create`` in a memory directory: the same steps on a file of its private directory."""
         unit = memdir.backing(directory).unit
+        if size < unit and memdir.backing(directory).huge != "hugetlbfs":
+            unit = PAGE  # a small segment (a root, a meta) on a huge tmpfs: base pages, not a huge one
         size = _round_up(max(size, HEADER_BYTES), unit)
         try:
             fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
