@@ -148,7 +148,7 @@ from dataclasses import dataclass
 
 from ..base import memdir, settings
 from ..base.locks import LivenessSlot
-from ..base.namespace import resolve_session_name
+from ..base.namespace import SHM_ROOT, resolve_session_name
 from ..base.settings import (
     ENV_MEMORY_DIR,
     ENV_RDZV_TOKEN,
@@ -427,7 +427,8 @@ def _memory_dir(parser: argparse.ArgumentParser, session: str, raw: str) -> str:
     symlink, no directory others can swap), and agreeing with the session's if it exists."""
     path = os.path.abspath(os.path.expanduser(raw))
     try:
-        memdir.private_dir(path)
+        if path != SHM_ROOT:  # /dev/shm itself: POSIX shared memory, as without the option
+            memdir.private_dir(path)
     except ShmcacheError as exc:
         parser.error(f"argument --memory-dir: {exc}")
     registry = SessionRegistry()

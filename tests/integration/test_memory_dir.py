@@ -298,3 +298,46 @@ def test_the_cli_and_the_launcher_refuse_a_directory_on_disk(tmp_path):
     p = subprocess.run([sys.executable, "-m", "shmcache.launch", "--memory-dir", str(tmp_path), "-m", "json.tool"],
                        capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 2 and "argument --memory-dir" in p.stderr and "not in memory" in p.stderr
+
+
+WORKER = """
+import os, sys, numpy as np
+from shmcache import ShmDatasetCache
+c = ShmDatasetCache(name="c", size=4)  # the launcher's session
+rank = int(os.environ["RANK"])
+c.put(rank, np.full(10, rank))
+print("MEMDIR", rank, os.environ.get("SHMCACHE_MEMORY_DIR"), c.session, flush=True)
+"""
+
+
+def test_the_launcher_makes_its_session_in_the_memory_directory(shm_dir, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if k != "SHMCACHE_MEMORY_DIR"}
+    p = subprocess.run([sys.executable, "-m", "shmcache.launch", "--nproc", "2", "--session", "job",
+                        "--memory-dir", str(shm_dir), str(script)], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = sorted(ln.split() for ln in p.stdout.splitlines() if ln.startswith("MEMDIR"))
+    assert lines == [["MEMDIR", "0", str(shm_dir), "job"], ["MEMDIR", "1", str(shm_dir), "job"]]
+    assert SessionRegistry().get("job").memory_dir == str(shm_dir)
+    private = shm_dir / f"shmcache-{os.getuid()}"
+    assert any(p.name.endswith("+root") for p in private.iterdir())
+    # a later run that names another directory for the same session is refused before it starts
+    p = subprocess.run([sys.executable, "-m", "shmcache.launch", "--session", "job", "--memory-dir", "/dev/shm",
+                        str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 2 and f"keeps its shared memory in {shm_dir}" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "shmcache", "destroy", "job"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert p.returncode == 0 and list(private.iterdir()) == []
+
+
+def test_shmcache_new_records_the_memory_directory(shm_dir):
+    env = {k: v for k, v in os.environ.items() if k != "SHMCACHE_MEMORY_DIR"}
+    p = subprocess.run([sys.executable, "-m", "shmcache", "new", "s", "--memory-dir", str(shm_dir)],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    c = ShmDatasetCache(session="s", name="c", size=4)  # no memory_dir, no variable: the session's
+    c.put(1, b"x")
+    assert any((shm_dir / f"shmcache-{os.getuid()}").iterdir())
+    c.close()
