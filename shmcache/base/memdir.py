@@ -100,7 +100,8 @@ def private_dir(directory: str | os.PathLike) -> str:
         raise NotOwner(
             f"memory directory {path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}) without "
             f"the sticky bit: anyone could rename your segments' directory away and plant another; "
-            f"`chmod +t {path}` (as /dev/shm and /tmp are, 1777), `chmod go-w {path}`, or name another")
+            f"`chmod +t {path}` (as /dev/shm and /tmp are, 1777; a Kubernetes emptyDir is 0777: do it in "
+            f"an initContainer), `chmod go-w {path}`, or name another")
     private = Path(private_path(os.path.normpath(path)))
     fix = f"name another memory directory (${ENV_MEMORY_DIR}, --memory-dir, memory_dir=)"
     if os.path.islink(private):  # even one of ours: it would lead out of the memory filesystem

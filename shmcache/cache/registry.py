@@ -597,9 +597,21 @@ class SessionRegistry:
                     with lock:  # cache metadata is written under it: a live writer is not racing us
                         path.unlink(missing_ok=True)
                     lock.close()
+                if not self._memory_visible(name):
+                    continue  # its mount is not here (another mount namespace, unmounted): no root
+                    # found is no proof of a cache gone, so nothing of its caches is touched
                 report.removed_caches += self._remove_caches_without_root(name)
                 report.removed_segments += self._remove_rootless_caches(name)
         return report
+
+    def _memory_visible(self, session: str) -> bool:
+        """The session keeps its memory in /dev/shm, or its memory directory is a memory
+        filesystem here; False where it cannot be seen (gc judges nothing of it then)."""
+        try:
+            self.check_memory_dir(session)
+        except ShmcacheError:
+            return False
+        return True
 
     def _remove_caches_without_root(self, session: str) -> list[str]:
         """The json of every cache that has no usable root - a creation that failed or was killed

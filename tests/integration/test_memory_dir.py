@@ -140,6 +140,9 @@ print(int(c.get(3, lambda k: np.full(8, k))[0]), c.stats().get("rejected"))
 ''', HTLB).split()
     cli("destroy", "mem-htlb")
     result["htlb_after"] = files(HTLB)
+# a session whose mount only this namespace sees: the test runs gc outside, where it is not
+run(WRITE, HUGE, "mem-kept", "4", "3", "3000")
+result["namespace"] = ns
 with open(OUT, "w") as f:
     json.dump(result, f)
 """
@@ -226,6 +229,24 @@ def test_a_hugetlbfs_without_pages_serves_uncached(journey):
         pytest.skip("no hugetlbfs mount here")
     assert journey["htlb"][0] == "3"
     assert journey["htlb_after"] == []
+
+
+def test_gc_where_the_mount_is_not_visible_keeps_the_session_whole(journey):
+    """`shmcache gc` in another mount namespace (the host, for a container's tmpfs) sees no root:
+    no proof that the cache is gone, so its metadata stays; destroy there removes the session."""
+    env = {**{k: v for k, v in os.environ.items() if k != "SHMCACHE_MEMORY_DIR"}, "SHMCACHE_DIR": journey["namespace"]}
+    meta = Path(journey["namespace"], "sessions", "mem-kept", "caches", "c.json")
+    assert meta.exists()
+    p = subprocess.run([sys.executable, "-m", "shmcache", "gc"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert meta.exists(), p.stdout
+    p = subprocess.run([sys.executable, "-m", "shmcache", "stat", "mem-kept", "--json"], capture_output=True,
+                       text=True, env=env, timeout=60)
+    (row,) = json.loads(p.stdout)
+    assert "is not usable now" in row["error"] and "not in memory" in row["error"], row  # says why
+    p = subprocess.run([sys.executable, "-m", "shmcache", "destroy", "mem-kept"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert p.returncode == 0 and not meta.exists(), p.stderr
 
 
 # --- refusals: the named directory checked as /dev/shm's names are -------------------------------
