@@ -11,6 +11,7 @@ before that. The refusals need no mount of their own: /dev/shm is a tmpfs to mak
 
 from __future__ import annotations
 
+import importlib
 import json
 import mmap
 import os
@@ -20,6 +21,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shmcache import ShmDatasetCache
@@ -362,3 +364,28 @@ def test_shmcache_new_records_the_memory_directory(shm_dir):
     c.put(1, b"x")
     assert any((shm_dir / f"shmcache-{os.getuid()}").iterdir())
     c.close()
+
+
+def test_stat_says_when_huge_pages_would_help(monkeypatch, capsys):
+    """A cache on base pages that holds more than a TLB reaches gets a line below the table naming
+    the fix (the threshold lowered: 256 MiB is a lot to write; a huge mount's cache says no in the
+    journey above)."""
+    cli = importlib.import_module("shmcache.cli.main")  # the module (the package's `main` is the function)
+    monkeypatch.setattr(cli, "HUGE_HELPS_BYTES", 1 << 10)
+    big = ShmDatasetCache(session="big", name="c", size=4)  # /dev/shm: 4 KiB pages here
+    big.put(1, np.zeros(4096, np.uint8))
+    if not memdir_backing_is_base("/dev/shm"):
+        pytest.skip("/dev/shm has huge pages here")
+    assert cli.main(["stat", "big"]) == 0
+    out = capsys.readouterr().out
+    assert "big/c:" in out and "huge pages make them faster" in out and "SHMCACHE_MEMORY_DIR" in out
+    assert cli.main(["stat", "big", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["huge_pages_would_help"] is True and row["memory_dir"] == "/dev/shm"
+    big.close()
+
+
+def memdir_backing_is_base(where: str) -> bool:
+    from shmcache.base import memdir
+
+    return memdir.backing(None if where == "/dev/shm" else where).page_size == mmap.PAGESIZE
