@@ -336,10 +336,11 @@ def cmd_info(args, registry: SessionRegistry) -> int:
             pass
     from .. import __version__
 
-    memory_dir, mem_total, mem_free = settings.get(ENV_MEMORY_DIR) or None, None, None
+    memory_dir, mem_total, mem_free, new_lim = settings.get(ENV_MEMORY_DIR) or None, None, None, lim
     if memory_dir:
         try:
             mem_total, mem_free = memdir.space(memory_dir)
+            new_lim = memory_limits(shm_root=memory_dir)
         except OSError:
             pass
     info = {
@@ -347,11 +348,11 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         "shm_total_bytes": lim.shm_total, "shm_free_bytes": lim.shm_free,
         "mem_available_bytes": lim.mem_available, "cgroup_limit_bytes": lim.cgroup_limit,
         "cgroup_free_bytes": lim.cgroup_free, "cgroup_limit_file": lim.cgroup_file,
-        "auto_capacity_bytes": lim.auto_capacity(),
+        "auto_capacity_bytes": new_lim.auto_capacity(),
         "spill_dir": spill, "spill_free_bytes": spill_free,
         "shm_pages": memdir.backing().describe(),
         "memory_dir": memory_dir, "memory_dir_total_bytes": mem_total, "memory_dir_free_bytes": mem_free,
-        "memory_dir_pages": memdir.backing(memdir.private_path(memory_dir)).describe() if memory_dir else None,
+        "memory_dir_pages": memdir.backing(memory_dir).describe() if memory_dir else None,
         "thp_shmem_enabled": memdir.shmem_enabled(),
         "sessions": len(registry.list()),
         "segments": sum(len(ns.owned_segments(d)) for d in [None, *registry.memory_dirs()]),
@@ -372,7 +373,8 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         ("MemAvailable", _size(lim.mem_available)),
         ("cgroup memory limit", f"{_size(lim.cgroup_limit)} ({_size(lim.cgroup_free)} free; "
                                 f"{lim.cgroup_file})" if lim.cgroup_limit else "no limit"),
-        ("automatic cap (size=0)", f"{_size(lim.auto_capacity())}  (80% of the smallest above)"),
+        ("automatic cap (size=0)", f"{_size(new_lim.auto_capacity())}  (80% of the smallest above, for a "
+                                   f"session made now: in {'the memory dir' if memory_dir else '/dev/shm'})"),
         ("spill dir", f"{spill}  ({_size(spill_free)} free)" if spill else "not set ($SHMCACHE_SPILL_DIR)"),
         ("sessions / segments", f"{info['sessions']} / {info['segments']}"),
     ]
