@@ -71,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("SHMCACHE_MEMORY_DIR", None)
 
     from shmcache import ShmDatasetCache
-    from shmcache.base import memdir
     from shmcache.cache.registry import SessionRegistry
 
     print(environment_line(environment()))
@@ -80,6 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     mb = int(n * 3200 * 1.3) >> 20
     caches = {"/dev/shm": ShmDatasetCache(session="bench-shm", name="c", size=mb, memory_dir=""),
               "huge tmpfs": ShmDatasetCache(session="bench-huge", name="c", size=mb, memory_dir=mount)}
+    try:
+        return _run(args, n, rounds, mount, images, caches, rng)
+    finally:  # /dev/shm outlives the namespace: its session goes whatever happened
+        for cache in caches.values():
+            cache.close()
+        for session in ("bench-shm", "bench-huge"):
+            if SessionRegistry().exists(session):
+                SessionRegistry().destroy(session, force=True)
+        shutil.rmtree(os.environ["SHMCACHE_DIR"], ignore_errors=True)
+
+
+def _run(args, n: int, rounds: int, mount: str, images: np.ndarray, caches: dict, rng) -> int:
+    from shmcache.base import memdir
+    from shmcache.cache.registry import SessionRegistry
+
     for cache in caches.values():
         for k in range(n):
             cache.put(k, (images[k], k % 10))
@@ -126,11 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:34s} {t * 1e6:8.1f} us per batch (median of rounds)")
     print(f"get_batch, huge tmpfs vs /dev/shm: {ratio:.2f}x (target >= 1.3x)")
     print(f"np.take from MAP_SHARED, huge tmpfs vs /dev/shm: {raw_ratio:.2f}x")
-    for cache in caches.values():
-        cache.close()
-    for session in ("bench-shm", "bench-huge"):
-        SessionRegistry().destroy(session)
-    shutil.rmtree(os.environ["SHMCACHE_DIR"], ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"items": n, "rounds": rounds, "median_s": med, "ratio": ratio,
                                                "raw_ratio": raw_ratio, "pages": pages}, indent=1))
