@@ -48,7 +48,7 @@ def fresh_pages(total: int) -> float:
         with mmap.mmap(fd, total) as m:
             t0 = time.perf_counter()
             os.posix_fallocate(fd, 0, total)
-            for off in range(0, total, 4096):  # the first touch of every page
+            for off in range(0, total, mmap.PAGESIZE):  # the first touch of every page
                 m[off] = 1
             return time.perf_counter() - t0
     finally:

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from shmcache.base.namespace import ENV_DIR, ENV_SESSION, ENV_SPILL_DIR, namespace
+from shmcache.base.settings import ENV_MEMORY_DIR
 
 
 def _children(pid: int) -> set[int]:
@@ -62,6 +63,7 @@ def shm_namespace(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_DIR, str(root))
     monkeypatch.delenv(ENV_SESSION, raising=False)
     monkeypatch.delenv(ENV_SPILL_DIR, raising=False)
+    monkeypatch.delenv(ENV_MEMORY_DIR, raising=False)  # sessions in /dev/shm unless a test says
     ns = namespace()
     before = _children(os.getpid())
     yield ns

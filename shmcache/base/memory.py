@@ -3,11 +3,11 @@ space, the smallest of which a cache can use (docs/design.md §6)."""
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .memdir import space
 from .namespace import SHM_ROOT
 
 __all__ = ["MemoryLimits", "memory_limits"]
@@ -141,11 +141,12 @@ def _cgroup_limits(proc_self: str = "/proc/self") -> tuple[int | None, int | Non
     return best
 
 
-def memory_limits(proc_self: str = "/proc/self") -> MemoryLimits:
+def memory_limits(proc_self: str = "/proc/self", shm_root: str = SHM_ROOT) -> MemoryLimits:
+    """The limits now; ``shm_root``: where the shared memory lives (/dev/shm, or a session's memory
+    directory: its filesystem's size and free space are the ``shm_`` fields)."""
     limit, free, source = _cgroup_limits(proc_self)
     try:
-        st = os.statvfs(SHM_ROOT)
-        shm_total, shm_free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+        shm_total, shm_free = space(shm_root)
     except OSError:
         shm_total = shm_free = None
     return MemoryLimits(_mem_available(), limit, free, shm_total, shm_free, source)

@@ -34,10 +34,27 @@ __all__ = [
     "SHM_ROOT",
     "make_private_dir",
     "squatter_error",
+    "segment_dir",
+    "segment_path",
 ]
 
 SHM_ROOT = "/dev/shm"
 SEP = "+"  # joins the parts of segment names: a character session and cache names cannot contain
+
+
+
+def segment_dir(name: str) -> str | None:
+    """The directory segment ``name`` (or a prefix of names) lives in: None for a POSIX
+    shared-memory name (``/shmcache-...``: /dev/shm, through shm_open), else the private
+    directory that a session's memory directory names (``<dir>/shmcache-...``: base/memdir.py).
+    Session and cache names cannot hold a '/', so the last one ends the directory."""
+    return name.rpartition("/")[0] or None
+
+
+def segment_path(name: str) -> str:
+    """The file behind segment ``name`` (/dev/shm's for a POSIX name)."""
+    return name if segment_dir(name) else os.path.join(SHM_ROOT, name.lstrip("/"))
+
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -83,27 +100,29 @@ class Namespace:
         return "/" + SEP.join((self.prefix, *parts))
 
     def shm_path(self, name: str) -> Path:
-        return Path(SHM_ROOT) / name.lstrip("/")
+        return Path(segment_path(name))
 
-    def owned_segments(self) -> list[str]:
-        """Names of every shared-memory object of this namespace that exists now.
+    def owned_segments(self, directory: str | None = None) -> list[str]:
+        """Names of every shared-memory object of this namespace that exists now, in /dev/shm
+        (``directory`` None) or in a session's private memory directory (segment_dir).
 
         Only regular files of our uid: a name is a claim anyone can make in /dev/shm (1777), so
         another user's file, FIFO or symlink that squats our prefix is never listed - hence never
         unlinked by gc, destroy or clear, which root could otherwise do to anyone's file.
         """
+        where = directory or SHM_ROOT
         try:
-            entries = os.listdir(SHM_ROOT)
-        except FileNotFoundError:
+            entries = os.listdir(where)
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        head = self.prefix + SEP
-        return sorted("/" + e for e in entries if e.startswith(head) and _ours(os.path.join(SHM_ROOT, e)))
+        head, lead = self.prefix + SEP, (directory or "") + "/"
+        return sorted(lead + e for e in entries if e.startswith(head) and _ours(os.path.join(where, e)))
 
     def occupied_bytes(self, prefix: str) -> int:
-        """Bytes of /dev/shm that the segments whose names start with ``prefix`` really occupy
-        (allocated pages: sparse segments count what was committed, not their size)."""
+        """Bytes of shared memory that the segments whose names start with ``prefix`` really
+        occupy (allocated pages: sparse segments count what was committed, not their size)."""
         total = 0
-        for name in self.owned_segments():
+        for name in self.owned_segments(segment_dir(prefix)):
             if name.startswith(prefix):
                 try:
                     total += os.stat(self.shm_path(name)).st_blocks * 512

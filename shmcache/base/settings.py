@@ -14,6 +14,9 @@ SHMCACHE_SESSION         the session of ``session="auto"`` (base/namespace.py; t
 SHMCACHE_SIZE_MB         the default ``size=`` of caches, MiB (data/; the launcher's --size)
 SHMCACHE_SPILLING        "1", "true", "yes", "on": the default ``spilling=True`` (the launcher's --spilling)
 SHMCACHE_SPILL_DIR       the spill directory of last resort (tiers/spill/tier.py, the launcher, the CLI)
+SHMCACHE_MEMORY_DIR      a tmpfs or hugetlbfs directory for the shared memory of sessions made
+                         from now on (default /dev/shm); each session records its own
+                         (cache/registry.py; the launcher's --memory-dir)
 SHMCACHE_REMOTE          the default ``remote=`` URL (tiers/remote.py; the launcher's --remote)
 SHMCACHE_REMOTE_PASSWORD the password of a remote URL that has none (tiers/remote.py)
 SHMCACHE_SNAPSHOT        the default ``snapshot=`` (data/)
@@ -39,7 +42,8 @@ import os
 from collections.abc import Mapping
 
 __all__ = ["PREFIX", "ENV_DIR", "ENV_SESSION", "ENV_SIZE_MB", "ENV_SPILLING", "ENV_SPILL_DIR", "ENV_REMOTE",
-           "ENV_REMOTE_PASSWORD", "ENV_SNAPSHOT", "ENV_SECRET", "ENV_MAX_ITEM_MB", "ENV_RDZV_TOKEN", "ENV_ORDERING",
+           "ENV_MEMORY_DIR", "ENV_REMOTE_PASSWORD", "ENV_SNAPSHOT", "ENV_SECRET", "ENV_MAX_ITEM_MB", "ENV_RDZV_TOKEN",
+           "ENV_ORDERING",
            "ENV_CRASH_AT", "ENV_CRASH_AFTER", "ENV_CLAIMS", "ENV_CLAIM_TIMEOUT_S", "ENV_RANK", "ENV_LOCAL_RANK",
            "ENV_WORLD_SIZE", "ENV_LOCAL_WORLD_SIZE", "get", "flag", "without_ours"]
 
@@ -49,6 +53,7 @@ ENV_SESSION = "SHMCACHE_SESSION"
 ENV_SIZE_MB = "SHMCACHE_SIZE_MB"  # default size= of caches (the launcher's --size)
 ENV_SPILLING = "SHMCACHE_SPILLING"  # "1": default spilling=True (the launcher's --spilling)
 ENV_SPILL_DIR = "SHMCACHE_SPILL_DIR"
+ENV_MEMORY_DIR = "SHMCACHE_MEMORY_DIR"  # where new sessions' segments live (a tmpfs or hugetlbfs)
 ENV_REMOTE = "SHMCACHE_REMOTE"  # the default remote= of caches (the launcher's --remote)
 ENV_REMOTE_PASSWORD = "SHMCACHE_REMOTE_PASSWORD"  # the password of a URL that has none (kept off command lines)
 ENV_SNAPSHOT = "SHMCACHE_SNAPSHOT"

@@ -15,6 +15,10 @@ NOTE [segment lifecycle]
       between two different segments.
     Creation and unlinking of a cache's segments happen under that cache's lock, so an attacher
     never sees a half-made segment unless its creator died - which the ready word tells.
+    A session with a memory directory (base/memdir.py) keeps its segments as files of its private
+    directory there, the name being the path: the same steps, with ``open(O_CREAT|O_EXCL|O_NOFOLLOW)``
+    for shm_open; sizes are rounded to the mount's unit (a huge page on hugetlbfs and a huge tmpfs),
+    and a mapping where huge pages come only when asked (``huge=advise``) asks (MADV_HUGEPAGE).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import struct
 import posix_ipc
 
 from ..errors import CorruptSegment, NotOwner, SharedMemoryFull
-from . import ordering
-from .namespace import SHM_ROOT, squatter_error
+from . import memdir, ordering
+from .namespace import segment_dir, segment_path, squatter_error
 
 __all__ = ["Segment", "HEADER_BYTES", "PAGE", "word_view"]
 
@@ -55,16 +59,18 @@ def word_view(buf) -> memoryview:
     return memoryview(buf).cast("Q")
 
 
-def _shm_hint() -> str:
+def _shm_hint(directory: str | None = None) -> str:
+    root = directory or "/dev/shm"
     try:
-        st = os.statvfs("/dev/shm")
+        st = os.statvfs(root)
         free = st.f_bavail * st.f_frsize
         total = st.f_blocks * st.f_frsize
-        where = f"/dev/shm has {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB"
+        where = f"{root} has {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB"
     except OSError:
-        where = "/dev/shm is not available"
+        where = f"{root} is not available"
+    grow = "in Docker raise --shm-size" if directory is None else "give that mount a larger size="
     return (f"{where}; free space there (`shmcache gc`, `shmcache destroy`), give the cache a smaller "
-            f"size=, or in Docker raise --shm-size")
+            f"size=, or {grow}")
 
 
 class Segment:
@@ -76,13 +82,19 @@ class Segment:
     (mmap keeps a duplicate of its own): ``commit`` reopens the object by name when it needs one.
     """
 
-    def __init__(self, name: str, shm: posix_ipc.SharedMemory, size: int, kind: int):
+    def __init__(self, name: str, fd: int, size: int, kind: int):
         ordering.register()  # before this process reads any mapping: NOTE [publish order]
         self.name = name
         self.size = size
         self.kind = kind
-        self._inode = os.fstat(shm.fd).st_ino
-        self.buf = mmap.mmap(shm.fd, size)
+        self._inode = os.fstat(fd).st_ino
+        self.buf = mmap.mmap(fd, size)
+        back = memdir.backing(segment_dir(name))
+        if back.advise and size >= memdir.pmd_size():  # huge pages where the mount gives them when asked
+            try:
+                self.buf.madvise(mmap.MADV_HUGEPAGE)
+            except (AttributeError, OSError):  # no THP in this kernel: base pages, as without
+                pass
         self.words = word_view(self.buf)  # single-store writes of shared words (see word_view)
 
     # --- creation and attachment -----------------------------------------------------------
@@ -90,6 +102,9 @@ class Segment:
     @classmethod
     def create(cls, name: str, size: int, *, kind: int = 0, commit: int = HEADER_BYTES) -> Segment:
         """Create ``name`` with a virtual ``size``; commit its first ``commit`` bytes."""
+        directory = segment_dir(name)
+        if directory is not None:
+            return cls._create_file(name, directory, size, kind, commit)
         size = _round_up(max(size, HEADER_BYTES), PAGE)
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
@@ -99,7 +114,7 @@ class Segment:
             os.fchmod(shm.fd, 0o600)
             os.ftruncate(shm.fd, size)
             _fallocate(shm.fd, 0, _round_up(max(commit, HEADER_BYTES), PAGE), name)
-            seg = cls(name, shm, size, kind)
+            seg = cls(name, shm.fd, size, kind)
         except OSError as exc:
             shm.unlink()  # ours: created exclusively just above
             if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):  # address space, descriptors
@@ -111,13 +126,57 @@ class Segment:
             raise
         finally:
             shm.close_fd()
-        _HEADER.pack_into(seg.buf, 0, MAGIC, VERSION, kind, size, 0)
-        struct.pack_into("Q", seg.buf, 24, _READY)  # published last
-        return seg
+        return seg._publish(kind, size)
 
     @classmethod
-    def attach(cls, name: str, *, kind: int | None = None) -> Segment:
-        """Map an existing segment, checking its header. Raises FileNotFoundError if absent."""
+    def _create_file(cls, name: str, directory: str, size: int, kind: int, commit: int) -> Segment:
+        """``create`` in a memory directory: the same steps on a file of its private directory."""
+        unit = memdir.backing(directory).unit
+        if size < unit and memdir.backing(directory).huge != "hugetlbfs":
+            unit = PAGE  # a small segment (a root, a meta) on a huge tmpfs: base pages, not a huge one
+        size = _round_up(max(size, HEADER_BYTES), unit)
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            raise _taken(name) from None
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            _fallocate(fd, 0, _round_up(max(commit, HEADER_BYTES), unit), name)
+            seg = cls(name, fd, size, kind)
+        except OSError as exc:
+            os.unlink(name)  # ours: created exclusively just above
+            if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
+                raise SharedMemoryFull(f"cannot map segment {name} of {size / 2**30:.1f} GiB: "
+                                       f"{exc.strerror}; give the cache a smaller size=") from None
+            if exc.errno == errno.EINVAL:  # hugetlbfs: a size its pages do not divide, no pages
+                raise SharedMemoryFull(f"cannot size segment {name} ({size} bytes) in {directory}: "
+                                       f"{exc.strerror}; {_shm_hint(directory)}") from None
+            raise
+        except BaseException:
+            os.unlink(name)
+            raise
+        finally:
+            os.close(fd)
+        return seg._publish(kind, size)
+
+    def _publish(self, kind: int, size: int) -> Segment:
+        _HEADER.pack_into(self.buf, 0, MAGIC, VERSION, kind, size, 0)
+        struct.pack_into("Q", self.buf, 24, _READY)  # published last
+        return self
+
+    @staticmethod
+    def _open(name: str) -> int:
+        """A descriptor of existing segment ``name`` (FileNotFoundError if absent)."""
+        if segment_dir(name) is not None:
+            try:
+                return os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, "no such shared-memory segment", name) from None
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.EACCES, errno.EPERM):  # never follow a link
+                    raise _foreign(name) from None
+                raise
         try:
             shm = posix_ipc.SharedMemory(name, 0, size=0)
         except posix_ipc.ExistentialError:
@@ -128,20 +187,28 @@ class Segment:
             if exc.errno == errno.ELOOP:
                 raise _foreign(name) from None
             raise
+        fd = os.dup(shm.fd)
+        shm.close_fd()
+        return fd
+
+    @classmethod
+    def attach(cls, name: str, *, kind: int | None = None) -> Segment:
+        """Map an existing segment, checking its header. Raises FileNotFoundError if absent."""
+        fd = cls._open(name)
         try:
-            st = os.fstat(shm.fd)
+            st = os.fstat(fd)
             if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):  # root opens anyone's
                 raise squatter_error(_path(name), st)
             if st.st_size < HEADER_BYTES:
                 raise CorruptSegment(f"segment {name} is {st.st_size} bytes: its creator died before sizing it")
-            seg = cls(name, shm, st.st_size, -1)
+            seg = cls(name, fd, st.st_size, -1)
         except OSError as exc:
             if exc.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
                 raise SharedMemoryFull(f"cannot map segment {name}: {exc.strerror}; this process "
                                        f"has too many mappings or descriptors") from None
             raise
         finally:
-            shm.close_fd()
+            os.close(fd)
         magic, version, seg_kind, size, ready = _HEADER.unpack_from(seg.buf, 0)
         if magic != MAGIC or ready != _READY or size != st.st_size:
             seg.close()
@@ -163,15 +230,15 @@ class Segment:
     def commit(self, offset: int, length: int) -> None:
         """Back ``[offset, offset+length)`` with real pages before anything touches it (no SIGBUS)."""
         try:
-            shm = posix_ipc.SharedMemory(self.name, 0, size=0)
-        except posix_ipc.ExistentialError:
+            fd = self._open(self.name)
+        except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "shared-memory segment was removed", self.name) from None
         try:
-            if os.fstat(shm.fd).st_ino != self._inode:  # replaced by name: never touch another object
+            if os.fstat(fd).st_ino != self._inode:  # replaced by name: never touch another object
                 raise FileNotFoundError(errno.ENOENT, "shared-memory segment was replaced", self.name)
-            _fallocate(shm.fd, offset, length, self.name)
+            _fallocate(fd, offset, length, self.name)
         finally:
-            shm.close_fd()
+            os.close(fd)
 
     # --- teardown ----------------------------------------------------------------------------
 
@@ -192,7 +259,7 @@ class Segment:
 
 
 def _path(name: str) -> str:
-    return os.path.join(SHM_ROOT, name.lstrip("/"))
+    return segment_path(name)
 
 
 def _squat(name: str) -> NotOwner | None:
@@ -233,7 +300,7 @@ def _fallocate(fd: int, offset: int, length: int, name: str) -> None:
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise SharedMemoryFull(
-                f"no room in /dev/shm for {length / 2**10:.0f} KiB more of segment {name}: "
-                f"{_shm_hint()}"
+                f"no room in {segment_dir(name) or '/dev/shm'} for {length / 2**10:.0f} KiB more of "
+                f"segment {name}: {_shm_hint(segment_dir(name))}"
             ) from None
         raise

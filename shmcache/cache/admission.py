@@ -14,7 +14,8 @@ NOTE [memory limits]
 
     * ``size=`` (MiB) given: the cache's own cap (RootLayout.CAPACITY); meta, index and data count.
     * ``size=0``: the *session's* automatic cap - 80% of what is really available (MemAvailable,
-      the process's cgroup, /dev/shm's free space; base/memory.py) when the session's
+      the process's cgroup, /dev/shm's free space - or that of the session's memory directory,
+      as for every check here: SessionRegistry.memory_root; base/memory.py) when the session's
       first auto-sized cache is made, kept in the session's ``auto_capacity`` file
       (SessionRegistry.auto_capacity) so caches made later share it rather than each taking 80%
       of what is left. An auto-sized cache checks what all segments of the session really
@@ -55,9 +56,8 @@ import os
 import struct
 import time
 
-from ..base import ordering
+from ..base import memdir, ordering
 from ..base.memory import memory_limits
-from ..base.namespace import SHM_ROOT
 from ..base.shm import PAGE, Segment
 from ..errors import ItemTooLarge, SharedMemoryFull
 from .allocator import DATA_OFF, commit_step_chunks
@@ -91,23 +91,25 @@ def initial_capacity(registry: SessionRegistry, session: str, capacity_bytes: in
     automatic cap (AUTO; AUTO_NONE with the smallest cap when memory is full now)."""
     if capacity_bytes:
         return SIZED, capacity_bytes
-    capacity = registry.auto_capacity(session, lambda: memory_limits().auto_capacity(), MIN_CAPACITY)
+    root = registry.memory_root(session)
+    capacity = registry.auto_capacity(session, lambda: memory_limits(shm_root=root).auto_capacity(), MIN_CAPACITY)
     if capacity < MIN_CAPACITY:  # memory is full now: a cache that holds nothing in memory
         return AUTO_NONE, MIN_CAPACITY
     return AUTO, capacity
 
 
-def log_no_memory(session: str, name: str) -> None:
-    """Say that a cache made while memory is full (AUTO_NONE) gets no memory, and what to do."""
-    lim = memory_limits()
+def log_no_memory(session: str, name: str, root: str = "/dev/shm") -> None:
+    """Say that a cache made while memory is full (AUTO_NONE) gets no memory, and what to do
+    (``root``: where the session's memory lives, SessionRegistry.memory_root)."""
+    lim = memory_limits(shm_root=root)
     log.warning(
         "cache %s/%s gets no memory: the automatic cap (size=0) is 80%% of what is free, and "
-        "/dev/shm has %.1f MiB free of %.1f MiB (MemAvailable %.0f MiB, cgroup %s); its items go to "
+        "%s has %.1f MiB free of %.1f MiB (MemAvailable %.0f MiB, cgroup %s); its items go to "
         "disk if spilling is on, else are computed from the source, not cached. "
-        "Free /dev/shm (`shmcache gc`, `shmcache destroy`), or in Docker raise --shm-size",
-        session, name, (lim.shm_free or 0) / 2**20, (lim.shm_total or 0) / 2**20,
+        "Free %s (`shmcache gc`, `shmcache destroy`), or in Docker raise --shm-size",
+        session, name, root, (lim.shm_free or 0) / 2**20, (lim.shm_total or 0) / 2**20,
         (lim.mem_available or 0) / 2**20,
-        f"{lim.cgroup_free / 2**20:.0f} MiB free" if lim.cgroup_limit else "no limit")
+        f"{lim.cgroup_free / 2**20:.0f} MiB free" if lim.cgroup_limit else "no limit", root)
 
 
 class Admission:
@@ -119,6 +121,7 @@ class Admission:
         self._root = root
         self.registry = registry
         self.session, self.name = session, name
+        self.shm_root = registry.memory_root(session)  # /dev/shm, or the session's memory directory
         self.capacity_bytes = _Q.unpack_from(root.buf, R.CAPACITY)[0]
         self._shm_full_logged = False
         self._shm_full_until = 0.0  # /dev/shm was full a moment ago: commit refuses until then
@@ -129,7 +132,7 @@ class Admission:
         return _Q.unpack_from(self._root.buf, R.SIZING)[0]
 
     def session_shm_bytes(self) -> int:
-        """Bytes of /dev/shm that every cache of this session really occupies (allocated pages)."""
+        """Bytes of shared memory that every cache of this session really occupies (allocated pages)."""
         return self.registry.ns.occupied_bytes(self.registry.segment_prefix(self.session))
 
     def check_fits(self, nbytes: int, chunk_size: int, table_capacity: int) -> None:
@@ -154,7 +157,7 @@ class Admission:
         """The virtual size of a new data segment's chunks: size=0's cap may rise later
         (raise_auto_cap), so the segment is sized for all of /dev/shm (sparse: address space
         only); size= is a cap for good."""
-        shm_total = memory_limits().shm_total or self.capacity_bytes
+        shm_total = memory_limits(shm_root=self.shm_root).shm_total or self.capacity_bytes
         return min(self.capacity_bytes, shm_total) if self.sizing() == SIZED else shm_total
 
     def commit(self, g: Generation, cls: int, seg: Segment, chunk_size: int, committed: int,
@@ -170,7 +173,7 @@ class Admission:
         step = commit_step_chunks(chunk_size)
         keep = shm_free = 0
         if spill is not None and spill.accepting:  # one statvfs, when spilling only
-            shm_total, shm_free = _shm_space()
+            shm_total, shm_free = _shm_space(self.shm_root)
             keep = index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))
         room = (self.capacity_bytes - keep - used) // chunk_size
         auto = self.sizing() == AUTO
@@ -236,7 +239,7 @@ class Admission:
         self._auto_retry_at = time.monotonic() + 1.0
         cap = _Q.unpack_from(self._root.buf, R.CAPACITY)[0]  # raised by another process already?
         if cap <= self.capacity_bytes:
-            now = memory_limits().auto_capacity(self.session_shm_bytes())
+            now = memory_limits(shm_root=self.shm_root).auto_capacity(self.session_shm_bytes())
             if now <= self.capacity_bytes + self.capacity_bytes // 8:  # the cap as measured, give or
                 return False  # take what the session's own metadata and rounding make: kept
             cap = self.registry.raise_auto_capacity(self.session, now)
@@ -268,13 +271,12 @@ class Admission:
         log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)
 
 
-def _shm_space() -> tuple[int, int]:
-    """``(total, free)`` bytes of /dev/shm (one statvfs)."""
+def _shm_space(root: str) -> tuple[int, int]:
+    """``(total, free)`` bytes of /dev/shm or a memory directory (one statvfs)."""
     try:
-        st = os.statvfs(SHM_ROOT)
+        return memdir.space(root)
     except OSError:
         return 0, 0
-    return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
 def index_reserve(limit: int) -> int:

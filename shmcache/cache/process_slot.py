@@ -79,8 +79,9 @@ def detach(registry, session: str) -> None:
             return
         del _held[key]
         # the counter totals of the slot go with it: another process may take it and count on
-        prefix, suffix = key[0] + registry.ns.segment_name(session, ""), f"+{held.slot.index}"
-        for k in [k for k in _counters if k.startswith(prefix) and k.endswith(suffix)]:
+        # (a key names the segment, with its memory directory when the session has one)
+        head, suffix = registry.ns.segment_name(session, ""), f"+{held.slot.index}"
+        for k in [k for k in _counters if k.startswith(key[0]) and head in k and k.endswith(suffix)]:
             del _counters[k]
     registry.mark_used(session)  # detaching is a use (NOTE [session lifecycle], last use)
     held.slot.release()

@@ -9,6 +9,10 @@ NOTE [session lifecycle]
     cache) until ``destroy``, which unlinks every segment whose name carries the session's prefix,
     also under the registry lock. A session whose creator died mid-way leaves only a temporary
     directory, which ``gc`` removes; so do segments of caches or sessions that no longer exist.
+    A session made with a memory directory (``memory_dir``: base/memdir.py) records it in
+    ``session.json``, and its segments' names are paths in its private directory there: every
+    process finds them from the record alone. Each such directory is listed in ``<root>/memory_dirs``
+    before a segment goes there, so ``gc`` sweeps it for the segments of sessions that are gone.
 
     Last use. ``<root>/sessions/<name>/last_used`` is an empty file whose mtime says when a
     process last used the session: every attach touches it, so does a clean exit (``process_slot``)
@@ -39,6 +43,7 @@ NOTE [cache use]
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -48,9 +53,10 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..base import ordering
+from ..base import memdir, ordering, settings
 from ..base.locks import FlockLock, LivenessSlot, SharedHold, slot_is_alive, unless_held
-from ..base.namespace import SEP, Namespace, namespace, validate_name
+from ..base.namespace import SEP, SHM_ROOT, Namespace, namespace, segment_dir, validate_name
+from ..base.settings import ENV_MEMORY_DIR
 from ..base.shm import Segment
 from ..errors import (
     CacheInUse,
@@ -67,6 +73,7 @@ from ..errors import (
 __all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "IdleCache", "SEP", "MAX_SLOTS", "retire_root",
            "unlink_segments"]
 
+log = logging.getLogger("shmcache")
 MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
 _VERSION = 1
 
@@ -81,6 +88,8 @@ class SessionInfo:
     # the default remote tier of the session's caches (remote.py); a URL that may carry a
     # password: session.json is the user's own (0700 directory), and it is never shown unmasked
     remote: str | None = field(default=None, repr=False)
+    # the memory directory its segments live in (base/memdir.py); None: /dev/shm
+    memory_dir: str | None = None
     version: int = _VERSION
     path: Path = field(default=Path(), compare=False)
 
@@ -141,7 +150,39 @@ class SessionRegistry:
 
     def segment_prefix(self, session: str) -> str:
         """Every segment of ``session`` has a name starting with this (see Namespace.segment_name)."""
-        return self.ns.segment_name(session) + SEP
+        return self.segment_base(session) + SEP
+
+    def segment_base(self, session: str, *parts: str) -> str:
+        """``Namespace.segment_name(session, *parts)`` where the session's segments live: in its
+        memory directory's private directory when it has one (a path), else in /dev/shm."""
+        return (self.segment_dir(session) or "") + self.ns.segment_name(session, *parts)
+
+    def segment_dir(self, session: str) -> str | None:
+        """The private directory of the session's segments in its memory directory (None: /dev/shm,
+        or a session that is gone); as recorded, unchecked (``check_memory_dir`` checks)."""
+        try:
+            raw = json.loads((self.session_dir(session) / "session.json").read_text())
+        except (OSError, ValueError):
+            return None
+        where = raw.get("memory_dir") if isinstance(raw, dict) else None
+        return _private_of(where) if isinstance(where, str) and where else None
+
+    def check_memory_dir(self, session: str) -> str | None:
+        """``segment_dir``, checked as when the session was made (base/memdir.py): a mount gone
+        since (the tmpfs unmounted, the container restarted) is refused, not written to disk."""
+        info = self.get(session)
+        if not info.memory_dir:
+            return None
+        try:
+            return memdir.private_dir(info.memory_dir)
+        except ShmcacheError as exc:
+            raise type(exc)(f"session {session!r} keeps its shared memory in {info.memory_dir}, which "
+                            f"is not usable now: {exc}") from None
+
+    def memory_root(self, session: str) -> str:
+        """The directory whose filesystem holds the session's shared memory (its size and free space
+        bound the caches: NOTE [memory limits] in cache/admission.py)."""
+        return self.segment_dir(session) or SHM_ROOT
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -236,8 +277,8 @@ class SessionRegistry:
         return time.time()  # gone meanwhile
 
     def cache_shm_bytes(self, session: str, cache: str) -> int:
-        """What cache ``cache``'s segments occupy in /dev/shm."""
-        return self.ns.occupied_bytes(self.ns.segment_name(session, cache) + SEP)
+        """What cache ``cache``'s segments occupy in shared memory."""
+        return self.ns.occupied_bytes(self.segment_base(session, cache) + SEP)
 
     def drop_cache(self, session: str, cache: str, *, force: bool = False) -> list[str]:
         """Remove cache ``cache`` from ``session`` (segments, metadata, spill folder); CacheInUse
@@ -257,7 +298,7 @@ class SessionRegistry:
             try:
                 with lock:  # no writer is halfway through a put, a spill or the metadata
                     spill = self.read_cache_meta(session, cache).get("spill_path")
-                    removed = unlink_segments(self.ns, self.ns.segment_name(session, cache) + SEP)
+                    removed = unlink_segments(self.ns, self.segment_base(session, cache) + SEP)
                     if spill:
                         shutil.rmtree(spill, ignore_errors=True)
                     self.cache_meta_path(session, cache).unlink(missing_ok=True)
@@ -306,23 +347,29 @@ class SessionRegistry:
             pass  # the session is gone, or its directory is read-only: a lost touch only ages it
 
     def create(self, name: str | None = None, *, spill_dir: str | os.PathLike | None = None,
-               exist_ok: bool = False, remote: str | None = None) -> SessionInfo:
-        """Create a session (a random name when ``name`` is None) and return it."""
+               exist_ok: bool = False, remote: str | None = None,
+               memory_dir: str | os.PathLike | None = None) -> SessionInfo:
+        """Create a session (a random name when ``name`` is None) and return it. ``memory_dir``:
+        the tmpfs or hugetlbfs directory of its segments (None: ``$SHMCACHE_MEMORY_DIR``, else
+        /dev/shm; ``""``: /dev/shm)."""
         if name is None:
             name = "s-" + secrets.token_hex(4)
         validate_name(name, "session")
         if spill_dir is not None:
             spill_dir = str(Path(spill_dir).expanduser().absolute())
+        memory = _memory_arg(memory_dir)
         with self._lock:
             if self.exists(name):
                 if exist_ok:
-                    return self.get(name)
+                    return self._existing(name, memory_dir, memory)
                 raise SessionExists(
                     f"session {name!r} already exists in {self.ns.root}; attach to it with "
                     f"session={name!r}, or `shmcache destroy {name}` first"
                 )
-            info = SessionInfo(name=name, created=time.time(), uid=os.getuid(),
-                               creator_pid=os.getpid(), spill_dir=spill_dir, remote=remote)
+            if memory is not None:
+                self._note_memory_dir(memdir.private_dir(memory))  # checked, made, listed for gc
+            info = SessionInfo(name=name, created=time.time(), uid=os.getuid(), creator_pid=os.getpid(),
+                               spill_dir=spill_dir, remote=remote, memory_dir=memory)
             final = self.session_dir(name)
             tmp = self.ns.sessions_dir / f".{name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
             tmp.mkdir(mode=0o700)
@@ -333,16 +380,52 @@ class SessionRegistry:
                 shutil.rmtree(final, ignore_errors=True)
             # segments under this name are debris of a destroy that was killed half-way: they
             # must not come back to life as caches of the new session
-            unlink_segments(self.ns, self.segment_prefix(name))
+            unlink_segments(self.ns, (_private_of(memory) or "") + self.ns.segment_name(name) + SEP)
             os.rename(tmp, final)  # published: from here on, others see a complete session
             info.path = final
             return info
 
-    def ensure(self, name: str, *, spill_dir: str | os.PathLike | None = None) -> SessionInfo:
-        """The session ``name``, created on first use."""
+    def ensure(self, name: str, *, spill_dir: str | os.PathLike | None = None,
+               memory_dir: str | os.PathLike | None = None) -> SessionInfo:
+        """The session ``name``, created on first use (``memory_dir``: as ``create``'s; given for a
+        session that keeps its memory elsewhere, an error)."""
         if self.exists(name):
-            return self.get(name)
-        return self.create(name, spill_dir=spill_dir, exist_ok=True)
+            return self._existing(name, memory_dir, _memory_arg(memory_dir))
+        return self.create(name, spill_dir=spill_dir, exist_ok=True, memory_dir=memory_dir)
+
+    def _existing(self, name: str, given: str | os.PathLike | None, memory: str | None) -> SessionInfo:
+        """Session ``name`` as it is: one whose memory lives elsewhere than ``memory_dir=`` says is
+        refused; than ``$SHMCACHE_MEMORY_DIR`` says, said once (the variable is for new sessions)."""
+        info = self.get(name)
+        if (given is None and memory is None) or (memory or None) == (info.memory_dir or None):
+            return info  # attached where it lives: no variable needed
+        where = info.memory_dir or "/dev/shm"
+        if given is not None:
+            raise InvalidArgument(
+                f"session {name!r} keeps its shared memory in {where} (set when it was made), not in "
+                f"{memory or '/dev/shm'}; use another session, or `shmcache destroy {name}` first to "
+                f"make it again there")
+        if (str(self.ns.root), name) not in _MEMORY_SAID:
+            _MEMORY_SAID.add((str(self.ns.root), name))
+            log.warning("session %r keeps its shared memory in %s (set when it was made); $%s=%s applies to "
+                        "sessions made from now on: `shmcache destroy %s` to make it again there",
+                        name, where, ENV_MEMORY_DIR, memory, name)
+        return info
+
+    def memory_dirs(self) -> list[str]:
+        """Every private memory directory that a session of this namespace ever used (gc sweeps them)."""
+        try:
+            text = (self.ns.root / "memory_dirs").read_text()
+        except OSError:
+            return []
+        return sorted({p for p in text.split("\n") if p.startswith("/")})
+
+    def _note_memory_dir(self, private: str) -> None:
+        if private in self.memory_dirs():
+            return
+        fd = os.open(self.ns.root / "memory_dirs", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(f"{private}\n")  # one short append: atomic for concurrent writers
 
     def destroy(self, name: str, *, force: bool = False) -> list[str]:
         """Drop session ``name`` and everything in it; returns the segment names it unlinked.
@@ -363,6 +446,7 @@ class SessionRegistry:
             if pids and not force:
                 raise _in_use(name, pids)
             spill_dirs = self._spill_dirs_of(name)
+            prefix = self.segment_prefix(name)  # read from session.json before it goes away
             doomed = self.ns.sessions_dir / f".{name}.tmp-destroy-{os.getpid()}-{secrets.token_hex(3)}"
             held = self._hold_cache_locks(name)
             try:
@@ -373,7 +457,6 @@ class SessionRegistry:
                 if late and not force:
                     os.rename(doomed, self.session_dir(name))
                     raise _in_use(name, late)
-                prefix = self.segment_prefix(name)
                 removed = unlink_segments(self.ns, prefix)
             finally:
                 for lock in held:  # a writer waiting on one finds its lock file gone (FlockLock.acquire)
@@ -497,11 +580,14 @@ class SessionRegistry:
                 if entry.name.startswith(".") and ".tmp-" in entry.name:
                     shutil.rmtree(entry, ignore_errors=True)
                     report.removed_dirs.append(str(entry))
-            # roots first: each is tombstoned before anything of its cache goes (retire_root)
-            for seg in sorted(self.ns.owned_segments(), key=lambda n: not n.endswith(SEP + "root")):
-                session = seg[len(self.ns.segment_name()) + 1:].split(SEP, 1)[0]
-                if session not in live:
-                    report.removed_segments += unlink_segments(self.ns, seg)
+            # roots first: each is tombstoned before anything of its cache goes (retire_root); in
+            # /dev/shm and every memory directory, what is not where its live session keeps it
+            homes = {name: self.segment_dir(name) for name in live}
+            for where in [None, *self.memory_dirs()]:
+                for seg in sorted(self.ns.owned_segments(where), key=lambda n: not n.endswith(SEP + "root")):
+                    session = seg.rpartition("/")[2][len(self.ns.prefix) + 1:].split(SEP, 1)[0]
+                    if session not in live or homes[session] != where:
+                        report.removed_segments += unlink_segments(self.ns, seg)
             for name in live:
                 sdir = self.session_dir(name)
                 for path in (sdir / "slots").glob("*.lock"):
@@ -513,9 +599,21 @@ class SessionRegistry:
                     with lock:  # cache metadata is written under it: a live writer is not racing us
                         path.unlink(missing_ok=True)
                     lock.close()
+                if not self._memory_visible(name):
+                    continue  # its mount is not here (another mount namespace, unmounted): no root
+                    # found is no proof of a cache gone, so nothing of its caches is touched
                 report.removed_caches += self._remove_caches_without_root(name)
                 report.removed_segments += self._remove_rootless_caches(name)
         return report
+
+    def _memory_visible(self, session: str) -> bool:
+        """The session keeps its memory in /dev/shm, or its memory directory is a memory
+        filesystem here; False where it cannot be seen (gc judges nothing of it then)."""
+        try:
+            self.check_memory_dir(session)
+        except ShmcacheError:
+            return False
+        return True
 
     def _remove_caches_without_root(self, session: str) -> list[str]:
         """The json of every cache that has no usable root - a creation that failed or was killed
@@ -571,7 +669,7 @@ class SessionRegistry:
         lock = self.cache_lock(session, cache)
         try:
             with lock:
-                prefix = self.ns.segment_name(session, cache) + SEP
+                prefix = self.segment_base(session, cache) + SEP
                 removed = unlink_segments(self.ns, prefix)
                 spill = self.read_cache_meta(session, cache).get("spill_path")
                 if spill:
@@ -584,7 +682,7 @@ class SessionRegistry:
         """Segments of caches whose root is gone (a destroy or a creation cut short)."""
         prefix = self.segment_prefix(session)
         by_cache: dict[str, list[str]] = {}
-        for seg in self.ns.owned_segments():
+        for seg in self.ns.owned_segments(segment_dir(prefix)):
             if seg.startswith(prefix):
                 by_cache.setdefault(seg[len(prefix):].split(SEP, 1)[0], []).append(seg)
         removed = []
@@ -609,6 +707,29 @@ class SessionRegistry:
             if spill:
                 out.append(Path(spill))
         return out
+
+
+_MEMORY_SAID: set[tuple[str, str]] = set()  # (namespace, session) told that $SHMCACHE_MEMORY_DIR is not its
+
+
+def _memory_arg(memory_dir: str | os.PathLike | None) -> str | None:
+    """The memory directory a new session gets: ``memory_dir``, else ``$SHMCACHE_MEMORY_DIR``; ""
+    is /dev/shm (None). As an absolute path, unchecked (``memdir.private_dir`` checks it)."""
+    if memory_dir is None:
+        memory_dir = settings.get(ENV_MEMORY_DIR) or ""
+    if not isinstance(memory_dir, (str, os.PathLike)):
+        raise InvalidArgument(f"memory_dir must be a path (a tmpfs or hugetlbfs directory), got "
+                              f"{type(memory_dir).__name__}")
+    text = os.fspath(memory_dir)
+    if not text:
+        return None
+    path = os.path.abspath(os.path.expanduser(text))
+    return None if path == SHM_ROOT else path
+
+
+def _private_of(memory: str | None) -> str | None:
+    """The private directory of this user in memory directory ``memory`` (memdir.private_dir's)."""
+    return memdir.private_path(memory) if memory else None
 
 
 def _in_use(name: str, pids: list[int]) -> SessionInUse:
@@ -653,7 +774,7 @@ def unlink_segments(ns: Namespace, prefix: str, *, keep: Collection[str] = ()) -
     each tombstoned before it goes (retire_root: a process still mapping it misses from then on,
     NOTE [publish order], Destroying). Only files of ours: never another user's squat. Returns
     the names removed."""
-    names = [seg for seg in ns.owned_segments() if seg.startswith(prefix) and seg not in keep]
+    names = [seg for seg in ns.owned_segments(segment_dir(prefix)) if seg.startswith(prefix) and seg not in keep]
     roots = [seg for seg in names if seg.endswith(SEP + "root")]
     removed = []
     for seg in roots + [seg for seg in names if not seg.endswith(SEP + "root")]:

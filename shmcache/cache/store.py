@@ -267,7 +267,9 @@ class CacheStore:
             self.registry.get(self.session)  # SessionNotFound, naming the sessions there are
         self.meta_path = self.registry.cache_meta_path(self.session, self.name)
         self.lock = self.registry.cache_lock(self.session, self.name, lock_timeout_s)
-        self._base = self.ns.segment_name(self.session, self.name)
+        # in the session's memory directory when it has one (checked: a mount gone is refused)
+        where = self.registry.check_memory_dir(self.session) or ""
+        self._base = where + self.ns.segment_name(self.session, self.name)
         # who computes a key many processes miss at once (NOTE [claims]); opened on first use
         self.claims = claims.Claims(self.registry.cache_claims_path(self.session, self.name),
                                     lambda: process_slot.slot(self.registry, self.session), claim_timeout_s)
@@ -516,7 +518,7 @@ class CacheStore:
             self.meta_path.unlink(missing_ok=True)
             raise
         if sizing == AUTO_NONE:  # said once, here: a cache that could not be made says it above us
-            log_no_memory(self.session, self.name)
+            log_no_memory(self.session, self.name, self.registry.memory_root(self.session))
         return root
 
     def _generation_exists(self, root: Segment) -> bool:

@@ -13,7 +13,7 @@ Commands::
                                          tier reads/s; per rank the share of time waiting for batches
     shmcache ls [--json]                 the sessions, with owner, age, last use, live processes,
                                          memory, the cache opened longest ago
-    shmcache new [NAME] [--spill-dir D] [--remote URL]
+    shmcache new [NAME] [--spill-dir D] [--memory-dir D] [--remote URL]
                                          create a session and print its name (a session has no
                                          size: --size says where a cap goes)
     shmcache destroy NAME [--force] [--cache C]
@@ -41,15 +41,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import pwd
 import sys
 import time
 
-from ..base import settings
+from ..base import memdir, settings
 from ..base.memory import memory_limits
 from ..base.namespace import namespace, resolve_session_name
-from ..base.settings import ENV_REMOTE, ENV_SPILL_DIR
+from ..base.settings import ENV_MEMORY_DIR, ENV_REMOTE, ENV_SPILL_DIR
 from ..cache.registry import SessionRegistry
 from ..errors import CacheInUse, CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
 
@@ -105,7 +106,33 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
 def _cache_stats(registry: SessionRegistry, session: str) -> list[dict]:
     from ..tiers.node_stats import cache_rows
 
-    return cache_rows(registry, session)
+    rows = cache_rows(registry, session)
+    for st in rows:
+        if "error" not in st:
+            st.update(_pages(registry, session, st))
+    return rows
+
+
+def _page(n: int) -> str:
+    """A page size as its power-of-two unit: 4 KiB, 64 KiB, 2 MiB, 1 GiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+HUGE_HELPS_BYTES = 256 << 20  # far beyond what a TLB of base pages reaches (~6 MiB of 4 KiB pages)
+
+
+def _pages(registry: SessionRegistry, session: str, st: dict) -> dict:
+    """What backs a cache's memory (its session's memory directory, or /dev/shm: base/memdir.py),
+    and whether huge pages would help: random reads of small items across more memory than the
+    TLB reaches miss it on nearly every item (docs/design.md §6)."""
+    where = registry.segment_dir(session)
+    back = memdir.backing(where)
+    helps = back.page_size <= mmap.PAGESIZE and not back.advise and st.get("bytes_mem", 0) >= HUGE_HELPS_BYTES
+    return {"memory_dir": registry.get(session).memory_dir or "/dev/shm", "page_size": back.page_size,
+            "pages": back.describe(), "huge_pages_would_help": helps}
 
 
 def _attach_spill(store) -> None:
@@ -137,7 +164,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         print(f"no caches in {where}")
         return 0
     headers = ["session", "cache", "dataset", "items mem", "items disk", "bytes mem", "bytes disk",
-               "avg item", "hits", "misses", "rejected", "computed", "claim waits", "last opened"]
+               "avg item", "pages", "hits", "misses", "rejected", "computed", "claim waits", "last opened"]
     remote = any("remote" in st for st in rows)
     if remote:  # the remote tier's columns, only when a cache has one (NOTE [tier counts])
         headers += ["remote hits", "remote misses", "read", "written", "errors", "forged", "backlog"]
@@ -153,7 +180,7 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         label = label if len(label) <= 40 else label[:37] + "..."
         table.append([st["session"], st["name"], label, str(st["items_mem"]), str(st["items_disk"]),
                       _size(st["bytes_mem"]), _size(st["bytes_disk"]), _size(st["avg_item_bytes"]),
-                      str(st["hits"]), str(st["misses"]), str(st["rejected"]),
+                      _page(st["page_size"]), str(st["hits"]), str(st["misses"]), str(st["rejected"]),
                       str(st["computed"]), str(st["claim_waits"]),  # NOTE [claims]
                       _ago(None if st["in_use"] else st["idle_s"])])
         if remote:
@@ -165,6 +192,12 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
                            str(st["snapshot_errors"] + st["snapshot_corrupt"]), str(st["snapshot_forged"])]
                           if "snapshot" in st else ["-"] * 5)
     print(_table(headers, table, right=set(range(3, len(headers)))))
+    for st in rows:
+        if st.get("huge_pages_would_help"):
+            print(f"\n{st['session']}/{st['name']}: {_size(st['bytes_mem'])} on {st['pages']}: random reads of "
+                  f"small items miss the TLB on nearly every item; huge pages make them faster (README: Memory "
+                  f"in containers and huge pages): a tmpfs mounted huge=within_size, then ${ENV_MEMORY_DIR} "
+                  f"or `shmcache new --memory-dir` for a new session there")
     return 0
 
 
@@ -238,7 +271,7 @@ def cmd_new(args, registry: SessionRegistry) -> int:
         from ..tiers.remote import parse_url
 
         parse_url(remote)  # a bad URL is an error now (without its password), not at first use
-    info = registry.create(args.name, spill_dir=spill, remote=remote)
+    info = registry.create(args.name, spill_dir=spill, remote=remote, memory_dir=args.memory_dir)
     print(info.name)
     return 0
 
@@ -314,14 +347,26 @@ def cmd_info(args, registry: SessionRegistry) -> int:
             pass
     from .. import __version__
 
+    memory_dir, mem_total, mem_free, new_lim = settings.get(ENV_MEMORY_DIR) or None, None, None, lim
+    if memory_dir:
+        try:
+            mem_total, mem_free = memdir.space(memory_dir)
+            new_lim = memory_limits(shm_root=memory_dir)
+        except OSError:
+            pass
     info = {
         "version": __version__, "namespace": str(ns.root), "segment_prefix": ns.prefix,
         "shm_total_bytes": lim.shm_total, "shm_free_bytes": lim.shm_free,
         "mem_available_bytes": lim.mem_available, "cgroup_limit_bytes": lim.cgroup_limit,
         "cgroup_free_bytes": lim.cgroup_free, "cgroup_limit_file": lim.cgroup_file,
-        "auto_capacity_bytes": lim.auto_capacity(),
+        "auto_capacity_bytes": new_lim.auto_capacity(),
         "spill_dir": spill, "spill_free_bytes": spill_free,
-        "sessions": len(registry.list()), "segments": len(ns.owned_segments()),
+        "shm_pages": memdir.backing().describe(),
+        "memory_dir": memory_dir, "memory_dir_total_bytes": mem_total, "memory_dir_free_bytes": mem_free,
+        "memory_dir_pages": memdir.backing(memory_dir).describe() if memory_dir else None,
+        "thp_shmem_enabled": memdir.shmem_enabled(),
+        "sessions": len(registry.list()),
+        "segments": sum(len(ns.owned_segments(d)) for d in [None, *registry.memory_dirs()]),
         "remotes": _remotes(registry),
     }
     if args.json:
@@ -330,11 +375,17 @@ def cmd_info(args, registry: SessionRegistry) -> int:
     lines = [
         ("version", info["version"]), ("namespace", f"{ns.root}  ($SHMCACHE_DIR)"),
         ("segment prefix", f"/dev/shm/{ns.prefix}+..."),
-        ("/dev/shm", f"{_size(lim.shm_free)} free of {_size(lim.shm_total)}"),
+        ("/dev/shm", f"{_size(lim.shm_free)} free of {_size(lim.shm_total)}; {info['shm_pages']}"),
+        ("memory dir", f"{memory_dir}  ({_size(mem_free)} free of {_size(mem_total)}; {info['memory_dir_pages']}; "
+                       f"$SHMCACHE_MEMORY_DIR, for new sessions)" if memory_dir
+         else "not set: new sessions in /dev/shm ($SHMCACHE_MEMORY_DIR, shmcache new --memory-dir)"),
+        ("huge pages (shmem THP)", f"shmem_enabled {info['thp_shmem_enabled']}; a tmpfs mount's huge= "
+                                   f"decides for its files (`shmcache stat` shows each cache's pages)"),
         ("MemAvailable", _size(lim.mem_available)),
         ("cgroup memory limit", f"{_size(lim.cgroup_limit)} ({_size(lim.cgroup_free)} free; "
                                 f"{lim.cgroup_file})" if lim.cgroup_limit else "no limit"),
-        ("automatic cap (size=0)", f"{_size(lim.auto_capacity())}  (80% of the smallest above)"),
+        ("automatic cap (size=0)", f"{_size(new_lim.auto_capacity())}  (80% of the smallest above, for a "
+                                   f"session made now: in {'the memory dir' if memory_dir else '/dev/shm'})"),
         ("spill dir", f"{spill}  ({_size(spill_free)} free)" if spill else "not set ($SHMCACHE_SPILL_DIR)"),
         ("sessions / segments", f"{info['sessions']} / {info['segments']}"),
     ]
@@ -447,6 +498,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("new", help="create a session and print its name")
     s.add_argument("name", nargs="?", help="session name (default: a random one)")
     s.add_argument("--spill-dir", help="default spill directory of the session's caches")
+    s.add_argument("--memory-dir", metavar="DIR",
+                   help="a tmpfs or hugetlbfs directory for the session's shared memory instead of "
+                        "/dev/shm (default: $SHMCACHE_MEMORY_DIR)")
     s.add_argument("--size", type=_positive_int, metavar="MIB",
                    help="not an option of a session: each cache has its own cap (size= in MiB, or "
                         "$SHMCACHE_SIZE_MB, or the launcher's --size); this says so")

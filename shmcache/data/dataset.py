@@ -128,6 +128,9 @@ class ShmDatasetCache:
         create: a session that does not exist is created (True: logged once, naming the sessions
             there are, as a misspelled name would create one) or is an error (False:
             SessionNotFound, naming them).
+        memory_dir: a tmpfs or hugetlbfs directory for the shared memory of the session, if this
+            creates it (None: ``$SHMCACHE_MEMORY_DIR``, else /dev/shm); the session records it, so
+            every process finds it without this. An existing session elsewhere: InvalidArgument.
     """
 
     def __init__(self, session: str = "auto", name: str | None = None, size: int = 0,
@@ -135,7 +138,8 @@ class ShmDatasetCache:
                  copy: bool = True, verify: float = 0.0, lock_timeout_s: float = 60.0,
                  remote: str | None = None, snapshot: str | os.PathLike | None = None,
                  snapshot_options: dict | None = None, secret: str | bytes | None = None,
-                 allow_pickle: bool = False, create: bool = True):
+                 allow_pickle: bool = False, create: bool = True,
+                 memory_dir: str | os.PathLike | None = None):
         self.session = resolve_session_name(session)
         self._secret = resolve_secret(secret)  # travels to DataLoader workers with the cache
         if not isinstance(allow_pickle, bool):
@@ -144,6 +148,10 @@ class ShmDatasetCache:
         if not isinstance(create, bool):
             raise InvalidArgument(f"create must be True or False, got {create!r}")
         check_session(self.session, create)
+        if memory_dir is not None:  # made there now, or refused if it keeps its memory elsewhere
+            from ..cache.registry import SessionRegistry
+
+            SessionRegistry(namespace()).ensure(self.session, memory_dir=memory_dir)
         if name is not None:
             validate_name(name, "cache")
         size = check_size(size)

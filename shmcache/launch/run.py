@@ -26,6 +26,9 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
     --spill-dir DIR         where spill files go (an existing directory: never created, a typo
                             would fill another disk); sets $SHMCACHE_SPILL_DIR and becomes the
                             spill directory of a session created now
+    --memory-dir DIR        a tmpfs or hugetlbfs directory for the session's shared memory
+                            instead of /dev/shm (a container's larger or huge-page mount); the
+                            session created now records it, and sets $SHMCACHE_MEMORY_DIR
     --destroy-session       destroy the session (and everything cached in it) once every process
                             is gone, even if other jobs still use it; by default it stays, for
                             the next run to find
@@ -152,10 +155,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..base import settings
+from ..base import memdir, settings
 from ..base.locks import LivenessSlot
-from ..base.namespace import resolve_session_name
+from ..base.namespace import SHM_ROOT, resolve_session_name
 from ..base.settings import (
+    ENV_MEMORY_DIR,
     ENV_RDZV_TOKEN,
     ENV_REMOTE,
     ENV_SECRET,
@@ -187,7 +191,7 @@ __all__ = ["main"]
 
 PROG = "python -m shmcache.launch"
 USAGE = (
-    f"{PROG} [--nproc N] [--session NAME] [--size MIB] [--spilling] [--spill-dir DIR]\n"
+    f"{PROG} [--nproc N] [--session NAME] [--size MIB] [--spilling] [--spill-dir DIR] [--memory-dir DIR]\n"
     f"       [--destroy-session] [--shutdown-timeout S] [--master-addr A] [--master-port P]\n"
     f"       [--nnodes N --node-rank K] [--remote URL | --remote spawn[:MB]] [--rdzv-timeout S]\n"
     f"       [--metrics-port P [--metrics-addr A]]\n"
@@ -217,6 +221,7 @@ class LaunchPlan:
     rdzv_timeout_s: float
     metrics_port: int | None = None  # --metrics-port: /metrics of the node while the job runs
     metrics_addr: str = "127.0.0.1"
+    memory_dir: str | None = None  # --memory-dir: where a session made now keeps its memory
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -314,6 +319,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=_non_negative_int, metavar="MIB")
     p.add_argument("--spilling", action="store_true")
     p.add_argument("--spill-dir", "--spill_dir", dest="spill_dir", metavar="DIR")
+    p.add_argument("--memory-dir", "--memory_dir", dest="memory_dir", metavar="DIR")
     p.add_argument("--destroy-session", "--destroy_session", dest="destroy_session",
                    action="store_true")
     p.add_argument("--shutdown-timeout", "--shutdown_timeout", dest="shutdown_timeout",
@@ -375,7 +381,10 @@ def _plan(parser: argparse.ArgumentParser, argv: list[str]) -> LaunchPlan:
                          f"that only this job's launchers join node 0's exchange on port "
                          f"{master_port + 1} and learn its Redis password and secret, but {why}: "
                          f"{TOKEN_HINT}")
+    memory_dir = _memory_dir(parser, session, args.memory_dir) if args.memory_dir else None
     env = _shmcache_env(session, args.size, args.spilling, spill_dir)
+    if memory_dir is not None:
+        env[ENV_MEMORY_DIR] = memory_dir
     if args.remote is not None and args.remote.url is not None:
         env[ENV_REMOTE] = args.remote.url
     return LaunchPlan(
@@ -384,6 +393,7 @@ def _plan(parser: argparse.ArgumentParser, argv: list[str]) -> LaunchPlan:
         shmcache_env=env, spill_dir=spill_dir, destroy_session=args.destroy_session,
         shutdown_timeout_s=args.shutdown_timeout, remote=args.remote,
         rdzv_timeout_s=args.rdzv_timeout, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+        memory_dir=memory_dir,
     )
 
 
@@ -440,6 +450,24 @@ def _spill_dir(parser: argparse.ArgumentParser, raw: str) -> str:
         return str(check_spill_dir(raw))
     except (SpillError, InvalidArgument) as exc:
         parser.error(f"argument --spill-dir: {exc}")
+
+
+def _memory_dir(parser: argparse.ArgumentParser, session: str, raw: str) -> str:
+    """--memory-dir checked as the library checks it (base/memdir.py: a memory filesystem, no
+    symlink, no directory others can swap), and agreeing with the session's if it exists."""
+    path = os.path.abspath(os.path.expanduser(raw))
+    try:
+        if path != SHM_ROOT:  # /dev/shm itself: POSIX shared memory, as without the option
+            memdir.private_dir(path)
+    except ShmcacheError as exc:
+        parser.error(f"argument --memory-dir: {exc}")
+    registry = SessionRegistry()
+    existing = registry.get(session) if registry.exists(session) else None
+    if existing is not None and (existing.memory_dir or "/dev/shm") != path:
+        parser.error(f"argument --memory-dir: session {session!r} keeps its shared memory in "
+                     f"{existing.memory_dir or '/dev/shm'}, not {path}; drop --memory-dir, or "
+                     f"`shmcache destroy {session}` first")
+    return path
 
 
 def _check_spill_settings(parser: argparse.ArgumentParser, session: str, spill_dir: str | None,
@@ -583,7 +611,7 @@ def _prepare_session(plan: LaunchPlan) -> tuple[SessionRegistry, LivenessSlot]:
     plain `shmcache destroy` refuses to pull the session from under it.
     """
     registry = SessionRegistry()
-    registry.ensure(plan.session, spill_dir=plan.spill_dir)
+    registry.ensure(plan.session, spill_dir=plan.spill_dir, memory_dir=plan.memory_dir)
     return registry, registry.attach_process(plan.session)
 
 
