@@ -112,6 +112,21 @@ def test_racing_batch_paths_compute_each_key_once(tmp_path):
     assert st["computed"] == computed and st["claim_timeouts"] == 0 and st["claim_waits"] > 0
 
 
+@pytest.mark.slow
+def test_48_processes_over_3000_keys_compute_each_once(tmp_path):
+    """The issue's largest race: 48 processes (forked: 48 spawned torch imports would take the
+    2-core machine minutes) read the same 3,000 keys of a 2 ms source, every batch path and
+    ds[i] mixed: each key computed once, plus wrap()'s probes; no wrong value, no hang."""
+    n, nprocs = 3000, 48
+    count_path = str(tmp_path / "computed")
+    ctx = multiprocessing.get_context("fork")
+    results = _run(ctx, _claims.batch_racer, lambda r: (r, n, count_path, 0.002, BATCH_MODES), nprocs,
+                   timeout_s=600)
+    assert sum(r["wrong"] for r in results) == 0
+    computed = os.path.getsize(count_path)
+    assert computed <= n + PROBES * nprocs, f"{computed} computations of {n} keys by {nprocs} processes"
+
+
 _JOB = """
 import os, sys
 import numpy as np, torch
