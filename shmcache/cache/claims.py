@@ -42,7 +42,10 @@ NOTE [claims]
 
     What dies with whom. An OFD lock belongs to the open file description, and the kernel drops
     it when the last descriptor of it closes: when its holder exits or is killed (SIGKILL too) -
-    at once, not after a timeout, so a waiter takes the claim on its next poll. Threads of one
+    at once, not after a timeout, so a waiter takes the claim on its next poll. An interrupt
+    (Ctrl-C) in the middle of a batch leaves no claim held: a bucket is recorded before it is
+    locked and forgotten after it is unlocked, and a batch releases every bucket it recorded in
+    one ``finally`` (a release of a bucket not locked is harmless). Threads of one
     process share the description (a lock taken twice is one lock), so a process keeps the
     buckets its threads hold in a set: another thread (or a nested miss of the same thread) that
     finds its bucket held in its own process computes without a claim, never waits for itself
@@ -216,19 +219,22 @@ class Claims:
         # no thread lock: two threads of ours that both take one bucket both compute (waste only)
         if bucket in self._held:
             return OURS
+        # recorded before it is locked, and forgotten after it is unlocked (release): an
+        # interrupt (Ctrl-C) in between leaves a bucket we think held, never a lock we forgot
+        self._held.add(bucket)
         try:
             fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_WRLCK, 0, _LOCKS_OFF + bucket, 1, 0))
         except OSError as exc:
+            self._held.discard(bucket)
             if exc.errno in _BUSY:
                 return BUSY
             raise
-        self._held.add(bucket)
         return TAKEN
 
     def release(self, bucket: int) -> None:
-        self._held.discard(bucket)
         if self._fd >= 0:
             fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_UNLCK, 0, _LOCKS_OFF + bucket, 1, 0))
+        self._held.discard(bucket)
 
     def wait(self, bucket: int, look: Callable[[], Any], missing: Any) -> tuple[int, Any]:
         """Wait for another process's claim on ``bucket`` (NOTE [claims]): ``(TAKEN, missing)``
@@ -363,27 +369,34 @@ def fill_batch(
         held: list[int] = []  # buckets taken in this round
         mine: list[int] = []  # positions to compute now: their claim is ours (or this process's)
         busy: list[int] = []
+        failed: OSError | None = None
+        # one try from the first take to the last release, and each bucket in ``held`` before it
+        # is taken: an interrupt (Ctrl-C) anywhere in between must not leave a claim held by
+        # nobody's account for as long as the process lives (every other process missing its
+        # keys would wait claim_timeout_s); releasing one not taken is harmless
         try:
-            for j in todo:
-                got = claims.take(buckets[j])
-                if got == BUSY:
-                    busy.append(j)
-                else:
-                    mine.append(j)
-                    if got == TAKEN:
-                        held.append(buckets[j])
-        except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
+            try:
+                for j in todo:
+                    held.append(buckets[j])
+                    got = claims.take(buckets[j])
+                    if got != TAKEN:
+                        held.pop()
+                        (busy if got == BUSY else mine).append(j)
+                    else:
+                        mine.append(j)
+            except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
+                failed = exc
+            if failed is None:
+                if held:  # the re-check: published between our miss (or last poll) and our claim?
+                    mine = _found(claims, keys, mine, out, look_many, missing)
+                _compute(claims, keys, mine, out, compute_many, publish_many)  # published before the release
+        finally:
             _release_all(claims, held)
-            log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, exc)
+        if failed is not None:
+            log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, failed)
             claims.on = False
             _compute(claims, keys, todo, out, compute_many, publish_many)
             return out
-        try:
-            if held:  # the re-check: published between our miss (or last poll) and our claim?
-                mine = _found(claims, keys, mine, out, look_many, missing)
-            _compute(claims, keys, mine, out, compute_many, publish_many)  # published before the release
-        finally:
-            _release_all(claims, held)
         if not busy:
             break
         if first:
@@ -438,11 +451,19 @@ def _compute(claims: Claims | None, keys: Sequence, positions: list[int], out: l
 
 
 def _release_all(claims: Claims, buckets: list[int]) -> None:
-    for bucket in buckets:
-        try:
-            claims.release(bucket)
-        except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
-            pass
+    try:
+        for bucket in buckets:
+            try:
+                claims.release(bucket)
+            except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
+                pass
+    except BaseException:  # an interrupt (Ctrl-C) half-way: the rest go too (a release is idempotent)
+        for bucket in buckets:
+            try:
+                claims.release(bucket)
+            except OSError:
+                pass
+        raise
 
 
 def read_counts(path: Path) -> dict:
