@@ -35,7 +35,9 @@ NOTE [claims]
     (SIGSTOP, a debugger) or a very slow sample costs one timeout, never a hang. Two keys in one
     bucket wait for each other the same way: a bounded wait, never a wrong value. So does a holder
     whose computation misses other keys (a ``fn`` that reads the cache): a cycle of such holders
-    costs one ``claim_timeout_s``, then each computes. A claim never decides which value is
+    costs one ``claim_timeout_s``, then each computes - one in all, not one per nested miss: the
+    misses of a thread computing under claims share the deadline its first wait set
+    (``Claims.wait_deadline``; a batch's computation misses key after key). A claim never decides which value is
     served: values are deterministic and the first publish wins, as without claims; a second
     computation is waste, never damage (at least once per key). A publish that stores nothing
     (a full cache) leaves the next taker to compute again: misses of one key then take turns.
@@ -75,6 +77,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -151,6 +154,7 @@ class Claims:
         self._row: Any = None  # this process's counter words: a memoryview of the file's row, or a list
         self._mm: mmap.mmap | None = None
         self._held: set[int] = set()  # buckets this process holds (NOTE [claims]: threads)
+        self._thread = _ThreadState()
         close_in_forked_children(self)
 
     # --- per process -------------------------------------------------------------------------
@@ -162,6 +166,7 @@ class Claims:
             os.close(self._fd)
         self._fd, self._row, self._mm, self._gen = -1, None, None, -1
         self._held = set()
+        self._thread = _ThreadState()
 
     def _open(self) -> None:
         """This process's descriptor of the claims file and its counter row (once per process)."""
@@ -240,7 +245,7 @@ class Claims:
         """Wait for another process's claim on ``bucket`` (NOTE [claims]): ``(TAKEN, missing)``
         once it is ours (``OURS``: another thread of ours took it), ``(FOUND, value)`` once
         ``look()`` finds the value, ``(TIMED_OUT, missing)`` after ``timeout_s``."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = self.wait_deadline()
         delay = FIRST_SLEEP_S
         while True:
             time.sleep(delay)
@@ -254,11 +259,42 @@ class Claims:
                 return TIMED_OUT, missing
             delay = min(delay * 2, MAX_SLEEP_S)
 
+    def wait_deadline(self) -> float:
+        """When a wait for other processes' claims that starts now gives up: ``timeout_s`` from
+        now; for a miss nested in a computation under this thread's claims (a ``compute`` that
+        reads the cache), which waits while it holds them, the deadline the first such wait
+        set: holders that wait for each other's keys (a cycle) cost one ``timeout_s`` in all,
+        not one per nested miss (a batch's computation misses one key after another)."""
+        t = self._thread
+        if not t.depth:
+            return time.monotonic() + self.timeout_s
+        if not t.deadline:
+            t.deadline = time.monotonic() + self.timeout_s
+        return t.deadline
+
+    def holding(self) -> None:
+        """This thread computes under claims (until ``done``): its misses meanwhile are nested."""
+        self._thread.depth += 1
+
+    def done(self) -> None:
+        t = self._thread
+        t.depth -= 1
+        if not t.depth:
+            t.deadline = 0.0
+
     def close(self) -> None:
         if self._fd >= 0 and self._gen == process_slot.fork_count():
             os.close(self._fd)  # drops every claim of this process on the file
         self._fd, self._gen, self._row = -1, -1, None
         self._held = set()
+
+
+class _ThreadState(threading.local):
+    """Per thread: how many computations under claims it is inside (``Claims.holding``), and the
+    deadline its nested misses' waits share (``Claims.wait_deadline``)."""
+
+    depth = 0
+    deadline = 0.0
 
 
 def _timeout(given: float | None) -> float:
@@ -308,6 +344,7 @@ def fill(
         got = OURS  # compute without a claim, as with claims off
     if got != TAKEN:  # another thread of this process holds it, or we timed out: no claim
         return _compute_one(claims, key, compute, publish)
+    claims.holding()
     try:
         value = look()  # the re-check: published between our miss and our claim?
         if value is missing:
@@ -315,6 +352,7 @@ def fill(
         else:
             claims.count(CLAIM_WAITS)  # another's value, not computed: a miss is one or the other
     finally:
+        claims.done()
         try:
             claims.release(bucket)
         except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
@@ -386,10 +424,15 @@ def fill_batch(
                         mine.append(j)
             except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
                 failed = exc
-            if failed is None:
-                if held:  # the re-check: published between our miss (or last poll) and our claim?
-                    mine = _found(claims, keys, mine, out, look_many, missing)
-                _compute(claims, keys, mine, out, compute_many, publish_many)  # published before the release
+            if failed is None and held:
+                mine = _found(claims, keys, mine, out, look_many, missing)  # published meanwhile?
+                claims.holding()  # its misses are nested (NOTE [claims]: a cycle costs one timeout)
+                try:
+                    _compute(claims, keys, mine, out, compute_many, publish_many)  # published before the release
+                finally:
+                    claims.done()
+            elif failed is None:  # nothing taken: another thread of ours (or an outer miss) holds them
+                _compute(claims, keys, mine, out, compute_many, publish_many)
         finally:
             _release_all(claims, held)
         if failed is not None:
@@ -400,7 +443,7 @@ def fill_batch(
         if not busy:
             break
         if first:
-            deadline, first = time.monotonic() + claims.timeout_s, False
+            deadline, first = claims.wait_deadline(), False
         elif time.monotonic() >= deadline:  # stopped or very slow holders: compute without the claims
             claims.count(CLAIM_TIMEOUTS, len(busy))
             _compute(claims, keys, busy, out, compute_many, publish_many)

@@ -40,3 +40,23 @@ def test_an_interrupt_in_the_middle_of_a_batchs_claims_leaves_none_held():
     got = _one(multiprocessing.get_context("fork"), _claims_adversary.interrupted, 24)
     assert got["landed"] >= 6, got  # the interrupts did land in batches
     assert got["leaked"] == [], f"claims left held after an interrupt (trial, busy, held): {got['leaked']}"
+
+
+def test_misses_nested_in_two_batches_that_hold_each_others_keys_wait_one_timeout_not_one_per_key(tmp_path):
+    """Two processes each compute a batch of 10 misses under their claims, and computing each
+    key misses (in the same cache) a key the other process holds in its batch: a cycle. Each
+    nested miss waits for the other's claim, which is held until the other's whole batch is
+    computed. NOTE [claims]: a cycle of holders costs one claim_timeout_s; it cost one per key
+    (10 x claim_timeout_s per batch: a batch of 256 with the default 10 s waited 43 minutes)."""
+    timeout_s = 0.6
+    count_path = str(tmp_path / "computed")
+    specs = [(list(range(10)), 10), (list(range(10, 20)), -10)]
+    results = _run(multiprocessing.get_context("fork"), _claims_adversary.nested_holder,
+                   lambda r: (*specs[r], count_path, timeout_s), 2)
+    assert all(r["right"] for r in results)
+    took = max(r["took"] for r in results)
+    # one timeout, plus 10 computations of 20 ms, with room for a loaded machine; one per key is 6 s
+    assert took < 4 * timeout_s, f"a batch took {took:.1f} s with claim_timeout_s={timeout_s}"
+    with open(count_path, "rb") as f:
+        made = f.read()
+    assert made.count(b"x") == 20 and made.count(b"n") <= 20
