@@ -21,8 +21,10 @@ NOTE [claims]
     NOTE [publish order]); 4. release them. Only then 5. poll the keys set aside: found ones are
     served (``claim_waits``), free ones claimed and taken through 2-4; the whole batch's wait is
     bounded by one ``claim_timeout_s``, then what is left is computed without claims
-    (``claim_timeouts``, one per key). So a process holds claims only while it computes, never
-    while it waits: two batches that overlap cannot wait for each other. A compute callback may
+    (``claim_timeouts``, one per key). A key twice in a batch (a sampler drawing with
+    replacement) is claimed and computed once, its other positions served a copy. So a process
+    holds claims only while it computes, never while it waits: two batches that overlap cannot
+    wait for each other. A compute callback may
     answer ``Served(value)`` for a key it did not compute (a remote tier's lease holder published
     it): not counted, not published again.
 
@@ -70,6 +72,7 @@ NOTE [claims]
 
 from __future__ import annotations
 
+import copy
 import errno
 import fcntl
 import logging
@@ -395,7 +398,11 @@ def fill_batch(
     absent), computed with one ``compute_many(keys)`` and published with one ``publish_many([(key,
     value), ...])``, then released; only then does it wait for the keys other processes hold,
     polling them with ``look_many`` and taking and computing what they leave, within one
-    ``claim_timeout_s`` for the whole batch."""
+    ``claim_timeout_s`` for the whole batch. A key met twice (a sampler drawing with replacement)
+    is computed once; its other positions get their own copy."""
+    again = _repeats(keys)
+    if again:
+        return _fill_repeats(claims, keys, again, look_many, missing, compute_many, publish_many)
     out = [missing] * len(keys)
     if claims is None or not ((claims._gen == process_slot.fork_count() or claims._ready()) and claims.on):
         _compute(claims, keys, list(range(len(keys))), out, compute_many, publish_many)
@@ -451,6 +458,36 @@ def fill_batch(
         time.sleep(delay)
         delay = min(delay * 2, MAX_SLEEP_S)
         todo = _found(claims, keys, busy, out, look_many, missing)  # published by their holders
+    return out
+
+
+def _repeats(keys: Sequence) -> dict[int, int]:
+    """{position: position of its key's first occurrence} for every key met again in ``keys``."""
+    first: dict = {}
+    again = {}
+    try:
+        for j, key in enumerate(keys):
+            at = first.setdefault(key, j)
+            if at != j:
+                again[j] = at
+    except TypeError:  # an unhashable key (none the cache takes): nothing to merge
+        return {}
+    return again
+
+
+def _fill_repeats(claims: Claims | None, keys: Sequence, again: dict[int, int], look_many: Callable,
+                  missing: Any, compute_many: Callable, publish_many: Callable) -> list:
+    """``fill_batch`` of a batch that holds a key more than once: each key filled once, and
+    every other position given its own object (a collate that changes samples in place must not
+    change another's): read from the cache as any hit, else a deep copy (not stored: a full cache)."""
+    firsts = [j for j in range(len(keys)) if j not in again]
+    out = [missing] * len(keys)
+    for j, value in zip(firsts, fill_batch(claims, [keys[j] for j in firsts], look_many, missing,
+                                           compute_many, publish_many)):
+        out[j] = value
+    rest = list(again)
+    for j, value in zip(rest, look_many([keys[j] for j in rest])):
+        out[j] = copy.deepcopy(out[again[j]]) if value is missing else value
     return out
 
 

@@ -60,3 +60,32 @@ def test_misses_nested_in_two_batches_that_hold_each_others_keys_wait_one_timeou
     with open(count_path, "rb") as f:
         made = f.read()
     assert made.count(b"x") == 20 and made.count(b"n") <= 20
+
+
+def test_a_key_twice_in_one_batch_is_computed_once(tmp_path):
+    """A sampler that draws with replacement (WeightedRandomSampler, RandomSampler(replacement=
+    True)) puts a key twice in a batch: the batch's misses computed it once per occurrence. Each
+    position still gets its own object (a collate_fn that changes samples in place must not
+    change another position's), with the right value."""
+    import torch
+
+    count_path = str(tmp_path / "computed")
+    cache = ShmDatasetCache(session="adv", name="dupes", size=16)
+    try:
+        ds = cache.wrap(_claims.CountingSource(50, count_path))
+        probes = os.path.getsize(count_path)
+        order = [3, 3, 5, 3, 7, 5, 40, 41]
+        assert not any(k in cache for k in order)  # none of them a probe of wrap()'s
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=order, collate_fn=list)
+        (batch,) = list(loader)
+        assert os.path.getsize(count_path) - probes == len(set(order))
+        assert all(np.array_equal(v, _claims.value_for(k)) for k, v in zip(order, batch))
+        assert len({id(v) for v in batch}) == len(order)
+        before = os.path.getsize(count_path)
+        got = cache.get_batch([1000, 1001, 1000, 1000], fn=lambda k: (_claims.count_one(count_path),
+                                                                   _claims.value_for(k))[1])
+        assert os.path.getsize(count_path) - before == 2
+        assert np.array_equal(got.numpy(), np.stack([_claims.value_for(k) for k in (1000, 1001, 1000, 1000)]))
+        assert cache.stats()["computed"] == os.path.getsize(count_path)  # every computation counted
+    finally:
+        cache.close()
