@@ -52,7 +52,7 @@ from .arguments import (
 from .batches import as_int_keys, copy_into, gather
 from .fingerprint import fingerprint, given_fingerprint, length_or_none
 from .probes import read_probes, same_value
-from .wrapped import CachedDataset, CachedIterableDataset, NoSource, same_sample
+from .wrapped import CachedDataset, CachedIterableDataset, NoSource, compute_each, keep_computed, same_sample
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
@@ -632,7 +632,8 @@ class ShmDatasetCache:
             if fn is None:
                 raise KeyError(f"{len(missing)} of {len(keys)} keys are not cached: "
                                f"{[keys[i] for i in missing[:10]]}; pass fn= to compute them")
-            many = fn_many or (lambda ks: [fn(k) for k in ks])
+            # one by one: what was computed before a raise (a broken sample, Ctrl-C) is kept
+            many = fn_many or partial(compute_each, fn, keep=partial(keep_computed, self._put_many, store))
             got = store.fill_batch([keys[i] for i in missing], many, partial(self._put_many, store),
                                    self.copy)  # NOTE [claims]
             for i, value in zip(missing, got):

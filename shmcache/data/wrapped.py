@@ -68,6 +68,21 @@ def compute_item(dataset, transform, index):
     return transform(sample) if transform is not None else sample
 
 
+def compute_each(compute: Callable[[Any], Any], keys: list, keep: Callable[[list], Any]) -> list:
+    """``[compute(k) for k in keys]``, a batch's misses one by one. When one raises (a broken
+    sample, Ctrl-C) the values computed before it are kept first (``keep(pairs)``: stored and
+    counted, while their claims are still held), as one miss after another always kept them."""
+    got: list = []
+    try:
+        for k in keys:
+            got.append(compute(k))
+    except BaseException:
+        if got:
+            keep(list(zip(keys, got)))
+        raise
+    return got
+
+
 def add_note(exc: BaseException, note: str) -> None:
     """Say on a dataset's exception where shmcache met it (which sample, which stage); its type
     and traceback stay the dataset's. Python 3.10 has no notes: the exception goes on unchanged."""
@@ -292,15 +307,7 @@ class CachedDataset(Dataset):
         def compute_many(ks: list) -> list:
             nonlocal computed
             if len(ks) < 2 or getattr(self.dataset, "__getitems__", None) is None:
-                got: list = []
-                try:
-                    for k in ks:
-                        got.append(self._compute(k))
-                except BaseException:  # Ctrl-C, a sample that raises: what was computed is kept
-                    if got:
-                        self._store_many(store, list(zip(ks, got)))
-                        store.count_computed(len(got))
-                    raise
+                got = compute_each(self._compute, ks, partial(keep_computed, self._store_many, store))
             else:
                 got = self._compute_many(ks)
             computed += sum(type(v) is not Served for v in got)
@@ -324,8 +331,10 @@ class CachedDataset(Dataset):
         Same signature as ``ShmDatasetCache.get_batch``, so a wrapped dataset can feed
         ``PrefetchRing.from_cache(ds, key_batches)`` directly.
         """
-        return self.cache.get_batch(self._indices(indices), fn=fn or self._compute, out=out,
-                                    fn_many=None if fn else self._compute_many)
+        # fn_many only where the source computes a batch in one call: one by one, the cache's
+        # get_batch keeps what was computed before a sample raises
+        many = None if fn or getattr(self.dataset, "__getitems__", None) is None else self._compute_many
+        return self.cache.get_batch(self._indices(indices), fn=fn or self._compute, out=out, fn_many=many)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()  # the cache pickles by name (ShmDatasetCache.__getstate__)
@@ -339,6 +348,12 @@ class CachedDataset(Dataset):
             codec.register_namedtuple(tp)
         self.__dict__.update(state)
         register_live(self)  # a worker's copy, or a copy made in this process: either serves the token
+
+
+def keep_computed(store_many: Callable[[CacheStore, list], Any], store: CacheStore, pairs: list) -> None:
+    """``compute_each``'s keep: store the (key, value) pairs computed before a raise, counted."""
+    store_many(store, pairs)
+    store.count_computed(len(pairs))
 
 
 def _picklable(tp: type) -> bool:

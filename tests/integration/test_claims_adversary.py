@@ -89,3 +89,39 @@ def test_a_key_twice_in_one_batch_is_computed_once(tmp_path):
         assert cache.stats()["computed"] == os.path.getsize(count_path)  # every computation counted
     finally:
         cache.close()
+
+
+class _FailsAt(_claims.CountingSource):
+    """A CountingSource whose item ``bad`` raises (before it is counted: not a computation)."""
+
+    def __init__(self, n: int, count_path: str, bad: int):
+        super().__init__(n, count_path)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if int(i) == self.bad:
+            raise ValueError(f"item {i} is broken")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("path", ["cache.get_batch", "ds.get_batch"])
+def test_a_batch_whose_compute_raises_half_way_keeps_what_it_computed(tmp_path, path):
+    """get_batch(fn=) (and a wrapped dataset's get_batch) over 10 misses whose 6th raises (a
+    broken sample, or Ctrl-C): the 5 computed before it are stored, and counted as computed, as
+    one miss after another always did - the batch path dropped them (and their counts)."""
+    count_path = str(tmp_path / "computed")
+    cache = ShmDatasetCache(session="adv", name="raises", size=16)
+    try:
+        source = _FailsAt(100, count_path, bad=15)
+        ds = cache.wrap(source)
+        keys = list(range(10, 20))
+        assert not any(k in cache for k in keys)
+        with pytest.raises(ValueError, match="item 15 is broken"):
+            if path == "cache.get_batch":
+                cache.get_batch(keys, fn=source.__getitem__)
+            else:
+                ds.get_batch(keys)
+        assert [k in cache for k in keys] == [True] * 5 + [False] * 5
+        assert cache.stats()["computed"] == os.path.getsize(count_path)
+    finally:
+        cache.close()
