@@ -32,6 +32,7 @@ from ..cache.registry import SessionRegistry
 from ..cache.store import MISSING, CacheStore, UncachedStore
 from ..errors import (
     CacheNotFound,
+    EncodeError,
     InvalidArgument,
     ItemTooLarge,
     SessionNotFound,
@@ -556,8 +557,17 @@ class ShmDatasetCache:
     def _put_many(self, store: CacheStore, pairs: list) -> None:
         """Store the values a miss path computed (``(key, value)`` pairs) under one hold of the
         lock (``store.put_many``): what can never fit or finds the cache destroyed is served
-        anyway, said once per cache, as with ``_put``."""
-        self._put_encoded(store, [(key, self._encode(key, value)) for key, value in pairs])
+        anyway, said once per cache, as with ``_put``. A value that cannot be encoded raises
+        EncodeError after the others are stored: one such sample loses only itself."""
+        items, failed = [], None
+        for key, value in pairs:
+            try:
+                items.append((key, self._encode(key, value)))
+            except EncodeError as exc:
+                failed = failed or exc
+        self._put_encoded(store, items)
+        if failed is not None:
+            raise failed
 
     def _put_encoded(self, store: CacheStore, items: list) -> None:
         """``_put_many`` of values encoded already (``(key, codec.Encoded)`` pairs)."""

@@ -317,13 +317,17 @@ class CachedDataset(Dataset):
         return values, computed
 
     def _store_many(self, store: CacheStore, pairs: list) -> None:
-        items = []
+        """Store computed samples; one that cannot be encoded raises after the others are
+        stored (it loses only itself, as when they were stored one miss at a time)."""
+        items, failed = [], None
         for i, value in pairs:
             try:
                 items.append((i, self.cache._encode(i, value)))
             except EncodeError as exc:
-                raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
+                failed = failed or EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}")
         self.cache._put_encoded(store, items)
+        if failed is not None:
+            raise failed from None
 
     def get_batch(self, indices: Sequence, fn: Callable | None = None, out: Any = None) -> Any:
         """A collated batch (the vectorised path), misses computed from the dataset (or ``fn``).
