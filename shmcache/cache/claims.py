@@ -517,6 +517,12 @@ def _compute(claims: Claims | None, keys: Sequence, positions: list[int], out: l
         return
     batch = [keys[j] for j in positions]
     values = compute_many(batch)
+    if type(values) is not list:
+        values = list(values)
+    if len(values) != len(batch):  # else positions left unfilled would hand ``missing`` to the caller
+        raise InvalidArgument(
+            f"a batch's compute (get_batch's fn_many) returned {len(values)} values for {len(batch)} "
+            f"keys; return a list of one value per key, in the keys' order")
     pairs = []
     for j, key, value in zip(positions, batch, values):
         if type(value) is Served:

@@ -162,3 +162,21 @@ def test_a_sample_that_cannot_be_stored_loses_only_itself(tmp_path):
         assert [k in cache for k in (2000, 2001, 2002)] == [True, False, True]
     finally:
         cache.close()
+
+
+def test_a_batch_compute_that_answers_too_few_values_is_named():
+    """get_batch(fn_many=) that returns fewer values than keys: the batch's last positions were
+    left holding the cache's internal MISSING marker, handed to the caller (default_collate then
+    said "Could not infer dtype of _Missing"); it is an error naming fn_many and the fix, and the
+    claims are released (another miss of those keys computes them)."""
+    from shmcache.errors import InvalidArgument
+
+    cache = ShmDatasetCache(session="adv", name="short", size=16)
+    try:
+        for many in (lambda ks: [_claims.value_for(ks[0])], lambda ks: [_claims.value_for(k) for k in ks * 2]):
+            with pytest.raises(InvalidArgument, match="fn_many"):
+                cache.get_batch([30, 31], fn=_claims.value_for, fn_many=many)
+        assert np.array_equal(cache.get_batch([30, 31], fn=_claims.value_for).numpy(),
+                              np.stack([_claims.value_for(30), _claims.value_for(31)]))
+    finally:
+        cache.close()
