@@ -227,15 +227,18 @@ class Claims:
         # no thread lock: two threads of ours that both take one bucket both compute (waste only)
         if bucket in self._held:
             return OURS
-        # recorded before it is locked, and forgotten after it is unlocked (release): an
-        # interrupt (Ctrl-C) in between leaves a bucket we think held, never a lock we forgot
-        self._held.add(bucket)
+        # TAKEN, or nothing held: recorded before it is locked, and an interrupt (Ctrl-C) on the
+        # way undoes both (forgotten after it is unlocked: release)
         try:
+            self._held.add(bucket)
             fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_WRLCK, 0, _LOCKS_OFF + bucket, 1, 0))
         except OSError as exc:
             self._held.discard(bucket)
             if exc.errno in _BUSY:
                 return BUSY
+            raise
+        except BaseException:
+            _release(self, bucket)
             raise
         return TAKEN
 
@@ -332,35 +335,42 @@ def fill(
     if claims is None or not ((claims._gen == process_slot.fork_count() or claims._ready()) and claims.on):
         return _compute_one(claims, key, compute, publish)
     bucket = claims.bucket(key)
+    got = OURS
+    # one try from the take to the release (NOTE [claims]: an interrupt leaves no claim held):
+    # take() returns TAKEN or holds nothing, and ``got`` is TAKEN from then on
     try:
-        got = claims.take(bucket)
-        if got == BUSY:
-            got, value = claims.wait(bucket, look, missing)
-            if got == FOUND:  # published by the holder while we waited
-                claims.count(CLAIM_WAITS)
-                return value
-            if got == TIMED_OUT:  # a stopped or very slow holder: compute without the claim
-                claims.count(CLAIM_TIMEOUTS)
-    except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
-        log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, exc)
-        claims.on = False
-        got = OURS  # compute without a claim, as with claims off
-    if got != TAKEN:  # another thread of this process holds it, or we timed out: no claim
-        return _compute_one(claims, key, compute, publish)
-    claims.holding()
-    try:
-        value = look()  # the re-check: published between our miss and our claim?
-        if value is missing:
-            value = _compute_one(claims, key, compute, publish)  # published before the release
-        else:
-            claims.count(CLAIM_WAITS)  # another's value, not computed: a miss is one or the other
-    finally:
-        claims.done()
         try:
-            claims.release(bucket)
-        except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
-            pass
-    return value
+            got = claims.take(bucket)
+            if got == BUSY:
+                got, value = claims.wait(bucket, look, missing)
+                if got == FOUND:  # published by the holder while we waited
+                    claims.count(CLAIM_WAITS)
+                    return value
+                if got == TIMED_OUT:  # a stopped or very slow holder: compute without the claim
+                    claims.count(CLAIM_TIMEOUTS)
+        except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
+            log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, exc)
+            claims.on = False
+            got = OURS  # compute without a claim, as with claims off
+        if got != TAKEN:  # another thread of this process holds it, or we timed out: no claim
+            return _compute_one(claims, key, compute, publish)
+        claims.holding()
+        try:
+            value = look()  # the re-check: published between our miss and our claim?
+            if value is missing:
+                value = _compute_one(claims, key, compute, publish)  # published before the release
+            else:
+                claims.count(CLAIM_WAITS)  # another's value, not computed: a miss is one or the other
+        finally:
+            claims.done()
+        return value
+    finally:
+        if got == TAKEN:
+            try:
+                _release(claims, bucket)
+            except BaseException:  # an interrupt as the release began: it goes anyway
+                _release(claims, bucket)
+                raise
 
 
 def _compute_one(claims: Claims | None, key: Any, compute: Callable, publish: Callable) -> Any:
@@ -441,7 +451,11 @@ def fill_batch(
             elif failed is None:  # nothing taken: another thread of ours (or an outer miss) holds them
                 _compute(claims, keys, mine, out, compute_many, publish_many)
         finally:
-            _release_all(claims, held)
+            try:
+                _release_all(claims, held)
+            except BaseException:  # an interrupt as the release began: they go anyway
+                _release_all(claims, held)
+                raise
         if failed is not None:
             log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, failed)
             claims.on = False
@@ -536,19 +550,23 @@ def _compute(claims: Claims | None, keys: Sequence, positions: list[int], out: l
         publish_many(pairs)
 
 
+def _release(claims: Claims, bucket: int) -> None:
+    try:
+        claims.release(bucket)
+    except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
+        claims._held.discard(bucket)
+
+
 def _release_all(claims: Claims, buckets: list[int]) -> None:
+    """Release ``buckets``; an interrupt (Ctrl-C) half-way releases the rest too, then goes on
+    (a release is idempotent; so is each caller's retry of this call, made for an interrupt
+    that lands as it begins)."""
     try:
         for bucket in buckets:
-            try:
-                claims.release(bucket)
-            except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
-                pass
-    except BaseException:  # an interrupt (Ctrl-C) half-way: the rest go too (a release is idempotent)
+            _release(claims, bucket)
+    except BaseException:
         for bucket in buckets:
-            try:
-                claims.release(bucket)
-            except OSError:
-                pass
+            _release(claims, bucket)
         raise
 
 

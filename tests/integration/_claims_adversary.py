@@ -19,11 +19,12 @@ def _enc(pairs):
     return [(k, codec.encode(v)) for k, v in pairs]
 
 
-def interrupted(q, trials: int) -> None:
-    """Run big batches of misses and interrupt them with a real signal (SIGALRM, its handler
-    raising KeyboardInterrupt as Ctrl-C's does) at times that land anywhere in the claims'
-    bookkeeping; after each interrupt, report the buckets this process still holds, by its own
-    account and as another open file description of the claims file finds them."""
+def interrupted(q, trials: int, batch: bool) -> None:
+    """Run misses - big batches (``batch``), or one key after another - and interrupt them with
+    a real signal (SIGALRM, its handler raising KeyboardInterrupt as Ctrl-C's does) at times that
+    land anywhere in the claims' bookkeeping; after each interrupt, report the buckets this
+    process still holds, by its own account or as another open file description of the claims
+    file (another process's view) finds them."""
     try:
         from shmcache.cache import claims as claims_mod
         from shmcache.cache.store import CacheStore
@@ -36,20 +37,29 @@ def interrupted(q, trials: int) -> None:
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGALRM, on_alarm)
-        landed, leaked = 0, []
+        landed, leaked, made = 0, [], 0
         for trial in range(trials):
-            keys = [f"k{trial}-{i}" for i in range(20000)]
-            signal.setitimer(signal.ITIMER_REAL, 0.002 + 0.004 * (trial % 12))
+            if batch:
+                keys = [f"k{trial}-{i}" for i in range(20000)]
+                signal.setitimer(signal.ITIMER_REAL, 0.002 + 0.004 * (trial % 12))
+            else:
+                keys = []
+                signal.setitimer(signal.ITIMER_REAL, 0.0003 + 0.0001 * (trial % 7))
             try:
-                store.fill_batch(keys, lambda ks: [1] * len(ks), lambda pairs: None)
+                if batch:
+                    store.fill_batch(keys, lambda ks: [1] * len(ks), lambda pairs: None)
+                else:
+                    while True:  # one miss after another until the signal lands
+                        made += 1
+                        keys.append(f"s{made}")
+                        store.fill(keys[-1], lambda k: 1, lambda k, v: None)
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 continue
             except KeyboardInterrupt:
                 landed += 1
             signal.setitimer(signal.ITIMER_REAL, 0)
-            # every bucket of the batch: free for another open file description (another process)?
             busy = []
-            for b in {store.claims.bucket(k) for k in keys}:
+            for b in {store.claims.bucket(k) for k in keys[-20000:]}:
                 if other.take(b) == claims_mod.BUSY:
                     busy.append(b)
                 else:
