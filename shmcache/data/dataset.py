@@ -691,8 +691,8 @@ class ShmDatasetCache:
                 for at in range(0, len(absent), WARMUP_BATCH):
                     part = absent[at:at + WARMUP_BATCH]
                     todo = store.absent_ints(np.asarray(part, np.int64)).tolist()  # stored meanwhile?
-                    made = ds.fill_misses(store, todo)[1] if todo else 0  # claimed, computed, stored a chunk at a time
-                    store.count_misses(made)  # computed from the source: misses, as ds[i]'s would be
+                    # claimed, computed, stored a chunk at a time; counted as misses, as ds[i]'s would be
+                    made = ds.fill_misses(store, todo, as_misses=True)[1] if todo else 0
                     computed += made
                     bar.update(len(part))  # as they are stored (tqdm redraws at most 10 times a second)
                     shown += len(part)

@@ -298,19 +298,29 @@ class CachedDataset(Dataset):
                 values[j] = value
         return values
 
-    def fill_misses(self, store: CacheStore, keys: list) -> tuple[list, int]:
+    def fill_misses(self, store: CacheStore, keys: list, *, as_misses: bool = False) -> tuple[list, int]:
         """The values of ``keys``, all missed: those this process claims computed in one
         ``_compute_many`` (the dataset's ``__getitems__`` when it has one) and stored a chunk at
-        a time, the rest waited for (NOTE [claims]); and how many this process computed."""
+        a time, the rest waited for (NOTE [claims]); and how many this process computed.
+        ``as_misses``: count those as misses too (a warm-up's, which looked nothing up) - also
+        the ones kept when a sample raises (Ctrl-C), which no return value reports."""
         computed = 0
+
+        def keep(pairs: list) -> None:
+            keep_computed(self._store_many, store, pairs)
+            if as_misses:
+                store.count_misses(len(pairs))
 
         def compute_many(ks: list) -> list:
             nonlocal computed
             if len(ks) < 2 or getattr(self.dataset, "__getitems__", None) is None:
-                got = compute_each(self._compute, ks, partial(keep_computed, self._store_many, store))
+                got = compute_each(self._compute, ks, keep)
             else:
                 got = self._compute_many(ks)
-            computed += sum(type(v) is not Served for v in got)
+            made = sum(type(v) is not Served for v in got)
+            if as_misses:
+                store.count_misses(made)
+            computed += made
             return got
 
         values = store.fill_batch(keys, compute_many, partial(self._store_many, store), self.cache.copy)

@@ -182,3 +182,39 @@ def test_a_batch_compute_that_answers_too_few_values_is_named():
                               np.stack([_claims.value_for(30), _claims.value_for(31)]))
     finally:
         cache.close()
+
+
+class _InterruptedAt(_claims.CountingSource):
+    """A CountingSource whose item ``at`` raises KeyboardInterrupt once (Ctrl-C during a warm-up)."""
+
+    def __init__(self, n: int, count_path: str, at: int):
+        super().__init__(n, count_path)
+        self.at = at
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if int(i) == self.at:
+            self.at = -1
+            raise KeyboardInterrupt
+        return super().__getitem__(i)
+
+
+def test_a_warmup_interrupted_counts_what_it_kept_as_misses(tmp_path):
+    """Ctrl-C in the middle of a warm-up's batch of misses: what it computed is kept (stored,
+    counted as computed) and counted as misses too, as every computation of a warm-up is (the
+    kept part of the batch was not: stats() showed fewer misses than the warm-up computed)."""
+    count_path = str(tmp_path / "computed")
+    cache = ShmDatasetCache(session="adv", name="ctrlc", size=16)
+    try:
+        ds = cache.wrap(_InterruptedAt(600, count_path, at=400))  # 400: not one of wrap()'s probes
+        before, made_before = cache.stats(), os.path.getsize(count_path)
+        with pytest.raises(KeyboardInterrupt):
+            cache.warmup(ds, progress=False)
+        after, made = cache.stats(), os.path.getsize(count_path) - made_before
+        assert all(i in cache for i in range(400)) and 400 not in cache
+        assert after["computed"] - before["computed"] == made
+        assert after["misses"] - before["misses"] == made
+        rest = 600 - len(cache)
+        assert cache.warmup(ds, progress=False) == rest  # the rest, counted alike
+        assert cache.stats()["misses"] - before["misses"] == os.path.getsize(count_path) - made_before
+    finally:
+        cache.close()
