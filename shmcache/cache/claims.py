@@ -157,7 +157,6 @@ class Claims:
         self._row: Any = None  # this process's counter words: a memoryview of the file's row, or a list
         self._mm: mmap.mmap | None = None
         self._held: set[int] = set()  # buckets this process holds (NOTE [claims]: threads)
-        self._thread = _ThreadState()
         close_in_forked_children(self)
 
     # --- per process -------------------------------------------------------------------------
@@ -169,7 +168,6 @@ class Claims:
             os.close(self._fd)
         self._fd, self._row, self._mm, self._gen = -1, None, None, -1
         self._held = set()
-        self._thread = _ThreadState()
 
     def _open(self) -> None:
         """This process's descriptor of the claims file and its counter row (once per process)."""
@@ -268,10 +266,10 @@ class Claims:
     def wait_deadline(self) -> float:
         """When a wait for other processes' claims that starts now gives up: ``timeout_s`` from
         now; for a miss nested in a computation under this thread's claims (a ``compute`` that
-        reads the cache), which waits while it holds them, the deadline the first such wait
-        set: holders that wait for each other's keys (a cycle) cost one ``timeout_s`` in all,
-        not one per nested miss (a batch's computation misses one key after another)."""
-        t = self._thread
+        reads this cache or another), which waits while it holds them, the deadline the first
+        such wait set: holders that wait for each other's keys (a cycle) cost one ``timeout_s``
+        in all, not one per nested miss (a batch's computation misses one key after another)."""
+        t = _THREAD
         if not t.depth:
             return time.monotonic() + self.timeout_s
         if not t.deadline:
@@ -280,10 +278,10 @@ class Claims:
 
     def holding(self) -> None:
         """This thread computes under claims (until ``done``): its misses meanwhile are nested."""
-        self._thread.depth += 1
+        _THREAD.depth += 1
 
     def done(self) -> None:
-        t = self._thread
+        t = _THREAD
         t.depth -= 1
         if not t.depth:
             t.deadline = 0.0
@@ -296,11 +294,23 @@ class Claims:
 
 
 class _ThreadState(threading.local):
-    """Per thread: how many computations under claims it is inside (``Claims.holding``), and the
-    deadline its nested misses' waits share (``Claims.wait_deadline``)."""
+    """Per thread: how many computations under claims (of any cache) it is inside
+    (``Claims.holding``), and the deadline its nested misses' waits share (``Claims.wait_deadline``)."""
 
     depth = 0
     deadline = 0.0
+
+
+_THREAD = _ThreadState()
+
+
+def _forget_thread_state() -> None:
+    """In a forked child: the forking thread's computations under claims are the parent's."""
+    _THREAD.depth, _THREAD.deadline = 0, 0.0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_thread_state)
 
 
 def _timeout(given: float | None) -> float:

@@ -75,14 +75,17 @@ def interrupted(q, trials: int, batch: bool) -> None:
         q.put(("error", traceback.format_exc()))
 
 
-def nested_holder(q, barrier, keys: list, partner_off: int, count_path: str, claim_timeout_s: float) -> None:
-    """Miss ``keys`` as one batch; computing each key misses, in the same cache, the key
-    ``partner_off`` away - which the partner process holds in its own batch (a cycle). Reports the
-    seconds the batch took, the values' correctness and the counters."""
+def nested_holder(q, barrier, keys: list, partner_off: int, count_path: str, claim_timeout_s: float,
+                  names: tuple = ("nest", "nest")) -> None:
+    """Miss ``keys`` as one batch in cache ``names[0]``; computing each key misses, in cache
+    ``names[1]``, the key ``partner_off`` away - which the partner process holds in its own batch
+    (a cycle). Reports the seconds the batch took and the values' correctness."""
     try:
         from shmcache.cache.store import CacheStore
 
-        store = CacheStore("adv", "nest", capacity_bytes=16 << 20, claim_timeout_s=claim_timeout_s)
+        outer = CacheStore("adv", names[0], capacity_bytes=16 << 20, claim_timeout_s=claim_timeout_s)
+        store = outer if names[1] == names[0] else CacheStore("adv", names[1], capacity_bytes=16 << 20,
+                                                              claim_timeout_s=claim_timeout_s)
 
         def inner(k):
             _claims.count_one(count_path, b"n")
@@ -97,10 +100,11 @@ def nested_holder(q, barrier, keys: list, partner_off: int, count_path: str, cla
 
         barrier.wait(timeout=60)
         t0 = time.monotonic()
-        got = store.fill_batch(list(keys), lambda ks: [one(k) for k in ks], lambda pairs: store.put_many(_enc(pairs)))
+        got = outer.fill_batch(list(keys), lambda ks: [one(k) for k in ks], lambda pairs: outer.put_many(_enc(pairs)))
         took = time.monotonic() - t0
         right = all(np.array_equal(g, _claims.value_for(k)) for k, g in zip(keys, got))
-        store.close()
+        for s in {id(outer): outer, id(store): store}.values():
+            s.close()
         q.put(("ok", {"took": took, "right": right, "pid": os.getpid()}))
     except BaseException:  # noqa: BLE001 - reported to the test
         q.put(("error", traceback.format_exc()))

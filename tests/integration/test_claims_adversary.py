@@ -44,17 +44,20 @@ def test_an_interrupt_in_the_middle_of_a_miss_leaves_no_claim_held(batch):
     assert got["leaked"] == [], f"claims left held after an interrupt (trial, busy, held): {got['leaked']}"
 
 
-def test_misses_nested_in_two_batches_that_hold_each_others_keys_wait_one_timeout_not_one_per_key(tmp_path):
+@pytest.mark.parametrize("across", [False, True], ids=["one_cache", "two_caches"])
+def test_misses_nested_in_two_batches_that_hold_each_others_keys_wait_one_timeout_not_one_per_key(tmp_path, across):
     """Two processes each compute a batch of 10 misses under their claims, and computing each
-    key misses (in the same cache) a key the other process holds in its batch: a cycle. Each
-    nested miss waits for the other's claim, which is held until the other's whole batch is
-    computed. NOTE [claims]: a cycle of holders costs one claim_timeout_s; it cost one per key
-    (10 x claim_timeout_s per batch: a batch of 256 with the default 10 s waited 43 minutes)."""
+    key misses a key the other process holds in its batch (in the same cache, or each in the
+    other's cache): a cycle. Each nested miss waits for the other's claim, which is held until
+    the other's whole batch is computed. NOTE [claims]: a cycle of holders costs one
+    claim_timeout_s; it cost one per key (10 x claim_timeout_s per batch: a batch of 256 with the
+    default 10 s waited 43 minutes)."""
     timeout_s = 0.6
     count_path = str(tmp_path / "computed")
+    names = [("nestA", "nestB"), ("nestB", "nestA")] if across else [("nest", "nest")] * 2
     specs = [(list(range(10)), 10), (list(range(10, 20)), -10)]
     results = _run(multiprocessing.get_context("fork"), _claims_adversary.nested_holder,
-                   lambda r: (*specs[r], count_path, timeout_s), 2)
+                   lambda r: (*specs[r], count_path, timeout_s, names[r]), 2)
     assert all(r["right"] for r in results)
     took = max(r["took"] for r in results)
     # one timeout, plus 10 computations of 20 ms, with room for a loaded machine; one per key is 6 s
