@@ -221,3 +221,48 @@ def test_a_warmup_interrupted_counts_what_it_kept_as_misses(tmp_path):
         assert cache.stats()["misses"] - before["misses"] == os.path.getsize(count_path) - made_before
     finally:
         cache.close()
+
+
+UNCACHED = r"""
+with open("/dev/shm/filler", "wb") as f:  # /dev/shm full: the cache is made uncached
+    chunk = b"\0" * (1 << 20)
+    while True:
+        try:
+            f.write(chunk)
+            f.flush()
+        except OSError:
+            break
+COUNT = OUT + ".count"
+
+class Counting(Source):
+    def __getitem__(self, i):
+        if i == 5:
+            raise ValueError("item 5 is broken")
+        fd = os.open(COUNT, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.write(fd, b"x")
+        os.close(fd)
+        return value(i)
+
+cache = ShmDatasetCache(session="s26")
+ds = cache.wrap(Counting(64))
+assert cache.store.uncached
+ds.get_batch([1, 1, 2, 3, 1])  # a key three times: computed once
+try:
+    ds.get_batch([4, 5, 6])  # 4 computed, 5 raises
+except ValueError:
+    pass
+cache.get(7, ds.dataset.__getitem__)
+st = cache.stats()
+cache.close()
+finish({"computed": st["computed"], "source": os.path.getsize(COUNT)}, "s26")
+"""
+
+
+def test_an_uncached_cache_counts_what_it_computed(tmp_path):
+    """A cache made with no room in /dev/shm (an UncachedStore) counted every key of a batch of
+    misses as computed before computing: a key twice, or a batch whose compute raised half-way,
+    counted more than the source computed (and what was kept before the raise, twice)."""
+    from test_small_shm import _in_small_shm
+
+    res, _ = _in_small_shm(tmp_path, UNCACHED, item=64 << 10)
+    assert res["computed"] == res["source"], res
