@@ -22,11 +22,11 @@ NOTE [claims]
     served (``claim_waits``), free ones claimed and taken through 2-4; the whole batch's wait is
     bounded by one ``claim_timeout_s``, then what is left is computed without claims
     (``claim_timeouts``, one per key). A key twice in a batch (a sampler drawing with
-    replacement) is claimed and computed once, its other positions served a copy. So a process
-    holds claims only while it computes, never while it waits: two batches that overlap cannot
-    wait for each other. A compute callback may
-    answer ``Served(value)`` for a key it did not compute (a remote tier's lease holder published
-    it): not counted, not published again.
+    replacement) is claimed and computed once, its other positions served a copy. So a batch
+    holds claims only while it computes, never while it waits for the keys it set aside: two
+    batches that overlap cannot wait for each other. A compute callback may answer
+    ``Served(value)`` for a key it did not compute (a remote tier's lease holder published it):
+    not counted, not published again.
 
     Who waits, how long. A process whose claim is refused (another process holds the bucket)
     waits: it polls with a growing sleep (50 us, doubling, at most 5 ms) for either the value in
@@ -36,24 +36,26 @@ NOTE [claims]
     computes and publishes without the claim (counted ``claim_timeouts``): a stopped holder
     (SIGSTOP, a debugger) or a very slow sample costs one timeout, never a hang. Two keys in one
     bucket wait for each other the same way: a bounded wait, never a wrong value. So does a holder
-    whose computation misses other keys (a ``fn`` that reads the cache): a cycle of such holders
-    costs one ``claim_timeout_s``, then each computes - one in all, not one per nested miss: the
-    misses of a thread computing under claims share the deadline its first wait set
-    (``Claims.wait_deadline``; a batch's computation misses key after key). A claim never decides which value is
-    served: values are deterministic and the first publish wins, as without claims; a second
-    computation is waste, never damage (at least once per key). A publish that stores nothing
-    (a full cache) leaves the next taker to compute again: misses of one key then take turns.
+    whose computation misses other keys (a ``fn`` that reads this cache or another): a cycle of
+    such holders costs one ``claim_timeout_s`` in all, then each computes - not one per nested
+    miss: the misses of a thread computing under claims share the deadline its first wait set
+    (``Claims.wait_deadline``; a batch's computation misses key after key). A claim never
+    decides which value is served: values are deterministic and the first publish wins, as
+    without claims; a second computation is waste, never damage (at least once per key). A
+    publish that stores nothing (a full cache) leaves the next taker to compute again: misses of
+    one key then take turns.
 
     What dies with whom. An OFD lock belongs to the open file description, and the kernel drops
     it when the last descriptor of it closes: when its holder exits or is killed (SIGKILL too) -
     at once, not after a timeout, so a waiter takes the claim on its next poll. An interrupt
-    (Ctrl-C) in the middle of a batch leaves no claim held: a bucket is recorded before it is
-    locked and forgotten after it is unlocked, and a batch releases every bucket it recorded in
-    one ``finally`` (a release of a bucket not locked is harmless). Threads of one
-    process share the description (a lock taken twice is one lock), so a process keeps the
-    buckets its threads hold in a set: another thread (or a nested miss of the same thread) that
-    finds its bucket held in its own process computes without a claim, never waits for itself
-    (two threads that take one bucket at the same instant may both compute: waste only).
+    (Ctrl-C) anywhere in a miss, a batch's or a single key's, leaves no claim held: ``take``
+    takes and records a bucket or holds nothing, a bucket is forgotten only after it is
+    unlocked, and one ``finally`` releases what was taken (a release an interrupt cuts as it
+    begins is made again; releasing a bucket not locked is harmless). Threads of one process
+    share the description (a lock taken twice is one lock), so a process keeps the buckets its
+    threads hold in a set: another thread (or a nested miss of the same thread) that finds its
+    bucket held in its own process computes without a claim, never waits for itself (two threads
+    that take one bucket at the same instant may both compute: waste only).
 
     Fork. An inherited descriptor shares the parent's description, so a forked child (a
     DataLoader worker) and its parent would not exclude each other, and a child that kept it would
