@@ -227,13 +227,12 @@ class Claims:
         # no thread lock: two threads of ours that both take one bucket both compute (waste only)
         if bucket in self._held:
             return OURS
-        # TAKEN, or nothing held: recorded before it is locked, and an interrupt (Ctrl-C) on the
-        # way undoes both (forgotten after it is unlocked: release)
+        # TAKEN, or nothing held: an interrupt (Ctrl-C) between the lock and its record undoes
+        # both (recorded only once locked: another thread must not take a busy bucket for ours)
         try:
-            self._held.add(bucket)
             fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_WRLCK, 0, _LOCKS_OFF + bucket, 1, 0))
+            self._held.add(bucket)
         except OSError as exc:
-            self._held.discard(bucket)
             if exc.errno in _BUSY:
                 return BUSY
             raise

@@ -26,12 +26,19 @@ def interrupted(q, trials: int, batch: bool) -> None:
     process still holds, by its own account or as another open file description of the claims
     file (another process's view) finds them."""
     try:
+        import faulthandler
+
         from shmcache.cache import claims as claims_mod
         from shmcache.cache.store import CacheStore
 
+        faulthandler.dump_traceback_later(50, exit=True)  # a hang shows where, then ends the process
         store = CacheStore("adv", "intr", capacity_bytes=16 << 20)
         other = claims_mod.Claims(store.claims.path, lambda: 0)  # another description: another process's view
         other._ready()
+        # what a process does once (its slot, its counter row, the maps) done before the interrupts:
+        # those are not the claims' bookkeeping, which is what is interrupted here
+        store.fill_batch(["first-a", "first-b"], lambda ks: [1] * len(ks), lambda pairs: None)
+        store.fill("first-c", lambda k: 1, lambda k, v: None)
 
         def on_alarm(*_):
             raise KeyboardInterrupt
