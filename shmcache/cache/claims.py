@@ -21,10 +21,12 @@ NOTE [claims]
     NOTE [publish order]); 4. release them. Only then 5. poll the keys set aside: found ones are
     served (``claim_waits``), free ones claimed and taken through 2-4; the whole batch's wait is
     bounded by one ``claim_timeout_s``, then what is left is computed without claims
-    (``claim_timeouts``, one per key). So a process holds claims only while it computes, never
-    while it waits: two batches that overlap cannot wait for each other. A compute callback may
-    answer ``Served(value)`` for a key it did not compute (a remote tier's lease holder published
-    it): not counted, not published again.
+    (``claim_timeouts``, one per key). A key twice in a batch (a sampler drawing with
+    replacement) is claimed and computed once, its other positions served a copy. So a batch
+    holds claims only while it computes, never while it waits for the keys it set aside: two
+    batches that overlap cannot wait for each other. A compute callback may answer
+    ``Served(value)`` for a key it did not compute (a remote tier's lease holder published it):
+    not counted, not published again.
 
     Who waits, how long. A process whose claim is refused (another process holds the bucket)
     waits: it polls with a growing sleep (50 us, doubling, at most 5 ms) for either the value in
@@ -34,19 +36,26 @@ NOTE [claims]
     computes and publishes without the claim (counted ``claim_timeouts``): a stopped holder
     (SIGSTOP, a debugger) or a very slow sample costs one timeout, never a hang. Two keys in one
     bucket wait for each other the same way: a bounded wait, never a wrong value. So does a holder
-    whose computation misses other keys (a ``fn`` that reads the cache): a cycle of such holders
-    costs one ``claim_timeout_s``, then each computes. A claim never decides which value is
-    served: values are deterministic and the first publish wins, as without claims; a second
-    computation is waste, never damage (at least once per key). A publish that stores nothing
-    (a full cache) leaves the next taker to compute again: misses of one key then take turns.
+    whose computation misses other keys (a ``fn`` that reads this cache or another): a cycle of
+    such holders costs one ``claim_timeout_s`` in all, then each computes - not one per nested
+    miss: the misses of a thread computing under claims share the deadline its first wait set
+    (``Claims.wait_deadline``; a batch's computation misses key after key). A claim never
+    decides which value is served: values are deterministic and the first publish wins, as
+    without claims; a second computation is waste, never damage (at least once per key). A
+    publish that stores nothing (a full cache) leaves the next taker to compute again: misses of
+    one key then take turns.
 
     What dies with whom. An OFD lock belongs to the open file description, and the kernel drops
     it when the last descriptor of it closes: when its holder exits or is killed (SIGKILL too) -
-    at once, not after a timeout, so a waiter takes the claim on its next poll. Threads of one
-    process share the description (a lock taken twice is one lock), so a process keeps the
-    buckets its threads hold in a set: another thread (or a nested miss of the same thread) that
-    finds its bucket held in its own process computes without a claim, never waits for itself
-    (two threads that take one bucket at the same instant may both compute: waste only).
+    at once, not after a timeout, so a waiter takes the claim on its next poll. An interrupt
+    (Ctrl-C) anywhere in a miss, a batch's or a single key's, leaves no claim held: ``take``
+    takes and records a bucket or holds nothing, a bucket is forgotten only after it is
+    unlocked, and one ``finally`` releases what was taken (a release an interrupt cuts as it
+    begins is made again; releasing a bucket not locked is harmless). Threads of one process
+    share the description (a lock taken twice is one lock), so a process keeps the buckets its
+    threads hold in a set: another thread (or a nested miss of the same thread) that finds its
+    bucket held in its own process computes without a claim, never waits for itself (two threads
+    that take one bucket at the same instant may both compute: waste only).
 
     Fork. An inherited descriptor shares the parent's description, so a forked child (a
     DataLoader worker) and its parent would not exclude each other, and a child that kept it would
@@ -65,6 +74,7 @@ NOTE [claims]
 
 from __future__ import annotations
 
+import copy
 import errno
 import fcntl
 import logging
@@ -72,6 +82,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -216,25 +227,30 @@ class Claims:
         # no thread lock: two threads of ours that both take one bucket both compute (waste only)
         if bucket in self._held:
             return OURS
+        # TAKEN, or nothing held: an interrupt (Ctrl-C) between the lock and its record undoes
+        # both (recorded only once locked: another thread must not take a busy bucket for ours)
         try:
             fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_WRLCK, 0, _LOCKS_OFF + bucket, 1, 0))
+            self._held.add(bucket)
         except OSError as exc:
             if exc.errno in _BUSY:
                 return BUSY
             raise
-        self._held.add(bucket)
+        except BaseException:
+            _release(self, bucket)
+            raise
         return TAKEN
 
     def release(self, bucket: int) -> None:
-        self._held.discard(bucket)
         if self._fd >= 0:
             fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_UNLCK, 0, _LOCKS_OFF + bucket, 1, 0))
+        self._held.discard(bucket)
 
     def wait(self, bucket: int, look: Callable[[], Any], missing: Any) -> tuple[int, Any]:
         """Wait for another process's claim on ``bucket`` (NOTE [claims]): ``(TAKEN, missing)``
         once it is ours (``OURS``: another thread of ours took it), ``(FOUND, value)`` once
         ``look()`` finds the value, ``(TIMED_OUT, missing)`` after ``timeout_s``."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = self.wait_deadline()
         delay = FIRST_SLEEP_S
         while True:
             time.sleep(delay)
@@ -248,11 +264,54 @@ class Claims:
                 return TIMED_OUT, missing
             delay = min(delay * 2, MAX_SLEEP_S)
 
+    def wait_deadline(self) -> float:
+        """When a wait for other processes' claims that starts now gives up: ``timeout_s`` from
+        now; for a miss nested in a computation under this thread's claims (a ``compute`` that
+        reads this cache or another), which waits while it holds them, the deadline the first
+        such wait set: holders that wait for each other's keys (a cycle) cost one ``timeout_s``
+        in all, not one per nested miss (a batch's computation misses one key after another)."""
+        t = _THREAD
+        if not t.depth:
+            return time.monotonic() + self.timeout_s
+        if not t.deadline:
+            t.deadline = time.monotonic() + self.timeout_s
+        return t.deadline
+
+    def holding(self) -> None:
+        """This thread computes under claims (until ``done``): its misses meanwhile are nested."""
+        _THREAD.depth += 1
+
+    def done(self) -> None:
+        t = _THREAD
+        t.depth -= 1
+        if not t.depth:
+            t.deadline = 0.0
+
     def close(self) -> None:
         if self._fd >= 0 and self._gen == process_slot.fork_count():
             os.close(self._fd)  # drops every claim of this process on the file
         self._fd, self._gen, self._row = -1, -1, None
         self._held = set()
+
+
+class _ThreadState(threading.local):
+    """Per thread: how many computations under claims (of any cache) it is inside
+    (``Claims.holding``), and the deadline its nested misses' waits share (``Claims.wait_deadline``)."""
+
+    depth = 0
+    deadline = 0.0
+
+
+_THREAD = _ThreadState()
+
+
+def _forget_thread_state() -> None:
+    """In a forked child: the forking thread's computations under claims are the parent's."""
+    _THREAD.depth, _THREAD.deadline = 0, 0.0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_thread_state)
 
 
 def _timeout(given: float | None) -> float:
@@ -287,33 +346,42 @@ def fill(
     if claims is None or not ((claims._gen == process_slot.fork_count() or claims._ready()) and claims.on):
         return _compute_one(claims, key, compute, publish)
     bucket = claims.bucket(key)
+    got = OURS
+    # one try from the take to the release (NOTE [claims]: an interrupt leaves no claim held):
+    # take() returns TAKEN or holds nothing, and ``got`` is TAKEN from then on
     try:
-        got = claims.take(bucket)
-        if got == BUSY:
-            got, value = claims.wait(bucket, look, missing)
-            if got == FOUND:  # published by the holder while we waited
-                claims.count(CLAIM_WAITS)
-                return value
-            if got == TIMED_OUT:  # a stopped or very slow holder: compute without the claim
-                claims.count(CLAIM_TIMEOUTS)
-    except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
-        log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, exc)
-        claims.on = False
-        got = OURS  # compute without a claim, as with claims off
-    if got != TAKEN:  # another thread of this process holds it, or we timed out: no claim
-        return _compute_one(claims, key, compute, publish)
-    try:
-        value = look()  # the re-check: published between our miss and our claim?
-        if value is missing:
-            value = _compute_one(claims, key, compute, publish)  # published before the release
-        else:
-            claims.count(CLAIM_WAITS)  # another's value, not computed: a miss is one or the other
-    finally:
         try:
-            claims.release(bucket)
-        except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
-            pass
-    return value
+            got = claims.take(bucket)
+            if got == BUSY:
+                got, value = claims.wait(bucket, look, missing)
+                if got == FOUND:  # published by the holder while we waited
+                    claims.count(CLAIM_WAITS)
+                    return value
+                if got == TIMED_OUT:  # a stopped or very slow holder: compute without the claim
+                    claims.count(CLAIM_TIMEOUTS)
+        except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
+            log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, exc)
+            claims.on = False
+            got = OURS  # compute without a claim, as with claims off
+        if got != TAKEN:  # another thread of this process holds it, or we timed out: no claim
+            return _compute_one(claims, key, compute, publish)
+        claims.holding()
+        try:
+            value = look()  # the re-check: published between our miss and our claim?
+            if value is missing:
+                value = _compute_one(claims, key, compute, publish)  # published before the release
+            else:
+                claims.count(CLAIM_WAITS)  # another's value, not computed: a miss is one or the other
+        finally:
+            claims.done()
+        return value
+    finally:
+        if got == TAKEN:
+            try:
+                _release(claims, bucket)
+            except BaseException:  # an interrupt as the release began: it goes anyway
+                _release(claims, bucket)
+                raise
 
 
 def _compute_one(claims: Claims | None, key: Any, compute: Callable, publish: Callable) -> Any:
@@ -351,7 +419,11 @@ def fill_batch(
     absent), computed with one ``compute_many(keys)`` and published with one ``publish_many([(key,
     value), ...])``, then released; only then does it wait for the keys other processes hold,
     polling them with ``look_many`` and taking and computing what they leave, within one
-    ``claim_timeout_s`` for the whole batch."""
+    ``claim_timeout_s`` for the whole batch. A key met twice (a sampler drawing with replacement)
+    is computed once; its other positions get their own copy."""
+    again = _repeats(keys)
+    if again:
+        return _fill_repeats(claims, keys, again, look_many, missing, compute_many, publish_many)
     out = [missing] * len(keys)
     if claims is None or not ((claims._gen == process_slot.fork_count() or claims._ready()) and claims.on):
         _compute(claims, keys, list(range(len(keys))), out, compute_many, publish_many)
@@ -363,31 +435,47 @@ def fill_batch(
         held: list[int] = []  # buckets taken in this round
         mine: list[int] = []  # positions to compute now: their claim is ours (or this process's)
         busy: list[int] = []
+        failed: OSError | None = None
+        # one try from the first take to the last release, and each bucket in ``held`` before it
+        # is taken: an interrupt (Ctrl-C) anywhere in between must not leave a claim held by
+        # nobody's account for as long as the process lives (every other process missing its
+        # keys would wait claim_timeout_s); releasing one not taken is harmless
         try:
-            for j in todo:
-                got = claims.take(buckets[j])
-                if got == BUSY:
-                    busy.append(j)
-                else:
-                    mine.append(j)
-                    if got == TAKEN:
-                        held.append(buckets[j])
-        except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
-            _release_all(claims, held)
-            log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, exc)
+            try:
+                for j in todo:
+                    held.append(buckets[j])
+                    got = claims.take(buckets[j])
+                    if got != TAKEN:
+                        held.pop()
+                        (busy if got == BUSY else mine).append(j)
+                    else:
+                        mine.append(j)
+            except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
+                failed = exc
+            if failed is None and held:
+                mine = _found(claims, keys, mine, out, look_many, missing)  # published meanwhile?
+                claims.holding()  # its misses are nested (NOTE [claims]: a cycle costs one timeout)
+                try:
+                    _compute(claims, keys, mine, out, compute_many, publish_many)  # published before the release
+                finally:
+                    claims.done()
+            elif failed is None:  # nothing taken: another thread of ours (or an outer miss) holds them
+                _compute(claims, keys, mine, out, compute_many, publish_many)
+        finally:
+            try:
+                _release_all(claims, held)
+            except BaseException:  # an interrupt as the release began: they go anyway
+                _release_all(claims, held)
+                raise
+        if failed is not None:
+            log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, failed)
             claims.on = False
             _compute(claims, keys, todo, out, compute_many, publish_many)
             return out
-        try:
-            if held:  # the re-check: published between our miss (or last poll) and our claim?
-                mine = _found(claims, keys, mine, out, look_many, missing)
-            _compute(claims, keys, mine, out, compute_many, publish_many)  # published before the release
-        finally:
-            _release_all(claims, held)
         if not busy:
             break
         if first:
-            deadline, first = time.monotonic() + claims.timeout_s, False
+            deadline, first = claims.wait_deadline(), False
         elif time.monotonic() >= deadline:  # stopped or very slow holders: compute without the claims
             claims.count(CLAIM_TIMEOUTS, len(busy))
             _compute(claims, keys, busy, out, compute_many, publish_many)
@@ -395,6 +483,36 @@ def fill_batch(
         time.sleep(delay)
         delay = min(delay * 2, MAX_SLEEP_S)
         todo = _found(claims, keys, busy, out, look_many, missing)  # published by their holders
+    return out
+
+
+def _repeats(keys: Sequence) -> dict[int, int]:
+    """{position: position of its key's first occurrence} for every key met again in ``keys``."""
+    first: dict = {}
+    again = {}
+    try:
+        for j, key in enumerate(keys):
+            at = first.setdefault(key, j)
+            if at != j:
+                again[j] = at
+    except TypeError:  # an unhashable key (none the cache takes): nothing to merge
+        return {}
+    return again
+
+
+def _fill_repeats(claims: Claims | None, keys: Sequence, again: dict[int, int], look_many: Callable,
+                  missing: Any, compute_many: Callable, publish_many: Callable) -> list:
+    """``fill_batch`` of a batch that holds a key more than once: each key filled once, and
+    every other position given its own object (a collate that changes samples in place must not
+    change another's): read from the cache as any hit, else a deep copy (not stored: a full cache)."""
+    firsts = [j for j in range(len(keys)) if j not in again]
+    out = [missing] * len(keys)
+    for j, value in zip(firsts, fill_batch(claims, [keys[j] for j in firsts], look_many, missing,
+                                           compute_many, publish_many)):
+        out[j] = value
+    rest = list(again)
+    for j, value in zip(rest, look_many([keys[j] for j in rest])):
+        out[j] = copy.deepcopy(out[again[j]]) if value is missing else value
     return out
 
 
@@ -424,6 +542,12 @@ def _compute(claims: Claims | None, keys: Sequence, positions: list[int], out: l
         return
     batch = [keys[j] for j in positions]
     values = compute_many(batch)
+    if type(values) is not list:
+        values = list(values)
+    if len(values) != len(batch):  # else positions left unfilled would hand ``missing`` to the caller
+        raise InvalidArgument(
+            f"a batch's compute (get_batch's fn_many) returned {len(values)} values for {len(batch)} "
+            f"keys; return a list of one value per key, in the keys' order")
     pairs = []
     for j, key, value in zip(positions, batch, values):
         if type(value) is Served:
@@ -437,12 +561,24 @@ def _compute(claims: Claims | None, keys: Sequence, positions: list[int], out: l
         publish_many(pairs)
 
 
+def _release(claims: Claims, bucket: int) -> None:
+    try:
+        claims.release(bucket)
+    except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
+        claims._held.discard(bucket)
+
+
 def _release_all(claims: Claims, buckets: list[int]) -> None:
-    for bucket in buckets:
-        try:
-            claims.release(bucket)
-        except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
-            pass
+    """Release ``buckets``; an interrupt (Ctrl-C) half-way releases the rest too, then goes on
+    (a release is idempotent; so is each caller's retry of this call, made for an interrupt
+    that lands as it begins)."""
+    try:
+        for bucket in buckets:
+            _release(claims, bucket)
+    except BaseException:
+        for bucket in buckets:
+            _release(claims, bucket)
+        raise
 
 
 def read_counts(path: Path) -> dict:

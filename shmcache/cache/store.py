@@ -1436,13 +1436,22 @@ class UncachedStore:
     def fill(self, key: Any, compute: Callable[[Any], Any], publish: Callable[[Any, Any], Any],
              copy: bool = True) -> Any:
         """No shared memory, so no claims: compute (and offer it to ``publish``, which refuses)."""
-        self._computed += 1
-        return claims.fill(None, key, lambda: MISSING, MISSING, compute, publish)
+        return claims.fill(None, key, lambda: MISSING, MISSING,
+                           lambda k: self._counted([compute(k)])[0], publish)
 
     def fill_batch(self, keys: list, compute_many: Callable[[list], list],
                    publish_many: Callable[[list], Any], copy: bool = True) -> list:
-        self._computed += len(keys)
-        return claims.fill_batch(None, keys, lambda ks: [MISSING] * len(ks), MISSING, compute_many, publish_many)
+        return claims.fill_batch(None, keys, lambda ks: [MISSING] * len(ks), MISSING,
+                                 lambda ks: self._counted(compute_many(ks)), publish_many)
+
+    def _counted(self, values: list) -> list:
+        """``values`` just computed, counted - once they are (not the keys asked for: a key twice
+        in a batch is computed once, a compute that raises half-way counts what it kept itself,
+        and a ``Served`` value was not computed here)."""
+        if type(values) is not list:
+            values = list(values)
+        self._computed += sum(type(v) is not claims.Served for v in values)
+        return values
 
     def count_computed(self, n: int = 1) -> None:
         self._computed += n

@@ -32,6 +32,7 @@ from ..cache.registry import SessionRegistry
 from ..cache.store import MISSING, CacheStore, UncachedStore
 from ..errors import (
     CacheNotFound,
+    EncodeError,
     InvalidArgument,
     ItemTooLarge,
     SessionNotFound,
@@ -52,7 +53,7 @@ from .arguments import (
 from .batches import as_int_keys, copy_into, gather
 from .fingerprint import fingerprint, given_fingerprint, length_or_none
 from .probes import read_probes, same_value
-from .wrapped import CachedDataset, CachedIterableDataset, NoSource, same_sample
+from .wrapped import CachedDataset, CachedIterableDataset, NoSource, compute_each, keep_computed, same_sample
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
@@ -576,8 +577,17 @@ class ShmDatasetCache:
     def _put_many(self, store: CacheStore, pairs: list) -> None:
         """Store the values a miss path computed (``(key, value)`` pairs) under one hold of the
         lock (``store.put_many``): what can never fit or finds the cache destroyed is served
-        anyway, said once per cache, as with ``_put``."""
-        self._put_encoded(store, [(key, self._encode(key, value)) for key, value in pairs])
+        anyway, said once per cache, as with ``_put``. A value that cannot be encoded raises
+        EncodeError after the others are stored: one such sample loses only itself."""
+        items, failed = [], None
+        for key, value in pairs:
+            try:
+                items.append((key, self._encode(key, value)))
+            except EncodeError as exc:
+                failed = failed or exc
+        self._put_encoded(store, items)
+        if failed is not None:
+            raise failed
 
     def _put_encoded(self, store: CacheStore, items: list) -> None:
         """``_put_many`` of values encoded already (``(key, codec.Encoded)`` pairs)."""
@@ -651,7 +661,8 @@ class ShmDatasetCache:
             if fn is None:
                 raise KeyError(f"{len(missing)} of {len(keys)} keys are not cached: "
                                f"{[keys[i] for i in missing[:10]]}; pass fn= to compute them")
-            many = fn_many or (lambda ks: [fn(k) for k in ks])
+            # one by one: what was computed before a raise (a broken sample, Ctrl-C) is kept
+            many = fn_many or partial(compute_each, fn, keep=partial(keep_computed, self._put_many, store))
             got = store.fill_batch([keys[i] for i in missing], many, partial(self._put_many, store),
                                    self.copy)  # NOTE [claims]
             for i, value in zip(missing, got):
@@ -699,8 +710,8 @@ class ShmDatasetCache:
                 for at in range(0, len(absent), WARMUP_BATCH):
                     part = absent[at:at + WARMUP_BATCH]
                     todo = store.absent_ints(np.asarray(part, np.int64)).tolist()  # stored meanwhile?
-                    made = ds.fill_misses(store, todo)[1] if todo else 0  # claimed, computed, stored a chunk at a time
-                    store.count_misses(made)  # computed from the source: misses, as ds[i]'s would be
+                    # claimed, computed, stored a chunk at a time; counted as misses, as ds[i]'s would be
+                    made = ds.fill_misses(store, todo, as_misses=True)[1] if todo else 0
                     computed += made
                     bar.update(len(part))  # as they are stored (tqdm redraws at most 10 times a second)
                     shown += len(part)

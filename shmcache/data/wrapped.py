@@ -68,6 +68,21 @@ def compute_item(dataset, transform, index):
     return transform(sample) if transform is not None else sample
 
 
+def compute_each(compute: Callable[[Any], Any], keys: list, keep: Callable[[list], Any]) -> list:
+    """``[compute(k) for k in keys]``, a batch's misses one by one. When one raises (a broken
+    sample, Ctrl-C) the values computed before it are kept first (``keep(pairs)``: stored and
+    counted, while their claims are still held), as one miss after another always kept them."""
+    got: list = []
+    try:
+        for k in keys:
+            got.append(compute(k))
+    except BaseException:
+        if got:
+            keep(list(zip(keys, got)))
+        raise
+    return got
+
+
 def add_note(exc: BaseException, note: str) -> None:
     """Say on a dataset's exception where shmcache met it (which sample, which stage); its type
     and traceback stay the dataset's. Python 3.10 has no notes: the exception goes on unchanged."""
@@ -283,40 +298,46 @@ class CachedDataset(Dataset):
                 values[j] = value
         return values
 
-    def fill_misses(self, store: CacheStore, keys: list) -> tuple[list, int]:
+    def fill_misses(self, store: CacheStore, keys: list, *, as_misses: bool = False) -> tuple[list, int]:
         """The values of ``keys``, all missed: those this process claims computed in one
         ``_compute_many`` (the dataset's ``__getitems__`` when it has one) and stored a chunk at
-        a time, the rest waited for (NOTE [claims]); and how many this process computed."""
+        a time, the rest waited for (NOTE [claims]); and how many this process computed.
+        ``as_misses``: count those as misses too (a warm-up's, which looked nothing up) - also
+        the ones kept when a sample raises (Ctrl-C), which no return value reports."""
         computed = 0
+
+        def keep(pairs: list) -> None:
+            keep_computed(self._store_many, store, pairs)
+            if as_misses:
+                store.count_misses(len(pairs))
 
         def compute_many(ks: list) -> list:
             nonlocal computed
             if len(ks) < 2 or getattr(self.dataset, "__getitems__", None) is None:
-                got: list = []
-                try:
-                    for k in ks:
-                        got.append(self._compute(k))
-                except BaseException:  # Ctrl-C, a sample that raises: what was computed is kept
-                    if got:
-                        self._store_many(store, list(zip(ks, got)))
-                        store.count_computed(len(got))
-                    raise
+                got = compute_each(self._compute, ks, keep)
             else:
                 got = self._compute_many(ks)
-            computed += sum(type(v) is not Served for v in got)
+            made = sum(type(v) is not Served for v in got)
+            if as_misses:
+                store.count_misses(made)
+            computed += made
             return got
 
         values = store.fill_batch(keys, compute_many, partial(self._store_many, store), self.cache.copy)
         return values, computed
 
     def _store_many(self, store: CacheStore, pairs: list) -> None:
-        items = []
+        """Store computed samples; one that cannot be encoded raises after the others are
+        stored (it loses only itself, as when they were stored one miss at a time)."""
+        items, failed = [], None
         for i, value in pairs:
             try:
                 items.append((i, self.cache._encode(i, value)))
             except EncodeError as exc:
-                raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
+                failed = failed or EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}")
         self.cache._put_encoded(store, items)
+        if failed is not None:
+            raise failed from None
 
     def get_batch(self, indices: Sequence, fn: Callable | None = None, out: Any = None) -> Any:
         """A collated batch (the vectorised path), misses computed from the dataset (or ``fn``).
@@ -324,8 +345,10 @@ class CachedDataset(Dataset):
         Same signature as ``ShmDatasetCache.get_batch``, so a wrapped dataset can feed
         ``PrefetchRing.from_cache(ds, key_batches)`` directly.
         """
-        return self.cache.get_batch(self._indices(indices), fn=fn or self._compute, out=out,
-                                    fn_many=None if fn else self._compute_many)
+        # fn_many only where the source computes a batch in one call: one by one, the cache's
+        # get_batch keeps what was computed before a sample raises
+        many = None if fn or getattr(self.dataset, "__getitems__", None) is None else self._compute_many
+        return self.cache.get_batch(self._indices(indices), fn=fn or self._compute, out=out, fn_many=many)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()  # the cache pickles by name (ShmDatasetCache.__getstate__)
@@ -339,6 +362,12 @@ class CachedDataset(Dataset):
             codec.register_namedtuple(tp)
         self.__dict__.update(state)
         register_live(self)  # a worker's copy, or a copy made in this process: either serves the token
+
+
+def keep_computed(store_many: Callable[[CacheStore, list], Any], store: CacheStore, pairs: list) -> None:
+    """``compute_each``'s keep: store the (key, value) pairs computed before a raise, counted."""
+    store_many(store, pairs)
+    store.count_computed(len(pairs))
 
 
 def _picklable(tp: type) -> bool:

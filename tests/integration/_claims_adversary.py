@@ -1,0 +1,117 @@
+"""Workers of tests/integration/test_claims_adversary.py: processes that interrupt, nest and
+race batch claims (NOTE [claims]). Not a test module (the leading underscore keeps pytest off it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+
+import _claims
+import numpy as np
+
+
+def _enc(pairs):
+    from shmcache.cache import codec
+
+    return [(k, codec.encode(v)) for k, v in pairs]
+
+
+def interrupted(q, trials: int, batch: bool) -> None:
+    """Run misses - big batches (``batch``), or one key after another - and interrupt them with
+    a real signal (SIGALRM, its handler raising KeyboardInterrupt as Ctrl-C's does) at times that
+    land anywhere in the claims' bookkeeping; after each interrupt, report the buckets this
+    process still holds, by its own account or as another open file description of the claims
+    file (another process's view) finds them."""
+    try:
+        import faulthandler
+
+        from shmcache.cache import claims as claims_mod
+        from shmcache.cache.store import CacheStore
+
+        faulthandler.dump_traceback_later(50, exit=True)  # a hang shows where, then ends the process
+        store = CacheStore("adv", "intr", capacity_bytes=16 << 20)
+        other = claims_mod.Claims(store.claims.path, lambda: 0)  # another description: another process's view
+        other._ready()
+        # what a process does once (its slot, its counter row, the maps) done before the interrupts:
+        # those are not the claims' bookkeeping, which is what is interrupted here
+        store.fill_batch(["first-a", "first-b"], lambda ks: [1] * len(ks), lambda pairs: None)
+        store.fill("first-c", lambda k: 1, lambda k, v: None)
+
+        def on_alarm(*_):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGALRM, on_alarm)
+        landed, leaked, made = 0, [], 0
+        for trial in range(trials):
+            if batch:
+                keys = [f"k{trial}-{i}" for i in range(20000)]
+                signal.setitimer(signal.ITIMER_REAL, 0.002 + 0.004 * (trial % 12))
+            else:
+                keys = []
+                signal.setitimer(signal.ITIMER_REAL, 0.0003 + 0.0001 * (trial % 7))
+            try:
+                if batch:
+                    store.fill_batch(keys, lambda ks: [1] * len(ks), lambda pairs: None)
+                else:
+                    while True:  # one miss after another until the signal lands
+                        made += 1
+                        keys.append(f"s{made}")
+                        store.fill(keys[-1], lambda k: 1, lambda k, v: None)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                continue
+            except KeyboardInterrupt:
+                landed += 1
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            busy = []
+            for b in {store.claims.bucket(k) for k in keys[-20000:]}:
+                if other.take(b) == claims_mod.BUSY:
+                    busy.append(b)
+                else:
+                    other.release(b)
+            if busy or store.claims._held:
+                leaked.append((trial, len(busy), len(store.claims._held)))
+                for b in set(busy) | store.claims._held:  # for the next trial
+                    store.claims.release(b)
+        other.close()
+        store.close()
+        q.put(("ok", {"landed": landed, "leaked": leaked}))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put(("error", traceback.format_exc()))
+
+
+def nested_holder(q, barrier, keys: list, partner_off: int, count_path: str, claim_timeout_s: float,
+                  names: tuple = ("nest", "nest")) -> None:
+    """Miss ``keys`` as one batch in cache ``names[0]``; computing each key misses, in cache
+    ``names[1]``, the key ``partner_off`` away - which the partner process holds in its own batch
+    (a cycle). Reports the seconds the batch took and the values' correctness."""
+    try:
+        from shmcache.cache.store import CacheStore
+
+        outer = CacheStore("adv", names[0], capacity_bytes=16 << 20, claim_timeout_s=claim_timeout_s)
+        store = outer if names[1] == names[0] else CacheStore("adv", names[1], capacity_bytes=16 << 20,
+                                                              claim_timeout_s=claim_timeout_s)
+
+        def inner(k):
+            _claims.count_one(count_path, b"n")
+            return _claims.value_for(k)
+
+        def one(k):
+            _claims.count_one(count_path)
+            time.sleep(0.02)  # long enough that the partner holds its batch when we miss its keys
+            got = store.fill(k + partner_off, inner, lambda kk, v: store.put(kk, v))
+            assert np.array_equal(got, _claims.value_for(k + partner_off))
+            return _claims.value_for(k)
+
+        barrier.wait(timeout=60)
+        t0 = time.monotonic()
+        got = outer.fill_batch(list(keys), lambda ks: [one(k) for k in ks], lambda pairs: outer.put_many(_enc(pairs)))
+        took = time.monotonic() - t0
+        right = all(np.array_equal(g, _claims.value_for(k)) for k, g in zip(keys, got))
+        for s in {id(outer): outer, id(store): store}.values():
+            s.close()
+        q.put(("ok", {"took": took, "right": right, "pid": os.getpid()}))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put(("error", traceback.format_exc()))
