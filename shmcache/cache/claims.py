@@ -82,6 +82,7 @@ __all__ = [
     "Claims",
     "fill",
     "read_counts",
+    "Served",
     "SUPPORTED",
 ]
 
@@ -106,6 +107,18 @@ _BUSY = (errno.EAGAIN, errno.EACCES)
 # Claims.take: ours now; another process's; this process's already. Claims.wait also: the value
 # was found (FOUND), or claim_timeout_s passed (TIMED_OUT)
 TAKEN, BUSY, OURS, FOUND, TIMED_OUT = 0, 1, 2, 3, 4
+
+
+class Served:
+    """A compute callback's answer for a key whose value it did not compute but found (another
+    node's, read from a tier after waiting on its lease: NOTE [remote leases]): already admitted
+    into shared memory; neither counted as computed nor published again (``fill`` returns its
+    ``value``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
 
 
 _WRLCK, _UNLCK = fcntl.F_WRLCK, fcntl.F_UNLCK  # l_whence 0: SEEK_SET
@@ -269,14 +282,9 @@ def fill(
     published by ``publish(key, value)`` under a claim, or found by ``look()`` (no count) once
     another process published it."""
     if claims is None:
-        value = compute(key)
-        publish(key, value)
-        return value
+        return _computed(None, key, compute, publish)
     if not ((claims._gen == process_slot.fork_count() or claims._ready()) and claims.on):
-        value = compute(key)
-        claims.count(COMPUTED)
-        publish(key, value)
-        return value
+        return _computed(claims, key, compute, publish)
     bucket = claims.bucket(key)
     try:
         got = claims.take(bucket)
@@ -292,16 +300,12 @@ def fill(
         claims.on = False
         got = OURS  # compute without a claim, as with claims off
     if got != TAKEN:  # another thread of this process holds it, or we timed out: no claim
-        value = compute(key)
-        claims.count(COMPUTED)
-        publish(key, value)
-        return value
+        return _computed(claims, key, compute, publish)
     try:
         value = look()  # the re-check: published between our miss and our claim?
         if value is missing:
-            value = compute(key)
-            claims.count(COMPUTED)
-            publish(key, value)  # before the release: the next taker finds it
+            # published before the release: the next taker finds it
+            value = _computed(claims, key, compute, publish)
         else:
             claims.count(CLAIM_WAITS)  # another's value, not computed: a miss is one or the other
     finally:
@@ -309,6 +313,19 @@ def fill(
             claims.release(bucket)
         except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
             pass
+    return value
+
+
+def _computed(claims: Claims | None, key: Any, compute: Callable[[Any], Any],
+              publish: Callable[[Any, Any], Any]) -> Any:
+    """``compute(key)``, counted and published; a ``Served`` answer (found, already admitted) is
+    neither: its value is returned as it is."""
+    value = compute(key)
+    if type(value) is Served:
+        return value.value
+    if claims is not None:
+        claims.count(COMPUTED)
+    publish(key, value)
     return value
 
 

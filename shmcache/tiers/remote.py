@@ -76,6 +76,7 @@ import atexit
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -111,6 +112,8 @@ QUEUE_BYTES = 256 << 20
 BATCH_ITEMS = 512  # one pipelined write: at most this many values ...
 BATCH_BYTES = 16 << 20  # ... or this many bytes
 FLUSH_S = 5.0  # how long close() and exit wait for the queue to drain
+LEASE_INFIX = b"lease:"  # a key's lease: prefix + LEASE_INFIX + portable key (NOTE [remote leases])
+TOKEN_BYTES = 128  # a lease's value is read only this far (its holder's name, for a person)
 
 _SCHEMES = {
     "redis": ("server", False), "rediss": ("server", True),
@@ -360,6 +363,7 @@ class RedisTier:
     # the most bytes one batch's values may take in all (TieredStore lowers it to the cache's
     # cap): values that each claim a GiB are refused past it, never all decoded
     max_batch_bytes = MAX_RAW_BYTES
+    leases = True  # a miss takes a lease here before computing (NOTE [remote leases])
 
     def __init__(self, url: str | RemoteURL, identity: str, *, queue_items: int = QUEUE_ITEMS,
                  queue_bytes: int = QUEUE_BYTES, counts_path: str | os.PathLike | None = None,
@@ -373,6 +377,7 @@ class RedisTier:
         _redis()  # a missing client is an error now, not a silent miss later
         self.identity = identity
         self.prefix = b"shmcache:" + identity.encode() + b":"  # + the portable key: the Redis key
+        self.lease_prefix = self.prefix + LEASE_INFIX  # + the portable key: its lease (NOTE [remote leases])
         self.queue_items, self.queue_bytes = queue_items, queue_bytes
         # counts_path + slot(): this process's counters go to its row of a shared file (NOTE
         # [tier counts]), so `shmcache stat` sees them; else they stay in the process
@@ -400,6 +405,7 @@ class RedisTier:
             return
         self.identity = identity(name, fingerprint)
         self.prefix = b"shmcache:" + self.identity.encode() + b":"
+        self.lease_prefix = self.prefix + LEASE_INFIX
 
     # --- per process: clients, queue, writer thread --------------------------------------------
 
@@ -423,6 +429,8 @@ class RedisTier:
             self._replace: set[bytes] = set()  # Redis keys read as forged: rewritten without NX
             self._thread: threading.Thread | None = None
             self._stop = False
+            # what this process's leases hold: who took them, for a person reading Redis (no secret)
+            self._token = b"%s/%d/%s" % (socket.gethostname().encode()[:64], os.getpid(), os.urandom(4).hex().encode())
             self._c = self._counts_row()
             self._pid = os.getpid()
 
@@ -497,7 +505,12 @@ class RedisTier:
         """The portable records of ``pkeys`` (None: a miss, a fault, the breaker open, or a value
         that is not this cache's record for that key); one round trip in all."""
         rkeys = [self.prefix + k for k in pkeys]  # the Redis keys, made once: read, MAC, record
-        raw = self._fetch(rkeys)
+        return self._records(pkeys, rkeys, self._fetch(rkeys))
+
+    def _records(self, pkeys: Sequence[bytes], rkeys: list[bytes], raw: list,
+                 count: bool = True) -> list[bytearray | None]:
+        """The raw Redis values ``raw`` of ``rkeys`` as checked portable records (None: missing, or
+        failing the MAC or the record's checks: counted, unless not ``count``)."""
         dctx = getattr(self._dctx, "ctx", None)
         if dctx is None:
             dctx = self._dctx.ctx = zstandard.ZstdDecompressor()
@@ -521,9 +534,9 @@ class RedisTier:
                     bad += 1
                     self._corrupt_logged(pkey, why)
             out.append(value)
-        if bad:
+        if bad and count:
             self.corrupt(bad)
-        if forged:
+        if forged and count:
             self.corrupt(forged, "forged")
         return out
 
@@ -559,10 +572,20 @@ class RedisTier:
         accept for its key can weigh (``GETRANGE key 0 bound-1``): a stranger's 512 MB value costs
         a batch that bound, then fails its checks (cut short: a miss). Like MGET otherwise: a
         missing key (GETRANGE's b"": a record is never empty) or one of another type is None."""
-        conn = self._connect()
+        return [_value(v) for v in self._exchange([(k, self._getrange_value(k)) for k in rkeys])]
+
+    def _getrange_value(self, rkey: bytes) -> bytes:
+        """The packed GETRANGE of a value: as far as the largest record this tier accepts."""
         limit = min(self.max_item_bytes, self.max_batch_bytes)
         extra = TRAILER_BYTES if self._mac is not None else 0
-        commands = [_getrange(k, max_record_bytes(len(k), limit) + extra - 1) for k in rkeys]
+        return _getrange(rkey, max_record_bytes(len(rkey), limit) + extra - 1)
+
+    def _exchange(self, commands: list[tuple[bytes, bytes]]) -> list:
+        """The replies of ``(Redis key, packed command)`` pairs, in order, an error reply as its
+        exception: each command sent to the server (the Cluster master) of its key, every
+        server's commands sent before any reply is read - one round trip in all."""
+        conn = self._connect()
+        rkeys = [k for k, _ in commands]
         if self.url.kind == "cluster":
             groups = _cluster_groups(conn, rkeys)
         elif len(conn) == 1:
@@ -570,15 +593,83 @@ class RedisTier:
         else:
             groups = _shard_groups(conn, rkeys)
         out: list = [None] * len(rkeys)
-        batches = [(pool, b"".join([commands[i] for i in idx]), len(idx), idx) for pool, idx in groups]
-        for idx, values in _round_trip(batches):
-            for i, v in zip(idx, values):
-                if isinstance(v, Exception):
-                    if not str(v).startswith("WRONGTYPE"):
-                        raise v
-                    v = None
-                out[i] = v or None
+        batches = [(pool, b"".join([commands[i][1] for i in idx]), len(idx), idx) for pool, idx in groups]
+        for idx, replies in _round_trip(batches):
+            for i, v in zip(idx, replies):
+                out[i] = v
         return out
+
+    # --- leases (NOTE [remote leases]) ---------------------------------------------------------
+
+    def lease(self, pkeys: Sequence[bytes], ttl_s: float) -> list[bool]:
+        """Take the lease of each key for ``ttl_s`` seconds, one round trip in all (``SET lease
+        token NX PX``, and a read of the lease's holder). True: the lease is ours (taken now, or
+        this process's already), or the tier cannot say (down, slow, breaker open: compute);
+        False: another's lease is live - wait for its value (``poll``)."""
+        self._ensure()
+        n = len(pkeys)
+        if not n or self._closed or self._open():
+            return [True] * n
+        ms, token, commands = b"%d" % max(1, int(ttl_s * 1000)), self._token, []
+        for k in pkeys:
+            lkey = self.lease_prefix + k
+            commands.append((lkey, _set_nx_px(lkey, token, ms)))
+            commands.append((lkey, _getrange(lkey, TOKEN_BYTES - 1)))
+        try:
+            replies = self._exchange(commands)
+            for r in replies[0::2]:
+                if isinstance(r, Exception):  # NOPERM, OOM, ...: a fault, said once; leases granted
+                    raise r
+        except _faults() as exc:
+            self._failed(exc)
+            return [True] * n
+        self._succeeded()
+        taken = [r is not None for r in replies[0::2]]
+        with self._lock:
+            self._add("leases", sum(taken))
+        # the holder's name read back: a lease of this very process (a value it computed whose
+        # write was dropped) is ours; a lease holding another type (WRONGTYPE) is another's
+        return [t or h == token for t, h in zip(taken, replies[1::2])]
+
+    def poll(self, pkeys: Sequence[bytes], ttl_s: float) -> tuple[list[bytearray | None], list[bool]]:
+        """For keys whose lease another holds: their records now (None: not there yet, or failing
+        their checks) and, for each, whether to compute it now - its lease was free (expired) and
+        is ours (``SET lease token NX PX``), or a value is there that fails its checks (no wait
+        mends it: the one the lookup already counted as corrupt or forged); one round trip in
+        all. A fault: no records, compute every key. Reads here count as ``lease_waits``
+        (``waited``), not as hits, misses or corrupt values."""
+        self._ensure()
+        n = len(pkeys)
+        if not n or self._closed or self._open():
+            return [None] * n, [True] * n
+        ms, token = b"%d" % max(1, int(ttl_s * 1000)), self._token
+        rkeys = [self.prefix + k for k in pkeys]
+        commands = [(k, self._getrange_value(k)) for k in rkeys]
+        commands += [(lkey, _set_nx_px(lkey, token, ms)) for lkey in [self.lease_prefix + k for k in pkeys]]
+        try:
+            replies = self._exchange(commands)
+            raw = [_value(v) for v in replies[:n]]
+            for r in replies[n:]:
+                if isinstance(r, Exception):
+                    raise r
+        except _faults() as exc:
+            self._failed(exc)
+            return [None] * n, [True] * n
+        self._succeeded()
+        taken = [r is not None for r in replies[n:]]
+        with self._lock:
+            self._add("leases", sum(taken))
+            self._add("bytes_read", sum(len(v) for v in raw if v is not None))
+        records = self._records(pkeys, rkeys, raw, count=False)
+        return records, [t or (v is not None and r is None) for t, v, r in zip(taken, raw, records)]
+
+    def waited(self, served: int, timed_out: int) -> None:
+        """The caller served ``served`` keys after waiting on another's lease, and gave up waiting
+        on ``timed_out`` (computed them): counted as ``lease_waits`` and ``lease_timeouts``."""
+        self._ensure()
+        with self._lock:
+            self._add("lease_waits", served)
+            self._add("lease_timeouts", timed_out)
 
     def corrupt(self, n: int = 1, counter: str = "corrupt") -> None:
         """The caller found ``n`` values that failed their checks (a miss each)."""
@@ -761,6 +852,22 @@ def _getrange(rkey: bytes, end: int) -> bytes:
     Redis took to answer them (benchmarks/bench_remote_read.py)."""
     end_b = b"%d" % end
     return b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n%s\r\n" % (len(rkey), rkey, len(end_b), end_b)
+
+
+def _set_nx_px(rkey: bytes, value: bytes, ms: bytes) -> bytes:
+    """``SET rkey value NX PX ms``, packed (RESP): a lease (NOTE [remote leases])."""
+    return b"*6\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (
+        len(rkey), rkey, len(value), value, len(ms), ms)
+
+
+def _value(reply: Any) -> bytes | None:
+    """A GETRANGE reply as a value: None for a missing key (b"") or one of another type; any
+    other error reply raises (a fault)."""
+    if isinstance(reply, Exception):
+        if not str(reply).startswith("WRONGTYPE"):
+            raise reply
+        return None
+    return reply or None
 
 
 def _round_trip(batches: list) -> list:
