@@ -132,9 +132,15 @@ def portable_record(enc: codec.Encoded, key: Any) -> bytes:
 
 def _portable_record(enc: codec.Encoded, kb: bytes) -> bytes:
     """``portable_record`` of the key whose bytes (index.key_bytes) are ``kb``."""
-    out = bytearray(enc.record_len(len(kb), True))
-    enc.write(memoryview(out), codec.INLINE, kb)
-    return bytes(out)
+    return bytes(_fresh_record(enc, kb))
+
+
+def _fresh_record(enc: codec.Encoded, kb: bytes) -> memoryview:
+    """The portable record as a read-only view of a buffer of its own, written once (no zero
+    fill, no copy after): what ``put`` hands over to the tiers (Tier.offer keeps it as it is)."""
+    out = memoryview(np.empty(enc.record_len(len(kb), True), np.uint8))
+    enc.write(out, codec.INLINE, kb)
+    return out.toreadonly()
 
 
 class PickleRefused(ValueError):
@@ -499,7 +505,7 @@ class TieredStore:
         stored = self.local.put(key, value, encoded=enc)
         if self._writable:  # a read-only tier (a snapshot) takes nothing: no copy of the value for it
             w1, kb = key_bytes(key)  # converted once, for the key and the record
-            item = [(tier_key(w1, kb), _portable_record(enc, kb))]
+            item = [(tier_key(w1, kb), _fresh_record(enc, kb))]  # handed over: no copy is kept here
             for tier in self._writable:
                 self._call(tier, "offer", item)
         return stored
