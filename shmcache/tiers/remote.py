@@ -48,9 +48,10 @@ NOTE [remote tier]
     by the master of each key's slot, sent the same way - not redis-py's cluster pipeline, which
     after a timeout re-sends each key alone, a timeout each). A Redis user that may not run
     GETRANGE (an ACL) is a fault logged as such, with the fix. Writes never are: ``offer`` only
-    appends to a bounded queue (full: the value is dropped, counted); one background thread per
-    process drains it with pipelined ``SET key value NX`` (the first writer wins: values of a
-    key are equal by construction, and NX spares the bandwidth of rewriting them). The queue is flushed, within a
+    appends to a bounded queue (full: the value is dropped, counted ``dropped``); one background
+    thread per process drains it with pipelined ``SET key value NX`` (the first writer wins:
+    values of a key are equal by construction, and NX spares the bandwidth of rewriting them),
+    compressing (zstd) only values it shrinks by COMPRESS_MIN_SAVING. The queue is flushed, within a
     deadline, at ``close()`` and at exit (atexit).
 
     Faults are misses, never errors and never waits: every call has a socket timeout; a failure
@@ -68,6 +69,53 @@ NOTE [remote tier]
     Processes. A forked child (DataLoader workers) inherits neither the thread nor the sockets:
     the tier notices the new PID on its next call and starts its own (redis-py's pools do the
     same for their connections).
+
+NOTE [remote leases]
+    Nodes that miss one key at once compute it once: each node's processes already coordinate
+    through the node's claims (NOTE [claims]); across nodes, a miss takes the key's *lease* in
+    Redis before computing. The wait loop is the seam's (tiered_store.TieredStore._leased, for
+    ``fill``, ``fill_batch`` and ``leased_compute``); the Redis side is here (``lease``, ``poll``).
+
+      1. lease: for every key of a batch of misses, ``SET <prefix>lease:<portable key> <token>
+         NX PX <ttl>`` and ``GETRANGE`` of that lease (its holder), pipelined: one round trip
+         per batch (per server, per Cluster master, as reads). The lease key lies under the
+         tier's prefix, so the spawned Redis's ACL (``~shmcache:*``, SET and GETRANGE: NOTE
+         [spawned redis]) covers it: no command more. Granted (SET answered OK, or the holder
+         read back is this process's own token: a value it computed whose write was dropped):
+         compute. Refused: another holds it.
+      2. compute the granted keys first (the caller publishes them: put, then the write-behind
+         SET of the value), then wait for the refused ones.
+      3. wait: poll with a growing sleep (1 ms, doubling to 50 ms) - one round trip per poll for
+         all the keys still waited for: ``GETRANGE`` of each value (bounded, as reads) and ``SET
+         lease NX PX`` again. A value found is checked and decoded as any tier hit, admitted
+         into shared memory (one ``put_records`` for the batch) and returned as
+         ``claims.Served`` (counted ``lease_waits``, neither computed nor published again). A
+         lease found free (expired: its holder died, or is slow past the TTL) is now ours:
+         compute that key at once (counted in ``leases``). A value there that fails its checks
+         (corrupt, forged, not decodable here) is computed at once: no wait mends it.
+      4. the wait ends at the cache's claim timeout (``claim_timeout_s``, CLAIM_TIMEOUT_S,
+         $SHMCACHE_CLAIM_TIMEOUT_S): what is still waited for is computed (``lease_timeouts``).
+
+    The TTL is the claim timeout too: a lease outlives its holder by at most that (a SIGKILLed
+    or SIGSTOPped holder's keys are taken over when their leases expire, by the next SET NX),
+    and no node waits longer than that for any key. A holder never releases its lease (that
+    would take a command the ACL refuses, or a Lua script): once its value is written, the
+    lease is moot - every reader finds the value first - and it expires by itself; a value that
+    was never written (the write-behind dropped it, the computation raised) costs the other
+    nodes one bounded wait. A batch computed longer than the TTL may be computed again by
+    another node (waste, never damage).
+
+    Trust. A lease carries no value and no secret - the token names its holder (host, PID, a
+    random nonce) for a person reading Redis, and decides nothing but "this process's own".
+    Values stay what NOTE [remote tier] makes them: a lease never decides which value is
+    served. A forged lease (a string, another type, one without a TTL) costs the node that
+    meets it at most one bounded wait per key, then it computes; a forged value is a miss.
+
+    Cost and faults. No tier that takes leases (no remote): no lease, no round trip. Claims
+    off (``SHMCACHE_CLAIMS=0``), a zero claim timeout, or an uncached store: no leases either.
+    The tier down, slow, or its breaker open: ``lease`` and ``poll`` grant every key at once
+    (compute) - a fault is never an error nor a wait (NOTE [tiers]). A single ``ds[i]`` miss
+    pays one round trip more than without leases; a batch of misses one per batch.
 """
 
 from __future__ import annotations
@@ -643,7 +691,8 @@ class RedisTier:
         their checks) and, for each, whether to compute it now - its lease was free (expired) and
         is ours (``SET lease token NX PX``), or a value is there that fails its checks (no wait
         mends it: the one the lookup already counted as corrupt or forged); one round trip in
-        all. A fault: no records, compute every key. Reads here count as ``lease_waits``
+        all (so a key whose value is found may come back taken too: the value wins, the lease
+        expires unused). A fault: no records, compute every key. Reads here count as ``lease_waits``
         (``waited``), not as hits, misses or corrupt values."""
         self._ensure()
         n = len(pkeys)
