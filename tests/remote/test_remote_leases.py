@@ -179,3 +179,32 @@ def test_a_tier_down_or_stopped_grants_leases_at_once(redis_factory, monkeypatch
         assert st["remote_errors"] >= 1
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("kind", ["shards", "cluster"])
+def test_leases_across_shards_and_a_cluster_in_one_round_trip(redis_factory, request, kind):
+    """Each lease and each polled value goes to the server (the master) of its own key: a lease
+    taken by one process is refused to another until its value is there, then found by a poll."""
+    from shmcache.tiers.remote import RedisTier
+
+    if kind == "cluster":
+        url = request.getfixturevalue("redis_cluster").url
+    else:
+        servers = [redis_factory() for _ in range(3)]
+        url = f"redis+shards://:{PASSWORD}@" + ",".join(s.addr for s in servers)
+    a, b = RedisTier(url, "leases"), RedisTier(url, "leases")
+    try:
+        keys = [portable_key(i) for i in range(40)]
+        assert a.lease(keys, 30.0) == [True] * 40
+        assert b.lease(keys, 30.0) == [False] * 40
+        assert a.lease(keys[:5], 30.0) == [True] * 5  # its own leases: still its own
+        a.offer([(k, b"value %d" % i) for i, k in enumerate(keys[:20])])
+        assert a.flush(30)
+        records, compute = b.poll(keys, 30.0)
+        assert records == [b"value %d" % i for i in range(20)] + [None] * 20
+        assert compute == [False] * 40  # every lease still held: wait on for the other 20
+        assert a.counters()["leases"] == 40 and b.counters()["leases"] == 0
+        assert a.counters()["errors"] == b.counters()["errors"] == 0
+    finally:
+        a.close()
+        b.close()
