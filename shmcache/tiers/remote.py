@@ -635,10 +635,11 @@ class RedisTier:
         extra = TRAILER_BYTES if self._mac is not None else 0
         return _getrange(rkey, max_record_bytes(len(rkey), limit) + extra - 1)
 
-    def _exchange(self, commands: list[tuple[bytes, bytes]]) -> list:
+    def _exchange(self, commands: list[tuple[bytes, Any]]) -> list:
         """The replies of ``(Redis key, packed command)`` pairs, in order, an error reply as its
-        exception: each command sent to the server (the Cluster master) of its key, every
-        server's commands sent before any reply is read - one round trip in all."""
+        exception: each command (bytes, or a list of buffers sent back to back) sent to the
+        server (the Cluster master) of its key, every server's commands sent before any reply
+        is read - one round trip in all."""
         conn = self._connect()
         rkeys = [k for k, _ in commands]
         if self.url.kind == "cluster":
@@ -648,7 +649,7 @@ class RedisTier:
         else:
             groups = _shard_groups(conn, rkeys)
         out: list = [None] * len(rkeys)
-        batches = [(pool, b"".join([commands[i][1] for i in idx]), len(idx), idx) for pool, idx in groups]
+        batches = [(pool, _coalesce([commands[i][1] for i in idx]), len(idx), idx) for pool, idx in groups]
         for idx, replies in _round_trip(batches):
             for i, v in zip(idx, replies):
                 out[i] = v
@@ -795,7 +796,7 @@ class RedisTier:
                         skip = COMPRESS_PROBE_EVERY
                     sealed.append((k, self._sealed(k, parts)))
                 batch = sealed
-                size = sum(len(v) for _, v in batch)
+                size = sum(len(p) for _, parts in batch for p in parts)
                 self._write(batch)
             except Exception as exc:  # noqa: BLE001 - a failed write is a value not shared, no more
                 self._failed(exc)
@@ -811,32 +812,26 @@ class RedisTier:
                     self._c[_I["backlog"]] = len(self._queue)
                     self._wake.notify_all()
 
-    def _sealed(self, rkey: bytes, parts: list) -> bytes:
-        """The Redis value of one record: its parts, and with a secret the MAC trailer over the
-        Redis key (the cache's identity and the item's key) and those bytes."""
+    def _sealed(self, rkey: bytes, parts: list) -> list:
+        """The Redis value of one record, as the buffers to send back to back (never joined: a
+        150 KiB value is not copied again): its parts, and with a secret the MAC trailer over
+        the Redis key (the cache's identity and the item's key) and those bytes."""
         if self._mac is not None:
             parts = [*parts, self._mac.trailer(rkey, *parts)]
-        return b"".join(parts)
+        return parts
 
-    def _write(self, batch: list[tuple[bytes, bytes]]) -> None:
-        conn = self._connect()
-        if self.url.kind == "cluster":
-            groups = [(conn, batch)]
-        elif len(conn) == 1:
-            groups = [(conn[0], batch)]
-        else:
-            by = [[] for _ in conn]
-            for item in batch:
-                by[jump_hash(_key_hash(item[0]), len(conn))].append(item)
-            groups = [(c, b) for c, b in zip(conn, by) if b]
-        for client, items in groups:
-            pipe = client.pipeline(transaction=False)
-            replace = self._replace
-            for k, v in items:
-                # NX: the first writer wins; but a value read as forged is replaced by the job's
-                pipe.set(k, v, nx=k not in replace)
-                replace.discard(k)
-            pipe.execute(raise_on_error=True)
+    def _write(self, batch: list[tuple[bytes, list]]) -> None:
+        """``SET key value NX`` for each (Redis key, value's buffers), in one round trip (to each
+        server, each Cluster master); an error reply raises (a fault: the breaker, dropped)."""
+        replace = self._replace
+        commands = []
+        for k, parts in batch:
+            # NX: the first writer wins; but a value read as forged is replaced by the job's
+            commands.append((k, _set_value(k, parts, k not in replace)))
+            replace.discard(k)
+        for reply in self._exchange(commands):
+            if isinstance(reply, Exception):
+                raise reply
 
     def flush(self, timeout_s: float = FLUSH_S) -> bool:
         """Wait until what was offered is written (or dropped); False if the deadline passed."""
@@ -929,6 +924,35 @@ def _set_nx_px(rkey: bytes, value: bytes, ms: bytes) -> bytes:
         len(rkey), rkey, len(value), value, len(ms), ms)
 
 
+def _set_value(rkey: bytes, parts: list, nx: bool) -> list:
+    """``SET rkey <parts joined> [NX]``, packed (RESP) as buffers to send back to back: the
+    value's bulk string is its parts one after another, never joined here."""
+    n = sum(len(p) for p in parts)
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (4 if nx else 3, len(rkey), rkey, n)
+    return [head, *parts, b"\r\n$2\r\nNX\r\n" if nx else b"\r\n"]
+
+
+_SEND_ALONE = 16 << 10  # a buffer this large is sent as it is; smaller ones are joined (one send)
+
+
+def _coalesce(commands: list) -> list:
+    """Packed commands (bytes, or lists of buffers) as few buffers to send: small ones joined,
+    large ones (a value's payload) sent as they are, never copied."""
+    out, small = [], []
+    for command in commands:
+        for buf in ([command] if type(command) is bytes else command):
+            if len(buf) >= _SEND_ALONE:
+                if small:
+                    out.append(b"".join(small))
+                    small = []
+                out.append(buf)
+            else:
+                small.append(buf)
+    if small:
+        out.append(b"".join(small))
+    return out
+
+
 def _value(reply: Any) -> bytes | None:
     """A GETRANGE reply as a value: None for a missing key (b"") or one of another type; any
     other error reply raises (a fault)."""
@@ -940,8 +964,8 @@ def _value(reply: Any) -> bytes | None:
 
 
 def _round_trip(batches: list) -> list:
-    """Send each ``(pool, packed commands, their count, tag)``'s commands on a connection of its
-    own pool, all before reading any reply; then ``[(tag, replies)]``, an error reply as its
+    """Send each ``(pool, packed commands (buffers), their count, tag)``'s commands on a
+    connection of its own pool, all before reading any reply; then ``[(tag, replies)]``, an error reply as its
     exception (every reply is read: the connection stays clean). A connection left with an
     unread reply (a timeout, a broken connection) is disconnected, never reused."""
     response_error = _redis().exceptions.ResponseError
@@ -950,7 +974,7 @@ def _round_trip(batches: list) -> list:
         for pool, packed, _n, _tag in batches:
             conn = pool.get_connection()
             sent.append((pool, conn))
-            conn.send_packed_command([packed])
+            conn.send_packed_command(packed)  # buffers, sent back to back
         for (_, conn), (_, _, n, tag) in zip(sent, batches):
             out.append((tag, [_reply(conn, response_error) for _ in range(n)]))
     except BaseException:
