@@ -11,8 +11,9 @@ longest wait) comes from the test. Run as ``python _lease_node.py MODE URL SESSI
     hold URL SESSION N READY         take the leases of range(N) through leased_compute, whose
                                      computation touches READY and then sleeps (the test kills or
                                      stops it)
-    after URL SESSION N CALLS        the leases of range(N) tried once (how many another holds:
-                                     ``refused``), then every key through leased_compute
+    after URL SESSION N CALLS [GO]   (once GO is there) the leases of range(N) tried once (how many
+                                     another holds: ``refused``), then every key through
+                                     leased_compute
 
 Each prints a JSON line: the keys whose value was wrong, stats(), and what the mode counts.
 Not a test module (the leading underscore keeps pytest from collecting it).
@@ -148,6 +149,9 @@ def main(mode: str, url: str, session: str, n: str, *rest: str) -> None:
 
         calls = rest[0]
         tier = cache.store.behind[0]
+        tier.get(b"")  # connected before the start line
+        if len(rest) > 1:
+            _start_line(rest[1])
         refused = sum(not g for g in tier.lease([portable_key(k) for k in range(n_)], 30.0))
         keys = list(range(n_))
         _finish(cache, {"wrong": _wrong(keys, _through_leases(cache, keys, _compute_many(calls))),

@@ -82,14 +82,24 @@ def test_a_killed_holder_s_leases_expire_and_are_taken_over(redis_server, tmp_pa
     waits until the leases expire (their TTL, the holder's claim timeout), then takes them over
     and computes - before its own, longer, wait times out; no hang."""
     n = 24
-    ready, calls = tmp_path / "ready", tmp_path / "calls"
-    holder = _start("hold", redis_server.url, "a", n, ready, timeout_s=4)
+    ready, calls, go = tmp_path / "ready", tmp_path / "calls", tmp_path / "go"
+    other = _start("after", redis_server.url, "b", n, calls, go, timeout_s=30)  # started first: it
+    holder = _start("hold", redis_server.url, "a", n, ready, timeout_s=4)    # comes within the TTL
     try:
         _wait_for(ready, holder)
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("go.*")):
+            assert other.poll() is None and time.monotonic() < deadline, "the node never reached the start line"
+            time.sleep(0.01)
+    except BaseException:
+        other.kill()
+        other.communicate(timeout=30)
+        raise
     finally:
         holder.kill()
         holder.communicate(timeout=30)
-    got = _result(_start("after", redis_server.url, "b", n, calls, timeout_s=30))
+    go.touch()
+    got = _result(other)
     assert got["refused"] == n  # the dead holder's leases were live when the node came
     assert got["wrong"] == [] and _count(calls) == n
     st = got["stats"]
