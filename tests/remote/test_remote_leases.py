@@ -218,3 +218,25 @@ def test_leases_across_shards_and_a_cluster_in_one_round_trip(redis_factory, req
     finally:
         a.close()
         b.close()
+
+
+def test_a_served_answer_is_returned_neither_counted_nor_published():
+    """The seam with the node's claims (claims.fill): a compute callback that answers
+    ``Served(value)`` (another node's value, admitted already) is not counted as computed and
+    not published again; a plain answer is both."""
+    from shmcache.cache import claims
+    from shmcache.cache.store import MISSING, CacheStore
+
+    store = CacheStore("served", "c", capacity_bytes=8 << 20)
+    try:
+        published: list = []
+        publish = lambda k, v: published.append(k)  # noqa: E731
+        look = lambda: MISSING  # noqa: E731
+        assert claims.fill(store.claims, 1, look, MISSING, lambda k: claims.Served("theirs"), publish) == "theirs"
+        assert published == [] and claims.read_counts(store.claims.path)["computed"] == 0
+        assert claims.fill(store.claims, 2, look, MISSING, lambda k: "mine", publish) == "mine"
+        assert published == [2] and claims.read_counts(store.claims.path)["computed"] == 1
+        assert claims.fill(None, 3, look, MISSING, lambda k: claims.Served("theirs"), publish) == "theirs"
+        assert published == [2]
+    finally:
+        store.close()
