@@ -3,6 +3,7 @@ and Bagua's pattern on the same Redis, simulated on this machine.
 
     python benchmarks/bench_remote.py            # ~5-10 minutes on 2 cores
     python benchmarks/bench_remote.py --quick    # ~1-2 minutes
+    python benchmarks/bench_remote.py --workloads photos --nodes 2 --items 400   # the first epoch
 
 A node is a namespace of its own (``$SHMCACHE_DIR``: its own shared memory) with 2 processes
 (ranks); the job's ranks are forked from this process (torch already imported), each with its
@@ -251,12 +252,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small datasets: a minute or two")
     p.add_argument("--nodes", default="2,4", help="node counts to simulate (default 2,4)")
+    p.add_argument("--items", type=int, default=0, help="items of each workload (default: by --quick)")
+    p.add_argument("--workloads", default="cifar,imagenet,photos",
+                   help="which workloads, comma-separated (default all: cifar,imagenet,photos)")
     args = p.parse_args(argv)
     if shutil.which("redis-server") is None:
         print("redis-server not found: apt-get install -y redis-server", file=sys.stderr)
         return 2
     sizes = {"cifar": 1024 if args.quick else 8192, "imagenet": 96 if args.quick else 1024,
              "photos": 96 if args.quick else 1024}
+    if args.items:
+        sizes = dict.fromkeys(sizes, args.items)
     base = Path(tempfile.mkdtemp(prefix="shmcache-bench-remote-"))
     server, url, port, password = start_redis(base)
     try:
@@ -264,6 +270,8 @@ def main(argv=None) -> int:
             ["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2]})))
         rows = []
         for name, n in sizes.items():
+            if name not in args.workloads.split(","):
+                continue
             workload = make_workload(name, n)
             for nodes in [int(x) for x in args.nodes.split(",")]:
                 _flushall(port, password)

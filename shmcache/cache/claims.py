@@ -109,6 +109,7 @@ __all__ = [
     "fill_batch",
     "Served",
     "read_counts",
+    "Served",
     "SUPPORTED",
 ]
 
@@ -133,6 +134,18 @@ _BUSY = (errno.EAGAIN, errno.EACCES)
 # Claims.take: ours now; another process's; this process's already. Claims.wait also: the value
 # was found (FOUND), or claim_timeout_s passed (TIMED_OUT)
 TAKEN, BUSY, OURS, FOUND, TIMED_OUT = 0, 1, 2, 3, 4
+
+
+class Served:
+    """A compute callback's answer for a key whose value it did not compute but found (another
+    node's, read from a tier after waiting on its lease: NOTE [remote leases]): already admitted
+    into shared memory; neither counted as computed nor published again (``fill`` returns its
+    ``value``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
 
 
 _WRLCK, _UNLCK = fcntl.F_WRLCK, fcntl.F_UNLCK  # l_whence 0: SEEK_SET
@@ -393,17 +406,6 @@ def _compute_one(claims: Claims | None, key: Any, compute: Callable, publish: Ca
         claims.count(COMPUTED)
     publish(key, value)
     return value
-
-
-class Served:
-    """A compute callback's answer for a key whose value it did not compute but found (another
-    node's, read from a tier after waiting on its lease): already admitted into shared memory;
-    neither counted as computed nor published again."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
 
 
 def fill_batch(

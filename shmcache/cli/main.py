@@ -167,7 +167,8 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
                "avg item", "pages", "hits", "misses", "rejected", "computed", "claim waits", "last opened"]
     remote = any("remote" in st for st in rows)
     if remote:  # the remote tier's columns, only when a cache has one (NOTE [tier counts])
-        headers += ["remote hits", "remote misses", "read", "written", "errors", "forged", "backlog"]
+        headers += ["remote hits", "remote misses", "read", "written", "errors", "forged", "backlog", "dropped",
+                    "leases", "lease waits"]
     snapshot = any("snapshot" in st for st in rows)
     if snapshot:  # the snapshot tier's columns, only when a cache has one (NOTE [snapshot read-through])
         headers += ["snap hits", "snap misses", "snap read", "snap errors", "snap forged"]
@@ -186,7 +187,9 @@ def cmd_stat(args, registry: SessionRegistry) -> int:
         if remote:
             table[-1] += ([str(st["remote_hits"]), str(st["remote_misses"]), _size(st["remote_bytes_read"]),
                            _size(st["remote_bytes_written"]), str(st["remote_errors"]), str(st["remote_forged"]),
-                           str(st["remote_backlog"])] if "remote" in st else ["-"] * 7)
+                           str(st["remote_backlog"]), str(st["remote_dropped"]),
+                           str(st["remote_leases"]),  # NOTE [remote leases]
+                           str(st["remote_lease_waits"])] if "remote" in st else ["-"] * 10)
         if snapshot:
             table[-1] += ([str(st["snapshot_hits"]), str(st["snapshot_misses"]), _size(st["snapshot_bytes_read"]),
                            str(st["snapshot_errors"] + st["snapshot_corrupt"]), str(st["snapshot_forged"])]

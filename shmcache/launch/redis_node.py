@@ -91,6 +91,7 @@ DEFAULT_MAXMEMORY_MB = 1024
 WORKER_USER = "shmcache"
 #: What the remote tier sends (tiers/remote.py): AUTH at connect, GETRANGE in a pipeline to read
 #: (each value only as far as the largest acceptable record), SET (NX) in a pipeline to write,
+#: SET NX PX and GETRANGE to take and read leases (NOTE [remote leases]: no command more),
 #: PING and INFO for ``shmcache info``; redis-py's CLIENT SETINFO at connect is refused, which
 #: redis-py ignores. GET and MGET are not sent, so not allowed.
 WORKER_COMMANDS = ("auth", "hello", "ping", "info", "getrange", "set")

@@ -162,6 +162,7 @@ class SnapshotTier:
     name = "snapshot"
     COUNTERS = COUNTERS
     read_only = True  # TieredStore.put offers it nothing (NOTE [tiers])
+    leases = False  # nothing is computed for it: no lease (NOTE [remote leases])
     # the most bytes one batch's values may take in all (TieredStore lowers it to the cache's
     # cap): a batch of records that each claim a GiB is refused past it, never all decoded
     max_batch_bytes = records.MAX_RAW_BYTES

@@ -29,7 +29,7 @@ __all__ = ["ROW_WORDS", "COUNTERS", "counts_path", "process_row", "read_counts"]
 
 log = logging.getLogger("shmcache")
 
-ROW_WORDS = 16  # one 128-byte row per process slot (the remote tier counts 9 things)
+ROW_WORDS = 16  # one 128-byte row per process slot (the remote tier counts 12 things)
 URL_BYTES = 512  # after the rows: the URL the counts are of (for `shmcache stat`)
 _ROWS_BYTES = MAX_SLOTS * ROW_WORDS * 8
 
@@ -38,7 +38,7 @@ _ROWS_BYTES = MAX_SLOTS * ROW_WORDS * 8
 COUNTERS = {
     "snapshot": ("hits", "misses", "bytes_read", "reads", "errors", "corrupt", "forged"),
     "remote": ("hits", "misses", "bytes_read", "bytes_written", "errors", "corrupt", "dropped", "backlog",
-               "forged"),
+               "forged", "leases", "lease_waits", "lease_timeouts"),
     "tiers": ("admitted", "undecodable", "pickle_refused"),
 }
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
-__all__ = ["Tier", "Buffer"]
+__all__ = ["Tier", "LeaseTier", "Buffer"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -31,6 +31,8 @@ class Tier(Protocol):
     read_only: bool
     # the most bytes one batch's values may take in all (the assembly lowers it to the cache's cap)
     max_batch_bytes: int
+    # True: a ``LeaseTier`` - a miss takes a lease here before computing (NOTE [remote leases])
+    leases: bool
 
     @property
     def authenticated(self) -> bool:
@@ -62,3 +64,21 @@ class Tier(Protocol):
 
     def close(self) -> None:
         """Finish pending writes (bounded in time) and release connections and files."""
+
+
+@runtime_checkable
+class LeaseTier(Tier, Protocol):
+    """A tier shared by nodes in which a miss takes a lease before computing, so that nodes
+    missing a key at once compute it once (NOTE [remote leases]; ``leases`` is True). Keys are
+    portable keys; nothing here raises for the tier's own faults: a fault grants the lease."""
+
+    def lease(self, keys: Sequence[bytes], ttl_s: float) -> list[bool]:
+        """Take each key's lease for ``ttl_s`` seconds, in one round trip: True when it is ours
+        (or the tier cannot say: compute), False when another holds it (wait: ``poll``)."""
+
+    def poll(self, keys: Sequence[bytes], ttl_s: float) -> tuple[list[Buffer | None], list[bool]]:
+        """For keys another holds the lease of: their records now (None: not yet), and whether
+        each lease was free and is ours now (compute it); one round trip in all."""
+
+    def waited(self, served: int, timed_out: int) -> None:
+        """Count the keys served after a wait on another's lease, and the waits that timed out."""

@@ -216,10 +216,10 @@ def _length_problem(head: _Head, stored_len: int | None = None) -> str | None:
     return None
 
 
-def encode_payload(payload: Buffer, cctx: zstandard.ZstdCompressor) -> tuple[int, Buffer]:
+def encode_payload(payload: Buffer, cctx: zstandard.ZstdCompressor | None) -> tuple[int, Buffer]:
     """(flags, stored bytes): zstd if it saves at least 5%, else raw, so incompressible items cost
-    no decompression."""
-    if not len(payload):
+    no decompression; raw without a compressor (``cctx`` None: the writer chose not to try)."""
+    if cctx is None or not len(payload):
         return 0, payload
     packed = cctx.compress(payload)
     if len(packed) * 105 < len(payload) * 100:
@@ -233,7 +233,7 @@ def pack_head(flags: int, key: bytes, raw_len: int, stored: Buffer) -> bytes:
     return head[:_HEAD_CHECKED] + struct.pack("<I", _head_check(head, key))
 
 
-def pack_record(key: bytes, payload: Buffer, cctx: zstandard.ZstdCompressor) -> list[Buffer]:
+def pack_record(key: bytes, payload: Buffer, cctx: zstandard.ZstdCompressor | None) -> list[Buffer]:
     """One record for ``payload`` under ``key``, as buffers to write back to back; their total is
     ``_record_bytes(len(key), stored)``, a multiple of 8."""
     raw = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload

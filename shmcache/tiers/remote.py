@@ -48,9 +48,10 @@ NOTE [remote tier]
     by the master of each key's slot, sent the same way - not redis-py's cluster pipeline, which
     after a timeout re-sends each key alone, a timeout each). A Redis user that may not run
     GETRANGE (an ACL) is a fault logged as such, with the fix. Writes never are: ``offer`` only
-    appends to a bounded queue (full: the value is dropped, counted); one background thread per
-    process drains it with pipelined ``SET key value NX`` (the first writer wins: values of a
-    key are equal by construction, and NX spares the bandwidth of rewriting them). The queue is flushed, within a
+    appends to a bounded queue (full: the value is dropped, counted ``dropped``); one background
+    thread per process drains it with pipelined ``SET key value NX`` (the first writer wins:
+    values of a key are equal by construction, and NX spares the bandwidth of rewriting them),
+    compressing (zstd) only values it shrinks by COMPRESS_MIN_SAVING. The queue is flushed, within a
     deadline, at ``close()`` and at exit (atexit).
 
     Faults are misses, never errors and never waits: every call has a socket timeout; a failure
@@ -68,6 +69,53 @@ NOTE [remote tier]
     Processes. A forked child (DataLoader workers) inherits neither the thread nor the sockets:
     the tier notices the new PID on its next call and starts its own (redis-py's pools do the
     same for their connections).
+
+NOTE [remote leases]
+    Nodes that miss one key at once compute it once: each node's processes already coordinate
+    through the node's claims (NOTE [claims]); across nodes, a miss takes the key's *lease* in
+    Redis before computing. The wait loop is the seam's (tiered_store.TieredStore._leased, for
+    ``fill``, ``fill_batch`` and ``leased_compute``); the Redis side is here (``lease``, ``poll``).
+
+      1. lease: for every key of a batch of misses, ``SET <prefix>lease:<portable key> <token>
+         NX PX <ttl>`` and ``GETRANGE`` of that lease (its holder), pipelined: one round trip
+         per batch (per server, per Cluster master, as reads). The lease key lies under the
+         tier's prefix, so the spawned Redis's ACL (``~shmcache:*``, SET and GETRANGE: NOTE
+         [spawned redis]) covers it: no command more. Granted (SET answered OK, or the holder
+         read back is this process's own token: a value it computed whose write was dropped):
+         compute. Refused: another holds it.
+      2. compute the granted keys first (the caller publishes them: put, then the write-behind
+         SET of the value), then wait for the refused ones.
+      3. wait: poll with a growing sleep (1 ms, doubling to 50 ms) - one round trip per poll for
+         all the keys still waited for: ``GETRANGE`` of each value (bounded, as reads) and ``SET
+         lease NX PX`` again. A value found is checked and decoded as any tier hit, admitted
+         into shared memory (one ``put_records`` for the batch) and returned as
+         ``claims.Served`` (counted ``lease_waits``, neither computed nor published again). A
+         lease found free (expired: its holder died, or is slow past the TTL) is now ours:
+         compute that key at once (counted in ``leases``). A value there that fails its checks
+         (corrupt, forged, not decodable here) is computed at once: no wait mends it.
+      4. the wait ends at the cache's claim timeout (``claim_timeout_s``, CLAIM_TIMEOUT_S,
+         $SHMCACHE_CLAIM_TIMEOUT_S): what is still waited for is computed (``lease_timeouts``).
+
+    The TTL is the claim timeout too: a lease outlives its holder by at most that (a SIGKILLed
+    or SIGSTOPped holder's keys are taken over when their leases expire, by the next SET NX),
+    and no node waits longer than that for any key. A holder never releases its lease (that
+    would take a command the ACL refuses, or a Lua script): once its value is written, the
+    lease is moot - every reader finds the value first - and it expires by itself; a value that
+    was never written (the write-behind dropped it, the computation raised) costs the other
+    nodes one bounded wait. A batch computed longer than the TTL may be computed again by
+    another node (waste, never damage).
+
+    Trust. A lease carries no value and no secret - the token names its holder (host, PID, a
+    random nonce) for a person reading Redis, and decides nothing but "this process's own".
+    Values stay what NOTE [remote tier] makes them: a lease never decides which value is
+    served. A forged lease (a string, another type, one without a TTL) costs the node that
+    meets it at most one bounded wait per key, then it computes; a forged value is a miss.
+
+    Cost and faults. No tier that takes leases (no remote): no lease, no round trip. Claims
+    off (``SHMCACHE_CLAIMS=0``), a zero claim timeout, or an uncached store: no leases either.
+    The tier down, slow, or its breaker open: ``lease`` and ``poll`` grant every key at once
+    (compute) - a fault is never an error nor a wait (NOTE [tiers]). A single ``ds[i]`` miss
+    pays one round trip more than without leases; a batch of misses one per batch.
 """
 
 from __future__ import annotations
@@ -76,6 +124,7 @@ import atexit
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -111,6 +160,15 @@ QUEUE_BYTES = 256 << 20
 BATCH_ITEMS = 512  # one pipelined write: at most this many values ...
 BATCH_BYTES = 16 << 20  # ... or this many bytes
 FLUSH_S = 5.0  # how long close() and exit wait for the queue to drain
+# The writer compresses (zstd level 1, off the GIL but on the node's cores: ~0.35 ms a 150 KB
+# photo crop here, a fifth of the source's decode) only values it shrinks by at least this much;
+# after one that it shrinks less, the next COMPRESS_PROBE_EVERY go raw, then one is tried again.
+# (Photo crops shrink ~17%: stored raw, the first epoch's CPU goes to the ranks; arrays of small
+# ints or text shrink by half and more: compressed.)
+COMPRESS_MIN_SAVING = 0.25
+COMPRESS_PROBE_EVERY = 64
+LEASE_INFIX = b"lease:"  # a key's lease: prefix + LEASE_INFIX + portable key (NOTE [remote leases])
+TOKEN_BYTES = 128  # a lease's value is read only this far (its holder's name, for a person)
 
 _SCHEMES = {
     "redis": ("server", False), "rediss": ("server", True),
@@ -360,6 +418,7 @@ class RedisTier:
     # the most bytes one batch's values may take in all (TieredStore lowers it to the cache's
     # cap): values that each claim a GiB are refused past it, never all decoded
     max_batch_bytes = MAX_RAW_BYTES
+    leases = True  # a miss takes a lease here before computing (NOTE [remote leases])
 
     def __init__(self, url: str | RemoteURL, identity: str, *, queue_items: int = QUEUE_ITEMS,
                  queue_bytes: int = QUEUE_BYTES, counts_path: str | os.PathLike | None = None,
@@ -373,6 +432,7 @@ class RedisTier:
         _redis()  # a missing client is an error now, not a silent miss later
         self.identity = identity
         self.prefix = b"shmcache:" + identity.encode() + b":"  # + the portable key: the Redis key
+        self.lease_prefix = self.prefix + LEASE_INFIX  # + the portable key: its lease (NOTE [remote leases])
         self.queue_items, self.queue_bytes = queue_items, queue_bytes
         # counts_path + slot(): this process's counters go to its row of a shared file (NOTE
         # [tier counts]), so `shmcache stat` sees them; else they stay in the process
@@ -400,6 +460,7 @@ class RedisTier:
             return
         self.identity = identity(name, fingerprint)
         self.prefix = b"shmcache:" + self.identity.encode() + b":"
+        self.lease_prefix = self.prefix + LEASE_INFIX
 
     # --- per process: clients, queue, writer thread --------------------------------------------
 
@@ -423,6 +484,8 @@ class RedisTier:
             self._replace: set[bytes] = set()  # Redis keys read as forged: rewritten without NX
             self._thread: threading.Thread | None = None
             self._stop = False
+            # what this process's leases hold: who took them, for a person reading Redis (no secret)
+            self._token = b"%s/%d/%s" % (socket.gethostname().encode()[:64], os.getpid(), os.urandom(4).hex().encode())
             self._c = self._counts_row()
             self._pid = os.getpid()
 
@@ -497,7 +560,12 @@ class RedisTier:
         """The portable records of ``pkeys`` (None: a miss, a fault, the breaker open, or a value
         that is not this cache's record for that key); one round trip in all."""
         rkeys = [self.prefix + k for k in pkeys]  # the Redis keys, made once: read, MAC, record
-        raw = self._fetch(rkeys)
+        return self._records(pkeys, rkeys, self._fetch(rkeys))
+
+    def _records(self, pkeys: Sequence[bytes], rkeys: list[bytes], raw: list,
+                 count: bool = True) -> list[bytearray | None]:
+        """The raw Redis values ``raw`` of ``rkeys`` as checked portable records (None: missing, or
+        failing the MAC or the record's checks: counted, unless not ``count``)."""
         dctx = getattr(self._dctx, "ctx", None)
         if dctx is None:
             dctx = self._dctx.ctx = zstandard.ZstdDecompressor()
@@ -521,9 +589,9 @@ class RedisTier:
                     bad += 1
                     self._corrupt_logged(pkey, why)
             out.append(value)
-        if bad:
+        if bad and count:
             self.corrupt(bad)
-        if forged:
+        if forged and count:
             self.corrupt(forged, "forged")
         return out
 
@@ -559,10 +627,21 @@ class RedisTier:
         accept for its key can weigh (``GETRANGE key 0 bound-1``): a stranger's 512 MB value costs
         a batch that bound, then fails its checks (cut short: a miss). Like MGET otherwise: a
         missing key (GETRANGE's b"": a record is never empty) or one of another type is None."""
-        conn = self._connect()
+        return [_value(v) for v in self._exchange([(k, self._getrange_value(k)) for k in rkeys])]
+
+    def _getrange_value(self, rkey: bytes) -> bytes:
+        """The packed GETRANGE of a value: as far as the largest record this tier accepts."""
         limit = min(self.max_item_bytes, self.max_batch_bytes)
         extra = TRAILER_BYTES if self._mac is not None else 0
-        commands = [_getrange(k, max_record_bytes(len(k), limit) + extra - 1) for k in rkeys]
+        return _getrange(rkey, max_record_bytes(len(rkey), limit) + extra - 1)
+
+    def _exchange(self, commands: list[tuple[bytes, Any]]) -> list:
+        """The replies of ``(Redis key, packed command)`` pairs, in order, an error reply as its
+        exception: each command (bytes, or a list of buffers sent back to back) sent to the
+        server (the Cluster master) of its key, every server's commands sent before any reply
+        is read - one round trip in all."""
+        conn = self._connect()
+        rkeys = [k for k, _ in commands]
         if self.url.kind == "cluster":
             groups = _cluster_groups(conn, rkeys)
         elif len(conn) == 1:
@@ -570,15 +649,84 @@ class RedisTier:
         else:
             groups = _shard_groups(conn, rkeys)
         out: list = [None] * len(rkeys)
-        batches = [(pool, b"".join([commands[i] for i in idx]), len(idx), idx) for pool, idx in groups]
-        for idx, values in _round_trip(batches):
-            for i, v in zip(idx, values):
-                if isinstance(v, Exception):
-                    if not str(v).startswith("WRONGTYPE"):
-                        raise v
-                    v = None
-                out[i] = v or None
+        batches = [(pool, _coalesce([commands[i][1] for i in idx]), len(idx), idx) for pool, idx in groups]
+        for idx, replies in _round_trip(batches):
+            for i, v in zip(idx, replies):
+                out[i] = v
         return out
+
+    # --- leases (NOTE [remote leases]) ---------------------------------------------------------
+
+    def lease(self, pkeys: Sequence[bytes], ttl_s: float) -> list[bool]:
+        """Take the lease of each key for ``ttl_s`` seconds, one round trip in all (``SET lease
+        token NX PX``, and a read of the lease's holder). True: the lease is ours (taken now, or
+        this process's already), or the tier cannot say (down, slow, breaker open: compute);
+        False: another's lease is live - wait for its value (``poll``)."""
+        self._ensure()
+        n = len(pkeys)
+        if not n or self._closed or self._open():
+            return [True] * n
+        ms, token, commands = b"%d" % max(1, int(ttl_s * 1000)), self._token, []
+        for k in pkeys:
+            lkey = self.lease_prefix + k
+            commands.append((lkey, _set_nx_px(lkey, token, ms)))
+            commands.append((lkey, _getrange(lkey, TOKEN_BYTES - 1)))
+        try:
+            replies = self._exchange(commands)
+            for r in replies[0::2]:
+                if isinstance(r, Exception):  # NOPERM, OOM, ...: a fault, said once; leases granted
+                    raise r
+        except _faults() as exc:
+            self._failed(exc)
+            return [True] * n
+        self._succeeded()
+        taken = [r is not None for r in replies[0::2]]
+        with self._lock:
+            self._add("leases", sum(taken))
+        # the holder's name read back: a lease of this very process (a value it computed whose
+        # write was dropped) is ours; a lease holding another type (WRONGTYPE) is another's
+        return [t or h == token for t, h in zip(taken, replies[1::2])]
+
+    def poll(self, pkeys: Sequence[bytes], ttl_s: float) -> tuple[list[bytearray | None], list[bool]]:
+        """For keys whose lease another holds: their records now (None: not there yet, or failing
+        their checks) and, for each, whether to compute it now - its lease was free (expired) and
+        is ours (``SET lease token NX PX``), or a value is there that fails its checks (no wait
+        mends it: the one the lookup already counted as corrupt or forged); one round trip in
+        all (so a key whose value is found may come back taken too: the value wins, the lease
+        expires unused). A fault: no records, compute every key. Reads here count as ``lease_waits``
+        (``waited``), not as hits, misses or corrupt values."""
+        self._ensure()
+        n = len(pkeys)
+        if not n or self._closed or self._open():
+            return [None] * n, [True] * n
+        ms, token = b"%d" % max(1, int(ttl_s * 1000)), self._token
+        rkeys = [self.prefix + k for k in pkeys]
+        commands = [(k, self._getrange_value(k)) for k in rkeys]
+        commands += [(lkey, _set_nx_px(lkey, token, ms)) for lkey in [self.lease_prefix + k for k in pkeys]]
+        try:
+            replies = self._exchange(commands)
+            raw = [_value(v) for v in replies[:n]]
+            for r in replies[n:]:
+                if isinstance(r, Exception):
+                    raise r
+        except _faults() as exc:
+            self._failed(exc)
+            return [None] * n, [True] * n
+        self._succeeded()
+        taken = [r is not None for r in replies[n:]]
+        with self._lock:
+            self._add("leases", sum(taken))
+            self._add("bytes_read", sum(len(v) for v in raw if v is not None))
+        records = self._records(pkeys, rkeys, raw, count=False)
+        return records, [t or (v is not None and r is None) for t, v, r in zip(taken, raw, records)]
+
+    def waited(self, served: int, timed_out: int) -> None:
+        """The caller served ``served`` keys after waiting on another's lease, and gave up waiting
+        on ``timed_out`` (computed them): counted as ``lease_waits`` and ``lease_timeouts``."""
+        self._ensure()
+        with self._lock:
+            self._add("lease_waits", served)
+            self._add("lease_timeouts", timed_out)
 
     def corrupt(self, n: int = 1, counter: str = "corrupt") -> None:
         """The caller found ``n`` values that failed their checks (a miss each)."""
@@ -591,7 +739,9 @@ class RedisTier:
 
     def offer(self, pairs: Sequence[tuple[bytes, bytes]]) -> None:
         """Queue ``(portable key, portable record)`` pairs for writing; never blocks (a full queue
-        drops). The records are wrapped and written by the writer thread, off the training step."""
+        drops). The records are wrapped and written by the writer thread, off the training step.
+        A record given as ``bytes`` or a read-only memoryview is kept as it is (the caller hands
+        it over: TieredStore.put's is a buffer of its own), any other buffer is copied first."""
         self._ensure()
         if self._closed:
             return
@@ -600,7 +750,9 @@ class RedisTier:
                 if len(self._queue) >= self.queue_items or self._queued_bytes + len(value) > self.queue_bytes:
                     self._add("dropped", 1)
                     continue
-                self._queue.append((self.prefix + pkey, bytes(value)))
+                if not (type(value) is bytes or (type(value) is memoryview and value.readonly)):
+                    value = bytes(value)  # a buffer the caller may change: ours is a copy
+                self._queue.append((self.prefix + pkey, value))
                 self._queued_bytes += len(value)
             self._c[_I["backlog"]] = len(self._queue) + self._inflight
             if self._thread is None and self._queue:
@@ -611,6 +763,7 @@ class RedisTier:
 
     def _writer(self) -> None:
         cctx = zstandard.ZstdCompressor(level=1)
+        skip = 0  # values to store raw before compression is tried again (COMPRESS_MIN_SAVING)
         while True:
             with self._lock:
                 while not self._queue and not self._stop:
@@ -634,8 +787,16 @@ class RedisTier:
                 self._queued_bytes -= size
                 self._inflight = len(batch)
             try:
-                batch = [(k, self._sealed(k, pack_record(k, v, cctx))) for k, v in batch]
-                size = sum(len(v) for _, v in batch)
+                sealed = []
+                for k, v in batch:
+                    parts = pack_record(k, v, cctx if skip == 0 else None)
+                    if skip:
+                        skip -= 1
+                    elif len(parts[3]) > len(v) * (1 - COMPRESS_MIN_SAVING):  # not worth its CPU
+                        skip = COMPRESS_PROBE_EVERY
+                    sealed.append((k, self._sealed(k, parts)))
+                batch = sealed
+                size = sum(len(p) for _, parts in batch for p in parts)
                 self._write(batch)
             except Exception as exc:  # noqa: BLE001 - a failed write is a value not shared, no more
                 self._failed(exc)
@@ -651,32 +812,26 @@ class RedisTier:
                     self._c[_I["backlog"]] = len(self._queue)
                     self._wake.notify_all()
 
-    def _sealed(self, rkey: bytes, parts: list) -> bytes:
-        """The Redis value of one record: its parts, and with a secret the MAC trailer over the
-        Redis key (the cache's identity and the item's key) and those bytes."""
+    def _sealed(self, rkey: bytes, parts: list) -> list:
+        """The Redis value of one record, as the buffers to send back to back (never joined: a
+        150 KiB value is not copied again): its parts, and with a secret the MAC trailer over
+        the Redis key (the cache's identity and the item's key) and those bytes."""
         if self._mac is not None:
             parts = [*parts, self._mac.trailer(rkey, *parts)]
-        return b"".join(parts)
+        return parts
 
-    def _write(self, batch: list[tuple[bytes, bytes]]) -> None:
-        conn = self._connect()
-        if self.url.kind == "cluster":
-            groups = [(conn, batch)]
-        elif len(conn) == 1:
-            groups = [(conn[0], batch)]
-        else:
-            by = [[] for _ in conn]
-            for item in batch:
-                by[jump_hash(_key_hash(item[0]), len(conn))].append(item)
-            groups = [(c, b) for c, b in zip(conn, by) if b]
-        for client, items in groups:
-            pipe = client.pipeline(transaction=False)
-            replace = self._replace
-            for k, v in items:
-                # NX: the first writer wins; but a value read as forged is replaced by the job's
-                pipe.set(k, v, nx=k not in replace)
-                replace.discard(k)
-            pipe.execute(raise_on_error=True)
+    def _write(self, batch: list[tuple[bytes, list]]) -> None:
+        """``SET key value NX`` for each (Redis key, value's buffers), in one round trip (to each
+        server, each Cluster master); an error reply raises (a fault: the breaker, dropped)."""
+        replace = self._replace
+        commands = []
+        for k, parts in batch:
+            # NX: the first writer wins; but a value read as forged is replaced by the job's
+            commands.append((k, _set_value(k, parts, k not in replace)))
+            replace.discard(k)
+        for reply in self._exchange(commands):
+            if isinstance(reply, Exception):
+                raise reply
 
     def flush(self, timeout_s: float = FLUSH_S) -> bool:
         """Wait until what was offered is written (or dropped); False if the deadline passed."""
@@ -763,9 +918,54 @@ def _getrange(rkey: bytes, end: int) -> bytes:
     return b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n%s\r\n" % (len(rkey), rkey, len(end_b), end_b)
 
 
+def _set_nx_px(rkey: bytes, value: bytes, ms: bytes) -> bytes:
+    """``SET rkey value NX PX ms``, packed (RESP): a lease (NOTE [remote leases])."""
+    return b"*6\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (
+        len(rkey), rkey, len(value), value, len(ms), ms)
+
+
+def _set_value(rkey: bytes, parts: list, nx: bool) -> list:
+    """``SET rkey <parts joined> [NX]``, packed (RESP) as buffers to send back to back: the
+    value's bulk string is its parts one after another, never joined here."""
+    n = sum(len(p) for p in parts)
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (4 if nx else 3, len(rkey), rkey, n)
+    return [head, *parts, b"\r\n$2\r\nNX\r\n" if nx else b"\r\n"]
+
+
+_SEND_ALONE = 16 << 10  # a buffer this large is sent as it is; smaller ones are joined (one send)
+
+
+def _coalesce(commands: list) -> list:
+    """Packed commands (bytes, or lists of buffers) as few buffers to send: small ones joined,
+    large ones (a value's payload) sent as they are, never copied."""
+    out, small = [], []
+    for command in commands:
+        for buf in ([command] if type(command) is bytes else command):
+            if len(buf) >= _SEND_ALONE:
+                if small:
+                    out.append(b"".join(small))
+                    small = []
+                out.append(buf)
+            else:
+                small.append(buf)
+    if small:
+        out.append(b"".join(small))
+    return out
+
+
+def _value(reply: Any) -> bytes | None:
+    """A GETRANGE reply as a value: None for a missing key (b"") or one of another type; any
+    other error reply raises (a fault)."""
+    if isinstance(reply, Exception):
+        if not str(reply).startswith("WRONGTYPE"):
+            raise reply
+        return None
+    return reply or None
+
+
 def _round_trip(batches: list) -> list:
-    """Send each ``(pool, packed commands, their count, tag)``'s commands on a connection of its
-    own pool, all before reading any reply; then ``[(tag, replies)]``, an error reply as its
+    """Send each ``(pool, packed commands (buffers), their count, tag)``'s commands on a
+    connection of its own pool, all before reading any reply; then ``[(tag, replies)]``, an error reply as its
     exception (every reply is read: the connection stays clean). A connection left with an
     unread reply (a timeout, a broken connection) is disconnected, never reused."""
     response_error = _redis().exceptions.ResponseError
@@ -774,7 +974,7 @@ def _round_trip(batches: list) -> list:
         for pool, packed, _n, _tag in batches:
             conn = pool.get_connection()
             sent.append((pool, conn))
-            conn.send_packed_command([packed])
+            conn.send_packed_command(packed)  # buffers, sent back to back
         for (_, conn), (_, _, n, tag) in zip(sent, batches):
             out.append((tag, [_reply(conn, response_error) for _ in range(n)]))
     except BaseException:

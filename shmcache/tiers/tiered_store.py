@@ -76,24 +76,30 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from ..base.trust import PICKLE_HINT
 from ..cache import codec
+from ..cache.claims import Served
 from ..cache.index import key_bytes, tier_key
 from ..cache.store import MISSING
 from ..errors import ItemTooLarge
 from . import counts as tier_counts
-from .protocol import Buffer, Tier
+from .protocol import Buffer, LeaseTier, Tier
 
 __all__ = ["Tier", "TieredStore", "portable_key", "key_of_portable", "portable_record", "decode_portable",
            "PickleRefused", "untrusted_problem"]
 
 log = logging.getLogger("shmcache")
 _SEAM = {name: i for i, name in enumerate(tier_counts.COUNTERS["tiers"])}
+# a wait on another node's lease polls the tier for its value (NOTE [remote leases]): the first
+# sleep, doubling to the longest (a value lands after its holder computed it and wrote it behind)
+LEASE_FIRST_SLEEP_S, LEASE_MAX_SLEEP_S = 1e-3, 50e-3
 
 
 def portable_key(key: Any) -> bytes:
@@ -126,9 +132,15 @@ def portable_record(enc: codec.Encoded, key: Any) -> bytes:
 
 def _portable_record(enc: codec.Encoded, kb: bytes) -> bytes:
     """``portable_record`` of the key whose bytes (index.key_bytes) are ``kb``."""
-    out = bytearray(enc.record_len(len(kb), True))
-    enc.write(memoryview(out), codec.INLINE, kb)
-    return bytes(out)
+    return bytes(_fresh_record(enc, kb))
+
+
+def _fresh_record(enc: codec.Encoded, kb: bytes) -> memoryview:
+    """The portable record as a read-only view of a buffer of its own, written once (no zero
+    fill, no copy after): what ``put`` hands over to the tiers (Tier.offer keeps it as it is)."""
+    out = memoryview(np.empty(enc.record_len(len(kb), True), np.uint8))
+    enc.write(out, codec.INLINE, kb)
+    return out.toreadonly()
 
 
 class PickleRefused(ValueError):
@@ -235,6 +247,9 @@ class TieredStore:
         self.behind = list(tiers)
         # a read-only tier (a snapshot) takes nothing: put packs no copy of the value for it
         self._writable = [tier for tier in self.behind if not tier.read_only]
+        # where a miss takes its lease before computing (NOTE [remote leases]): the first writable
+        # tier that takes leases (the remote), None without one (no lease, no round trip)
+        self._leaser: LeaseTier | None = next((tier for tier in self._writable if tier.leases), None)
 
     # --- the local store's state ------------------------------------------------------------
 
@@ -310,13 +325,15 @@ class TieredStore:
         pks = {i: portable_key(keys[i]) for i in missing}  # converted once for every tier
         for tier in self.behind:
             records = self._call(tier, "get_many", [pks[i] for i in missing]) or [None] * len(missing)
-            still = []
+            still, hits = [], []
             for i, record in zip(missing, records):
-                value = MISSING if record is None else self._admit(keys[i], record, tier)
+                value = MISSING if record is None else self._decoded(keys[i], record, tier)
                 if value is MISSING:
                     still.append(i)
                 else:
                     values[i] = value
+                    hits.append((keys[i], record))
+            self._admit_many(hits)  # the batch's hits of this tier: one put_records, one lock hold
             missing = still
             if not missing:
                 break
@@ -332,30 +349,113 @@ class TieredStore:
              copy: bool = True) -> Any:
         """The miss path of shared memory (NOTE [claims]): the tiers were asked already (the miss
         was ours); a waiter polls shared memory, where the holder's value (or its tier hit) lands.
-        ``publish`` is the caller's: this store's put, so the tiers are offered the value too."""
-        return self.local.fill(key, compute, publish, copy)
+        ``publish`` is the caller's: this store's put, so the tiers are offered the value too.
+        With a remote tier the computation first takes the key's lease (NOTE [remote leases])."""
+        if self._leaser is None:
+            return self.local.fill(key, compute, publish, copy)
+        return self.local.fill(key, self._leased_one(compute), publish, copy)
 
-    def fill_batch(self, keys: list, compute_many: Callable[[list], list],
+    def fill_batch(self, keys: Sequence, compute_many: Callable[[list], list],
                    publish_many: Callable[[list], Any], copy: bool = True) -> list:
-        """The batch miss path of shared memory (NOTE [claims]), as ``fill``: ``publish_many`` is
-        the caller's, this store's ``put_many``, so the tiers are offered the values too."""
-        return self.local.fill_batch(keys, compute_many, publish_many, copy)
+        """The batch miss path (the local store's ``fill_batch``: NOTE [claims]), the computation
+        taking the keys' leases first with a remote tier (``leased_compute``)."""
+        return self.local.fill_batch(keys, self.leased_compute(compute_many), publish_many, copy)
+
+    def leased_compute(self, compute_many: Callable[[list], list]) -> Callable[[list], list]:
+        """``compute_many`` (keys -> their values) behind the keys' leases (NOTE [remote leases]):
+        a callable keys -> list, each element the value computed here or a ``claims.Served`` (the
+        value another node computed, found in the tier after waiting on its lease, admitted into
+        shared memory already: the caller neither counts nor publishes it). Without a tier that
+        takes leases, ``compute_many`` itself."""
+        return compute_many if self._leaser is None else partial(self._leased, compute_many)
+
+    def _leased_one(self, compute: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``compute`` (key -> value) behind the key's lease, as ``leased_compute``."""
+        leased = self.leased_compute(lambda keys: [compute(keys[0])])
+        return lambda key: leased([key])[0]
+
+    def _lease_ttl(self) -> float:
+        """How long a lease lives, and a wait on another's lasts: the cache's claim timeout
+        (NOTE [claims]); 0 (no leases) when claims are off, or there is no shared memory."""
+        if self._leaser is None or self.local.uncached:
+            return 0.0
+        claims = self.local.claims
+        return claims.timeout_s if claims.on else 0.0
+
+    def _leased(self, compute_many: Callable[[list], list], keys: Sequence) -> list:
+        """NOTE [remote leases]: take the keys' leases (one round trip), compute the keys whose
+        lease is ours, then wait for the others' values - computing a key whose lease expires
+        (taken over), and every key left when the wait times out."""
+        keys = list(keys)
+        ttl, tier = self._lease_ttl(), self._leaser
+        if not keys or ttl <= 0 or tier is None:
+            return list(compute_many(keys))
+        pks = [portable_key(k) for k in keys]
+        granted = self._call(tier, "lease", pks, ttl) or [True] * len(keys)
+        if all(granted):
+            return list(compute_many(keys))
+        out: list = [None] * len(keys)
+        self._compute_into(out, keys, [i for i, g in enumerate(granted) if g], compute_many)
+        waiting = [i for i, g in enumerate(granted) if not g]
+        found: list = []  # (i, value, record): another node's values, admitted below
+        deadline = time.monotonic() + ttl
+        delay = LEASE_FIRST_SLEEP_S
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, LEASE_MAX_SLEEP_S)
+            got = self._call(tier, "poll", [pks[i] for i in waiting], ttl)
+            records, taken = got if got is not None else ([None] * len(waiting), [True] * len(waiting))
+            still, ours = [], []
+            for i, record, mine in zip(waiting, records, taken):
+                # a record refused here was counted by the lookup that missed it (the same bytes)
+                value = MISSING if record is None else self._decoded(keys[i], record, tier, count=False)
+                if value is not MISSING:
+                    found.append((i, value, record))
+                elif mine or record is not None:  # taken over, or a record no wait will mend
+                    ours.append(i)
+                else:
+                    still.append(i)
+            self._compute_into(out, keys, ours, compute_many)
+            waiting = still
+        self._compute_into(out, keys, waiting, compute_many)  # timed out: computed here
+        self._admit_many([(keys[i], record) for i, _, record in found])
+        for i, value, _ in found:
+            out[i] = Served(value)
+        self._call(tier, "waited", len(found), len(waiting))
+        return out
+
+    @staticmethod
+    def _compute_into(out: list, keys: list, idx: list[int], compute_many: Callable[[list], list]) -> None:
+        if idx:
+            for i, value in zip(idx, compute_many([keys[i] for i in idx]), strict=True):
+                out[i] = value
 
     def count_computed(self, n: int = 1) -> None:
         self.local.count_computed(n)
 
     def _admit(self, key: Any, record: Buffer, tier: Tier) -> Any:
-        """A tier's record as a value, stored in shared memory too (within its cap). Decoded first:
+        """A tier's record as a value (``_decoded``), stored in shared memory too (within its cap)."""
+        value = self._decoded(key, record, tier)
+        if value is not MISSING:
+            self._admit_many([(key, record)])
+        return value
+
+    def _decoded(self, key: Any, record: Buffer, tier: Tier, count: bool = True) -> Any:
+        """A tier's record as a value, or MISSING (counted, unless not ``count``). Decoded first:
         bytes that passed the tier's checks yet are no portable record are refused before they
         reach shared memory; so is a pickled leaf from a tier whose records are not authenticated
         (unless allow_pickle): it would run code here, and in every process that reads it later."""
         try:
             # private bytes: the value owns them (a tier returns a bytearray only when it is fresh
             # and its own - Tier.get - so it is not copied again)
-            value = decode_portable(record if type(record) is bytearray else bytearray(record),
-                                    tier.authenticated, self.allow_pickle)
+            return decode_portable(record if type(record) is bytearray else bytearray(record),
+                                   tier.authenticated, self.allow_pickle)
         except PickleRefused as exc:
-            self._count("pickle_refused")
+            if count:
+                self._count("pickle_refused")
             if ("pickle", tier.name) not in self._failed:
                 self._failed.add(("pickle", tier.name))
                 log.warning("cache %s/%s: the %s tier returned a record of key %r that %s, and its records "
@@ -364,23 +464,39 @@ class TieredStore:
                             tier.name, key, str(exc).removeprefix("it "), PICKLE_HINT)
             return MISSING
         except ValueError as exc:
-            self._count("undecodable")
+            if count:
+                self._count("undecodable")
             if ("decode", "") not in self._failed:
                 self._failed.add(("decode", ""))
                 log.warning("cache %s/%s: a tier returned a record of key %r that does not decode "
                             "(%s); treated as a miss, further ones are only counted",
                             self.local.session, self.local.name, key, exc)
             return MISSING
-        # the record as it came, no decode-and-encode round: put_records copies its bytes in once
+
+    def _admit_many(self, items: list[tuple[Any, Buffer]]) -> None:
+        """Tier records that decoded (``_decoded``) into shared memory, one ``put_records`` call
+        (one lock hold, published a chunk at a time) - the record as it came, no decode-and-encode
+        round: put_records copies its bytes in once. One that can never fit is served from the
+        tier, counted as rejected (by the store) and said once; the others still go in."""
+        if not items:
+            return
         try:
-            if self.local.put_records([(key, record)])[0]:
-                self._count("admitted")
-        except ItemTooLarge as exc:  # served, counted as rejected (by the store), said once
-            if ("too_large", "") not in self._failed:
-                self._failed.add(("too_large", ""))
-                log.warning("%s; such items are served from the tier, not cached in shared memory, and "
-                            "counted as rejected (said once)", exc)
-        return value
+            stored = self.local.put_records(items)
+        except ItemTooLarge as exc:  # one of them: the rest one by one (rare: a cap below an item)
+            self._too_large(exc)
+            stored = []
+            for item in items:
+                try:
+                    stored += self.local.put_records([item])
+                except ItemTooLarge:
+                    stored.append(False)
+        self._count("admitted", sum(stored))
+
+    def _too_large(self, exc: ItemTooLarge) -> None:
+        if ("too_large", "") not in self._failed:
+            self._failed.add(("too_large", ""))
+            log.warning("%s; such items are served from the tier, not cached in shared memory, and "
+                        "counted as rejected (said once)", exc)
 
     # --- writes -----------------------------------------------------------------------------
 
@@ -389,7 +505,7 @@ class TieredStore:
         stored = self.local.put(key, value, encoded=enc)
         if self._writable:  # a read-only tier (a snapshot) takes nothing: no copy of the value for it
             w1, kb = key_bytes(key)  # converted once, for the key and the record
-            item = [(tier_key(w1, kb), _portable_record(enc, kb))]
+            item = [(tier_key(w1, kb), _fresh_record(enc, kb))]  # handed over: no copy is kept here
             for tier in self._writable:
                 self._call(tier, "offer", item)
         return stored
@@ -410,13 +526,13 @@ class TieredStore:
 
     # --- counters ---------------------------------------------------------------------------
 
-    def _count(self, counter: str) -> None:
-        """One more of the seam's ``counter`` in this process's row (NOTE [tier counts])."""
+    def _count(self, counter: str, n: int = 1) -> None:
+        """``n`` more of the seam's ``counter`` in this process's row (NOTE [tier counts])."""
         if self._pid != os.getpid():  # the first count, or a forked child: its own row
             self._c = tier_counts.process_row(self._counts_path, "", self._slot,
                                               f"the tiers of cache {self.local.session}/{self.local.name}")
             self._pid = os.getpid()
-        self._c[_SEAM[counter]] += np.uint64(1)
+        self._c[_SEAM[counter]] += np.uint64(n)
 
     def seam_totals(self) -> dict:
         """The seam's counters summed over every process (this process's when not shared)."""

@@ -105,8 +105,17 @@ def test_the_remote_tier_reads_and_writes_with_the_workers_url(spawned):
         tier.offer([(b"k1", b"value one"), (b"k2", b"value two")])
         assert tier.flush()
         assert tier.get_many([b"k1", b"k2", b"k3"]) == [b"value one", b"value two", None]
+        # leases (NOTE [remote leases]): SET NX PX and GETRANGE, under the ACL's key pattern
+        assert tier.lease([b"k3", b"k4"], 5.0) == [True, True]
+        other = RedisTier(url, "acl-test", secret=b"s" * 32)
+        try:
+            assert other.lease([b"k3", b"k5"], 5.0) == [False, True]  # k3's lease is the first tier's
+            # k1's value is there (and its lease was free: taken too - the value wins); k3's lease is held
+            assert other.poll([b"k1", b"k3"], 5.0) == ([b"value one", None], [True, False])
+        finally:
+            other.close()
         counters = tier.counters()
-        assert counters["errors"] == 0 and counters["dropped"] == 0, counters
+        assert counters["errors"] == 0 and counters["dropped"] == 0 and counters["leases"] == 2, counters
     finally:
         tier.close()
     info = probe(url)

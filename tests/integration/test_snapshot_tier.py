@@ -474,6 +474,7 @@ def test_a_snapshot_goes_in_front_of_a_tier_attached_before_it(tmp_path):
     class Other:
         name = "remote"
         read_only = False
+        leases = False
         max_batch_bytes = 1 << 30
 
     url = tmp_path / "snap"

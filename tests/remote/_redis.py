@@ -115,6 +115,17 @@ class RedisServer:
             raise RuntimeError(f"redis-cli {args}: {out.stderr}")
         return out.stdout.strip()
 
+    def values(self) -> int:
+        """The number of values stored (keys that are not leases: NOTE [remote leases])."""
+        import redis
+
+        r = redis.Redis(port=self.port, password=self.password, ssl=bool(self.tls),
+                        ssl_ca_certs=self.tls["ca"] if self.tls else None)
+        try:
+            return sum(b":lease:" not in k for k in r.scan_iter(count=1000))
+        finally:
+            r.close()
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

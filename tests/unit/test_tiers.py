@@ -20,6 +20,7 @@ class DictTier:
     name = "dict"
     COUNTERS = ("records",)
     read_only = False
+    leases = False  # a tier of one process: nothing to lease (NOTE [remote leases])
     authenticated = False
     max_batch_bytes = 1 << 30
 
@@ -191,3 +192,30 @@ def test_the_assembly_orders_binds_and_offers_writes_only_to_writable_tiers(loca
     assert assembly.tiers_of(local) == [] and assembly.stats(store)["tiers"]["remote"] == {"records": 1}
     assert not hasattr(store, "collect_garbage")  # no silent forwarding to the local store
     store.close()
+
+
+def test_a_batch_s_tier_hits_go_in_together_each_checked_the_too_large_served_and_said_once(caplog):
+    """lookup_batch admits a tier's hits of a batch with one put_records call (one lock hold): a
+    record that does not decode is still a counted miss, never admitted; one that can never fit
+    in the cache is served from the tier, said once, and the others of the batch still go in."""
+    small = CacheStore("tiers", "small", capacity_bytes=4 << 20)
+    small.bind_fingerprint("fp")
+    try:
+        tier = DictTier()
+        for i in range(6):
+            tier.records[portable_key(i)] = portable_record(codec.encode(sample(i)), i)
+        tier.records[portable_key(6)] = b"\xff" * 80  # not a record
+        for i in (7, 8):  # 8 MiB each: never fits in 4 MiB
+            tier.records[portable_key(i)] = portable_record(codec.encode({"x": np.zeros(2 << 20, np.float32)}), i)
+        store = TieredStore(small, [tier])
+        with caplog.at_level(logging.WARNING, "shmcache"):
+            values, missing = store.lookup_batch(list(range(10)))
+        assert missing == [6, 9]
+        assert all(same(values[i], sample(i)) for i in range(6))
+        assert values[7]["x"].shape == (2 << 20,) and values[8]["x"].shape == (2 << 20,)
+        assert all(small.contains(i) for i in range(6)) and not any(small.contains(i) for i in (6, 7, 8))
+        st = store.stats()
+        assert st["tier_admitted"] == 6 and st["tier_undecodable"] == 1
+        assert sum("can never fit" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        small.close()
