@@ -40,6 +40,16 @@ NOTE [record format]
     as before, and a reader that does not know it refuses the record (check_layout: "not one the
     encoder writes"; a decoder: "written by another shmcache version") - never a guess.
 
+    A list of numbers (issue 31), at least MIN_NUMBERS of them: a list whose items are all Python
+    ints (not bools) or all floats, or a rectangular nesting of such lists, is a node ``("l",
+    dtype, shape, offset)`` stored as an array - ints in the narrowest of uint8 ... int64 that holds
+    them all, floats as float64 - and decoded with ``tolist()``: the same nested lists of the same
+    Python numbers, at the numbers' own size (a row of 3,072 pixel ints took 71 KB as one node per
+    number). Anything else (mixed types, ragged nesting, ints beyond 64 bits, empty lists) keeps a
+    node per item. Such a leaf is not gathered as a column (``default_collate`` transposes lists):
+    a batch of them goes item by item. A layout from outside holds at most MAX_LAYOUT_NUMBERS
+    numbers in such lists: each becomes a Python object when decoded.
+
     A namedtuple (issue 30) is a node ``("N", qualname, field names, children)``: its class is
     never looked up by the names a record carries (no import, no attribute of a module): decoding
     returns the class this process registered under that (qualname, fields) - every namedtuple
@@ -74,8 +84,9 @@ from ..errors import EncodeError
 __all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "register_namedtuple",
            "registered_namedtuples", "RECORD_HEADER", "RecordHeader",
            "record_header", "record_key", "inline_layout", "LayoutCheck", "check_layout",
-           "INLINE", "ALIGN", "Leaf", "MAX_DECODERS", "cached_decoders", "clear_decoders", "MAX_LAYOUT_BYTES",
-           "MAX_LAYOUT_NODES", "MAX_LAYOUT_NAMED", "TORCH_METAS", "PIL_PIXEL_BYTES", "torch_check", "pil_check"]
+           "INLINE", "ALIGN", "NUMBERS", "MIN_NUMBERS", "Leaf", "MAX_DECODERS", "cached_decoders",
+           "clear_decoders", "MAX_LAYOUT_BYTES", "MAX_LAYOUT_NODES", "MAX_LAYOUT_NAMED", "MAX_LAYOUT_NUMBERS",
+           "TORCH_METAS", "PIL_PIXEL_BYTES", "torch_check", "pil_check"]
 
 INLINE = 0xFFFFFFFF
 ALIGN = 64
@@ -89,6 +100,8 @@ _INT, _FLOAT, _BOOL, _NONE, _STR, _BYTES, _PICKLE, _ARRAY, _EXT = "ifbnsypae"
 _NPSCALAR = "g"  # a numpy scalar (np.float32(1.5)): stored like a 0-d array, returned as a scalar
 _TUPLE, _LIST, _DICT = "TLD"
 _NAMED = "N"  # a namedtuple: (N, qualname, field names, children); NOTE [record format]
+NUMBERS = _NUMBERS = "l"  # a (nested) list of Python ints or floats, stored as an array: (l, dtype, shape, offset)
+MIN_NUMBERS = 16  # a list of fewer numbers keeps a node per number (a pair, a short box)
 
 # Extension types (torch.Tensor): tag -> (type, to_parts, from_parts)
 _EXT_TO: dict[type, tuple[str, Callable]] = {}
@@ -404,6 +417,10 @@ class _Builder:
         if tp is tuple:
             return (_TUPLE, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
         if tp is list:
+            arr = _numbers(x) if len(x) > 1 else None
+            if arr is not None:
+                self.arrays.append(arr.reshape(-1).view(np.uint8))
+                return (_NUMBERS, arr.dtype.str, tuple(arr.shape), len(self.arrays) - 1)
             return (_LIST, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
         if isinstance(x, tuple) and (named := _named_fields(tp)) is not None \
                 and len(x) == len(named[1]) and not getattr(x, "__dict__", None):
@@ -444,6 +461,38 @@ class _Builder:
         return (_PICKLE, len(self.var) - 1, len(b))
 
 
+_INT_DTYPES = tuple(np.dtype(t) for t in ("<u1", "<i1", "<u2", "<i2", "<u4", "<i4", "<i8"))
+
+
+def _numbers(x: list) -> np.ndarray | None:
+    """``x`` as a C-contiguous array when it is a list of at least MIN_NUMBERS Python ints (not
+    bools) or floats, alone or in rectangular nested lists (NOTE [record format]); else None."""
+    rows, shape = [x], [len(x)]
+    while type(rows[0][0]) is list:  # a level of lists: every item a list of one length
+        n = len(rows[0][0])
+        if not n or not all(type(r) is list and len(r) == n for row in rows for r in row):
+            return None
+        rows = [r for row in rows for r in row]
+        shape.append(n)
+    count = len(rows) * shape[-1]
+    if count < MIN_NUMBERS:
+        return None
+    kinds = {type(v) for row in rows for v in row}
+    if kinds == {int}:
+        try:
+            arr = np.array(x, dtype=np.int64)
+        except OverflowError:  # beyond 64 bits: a node per number, as before
+            return None
+        lo, hi = (int(arr.min()), int(arr.max()))
+        dtype = next(d for d in _INT_DTYPES if np.iinfo(d).min <= lo and hi <= np.iinfo(d).max)
+        arr = arr.astype(dtype)
+    elif kinds == {float}:
+        arr = np.array(x, dtype="<f8")
+    else:
+        return None
+    return arr if arr.shape == tuple(shape) else None
+
+
 def _unsupported(x: Any) -> str:
     """What about ``x`` made it pickled, as a warning names it: its type, and for an array or a
     tensor (which are stored natively) the dtype or kind that is not."""
@@ -471,7 +520,7 @@ def _place(node: tuple, scalar_off: list[int], var_off: list[int], arr_off: list
         return (tag, scalar_off[node[1]])
     if tag in (_STR, _BYTES, _PICKLE):
         return (tag, var_off[node[1]], node[2])
-    if tag in (_ARRAY, _NPSCALAR):
+    if tag in (_ARRAY, _NPSCALAR, _NUMBERS):
         return (tag, node[1], node[2], arr_off[node[3]])
     if tag == _EXT:
         return (tag, node[1], node[2], node[3], arr_off[node[4]])
@@ -651,6 +700,10 @@ def _compile_flat(node: tuple, private: bool) -> Callable | None:
             return f"_fb(buf, {const(dtype)}, {count}, {int(n[3])}).reshape({const(shape)})"
         if tag == _NPSCALAR:
             return f"_fb(buf, {const(_plain_dtype(n[1]))}, 1, {int(n[3])})[0]"
+        if tag == _NUMBERS:
+            dtype, shape = _plain_dtype(n[1]), tuple(n[2])
+            count = int(np.prod(shape, dtype=np.int64))
+            return f"_fb(buf, {const(dtype)}, {count}, {int(n[3])}).reshape({const(shape)}).tolist()"
         if tag == _EXT:
             from_parts = _handler(n[1])
             size = _ext_nbytes(n[2], n[3])
@@ -730,6 +783,10 @@ def _compile(node: tuple, private: bool = False, check: bool = False) -> Callabl
     if tag == _NPSCALAR:
         dtype, off = _plain_dtype(node[1]), node[3]
         return lambda buf: np.frombuffer(buf, dtype, 1, off)[0]
+    if tag == _NUMBERS:
+        dtype, shape, off = _plain_dtype(node[1]), node[2], node[3]
+        count = int(np.prod(shape, dtype=np.int64))
+        return lambda buf: np.frombuffer(buf, dtype, count, off).reshape(shape).tolist()
     if tag == _EXT:
         ext, meta, shape, off = node[1], node[2], node[3], node[4]
         # check: a handler not loaded is not loaded for it; the leaf's bytes are still located
@@ -802,6 +859,9 @@ class LayoutCheck(NamedTuple):
 # and read locally, but not taken from a tier or a snapshot (an import counts it damaged).
 MAX_LAYOUT_BYTES = 1 << 20
 MAX_LAYOUT_NODES = 1 << 16
+# the numbers a layout from outside may hold in lists of numbers: each becomes a Python object
+# (8 to 40 bytes) when decoded, so the bytes of a record alone would not bound a decode's memory
+MAX_LAYOUT_NUMBERS = 1 << 22
 # ... and at most this many namedtuple classes (distinct name and fields): a decode makes a class
 # for each one this process has not registered (collections.namedtuple: about 0.5 ms each), and a
 # 529 KB layout naming 20,000 of them cost 9.3 s on its first decode. A sample of many
@@ -859,7 +919,7 @@ def check_layout(layout: bytes) -> LayoutCheck:
     if found is not None:
         return found
     pickled = False
-    needed = 0
+    needed = numbers = 0
     texts: list[tuple[int, int]] = []
     unknown: list[str] = []
     # nodes a layout of these bytes can hold: marshal's back-references let a few hundred bytes
@@ -889,7 +949,7 @@ def check_layout(layout: bytes) -> LayoutCheck:
         return num(count, "an element count")
 
     def walk(node: Any, depth: int) -> None:
-        nonlocal pickled, needed, budget
+        nonlocal pickled, needed, budget, numbers
         budget -= 1
         if budget < 0:
             raise ValueError(f"it names more nodes than its bytes can hold (shared by reference), or more "
@@ -925,8 +985,15 @@ def check_layout(layout: bytes) -> LayoutCheck:
             pickled = pickled or tag == _PICKLE
             if tag == _STR:
                 texts.append((node[1], node[2]))
-        elif tag in (_ARRAY, _NPSCALAR) and n == 4:
+        elif tag in (_ARRAY, _NPSCALAR, _NUMBERS) and n == 4:
             count = shape_of(node[2])
+            if tag == _NUMBERS:
+                if len(node[2]) == 0 or _plain_dtype(node[1]).kind not in "iuf":
+                    raise ValueError(f"a list of numbers of dtype {node[1]!r}, shape {node[2]!r}")
+                numbers += count
+                if numbers > MAX_LAYOUT_NUMBERS:
+                    raise ValueError(f"its lists hold more than {MAX_LAYOUT_NUMBERS} numbers (each a Python "
+                                     f"object when decoded)")
             if tag == _NPSCALAR and node[2] != ():  # a batch would gather it as an array of that shape
                 raise ValueError(f"a numpy scalar of shape {node[2]!r}, not ()")
             needed = max(needed, offset(node[3]) + count * _plain_dtype(node[1]).itemsize)
@@ -1020,9 +1087,10 @@ def leaves(layout: bytes) -> tuple[Any, list[Leaf]]:
             out.append(Leaf(tag, node[1], 8, np.dtype("<f8")))
         elif tag == _BOOL:
             out.append(Leaf(tag, node[1], 1, np.dtype("?")))
-        elif tag in (_ARRAY, _NPSCALAR):
+        elif tag in (_ARRAY, _NPSCALAR, _NUMBERS):
             dt = _plain_dtype(node[1])
-            out.append(Leaf(_ARRAY, node[3], int(np.prod(node[2], dtype=np.int64)) * dt.itemsize, dt, node[2]))
+            out.append(Leaf(_ARRAY if tag != _NUMBERS else tag, node[3],
+                            int(np.prod(node[2], dtype=np.int64)) * dt.itemsize, dt, node[2]))
         elif tag == _EXT:
             out.append(Leaf(tag, node[4], _ext_nbytes(node[2], node[3]), None, node[3], node[2], node[1]))
         elif tag == _NONE:

@@ -1244,14 +1244,17 @@ class CacheStore:
         lid = entry_layout(w0)
         if not w0 or lid == INLINE24:
             return None
-        return self._columns(g, lid)
+        columns = self._columns(g, lid)
+        return None if columns[3] else columns[:3]
 
     def _columns(self, g: Generation, lid: int) -> tuple:
-        """``(tree, leaves, end of the last leaf)`` of layout ``lid`` for the batch path."""
+        """``(tree, leaves, end of the last leaf, has a list of numbers)`` of layout ``lid`` for
+        the batch path (a list of numbers is never a column: ``default_collate`` transposes lists)."""
         shape = g.columns.get(lid)
         if shape is None:
             raw, _, end, _ = self._layout(g, lid)  # checked there: codec.leaves takes it as sound
-            shape = g.columns[lid] = (*codec.leaves(raw), end)
+            tree, leaves = codec.leaves(raw)
+            shape = g.columns[lid] = (tree, leaves, end, any(leaf.tag == codec.NUMBERS for leaf in leaves))
         return shape
 
     out_matches = staticmethod(gather.out_matches)
@@ -1282,7 +1285,9 @@ class CacheStore:
         batch = gather.plan(g.index, keys)
         if batch is None:
             return None
-        tree, leaves, end = self._columns(g, batch.layout)
+        tree, leaves, end, numbers = self._columns(g, batch.layout)
+        if numbers:  # never a column (_columns): the caller goes item by item
+            return None
         cls, n = batch.cls, batch.length
         try:
             entry = g.data.get(cls) or self._data(g, cls)
