@@ -345,6 +345,9 @@ class TieredStore:
     def contains(self, key: Any) -> bool:
         return self.local.contains(key)  # what this node holds; a tier is asked only on a read
 
+    def __len__(self) -> int:
+        return len(self.local)  # what this node holds, as contains()
+
     def fill(self, key: Any, compute: Callable[[Any], Any], publish: Callable[[Any, Any], Any],
              copy: bool = True) -> Any:
         """The miss path of shared memory (NOTE [claims]): the tiers were asked already (the miss

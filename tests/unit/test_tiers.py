@@ -110,6 +110,18 @@ def test_a_tier_hit_is_admitted_and_returned_and_the_next_read_is_local(local):
     assert store.lookup(4) is MISSING
 
 
+def test_len_of_a_store_with_tiers_is_what_this_node_holds(local):
+    """len(cache) of a cache with a snapshot or remote tier raised TypeError (TieredStore had no
+    __len__); it is what the node holds, as contains() is."""
+    tier = DictTier()
+    tier.records[portable_key(3)] = portable_record(codec.encode(sample(3)), 3)
+    store = TieredStore(local, [tier])
+    local.put(1, sample(1))
+    assert len(store) == 1
+    store.lookup(3)  # admitted
+    assert len(store) == 2
+
+
 def test_a_batch_asks_each_tier_once_for_its_misses(local):
     first, second = DictTier(), DictTier()
     for i in (1, 2):
