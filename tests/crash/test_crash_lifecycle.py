@@ -108,6 +108,7 @@ def test_gc_removes_the_json_of_a_creator_killed_before_its_root(tmp_path, capsy
     assert SessionRegistry().cache_names(S) == []
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_gc_leaves_a_cache_being_created_alone(tmp_path, capsys, shm_namespace):
     """A creator that holds the cache lock between its json and its root (alive, just slow): gc
     must not take its json away."""
@@ -126,6 +127,7 @@ def test_gc_leaves_a_cache_being_created_alone(tmp_path, capsys, shm_namespace):
     store.close()
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_gc_skips_a_cache_whose_lock_a_stopped_writer_holds_and_does_the_rest(tmp_path, capsys,
                                                                             shm_namespace):
     """`shmcache gc` with one cache's lock held by a stopped writer: it waited for that lock and

@@ -63,12 +63,12 @@ def _racer(n: int, count_path: str, done) -> None:
 
 @pytest.mark.slow
 def test_racers_killed_ten_times_while_holding_claims_cost_only_their_batches(tmp_path, monkeypatch):
-    """Three racers over 400 keys (2 ms each, batches of 16); ten times a random one is killed
+    """Three racers over 1,500 keys (2 ms each, batches of 16); ten times a random one is killed
     (kill -9, mid-batch as likely as not) and a fresh one started. Computations at most the keys,
     plus every started process's probes, plus a batch (16) per kill - the keys in flight; no
     waiter ever waits out its claim timeout (60 s: a dead holder's claims go at once)."""
     monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", "60")
-    n, kills = 400, 10
+    n, kills = 1500, 10
     count_path = str(tmp_path / "computed")
     ctx = multiprocessing.get_context("fork")
     done = ctx.Queue()
@@ -77,12 +77,14 @@ def test_racers_killed_ten_times_while_holding_claims_cost_only_their_batches(tm
     started = len(procs)
     for p in procs:
         p.start()
+    killed = 0
     try:
         for _ in range(kills):
             time.sleep(rng.uniform(0.05, 0.3))
             alive = [p for p in procs if p.is_alive()]
             if not alive:
                 break
+            killed += 1
             victim = rng.choice(alive)
             os.kill(victim.pid, signal.SIGKILL)
             victim.join(30)
@@ -99,6 +101,7 @@ def test_racers_killed_ten_times_while_holding_claims_cost_only_their_batches(tm
             if p.is_alive():
                 p.kill()
                 p.join()
+    assert killed == kills, f"the racers finished after {killed} kills: the test killed too late"
     computed = os.path.getsize(count_path)
     assert computed <= n + PROBES * started + 16 * kills, f"{computed} computations, {started} racers"
     store = CacheStore("race", "kills", create=False)

@@ -70,7 +70,8 @@ def test_the_workers_user_cannot_touch_a_key_outside_the_caches(spawned, command
         spawned.execute_command(*command)
 
 
-@pytest.mark.parametrize("password", [None, PASSWORD, "nopass"])
+@pytest.mark.parametrize("password", [None, pytest.param(PASSWORD, marks=pytest.mark.slow),
+                                      pytest.param("nopass", marks=pytest.mark.slow)])
 def test_the_default_user_cannot_connect(spawned, password):
     host, port = spawned.endpoint.rsplit(":", 1)
     stranger = redis.Redis(host=host, port=int(port), password=password, protocol=2)

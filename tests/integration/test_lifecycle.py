@@ -81,6 +81,7 @@ def test_a_reader_never_sees_the_values_of_a_destroyed_cache(tmp_path):
     fresh.close()
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_a_reader_thread_survives_clears_and_table_growth_elsewhere(tmp_path):
     """A thread inside get_batch/stats while the generation or the table changes used to touch
     unmapped memory (SIGSEGV). Run in a child so that a crash is a failed test, not a dead run."""

@@ -92,6 +92,7 @@ def test_example_trains_under_the_launcher_with_one_shared_cache():
     assert 1500 <= items["Digits"] <= 1503, out
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_example_runs_unchanged_under_torchrun():
     pytest.importorskip("PIL")
     r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -400,7 +400,7 @@ print("counts", right, wrong, refused, flush=True)
 """
 
 
-@pytest.mark.parametrize("via", ["cli", "from_snapshot"])
+@pytest.mark.parametrize("via", ["cli", pytest.param("from_snapshot", marks=pytest.mark.slow)])
 def test_import_force_of_another_dataset_never_serves_it_to_live_readers(tmp_path, via):
     """`shmcache import --force` of another dataset into a cache that a live process reads:
     the cache was clear()ed and refilled, and the reader took the other dataset's values for its

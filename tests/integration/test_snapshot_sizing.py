@@ -171,7 +171,7 @@ def _read_length(how: str, snap, secret: str = "") -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("how", ["import", "read-through"])
+@pytest.mark.parametrize("how", ["import", pytest.param("read-through", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("secret", ["", "the-job-secret"], ids=["no-secret", "allow-unsigned"])
 def test_wrap_none_refuses_a_length_that_no_secret_and_no_item_proves(tmp_path, how, secret):
     """`length` 2**40 over 64 items, unsigned (read without a secret, or with allow_unsigned):

@@ -70,6 +70,7 @@ def run_workers(tmp_path, session, name, spill_dir, key_lists):
     return outs
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_four_processes_cache_a_dataset_four_times_larger_than_memory_once(tmp_path):
     spill_dir = tmp_path / "spill"
     spill_dir.mkdir()
@@ -281,7 +282,8 @@ for k in range(int(sys.argv[2]), 200):
 """
 
 
-@pytest.mark.parametrize("point", ["spilled", "mid_copy", "locked"])
+@pytest.mark.parametrize("point", [pytest.param("spilled", marks=pytest.mark.slow), "mid_copy",
+                                   pytest.param("locked", marks=pytest.mark.slow)])
 def test_writers_killed_while_spilling_leave_no_torn_value(tmp_path, point):
     """A writer SIGKILLed with a spill record written but not published (or mid-way through a
     memory record, or holding the lock) - again and again: the next writers and gc go on; every

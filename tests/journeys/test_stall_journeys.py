@@ -39,6 +39,7 @@ def test_a_starved_rank_stalls_and_a_warm_rank_does_not(tmp_path):
         assert row[key] == warm[key], key
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_each_loop_counts_its_waits(tmp_path):
     assert _loop(tmp_path, "timed", 0, 0.0, 0.0)["ranks"]["0"]["stall_waits"] == 8
     assert _loop(tmp_path, "ring", 0, 0.0, 0.0)["ranks"]["0"]["stall_waits"] == 16

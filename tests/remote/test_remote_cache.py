@@ -202,6 +202,7 @@ def test_values_corrupted_mid_epoch(redis_server, caplog):
         c.close()
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_redis_full_noeviction_and_lru(redis_factory, caplog):
     caplog.set_level(logging.WARNING, "shmcache")
     for policy in ("noeviction", "allkeys-lru"):

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from shmcache import cli
 from shmcache.cache.registry import SessionRegistry
 from shmcache.cache.store import MISSING, CacheStore
@@ -56,6 +58,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_forced_destroys_under_live_readers_and_writers_never_mix_incarnations(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

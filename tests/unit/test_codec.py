@@ -403,6 +403,7 @@ def test_many_layouts_and_huge_layouts_roundtrip(store):
         assert_same(store.lookup(k, copy=False), v, f"key {k} (view)")
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_decoder_cache_stays_bounded_for_variable_length_str_fields_and_clear_frees_it(store):
     """Every distinct str length is another layout (and so another compiled decoder); past the
     shared layout table they are inline, and 100k samples once grew the per-process cache to

@@ -1,0 +1,95 @@
+"""Cold and warm epochs over a Hugging Face ``datasets`` table, with and without the cache (issue 31).
+
+A ``Dataset.from_dict`` of ``--rows`` rows (an int label, a 32x32x3 uint8 image as ``Array3D``, a
+short string) in the ``numpy``, ``torch`` or ``python`` format, read by ``DataLoader(batch_size=64,
+shuffle=True, num_workers=W)``: the unwrapped epoch (HF's own ``__getitems__``: one Arrow read per batch), then a
+fresh cache's cold epoch and its warm epoch, in the same run; reported as ratios to the unwrapped
+epoch (> 1: faster than no cache), the median of ``--rounds``, and the cache's bytes per row against
+the row's payload.
+
+    pip install datasets   # not a dependency of shmcache
+    PYTHONPATH=$PWD python benchmarks/bench_hf.py [--rows 5000] [--rounds 3] [--formats numpy torch python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import environment, environment_line, median  # noqa: E402
+
+
+def _table(rows: int):
+    import datasets
+
+    rng = np.random.default_rng(0)
+    features = datasets.Features({"label": datasets.Value("int64"),
+                                  "img": datasets.Array3D((32, 32, 3), "uint8"),
+                                  "text": datasets.Value("string")})
+    return datasets.Dataset.from_dict({
+        "label": rng.integers(0, 10, rows).tolist(),
+        "img": rng.integers(0, 256, (rows, 32, 32, 3), dtype=np.uint8),
+        "text": [f"row {i}" for i in range(rows)],
+    }, features=features)
+
+
+def _epoch(ds, workers: int) -> float:
+    import torch
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    loader = DataLoader(ds, batch_size=64, shuffle=True, num_workers=workers,
+                        persistent_workers=False, multiprocessing_context="fork" if workers else None)
+    t = time.perf_counter()
+    for _ in loader:
+        pass
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=5000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    ap.add_argument("--formats", nargs="+", default=["numpy", "torch", "python"])
+    args = ap.parse_args()
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        sys.exit("bench_hf.py needs Hugging Face datasets: pip install datasets")
+    os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="bench-hf-"))
+    from shmcache import ShmDatasetCache
+
+    base = _table(args.rows)
+    print(environment_line(environment()))
+    print(f"{args.rows} rows (label, 32x32x3 uint8 image, str), DataLoader(batch_size=64, shuffle=True); "
+          f"median of {args.rounds} rounds; ratios: the unwrapped epoch's time over the cached one's")
+    print(f"{'format':<8}{'workers':>8}{'plain s':>9}{'cold s':>8}{'warm s':>8}{'cold x':>8}{'warm x':>8}"
+          f"{'bytes/row':>11}")
+    for fmt in args.formats:
+        hf = base.with_format(fmt) if fmt != "python" else base
+        for workers in args.workers:
+            plain, cold, warm, per_row = [], [], [], 0.0
+            for r in range(args.rounds):
+                plain.append(_epoch(hf, workers))
+                cache = ShmDatasetCache(session="bench-hf", name=f"{fmt}-{workers}-{r}", size=2048)
+                ds = cache.wrap(hf, fingerprint=f"hf-{fmt}-{workers}-{r}")
+                cold.append(_epoch(ds, workers))
+                warm.append(_epoch(ds, workers))
+                st = cache.stats()
+                per_row = st["bytes_mem"] / max(1, st["items_mem"])
+                cache.store.destroy()
+                cache.close()
+            p, c, w = median(plain), median(cold), median(warm)
+            print(f"{fmt:<8}{workers:>8}{p:>9.2f}{c:>8.2f}{w:>8.2f}{p / c:>8.2f}{p / w:>8.2f}{per_row:>11.0f}")
+    print(f"payload per row: {32 * 32 * 3} bytes of pixels + a label and a short string")
+
+
+if __name__ == "__main__":
+    main()
