@@ -23,24 +23,9 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import FreeSource as Free  # noqa: E402
 from _common import environment, environment_line, median  # noqa: E402
-
-
-class Free:
-    """A source whose items cost nothing: one ready 3 KB array."""
-
-    def __init__(self, n: int):
-        self.n, self.item = n, np.zeros(3072, np.uint8)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int):
-        return self.item
-
 
 PATHS = ("warmup", "get_batch", "__getitems__", "ds[i]", "put per item")
 

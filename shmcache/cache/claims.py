@@ -80,7 +80,6 @@ import fcntl
 import logging
 import mmap
 import os
-import stat
 import struct
 import threading
 import time
@@ -92,6 +91,7 @@ import numpy as np
 
 from ..base import settings
 from ..base.locks import close_in_forked_children
+from ..base.owned_file import open_owned
 from ..errors import InvalidArgument
 from . import process_slot
 from .index import key_bytes
@@ -189,13 +189,8 @@ class Claims:
         if self._fd >= 0:  # inherited (a fork the at-fork hook did not see): ours is made anew
             os.close(self._fd)
         self._fd, self._row = -1, None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = open_owned(self.path, _ROWS_BYTES)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise PermissionError(f"{self.path} is not a regular file of this user")
-            if st.st_size < _ROWS_BYTES:
-                os.ftruncate(fd, _ROWS_BYTES)  # two makers at once truncate to one size: harmless
             mm = mmap.mmap(fd, _ROWS_BYTES)
         except BaseException:
             os.close(fd)

@@ -36,7 +36,6 @@ import fcntl
 import logging
 import mmap
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ..base import settings
+from ..base.owned_file import open_owned
 from . import process_slot
 from .registry import MAX_SLOTS
 
@@ -95,13 +95,8 @@ class StallCounts:
     def _open(self) -> Any:
         rank = this_rank() + 1
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = open_owned(self.path, _ROWS_BYTES)
             try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                    raise PermissionError(f"{self.path} is not a regular file of this user")
-                if st.st_size < _ROWS_BYTES:
-                    os.ftruncate(fd, _ROWS_BYTES)  # two makers at once truncate to one size: harmless
                 mm = mmap.mmap(fd, _ROWS_BYTES)
                 words = memoryview(mm).cast("Q")
                 slot = self._slot()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..base.owned_file import open_owned
 from ..cache.registry import MAX_SLOTS
 
 __all__ = ["ROW_WORDS", "COUNTERS", "counts_path", "process_row", "read_counts"]
@@ -50,10 +51,8 @@ def counts_path(registry, session: str, name: str, tier: str) -> Path:
 
 def _map(path: Path, url: str) -> np.ndarray:
     """The (MAX_SLOTS, ROW_WORDS) words of a counts file, mapped shared; made (zeros) if missing."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_owned(path, _ROWS_BYTES + URL_BYTES)
     try:
-        if os.fstat(fd).st_size < _ROWS_BYTES + URL_BYTES:
-            os.ftruncate(fd, _ROWS_BYTES + URL_BYTES)  # two makers at once truncate to one size: harmless
         mm = mmap.mmap(fd, _ROWS_BYTES + URL_BYTES)
     finally:
         os.close(fd)

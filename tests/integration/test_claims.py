@@ -150,26 +150,32 @@ print("wrong", wrong)
 """
 
 
-def test_two_jobs_cold_on_one_cache_compute_each_sample_about_once(tmp_path):
-    """Two independent jobs (separate processes, DataLoaders of 2 workers, different shuffles)
-    read one cold cache at once: at most 1.02 computations per sample, plus wrap()'s probes."""
-    n = 400
+def run_jobs(tmp_path, n: int, jobs: int) -> int:
+    """``jobs`` independent jobs (separate processes, DataLoaders of 2 workers, each shuffled its
+    own way) read ``n`` samples of one cold cache at once; the source's count of computations."""
     count_path = str(tmp_path / "computed")
     code = _JOB.format(here=os.path.dirname(__file__), n=n, count=count_path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    jobs = [subprocess.Popen([sys.executable, "-c", code, str(seed)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(seed)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for seed in range(1, jobs + 1)]
     try:
-        outs = [job.communicate(timeout=240) for job in jobs]
+        outs = [proc.communicate(timeout=480) for proc in procs]
     finally:
-        for job in jobs:
-            if job.poll() is None:
-                job.kill()
-                job.wait()
-    for job, (out, err) in zip(jobs, outs):
-        assert job.returncode == 0, err
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err
         assert out.split()[-2:] == ["wrong", "0"], out
-    computed = os.path.getsize(count_path)
+    return os.path.getsize(count_path)
+
+
+def test_two_jobs_cold_on_one_cache_compute_each_sample_about_once(tmp_path):
+    """Two independent jobs cold on one cache at once: at most 1.02 computations per sample,
+    plus wrap()'s probes."""
+    n = 400
+    computed = run_jobs(tmp_path, n, 2)
     assert computed <= 1.02 * n + PROBES * 2, f"{computed} computations of {n} samples by two jobs"
 
 

@@ -8,8 +8,6 @@ import multiprocessing
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import _claims
@@ -27,22 +25,7 @@ def test_a_sweep_of_four_jobs_computes_about_what_one_job_does(tmp_path):
     """Four independent jobs (DataLoaders of 2 workers, each shuffled its own way) cold on one
     cache at once: the node's computations at most 1.05x one job's (n), plus each job's probes."""
     n = 400
-    count_path = str(tmp_path / "computed")
-    code = test_claims._JOB.format(here=os.path.dirname(__file__), n=n, count=count_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    jobs = [subprocess.Popen([sys.executable, "-c", code, str(seed)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for seed in (1, 2, 3, 4)]
-    try:
-        outs = [job.communicate(timeout=480) for job in jobs]
-    finally:
-        for job in jobs:
-            if job.poll() is None:
-                job.kill()
-                job.wait()
-    for job, (out, err) in zip(jobs, outs):
-        assert job.returncode == 0, err
-        assert out.split()[-2:] == ["wrong", "0"], out
-    computed = os.path.getsize(count_path)
+    computed = test_claims.run_jobs(tmp_path, n, 4)
     assert computed <= 1.05 * n + PROBES * 4, f"{computed} computations of {n} samples by four jobs"
 
 
