@@ -526,6 +526,7 @@ def test_the_users_secret_is_node_0s_and_another_one_on_a_node_is_refused(tmp_pa
 
 
 @needs_redis
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_a_launcher_with_another_token_is_refused_and_named(tmp_path, nodes):
     """Node 1 holds another token: node 0 refuses it, naming its address, and gives it nothing;
     node 1 is told why; node 0 fails at --rdzv-timeout listing the refusal."""

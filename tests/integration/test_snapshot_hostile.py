@@ -330,7 +330,7 @@ print(json.dumps({"err": err, "secret": open(secret).read(), "mode": mode(secret
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("runuser"),
                     reason="needs root, unshare and runuser: a real second user plants the links")
-@pytest.mark.parametrize("setup", ["others-writable", "squatted"])
+@pytest.mark.parametrize("setup", [pytest.param("others-writable", marks=pytest.mark.slow), "squatted"])
 def test_export_into_a_directory_another_user_can_write_is_refused(setup):
     """Export wrote with open(path, "wb"): in a destination another user can write (here
     root's own 0777 directory, with --overwrite) or one they squatted, their link at

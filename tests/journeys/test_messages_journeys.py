@@ -244,6 +244,7 @@ def test_python_opens_a_cache_the_cli_imported_by_session_and_name(tmp_path):
             _shmcache("destroy", session, "--force", cwd=tmp_path)
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_a_reader_of_a_cache_that_import_force_replaces_goes_on_from_its_source(tmp_path):
     """`shmcache import --force` under a live reader: its reads miss from then on and it computes its
     items from its own source, uncached, said once; it never stops, never reads the other dataset."""

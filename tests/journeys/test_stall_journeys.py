@@ -57,6 +57,7 @@ def test_a_fresh_cache_has_no_ranks(tmp_path):
     assert (st["stall_waits"], st["stall_seconds"], st["stall_share"], st["ranks"]) == (0, 0.0, 0.0, {})
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_a_dropped_cache_made_again_starts_its_stall_counts_at_zero(tmp_path):
     assert _loop(tmp_path, "timed", 0, 0.0, 0.0)["ranks"]["0"]["stall_waits"] == 8
     run(["-m", "shmcache", "destroy", "stall", "--cache", "data"], tmp_path, env())

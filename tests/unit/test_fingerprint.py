@@ -236,6 +236,7 @@ _OTHER_PROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_the_same_dataset_gets_the_same_fingerprint_whatever_the_string_hash_seed(tmp_path):
     """Sets in samples (pickled), in attributes and in a transform's constants are ordered by the
     hash seed, which differs per process: the name of the cache must not."""

@@ -108,6 +108,7 @@ def test_refused_layouts_are_not_kept_whole():
     assert _retained(check_many) < 4 << 20
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_decoders_of_large_layouts_are_kept_within_a_byte_budget(monkeypatch):
     """1024 decoders were kept whatever their layouts' size, and a decoder holds ~16x its layout:
     1 MiB layouts from a tier held 17 MiB each (12 of them: 211 MiB). Now the layouts kept are

@@ -340,6 +340,7 @@ def test_a_node_0_impostor_with_a_non_ascii_proof_is_a_launch_error():
 
 
 
+@pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_what_a_refused_peer_sent_is_quoted_short(capsys):
     """Node 0's refusals quoted whatever the peer sent (its protocol version, job ID, ranks), up
     to a 64 KB line each, kept every one in memory, printed each whole, and put the last five in
