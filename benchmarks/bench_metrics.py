@@ -39,15 +39,17 @@ from shmcache.launch import metrics_server
 flag, out = Path(sys.argv[1]), Path(sys.argv[2])
 server = metrics_server.start(SessionRegistry(namespace()), "127.0.0.1", 0)
 url = "http://127.0.0.1:%d/metrics" % server.server_address[1]
-scrapes, size = 0, 0
+scrapes, size, scrape_cpu = 0, 0, 0.0
+cpu = lambda: sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 while not (flag.parent / "stop").exists():
     if flag.exists():
+        before = cpu()
         with urllib.request.urlopen(url, timeout=10) as r:
             size = len(r.read())
+        scrape_cpu += cpu() - before  # the request and the server's answer: both in this process
         scrapes += 1
     time.sleep(1.0)
-ru = resource.getrusage(resource.RUSAGE_SELF)
-out.write_text("%d %f %d" % (scrapes, ru.ru_utime + ru.ru_stime, size))
+out.write_text("%d %f %d %f" % (scrapes, cpu(), size, scrape_cpu))
 """
 
 
@@ -89,7 +91,7 @@ def main() -> None:
         flag.unlink(missing_ok=True)
         (tmp / "stop").write_text("")
         scraper.wait(30)
-    scrapes, cpu_s, size = (tmp / "scraper.out").read_text().split()
+    scrapes, cpu_s, size, scrape_cpu = (tmp / "scraper.out").read_text().split()
     st = cache.stats()
     cache.close()
     SessionRegistry(namespace()).destroy("bench-metrics", force=True)
@@ -100,7 +102,8 @@ def main() -> None:
                 [["DataLoader, no scraper", fmt_rate(off), str(rounds), "1.000"],
                  ["DataLoader, /metrics scraped at 1 Hz", fmt_rate(on), str(rounds), f"{on / off:.3f}"]])
     print(f"scraper: {scrapes} scrapes of {int(size)} bytes, {float(cpu_s):.2f} s of CPU in all "
-          f"(imports and server included); the job's stall share {st['stall_share']:.1%}")
+          f"(imports and server included), {float(scrape_cpu) / max(1, int(scrapes)) * 1e3:.1f} ms of CPU "
+          f"per scrape; the job's stall share {st['stall_share']:.1%}")
 
 
 if __name__ == "__main__":

@@ -190,11 +190,14 @@ class CachedDataset(Dataset):
         return (f"{what}{type(self.dataset).__name__}[{i!r}] wrapped in cache "
                 f"{self.cache.session}/{self.cache.name}")
 
-    def _compute_many(self, keys: list[int]) -> list:
+    def _compute_many(self, keys: list[int], keep: Callable[[list], Any] | None = None) -> list:
         """The samples of ``keys`` computed from the source: by its own ``__getitems__`` where it
-        has one (torch's contract: a list of samples, in order), else one by one."""
+        has one (torch's contract: a list of samples, in order), else one by one - then, when one
+        raises, ``keep(pairs)`` is given those computed before it (``compute_each``)."""
         getitems = getattr(self.dataset, "__getitems__", None)
         if getitems is None or len(keys) < 2:
+            if keep is not None:
+                return compute_each(self._compute, keys, keep)
             return [self._compute(k) for k in keys]
         try:
             got = getitems(keys)
@@ -313,10 +316,7 @@ class CachedDataset(Dataset):
 
         def compute_many(ks: list) -> list:
             nonlocal computed
-            if len(ks) < 2 or getattr(self.dataset, "__getitems__", None) is None:
-                got = compute_each(self._compute, ks, keep)
-            else:
-                got = self._compute_many(ks)
+            got = self._compute_many(ks, keep)
             made = sum(type(v) is not Served for v in got)
             if as_misses:
                 store.count_misses(made)
