@@ -7,5 +7,5 @@ into shared memory anywhere, run without the source.
     load.py       a snapshot into a cache (shmcache import, ShmDatasetCache.from_snapshot)
     tier.py       the read-through tier: a snapshot read key by key behind shared memory
 
-NOTE [snapshot format] (format.py) holds the format and the order in which it is written.
+NOTE [snapshot format] holds the format and the order in which it is written.
 """

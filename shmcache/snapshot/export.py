@@ -3,7 +3,7 @@
     report = export_cache(store, "/data/snap")              # or "s3://bucket/snap", "memory://x"
     report = export_cache(store, dest, overwrite=True, segment_bytes=256 << 20)
 
-The files are written in the order of NOTE [snapshot format] (format.py): data files as ``*.tmp``
+The files are written in the order of NOTE [snapshot format]: data files as ``*.tmp``
 renamed when complete, the manifest last, so an export that dies half-way (a full disk, a kill)
 leaves no snapshot that looks whole. The cache is read without its lock, like every read: a
 process that keeps storing items meanwhile does not stop the export (what it adds may or may not

@@ -6,7 +6,7 @@
     tier.py       SpillTier, the store's indexed tier (cache.indexed_tier.IndexedTier): where its folder
                   is, write a record and answer its RecordLocation, read a RecordLocation back
 
-NOTE [spill records] (tiers/records.py) holds the protocol.
+NOTE [spill records] holds the protocol.
 """
 
 from ...errors import SpillFull
