@@ -1,6 +1,6 @@
 """A chunk of ``put_records``: up to CHUNK_RECORDS records put under one hold of the lock and
 published together, with two fences per chunk rather than a fence or two per record (NOTE
-[publish order] in store.py, "a chunk"; the intent record is generation.ChunkIntent).
+[publish order], "a chunk"; the intent record is generation.ChunkIntent).
 
 The writer (``Chunk``, driven by CacheStore._put_locked and _insert):
 
