@@ -37,7 +37,7 @@ class RootLayout:
 
     EPOCH = 64  # generation << 32 | table version, or DESTROYED (registry.retire_root)
     CAPACITY = 72  # the cap in bytes (NOTE [memory limits])
-    INCARNATION = 80  # a random word drawn when the root is made (NOTE [publish order], "Opening")
+    INCARNATION = 80  # a random word drawn when the root is made (``cache.store``'s docstring)
     SIZING = 88  # how the cap was set: SIZED, AUTO or AUTO_NONE
 
 

@@ -139,7 +139,7 @@ class SpillTier:
 
 # One SpillStore per spill folder and process: every cache handle of the process appends through
 # it. Two stores would both append to the process's slot file and wait on each other's flock.
-# Each is tagged with the incarnation of the cache it serves (NOTE [publish order], "Opening"): when the
+# Each is tagged with the incarnation of the cache it serves (``cache.store``'s docstring): when the
 # cache (or its session) is destroyed and made again, the folder is deleted and made again too,
 # and a store still holding descriptors of the deleted files would append records nobody can read
 # back. attach() compares incarnation and folder identity, and replaces a store that is stale.
