@@ -2,6 +2,10 @@
 
 The public names load lazily, so ``import shmcache`` (and the ``shmcache`` command line) never
 imports torch.
+
+The folders are the rooms, which are the layers, bottom to top: ``base`` < ``cache`` < ``tiers``
+< ``snapshot`` < ``data`` < ``launch``, ``cli``; ``errors`` sits below them all. Each room's
+``__init__`` says what lives there and what it may import; docs/design.md is the map.
 """
 
 from __future__ import annotations

@@ -169,4 +169,4 @@ class ItemNotCached(ShmcacheError, KeyError):
 
 class OrderingUnavailable(ShmcacheError, OSError):
     """A weakly ordered machine (or ``SHMCACHE_ORDERING=membarrier``) without membarrier(2): the
-    lock-free reads would be unsafe, so no cache is opened (ordering.py)."""
+    lock-free reads would be unsafe, so no cache is opened (``ordering.register``)."""

@@ -290,7 +290,7 @@ class LivenessSlot:
 
 class SharedHold:
     """A shared ``flock`` on ``path``, held while this process uses what the file stands for (an
-    open cache: NOTE [cache use] in cache/registry.py). Any number of processes hold it at once;
+    open cache: NOTE [cache use]). Any number of processes hold it at once;
     :func:`unless_held` takes it exclusively only when none does. Taking it and letting it go
     touch the file: its mtime says when it was last taken or let go. A forked child closes its
     inherited copy (NOTE [lock files]): the parent's hold is the parent's."""

@@ -5,7 +5,7 @@ Containers give /dev/shm 64 MiB by default and the room elsewhere: a Kubernetes 
 ``medium: Memory`` or ``HugePages``, Docker's ``--tmpfs``, a tmpfs mounted ``huge=within_size``.
 A session made with a memory directory keeps its segments there, as files of a private directory
 of this user, ``<dir>/shmcache-<uid>`` (mode 0700); the segment's name is then that file's path
-(``base/namespace.py``: ``segment_dir``), so whatever holds a name knows where it lives.
+(``namespace.segment_dir``), so whatever holds a name knows where it lives.
 
 The named directory is checked as /dev/shm's names are: never through a symlink (O_NOFOLLOW),
 never one that another user could swap our private directory out of (owned by another user,
@@ -15,7 +15,7 @@ SIGBUS that ``posix_fallocate`` keeps away on tmpfs only.
 
 ``backing(directory)`` says what pages back a directory's memory: hugetlbfs's page size; a tmpfs
 mounted ``huge=always``/``within_size`` (or shmem_enabled ``force``) is PMD-sized huge pages, one
-mounted ``huge=advise`` gets them where a mapping asks (``madvise(MADV_HUGEPAGE)``, base/shm.py),
+mounted ``huge=advise`` gets them where a mapping asks (``madvise(MADV_HUGEPAGE)``: ``Segment``),
 else base pages (``mmap.PAGESIZE``: 4 KiB on x86-64, often 64 KiB on aarch64).
 """
 

@@ -1,5 +1,5 @@
 """How much memory there really is: MemAvailable, the cgroup's limit (v1 or v2) and /dev/shm's free
-space, the smallest of which a cache can use (docs/design.md §6)."""
+space, the smallest of which a cache can use (NOTE [memory limits])."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class MemoryLimits:
         return max(0, min(known)) if known else 0
 
     def auto_capacity(self, held: int = 0) -> int:
-        """``size=0``: 80% of what is really available (docs/design.md §6), counting as available
+        """``size=0``: 80% of what is really available (NOTE [memory limits]), counting as available
         the ``held`` bytes of shared memory that the caches it is for hold already."""
         return int((self.available + held) * 0.8)
 

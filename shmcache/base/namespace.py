@@ -46,7 +46,7 @@ SEP = "+"  # joins the parts of segment names: a character session and cache nam
 def segment_dir(name: str) -> str | None:
     """The directory segment ``name`` (or a prefix of names) lives in: None for a POSIX
     shared-memory name (``/shmcache-...``: /dev/shm, through shm_open), else the private
-    directory that a session's memory directory names (``<dir>/shmcache-...``: base/memdir.py).
+    directory that a session's memory directory names (``<dir>/shmcache-...``: ``memdir.private_dir``).
     Session and cache names cannot hold a '/', so the last one ends the directory."""
     return name.rpartition("/")[0] or None
 

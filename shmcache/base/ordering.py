@@ -1,6 +1,6 @@
 """Memory ordering between a writer and lock-free readers: an asymmetric fence, membarrier(2).
 
-NOTE [publish order] (store.py) needs one thing of the hardware: a reader that loads a word a
+NOTE [publish order] needs one thing of the hardware: a reader that loads a word a
 writer published (an entry's READY state word, the root's epoch word, a class's bump) also sees
 what the writer stored before it (the record's bytes, the key and location words, a new table).
 x86-64 gives that for free (TSO: stores become visible in program order, loads are not reordered
@@ -31,8 +31,8 @@ Where it applies (``mode()``):
 
 Registration is state of the address space (the kernel keeps it in the mm): a new program (exec)
 starts unregistered, and a forked child's copy of the mm keeps its parent's registration
-(tests/unit/test_ordering.py checks both on the running kernel). Every process registers when it
-first maps a segment (``register()``, from base/shm.py and CacheStore); a forked child registers
+(``test_ordering`` checks both on the running kernel). Every process registers when it
+first maps a segment (``register()``, from ``Segment`` and ``CacheStore``); a forked child registers
 again all the same (os.register_at_fork: idempotent), so a kernel that reset it at fork would not
 leave a child that reads inherited mappings unfenced.
 

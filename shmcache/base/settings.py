@@ -3,35 +3,35 @@
 The launcher writes some of these for its workers (with the same names from here); a cache reads
 them as the defaults of its arguments. Each is read when it is needed - at the call, so a test or a
 program may set one at run time - except two read once, when their module is imported:
-``SHMCACHE_ORDERING`` (the fences of base/ordering.py) and ``SHMCACHE_CRASH_AT``/``_AFTER`` (the
-crash points of base/faults.py).
+``SHMCACHE_ORDERING`` (the fences of ``ordering``) and ``SHMCACHE_CRASH_AT``/``_AFTER`` (the
+crash points of ``faults``).
 
 ======================== ===================================================================
 variable                 meaning (read by)
 ======================== ===================================================================
-SHMCACHE_DIR             the namespace's directory (base/namespace.py)
-SHMCACHE_SESSION         the session of ``session="auto"`` (base/namespace.py; the launcher sets it)
+SHMCACHE_DIR             the namespace's directory (``namespace``)
+SHMCACHE_SESSION         the session of ``session="auto"`` (``namespace``; the launcher sets it)
 SHMCACHE_SIZE_MB         the default ``size=`` of caches, MiB (data/; the launcher's --size)
 SHMCACHE_SPILLING        "1", "true", "yes", "on": the default ``spilling=True`` (the launcher's --spilling)
-SHMCACHE_SPILL_DIR       the spill directory of last resort (tiers/spill/tier.py, the launcher, the CLI)
+SHMCACHE_SPILL_DIR       the spill directory of last resort (``tiers.spill.tier``, the launcher, the CLI)
 SHMCACHE_MEMORY_DIR      a tmpfs or hugetlbfs directory for the shared memory of sessions made
                          from now on (default /dev/shm); each session records its own
-                         (cache/registry.py; the launcher's --memory-dir)
-SHMCACHE_REMOTE          the default ``remote=`` URL (tiers/remote.py; the launcher's --remote)
-SHMCACHE_REMOTE_PASSWORD the password of a remote URL that has none (tiers/remote.py)
+                         (``SessionRegistry``; the launcher's --memory-dir)
+SHMCACHE_REMOTE          the default ``remote=`` URL (``RedisTier``; the launcher's --remote)
+SHMCACHE_REMOTE_PASSWORD the password of a remote URL that has none (``RedisTier``)
 SHMCACHE_SNAPSHOT        the default ``snapshot=`` (data/)
-SHMCACHE_SECRET          the job's secret: MACs of records (base/trust.py; the launcher may make one)
+SHMCACHE_SECRET          the job's secret: MACs of records (``trust``; the launcher may make one)
 SHMCACHE_MAX_ITEM_MB     the most MiB one value from an unauthenticated tier, snapshot or import may
-                         decode to (default 256; tiers/records.py: max_item_bytes)
+                         decode to (default 256; ``records.max_item_bytes``)
 SHMCACHE_RDZV_TOKEN      the launcher's rendezvous token (launch/; never passed to the workers)
-SHMCACHE_ORDERING        "membarrier" or "tso": the memory-ordering mode (base/ordering.py, at import)
-SHMCACHE_CRASH_AT        crash points of the crash tests (base/faults.py, at import) ...
+SHMCACHE_ORDERING        "membarrier" or "tso": the memory-ordering mode (``ordering``, at import)
+SHMCACHE_CRASH_AT        crash points of the crash tests (``faults``, at import) ...
 SHMCACHE_CRASH_AFTER     ... and how many of them to pass first
-SHMCACHE_CLAIMS          "0", "false", "no", "off": misses compute without claims (cache/claims.py)
+SHMCACHE_CLAIMS          "0", "false", "no", "off": misses compute without claims (``claims``)
 SHMCACHE_CLAIM_TIMEOUT_S the longest a miss waits for another process's claim, s (default 10;
-                         cache/claims.py)
+                         ``claims``)
 RANK, LOCAL_RANK,        torchrun's, which the launcher sets for each worker as torchrun does:
-WORLD_SIZE,              the torch layer reads them (data/sampler.py; a warm-up's bar and
+WORLD_SIZE,              the torch layer reads them (``NodeAffineSampler``; a warm-up's bar and
 LOCAL_WORLD_SIZE         offsets; a worker's name)
 ======================== ===================================================================
 """

@@ -15,7 +15,7 @@ NOTE [segment lifecycle]
       between two different segments.
     Creation and unlinking of a cache's segments happen under that cache's lock, so an attacher
     never sees a half-made segment unless its creator died - which the ready word tells.
-    A session with a memory directory (base/memdir.py) keeps its segments as files of its private
+    A session with a memory directory (``memdir``) keeps its segments as files of its private
     directory there, the name being the path: the same steps, with ``open(O_CREAT|O_EXCL|O_NOFOLLOW)``
     for shm_open; sizes are rounded to the mount's unit (a huge page on hugetlbfs and a huge tmpfs),
     and a mapping where huge pages come only when asked (``huge=advise``) asks (MADV_HUGEPAGE).

@@ -42,7 +42,7 @@ def rebuild(spec: Any, leaves: Iterator[Any], collated: bool = False) -> Any:
     """Inverse of :func:`flatten`: the same containers, filled from ``leaves`` in order.
 
     ``collated``: the batch of such samples as torch's ``default_collate`` shapes it (NOTE
-    [collated batch] in shmcache/data/collate.py): every sequence a list (a namedtuple its own
+    [collated batch]): every sequence a list (a namedtuple its own
     type), every mapping a dict, and
     a leaf that is a list (a column of str or bytes) a tuple inside a sequence (default_collate
     transposes a sequence with zip)."""

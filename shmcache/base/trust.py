@@ -25,7 +25,7 @@ NOTE [record authentication]
     another cache, or out of one snapshot into another's fails it.
 
     The trailer. A signed record is followed by 40 bytes: ``b"SpMac\\x01\\0\\0"`` then the 32-byte
-    tag. The spill record before it is unchanged (tiers/records.py's own reader ignores bytes
+    tag. The spill record before it is unchanged (``records.unpack_record`` ignores bytes
     after a record's end), so a reader without the secret reads a signed record as an unsigned
     one. The tag is checked with ``hmac.compare_digest`` before a byte of the record is parsed or
     decompressed. A reader with a secret treats a record without a trailer, or with a wrong tag,

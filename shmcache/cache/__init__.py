@@ -1,0 +1,17 @@
+"""One cache in shared memory, shared by every process of the machine.
+
+The store (``store.CacheStore``, NOTE [publish order]) and its parts: size classes
+(``allocator``), the lock-free index (``index``), generations and the meta segment
+(``generation``), the record and its layouts (``codec``, NOTE [record format]), the batch gather
+(``gather``), admission (``admission``, NOTE [memory limits]), a group of ``put_records``
+published together (``chunk``), repair and gc (``repair``), portable records (``portable``),
+claims (``claims``, NOTE [claims]), counters (``stats``, ``stall``); sessions and their processes
+(``registry``, ``process_slot``). It knows the spill files only through the ``IndexedTier``
+protocol it declares (``indexed_tier``).
+
+May import: ``base``, ``errors``; and modules of this room without a cycle. Never torch, never a
+room above (tiers, snapshot, data, launch, cli).
+
+Start reading at ``CacheStore.lookup`` and ``CacheStore.put`` with NOTE [publish order], then
+``index.TableView`` and ``codec``.
+"""

@@ -15,7 +15,7 @@ NOTE [memory limits]
     * ``size=`` (MiB) given: the cache's own cap (RootLayout.CAPACITY); meta, index and data count.
     * ``size=0``: the *session's* automatic cap - 80% of what is really available (MemAvailable,
       the process's cgroup, /dev/shm's free space - or that of the session's memory directory,
-      as for every check here: SessionRegistry.memory_root; base/memory.py) when the session's
+      as for every check here: SessionRegistry.memory_root; ``memory_limits``) when the session's
       first auto-sized cache is made, kept in the session's ``auto_capacity`` file
       (SessionRegistry.auto_capacity) so caches made later share it rather than each taking 80%
       of what is left. An auto-sized cache checks what all segments of the session really

@@ -12,7 +12,7 @@ lifecycle]): shared memory used tracks the payload, not the segment size.
 
 All allocator state lives in the cache's meta segment (generation.MetaLayout) and is changed only
 under the cache's lock; the store's intent record makes each allocation undoable if its writer dies
-(NOTE [publish order] in store.py). No chunk is ever freed except by undoing its allocation, so
+(NOTE [publish order]). No chunk is ever freed except by undoing its allocation, so
 the state of a class is its chunk size, a bump index and the number of chunks committed.
 """
 

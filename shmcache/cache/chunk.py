@@ -1,6 +1,6 @@
 """A chunk of ``put_records``: up to CHUNK_RECORDS records put under one hold of the lock and
 published together, with two fences per chunk rather than a fence or two per record (NOTE
-[publish order] in store.py, "a chunk"; the intent record is generation.ChunkIntent).
+[publish order], "a chunk"; the intent record is generation.ChunkIntent).
 
 The writer (``Chunk``, driven by CacheStore._put_locked and _insert):
 
@@ -14,14 +14,8 @@ The writer (``Chunk``, driven by CacheStore._put_locked and _insert):
   4. fence B: the bumps;
   5. every entry's w0 = READY (``TableView.ready``), the totals, phase 0 (``finish``).
 
-A reader that sees a READY w0 sees the bump that hands its chunk out (B) and the record's bytes
-and w1, w2 (A, before B); one that sees a moved bump sees the committed count it needs (A). A
-writer SIGKILLed in phase 1 has published nothing and moved no bump: the repair clears the w1
-and w2 it staged in EMPTY entries and ends the intent (its chunks were never handed out: nothing
-leaks; commit steps it made stay committed for the next writer). In phase 2 every record is
-whole and fenced: the repair finishes the chunk (``finish`` again: stores are assignments, so
-redoing the bumps, w0 words and totals is harmless; its own fence B orders its bump stores
-before its w0 stores, and the dead writer's fence A came before its phase 2).
+Why this order is safe for readers, and how the repair undoes phase 1 or finishes phase 2: NOTE
+[publish order], "A chunk" and "Memory ordering".
 """
 
 from __future__ import annotations

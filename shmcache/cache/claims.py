@@ -13,7 +13,7 @@ NOTE [claims]
       4. release the claim - after the publish, so whoever takes the claim next finds the value.
 
     A batch (``CacheStore.fill_batch``: ``get_batch(fn=)``, ``__getitems__`` and so a
-    DataLoader's batches, a warm-up's batches of misses, data/dataset.py WARMUP_BATCH), after its
+    DataLoader's batches, a warm-up's batches of misses, ``dataset.WARMUP_BATCH``), after its
     lookup missed ``keys``: 1. try to claim every key, never waiting (a refused claim is set
     aside); 2. re-check the claimed ones (one vectorised probe for int keys: someone may have
     published them meanwhile); 3. compute the rest in ONE call (the dataset's ``__getitems__``
@@ -60,7 +60,7 @@ NOTE [claims]
     Fork. An inherited descriptor shares the parent's description, so a forked child (a
     DataLoader worker) and its parent would not exclude each other, and a child that kept it would
     keep the parent's claims alive after the parent died. The child closes the inherited
-    descriptor first thing after the fork (base/locks.py close_in_forked_children; NOTE [lock
+    descriptor first thing after the fork (``locks.close_in_forked_children``; NOTE [lock
     files]) and opens its own on its first claim (``process_slot.fork_count`` tells).
 
     Also in the file, at offset 0: the claim counters, MAX_SLOTS rows of COUNTER_NAMES words,

@@ -24,11 +24,11 @@ NOTE [record format]
     node the encoder does not write, offsets beyond the record, object or structured dtypes
     (``np.ndarray(buffer=...)`` would build Python objects out of bytes; the decoders refuse them
     too, wherever the layout came from), and reports pickled leaves (NOTE [record
-    authentication] in trust.py decides who may unpickle them). It refuses what decode would
+    authentication] decides who may unpickle them). It refuses what decode would
     refuse, so a record it passes decodes (an import stores nothing else): extension tags no
     handler is registered or named for, extension metas the handler's own ``check`` refuses
     (torch dtypes and image modes by name: nothing is imported for them), leaves inside the
-    header, zero-size dtypes; untrusted_problem (tiered_store.py) also checks that str leaves are
+    header, zero-size dtypes; ``tiered_store.untrusted_problem`` also checks that str leaves are
     UTF-8. A layout from outside has at most MAX_LAYOUT_BYTES and MAX_LAYOUT_NODES, which bound
     the work of one decode. marshal trusts the counts it
     reads and shares objects by back-reference, so before ``marshal.loads`` the bytes are scanned
@@ -235,9 +235,9 @@ def _builtin(module: str) -> Callable[[], None]:
 
 
 # The metas the torch layer writes: ``str(dtype)`` less "torch.", then ":<itemsize>"
-# (data/tensors.py). Checked here, by name, before anything is imported for a leaf from outside:
+# (``data.tensors``). Checked here, by name, before anything is imported for a leaf from outside:
 # torch resolves an unknown attribute by importing a submodule of that name (a meta naming
-# "_inductor" imported 315 modules before it was refused). tests/unit/test_codec_ext_checks.py
+# "_inductor" imported 315 modules before it was refused). ``test_hostile_layouts``
 # checks that every dtype of the installed torch is here.
 TORCH_METAS = frozenset(
     f"{name}:{size}" for size, names in (
@@ -249,7 +249,7 @@ TORCH_METAS = frozenset(
         (8, "int64 uint64 float64 complex64"),
         (16, "complex128"))
     for name in names.split())
-# The modes the PIL layer writes (data/images.py: those whose raw bytes round-trip) -> bytes per
+# The modes the PIL layer writes (``data.images``: those whose raw bytes round-trip) -> bytes per
 # pixel ("1": 1 bit, rows padded to a byte).
 PIL_PIXEL_BYTES = {"1": 0, "L": 1, "LA": 2, "La": 2, "I": 4, "I;16": 2, "I;16B": 2, "I;16L": 2, "F": 4,
                    "RGB": 3, "RGBA": 4, "RGBa": 4, "RGBX": 4, "CMYK": 4, "YCbCr": 3, "LAB": 3, "HSV": 3}
@@ -910,7 +910,7 @@ def _marshal_bounded(data: bytes) -> None:
 def check_layout(layout: bytes) -> LayoutCheck:
     """Check a layout that came from outside this user's shared memory (a tier, a snapshot)
     without decoding a record and without unpickling anything: its structure, every leaf's kind,
-    offsets, lengths, dtype and extension (NOTE [record authentication], trust.py). Cached per
+    offsets, lengths, dtype and extension (NOTE [record authentication]). Cached per
     layout (bounded like the decoders)."""
     # keyed by the layout itself when small (usual), else by its digest: a tier's record may bring
     # a layout as large as itself, and a refused one would be kept whole (1024 x its size)

@@ -1,6 +1,6 @@
 """The vectorised batch gather: a batch of int keys that are all in memory with one layout and
 one size class is copied out of the class segment's chunks (chunk k at ``k x chunk size``) with
-``np.take(mode="clip")``, straight into ``out=`` buffers when given (docs/design.md §4.3, §11):
+``np.take(mode="clip")``, straight into ``out=`` buffers when given:
 small records whole through a per-thread scratch, then field by field; larger fields one take
 each, in units that divide both the chunk and the field, or a copy per row for large fields.
 
@@ -139,7 +139,7 @@ class BatchBuffers:
         # path (so it holds whatever an interpreter version borrows or adds)
         self._alone = _refs([np.empty(1)], 0)
         # a DataLoader's pin-memory thread gathers batches sent by workers as keys, next to the
-        # main thread (NOTE [collated batch] in data/collate.py): two must never take one buffer
+        # main thread (NOTE [collated batch]): two must never take one buffer
         self._lock = threading.Lock()
         self._lock_gen = process_slot.fork_count()
         self._local = threading.local()

@@ -1,7 +1,7 @@
 """A cache's generation: the words of its root, the layout of its meta segment, the totals and the
-intent record of NOTE [publish order] (store.py), and this process's mappings of one generation.
+intent record of NOTE [publish order], and this process's mappings of one generation.
 
-A cache (store.py) is a root segment that names, in its epoch word, the generation ``g`` and the
+A cache (``CacheStore``) is a root segment that names, in its epoch word, the generation ``g`` and the
 table version ``v`` in force; a generation is a meta segment, a table and the data segments of its
 size classes. ``clear()`` and gc's drop of a damaged cache make a new generation; a table growth
 makes a new table version of the same generation. This module says where every word of the root
@@ -26,18 +26,18 @@ __all__ = ["KIND_ROOT", "KIND_META", "KIND_TABLE", "KIND_DATA", "RootLayout", "D
            "SPILL_CLASS", "Generation", "DEAD_GEN", "destroyed_generation", "close_generation", "epoch_of",
            "split_epoch"]
 
-KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4  # segment kinds (base/shm.py's header)
+KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4  # segment kinds (``Segment``'s header)
 _Q = struct.Struct("Q")
 
 
 class RootLayout:
     """Byte offsets of the root's words (the root is one page; every word one aligned store). The
     one definition: the store's lookup inlines EPOCH as the constant 64 (checked by
-    tests/unit/test_index.py), registry.retire_root writes DESTROYED there."""
+    ``test_index``), registry.retire_root writes DESTROYED there."""
 
     EPOCH = 64  # generation << 32 | table version, or DESTROYED (registry.retire_root)
     CAPACITY = 72  # the cap in bytes (NOTE [memory limits])
-    INCARNATION = 80  # a random word drawn when the root is made (store.py module docstring)
+    INCARNATION = 80  # a random word drawn when the root is made (``cache.store``'s docstring)
     SIZING = 88  # how the cap was set: SIZED, AUTO or AUTO_NONE
 
 
@@ -67,7 +67,7 @@ class MetaLayout:
     # intent record (NOTE [publish order]): phase, table position, class, old bump, then the
     # totals after the write: items, bytes, raw bytes (disk) and table items (INTENT below)
     INTENT = 192
-    # the chunk intent of put_records (NOTE [publish order]; chunk.py): a header of 8 words, then
+    # the chunk intent of put_records (NOTE [publish order]): a header of 8 words, then
     # CHUNK_RECORDS records of 2 words and CHUNK_RECORDS class words, ending before COUNTERS
     CHUNK = 256
     COUNTERS = 4096  # MAX_SLOTS rows of (hits, misses, rejected, corrupt): one row per liveness slot
@@ -91,7 +91,7 @@ SPILL_CLASS = 0xFFFF
 
 
 # The chunk intent: many records put under one hold of the lock (put_records, an import) are
-# published together, with two fences per chunk instead of one or two per record (chunk.py).
+# published together, with two fences per chunk instead of one or two per record (``Chunk``).
 # Header: phase (0 none, 1 writing, 2 publishing), records, classes, then the totals after the
 # chunk: items, bytes and table items in memory. A record: class << 48 | table position, and the
 # entry's state word w0 to publish. A class word: class << 48 | its bump when the chunk began.
@@ -104,7 +104,7 @@ _M48 = (1 << 48) - 1
 
 
 class ChunkIntent(NamedTuple):
-    """What a writer of a chunk is doing (NOTE [publish order], chunk.py); phase 0: nothing."""
+    """What a writer of a chunk is doing (NOTE [publish order]); phase 0: nothing."""
 
     phase: int
     items: int  # the totals once the chunk is published
@@ -187,7 +187,7 @@ class Generation:
         """Step 5: no write in progress."""
         self.meta.words[M.INTENT >> 3] = 0
 
-    # --- the chunk intent (NOTE [publish order], chunk.py; the caller holds the lock) ---------
+    # --- the chunk intent (NOTE [publish order]; the caller holds the lock) ---------
 
     def chunk_phase(self) -> int:
         return self.meta.words[M.CHUNK >> 3]

@@ -7,7 +7,7 @@ Each entry is three native 8-byte words, 8-byte aligned::
     w2  where the record is: size class << 48 | chunk   (spilled: file id << 48 | file offset)
 
 An entry goes from EMPTY (w0 == 0) to READY in one aligned 8-byte store of w0, after w1, w2 and
-the record's bytes were written (NOTE [publish order] in store.py). Entries are never changed or
+the record's bytes were written (NOTE [publish order]). Entries are never changed or
 removed while their table is current, so a reader that sees READY reads w1, w2 and the record and
 gets complete data; probing stops at the first EMPTY entry. Readers load w0 *before* the other
 words, in a separate load: one memcpy of all three could load w2 first and w0 last.
@@ -37,7 +37,7 @@ __all__ = ["TableView", "key_bytes", "key_hash", "tier_key", "READY", "INT_KEY",
 
 # The entry's bit layout (the docstring's table) is defined here only. Hot paths inline it as
 # literals (store.CacheStore.lookup and _record): each such place names the accessor it
-# inlines, and tests/unit/test_index.py checks every inlined copy against the functions below.
+# inlines, and ``test_index`` checks every inlined copy against the functions below.
 READY, INT_KEY, SPILLED = 1, 2, 4  # the state bits of w0
 FLAG_BITS = 0xFF  # w0's low byte: the state bits (those above SPILLED no writer sets)
 INLINE24 = 0xFFFFFF  # layout id field of an entry whose record carries its layout inline
@@ -147,7 +147,7 @@ class TableView:
         self.shift = 64 - max(cap.bit_length() - 1, 0)
         self.mask = max(cap - 1, 0)
         self.words = np.ndarray((cap, 3), np.uint64, buf, TABLE_OFF)
-        self._store = word_view(buf)  # writes: one aligned store per word (base/shm.py word_view)
+        self._store = word_view(buf)  # writes: one aligned store per word (``shm.word_view``)
 
     @staticmethod
     def init(buf, capacity: int) -> None:
@@ -204,11 +204,11 @@ class TableView:
         self._store[w + 2] = w2
         if fence:
             ordering.fence()
-        self._store[w] = w0  # one aligned 8-byte store (base/shm.py word_view: never struct.pack_into)
+        self._store[w] = w0  # one aligned 8-byte store (``shm.word_view``: never struct.pack_into)
 
     def stage(self, pos: int, w1: int, w2: int) -> None:
         """Write w1 and w2 of EMPTY entry ``pos`` (caller holds the lock): the first half of
-        :meth:`publish`, for a chunk of put_records (chunk.py), whose one fence covers many
+        :meth:`publish`, for a group of put_records (``Chunk``), whose one fence covers many
         entries. Readers ignore them until w0 is READY (they load w0 first)."""
         w = (TABLE_OFF + ENTRY_BYTES * pos) >> 3
         self._store[w + 1] = w1

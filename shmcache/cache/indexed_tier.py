@@ -1,13 +1,13 @@
 """What the store needs of an *indexed* tier: a place its records go when shared memory is full,
-found again through the store's own shared index (NOTE [tiers] in tiers/tiered_store.py).
+found again through the store's own shared index (NOTE [tiers]).
 
-The store (store.py) decides what goes to such a tier and publishes where it went: it writes the
+The store (``CacheStore``) decides what goes to such a tier and publishes where it went: it writes the
 record through ``write``, which only stores it and answers its ``RecordLocation``; the store puts that
 location into the index entry (NOTE [publish order]), with the same intent record and totals as
 a record in memory. A reader of the entry hands the location back to ``read``. The tier never
 touches the store, and the store never knows how the tier stores a record.
 
-The spill files are the one indexed tier (``spill/tier.py``: ``SpillTier``). Tiers *behind* the
+The spill files are the one indexed tier (``tiers.spill.tier.SpillTier``). Tiers *behind* the
 store, asked by key rather than found through the index (remote, snapshot), are ``tiers.protocol.Tier``.
 This module sits below the store so the store can name the protocol it calls.
 """

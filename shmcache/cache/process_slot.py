@@ -106,7 +106,7 @@ def release_all() -> None:
 
 def _mark_used() -> None:
     """Detaching is a use: ``gc --idle-for`` counts idle time from here, not from the attach
-    (NOTE [session lifecycle] in registry.py, last use). Runs at a clean exit too."""
+    (NOTE [session lifecycle], last use). Runs at a clean exit too."""
     for (_root, session), held in list(_held.items()):
         held.registry.mark_used(session)
 

@@ -9,7 +9,7 @@ NOTE [session lifecycle]
     cache) until ``destroy``, which unlinks every segment whose name carries the session's prefix,
     also under the registry lock. A session whose creator died mid-way leaves only a temporary
     directory, which ``gc`` removes; so do segments of caches or sessions that no longer exist.
-    A session made with a memory directory (``memory_dir``: base/memdir.py) records it in
+    A session made with a memory directory (``memory_dir``: ``memdir``) records it in
     ``session.json``, and its segments' names are paths in its private directory there: every
     process finds them from the record alone. Each such directory is listed in ``<root>/memory_dirs``
     before a segment goes there, so ``gc`` sweeps it for the segments of sessions that are gone.
@@ -85,10 +85,10 @@ class SessionInfo:
     uid: int
     creator_pid: int
     spill_dir: str | None = None
-    # the default remote tier of the session's caches (remote.py); a URL that may carry a
+    # the default remote tier of the session's caches (``RedisTier``); a URL that may carry a
     # password: session.json is the user's own (0700 directory), and it is never shown unmasked
     remote: str | None = field(default=None, repr=False)
-    # the memory directory its segments live in (base/memdir.py); None: /dev/shm
+    # the memory directory its segments live in (``memdir``); None: /dev/shm
     memory_dir: str | None = None
     version: int = _VERSION
     path: Path = field(default=Path(), compare=False)
@@ -168,7 +168,7 @@ class SessionRegistry:
         return _private_of(where) if isinstance(where, str) and where else None
 
     def check_memory_dir(self, session: str) -> str | None:
-        """``segment_dir``, checked as when the session was made (base/memdir.py): a mount gone
+        """``segment_dir``, checked as when the session was made (``memdir.private_dir``): a mount gone
         since (the tmpfs unmounted, the container restarted) is refused, not written to disk."""
         info = self.get(session)
         if not info.memory_dir:
@@ -181,7 +181,7 @@ class SessionRegistry:
 
     def memory_root(self, session: str) -> str:
         """The directory whose filesystem holds the session's shared memory (its size and free space
-        bound the caches: NOTE [memory limits] in cache/admission.py)."""
+        bound the caches: NOTE [memory limits])."""
         return self.segment_dir(session) or SHM_ROOT
 
     # --- queries ----------------------------------------------------------------------------
@@ -488,7 +488,7 @@ class SessionRegistry:
 
     def auto_capacity(self, name: str, compute: Callable[[], int], floor: int) -> int:
         """The automatic cap (size=0) that the caches of session ``name`` share (NOTE [memory
-        limits] in cache/admission.py): ``compute()`` by the first auto-sized cache, kept in the session's
+        limits]): ``compute()`` by the first auto-sized cache, kept in the session's
         ``auto_capacity`` file, so that caches made later share it instead of each taking 80% of
         what is left. The first writer wins (a hard link fails if the name exists: no lock is
         needed, and none is taken under the cache lock our caller holds). A value below
@@ -516,7 +516,7 @@ class SessionRegistry:
 
     def raise_auto_capacity(self, name: str, cap: int) -> int:
         """Raise the automatic cap of session ``name`` to ``cap`` if that is more than it is; the
-        cap in force after (NOTE [memory limits] in admission.py: memory was short when it was set).
+        cap in force after (NOTE [memory limits]: memory was short when it was set).
         Replaced atomically; two raisers at once both write what they measured a moment apart."""
         path = self.session_dir(name) / "auto_capacity"
         try:

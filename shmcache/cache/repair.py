@@ -1,4 +1,4 @@
-"""Repair and gc of one cache: a dead writer's intent (NOTE [publish order] in store.py), damaged
+"""Repair and gc of one cache: a dead writer's intent (NOTE [publish order]), damaged
 shared memory, and the segments of generations and table versions no longer current.
 
 Every function here runs under the cache's lock. ``repair_intent`` runs before each write (and in

@@ -2,7 +2,7 @@
 in a file beside the cache's other counters (``caches/<cache>.stall``) and read by ``stats()``,
 ``shmcache stat``, ``shmcache top`` and the Prometheus exposition.
 
-Who measures (docs/design.md §10): a ``PrefetchRing``'s consumer (its wait for a filled slot), a
+Who measures: a ``PrefetchRing``'s consumer (its wait for a filled slot), a
 ``sink_loop`` over a DataLoader of a wrapped dataset, and ``shmcache.timed(loader)`` (each
 ``next()`` on the loader's iterator). A ``Pass`` is one traversal: ``ask()`` when the loop asks
 for a batch, ``got()`` when it has it. Between ``got()`` and the next ``ask()`` the loop works (a
@@ -228,7 +228,7 @@ def _share(stall_ns: int, loop_ns: int) -> float:
 
 
 def stats_keys(path: str | os.PathLike) -> dict:
-    """The stall keys of ``stats()`` and ``shmcache stat --json`` (docs/design.md §10): the cache's
+    """The stall keys of ``stats()`` and ``shmcache stat --json`` (the README lists them): the cache's
     ``stall_waits``, ``stall_seconds``, ``loop_seconds``, ``stall_share`` over every rank, and
     ``ranks``: {str(rank): the same four for that rank}. Waits still running are not in them
     (``shmcache top`` adds those)."""

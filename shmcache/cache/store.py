@@ -7,8 +7,8 @@ version)::
                      (generation.RootLayout)
     +<i>+g<g>+meta   counters, allocator classes, layout table, totals, the intent record
                      (generation.MetaLayout, generation.Generation)
-    +<i>+g<g>+t<v>   the hash table (index.py)
-    +<i>+g<g>+c<k>   the data segment of size class k (allocator.py)
+    +<i>+g<g>+t<v>   the hash table (index.TableView)
+    +<i>+g<g>+c<k>   the data segment of size class k (allocator.ClassTable)
 
 ``i`` is the root's incarnation: a random word drawn when the root is made. A process that still
 maps a destroyed cache's root (``destroy --force`` under it) keeps its own names, so it can never
@@ -25,7 +25,7 @@ NOTE [publish order]
       4. phase 2: the new totals (items, bytes) are assigned, not added, so redoing them is harmless;
       5. clear the intent.
 
-    A chunk (``put_records``, so an import and a tier hit: cache/chunk.py) publishes up to
+    A chunk (``put_records``, so an import and a tier hit: chunk.Chunk) publishes up to
     generation.CHUNK_RECORDS records under the one hold of the lock, with its own intent record
     (generation.ChunkIntent, in the meta segment beside the intent above; a writer uses one at a
     time). Point by point, as for one record:
@@ -51,7 +51,7 @@ NOTE [publish order]
 
     "One store" is meant literally: every word a reader reads without the lock (the root's epoch
     word, the meta segment's counts and totals, a class's bump and committed count, an entry's
-    words, the counters) is written through ``Segment.words`` (base/shm.py word_view), one aligned
+    words, the counters) is written through ``Segment.words`` (shm.word_view), one aligned
     8-byte store. Never with struct.pack_into, which zeroes its destination before it stores: a
     reader in another process then sees a transient 0 (it did: false CorruptSegment in stress).
 
@@ -66,7 +66,7 @@ NOTE [publish order]
     one whose record turned out corrupt: readers verify every spilled record they read (key,
     lengths, checksum), so any mix of old and new location words is a right value or a miss.
 
-    Memory ordering (ordering.py). All of the above says "after" of stores that other processes
+    Memory ordering (base.ordering). All of the above says "after" of stores that other processes
     load without a lock; on x86-64 (TSO) the order of a writer's stores is the order every reader
     sees, and nothing more is done. On a weakly ordered CPU (aarch64) the writer makes that order
     with ``ordering.fence()`` - membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED): every registered
@@ -100,7 +100,7 @@ NOTE [publish order]
       * not fenced: the intent records, the totals and the counters. The intent is read under the
         lock only (the lock file's flock orders it, as it orders one writer after the other); the
         totals and counters are statistics, each word one aligned store.
-    The argument for membarrier (ordering.py's docstring): a reader's barrier falls before its load
+    The argument for membarrier (base.ordering's docstring): a reader's barrier falls before its load
     of the published word (then it sees what the fence covered) or after it (then that load was
     done before the fence returned, so before the word was published: it saw the old one). Every
     process registers when it first maps a segment; a forked child keeps its parent's registration
@@ -116,7 +116,7 @@ NOTE [publish order]
     was current when it looked (as with ``clear()``). An opener that finds a tombstoned root under
     the lock finishes the dead destroy (unlinks it) and makes a new incarnation.
 
-    Opening. The root is made READY-last (base/shm.py), then its capacity and incarnation words,
+    Opening. The root is made READY-last (NOTE [segment lifecycle]), then its capacity and incarnation words,
     then the first generation, and its epoch word is published last. So an opener attaches the
     root without the lock when its epoch word names a generation whose meta and table exist: a
     writer stopped while holding the lock (SIGSTOP, a debugger) never blocks readers or workers
@@ -134,8 +134,8 @@ NOTE [publish order]
     and then forward). The repairer checks the intent is one a writer can leave: phase 1 or 2,
     a position inside the table, a class in use (or SPILL_CLASS), an old bump equal to the
     class's bump or one less, phase 2 only with its entry READY, totals at most one item on (a
-    chunk's: above, "A chunk"; repair.py, chunk.py). Anything else raises CorruptSegment and touches
-    nothing; ``shmcache gc`` (collect_garbage, repair.py) finds the same damage and replaces the generation by an
+    chunk's: above, "A chunk"; cache.repair, chunk.repair). Anything else raises CorruptSegment and touches
+    nothing; ``shmcache gc`` (CacheStore.collect_garbage) finds the same damage and replaces the generation by an
     empty one, as clear() does.
 
 """

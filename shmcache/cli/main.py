@@ -125,9 +125,9 @@ HUGE_HELPS_BYTES = 256 << 20  # far beyond what a TLB of base pages reaches (~6 
 
 
 def _pages(registry: SessionRegistry, session: str, st: dict) -> dict:
-    """What backs a cache's memory (its session's memory directory, or /dev/shm: base/memdir.py),
+    """What backs a cache's memory (its session's memory directory, or /dev/shm: ``memdir.backing``),
     and whether huge pages would help: random reads of small items across more memory than the
-    TLB reaches miss it on nearly every item (docs/design.md §6)."""
+    TLB reaches miss it on nearly every item (``memdir.Backing``)."""
     where = registry.segment_dir(session)
     back = memdir.backing(where)
     helps = back.page_size <= mmap.PAGESIZE and not back.advise and st.get("bytes_mem", 0) >= HUGE_HELPS_BYTES

@@ -8,7 +8,7 @@ sort by hits/s, misses/s, MB/s, items, name, stall; q quits. ``--once`` prints o
 readings ``--interval`` apart) to stdout and exits.
 
 Reading costs the job nothing it can feel: each refresh reads a few files and counter rows, with
-no lock, no slot and no use hold (tiers/node_stats.py)."""
+no lock, no slot and no use hold (``node_stats``)."""
 
 from __future__ import annotations
 

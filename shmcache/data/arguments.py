@@ -99,7 +99,7 @@ _FP_CHARS = 12  # of the fingerprint in a default name
 def say_earlier_versions(registry: Any, session: str, name: str) -> None:
     """Cache ``name`` (a default name) was just made: if the session holds caches of the same
     dataset type under another fingerprint - the dataset changed - say which ones stay behind in
-    shared memory, their size and how to drop them (NOTE [cache use] in cache/registry.py)."""
+    shared memory, their size and how to drop them (NOTE [cache use])."""
     base = name[:-_FP_CHARS]
     for other in registry.cache_names(session):
         if other == name or not other.startswith(base) or len(other) != len(name):

@@ -1,4 +1,4 @@
-"""``ShmDatasetCache``: the public face of shmcache for PyTorch (docs/design.md §1).
+"""``ShmDatasetCache``: the public face of shmcache for PyTorch.
 
 It binds one named cache of a session (``store.CacheStore``) and adds what PyTorch users need:
 wrapping map-style and iterable datasets (shmcache.data.wrapped), batches collated like
@@ -110,12 +110,12 @@ class ShmDatasetCache:
         verify: the fraction of hits of a wrapped map-style dataset that are recomputed from the
             source and compared bit for bit (0: never); a difference raises CacheMismatch. An
             opt-in check that the dataset is deterministic and the cache is not stale.
-        remote: a Redis tier shared by several nodes behind the shared memory (remote.py):
+        remote: a Redis tier shared by several nodes behind the shared memory (``RedisTier``):
             ``redis://[:password@]host:port[/db]``, ``rediss://...``, ``redis+cluster://h1:p1,...``,
             ``redis+shards://h1:p1,h2:p2,...``; None: ``$SHMCACHE_REMOTE``, else the session's
             (``shmcache new NAME --remote URL``); ``""``: none.
         snapshot: a snapshot (a path, or an fsspec URL such as ``s3://bucket/snap``) read through
-            on a miss before the source (snapshot/tier.py): the records a miss needs are read
+            on a miss before the source (``SnapshotTier``): the records a miss needs are read
             from it and admitted into shared memory. None: ``$SHMCACHE_SNAPSHOT``; ``""``: none.
             A snapshot of another dataset is refused (CacheMismatch).
         snapshot_options: ``force`` (serve a snapshot that names another dataset), ``timeout_s``
@@ -164,7 +164,7 @@ class ShmDatasetCache:
             raise InvalidArgument(f"spill_dir must be a path, got {type(spill_dir).__name__}")
         self.size_mb = size
         self.spilling = spilling or settings.flag(ENV_SPILLING)
-        self.spill_dir = spill_dir  # None: the session's, then $SHMCACHE_SPILL_DIR (spill/tier.py)
+        self.spill_dir = spill_dir  # None: the session's, then $SHMCACHE_SPILL_DIR (``resolve_spill_dir``)
         if spill_dir is not None and not self.spilling:  # a forgotten spilling=True: say so once
             warnings.warn(f"spill_dir={os.fspath(spill_dir)!r} has no effect without spilling=True "
                           f"(or $SHMCACHE_SPILLING=1): nothing is spilled; pass spilling=True, or drop "
@@ -431,7 +431,7 @@ class ShmDatasetCache:
         damaged. With a secret (``secret=``, ``$SHMCACHE_SECRET``) only a snapshot signed with it is
         imported unless ``allow_unsigned=True``; pickled objects of a snapshot that is not signed are
         skipped unless ``allow_pickle=True`` (NOTE [record authentication]). ``timeout_s``: the
-        longest one read of an HTTP(S) or S3 snapshot may take (None: 60 s, snapshot/load.py's
+        longest one read of an HTTP(S) or S3 snapshot may take (None: 60 s, ``load``'s
         IMPORT_TIMEOUT_S); past it the import fails (SnapshotError naming the server) and gives back
         the cache it made. Other keyword arguments go to ShmDatasetCache."""
         from ..snapshot.load import (
@@ -741,7 +741,7 @@ class ShmDatasetCache:
         return verify_sample(ds, fraction, seed=seed, progress=progress, raise_on_stale=raise_on_stale)
 
     def stats(self) -> dict:
-        """Counters shared by every process (keys: docs/design.md §10); with a remote or a snapshot
+        """Counters shared by every process (keys: the README's ``stats()`` list); with a remote or a snapshot
         tier, also its ``remote_*`` or ``snapshot_*`` counters and the seam's ``tier_*``, summed over
         every process (tiers.assembly: the keys of ``shmcache stat --json`` too)."""
         from ..tiers import assembly

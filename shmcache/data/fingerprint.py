@@ -33,12 +33,26 @@ NOTE [fingerprint]
     over (``lambda k: self.dataset[k]`` counts ``self.dataset``'s attributes).
 
     Functions and the types of objects count by the same path-free names (a transform defined in
-    the warm-up script is the same function when the training script imports it).
+    the warm-up script is the same function when the training script imports it). The package
+    above the module does not count (``pkg.warm`` is ``warm``, so a script run from inside a
+    package and the import from outside agree): two classes of one name in modules of one last
+    name are told apart by their source, attributes and samples only.
+
+    So two datasets differ (each gets its own cache, and a snapshot of one is refused by the other
+    with CacheMismatch) by: another class name, or the same class in a module of another name; any
+    edit of the class's source text, comments inside it included, or of a base class defined in
+    the same module (bases from other modules do not count); another length, attribute value or
+    memmapped file (its path, size and modification time); another transform - its code,
+    defaults and the data it closes over, code compared as CPython bytecode, so the same
+    transform under another Python minor version is another one (``snapshot_options={'force':
+    True}`` reads a snapshot across versions); other probe samples. A change of this rule renames
+    every cache: caches made before are computed once more under their new names (a snapshot
+    exported before still serves ``wrap(None)``, which takes its identity from the manifest).
 
     It stays a heuristic: two datasets that differ only in state it skips, and agree on the probe
     samples, still look the same; so does data nested deeper than ``_MAX_DEPTH`` levels.
     ``verify=`` (recompute a share of the hits) catches that, and ``verify_sample`` (a share of the
-    cached items, at once: data/verify.py) catches files edited under unchanged paths too.
+    cached items, at once) catches files edited under unchanged paths too.
 """
 
 from __future__ import annotations

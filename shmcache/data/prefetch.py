@@ -117,7 +117,7 @@ _POLL_S = 0.05  # a blocked wait re-checks the stop flag this often (a stop also
 _EVENT_POLL_S = 0.0002  # producer's poll of copy_done (usually long finished by the time it looks)
 _JOIN_TIMEOUT_S = 10.0  # how long stopping waits for a producer that is inside the source
 _MAX_CACHED_VIEWS = 256  # per slot; views are cached so a steady shape costs no view ops
-_ALIGN_BYTES = 64  # buffer sizes round up to cache lines (docs/design.md §11: aligned copies are faster)
+_ALIGN_BYTES = 64  # buffer sizes round up to cache lines (aligned copies are faster)
 _THREAD_NAME = "shmcache-prefetch"
 
 _FREE, _FILLED, _HELD = "free", "filled", "held"

@@ -1,5 +1,5 @@
 """Which cache a training loop's waits count for, and ``timed(loader)``: a loop over any iterable
-of batches with each wait counted (NOTE [stall counts] in ``cache/stall.py``).
+of batches with each wait counted (NOTE [stall counts]).
 
 What is measured where:
 

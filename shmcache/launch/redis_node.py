@@ -43,7 +43,7 @@ NOTE [spawned redis]
        SHUTDOWN. The workers' URL names the user: ``redis+shards://shmcache:PASSWORD@...``.
     4. The node's own processes reach its server over that Unix socket too: their URL is the
        job's, the same server list on every node (the tier shards keys by position), plus
-       ``?socket=K:PATH`` for their own node K (tiers/remote.py), so they never AUTH over TCP
+       ``?socket=K:PATH`` for their own node K (``RedisTier``), so they never AUTH over TCP
        to their own node's port - not even if the server died during the job and another
        local user took its port. What is not covered: the other nodes reach a server over TCP,
        where the password crosses the network in clear at every AUTH (NOTE [remote
@@ -89,7 +89,7 @@ __all__ = ["DEFAULT_MAXMEMORY_MB", "RedisNode", "find_redis_server", "route_addr
 DEFAULT_MAXMEMORY_MB = 1024
 #: The workers' user on the spawned server (NOTE [spawned redis], 3), in their URL.
 WORKER_USER = "shmcache"
-#: What the remote tier sends (tiers/remote.py): AUTH at connect, GETRANGE in a pipeline to read
+#: What the remote tier sends (``RedisTier``): AUTH at connect, GETRANGE in a pipeline to read
 #: (each value only as far as the largest acceptable record), SET (NX) in a pipeline to write,
 #: SET NX PX and GETRANGE to take and read leases (NOTE [remote leases]: no command more),
 #: PING and INFO for ``shmcache info``; redis-py's CLIENT SETINFO at connect is refused, which

@@ -7,7 +7,7 @@ job token ``$SHMCACHE_RDZV_TOKEN``.
 
 NOTE [remote rendezvous]
     How the launchers of one job agree on their per-node Redis servers, within a bounded time,
-    and with no one else. ``run.py`` and ``redis_node.py`` point back here.
+    and with no one else. ``run._exchange`` and ``RedisNode`` point back here.
 
     1. Where. Node 0's launcher listens on MASTER_PORT + 1 of every interface, before it starts
        anything else. MASTER_PORT itself is the training's: rank 0 hosts torch's TCPStore there
@@ -26,7 +26,7 @@ NOTE [remote rendezvous]
        job shares it; the secret is node 0's ``$SHMCACHE_SECRET`` or a new one (a node whose
        own ``$SHMCACHE_SECRET`` differs stops there, before its endpoint). The node starts
        its server with the password (the workers' user's, NOTE [spawned redis] in
-       redis_node.py) and, once the server answers on its own Unix socket and its TCP port is
+       ``RedisNode``) and, once the server answers on its own Unix socket and its TCP port is
        proven the server's, sends {"endpoint": "host:port"}. Node 0 does the same for itself in-process. Whenever an
        endpoint arrives, node 0 sends every proven node {"waiting_for": [ranks]}; when the last
        one arrives it sends {"endpoints": [...]} (ordered by node rank) to all, and closes.
@@ -41,7 +41,7 @@ NOTE [remote rendezvous]
        forgotten, and its rank is free again, so a restarted launcher can take its place. If
        node 0 goes away, every node sees its connection close and fails ("node 0 went away").
        Any failure ends that launcher with exit status 1, after it stopped its own server
-       (redis_node.py); no node trains with an incomplete list.
+       (``RedisNode``); no node trains with an incomplete list.
     5. Trust. Every launcher of a job with several nodes holds the same job token,
        ``$SHMCACHE_RDZV_TOKEN`` (at least 16 characters; without one the launcher refuses to
        start and says how to make one; the Slurm recipe makes one per job and srun passes it

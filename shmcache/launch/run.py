@@ -53,7 +53,7 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
                             evicting the least recently used values when full, never saving to
                             disk, with a new random password for its one user, who may run
                             only the commands the cache sends, on its keys (see NOTE [spawned
-                            redis] in shmcache/launch/redis_node.py); bound to this node's
+                            redis]); bound to this node's
                             address on the route to --master-addr (127.0.0.1 when that is a
                             loopback). The launcher checks that the port is its server's before
                             it tells anyone (a port another process took is named, and another
@@ -67,7 +67,7 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
                             that Unix socket, never over TCP. Each
                             server stops with the job: on success, failure, Ctrl-C, and when
                             its launcher is killed (see NOTE [remote rendezvous] in
-                            shmcache/launch/rendezvous.py). Several nodes need a job token,
+                            NOTE [remote rendezvous]). Several nodes need a job token,
                             the same on every node, in $SHMCACHE_RDZV_TOKEN (16 characters or
                             more; e.g. export SHMCACHE_RDZV_TOKEN=$(python3 -c 'import secrets;
                             print(secrets.token_hex(32))') once, before starting the launchers):
@@ -115,8 +115,7 @@ dies too, unless it left the group (setsid, start_new_session=True); another rem
 launcher's temporary directory ($TMPDIR/shmcache-launch-*). A summary on stderr names
 the root cause first: the first rank that failed, its PID, exit code or signal name (and its
 exception, when its entry point is decorated with
-torch.distributed.elastic.multiprocessing.errors.record). See NOTE [launcher shutdown] in
-shmcache/launch/supervisor.py.
+torch.distributed.elastic.multiprocessing.errors.record). See NOTE [launcher shutdown].
 
 Exit status::
 
@@ -453,7 +452,7 @@ def _spill_dir(parser: argparse.ArgumentParser, raw: str) -> str:
 
 
 def _memory_dir(parser: argparse.ArgumentParser, session: str, raw: str) -> str:
-    """--memory-dir checked as the library checks it (base/memdir.py: a memory filesystem, no
+    """--memory-dir checked as the library checks it (``memdir.private_dir``: a memory filesystem, no
     symlink, no directory others can swap), and agreeing with the session's if it exists."""
     path = os.path.abspath(os.path.expanduser(raw))
     try:

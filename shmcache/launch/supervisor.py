@@ -57,7 +57,7 @@ NOTE [launcher shutdown]
        own, holding no group, that removes it on end of file; after the launcher's own removal
        it is told ``done``.
     9. Companions. A process that serves the workers for the whole job (``--remote spawn``'s
-       ``redis-server``, launch/redis_node.py) starts before them and stops after them: the
+       ``redis-server``, ``RedisNode``) starts before them and stops after them: the
        workers write to it until they exit. It is started as a worker is (from the main thread,
        in a session of its own, with PR_SET_PDEATHSIG and the same check of its parent) and
        held by a guard of its own, started first, that knows only its process group; so a

@@ -3,9 +3,8 @@
     report = export_cache(store, "/data/snap")              # or "s3://bucket/snap", "memory://x"
     report = export_cache(store, dest, overwrite=True, segment_bytes=256 << 20)
 
-The files are written in the order of NOTE [snapshot format] (format.py): data files as ``*.tmp``
-renamed when complete, the manifest last, so an export that dies half-way (a full disk, a kill)
-leaves no snapshot that looks whole. The cache is read without its lock, like every read: a
+The files are written in the order of NOTE [snapshot format], so an export that dies half-way (a
+full disk, a kill) leaves no snapshot that looks whole. The cache is read without its lock, like every read: a
 process that keeps storing items meanwhile does not stop the export (what it adds may or may not
 be included); a clear() or destroy meanwhile is an error, since what was read is no one state.
 """

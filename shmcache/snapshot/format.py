@@ -14,7 +14,7 @@ NOTE [snapshot format]
         24  I   crc32 of bytes 0..24             24  Q   index entries (= records)
         28  4x                                   32  I   crc32 of the index bytes
                                                  36  I   crc32 of footer bytes 0..36
-        records: spill records (tiers/records.py, NOTE [spill records]), each 8-byte aligned,
+        records: spill records (NOTE [spill records]), each 8-byte aligned,
                  from offset 32; the record's key is the portable key (tiers.tiered_store.portable_key), its
                  payload the portable record (tiers.tiered_store.portable_record: the codec record with its
                  layout inline and its key), zstd-compressed unless that saves under 5%
@@ -29,7 +29,7 @@ NOTE [snapshot format]
     A reader that looks keys up (the read-through tier) reads the footer, then the index (one
     ranged read, or an mmap), binary-searches ``hash`` (np.searchsorted; equal hashes are
     adjacent: the record's own key decides), then reads ``length`` bytes at ``offset`` and checks
-    them with records.unpack_record (tiers/records.py): a record that fails its checks is a miss, never a value.
+    them with ``records.unpack_record``: a record that fails its checks is a miss, never a value.
 
     manifest.json (written last; a snapshot without one is not a snapshot)::
 
@@ -41,7 +41,7 @@ NOTE [snapshot format]
          "segments": [{"file": "seg-00000.shms", "size": bytes, "items": n,
                        "sha256": hex of the data file's index bytes + footer}]}
 
-    Signed snapshots (an export with the job's secret: NOTE [record authentication], trust.py):
+    Signed snapshots (an export with the job's secret: NOTE [record authentication]):
     each record is followed by a 40-byte MAC trailer (``b"SpMac\x01\0\0"`` + HMAC-SHA256 over the
     snapshot's dataset - ``fp:FINGERPRINT`` or ``name:NAME`` -, the portable key and the record's
     bytes), counted in its index entry's ``length``; the manifest carries
@@ -65,7 +65,7 @@ NOTE [snapshot format]
     whole-file answer (200) to a range that does not start at 0 (the server ignores Range), are
     refused unread (RangeNotHonored); past the reader's ``timeout_s`` the request is cancelled.
 
-    Writing order (export.py): every file is written as ``<name>.tmp`` and renamed when complete;
+    Writing order (``export_cache``): every file is written as ``<name>.tmp`` and renamed when complete;
     the manifest is renamed last. An export over an existing snapshot (--overwrite) removes the
     old manifest first. So whatever dies half-way - the process, the disk filling up - leaves no
     ``manifest.json`` that names incomplete data files: a half-written snapshot never looks whole.
@@ -73,7 +73,7 @@ NOTE [snapshot format]
 
     Data files were called segments; what is on disk or public keeps that word, unchanged: the
     file names ``seg-*.shms``, the manifest's key ``"segments"``, export's ``segment_bytes=`` and
-    the CLI's ``--segment-mb`` (a "segment" in the code is a shared-memory object: base/shm.py).
+    the CLI's ``--segment-mb`` (a "segment" in the code is a shared-memory object: ``Segment``).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ _U32 = struct.Struct("<I")
 _KEY_LEN_AT = 6  # where a spill record header holds its key length (NOTE [spill records]) ...
 _HEAD_CHECK_AT = 28  # ... and its head check
 _DATA_FILE_RE = re.compile(r"seg-\d{5,}\.shms")
-_FINGERPRINT_RE = re.compile(r"[0-9a-f]{1,128}")  # what fingerprint.py makes: a hex digest
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{1,128}")  # what NOTE [fingerprint] makes: a hex digest
 
 
 def key_hash(pkey: bytes) -> int:

@@ -412,7 +412,7 @@ class _Job:
         cap = getattr(store, "capacity_bytes", 0)
         self.limit = records.MAX_RAW_BYTES if getattr(store, "spill", None) is not None or not cap \
             else min(records.MAX_RAW_BYTES, cap)
-        if mac is None:  # a stranger's record: at most what a value from outside may have (records.py)
+        if mac is None:  # a stranger's record: at most what a value from outside may have (``records.max_item_bytes``)
             self.limit = min(self.limit, records.max_item_bytes())
         self._local = threading.local()  # a zstd decompressor per thread
 

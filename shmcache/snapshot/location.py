@@ -172,7 +172,9 @@ class LocalLocation(SnapshotLocation):
     def prepare_export(self) -> None:
         """Make the destination directory, or accept an existing one only if it is ours and no one
         else can write to it; from then on every file is made, renamed and removed relative to the
-        descriptor of what was checked (NOTE [snapshot format], Writing where no one else reaches)."""
+        descriptor of what was checked (NOTE [snapshot format], Writing where no one else reaches).
+        The destination is checked, not the parents of its path: a path through another user's
+        directory goes where their links point, as ``cp`` does."""
         if self._dir_fd is not None:
             return
         try:

@@ -30,7 +30,7 @@ NOTE [snapshot read-through]
     ``file://``) ``os.preadv`` on one descriptor per data file, adjacent records in one call; on an
     fsspec store one ``read_ranges`` for the whole batch, bounded by ``timeout_s`` (over HTTP the
     transfer is then cancelled; a server that ignores Range turns the tier off, one log line). Each record
-    is checked by tiers/records.py's ``unpack_record`` (magic, key, lengths, head and body checks)
+    is checked by ``records.unpack_record`` (magic, key, lengths, head and body checks)
     and against its index entry's head check, and its payload - the portable record - returned.
 
     The data file must still be the one whose index was loaded: each batch also checks every
@@ -178,7 +178,7 @@ class SnapshotTier:
         # record's MAC checked (and is trusted); another is refused unless allow_unsigned
         self._secret, self.allow_unsigned = secret, allow_unsigned
         self._mac: Any = None
-        self._max_item = records.max_item_bytes()  # what an unsigned record may decode to (records.py)
+        self._max_item = records.max_item_bytes()  # what an unsigned record may decode to
         self._ident = b""
         self.timeout_s = float(timeout_s)
         self._storage_options = with_timeouts(self.url, storage_options, self.timeout_s)

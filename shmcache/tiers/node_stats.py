@@ -15,7 +15,7 @@ __all__ = ["cache_rows", "node_rows"]
 
 
 def cache_rows(registry: SessionRegistry, session: str) -> list[dict]:
-    """One row per cache of ``session``: its ``stats()`` keys (docs/design.md §10), ``label``,
+    """One row per cache of ``session``: its ``stats()`` keys, ``label``,
     ``in_use``, ``last_opened``, ``idle_s``; a cache that cannot be opened is ``session``, ``name``
     and ``error``."""
     from ..cache.store import CacheStore  # numpy, no torch

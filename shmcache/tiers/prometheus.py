@@ -5,7 +5,7 @@
 
 Every metric is labelled by ``session`` and ``cache``; the input-stall ones also by ``rank``.
 Counters are counters (``_total``), gauges are gauges, and units are in the names (``_bytes``,
-``_seconds``). ``METRICS`` maps each key of ``stats()`` (docs/design.md §10) to its metric, so
+``_seconds``). ``METRICS`` maps each key of ``stats()`` to its metric, so
 the exposition and ``stats()`` hold the same numbers (a test checks it).
 """
 

@@ -4,7 +4,7 @@ memory (remote, snapshot): magic, key, lengths, codec (raw or one zstd frame), c
     parts = pack_record(key, payload, cctx)     # buffers to write one after another (8-aligned)
     data = unpack_record(buf, key, dctx)        # the payload, or None: a miss, never wrong data
 
-Spill files (files.py) add a file header and the crash protocol; the record itself is here, so a
+Spill files (``SpillStore``) add a file header and the crash protocol; the record itself is here, so a
 value that crosses a network or sits in a snapshot carries the same checks.
 """
 
@@ -48,7 +48,7 @@ __all__ = ["pack_record", "unpack_record", "record_problem", "RECORD_HEADER_BYTE
 # Why 8-byte alignment, not 64: the header unpacks aligned and the stored bytes start on a word,
 # so the body check reads them as uint64 without numpy's slow unaligned path. Payloads leave the
 # page cache through the kernel's copy, which ran at the same speed here for file offsets 0, 8,
-# 16, 40 and 64 mod 64 (unlike user-space copies, docs/design.md §11); 64 would cost ~60 bytes a
+# 16, 40 and 64 mod 64 (unlike user-space copies, which align to 64); 64 would cost ~60 bytes a
 # record for nothing.
 #
 # Why the body check is not a plain crc32: zlib.crc32 runs at ~4-5 GiB/s on this machine, slower

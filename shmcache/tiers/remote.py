@@ -1,6 +1,6 @@
 """The remote tier: a cache's values in Redis, behind each node's shared memory (issue 11).
 
-Several nodes, one cache: each node keeps what it has in shared memory (store.py), and what it
+Several nodes, one cache: each node keeps what it has in shared memory (``CacheStore``), and what it
 misses is read from Redis before it is computed; what it computes is written to Redis behind the
 training loop, so each sample is computed about once per job and crosses the network at most once
 per node. redis-py (with hiredis) is the client: ``pip install 'shmcache[redis]'``.
@@ -22,7 +22,7 @@ over the Unix socket PATH (percent-encoded) on this host instead of its address 
 A URL without a password takes ``$SHMCACHE_REMOTE_PASSWORD``.
 
 NOTE [remote tier]
-    Values. One Redis value holds one self-checking record (tiers/records.py: magic, key,
+    Values. One Redis value holds one self-checking record (NOTE [spill records]: magic, key,
     lengths, checksum), whose key is the cache's identity plus the item's portable key
     (tiered_store.portable_key). The Redis key is ``shmcache:<identity>:<portable key>``; the identity
     comes from the cache's name and dataset fingerprint, never from the session's name, so every
@@ -31,7 +31,7 @@ NOTE [remote tier]
     format from another version - is a miss, counted as ``corrupt``, never returned. Redis
     replaces a value whole (SET), so an eviction never leaves half a record.
 
-    Authentication (NOTE [record authentication], trust.py). With the job's secret
+    Authentication (NOTE [record authentication]). With the job's secret
     (``secret=``, ``$SHMCACHE_SECRET``) every value is the record followed by a 40-byte MAC
     trailer over the whole Redis key and the record's bytes; a value read without the right one
     (unsigned, another secret's, another key's, changed) is a miss counted as ``forged``, checked
@@ -427,7 +427,7 @@ class RedisTier:
         # with the job's secret every value written carries a MAC over its Redis key and bytes, and
         # a value read without the right one is a miss (NOTE [record authentication])
         self._mac = Mac(secret) if secret else None
-        # without the secret a value is a stranger's: it may decode to at most this (records.py)
+        # without the secret a value is a stranger's: it may decode to at most this
         self.max_item_bytes = MAX_RAW_BYTES if self._mac is not None else max_item_bytes()
         _redis()  # a missing client is an error now, not a silent miss later
         self.identity = identity

@@ -3,7 +3,7 @@ store that reads through such places in order.
 
 A value lives first in shared memory, and, when that is full, in the cache's spill files (both
 found through the shared index: ``store.CacheStore``). Behind them may stand *tiers* shared
-wider than one node or one run: a Redis server for every node of a job (``remote.py``), a
+wider than one node or one run: a Redis server for every node of a job (``RedisTier``), a
 read-only snapshot on disk or object storage (``snapshot/``). :class:`TieredStore` composes
 them::
 
@@ -22,18 +22,18 @@ NOTE [tiers]
       session's name) to it, so nodes find each other's values and two datasets never meet.
     * portable record = the codec's record with its layout inline (``codec.INLINE``), so it
       decodes anywhere, with no interned layout table. A tier wraps it in the self-checking
-      record of ``tiers/records.py`` (magic, key, lengths, codec, checksum): a value that is
+      record of NOTE [spill records] (magic, key, lengths, codec, checksum): a value that is
       corrupt, cut short or another key's is a miss, counted by the tier, never returned.
 
-    Trust (NOTE [record authentication], trust.py): a tier whose every record carried the job's
+    Trust (NOTE [record authentication]): a tier whose every record carried the job's
     MAC (``tier.authenticated``) serves the job's own values. Any other tier serves data: before a
     record is decoded or admitted its layout is checked (codec.check_layout: structure, dtypes,
     bounds, never an unpickling) and one holding a pickled leaf is refused - a miss, counted as
     ``tier_pickle_refused``, one log line naming ``allow_pickle=True`` - since once admitted into
     shared memory it would be unpickled by every process that reads it.
 
-    Assembly: one place, ``assembly.py``, wires a cache's tiers, only through the methods of
-    the ``Tier`` protocol (``protocol.py``; RedisTier and SnapshotTier implement it): the layer
+    Assembly: one place, ``tiers.assembly``, wires a cache's tiers, only through the methods of
+    the ``Tier`` protocol (``tiers.protocol.Tier``; RedisTier and SnapshotTier implement it): the layer
     of each tier makes it (``remote.open_tier``, ``snapshot.tier.open_tier``), and
     ``assembly.assemble`` binds it to the cache's identity (``Tier.bind``: name and fingerprint,
     again through ``assembly.bind`` when the dataset becomes known later), puts it in ORDER,
@@ -61,7 +61,7 @@ NOTE [tiers]
     by a tier's: shared memory is the first and final word on one node.
 
     The spill files are a tier too, of the other kind: an *indexed* tier
-    (``cache.indexed_tier.IndexedTier``, implemented by ``spill/tier.py``'s ``SpillTier``), found
+    (``cache.indexed_tier.IndexedTier``, implemented by ``SpillTier``), found
     through the store's own shared index rather than asked by key. It holds the same key
     (``index.tier_key``) with the record, but it does not decide anything: the store, under its
     lock, calls ``write(key, record)``, which only stores and answers a ``RecordLocation`` (or None: not

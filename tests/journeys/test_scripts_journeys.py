@@ -4,7 +4,7 @@ its own environment (PYTHONPATH kept; ``$SHMCACHE_DIR`` in the test's directory,
 clean-up sees what they leave).
 
 The warm-up defines ``Expensive`` and runs as ``__main__``; the training script imports it from
-the warm-up's module. Both must name the same cache (docs/design.md §7), so training computes
+the warm-up's module. Both must name the same cache (NOTE [fingerprint]), so training computes
 nothing, and a snapshot of the warm-up's cache is accepted by the training script on another
 "machine" (another ``$SHMCACHE_DIR``) - also when the code lives at another path there."""
 

@@ -250,7 +250,7 @@ def test_the_same_dataset_gets_the_same_fingerprint_whatever_the_string_hash_see
     assert len(seen) == 1, seen
 
 
-# --- identity across processes and checkouts (issue 17, item 2; docs/design.md §7) ---------------
+# --- identity across processes and checkouts (issue 17, item 2; NOTE [fingerprint]) ---------------
 
 
 def test_a_class_of_a_script_run_as_main_is_named_as_the_module_it_is_imported_as(monkeypatch):

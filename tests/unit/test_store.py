@@ -1,4 +1,4 @@
-"""The cache store: statistics (keys of docs/design.md §10, values exact, shared by processes),
+"""The cache store: statistics (the README's `stats()` keys, values exact, shared by processes),
 the memory cap (stop admitting, items that can never fit), clear / destroy as other store objects
 see them, stored-once semantics, the batch paths, and errors for unknown caches and bad names."""
 

@@ -1,12 +1,18 @@
 """Spill: where a cache's items go on disk when its shared memory is full.
 
-    ../records.py the self-checking record (also the record of the remote and snapshot tiers)
-    recovery.py   the file-level crash protocol: take over a slot file, repair a torn tail
-    files.py      SpillStore: one folder of append-only slot files, lock-free reads
-    tier.py       SpillTier, the store's indexed tier (cache.indexed_tier.IndexedTier): where its folder
+    tiers.records the self-checking record (also the record of the remote and snapshot tiers)
+    recovery      the file-level crash protocol: take over a slot file, repair a torn tail
+    files         SpillStore: one folder of append-only slot files, lock-free reads
+    tier          SpillTier, the store's indexed tier (cache.indexed_tier.IndexedTier): where its folder
                   is, write a record and answer its RecordLocation, read a RecordLocation back
 
-NOTE [spill records] (tiers/records.py) holds the protocol.
+NOTE [spill records] holds the protocol. The spill tier decides nothing and never calls the store
+(NOTE [tiers]): the store publishes the locations it answers.
+
+May import: ``tiers`` (the record), ``cache``, ``base``, ``errors``; and modules of this room
+without a cycle. Never torch.
+
+Start reading at NOTE [spill records], then ``SpillStore.append`` and ``SpillStore.read``.
 """
 
 from ...errors import SpillFull

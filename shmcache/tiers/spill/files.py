@@ -12,8 +12,8 @@ when that does not save at least 5%, so incompressible items cost no decompressi
     store.recover()                                 # repair the files of writers that died (gc)
 
 This module knows nothing of torch or of the shared-memory index; the store keeps the returned
-location in its index entry. The record format is format.py's and the crash protocol is
-recovery.py's (NOTE [spill records]).
+location in its index entry. The record format is ``records``' and the crash protocol is
+``recovery``'s (NOTE [spill records]).
 """
 
 from __future__ import annotations

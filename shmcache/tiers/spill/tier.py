@@ -1,4 +1,4 @@
-"""The spill tier: when a cache's memory is full, its records go to zstd spill files (files.py).
+"""The spill tier: when a cache's memory is full, its records go to zstd spill files (``SpillStore``).
 
 ``SpillTier`` is the store's indexed tier (``cache.indexed_tier.IndexedTier``, NOTE [tiers]): it only
 writes a record and says where it went (``write`` -> ``RecordLocation``), and reads a location back
@@ -139,7 +139,7 @@ class SpillTier:
 
 # One SpillStore per spill folder and process: every cache handle of the process appends through
 # it. Two stores would both append to the process's slot file and wait on each other's flock.
-# Each is tagged with the incarnation of the cache it serves (store.py module docstring): when the
+# Each is tagged with the incarnation of the cache it serves (``cache.store``'s docstring): when the
 # cache (or its session) is destroyed and made again, the folder is deleted and made again too,
 # and a store still holding descriptors of the deleted files would append records nobody can read
 # back. attach() compares incarnation and folder identity, and replaces a store that is stale.
