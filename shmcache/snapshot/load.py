@@ -55,7 +55,6 @@ IMPORT_TIMEOUT_S = 60.0
 # header, key, pads and a MAC's trailer: what an index entry may add to the record's decoded bytes
 _RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN + TRAILER_BYTES
 _BATCH_RAW_BYTES = 64 << 20  # store a chunk's records once they decode to this much (bombs do not add up)
-_U16 = fmt._U16
 
 
 @dataclass
@@ -493,8 +492,7 @@ class _Job:
         read. Nothing is decoded, nothing unpickled: the layout is checked (codec.check_layout)."""
         if len(view) < records.RECORD_HEADER_BYTES:
             return None
-        key_len = _U16.unpack_from(view, fmt._KEY_LEN_AT)[0]
-        pkey = bytes(view[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + key_len])
+        pkey = records.record_key(view)
         if self.mac is not None:  # before a byte of the record is decompressed
             view, verdict = self.mac.open(self.ident + pkey, view)
             if verdict == FORGED:

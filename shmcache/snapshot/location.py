@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..base.namespace import _user
+from ..base.namespace import user_name
 from ..base.urls import mask_url, scrub_secret
 from ..errors import InvalidArgument, RangeNotHonored, SnapshotError
 
@@ -199,7 +199,7 @@ class LocalLocation(SnapshotLocation):
         st = os.fstat(fd)
         why = None
         if st.st_uid != os.getuid():
-            why = f"belongs to uid {st.st_uid} ({_user(st.st_uid)}), not to you (uid {os.getuid()})"
+            why = f"belongs to uid {st.st_uid} ({user_name(st.st_uid)}), not to you (uid {os.getuid()})"
         elif st.st_mode & 0o022:
             who = "group and others" if st.st_mode & 0o002 else "its group"
             why = f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):#o})"
