@@ -299,7 +299,7 @@ def read_record(buf: Any, offset: int, length: int, dctx: Any) -> tuple[bytes | 
     view = memoryview(buf).cast("B")[offset:offset + length]
     if len(view) != length or length < records.RECORD_HEADER_BYTES:
         return None, None, f"the record at offset {offset} is cut short"
-    pkey = records.record_key(view)
+    pkey = records.declared_key(view)
     payload, why = records.unpack_record(view, pkey, dctx)
     if payload is None:
         return None, None, f"the record at offset {offset}: {why}"

@@ -462,7 +462,7 @@ class SnapshotTier:
                     why = "its head check is not its index entry's"
                 payload, key = None, bytes(keys[i])
                 if why is None and self._mac is not None:
-                    if records.key_length(buf) != len(key) or records.record_key(buf) != key:
+                    if records.declared_key_len(buf) != len(key) or records.declared_key(buf) != key:
                         continue  # another key's record (a colliding index word): not this key's
                     buf, verdict = self._mac.open(self._ident + key, buf)  # before it is decompressed
                     if verdict == FORGED:

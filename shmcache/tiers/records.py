@@ -26,7 +26,7 @@ __all__ = ["pack_record", "unpack_record", "record_problem", "RECORD_HEADER_BYTE
            "MAX_KEY_BYTES", "MAX_RAW_BYTES", "MAX_ITEM_MB", "max_item_bytes", "max_record_bytes", "ALIGN", "FLAG_ZSTD",
            "decompress_bounded", "RECORD_HEAD", "FILE_HEAD", "RecordHead", "KEY_LEN_AT", "HEAD_CHECK_AT",
            "padding", "record_bytes", "body_check", "head_check", "head_problem", "length_problem",
-           "key_length", "record_key", "head_check_of", "encode_payload", "pack_head"]
+           "declared_key_len", "declared_key", "head_check_of", "encode_payload", "pack_head"]
 
 # NOTE [spill records]
 #
@@ -238,15 +238,15 @@ def pack_head(flags: int, key: bytes, raw_len: int, stored: Buffer) -> bytes:
     return head[:HEAD_CHECK_AT] + _U32.pack(head_check(head, key))
 
 
-def key_length(buf: Buffer) -> int:
+def declared_key_len(buf: Buffer) -> int:
     """The key length a record's header (at the start of ``buf``) declares: not yet checked."""
     return _U16.unpack_from(buf, KEY_LEN_AT)[0]
 
 
-def record_key(buf: Buffer) -> bytes:
+def declared_key(buf: Buffer) -> bytes:
     """The key bytes of the record at the start of ``buf``, as its header declares them: not yet
     checked (fewer bytes if ``buf`` ends first; :func:`unpack_record` then refuses the record)."""
-    return bytes(memoryview(buf)[RECORD_HEADER_BYTES:RECORD_HEADER_BYTES + key_length(buf)])
+    return bytes(memoryview(buf)[RECORD_HEADER_BYTES:RECORD_HEADER_BYTES + declared_key_len(buf)])
 
 
 def head_check_of(head: Buffer) -> int:

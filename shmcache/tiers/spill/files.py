@@ -64,7 +64,7 @@ from .recovery import (
 
 log = logging.getLogger("shmcache")
 
-MAX_SLOTS = 1 << 16  # file_id fits 16 bits in the index entry
+MAX_FILE_IDS = 1 << 16  # spill files a location can name: its file_id (the writer's slot) has 16 bits
 _FILE_RE = re.compile(r"(\d+)\.spill")
 _MAX_LOGGED = 4096  # (file, condition) pairs remembered for log-once
 _DIGITS = re.compile(r"\d+")
@@ -114,9 +114,9 @@ def _as_key(key: Buffer) -> bytes:
 
 
 def _check_slot(slot: int) -> int:
-    if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < MAX_SLOTS:
+    if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < MAX_FILE_IDS:
         raise InvalidArgument(
-            f"spill slot must be an int in [0, {MAX_SLOTS}), got {slot!r}; pass the process's liveness slot"
+            f"spill slot must be an int in [0, {MAX_FILE_IDS}), got {slot!r}; pass the process's liveness slot"
         )
     return slot
 
