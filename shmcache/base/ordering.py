@@ -31,7 +31,7 @@ Where it applies (``mode()``):
 
 Registration is state of the address space (the kernel keeps it in the mm): a new program (exec)
 starts unregistered, and a forked child's copy of the mm keeps its parent's registration
-(tests/unit/test_ordering.py checks both on the running kernel). Every process registers when it
+(tests/unit/base/test_ordering.py checks both on the running kernel). Every process registers when it
 first maps a segment (``register()``, from base/shm.py and CacheStore); a forked child registers
 again all the same (os.register_at_fork: idempotent), so a kernel that reset it at fork would not
 leave a child that reads inherited mappings unfenced.

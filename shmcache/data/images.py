@@ -22,7 +22,7 @@ from ..cache import codec
 __all__ = ["TAG", "MODES", "register"]
 
 TAG = "pil"
-# Modes whose raw bytes (tobytes/frombytes) round-trip exactly; tests/unit/test_codec.py tries each.
+# Modes whose raw bytes (tobytes/frombytes) round-trip exactly; tests/unit/cache/test_codec.py tries each.
 MODES = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "F", "RGB", "RGBA", "RGBa",
                    "RGBX", "CMYK", "YCbCr", "LAB", "HSV"})
 

@@ -349,3 +349,12 @@ def test_a_planted_cycle_is_reported(tmp_path):
     assert len(problems) == 3 and "d.py" not in text, text
     gone = cycle_report(root, {"a -> b", "b -> c", "c -> a", "d -> a"})
     assert gone == ["KNOWN_CYCLE_EDGES lists 'd -> a', which is no longer on a cycle: drop it"], gone
+
+
+def test_the_unit_tests_mirror_the_layer_folders():
+    """tests/unit/<layer>/ holds the tests of that layer's modules; only cross-cutting checks (the
+    layers, the rooms, the docs, the settings) sit at its top."""
+    unit = Path(__file__).resolve().parent
+    folders = {p.name for p in unit.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    layers = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
+    assert folders <= layers, f"tests/unit/ folders that are no layer of shmcache/: {sorted(folders - layers)}"

@@ -32,7 +32,7 @@ from shmcache.tiers.spill import (
     recovery,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def tokens(n: int, seed: int = 0) -> np.ndarray:
