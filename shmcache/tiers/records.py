@@ -106,7 +106,8 @@ RECORD_HEAD = struct.Struct("<4sBBHQQII")
 FILE_HEADER_BYTES = FILE_HEAD.size  # 32
 RECORD_HEADER_BYTES = RECORD_HEAD.size  # 32
 KEY_LEN_AT = struct.calcsize("<4sBB")  # 6: where the record header holds the key length ...
-HEAD_CHECK_AT = 28  # ... and the head check, which covers the record header up to itself, then the key
+HEAD_CHECK_AT = RECORD_HEAD.size - 4  # 28: ... and the head check, its last field, which covers the
+# record header up to itself, then the key
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 MAX_KEY_BYTES = (1 << 16) - 1
