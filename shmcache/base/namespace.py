@@ -36,6 +36,7 @@ __all__ = [
     "squatter_error",
     "segment_dir",
     "segment_path",
+    "user_name",
 ]
 
 SHM_ROOT = "/dev/shm"
@@ -163,7 +164,7 @@ def squatter_error(path: str | os.PathLike, st: os.stat_result) -> NotOwner:
     kind = ("symlink" if stat.S_ISLNK(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode)
             else "file" if stat.S_ISREG(st.st_mode) else "special file")
     return NotOwner(
-        f"the shared-memory name {path} is taken by a {kind} of uid {st.st_uid} ({_user(st.st_uid)}), "
+        f"the shared-memory name {path} is taken by a {kind} of uid {st.st_uid} ({user_name(st.st_uid)}), "
         f"not by a segment shmcache made for you (uid {os.getuid()}): another user squats it - an "
         f"attack or a leftover of theirs; shmcache does not use, follow or remove it. Remove it "
         f"(as root, after checking it: rm {path}), or use another namespace: set ${ENV_DIR} to a "
@@ -242,7 +243,7 @@ def make_private_dir(path: Path, what: str, fix: str) -> None:
         st = os.fstat(fd)
         if st.st_uid != os.getuid():
             raise NotOwner(
-                f"{what} {path} belongs to uid {st.st_uid} ({_user(st.st_uid)}), not to you (uid "
+                f"{what} {path} belongs to uid {st.st_uid} ({user_name(st.st_uid)}), not to you (uid "
                 f"{os.getuid()}): another user made it - a squat or an attack; shmcache does not use, "
                 f"chmod or remove it. Remove it (as root, after checking it), or {fix}"
             )
@@ -272,19 +273,20 @@ def _not_a_dir(path: Path, what: str, fix: str) -> OSError:
         except OSError:
             target = "?"
         return NotOwner(
-            f"{what} {path} is a symlink (to {target}, made by uid {st.st_uid} ({_user(st.st_uid)})); "
+            f"{what} {path} is a symlink (to {target}, made by uid {st.st_uid} ({user_name(st.st_uid)})); "
             f"shmcache never follows a symlink it did not make: one planted there is an attack to "
             f"make shmcache chmod or write into its target. Remove it (rm {path}), or {fix}"
         )
     if st.st_uid != os.getuid():
         return NotOwner(
-            f"{what} {path} is not a directory but a file of uid {st.st_uid} ({_user(st.st_uid)}): "
+            f"{what} {path} is not a directory but a file of uid {st.st_uid} ({user_name(st.st_uid)}): "
             f"another user put it there (a squat or an attack). Remove it (as root), or {fix}"
         )
     return NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
 
 
-def _user(uid: int) -> str:
+def user_name(uid: int) -> str:
+    """The login name of ``uid``, for messages (or "no such user")."""
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:

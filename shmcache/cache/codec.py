@@ -82,7 +82,7 @@ from ..base import trees
 from ..errors import EncodeError
 
 __all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "register_namedtuple",
-           "registered_namedtuples", "RECORD_HEADER", "RecordHeader",
+           "registered_namedtuples", "RECORD_HEADER", "MIN_RECORD_BYTES", "RecordHeader",
            "record_header", "record_key", "inline_layout", "LayoutCheck", "check_layout",
            "INLINE", "ALIGN", "NUMBERS", "MIN_NUMBERS", "Leaf", "MAX_DECODERS", "cached_decoders",
            "clear_decoders", "MAX_LAYOUT_BYTES", "MAX_LAYOUT_NODES", "MAX_LAYOUT_NAMED", "MAX_LAYOUT_NUMBERS",
@@ -91,6 +91,7 @@ __all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "regis
 INLINE = 0xFFFFFFFF
 ALIGN = 64
 RECORD_HEADER = struct.Struct("<IIII")
+MIN_RECORD_BYTES = RECORD_HEADER.size  # the shortest record: its header alone (16)
 _I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
 _U64 = struct.Struct("<Q")

@@ -33,7 +33,8 @@ from ..errors import CorruptSegment, InvalidKey
 
 __all__ = ["TableView", "key_bytes", "key_hash", "tier_key", "READY", "INT_KEY", "SPILLED", "INLINE24",
            "ENTRY_BYTES", "TABLE_OFF", "MAX_LOAD", "MIN_TABLE", "LOCATION_MASK", "FLAG_BITS", "MAX_RECORD",
-           "state_word", "location_word", "entry_length", "entry_layout", "entry_class", "entry_chunk"]
+           "state_word", "location_word", "entry_length", "entry_layout", "entry_class", "entry_chunk",
+           "key_from_bytes"]
 
 # The entry's bit layout (the docstring's table) is defined here only. Hot paths inline it as
 # literals (store.CacheStore.lookup and _record): each such place names the accessor it
@@ -75,6 +76,19 @@ def key_bytes(key: object) -> tuple[int, bytes]:
         raise InvalidKey(f"cache keys are int, str or bytes, not {tp.__name__} ({key!r}); convert "
                          f"it, e.g. str(key) or int(key)")
     return key_hash(kb), kb
+
+
+def key_from_bytes(w1: int, kb: bytes) -> int | str | bytes:
+    """The cache key that ``(w1, key bytes)`` stand for: the inverse of :func:`key_bytes`, and the
+    one place that decodes key bytes. ValueError when ``kb`` carries no known tag (or a str key's
+    bytes are not UTF-8); the caller decides what damaged bytes mean."""
+    if not kb:
+        return w1 - (1 << 64) if w1 >> 63 else w1  # an int key stores itself, two's complement
+    if kb[:1] == b"s":
+        return kb[1:].decode("utf-8", "surrogatepass")  # UnicodeDecodeError is a ValueError
+    if kb[:1] == b"b":
+        return kb[1:]
+    raise ValueError(f"key bytes with no known tag: {kb[:40]!r}")
 
 
 def _int_scalar(key: object) -> int | None:

@@ -251,6 +251,8 @@ class PrefetchRing:
     before :class:`~shmcache.errors.PrefetchStall`. See the module docstring for the lifetime rule.
     """
 
+    counts_own_waits = True  # stall.measured: iterating a ring counts its waits (NOTE [stall counts])
+
     def __init__(
         self,
         source: Iterable[Any],

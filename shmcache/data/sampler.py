@@ -190,10 +190,10 @@ class NodeAffineSampler(DistributedSampler):
             # One stream, seeded like DistributedSampler's, gives node 0's permutation first, then
             # node 1's...: on one node this is DistributedSampler's order, and nodes whose parts have
             # the same size still get unrelated orders.
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
+            stream = torch.Generator()
+            stream.manual_seed(self.seed + self.epoch)
             for k in range(self.node_rank + 1):
-                perm = torch.randperm(len(range(k, self._len, self.num_nodes)), generator=g)
+                perm = torch.randperm(len(range(k, self._len, self.num_nodes)), generator=stream)
             part = part[perm.numpy()]
         size = self.num_samples * self.nproc_per_node  # what this node deals out to its ranks
         if len(part) >= size:

@@ -54,10 +54,9 @@ def counts_for(obj: Any) -> counts.StallCounts | None:
 
 
 def measured(obj: Any) -> bool:
-    """Whether iterating ``obj`` counts its own waits (a Timed, a PrefetchRing)."""
-    from .prefetch import PrefetchRing
-
-    return isinstance(obj, (Timed, PrefetchRing))
+    """Whether iterating ``obj`` counts its own waits (a Timed; a PrefetchRing, whose class says
+    ``counts_own_waits``: this module cannot import prefetch, which imports it)."""
+    return isinstance(obj, Timed) or getattr(type(obj), "counts_own_waits", False) is True
 
 
 class Timed:

@@ -376,7 +376,7 @@ def server_version(executable: str) -> tuple[int, ...]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LaunchError(f"--remote spawn: {executable} --version failed ({exc}); {INSTALL_HINT}") from None
     match = re.search(r"\bv=(\d+)\.(\d+)(?:\.(\d+))?", out)
-    return tuple(int(g) for g in match.groups() if g is not None) if match else (0,)
+    return tuple(int(part) for part in match.groups() if part is not None) if match else (0,)
 
 
 def _check_private(path: str) -> None:

@@ -153,6 +153,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from ..base import memdir, settings
 from ..base.locks import LivenessSlot
@@ -300,13 +301,24 @@ def manual() -> str:
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors quote what was typed: a mistyped option next to a URL must not show its
-    password."""
+    password. It also keeps the option strings that take a value (``takes_value``), which
+    :func:`_split_script` needs to tell an option's value from the script."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.takes_value: set[str] = set()  # before super(): argparse may add --help from there
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if action.nargs != 0:
+            self.takes_value.update(action.option_strings)
+        return action
 
     def error(self, message: str):  # type: ignore[override]
         super().error(mask_url(message))
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> _Parser:
     p = _Parser(prog=PROG, usage=USAGE, add_help=False, allow_abbrev=False)
     p.add_argument("-h", "--help", action=_PrintManual, nargs=0)
     p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc",
@@ -337,15 +349,13 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _split_script(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+def _split_script(parser: _Parser, argv: list[str]) -> tuple[list[str], list[str]]:
     """Split argv into the launcher's options and ``script args...``.
 
     Done by hand because argparse's REMAINDER drops a ``--`` that belongs to the script
     (python/cpython#61252), and script arguments must arrive verbatim.
     """
-    takes_value = {
-        opt for action in parser._actions if action.nargs != 0 for opt in action.option_strings
-    }
+    takes_value = parser.takes_value
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -357,7 +367,7 @@ def _split_script(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[lis
     return argv, []
 
 
-def _plan(parser: argparse.ArgumentParser, argv: list[str]) -> LaunchPlan:
+def _plan(parser: _Parser, argv: list[str]) -> LaunchPlan:
     """Parse and check the whole command line; every problem ends in parser.error (exit 2)."""
     launcher_argv, script_argv = _split_script(parser, argv)
     args = parser.parse_args(launcher_argv)

@@ -183,7 +183,7 @@ class _Writer:
         self._part.add(pkey, record)
         self.items += 1
         self.raw_bytes += len(record)
-        layout = _layout_of(record)
+        layout = codec.inline_layout(record)  # a portable record carries its layout (NOTE [record format])
         self.layouts[layout] = self.layouts.get(layout, 0) + 1
         if self._part.size >= self.segment_bytes:
             self._finish()
@@ -231,12 +231,6 @@ def _write_file(loc: SnapshotLocation, name: str, data: bytes) -> None:
     if _CRASH_TESTS:
         crash_point("snapshot_manifest")  # the manifest written, not yet renamed
     loc.rename(name + ".tmp", name)
-
-
-def _layout_of(record: Any) -> bytes:
-    _, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(record, 0)
-    end = len(record) - key_len
-    return bytes(record[end - lay_len:end])
 
 
 class _KeyRange:

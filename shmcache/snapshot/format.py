@@ -125,10 +125,6 @@ FOOTER_BYTES = _FOOTER.size  # 40
 INDEX_DTYPE = np.dtype([("hash", "<u8"), ("offset", "<u8"), ("length", "<u8"), ("check", "<u4"),
                         ("pad", "<u4")])
 _MAX_LISTED_LAYOUTS = 64
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_KEY_LEN_AT = 6  # where a spill record header holds its key length (NOTE [spill records]) ...
-_HEAD_CHECK_AT = 28  # ... and its head check
 _DATA_FILE_RE = re.compile(r"seg-\d{5,}\.shms")
 _FINGERPRINT_RE = re.compile(r"[0-9a-f]{1,128}")  # what NOTE [fingerprint] makes: a hex digest
 
@@ -187,7 +183,7 @@ class DataFileWriter:
         head = parts[0]
         self._hashes.append(key_hash(pkey))
         length = sum(memoryview(p).nbytes for p in parts)
-        self._entries.append((self.size, length, _U32.unpack_from(head, _HEAD_CHECK_AT)[0]))
+        self._entries.append((self.size, length, records.head_check_of(head)))
         self.raw_bytes += memoryview(payload).nbytes
         for part in parts:
             self._write(part)
@@ -303,8 +299,7 @@ def read_record(buf: Any, offset: int, length: int, dctx: Any) -> tuple[bytes | 
     view = memoryview(buf).cast("B")[offset:offset + length]
     if len(view) != length or length < records.RECORD_HEADER_BYTES:
         return None, None, f"the record at offset {offset} is cut short"
-    key_len = _U16.unpack_from(view, _KEY_LEN_AT)[0]
-    pkey = bytes(view[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + key_len])
+    pkey = records.declared_key(view)
     payload, why = records.unpack_record(view, pkey, dctx)
     if payload is None:
         return None, None, f"the record at offset {offset}: {why}"

@@ -6,8 +6,8 @@
 Every data file is checked before anything is stored (present, its size, header, footer, and index
 against the manifest's sha256: NOTE [snapshot format]), so a truncated, swapped or missing data file
 is an error naming it, not half an import. Then a thread pool reads the data files (file reads and
-zstd release the GIL) in chunks of whole records, checks each record, and stores the portable
-records of a chunk straight into shared memory under one hold of the lock
+zstd release the GIL) in blocks of whole records, checks each record, and stores the portable
+records of a block straight into shared memory under one hold of the lock
 (``CacheStore.put_records``: no decoding, one copy; raw records are not even copied out of the
 read buffer). A record that fails its checks is skipped and counted; an item that does not fit
 the cap spills when spilling is on, else is counted as rejected: the report says so, and what to
@@ -45,17 +45,16 @@ __all__ = ["import_snapshot", "import_into", "read_manifest", "read_data_file_in
 
 log = logging.getLogger("shmcache")
 
-_CHUNK_BYTES = 4 << 20  # read this much of a data file at once (whole records; a larger one alone)
+_READ_BLOCK_BYTES = 4 << 20  # a block: read this much of a data file at once (whole records; a larger one alone)
 #: The longest one read of an import from an HTTP(S) or S3 snapshot may take (the manifest, an
-#: index, a chunk of _CHUNK_BYTES or one larger record): a server that trickles bytes, or stopped
+#: index, a block of _READ_BLOCK_BYTES or one larger record): a server that trickles bytes, or stopped
 #: answering, fails the import then, naming the server and the fix, instead of holding it for
 #: ever (aiohttp allows 300 s a request, botocore 60 s a socket read, each retried). timeout_s= of
 #: import_snapshot and ShmDatasetCache.from_snapshot, `shmcache import --timeout-s`.
 IMPORT_TIMEOUT_S = 60.0
 # header, key, pads and a MAC's trailer: what an index entry may add to the record's decoded bytes
 _RECORD_SLACK = records.RECORD_HEADER_BYTES + records.MAX_KEY_BYTES + 2 * records.ALIGN + TRAILER_BYTES
-_BATCH_RAW_BYTES = 64 << 20  # store a chunk's records once they decode to this much (bombs do not add up)
-_U16 = fmt._U16
+_BATCH_RAW_BYTES = 64 << 20  # store a block's records once they decode to this much (bombs do not add up)
 
 
 @dataclass
@@ -240,11 +239,11 @@ def import_into(store: Any, loc: SnapshotLocation, manifest: fmt.Manifest, *, fo
     job.repeated = _repeated_hashes(indexes)
     indexes = [_within(part, _without_overlaps(index, report), job.limit, report)
                for part, index in zip(manifest.data_files, indexes)]
-    units = [u for part, index in zip(manifest.data_files, indexes) for u in _chunks(part, index)]
+    units = [u for part, index in zip(manifest.data_files, indexes) for u in _read_blocks(part, index)]
     workers = threads or min(4, os.cpu_count() or 1, max(1, len(units)))
     try:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="shmcache-import") as pool:
-            for fut in [pool.submit(job.chunk, *unit) for unit in units]:
+            for fut in [pool.submit(job.block, *unit) for unit in units]:
                 fut.result()  # the first error (a data file that changed under us, a dead store) raises
     finally:
         job.bar.close()
@@ -294,8 +293,8 @@ def _repeated_hashes(indexes: list[np.ndarray]) -> frozenset[int]:
     return frozenset(hashes[1:][same].tolist())
 
 
-def _chunks(part: fmt.DataFileInfo, index: np.ndarray):
-    """The data file's records in file order, as reads of up to _CHUNK_BYTES (a larger record alone):
+def _read_blocks(part: fmt.DataFileInfo, index: np.ndarray):
+    """The data file's records in file order, in blocks read at once, up to _READ_BLOCK_BYTES (a larger record alone):
     ``(part, start, end, offsets, lengths)``, the thread pool's units of work."""
     order = np.argsort(index["offset"], kind="stable")
     offsets = index["offset"][order].astype(np.int64)
@@ -303,7 +302,7 @@ def _chunks(part: fmt.DataFileInfo, index: np.ndarray):
     i, n = 0, len(order)
     while i < n:
         start = int(offsets[i])
-        j = i + 1 + int(np.searchsorted(ends[i + 1:], start + _CHUNK_BYTES, "right"))
+        j = i + 1 + int(np.searchsorted(ends[i + 1:], start + _READ_BLOCK_BYTES, "right"))
         yield part, start, int(ends[j - 1]), offsets[i:j].tolist(), (ends[i:j] - offsets[i:j]).tolist()
         i = j
 
@@ -416,7 +415,7 @@ class _Job:
             self.limit = min(self.limit, records.max_item_bytes())
         self._local = threading.local()  # a zstd decompressor per thread
 
-    def chunk(self, part: fmt.DataFileInfo, start: int, end: int, offsets: list[int], lengths: list[int]) -> None:
+    def block(self, part: fmt.DataFileInfo, start: int, end: int, offsets: list[int], lengths: list[int]) -> None:
         """Read records [start, end) of a data file in one read, check them, store them in one batch."""
         buf = memoryview(self._read(part, start, end))
         dctx = self._dctx()
@@ -444,7 +443,7 @@ class _Job:
             done = sum(self.store.put_records(items))
             stored, rejected = stored + done, rejected + len(items) - done
         if _CRASH_TESTS:
-            crash_point("snapshot_chunk")  # a chunk stored, the import not finished
+            crash_point("snapshot_block")  # a block stored, the import not finished
         with self.lock:
             r = self.report
             r.imported += stored
@@ -493,8 +492,7 @@ class _Job:
         read. Nothing is decoded, nothing unpickled: the layout is checked (codec.check_layout)."""
         if len(view) < records.RECORD_HEADER_BYTES:
             return None
-        key_len = _U16.unpack_from(view, fmt._KEY_LEN_AT)[0]
-        pkey = bytes(view[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + key_len])
+        pkey = records.declared_key(view)
         if self.mac is not None:  # before a byte of the record is decompressed
             view, verdict = self.mac.open(self.ident + pkey, view)
             if verdict == FORGED:

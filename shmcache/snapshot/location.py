@@ -16,7 +16,7 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..base.namespace import _user
+from ..base.namespace import user_name
 from ..base.urls import mask_url, scrub_secret
 from ..errors import InvalidArgument, RangeNotHonored, SnapshotError
 
@@ -27,7 +27,7 @@ _WRITE_BUFFER = 8 << 20
 # a snapshot's local files are input from a stranger: never follow a link at the name, never block
 # on open (a FIFO), and fstat before any read
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-_HTTP_CHUNK = 1 << 20  # an HTTP body is read this much at a time, never more than the range asked for
+_HTTP_PIECE = 1 << 20  # an HTTP body is read this much at a time, never more than the range asked for
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFSOCK: "a socket"}
 
@@ -201,7 +201,7 @@ class LocalLocation(SnapshotLocation):
         st = os.fstat(fd)
         why = None
         if st.st_uid != os.getuid():
-            why = f"belongs to uid {st.st_uid} ({_user(st.st_uid)}), not to you (uid {os.getuid()})"
+            why = f"belongs to uid {st.st_uid} ({user_name(st.st_uid)}), not to you (uid {os.getuid()})"
         elif st.st_mode & 0o022:
             who = "group and others" if st.st_mode & 0o002 else "its group"
             why = f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):#o})"
@@ -378,9 +378,9 @@ class FsspecLocation(SnapshotLocation):
         with _as_oserror():
             got = self.fs.cat_ranges(paths, starts, ends, on_error="return")
         out = []
-        for g, n, s, e in zip(got, names, starts, ends):
+        for one, n, s, e in zip(got, names, starts, ends):
             try:
-                out.append(g if isinstance(g, BaseException) else _at_most(g, e - s, self.where(n)))
+                out.append(one if isinstance(one, BaseException) else _at_most(one, e - s, self.where(n)))
             except OSError as exc:
                 out.append(exc)
         return out
@@ -406,8 +406,8 @@ class _HttpReader:
     format], Reading over HTTP; _S3Reader: the same over s3fs).
 
     A request asks for ``Range: bytes=a-b`` and ``Accept-Encoding: identity``. The body is read in
-    chunks into one buffer until the range is complete, then the response is closed: an endless
-    body costs the range and a chunk. An encoded body (``Content-Encoding`` other than identity:
+    pieces into one buffer until the range is complete, then the response is closed: an endless
+    body costs the range and a piece. An encoded body (``Content-Encoding`` other than identity:
     aiohttp would inflate a gzip bomb) is refused unread. A whole body (200) to a range that does
     not start at 0 means the server ignores Range: refused unread (RangeNotHonored, naming the
     server's behaviour), and every later read of this location too, without a request. Until the
@@ -438,8 +438,8 @@ class _HttpReader:
 
         got = self._bounded(run, timeout_s)
         # a range's own failure as an OSError too (aiohttp's ClientResponseError is not one)
-        return [g if not isinstance(g, BaseException) or isinstance(g, OSError) else
-                OSError(0, f"{type(g).__name__}: {scrub_secret(str(g), path)}") for g, path in zip(got, paths)]
+        return [one if not isinstance(one, BaseException) or isinstance(one, OSError) else
+                OSError(0, f"{type(one).__name__}: {scrub_secret(str(one), path)}") for one, path in zip(got, paths)]
 
     def size(self, path: str, timeout_s: float | None) -> int:
         """The size of the file at ``path``, as the store's metadata says (HEAD), within ``timeout_s``."""
@@ -512,7 +512,7 @@ class _HttpReader:
 
 
 class _S3Reader(_HttpReader):
-    """Ranged GetObject calls through s3fs, each read in chunks up to the range and then closed,
+    """Ranged GetObject calls through s3fs, each read in pieces up to the range and then closed,
     as _HttpReader does over HTTP: s3fs's own ``cat_file`` reads a whole response body, so an
     S3 endpoint that ignored Range (or sent without end) cost the whole body in memory (512 MiB
     for a manifest read). aiobotocore never inflates a body (its session does not decompress)."""
@@ -538,13 +538,13 @@ class _S3Reader(_HttpReader):
 
 
 async def _read_at_most(read: Any, want: int) -> bytearray:
-    """At most ``want`` bytes of a body, read a chunk at a time (never sized by a header)."""
+    """At most ``want`` bytes of a body, read a piece at a time (never sized by a header)."""
     buf = bytearray()
     while len(buf) < want:
-        chunk = await read(min(_HTTP_CHUNK, want - len(buf)))
-        if not chunk:
+        piece = await read(min(_HTTP_PIECE, want - len(buf)))
+        if not piece:
             break
-        buf += chunk
+        buf += piece
     return buf
 
 

@@ -89,8 +89,6 @@ COUNTERS = tier_counts.COUNTERS["snapshot"]  # hits, misses, bytes read, ... (NO
 _I = {name: i for i, name in enumerate(COUNTERS)}
 _BACKOFF_MIN_S, _BACKOFF_MAX_S = 1.0, 30.0
 _ENTRY = fmt.INDEX_DTYPE.itemsize
-_HEAD_CHECK_AT = fmt._HEAD_CHECK_AT
-_U32 = fmt._U32
 
 _REASONS = {
     "unreachable": "cannot be read ({detail}); its items are computed from the source until it answers "
@@ -460,12 +458,11 @@ class SnapshotTier:
                 if out[i] is not None:
                     continue  # a colliding candidate already matched
                 why = "it is cut short" if len(buf) != length else None
-                if why is None and _U32.unpack_from(buf, _HEAD_CHECK_AT)[0] != check:
+                if why is None and records.head_check_of(buf) != check:
                     why = "its head check is not its index entry's"
                 payload, key = None, bytes(keys[i])
                 if why is None and self._mac is not None:
-                    if fmt._U16.unpack_from(buf, fmt._KEY_LEN_AT)[0] != len(key) or \
-                            bytes(buf[records.RECORD_HEADER_BYTES:records.RECORD_HEADER_BYTES + len(key)]) != key:
+                    if records.declared_key_len(buf) != len(key) or records.declared_key(buf) != key:
                         continue  # another key's record (a colliding index word): not this key's
                     buf, verdict = self._mac.open(self._ident + key, buf)  # before it is decompressed
                     if verdict == FORGED:

@@ -24,7 +24,9 @@ from ..errors import InvalidArgument
 
 __all__ = ["pack_record", "unpack_record", "record_problem", "RECORD_HEADER_BYTES", "FILE_HEADER_BYTES",
            "MAX_KEY_BYTES", "MAX_RAW_BYTES", "MAX_ITEM_MB", "max_item_bytes", "max_record_bytes", "ALIGN", "FLAG_ZSTD",
-           "decompress_bounded"]
+           "decompress_bounded", "RECORD_HEAD", "FILE_HEAD", "RecordHead", "KEY_LEN_AT", "HEAD_CHECK_AT",
+           "padding", "record_bytes", "body_check", "head_check", "head_problem", "length_problem",
+           "declared_key_len", "declared_key", "head_check_of", "encode_payload", "pack_head"]
 
 # NOTE [spill records]
 #
@@ -99,11 +101,15 @@ FORMAT_VERSION = 1
 RECORD_VERSION = 1
 ALIGN = 8
 FLAG_ZSTD = 1
-_FILE_HDR = struct.Struct("<8sHHIQI4x")
-_REC_HDR = struct.Struct("<4sBBHQQII")
-FILE_HEADER_BYTES = _FILE_HDR.size  # 32
-RECORD_HEADER_BYTES = _REC_HDR.size  # 32
-_HEAD_CHECKED = 28  # the head check covers the record header up to itself, then the key
+FILE_HEAD = struct.Struct("<8sHHIQI4x")
+RECORD_HEAD = struct.Struct("<4sBBHQQII")
+FILE_HEADER_BYTES = FILE_HEAD.size  # 32
+RECORD_HEADER_BYTES = RECORD_HEAD.size  # 32
+KEY_LEN_AT = struct.calcsize("<4sBB")  # 6: where the record header holds the key length ...
+HEAD_CHECK_AT = RECORD_HEAD.size - 4  # 28: ... and the head check, its last field, which covers the
+# record header up to itself, then the key
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
 MAX_KEY_BYTES = (1 << 16) - 1
 # The most bytes a record may claim (index.MAX_RECORD: no item larger is ever stored); a caller
 # that knows a smaller bound (the cache's cap, what is left of a batch's) passes it as ``limit``.
@@ -139,7 +145,7 @@ _WORD = np.dtype("<u8")
 Buffer = Union[bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alias, also on 3.10
 
 
-class _Head(NamedTuple):
+class RecordHead(NamedTuple):
     magic: bytes
     version: int
     flags: int
@@ -150,24 +156,24 @@ class _Head(NamedTuple):
     head_check: int
 
 
-def _pad(n: int) -> int:
+def padding(n: int) -> int:
     return -n % ALIGN
 
 
-def _record_bytes(key_len: int, stored_len: int) -> int:
-    return RECORD_HEADER_BYTES + key_len + _pad(key_len) + stored_len + _pad(stored_len)
+def record_bytes(key_len: int, stored_len: int) -> int:
+    return RECORD_HEADER_BYTES + key_len + padding(key_len) + stored_len + padding(stored_len)
 
 
 def max_record_bytes(key_len: int, limit: int) -> int:
     """The most bytes an acceptable record of a ``key_len``-byte key whose payload has at most
     ``limit`` bytes can weigh: header, key, stored bytes, padding. The stored bytes never exceed
     the raw ones (zstd is kept only when it saves 5%, and a record claiming otherwise is refused:
-    ``_length_problem``), so zstd's worst-case expansion never enters; a longer value is no such
+    ``length_problem``), so zstd's worst-case expansion never enters; a longer value is no such
     record, and reading more of it is wasted."""
-    return _record_bytes(key_len, limit)
+    return record_bytes(key_len, limit)
 
 
-def _body_check(data: Buffer) -> int:
+def body_check(data: Buffer) -> int:
     """Checksum of stored bytes (see NOTE [spill records] for why it is not plain crc32)."""
     n = len(data)
     if n < _CRC_BELOW:
@@ -187,25 +193,25 @@ def _block_starts(n_words: int) -> np.ndarray:
     return starts
 
 
-def _head_check(head: Buffer, key: Buffer) -> int:
-    return zlib.crc32(key, zlib.crc32(memoryview(head)[:_HEAD_CHECKED]))
+def head_check(head: Buffer, key: Buffer) -> int:
+    return zlib.crc32(key, zlib.crc32(memoryview(head)[:HEAD_CHECK_AT]))
 
 
-def _head_problem(head: _Head, head_buf: Buffer, key: bytes, stored_len: int | None) -> str | None:
+def head_problem(head: RecordHead, head_buf: Buffer, key: bytes, stored_len: int | None) -> str | None:
     """Why a record header read for ``key`` is unusable, or None if it is fine."""
     if head.magic != RECORD_MAGIC or head.version != RECORD_VERSION:
         return "no record starts there (bad magic or version)"
     if head.key_len != len(key):
         return f"its key is {head.key_len} bytes, not {len(key)}"
     disk_key = bytes(head_buf[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + len(key)])
-    if _head_check(head_buf, disk_key) != head.head_check:
+    if head_check(head_buf, disk_key) != head.head_check:
         return "its header fails its checksum"
     if disk_key != key:
         return "it holds another key"
-    return _length_problem(head, stored_len)
+    return length_problem(head, stored_len)
 
 
-def _length_problem(head: _Head, stored_len: int | None = None) -> str | None:
+def length_problem(head: RecordHead, stored_len: int | None = None) -> str | None:
     if head.flags not in (0, FLAG_ZSTD):
         return f"unknown codec flags {head.flags:#x}"
     if stored_len is not None and head.stored_len != stored_len:
@@ -228,34 +234,50 @@ def encode_payload(payload: Buffer, cctx: zstandard.ZstdCompressor | None) -> tu
 
 
 def pack_head(flags: int, key: bytes, raw_len: int, stored: Buffer) -> bytes:
-    fields = (RECORD_MAGIC, RECORD_VERSION, flags, len(key), raw_len, len(stored), _body_check(stored))
-    head = _REC_HDR.pack(*fields, 0)
-    return head[:_HEAD_CHECKED] + struct.pack("<I", _head_check(head, key))
+    fields = (RECORD_MAGIC, RECORD_VERSION, flags, len(key), raw_len, len(stored), body_check(stored))
+    head = RECORD_HEAD.pack(*fields, 0)
+    return head[:HEAD_CHECK_AT] + _U32.pack(head_check(head, key))
+
+
+def declared_key_len(buf: Buffer) -> int:
+    """The key length a record's header (at the start of ``buf``) declares: not yet checked."""
+    return _U16.unpack_from(buf, KEY_LEN_AT)[0]
+
+
+def declared_key(buf: Buffer) -> bytes:
+    """The key bytes of the record at the start of ``buf``, as its header declares them: not yet
+    checked (fewer bytes if ``buf`` ends first; :func:`unpack_record` then refuses the record)."""
+    return bytes(memoryview(buf)[RECORD_HEADER_BYTES:RECORD_HEADER_BYTES + declared_key_len(buf)])
+
+
+def head_check_of(head: Buffer) -> int:
+    """The head check a record's header (at the start of ``head``) carries."""
+    return _U32.unpack_from(head, HEAD_CHECK_AT)[0]
 
 
 def pack_record(key: bytes, payload: Buffer, cctx: zstandard.ZstdCompressor | None) -> list[Buffer]:
     """One record for ``payload`` under ``key``, as buffers to write back to back; their total is
-    ``_record_bytes(len(key), stored)``, a multiple of 8."""
+    ``record_bytes(len(key), stored)``, a multiple of 8."""
     raw = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
     flags, stored = encode_payload(raw, cctx)
-    return [pack_head(flags, key, len(raw), stored), key, bytes(_pad(len(key))), stored,
-            bytes(_pad(len(stored)))]
+    return [pack_head(flags, key, len(raw), stored), key, bytes(padding(len(key))), stored,
+            bytes(padding(len(stored)))]
 
 
-def record_problem(buf: Buffer, key: bytes) -> tuple[_Head | None, str | None]:
+def record_problem(buf: Buffer, key: bytes) -> tuple[RecordHead | None, str | None]:
     """Check a whole record held in ``buf`` (starting at 0) against ``key``: (header, None) when it
     is intact, else (None, why)."""
     view = memoryview(buf).cast("B")
     if len(view) < RECORD_HEADER_BYTES + len(key):
         return None, f"it is cut short ({len(view)} bytes)"
-    head = _Head._make(_REC_HDR.unpack_from(view))
-    problem = _head_problem(head, view, key, None)
+    head = RecordHead._make(RECORD_HEAD.unpack_from(view))
+    problem = head_problem(head, view, key, None)
     if problem is not None:
         return None, problem
-    start = RECORD_HEADER_BYTES + len(key) + _pad(len(key))
+    start = RECORD_HEADER_BYTES + len(key) + padding(len(key))
     if len(view) < start + head.stored_len:
         return None, f"it is cut short ({len(view)} bytes, the record needs {start + head.stored_len})"
-    if _body_check(view[start:start + head.stored_len]) != head.body_check:
+    if body_check(view[start:start + head.stored_len]) != head.body_check:
         return None, "the stored bytes fail their checksum"
     return head, None
 
@@ -275,7 +297,7 @@ def unpack_record(buf: Buffer, key: bytes, dctx: zstandard.ZstdDecompressor, *,
     if head.raw_len > limit:
         return None, (f"it claims {head.raw_len} bytes, more than the {limit} a value may have here "
                       f"(hostile or damaged)")
-    start = RECORD_HEADER_BYTES + len(key) + _pad(len(key))
+    start = RECORD_HEADER_BYTES + len(key) + padding(len(key))
     stored = memoryview(buf).cast("B")[start:start + head.stored_len]
     if not head.flags & FLAG_ZSTD:
         return (bytearray(stored) if copy else stored), None

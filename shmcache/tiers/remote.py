@@ -422,8 +422,10 @@ class RedisTier:
 
     def __init__(self, url: str | RemoteURL, identity: str, *, queue_items: int = QUEUE_ITEMS,
                  queue_bytes: int = QUEUE_BYTES, counts_path: str | os.PathLike | None = None,
-                 slot: Callable[[], int] | None = None, secret: bytes | None = None):
+                 slot: Callable[[], int] | None = None, secret: bytes | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.url = url if isinstance(url, RemoteURL) else parse_url(url)
+        self._clock = clock  # the breaker's and the write pause's time (a test's moves by hand)
         # with the job's secret every value written carries a MAC over its Redis key and bytes, and
         # a value read without the right one is a miss (NOTE [record authentication])
         self._mac = Mac(secret) if secret else None
@@ -477,7 +479,7 @@ class RedisTier:
             self._inflight = 0
             self._clients: list | None = None
             self._cluster = None
-            self._breaker = Breaker(*BACKOFF_S, jitter=0.2)
+            self._breaker = Breaker(*BACKOFF_S, jitter=0.2, clock=self._clock)
             self._writes_after = 0.0  # an OOM pauses writes only
             self._logged: set[str] = set()
             self._dctx = threading.local()  # zstd contexts are not thread-safe
@@ -519,7 +521,7 @@ class RedisTier:
         with self._lock:
             self._add("errors", 1)
             if cond == "oom":  # the server answers: pause the writes, keep reading
-                self._writes_after = time.monotonic() + BACKOFF_S[1]
+                self._writes_after = self._clock() + BACKOFF_S[1]
             else:
                 self._breaker.trip()
             if self._cluster is not None and cond != "oom":
@@ -770,7 +772,7 @@ class RedisTier:
                     self._wake.wait()
                 if not self._queue:
                     return
-                wait = max(self._breaker.retry_at, self._writes_after) - time.monotonic()
+                wait = max(self._breaker.retry_at, self._writes_after) - self._clock()
                 if wait > 0:  # breaker open or server full: drop what waits, do not pile up
                     dropped = len(self._queue)
                     self._queue.clear()

@@ -86,7 +86,7 @@ import numpy as np
 from ..base.trust import PICKLE_HINT
 from ..cache import codec
 from ..cache.claims import Served
-from ..cache.index import key_bytes, tier_key
+from ..cache.index import key_bytes, key_from_bytes, tier_key
 from ..cache.store import MISSING
 from ..errors import ItemTooLarge
 from . import counts as tier_counts
@@ -115,10 +115,10 @@ def key_of_portable(pkey: Buffer) -> Any:
         raise ValueError(f"a portable key of {len(pkey)} bytes is shorter than its index word")
     w1, kb = int.from_bytes(pkey[:8], "little"), pkey[8:]
     if not kb:
-        return w1 - (1 << 64) if w1 >> 63 else w1  # an int key stores itself, two's complement
+        return key_from_bytes(w1, kb)  # an int key: any 8 bytes are one
     try:
-        key = kb[1:].decode("utf-8", "surrogatepass") if kb[:1] == b"s" else kb[1:] if kb[:1] == b"b" else None
-    except UnicodeDecodeError:
+        key = key_from_bytes(w1, kb)
+    except ValueError:
         key = None
     if key is None or key_bytes(key) != (w1, kb):
         raise ValueError(f"not a portable key: {pkey[:40]!r}")
@@ -157,7 +157,7 @@ def untrusted_problem(record: Buffer, allow_pickle: bool, authenticated: bool = 
     anything; None when it may. PickleRefused is said with the prefix ``"pickle: "``."""
     view = memoryview(record).cast("B")
     n = len(view)
-    if n < codec.RECORD_HEADER.size:
+    if n < codec.MIN_RECORD_BYTES:
         return f"a record of {n} bytes is shorter than its header"
     layout_id, key_len, layout_len, _ = codec.RECORD_HEADER.unpack_from(view, 0)
     if layout_id != codec.INLINE:
@@ -193,7 +193,7 @@ def decode_portable(record: Buffer, trusted: bool = True, allow_pickle: bool = F
         why = untrusted_problem(view, allow_pickle)
         if why is not None:
             raise PickleRefused(why[8:]) if why.startswith("pickle: ") else ValueError(why)
-    if len(view) < codec.RECORD_HEADER.size:
+    if len(view) < codec.MIN_RECORD_BYTES:
         raise ValueError(f"a record of {len(view)} bytes is shorter than its header")
     layout_id = codec.record_header(view).layout_id
     if layout_id != codec.INLINE:

@@ -10,8 +10,8 @@
 # x86 ordering); it shows what else is x86-only: syscall numbers (membarrier, prctl), page size and
 # struct layouts assumptions, native wheels. See README "Platforms".
 #
-#   sudo tests/aarch64/run_emulated.sh tests/unit/test_store.py tests/crash
-#   sudo tests/aarch64/run_emulated.sh tests/unit/test_store.py -k batch
+#   sudo tests/aarch64/run_emulated.sh tests/unit/cache/test_store.py tests/crash
+#   sudo tests/aarch64/run_emulated.sh tests/unit/cache/test_store.py -k batch
 #
 # Needs root (debootstrap, chroot, mounts) and network for apt and pip the first time; the root and
 # the wheels are kept (ARM64_ROOT, default /var/tmp/shmcache-arm64) so later runs start at once.

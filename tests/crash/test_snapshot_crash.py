@@ -1,6 +1,6 @@
 """Snapshots under SIGKILL (issue 12): an export killed after some segments or before its manifest's
 rename leaves nothing that looks whole (import refuses it, naming why; a new export needs
---overwrite and then works), and an import killed between two chunks leaves a cache that a second
+--overwrite and then works), and an import killed between two blocks leaves a cache that a second
 import completes with every value right and nothing for gc to repair."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_an_export_killed_half_way_never_looks_whole(tmp_path, point):
     got.close()
 
 
-def test_an_import_killed_between_chunks_is_completed_by_the_next(tmp_path):
+def test_an_import_killed_between_blocks_is_completed_by_the_next(tmp_path):
     dest = tmp_path / "snap"
     cache = ShmDatasetCache(session="crash", name="noise")
     for i in range(64):
@@ -77,7 +77,7 @@ def test_an_import_killed_between_chunks_is_completed_by_the_next(tmp_path):
     cache._source_len = 64
     cache.export(dest)
     cache.close()
-    proc = _run(tmp_path, "import", dest, "snapshot_chunk")  # 6.4 MB: more than one 4 MiB chunk
+    proc = _run(tmp_path, "import", dest, "snapshot_block")  # 6.4 MB: more than one 4 MiB block
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     partial = ShmDatasetCache(session="crash2", name="copy")
     held = len(partial)

@@ -118,7 +118,7 @@ def _check(store: SpillStore, records: list[tuple[int, SpillLoc]]) -> None:
 
 
 def _end(loc: SpillLoc, kid: int) -> int:
-    return loc.offset + spill_format._record_bytes(len(key(kid)), loc.stored_len)
+    return loc.offset + spill_format.record_bytes(len(key(kid)), loc.stored_len)
 
 
 def test_sigkill_writers_mid_append(tmp_path):

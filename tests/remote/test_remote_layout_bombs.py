@@ -1,7 +1,7 @@
 """A value planted in a shared Redis by anyone with its password (no secret in force) whose
 inline layout names 2**40 nodes in 563 bytes (marshal back-references): the reader's layout check
 walked it forever, so a training process that read that key hung. Now it is a refused record, a
-miss computed from the source (the layout check itself: tests/unit/test_layout_bombs.py)."""
+miss computed from the source (the layout check itself: tests/unit/cache/test_layout_bombs.py)."""
 
 from __future__ import annotations
 

@@ -11,11 +11,12 @@ import shutil
 import time
 
 import pytest
+from _clock import FakeClock
 from _redis import PASSWORD, RedisServer, need_redis
 
 from shmcache.base.urls import mask_url as mask_text
 from shmcache.errors import InvalidArgument
-from shmcache.tiers.remote import RedisTier, jump_hash, mask_url, parse_url, probe
+from shmcache.tiers.remote import BACKOFF_S, RedisTier, jump_hash, mask_url, parse_url, probe
 
 # --- URLs --------------------------------------------------------------------------------------
 
@@ -254,7 +255,8 @@ def test_killed_server_is_a_miss_logged_once(redis_server, caplog):
 
 def test_stopped_server_times_out_and_nothing_hangs(redis_server, caplog):
     caplog.set_level(logging.WARNING, "shmcache")
-    tier = RedisTier(redis_server.url + "?timeout=0.2", "c")
+    clock = FakeClock()  # the breaker's: its pause is waited out by moving it
+    tier = RedisTier(redis_server.url + "?timeout=0.2", "c", clock=clock)
     try:
         tier.offer([(b"k", b"v")])
         _drain(tier, 1)
@@ -267,7 +269,8 @@ def test_stopped_server_times_out_and_nothing_hangs(redis_server, caplog):
         text = _no_password(caplog)
         assert text.count("did not answer") == 1, text
         redis_server.cont()
-        time.sleep(1.3)  # past the first backoff
+        assert tier.get(b"k") is None  # the breaker is open: a miss, without asking the server
+        clock.advance(BACKOFF_S[0] * 1.25)  # past the first pause (jittered by up to 20%)
         assert tier.get(b"k") == b"v"
         assert "answers again" in _no_password(caplog)
     finally:
@@ -415,7 +418,8 @@ def test_a_stopped_cluster_master_costs_one_timeout_per_batch(redis_cluster, cap
     the stopped master's keys on its own, each waiting its own timeout (a 256-key batch at the
     default 1 s: about 85 s of a training step). A batch must cost at most about one timeout."""
     caplog.set_level(logging.WARNING, "shmcache")
-    tier = RedisTier(redis_cluster.url + "?timeout=0.3", "clustered")
+    clock = FakeClock()  # the breaker's: its pause is waited out by moving it
+    tier = RedisTier(redis_cluster.url + "?timeout=0.3", "clustered", clock=clock)
     try:
         pairs = [(f"key{i}".encode(), f"value{i}".encode()) for i in range(100)]
         tier.offer(pairs)
@@ -429,7 +433,7 @@ def test_a_stopped_cluster_master_costs_one_timeout_per_batch(redis_cluster, cap
         assert all(v is None or v == dict(pairs)[k] for (k, _), v in zip(pairs, got))
         assert "did not answer" in "\n".join(r.getMessage() for r in caplog.records)
         redis_cluster.servers[1].cont()
-        time.sleep(1.3)  # past the breaker's first pause
+        clock.advance(BACKOFF_S[0] * 1.25)  # past the breaker's first pause (jittered by up to 20%)
         assert tier.get_many([k for k, _ in pairs]) == [v for _, v in pairs]
     finally:
         redis_cluster.servers[1].cont()

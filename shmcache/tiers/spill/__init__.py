@@ -17,7 +17,7 @@ Start reading at NOTE [spill records], then ``SpillStore.append`` and ``SpillSto
 
 from ...errors import SpillFull
 from ..records import FILE_HEADER_BYTES, MAX_KEY_BYTES, RECORD_HEADER_BYTES, pack_record, unpack_record
-from .files import MAX_SLOTS, SpillLoc, SpillStore, check_spill_dir
+from .files import MAX_FILE_IDS, SpillLoc, SpillStore, check_spill_dir
 from .recovery import RecoverReport
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
     "check_spill_dir",
     "pack_record",
     "unpack_record",
-    "MAX_SLOTS",
+    "MAX_FILE_IDS",
     "MAX_KEY_BYTES",
     "FILE_HEADER_BYTES",
     "RECORD_HEADER_BYTES",

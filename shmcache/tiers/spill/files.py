@@ -35,36 +35,36 @@ from ...base.locks import close_in_forked_children
 from ...base.namespace import make_private_dir
 from ...errors import InvalidArgument, NotOwner, SpillError
 from ..records import (
-    _REC_HDR,
     FILE_HEADER_BYTES,
     FLAG_ZSTD,
     MAX_KEY_BYTES,
+    RECORD_HEAD,
     RECORD_HEADER_BYTES,
     Buffer,
-    _body_check,
-    _Head,
-    _head_problem,
-    _pad,
-    _record_bytes,
+    RecordHead,
+    body_check,
     encode_payload,
+    head_problem,
     pack_head,
+    padding,
+    record_bytes,
 )
 from .recovery import (
     RecoverReport,
-    _flock_wait,
-    _preadv_all,
-    _pwritev_all,
-    _read_record_head,
-    _recover_file,
-    _take_over,
-    _truncate_quietly,
-    _write_error,
-    _write_file_header,
+    flock_wait,
+    preadv_all,
+    pwritev_all,
+    read_record_head,
+    recover_file,
+    take_over,
+    truncate_quietly,
+    write_error,
+    write_file_header,
 )
 
 log = logging.getLogger("shmcache")
 
-MAX_SLOTS = 1 << 16  # file_id fits 16 bits in the index entry
+MAX_FILE_IDS = 1 << 16  # spill files a location can name: its file_id (the writer's slot) has 16 bits
 _FILE_RE = re.compile(r"(\d+)\.spill")
 _MAX_LOGGED = 4096  # (file, condition) pairs remembered for log-once
 _DIGITS = re.compile(r"\d+")
@@ -114,9 +114,9 @@ def _as_key(key: Buffer) -> bytes:
 
 
 def _check_slot(slot: int) -> int:
-    if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < MAX_SLOTS:
+    if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < MAX_FILE_IDS:
         raise InvalidArgument(
-            f"spill slot must be an int in [0, {MAX_SLOTS}), got {slot!r}; pass the process's liveness slot"
+            f"spill slot must be an int in [0, {MAX_FILE_IDS}), got {slot!r}; pass the process's liveness slot"
         )
     return slot
 
@@ -305,14 +305,15 @@ class SpillStore:
         flags, stored = encode_payload(raw, self._cctx())
         head = pack_head(flags, key, len(raw), stored)
         writer = self._writer(slot)
-        size = _record_bytes(len(key), len(stored))
+        size = record_bytes(len(key), len(stored))
         with writer.lock:
             offset = writer.end
             try:
-                _pwritev_all(writer.fd, [head, key, bytes(_pad(len(key))), stored, bytes(_pad(len(stored)))], offset)
+                pwritev_all(writer.fd, [head, key, bytes(padding(len(key))), stored, bytes(padding(len(stored)))],
+                            offset)
             except OSError as exc:
-                _truncate_quietly(writer.fd, offset)  # drop the partial record: the file stays valid
-                raise _write_error(exc, writer.path) from None
+                truncate_quietly(writer.fd, offset)  # drop the partial record: the file stays valid
+                raise write_error(exc, writer.path) from None
             writer.end = offset + size
         self._count("records")
         self._count("bytes_disk", len(stored))
@@ -335,10 +336,10 @@ class SpillStore:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise _write_error(exc, path) from None
+            raise write_error(exc, path) from None
         try:
-            _flock_wait(fd, path, slot, self.lock_timeout_s)
-            end = _take_over(fd, path)
+            flock_wait(fd, path, slot, self.lock_timeout_s)
+            end = take_over(fd, path)
         except BaseException:
             os.close(fd)  # also drops the flock, if we got it
             raise
@@ -392,7 +393,7 @@ class SpillStore:
         return self._decompress_into(body, view, file_id, offset)
 
     def _fetch(self, file_id: int, offset: int, key: bytes, body: Buffer,
-               stale: Callable[[], bool] | None = None) -> _Head | None:
+               stale: Callable[[], bool] | None = None) -> RecordHead | None:
         """Read header, key and stored bytes (into ``body``) and check them all; None on a miss."""
         self._count("reads")
         fd = self._reader_fd(file_id)
@@ -494,7 +495,7 @@ class SpillStore:
                 report.files += 1
                 report.live += 1
                 continue
-            if _recover_file(self.file_path(file_id), verify, report):
+            if recover_file(self.file_path(file_id), verify, report):
                 repaired.append(file_id)
         report.repaired = tuple(repaired)
         return report
@@ -587,22 +588,22 @@ def _loc_fields(loc: SpillLoc | tuple[int, int, int]) -> tuple[int, int, int]:
     return file_id, offset, stored_len
 
 
-def _load_record(fd: int | None, offset: int, key: bytes, body: Buffer) -> tuple[_Head | None, str | None]:
+def _load_record(fd: int | None, offset: int, key: bytes, body: Buffer) -> tuple[RecordHead | None, str | None]:
     """One preadv of header, key and stored bytes, then every check: (header, None) or (None, why)."""
     if fd is None:
         return None, "its spill file is missing"
     if offset < FILE_HEADER_BYTES:
         return None, "the location points into the file header"
-    head_buf = bytearray(RECORD_HEADER_BYTES + len(key) + _pad(len(key)))
+    head_buf = bytearray(RECORD_HEADER_BYTES + len(key) + padding(len(key)))
     try:
-        complete = _preadv_all(fd, [head_buf, body], offset)
+        complete = preadv_all(fd, [head_buf, body], offset)
     except OSError as exc:
         return None, f"read failed: {exc.strerror}"
     if not complete:
         return None, "the record is cut short (file truncated, or a bad location)"
-    head = _Head._make(_REC_HDR.unpack_from(head_buf))
-    problem = _head_problem(head, head_buf, key, len(body))
-    if problem is None and _body_check(body) != head.body_check:
+    head = RecordHead._make(RECORD_HEAD.unpack_from(head_buf))
+    problem = head_problem(head, head_buf, key, len(body))
+    if problem is None and body_check(body) != head.body_check:
         problem = "the stored bytes fail their checksum"
     return (head, None) if problem is None else (None, problem)
 
@@ -610,7 +611,7 @@ def _load_record(fd: int | None, offset: int, key: bytes, body: Buffer) -> tuple
 def _holds_other_key(fd: int, offset: int, key: bytes) -> bool:
     """True if an intact record for another key starts at ``offset``: a stale location, not damage."""
     try:
-        found = _read_record_head(fd, offset, os.fstat(fd).st_size)
+        found = read_record_head(fd, offset, os.fstat(fd).st_size)
     except OSError:
         return False
     return found is not None and found[1] != key
@@ -618,7 +619,7 @@ def _holds_other_key(fd: int, offset: int, key: bytes) -> bool:
 
 def _close_writer(writer: _Writer) -> None:
     try:
-        _write_file_header(writer.fd, clean_end=writer.end)  # lets the next owner skip the scan
+        write_file_header(writer.fd, clean_end=writer.end)  # lets the next owner skip the scan
     except OSError:
         pass  # clean_end stays 0: the next owner scans, which is only slower
     os.close(writer.fd)

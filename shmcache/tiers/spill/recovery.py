@@ -16,22 +16,22 @@ from pathlib import Path
 from ...base.locks import flock_within
 from ...errors import LockTimeout, SpillError, SpillFull
 from ..records import (
-    _FILE_HDR,
-    _REC_HDR,
     ALIGN,
+    FILE_HEAD,
     FILE_HEADER_BYTES,
     FILE_MAGIC,
     FORMAT_VERSION,
+    RECORD_HEAD,
     RECORD_HEADER_BYTES,
     RECORD_MAGIC,
     RECORD_VERSION,
     Buffer,
-    _body_check,
-    _Head,
-    _head_check,
-    _length_problem,
-    _pad,
-    _record_bytes,
+    RecordHead,
+    body_check,
+    head_check,
+    length_problem,
+    padding,
+    record_bytes,
 )
 
 log = logging.getLogger("shmcache")
@@ -66,7 +66,7 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     return views
 
 
-def _preadv_all(fd: int, bufs: list[Buffer], offset: int) -> bool:
+def preadv_all(fd: int, bufs: list[Buffer], offset: int) -> bool:
     """Fill ``bufs`` from ``offset``; False if the file ends first."""
     want = sum(map(len, bufs))  # callers pass byte buffers (bytearray, or a view cast to "B")
     got = os.preadv(fd, bufs, offset)
@@ -83,7 +83,7 @@ def _preadv_all(fd: int, bufs: list[Buffer], offset: int) -> bool:
     return True
 
 
-def _pwritev_all(fd: int, bufs: Iterable[Buffer], offset: int) -> None:
+def pwritev_all(fd: int, bufs: Iterable[Buffer], offset: int) -> None:
     """Write all of ``bufs`` at ``offset``; a short write (disk filling up) continues or raises."""
     views = [memoryview(b).cast("B") for b in bufs if len(b)]
     while views:
@@ -94,7 +94,7 @@ def _pwritev_all(fd: int, bufs: Iterable[Buffer], offset: int) -> None:
         views = _advance(views, n)
 
 
-def _write_error(exc: OSError, path: Path) -> SpillError:
+def write_error(exc: OSError, path: Path) -> SpillError:
     if exc.errno in _SPACE_ERRNOS:
         return SpillFull(
             f"no space left for spill file {path} ({exc.strerror}); spilling stops and the cache "
@@ -106,7 +106,7 @@ def _write_error(exc: OSError, path: Path) -> SpillError:
     )
 
 
-def _flock_wait(fd: int, path: Path, slot: int, timeout_s: float) -> None:
+def flock_wait(fd: int, path: Path, slot: int, timeout_s: float) -> None:
     """Take the slot file's lock; only gc (briefly) or a live owner of the same slot holds it."""
     flock_within(fd, timeout_s, lambda: LockTimeout(
         f"spill file {path} stayed locked for {timeout_s:.1f}s: another live process "
@@ -115,37 +115,37 @@ def _flock_wait(fd: int, path: Path, slot: int, timeout_s: float) -> None:
     ), first_sleep_s=1e-3)
 
 
-def _take_over(fd: int, path: Path) -> int:
+def take_over(fd: int, path: Path) -> int:
     """Make a freshly locked slot file ready to append to; return its valid end."""
     size = os.fstat(fd).st_size
     try:
         if size < FILE_HEADER_BYTES:  # new, or its creator died writing the header: nothing to keep
             os.ftruncate(fd, 0)
-            _write_file_header(fd, clean_end=0)
+            write_file_header(fd, clean_end=0)
             return FILE_HEADER_BYTES
         clean_end = _read_file_header(fd, path)
         end = size if clean_end == size else _scan(fd, size, verify=False)[0]
         if end < size:
             log.info("spill file %s: truncating a torn tail of %d bytes left by a writer that died", path, size - end)
             os.ftruncate(fd, end)
-        _write_file_header(fd, clean_end=0)  # until our close(), the end is not known to be clean
+        write_file_header(fd, clean_end=0)  # until our close(), the end is not known to be clean
     except SpillError:  # not a spill file: an OSError too, but not a write failure
         raise
     except OSError as exc:
-        raise _write_error(exc, path) from None
+        raise write_error(exc, path) from None
     return end
 
 
-def _write_file_header(fd: int, clean_end: int) -> None:
+def write_file_header(fd: int, clean_end: int) -> None:
     fields = (FILE_MAGIC, FORMAT_VERSION, ALIGN, 0, clean_end)
-    crc = zlib.crc32(_FILE_HDR.pack(*fields, 0)[:24])
-    _pwritev_all(fd, [_FILE_HDR.pack(*fields, crc)], 0)
+    crc = zlib.crc32(FILE_HEAD.pack(*fields, 0)[:24])
+    pwritev_all(fd, [FILE_HEAD.pack(*fields, crc)], 0)
 
 
 def _read_file_header(fd: int, path: Path) -> int:
     """The header's clean_end (0 when it cannot be trusted); SpillError if it is not a spill file."""
     head = os.pread(fd, FILE_HEADER_BYTES, 0)
-    magic, version, align, _, clean_end, crc = _FILE_HDR.unpack(head)
+    magic, version, align, _, clean_end, crc = FILE_HEAD.unpack(head)
     if magic != FILE_MAGIC or version != FORMAT_VERSION or align != ALIGN:
         raise SpillError(
             f"{path} is not a shmcache spill file of format {FORMAT_VERSION}; delete it (or the "
@@ -154,7 +154,7 @@ def _read_file_header(fd: int, path: Path) -> int:
     return clean_end if zlib.crc32(head[:24]) == crc else 0
 
 
-def _truncate_quietly(fd: int, size: int) -> None:
+def truncate_quietly(fd: int, size: int) -> None:
     try:
         os.ftruncate(fd, size)
     except OSError:
@@ -165,45 +165,45 @@ def _scan(fd: int, size: int, verify: bool) -> tuple[int, int, int]:
     """Walk the records: (end of the last valid one, records, records failing the body check)."""
     pos, records, corrupt = FILE_HEADER_BYTES, 0, 0
     while True:
-        found = _read_record_head(fd, pos, size)
+        found = read_record_head(fd, pos, size)
         if found is None:
             break
         head = found[0]
-        end = pos + _record_bytes(head.key_len, head.stored_len)
+        end = pos + record_bytes(head.key_len, head.stored_len)
         if end > size:  # a record the writer did not finish
             break
-        if verify and not _body_ok(fd, pos + RECORD_HEADER_BYTES + head.key_len + _pad(head.key_len), head):
+        if verify and not _body_ok(fd, pos + RECORD_HEADER_BYTES + head.key_len + padding(head.key_len), head):
             corrupt += 1
         records += 1
         pos = end
     return pos, records, corrupt
 
 
-def _read_record_head(fd: int, pos: int, size: int) -> tuple[_Head, bytes] | None:
+def read_record_head(fd: int, pos: int, size: int) -> tuple[RecordHead, bytes] | None:
     """(header, key) of the record at ``pos`` if its header is complete and checks out, else None."""
     if pos + RECORD_HEADER_BYTES > size:
         return None
     buf = os.pread(fd, _SCAN_READ, pos)
     if len(buf) < RECORD_HEADER_BYTES:
         return None
-    head = _Head._make(_REC_HDR.unpack_from(buf))
+    head = RecordHead._make(RECORD_HEAD.unpack_from(buf))
     if head.magic != RECORD_MAGIC or head.version != RECORD_VERSION:
         return None
     key_end = RECORD_HEADER_BYTES + head.key_len
     if len(buf) < key_end:
         buf += os.pread(fd, key_end - len(buf), pos + len(buf))
     key = buf[RECORD_HEADER_BYTES:key_end]
-    if len(buf) < key_end or _head_check(buf, key) != head.head_check or _length_problem(head):
+    if len(buf) < key_end or head_check(buf, key) != head.head_check or length_problem(head):
         return None
     return head, key
 
 
-def _body_ok(fd: int, body_pos: int, head: _Head) -> bool:
+def _body_ok(fd: int, body_pos: int, head: RecordHead) -> bool:
     body = os.pread(fd, head.stored_len, body_pos)
-    return len(body) == head.stored_len and _body_check(body) == head.body_check
+    return len(body) == head.stored_len and body_check(body) == head.body_check
 
 
-def _recover_file(path: Path, verify: bool, report: RecoverReport) -> bool:
+def recover_file(path: Path, verify: bool, report: RecoverReport) -> bool:
     """Repair one slot file unless its writer is alive; True if a torn tail was cut off."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -24,7 +24,7 @@ from shmcache.cache import codec
 from shmcache.data import probes
 from shmcache.errors import InvalidArgument, ProbeTimeout
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
 from _workers import assert_same  # noqa: E402
 
 Batch = collections.namedtuple("Batch", "data label")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import posix_ipc
@@ -17,7 +18,7 @@ from shmcache.cache.registry import SessionRegistry
 from shmcache.cache.store import STAT_KEYS, CacheStore
 from shmcache.cli.main import main
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
 from _workers import process_attached_to  # noqa: E402
 
 

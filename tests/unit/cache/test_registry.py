@@ -18,7 +18,7 @@ from shmcache.cache.registry import SessionRegistry
 from shmcache.cache.store import CacheStore
 from shmcache.errors import InvalidArgument, SessionExists, SessionInUse, SessionNotFound, ShmcacheError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
 from _workers import process_attached_to  # noqa: E402
 
 BAD_NAMES = ["", "a/b", "..", ".", "...", "../etc", "/abs", "x" * 65, "a b", "tab\t", "new\nline",

@@ -18,7 +18,7 @@ from shmcache import ShmDatasetCache
 from shmcache.cache.store import STAT_KEYS
 from shmcache.errors import CacheMismatch, EncodeError, InvalidArgument, ItemTooLarge, ShmcacheError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
 from _workers import FixedDataset, TorchDataset, VarDataset, assert_same, fixed_sample  # noqa: E402
 
 

@@ -21,7 +21,7 @@ from shmcache.cache import codec
 from shmcache.cache.store import MISSING, CacheStore
 from shmcache.errors import EncodeError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
 from _workers import assert_same  # noqa: E402
 
 Point = namedtuple("Point", "x y")

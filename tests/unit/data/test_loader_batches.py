@@ -15,7 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, default_collate
 
 from shmcache import ShmDatasetCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
 from _samples import GATHERED, KINDS, Samples, sample  # noqa: E402
 from _workers import assert_same  # noqa: E402
 

@@ -32,7 +32,7 @@ from shmcache.tiers.spill import (
     recovery,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def tokens(n: int, seed: int = 0) -> np.ndarray:
@@ -392,7 +392,7 @@ def test_every_flipped_byte_is_a_miss(store, kind):
     assert loc.compressed is (kind == "zstd")
     path = store.file_path(0)
     key_end = loc.offset + RECORD_HEADER_BYTES + len(b"the-key")
-    body = key_end + spill_format._pad(len(b"the-key"))
+    body = key_end + spill_format.padding(len(b"the-key"))
     positions = [*range(loc.offset, key_end), *range(body, body + loc.stored_len)]
     if kind == "raw-large":  # every byte is slow here: header, key, and 300 spread over the body
         positions = positions[: key_end - loc.offset] + positions[key_end - loc.offset :: 67]
@@ -447,19 +447,19 @@ def test_body_check_detects_single_bit_flips():
     rng = np.random.default_rng(1)
     for size in (0, 7, 8191, 8192, 8193, 40_000, 100_003):
         data = bytearray(rng.bytes(size))
-        good = spill_format._body_check(data)
+        good = spill_format.body_check(data)
         for pos in rng.integers(0, size, size=min(size, 40)):
             for bit in (0, 5, 7):
                 data[pos] ^= 1 << bit
-                assert spill_format._body_check(data) != good, (size, pos, bit)
+                assert spill_format.body_check(data) != good, (size, pos, bit)
                 data[pos] ^= 1 << bit
 
 
 def test_body_check_detects_swapped_blocks():
     data = bytearray(np.random.default_rng(2).bytes(5 * 4096))
-    good = spill_format._body_check(data)
+    good = spill_format.body_check(data)
     data[0:4096], data[4096:8192] = data[4096:8192], data[0:4096]
-    assert spill_format._body_check(data) != good
+    assert spill_format.body_check(data) != good
 
 
 # --- repair -------------------------------------------------------------------------------------
@@ -488,7 +488,7 @@ def test_recover_truncates_a_torn_tail(tmp_path, tail):
     valid_end = os.path.getsize(path / "0.spill")
     with open(path / "0.spill", "ab") as f:
         if tail == "half-record":
-            whole = spill_format._record_bytes(1, 1000)
+            whole = spill_format.record_bytes(1, 1000)
             rec = spill_format.pack_head(0, b"x", 1000, b"y" * 1000) + b"x" + b"\0" * 7 + b"y" * 1000
             f.write(rec[: whole // 2])
         elif tail == "half-header":
@@ -540,7 +540,7 @@ def test_clean_close_lets_the_next_owner_skip_the_scan(tmp_path, monkeypatch):
     s = SpillStore(path)
     try:
         s.append(0, b"c", b"3")
-        assert scans == [os.path.getsize(path / "0.spill") - spill_format._record_bytes(1, 1)]
+        assert scans == [os.path.getsize(path / "0.spill") - spill_format.record_bytes(1, 1)]
     finally:
         s.close()
 
@@ -638,7 +638,7 @@ def test_real_disk_full_on_a_small_tmpfs(tmp_path):
             for i in range(100):
                 locs.append(s.append(0, b"%d" % i, noise(60_000, seed=i)))
         assert 5 < len(locs) < 20
-        end = locs[-1].offset + spill_format._record_bytes(len(b"%d" % (len(locs) - 1)), 60_000)
+        end = locs[-1].offset + spill_format.record_bytes(len(b"%d" % (len(locs) - 1)), 60_000)
         assert os.path.getsize(s.file_path(0)) == end  # the torn record was truncated away
         for i, loc in enumerate(locs):
             assert s.read(loc, b"%d" % i) == noise(60_000, seed=i)
