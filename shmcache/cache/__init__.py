@@ -5,9 +5,9 @@ The store (``store.CacheStore``, NOTE [publish order]) and its parts: size class
 (``generation``), the record and its layouts (``codec``, NOTE [record format]), the batch gather
 (``gather``), admission (``admission``, NOTE [memory limits]), a group of ``put_records``
 published together (``chunk``), repair and gc (``repair``), portable records (``portable``),
-claims (``claims``, NOTE [claims]), counters (``stats``, ``stall``); sessions and their processes
-(``registry``, ``process_slot``). It knows the spill files only through the ``IndexedTier``
-protocol it declares (``indexed_tier``).
+claims (``claims``, NOTE [claims]), counters (``stats``, ``stall``; rows per process:
+``slot_rows``, NOTE [slot rows]); sessions and their processes (``registry``, ``process_slot``).
+It knows the spill files only through the ``IndexedTier`` protocol it declares (``indexed_tier``).
 
 May import: ``base``, ``errors``; and modules of this room without a cycle. Never torch, never a
 room above (tiers, snapshot, data, launch, cli).
