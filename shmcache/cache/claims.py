@@ -63,13 +63,13 @@ NOTE [claims]
     descriptor first thing after the fork (``locks.close_in_forked_children``; NOTE [lock
     files]) and opens its own on its first claim (``process_slot.fork_count`` tells).
 
-    Also in the file, at offset 0: the claim counters, MAX_SLOTS rows of COUNTER_NAMES words,
-    each process writing only the row of its liveness slot (one aligned 8-byte store per count,
-    as NOTE [tier counts]); ``stats()`` sums them. They count since the cache was made (a clear()
-    keeps them). The locks are on bytes of their own, past the rows (a lock is on a range of the
-    file, not on its contents). The file goes with its cache (destroy, drop, gc of a cache whose
-    metadata is gone); nothing is in /dev/shm. Without OFD locks (not Linux) claims are off: every
-    miss computes, as before. ``SHMCACHE_CLAIMS=0`` turns them off too (benchmarks).
+    Also in the file, at offset 0: the claim counters, a slot rows file's rows of ROW_WORDS words
+    (COUNTER_NAMES, then a spare word; NOTE [slot rows]); ``stats()`` sums them. They count since
+    the cache was made (a clear() keeps them). The locks are on bytes of their own, past the rows
+    (a lock is on a range of the file, not on its contents). The file goes with its cache
+    (destroy, drop, gc of a cache whose metadata is gone); nothing is in /dev/shm. Without OFD
+    locks (not Linux) claims are off: every miss computes, as before. ``SHMCACHE_CLAIMS=0`` turns
+    them off too (benchmarks).
 """
 
 from __future__ import annotations
@@ -87,15 +87,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..base import settings
 from ..base.locks import close_in_forked_children
-from ..base.owned_file import open_owned
 from ..errors import InvalidArgument
 from . import process_slot
 from .index import key_bytes
 from .registry import MAX_SLOTS
+from .slot_rows import SlotRows
 
 __all__ = [
     "BUCKETS",
@@ -122,8 +120,7 @@ FIRST_SLEEP_S, MAX_SLEEP_S = 50e-6, 5e-3
 COUNTER_NAMES = ("computed", "claim_waits", "claim_timeouts")
 COMPUTED, CLAIM_WAITS, CLAIM_TIMEOUTS = 0, 1, 2
 ROW_WORDS = 4  # a spare word per row
-_ROWS_BYTES = MAX_SLOTS * ROW_WORDS * 8
-_LOCKS_OFF = _ROWS_BYTES  # bucket b is the byte at _LOCKS_OFF + b
+_LOCKS_OFF = MAX_SLOTS * ROW_WORDS * 8  # past the counter rows: bucket b is the byte at _LOCKS_OFF + b
 
 SUPPORTED = hasattr(fcntl, "F_OFD_SETLK")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", 0)
@@ -189,23 +186,10 @@ class Claims:
         if self._fd >= 0:  # inherited (a fork the at-fork hook did not see): ours is made anew
             os.close(self._fd)
         self._fd, self._row = -1, None
-        fd = open_owned(self.path, _ROWS_BYTES)
-        try:
-            mm = mmap.mmap(fd, _ROWS_BYTES)
-        except BaseException:
-            os.close(fd)
-            raise
+        rows = _rows(self.path, self._slot)
+        fd, mm = rows.open()
         self._fd, self._mm, self._gen = fd, mm, process_slot.fork_count()
-        try:
-            slot = self._slot()
-            # one aligned 8-byte store per count (memoryview 'Q' items), as the store's counters
-            row = memoryview(mm).cast("Q")[slot * ROW_WORDS : (slot + 1) * ROW_WORDS]
-            if any(w >= 1 << 62 for w in row):  # garbage: a statistic restarts, reads go on
-                row[:] = memoryview(bytes(8 * ROW_WORDS)).cast("Q")
-        except Exception as exc:  # noqa: BLE001 - no slot (every one taken): count in this process only
-            log.warning("cache claims %s: this process's counts are kept in the process only (%s)", self.path, exc)
-            row = [0] * ROW_WORDS
-        self._row = row
+        self._row = rows.row_in(mm, fd)  # no slot: a row of process memory
 
     def _ready(self) -> bool:
         if self._gen != process_slot.fork_count():
@@ -215,7 +199,7 @@ class Claims:
                 if self.on:
                     log.warning("cache claims %s cannot be used (%s): misses compute without claims", self.path, exc)
                 self.on = False
-                self._row, self._gen = [0] * ROW_WORDS, process_slot.fork_count()
+                self._row, self._gen = _rows(self.path).memory_row(), process_slot.fork_count()
                 return False
         return True
 
@@ -578,15 +562,12 @@ def _release_all(claims: Claims, buckets: list[int]) -> None:
         raise
 
 
+def _rows(path: Path, slot: Callable[[], int] | None = None) -> SlotRows:
+    """The counter rows at the start of the claims file (NOTE [claims]); the lock bytes follow."""
+    return SlotRows(path, ROW_WORDS, slot=slot, what=f"cache claims {path}")
+
+
 def read_counts(path: Path) -> dict:
     """The claim counters summed over every process's row (zeros when the file is missing)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_ROWS_BYTES)
-    except (FileNotFoundError, NotADirectoryError):
-        raw = b""
-    n = len(raw) // (ROW_WORDS * 8) * (ROW_WORDS * 8)
-    rows = np.frombuffer(raw[:n], np.uint64).reshape(-1, ROW_WORDS)
-    rows = rows[(rows < 1 << 62).all(axis=1)]
-    total = rows.sum(axis=0) if len(rows) else np.zeros(ROW_WORDS, np.uint64)
-    return {name: int(total[i]) for i, name in enumerate(COUNTER_NAMES)}
+    total = (_rows(path).sum() or ([0] * ROW_WORDS, b""))[0]
+    return {name: total[i] for i, name in enumerate(COUNTER_NAMES)}

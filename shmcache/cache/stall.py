@@ -11,30 +11,25 @@ waiting, ``loop_seconds`` the time from a pass's first ask to its last batch (wa
 and their ratio the stall share.
 
 NOTE [stall counts]
-    The file is MAX_SLOTS rows of ROW_WORDS uint64 words, one row per liveness slot of the session
-    (NOTE [lock files]); each process writes only its own row, one aligned 8-byte store per word
-    (a memoryview 'Q' item), so no lock is needed, and readers sum the rows of each rank. (Two
-    loops of one process over one cache at once share its row: their sums stay right only as long
-    as they do not count at the same instant, a statistic's error, never a reader's.) Words:
-    RANK (the process's $RANK + 1; 0: a row never used), WAITS (batches waited for), STALL_NS and
-    LOOP_NS (nanoseconds, as above), WAITING_SINCE (CLOCK_MONOTONIC ns of the ask the loop is
-    waiting on now, 0 when it is not waiting: one clock for every process of the machine, so
-    ``shmcache top`` counts a wait still running), PID (the row's writer). A process that takes
-    over a slot whose row is another rank's first carries that row's counts into the file's
-    RETIRED rows (one per rank below RETIRED_RANKS, after the slot rows), under an flock of the
-    file (held for a few word stores, taken within LOCK_WAIT_S or the counts are dropped with a
-    log line), then starts the row again; one of its own rank goes on from its totals, as the
-    store's counters do. So a rank's counts outlive its processes; a reader between the carry and
-    the reset counts them twice for that instant (a statistic, not a snapshot). Readers sum the
-    live and retired rows of each rank and leave a garbage row (a word at or above 2**62) out:
-    a statistic is no reason to fail a read.
+    A slot rows file (NOTE [slot rows]) of ROW_WORDS words a row. Words: RANK (the process's
+    $RANK + 1; 0: a row never used), WAITS (batches waited for), STALL_NS and LOOP_NS
+    (nanoseconds, as above), WAITING_SINCE (CLOCK_MONOTONIC ns of the ask the loop is waiting on
+    now, 0 when it is not waiting: one clock for every process of the machine, so ``shmcache
+    top`` counts a wait still running), PID (the row's writer). (Two loops of one process over one
+    cache at once share its row: their sums stay right only as long as they do not count at the
+    same instant, a statistic's error, never a reader's.) A process that takes over a slot whose
+    row is another rank's first carries that row's counts into the file's RETIRED rows (one per
+    rank below RETIRED_RANKS, after the slot rows), under an flock of the file (held for a few
+    word stores, taken within LOCK_WAIT_S or the counts are dropped with a log line), then starts
+    the row again; one of its own rank goes on from its totals. So a rank's counts outlive its
+    processes; a reader between the carry and the reset counts them twice for that instant (a
+    statistic, not a snapshot). Readers sum the live and retired rows of each rank.
 """
 
 from __future__ import annotations
 
 import fcntl
 import logging
-import mmap
 import os
 import threading
 import time
@@ -42,12 +37,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..base import settings
-from ..base.owned_file import open_owned
 from . import process_slot
 from .registry import MAX_SLOTS
+from .slot_rows import SlotRows, is_garbage
 
 __all__ = ["ROW_WORDS", "StallCounts", "Pass", "stall_path", "counts_for_store", "read_ranks",
            "stats_keys", "this_rank"]
@@ -58,8 +51,6 @@ ROW_WORDS = 8  # two spare words per row
 RANK, WAITS, STALL_NS, LOOP_NS, WAITING_SINCE, PID = range(6)
 RETIRED_RANKS = 1024  # ranks whose counts outlive their processes (a larger rank's are dropped)
 LOCK_WAIT_S = 1.0  # the longest a process waits for the file's flock to carry a row
-_ROWS_BYTES = (MAX_SLOTS + RETIRED_RANKS) * ROW_WORDS * 8
-_GARBAGE = 1 << 62
 
 
 def stall_path(meta_path: str | os.PathLike) -> Path:
@@ -82,39 +73,30 @@ class StallCounts:
 
     def __init__(self, path: Path, slot: Callable[[], int]):
         self.path = Path(path)
-        self._slot = slot
-        self._gen = -1  # process_slot.fork_count() when the row was mapped
-        self._row: Any = None
+        self._rows = _rows(self.path, slot)
 
     def row(self) -> Any:
-        """The words of this process's row (a list of its own when the file cannot be used)."""
-        if self._gen != process_slot.fork_count():
-            self._row, self._gen = self._open(), process_slot.fork_count()
-        return self._row
+        """The words of this process's row (of its own memory when the file cannot be used)."""
+        return self._rows.row()
 
-    def _open(self) -> Any:
-        rank = this_rank() + 1
-        try:
-            fd = open_owned(self.path, _ROWS_BYTES)
-            try:
-                mm = mmap.mmap(fd, _ROWS_BYTES)
-                words = memoryview(mm).cast("Q")
-                slot = self._slot()
-                row = words[slot * ROW_WORDS:(slot + 1) * ROW_WORDS]
-                if row[RANK] != rank and not any(w >= _GARBAGE for w in row):
-                    _carry(fd, words, row, self.path)
-            finally:
-                os.close(fd)
-        except Exception as exc:  # noqa: BLE001 - counting is no reason to fail a training loop
-            log.warning("stall counts %s: this process's counts are kept in the process only (%s)", self.path, exc)
-            row = [0] * ROW_WORDS
-        if row[RANK] != rank or any(w >= _GARBAGE for w in row):  # another rank's row, or garbage
-            for i in range(ROW_WORDS):
-                row[i] = 0
-            row[RANK] = rank
-        row[WAITING_SINCE] = 0  # a wait its previous owner died in is over
-        row[PID] = os.getpid()
-        return row
+
+def _rows(path: Path, slot: Callable[[], int] | None = None) -> SlotRows:
+    return SlotRows(path, ROW_WORDS, extra_rows=RETIRED_RANKS, slot=slot, what=f"stall counts {path}",
+                    on_map=lambda row, fd, words: _start(row, fd, words, path))
+
+
+def _start(row: Any, fd: int, words: Any, path: Path) -> None:
+    """Make a freshly mapped row this process's (NOTE [stall counts]): another rank's is carried
+    into its retired row and started again (``fd`` -1: a row of process memory)."""
+    rank = this_rank() + 1
+    if fd >= 0 and row[RANK] != rank:
+        _carry(fd, words, row, path)
+    if row[RANK] != rank:
+        for i in range(ROW_WORDS):
+            row[i] = 0
+        row[RANK] = rank
+    row[WAITING_SINCE] = 0  # a wait its previous owner died in is over
+    row[PID] = os.getpid()
 
 
 def _carry(fd: int, words: Any, row: Any, path: Path) -> None:
@@ -137,7 +119,7 @@ def _carry(fd: int, words: Any, row: Any, path: Path) -> None:
     try:
         base = (MAX_SLOTS + rank) * ROW_WORDS
         retired = words[base:base + ROW_WORDS]
-        if any(w >= _GARBAGE for w in retired):
+        if is_garbage(retired):
             for i in range(ROW_WORDS):
                 retired[i] = 0
         retired[RANK] = rank + 1
@@ -201,14 +183,11 @@ def counts_for_store(store: Any) -> StallCounts | None:
 def read_ranks(path: str | os.PathLike) -> dict[int, dict]:
     """Each rank's counts summed over its processes' rows: {rank: {"waits", "stall_ns", "loop_ns",
     "waiting_since" (the oldest wait running now, CLOCK_MONOTONIC ns; 0: none), "processes"}}."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_ROWS_BYTES)
-    except (FileNotFoundError, NotADirectoryError):
+    got = _rows(Path(path)).read()
+    if got is None:
         return {}
-    n = len(raw) // (ROW_WORDS * 8) * (ROW_WORDS * 8)
-    rows = np.frombuffer(raw[:n], np.uint64).reshape(-1, ROW_WORDS)
-    rows = rows[(rows < _GARBAGE).all(axis=1) & (rows[:, RANK] > 0)]
+    rows = got[0]
+    rows = rows[rows[:, RANK] > 0]
     out: dict[int, dict] = {}
     for row in rows:
         r = out.setdefault(int(row[RANK]) - 1, {"waits": 0, "stall_ns": 0, "loop_ns": 0,

@@ -4,35 +4,25 @@ tier, ``caches/<cache>.<tier>``, beside the cache's metadata; ``stats_keys`` mak
 ``stats()`` and ``shmcache stat --json`` from them.
 
 NOTE [tier counts]
-    The file is MAX_SLOTS rows of ROW_WORDS uint64 words, then URL_BYTES of the tier's URL (its
-    password already masked by the caller; the last process to open the file writes it). Each
-    process writes only its own row - the row of its liveness slot in the session (NOTE [lock
-    files]) - one aligned 8-byte store per counter, so no lock is needed, and readers (``stats()``,
-    ``shmcache stat``) sum the rows. A slot taken over by a new process goes on from the totals
-    there, as the store's counters do. A row holding garbage (a word at or above 2**62) is zeroed
-    by its owner and left out of the sums by readers: a statistic is no reason to fail a read.
+    A slot rows file (NOTE [slot rows]) of ROW_WORDS words a row (the words of COUNTERS[tier], in
+    order), then URL_BYTES of the tier's URL (its password already masked by the caller; the last
+    process to open the file writes it, for ``shmcache stat``).
 """
 
 from __future__ import annotations
 
-import logging
-import mmap
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from ..base.owned_file import open_owned
-from ..cache.registry import MAX_SLOTS
+from ..cache.slot_rows import SlotRows
 
 __all__ = ["ROW_WORDS", "COUNTERS", "counts_path", "process_row", "read_counts"]
 
-log = logging.getLogger("shmcache")
-
 ROW_WORDS = 16  # one 128-byte row per process slot (the remote tier counts 12 things)
 URL_BYTES = 512  # after the rows: the URL the counts are of (for `shmcache stat`)
-_ROWS_BYTES = MAX_SLOTS * ROW_WORDS * 8
 
 # the words of a row of each counts file, in order: one file per tier (its name), and ``tiers``
 # for the seam's own (tiered_store.TieredStore: tier hits admitted, records refused)
@@ -49,17 +39,8 @@ def counts_path(registry, session: str, name: str, tier: str) -> Path:
     return registry.session_dir(session) / "caches" / f"{name}.{tier}"
 
 
-def _map(path: Path, url: str) -> np.ndarray:
-    """The (MAX_SLOTS, ROW_WORDS) words of a counts file, mapped shared; made (zeros) if missing."""
-    fd = open_owned(path, _ROWS_BYTES + URL_BYTES)
-    try:
-        mm = mmap.mmap(fd, _ROWS_BYTES + URL_BYTES)
-    finally:
-        os.close(fd)
-    raw = url.encode()[:URL_BYTES].ljust(URL_BYTES, b"\0")
-    if mm[_ROWS_BYTES:] != raw:
-        mm[_ROWS_BYTES:] = raw
-    return np.ndarray((MAX_SLOTS, ROW_WORDS), np.uint64, mm)
+def _rows(path: str | os.PathLike, slot: Callable[[], int] | None = None, what: str = "") -> SlotRows:
+    return SlotRows(path, ROW_WORDS, tail=URL_BYTES, slot=slot, what=what)
 
 
 def process_row(path: str | os.PathLike | None, url: str, slot: Callable[[], int] | None,
@@ -69,30 +50,18 @@ def process_row(path: str | os.PathLike | None, url: str, slot: Callable[[], int
     in the log naming ``what`` (the tier)."""
     if path is None or slot is None:
         return np.zeros(ROW_WORDS, np.uint64)
-    try:
-        row = _map(Path(path), url)[slot()]
-    except Exception as exc:  # noqa: BLE001 - counting is no reason to fail a read
-        log.warning("%s: this process's counts are kept in the process only (%s)", what, exc)
-        return np.zeros(ROW_WORDS, np.uint64)
-    if (row >= 1 << 62).any():  # garbage in the file: start the row again
-        row[:] = 0
-    return row
+    return np.asarray(_rows(path, slot, what).own_row(tail=url.encode()))
 
 
 def read_counts(path: str | os.PathLike, names: Sequence[str]) -> dict | None:
     """The counters ``names`` (the first words of a row) summed over every process, and ``url``
     (None: no such tier was ever in force for the cache)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
+    got = _rows(path).sum()
+    if got is None:
         return None
-    n = min(len(raw), _ROWS_BYTES) // (ROW_WORDS * 8) * (ROW_WORDS * 8)
-    rows = np.frombuffer(raw[:n], np.uint64).reshape(-1, ROW_WORDS)
-    rows = rows[(rows < 1 << 62).all(axis=1)]  # a garbage row is a stat, not worth failing over
-    total = rows.sum(axis=0) if len(rows) else np.zeros(ROW_WORDS, np.uint64)
-    out: dict = {name: int(total[i]) for i, name in enumerate(names)}
-    out["url"] = raw[n:n + URL_BYTES].rstrip(b"\0").decode(errors="replace") or None
+    total, tail = got
+    out: dict = {name: total[i] for i, name in enumerate(names)}
+    out["url"] = tail.rstrip(b"\0").decode(errors="replace") or None
     return out
 
 
