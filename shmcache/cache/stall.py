@@ -73,11 +73,9 @@ class StallCounts:
 
     def __init__(self, path: Path, slot: Callable[[], int]):
         self.path = Path(path)
-        self._rows = _rows(self.path, slot)
-
-    def row(self) -> Any:
-        """The words of this process's row (of its own memory when the file cannot be used)."""
-        return self._rows.row()
+        # row(): the words of this process's row (of its own memory when the file cannot be
+        # used); SlotRows.row itself, not a method around it: each ask and got calls it
+        self.row: Callable[[], Any] = _rows(self.path, slot).row
 
 
 def _rows(path: Path, slot: Callable[[], int] | None = None) -> SlotRows:

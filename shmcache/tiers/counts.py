@@ -50,7 +50,7 @@ def process_row(path: str | os.PathLike | None, url: str, slot: Callable[[], int
     in the log naming ``what`` (the tier)."""
     if path is None or slot is None:
         return np.zeros(ROW_WORDS, np.uint64)
-    return np.asarray(_rows(path, slot, what).own_row(tail=url.encode()))
+    return np.frombuffer(_rows(path, slot, what).own_row(tail=url.encode()), np.uint64)  # writable, uint64 (not Q)
 
 
 def read_counts(path: str | os.PathLike, names: Sequence[str]) -> dict | None:
