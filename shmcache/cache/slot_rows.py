@@ -15,8 +15,8 @@ NOTE [slot rows]
     ``open_owned`` (never through a symlink, only a regular file of this user's) and grown to its
     size, so two makers agree; when it cannot be used (refused, no slot free, an error) the
     process counts in a row of its own memory, said once in the log, and no reader sees those
-    counts. A forked child maps its own slot's row on its first count (``process_slot.
-    fork_count`` tells it the row it inherited is its parent's).
+    counts. A forked child maps its own slot's row on its first count: ``process_slot.fork_count``
+    tells it the row it inherited is its parent's.
 """
 
 from __future__ import annotations
