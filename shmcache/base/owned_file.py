@@ -3,11 +3,12 @@ symlink, refused unless it is a regular file this user owns, grown to the size i
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
 
-__all__ = ["open_owned"]
+__all__ = ["open_owned", "read_owned"]
 
 
 def open_owned(path: str | os.PathLike, nbytes: int) -> int:
@@ -25,3 +26,24 @@ def open_owned(path: str | os.PathLike, nbytes: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def read_owned(path: str | os.PathLike, nbytes: int) -> bytes | None:
+    """At most ``nbytes`` of the file at ``path`` that ``open_owned`` would open, for a reader that
+    must not make it; None when there is none, or something else is at that name: a FIFO (a plain
+    open would wait for a writer forever), a link (never followed), another user's file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link at that name: not ours to follow
+            return None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        return os.pread(fd, nbytes, 0)
+    finally:
+        os.close(fd)

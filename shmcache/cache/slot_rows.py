@@ -8,10 +8,10 @@ NOTE [slot rows]
     ``tail`` bytes of its user's. Each process writes only the row of its own slot, one aligned
     8-byte store per word (a memoryview 'Q' item, or a uint64 element of an array over it), so
     no lock is needed and a reader never sees a torn word; readers read the file (never more
-    than its size) and sum the rows. A slot taken over by a new process goes on from the totals
-    in its row, as the store's counters do. A row holding garbage (a word at or above 2**62: a
-    torn or tampered file, a counter run wild) is zeroed by its owner when it maps the row and
-    left out by readers: a statistic is no reason to fail a read. The file is opened with
+    than its size; never a FIFO, a link or another user's file: ``read_owned``) and sum the
+    rows. A slot taken over by a new process goes on from the totals in its row, as the store's
+    counters do. A row holding garbage (a word at or above 2**62: a torn or tampered file, a
+    counter run wild) is zeroed by its owner when it maps the row and left out by readers: a statistic is no reason to fail a read. The file is opened with
     ``open_owned`` (never through a symlink, only a regular file of this user's) and grown to its
     size, so two makers agree; when it cannot be used (refused, no slot free, an error) the
     process counts in a row of its own memory, said once in the log, and no reader sees those
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base.owned_file import open_owned
+from ..base.owned_file import open_owned, read_owned
 from . import process_slot
 from .registry import MAX_SLOTS
 
@@ -137,11 +137,9 @@ class SlotRows:
 
     def read(self) -> tuple[np.ndarray, bytes] | None:
         """The file's rows (an array of ``words`` columns) less its garbage rows, and its tail;
-        None when there is no file."""
-        try:
-            with open(self.path, "rb") as f:
-                raw = f.read(self.nbytes)
-        except (FileNotFoundError, NotADirectoryError):
+        None when there is no file, or anything but a regular file of this user's at its name."""
+        raw = read_owned(self.path, self.nbytes)
+        if raw is None:
             return None
         width = self.words * 8
         n = min(len(raw), self.rows_bytes) // width * width

@@ -89,7 +89,7 @@ def test_a_file_open_owned_refuses_gives_a_row_of_process_memory_said_once(tmp_p
     assert ("symbolic links" if what == "symlink" else "not a regular file of this user") in said[0]
     assert target.stat().st_size == 0  # nothing written through the link
     if what == "other owner":
-        assert path.stat().st_size == 0 and _rows(path).sum()[0] == [0, 0, 0, 0]
+        assert path.stat().st_size == 0 and _rows(path).sum() is None  # nor summed by readers
 
 
 def test_no_slot_gives_a_row_of_process_memory(tmp_path, caplog):
@@ -186,3 +186,27 @@ def test_the_three_users_files_keep_their_layout(tmp_path):
     got = tier_counts.read_counts(tmp_path / "c.remote", tier_counts.COUNTERS["remote"])
     assert got["misses"] == 4 and got["url"] == "redis://h:1"
     assert tier_counts.read_counts(tmp_path / "missing.remote", tier_counts.COUNTERS["remote"]) is None
+
+
+@pytest.mark.parametrize("what", ["fifo", "symlink", "other owner"])
+def test_a_reader_never_opens_what_a_writer_would_refuse(tmp_path, what):
+    # A FIFO at a counts file's name must not block `stats()` or `shmcache stat` (a plain open()
+    # waits for a writer forever), a link is not followed, another user's counts are not summed.
+    path = tmp_path / "c.rows"
+    target = tmp_path / "target"
+    target.write_bytes(np.full(MAX_SLOTS * 4, 7, np.uint64).tobytes())
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "symlink":
+        path.symlink_to(target)
+    else:
+        path.write_bytes(target.read_bytes())
+        os.chown(path, 65534, 65534)  # the tests run as root: another user's file
+    code = textwrap.dedent(f"""
+        from shmcache.cache.slot_rows import SlotRows
+        rows = SlotRows({str(path)!r}, 4, slot=lambda: 0, what="test counts")
+        print(rows.read(), rows.sum())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "None"]
