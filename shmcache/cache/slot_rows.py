@@ -3,18 +3,18 @@ liveness slot, each process writing only its own. The claims, stall and tier cou
 users; each names its file, its row's words and what it keeps after the rows.
 
 NOTE [slot rows]
-    The file is MAX_SLOTS rows of ``words`` uint64 words, one row per liveness slot of the
-    session (NOTE [lock files]), then the rows a user adds (``extra_rows``), then a tail of
-    ``tail`` bytes of its user's. Each process writes only the row of its own slot, one aligned
-    8-byte store per word (a memoryview 'Q' item, or a uint64 element of an array over it), so
-    no lock is needed and a reader never sees a torn word; readers read the file (never more
-    than its size; never a FIFO, a link or another user's file: ``read_owned``) and sum the
-    rows. A slot taken over by a new process goes on from the totals in its row, as the store's
-    counters do. A row holding garbage (a word at or above 2**62: a torn or tampered file, a
-    counter run wild) is zeroed by its owner when it maps the row and left out by readers: a statistic is no reason to fail a read. The file is opened with
-    ``open_owned`` (never through a symlink, only a regular file of this user's) and grown to its
-    size, so two makers agree; when it cannot be used (refused, no slot free, an error) the
-    process counts in a row of its own memory, said once in the log, and no reader sees those
+    The file is MAX_SLOTS rows of ``words`` uint64 words, one row per liveness slot of the session
+    (NOTE [lock files]), then the rows a user adds (``extra_rows``), then a tail of ``tail`` bytes
+    of its user's. Each process writes only the row of its own slot, one aligned 8-byte store per
+    word (a memoryview 'Q' item, or a uint64 element of an array over it), so no lock is needed and
+    a reader never sees a torn word; readers read the file (never more than its size; never a FIFO,
+    a link or another user's file: ``read_owned``) and sum the rows. A slot taken over by a new
+    process goes on from the totals in its row, as the store's counters do. A row holding garbage (a
+    word at or above 2**62: a torn or tampered file, a counter run wild) is zeroed by its owner when
+    it maps the row and left out by readers: a statistic is no reason to fail a read. The file is
+    opened with ``open_owned`` (never through a symlink, only a regular file of this user's) and
+    grown to its size, so two makers agree; when it cannot be used (refused, no slot free, an error)
+    the process counts in a row of its own memory, said once in the log, and no reader sees those
     counts. A forked child maps its own slot's row on its first count: ``process_slot.fork_count``
     tells it the row it inherited is its parent's.
 """
