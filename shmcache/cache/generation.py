@@ -19,6 +19,7 @@ from ..base.shm import Segment, word_view
 from .allocator import MAX_CLASSES, ClassTable
 from .index import TableView
 from .registry import MAX_SLOTS
+from .root import DESTROYED, RootLayout, epoch_of, split_epoch
 
 __all__ = ["KIND_ROOT", "KIND_META", "KIND_TABLE", "KIND_DATA", "RootLayout", "DESTROYED", "SIZED", "AUTO", "AUTO_NONE",
            "MetaLayout", "M", "HITS", "MISSES", "REJECTED", "CORRUPT", "COUNTER_NAMES", "INTENT", "Intent",
@@ -30,33 +31,7 @@ KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4  # segment kinds (base/
 _Q = struct.Struct("Q")
 
 
-class RootLayout:
-    """Byte offsets of the root's words (the root is one page; every word one aligned store). The
-    one definition: the store's lookup inlines EPOCH as the constant 64 (checked by
-    tests/unit/test_index.py), registry.retire_root writes DESTROYED there."""
-
-    EPOCH = 64  # generation << 32 | table version, or DESTROYED (registry.retire_root)
-    CAPACITY = 72  # the cap in bytes (NOTE [memory limits])
-    INCARNATION = 80  # a random word drawn when the root is made (store.py module docstring)
-    SIZING = 88  # how the cap was set: SIZED, AUTO or AUTO_NONE
-
-
-# The root's tombstone: whoever removes a cache writes DESTROYED into its epoch word before
-# unlinking anything, so every process that still maps the root - and compares that word on every
-# lookup anyway - sees at once that its cache is gone (NOTE [publish order], Destroying).
-DESTROYED = (1 << 64) - 1
-
 SIZED, AUTO, AUTO_NONE = 0, 1, 2  # size= given; size=0; size=0 on a full machine: nothing in memory
-
-
-def epoch_of(gen: int, version: int) -> int:
-    """The epoch word that names generation ``gen`` and table version ``version``."""
-    return (gen << 32) | version
-
-
-def split_epoch(epoch: int) -> tuple[int, int]:
-    """``(generation, table version)`` of an epoch word (DESTROYED: DEAD_GEN)."""
-    return epoch >> 32, epoch & 0xFFFFFFFF
 
 
 class MetaLayout:

@@ -837,7 +837,7 @@ class CacheStore:
                         value = MISSING  # the long way below raises CorruptSegment naming the key
                 if value is not MISSING:
                     if count:
-                        if self._proc_gen == process_slot._fork_count and self._counter_off >= 0:
+                        if self._proc_gen == process_slot.forks and self._counter_off >= 0:
                             counters = self._counters
                             counters[0] += 1  # counters[HITS], inlined
                             g.meta.words[self._counter_off >> 3] = counters[0]

@@ -30,6 +30,7 @@ from ..base.trust import resolve_secret
 from ..cache import codec
 from ..cache.registry import SessionRegistry
 from ..cache.store import MISSING, CacheStore, UncachedStore
+from ..cache.store_protocol import Store
 from ..errors import (
     CacheNotFound,
     EncodeError,
@@ -182,7 +183,7 @@ class ShmDatasetCache:
                                   f"got {lock_timeout_s!r}")
         self.lock_timeout_s = float(lock_timeout_s)
         self.name = name
-        self._store: CacheStore | None = None
+        self._store: Store | None = None
         self._fingerprint: str | None = None
         self._given_fp: str | None = None  # wrap(fingerprint=...) of the wrap() under way
         self._closed = False
@@ -209,7 +210,7 @@ class ShmDatasetCache:
 
     # --- binding to a store --------------------------------------------------------------------
 
-    def _open(self, name: str, fingerprint: str | None, table_hint: int) -> CacheStore:
+    def _open(self, name: str, fingerprint: str | None, table_hint: int) -> Store:
         if self._closed:
             raise self._closed_error()
         try:
@@ -273,9 +274,9 @@ class ShmDatasetCache:
             raise
 
     @property
-    def store(self) -> CacheStore:
-        """The underlying store (opened on first use; see ``_ensure_open``)."""
-        return self._ensure_open()
+    def store(self) -> Store:
+        """The underlying store (opened on first use; see ``open_store``)."""
+        return self.open_store()
 
     # --- wrapping datasets ----------------------------------------------------------------------
 
@@ -333,7 +334,7 @@ class ShmDatasetCache:
         self._store.count_computed(len(probes) + (again is not None))
         for p in probes:  # computed anyway: keep them
             if p.error is None:
-                self._put(self._store, p.index, None, p.encoded)
+                self.put_computed(self._store, p.index, None, p.encoded)
         return CachedDataset(self, dataset, transform)
 
     def _wrap_without_source(self, transform: Callable | None) -> CachedDataset:
@@ -357,7 +358,7 @@ class ShmDatasetCache:
             # the table grows as records arrive: the manifest's counts (length, items) claim, they
             # do not prove, and a table sized by them commits /dev/shm that outlives the process
             self._open(manifest.name, manifest.fingerprint, 0)
-        store = self._ensure_open()
+        store = self.open_store()
         meta = store.read_meta() if not store.uncached else {}
         length = meta.get("length")
         # what proves the length: the job's secret, else the items held (the cache's own count of
@@ -502,9 +503,8 @@ class ShmDatasetCache:
         head = list(itertools.islice(it, 16))
         samples = [codec.encode(transform(x) if transform else x) for x in head]
         self._bind(dataset, transform, samples, table_hint=0)
-        wrapped = CachedIterableDataset(self, dataset, transform)
-        wrapped._pending = (os.getpid(), head, it)  # the first pass of this process starts with them
-        return wrapped
+        # the first pass of this process starts with them
+        return CachedIterableDataset(self, dataset, transform, pending=(os.getpid(), head, it))
 
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
         given = self._given_fp
@@ -541,26 +541,26 @@ class ShmDatasetCache:
         """The cached value of ``key``; on a miss ``fn(key)``, stored (KeyError if ``fn`` is None)."""
         store = self._store
         if store is None:
-            store = self._ensure_open()
+            store = self.open_store()
         value = store.lookup(key, self.copy)
         if value is not MISSING:
             return value
         if fn is None:
             raise KeyError(key)
-        return store.fill(key, fn, partial(self._put, store), self.copy)  # NOTE [claims]
+        return store.fill(key, fn, partial(self.put_computed, store), self.copy)  # NOTE [claims]
 
     def put(self, key: int | str | bytes, value: Any) -> bool:
         """Store ``value`` under ``key`` (kept if present). False if the cache was full;
         ItemTooLarge if it can never fit (a cache of its own ``size=``, not spilling);
         CacheNotFound if the cache was destroyed while this process used it."""
-        return self._put(self.store, key, value, explicit=True)
+        return self.put_computed(self.store, key, value, explicit=True)
 
-    def _put(self, store: CacheStore, key: Any, value: Any, enc: codec.Encoded | None = None,
-             explicit: bool = False) -> bool:
+    def put_computed(self, store: Store, key: Any, value: Any, enc: codec.Encoded | None = None,
+                     explicit: bool = False) -> bool:
         """``store.put``, warning once per cache when a sample had to be pickled. A value the
         cache computed for its caller (``explicit=False``) that can never fit is served anyway,
         like every other overflow: counted as rejected (by the store) and said once per cache."""
-        enc = self._encode(key, value) if enc is None else self._warned(enc)
+        enc = self.encode(key, value) if enc is None else self._warned(enc)
         try:
             return store.put(key, None, encoded=enc)
         except ItemTooLarge as exc:
@@ -574,22 +574,22 @@ class ShmDatasetCache:
             self._say_gone(exc)
             return False
 
-    def _put_many(self, store: CacheStore, pairs: list) -> None:
+    def _put_many(self, store: Store, pairs: list) -> None:
         """Store the values a miss path computed (``(key, value)`` pairs) under one hold of the
         lock (``store.put_many``): what can never fit or finds the cache destroyed is served
-        anyway, said once per cache, as with ``_put``. A value that cannot be encoded raises
+        anyway, said once per cache, as with ``put_computed``. A value that cannot be encoded raises
         EncodeError after the others are stored: one such sample loses only itself."""
         items, failed = [], None
         for key, value in pairs:
             try:
-                items.append((key, self._encode(key, value)))
+                items.append((key, self.encode(key, value)))
             except EncodeError as exc:
                 failed = failed or exc
-        self._put_encoded(store, items)
+        self.put_encoded(store, items)
         if failed is not None:
             raise failed
 
-    def _put_encoded(self, store: CacheStore, items: list) -> None:
+    def put_encoded(self, store: Store, items: list) -> None:
         """``_put_many`` of values encoded already (``(key, codec.Encoded)`` pairs)."""
         too_large: list = []
         try:
@@ -599,7 +599,8 @@ class ShmDatasetCache:
         if too_large:
             self._say_too_large(too_large[0])
 
-    def _encode(self, key: Any, value: Any) -> codec.Encoded:
+    def encode(self, key: Any, value: Any) -> codec.Encoded:
+        """``value`` encoded for ``key``, warned about once per cache when it had to be pickled."""
         return self._warned(codec.encode(value, f"the value of key {key!r}"))
 
     def _warned(self, enc: codec.Encoded) -> codec.Encoded:
@@ -783,8 +784,12 @@ class ShmDatasetCache:
         state["_store"] = None
         return state
 
-    def _ensure_open(self) -> CacheStore:
-        """The store, re-attached by name in a process that received this cache pickled."""
+    def open_store(self) -> Store:
+        """The store, opened on first use: re-attached by name in a process that received this
+        cache pickled (a DataLoader worker)."""
+        store = self._store
+        if store is not None:  # every item a wrapped dataset serves asks: the short way first
+            return store
         if self._store is None:
             if self._closed:
                 raise self._closed_error()
@@ -802,7 +807,7 @@ class ShmDatasetCache:
 # --- warm-up --------------------------------------------------------------------------------------
 
 
-def _not_behind(store, keys: list, per_trip: int = 256) -> list:
+def _not_behind(store: Store, keys: list, per_trip: int = 256) -> list:
     """The ``keys`` that the tiers behind ``store`` lack too; those they have are admitted into
     shared memory on the way (a bounded batch per round trip: values may be large)."""
     out = []
