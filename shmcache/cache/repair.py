@@ -21,8 +21,7 @@ import numpy as np
 
 from ..base import ordering
 from ..errors import CorruptSegment
-from . import chunk as chunks
-from . import codec
+from . import codec, publish_group
 from .allocator import MAX_CLASSES
 from .generation import SPILL_CLASS, Generation, Intent, M, RootLayout, split_epoch
 from .index import (
@@ -56,8 +55,8 @@ _MIN_RECORD = codec.RECORD_HEADER.size  # the shortest record
 
 def repair_intent(store: CacheStore, g: Generation) -> int:
     """Undo or finish the last writer's work if it died mid-way (NOTE [publish order])."""
-    if g.chunk_phase():  # a chunk of put_records has its own intent record and repair (chunk.py)
-        return chunks.repair(g, store._corrupt)
+    if g.group_phase():  # a publish group of put_records has its own intent record and repair
+        return publish_group.repair(g, store._corrupt)
     intent = g.intent()
     if intent.phase == 0:
         return 0

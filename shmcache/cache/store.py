@@ -25,29 +25,31 @@ NOTE [publish order]
       4. phase 2: the new totals (items, bytes) are assigned, not added, so redoing them is harmless;
       5. clear the intent.
 
-    A chunk (``put_records``, so an import and a tier hit: cache/chunk.py) publishes up to
-    generation.CHUNK_RECORDS records under the one hold of the lock, with its own intent record
-    (generation.ChunkIntent, in the meta segment beside the intent above; a writer uses one at a
-    time). Point by point, as for one record:
+    A publish group (``put_records`` and ``put_many``, so an import, a tier hit, a batch's misses:
+    publish_group.PublishGroup) is a group of up to generation.GROUP_RECORDS records published
+    together under the one hold of the lock, with its own intent record (generation.GroupIntent,
+    in the meta segment beside the intent above; a writer uses one at a time). ("Chunk" means
+    only the allocator's: the piece of a size class's segment a record is copied into.) Point by
+    point, as for one record:
 
-      1. phase 1; per record: note it in the chunk intent (table position, size class, the
-         entry's state word; for its class's first record the class's bump before the chunk),
+      1. phase 1; per record: note it in the group intent (table position, size class, the
+         entry's state word; for its class's first record the class's bump before the group),
          commit chunks if needed, copy it into the next chunk of its class - counted by the
          writer: the class's bump in shared memory does not move yet - and write the entry's
          key and location words (w1, w2; w0 stays EMPTY, so readers ignore them);
-      2. a fence (A), then phase 2 with the totals after the chunk;
-      3. each class's bump moves past the chunk's records; a fence (B);
-      4. every entry's state word READY, the totals assigned, the chunk intent cleared.
+      2. a fence (A), then phase 2 with the totals after the group;
+      3. each class's bump moves past the group's records; a fence (B);
+      4. every entry's state word READY, the totals assigned, the group intent cleared.
 
     The repair: in phase 1 nothing is reachable and no bump moved, so it forgets the staged w1
     and w2 and clears the intent (every chunk free again; commit steps stay committed for the
     next writer); in phase 2 every record is whole and fenced, so it finishes steps 3-4 (all
     assignments: bumps, READY words - the same word where one is READY already - totals). A
-    writer that raises in the middle of a chunk does what the repair would, before it raises.
-    The chunk's impossible intents (CorruptSegment, gc drops the generation): phase 1 with an
-    entry filled or a bump moved; phase 2 with a bump neither where it was nor past the chunk's
-    records, an entry READY with another word, a staged location outside the chunk's chunks,
-    totals neither the current ones nor the chunk's records more; both intents in use.
+    writer that raises in the middle of a group does what the repair would, before it raises.
+    The group's impossible intents (CorruptSegment, gc drops the generation): phase 1 with an
+    entry filled or a bump moved; phase 2 with a bump neither where it was nor past the group's
+    records, an entry READY with another word, a staged location outside the group's chunks,
+    totals neither the current ones nor the group's records more; both intents in use.
 
     "One store" is meant literally: every word a reader reads without the lock (the root's epoch
     word, the meta segment's counts and totals, a class's bump and committed count, an entry's
@@ -76,13 +78,13 @@ NOTE [publish order]
         the entry's w1 and w2 are stored, then a fence, then w0 = READY (index.TableView.publish;
         every put, spilled or not: one fence per record). A reader loads w0 first and the rest
         after, so if it sees READY it sees all of them.
-      * a chunk (put_records, an import): two fences per chunk of up to CHUNK_RECORDS records,
-        whatever their commit steps. Fence A orders every record's bytes, every w1 and w2, the
-        committed counts of the chunk's commit steps (Admission.commit(fence=False)), class and layout
+      * a publish group (put_records, an import): two fences per group of up to GROUP_RECORDS
+        records, whatever their commit steps. Fence A orders every record's bytes, every w1 and w2, the
+        committed counts of the group's commit steps (Admission.commit(fence=False)), class and layout
         records before the bumps; fence B orders the bumps before the READY words. So a reader
         that sees READY sees the bump that hands its chunk out, the bytes and w1, w2; one that
         sees a moved bump sees the committed count it needs. A repair that finishes a dead
-        writer's chunk makes its own fence B; the dead writer's fence A came before its phase 2.
+        writer's group makes its own fence B; the dead writer's fence A came before its phase 2.
       * a commit step: the class's committed count (and the meta's total), a fence, and only then a
         bump that relies on it (admission.Admission.commit); ClassTable.get loads the bump before
         the committed count.
@@ -95,7 +97,7 @@ NOTE [publish order]
         reused file fails and then loads the epoch word sees the new one (a plain miss). A destroy
         (here and registry.retire_root) fences after the tombstone, before its files and name go.
         Memory inside a generation is never reused (above), and the repair gives back only a
-        chunk that no READY entry ever named (a chunk's staged w2 in an EMPTY entry names nothing
+        chunk that no READY entry ever named (a group's staged w2 in an EMPTY entry names nothing
         to a reader: it stops at EMPTY), so nothing else is retired.
       * not fenced: the intent records, the totals and the counters. The intent is read under the
         lock only (the lock file's flock orders it, as it orders one writer after the other); the
@@ -130,11 +132,11 @@ NOTE [publish order]
     holds (_record, _layout; on the batch path with numpy over the batch). Handed out, not merely
     committed: a committed chunk above the bump holds zeros. Sound in every legitimate state: an
     entry is READY only after its chunk's bump step, and a bump goes back (repair) only for a
-    chunk no entry ever pointed at (a chunk's bumps move only once all its records are whole,
+    chunk no entry ever pointed at (a group's bumps move only once all its records are whole,
     and then forward). The repairer checks the intent is one a writer can leave: phase 1 or 2,
     a position inside the table, a class in use (or SPILL_CLASS), an old bump equal to the
     class's bump or one less, phase 2 only with its entry READY, totals at most one item on (a
-    chunk's: above, "A chunk"; repair.py, chunk.py). Anything else raises CorruptSegment and touches
+    group's: above, "A publish group"; repair.py, publish_group.py). Anything else raises CorruptSegment and touches
     nothing; ``shmcache gc`` (collect_garbage, repair.py) finds the same damage and replaces the generation by an
     empty one, as clear() does.
 
@@ -171,7 +173,6 @@ from ..errors import (
     SharedMemoryFull,
     ShmcacheError,
 )
-from . import chunk as chunks
 from . import claims, codec, gather, portable, process_slot, repair, stats
 from .admission import MIN_CAPACITY, Admission, NoRoom, initial_capacity, log_no_memory
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, size_class
@@ -218,6 +219,7 @@ from .index import (
     tier_key,
 )
 from .indexed_tier import IndexedTier, RecordLocation
+from .publish_group import GROUP_RECORDS, PublishGroup
 from .registry import SEP, SessionRegistry, unlink_segments, write_json
 from .stats import STAT_KEYS
 
@@ -983,23 +985,23 @@ class CacheStore:
             return self._put_locked(g, key, w1, kb, enc)
 
     def _put_locked(self, g: Generation, key: Any, w1: int, kb: bytes, enc: codec.Encoded,
-                    chunk: chunks.Chunk | None = None) -> bool:
-        """The body of ``put`` (and of each item of ``put_records``, with its ``chunk``: chunk.py);
+                    group: PublishGroup | None = None) -> bool:
+        """The body of ``put`` (and of each item of ``put_records``, with its ``group``: PublishGroup);
         the caller holds the lock."""
         w0, w2, pos, _, _ = self._find(g, key)
-        if chunk is not None and not w0 and pos in chunk:  # the chunk took that entry
-            pos = chunk.probe(g.index, pos, w1, kb)
+        if group is not None and not w0 and pos in group:  # the group took that entry
+            pos = group.probe(g.index, pos, w1, kb)
             if pos < 0:
                 return True  # twice in this put_records: stored once
         if w0 and w0 & SPILLED and self.spill is not None and self._read_spilled(w0, w2, w1, kb) is None:
-            if chunk is not None:
-                chunk.flush()  # one intent record in use at a time
+            if group is not None:
+                group.flush()  # one intent record in use at a time
             return self._spill(g, pos, w1, kb, enc, replace=True)  # a corrupt record
         if w0:
             return True  # another process stored it first: stored once
-        if chunk is not None and _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + len(chunk) + 1 > \
+        if group is not None and _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + len(group) + 1 > \
                 MAX_LOAD * g.index.capacity:
-            chunk.flush()  # a table growth copies READY entries only
+            group.flush()  # a table growth copies READY entries only
         if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
             try:
                 g = self._grow_table(g)
@@ -1008,7 +1010,7 @@ class CacheStore:
                 return False
             w0, _, pos, _, _ = self._find(g, key)
         try:
-            self._insert(g, pos, w1, kb, enc, chunk)
+            self._insert(g, pos, w1, kb, enc, group)
             return True
         except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
             raise self._destroyed_under_us() or CorruptSegment(
@@ -1020,8 +1022,8 @@ class CacheStore:
             # it can never fit in memory, but a spill file takes any size: spill it below
         except NoRoom:
             pass
-        if chunk is not None and self.spill is not None:
-            chunk.flush()  # one intent record in use at a time
+        if group is not None and self.spill is not None:
+            group.flush()  # one intent record in use at a time
         if self._spill(g, pos, w1, kb, enc):
             return True
         self._count(REJECTED)
@@ -1033,15 +1035,15 @@ class CacheStore:
         """``put`` of (key, portable record) pairs (the codec record with its layout inline,
         tiers/tiered_store.py) without decoding them: their bytes go straight into shared memory (or a spill
         file), one copy each, under one hold of the lock (an import stores thousands: the lock,
-        refresh and repair check once per batch), published a chunk at a time (chunk.py: two
-        fences per chunk of records, not one per record). InvalidArgument for bytes that are not a
+        refresh and repair check once per batch), published a group at a time (PublishGroup: two
+        fences per group of records, not one per record). InvalidArgument for bytes that are not a
         portable record, before anything is stored."""
         return self.put_many([(key, _encoded_from_portable(rec, key, self)) for key, rec in items])
 
     def put_many(self, items: Sequence[tuple[Any, codec.Encoded]], *,
                  too_large: list | None = None) -> list[bool]:
         """``put`` of many (key, encoded value) pairs under one hold of the lock, published a
-        chunk at a time (chunk.py): a batch's or a warm-up's computed misses, a batch's tier hits,
+        group at a time (PublishGroup): a batch's or a warm-up's computed misses, a batch's tier hits,
         an import. A value that can never fit (ItemTooLarge, no spill) is False, counted as
         rejected, and its error appended to ``too_large`` when given (else raised, as ``put``)."""
         with self._write_locked() as locked:
@@ -1050,20 +1052,20 @@ class CacheStore:
                 return [False] * len(items)
             self._repair(self._refresh())
             out = []
-            chunk = chunks.Chunk()
+            group = PublishGroup()
             try:
                 for key, enc in items:
                     w1, kb = key_bytes(key)
                     try:
-                        out.append(self._put_locked(self._refresh(), key, w1, kb, enc, chunk))  # a grown table
+                        out.append(self._put_locked(self._refresh(), key, w1, kb, enc, group))  # a grown table
                     except ItemTooLarge as exc:  # counted by _put_locked; nothing of it was staged
                         if too_large is None:
                             raise
                         too_large.append(exc)
                         out.append(False)
-                chunk.flush()
+                group.flush()
             except BaseException:
-                chunk.abandon(self._corrupt)  # undone before its fence, finished after
+                group.abandon(self._corrupt)  # undone before its fence, finished after
                 raise
             return out
 
@@ -1073,9 +1075,9 @@ class CacheStore:
         return portable.records(self)
 
     def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded,
-                chunk: chunks.Chunk | None = None) -> None:
+                group: PublishGroup | None = None) -> None:
         """Allocate, copy and publish a record at EMPTY entry ``pos`` (NOTE [publish order]); with
-        a ``chunk`` (put_records), allocate and copy it and stage its entry: the chunk publishes."""
+        a ``group`` (put_records), allocate and copy it and stage its entry: the group publishes."""
         lid = self._intern_layout(g, enc.layout)
         nbytes = enc.record_len(len(kb), lid == INLINE24)
         cls, chunk_size = size_class(nbytes)
@@ -1083,22 +1085,22 @@ class CacheStore:
         seg = self._class_segment(g, cls, chunk_size)
         self._committed(g, cls, g.data[cls])  # a damaged class record must not place this record
         chunk_size_, bump, committed = g.classes.get(cls)
-        if chunk is not None:  # the chunk's bumps move when it is published
-            bump = chunk.next_chunk(cls, bump)
-        if bump >= committed:  # a chunk's commits are fenced with the chunk (chunk.py)
+        if group is not None:  # the group's bumps move when it is published
+            bump = group.next_chunk(cls, bump)
+        if bump >= committed:  # a group's commits are fenced with the group (PublishGroup)
             committed = self.admission.commit(g, cls, seg, chunk_size, committed, self.spill,
-                                              fence=chunk is None)
+                                              fence=group is None)
         items, total, _ = g.mem_totals()
         items, total, table_items = items + 1, total + nbytes, g.table_items()
-        if chunk is not None:
-            items, total, table_items = items + len(chunk), total + chunk.bytes, table_items + len(chunk)
+        if group is not None:
+            items, total, table_items = items + len(group), total + group.bytes, table_items + len(group)
         if items > g.index.capacity or table_items >= g.index.capacity or total >> 63:
             raise self._corrupt(f"the counters in {g.meta.name} are impossible ({items - 1} items and "
                                 f"{total - nbytes} bytes in memory, {table_items} entries, in a "
                                 f"table of {g.index.capacity})", fix="it recounts them")
         w0 = state_word(READY | (0 if kb else INT_KEY), lid, nbytes)
-        if chunk is not None:
-            chunk.allocate(g, pos, w1, kb, cls, bump, w0)  # in the chunk's intent (undo: forget it)
+        if group is not None:
+            group.allocate(g, pos, w1, kb, cls, bump, w0)  # in the group's intent (undo: forget it)
         else:
             intent = Intent(1, pos, cls, bump, items, total, 0, table_items + 1)
             g.begin(intent)  # phase 1: allocating (undo restores the bump)
@@ -1111,12 +1113,12 @@ class CacheStore:
                 mv[start:start + nbytes // 2] = b"\xee" * (nbytes // 2)
                 crash_point("mid_copy")
             enc.write(mv[start:start + nbytes], lid if lid != INLINE24 else codec.INLINE, kb)
-        if chunk is not None:
+        if group is not None:
             g.index.stage(pos, w1, location_word(cls, bump))
             if _CRASH_TESTS:
-                crash_point("chunk_copied")
-            if len(chunk) >= chunks.CHUNK_RECORDS:
-                chunk.flush()
+                crash_point("group_copied")
+            if len(group) >= GROUP_RECORDS:
+                group.flush()
             return
         if _CRASH_TESTS:
             crash_point("before_publish")

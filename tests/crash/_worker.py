@@ -92,7 +92,7 @@ def op_put(session, cache, keys, cap, kind="mixed"):
 
 def op_put_records(session, cache, keys, cap, kind="mixed"):
     """``put_records`` of the keys' values as portable records (what an import stores): one
-    chunk intent per CHUNK_RECORDS of them (cache/chunk.py)."""
+    group intent per GROUP_RECORDS of them (PublishGroup)."""
     from shmcache.cache import codec
     from shmcache.tiers.tiered_store import portable_record
 
