@@ -19,7 +19,8 @@ import numpy as np
 from shmcache import cli
 from shmcache.cache.allocator import commit_step_chunks
 from shmcache.cache.index import INT_KEY, SPILLED, TableView, key_bytes
-from shmcache.cache.store import MISSING, CacheStore, M
+from shmcache.cache.generation import M
+from shmcache.cache.store import MISSING, CacheStore
 
 __all__ = ["SIZES", "value_for", "fixed_value", "same_value", "check_store", "cache_segments",
            "intent_phase", "group_phase", "reader_saw_no_harm"]
@@ -77,18 +78,18 @@ def reader_saw_no_harm(report_path) -> None:
 
 
 def intent_phase(store: CacheStore) -> int:
-    g = store._refresh()
+    g = store.view.refresh()
     return struct.unpack_from("Q", g.meta.buf, M.INTENT)[0]
 
 
 def group_phase(store: CacheStore) -> int:
     """The phase of the group intent (put_records: PublishGroup)."""
-    g = store._refresh()
+    g = store.view.refresh()
     return struct.unpack_from("Q", g.meta.buf, M.GROUP)[0]
 
 
 def cache_segments(store: CacheStore) -> set[str]:
-    head = store._base + "+"
+    head = store.view.base + "+"
     return {n for n in store.ns.owned_segments() if n.startswith(head)}
 
 
@@ -102,7 +103,7 @@ def check_store(store: CacheStore, keys=None, source=value_for, *, after_gc: boo
     the steps it committed for the next writer: committed, not leaked).
     """
     problems: list[str] = []
-    g = store._refresh()
+    g = store.view.refresh()
     meta = g.meta.buf
     items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
     table_items = struct.unpack_from("Q", meta, M.TABLE_ITEMS)[0]
@@ -151,9 +152,9 @@ def check_store(store: CacheStore, keys=None, source=value_for, *, after_gc: boo
         problems.append(f"committed_bytes {committed} != {expect_committed} (meta + current table + "
                         f"committed chunks): off by {committed - expect_committed}")
     if after_gc:
-        want = {store._seg_name("root"), store._seg_name(f"g{g.gen}", "meta"),
-                store._seg_name(f"g{g.gen}", f"t{g.version}")}
-        want |= {store._seg_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
+        want = {store.view.segment_name("root"), store.view.segment_name(f"g{g.gen}", "meta"),
+                store.view.segment_name(f"g{g.gen}", f"t{g.version}")}
+        want |= {store.view.segment_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
         have = cache_segments(store)
         if have != want:
             problems.append(f"segments: unexpected {sorted(have - want)}, missing {sorted(want - have)}")

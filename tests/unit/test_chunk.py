@@ -13,7 +13,8 @@ from shmcache.cache import codec
 from shmcache.cache.generation import GROUP_RECORDS, Intent, M
 from shmcache.cache.index import key_bytes
 from shmcache.cache.publish_group import PublishGroup
-from shmcache.cache.store import MISSING, CacheStore, _encoded_from_portable
+from shmcache.cache.store import MISSING, CacheStore
+from shmcache.cache.writer import encoded_from_portable
 from shmcache.errors import CorruptSegment
 from shmcache.tiers.tiered_store import portable_record
 
@@ -46,13 +47,13 @@ def test_keys_twice_and_colliding_entries_are_stored_once(store):
     unique = list(dict.fromkeys(keys))
     assert len(store) == len(unique) == store.stats()["items_mem"]
     assert all(np.array_equal(store.lookup(k), _value(k)) for k in unique)
-    g = store._refresh()
+    g = store.view.refresh()
     assert g.group_phase() == 0 and g.index.capacity > 1024  # grown once, mid-call
 
 
 def test_an_exception_in_the_middle_of_a_group_undoes_it(store, monkeypatch):
     store.put_records(_recs(range(5)))
-    g = store._refresh()
+    g = store.view.refresh()
     before = _bumps(g)
     real, calls = codec.Encoded.write, [0]
 
@@ -75,13 +76,13 @@ def test_an_exception_in_the_middle_of_a_group_undoes_it(store, monkeypatch):
 def _half_done(store, keys):
     """A group of ``keys`` allocated, copied and staged, not published: a writer killed before
     its first fence. Returns (generation, bumps before, the PublishGroup)."""
-    g = store._refresh()
+    g = store.view.refresh()
     before = _bumps(g)
     chunk = PublishGroup()
     with store.locked():
         for key, rec in _recs(keys):
             w1, kb = key_bytes(key)
-            assert store._put_locked(g, key, w1, kb, _encoded_from_portable(rec, key, store), chunk)
+            assert store.writer.put_locked(g, key, w1, kb, encoded_from_portable(rec, key, store.view), chunk)
     assert g.group_phase() == 1 and len(chunk) == len(keys) < GROUP_RECORDS
     return g, before, chunk
 

@@ -80,9 +80,9 @@ check("get_after_clear", lambda: s.lookup(1) is MISSING, True)
 u = CacheStore("ord", "grow", capacity_bytes=64 << 20)
 for i in range(716):
     u.put(10_000 + i, small[:2])
-g0 = u._refresh().version
+g0 = u.view.refresh().version
 check("put_grows", lambda: u.put(20_000, small[:2]), True)  # the 717th entry: > 0.7 * 1024
-assert u._refresh().version == g0 + 1
+assert u.view.refresh().version == g0 + 1
 for i in range(717):
     assert u.lookup(10_000 + i if i < 716 else 20_000)[1] == 1
 check("destroy", lambda: t.destroy())
