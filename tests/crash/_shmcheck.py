@@ -18,8 +18,8 @@ import numpy as np
 
 from shmcache import cli
 from shmcache.cache.allocator import commit_step_chunks
-from shmcache.cache.index import INT_KEY, SPILLED, TableView, key_bytes
 from shmcache.cache.generation import M
+from shmcache.cache.index import INT_KEY, SPILLED, TableView, key_bytes
 from shmcache.cache.store import MISSING, CacheStore
 
 __all__ = ["SIZES", "value_for", "fixed_value", "same_value", "check_store", "cache_segments",

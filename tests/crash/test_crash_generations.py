@@ -14,8 +14,7 @@ import pytest
 from _procs_util import Zygote, status_of, wait_for
 from _shmcheck import cache_segments, check_store, gc_json, same_value, value_for
 
-from shmcache.cache.index import MAX_LOAD
-from shmcache.cache.index import MIN_TABLE
+from shmcache.cache.index import MAX_LOAD, MIN_TABLE
 from shmcache.cache.store import MISSING, CacheStore
 
 S, C = "gens", "c"
