@@ -111,7 +111,7 @@ def measure(label: str, n: int, shape: tuple, rounds: int) -> dict:
     try:
         ds = cache.wrap(Items(images))
         cache.warmup(ds, progress=False)
-        store = cache._store
+        store = cache.opened
         out = (torch.empty((BATCH, *shape), dtype=torch.uint8), torch.empty(BATCH, dtype=torch.int64))
         held = [None]
         ptrs: set = set()

@@ -183,7 +183,7 @@ class ShmDatasetCache:
                                   f"got {lock_timeout_s!r}")
         self.lock_timeout_s = float(lock_timeout_s)
         self.name = name
-        self._store: Store | None = None
+        self.opened: Store | None = None  # the store once open (open_store); None until then
         self._fingerprint: str | None = None
         self._given_fp: str | None = None  # wrap(fingerprint=...) of the wrap() under way
         self._closed = False
@@ -214,20 +214,20 @@ class ShmDatasetCache:
         if self._closed:
             raise self._closed_error()
         try:
-            self._store = CacheStore(self.session, name, capacity_bytes=self.size_mb << 20,
+            self.opened = CacheStore(self.session, name, capacity_bytes=self.size_mb << 20,
                                      fingerprint=fingerprint, table_hint=table_hint,
                                      lock_timeout_s=self.lock_timeout_s, ns=self._ns_root)
         except SharedMemoryFull as exc:  # not even the cache's own segments fit: serve uncached
-            self._store = UncachedStore(self.session, name, exc)
+            self.opened = UncachedStore(self.session, name, exc)
         self.name, self._fingerprint = name, fingerprint
-        if self.spilling and not self._store.uncached:
+        if self.spilling and not self.opened.uncached:
             from ..tiers.spill import tier as spilling
 
-            spilling.attach(self._store, self.spill_dir)
+            spilling.attach(self.opened, self.spill_dir)
         self._attach_remote(fingerprint)
         if self._snapshot is not None:  # assembly.ORDER puts it in front of the remote tier
             self._attach_snapshot(name, fingerprint)
-        return self._store
+        return self.opened
 
     def _attach_remote(self, fingerprint: str | None) -> None:
         """With a remote in force, the store becomes ``TieredStore(local, [RedisTier])``; without
@@ -247,10 +247,10 @@ class ShmDatasetCache:
         if url is not None:
             from ..tiers import assembly, remote
 
-            if fingerprint is None and not self._store.uncached:  # a named cache bound earlier
-                fingerprint = self._store.read_meta().get("fingerprint")
-            tier = remote.open_tier(self._store, url, fingerprint, registry, self._secret)
-            self._store = assembly.assemble(self._store, [tier], name=self._store.name, fingerprint=fingerprint,
+            if fingerprint is None and not self.opened.uncached:  # a named cache bound earlier
+                fingerprint = self.opened.read_meta().get("fingerprint")
+            tier = remote.open_tier(self.opened, url, fingerprint, registry, self._secret)
+            self.opened = assembly.assemble(self.opened, [tier], name=self.opened.name, fingerprint=fingerprint,
                                             allow_pickle=self.allow_pickle, registry=registry)
 
     def _attach_snapshot(self, name: str, fingerprint: str | None) -> None:
@@ -260,16 +260,16 @@ class ShmDatasetCache:
         from ..snapshot.tier import open_tier
         from ..tiers import assembly
 
-        if fingerprint is None and not self._store.uncached:  # a named cache bound earlier
-            fingerprint = self._store.read_meta().get("fingerprint")
-        local = self._store
+        if fingerprint is None and not self.opened.uncached:  # a named cache bound earlier
+            fingerprint = self.opened.read_meta().get("fingerprint")
+        local = self.opened
         registry = SessionRegistry(namespace(self._ns_root))
         try:
             tier = open_tier(local, self._snapshot[0], registry, self._snapshot[1], self._secret)
-            self._store = assembly.assemble(local, [tier], name=name, fingerprint=fingerprint,
+            self.opened = assembly.assemble(local, [tier], name=name, fingerprint=fingerprint,
                                             allow_pickle=self.allow_pickle, registry=registry)
         except BaseException:
-            self._store = None
+            self.opened = None
             local.close()
             raise
 
@@ -300,7 +300,7 @@ class ShmDatasetCache:
                                   f"dataset's contents, at most 256 characters), got {fingerprint!r:.80}")
         self._given_fp = fingerprint
         wrapped = self._wrap(dataset, transform)
-        store = self._store
+        store = self.opened
         if store is not None and not store.uncached:
             store.record_label(label_of(dataset, label))
         return wrapped
@@ -331,10 +331,10 @@ class ShmDatasetCache:
         self._bind(dataset, transform, samples, table_hint=n)
         self._source_len = n
         # the fingerprint's probes (and the second read of the first): computations too
-        self._store.count_computed(len(probes) + (again is not None))
+        self.opened.count_computed(len(probes) + (again is not None))
         for p in probes:  # computed anyway: keep them
             if p.error is None:
-                self.put_computed(self._store, p.index, None, p.encoded)
+                self.put_computed(self.opened, p.index, None, p.encoded)
         return CachedDataset(self, dataset, transform)
 
     def _wrap_without_source(self, transform: Callable | None) -> CachedDataset:
@@ -346,7 +346,7 @@ class ShmDatasetCache:
             raise InvalidArgument("wrap(None, transform=...) has no source for the transform to apply "
                                   "to; the cache's items are served as stored: drop transform=")
         manifest = None
-        if self._store is None and self.name is None:
+        if self.opened is None and self.name is None:
             if self._snapshot is None:
                 raise InvalidArgument(
                     f"wrap(None) serves a cache without its source dataset, but this ShmDatasetCache in "
@@ -509,7 +509,7 @@ class ShmDatasetCache:
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
         given = self._given_fp
         fp = fingerprint(dataset, transform, samples) if given is None else given_fingerprint(dataset, given)
-        if self._store is None:
+        if self.opened is None:
             name = self.name or default_name(dataset, fp)
             registry = SessionRegistry(namespace(self._ns_root)) if self.name is None else None
             new = registry is not None and not registry.cache_meta_path(self.session, name).exists()
@@ -518,7 +518,7 @@ class ShmDatasetCache:
                 say_earlier_versions(registry, self.session, name)
         elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset
             self._tiers_learn(fp)  # a snapshot of another dataset: refused
-            self._store.bind_fingerprint(fp)
+            self.opened.bind_fingerprint(fp)
             self._fingerprint = fp
         elif self._fingerprint != fp:
             raise InvalidArgument(
@@ -533,13 +533,13 @@ class ShmDatasetCache:
         the bare name it would share nothing with them, and meet another dataset of that name."""
         from ..tiers import assembly
 
-        assembly.bind(self._store, self.name, fp)
+        assembly.bind(self.opened, self.name, fp)
 
     # --- single items ----------------------------------------------------------------------------
 
     def get(self, key: int | str | bytes, fn: Callable | None = None) -> Any:
         """The cached value of ``key``; on a miss ``fn(key)``, stored (KeyError if ``fn`` is None)."""
-        store = self._store
+        store = self.opened
         if store is None:
             store = self.open_store()
         value = store.lookup(key, self.copy)
@@ -758,7 +758,7 @@ class ShmDatasetCache:
         without ``--force``). The cache itself stays for others. This object and the datasets it
         wrapped are then unusable: every use raises; open a new ShmDatasetCache."""
         self._closed = True
-        store, self._store = self._store, None
+        store, self.opened = self.opened, None
         if store is not None:
             store.close()
 
@@ -781,16 +781,13 @@ class ShmDatasetCache:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_store"] = None
+        state["opened"] = None
         return state
 
     def open_store(self) -> Store:
         """The store, opened on first use: re-attached by name in a process that received this
         cache pickled (a DataLoader worker)."""
-        store = self._store
-        if store is not None:  # every item a wrapped dataset serves asks: the short way first
-            return store
-        if self._store is None:
+        if self.opened is None:
             if self._closed:
                 raise self._closed_error()
             if self.name is None:
@@ -801,7 +798,7 @@ class ShmDatasetCache:
                     f"ShmDatasetCache(name='train'), or wrap(dataset) first (it is then named "
                     f"after the dataset)")
             self._open(self.name, self._fingerprint, 0)
-        return self._store
+        return self.opened
 
 
 # --- warm-up --------------------------------------------------------------------------------------

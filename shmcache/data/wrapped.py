@@ -40,6 +40,7 @@ class DatasetCache(Protocol):
     name: str | None
     copy: bool
     verify: float
+    opened: Store | None  # the store once open; None until ``open_store`` opens it
 
     def open_store(self) -> Store: ...
 
@@ -245,7 +246,9 @@ class CachedDataset(Dataset):
                 return self._other_index(i)
             i = self._index(i)
         cache = self.cache
-        store = cache.open_store()
+        store = cache.opened  # an attribute, not a call: every warm item comes here
+        if store is None:
+            store = cache.open_store()
         value = store.lookup(i, cache.copy)
         if value is MISSING:  # computed once, whoever else misses it now (NOTE [claims])
             value = store.fill(i, self._compute, partial(self._store_computed, store), cache.copy)
