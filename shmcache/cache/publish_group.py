@@ -3,7 +3,7 @@ under one hold of the lock and published together, with two fences per group rat
 or two per record (NOTE [publish order], "a group"; the intent record is generation.GroupIntent).
 "Chunk" here means only the allocator's: the fixed-size piece of a size class a record goes in.
 
-The writer (``PublishGroup``, driven by CacheStore._put_locked and _insert):
+The writer (``PublishGroup``, driven by CacheWriter.put_locked and its insert):
 
   1. phase 1 (``group_begin``); for each record: note it in the intent (table position, class,
      the entry's state word w0; the class's bump before the group, for its first record of that

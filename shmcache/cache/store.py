@@ -90,7 +90,7 @@ NOTE [publish order]
         the committed count.
       * a generation or a table version: the meta, the table (every entry of a grown table: no
         fence per entry there, nobody reads it yet) and the root's capacity, incarnation and sizing
-        words, a fence, then the epoch word (_create_generation, _grow_table). A raised automatic
+        words, a fence, then the epoch word (CacheWriter.create_generation, its table growth). A raised automatic
         cap: CAPACITY, a fence, SIZING.
       * retire, then reuse: clear() and gc's drop publish the new epoch word, fence, and only then
         clear the spill files (whose offsets the new generation reuses): a reader whose read of a
@@ -124,12 +124,12 @@ NOTE [publish order]
     writer stopped while holding the lock (SIGSTOP, a debugger) never blocks readers or workers
     that re-attach. Only a root that is missing, half-made, tombstoned or without its generation
     sends the opener to the lock, to create or repair it. A put that cannot get the lock
-    within its timeout serves its value uncached (counted as rejected; CacheStore._write_locked).
+    within its timeout serves its value uncached (counted as rejected; CacheWriter.write_locked).
 
     Damage (a stray write into /dev/shm, a hostile process of the same user) must never turn into
     a wrong value or a moved bump. Readers check each entry before following it: a class in use,
     a chunk below the class's bump, a length within the chunk, a layout id the meta segment
-    holds (_record, _layout; on the batch path with numpy over the batch). Handed out, not merely
+    holds (CacheView.record, CacheView.layout; on the batch path with numpy over the batch). Handed out, not merely
     committed: a committed chunk above the bump holds zeros. Sound in every legitimate state: an
     entry is READY only after its chunk's bump step, and a bump goes back (repair) only for a
     chunk no entry ever pointed at (a group's bumps move only once all its records are whole,
