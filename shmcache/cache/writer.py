@@ -425,14 +425,15 @@ class CacheWriter:
         return True
 
 
-def encoded_from_portable(record: Any, key: Any, view: CacheView) -> codec.Encoded:
-    """A portable record as what ``_insert`` writes: its body and its layout, views of ``record``."""
+def encoded_from_portable(record: Any, key: Any, cache: CacheView) -> codec.Encoded:
+    """A portable record as what a put writes: its body and its layout, views of ``record``
+    (``cache``: the cache it is for, named in the error for bytes that are not one)."""
     view = memoryview(record).cast("B")
     lid, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(view, 0) if len(view) >= _MIN_RECORD \
         else (0, 0, 0, 0)
     body = len(view) - key_len - lay_len
     if lid != codec.INLINE or not _MIN_RECORD <= body < body + lay_len:
-        raise InvalidArgument(f"the record for key {key!r} in cache {view.session}/{view.name} is not "
+        raise InvalidArgument(f"the record for key {key!r} in cache {cache.session}/{cache.name} is not "
                               f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
                               f"shmcache.tiers.tiered_store.portable_record(...) bytes")
     return codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
