@@ -449,7 +449,8 @@ class ShmDatasetCache:
 
         # refused before a cache is made: a snapshot not signed with the job's secret, or one whose
         # data files fail their checks (read first: nothing in /dev/shm is sized before they pass)
-        authenticate(manifest, resolve_secret(kwargs.get("secret")), allow_unsigned, loc.where(MANIFEST))
+        secret = resolve_secret(kwargs.get("secret"))  # what the cache made below resolves too
+        authenticate(manifest, secret, allow_unsigned, loc.where(MANIFEST))
         indexes = read_indexes(loc, manifest)
         made = not cache_exists(session, name or manifest.name)
         cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
@@ -459,7 +460,7 @@ class ShmDatasetCache:
                     cache.close()
                     cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
                 cache.last_import = import_into(cache.store, loc, manifest, force=force, threads=threads,
-                                                progress=progress, secret=cache._secret or "",
+                                                progress=progress, secret=secret or "",
                                                 allow_pickle=cache.allow_pickle, allow_unsigned=allow_unsigned,
                                                 indexes=indexes)
             if manifest.fingerprint:  # the tiers were opened before the import named the dataset
