@@ -121,7 +121,7 @@ def measure(label: str, n: int, shape: tuple, rounds: int) -> dict:
             ptrs.add(held[0][0].data_ptr())
 
         def checks():  # what gather_ints checks per batch besides copying (issue 8)
-            w0, w2 = store._gen.index.lookup_ints(next(keys))
+            w0, w2 = store.view.mapped.index.lookup_ints(next(keys))
             gather.uniform(w0, w2)
             int((w2 & np.uint64((1 << 48) - 1)).astype(np.intp).max())
 
