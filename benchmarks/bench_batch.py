@@ -111,7 +111,7 @@ def measure(label: str, n: int, shape: tuple, rounds: int) -> dict:
     try:
         ds = cache.wrap(Items(images))
         cache.warmup(ds, progress=False)
-        store = cache._store
+        store = cache.opened
         out = (torch.empty((BATCH, *shape), dtype=torch.uint8), torch.empty(BATCH, dtype=torch.int64))
         held = [None]
         ptrs: set = set()
@@ -121,7 +121,7 @@ def measure(label: str, n: int, shape: tuple, rounds: int) -> dict:
             ptrs.add(held[0][0].data_ptr())
 
         def checks():  # what gather_ints checks per batch besides copying (issue 8)
-            w0, w2 = store._gen.index.lookup_ints(next(keys))
+            w0, w2 = store.view.mapped.index.lookup_ints(next(keys))
             gather.uniform(w0, w2)
             int((w2 & np.uint64((1 << 48) - 1)).astype(np.intp).max())
 

@@ -165,7 +165,7 @@ class Admission:
         """Commit more chunks of class ``cls`` within the cap; raise NoRoom when there is no room
         (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling).
         ``fence=False``: a chunk of put_records, whose fence A comes before it moves the bump
-        (NOTE [publish order], "A chunk")."""
+        (NOTE [publish order], "A publish group")."""
         if time.monotonic() < self._shm_full_until:
             raise NoRoom  # /dev/shm was full a moment ago: don't ask the kernel on every miss
         meta = g.meta.buf

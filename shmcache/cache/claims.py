@@ -203,6 +203,21 @@ class Claims:
                 return False
         return True
 
+    def usable(self) -> bool:
+        """Whether misses go through claims in this process: the claims file opened here (once
+        per process; a failure to open it turns claims off, said once) and claims not switched off."""
+        return (self._gen == process_slot.fork_count() or self._ready()) and self.on
+
+    @property
+    def held(self) -> frozenset[int]:
+        """The buckets this process holds now (a test's view: none once a miss has returned)."""
+        return frozenset(self._held)
+
+    def forget(self, bucket: int) -> None:
+        """Drop ``bucket`` from what this process holds without unlocking it: its descriptor is
+        closed already (``close()`` in another thread), which dropped the lock."""
+        self._held.discard(bucket)
+
     def count(self, which: int, n: int = 1) -> None:
         if self._gen != process_slot.fork_count():
             self._ready()
@@ -335,7 +350,7 @@ def fill(
     """The value of ``key`` after a miss (NOTE [claims]): computed by ``compute(key)`` and
     published by ``publish(key, value)`` under a claim, or found by ``look()`` (no count) once
     another process published it."""
-    if claims is None or not ((claims._gen == process_slot.fork_count() or claims._ready()) and claims.on):
+    if claims is None or not claims.usable():
         return _compute_one(claims, key, compute, publish)
     bucket = claims.bucket(key)
     got = OURS
@@ -406,7 +421,7 @@ def fill_batch(
     if again:
         return _fill_repeats(claims, keys, again, look_many, missing, compute_many, publish_many)
     out = [missing] * len(keys)
-    if claims is None or not ((claims._gen == process_slot.fork_count() or claims._ready()) and claims.on):
+    if claims is None or not claims.usable():
         _compute(claims, keys, list(range(len(keys))), out, compute_many, publish_many)
         return out
     buckets = [claims.bucket(key) for key in keys]
@@ -546,7 +561,7 @@ def _release(claims: Claims, bucket: int) -> None:
     try:
         claims.release(bucket)
     except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
-        claims._held.discard(bucket)
+        claims.forget(bucket)
 
 
 def _release_all(claims: Claims, buckets: list[int]) -> None:

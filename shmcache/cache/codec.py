@@ -396,7 +396,7 @@ class _Builder:
             if -(1 << 63) <= x < (1 << 63):
                 self.scalars.append((_INT, x))
                 return (_INT, len(self.scalars) - 1)
-            return self._pickled(x, path)
+            return self.pickle_node(x, path)
         if tp is float:
             self.scalars.append((_FLOAT, x))
             return (_FLOAT, len(self.scalars) - 1)
@@ -444,9 +444,9 @@ class _Builder:
                 meta, shape, raw = parts
                 self.arrays.append(raw)
                 return (_EXT, tag, meta, tuple(shape), len(self.arrays) - 1)
-        return self._pickled(x, path)
+        return self.pickle_node(x, path)
 
-    def _pickled(self, x: Any, path: str) -> tuple:
+    def pickle_node(self, x: Any, path: str) -> tuple:
         try:
             b = pickle.dumps(x, protocol=5)
         except Exception as exc:
@@ -545,7 +545,7 @@ def encode(value: Any, path: str = "") -> Encoded:
         tree = b.node(value, path)
     except RecursionError:  # nested deeper than the layout walks can go: the whole value is pickled
         b = _Builder()
-        tree = b._pickled(value, path)
+        tree = b.pickle_node(value, path)
     scalar_off = [16 + 8 * i for i in range(len(b.scalars))]
     pos = 16 + 8 * len(b.scalars)
     var_off = []

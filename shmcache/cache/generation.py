@@ -19,10 +19,11 @@ from ..base.shm import Segment, word_view
 from .allocator import MAX_CLASSES, ClassTable
 from .index import TableView
 from .registry import MAX_SLOTS
+from .root import DESTROYED, RootLayout, epoch_of, split_epoch
 
 __all__ = ["KIND_ROOT", "KIND_META", "KIND_TABLE", "KIND_DATA", "RootLayout", "DESTROYED", "SIZED", "AUTO", "AUTO_NONE",
            "MetaLayout", "M", "HITS", "MISSES", "REJECTED", "CORRUPT", "COUNTER_NAMES", "INTENT", "Intent",
-           "CHUNK_RECORDS", "ChunkIntent",
+           "GROUP_RECORDS", "GroupIntent",
            "SPILL_CLASS", "Generation", "DEAD_GEN", "destroyed_generation", "close_generation", "epoch_of",
            "split_epoch"]
 
@@ -30,33 +31,7 @@ KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4  # segment kinds (``Seg
 _Q = struct.Struct("Q")
 
 
-class RootLayout:
-    """Byte offsets of the root's words (the root is one page; every word one aligned store). The
-    one definition: the store's lookup inlines EPOCH as the constant 64 (checked by
-    ``test_index``), registry.retire_root writes DESTROYED there."""
-
-    EPOCH = 64  # generation << 32 | table version, or DESTROYED (registry.retire_root)
-    CAPACITY = 72  # the cap in bytes (NOTE [memory limits])
-    INCARNATION = 80  # a random word drawn when the root is made (``cache.store``'s docstring)
-    SIZING = 88  # how the cap was set: SIZED, AUTO or AUTO_NONE
-
-
-# The root's tombstone: whoever removes a cache writes DESTROYED into its epoch word before
-# unlinking anything, so every process that still maps the root - and compares that word on every
-# lookup anyway - sees at once that its cache is gone (NOTE [publish order], Destroying).
-DESTROYED = (1 << 64) - 1
-
 SIZED, AUTO, AUTO_NONE = 0, 1, 2  # size= given; size=0; size=0 on a full machine: nothing in memory
-
-
-def epoch_of(gen: int, version: int) -> int:
-    """The epoch word that names generation ``gen`` and table version ``version``."""
-    return (gen << 32) | version
-
-
-def split_epoch(epoch: int) -> tuple[int, int]:
-    """``(generation, table version)`` of an epoch word (DESTROYED: DEAD_GEN)."""
-    return epoch >> 32, epoch & 0xFFFFFFFF
 
 
 class MetaLayout:
@@ -67,9 +42,9 @@ class MetaLayout:
     # intent record (NOTE [publish order]): phase, table position, class, old bump, then the
     # totals after the write: items, bytes, raw bytes (disk) and table items (INTENT below)
     INTENT = 192
-    # the chunk intent of put_records (NOTE [publish order]): a header of 8 words, then
-    # CHUNK_RECORDS records of 2 words and CHUNK_RECORDS class words, ending before COUNTERS
-    CHUNK = 256
+    # the group intent of put_records (NOTE [publish order]; PublishGroup): a header of 8 words, then
+    # GROUP_RECORDS records of 2 words and GROUP_RECORDS class words, ending before COUNTERS
+    GROUP = 256
     COUNTERS = 4096  # MAX_SLOTS rows of (hits, misses, rejected, corrupt): one row per liveness slot
     COUNTER_ROW = 32
     CLASSES = COUNTERS + MAX_SLOTS * COUNTER_ROW
@@ -90,28 +65,29 @@ INTENT = struct.Struct("QQQQQQQQ")
 SPILL_CLASS = 0xFFFF
 
 
-# The chunk intent: many records put under one hold of the lock (put_records, an import) are
-# published together, with two fences per chunk instead of one or two per record (``Chunk``).
+# The group intent: a group of up to GROUP_RECORDS records put under one hold of the lock
+# (put_records, an import) is published together, with two fences per group instead of one or two
+# per record (publish_group.PublishGroup).
 # Header: phase (0 none, 1 writing, 2 publishing), records, classes, then the totals after the
-# chunk: items, bytes and table items in memory. A record: class << 48 | table position, and the
-# entry's state word w0 to publish. A class word: class << 48 | its bump when the chunk began.
-CHUNK_RECORDS = 128
-CHUNK_HEAD = struct.Struct("QQQQQQ")
-_CHUNK_RECORDS_OFF = MetaLayout.CHUNK + 64
-_CHUNK_CLASSES_OFF = _CHUNK_RECORDS_OFF + 16 * CHUNK_RECORDS
-assert _CHUNK_CLASSES_OFF + 8 * CHUNK_RECORDS <= MetaLayout.COUNTERS, "the chunk intent overlaps the counters"
+# group: items, bytes and table items in memory. A record: class << 48 | table position, and the
+# entry's state word w0 to publish. A class word: class << 48 | its bump when the group began.
+GROUP_RECORDS = 128
+GROUP_HEAD = struct.Struct("QQQQQQ")
+_GROUP_RECORDS_OFF = MetaLayout.GROUP + 64
+_GROUP_CLASSES_OFF = _GROUP_RECORDS_OFF + 16 * GROUP_RECORDS
+assert _GROUP_CLASSES_OFF + 8 * GROUP_RECORDS <= MetaLayout.COUNTERS, "the group intent overlaps the counters"
 _M48 = (1 << 48) - 1
 
 
-class ChunkIntent(NamedTuple):
-    """What a writer of a chunk is doing (NOTE [publish order]); phase 0: nothing."""
+class GroupIntent(NamedTuple):
+    """What a writer of a publish group is doing (NOTE [publish order]); phase 0: nothing."""
 
     phase: int
-    items: int  # the totals once the chunk is published
+    items: int  # the totals once the group is published
     total: int
     table_items: int
     records: list  # (table position, class, w0) per record, in the order they were allocated
-    classes: list  # (class, its bump when the chunk began), one per class the chunk allocates in
+    classes: list  # (class, its bump when the group began), one per class the group allocates in
 
 
 class Intent(NamedTuple):
@@ -187,53 +163,53 @@ class Generation:
         """Step 5: no write in progress."""
         self.meta.words[M.INTENT >> 3] = 0
 
-    # --- the chunk intent (NOTE [publish order]; the caller holds the lock) ---------
+    # --- the group intent (NOTE [publish order], PublishGroup; the caller holds the lock) -----
 
-    def chunk_phase(self) -> int:
-        return self.meta.words[M.CHUNK >> 3]
+    def group_phase(self) -> int:
+        return self.meta.words[M.GROUP >> 3]
 
-    def chunk_intent(self) -> ChunkIntent:
-        """The chunk intent as written (counts clamped to its slots: gc judges the rest)."""
+    def group_intent(self) -> GroupIntent:
+        """The group intent as written (counts clamped to its slots: gc judges the rest)."""
         buf = self.meta.buf
-        phase, n, n_cls, items, total, table_items = CHUNK_HEAD.unpack_from(buf, M.CHUNK)
-        n, n_cls = min(n, CHUNK_RECORDS), min(n_cls, CHUNK_RECORDS)
-        recs = struct.unpack_from(f"{2 * n}Q", buf, _CHUNK_RECORDS_OFF)
-        cls_words = struct.unpack_from(f"{n_cls}Q", buf, _CHUNK_CLASSES_OFF)
-        return ChunkIntent(phase, items, total, table_items,
+        phase, n, n_cls, items, total, table_items = GROUP_HEAD.unpack_from(buf, M.GROUP)
+        n, n_cls = min(n, GROUP_RECORDS), min(n_cls, GROUP_RECORDS)
+        recs = struct.unpack_from(f"{2 * n}Q", buf, _GROUP_RECORDS_OFF)
+        cls_words = struct.unpack_from(f"{n_cls}Q", buf, _GROUP_CLASSES_OFF)
+        return GroupIntent(phase, items, total, table_items,
                            [(recs[i] & _M48, recs[i] >> 48, recs[i + 1]) for i in range(0, 2 * n, 2)],
                            [(c >> 48, c & _M48) for c in cls_words])
 
-    def chunk_counts(self) -> tuple[int, int]:
+    def group_counts(self) -> tuple[int, int]:
         """``(records, classes)`` as the header says (unclamped)."""
         w = self.meta.words
-        return w[(M.CHUNK >> 3) + 1], w[(M.CHUNK >> 3) + 2]
+        return w[(M.GROUP >> 3) + 1], w[(M.GROUP >> 3) + 2]
 
-    def chunk_begin(self) -> None:
-        """Phase 1, no records yet (a writer about to allocate the first record of a chunk)."""
-        w, h = self.meta.words, M.CHUNK >> 3
+    def group_begin(self) -> None:
+        """Phase 1, no records yet (a writer about to allocate the first record of a group)."""
+        w, h = self.meta.words, M.GROUP >> 3
         w[h + 1] = w[h + 2] = 0
         w[h] = 1
 
-    def chunk_record(self, i: int, pos: int, cls: int, w0: int) -> None:
-        """Record ``i`` of the chunk, then the count that makes it part of the intent."""
-        w, r = self.meta.words, (_CHUNK_RECORDS_OFF >> 3) + 2 * i
+    def group_record(self, i: int, pos: int, cls: int, w0: int) -> None:
+        """Record ``i`` of the group, then the count that makes it part of the intent."""
+        w, r = self.meta.words, (_GROUP_RECORDS_OFF >> 3) + 2 * i
         w[r], w[r + 1] = cls << 48 | pos, w0
-        w[(M.CHUNK >> 3) + 1] = i + 1
+        w[(M.GROUP >> 3) + 1] = i + 1
 
-    def chunk_class(self, j: int, cls: int, bump: int) -> None:
-        """Class word ``j``: ``cls`` and its bump before the chunk, then the count."""
-        self.meta.words[(_CHUNK_CLASSES_OFF >> 3) + j] = cls << 48 | bump
-        self.meta.words[(M.CHUNK >> 3) + 2] = j + 1
+    def group_class(self, j: int, cls: int, bump: int) -> None:
+        """Class word ``j``: ``cls`` and its bump before the group, then the count."""
+        self.meta.words[(_GROUP_CLASSES_OFF >> 3) + j] = cls << 48 | bump
+        self.meta.words[(M.GROUP >> 3) + 2] = j + 1
 
-    def chunk_publishing(self, items: int, total: int, table_items: int) -> None:
+    def group_publishing(self, items: int, total: int, table_items: int) -> None:
         """Phase 2: every record's bytes and its entry's w1 and w2 are written and fenced; the
-        totals after the chunk go with it (a repair from here finishes the chunk)."""
-        w, h = self.meta.words, M.CHUNK >> 3
+        totals after the group go with it (a repair from here finishes the group)."""
+        w, h = self.meta.words, M.GROUP >> 3
         w[h + 3], w[h + 4], w[h + 5] = items, total, table_items
         w[h] = 2
 
-    def chunk_end(self) -> None:
-        self.meta.words[M.CHUNK >> 3] = 0
+    def group_end(self) -> None:
+        self.meta.words[M.GROUP >> 3] = 0
 
 
 class _Private:

@@ -222,7 +222,7 @@ class TableView:
 
     def stage(self, pos: int, w1: int, w2: int) -> None:
         """Write w1 and w2 of EMPTY entry ``pos`` (caller holds the lock): the first half of
-        :meth:`publish`, for a group of put_records (``Chunk``), whose one fence covers many
+        :meth:`publish`, for a publish group of put_records (PublishGroup), whose one fence covers many
         entries. Readers ignore them until w0 is READY (they load w0 first)."""
         w = (TABLE_OFF + ENTRY_BYTES * pos) >> 3
         self._store[w + 1] = w1

@@ -8,30 +8,28 @@ The other way, an import, is a write: ``CacheStore.put_records``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import SnapshotError
 from . import codec
 from .generation import Generation
 from .index import INLINE24, INT_KEY, SPILLED, entry_layout, entry_length
 from .indexed_tier import RecordLocation
-
-if TYPE_CHECKING:
-    from .store import CacheStore
+from .view import CacheView
 
 __all__ = ["records", "portable"]
 
 _MIN_RECORD = codec.RECORD_HEADER.size
 
 
-def records(store: CacheStore):
-    """Every item of ``store``'s current generation as ``(portable key, portable record)``; the
+def records(view: CacheView):
+    """Every item of the current generation ``view`` maps as ``(portable key, portable record)``; the
     record is None for a spilled one that fails its checks (damaged: the caller counts it).
     Lock-free, like every read: items stored meanwhile may or may not be included. SnapshotError
     when a clear() or destroy replaced the generation under the walk (what was read is not one
     state)."""
-    g = store._refresh()
-    spill = store.spill
+    g = view.refresh()
+    spill = view.spill
     try:
         for w0, w1, w2 in g.index.entries():
             kb = b""
@@ -41,28 +39,28 @@ def records(store: CacheStore):
                     continue
                 if not w0 & INT_KEY:
                     kb = spill.key_of(RecordLocation(w2, entry_length(w0)), w1)
-                rec = None if kb is None else store._read_spilled(w0, w2, w1, kb, g.gen)
+                rec = None if kb is None else view.read_spilled(w0, w2, w1, kb, g.gen)
                 if rec is None:
                     yield w1.to_bytes(8, "little") + (kb or b""), None
                     continue
             else:
-                rec = store._record(g, w0, w2, w1, b"")
+                rec = view.record(g, w0, w2, w1, b"")
                 if not w0 & INT_KEY:
                     kb = bytes(codec.record_key(rec))
-            yield w1.to_bytes(8, "little") + kb, portable(store, g, w0, rec, kb)
+            yield w1.to_bytes(8, "little") + kb, portable(view, g, w0, rec, kb)
     except FileNotFoundError:  # a segment of this generation was unlinked: cleared under us
         pass
-    if not store.is_current(g.gen):
-        raise SnapshotError(f"cache {store.session}/{store.name} was cleared or destroyed while it was "
+    if not view.is_current(g.gen):
+        raise SnapshotError(f"cache {view.session}/{view.name} was cleared or destroyed while it was "
                             f"read; export it again when nothing clears it")
 
 
-def portable(store: CacheStore, g: Generation, w0: int, rec: Any, kb: bytes) -> bytes | bytearray:
+def portable(view: CacheView, g: Generation, w0: int, rec: Any, kb: bytes) -> bytes | bytearray:
     """A stored record with its layout inline (a record whose layout is inline already is one)."""
     lid = entry_layout(w0)
     if lid == INLINE24:
         return bytes(rec)
-    layout = store._layout(g, lid)[0]
+    layout = view.layout(g, lid)[0]
     body = len(rec) - len(kb)
     out = bytearray(body + len(layout) + len(kb))
     codec.RECORD_HEADER.pack_into(out, 0, codec.INLINE, len(kb), len(layout), 0)

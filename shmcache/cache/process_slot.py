@@ -16,9 +16,11 @@ from typing import Any
 
 from ..base.locks import LivenessSlot
 
-__all__ = ["fork_count", "slot", "attach", "detach", "counters", "release_all"]
+__all__ = ["fork_count", "forks", "slot", "attach", "detach", "counters", "release_all"]
 
-_fork_count = 0  # one more in every forked child (_after_fork_in_child)
+# one more in every forked child (_after_fork_in_child); read it, never write it: a hot path
+# that cannot afford the call of fork_count() (CacheStore.lookup's hit) compares it directly
+forks = 0
 
 
 @dataclass
@@ -38,7 +40,7 @@ _lock = threading.Lock()
 def fork_count() -> int:
     """How many forks separate this process from the one that imported shmcache: differs in
     every forked child, so a value kept beside per-process state says whether it is ours."""
-    return _fork_count
+    return forks
 
 
 def slot(registry, session: str) -> int:
@@ -112,8 +114,8 @@ def _mark_used() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _fork_count, _lock
-    _fork_count += 1
+    global forks, _lock
+    forks += 1
     _lock = threading.Lock()
     for held in _held.values():
         held.slot.forget_after_fork()

@@ -69,6 +69,7 @@ from ..errors import (
     SessionNotFound,
     ShmcacheError,
 )
+from .root import DESTROYED, RootLayout
 
 __all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "IdleCache", "SEP", "MAX_SLOTS", "retire_root",
            "unlink_segments"]
@@ -755,8 +756,6 @@ def _live_pids_in(slots: Path) -> list[int]:
 
 def _root_in_use(name: str) -> bool:
     """Cache root ``name`` exists, finished and not tombstoned (retire_root)."""
-    from .generation import DESTROYED, RootLayout  # the root's layout (generation imports this module)
-
     try:
         root = Segment.attach(name)
     except (FileNotFoundError, CorruptSegment):
@@ -787,8 +786,6 @@ def unlink_segments(ns: Namespace, prefix: str, *, keep: Collection[str] = ()) -
 
 def retire_root(name: str) -> None:
     """Write the tombstone into the epoch word of cache root ``name`` (before it is unlinked)."""
-    from .generation import DESTROYED, RootLayout  # the root's layout (generation imports this module)
-
     try:
         root = Segment.attach(name)
     except (OSError, ShmcacheError):  # gone, or never finished (no reader maps it): unlink it

@@ -6,8 +6,9 @@ gc): it undoes or finishes what the last writer left, after ``impossible_intent`
 intent is one a writer can leave. ``collect_garbage`` is ``shmcache gc`` for one cache: repair,
 look for damage as readers would find it (``find_damage``), drop a damaged generation for an empty
 one (``drop_generation``, the fix CorruptSegment messages promise), recount the totals, and unlink
-what is no longer current. They work on a store (``CacheStore``): its mappings of the generation
-(``_refresh``, ``_data``, ``_committed``, ``_layout``), its names and its error for damage.
+what is no longer current. They read the cache through its view (view.CacheView: ``refresh``,
+``class_data``, ``recheck_class``, ``layout``, its segment names and its error for damage); gc and
+the drop ask a little more of the store, declared here as ``Collectable``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from __future__ import annotations
 import logging
 import shutil
 import struct
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import numpy as np
 
 from ..base import ordering
+from ..base.shm import Segment
 from ..errors import CorruptSegment
-from . import chunk as chunks
-from . import codec
+from . import codec, publish_group
 from .allocator import MAX_CLASSES
 from .generation import SPILL_CLASS, Generation, Intent, M, RootLayout, split_epoch
 from .index import (
@@ -40,13 +42,12 @@ from .index import (
     entry_layout,
     entry_length,
 )
+from .indexed_tier import IndexedTier
 from .registry import SEP, unlink_segments
-
-if TYPE_CHECKING:
-    from .store import CacheStore
+from .view import CacheView
 
 __all__ = ["repair_intent", "impossible_intent", "collect_garbage", "find_damage", "recount_items",
-           "recount_committed", "drop_generation"]
+           "recount_committed", "drop_generation", "Collectable", "MakesGenerations"]
 
 log = logging.getLogger("shmcache")
 
@@ -54,16 +55,42 @@ _Q = struct.Struct("Q")
 _MIN_RECORD = codec.RECORD_HEADER.size  # the shortest record
 
 
-def repair_intent(store: CacheStore, g: Generation) -> int:
+class MakesGenerations(Protocol):
+    """The writer's call that publishes a new, empty generation (writer.CacheWriter)."""
+
+    def create_generation(self, root: Segment, gen: int, capacity: int, cap: int) -> None: ...
+
+
+class Collectable(Protocol):
+    """What gc and the drop of a damaged generation ask of a cache (a CacheStore has it)."""
+
+    @property
+    def view(self) -> CacheView: ...
+
+    @property
+    def writer(self) -> MakesGenerations: ...
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    def spill(self) -> IndexedTier | None: ...
+
+    def read_meta(self) -> dict: ...
+
+    def locked(self) -> AbstractContextManager[None]: ...
+
+
+def repair_intent(view: CacheView, g: Generation) -> int:
     """Undo or finish the last writer's work if it died mid-way (NOTE [publish order])."""
-    if g.chunk_phase():  # a chunk of put_records has its own intent record and repair (chunk.py)
-        return chunks.repair(g, store._corrupt)
+    if g.group_phase():  # a publish group of put_records has its own intent record and repair
+        return publish_group.repair(g, view.corrupt)
     intent = g.intent()
     if intent.phase == 0:
         return 0
     wrong = impossible_intent(g, intent)
     if wrong:  # restoring that bump would hand out live chunks again: touch nothing
-        raise store._corrupt(f"the intent record in {g.meta.name} is impossible: {wrong}")
+        raise view.corrupt(f"the intent record in {g.meta.name} is impossible: {wrong}")
     w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * intent.pos)[0]
     if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
         g.apply_totals(intent)
@@ -74,8 +101,8 @@ def repair_intent(store: CacheStore, g: Generation) -> int:
         g.classes.set_bump(intent.cls, intent.old_bump)
         reclaimed = 1
     g.end()
-    log.info("cache %s/%s: repaired an entry left by a dead writer (%s)", store.session,
-             store.name, "reclaimed its chunk" if reclaimed else "counted it")
+    log.info("cache %s/%s: repaired an entry left by a dead writer (%s)", view.session,
+             view.name, "reclaimed its chunk" if reclaimed else "counted it")
     return reclaimed
 
 
@@ -110,33 +137,34 @@ def impossible_intent(g: Generation, intent: Intent) -> str:
     return ""
 
 
-def collect_garbage(store: CacheStore, report: dict | None = None) -> tuple[int, list[str]]:
+def collect_garbage(store: Collectable, report: dict | None = None) -> tuple[int, list[str]]:
     """``shmcache gc`` for this cache (CacheStore.collect_garbage, which documents it)."""
     report = {} if report is None else report
+    view = store.view
     with store.locked():
         try:
-            g = store._refresh()
-            reclaimed = repair_intent(store, g)
-            damage = find_damage(store, g)
+            g = view.refresh()
+            reclaimed = repair_intent(view, g)
+            damage = find_damage(view, g)
         except CorruptSegment as exc:
             damage, reclaimed = str(exc), 0
         if damage:
             drop_generation(store, damage)
             report["dropped"] = damage
-            g = store._refresh()
+            g = view.refresh()
         else:
-            report["recounted"] = recount_items(store, g)
+            report["recounted"] = recount_items(view, g)
         recount_committed(g)
-        name = store._seg_name
+        name = view.segment_name
         keep = {name("root"), name(f"g{g.gen}", "meta"), name(f"g{g.gen}", f"t{g.version}")}
         keep |= {name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
-        removed = unlink_segments(store.ns, store._base + SEP, keep=keep)
+        removed = unlink_segments(view.ns, view.base + SEP, keep=keep)
         if store.spill is not None:
             store.spill.collect_garbage()
         return reclaimed, removed
 
 
-def find_damage(store: CacheStore, g: Generation) -> str:
+def find_damage(view: CacheView, g: Generation) -> str:
     """What is damaged in generation ``g``, or "" (gc; caller holds the lock). Every READY
     entry is checked as readers check one, with numpy over the whole table (index's accessors
     over arrays of words)."""
@@ -146,12 +174,12 @@ def find_damage(store: CacheStore, g: Generation) -> str:
     if count > M.MAX_LAYOUTS:
         return f"{g.meta.name} counts {count} layouts, more than its {M.MAX_LAYOUTS} slots"
     for lid in range(count):
-        store._layout(g, lid)  # raises CorruptSegment on a damaged one
+        view.layout(g, lid)  # raises CorruptSegment on a damaged one
     chunk = np.zeros(MAX_CLASSES + 1, np.uint64)  # class MAX_CLASSES: "not in use"
     handed = np.zeros(MAX_CLASSES + 1, np.uint64)
     for cls in g.classes.used_classes():
         try:
-            entry = store._committed(g, cls, store._data(g, cls))
+            entry = view.recheck_class(g, cls, view.class_data(g, cls))
         except FileNotFoundError:
             return f"the data segment of size class {cls} is missing"
         chunk[cls], handed[cls] = entry[2], entry[3]
@@ -176,7 +204,7 @@ def find_damage(store: CacheStore, g: Generation) -> str:
     return ""
 
 
-def recount_items(store: CacheStore, g: Generation) -> list[str]:
+def recount_items(view: CacheView, g: Generation) -> list[str]:
     """Set the item counters that the table's entries determine; the names of those that were
     wrong (a damaged meta segment: len() and stats would lie, and a wrong entry count would
     grow the table on every write)."""
@@ -194,7 +222,7 @@ def recount_items(store: CacheStore, g: Generation) -> list[str]:
             wrong.append(f"{names[off]} ({_Q.unpack_from(g.meta.buf, off)[0]}, now {value})")
             g.meta.words[off >> 3] = value
     if wrong:
-        log.warning("cache %s/%s: gc recounted %s", store.session, store.name, ", ".join(wrong))
+        log.warning("cache %s/%s: gc recounted %s", view.session, view.name, ", ".join(wrong))
     return wrong
 
 
@@ -208,18 +236,18 @@ def recount_committed(g: Generation) -> None:
     g.meta.words[M.COMMITTED >> 3] = total
 
 
-def drop_generation(store: CacheStore, why: str) -> None:
+def drop_generation(store: Collectable, why: str) -> None:
     """Replace a damaged generation by a new empty one (caller holds the lock): the fix that
     CorruptSegment messages promise. Old segments go with gc's sweep of non-current names."""
-    root = store._root
+    root = store.view.root
     gen = split_epoch(_Q.unpack_from(root.buf, RootLayout.EPOCH)[0])[0] + 1
-    g = store._gen
+    g = store.view.mapped
     cap = g.index.capacity if g is not None and g.index.capacity else MIN_TABLE
-    store._create_generation(root, gen if gen < 1 << 32 else 1, store.capacity_bytes, cap)
+    store.writer.create_generation(root, gen if gen < 1 << 32 else 1, store.capacity_bytes, cap)
     ordering.fence()  # as in clear(): the new epoch word (the retirement) before the files' reuse
     if store.spill is not None:
         store.spill.clear()
     elif store.read_meta().get("spill_path"):
         shutil.rmtree(store.read_meta()["spill_path"], ignore_errors=True)
     log.warning("cache %s/%s was damaged (%s); gc dropped its contents (they are recomputed on "
-                "use)", store.session, store.name, why)
+                "use)", store.view.session, store.view.name, why)

@@ -41,6 +41,7 @@ from ..base import settings
 from . import process_slot
 from .registry import MAX_SLOTS
 from .slot_rows import SlotRows, is_garbage
+from .store_protocol import Store
 
 __all__ = ["ROW_WORDS", "StallCounts", "Pass", "stall_path", "counts_for_store", "read_ranks",
            "stats_keys", "this_rank"]
@@ -163,7 +164,7 @@ _by_path: dict[str, StallCounts] = {}
 _lock = threading.Lock()
 
 
-def counts_for_store(store: Any) -> StallCounts | None:
+def counts_for_store(store: Store) -> StallCounts | None:
     """The stall counts of ``store``'s cache (a CacheStore, or a TieredStore in front of one); None
     for an uncached store (no file: nothing to count into)."""
     local = getattr(store, "local", store)

@@ -5,26 +5,44 @@ statistics, not a snapshot of one state)."""
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from . import claims, stall
 from .generation import COUNTER_NAMES, DEAD_GEN, HITS, MISSES, REJECTED, M
 from .registry import MAX_SLOTS
+from .view import CacheView
 
-if TYPE_CHECKING:
-    from .store import CacheStore
-
-__all__ = ["STAT_KEYS", "cache_stats", "uncached_stats"]
+__all__ = ["STAT_KEYS", "cache_stats", "uncached_stats", "Measured"]
 
 STAT_KEYS = ("session", "name", "items_mem", "items_disk", "bytes_mem", "bytes_disk",
              "bytes_disk_raw", "avg_item_bytes", "hits", "misses", "rejected", "capacity_bytes")
 
 
-def cache_stats(store: CacheStore) -> dict:
+class Measured(Protocol):
+    """What the statistics read of a cache (a CacheStore has it)."""
+
+    session: str
+    name: str
+    meta_path: Path
+
+    @property
+    def view(self) -> CacheView: ...
+
+    @property
+    def claims(self) -> claims.Claims: ...
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    def shm_bytes(self) -> int: ...
+
+
+def cache_stats(store: Measured) -> dict:
     """The statistics of ``store``'s current generation (CacheStore.stats)."""
-    g = store._refresh()
+    g = store.view.refresh()
     meta = g.meta.buf
     items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
     items_disk, bytes_disk, bytes_disk_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..base import trees
+from ..cache.store_protocol import Store
 from ..errors import InvalidArgument, InvalidKey
 from .tensors import column_tensor
 
@@ -26,7 +27,7 @@ __all__ = ["gather", "copy_into", "as_int_keys", "integer_array", "as_int64", "p
 # --- the vectorised gather ------------------------------------------------------------------------
 
 
-def gather(store: Any, keys: np.ndarray, out: Any) -> Any:
+def gather(store: Store, keys: np.ndarray, out: Any) -> Any:
     """The batch of int ``keys`` gathered by the vectorised path (into ``out`` when given, which is
     then returned); None when the batch is not all cached in memory with one layout."""
     arrays = None

@@ -11,24 +11,24 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import default_collate
-from torch.utils.data._utils.collate import default_collate_fn_map
-from torch.utils.data._utils.fetch import _MapDatasetFetcher
 
 from ..base import trees
 from ..cache import codec
+from ..cache.store_protocol import Store
 from ..errors import InvalidArgument
 from .tensors import column_tensor, torch_dtype
+from .torch_private import FETCH_CODE, default_collate_fn_map
 
-__all__ = ["gather_collated", "collates_by_default"]
+__all__ = ["gather_collated", "collates_by_default", "Collated", "register_live"]
 
 # NOTE [collated batch]
 #     ``DataLoader(ds, batch_size=B)`` calls ``ds.__getitems__(indices)`` and hands what it returns
-#     to its ``collate_fn`` (torch.utils.data._utils.fetch._MapDatasetFetcher.fetch). Samples one by
+#     to its ``collate_fn`` (torch_private.FETCH_CODE: torch's map-style fetcher). Samples one by
 #     one, stacked again by default_collate, cost 5-10x the vectorised gather. So when the caller is
 #     torch's fetcher and its collate_fn is default_collate itself, __getitems__ gathers the batch
-#     already collated and returns it as a list of n references to one ``_Collated`` marker;
-#     default_collate looks only at ``type(batch[0])``, finds ``_Collated`` in its
-#     ``default_collate_fn_map`` (registered below: a private type, so nobody else's collation
+#     already collated and returns it as a list of n references to one ``Collated`` marker;
+#     default_collate looks only at ``type(batch[0])``, finds ``Collated`` in its
+#     ``default_collate_fn_map`` (registered below: a type of our own, so nobody else's collation
 #     changes) and returns the batch. ``gather_collated`` builds exactly what default_collate would
 #     (dtypes, shapes, dict/list/tuple types), and refuses (None: item by item) what it cannot.
 #     Any other caller - a custom collate_fn, a wrapper around default_collate, a direct call, a
@@ -45,7 +45,7 @@ __all__ = ["gather_collated", "collates_by_default"]
 #     misses, cold epochs and every other sample type are computed in the worker as before.
 
 
-def gather_collated(store: Any, keys: np.ndarray, sent_from: Any = None) -> Any:
+def gather_collated(store: Store, keys: np.ndarray, sent_from: Any = None) -> Any:
     """The batch of int ``keys`` exactly as ``default_collate`` makes it from the samples
     (NOTE [collated batch]), gathered by the vectorised path; None when the batch is not all
     cached in memory with one layout, or holds a field default_collate would not stack the
@@ -83,8 +83,9 @@ def _collated_dtype(leaf: codec.Leaf) -> Any:
     return torch_dtype(leaf.dtype)
 
 
-class _Collated:
-    """Every element of a batch that __getitems__ returned already collated."""
+class Collated:
+    """Every element of a batch that __getitems__ returned already collated (default_collate
+    returns its ``batch``: registered below)."""
 
     __slots__ = ("batch",)
 
@@ -96,7 +97,7 @@ def _collate_gathered(batch: list, *, collate_fn_map: dict | None = None) -> Any
     return batch[0].batch
 
 
-default_collate_fn_map[_Collated] = _collate_gathered
+default_collate_fn_map[Collated] = _collate_gathered
 
 # token -> the CachedDatasets of this process that carry it (copies of one dataset, same cache)
 _LIVE: dict[str, weakref.WeakSet] = {}
@@ -104,7 +105,7 @@ _LIVE: dict[str, weakref.WeakSet] = {}
 
 def register_live(ds: Any) -> None:
     """Serve ``ds`` (a CachedDataset) under its token to the batches its workers send as keys."""
-    _LIVE.setdefault(ds._token, weakref.WeakSet()).add(ds)
+    _LIVE.setdefault(ds.token, weakref.WeakSet()).add(ds)
 
 
 class _Keys:
@@ -116,7 +117,7 @@ class _Keys:
         self.ds, self.keys = ds, keys
 
     def __reduce__(self):
-        return _gather_sent, (self.ds._token, self.keys.tobytes())
+        return _gather_sent, (self.ds.token, self.keys.tobytes())
 
 
 def _gather_sent(token: str, raw: bytes) -> Any:
@@ -127,20 +128,17 @@ def _gather_sent(token: str, raw: bytes) -> Any:
                               f"that this process no longer holds; keep the dataset alive while "
                               f"its DataLoader runs")
     keys = np.frombuffer(raw, np.int64)
-    store = ds.cache._ensure_open()
+    store = ds.cache.open_store()
     batch = gather_collated(store, keys)
     if batch is None:  # cleared since the worker looked: item by item, computing misses
-        batch = default_collate(ds._samples(keys))
+        batch = default_collate(ds.samples(keys))
     return batch
-
-
-_FETCH_CODE = getattr(getattr(_MapDatasetFetcher, "fetch", None), "__code__", None)
 
 
 def collates_by_default(frame: Any) -> bool:
     """True if ``frame`` (__getitems__'s caller) is torch's map-style fetcher collating with
     default_collate (NOTE [collated batch])."""
-    if frame.f_code is not _FETCH_CODE:
+    if frame.f_code is not FETCH_CODE:
         return False
     fetcher = frame.f_locals.get("self")
     return getattr(fetcher, "collate_fn", None) is default_collate

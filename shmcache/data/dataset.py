@@ -30,6 +30,7 @@ from ..base.trust import resolve_secret
 from ..cache import codec
 from ..cache.registry import SessionRegistry
 from ..cache.store import MISSING, CacheStore, UncachedStore
+from ..cache.store_protocol import Store
 from ..errors import (
     CacheNotFound,
     EncodeError,
@@ -182,7 +183,7 @@ class ShmDatasetCache:
                                   f"got {lock_timeout_s!r}")
         self.lock_timeout_s = float(lock_timeout_s)
         self.name = name
-        self._store: CacheStore | None = None
+        self.opened: Store | None = None  # the store once open (open_store); None until then
         self._fingerprint: str | None = None
         self._given_fp: str | None = None  # wrap(fingerprint=...) of the wrap() under way
         self._closed = False
@@ -209,24 +210,24 @@ class ShmDatasetCache:
 
     # --- binding to a store --------------------------------------------------------------------
 
-    def _open(self, name: str, fingerprint: str | None, table_hint: int) -> CacheStore:
+    def _open(self, name: str, fingerprint: str | None, table_hint: int) -> Store:
         if self._closed:
             raise self._closed_error()
         try:
-            self._store = CacheStore(self.session, name, capacity_bytes=self.size_mb << 20,
+            self.opened = CacheStore(self.session, name, capacity_bytes=self.size_mb << 20,
                                      fingerprint=fingerprint, table_hint=table_hint,
                                      lock_timeout_s=self.lock_timeout_s, ns=self._ns_root)
         except SharedMemoryFull as exc:  # not even the cache's own segments fit: serve uncached
-            self._store = UncachedStore(self.session, name, exc)
+            self.opened = UncachedStore(self.session, name, exc)
         self.name, self._fingerprint = name, fingerprint
-        if self.spilling and not self._store.uncached:
+        if self.spilling and not self.opened.uncached:
             from ..tiers.spill import tier as spilling
 
-            spilling.attach(self._store, self.spill_dir)
+            spilling.attach(self.opened, self.spill_dir)
         self._attach_remote(fingerprint)
         if self._snapshot is not None:  # assembly.ORDER puts it in front of the remote tier
             self._attach_snapshot(name, fingerprint)
-        return self._store
+        return self.opened
 
     def _attach_remote(self, fingerprint: str | None) -> None:
         """With a remote in force, the store becomes ``TieredStore(local, [RedisTier])``; without
@@ -246,10 +247,10 @@ class ShmDatasetCache:
         if url is not None:
             from ..tiers import assembly, remote
 
-            if fingerprint is None and not self._store.uncached:  # a named cache bound earlier
-                fingerprint = self._store.read_meta().get("fingerprint")
-            tier = remote.open_tier(self._store, url, fingerprint, registry, self._secret)
-            self._store = assembly.assemble(self._store, [tier], name=self._store.name, fingerprint=fingerprint,
+            if fingerprint is None and not self.opened.uncached:  # a named cache bound earlier
+                fingerprint = self.opened.read_meta().get("fingerprint")
+            tier = remote.open_tier(self.opened, url, fingerprint, registry, self._secret)
+            self.opened = assembly.assemble(self.opened, [tier], name=self.opened.name, fingerprint=fingerprint,
                                             allow_pickle=self.allow_pickle, registry=registry)
 
     def _attach_snapshot(self, name: str, fingerprint: str | None) -> None:
@@ -259,23 +260,23 @@ class ShmDatasetCache:
         from ..snapshot.tier import open_tier
         from ..tiers import assembly
 
-        if fingerprint is None and not self._store.uncached:  # a named cache bound earlier
-            fingerprint = self._store.read_meta().get("fingerprint")
-        local = self._store
+        if fingerprint is None and not self.opened.uncached:  # a named cache bound earlier
+            fingerprint = self.opened.read_meta().get("fingerprint")
+        local = self.opened
         registry = SessionRegistry(namespace(self._ns_root))
         try:
             tier = open_tier(local, self._snapshot[0], registry, self._snapshot[1], self._secret)
-            self._store = assembly.assemble(local, [tier], name=name, fingerprint=fingerprint,
+            self.opened = assembly.assemble(local, [tier], name=name, fingerprint=fingerprint,
                                             allow_pickle=self.allow_pickle, registry=registry)
         except BaseException:
-            self._store = None
+            self.opened = None
             local.close()
             raise
 
     @property
-    def store(self) -> CacheStore:
-        """The underlying store (opened on first use; see ``_ensure_open``)."""
-        return self._ensure_open()
+    def store(self) -> Store:
+        """The underlying store (opened on first use; see ``open_store``)."""
+        return self.open_store()
 
     # --- wrapping datasets ----------------------------------------------------------------------
 
@@ -299,7 +300,7 @@ class ShmDatasetCache:
                                   f"dataset's contents, at most 256 characters), got {fingerprint!r:.80}")
         self._given_fp = fingerprint
         wrapped = self._wrap(dataset, transform)
-        store = self._store
+        store = self.opened
         if store is not None and not store.uncached:
             store.record_label(label_of(dataset, label))
         return wrapped
@@ -330,10 +331,10 @@ class ShmDatasetCache:
         self._bind(dataset, transform, samples, table_hint=n)
         self._source_len = n
         # the fingerprint's probes (and the second read of the first): computations too
-        self._store.count_computed(len(probes) + (again is not None))
+        self.opened.count_computed(len(probes) + (again is not None))
         for p in probes:  # computed anyway: keep them
             if p.error is None:
-                self._put(self._store, p.index, None, p.encoded)
+                self.put_computed(self.opened, p.index, None, p.encoded)
         return CachedDataset(self, dataset, transform)
 
     def _wrap_without_source(self, transform: Callable | None) -> CachedDataset:
@@ -345,7 +346,7 @@ class ShmDatasetCache:
             raise InvalidArgument("wrap(None, transform=...) has no source for the transform to apply "
                                   "to; the cache's items are served as stored: drop transform=")
         manifest = None
-        if self._store is None and self.name is None:
+        if self.opened is None and self.name is None:
             if self._snapshot is None:
                 raise InvalidArgument(
                     f"wrap(None) serves a cache without its source dataset, but this ShmDatasetCache in "
@@ -357,7 +358,7 @@ class ShmDatasetCache:
             # the table grows as records arrive: the manifest's counts (length, items) claim, they
             # do not prove, and a table sized by them commits /dev/shm that outlives the process
             self._open(manifest.name, manifest.fingerprint, 0)
-        store = self._ensure_open()
+        store = self.open_store()
         meta = store.read_meta() if not store.uncached else {}
         length = meta.get("length")
         # what proves the length: the job's secret, else the items held (the cache's own count of
@@ -448,7 +449,8 @@ class ShmDatasetCache:
 
         # refused before a cache is made: a snapshot not signed with the job's secret, or one whose
         # data files fail their checks (read first: nothing in /dev/shm is sized before they pass)
-        authenticate(manifest, resolve_secret(kwargs.get("secret")), allow_unsigned, loc.where(MANIFEST))
+        secret = resolve_secret(kwargs.get("secret"))  # what the cache made below resolves too
+        authenticate(manifest, secret, allow_unsigned, loc.where(MANIFEST))
         indexes = read_indexes(loc, manifest)
         made = not cache_exists(session, name or manifest.name)
         cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
@@ -458,7 +460,7 @@ class ShmDatasetCache:
                     cache.close()
                     cache = cls(session, name or manifest.name, size, spilling, spill_dir, **kwargs)
                 cache.last_import = import_into(cache.store, loc, manifest, force=force, threads=threads,
-                                                progress=progress, secret=cache._secret or "",
+                                                progress=progress, secret=secret or "",
                                                 allow_pickle=cache.allow_pickle, allow_unsigned=allow_unsigned,
                                                 indexes=indexes)
             if manifest.fingerprint:  # the tiers were opened before the import named the dataset
@@ -502,14 +504,13 @@ class ShmDatasetCache:
         head = list(itertools.islice(it, 16))
         samples = [codec.encode(transform(x) if transform else x) for x in head]
         self._bind(dataset, transform, samples, table_hint=0)
-        wrapped = CachedIterableDataset(self, dataset, transform)
-        wrapped._pending = (os.getpid(), head, it)  # the first pass of this process starts with them
-        return wrapped
+        # the first pass of this process starts with them
+        return CachedIterableDataset(self, dataset, transform, pending=(os.getpid(), head, it))
 
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
         given = self._given_fp
         fp = fingerprint(dataset, transform, samples) if given is None else given_fingerprint(dataset, given)
-        if self._store is None:
+        if self.opened is None:
             name = self.name or default_name(dataset, fp)
             registry = SessionRegistry(namespace(self._ns_root)) if self.name is None else None
             new = registry is not None and not registry.cache_meta_path(self.session, name).exists()
@@ -518,7 +519,7 @@ class ShmDatasetCache:
                 say_earlier_versions(registry, self.session, name)
         elif self._fingerprint is None:  # opened by name before any dataset: this one is its dataset
             self._tiers_learn(fp)  # a snapshot of another dataset: refused
-            self._store.bind_fingerprint(fp)
+            self.opened.bind_fingerprint(fp)
             self._fingerprint = fp
         elif self._fingerprint != fp:
             raise InvalidArgument(
@@ -533,34 +534,34 @@ class ShmDatasetCache:
         the bare name it would share nothing with them, and meet another dataset of that name."""
         from ..tiers import assembly
 
-        assembly.bind(self._store, self.name, fp)
+        assembly.bind(self.opened, self.name, fp)
 
     # --- single items ----------------------------------------------------------------------------
 
     def get(self, key: int | str | bytes, fn: Callable | None = None) -> Any:
         """The cached value of ``key``; on a miss ``fn(key)``, stored (KeyError if ``fn`` is None)."""
-        store = self._store
+        store = self.opened
         if store is None:
-            store = self._ensure_open()
+            store = self.open_store()
         value = store.lookup(key, self.copy)
         if value is not MISSING:
             return value
         if fn is None:
             raise KeyError(key)
-        return store.fill(key, fn, partial(self._put, store), self.copy)  # NOTE [claims]
+        return store.fill(key, fn, partial(self.put_computed, store), self.copy)  # NOTE [claims]
 
     def put(self, key: int | str | bytes, value: Any) -> bool:
         """Store ``value`` under ``key`` (kept if present). False if the cache was full;
         ItemTooLarge if it can never fit (a cache of its own ``size=``, not spilling);
         CacheNotFound if the cache was destroyed while this process used it."""
-        return self._put(self.store, key, value, explicit=True)
+        return self.put_computed(self.store, key, value, explicit=True)
 
-    def _put(self, store: CacheStore, key: Any, value: Any, enc: codec.Encoded | None = None,
-             explicit: bool = False) -> bool:
+    def put_computed(self, store: Store, key: Any, value: Any, enc: codec.Encoded | None = None,
+                     explicit: bool = False) -> bool:
         """``store.put``, warning once per cache when a sample had to be pickled. A value the
         cache computed for its caller (``explicit=False``) that can never fit is served anyway,
         like every other overflow: counted as rejected (by the store) and said once per cache."""
-        enc = self._encode(key, value) if enc is None else self._warned(enc)
+        enc = self.encode(key, value) if enc is None else self._warned(enc)
         try:
             return store.put(key, None, encoded=enc)
         except ItemTooLarge as exc:
@@ -574,22 +575,22 @@ class ShmDatasetCache:
             self._say_gone(exc)
             return False
 
-    def _put_many(self, store: CacheStore, pairs: list) -> None:
+    def _put_many(self, store: Store, pairs: list) -> None:
         """Store the values a miss path computed (``(key, value)`` pairs) under one hold of the
         lock (``store.put_many``): what can never fit or finds the cache destroyed is served
-        anyway, said once per cache, as with ``_put``. A value that cannot be encoded raises
+        anyway, said once per cache, as with ``put_computed``. A value that cannot be encoded raises
         EncodeError after the others are stored: one such sample loses only itself."""
         items, failed = [], None
         for key, value in pairs:
             try:
-                items.append((key, self._encode(key, value)))
+                items.append((key, self.encode(key, value)))
             except EncodeError as exc:
                 failed = failed or exc
-        self._put_encoded(store, items)
+        self.put_encoded(store, items)
         if failed is not None:
             raise failed
 
-    def _put_encoded(self, store: CacheStore, items: list) -> None:
+    def put_encoded(self, store: Store, items: list) -> None:
         """``_put_many`` of values encoded already (``(key, codec.Encoded)`` pairs)."""
         too_large: list = []
         try:
@@ -599,7 +600,8 @@ class ShmDatasetCache:
         if too_large:
             self._say_too_large(too_large[0])
 
-    def _encode(self, key: Any, value: Any) -> codec.Encoded:
+    def encode(self, key: Any, value: Any) -> codec.Encoded:
+        """``value`` encoded for ``key``, warned about once per cache when it had to be pickled."""
         return self._warned(codec.encode(value, f"the value of key {key!r}"))
 
     def _warned(self, enc: codec.Encoded) -> codec.Encoded:
@@ -757,7 +759,7 @@ class ShmDatasetCache:
         without ``--force``). The cache itself stays for others. This object and the datasets it
         wrapped are then unusable: every use raises; open a new ShmDatasetCache."""
         self._closed = True
-        store, self._store = self._store, None
+        store, self.opened = self.opened, None
         if store is not None:
             store.close()
 
@@ -780,12 +782,13 @@ class ShmDatasetCache:
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_store"] = None
+        state["opened"] = None
         return state
 
-    def _ensure_open(self) -> CacheStore:
-        """The store, re-attached by name in a process that received this cache pickled."""
-        if self._store is None:
+    def open_store(self) -> Store:
+        """The store, opened on first use: re-attached by name in a process that received this
+        cache pickled (a DataLoader worker)."""
+        if self.opened is None:
             if self._closed:
                 raise self._closed_error()
             if self.name is None:
@@ -796,13 +799,13 @@ class ShmDatasetCache:
                     f"ShmDatasetCache(name='train'), or wrap(dataset) first (it is then named "
                     f"after the dataset)")
             self._open(self.name, self._fingerprint, 0)
-        return self._store
+        return self.opened
 
 
 # --- warm-up --------------------------------------------------------------------------------------
 
 
-def _not_behind(store, keys: list, per_trip: int = 256) -> list:
+def _not_behind(store: Store, keys: list, per_trip: int = 256) -> list:
     """The ``keys`` that the tiers behind ``store`` lack too; those they have are admitted into
     shared memory on the way (a bounded batch per round trip: values may be large)."""
     out = []

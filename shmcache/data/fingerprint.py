@@ -271,7 +271,7 @@ class _Digest:
             self._object(fn.__self__, depth + 1)
         elif isinstance(fn, types.FunctionType):
             h.update(f"{_module_name(fn.__module__)}.{fn.__qualname__}".encode())
-            self._code(fn.__code__)
+            self.code(fn.__code__)
             self.data(fn.__defaults__, depth + 1)
             self.data(fn.__kwdefaults__, depth + 1)
             for cell in fn.__closure__ or ():
@@ -323,12 +323,13 @@ class _Digest:
         (NOTE [fingerprint])."""
         self.h.update(_class_source_digest(tp))
 
-    def _code(self, code: types.CodeType) -> None:
+    def code(self, code: types.CodeType) -> None:
+        """Digest a function's code: its bytecode, the names it uses and its constants."""
         self.h.update(code.co_code)
         self.h.update(repr(code.co_names).encode())
         for const in code.co_consts:
             if isinstance(const, types.CodeType):  # a nested function or comprehension
-                self._code(const)
+                self.code(const)
             else:
                 self.h.update(_const_bytes(const))
 
@@ -389,7 +390,7 @@ def _class_source_digest_cached(tp: type) -> bytes:
                 fn = fn.fget
             if isinstance(fn, types.FunctionType):
                 h.update(name.encode())
-                code._code(fn.__code__)
+                code.code(fn.__code__)
     return h.digest()
 
 

@@ -251,7 +251,7 @@ class PrefetchRing:
     before :class:`~shmcache.errors.PrefetchStall`. See the module docstring for the lifetime rule.
     """
 
-    counts_own_waits = True  # stall.measured: iterating a ring counts its waits (NOTE [stall counts])
+    counts_own_waits = True  # its consumer's waits count as the loop's stalls (stall.measured)
 
     def __init__(
         self,

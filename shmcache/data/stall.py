@@ -54,14 +54,16 @@ def counts_for(obj: Any) -> counts.StallCounts | None:
 
 
 def measured(obj: Any) -> bool:
-    """Whether iterating ``obj`` counts its own waits (a Timed; a PrefetchRing, whose class says
-    ``counts_own_waits``: this module cannot import prefetch, which imports it)."""
-    return isinstance(obj, Timed) or getattr(type(obj), "counts_own_waits", False) is True
+    """Whether iterating ``obj`` counts its own waits (a Timed, a PrefetchRing: each says so with
+    ``counts_own_waits``, so this module needs neither's module)."""
+    return getattr(type(obj), "counts_own_waits", False) is True
 
 
 class Timed:
     """``batches`` iterated with each wait for a batch counted (``timed``); re-iterable when
     ``batches`` is, with its length."""
+
+    counts_own_waits = True  # a loop over it counts no waits of its own (measured)
 
     def __init__(self, batches: Iterable[Any], stall_counts: counts.StallCounts | None):
         self.batches = batches

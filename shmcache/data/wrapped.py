@@ -14,7 +14,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -23,15 +23,36 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from ..base import settings
 from ..cache import codec
 from ..cache.claims import Served
-from ..cache.store import MISSING, CacheStore
+from ..cache.store import MISSING
+from ..cache.store_protocol import Store
 from ..errors import CacheMismatch, EncodeError, InvalidArgument, ItemNotCached
 from .batches import as_int64, integer_array, plain_ints
-from .collate import _Collated, collates_by_default, gather_collated, register_live
+from .collate import Collated, collates_by_default, gather_collated, register_live
 
-if TYPE_CHECKING:
-    from .dataset import ShmDatasetCache
+__all__ = ["CachedDataset", "CachedIterableDataset", "DatasetCache"]
 
-__all__ = ["CachedDataset", "CachedIterableDataset"]
+
+class DatasetCache(Protocol):
+    """What a wrapped dataset uses of the cache that wrapped it (a ShmDatasetCache): declared
+    here, so this module does not import the one that imports it."""
+
+    session: str
+    name: str | None
+    copy: bool
+    verify: float
+    opened: Store | None  # the store once open; None until ``open_store`` opens it
+
+    def open_store(self) -> Store: ...
+
+    def put_computed(self, store: Store, key: Any, value: Any, enc: codec.Encoded | None = None,
+                     explicit: bool = False) -> bool: ...
+
+    def put_encoded(self, store: Store, items: list) -> None: ...
+
+    def encode(self, key: Any, value: Any) -> codec.Encoded: ...
+
+    def get_batch(self, keys: Sequence, fn: Callable | None = None, out: Any = None, *,
+                  fn_many: Callable | None = None) -> Any: ...
 
 _VERIFY_RNG = random.Random()  # its own: verify= must not shift the user's seeded random streams
 
@@ -114,7 +135,7 @@ def _batch_index(i: Any) -> bool:
 class CachedDataset(Dataset):
     """A map-style dataset whose items come from the cache (computed once, by any process)."""
 
-    def __init__(self, cache: ShmDatasetCache, dataset: Any, transform: Callable | None):
+    def __init__(self, cache: DatasetCache, dataset: Any, transform: Callable | None):
         self.cache = cache
         self.dataset = dataset
         self.transform = transform
@@ -125,7 +146,7 @@ class CachedDataset(Dataset):
         self._index_kinds: dict[type, str] = {}
         # names this dataset to the main process when a worker sends a batch as its keys (NOTE
         # [collated batch]); copies pickled to workers keep it
-        self._token = secrets.token_hex(8)
+        self.token = secrets.token_hex(8)
         register_live(self)
 
     def __len__(self) -> int:
@@ -213,9 +234,9 @@ class CachedDataset(Dataset):
                 f"one; return one sample per index from __getitems__, and batch-level work in collate_fn")
         return got if self.transform is None else [self.transform(x) for x in got]
 
-    def _store_computed(self, store: CacheStore, i: int, value: Any) -> None:
+    def _store_computed(self, store: Store, i: int, value: Any) -> None:
         try:
-            self.cache._put(store, i, value)
+            self.cache.put_computed(store, i, value)
         except EncodeError as exc:
             raise EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}") from None
 
@@ -225,7 +246,9 @@ class CachedDataset(Dataset):
                 return self._other_index(i)
             i = self._index(i)
         cache = self.cache
-        store = cache._store if cache._store is not None else cache._ensure_open()
+        store = cache.opened  # an attribute, not a call: every warm item comes here
+        if store is None:
+            store = cache.open_store()
         value = store.lookup(i, cache.copy)
         if value is MISSING:  # computed once, whoever else misses it now (NOTE [claims])
             value = store.fill(i, self._compute, partial(self._store_computed, store), cache.copy)
@@ -277,17 +300,17 @@ class CachedDataset(Dataset):
         one batch lookup. Misses are computed and stored."""
         idx = self._indices(indices)
         cache = self.cache
-        store = cache._ensure_open()
+        store = cache.open_store()
         if not cache.verify and collates_by_default(sys._getframe(1)):
             batch = gather_collated(store, idx, self if get_worker_info() is not None else None)
             if batch is not None:
-                return [_Collated(batch)] * len(idx)
-        return self._samples(idx)
+                return [Collated(batch)] * len(idx)
+        return self.samples(idx)
 
-    def _samples(self, keys: np.ndarray) -> list:
+    def samples(self, keys: np.ndarray) -> list:
         """The samples of ``keys`` from one batch lookup (verified if asked); misses computed and stored."""
         cache = self.cache
-        store = cache._ensure_open()
+        store = cache.open_store()
         idx = keys.tolist()
         values, missing = store.lookup_batch(idx, cache.copy)
         if cache.verify:
@@ -301,7 +324,7 @@ class CachedDataset(Dataset):
                 values[j] = value
         return values
 
-    def fill_misses(self, store: CacheStore, keys: list, *, as_misses: bool = False) -> tuple[list, int]:
+    def fill_misses(self, store: Store, keys: list, *, as_misses: bool = False) -> tuple[list, int]:
         """The values of ``keys``, all missed: those this process claims computed in one
         ``_compute_many`` (the dataset's ``__getitems__`` when it has one) and stored a chunk at
         a time, the rest waited for (NOTE [claims]); and how many this process computed.
@@ -326,16 +349,16 @@ class CachedDataset(Dataset):
         values = store.fill_batch(keys, compute_many, partial(self._store_many, store), self.cache.copy)
         return values, computed
 
-    def _store_many(self, store: CacheStore, pairs: list) -> None:
+    def _store_many(self, store: Store, pairs: list) -> None:
         """Store computed samples; one that cannot be encoded raises after the others are
         stored (it loses only itself, as when they were stored one miss at a time)."""
         items, failed = [], None
         for i, value in pairs:
             try:
-                items.append((i, self.cache._encode(i, value)))
+                items.append((i, self.cache.encode(i, value)))
             except EncodeError as exc:
                 failed = failed or EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}")
-        self.cache._put_encoded(store, items)
+        self.cache.put_encoded(store, items)
         if failed is not None:
             raise failed from None
 
@@ -364,7 +387,7 @@ class CachedDataset(Dataset):
         register_live(self)  # a worker's copy, or a copy made in this process: either serves the token
 
 
-def keep_computed(store_many: Callable[[CacheStore, list], Any], store: CacheStore, pairs: list) -> None:
+def keep_computed(store_many: Callable[[Store, list], Any], store: Store, pairs: list) -> None:
     """``compute_each``'s keep: store the (key, value) pairs computed before a raise, counted."""
     store_many(store, pairs)
     store.count_computed(len(pairs))
@@ -393,13 +416,13 @@ class CachedIterableDataset(IterableDataset):
     world size) records anew.
     """
 
-    def __init__(self, cache: ShmDatasetCache, dataset: Iterable, transform: Callable | None,
-                 one_shot: bool = False):
+    def __init__(self, cache: DatasetCache, dataset: Iterable, transform: Callable | None,
+                 one_shot: bool = False, pending: tuple[int, list, Any] | None = None):
         self.cache = cache
         self.dataset = dataset
         self.transform = transform
         self._one_shot = one_shot  # a plain iterator: one pass of the source, ever
-        self._pending: tuple[int, list, Any] | None = None  # pid, items wrap() read, their iterator
+        self._pending = pending  # pid, the items wrap() read, their iterator
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -431,7 +454,7 @@ class CachedIterableDataset(IterableDataset):
         return f"{settings.get(settings.ENV_RANK, '0')}.{worker}"
 
     def __iter__(self):
-        store = self.cache._ensure_open()
+        store = self.cache.open_store()
         stream = self._stream()
         marker = f"__stream__:{stream}"
         total = store.lookup(marker, count=False)
@@ -446,7 +469,7 @@ class CachedIterableDataset(IterableDataset):
             return
         yield from self._record(store, stream, marker, skip=0)
 
-    def _record(self, store: CacheStore, stream: str, marker: str, skip: int):
+    def _record(self, store: Store, stream: str, marker: str, skip: int):
         count = 0
         for i, sample in enumerate(self._source()):
             count = i + 1
@@ -454,7 +477,7 @@ class CachedIterableDataset(IterableDataset):
                 continue  # already yielded from the cache in this pass
             value = self.transform(sample) if self.transform is not None else sample
             store.count_computed()
-            self.cache._put(store, f"{stream}:{i}", value)
+            self.cache.put_computed(store, f"{stream}:{i}", value)
             yield value
         store.put(marker, count)  # only after a full pass
 

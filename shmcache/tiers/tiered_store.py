@@ -88,6 +88,7 @@ from ..cache import codec
 from ..cache.claims import Served
 from ..cache.index import key_bytes, key_from_bytes, tier_key
 from ..cache.store import MISSING
+from ..cache.store_protocol import Store
 from ..errors import ItemTooLarge
 from . import counts as tier_counts
 from .protocol import Buffer, LeaseTier, Tier
@@ -219,7 +220,7 @@ class TieredStore:
     orders the tiers; ``tiers`` here are asked in the order given.
     """
 
-    def __init__(self, local, behind: Sequence[Tier], allow_pickle: bool = False, *,
+    def __init__(self, local: Store, behind: Sequence[Tier], allow_pickle: bool = False, *,
                  counts_path: str | os.PathLike | None = None, slot: Callable[[], int] | None = None):
         self.local = local
         # a tier whose records are not authenticated (``tier.authenticated`` false) serves data,

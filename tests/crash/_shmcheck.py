@@ -18,11 +18,12 @@ import numpy as np
 
 from shmcache import cli
 from shmcache.cache.allocator import commit_step_chunks
+from shmcache.cache.generation import M
 from shmcache.cache.index import INT_KEY, SPILLED, TableView, key_bytes
-from shmcache.cache.store import MISSING, CacheStore, M
+from shmcache.cache.store import MISSING, CacheStore
 
 __all__ = ["SIZES", "value_for", "fixed_value", "same_value", "check_store", "cache_segments",
-           "intent_phase", "chunk_phase", "reader_saw_no_harm"]
+           "intent_phase", "group_phase", "reader_saw_no_harm"]
 
 # Record sizes spanning several size classes: 64-byte classes, the doubling classes, and a few
 # records large enough to need their own commit step.
@@ -77,18 +78,18 @@ def reader_saw_no_harm(report_path) -> None:
 
 
 def intent_phase(store: CacheStore) -> int:
-    g = store._refresh()
+    g = store.view.refresh()
     return struct.unpack_from("Q", g.meta.buf, M.INTENT)[0]
 
 
-def chunk_phase(store: CacheStore) -> int:
-    """The phase of the chunk intent (put_records: cache/chunk.py)."""
-    g = store._refresh()
-    return struct.unpack_from("Q", g.meta.buf, M.CHUNK)[0]
+def group_phase(store: CacheStore) -> int:
+    """The phase of the group intent (put_records: PublishGroup)."""
+    g = store.view.refresh()
+    return struct.unpack_from("Q", g.meta.buf, M.GROUP)[0]
 
 
 def cache_segments(store: CacheStore) -> set[str]:
-    head = store._base + "+"
+    head = store.view.base + "+"
     return {n for n in store.ns.owned_segments() if n.startswith(head)}
 
 
@@ -98,21 +99,21 @@ def check_store(store: CacheStore, keys=None, source=value_for, *, after_gc: boo
 
     ``keys``: the universe of keys that may be stored; each one present must read back equal to
     ``source(key)``, and the present ones must be exactly the table's entries. ``slack_steps``:
-    commit steps a class may hold beyond its bump (a chunk of put_records that was undone leaves
+    commit steps a class may hold beyond its bump (a publish group of put_records that was undone leaves
     the steps it committed for the next writer: committed, not leaked).
     """
     problems: list[str] = []
-    g = store._refresh()
+    g = store.view.refresh()
     meta = g.meta.buf
     items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
     table_items = struct.unpack_from("Q", meta, M.TABLE_ITEMS)[0]
     phase = struct.unpack_from("Q", meta, M.INTENT)[0]
-    chunk_phase = struct.unpack_from("Q", meta, M.CHUNK)[0]
+    group_phase = struct.unpack_from("Q", meta, M.GROUP)[0]
     entries = list(g.index.entries())
     if after_gc and phase != 0:
         problems.append(f"intent record left at phase {phase} after gc/repair")
-    if after_gc and chunk_phase != 0:
-        problems.append(f"chunk intent record left at phase {chunk_phase} after gc/repair")
+    if after_gc and group_phase != 0:
+        problems.append(f"group intent record left at phase {group_phase} after gc/repair")
     if any(w0 & SPILLED for w0, _, _ in entries):
         problems.append("spilled entries in a cache without spilling")
     if items_mem != len(entries):
@@ -151,9 +152,9 @@ def check_store(store: CacheStore, keys=None, source=value_for, *, after_gc: boo
         problems.append(f"committed_bytes {committed} != {expect_committed} (meta + current table + "
                         f"committed chunks): off by {committed - expect_committed}")
     if after_gc:
-        want = {store._seg_name("root"), store._seg_name(f"g{g.gen}", "meta"),
-                store._seg_name(f"g{g.gen}", f"t{g.version}")}
-        want |= {store._seg_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
+        want = {store.view.segment_name("root"), store.view.segment_name(f"g{g.gen}", "meta"),
+                store.view.segment_name(f"g{g.gen}", f"t{g.version}")}
+        want |= {store.view.segment_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
         have = cache_segments(store)
         if have != want:
             problems.append(f"segments: unexpected {sorted(have - want)}, missing {sorted(want - have)}")

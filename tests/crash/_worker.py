@@ -92,7 +92,7 @@ def op_put(session, cache, keys, cap, kind="mixed"):
 
 def op_put_records(session, cache, keys, cap, kind="mixed"):
     """``put_records`` of the keys' values as portable records (what an import stores): one
-    chunk intent per CHUNK_RECORDS of them (cache/chunk.py)."""
+    group intent per GROUP_RECORDS of them (PublishGroup)."""
     from shmcache.cache import codec
     from shmcache.tiers.tiered_store import portable_record
 
@@ -363,8 +363,8 @@ def op_open_at_barrier(session, cache, cap, barrier_dir, n):
     pids = sorted(int(p.name.split(".")[1]) for p in Path(barrier_dir).glob("stored.*"))
     seen = {p: (v is not MISSING and same_value(v, value_for(p)))
             for p in pids for v in [s.lookup(p)]}
-    return {"root_ino": s._root._inode, "meta_ino": s._gen.meta._inode,
-            "table_ino": s._gen.table._inode, "session_created": info.created,
+    return {"root_ino": s.view.root._inode, "meta_ino": s.view.mapped.meta._inode,
+            "table_ino": s.view.mapped.table._inode, "session_created": info.created,
             "session_creator": info.creator_pid, "seen": sum(seen.values()), "pids": pids}
 
 
@@ -476,7 +476,7 @@ def op_slow_creator(session, cache, cap, suffix, started_path, go_path, key):
     _patch_segment_create(suffix, lambda: (_touch(started_path), _wait_file(go_path)))
     s = _store(session, cache, cap)
     s.put(key, value_for(key))
-    return {"root_ino": s._root._inode}
+    return {"root_ino": s.view.root._inode}
 
 
 def op_open(session, cache, cap, timeout_s, key=None):
@@ -489,7 +489,7 @@ def op_open(session, cache, cap, timeout_s, key=None):
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
                 "waited_s": time.monotonic() - t0}
-    return {"root_ino": s._root._inode, "waited_s": time.monotonic() - t0,
+    return {"root_ino": s.view.root._inode, "waited_s": time.monotonic() - t0,
             "items": s.stats()["items_mem"]}
 
 
@@ -497,7 +497,8 @@ def op_preempted_reader(session, cache, cap, key, paused_path, go_path):
     """A lock-free reader that is preempted right before it maps a data segment lazily (it has
     already checked the epoch word and found the entry), as a busy machine does at random."""
     from shmcache.base import shm as segment
-    from shmcache.cache.store import KIND_DATA, MISSING
+    from shmcache.cache.generation import KIND_DATA
+    from shmcache.cache.store import MISSING
 
     s = _store(session, cache, cap)
     s.lookup(-1)  # map the current generation (meta and table; no data segment yet)

@@ -1,7 +1,7 @@
 """SIGKILL a writer of ``put_records`` (what an import and a tier hit store through) at every step
-of a chunk (cache/chunk.py, NOTE [publish order]: "a chunk"), with a reader hammering lookups.
+of a publish group (PublishGroup, NOTE [publish order]: "a publish group"), with a reader hammering lookups.
 
-A chunk's records are allocated and copied, fenced, their bumps moved, fenced, then published. A
+A group's records are allocated and copied, fenced, their bumps moved, fenced, then published. A
 writer killed before the first fence has published nothing and moved no bump: the repair (the next
 writer or ``shmcache gc``) gives every chunk back. Killed after it, every record is whole: the
 repair publishes the rest. Either way no reader sees a torn value, every published record reads
@@ -13,26 +13,26 @@ from __future__ import annotations
 
 import pytest
 from _procs_util import Zygote, crash_env, status_of, wait_for
-from _shmcheck import check_store, chunk_phase, gc_json, reader_saw_no_harm, same_value, value_for
+from _shmcheck import check_store, gc_json, group_phase, reader_saw_no_harm, same_value, value_for
 
 from shmcache.cache import process_slot
-from shmcache.cache.generation import CHUNK_RECORDS
+from shmcache.cache.generation import GROUP_RECORDS
 from shmcache.cache.store import MISSING, CacheStore
 
 S, C = "crashchunk", "c"
 CAP = 64 << 20
-N = 40  # records put: one chunk (CHUNK_RECORDS is 128)
+N = 40  # records put: one group (GROUP_RECORDS is 128)
 # point, crash_after (hits of the point to pass), records put, doomed keys present once repaired,
 # chunks the repair gives back, who repairs
 CASES = [
     ("allocated", 10, N, 0, 11, "gc"),  # 10 records copied, the 11th allocated
     ("mid_copy", 10, N, 0, 11, "writer"),  # the 11th half-copied
-    ("chunk_copied", 20, N, 0, 21, "gc"),
-    ("chunk_fenced", 0, N, 0, N, "writer"),  # all copied and fenced, phase 2 not yet written
-    ("chunk_bumped", 0, N, N, 0, "gc"),  # phase 2, bumps moved, before the second fence
-    ("chunk_publishing", 15, N, N, 0, "writer"),  # 15 entries READY, 25 not
-    ("chunk_published", 0, N, N, 0, "gc"),  # every entry READY, the totals not yet
-    ("chunk_fenced", 1, 3 * CHUNK_RECORDS // 2, CHUNK_RECORDS, CHUNK_RECORDS // 2, "writer"),  # the 2nd chunk
+    ("group_copied", 20, N, 0, 21, "gc"),
+    ("group_fenced", 0, N, 0, N, "writer"),  # all copied and fenced, phase 2 not yet written
+    ("group_bumped", 0, N, N, 0, "gc"),  # phase 2, bumps moved, before the second fence
+    ("group_publishing", 15, N, N, 0, "writer"),  # 15 entries READY, 25 not
+    ("group_published", 0, N, N, 0, "gc"),  # every entry READY, the totals not yet
+    ("group_fenced", 1, 3 * GROUP_RECORDS // 2, GROUP_RECORDS, GROUP_RECORDS // 2, "writer"),  # the 2nd group
 ]
 
 
@@ -48,7 +48,7 @@ def _keys(n: int) -> list:
 
 @pytest.mark.parametrize("ordering", ["default", "membarrier"])
 @pytest.mark.parametrize("point,after,n,present_after,given_back,repairer", CASES)
-def test_a_chunk_killed_anywhere_is_undone_or_finished(point, after, n, present_after, given_back, repairer,
+def test_a_group_killed_anywhere_is_undone_or_finished(point, after, n, present_after, given_back, repairer,
                                                        ordering, tmp_path, capsys):
     extra = {"SHMCACHE_ORDERING": "membarrier"} if ordering == "membarrier" else {}
     store = CacheStore(S, C, capacity_bytes=CAP)
@@ -64,10 +64,10 @@ def test_a_chunk_killed_anywhere_is_undone_or_finished(point, after, n, present_
         wait_for(ready.exists, 30, "the reader to start")
         status, _ = crashing.run("put_records", S, C, doomed, CAP)
         assert status == -9, f"the writer should die at {point!r}, but it ended with {status_of(status)}"
-        assert chunk_phase(store) != 0, "the dead writer's chunk intent should still be there"
+        assert group_phase(store) != 0, "the dead writer's group intent should still be there"
         seen = {k: store.lookup(k, count=False) for k in doomed}
         assert all(v is MISSING or same_value(v, value_for(k)) for k, v in seen.items()), point
-        if given_back:  # undone: nothing of the killed chunk was ever visible
+        if given_back:  # undone: nothing of the killed group was ever visible
             assert [k for k, v in seen.items() if v is not MISSING] == doomed[:present_after]
 
         if repairer == "writer":  # the next writer, another process, repairs on its way in
@@ -75,9 +75,9 @@ def test_a_chunk_killed_anywhere_is_undone_or_finished(point, after, n, present_
             assert gc_json(capsys)["reclaimed_entries"] == 0  # nothing left to repair
         else:
             assert gc_json(capsys)["reclaimed_entries"] == given_back
-        assert chunk_phase(store) == 0
+        assert group_phase(store) == 0
         stored = len(base) + present_after + (len(later) if repairer == "writer" else 0)
-        # an undone chunk's commit steps stay committed for the next writer (not leaked: below)
+        # an undone group's commit steps stay committed for the next writer (not leaked: below)
         assert check_store(store, universe, slack_steps=64) == []
         assert [k for k in doomed if store.lookup(k, count=False) is not MISSING] == doomed[:present_after]
         assert store.stats()["items_mem"] == stored

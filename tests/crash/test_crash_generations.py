@@ -14,8 +14,8 @@ import pytest
 from _procs_util import Zygote, status_of, wait_for
 from _shmcheck import cache_segments, check_store, gc_json, same_value, value_for
 
-from shmcache.cache.index import MAX_LOAD
-from shmcache.cache.store import MIN_TABLE, MISSING, CacheStore
+from shmcache.cache.index import MAX_LOAD, MIN_TABLE
+from shmcache.cache.store import MISSING, CacheStore
 
 S, C = "gens", "c"
 CAP = 64 << 20
@@ -26,7 +26,7 @@ def _fill_to_growth(store: CacheStore) -> list[int]:
     keys = list(range(BEFORE_GROWTH))
     for k in keys:
         assert store.put(k, value_for(k))
-    assert store._refresh().version == 1
+    assert store.view.refresh().version == 1
     return keys
 
 
@@ -43,8 +43,8 @@ def test_table_built_kill_leaves_a_working_cache_and_gc_removes_the_orphan(tmp_p
     _die_at_table_built(tmp_path, BEFORE_GROWTH)
 
     orphans = cache_segments(store) - segments
-    assert orphans == {store._seg_name("g1", "t2")}, "the unpublished table is the only debris"
-    assert store._refresh().version == 1, "the root still names the old table"
+    assert orphans == {store.view.segment_name("g1", "t2")}, "the unpublished table is the only debris"
+    assert store.view.refresh().version == 1, "the root still names the old table"
     assert store.lookup(BEFORE_GROWTH, count=False) is MISSING
     assert all(same_value(store.lookup(k, count=False), value_for(k)) for k in keys)
 
@@ -55,7 +55,7 @@ def test_table_built_kill_leaves_a_working_cache_and_gc_removes_the_orphan(tmp_p
     more = list(range(BEFORE_GROWTH, BEFORE_GROWTH + 300))  # grows the table for real this time
     with Zygote(tmp_path / "clean") as z:
         assert z.run("put", S, C, more, CAP)[0] == 0
-    g = store._refresh()
+    g = store.view.refresh()
     assert g.version == 2
     for k in keys + more:
         assert same_value(store.lookup(k, count=False), value_for(k)), k
@@ -67,9 +67,9 @@ def test_table_built_kill_without_gc_next_writer_grows_anyway(tmp_path):
     keys = _fill_to_growth(store)
     _die_at_table_built(tmp_path, BEFORE_GROWTH)
     assert store.put(BEFORE_GROWTH, value_for(BEFORE_GROWTH))  # replaces the debris, publishes t2
-    g = store._refresh()
+    g = store.view.refresh()
     assert g.version == 2
-    assert store._seg_name("g1", "t1") not in cache_segments(store)
+    assert store.view.segment_name("g1", "t1") not in cache_segments(store)
     for k in keys + [BEFORE_GROWTH]:
         assert same_value(store.lookup(k, count=False), value_for(k)), k
 
@@ -91,13 +91,13 @@ def test_cleared_before_unlink_kill_leaves_a_working_cache_and_gc_removes_the_ol
     keys = list(range(100))
     for k in keys:
         assert store.put(k, value_for(k))
-    old_gen = cache_segments(store) - {store._seg_name("root")}
+    old_gen = cache_segments(store) - {store.view.segment_name("root")}
     with Zygote(tmp_path / "z", crash_at="cleared_before_unlink") as z:
         status, _ = z.run("clear", S, C, CAP)
     assert status == -9, status_of(status)
 
     assert old_gen <= cache_segments(store), "the old generation is still there (not unlinked)"
-    assert store._refresh().gen == 2, "the new generation was published: the clear happened"
+    assert store.view.refresh().gen == 2, "the new generation was published: the clear happened"
     assert all(store.lookup(k, count=False) is MISSING for k in keys)
     assert store.stats()["items_mem"] == 0
 
@@ -119,8 +119,8 @@ def test_clear_after_a_clear_that_died_half_way(tmp_path):
     with Zygote(tmp_path / "z") as z:
         status, _ = z.run("die_creating", S, C, CAP, "+g2+t1", "clear")
         assert status == -9, status_of(status)
-        assert store._seg_name("g2", "meta") in cache_segments(store)
-        assert store._refresh().gen == 1, "the dead clear() published nothing"
+        assert store.view.segment_name("g2", "meta") in cache_segments(store)
+        assert store.view.refresh().gen == 1, "the dead clear() published nothing"
         status, res = z.run("clear", S, C, CAP)
     assert status == 0, f"clear() after a dead clear() failed: {res and res.get('exception')}"
     assert store.lookup(0, count=False) is MISSING
@@ -144,7 +144,7 @@ def test_reader_preempted_before_a_lazy_attach_gets_a_value_or_a_miss(replacemen
             assert z.run("clear", S, C, CAP)[0] == 0
         else:
             assert z.run("put", S, C, list(range(100, 100 + 2 * BEFORE_GROWTH)), CAP)[0] == 0
-            assert store._refresh().version >= 2
+            assert store.view.refresh().version >= 2
         go.touch()
         assert z.wait(reader, 30) == 0
     res = json.loads(out.read_text())

@@ -124,7 +124,7 @@ def test_hundred_kills_between_allocation_and_publish_leak_no_chunk(tmp_path):
     assert json.loads(gc.stdout)["reclaimed_entries"] == 1  # the last kill's chunk
 
     assert check_store(store, universe, source) == []
-    g = store._refresh()
+    g = store.view.refresh()
     (cls,) = g.classes.used_classes()
     chunk, bump, committed = g.classes.get(cls)
     step = commit_step_chunks(chunk)

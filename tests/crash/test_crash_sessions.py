@@ -167,10 +167,10 @@ def _debris(ns) -> list[str]:
                 store = CacheStore(info.name, name, create=False, lock_timeout_s=5)
             except CacheNotFound:
                 continue
-            g = store._refresh()
-            want_segments |= {store._seg_name("root"), store._seg_name(f"g{g.gen}", "meta"),
-                              store._seg_name(f"g{g.gen}", f"t{g.version}")}
-            want_segments |= {store._seg_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
+            g = store.view.refresh()
+            want_segments |= {store.view.segment_name("root"), store.view.segment_name(f"g{g.gen}", "meta"),
+                              store.view.segment_name(f"g{g.gen}", f"t{g.version}")}
+            want_segments |= {store.view.segment_name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
             store.close()
     debris = sorted(set(ns.owned_segments()) - want_segments)
     debris += [f for f in _files(ns.root) if f not in want_files and not

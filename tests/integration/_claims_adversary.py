@@ -71,9 +71,9 @@ def interrupted(q, trials: int, batch: bool) -> None:
                     busy.append(b)
                 else:
                     other.release(b)
-            if busy or store.claims._held:
-                leaked.append((trial, len(busy), len(store.claims._held)))
-                for b in set(busy) | store.claims._held:  # for the next trial
+            if busy or store.claims.held:
+                leaked.append((trial, len(busy), len(store.claims.held)))
+                for b in set(busy) | store.claims.held:  # for the next trial
                     store.claims.release(b)
         other.close()
         store.close()

@@ -57,7 +57,7 @@ def entry(g, pos: int) -> np.ndarray:
 
 
 def pos_of(g, key) -> int:
-    return reader()._find(g, key).pos
+    return reader().view.find(g, key).pos
 
 
 def assert_corrupt(exc: pytest.ExceptionInfo, segment: str) -> None:
@@ -140,7 +140,7 @@ DAMAGE = [_past_committed, _committed_never_handed_out, _far_chunk, _unknown_cla
 @pytest.mark.parametrize("key", [5, "s3"])
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_entry_is_corrupt_segment_then_gc_fixes_it(writer, key, damage):
-    g = writer._refresh()
+    g = writer.view.refresh()
     damage(g, entry(g, pos_of(g, key)))
     r = reader()
     try:
@@ -158,7 +158,7 @@ def test_a_damaged_entry_is_corrupt_segment_then_gc_fixes_it(writer, key, damage
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_entry_in_a_batch_is_corrupt_segment(writer, damage):
-    g = writer._refresh()
+    g = writer.view.refresh()
     damage(g, entry(g, 5))
     cache = ShmDatasetCache(session=S, name=C)
     try:
@@ -171,7 +171,7 @@ def test_a_damaged_entry_in_a_batch_is_corrupt_segment(writer, damage):
 
 
 def test_a_damaged_first_entry_of_a_batch_is_corrupt_segment(writer):
-    g = writer._refresh()
+    g = writer.view.refresh()
     _layout_beyond_table(g, entry(g, 0))
     r = reader()
     try:
@@ -186,7 +186,7 @@ def test_a_damaged_first_entry_of_a_batch_is_corrupt_segment(writer):
 
 
 def test_a_garbage_layout_is_corrupt_segment(writer):
-    g = writer._refresh()
+    g = writer.view.refresh()
     off = MetaLayout.LAYOUTS  # layout 0: the one every key of the writer shares
     g.meta.buf[off + 4:off + 40] = b"\xa7" * 36
     r = reader()
@@ -201,7 +201,7 @@ def test_a_garbage_layout_is_corrupt_segment(writer):
 
 
 def test_a_layout_length_beyond_its_slot_is_corrupt_segment(writer):
-    g = writer._refresh()
+    g = writer.view.refresh()
     struct.pack_into("I", g.meta.buf, MetaLayout.LAYOUTS, 1 << 30)
     r = reader()
     try:
@@ -214,8 +214,8 @@ def test_a_layout_length_beyond_its_slot_is_corrupt_segment(writer):
 
 
 def _record(g, store: CacheStore, key) -> memoryview:
-    w0, w2, *_ = store._find(g, key)
-    seg, _, chunk = store._data(g, w2 >> 48)[:3]
+    w0, w2, *_ = store.view.find(g, key)
+    seg, _, chunk = store.view.class_data(g, w2 >> 48)[:3]
     start = 4096 + (w2 & ((1 << 48) - 1)) * chunk
     return memoryview(seg.buf)[start:start + (w0 >> 32)]
 
@@ -224,7 +224,7 @@ def test_damaged_record_bytes_are_corrupt_segment_naming_the_key(writer):
     inline = {f"field_{i:03d}": i for i in range(80)}  # a layout too long to share: stored inline
     assert writer.put("inline", inline)
     assert writer.put("pickled", {1, 2, 3})
-    g = writer._refresh()
+    g = writer.view.refresh()
     rec = _record(g, writer, "inline")
     struct.pack_into("<I", rec, 8, 1 << 20)  # its inline layout length
     rec = _record(g, writer, "pickled")
@@ -235,7 +235,7 @@ def test_damaged_record_bytes_are_corrupt_segment_naming_the_key(writer):
             with pytest.raises(CorruptSegment) as exc:
                 r.lookup(key)
             msg = str(exc.value)  # gc checks metadata, not every record's bytes: the fix is a clear
-            assert repr(key) in msg and writer._seg_name(f"g{g.gen}", "c") in msg and "cache.clear()" in msg
+            assert repr(key) in msg and writer.view.segment_name(f"g{g.gen}", "c") in msg and "cache.clear()" in msg
         r.clear()
         assert r.put("inline", inline) and r.lookup("inline") == inline
         assert r.put("pickled", {1, 2, 3}) and r.lookup("pickled") == {1, 2, 3}
@@ -276,7 +276,7 @@ def _bad_intents(g):
 @pytest.mark.parametrize("which", ["bump_rewound", "bump_ahead", "phase", "position", "class",
                                    "totals", "published_phase_without_entry"])
 def test_an_impossible_intent_never_moves_the_bump_and_gc_drops_the_cache(writer, which):
-    g = writer._refresh()
+    g = writer.view.refresh()
     cls = int(g.index.words[5, 2]) >> 48
     bump = g.classes.get(cls)[1]
     _intent(g, **_bad_intents(g)[which])
@@ -296,7 +296,7 @@ def test_an_impossible_intent_never_moves_the_bump_and_gc_drops_the_cache(writer
 
 def test_a_possible_intent_is_still_repaired(writer):
     """The validation must not reject what a writer killed mid-way really leaves behind."""
-    g = writer._refresh()
+    g = writer.view.refresh()
     cls = int(g.index.words[5, 2]) >> 48
     bump = g.classes.get(cls)[1]
     good = _bad_intents(g)["bump_rewound"]
@@ -323,7 +323,7 @@ def test_a_table_with_no_empty_entry_is_corrupt_segment_not_a_hang():
     try:
         for i in range(N):
             cache.put(i, value(i))
-        g = cache.store._refresh()
+        g = cache.store.view.refresh()
         _fill_table(g)
         far = [1 << 40, 2 << 40, 3]  # beyond the capacity: hashed, probed
         with pytest.raises(CorruptSegment) as exc:
@@ -341,7 +341,7 @@ def test_a_table_with_no_empty_entry_is_corrupt_segment_not_a_hang():
 
 
 def test_a_table_header_with_a_bad_capacity_is_corrupt_segment(writer):
-    g = writer._refresh()
+    g = writer.view.refresh()
     _Q.pack_into(g.table.buf, 64, 3 << 40)  # no table of that many entries fits in the segment
     r = reader()
     try:
@@ -357,7 +357,7 @@ def test_a_table_header_with_a_bad_capacity_is_corrupt_segment(writer):
 
 
 def test_garbage_layout_count_is_corrupt_segment_for_writers(writer):
-    g = writer._refresh()
+    g = writer.view.refresh()
     _Q.pack_into(g.meta.buf, MetaLayout.N_LAYOUTS, 1 << 40)
     w = reader()
     try:
@@ -370,7 +370,7 @@ def test_garbage_layout_count_is_corrupt_segment_for_writers(writer):
 
 
 def test_garbage_item_counters_are_recounted_by_gc(writer):
-    g = writer._refresh()
+    g = writer.view.refresh()
     for off in (MetaLayout.ITEMS_MEM, MetaLayout.BYTES_MEM, MetaLayout.TABLE_ITEMS,
                 MetaLayout.COMMITTED):
         _Q.pack_into(g.meta.buf, off, (1 << 63) + 12345)
@@ -387,7 +387,7 @@ def test_garbage_item_counters_are_recounted_by_gc(writer):
 
 
 def test_counters_at_their_limit_are_corrupt_segment_for_writers_and_gc_recounts_them(writer):
-    g = writer._refresh()
+    g = writer.view.refresh()
     for off in (MetaLayout.ITEMS_MEM, MetaLayout.BYTES_MEM):
         _Q.pack_into(g.meta.buf, off, (1 << 64) - 1)  # + 1 no longer fits a word
     w = reader()
@@ -402,7 +402,7 @@ def test_counters_at_their_limit_are_corrupt_segment_for_writers_and_gc_recounts
 
 
 def test_a_segment_header_that_does_not_open_is_dropped_by_gc(writer):
-    g = writer._refresh()
+    g = writer.view.refresh()
     g.meta.buf[0:8] = b"garbage!"  # its magic word
     with pytest.raises(CorruptSegment) as exc:
         reader()
@@ -411,8 +411,8 @@ def test_a_segment_header_that_does_not_open_is_dropped_by_gc(writer):
 
 
 def test_a_table_full_of_one_str_key_hash_is_corrupt_segment_not_a_hang(writer):
-    g = writer._refresh()
-    w0, w2, *_ = writer._find(g, "s3")
+    g = writer.view.refresh()
+    w0, w2, *_ = writer.view.find(g, "s3")
     words = g.index.words
     free = words[:, 0] == 0
     words[free, 1] = np.uint64(key_bytes("absent")[0])  # every entry: the hash of "absent"...
@@ -429,7 +429,7 @@ def test_a_table_full_of_one_str_key_hash_is_corrupt_segment_not_a_hang(writer):
 
 
 def test_hit_counters_of_garbage_do_not_break_reads(writer):
-    g = writer._refresh()
+    g = writer.view.refresh()
     start, end = MetaLayout.COUNTERS, MetaLayout.CLASSES
     g.meta.buf[start:end] = b"\xff" * (end - start)  # every process slot's hits, misses...
     code = ("from shmcache.cache.store import CacheStore; s = CacheStore('dmg', 'c', create=False); "
@@ -444,7 +444,7 @@ def test_damaged_pickled_bytes_in_a_vectorised_batch_are_corrupt_segment():
         with pytest.warns(UserWarning, match="stored with pickle"):
             for i in range(N):
                 cache.put(i, (np.full(4, i, np.uint8), {i}))  # a set: a pickled leaf, decoded per item
-        g = cache.store._refresh()
+        g = cache.store.view.refresh()
         rec = _record(g, cache.store, 7)
         rec[16:24] = b"\xff" * 8  # the start of its pickle
         with pytest.raises(CorruptSegment) as exc:
@@ -460,7 +460,7 @@ def test_damaged_pickled_bytes_in_a_vectorised_batch_are_corrupt_segment():
 @pytest.mark.parametrize("value_", ["x" * 40, b"y" * 40])
 def test_a_length_cut_short_is_corrupt_segment_not_a_truncated_value(writer, value_):
     assert writer.put(200, value_)
-    g = writer._refresh()
+    g = writer.view.refresh()
     e = entry(g, 200)
     e[0] = (int(e[0]) & 0xFFFFFFFF) | (20 << 32)  # 20 of its 56 bytes
     r = reader()
@@ -475,7 +475,7 @@ def test_a_length_cut_short_is_corrupt_segment_not_a_truncated_value(writer, val
 def test_garbage_item_counters_make_len_corrupt_segment_not_overflow_error(writer):
     """len() of a cache whose item counter is garbage raised a raw OverflowError (a length beyond
     sys.maxsize); it is damage that gc recounts."""
-    g = writer._refresh()
+    g = writer.view.refresh()
     _Q.pack_into(g.meta.buf, MetaLayout.ITEMS_MEM, (1 << 63) + 12345)
     cache = ShmDatasetCache(session=S, name=C)
     try:

@@ -116,7 +116,7 @@ def test_processes_racing_on_get_store_each_key_once():
         interned = sum(_record_len(k, False) for k in keys)
         inline = sum(_record_len(k, True) for k in keys)
         assert interned <= st["bytes_mem"] <= inline
-        index = cache.store._refresh().index
+        index = cache.store.view.refresh().index
         assert st["bytes_mem"] == sum(w0 >> 32 for w0, _, _ in index.entries())
         assert len(list(index.entries())) == touched
 
@@ -162,7 +162,7 @@ def test_a_reader_in_another_process_never_sees_a_wrong_value_while_the_table_gr
     os.close(w)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the reader saw a wrong value (or nothing)"
-    assert writer._refresh().index.capacity >= 8192
+    assert writer.view.refresh().index.capacity >= 8192
     writer.close()
 
 

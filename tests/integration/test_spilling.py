@@ -361,21 +361,21 @@ def test_a_read_racing_a_clear_is_a_quiet_miss(tmp_path, caplog):
     store = _spilled_store(tmp_path)
     other = CacheStore("dmg", "ds")  # a second handle: another reader, as in another process
     spilling.attach(other, tmp_path / "spill")
-    g = other._refresh()
-    spilled = [i for i in range(60) if other._find(g, i).w0 & 4]  # SPILLED entries of generation g
+    g = other.view.refresh()
+    spilled = [i for i in range(60) if other.view.find(g, i).w0 & 4]  # SPILLED entries of generation g
     assert spilled
-    found = [other._find(g, i) for i in spilled]
+    found = [other.view.find(g, i) for i in spilled]
     store.clear()  # deletes the spill files under the reader, which still holds generation g
-    from shmcache.cache.store import _CORRUPT
+    from shmcache.cache.view import CORRUPT_RECORD
 
     with caplog.at_level(logging.WARNING, logger="shmcache"):
         for w0, w2, _, kb, w1 in found:  # what a lookup that found its entry just before does next
-            assert other._decode(g, w0, w2, True, w1, kb) is _CORRUPT  # a miss, never a wrong value
+            assert other.view.decode(g, w0, w2, True, w1, kb) is CORRUPT_RECORD  # a miss, never a wrong value
         for i in range(60, 120):  # new spill files at the old names, other records at the old offsets
             store.put(i, sample(i))
         assert store.stats()["items_disk"] > 0
         for w0, w2, _, kb, w1 in found:
-            assert other._decode(g, w0, w2, True, w1, kb) is _CORRUPT
+            assert other.view.decode(g, w0, w2, True, w1, kb) is CORRUPT_RECORD
         assert not other.is_current(g.gen)  # so lookup counts such a failed read as a plain miss
         for i in spilled:
             assert other.lookup(i) is MISSING

@@ -71,7 +71,7 @@ def test_processes_get_and_put_overlapping_keys(n_procs, n_ops, n_int, n_str, tm
     assert sum(r["hits"] for r in results) > 0
     store = CacheStore(S, C, create=False)
     assert check_store(store, keys) == []
-    g = store._refresh()
+    g = store.view.refresh()
     assert g.version >= 2, "the test is meant to cover table growth under concurrency"
     assert len(g.classes.used_classes()) >= 5, "the test is meant to cover several size classes"
     assert store.collect_garbage() == (0, [])
@@ -133,13 +133,13 @@ def test_repeated_clear_does_not_grow_the_empty_cache():
     (the index table of a new generation is sized for what the cache holds, not doubled)."""
     store = CacheStore(S, C, capacity_bytes=64 << 20)
     st = store.stats()
-    first = (store._refresh().index.capacity, st["committed_bytes"], st["shm_bytes"])
+    first = (store.view.refresh().index.capacity, st["committed_bytes"], st["shm_bytes"])
     for k in range(100):
         assert store.put(k, k)
     for epoch in range(24):
         store.clear()
         st = store.stats()
-        now = (store._refresh().index.capacity, st["committed_bytes"], st["shm_bytes"])
+        now = (store.view.refresh().index.capacity, st["committed_bytes"], st["shm_bytes"])
         assert now == first, (f"clear() number {epoch + 1} left an empty cache of (table slots, "
                               f"committed bytes, shm bytes) {now}; a new cache is {first}")
         for k in range(100):

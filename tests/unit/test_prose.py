@@ -38,15 +38,6 @@ ALLOWED_PREFIXES = {
 ALLOWED_IN = {
     # a message that tells the user which file to edit on an unknown architecture
     ("shmcache/base/ordering.py", "shmcache/base/ordering.py"): 1,
-    # Comments in the bodies of CacheStore and the repair, which issue 29's store work splits and
-    # renames (chunk -> publish group): left to that change so the two do not collide; the merge
-    # removes these lines from here (the test then names whatever is left to rewrite).
-    ("shmcache/cache/store.py", "index.py"): 3,
-    ("shmcache/cache/store.py", "ordering.py"): 1,
-    ("shmcache/cache/store.py", "tests/unit/test_index.py"): 2,
-    ("shmcache/cache/store.py", "chunk.py"): 4,
-    ("shmcache/cache/store.py", "tiers/tiered_store.py"): 1,
-    ("shmcache/cache/repair.py", "chunk.py"): 1,
 }
 
 

@@ -80,9 +80,9 @@ check("get_after_clear", lambda: s.lookup(1) is MISSING, True)
 u = CacheStore("ord", "grow", capacity_bytes=64 << 20)
 for i in range(716):
     u.put(10_000 + i, small[:2])
-g0 = u._refresh().version
+g0 = u.view.refresh().version
 check("put_grows", lambda: u.put(20_000, small[:2]), True)  # the 717th entry: > 0.7 * 1024
-assert u._refresh().version == g0 + 1
+assert u.view.refresh().version == g0 + 1
 for i in range(717):
     assert u.lookup(10_000 + i if i < 716 else 20_000)[1] == 1
 check("destroy", lambda: t.destroy())
@@ -113,8 +113,8 @@ def test_forced_mode_fences_writers_only_and_every_value_is_right():
     assert c["clear"] == 2, c  # the new generation before its epoch word; the retirement before reuse
     assert c["put_grows"] == 2, c  # the new table before its epoch word (not one per entry); the publish
     assert c["destroy"] >= 1, c
-    # an import: two fences per chunk of records, whatever their commit steps (the 150 KB ones
-    # commit one each): see test_an_import_makes_a_fence_per_chunk_not_per_record
+    # an import: two fences per publish group of records, whatever their commit steps (the 150 KB ones
+    # commit one each): see test_an_import_makes_a_fence_per_group_not_per_record
     assert c["put_records"] == 2, c
 
 
@@ -366,7 +366,7 @@ from shmcache.snapshot.export import export_cache
 from shmcache.snapshot.load import import_snapshot
 from shmcache.tiers.tiered_store import key_of_portable
 
-out = {"chunk": generation.CHUNK_RECORDS}
+out = {"group": generation.GROUP_RECORDS}
 key = lambda i: i if i % 3 else f"k{i}"
 for label, n, size in (("3k", 1000, 3000), ("150k", 64, 150_000)):
     s = CacheStore("ordimp", "src" + label, capacity_bytes=256 << 20)
@@ -397,20 +397,20 @@ print(json.dumps(out))
 """
 
 
-def test_an_import_makes_a_fence_per_chunk_not_per_record():
+def test_an_import_makes_a_fence_per_group_not_per_record():
     """put_records (what a snapshot import and a tier hit store through) publishes its records a
-    chunk at a time: two fences per chunk of up to generation.CHUNK_RECORDS records (the
+    group at a time: two fences per group of up to generation.GROUP_RECORDS records (the
     committed counts before the bumps, the bumps before the entries), not one per record and one
     per commit step (NOTE [publish order])."""
     proc = _run(_IMPORT, {ordering.ENV: "membarrier"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     c = json.loads(proc.stdout.strip().splitlines()[-1])
-    chunks = lambda n: -(-n // c["chunk"])  # noqa: E731
+    groups = lambda n: -(-n // c["group"])  # noqa: E731
     assert c["3k_right"] and c["150k_right"] and c["3k_items"] == 1000 and c["150k_items"] == 64, c
     assert c["3k_import_right"] and c["150k_import_right"], c
-    assert c["3k"] <= 2 * chunks(1000), c  # was 1000 (+ a fence per 64 KiB commit step)
-    assert c["150k"] <= 2 * chunks(64), c  # was 128: a publish and a commit step per record
-    # an import makes a few more: the new cache's generation, a table growth (then the chunk
+    assert c["3k"] <= 2 * groups(1000), c  # was 1000 (+ a fence per 64 KiB commit step)
+    assert c["150k"] <= 2 * groups(64), c  # was 128: a publish and a commit step per record
+    # an import makes a few more: the new cache's generation, a table growth (then the group
     # is published first: a growth copies READY entries), before it a class's layout
-    assert c["3k_import"] <= 2 * chunks(1000) + 4 and c["150k_import"] <= 2 * chunks(64) + 4, c
+    assert c["3k_import"] <= 2 * groups(1000) + 4 and c["150k_import"] <= 2 * groups(64) + 4, c
     assert c["3k_present"] == 0 and c["150k_present"] == 0, c

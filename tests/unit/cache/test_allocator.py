@@ -85,7 +85,7 @@ def test_fixed_shape_records_get_an_exact_chunk(nbytes):
     try:
         for k in range(3):
             s.put(k, (np.full(nbytes, k, np.uint8), k))
-        g = s._refresh()
+        g = s.view.refresh()
         (cls,) = g.classes.used_classes()
         record = s.stats()["bytes_mem"] // 3
         chunk = g.classes.chunk_size(cls)

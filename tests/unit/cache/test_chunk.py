@@ -1,6 +1,6 @@
-"""A chunk of put_records (cache/chunk.py, NOTE [publish order] "A chunk"): keys twice in one call
-and keys whose entries collide with the chunk's own, an exception in the middle of a chunk, and
-the repair's checks - a chunk intent a writer can leave is undone or finished, an impossible one
+"""A publish group of put_records (PublishGroup, NOTE [publish order] "A publish group"): keys twice
+in one call and keys whose entries collide with the group's own, an exception in the middle of a
+group, and the repair's checks - a group intent a writer can leave is undone or finished, an impossible one
 is CorruptSegment that moves nothing, and gc drops the generation (the crash tests kill real
 writers: tests/crash/test_crash_chunk.py)."""
 
@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shmcache.cache import chunk as chunks
 from shmcache.cache import codec
-from shmcache.cache.generation import CHUNK_RECORDS, Intent, M
+from shmcache.cache.generation import GROUP_RECORDS, Intent, M
 from shmcache.cache.index import key_bytes
-from shmcache.cache.store import MISSING, CacheStore, _encoded_from_portable
+from shmcache.cache.publish_group import PublishGroup
+from shmcache.cache.store import MISSING, CacheStore
+from shmcache.cache.writer import encoded_from_portable
 from shmcache.errors import CorruptSegment
 from shmcache.tiers.tiered_store import portable_record
 
@@ -46,13 +47,13 @@ def test_keys_twice_and_colliding_entries_are_stored_once(store):
     unique = list(dict.fromkeys(keys))
     assert len(store) == len(unique) == store.stats()["items_mem"]
     assert all(np.array_equal(store.lookup(k), _value(k)) for k in unique)
-    g = store._refresh()
-    assert g.chunk_phase() == 0 and g.index.capacity > 1024  # grown once, mid-call
+    g = store.view.refresh()
+    assert g.group_phase() == 0 and g.index.capacity > 1024  # grown once, mid-call
 
 
-def test_an_exception_in_the_middle_of_a_chunk_undoes_it(store, monkeypatch):
+def test_an_exception_in_the_middle_of_a_group_undoes_it(store, monkeypatch):
     store.put_records(_recs(range(5)))
-    g = store._refresh()
+    g = store.view.refresh()
     before = _bumps(g)
     real, calls = codec.Encoded.write, [0]
 
@@ -66,52 +67,52 @@ def test_an_exception_in_the_middle_of_a_chunk_undoes_it(store, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         store.put_records(_recs(range(100, 120)))
     monkeypatch.undo()
-    assert g.chunk_phase() == 0 and _bumps(g) == before  # six records copied, none kept
+    assert g.group_phase() == 0 and _bumps(g) == before  # six records copied, none kept
     assert all(store.lookup(k) is MISSING for k in range(100, 120)) and len(store) == 5
     assert store.put_records(_recs(range(100, 120))) == [True] * 20
     assert all(np.array_equal(store.lookup(k), _value(k)) for k in range(100, 120))
 
 
 def _half_done(store, keys):
-    """A chunk of ``keys`` allocated, copied and staged, not published: a writer killed before
-    its first fence. Returns (generation, bumps before, the Chunk)."""
-    g = store._refresh()
+    """A group of ``keys`` allocated, copied and staged, not published: a writer killed before
+    its first fence. Returns (generation, bumps before, the PublishGroup)."""
+    g = store.view.refresh()
     before = _bumps(g)
-    chunk = chunks.Chunk()
+    chunk = PublishGroup()
     with store.locked():
         for key, rec in _recs(keys):
             w1, kb = key_bytes(key)
-            assert store._put_locked(g, key, w1, kb, _encoded_from_portable(rec, key, store), chunk)
-    assert g.chunk_phase() == 1 and len(chunk) == len(keys) < CHUNK_RECORDS
+            assert store.writer.put_locked(g, key, w1, kb, encoded_from_portable(rec, key, store.view), chunk)
+    assert g.group_phase() == 1 and len(chunk) == len(keys) < GROUP_RECORDS
     return g, before, chunk
 
 
 def _publishing(g, chunk) -> None:
     """... and killed after it (phase 2, nothing published yet)."""
     items, total, _ = g.mem_totals()
-    g.chunk_publishing(items + len(chunk), total + chunk.bytes, g.table_items() + len(chunk))
+    g.group_publishing(items + len(chunk), total + chunk.bytes, g.table_items() + len(chunk))
 
 
-def test_a_chunk_before_its_fence_is_undone_and_after_it_finished(store):
+def test_a_group_before_its_fence_is_undone_and_after_it_finished(store):
     store.put_records(_recs(range(5)))
     g, before, _ = _half_done(store, range(10, 14))
     assert all(store.lookup(k) is MISSING for k in range(10, 14))
     report = {}
     assert store.collect_garbage(report)[0] == 4 and "dropped" not in report  # 4 chunks given back
-    assert g.chunk_phase() == 0 and _bumps(g) == before and len(store) == 5
+    assert g.group_phase() == 0 and _bumps(g) == before and len(store) == 5
 
     g, before, chunk = _half_done(store, range(10, 14))
     _publishing(g, chunk)
     assert store.put(99, _value(99))  # the next writer finishes it on its way in
-    assert g.chunk_phase() == 0 and len(store) == 10
+    assert g.group_phase() == 0 and len(store) == 10
     assert all(np.array_equal(store.lookup(k), _value(k)) for k in [*range(10, 14), 99])
 
 
 def _damage(g, chunk, which):
     pos = next(iter(chunk.positions))
-    ci = g.chunk_intent()
+    ci = g.group_intent()
     if which == "phase":
-        g.meta.words[M.CHUNK >> 3] = 7
+        g.meta.words[M.GROUP >> 3] = 7
     elif which == "bump_moved_before_the_fence":
         cls = ci.classes[0][0]
         g.classes.set_bump(cls, g.classes.get(cls)[1] + 1)
@@ -120,22 +121,22 @@ def _damage(g, chunk, which):
     elif which == "staged_outside_its_chunks":
         _publishing(g, chunk)
         cls, old = ci.classes[0]  # the first record's class
-        g.index.stage(ci.records[0][0], 0, cls << 48 | (old + CHUNK_RECORDS))
+        g.index.stage(ci.records[0][0], 0, cls << 48 | (old + GROUP_RECORDS))
     elif which == "totals":
         _publishing(g, chunk)
-        g.meta.words[(M.CHUNK >> 3) + 3] = 1 << 50
+        g.meta.words[(M.GROUP >> 3) + 3] = 1 << 50
     elif which == "both_intents":
         g.begin(Intent(1, pos, ci.classes[0][0], 0, 0, 0, 0, 0))
 
 
 @pytest.mark.parametrize("which", ["phase", "bump_moved_before_the_fence", "entry_ready_before_the_fence",
                                    "staged_outside_its_chunks", "totals", "both_intents"])
-def test_an_impossible_chunk_intent_moves_nothing_and_gc_drops_the_cache(store, which):
+def test_an_impossible_group_intent_moves_nothing_and_gc_drops_the_cache(store, which):
     store.put_records(_recs(range(5)))
     g, _, chunk = _half_done(store, range(10, 14))
     _damage(g, chunk, which)
     bumps = _bumps(g)
-    with pytest.raises(CorruptSegment, match="chunk intent record .* is impossible") as exc:
+    with pytest.raises(CorruptSegment, match="group intent record .* is impossible") as exc:
         store.put(99, _value(99))
     assert "shmcache gc" in str(exc.value)
     assert _bumps(g) == bumps  # nothing given back, nothing handed out

@@ -204,7 +204,7 @@ def test_entry_words_are_native_8_byte_aligned():
 def test_growth_keeps_every_key_and_readers_holding_old_store_objects_keep_reading(shm_namespace):
     writer = CacheStore("idx", "grow", capacity_bytes=64 << 20)
     reader = CacheStore("idx", "grow")  # opened before any growth: maps table version 1
-    first = reader._refresh().index.capacity
+    first = reader.view.refresh().index.capacity
     ints = list(range(-50, 2500)) + [2**63 - 1 - i for i in range(50)]
     strs = [f"key-{i}" for i in range(600)]
     for i, k in enumerate(ints):
@@ -214,12 +214,12 @@ def test_growth_keeps_every_key_and_readers_holding_old_store_objects_keep_readi
             assert reader.lookup(ints[i // 2]) == ints[i // 2] * 2
     for k in strs:
         writer.put(k, k.upper())
-    assert writer._refresh().index.capacity >= 4 * first, "the table never grew"
+    assert writer.view.refresh().index.capacity >= 4 * first, "the table never grew"
     for k in ints:
         assert reader.lookup(k) == k * 2, k
     for k in strs:
         assert reader.lookup(k) == k.upper(), k
-    w0, _ = reader._refresh().index.lookup_ints(np.array(ints, dtype=np.int64))
+    w0, _ = reader.view.refresh().index.lookup_ints(np.array(ints, dtype=np.int64))
     assert (w0 != 0).all()
     assert len(reader) == len(ints) + len(strs)
     late = CacheStore("idx", "grow")  # opened after growth
@@ -232,11 +232,11 @@ def test_growth_keeps_every_key_and_readers_holding_old_store_objects_keep_readi
 
 def test_table_hint_sizes_the_table_so_dataset_indices_never_grow_it():
     s = CacheStore("idx", "hinted", capacity_bytes=64 << 20, table_hint=5000)
-    cap = s._refresh().index.capacity
+    cap = s.view.refresh().index.capacity
     for k in range(5000):
         s.put(k, k)
-    assert s._refresh().index.capacity == cap
-    assert s._refresh().version == 1
+    assert s.view.refresh().index.capacity == cap
+    assert s.view.refresh().version == 1
     s.close()
 
 
@@ -256,16 +256,16 @@ def test_the_entry_accessors_read_what_the_store_wrote(store):
 
     value = np.arange(100, dtype=np.int32)
     assert store.put("k", value) and store.put(7, value)
-    g = store._refresh()
-    found = store._find(g, "k")
-    rec = store._record(g, found.w0, found.w2, found.w1, found.kb)
+    g = store.view.refresh()
+    found = store.view.find(g, "k")
+    rec = store.view.record(g, found.w0, found.w2, found.w1, found.kb)
     assert entry_length(found.w0) == len(rec) and entry_layout(found.w0) not in (INLINE24,)
     assert entry_class(found.w2) in g.classes.used_classes()
     assert entry_chunk(found.w2) < g.classes.get(entry_class(found.w2))[1]  # handed out
     head = codec.record_header(rec)
     assert head.layout_id == entry_layout(found.w0) and head.key_len == len(found.kb) == 2
     assert bytes(codec.record_key(rec)) == found.kb == b"sk"
-    other = store._find(g, 7)
+    other = store.view.find(g, 7)
     assert other.w0 == state_word(READY | INT_KEY, entry_layout(other.w0), entry_length(other.w0))
     assert other.w2 == location_word(entry_class(other.w2), entry_chunk(other.w2))
     assert not other.w0 & SPILLED and entry_length(state_word(SPILLED, INLINE24, (1 << 32) - 1)) == (1 << 32) - 1
@@ -277,15 +277,15 @@ def test_the_entry_accessors_read_what_the_store_wrote(store):
 # The hot paths inline index's accessors as literals (a call or a global less per item); a new
 # inlined copy, or a change to one, must be listed here (test_no_other_inlined_copies).
 INLINED = [
-    ("shmcache.cache.store", "CacheStore.lookup", "w0 & 7 == READY | INT_KEY",
+    ("shmcache.cache.view", "CacheView.lookup", "w0 & 7 == READY | INT_KEY",
      lambda w0, w2: w0 & (READY | INT_KEY | SPILLED) == READY | INT_KEY),
-    ("shmcache.cache.store", "CacheStore.lookup", "w2 >> 48", lambda w0, w2: entry_class(w2)),
-    ("shmcache.cache.store", "CacheStore.lookup", "(w0 >> 8) & INLINE24", lambda w0, w2: entry_layout(w0)),
-    ("shmcache.cache.store", "CacheStore.lookup", "w2 & LOCATION_MASK", lambda w0, w2: entry_chunk(w2)),
-    ("shmcache.cache.store", "CacheStore.lookup", "w0 >> 32", lambda w0, w2: entry_length(w0)),
-    ("shmcache.cache.store", "CacheStore._record", "w2 >> 48", lambda w0, w2: entry_class(w2)),
-    ("shmcache.cache.store", "CacheStore._record", "w2 & LOCATION_MASK", lambda w0, w2: entry_chunk(w2)),
-    ("shmcache.cache.store", "CacheStore._record", "w0 >> 32", lambda w0, w2: entry_length(w0)),
+    ("shmcache.cache.view", "CacheView.lookup", "w2 >> 48", lambda w0, w2: entry_class(w2)),
+    ("shmcache.cache.view", "CacheView.lookup", "(w0 >> 8) & INLINE24", lambda w0, w2: entry_layout(w0)),
+    ("shmcache.cache.view", "CacheView.lookup", "w2 & LOCATION_MASK", lambda w0, w2: entry_chunk(w2)),
+    ("shmcache.cache.view", "CacheView.lookup", "w0 >> 32", lambda w0, w2: entry_length(w0)),
+    ("shmcache.cache.view", "CacheView.record", "w2 >> 48", lambda w0, w2: entry_class(w2)),
+    ("shmcache.cache.view", "CacheView.record", "w2 & LOCATION_MASK", lambda w0, w2: entry_chunk(w2)),
+    ("shmcache.cache.view", "CacheView.record", "w0 >> 32", lambda w0, w2: entry_length(w0)),
 ]
 FLAGS = range(8)  # every combination of READY, INT_KEY, SPILLED
 LAYOUT_EDGES = [0, 1, 127, INLINE24 - 1, INLINE24]
@@ -337,13 +337,14 @@ def test_the_vectorised_accessors_match_the_scalar_ones():
 
 def test_the_inlined_constants_are_the_layouts():
     """The hot path's other literals: the root's epoch word at 64, a record header of 16 bytes."""
-    assert RootLayout.EPOCH == 64 and "self._root.buf, 64)" in _source("shmcache.cache.store", "CacheStore.lookup")
-    assert codec.RECORD_HEADER.size == 16 and "16 <= n" in _source("shmcache.cache.store", "CacheStore._record")
+    assert RootLayout.EPOCH == 64 and "self.root.buf, 64)" in _source("shmcache.cache.view", "CacheView.lookup")
+    assert codec.RECORD_HEADER.size == 16 and "16 <= n" in _source("shmcache.cache.view", "CacheView.record")
 
 
 def test_no_other_inlined_copies():
     """Shifts and masks of the entry's words appear only in index.py and in the copies listed in
-    INLINED (generation.py's shifts are the epoch word's, which it defines)."""
+    INLINED (root.py's shifts are the epoch word's, which it defines; generation.py's the group
+    intent's words)."""
     pattern = re.compile(r">>\s*(np\.uint64\()?(8|32|48)\b"  # the layout id, length, class
                          r"|&\s*(np\.uint64\()?(3|7|0x[fF]8)\b"  # the state bits
                          r"|&\s*(LOCATION_MASK|INLINE24)\b")  # the chunk, the layout id
@@ -352,7 +353,7 @@ def test_no_other_inlined_copies():
     stray = []
     for path in sorted(pkg.rglob("*.py")):
         module = "shmcache." + ".".join(path.relative_to(pkg).with_suffix("").parts)
-        if module in ("shmcache.cache.index", "shmcache.cache.generation"):
+        if module in ("shmcache.cache.index", "shmcache.cache.generation", "shmcache.cache.root"):
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]

@@ -727,7 +727,7 @@ def test_wrapped_dataset_pickles_by_name_and_reattaches():
         blob = pickle.dumps(ds)
         assert len(blob) - len(pickle.dumps(src)) < 2048, "the wrapper pickles more than names"
         clone = pickle.loads(blob)
-        assert clone.cache._store is None  # attaches lazily
+        assert clone.cache.opened is None  # attaches lazily
         hits, calls = cache.stats()["hits"], clone.dataset.calls
         for i in range(50):
             assert_same(clone[i], fixed_sample(i, 16))

@@ -242,7 +242,7 @@ def test_a_copy_of_the_dataset_serves_its_batches():
     for i in range(len(src)):
         ds[i]
     twin = copy.deepcopy(ds)
-    token = ds._token
+    token = ds.token
     del ds
     gc.collect()
     assert_same(_sent(twin, ORDER), default_collate([src[i] for i in ORDER]))

@@ -1,21 +1,22 @@
-"""A chunk of ``put_records``: up to CHUNK_RECORDS records put under one hold of the lock and
-published together, with two fences per chunk rather than a fence or two per record (NOTE
-[publish order], "a chunk"; the intent record is generation.ChunkIntent).
+"""A publish group of ``put_records``/``put_many``: a group of up to GROUP_RECORDS records put
+under one hold of the lock and published together, with two fences per group rather than a fence
+or two per record (NOTE [publish order], "a group"; the intent record is generation.GroupIntent).
+"Chunk" here means only the allocator's: the fixed-size piece of a size class a record goes in.
 
-The writer (``Chunk``, driven by CacheStore._put_locked and _insert):
+The writer (``PublishGroup``, driven by CacheWriter.put_locked and its insert):
 
-  1. phase 1 (``chunk_begin``); for each record: note it in the intent (table position, class,
-     the entry's state word w0; the class's bump before the chunk, for its first record of that
+  1. phase 1 (``group_begin``); for each record: note it in the intent (table position, class,
+     the entry's state word w0; the class's bump before the group, for its first record of that
      class), commit more chunks of its class if needed (no fence here), copy the record into the
      next chunk of its class (counted here, in the process: the class's bump in shared memory
      does not move yet), and write the entry's w1 and w2 (``TableView.stage``);
   2. fence A: the records' bytes, w1 and w2, committed counts, class and layout records;
-  3. phase 2, with the totals after the chunk; each class's bump moves past the chunk's records;
+  3. phase 2, with the totals after the group; each class's bump moves past the group's records;
   4. fence B: the bumps;
   5. every entry's w0 = READY (``TableView.ready``), the totals, phase 0 (``finish``).
 
 Why this order is safe for readers, and how the repair undoes phase 1 or finishes phase 2: NOTE
-[publish order], "A chunk" and "Memory ordering".
+[publish order], "A publish group" and "Memory ordering".
 """
 
 from __future__ import annotations
@@ -29,23 +30,23 @@ from ..base.faults import ARMED as _CRASH_TESTS
 from ..base.faults import crash_point
 from ..errors import CorruptSegment
 from .allocator import MAX_CLASSES
-from .generation import CHUNK_RECORDS, ChunkIntent, Generation, Intent
+from .generation import GROUP_RECORDS, Generation, GroupIntent, Intent
 from .index import READY, SPILLED, TableView, entry_chunk, entry_class, entry_length
 
-__all__ = ["Chunk", "finish", "repair", "impossible", "CHUNK_RECORDS"]
+__all__ = ["PublishGroup", "finish", "repair", "impossible", "GROUP_RECORDS"]
 
 log = logging.getLogger("shmcache")
 _MIN_RECORD = 16  # codec.RECORD_HEADER.size
 
 
-class Chunk:
-    """The records of one chunk that this writer has allocated and not yet published (the caller
+class PublishGroup:
+    """The records of one group that this writer has allocated and not yet published (the caller
     holds the cache's lock from the first ``allocate`` to ``flush``)."""
 
     def __init__(self):
         self.g: Generation | None = None
         self.positions: dict[int, tuple[int, bytes]] = {}  # table position -> its key (w1, key bytes)
-        self.bumps: dict[int, list[int]] = {}  # class -> [its bump before the chunk, next chunk]
+        self.bumps: dict[int, list[int]] = {}  # class -> [its bump before the group, its next chunk]
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -55,10 +56,10 @@ class Chunk:
         return pos in self.positions
 
     def probe(self, index: TableView, pos: int, w1: int, kb: bytes) -> int:
-        """Where a key goes whose probe found EMPTY entry ``pos`` taken by this chunk: the next
-        EMPTY entry on its path that the chunk has not taken, or -1 when the chunk holds the key
+        """Where a key goes whose probe found EMPTY entry ``pos`` taken by this group: the next
+        EMPTY entry on its path that the group has not taken, or -1 when the group holds the key
         already. (A READY entry past an EMPTY one is never this key: its probe passed non-EMPTY
-        entries only, and none is ever emptied; so only the chunk's own entries are compared.)"""
+        entries only, and none is ever emptied; so only the group's own entries are compared.)"""
         words = index.words
         for _ in range(index.capacity):
             taken = self.positions.get(pos)
@@ -79,20 +80,20 @@ class Chunk:
         ``w1``/``kb``, ``w0`` and chunk ``chunk`` of class ``cls`` (from :meth:`next_chunk`)."""
         if not self.positions:
             self.g = g
-            g.chunk_begin()
-        assert g is self.g, "a chunk is published before its table grows"
-        g.chunk_record(len(self.positions), pos, cls, w0)
+            g.group_begin()
+        assert g is self.g, "a group is published before its table grows"
+        g.group_record(len(self.positions), pos, cls, w0)
         self.positions[pos] = (w1, kb)
         b = self.bumps.get(cls)
         if b is None:
-            g.chunk_class(len(self.bumps), cls, chunk)
+            g.group_class(len(self.bumps), cls, chunk)
             self.bumps[cls] = [chunk, chunk + 1]
         else:
             b[1] += 1
         self.bytes += entry_length(w0)
 
     def flush(self) -> None:
-        """Publish the chunk's records (steps 2-5); nothing to do when it has none."""
+        """Publish the group's records (steps 2-5); nothing to do when it has none."""
         if not self.positions:
             return
         g, n = self.g, len(self.positions)
@@ -100,17 +101,17 @@ class Chunk:
         table_items = g.table_items()
         ordering.fence()  # A: bytes, w1 and w2, committed counts, class and layout records
         if _CRASH_TESTS:
-            crash_point("chunk_fenced")
-        g.chunk_publishing(items + n, total + self.bytes, table_items + n)
+            crash_point("group_fenced")
+        g.group_publishing(items + n, total + self.bytes, table_items + n)
         finish(g)
         self.positions.clear()
         self.bumps.clear()
         self.bytes = 0
 
     def abandon(self, corrupt: Callable[..., CorruptSegment]) -> None:
-        """After an exception in the middle of a chunk: what a repair would do (undo it before its
+        """After an exception in the middle of a group: what a repair would do (undo it before its
         fence, finish it after)."""
-        if self.positions and self.g.chunk_phase():
+        if self.positions and self.g.group_phase():
             repair(self.g, corrupt, dead=False)
         self.positions.clear()
         self.bumps.clear()
@@ -118,49 +119,49 @@ class Chunk:
 
 
 def finish(g: Generation) -> None:
-    """Steps 3-5 of a chunk in phase 2 (its writer, or the repair of a dead one)."""
-    ci = g.chunk_intent()
+    """Steps 3-5 of a group in phase 2 (its writer, or the repair of a dead one)."""
+    ci = g.group_intent()
     count = Counter(cls for _, cls, _ in ci.records)
     for cls, bump in ci.classes:
         g.classes.set_bump(cls, bump + count[cls])
     if _CRASH_TESTS:
-        crash_point("chunk_bumped")
+        crash_point("group_bumped")
     ordering.fence()  # B: the bumps before the entries that point below them
     index = g.index
     for pos, _, w0 in ci.records:
         if _CRASH_TESTS:
-            crash_point("chunk_publishing")
+            crash_point("group_publishing")
         index.ready(pos, w0)  # the same word again where a dead writer published it already
     if _CRASH_TESTS:
-        crash_point("chunk_published")
+        crash_point("group_published")
     g.apply_totals(Intent(2, 0, 0, 0, ci.items, ci.total, 0, ci.table_items))
-    g.chunk_end()
+    g.group_end()
 
 
 def repair(g: Generation, corrupt: Callable[..., CorruptSegment], dead: bool = True) -> int:
-    """Undo (phase 1) or finish (phase 2) the chunk in generation ``g``'s intent (caller holds the
-    lock); the number of chunks given back. ``corrupt``: CacheStore._corrupt, for an intent no
+    """Undo (phase 1) or finish (phase 2) the group in generation ``g``'s intent (caller holds the
+    lock); the number of chunks given back. ``corrupt``: the view's ``corrupt``, for an intent no
     writer can leave (damage: touch nothing; gc drops the generation)."""
-    ci = g.chunk_intent()
+    ci = g.group_intent()
     wrong = impossible(g, ci)
     if wrong:
-        raise corrupt(f"the chunk intent record in {g.meta.name} is impossible: {wrong}")
+        raise corrupt(f"the group intent record in {g.meta.name} is impossible: {wrong}")
     if ci.phase == 1:  # nothing published, no bump moved: forget the words staged in EMPTY entries
         for pos, _, _ in ci.records:
             g.index.stage(pos, 0, 0)
-        g.chunk_end()
+        g.group_end()
         reclaimed = len(ci.records)
     else:
         finish(g)
         reclaimed = 0
     if dead:
-        log.info("cache %s: repaired a chunk of %d records left by a dead writer (%s)", g.meta.name,
+        log.info("cache %s: repaired a publish group of %d records left by a dead writer (%s)", g.meta.name,
                  len(ci.records), "gave its chunks back" if reclaimed else "published them")
     return reclaimed
 
 
-def impossible(g: Generation, ci: ChunkIntent) -> str:
-    """Why the chunk intent cannot be one a writer left (NOTE [publish order]), or "". Phase 1:
+def impossible(g: Generation, ci: GroupIntent) -> str:
+    """Why the group intent cannot be one a writer left (NOTE [publish order]), or "". Phase 1:
     no entry of it filled and no bump moved; phase 2: its classes' bumps where they were or past
     its records, its entries EMPTY or holding its w0, their staged chunks those it took, the
     totals the current ones or its records more."""
@@ -168,9 +169,9 @@ def impossible(g: Generation, ci: ChunkIntent) -> str:
         return f"phase {ci.phase} (a writer writes 1 or 2)"
     if g.intent().phase:
         return "the record intent is in use too (a writer uses one at a time)"
-    n, n_cls = g.chunk_counts()
-    if n > CHUNK_RECORDS or n_cls > n or (ci.phase == 2 and not n):
-        return f"{n} records in {n_cls} size classes in phase {ci.phase} (at most {CHUNK_RECORDS} records)"
+    n, n_cls = g.group_counts()
+    if n > GROUP_RECORDS or n_cls > n or (ci.phase == 2 and not n):
+        return f"{n} records in {n_cls} size classes in phase {ci.phase} (at most {GROUP_RECORDS} records)"
     words, count, seen = g.index.words, Counter(), set()
     for pos, cls, w0 in ci.records:
         if pos >= g.index.capacity or pos in seen:
@@ -191,7 +192,7 @@ def impossible(g: Generation, ci: ChunkIntent) -> str:
         _, bump, committed = g.classes.get(cls)
         if ci.phase == 1:  # no bump moves before phase 2
             ok = bump == old
-        else:  # where it was, or past the chunk's records; committed for all of them
+        else:  # where it was, or past the group's records; committed for all of them
             ok = bump in (old, old + count[cls]) and old + count[cls] <= committed
         if not ok:
             return (f"size class {cls} with bump {bump} and {committed} chunks committed, for "
@@ -200,19 +201,19 @@ def impossible(g: Generation, ci: ChunkIntent) -> str:
         return ""
     if set(olds) != set(count):
         return "a record whose size class has no class word in phase 2"
-    chunks = set()
+    located = set()
     for pos, cls, _ in ci.records:
         w2 = int(words[pos, 2])
-        chunks.add(w2)
+        located.add(w2)
         if entry_class(w2) != cls or not olds[cls] <= entry_chunk(w2) < olds[cls] + count[cls]:
-            return f"entry {pos} of {g.table.name} locates its record at {w2:#x}, not in the chunk's"
-    if len(chunks) != n:
+            return f"entry {pos} of {g.table.name} locates its record at {w2:#x}, not in the group's chunks"
+    if len(located) != n:
         return "two of its entries locate the same chunk"
     now_items, now_total, _ = g.mem_totals()
     now_table = g.table_items()
     most = sum(entry_length(w0) for _, _, w0 in ci.records)
     if not (0 <= ci.items - now_items <= n and 0 <= ci.table_items - now_table <= n
             and 0 <= ci.total - now_total <= most):
-        return (f"totals of {ci.items} items, {ci.total} bytes and {ci.table_items} entries after a chunk of "
+        return (f"totals of {ci.items} items, {ci.total} bytes and {ci.table_items} entries after a group of "
                 f"{n} to {now_items} items, {now_total} bytes and {now_table} entries")
     return ""

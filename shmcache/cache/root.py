@@ -1,0 +1,38 @@
+"""A cache's root segment: where each of its words is, the tombstone, and the epoch word.
+
+The root (one page) names, in its epoch word, the generation and table version in force
+(``cache.generation`` has the rest of a generation's layout). Its own module, below both
+``cache.generation`` and ``cache.registry``: registry.retire_root tombstones a root, a Generation
+builds on the epoch word, and neither needs the other for it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RootLayout", "DESTROYED", "epoch_of", "split_epoch"]
+
+
+class RootLayout:
+    """Byte offsets of the root's words (the root is one page; every word one aligned store). The
+    one definition: the store's lookup inlines EPOCH as the constant 64 (checked by
+    ``test_index``), registry.retire_root writes DESTROYED there."""
+
+    EPOCH = 64  # generation << 32 | table version, or DESTROYED (registry.retire_root)
+    CAPACITY = 72  # the cap in bytes (NOTE [memory limits])
+    INCARNATION = 80  # a random word drawn when the root is made (NOTE [publish order], Opening)
+    SIZING = 88  # how the cap was set: SIZED, AUTO or AUTO_NONE
+
+
+# The root's tombstone: whoever removes a cache writes DESTROYED into its epoch word before
+# unlinking anything, so every process that still maps the root - and compares that word on every
+# lookup anyway - sees at once that its cache is gone (NOTE [publish order], Destroying).
+DESTROYED = (1 << 64) - 1
+
+
+def epoch_of(gen: int, version: int) -> int:
+    """The epoch word that names generation ``gen`` and table version ``version``."""
+    return (gen << 32) | version
+
+
+def split_epoch(epoch: int) -> tuple[int, int]:
+    """``(generation, table version)`` of an epoch word (DESTROYED: DEAD_GEN)."""
+    return epoch >> 32, epoch & 0xFFFFFFFF

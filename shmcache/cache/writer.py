@@ -1,0 +1,450 @@
+"""The write side of a cache: its lock, and every write under it (NOTE [publish order]).
+
+A ``CacheWriter`` holds the cache's lock file (NOTE [lock files]) while it allocates, copies and
+publishes: ``put`` one record at a time (one fence per record), ``put_many``/``put_records`` a
+publish group at a time (publish_group.PublishGroup: two fences per group of up to GROUP_RECORDS
+records); the allocation and admission (admission.Admission: is there room), a record memory
+refuses to the spill tier, a table grown when it is full, a new generation made (``clear``,
+``gc``'s drop, the first one of a new cache). Before each write it repairs what a dead writer
+left (``repair``: repair.repair_intent). A put that cannot get the lock within its timeout
+serves its value uncached (``write_locked``).
+
+It reads the cache through its ``CacheView``: the same checked mappings the readers use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..base import ordering
+from ..base.faults import ARMED as _CRASH_TESTS
+from ..base.faults import crash_point
+from ..base.locks import FlockLock
+from ..base.shm import PAGE, Segment
+from ..errors import CorruptSegment, InvalidArgument, ItemTooLarge, LockTimeout, SharedMemoryFull
+from . import codec, repair
+from .admission import Admission, NoRoom
+from .allocator import DATA_OFF, size_class
+from .generation import (
+    KIND_DATA,
+    KIND_META,
+    KIND_TABLE,
+    REJECTED,
+    SPILL_CLASS,
+    Generation,
+    Intent,
+    M,
+    RootLayout,
+    epoch_of,
+)
+from .index import (
+    ENTRY_BYTES,
+    INLINE24,
+    INT_KEY,
+    MAX_LOAD,
+    MAX_RECORD,
+    READY,
+    SPILLED,
+    TABLE_OFF,
+    TableView,
+    key_bytes,
+    location_word,
+    state_word,
+    tier_key,
+)
+from .publish_group import GROUP_RECORDS, PublishGroup
+from .registry import unlink_segments
+from .view import CacheView
+
+__all__ = ["CacheWriter", "encoded_from_portable"]
+
+log = logging.getLogger("shmcache")
+
+_Q = struct.Struct("Q")
+R = RootLayout
+_STUCK_COOLDOWN_S = 30.0  # puts stop waiting for a lock that a live process keeps (write_locked)
+_SAY_WAIT_S = 1.0  # a put waiting this long for the lock (a write under it takes ms) says why (issue 30)
+_MIN_RECORD = codec.RECORD_HEADER.size
+
+
+class CacheWriter:
+    """The write side of one cache in this process (see the module docstring). ``admission`` is
+    set by the store once the root is open (it reads the cap from the root)."""
+
+    admission: Admission  # is there room (NOTE [memory limits]); set once the root is open
+
+    def __init__(self, view: CacheView, lock: FlockLock):
+        self.view = view
+        self.lock = lock
+        self._lock_reopened = lock.reopened
+        self._lock_stuck_until = 0.0  # puts try the lock without waiting until then (write_locked)
+        self._lock_stuck_logged = False
+
+    def trust_lock(self) -> None:
+        """The lock file as it is now is this cache's (the store opened the cache under it): a
+        later reopen of the file (the session destroyed and made again) is checked on ``locked``."""
+        self._lock_reopened = self.lock.reopened
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the cache's lock, and make sure it is still the lock of the cache this handle
+        opened: a lock file found replaced means the session was destroyed (and maybe made again)."""
+        self._acquire(None)
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    @contextlib.contextmanager
+    def write_locked(self) -> Iterator[bool]:
+        """``locked()`` for a put: yields False, holding nothing, when the lock cannot be had - a
+        live process keeps it (stopped, in a debugger), and the caller serves its value uncached.
+        After one full wait, puts only try without waiting until a try has not failed for
+        _STUCK_COOLDOWN_S: a stuck lock costs one timeout, not one per miss."""
+        try:
+            if time.monotonic() < self._lock_stuck_until:
+                self._acquire(0.0)
+            else:
+                self._acquire_saying_why()
+        except LockTimeout as exc:
+            self._lock_stuck_until = time.monotonic() + _STUCK_COOLDOWN_S
+            if not self._lock_stuck_logged:
+                self._lock_stuck_logged = True
+                log.warning("cache %s/%s: %s; new values are served uncached (counted as rejected), "
+                            "and writes stop waiting for it until it is free", self.view.session, self.view.name, exc)
+            yield False
+            return
+        if self._lock_stuck_logged:
+            self._lock_stuck_logged, self._lock_stuck_until = False, 0.0
+            log.info("cache %s/%s: its lock is free again; new values are cached", self.view.session, self.view.name)
+        try:
+            yield True
+        finally:
+            self.lock.release()
+
+    def _acquire_saying_why(self) -> None:
+        """Wait for the lock up to its timeout; a wait longer than any write under it (_SAY_WAIT_S)
+        is said, once per wait, while it lasts: who holds it, how long it may go on, the fix."""
+        full = self.lock.timeout_s
+        try:
+            self._acquire(min(_SAY_WAIT_S, full))
+            return
+        except LockTimeout:
+            if full <= _SAY_WAIT_S:
+                raise
+        log.warning("cache %s/%s: a put waits for the cache's lock (%s), which a live process has held for "
+                    "over %.0f s, where a write under it takes milliseconds (a writer stopped, or in a "
+                    "debugger? `fuser %s` names it); it waits up to lock_timeout_s=%g s in all, then "
+                    "serves new values uncached", self.view.session, self.view.name, self.lock.path, _SAY_WAIT_S,
+                    self.lock.path, full)
+        self._acquire(full - _SAY_WAIT_S)
+
+    def _acquire(self, timeout_s: float | None) -> None:
+        """Take the lock for ``locked()``: CacheNotFound if this handle's cache was destroyed."""
+        try:
+            self.lock.acquire(timeout_s)
+        except FileNotFoundError:  # the session's directory is gone: only a destroy removes it
+            raise self.view.destroyed() from None
+        try:
+            if self.lock.reopened != self._lock_reopened:
+                stale = self.view.destroyed_under_us()
+                if stale is not None:
+                    raise stale
+                self._lock_reopened = self.lock.reopened
+            if self.view.tombstoned():
+                raise self.view.destroyed()  # its root was tombstoned: this cache is gone
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def create_generation(self, root: Segment, gen: int, capacity: int, cap: int) -> None:
+        """Make the meta and table (``cap`` entries) of ``gen`` and publish it (caller holds the
+        lock). Leftovers of an attempt whose process died are removed first."""
+        unlink_segments(self.view.ns, self.view.segment_name(f"g{gen}", ""))
+        meta = Segment.create(self.view.segment_name(f"g{gen}", "meta"), M.SIZE, kind=KIND_META, commit=M.SIZE)
+        table = Segment.create(self.view.segment_name(f"g{gen}", "t1"), TableView.bytes_for(cap),
+                               kind=KIND_TABLE, commit=TableView.bytes_for(cap))
+        TableView.init(table.buf, cap)
+        meta.words[M.CAPACITY >> 3] = capacity
+        meta.words[M.COMMITTED >> 3] = M.SIZE + TableView.bytes_for(cap)
+        meta.close()
+        table.close()
+        ordering.fence()  # the root's words, the meta and the table before the epoch word names them
+        root.words[R.EPOCH >> 3] = epoch_of(gen, 1)  # the epoch word: published last, one store
+
+    def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
+        """Store ``value`` under ``key`` unless present. False if it was not admitted: the cache is
+        full, or a live process keeps its lock beyond the lock timeout (see write_locked)."""
+        enc = encoded or codec.encode(value, f"the value of key {key!r}")
+        w1, kb = key_bytes(key)
+        with self.write_locked() as locked:
+            if not locked:  # a live process keeps the lock: the caller serves the value uncached
+                self.view.count(REJECTED)
+                return False
+            if _CRASH_TESTS:
+                crash_point("locked")
+            g = self.view.refresh()
+            self.repair(g)
+            return self.put_locked(g, key, w1, kb, enc)
+
+    def put_locked(self, g: Generation, key: Any, w1: int, kb: bytes, enc: codec.Encoded,
+                    group: PublishGroup | None = None) -> bool:
+        """The body of ``put`` (and of each item of ``put_records``, with its ``group``: PublishGroup);
+        the caller holds the lock."""
+        w0, w2, pos, _, _ = self.view.find(g, key)
+        if group is not None and not w0 and pos in group:  # the group took that entry
+            pos = group.probe(g.index, pos, w1, kb)
+            if pos < 0:
+                return True  # twice in this put_records: stored once
+        if w0 and w0 & SPILLED and self.view.spill is not None and self.view.read_spilled(w0, w2, w1, kb) is None:
+            if group is not None:
+                group.flush()  # one intent record in use at a time
+            return self._spill(g, pos, w1, kb, enc, replace=True)  # a corrupt record
+        if w0:
+            return True  # another process stored it first: stored once
+        if group is not None and _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + len(group) + 1 > \
+                MAX_LOAD * g.index.capacity:
+            group.flush()  # a table growth copies READY entries only
+        if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
+            try:
+                g = self._grow_table(g)
+            except NoRoom:  # the index cannot grow: nothing more is admitted, not even to disk
+                self.view.count(REJECTED)
+                return False
+            w0, _, pos, _, _ = self.view.find(g, key)
+        try:
+            self._insert(g, pos, w1, kb, enc, group)
+            return True
+        except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
+            raise self.view.destroyed_under_us() or CorruptSegment(
+                f"cache {self.view.session}/{self.view.name} lost a data segment; run `shmcache gc`") from None
+        except ItemTooLarge:
+            if self.view.spill is None:  # counted as every overflow is; the caller decides what to say
+                self.view.count(REJECTED)  # (a dataset serves it from the source, said once)
+                raise
+            # it can never fit in memory, but a spill file takes any size: spill it below
+        except NoRoom:
+            pass
+        if group is not None and self.view.spill is not None:
+            group.flush()  # one intent record in use at a time
+        if self._spill(g, pos, w1, kb, enc):
+            return True
+        self.view.count(REJECTED)
+        return False
+
+    def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
+        """``put`` of (key, portable record) pairs (the codec record with its layout inline,
+        TieredStore) without decoding them: their bytes go straight into shared memory (or a spill
+        file), one copy each, under one hold of the lock (an import stores thousands: the lock,
+        refresh and repair check once per batch), published a group at a time (PublishGroup: two
+        fences per group of records, not one per record). InvalidArgument for bytes that are not a
+        portable record, before anything is stored."""
+        return self.put_many([(key, encoded_from_portable(rec, key, self.view)) for key, rec in items])
+
+    def put_many(self, items: Sequence[tuple[Any, codec.Encoded]], *,
+                 too_large: list | None = None) -> list[bool]:
+        """``put`` of many (key, encoded value) pairs under one hold of the lock, published a
+        group at a time (PublishGroup): a batch's or a warm-up's computed misses, a batch's tier hits,
+        an import. A value that can never fit (ItemTooLarge, no spill) is False, counted as
+        rejected, and its error appended to ``too_large`` when given (else raised, as ``put``)."""
+        with self.write_locked() as locked:
+            if not locked:  # a live process keeps the lock: the caller serves the values uncached
+                self.view.count(REJECTED, len(items))
+                return [False] * len(items)
+            self.repair(self.view.refresh())
+            out = []
+            group = PublishGroup()
+            try:
+                for key, enc in items:
+                    w1, kb = key_bytes(key)
+                    try:
+                        out.append(self.put_locked(self.view.refresh(), key, w1, kb, enc, group))  # a grown table
+                    except ItemTooLarge as exc:  # counted by put_locked; nothing of it was staged
+                        if too_large is None:
+                            raise
+                        too_large.append(exc)
+                        out.append(False)
+                group.flush()
+            except BaseException:
+                group.abandon(self.view.corrupt)  # undone before its fence, finished after
+                raise
+            return out
+
+    def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded,
+                group: PublishGroup | None = None) -> None:
+        """Allocate, copy and publish a record at EMPTY entry ``pos`` (NOTE [publish order]); with
+        a ``group`` (put_records), allocate and copy it and stage its entry: the group publishes."""
+        lid = self._intern_layout(g, enc.layout)
+        nbytes = enc.record_len(len(kb), lid == INLINE24)
+        cls, chunk_size = size_class(nbytes)
+        self.admission.check_fits(nbytes, chunk_size, g.index.capacity)  # ItemTooLarge, NoRoom
+        seg = self._class_segment(g, cls, chunk_size)
+        self.view.recheck_class(g, cls, g.data[cls])  # a damaged class record must not place this record
+        chunk_size_, bump, committed = g.classes.get(cls)
+        if group is not None:  # the group's bumps move when it is published
+            bump = group.next_chunk(cls, bump)
+        if bump >= committed:  # a group's commits are fenced with the group (PublishGroup)
+            committed = self.admission.commit(g, cls, seg, chunk_size, committed, self.view.spill,
+                                              fence=group is None)
+        items, total, _ = g.mem_totals()
+        items, total, table_items = items + 1, total + nbytes, g.table_items()
+        if group is not None:
+            items, total, table_items = items + len(group), total + group.bytes, table_items + len(group)
+        if items > g.index.capacity or table_items >= g.index.capacity or total >> 63:
+            raise self.view.corrupt(f"the counters in {g.meta.name} are impossible ({items - 1} items and "
+                                f"{total - nbytes} bytes in memory, {table_items} entries, in a "
+                                f"table of {g.index.capacity})", fix="it recounts them")
+        w0 = state_word(READY | (0 if kb else INT_KEY), lid, nbytes)
+        if group is not None:
+            group.allocate(g, pos, w1, kb, cls, bump, w0)  # in the group's intent (undo: forget it)
+        else:
+            intent = Intent(1, pos, cls, bump, items, total, 0, table_items + 1)
+            g.begin(intent)  # phase 1: allocating (undo restores the bump)
+            g.classes.set_bump(cls, bump + 1)
+        if _CRASH_TESTS:
+            crash_point("allocated")
+        start = DATA_OFF + bump * chunk_size
+        with memoryview(seg.buf) as mv:
+            if _CRASH_TESTS:  # die with half of the record written
+                mv[start:start + nbytes // 2] = b"\xee" * (nbytes // 2)
+                crash_point("mid_copy")
+            enc.write(mv[start:start + nbytes], lid if lid != INLINE24 else codec.INLINE, kb)
+        if group is not None:
+            g.index.stage(pos, w1, location_word(cls, bump))
+            if _CRASH_TESTS:
+                crash_point("group_copied")
+            if len(group) >= GROUP_RECORDS:
+                group.flush()
+            return
+        if _CRASH_TESTS:
+            crash_point("before_publish")
+        g.index.publish(pos, w0, w1, location_word(cls, bump))
+        g.published()  # phase 2: published (redo the totals)
+        if _CRASH_TESTS:
+            crash_point("after_publish")
+        g.apply_totals(intent)
+        g.end()
+
+    def repair(self, g: Generation) -> int:
+        """Undo or finish the last writer's work if it died mid-way (repair.repair_intent)."""
+        return repair.repair_intent(self.view, g)
+
+    def _intern_layout(self, g: Generation, layout: bytes) -> int:
+        cache = g.layouts
+        for lid, (raw, *_) in cache.items():
+            if raw == layout:
+                return lid
+        n = _Q.unpack_from(g.meta.buf, M.N_LAYOUTS)[0]
+        if n > M.MAX_LAYOUTS:
+            raise self.view.corrupt(f"{g.meta.name} counts {n} layouts, more than its {M.MAX_LAYOUTS} slots")
+        for lid in range(n):
+            if self.view.layout(g, lid)[0] == layout:
+                return lid
+        if n >= M.MAX_LAYOUTS or len(layout) > M.LAYOUT_BYTES - 4:
+            return INLINE24
+        off = M.LAYOUTS + n * M.LAYOUT_BYTES
+        struct.pack_into("I", g.meta.buf, off, len(layout))
+        g.meta.buf[off + 4:off + 4 + len(layout)] = layout
+        g.meta.words[M.N_LAYOUTS >> 3] = n + 1  # after the bytes: readers never see it half-made
+        return n
+
+    def _class_segment(self, g: Generation, cls: int, chunk_size: int) -> Segment:
+        if g.classes.chunk_size(cls):
+            return self.view.class_data(g, cls)[0]
+        name = self.view.segment_name(f"g{g.gen}", f"c{cls}")
+        self.view.ns.unlink_segment(name)  # debris of a writer that died before registering the class
+        try:
+            virtual = self.admission.data_segment_bytes()
+            seg = Segment.create(name, DATA_OFF + virtual + chunk_size, kind=KIND_DATA, commit=PAGE)
+        except SharedMemoryFull as exc:
+            self.admission.log_shm_full(exc, self.view.spill)
+            raise NoRoom from None
+        g.classes.create(cls, chunk_size)
+        g.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size, 0)
+        return seg
+
+    def _grow_table(self, g: Generation) -> Generation:
+        """Rebuild the table at twice the size as a new version (caller holds the lock)."""
+        cap = g.index.capacity * 2
+        version = g.version + 1
+        name = self.view.segment_name(f"g{g.gen}", f"t{version}")
+        self.view.ns.unlink_segment(name)
+        size = TableView.bytes_for(cap)
+        try:
+            table = Segment.create(name, size, kind=KIND_TABLE, commit=size)
+        except SharedMemoryFull as exc:
+            self.admission.log_shm_full(exc, self.view.spill)
+            raise NoRoom from None
+        TableView.init(table.buf, cap)
+        new = TableView(table.buf)
+        for w0, w1, w2 in g.index.entries():
+            pos = _first_empty(new, w1)  # keys are unique: the first EMPTY slot on its path
+            new.publish(pos, w0, w1, w2, fence=False)  # unreachable until the epoch word names it
+        table.close()
+        old = g.table
+        if _CRASH_TESTS:
+            crash_point("table_built")
+        ordering.fence()  # every entry of the new table before the epoch word names it
+        self.view.root.words[R.EPOCH >> 3] = epoch_of(g.gen, version)  # publish: one store
+        old.unlink()
+        g = self.view.refresh()
+        repair.recount_committed(g)
+        return g
+
+    def _spill(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded, *,
+               replace: bool = False) -> bool:
+        """Write the record to the spill tier and publish where it went at table position ``pos``
+        (caller holds the lock): the same intent protocol as a record in memory (NOTE [publish
+        order]). ``replace``: the entry there is a spilled record found corrupt, rewritten in
+        place. False if the tier did not take it."""
+        tier = self.view.spill
+        if tier is None or not tier.accepting:
+            return False
+        lid = self._intern_layout(g, enc.layout)
+        record = bytearray(enc.record_len(len(kb), lid == INLINE24))
+        enc.write(memoryview(record), codec.INLINE if lid == INLINE24 else lid, kb)
+        loc = tier.write(tier_key(w1, kb), record)
+        if loc is None or loc.stored > MAX_RECORD:  # the entry's length field has 32 bits
+            return False
+        if _CRASH_TESTS:
+            crash_point("spilled")  # record on disk, not yet in the index
+        items, total, raw = g.disk_totals()
+        new = 0 if replace else 1  # a replaced corrupt record is still one item
+        intent = Intent(1, pos, SPILL_CLASS, 0, items + new, total + loc.stored, raw + loc.raw,
+                        g.table_items() + new)
+        g.begin(intent)
+        g.index.publish(pos, state_word(READY | SPILLED | (0 if kb else INT_KEY), lid, loc.stored), w1, loc.word)
+        g.published()
+        g.apply_totals(intent)
+        g.end()
+        return True
+
+
+def encoded_from_portable(record: Any, key: Any, cache: CacheView) -> codec.Encoded:
+    """A portable record as what a put writes: its body and its layout, views of ``record``
+    (``cache``: the cache it is for, named in the error for bytes that are not one)."""
+    view = memoryview(record).cast("B")
+    lid, key_len, lay_len, _ = codec.RECORD_HEADER.unpack_from(view, 0) if len(view) >= _MIN_RECORD \
+        else (0, 0, 0, 0)
+    body = len(view) - key_len - lay_len
+    if lid != codec.INLINE or not _MIN_RECORD <= body < body + lay_len:
+        raise InvalidArgument(f"the record for key {key!r} in cache {cache.session}/{cache.name} is not "
+                              f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
+                              f"shmcache.tiers.tiered_store.portable_record(...) bytes")
+    return codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
+
+
+def _first_empty(index: TableView, w1: int) -> int:
+    pos = index.home(w1)
+    for _ in range(index.capacity):  # bounded, as every probe of shared memory is
+        if not _Q.unpack_from(index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]:
+            return pos
+        pos = (pos + 1) & index.mask
+    raise index.corrupt()
+
+
