@@ -6,8 +6,9 @@
     tier          SpillTier, the store's indexed tier (cache.indexed_tier.IndexedTier): where its folder
                   is, write a record and answer its RecordLocation, read a RecordLocation back
 
-NOTE [spill records] holds the protocol. The spill tier decides nothing and never calls the store
-(NOTE [tiers]): the store publishes the locations it answers.
+NOTE [spill records] (in ``tiers.records``, one folder up) holds the protocol. The spill tier
+decides nothing and never calls the store (NOTE [tiers]): the store publishes the locations it
+answers.
 
 May import: ``tiers`` (the record), ``cache``, ``base``, ``errors``; and modules of this room
 without a cycle. Never torch.
