@@ -1237,6 +1237,9 @@ class CacheStore:
         """``(tree, leaves, end of the last leaf)`` of the record of ``keys[0]`` (codec.leaves): the structure a
         vectorised batch of ``keys`` would have. None if that key is not cached with a shared layout."""
         g = self._refresh()
+        planned = g.columns.get(gather.PLAN)  # a warm batch's layout (gather.Plan)
+        if planned is not None and planned.holds(g.index, int(keys[0])):
+            return planned.layout
         try:  # one key: a scalar probe costs a tenth of the vectorised lookup's numpy calls
             w0 = self._find(g, int(keys[0]))[0]
         except FileNotFoundError:  # cleared meanwhile
@@ -1282,6 +1285,11 @@ class CacheStore:
         g = self._refresh()
         if len(keys) == 0:
             return None
+        planned = g.columns.get(gather.PLAN)  # a warm batch: a few numpy calls (gather.gather_planned)
+        got = planned and gather.gather_planned(planned, g.index.words, keys, out, self._buffers)
+        if got is not None:
+            self._count(HITS, len(keys))
+            return planned.tree, planned.leaves, got
         batch = gather.plan(g.index, keys)
         if batch is None:
             return None
@@ -1312,6 +1320,9 @@ class CacheStore:
             raise self._undecodable(f"a record of the batch of keys from {int(keys[0])} in {seg.name}",
                                     exc) from None
         self._count(HITS, len(keys))
+        if gather.plannable(leaves):  # checked above: the next such batch takes the planned way
+            g.columns[gather.PLAN] = gather.Plan(state_word(READY | INT_KEY, batch.layout, n), cls, handed_out,
+                                                 chunk, seg.buf, (tree, leaves, end))
         return tree, leaves, columns
 
     # --- bookkeeping ------------------------------------------------------------------------------
