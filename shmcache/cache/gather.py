@@ -50,7 +50,7 @@ _TRUE = np.True_.tobytes()
 PLAN = "gather plan"  # the key of a generation's ``columns`` dict that holds its Plan (store._columns)
 
 __all__ = ["Batch", "plan", "uniform", "columns", "out_matches", "BatchBuffers", "gather_leaf", "Plan",
-           "PLAN", "gather_planned", "plannable"]
+           "PLAN", "gather_planned", "plannable", "remember"]
 
 GATHERED = ("i", "f", "b", "a", "e")  # leaf tags copied as bytes (the rest decode per item)
 SCRATCH_BYTES = 2 << 20  # a batch of whole records up to this is gathered through a scratch (columns)
@@ -288,8 +288,8 @@ class Plan:
     and covering the layout, the chunks handed out. Immutable; a batch that does not fit it goes
     the long way again."""
 
-    __slots__ = ("w0", "base", "handed_out", "layout", "tree", "leaves", "chunk", "records", "fields",
-                 "_w0_bytes", "_limit", "_local")
+    __slots__ = ("w0", "base", "handed_out", "layout", "tree", "leaves", "fields", "_w0_bytes", "_limit",
+                 "_local")
 
     def __init__(self, w0: int, cls: int, handed_out: int, chunk: int, buf, layout: tuple):
         self.w0 = w0
@@ -297,8 +297,6 @@ class Plan:
         self.handed_out = handed_out
         self.layout = layout  # (tree, leaves, end of the last leaf): what CacheStore.batch_layout returns
         self.tree, self.leaves = layout[0], layout[1]
-        self.chunk = chunk
-        self.records = np.ndarray((handed_out, chunk), np.uint8, buf, DATA_OFF)  # every chunk handed out
         self.fields = [None if leaf.tag == "n" else _field(buf, handed_out, chunk, leaf) for leaf in self.leaves]
         self._w0_bytes = np.array([w0], np.uint64).tobytes()
         # the entry words a batch must have, less what it must be below: (w0, key, chunk) - (w0, key,
@@ -326,6 +324,17 @@ class Plan:
             return False
         off = TABLE_OFF + ENTRY_BYTES * key
         return _Q.unpack_from(index.buf, off)[0] == self.w0 and _Q.unpack_from(index.buf, off + 8)[0] == key
+
+
+def remember(columns: dict, w0: int, cls: int, handed_out: int, chunk: int, buf, layout: tuple) -> None:
+    """Keep the Plan of a batch that passed every check of the long way in ``columns`` (the
+    generation's dict: the plan goes with the generation), unless the one there is the same
+    (a batch of keys past the table's capacity goes the long way every time: no new plan each)."""
+    old = columns.get(PLAN)
+    if old is not None and (old.w0, old.base, old.handed_out) == (w0, location_word(cls, 0), handed_out):
+        return
+    if plannable(layout[1]):
+        columns[PLAN] = Plan(w0, cls, handed_out, chunk, buf, layout)
 
 
 def _field(buf, handed_out: int, chunk: int, leaf: codec.Leaf) -> Field:
@@ -373,22 +382,13 @@ def gather_planned(plan: Plan, words: np.ndarray, keys: np.ndarray, out: list | 
         return None
     want, got, ok = plan.want(n)
     want[:, 1] = keys
-    np.take(words, keys, axis=0, out=got)  # all three words again: w1 and w2 after every w0 above
+    words.take(keys, 0, got)  # all three words again: w1 and w2 after every w0 above (raises if out of range)
     np.subtract(got, want, out=got)
     if np.less(got, plan._limit, out=ok).tobytes() != _TRUE * (3 * n):
         return None
     chunks = got[:, 2].view(np.intp)  # below handed_out: the same number as an intp
-    if n * plan.chunk <= SCRATCH_BYTES:  # whole records through this thread's scratch (columns)
-        scratch = buffers.scratch(n, plan.chunk)
-        np.take(plan.records, chunks, axis=0, out=scratch, mode="clip")  # checked above: clip never clips
-        src = [f and np.ndarray((n, *f.items.shape[1:]), f.item, scratch, f.offset, (plan.chunk, *f.items.strides[1:]))
-               for f in plan.fields]
-        if out is None:
-            return [f and np.ndarray((n, *f.shape), f.dtype, col.copy()) for f, col in zip(plan.fields, src)]
-        for f, col, dst in zip(plan.fields, src, out):
-            if f is not None:
-                np.copyto(np.ndarray(col.shape, f.item, dst), col)
-        return [f and dst for f, dst in zip(plan.fields, out)]
+    # field by field straight from the class segment, one fancy index each: measured faster than
+    # whole records through a scratch (columns) even for records of nine fields
     if out is None:
         return [f and _new_column(f, chunks, n, buffers) for f in plan.fields]
     for f, dst in zip(plan.fields, out):

@@ -1320,9 +1320,9 @@ class CacheStore:
             raise self._undecodable(f"a record of the batch of keys from {int(keys[0])} in {seg.name}",
                                     exc) from None
         self._count(HITS, len(keys))
-        if gather.plannable(leaves):  # checked above: the next such batch takes the planned way
-            g.columns[gather.PLAN] = gather.Plan(state_word(READY | INT_KEY, batch.layout, n), cls, handed_out,
-                                                 chunk, seg.buf, (tree, leaves, end))
+        # checked above: the next such batch takes the planned way
+        gather.remember(g.columns, state_word(READY | INT_KEY, batch.layout, n), cls, handed_out, chunk, seg.buf,
+                        (tree, leaves, end))
         return tree, leaves, columns
 
     # --- bookkeeping ------------------------------------------------------------------------------
