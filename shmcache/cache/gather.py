@@ -50,7 +50,7 @@ _TRUE = np.True_.tobytes()
 PLAN = "gather plan"  # the key of a generation's ``columns`` dict that holds its Plan (store._columns)
 
 __all__ = ["Batch", "plan", "uniform", "columns", "out_matches", "BatchBuffers", "gather_leaf", "Plan",
-           "PLAN", "gather_planned", "plannable", "remember"]
+           "PLAN", "gather_planned", "planned_chunks", "plannable", "remember"]
 
 GATHERED = ("i", "f", "b", "a", "e")  # leaf tags copied as bytes (the rest decode per item)
 SCRATCH_BYTES = 2 << 20  # a batch of whole records up to this is gathered through a scratch (columns)
@@ -374,6 +374,23 @@ def gather_planned(plan: Plan, words: np.ndarray, keys: np.ndarray, out: list | 
       wraps around to a huge number), in one max.
     """
     n = len(keys)
+    chunks = planned_chunks(plan, words, keys)
+    if chunks is None:
+        return None
+    # field by field straight from the class segment, one fancy index each: measured faster than
+    # whole records through a scratch (columns) even for records of nine fields
+    if out is None:
+        return [f and _new_column(f, chunks, n, buffers) for f in plan.fields]
+    for f, dst in zip(plan.fields, out):
+        if f is not None:
+            _copy_rows(f, chunks, dst)
+    return [f and dst for f, dst in zip(plan.fields, out)]
+
+
+def planned_chunks(plan: Plan, words: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
+    """The chunks (intp) of the batch of int64 ``keys`` if every entry is exactly what ``plan``
+    expects (the checks of :func:`gather_planned`), else None."""
+    n = len(keys)
     try:
         s0 = words[keys, 0]  # first, in its own gather
     except IndexError:
@@ -386,15 +403,7 @@ def gather_planned(plan: Plan, words: np.ndarray, keys: np.ndarray, out: list | 
     np.subtract(got, want, out=got)
     if np.less(got, plan._limit, out=ok).tobytes() != _TRUE * (3 * n):
         return None
-    chunks = got[:, 2].view(np.intp)  # below handed_out: the same number as an intp
-    # field by field straight from the class segment, one fancy index each: measured faster than
-    # whole records through a scratch (columns) even for records of nine fields
-    if out is None:
-        return [f and _new_column(f, chunks, n, buffers) for f in plan.fields]
-    for f, dst in zip(plan.fields, out):
-        if f is not None:
-            _copy_rows(f, chunks, dst)
-    return [f and dst for f, dst in zip(plan.fields, out)]
+    return got[:, 2].view(np.intp)  # below handed_out: the same number as an intp
 
 
 def _new_column(f: Field, chunks: np.ndarray, n: int, buffers: BatchBuffers) -> np.ndarray:

@@ -1272,6 +1272,9 @@ class CacheStore:
         """True if every int key is cached in memory with one layout and size class: what
         :meth:`gather_ints` needs (checked without copying or counting anything)."""
         g = self._refresh()
+        planned = g.columns.get(gather.PLAN)  # a warm batch: its plan's checks (gather.planned_chunks)
+        if len(keys) and planned is not None and gather.planned_chunks(planned, g.index.words, keys) is not None:
+            return True
         return len(keys) > 0 and gather.uniform(*g.index.lookup_ints(keys))
 
     def gather_ints(self, keys: np.ndarray, out: list | None = None):

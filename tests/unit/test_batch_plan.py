@@ -245,3 +245,18 @@ def test_out_of_another_dtype_or_layout_in_memory_is_converted(cache):
     lab = torch.zeros(8, dtype=torch.int64)
     cache.get_batch(keys, out=(strided, lab))
     check((strided, lab), keys)
+
+
+def test_a_worker_asks_whether_a_batch_is_all_in_memory_by_the_plan(cache):
+    """A DataLoader worker sends a warm batch as its keys (NOTE [collated batch]) when every key is
+    in memory with one layout: the plan's checks answer, the long way only when they do not."""
+    store = cache.store
+    keys = np.arange(N, dtype=np.int64)
+    cache.get_batch(keys)
+    assert store.all_in_memory(keys)
+    assert not store.all_in_memory(np.append(keys, N + 5))  # absent
+    g = store._refresh()
+    g.index.words[11][2] = int(g.index.words[11][2]) | (1 << 40)  # a chunk far past the bump
+    assert store.all_in_memory(keys)  # not the plan's: the long way finds it uniform; the gather names it
+    with pytest.raises(CorruptSegment):
+        cache.get_batch(keys)
