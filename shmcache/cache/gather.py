@@ -12,8 +12,8 @@ A warm batch of a single-layout cache takes a shorter way (issue 27): once a bat
 above, its layout, size class and the chunks then handed out are kept as a :class:`Plan` (in the
 generation's ``columns``, so it goes with the generation), and the next batch is looked up,
 checked and copied in a fixed handful of numpy calls (:func:`gather_planned`): every entry's state
-word in one gather, the key and location words in another, the checks in one subtract and one
-max, and each field with one fancy index of a view that strides over the class's chunks. Anything
+word in one gather, all three words again in another, the checks in one subtract and one compare,
+and each field with one fancy index of a view that strides over the class's chunks. Anything
 that is not exactly the plan's - another layout or length, a spilled entry, a key past the table, a
 chunk past those handed out, another class, a key word that differs - sends the batch the way
 above, which reads the class record again and names any damage.
@@ -285,8 +285,8 @@ class Plan:
     int keys make one record length), the class, the chunks handed out when it was made, and per
     leaf a view that strides over those chunks (:class:`Field`). Made by the store after a batch
     passed every check of the long way (``CacheStore.gather_ints``): the length within the chunk
-    and covering the layout, the chunks handed out. Immutable; a batch that does not fit it goes
-    the long way again."""
+    and covering the layout, the chunks handed out. Never changed once made (only the arrays its
+    checks work in are per thread); a batch that does not fit it goes the long way again."""
 
     __slots__ = ("w0", "base", "handed_out", "layout", "tree", "leaves", "fields", "_w0_bytes", "_limit",
                  "_local")
@@ -369,9 +369,14 @@ def gather_planned(plan: Plan, words: np.ndarray, keys: np.ndarray, out: list | 
     * a key below the table's capacity sits at its own position (index.py); one past it raises
       IndexError here and goes the long way (which probes); a negative one wraps to another
       position, which the key word then rules out unless it is that key's entry;
-    * the key and location words, minus ``(key, class << 48)``: every key word equal (0) and
-      every chunk below the chunks handed out when the plan was made (a chunk of another class
-      wraps around to a huge number), in one max.
+    * all three words again (a second gather, after every state word was loaded), minus
+      ``(w0, key, class << 48)``, compared with ``(1, 1, handed out)`` in one ``np.less``: the
+      state word again, every key word equal, every chunk below the chunks handed out when the
+      plan was made (a chunk of another class wraps around to a huge number).
+
+    Each field is then copied straight from the class segment with one fancy index (into ``out=``
+    by way of it and one ``np.copyto``: numpy has no gather from a strided source into ``out=``),
+    a field of ``LOOP_BYTES`` or more one row at a time (:func:`_copy_rows`).
     """
     n = len(keys)
     chunks = planned_chunks(plan, words, keys)
