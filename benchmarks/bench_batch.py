@@ -43,6 +43,7 @@ import itertools
 import json
 import mmap
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -201,7 +202,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.against:
         return against(args)
-    os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="shmcache-bench-"))
+    made = None
+    if "SHMCACHE_DIR" not in os.environ:  # a namespace of its own, removed at the end
+        made = os.environ["SHMCACHE_DIR"] = tempfile.mkdtemp(prefix="shmcache-bench-")
+    try:
+        return run(args)
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def run(args) -> int:
     print(environment_line(environment()))
     print(f"load average before: {loadavg()}")
     if args.quick:
