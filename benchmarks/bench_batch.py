@@ -1,8 +1,11 @@
-"""The batch path at the memory's limit (issue 20): each shmcache row against its numpy yardstick,
-measured in the same run, interleaved, best of rounds, reported as ratios.
+"""The batch path at the memory's limit (issues 20 and 27): each shmcache row against its numpy
+yardstick, measured in the same run, interleaved, best of rounds, reported as ratios.
 
     python benchmarks/bench_batch.py            # ~2 minutes on 2 loaded cores
     python benchmarks/bench_batch.py --quick    # ~20 s, smaller sets, fewer rounds
+    python benchmarks/bench_batch.py --quick --against /tmp/base --runs 3
+        # before / after: this script run alternately with another checkout's shmcache
+        # (PYTHONPATH=/tmp/base) and with this one's, each ratio's median over the runs side by side
 
 Items ``(uint8 HWC image, int label)``: 3 KB (32x32x3, 50,000 of them) and 150 KB (224x224x3,
 2,000), random batches of 256 from a list of batches cycled through (so no batch is cache-warm
@@ -24,8 +27,10 @@ Rows (yardsticks first, in-process private memory, which gets transparent huge p
   ``get_batch(keys, out=)``, ``ds[i]``, and ``PrefetchRing.from_cache`` on the CPU (the ring's path
   into its slot buffers, unpinned without CUDA) against a bare ``get_batch(out=)`` loop over the
   same key batches;
-* the checks issue 8 put on the batch path (every entry ready, in memory, one layout and class;
-  the highest chunk handed out), timed alone on the same batches.
+* a loop that drops each batch before the next (issue 27): ``get_batch(keys)`` not held, against
+  a bulk copy into a new array, also dropped (both pay for fresh memory, or recycle it);
+* the Python and C calls one warm ``get_batch`` makes (``sys.setprofile``; numpy's own count apart;
+  operators and indexing are not calls to the profiler, so the numpy count is a floor).
 
 Prints the load average before and after, and a table; ``--json`` writes the numbers.
 """
@@ -33,10 +38,14 @@ Prints the load average before and after, and a table; ``--json`` writes the num
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import mmap
 import os
+import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +58,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, environment_line, print_table  # noqa: E402
 
 from shmcache import PrefetchRing, ShmDatasetCache  # noqa: E402
-from shmcache.cache import gather
 from shmcache.cache.registry import SessionRegistry  # noqa: E402
 
 BATCH = 256
@@ -111,7 +119,6 @@ def measure(label: str, n: int, shape: tuple, rounds: int) -> dict:
     try:
         ds = cache.wrap(Items(images))
         cache.warmup(ds, progress=False)
-        store = cache.opened
         out = (torch.empty((BATCH, *shape), dtype=torch.uint8), torch.empty(BATCH, dtype=torch.int64))
         held = [None]
         ptrs: set = set()
@@ -119,11 +126,6 @@ def measure(label: str, n: int, shape: tuple, rounds: int) -> dict:
         def get_batch():
             held[0] = cache.get_batch(next(keys))  # the previous batch is dropped only now
             ptrs.add(held[0][0].data_ptr())
-
-        def checks():  # what gather_ints checks per batch besides copying (issue 8)
-            w0, w2 = store.view.mapped.index.lookup_ints(next(keys))
-            gather.uniform(w0, w2)
-            int((w2 & np.uint64((1 << 48) - 1)).astype(np.intp).max())
 
         rows = {
             "np.take, new arrays": lambda: (np.take(images, k := next(keys), axis=0), np.take(labels, k)),
@@ -133,9 +135,11 @@ def measure(label: str, n: int, shape: tuple, rounds: int) -> dict:
                                                       np.take(labels, k, out=y_lab, mode="clip")),
             "bulk copy": lambda: (np.copyto(y_img, images[(s := next(starts)):s + BATCH]),
                                   np.copyto(y_lab, labels[s:s + BATCH])),
+            "bulk copy, new arrays (dropped)": lambda: (images[(s := next(starts)):s + BATCH].copy(),
+                                                        labels[s:s + BATCH].copy()),
             "get_batch": get_batch,
+            "get_batch (dropped)": lambda: cache.get_batch(next(keys)),
             "get_batch(out=)": lambda: cache.get_batch(next(keys), out=out),
-            "issue 8 checks + index lookup": checks,
         }
         best = best_of(rows, rounds)
         single = best_of({"arr[i].copy()": lambda: images[next(singles)].copy(),
@@ -153,20 +157,62 @@ def measure(label: str, n: int, shape: tuple, rounds: int) -> dict:
         best.update({k: v / len(key_list) for k, v in ring_cpu.items()})
         best.update({k + " (wall)": v / len(key_list) for k, v in ring_wall.items()})
         best.update({k + " (wall)": v for k, v in best_of(rows, max(3, rounds // 3), clock=time.perf_counter).items()})
+        calls = {"get_batch": count_calls(lambda: cache.get_batch(key_list[0])),
+                 "get_batch(out=)": count_calls(lambda: cache.get_batch(key_list[0], out=out)),
+                 "ds[i]": count_calls(lambda: ds[3])}
     finally:
         held[0] = None
         cache.close()
         SessionRegistry().destroy(session, force=True)
     best["label"] = label
+    best["calls"] = calls
     return best
+
+
+def count_calls(fn) -> dict:
+    """The Python functions and C functions (numpy's apart) one warm call of ``fn`` calls."""
+    fn()
+    seen = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            seen["python"] += 1
+        elif event == "c_call":
+            seen["C"] += 1
+            owner = getattr(arg, "__self__", None)
+            if "numpy" in (getattr(arg, "__module__", None) or type(owner).__module__ or ""):
+                seen["numpy"] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    seen["python"] -= 1  # fn itself
+    return dict(seen)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sets, few rounds")
     p.add_argument("--json", help="write the numbers here")
+    p.add_argument("--against", metavar="TREE", help="another checkout (its root): run this script alternately "
+                   "with its shmcache and with this one's, and print each ratio of both side by side")
+    p.add_argument("--runs", type=int, default=3, help="with --against: runs of each (default 3)")
     args = p.parse_args(argv)
-    os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="shmcache-bench-"))
+    if args.against:
+        return against(args)
+    made = None
+    if "SHMCACHE_DIR" not in os.environ:  # a namespace of its own, removed at the end
+        made = os.environ["SHMCACHE_DIR"] = tempfile.mkdtemp(prefix="shmcache-bench-")
+    try:
+        return run(args)
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def run(args) -> int:
     print(environment_line(environment()))
     print(f"load average before: {loadavg()}")
     if args.quick:
@@ -179,23 +225,49 @@ def main(argv=None) -> int:
     rows = []
     for r in (small, large):
         for name, v in r.items():
-            if name in ("label", "distinct get_batch buffers"):
+            if name in ("label", "distinct get_batch buffers", "calls"):
                 continue
             unit = 1e6
             rows.append((r["label"], name, f"{v * unit:.1f} us"))
     print_table(("items", "row", "best CPU (or wall) time per call"), rows)
-    s, b = small, large
-    targets = [
+    targets = ratios(small, large)
+    out_rows = []
+    for name, value, target in targets:
+        out_rows.append((name, f"{value:.2f}", verdict(value, target)))
+    print_table(("ratio (speed / yardstick's speed unless said)", "value", "target"), out_rows)
+    print(f"150 KB get_batch used {large['distinct get_batch buffers']} distinct output buffers "
+          f"(recycled once the caller dropped a batch); 3 KB batches are below BatchBuffers.MIN_BYTES")
+    for r in (small, large):
+        print(f"{r['label']}: calls of one warm call (Python functions / C functions, of them numpy's): " + "; ".join(
+            f"{name} {c.get('python', 0)} / {c.get('C', 0)}, {c.get('numpy', 0)}" for name, c in r["calls"].items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"3 KB": small, "150 KB": large,
+                                               "ratios": {name: value for name, value, _ in targets}}, indent=1))
+    return 0
+
+
+def ratios(s: dict, b: dict) -> list[tuple[str, float, float | None]]:
+    """``(name, value, target)``: speed over the yardstick's speed unless the name says otherwise; a
+    negative target is an upper bound (of a time ratio)."""
+    return [
+        # issue 27
+        ("3 KB get_batch(out=) / np.take(out=, clip) from MAP_SHARED (same 4 KiB pages)",
+         s["np.take(out=) from MAP_SHARED"] / s["get_batch(out=)"], 0.8),
+        ("150 KB get_batch, each batch dropped / bulk copy into a new array, dropped",
+         b["bulk copy, new arrays (dropped)"] / b["get_batch (dropped)"], 0.85),
+        ("3 KB ds[i] time / arr[i].copy() time (lower is better)", s["ds[i]"] / s["arr[i].copy()"], -2.0),
+        # issue 20
         ("3 KB get_batch / np.take, new arrays", s["np.take, new arrays"] / s["get_batch"], 0.8),
         ("3 KB get_batch(out=) / np.take(out=, clip)", s["np.take(out=, mode=clip)"] / s["get_batch(out=)"], 0.8),
-        ("3 KB get_batch(out=) / the same from MAP_SHARED", s["np.take(out=) from MAP_SHARED"] / s["get_batch(out=)"],
-         None),
         ("3 KB get_batch(out=) speed / get_batch speed", s["get_batch"] / s["get_batch(out=)"], 1.0),
+        ("3 KB get_batch, each batch dropped / bulk copy into a new array, dropped",
+         s["bulk copy, new arrays (dropped)"] / s["get_batch (dropped)"], None),
         ("150 KB get_batch (held until the next) / bulk copy", b["bulk copy"] / b["get_batch"], 0.9),
         ("150 KB get_batch(out=) / bulk copy", b["bulk copy"] / b["get_batch(out=)"], 0.9),
+        ("150 KB get_batch(out=) / np.take(out=, clip) from MAP_SHARED (same 4 KiB pages)",
+         b["np.take(out=) from MAP_SHARED"] / b["get_batch(out=)"], None),
         ("150 KB get_batch(out=) / np.take(out=, clip)", b["np.take(out=, mode=clip)"] / b["get_batch(out=)"], None),
         ("150 KB get_batch(out=) speed / get_batch speed", b["get_batch"] / b["get_batch(out=)"], 1.0),
-        ("3 KB ds[i] time / arr[i].copy() time (lower is better)", s["ds[i]"] / s["arr[i].copy()"], -2.0),
         ("3 KB PrefetchRing (CPU device) / bare get_batch(out=) loop, end to end (wall)",
          s["bare get_batch(out=) loop (wall)"] / s["PrefetchRing.from_cache (CPU) (wall)"], 0.8),
         ("150 KB PrefetchRing (CPU device) / bare get_batch(out=) loop, end to end (wall)",
@@ -207,23 +279,45 @@ def main(argv=None) -> int:
         ("3 KB get_batch(out=) / np.take(out=, clip), wall time", s["np.take(out=, mode=clip) (wall)"]
          / s["get_batch(out=) (wall)"], None),
         ("150 KB get_batch(out=) / bulk copy, wall time", b["bulk copy (wall)"] / b["get_batch(out=) (wall)"], None),
-        ("3 KB issue 8 checks + index lookup, share of get_batch(out=)",
-         s["issue 8 checks + index lookup"] / s["get_batch(out=)"], None),
     ]
-    out_rows = []
-    for name, value, target in targets:
-        if target is None:
-            verdict = ""
-        elif target < 0:
-            verdict = f"<= {-target:g} " + ("met" if value <= -target else "MISSED")
-        else:
-            verdict = f">= {target:g} " + ("met" if value >= target else "MISSED")
-        out_rows.append((name, f"{value:.2f}", verdict))
-    print_table(("ratio (speed / yardstick's speed unless said)", "value", "target"), out_rows)
-    print(f"150 KB get_batch used {large['distinct get_batch buffers']} distinct output buffers "
-          f"(recycled once the caller dropped a batch); 3 KB batches are below BatchBuffers.MIN_BYTES")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"3 KB": small, "150 KB": large}, indent=1))
+
+
+def verdict(value: float, target: float | None) -> str:
+    if target is None:
+        return ""
+    if target < 0:
+        return f"<= {-target:g} " + ("met" if value <= -target else "MISSED")
+    return f">= {target:g} " + ("met" if value >= target else "MISSED")
+
+
+def against(args) -> int:
+    """Run this script alternately with ``args.against``'s shmcache and this checkout's (PYTHONPATH),
+    ``args.runs`` times each, and print each ratio's median over the runs of both."""
+    here = str(Path(__file__).resolve().parents[1])
+    trees = {"before": str(Path(args.against).resolve()), "now": here}
+    got: dict[str, list[dict]] = {name: [] for name in trees}
+    print(environment_line(environment()))
+    with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
+        for run in range(args.runs):
+            for name, tree in (trees.items() if run % 2 == 0 else reversed(list(trees.items()))):
+                path = os.path.join(tmp, f"{name}-{run}.json")
+                env = dict(os.environ, PYTHONPATH=tree)
+                cmd = [sys.executable, __file__, "--json", path] + (["--quick"] if args.quick else [])
+                subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, cwd=tree)
+                got[name].append(json.loads(Path(path).read_text()))
+    rows = []
+    for name, _, target in ratios(got["now"][0]["3 KB"], got["now"][0]["150 KB"]):
+        before = statistics.median(r["ratios"][name] for r in got["before"])
+        now = statistics.median(r["ratios"][name] for r in got["now"])
+        rows.append((name, f"{before:.2f}", f"{now:.2f}", verdict(now, target)))
+    print(f"{args.runs} runs of each, alternating; medians of each run's same-run ratio")
+    print_table(("ratio (speed / yardstick's speed unless said)", f"before ({trees['before']})", "now", "target"),
+                rows)
+    for name in trees:
+        for size in ("3 KB", "150 KB"):
+            c = got[name][0][size]["calls"]
+            print(f"{name}, {size}: calls of one warm call (Python / C, of them numpy's): " + "; ".join(
+                f"{k} {v.get('python', 0)} / {v.get('C', 0)}, {v.get('numpy', 0)}" for k, v in c.items()))
     return 0
 
 

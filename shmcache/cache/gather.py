@@ -4,14 +4,25 @@ one size class is copied out of the class segment's chunks (chunk k at ``k x chu
 small records whole through a per-thread scratch, then field by field; larger fields one take
 each, in units that divide both the chunk and the field, or a copy per row for large fields.
 
-The store (``CacheStore.gather_ints``) maps the generation, checks the batch's entries as a
+The read side (``CacheView.gather_ints``) maps the generation, checks the batch's entries as a
 reader checks one (NOTE [publish order], Damage) and counts the hits; this module finds the
 batch (``plan``), copies its columns (``columns``) and recycles large output buffers.
+
+A warm batch of a single-layout cache takes a shorter way (issue 27): once a batch went the way
+above, its layout, size class and the chunks then handed out are kept as a :class:`Plan` (in the
+generation's ``columns``, so it goes with the generation), and the next batch is looked up,
+checked and copied in a fixed handful of numpy calls (:func:`gather_planned`): every entry's state
+word in one gather, all three words again in another, the checks in one subtract and one compare,
+and each field with one fancy index of a view that strides over the class's chunks. Anything
+that is not exactly the plan's - another layout or length, a spilled entry, a key past the table, a
+chunk past those handed out, another class, a key word that differs - sends the batch the way
+above, which reads the class record again and names any damage.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 import sys
 import threading
 from typing import NamedTuple
@@ -20,9 +31,26 @@ import numpy as np
 
 from . import codec, process_slot
 from .allocator import DATA_OFF
-from .index import INLINE24, READY, SPILLED, TableView, entry_chunk, entry_class, entry_layout, entry_length
+from .index import (
+    ENTRY_BYTES,
+    INLINE24,
+    READY,
+    SPILLED,
+    TABLE_OFF,
+    TableView,
+    entry_chunk,
+    entry_class,
+    entry_layout,
+    entry_length,
+    location_word,
+)
 
-__all__ = ["Batch", "plan", "uniform", "columns", "out_matches", "BatchBuffers", "gather_leaf"]
+_Q = struct.Struct("Q")
+_TRUE = np.True_.tobytes()
+PLAN = "gather plan"  # the key of a generation's ``columns`` dict that holds its Plan (store._columns)
+
+__all__ = ["Batch", "plan", "uniform", "columns", "out_matches", "BatchBuffers", "gather_leaf", "Plan",
+           "PLAN", "gather_planned", "planned_chunks", "plannable", "remember"]
 
 GATHERED = ("i", "f", "b", "a", "e")  # leaf tags copied as bytes (the rest decode per item)
 SCRATCH_BYTES = 2 << 20  # a batch of whole records up to this is gathered through a scratch (columns)
@@ -227,3 +255,181 @@ def gather_rows(rows: np.ndarray, offset: int, chunks: np.ndarray, dst: np.ndarr
             np.take(units, idx, axis=0, out=dst.reshape(n, per, g), mode="clip")
         return
     dst[...] = rows[:, offset:offset + nbytes][chunks]
+
+
+# --- the planned batch (issue 27): a warm batch of a single-layout cache --------------------------
+
+
+def plannable(leaves: list) -> bool:
+    """True if a batch of records of ``leaves`` can be gathered by a :class:`Plan`: every leaf is
+    copied as bytes (or is None); str, bytes and pickled leaves decode per item."""
+    return all(leaf.tag in GATHERED or leaf.tag == "n" for leaf in leaves)
+
+
+class Field(NamedTuple):
+    """One leaf of a Plan: where it sits in a record, how its column is copied out of the class
+    segment, and what the column is."""
+
+    offset: int  # in the record
+    nbytes: int
+    dtype: np.dtype  # the column's dtype and row shape (an extension leaf: its bytes, (nbytes,))
+    shape: tuple
+    item: np.dtype  # what numpy copies a row as: the dtype of a scalar, else V<nbytes> (one memcpy)
+    items: np.ndarray  # one item per chunk handed out: the field (a view over the class segment)
+    rows: np.ndarray | None  # the same bytes as (chunks, nbytes) uint8 rows, for fields copied row by row
+
+
+class Plan:
+    """How the batches of one layout in one size class are gathered while nothing changes: the
+    state word every entry has (READY | INT_KEY, the layout, the length: one interned layout and
+    int keys make one record length), the class, the chunks handed out when it was made, and per
+    leaf a view that strides over those chunks (:class:`Field`). Made by the store after a batch
+    passed every check of the long way (``CacheStore.gather_ints``): the length within the chunk
+    and covering the layout, the chunks handed out. Never changed once made (only the arrays its
+    checks work in are per thread); a batch that does not fit it goes the long way again."""
+
+    __slots__ = ("w0", "base", "handed_out", "layout", "tree", "leaves", "fields", "_w0_bytes", "_limit",
+                 "_local")
+
+    def __init__(self, w0: int, cls: int, handed_out: int, chunk: int, buf, layout: tuple):
+        self.w0 = w0
+        self.base = location_word(cls, 0)
+        self.handed_out = handed_out
+        self.layout = layout  # (tree, leaves, end of the last leaf): what CacheStore.batch_layout returns
+        self.tree, self.leaves = layout[0], layout[1]
+        self.fields = [None if leaf.tag == "n" else _field(buf, handed_out, chunk, leaf) for leaf in self.leaves]
+        self._w0_bytes = np.array([w0], np.uint64).tobytes()
+        # the entry words a batch must have, less what it must be below: (w0, key, chunk) - (w0, key,
+        # class << 48) < (1, 1, handed_out), row by row (gather_planned)
+        self._limit = np.array([1, 1, handed_out], np.uint64)
+        self._local = threading.local()  # per thread: the arrays of the checks (want)
+
+    def want(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This thread's ``(n, 3)`` uint64 rows ``(w0, key, class << 48)`` (the batch's keys go in
+        the middle column), an ``(n, 3)`` array for the entries' words and one of bools (a
+        DataLoader's pin-memory thread gathers next to the main thread)."""
+        local = self._local
+        want = getattr(local, "want", None)
+        if want is None or len(want) < n:
+            want = local.want = np.empty((max(n, 256), 3), np.uint64)
+            want[:, 0], want[:, 2] = self.w0, self.base
+            local.words = np.empty_like(want)
+            local.ok = np.empty(want.shape, np.bool_)
+        return want[:n], local.words[:n], local.ok[:n]
+
+    def holds(self, index: TableView, key: int) -> bool:
+        """True if int ``key`` sits at its own position with the plan's state word (a scalar
+        probe: w0 first, then the key word), so a batch from it has the plan's layout."""
+        if not 0 <= key < index.capacity:
+            return False
+        off = TABLE_OFF + ENTRY_BYTES * key
+        return _Q.unpack_from(index.buf, off)[0] == self.w0 and _Q.unpack_from(index.buf, off + 8)[0] == key
+
+
+def remember(columns: dict, w0: int, cls: int, handed_out: int, chunk: int, buf, layout: tuple) -> None:
+    """Keep the Plan of a batch that passed every check of the long way in ``columns`` (the
+    generation's dict: the plan goes with the generation), unless the one there is the same
+    (a batch of keys past the table's capacity goes the long way every time: no new plan each)."""
+    old = columns.get(PLAN)
+    if old is not None and (old.w0, old.base, old.handed_out) == (w0, location_word(cls, 0), handed_out):
+        return
+    if plannable(layout[1]):
+        columns[PLAN] = Plan(w0, cls, handed_out, chunk, buf, layout)
+
+
+def _field(buf, handed_out: int, chunk: int, leaf: codec.Leaf) -> Field:
+    """Leaf ``leaf`` of every chunk handed out, over the class segment ``buf`` (views: nothing is
+    copied). A field of one scalar is an item of its dtype; a larger one an opaque item of its
+    bytes (``V<nbytes>``): numpy then copies each with one memcpy, where an item of many small
+    elements (an image's 3-byte pixels) is copied element by element."""
+    dtype, shape = (np.dtype(np.uint8), (leaf.nbytes,)) if leaf.tag == "e" else (leaf.dtype, tuple(leaf.shape))
+    offset, nbytes = DATA_OFF + leaf.offset, leaf.nbytes
+    item = dtype if not shape or not nbytes else np.dtype((np.void, nbytes))
+    if item is dtype:
+        inner = [dtype.itemsize] * len(shape)  # C-contiguous within the field (empty: any)
+        items = np.ndarray((handed_out, *shape), dtype, buf, offset, (chunk, *inner))
+    else:
+        items = np.ndarray((handed_out,), item, buf, offset, (chunk,))
+    rows = np.ndarray((handed_out, nbytes), np.uint8, buf, offset, (chunk, 1)) if nbytes >= LOOP_BYTES else None
+    return Field(leaf.offset, nbytes, dtype, shape, item, items, rows)
+
+
+def gather_planned(plan: Plan, words: np.ndarray, keys: np.ndarray, out: list | None,
+                   buffers: BatchBuffers) -> list | None:
+    """The columns of the batch of int64 ``keys`` (one per leaf, into ``out`` when given: matched
+    by the caller, ``out_matches``) if every key's entry is exactly what ``plan`` expects; None
+    otherwise, having written nothing (the caller takes the long way, which names any damage).
+
+    ``words``: the index table's ``(capacity, 3)`` words (index.TableView.words). The entry checks
+    of a reader (NOTE [publish order], Damage; CacheView.record), vectorised:
+
+    * the state words are gathered first, on their own (TableView.find: w0 before w1 and w2), and must
+      all be ``plan.w0``: READY, an int key, not spilled, the plan's layout and length (checked
+      against the chunk size and the layout's end when the plan was made);
+    * a key below the table's capacity sits at its own position (TableView.lookup_ints); one past it raises
+      IndexError here and goes the long way (which probes); a negative one wraps to another
+      position, which the key word then rules out unless it is that key's entry;
+    * all three words again (a second gather, after every state word was loaded), minus
+      ``(w0, key, class << 48)``, compared with ``(1, 1, handed out)`` in one ``np.less``: the
+      state word again, every key word equal, every chunk below the chunks handed out when the
+      plan was made (a chunk of another class wraps around to a huge number).
+
+    Each field is then copied straight from the class segment with one fancy index (into ``out=``
+    by way of it and one ``np.copyto``: numpy has no gather from a strided source into ``out=``),
+    a field of ``LOOP_BYTES`` or more one row at a time (:func:`_copy_rows`).
+    """
+    n = len(keys)
+    chunks = planned_chunks(plan, words, keys)
+    if chunks is None:
+        return None
+    # field by field straight from the class segment, one fancy index each: measured faster than
+    # whole records through a scratch (columns) even for records of nine fields
+    if out is None:
+        return [f and _new_column(f, chunks, n, buffers) for f in plan.fields]
+    for f, dst in zip(plan.fields, out):
+        if f is not None:
+            _copy_rows(f, chunks, dst)
+    return [f and dst for f, dst in zip(plan.fields, out)]
+
+
+def planned_chunks(plan: Plan, words: np.ndarray, keys: np.ndarray) -> np.ndarray | None:
+    """The chunks (intp) of the batch of int64 ``keys`` if every entry is exactly what ``plan``
+    expects (the checks of :func:`gather_planned`), else None."""
+    n = len(keys)
+    try:
+        s0 = words[keys, 0]  # first, in its own gather
+    except IndexError:
+        return None
+    if s0.tobytes() != plan._w0_bytes * n:
+        return None
+    want, got, ok = plan.want(n)
+    want[:, 1] = keys
+    words.take(keys, 0, got)  # all three words again: w1 and w2 after every w0 above (raises if out of range)
+    np.subtract(got, want, out=got)
+    if np.less(got, plan._limit, out=ok).tobytes() != _TRUE * (3 * n):
+        return None
+    return got[:, 2].view(np.intp)  # below handed_out: the same number as an intp
+
+
+def _new_column(f: Field, chunks: np.ndarray, n: int, buffers: BatchBuffers) -> np.ndarray:
+    """A new column of rows ``chunks`` of ``f``: one fancy index (a memcpy per row) for a small
+    batch; a large one into a recycled buffer (BatchBuffers)."""
+    if n * f.nbytes < BatchBuffers.MIN_BYTES:
+        col = f.items[chunks]
+        return col if f.item is f.dtype else np.ndarray((n, *f.shape), f.dtype, col)
+    dst = buffers.take((n, f.nbytes))
+    _copy_rows(f, chunks, dst)
+    return np.ndarray((n, *f.shape), f.dtype, dst)
+
+
+def _copy_rows(f: Field, chunks: np.ndarray, dst: np.ndarray) -> None:
+    """Rows ``chunks`` of ``f`` into ``dst`` (C-contiguous, as many bytes as the batch's field):
+    a fancy index and one copy, or one copy per row for fields of ``LOOP_BYTES`` and more (no
+    temporary as large as the batch)."""
+    n = len(chunks)
+    if f.rows is not None:
+        rows, flat = f.rows, np.ndarray((n, f.nbytes), np.uint8, dst)
+        for i, c in enumerate(chunks.tolist()):
+            flat[i] = rows[c]
+    else:
+        np.copyto(np.ndarray((n, *f.items.shape[1:]), f.item, dst), f.items[chunks])

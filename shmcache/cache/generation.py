@@ -117,7 +117,7 @@ class Generation:
     # layout id -> (layout bytes, decoder, end of its last leaf (at least a record header),
     #               decoder of a private copy)
     layouts: dict
-    columns: dict  # layout id -> (tree, leaves, end of the last leaf) for the batch path
+    columns: dict  # layout id -> (tree, leaves, end of the last leaf) for the batch path; gather.PLAN -> a gather.Plan
 
     # --- totals (read lock-free by len() and stats) ------------------------------------------
 

@@ -62,6 +62,7 @@ from .index import (
     entry_layout,
     entry_length,
     key_bytes,
+    state_word,
     tier_key,
 )
 from .indexed_tier import IndexedTier, RecordLocation
@@ -511,6 +512,9 @@ class CacheView:
         """``(tree, leaves, end of the last leaf)`` of the record of ``keys[0]`` (codec.leaves): the structure a
         vectorised batch of ``keys`` would have. None if that key is not cached with a shared layout."""
         g = self.refresh()
+        planned = g.columns.get(gather.PLAN)  # a warm batch's layout (gather.Plan)
+        if planned is not None and planned.holds(g.index, int(keys[0])):
+            return planned.layout
         try:  # one key: a scalar probe costs a tenth of the vectorised lookup's numpy calls
             w0 = self.find(g, int(keys[0]))[0]
         except FileNotFoundError:  # cleared meanwhile
@@ -541,6 +545,9 @@ class CacheView:
         """True if every int key is cached in memory with one layout and size class: what
         :meth:`gather_ints` needs (checked without copying or counting anything)."""
         g = self.refresh()
+        planned = g.columns.get(gather.PLAN)  # a warm batch: its plan's checks (gather.planned_chunks)
+        if len(keys) and planned is not None and gather.planned_chunks(planned, g.index.words, keys) is not None:
+            return True
         return len(keys) > 0 and gather.uniform(*g.index.lookup_ints(keys))
 
     def gather_ints(self, keys: np.ndarray, out: list | None = None):
@@ -554,6 +561,11 @@ class CacheView:
         g = self.refresh()
         if len(keys) == 0:
             return None
+        planned = g.columns.get(gather.PLAN)  # a warm batch: a few numpy calls (gather.gather_planned)
+        got = planned and gather.gather_planned(planned, g.index.words, keys, out, self._buffers)
+        if got is not None:
+            self.count(HITS, len(keys))
+            return planned.tree, planned.leaves, got
         batch = gather.plan(g.index, keys)
         if batch is None:
             return None
@@ -584,6 +596,9 @@ class CacheView:
             raise self.undecodable(f"a record of the batch of keys from {int(keys[0])} in {seg.name}",
                                     exc) from None
         self.count(HITS, len(keys))
+        # checked above: the next such batch takes the planned way
+        gather.remember(g.columns, state_word(READY | INT_KEY, batch.layout, n), cls, handed_out, chunk, seg.buf,
+                        (tree, leaves, end))
         return tree, leaves, columns
 
     def __len__(self) -> int:

@@ -125,6 +125,7 @@ def copy_into(out: Any, batch: Any, path: str = "out") -> None:
 
 
 _INT64_MAX = np.iinfo(np.int64).max
+_INT_ONLY = {int}
 
 
 def integer_array(values: Any, what: str, error: type[Exception]) -> np.ndarray | None:
@@ -168,7 +169,7 @@ def as_int_keys(keys: Sequence) -> np.ndarray | None:
 def plain_ints(keys: Sequence) -> np.ndarray | None:
     """``keys`` as int64 if every one is a plain int that fits; else None."""
     try:
-        if all(type(k) is int for k in keys):
+        if set(map(type, keys)) <= _INT_ONLY:  # in C: a generator here was a Python call per key
             return np.fromiter(keys, np.int64, len(keys))
     except (OverflowError, TypeError):
         return None

@@ -1,6 +1,7 @@
 """The vectorised gather (gather.py) by each of its copies: small records through the per-thread
-scratch, large fields by np.take in units, odd-sized fields by a loop or a fancy index. Every one
-must give the items' exact bytes, write nothing outside ``out=``, and recycle large outputs."""
+scratch, large fields by np.take in units, odd-sized fields by a loop or a fancy index, and the
+planned batch that warm batches take (a fancy index per field, a row loop for large ones). Every
+one must give the items' exact bytes, write nothing outside ``out=``, and recycle large outputs."""
 
 from __future__ import annotations
 
@@ -38,10 +39,11 @@ def filled(request, monkeypatch):
 def test_every_path_gathers_the_items_bytes(filled):
     cache, shape, n = filled
     keys = np.random.default_rng(1).permutation(n)[:n - 3]
-    img, lab = cache.get_batch(keys)
-    for j, k in enumerate(keys.tolist()):
-        assert np.array_equal(img[j].numpy(), _item(k, shape)[0]), k
-    assert lab.tolist() == [k * 7 for k in keys.tolist()]
+    for _ in range(3):  # the long way, then the planned batch (gather_planned) twice
+        img, lab = cache.get_batch(keys)
+        for j, k in enumerate(keys.tolist()):
+            assert np.array_equal(img[j].numpy(), _item(k, shape)[0]), k
+        assert lab.tolist() == [k * 7 for k in keys.tolist()]
 
 
 def test_out_is_filled_exactly_and_nothing_around_it_is_written(filled):
@@ -54,12 +56,14 @@ def test_out_is_filled_exactly_and_nothing_around_it_is_written(filled):
     backing = torch.full((guard + size + guard,), 0xAB, dtype=torch.uint8)
     labels = torch.full((n + 2,), -5, dtype=torch.int64)
     out = (backing[guard:guard + size].view(n, *shape), labels[1:n + 1])
-    assert cache.get_batch(keys, out=out) is out
-    assert (backing[:guard] == 0xAB).all() and (backing[guard + size:] == 0xAB).all()
-    assert labels[0] == -5 and labels[-1] == -5
-    for j, k in enumerate(keys.tolist()):
-        assert np.array_equal(out[0][j].numpy(), _item(k, shape)[0]), k
-    assert out[1].tolist() == [k * 7 for k in keys.tolist()]
+    for _ in range(3):  # the long way, then the planned batch (gather_planned) twice
+        out[0].zero_()
+        assert cache.get_batch(keys, out=out) is out
+        assert (backing[:guard] == 0xAB).all() and (backing[guard + size:] == 0xAB).all()
+        assert labels[0] == -5 and labels[-1] == -5
+        for j, k in enumerate(keys.tolist()):
+            assert np.array_equal(out[0][j].numpy(), _item(k, shape)[0]), k
+        assert out[1].tolist() == [k * 7 for k in keys.tolist()]
 
 
 def test_a_dropped_large_batch_is_gathered_into_again_as_a_training_loop_holds_it():
@@ -145,12 +149,13 @@ def test_empty_and_bfloat16_fields_gather_by_either_path(scratch, monkeypatch):
         for i in range(6):
             cache.put(i, {"empty": np.zeros((0, 3), np.float32), "bf": torch.full((4,), float(i), dtype=torch.bfloat16),
                           "k": i})
-        got = cache.get_batch([5, 0, 3])
-        assert got["empty"].shape == (3, 0, 3) and got["bf"].dtype == torch.bfloat16
-        assert got["bf"][:, 0].tolist() == [5.0, 0.0, 3.0] and got["k"].tolist() == [5, 0, 3]
-        out = {"empty": torch.zeros((3, 0, 3)), "bf": torch.zeros((3, 4), dtype=torch.bfloat16),
-               "k": torch.zeros(3, dtype=torch.int64)}
-        assert cache.get_batch([1, 2, 4], out=out) is out
-        assert out["bf"][:, 3].tolist() == [1.0, 2.0, 4.0] and out["k"].tolist() == [1, 2, 4]
+        for _ in range(3):  # the long way, then the planned batch (gather_planned) twice
+            got = cache.get_batch([5, 0, 3])
+            assert got["empty"].shape == (3, 0, 3) and got["bf"].dtype == torch.bfloat16
+            assert got["bf"][:, 0].tolist() == [5.0, 0.0, 3.0] and got["k"].tolist() == [5, 0, 3]
+            out = {"empty": torch.zeros((3, 0, 3)), "bf": torch.zeros((3, 4), dtype=torch.bfloat16),
+                   "k": torch.zeros(3, dtype=torch.int64)}
+            assert cache.get_batch([1, 2, 4], out=out) is out
+            assert out["bf"][:, 3].tolist() == [1.0, 2.0, 4.0] and out["k"].tolist() == [1, 2, 4]
     finally:
         cache.close()
