@@ -35,7 +35,9 @@ from ..errors import CorruptSegment, NotOwner, SharedMemoryFull
 from . import memdir, ordering
 from .namespace import segment_dir, segment_path, squatter_error
 
-__all__ = ["Segment", "HEADER_BYTES", "PAGE", "word_view"]
+__all__ = ["Segment", "HEADER_BYTES", "PAGE", "WORD", "word_view"]
+
+WORD = struct.Struct("Q")  # one aligned 8-byte word of a segment (every shared word is one)
 
 MAGIC = 0x31484341434D4853  # b"SHMCACH1" little-endian
 VERSION = 1

@@ -53,15 +53,14 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import time
 
 from ..base import memdir, ordering
 from ..base.memory import memory_limits
-from ..base.shm import PAGE, Segment
+from ..base.shm import PAGE, WORD, Segment
 from ..errors import ItemTooLarge, SharedMemoryFull
 from .allocator import DATA_OFF, commit_step_chunks
-from .generation import AUTO, AUTO_NONE, SIZED, Generation, M, RootLayout
+from .generation import AUTO, AUTO_NONE, SIZED, Generation, MetaLayout, RootLayout
 from .index import MAX_RECORD, TableView
 from .indexed_tier import IndexedTier
 from .registry import SessionRegistry
@@ -70,9 +69,7 @@ __all__ = ["Admission", "NoRoom", "MIN_CAPACITY", "initial_capacity", "log_no_me
 
 log = logging.getLogger("shmcache")
 
-_Q = struct.Struct("Q")
-R = RootLayout
-MIN_CAPACITY = M.SIZE + PAGE  # a cap below this holds nothing
+MIN_CAPACITY = MetaLayout.SIZE + PAGE  # a cap below this holds nothing
 
 
 class NoRoom(Exception):
@@ -122,14 +119,14 @@ class Admission:
         self.registry = registry
         self.session, self.name = session, name
         self.shm_root = registry.memory_root(session)  # /dev/shm, or the session's memory directory
-        self.capacity_bytes = _Q.unpack_from(root.buf, R.CAPACITY)[0]
+        self.capacity_bytes = WORD.unpack_from(root.buf, RootLayout.CAPACITY)[0]
         self._shm_full_logged = False
         self._shm_full_until = 0.0  # /dev/shm was full a moment ago: commit refuses until then
         self._auto_retry_at = 0.0  # an auto-sized cache found full asks again then (raise_auto_cap)
 
     def sizing(self) -> int:
         """How this cache's cap was set: SIZED, AUTO or AUTO_NONE (the root's word)."""
-        return _Q.unpack_from(self._root.buf, R.SIZING)[0]
+        return WORD.unpack_from(self._root.buf, RootLayout.SIZING)[0]
 
     def session_shm_bytes(self) -> int:
         """Bytes of shared memory that every cache of this session really occupies (allocated pages)."""
@@ -139,13 +136,13 @@ class Admission:
         """A record of ``nbytes`` (a chunk of ``chunk_size``) could fit in the empty cache beside an
         index of ``table_capacity`` entries: else ItemTooLarge, or NoRoom for an automatic cap on
         a machine short of memory (nothing to fix in size=)."""
-        room = self.capacity_bytes - M.SIZE - TableView.bytes_for(table_capacity)
+        room = self.capacity_bytes - MetaLayout.SIZE - TableView.bytes_for(table_capacity)
         if chunk_size > min(room, MAX_RECORD) and self.raise_auto_cap():
-            room = self.capacity_bytes - M.SIZE - TableView.bytes_for(table_capacity)
+            room = self.capacity_bytes - MetaLayout.SIZE - TableView.bytes_for(table_capacity)
         if chunk_size > min(room, MAX_RECORD):  # would not fit even in the empty cache
             if self.sizing() != SIZED and chunk_size <= MAX_RECORD:
                 raise NoRoom  # size=0 on a machine short of memory: nothing to fix in size=
-            need = (chunk_size + M.SIZE + TableView.bytes_for(table_capacity)) / 2**20
+            need = (chunk_size + MetaLayout.SIZE + TableView.bytes_for(table_capacity)) / 2**20
             raise ItemTooLarge(
                 f"an item of {nbytes / 2**20:.2f} MiB can never fit in cache {self.session}/"
                 f"{self.name} of {self.capacity_bytes / 2**20:.2f} MiB (its index takes "
@@ -169,7 +166,7 @@ class Admission:
         if time.monotonic() < self._shm_full_until:
             raise NoRoom  # /dev/shm was full a moment ago: don't ask the kernel on every miss
         meta = g.meta.buf
-        used = _Q.unpack_from(meta, M.COMMITTED)[0]
+        used = WORD.unpack_from(meta, MetaLayout.COMMITTED)[0]
         step = commit_step_chunks(chunk_size)
         keep = shm_free = 0
         if spill is not None and spill.accepting:  # one statvfs, when spilling only
@@ -223,7 +220,7 @@ class Admission:
             self.log_shm_full(exc, spill)
             raise NoRoom from None
         g.classes.set_committed(cls, committed + step)
-        g.meta.words[M.COMMITTED >> 3] = used + step * chunk_size
+        g.meta.words[MetaLayout.COMMITTED >> 3] = used + step * chunk_size
         if fence:
             ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)
         if auto:
@@ -237,15 +234,15 @@ class Admission:
         if self.sizing() == SIZED or time.monotonic() < self._auto_retry_at:
             return False
         self._auto_retry_at = time.monotonic() + 1.0
-        cap = _Q.unpack_from(self._root.buf, R.CAPACITY)[0]  # raised by another process already?
+        cap = WORD.unpack_from(self._root.buf, RootLayout.CAPACITY)[0]  # raised by another process already?
         if cap <= self.capacity_bytes:
             now = memory_limits(shm_root=self.shm_root).auto_capacity(self.session_shm_bytes())
             if now <= self.capacity_bytes + self.capacity_bytes // 8:  # the cap as measured, give or
                 return False  # take what the session's own metadata and rounding make: kept
             cap = self.registry.raise_auto_capacity(self.session, now)
-            self._root.words[R.CAPACITY >> 3] = cap
+            self._root.words[RootLayout.CAPACITY >> 3] = cap
             ordering.fence()
-            self._root.words[R.SIZING >> 3] = AUTO  # after the cap: AUTO_NONE no more
+            self._root.words[RootLayout.SIZING >> 3] = AUTO  # after the cap: AUTO_NONE no more
         log.info("cache %s/%s: memory is free again; the automatic cap rises from %.1f to %.1f MiB",
                  self.session, self.name, self.capacity_bytes / 2**20, cap / 2**20)
         self.capacity_bytes = cap

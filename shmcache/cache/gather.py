@@ -22,13 +22,13 @@ above, which reads the class record again and names any damage.
 from __future__ import annotations
 
 import math
-import struct
 import sys
 import threading
 from typing import NamedTuple
 
 import numpy as np
 
+from ..base.shm import WORD
 from . import codec, process_slot
 from .allocator import DATA_OFF
 from .index import (
@@ -45,7 +45,6 @@ from .index import (
     location_word,
 )
 
-_Q = struct.Struct("Q")
 _TRUE = np.True_.tobytes()
 PLAN = "gather plan"  # the key of a generation's ``columns`` dict that holds its Plan (store._columns)
 
@@ -228,12 +227,12 @@ def gather_rows(rows: np.ndarray, offset: int, chunks: np.ndarray, dst: np.ndarr
     """Gather the bytes ``offset`` to ``offset + dst.shape[1]`` of rows ``chunks`` of ``rows`` (a
     class segment's chunks, C-contiguous) into ``dst``, without a temporary.
 
-    Fields of ``LOOP_BYTES`` and more: one copy per row (a memcpy each; measured 3-6% faster than
-    a take in 1 KB units for 150 KB rows). Smaller ones: ``np.take`` needs a C-contiguous source,
-    so the rows are read through a view in units of ``g`` bytes, g the largest that divides both
-    the chunk and the field: the field of row c is units ``c x chunk/g`` on, ``nbytes/g`` of them,
-    one take into ``dst`` seen as units too. Units under ``MIN_UNIT`` bytes would make take copy
-    piece by piece: one fancy-index copy through a temporary then."""
+    Fields of ``LOOP_BYTES`` and more: one copy per row (a memcpy each; measured 3-6% faster than a
+    take in 1 KB units for 150 KB rows). Smaller ones: ``np.take`` needs a C-contiguous source, so
+    the rows are read through a view in units of ``unit`` bytes, the largest number that divides
+    both the chunk and the field: the field of row c is units ``c x chunk/unit`` on, ``nbytes/unit``
+    of them, one take into ``dst`` seen as units too. Units under ``MIN_UNIT`` bytes would make take
+    copy piece by piece: one fancy-index copy through a temporary then."""
     n, nbytes = dst.shape
     chunk = rows.shape[1]
     if not nbytes:  # an empty field: nothing to copy
@@ -243,16 +242,16 @@ def gather_rows(rows: np.ndarray, offset: int, chunks: np.ndarray, dst: np.ndarr
         for i, c in enumerate(chunks.tolist()):
             dst[i] = column[c]
         return
-    g = math.gcd(chunk, nbytes)
-    if g >= MIN_UNIT or g == nbytes:
+    unit = math.gcd(chunk, nbytes)
+    if unit >= MIN_UNIT or unit == nbytes:
         # the last unit of the last chunk ends inside it: offset + nbytes <= chunk (the caller's checks)
-        units = np.ndarray(((rows.nbytes - offset) // g, g), np.uint8, rows, offset)
-        step, per = chunk // g, nbytes // g
+        units = np.ndarray(((rows.nbytes - offset) // unit, unit), np.uint8, rows, offset)
+        step, per = chunk // unit, nbytes // unit
         if per == 1:
             np.take(units, chunks * step, axis=0, out=dst, mode="clip")
         else:
             idx = (chunks * step)[:, None] + np.arange(per)
-            np.take(units, idx, axis=0, out=dst.reshape(n, per, g), mode="clip")
+            np.take(units, idx, axis=0, out=dst.reshape(n, per, unit), mode="clip")
         return
     dst[...] = rows[:, offset:offset + nbytes][chunks]
 
@@ -323,7 +322,7 @@ class Plan:
         if not 0 <= key < index.capacity:
             return False
         off = TABLE_OFF + ENTRY_BYTES * key
-        return _Q.unpack_from(index.buf, off)[0] == self.w0 and _Q.unpack_from(index.buf, off + 8)[0] == key
+        return WORD.unpack_from(index.buf, off)[0] == self.w0 and WORD.unpack_from(index.buf, off + 8)[0] == key
 
 
 def remember(columns: dict, w0: int, cls: int, handed_out: int, chunk: int, buf, layout: tuple) -> None:

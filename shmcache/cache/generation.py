@@ -15,20 +15,19 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..base.shm import Segment, word_view
+from ..base.shm import WORD, Segment, word_view
 from .allocator import MAX_CLASSES, ClassTable
 from .index import TableView
 from .registry import MAX_SLOTS
 from .root import DESTROYED, RootLayout, epoch_of, split_epoch
 
 __all__ = ["KIND_ROOT", "KIND_META", "KIND_TABLE", "KIND_DATA", "RootLayout", "DESTROYED", "SIZED", "AUTO", "AUTO_NONE",
-           "MetaLayout", "M", "HITS", "MISSES", "REJECTED", "CORRUPT", "COUNTER_NAMES", "INTENT", "Intent",
+           "MetaLayout", "HITS", "MISSES", "REJECTED", "CORRUPT", "COUNTER_NAMES", "INTENT", "Intent",
            "GROUP_RECORDS", "GroupIntent",
            "SPILL_CLASS", "Generation", "DEAD_GEN", "destroyed_generation", "close_generation", "epoch_of",
            "split_epoch"]
 
 KIND_ROOT, KIND_META, KIND_TABLE, KIND_DATA = 1, 2, 3, 4  # segment kinds (``Segment``'s header)
-_Q = struct.Struct("Q")
 
 
 SIZED, AUTO, AUTO_NONE = 0, 1, 2  # size= given; size=0; size=0 on a full machine: nothing in memory
@@ -53,7 +52,6 @@ class MetaLayout:
     SIZE = LAYOUTS + MAX_LAYOUTS * LAYOUT_BYTES
 
 
-M = MetaLayout
 
 # a row of counters (NOTE [lock files]: each live process writes only its own row, no atomics)
 HITS, MISSES, REJECTED, CORRUPT = 0, 1, 2, 3
@@ -122,56 +120,56 @@ class Generation:
     # --- totals (read lock-free by len() and stats) ------------------------------------------
 
     def word(self, off: int) -> int:
-        return _Q.unpack_from(self.meta.buf, off)[0]
+        return WORD.unpack_from(self.meta.buf, off)[0]
 
     def table_items(self) -> int:
-        return self.word(M.TABLE_ITEMS)
+        return self.word(MetaLayout.TABLE_ITEMS)
 
     def mem_totals(self) -> tuple[int, int, int]:
         """``(items, bytes, committed bytes)`` in memory."""
-        return struct.unpack_from("QQQ", self.meta.buf, M.ITEMS_MEM)
+        return struct.unpack_from("QQQ", self.meta.buf, MetaLayout.ITEMS_MEM)
 
     def disk_totals(self) -> tuple[int, int, int]:
         """``(items, stored bytes, raw bytes)`` spilled."""
-        return struct.unpack_from("QQQ", self.meta.buf, M.ITEMS_DISK)
+        return struct.unpack_from("QQQ", self.meta.buf, MetaLayout.ITEMS_DISK)
 
     def apply_totals(self, intent: Intent) -> None:
         """Assign the totals after a write (one store each; assignments: redoing them is harmless)."""
         words = self.meta.words
         if intent.cls == SPILL_CLASS:
-            words[M.ITEMS_DISK >> 3], words[M.BYTES_DISK >> 3] = intent.items, intent.total
-            words[M.BYTES_DISK_RAW >> 3] = intent.raw
+            words[MetaLayout.ITEMS_DISK >> 3], words[MetaLayout.BYTES_DISK >> 3] = intent.items, intent.total
+            words[MetaLayout.BYTES_DISK_RAW >> 3] = intent.raw
         else:
-            words[M.ITEMS_MEM >> 3], words[M.BYTES_MEM >> 3] = intent.items, intent.total
-        words[M.TABLE_ITEMS >> 3] = intent.table_items
+            words[MetaLayout.ITEMS_MEM >> 3], words[MetaLayout.BYTES_MEM >> 3] = intent.items, intent.total
+        words[MetaLayout.TABLE_ITEMS >> 3] = intent.table_items
 
     # --- the intent record (NOTE [publish order]; the caller holds the cache's lock) ----------
 
     def intent(self) -> Intent:
-        return Intent._make(INTENT.unpack_from(self.meta.buf, M.INTENT))
+        return Intent._make(INTENT.unpack_from(self.meta.buf, MetaLayout.INTENT))
 
     def begin(self, intent: Intent) -> None:
         """Step 1: write the intent, then phase 1 in one store (an undo restores the bump)."""
-        INTENT.pack_into(self.meta.buf, M.INTENT, 0, *intent[1:])
-        self.meta.words[M.INTENT >> 3] = 1
+        INTENT.pack_into(self.meta.buf, MetaLayout.INTENT, 0, *intent[1:])
+        self.meta.words[MetaLayout.INTENT >> 3] = 1
 
     def published(self) -> None:
         """After step 3: phase 2 (the entry is READY; a repair redoes the totals)."""
-        self.meta.words[M.INTENT >> 3] = 2
+        self.meta.words[MetaLayout.INTENT >> 3] = 2
 
     def end(self) -> None:
         """Step 5: no write in progress."""
-        self.meta.words[M.INTENT >> 3] = 0
+        self.meta.words[MetaLayout.INTENT >> 3] = 0
 
     # --- the group intent (NOTE [publish order], PublishGroup; the caller holds the lock) -----
 
     def group_phase(self) -> int:
-        return self.meta.words[M.GROUP >> 3]
+        return self.meta.words[MetaLayout.GROUP >> 3]
 
     def group_intent(self) -> GroupIntent:
         """The group intent as written (counts clamped to its slots: gc judges the rest)."""
         buf = self.meta.buf
-        phase, n, n_cls, items, total, table_items = GROUP_HEAD.unpack_from(buf, M.GROUP)
+        phase, n, n_cls, items, total, table_items = GROUP_HEAD.unpack_from(buf, MetaLayout.GROUP)
         n, n_cls = min(n, GROUP_RECORDS), min(n_cls, GROUP_RECORDS)
         recs = struct.unpack_from(f"{2 * n}Q", buf, _GROUP_RECORDS_OFF)
         cls_words = struct.unpack_from(f"{n_cls}Q", buf, _GROUP_CLASSES_OFF)
@@ -182,11 +180,11 @@ class Generation:
     def group_counts(self) -> tuple[int, int]:
         """``(records, classes)`` as the header says (unclamped)."""
         w = self.meta.words
-        return w[(M.GROUP >> 3) + 1], w[(M.GROUP >> 3) + 2]
+        return w[(MetaLayout.GROUP >> 3) + 1], w[(MetaLayout.GROUP >> 3) + 2]
 
     def group_begin(self) -> None:
         """Phase 1, no records yet (a writer about to allocate the first record of a group)."""
-        w, h = self.meta.words, M.GROUP >> 3
+        w, h = self.meta.words, MetaLayout.GROUP >> 3
         w[h + 1] = w[h + 2] = 0
         w[h] = 1
 
@@ -194,22 +192,22 @@ class Generation:
         """Record ``i`` of the group, then the count that makes it part of the intent."""
         w, r = self.meta.words, (_GROUP_RECORDS_OFF >> 3) + 2 * i
         w[r], w[r + 1] = cls << 48 | pos, w0
-        w[(M.GROUP >> 3) + 1] = i + 1
+        w[(MetaLayout.GROUP >> 3) + 1] = i + 1
 
     def group_class(self, j: int, cls: int, bump: int) -> None:
         """Class word ``j``: ``cls`` and its bump before the group, then the count."""
         self.meta.words[(_GROUP_CLASSES_OFF >> 3) + j] = cls << 48 | bump
-        self.meta.words[(M.GROUP >> 3) + 2] = j + 1
+        self.meta.words[(MetaLayout.GROUP >> 3) + 2] = j + 1
 
     def group_publishing(self, items: int, total: int, table_items: int) -> None:
         """Phase 2: every record's bytes and its entry's w1 and w2 are written and fenced; the
         totals after the group go with it (a repair from here finishes the group)."""
-        w, h = self.meta.words, M.GROUP >> 3
+        w, h = self.meta.words, MetaLayout.GROUP >> 3
         w[h + 3], w[h + 4], w[h + 5] = items, total, table_items
         w[h] = 2
 
     def group_end(self) -> None:
-        self.meta.words[M.GROUP >> 3] = 0
+        self.meta.words[MetaLayout.GROUP >> 3] = 0
 
 
 class _Private:
@@ -229,9 +227,9 @@ DEAD_GEN = DESTROYED >> 32  # never a real generation (they count up from 1)
 def destroyed_generation() -> Generation:
     """What a handle maps once its cache's root is tombstoned: an empty generation in private
     memory, so every read path (lookup, batches, contains, len, stats) finds nothing."""
-    meta, table = _Private(M.SIZE), _Private(TableView.bytes_for(8))
+    meta, table = _Private(MetaLayout.SIZE), _Private(TableView.bytes_for(8))
     TableView.init(table.buf, 8)
-    return Generation(DEAD_GEN, 0, meta, table, TableView(table.buf), ClassTable(meta.buf, M.CLASSES),
+    return Generation(DEAD_GEN, 0, meta, table, TableView(table.buf), ClassTable(meta.buf, MetaLayout.CLASSES),
                       {}, {}, {})
 
 

@@ -28,7 +28,7 @@ import struct
 import numpy as np
 
 from ..base import ordering
-from ..base.shm import word_view
+from ..base.shm import WORD, word_view
 from ..errors import CorruptSegment, InvalidKey
 
 __all__ = ["TableView", "key_bytes", "key_hash", "tier_key", "READY", "INT_KEY", "SPILLED", "INLINE24",
@@ -50,7 +50,6 @@ MAX_LOAD = 0.7  # linear probing: ~2 probes per hit on average at this load
 MIN_TABLE = 1024  # the fewest entries a cache's table has
 _M64 = (1 << 64) - 1
 _FIB = 0x9E3779B97F4A7C15
-_Q = struct.Struct("Q")
 _QQ = struct.Struct("QQ")
 
 
@@ -150,7 +149,7 @@ class TableView:
     def __init__(self, buf, name: str = "the index table"):
         self.buf = buf
         self.name = name  # the table segment's, for messages
-        cap = _Q.unpack_from(buf, 64)[0]
+        cap = WORD.unpack_from(buf, 64)[0]
         # a capacity that is no power of two or does not fit the segment is damage: the view then
         # has no entries, so every probe raises CorruptSegment saying so (and gc drops the table)
         self.damage = None
@@ -166,7 +165,7 @@ class TableView:
     @staticmethod
     def init(buf, capacity: int) -> None:
         assert capacity & (capacity - 1) == 0, "table capacity is a power of two"
-        _Q.pack_into(buf, 64, capacity)
+        WORD.pack_into(buf, 64, capacity)
 
     @staticmethod
     def bytes_for(capacity: int) -> int:
@@ -186,7 +185,7 @@ class TableView:
     def find_from(self, pos: int, w1: int, int_key: bool) -> tuple[int, int, int]:
         buf, mask = self.buf, self.mask
         want = READY | INT_KEY if int_key else READY
-        unpack, unpack2 = _Q.unpack_from, _QQ.unpack_from
+        unpack, unpack2 = WORD.unpack_from, _QQ.unpack_from
         for _ in range(self.capacity):  # the load stays <= MAX_LOAD: an EMPTY entry comes first
             off = TABLE_OFF + ENTRY_BYTES * pos
             w0 = unpack(buf, off)[0]  # first, on its own: see the module docstring

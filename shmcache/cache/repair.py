@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import logging
 import shutil
-import struct
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 import numpy as np
 
 from ..base import ordering
-from ..base.shm import Segment
+from ..base.shm import WORD, Segment
 from ..errors import CorruptSegment
 from . import codec, publish_group
 from .allocator import MAX_CLASSES
-from .generation import SPILL_CLASS, Generation, Intent, M, RootLayout, split_epoch
+from .generation import SPILL_CLASS, Generation, Intent, MetaLayout, RootLayout, split_epoch
 from .index import (
     ENTRY_BYTES,
     FLAG_BITS,
@@ -51,7 +50,6 @@ __all__ = ["repair_intent", "impossible_intent", "collect_garbage", "find_damage
 
 log = logging.getLogger("shmcache")
 
-_Q = struct.Struct("Q")
 _MIN_RECORD = codec.RECORD_HEADER.size  # the shortest record
 
 
@@ -91,7 +89,7 @@ def repair_intent(view: CacheView, g: Generation) -> int:
     wrong = impossible_intent(g, intent)
     if wrong:  # restoring that bump would hand out live chunks again: touch nothing
         raise view.corrupt(f"the intent record in {g.meta.name} is impossible: {wrong}")
-    w0 = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * intent.pos)[0]
+    w0 = WORD.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * intent.pos)[0]
     if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
         g.apply_totals(intent)
         reclaimed = 0
@@ -115,7 +113,7 @@ def impossible_intent(g: Generation, intent: Intent) -> str:
         return f"phase {phase} (a writer writes 1 or 2)"
     if pos >= g.index.capacity:
         return f"table position {pos} (the table has {g.index.capacity} entries)"
-    ready = _Q.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0] & READY
+    ready = WORD.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0] & READY
     if phase == 2 and not ready:
         return f"phase 2 (published) with entry {pos} of {g.table.name} empty"
     if cls == SPILL_CLASS:
@@ -170,9 +168,9 @@ def find_damage(view: CacheView, g: Generation) -> str:
     over arrays of words)."""
     if g.index.damage:
         raise g.index.corrupt()
-    count = _Q.unpack_from(g.meta.buf, M.N_LAYOUTS)[0]
-    if count > M.MAX_LAYOUTS:
-        return f"{g.meta.name} counts {count} layouts, more than its {M.MAX_LAYOUTS} slots"
+    count = WORD.unpack_from(g.meta.buf, MetaLayout.N_LAYOUTS)[0]
+    if count > MetaLayout.MAX_LAYOUTS:
+        return f"{g.meta.name} counts {count} layouts, more than its {MetaLayout.MAX_LAYOUTS} slots"
     for lid in range(count):
         view.layout(g, lid)  # raises CorruptSegment on a damaged one
     chunk = np.zeros(MAX_CLASSES + 1, np.uint64)  # class MAX_CLASSES: "not in use"
@@ -211,15 +209,15 @@ def recount_items(view: CacheView, g: Generation) -> list[str]:
     s0 = g.index.words[:, 0]
     ready = (s0 & np.uint64(READY)) != 0
     mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
-    right = {M.TABLE_ITEMS: int(ready.sum()), M.ITEMS_MEM: int(mem.sum()),
-             M.BYTES_MEM: int(entry_length(s0[mem]).sum()),
-             M.ITEMS_DISK: int((ready & ~mem).sum())}
-    names = {M.TABLE_ITEMS: "table entries", M.ITEMS_MEM: "items in memory",
-             M.BYTES_MEM: "bytes in memory", M.ITEMS_DISK: "items on disk"}
+    right = {MetaLayout.TABLE_ITEMS: int(ready.sum()), MetaLayout.ITEMS_MEM: int(mem.sum()),
+             MetaLayout.BYTES_MEM: int(entry_length(s0[mem]).sum()),
+             MetaLayout.ITEMS_DISK: int((ready & ~mem).sum())}
+    names = {MetaLayout.TABLE_ITEMS: "table entries", MetaLayout.ITEMS_MEM: "items in memory",
+             MetaLayout.BYTES_MEM: "bytes in memory", MetaLayout.ITEMS_DISK: "items on disk"}
     wrong = []
     for off, value in right.items():
-        if _Q.unpack_from(g.meta.buf, off)[0] != value:
-            wrong.append(f"{names[off]} ({_Q.unpack_from(g.meta.buf, off)[0]}, now {value})")
+        if WORD.unpack_from(g.meta.buf, off)[0] != value:
+            wrong.append(f"{names[off]} ({WORD.unpack_from(g.meta.buf, off)[0]}, now {value})")
             g.meta.words[off >> 3] = value
     if wrong:
         log.warning("cache %s/%s: gc recounted %s", view.session, view.name, ", ".join(wrong))
@@ -229,18 +227,18 @@ def recount_items(view: CacheView, g: Generation) -> list[str]:
 def recount_committed(g: Generation) -> None:
     """Set the committed total from what it is made of (after a growth, and in gc: a writer
     killed between two of its updates must not skew it for good)."""
-    total = M.SIZE + TableView.bytes_for(g.index.capacity)
+    total = MetaLayout.SIZE + TableView.bytes_for(g.index.capacity)
     for cls in g.classes.used_classes():
         chunk, _, committed = g.classes.get(cls)
         total += chunk * committed
-    g.meta.words[M.COMMITTED >> 3] = total
+    g.meta.words[MetaLayout.COMMITTED >> 3] = total
 
 
 def drop_generation(store: Collectable, why: str) -> None:
     """Replace a damaged generation by a new empty one (caller holds the lock): the fix that
     CorruptSegment messages promise. Old segments go with gc's sweep of non-current names."""
     root = store.view.root
-    gen = split_epoch(_Q.unpack_from(root.buf, RootLayout.EPOCH)[0])[0] + 1
+    gen = split_epoch(WORD.unpack_from(root.buf, RootLayout.EPOCH)[0])[0] + 1
     g = store.view.mapped
     cap = g.index.capacity if g is not None and g.index.capacity else MIN_TABLE
     store.writer.create_generation(root, gen if gen < 1 << 32 else 1, store.capacity_bytes, cap)

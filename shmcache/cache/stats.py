@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from . import claims, stall
-from .generation import COUNTER_NAMES, DEAD_GEN, HITS, MISSES, REJECTED, M
+from .generation import COUNTER_NAMES, DEAD_GEN, HITS, MISSES, REJECTED, MetaLayout
 from .registry import MAX_SLOTS
 from .view import CacheView
 
@@ -44,9 +44,9 @@ def cache_stats(store: Measured) -> dict:
     """The statistics of ``store``'s current generation (CacheStore.stats)."""
     g = store.view.refresh()
     meta = g.meta.buf
-    items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
-    items_disk, bytes_disk, bytes_disk_raw = struct.unpack_from("QQQ", meta, M.ITEMS_DISK)
-    counters = np.ndarray((MAX_SLOTS, len(COUNTER_NAMES)), np.uint64, meta, M.COUNTERS).sum(axis=0)
+    items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, MetaLayout.ITEMS_MEM)
+    items_disk, bytes_disk, bytes_disk_raw = struct.unpack_from("QQQ", meta, MetaLayout.ITEMS_DISK)
+    counters = np.ndarray((MAX_SLOTS, len(COUNTER_NAMES)), np.uint64, meta, MetaLayout.COUNTERS).sum(axis=0)
     items = items_mem + items_disk
     return {
         "session": store.session, "name": store.name,

@@ -146,7 +146,6 @@ from __future__ import annotations
 import logging
 import secrets
 import shutil
-import struct
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -158,7 +157,7 @@ from ..base import ordering
 from ..base.faults import ARMED as _CRASH_TESTS
 from ..base.faults import crash_point
 from ..base.namespace import Namespace, namespace, validate_name
-from ..base.shm import PAGE, Segment
+from ..base.shm import PAGE, WORD, Segment
 from ..errors import CacheMismatch, CacheNotFound, CorruptSegment, InvalidArgument, LockTimeout, SessionNotFound
 from . import claims, codec, gather, portable, process_slot, repair, stats
 from .admission import MIN_CAPACITY, Admission, initial_capacity, log_no_memory
@@ -174,8 +173,6 @@ __all__ = ["CacheStore", "UncachedStore", "STAT_KEYS", "MISSING"]
 
 log = logging.getLogger("shmcache")
 
-_Q = struct.Struct("Q")
-R = RootLayout
 
 
 class CacheStore:
@@ -274,7 +271,7 @@ class CacheStore:
             root = self.view.adopt(Segment.attach(self.view.segment_name("root"), kind=KIND_ROOT))
         except (FileNotFoundError, CorruptSegment):
             return None
-        if _Q.unpack_from(root.buf, R.EPOCH)[0] == DESTROYED or not self.view.generation_exists(root):
+        if WORD.unpack_from(root.buf, RootLayout.EPOCH)[0] == DESTROYED or not self.view.generation_exists(root):
             root.close()
             return None
         self._check_fingerprint(fingerprint)
@@ -290,10 +287,10 @@ class CacheStore:
         except CorruptSegment:  # its creator died mid-way (we hold the lock, so it is not busy)
             self.ns.unlink_segment(name)
             root = None
-        if root is not None and _Q.unpack_from(root.buf, R.EPOCH)[0] == DESTROYED:
+        if root is not None and WORD.unpack_from(root.buf, RootLayout.EPOCH)[0] == DESTROYED:
             root.unlink()  # tombstoned by a destroy that died before it unlinked it: finish that
             root = None
-        if root is not None and _Q.unpack_from(root.buf, R.EPOCH)[0] == 0:
+        if root is not None and WORD.unpack_from(root.buf, RootLayout.EPOCH)[0] == 0:
             # its creator died before publishing the first generation, maybe before writing the
             # cap (a cache of 0 bytes for good): nobody ever read it - make it afresh, below
             log.info("cache %s/%s: its creator died while making it; what it made is removed",
@@ -308,11 +305,11 @@ class CacheStore:
             # after unlinking some segments: what is left is debris - start the cache afresh
             log.warning("cache %s/%s was left half-made or half-destroyed by a process that died; "
                         "it starts empty", self.session, self.name)
-            capacity = _Q.unpack_from(root.buf, R.CAPACITY)[0]
+            capacity = WORD.unpack_from(root.buf, RootLayout.CAPACITY)[0]
             unlink_segments(self.ns, self.view.base + SEP, keep=(name,))
             # a generation number this root never named: a handle still mapping the lost one must
             # see the epoch word change, never new segments under the names it maps lazily
-            gen = split_epoch(_Q.unpack_from(root.buf, R.EPOCH)[0])[0] + 1
+            gen = split_epoch(WORD.unpack_from(root.buf, RootLayout.EPOCH)[0])[0] + 1
             self.writer.create_generation(root, gen, capacity, _table_capacity(table_hint))
         if root is not None:
             self._check_fingerprint(fingerprint)
@@ -338,9 +335,9 @@ class CacheStore:
         })
         try:
             root = Segment.create(name, PAGE, kind=KIND_ROOT, commit=PAGE)
-            root.words[R.CAPACITY >> 3] = capacity
-            root.words[R.INCARNATION >> 3] = secrets.randbits(32)
-            root.words[R.SIZING >> 3] = sizing
+            root.words[RootLayout.CAPACITY >> 3] = capacity
+            root.words[RootLayout.INCARNATION >> 3] = secrets.randbits(32)
+            root.words[RootLayout.SIZING >> 3] = sizing
             self.view.adopt(root)
             self.writer.create_generation(root, 1, capacity, _table_capacity(table_hint))
         except BaseException:
@@ -490,7 +487,7 @@ class CacheStore:
         with self.locked():
             spill_path = self.read_meta().get("spill_path")
             # the tombstone first: every handle still mapping this root misses from now on
-            self.view.root.words[R.EPOCH >> 3] = DESTROYED
+            self.view.root.words[RootLayout.EPOCH >> 3] = DESTROYED
             ordering.fence()  # retired for every reader before its spill files and name are reused
             self.meta_path.unlink(missing_ok=True)
             self.claims.path.unlink(missing_ok=True)  # its claims and their counters go with it

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..base.namespace import Namespace
-from ..base.shm import Segment
+from ..base.shm import WORD, Segment
 from ..errors import CacheNotFound, CorruptSegment, InvalidArgument, LockTimeout, ShmcacheError
 from . import codec, gather, process_slot
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, size_class
@@ -43,7 +43,7 @@ from .generation import (
     KIND_TABLE,
     MISSES,
     Generation,
-    M,
+    MetaLayout,
     RootLayout,
     close_generation,
     destroyed_generation,
@@ -72,9 +72,7 @@ __all__ = ["CacheView", "Found", "MISSING", "CORRUPT_RECORD", "UNDECODABLE", "ke
 
 log = logging.getLogger("shmcache")
 
-_Q = struct.Struct("Q")
 _QQ = struct.Struct("QQ")
-R = RootLayout
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.record_header, inlined)
 _MIN_RECORD = codec.RECORD_HEADER.size
 # what decoding damaged bytes raises (marshal, struct, numpy, pickle, utf-8): CorruptSegment instead
@@ -118,7 +116,7 @@ class CacheView:
 
     def tombstoned(self) -> bool:
         """The root's epoch word is the tombstone: the cache was destroyed (NOTE [publish order])."""
-        return self.root is not None and _Q.unpack_from(self.root.buf, R.EPOCH)[0] == DESTROYED
+        return self.root is not None and WORD.unpack_from(self.root.buf, RootLayout.EPOCH)[0] == DESTROYED
 
     def close(self) -> None:
         """Forget the generation's mappings and close the root (the store closes the rest)."""
@@ -137,14 +135,14 @@ class CacheView:
         return self.base + SEP + SEP.join((f"{self._incarnation:08x}", *parts))
 
     def adopt(self, root: Segment) -> Segment:
-        self._incarnation = _Q.unpack_from(root.buf, R.INCARNATION)[0]
+        self._incarnation = WORD.unpack_from(root.buf, RootLayout.INCARNATION)[0]
         return root
 
     def destroyed_under_us(self) -> CacheNotFound | None:
         """The error to raise if this cache's root is gone or is another incarnation's now."""
         try:
             live = Segment.attach(self.segment_name("root"), kind=KIND_ROOT)
-            same = _Q.unpack_from(live.buf, R.INCARNATION)[0] == self._incarnation
+            same = WORD.unpack_from(live.buf, RootLayout.INCARNATION)[0] == self._incarnation
             live.close()
         except (FileNotFoundError, CorruptSegment):
             same = False
@@ -159,7 +157,7 @@ class CacheView:
         """The meta and table segments the root's epoch word names are there. Under the lock nobody
         is making or removing them; without it, a clear() may replace them right after (refresh
         copes), or make this False for a moment (the opener then asks under the lock)."""
-        epoch = _Q.unpack_from(root.buf, R.EPOCH)[0]
+        epoch = WORD.unpack_from(root.buf, RootLayout.EPOCH)[0]
         gen, version = split_epoch(epoch)
         return gen > 0 and all(self.ns.shm_path(self.segment_name(f"g{gen}", part)).exists()
                                for part in ("meta", f"t{version}"))
@@ -170,7 +168,7 @@ class CacheView:
             raise InvalidArgument(f"cache {self.session}/{self.name} was closed in this process; "
                                   f"open it again")
         for _ in range(100):
-            epoch = _Q.unpack_from(self.root.buf, R.EPOCH)[0]
+            epoch = WORD.unpack_from(self.root.buf, RootLayout.EPOCH)[0]
             if epoch == self._epoch and self._gen is not None:
                 return self._gen
             if self._lock_gen != process_slot.fork_count():  # forked: a thread of the parent may
@@ -212,7 +210,7 @@ class CacheView:
                 meta.close()
                 raise
             self._gen = Generation(gen, version, meta, table, TableView(table.buf, table.name),
-                             ClassTable(meta.buf, M.CLASSES), {}, {}, {})
+                             ClassTable(meta.buf, MetaLayout.CLASSES), {}, {}, {})
             if old is not None:
                 close_generation(old)
                 if self.spill is not None:  # clear() elsewhere replaced the spill files too
@@ -275,16 +273,16 @@ class CacheView:
         item = g.layouts.get(lid)
         if item is None:
             meta = g.meta.buf
-            count = _Q.unpack_from(meta, M.N_LAYOUTS)[0]
-            if lid >= min(count, M.MAX_LAYOUTS):
+            count = WORD.unpack_from(meta, MetaLayout.N_LAYOUTS)[0]
+            if lid >= min(count, MetaLayout.MAX_LAYOUTS):
                 raise self.corrupt(f"an entry of {g.table.name} names layout {lid}, but {g.meta.name} "
-                                    f"holds {count} layouts (at most {M.MAX_LAYOUTS})")
-            off = M.LAYOUTS + lid * M.LAYOUT_BYTES
+                                    f"holds {count} layouts (at most {MetaLayout.MAX_LAYOUTS})")
+            off = MetaLayout.LAYOUTS + lid * MetaLayout.LAYOUT_BYTES
             n = struct.unpack_from("I", meta, off)[0]
-            raw = bytes(meta[off + 4:off + 4 + min(n, M.LAYOUT_BYTES - 4)])
+            raw = bytes(meta[off + 4:off + 4 + min(n, MetaLayout.LAYOUT_BYTES - 4)])
             try:
-                if n > M.LAYOUT_BYTES - 4:
-                    raise ValueError(f"a length of {n} bytes in a slot of {M.LAYOUT_BYTES - 4}")
+                if n > MetaLayout.LAYOUT_BYTES - 4:
+                    raise ValueError(f"a length of {n} bytes in a slot of {MetaLayout.LAYOUT_BYTES - 4}")
                 leaves = codec.leaves(raw)[1]
                 end = max((leaf.offset + leaf.nbytes for leaf in leaves), default=0)
                 item = (raw, codec.decoder_for(raw), max(end, _MIN_RECORD),
@@ -318,7 +316,7 @@ class CacheView:
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
                 self._proc_gen = process_slot.fork_count()
                 return
-            off = M.COUNTERS + M.COUNTER_ROW * slot
+            off = MetaLayout.COUNTERS + MetaLayout.COUNTER_ROW * slot
             key = f"{self.ns.root}{self.base}+g{g.gen}+{slot}"
             # a total of garbage (a damaged slot) restarts at 0: a stat, not worth failing reads over,
             # and one at the top of the word would overflow on the next count (struct.error)
@@ -377,9 +375,9 @@ class CacheView:
 
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
-        # 64: R.EPOCH, inlined (a constant, not an attribute lookup, on the hot path; every copy of
+        # 64: RootLayout.EPOCH, inlined (a constant, not an attribute lookup, on the hot path; every copy of
         # the root's and the entry's layout inlined here is checked by ``test_index``)
-        g = self._gen if _Q.unpack_from(self.root.buf, 64)[0] == self._epoch else self.refresh()
+        g = self._gen if WORD.unpack_from(self.root.buf, 64)[0] == self._epoch else self.refresh()
         if type(key) is int and 0 <= key < g.index.capacity:
             # the hot path, inlined (a hit of a dataset index costs ~2x a plain row copy): the key
             # sits at its own position (``TableView.lookup_ints``), in memory, with an interned layout whose
@@ -390,7 +388,7 @@ class CacheView:
             # which names the damage (NOTE [publish order], Damage).
             buf = g.index.buf
             off = TABLE_OFF + ENTRY_BYTES * key
-            w0 = _Q.unpack_from(buf, off)[0]  # first, on its own: see TableView.find
+            w0 = WORD.unpack_from(buf, off)[0]  # first, on its own: see TableView.find
             if not w0:  # EMPTY at the key's own position: absent (index.find stops there too)
                 if count:
                     self.count(MISSES)
@@ -453,7 +451,7 @@ class CacheView:
         """Generation ``gen`` is still the cache's (no clear() replaced it): asked after a failed
         read of a spilled record, which is damage only if its generation is still in force."""
         root = self.root
-        return root is not None and split_epoch(_Q.unpack_from(root.buf, R.EPOCH)[0])[0] == gen
+        return root is not None and split_epoch(WORD.unpack_from(root.buf, RootLayout.EPOCH)[0])[0] == gen
 
     def look_many(self, keys: list, copy: bool) -> list:
         """A claim's re-check of ``keys`` (values, MISSING where absent; nothing counted): int keys
@@ -603,7 +601,8 @@ class CacheView:
 
     def __len__(self) -> int:
         g = self.refresh()
-        n = _Q.unpack_from(g.meta.buf, M.ITEMS_MEM)[0] + _Q.unpack_from(g.meta.buf, M.ITEMS_DISK)[0]
+        meta = g.meta.buf
+        n = WORD.unpack_from(meta, MetaLayout.ITEMS_MEM)[0] + WORD.unpack_from(meta, MetaLayout.ITEMS_DISK)[0]
         if n > g.index.capacity:  # every item has an entry: more is garbage (len() cannot return it)
             raise self.corrupt(f"the item counters in {g.meta.name} say {n} items, in a table of "
                                 f"{g.index.capacity} entries", fix="it recounts them")

@@ -25,7 +25,7 @@ from ..base import ordering
 from ..base.faults import ARMED as _CRASH_TESTS
 from ..base.faults import crash_point
 from ..base.locks import FlockLock
-from ..base.shm import PAGE, Segment
+from ..base.shm import PAGE, WORD, Segment
 from ..errors import CorruptSegment, InvalidArgument, ItemTooLarge, LockTimeout, SharedMemoryFull
 from . import codec, repair
 from .admission import Admission, NoRoom
@@ -38,7 +38,7 @@ from .generation import (
     SPILL_CLASS,
     Generation,
     Intent,
-    M,
+    MetaLayout,
     RootLayout,
     epoch_of,
 )
@@ -65,8 +65,6 @@ __all__ = ["CacheWriter", "encoded_from_portable"]
 
 log = logging.getLogger("shmcache")
 
-_Q = struct.Struct("Q")
-R = RootLayout
 _STUCK_COOLDOWN_S = 30.0  # puts stop waiting for a lock that a live process keeps (write_locked)
 _SAY_WAIT_S = 1.0  # a put waiting this long for the lock (a write under it takes ms) says why (issue 30)
 _MIN_RECORD = codec.RECORD_HEADER.size
@@ -166,16 +164,17 @@ class CacheWriter:
         """Make the meta and table (``cap`` entries) of ``gen`` and publish it (caller holds the
         lock). Leftovers of an attempt whose process died are removed first."""
         unlink_segments(self.view.ns, self.view.segment_name(f"g{gen}", ""))
-        meta = Segment.create(self.view.segment_name(f"g{gen}", "meta"), M.SIZE, kind=KIND_META, commit=M.SIZE)
+        meta = Segment.create(self.view.segment_name(f"g{gen}", "meta"), MetaLayout.SIZE, kind=KIND_META,
+                              commit=MetaLayout.SIZE)
         table = Segment.create(self.view.segment_name(f"g{gen}", "t1"), TableView.bytes_for(cap),
                                kind=KIND_TABLE, commit=TableView.bytes_for(cap))
         TableView.init(table.buf, cap)
-        meta.words[M.CAPACITY >> 3] = capacity
-        meta.words[M.COMMITTED >> 3] = M.SIZE + TableView.bytes_for(cap)
+        meta.words[MetaLayout.CAPACITY >> 3] = capacity
+        meta.words[MetaLayout.COMMITTED >> 3] = MetaLayout.SIZE + TableView.bytes_for(cap)
         meta.close()
         table.close()
         ordering.fence()  # the root's words, the meta and the table before the epoch word names them
-        root.words[R.EPOCH >> 3] = epoch_of(gen, 1)  # the epoch word: published last, one store
+        root.words[RootLayout.EPOCH >> 3] = epoch_of(gen, 1)  # the epoch word: published last, one store
 
     def put(self, key: Any, value: Any, *, encoded: codec.Encoded | None = None) -> bool:
         """Store ``value`` under ``key`` unless present. False if it was not admitted: the cache is
@@ -207,10 +206,10 @@ class CacheWriter:
             return self._spill(g, pos, w1, kb, enc, replace=True)  # a corrupt record
         if w0:
             return True  # another process stored it first: stored once
-        if group is not None and _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + len(group) + 1 > \
+        if group is not None and WORD.unpack_from(g.meta.buf, MetaLayout.TABLE_ITEMS)[0] + len(group) + 1 > \
                 MAX_LOAD * g.index.capacity:
             group.flush()  # a table growth copies READY entries only
-        if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
+        if WORD.unpack_from(g.meta.buf, MetaLayout.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
             try:
                 g = self._grow_table(g)
             except NoRoom:  # the index cannot grow: nothing more is admitted, not even to disk
@@ -339,18 +338,18 @@ class CacheWriter:
         for lid, (raw, *_) in cache.items():
             if raw == layout:
                 return lid
-        n = _Q.unpack_from(g.meta.buf, M.N_LAYOUTS)[0]
-        if n > M.MAX_LAYOUTS:
-            raise self.view.corrupt(f"{g.meta.name} counts {n} layouts, more than its {M.MAX_LAYOUTS} slots")
+        n = WORD.unpack_from(g.meta.buf, MetaLayout.N_LAYOUTS)[0]
+        if n > MetaLayout.MAX_LAYOUTS:
+            raise self.view.corrupt(f"{g.meta.name} counts {n} layouts, more than its {MetaLayout.MAX_LAYOUTS} slots")
         for lid in range(n):
             if self.view.layout(g, lid)[0] == layout:
                 return lid
-        if n >= M.MAX_LAYOUTS or len(layout) > M.LAYOUT_BYTES - 4:
+        if n >= MetaLayout.MAX_LAYOUTS or len(layout) > MetaLayout.LAYOUT_BYTES - 4:
             return INLINE24
-        off = M.LAYOUTS + n * M.LAYOUT_BYTES
+        off = MetaLayout.LAYOUTS + n * MetaLayout.LAYOUT_BYTES
         struct.pack_into("I", g.meta.buf, off, len(layout))
         g.meta.buf[off + 4:off + 4 + len(layout)] = layout
-        g.meta.words[M.N_LAYOUTS >> 3] = n + 1  # after the bytes: readers never see it half-made
+        g.meta.words[MetaLayout.N_LAYOUTS >> 3] = n + 1  # after the bytes: readers never see it half-made
         return n
 
     def _class_segment(self, g: Generation, cls: int, chunk_size: int) -> Segment:
@@ -390,7 +389,7 @@ class CacheWriter:
         if _CRASH_TESTS:
             crash_point("table_built")
         ordering.fence()  # every entry of the new table before the epoch word names it
-        self.view.root.words[R.EPOCH >> 3] = epoch_of(g.gen, version)  # publish: one store
+        self.view.root.words[RootLayout.EPOCH >> 3] = epoch_of(g.gen, version)  # publish: one store
         old.unlink()
         g = self.view.refresh()
         repair.recount_committed(g)
@@ -442,7 +441,7 @@ def encoded_from_portable(record: Any, key: Any, cache: CacheView) -> codec.Enco
 def _first_empty(index: TableView, w1: int) -> int:
     pos = index.home(w1)
     for _ in range(index.capacity):  # bounded, as every probe of shared memory is
-        if not _Q.unpack_from(index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]:
+        if not WORD.unpack_from(index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]:
             return pos
         pos = (pos + 1) & index.mask
     raise index.corrupt()

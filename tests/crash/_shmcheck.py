@@ -18,7 +18,7 @@ import numpy as np
 
 from shmcache import cli
 from shmcache.cache.allocator import commit_step_chunks
-from shmcache.cache.generation import M
+from shmcache.cache.generation import MetaLayout
 from shmcache.cache.index import INT_KEY, SPILLED, TableView, key_bytes
 from shmcache.cache.store import MISSING, CacheStore
 
@@ -79,13 +79,13 @@ def reader_saw_no_harm(report_path) -> None:
 
 def intent_phase(store: CacheStore) -> int:
     g = store.view.refresh()
-    return struct.unpack_from("Q", g.meta.buf, M.INTENT)[0]
+    return struct.unpack_from("Q", g.meta.buf, MetaLayout.INTENT)[0]
 
 
 def group_phase(store: CacheStore) -> int:
     """The phase of the group intent (put_records: PublishGroup)."""
     g = store.view.refresh()
-    return struct.unpack_from("Q", g.meta.buf, M.GROUP)[0]
+    return struct.unpack_from("Q", g.meta.buf, MetaLayout.GROUP)[0]
 
 
 def cache_segments(store: CacheStore) -> set[str]:
@@ -105,10 +105,10 @@ def check_store(store: CacheStore, keys=None, source=value_for, *, after_gc: boo
     problems: list[str] = []
     g = store.view.refresh()
     meta = g.meta.buf
-    items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, M.ITEMS_MEM)
-    table_items = struct.unpack_from("Q", meta, M.TABLE_ITEMS)[0]
-    phase = struct.unpack_from("Q", meta, M.INTENT)[0]
-    group_phase = struct.unpack_from("Q", meta, M.GROUP)[0]
+    items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, MetaLayout.ITEMS_MEM)
+    table_items = struct.unpack_from("Q", meta, MetaLayout.TABLE_ITEMS)[0]
+    phase = struct.unpack_from("Q", meta, MetaLayout.INTENT)[0]
+    group_phase = struct.unpack_from("Q", meta, MetaLayout.GROUP)[0]
     entries = list(g.index.entries())
     if after_gc and phase != 0:
         problems.append(f"intent record left at phase {phase} after gc/repair")
@@ -131,7 +131,7 @@ def check_store(store: CacheStore, keys=None, source=value_for, *, after_gc: boo
     by_class: dict[int, list[int]] = {}
     for _, _, w2 in entries:
         by_class.setdefault(w2 >> 48, []).append(w2 & _M48)
-    expect_committed = M.SIZE + TableView.bytes_for(g.index.capacity)
+    expect_committed = MetaLayout.SIZE + TableView.bytes_for(g.index.capacity)
     for cls in g.classes.used_classes():
         chunk, bump, committed_chunks = g.classes.get(cls)
         expect_committed += committed_chunks * chunk

@@ -133,14 +133,14 @@ def test_gc_skips_a_cache_whose_lock_a_stopped_writer_holds_and_does_the_rest(tm
     """`shmcache gc` with one cache's lock held by a stopped writer: it waited for that lock and
     then failed as a whole (LockTimeout, exit 1), leaving the other caches unrepaired. It must
     skip that cache, say so, and do the rest."""
-    from shmcache.cache.generation import M
+    from shmcache.cache.generation import MetaLayout
 
     CacheStore("a-stuck", C, capacity_bytes=16 << 20).close()
     ok = CacheStore("b-ok", C, capacity_bytes=16 << 20)
     assert ok.put(1, b"one")
     import struct
 
-    struct.pack_into("Q", ok.view.refresh().meta.buf, M.ITEMS_MEM, 7)  # counters gc must recount
+    struct.pack_into("Q", ok.view.refresh().meta.buf, MetaLayout.ITEMS_MEM, 7)  # counters gc must recount
     ok.close()
     held = tmp_path / "held"
     with Zygote(tmp_path / "z") as z:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shmcache.cache import codec
-from shmcache.cache.generation import GROUP_RECORDS, Intent, M
+from shmcache.cache.generation import GROUP_RECORDS, Intent, MetaLayout
 from shmcache.cache.index import key_bytes
 from shmcache.cache.publish_group import PublishGroup
 from shmcache.cache.store import MISSING, CacheStore
@@ -112,7 +112,7 @@ def _damage(g, chunk, which):
     pos = next(iter(chunk.positions))
     ci = g.group_intent()
     if which == "phase":
-        g.meta.words[M.GROUP >> 3] = 7
+        g.meta.words[MetaLayout.GROUP >> 3] = 7
     elif which == "bump_moved_before_the_fence":
         cls = ci.classes[0][0]
         g.classes.set_bump(cls, g.classes.get(cls)[1] + 1)
@@ -124,7 +124,7 @@ def _damage(g, chunk, which):
         g.index.stage(ci.records[0][0], 0, cls << 48 | (old + GROUP_RECORDS))
     elif which == "totals":
         _publishing(g, chunk)
-        g.meta.words[(M.GROUP >> 3) + 3] = 1 << 50
+        g.meta.words[(MetaLayout.GROUP >> 3) + 3] = 1 << 50
     elif which == "both_intents":
         g.begin(Intent(1, pos, ci.classes[0][0], 0, 0, 0, 0, 0))
 

@@ -6,7 +6,7 @@ import struct
 
 import posix_ipc
 
-from shmcache.cache.generation import M
+from shmcache.cache.generation import MetaLayout
 from shmcache.cache.registry import SessionRegistry
 from shmcache.cache.store import CacheStore
 from shmcache.tiers.namespace_gc import GcResult, collect_garbage
@@ -17,7 +17,7 @@ def test_collect_garbage_reports_debris_recounts_and_keeps_live_caches(shm_names
     try:
         for i in range(3):
             store.put(i, i)
-        struct.pack_into("Q", store.view.refresh().meta.buf, M.ITEMS_MEM, 7)  # a counter gc must recount
+        struct.pack_into("Q", store.view.refresh().meta.buf, MetaLayout.ITEMS_MEM, 7)  # a counter gc must recount
         ghost = shm_namespace.segment_name("ghost", "c", "root")
         posix_ipc.SharedMemory(ghost, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
         result = collect_garbage(SessionRegistry(shm_namespace))
