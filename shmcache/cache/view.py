@@ -318,7 +318,9 @@ class CacheView:
                 self._proc_gen = process_slot.fork_count()
                 return
             off = M.COUNTERS + M.COUNTER_ROW * slot
-            key = f"{self.ns.root}{self.base}+g{g.gen}+{slot}"
+            # the incarnation too: a cache destroyed and made again starts at g1 again, and must
+            # not carry on from this process's totals of the one destroyed
+            key = f"{self.ns.root}{self.segment_name(f'g{g.gen}')}+{slot}"
             # a total of garbage (a damaged slot) restarts at 0: a stat, not worth failing reads over,
             # and one at the top of the word would overflow on the next count (struct.error)
             self._counters = process_slot.counters(key, lambda: [c if c < 1 << 62 else 0 for c in
