@@ -62,3 +62,19 @@ def test_a_dropped_cache_made_again_starts_its_stall_counts_at_zero(tmp_path):
     assert _loop(tmp_path, "timed", 0, 0.0, 0.0)["ranks"]["0"]["stall_waits"] == 8
     run(["-m", "shmcache", "destroy", "stall", "--cache", "data"], tmp_path, env())
     assert _loop(tmp_path, "timed", 0, 0.0, 0.0)["ranks"]["0"]["stall_waits"] == 8
+
+
+def test_a_cache_replaced_by_an_import_starts_its_stall_counts_at_zero(tmp_path):
+    """`shmcache import --force` replaces a cache that holds another dataset (CacheStore.destroy,
+    then a new cache under the name): as with `shmcache destroy --cache`, the new cache's stall
+    counts start at 0, never with the waits of the loops that read the one replaced."""
+    assert _loop(tmp_path, "timed", 0, 0.0, 0.0)["ranks"]["0"]["stall_waits"] == 8
+    other = ("from shmcache import ShmDatasetCache; c = ShmDatasetCache(session='src', name='other', size=4); "
+             "c.wrap(list(range(8)), fingerprint='other-v1'); [c.put(i, i) for i in range(8)]; c.close()")
+    run(["-c", other], tmp_path, env())
+    run(["-m", "shmcache", "export", "src", "other", tmp_path / "snap"], tmp_path, env())
+    run(["-m", "shmcache", "import", tmp_path / "snap", "--session", "stall", "--name", "data", "--force"],
+        tmp_path, env())
+    (row,) = [r for r in json.loads(run(["-m", "shmcache", "stat", "--json"], tmp_path, env()))
+              if (r["session"], r["name"]) == ("stall", "data")]
+    assert (row["stall_waits"], row["ranks"]) == (0, {}), row
