@@ -4,6 +4,7 @@ their own $RANK, and what `stats()` and `shmcache stat --json` say about their w
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,30 @@ def test_a_cache_replaced_by_an_import_starts_its_stall_counts_at_zero(tmp_path)
     (row,) = [r for r in json.loads(run(["-m", "shmcache", "stat", "--json"], tmp_path, env()))
               if (r["session"], r["name"]) == ("stall", "data")]
     assert (row["stall_waits"], row["ranks"]) == (0, {}), row
+
+
+def test_a_process_that_counted_in_a_dropped_cache_counts_in_the_one_made_again(tmp_path):
+    """One training script runs a loop, the cache is dropped (`shmcache destroy --cache`, its own
+    process) and made again by the script's next ShmDatasetCache: the script's next loop counts its
+    waits in the new cache's file, not in the dropped one's (unlinked, read by nobody)."""
+    script = textwrap.dedent("""
+        import json, subprocess, sys
+        import torch
+        from torch.utils.data import DataLoader
+        import shmcache
+        from shmcache import ShmDatasetCache
+
+        def loop():
+            c = ShmDatasetCache(session="stall", name="data", size=16)
+            ds = c.wrap([torch.full((4,), float(i)) for i in range(32)], fingerprint="v1")
+            for _ in shmcache.timed(DataLoader(ds, batch_size=4)):
+                pass
+            waits = c.stats()["stall_waits"]
+            c.close()
+            return waits
+
+        first = loop()
+        subprocess.run([sys.executable, "-m", "shmcache", "destroy", "stall", "--cache", "data"], check=True)
+        print(json.dumps([first, loop()]))
+    """)
+    assert json.loads(run(["-c", script], tmp_path, env()).splitlines()[-1]) == [8, 8]
