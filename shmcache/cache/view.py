@@ -380,7 +380,10 @@ class CacheView:
         """The cached value of ``key``, or ``MISSING``."""
         # 64: R.EPOCH, inlined (a constant, not an attribute lookup, on the hot path; every copy of
         # the root's and the entry's layout inlined here is checked by ``test_index``)
-        g = self._gen if _Q.unpack_from(self.root.buf, 64)[0] == self._epoch else self.refresh()
+        try:  # free in CPython 3.11+ unless raised
+            g = self._gen if _Q.unpack_from(self.root.buf, 64)[0] == self._epoch else self.refresh()
+        except AttributeError:  # closed in this process (root None): refresh says so, and the fix
+            g = self.refresh()
         if type(key) is int and 0 <= key < g.index.capacity:
             # the hot path, inlined (a hit of a dataset index costs ~2x a plain row copy): the key
             # sits at its own position (``TableView.lookup_ints``), in memory, with an interned layout whose
