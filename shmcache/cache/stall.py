@@ -160,7 +160,7 @@ class Pass:
         self._mark = now
 
 
-_by_path: dict[str, StallCounts] = {}
+_by_path: dict[tuple[str, int], StallCounts] = {}  # (file, the cache's incarnation)
 _lock = threading.Lock()
 
 
@@ -171,11 +171,14 @@ def counts_for_store(store: Store) -> StallCounts | None:
     if getattr(local, "uncached", False) or getattr(local, "registry", None) is None:
         return None
     path = stall_path(local.meta_path)
+    # and the incarnation: a cache dropped and made again has a new file under the same name, and
+    # a row mapped in the old one (unlinked) would count where nobody reads
+    key = (str(path), getattr(local, "incarnation", 0))
     with _lock:
-        counts = _by_path.get(str(path))
+        counts = _by_path.get(key)
         if counts is None:
             registry, session = local.registry, local.session
-            counts = _by_path[str(path)] = StallCounts(path, lambda: process_slot.slot(registry, session))
+            counts = _by_path[key] = StallCounts(path, lambda: process_slot.slot(registry, session))
     return counts
 
 

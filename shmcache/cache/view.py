@@ -317,7 +317,9 @@ class CacheView:
                 self._proc_gen = process_slot.fork_count()
                 return
             off = MetaLayout.COUNTERS + MetaLayout.COUNTER_ROW * slot
-            key = f"{self.ns.root}{self.base}+g{g.gen}+{slot}"
+            # the incarnation too: a cache destroyed and made again starts at g1 again, and must
+            # not carry on from this process's totals of the one destroyed
+            key = f"{self.ns.root}{self.segment_name(f'g{g.gen}')}+{slot}"
             # a total of garbage (a damaged slot) restarts at 0: a stat, not worth failing reads over,
             # and one at the top of the word would overflow on the next count (struct.error)
             self._counters = process_slot.counters(key, lambda: [c if c < 1 << 62 else 0 for c in
@@ -377,7 +379,10 @@ class CacheView:
         """The cached value of ``key``, or ``MISSING``."""
         # 64: RootLayout.EPOCH, inlined (a constant, not an attribute lookup, on the hot path; every copy of
         # the root's and the entry's layout inlined here is checked by ``test_index``)
-        g = self._gen if WORD.unpack_from(self.root.buf, 64)[0] == self._epoch else self.refresh()
+        try:  # free in CPython 3.11+ unless raised
+            g = self._gen if WORD.unpack_from(self.root.buf, 64)[0] == self._epoch else self.refresh()
+        except AttributeError:  # closed in this process (root None): refresh says so, and the fix
+            g = self.refresh()
         if type(key) is int and 0 <= key < g.index.capacity:
             # the hot path, inlined (a hit of a dataset index costs ~2x a plain row copy): the key
             # sits at its own position (``TableView.lookup_ints``), in memory, with an interned layout whose

@@ -81,6 +81,41 @@ def test_a_reader_never_sees_the_values_of_a_destroyed_cache(tmp_path):
     fresh.close()
 
 
+def test_a_cache_made_again_counts_only_its_own_hits_in_a_process_that_counted_in_the_old_one():
+    """`shmcache destroy --force --cache c` (real CLI process) and cache c made again (another
+    process), while this process keeps another cache of the session open (so it keeps its liveness
+    slot, and its per-slot counter totals). The cache made again starts at generation 1 as the
+    destroyed one did: its stats must count only the lookups made of it, never carry on from this
+    process's totals of the destroyed cache."""
+    keep = ShmDatasetCache(session="s", name="other", size=16)  # holds the session's slot
+    keep.put(0, _old(0))
+    old = ShmDatasetCache(session="s", name="c", size=16)
+    for k in range(N):
+        assert old.put(k, _old(k))
+    for k in range(N):
+        assert int(old.get(k)[0]) == k
+    assert old.stats()["hits"] == N
+    old.close()
+
+    _cli("destroy", "--force", "--cache", "c", "s")
+    made_again = textwrap.dedent(f"""
+        import numpy as np
+        from shmcache import ShmDatasetCache
+        c = ShmDatasetCache(session="s", name="c", size=16)
+        for k in range({N}):
+            assert c.put(k, np.full(256, 100_000 + k, np.int32))
+    """)
+    r = subprocess.run([sys.executable, "-c", made_again], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+    fresh = ShmDatasetCache(session="s", name="c")
+    assert int(fresh.get(3)[0]) == 100_003
+    st = fresh.stats()
+    assert (st["hits"], st["misses"]) == (1, 0), f"the destroyed cache's counts carried on: {st}"
+    fresh.close()
+    keep.close()
+
+
 @pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
 def test_a_reader_thread_survives_clears_and_table_growth_elsewhere(tmp_path):
     """A thread inside get_batch/stats while the generation or the table changes used to touch

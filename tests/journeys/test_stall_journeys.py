@@ -4,6 +4,7 @@ their own $RANK, and what `stats()` and `shmcache stat --json` say about their w
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,46 @@ def test_a_dropped_cache_made_again_starts_its_stall_counts_at_zero(tmp_path):
     assert _loop(tmp_path, "timed", 0, 0.0, 0.0)["ranks"]["0"]["stall_waits"] == 8
     run(["-m", "shmcache", "destroy", "stall", "--cache", "data"], tmp_path, env())
     assert _loop(tmp_path, "timed", 0, 0.0, 0.0)["ranks"]["0"]["stall_waits"] == 8
+
+
+def test_a_cache_replaced_by_an_import_starts_its_stall_counts_at_zero(tmp_path):
+    """`shmcache import --force` replaces a cache that holds another dataset (CacheStore.destroy,
+    then a new cache under the name): as with `shmcache destroy --cache`, the new cache's stall
+    counts start at 0, never with the waits of the loops that read the one replaced."""
+    assert _loop(tmp_path, "timed", 0, 0.0, 0.0)["ranks"]["0"]["stall_waits"] == 8
+    other = ("from shmcache import ShmDatasetCache; c = ShmDatasetCache(session='src', name='other', size=4); "
+             "c.wrap(list(range(8)), fingerprint='other-v1'); [c.put(i, i) for i in range(8)]; c.close()")
+    run(["-c", other], tmp_path, env())
+    run(["-m", "shmcache", "export", "src", "other", tmp_path / "snap"], tmp_path, env())
+    run(["-m", "shmcache", "import", tmp_path / "snap", "--session", "stall", "--name", "data", "--force"],
+        tmp_path, env())
+    (row,) = [r for r in json.loads(run(["-m", "shmcache", "stat", "--json"], tmp_path, env()))
+              if (r["session"], r["name"]) == ("stall", "data")]
+    assert (row["stall_waits"], row["ranks"]) == (0, {}), row
+
+
+def test_a_process_that_counted_in_a_dropped_cache_counts_in_the_one_made_again(tmp_path):
+    """One training script runs a loop, the cache is dropped (`shmcache destroy --cache`, its own
+    process) and made again by the script's next ShmDatasetCache: the script's next loop counts its
+    waits in the new cache's file, not in the dropped one's (unlinked, read by nobody)."""
+    script = textwrap.dedent("""
+        import json, subprocess, sys
+        import torch
+        from torch.utils.data import DataLoader
+        import shmcache
+        from shmcache import ShmDatasetCache
+
+        def loop():
+            c = ShmDatasetCache(session="stall", name="data", size=16)
+            ds = c.wrap([torch.full((4,), float(i)) for i in range(32)], fingerprint="v1")
+            for _ in shmcache.timed(DataLoader(ds, batch_size=4)):
+                pass
+            waits = c.stats()["stall_waits"]
+            c.close()
+            return waits
+
+        first = loop()
+        subprocess.run([sys.executable, "-m", "shmcache", "destroy", "stall", "--cache", "data"], check=True)
+        print(json.dumps([first, loop()]))
+    """)
+    assert json.loads(run(["-c", script], tmp_path, env()).splitlines()[-1]) == [8, 8]

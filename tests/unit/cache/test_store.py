@@ -476,3 +476,22 @@ def test_a_cache_restarted_after_losing_its_generation_never_reuses_its_names(sh
         assert got is MISSING or np.array_equal(got, _stamped(k + 7)), f"key {k}: another key's bytes"
     old.close()
     new.close()
+
+
+
+@pytest.mark.parametrize("end", ["close", "destroy"])
+def test_every_read_of_a_closed_handle_says_it_was_closed(shm_namespace, end):
+    """A handle closed (or destroyed) in this process: each read names the problem and the fix,
+    the hot ``lookup`` too (it reads the root without a check: no raw AttributeError)."""
+    from shmcache.tiers.tiered_store import TieredStore
+
+    store = CacheStore("s", "c", capacity_bytes=8 << 20)
+    assert store.put(1, "one") and store.lookup(1) == "one"
+    tiered = TieredStore(store, [])
+    getattr(store, end)()
+    reads = [lambda: store.lookup(1), lambda: store.lookup("k"), lambda: tiered.lookup(1),
+             lambda: store.lookup_batch([1]), lambda: store.contains(1),
+             lambda: store.gather_ints(np.arange(2)), lambda: len(store)]
+    for read in reads:
+        with pytest.raises(InvalidArgument, match="was closed in this process; open it again"):
+            read()
