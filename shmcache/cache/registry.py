@@ -72,9 +72,16 @@ from ..errors import (
 from .root import DESTROYED, RootLayout
 
 __all__ = ["SessionInfo", "SessionRegistry", "GcReport", "IdleSession", "IdleCache", "SEP", "MAX_SLOTS", "retire_root",
-           "unlink_segments"]
+           "unlink_segments", "CACHE_COUNT_FILES"]
 
 log = logging.getLogger("shmcache")
+
+# The files beside a cache's metadata that hold its claims and counts, ``caches/<cache>.<kind>``:
+# its claims (NOTE [claims]), its loops' stall counts (NOTE [stall counts]) and its tiers' counts
+# (NOTE [tier counts]: one per name of tiers.counts.COUNTERS, named here because the registry
+# drops them and imports nothing above it; a test keeps the two in step). They go with the cache
+# (drop_cache, CacheStore.destroy): a cache made again under its name counts from zero.
+CACHE_COUNT_FILES = ("claims", "stall", "snapshot", "remote", "tiers")
 MAX_SLOTS = 1024  # live processes per session (8 ranks x 32 DataLoader workers x 4)
 _VERSION = 1
 
@@ -256,7 +263,18 @@ class SessionRegistry:
 
     def cache_claims_path(self, session: str, cache: str) -> Path:
         """The claims file of cache ``cache``: its claim locks and counters (NOTE [claims])."""
-        return self.session_dir(session) / "caches" / f"{cache}.claims"
+        return self.cache_file(session, cache, "claims")
+
+    def cache_file(self, session: str, cache: str, kind: str) -> Path:
+        """The ``kind`` file of cache ``cache`` (one of CACHE_COUNT_FILES)."""
+        if kind not in CACHE_COUNT_FILES:
+            raise ValueError(f"{kind!r} is not one of a cache's files {CACHE_COUNT_FILES}")
+        return self.session_dir(session) / "caches" / f"{cache}.{kind}"
+
+    def drop_cache_files(self, session: str, cache: str) -> None:
+        """Remove every file of CACHE_COUNT_FILES of cache ``cache`` (the caller holds its lock)."""
+        for kind in CACHE_COUNT_FILES:
+            self.cache_file(session, cache, kind).unlink(missing_ok=True)
 
     def hold_cache(self, session: str, cache: str, timeout_s: float = 10.0) -> SharedHold:
         """Count this process as using cache ``cache`` until the hold's ``release()`` (NOTE [cache use])."""
@@ -303,9 +321,7 @@ class SessionRegistry:
                     if spill:
                         shutil.rmtree(spill, ignore_errors=True)
                     self.cache_meta_path(session, cache).unlink(missing_ok=True)
-                    self.cache_claims_path(session, cache).unlink(missing_ok=True)
-                    # its training loops' waits (NOTE [stall counts]): a cache made again starts at 0
-                    self.cache_meta_path(session, cache).with_suffix(".stall").unlink(missing_ok=True)
+                    self.drop_cache_files(session, cache)  # a cache made again counts from zero
                     if free:
                         use.unlink(missing_ok=True)  # held by us: an opener waiting takes a new one
             finally:

@@ -159,7 +159,7 @@ from ..base.faults import crash_point
 from ..base.namespace import Namespace, namespace, validate_name
 from ..base.shm import PAGE, WORD, Segment
 from ..errors import CacheMismatch, CacheNotFound, CorruptSegment, InvalidArgument, LockTimeout, SessionNotFound
-from . import claims, codec, gather, portable, process_slot, repair, stall, stats
+from . import claims, codec, gather, portable, process_slot, repair, stats
 from .admission import MIN_CAPACITY, Admission, initial_capacity, log_no_memory
 from .generation import AUTO_NONE, DESTROYED, KIND_ROOT, MISSES, REJECTED, RootLayout, split_epoch
 from .index import MAX_LOAD, MIN_TABLE
@@ -490,10 +490,8 @@ class CacheStore:
             self.view.root.words[RootLayout.EPOCH >> 3] = DESTROYED
             ordering.fence()  # retired for every reader before its spill files and name are reused
             self.meta_path.unlink(missing_ok=True)
-            self.claims.path.unlink(missing_ok=True)  # its claims and their counters go with it
-            # its training loops' waits (NOTE [stall counts]): a cache made again starts at 0, as
-            # after SessionRegistry.drop_cache
-            stall.stall_path(self.meta_path).unlink(missing_ok=True)
+            # its claims and counts go with it: a cache made again counts from zero
+            self.registry.drop_cache_files(self.session, self.name)
             unlink_segments(self.ns, self.view.base + SEP)  # the root first: the cache is gone at once
             if self.spill is not None:
                 self.spill.destroy()

@@ -36,7 +36,7 @@ COUNTERS = {
 
 def counts_path(registry, session: str, name: str, tier: str) -> Path:
     """The counts file of cache ``name``'s tier ``tier`` ("remote", "snapshot"; "tiers": the seam's)."""
-    return registry.session_dir(session) / "caches" / f"{name}.{tier}"
+    return registry.cache_file(session, name, tier)
 
 
 def _rows(path: str | os.PathLike, slot: Callable[[], int] | None = None, what: str = "") -> SlotRows:

@@ -493,3 +493,30 @@ def test_warmup_takes_what_the_snapshot_holds_and_computes_the_rest(tmp_path):
     assert fn.calls == N - IN_SNAPSHOT - 1 and cache.stats()["items_mem"] == N
     assert cache.stats()["snapshot_hits"] == IN_SNAPSHOT - 2
     cache.close()
+
+
+def test_a_cache_destroyed_and_made_again_starts_its_tier_counts_at_zero(tmp_path):
+    """`shmcache destroy SESSION --cache NAME` drops the cache's tier counts files with it (as its
+    claims and stall counts): the cache made again under that name counts only its own reads,
+    in a fresh process, as `shmcache stat --json` shows."""
+    url = tmp_path / "snap"
+    _export(url)
+    cache, ds, _ = _job(url)
+    for i in range(IN_SNAPSHOT):
+        ds[i]
+    assert cache.stats()["snapshot_hits"] > 0
+    cache.close()
+    assert cli(["destroy", "dst", "--cache", cache.name, "--force"]) == 0
+    code = ("import sys\n"
+            "from shmcache import ShmDatasetCache\n"
+            f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+            "from test_snapshot_tier import Counted, Source\n"
+            f"cache = ShmDatasetCache(session='dst', snapshot={str(url)!r})\n"
+            "ds = cache.wrap(Source(), transform=Counted())\n"
+            "st = cache.stats()\n"
+            "print(st['snapshot_hits'], st['tier_admitted'])\n"
+            "cache.close()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hits, admitted = map(int, proc.stdout.split())
+    assert hits <= 2 and admitted <= 2  # wrap()'s probes at most, none of the old cache's reads

@@ -231,3 +231,12 @@ def test_a_batch_s_tier_hits_go_in_together_each_checked_the_too_large_served_an
         assert sum("can never fit" in r.getMessage() for r in caplog.records) == 1
     finally:
         small.close()
+
+
+def test_every_tier_counts_file_is_one_the_registry_drops_with_its_cache():
+    """The registry drops a cache's counts files by name (it cannot import the tiers above it):
+    a tier whose counts file it does not know would carry its counts into a cache made again."""
+    from shmcache.cache.registry import CACHE_COUNT_FILES
+    from shmcache.tiers.counts import COUNTERS
+
+    assert set(COUNTERS) <= set(CACHE_COUNT_FILES)
