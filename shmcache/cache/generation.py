@@ -233,9 +233,9 @@ def destroyed_generation() -> Generation:
                       {}, {}, {})
 
 
-def close_generation(g: Generation) -> None:
+def close_generation(gen: Generation) -> None:
     """Forget a generation's mappings. Nothing is unmapped by hand: another thread may still be
     inside a lookup or a gather on them; they go with the last reference (segment.Segment)."""
-    g.data.clear()
-    g.layouts.clear()
-    g.columns.clear()
+    gen.data.clear()
+    gen.layouts.clear()
+    gen.columns.clear()

@@ -28,10 +28,10 @@ def records(view: CacheView):
     Lock-free, like every read: items stored meanwhile may or may not be included. SnapshotError
     when a clear() or destroy replaced the generation under the walk (what was read is not one
     state)."""
-    g = view.refresh()
+    gen = view.refresh()
     spill = view.spill
     try:
-        for w0, w1, w2 in g.index.entries():
+        for w0, w1, w2 in gen.index.entries():
             kb = b""
             if w0 & SPILLED:
                 if spill is None:
@@ -39,28 +39,28 @@ def records(view: CacheView):
                     continue
                 if not w0 & INT_KEY:
                     kb = spill.key_of(RecordLocation(w2, entry_length(w0)), w1)
-                rec = None if kb is None else view.read_spilled(w0, w2, w1, kb, g.gen)
+                rec = None if kb is None else view.read_spilled(w0, w2, w1, kb, gen.gen)
                 if rec is None:
                     yield w1.to_bytes(8, "little") + (kb or b""), None
                     continue
             else:
-                rec = view.record(g, w0, w2, w1, b"")
+                rec = view.record(gen, w0, w2, w1, b"")
                 if not w0 & INT_KEY:
                     kb = bytes(codec.record_key(rec))
-            yield w1.to_bytes(8, "little") + kb, portable(view, g, w0, rec, kb)
+            yield w1.to_bytes(8, "little") + kb, portable(view, gen, w0, rec, kb)
     except FileNotFoundError:  # a segment of this generation was unlinked: cleared under us
         pass
-    if not view.is_current(g.gen):
+    if not view.is_current(gen.gen):
         raise SnapshotError(f"cache {view.session}/{view.name} was cleared or destroyed while it was "
                             f"read; export it again when nothing clears it")
 
 
-def portable(view: CacheView, g: Generation, w0: int, rec: Any, kb: bytes) -> bytes | bytearray:
+def portable(view: CacheView, gen: Generation, w0: int, rec: Any, kb: bytes) -> bytes | bytearray:
     """A stored record with its layout inline (a record whose layout is inline already is one)."""
     lid = entry_layout(w0)
     if lid == INLINE24:
         return bytes(rec)
-    layout = view.layout(g, lid)[0]
+    layout = view.layout(gen, lid)[0]
     body = len(rec) - len(kb)
     out = bytearray(body + len(layout) + len(kb))
     codec.RECORD_HEADER.pack_into(out, 0, codec.INLINE, len(kb), len(layout), 0)

@@ -79,55 +79,55 @@ class Collectable(Protocol):
     def locked(self) -> AbstractContextManager[None]: ...
 
 
-def repair_intent(view: CacheView, g: Generation) -> int:
+def repair_intent(view: CacheView, gen: Generation) -> int:
     """Undo or finish the last writer's work if it died mid-way (NOTE [publish order])."""
-    if g.group_phase():  # a publish group of put_records has its own intent record and repair
-        return publish_group.repair(g, view.corrupt)
-    intent = g.intent()
+    if gen.group_phase():  # a publish group of put_records has its own intent record and repair
+        return publish_group.repair(gen, view.corrupt)
+    intent = gen.intent()
     if intent.phase == 0:
         return 0
-    wrong = impossible_intent(g, intent)
+    wrong = impossible_intent(gen, intent)
     if wrong:  # restoring that bump would hand out live chunks again: touch nothing
-        raise view.corrupt(f"the intent record in {g.meta.name} is impossible: {wrong}")
-    w0 = WORD.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * intent.pos)[0]
+        raise view.corrupt(f"the intent record in {gen.meta.name} is impossible: {wrong}")
+    w0 = WORD.unpack_from(gen.index.buf, TABLE_OFF + ENTRY_BYTES * intent.pos)[0]
     if w0 & READY:  # it was published: make the totals count it (assignments: idempotent)
-        g.apply_totals(intent)
+        gen.apply_totals(intent)
         reclaimed = 0
     elif intent.cls == SPILL_CLASS:  # a spill record nobody points to: dead bytes on disk, no chunk
         reclaimed = 0
     else:  # never visible: give the chunk back
-        g.classes.set_bump(intent.cls, intent.old_bump)
+        gen.classes.set_bump(intent.cls, intent.old_bump)
         reclaimed = 1
-    g.end()
+    gen.end()
     log.info("cache %s/%s: repaired an entry left by a dead writer (%s)", view.session,
              view.name, "reclaimed its chunk" if reclaimed else "counted it")
     return reclaimed
 
 
-def impossible_intent(g: Generation, intent: Intent) -> str:
+def impossible_intent(gen: Generation, intent: Intent) -> str:
     """Why the intent record cannot be one a writer left (NOTE [publish order]), or "". A
     writer dies with the bump where it found it or one on; phase 2 comes after its entry is
     READY; its totals are the current ones or one item more."""
     phase, pos, cls, old_bump, items, total, raw, table_items = intent
     if phase not in (1, 2):
         return f"phase {phase} (a writer writes 1 or 2)"
-    if pos >= g.index.capacity:
-        return f"table position {pos} (the table has {g.index.capacity} entries)"
-    ready = WORD.unpack_from(g.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0] & READY
+    if pos >= gen.index.capacity:
+        return f"table position {pos} (the table has {gen.index.capacity} entries)"
+    ready = WORD.unpack_from(gen.index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0] & READY
     if phase == 2 and not ready:
-        return f"phase 2 (published) with entry {pos} of {g.table.name} empty"
+        return f"phase 2 (published) with entry {pos} of {gen.table.name} empty"
     if cls == SPILL_CLASS:
-        now_items, now_total, now_raw = g.disk_totals()
+        now_items, now_total, now_raw = gen.disk_totals()
         most = total  # spilled sizes are not bounded by a chunk
-    elif 0 < cls < MAX_CLASSES and g.classes.chunk_size(cls):
-        most, bump, _ = g.classes.get(cls)
+    elif 0 < cls < MAX_CLASSES and gen.classes.chunk_size(cls):
+        most, bump, _ = gen.classes.get(cls)
         if not ready and old_bump not in (bump, bump - 1):
             return f"old bump {old_bump} of size class {cls}, whose bump is {bump}"
-        now_items, now_total, _ = g.mem_totals()
+        now_items, now_total, _ = gen.mem_totals()
         now_raw = raw
     else:
         return f"size class {cls} (not in use)"
-    now_table = g.table_items()
+    now_table = gen.table_items()
     if items - now_items not in (0, 1) or table_items - now_table not in (0, 1) \
             or not 0 <= total - now_total <= most or raw < now_raw:
         return (f"totals of {items} items, {total} bytes and {table_items} entries after a write "
@@ -141,54 +141,54 @@ def collect_garbage(store: Collectable, report: dict | None = None) -> tuple[int
     view = store.view
     with store.locked():
         try:
-            g = view.refresh()
-            reclaimed = repair_intent(view, g)
-            damage = find_damage(view, g)
+            gen = view.refresh()
+            reclaimed = repair_intent(view, gen)
+            damage = find_damage(view, gen)
         except CorruptSegment as exc:
             damage, reclaimed = str(exc), 0
         if damage:
             drop_generation(store, damage)
             report["dropped"] = damage
-            g = view.refresh()
+            gen = view.refresh()
         else:
-            report["recounted"] = recount_items(view, g)
-        recount_committed(g)
+            report["recounted"] = recount_items(view, gen)
+        recount_committed(gen)
         name = view.segment_name
-        keep = {name("root"), name(f"g{g.gen}", "meta"), name(f"g{g.gen}", f"t{g.version}")}
-        keep |= {name(f"g{g.gen}", f"c{c}") for c in g.classes.used_classes()}
+        keep = {name("root"), name(f"g{gen.gen}", "meta"), name(f"g{gen.gen}", f"t{gen.version}")}
+        keep |= {name(f"g{gen.gen}", f"c{c}") for c in gen.classes.used_classes()}
         removed = unlink_segments(view.ns, view.base + SEP, keep=keep)
         if store.spill is not None:
             store.spill.collect_garbage()
         return reclaimed, removed
 
 
-def find_damage(view: CacheView, g: Generation) -> str:
+def find_damage(view: CacheView, gen: Generation) -> str:
     """What is damaged in generation ``g``, or "" (gc; caller holds the lock). Every READY
     entry is checked as readers check one, with numpy over the whole table (index's accessors
     over arrays of words)."""
-    if g.index.damage:
-        raise g.index.corrupt()
-    count = WORD.unpack_from(g.meta.buf, MetaLayout.N_LAYOUTS)[0]
+    if gen.index.damage:
+        raise gen.index.corrupt()
+    count = WORD.unpack_from(gen.meta.buf, MetaLayout.N_LAYOUTS)[0]
     if count > MetaLayout.MAX_LAYOUTS:
-        return f"{g.meta.name} counts {count} layouts, more than its {MetaLayout.MAX_LAYOUTS} slots"
+        return f"{gen.meta.name} counts {count} layouts, more than its {MetaLayout.MAX_LAYOUTS} slots"
     for lid in range(count):
-        view.layout(g, lid)  # raises CorruptSegment on a damaged one
+        view.layout(gen, lid)  # raises CorruptSegment on a damaged one
     chunk = np.zeros(MAX_CLASSES + 1, np.uint64)  # class MAX_CLASSES: "not in use"
     handed = np.zeros(MAX_CLASSES + 1, np.uint64)
-    for cls in g.classes.used_classes():
+    for cls in gen.classes.used_classes():
         try:
-            entry = view.recheck_class(g, cls, view.class_data(g, cls))
+            entry = view.recheck_class(gen, cls, view.class_data(gen, cls))
         except FileNotFoundError:
             return f"the data segment of size class {cls} is missing"
         chunk[cls], handed[cls] = entry[2], entry[3]
-    w = g.index.words
+    w = gen.index.words
     s0, w2 = w[:, 0], w[:, 2]
     if (s0 != 0).all():
-        raise g.index.corrupt()
+        raise gen.index.corrupt()
     ready = (s0 & np.uint64(READY)) != 0
     unused = FLAG_BITS & ~(READY | INT_KEY | SPILLED)
     if ((s0 != 0) & ~ready).any() or (s0 & np.uint64(unused)).any():
-        return f"{g.table.name} holds entries with state bits no writer sets"
+        return f"{gen.table.name} holds entries with state bits no writer sets"
     lid = entry_layout(s0)
     bad_lid = ready & (lid >= np.uint64(count)) & (lid != np.uint64(INLINE24))
     mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
@@ -197,16 +197,16 @@ def find_damage(view: CacheView, g: Generation) -> str:
     bad = mem & ((entry_chunk(w2) >= handed[cls]) | (n > chunk[cls]) | (n < np.uint64(_MIN_RECORD)))
     if bad.any() or bad_lid.any():
         pos = int(np.flatnonzero(bad | bad_lid)[0])
-        return (f"entry {pos} of {g.table.name} points where no record is (words "
+        return (f"entry {pos} of {gen.table.name} points where no record is (words "
                 f"{int(s0[pos]):#x}, {int(w2[pos]):#x})")
     return ""
 
 
-def recount_items(view: CacheView, g: Generation) -> list[str]:
+def recount_items(view: CacheView, gen: Generation) -> list[str]:
     """Set the item counters that the table's entries determine; the names of those that were
     wrong (a damaged meta segment: len() and stats would lie, and a wrong entry count would
     grow the table on every write)."""
-    s0 = g.index.words[:, 0]
+    s0 = gen.index.words[:, 0]
     ready = (s0 & np.uint64(READY)) != 0
     mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
     right = {MetaLayout.TABLE_ITEMS: int(ready.sum()), MetaLayout.ITEMS_MEM: int(mem.sum()),
@@ -216,22 +216,22 @@ def recount_items(view: CacheView, g: Generation) -> list[str]:
              MetaLayout.BYTES_MEM: "bytes in memory", MetaLayout.ITEMS_DISK: "items on disk"}
     wrong = []
     for off, value in right.items():
-        if WORD.unpack_from(g.meta.buf, off)[0] != value:
-            wrong.append(f"{names[off]} ({WORD.unpack_from(g.meta.buf, off)[0]}, now {value})")
-            g.meta.words[off >> 3] = value
+        if WORD.unpack_from(gen.meta.buf, off)[0] != value:
+            wrong.append(f"{names[off]} ({WORD.unpack_from(gen.meta.buf, off)[0]}, now {value})")
+            gen.meta.words[off >> 3] = value
     if wrong:
         log.warning("cache %s/%s: gc recounted %s", view.session, view.name, ", ".join(wrong))
     return wrong
 
 
-def recount_committed(g: Generation) -> None:
+def recount_committed(gen: Generation) -> None:
     """Set the committed total from what it is made of (after a growth, and in gc: a writer
     killed between two of its updates must not skew it for good)."""
-    total = MetaLayout.SIZE + TableView.bytes_for(g.index.capacity)
-    for cls in g.classes.used_classes():
-        chunk, _, committed = g.classes.get(cls)
+    total = MetaLayout.SIZE + TableView.bytes_for(gen.index.capacity)
+    for cls in gen.classes.used_classes():
+        chunk, _, committed = gen.classes.get(cls)
         total += chunk * committed
-    g.meta.words[MetaLayout.COMMITTED >> 3] = total
+    gen.meta.words[MetaLayout.COMMITTED >> 3] = total
 
 
 def drop_generation(store: Collectable, why: str) -> None:
@@ -239,8 +239,8 @@ def drop_generation(store: Collectable, why: str) -> None:
     CorruptSegment messages promise. Old segments go with gc's sweep of non-current names."""
     root = store.view.root
     gen = split_epoch(WORD.unpack_from(root.buf, RootLayout.EPOCH)[0])[0] + 1
-    g = store.view.mapped
-    cap = g.index.capacity if g is not None and g.index.capacity else MIN_TABLE
+    generation = store.view.mapped
+    cap = generation.index.capacity if generation is not None and generation.index.capacity else MIN_TABLE
     store.writer.create_generation(root, gen if gen < 1 << 32 else 1, store.capacity_bytes, cap)
     ordering.fence()  # as in clear(): the new epoch word (the retirement) before the files' reuse
     if store.spill is not None:

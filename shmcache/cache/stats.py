@@ -42,8 +42,8 @@ class Measured(Protocol):
 
 def cache_stats(store: Measured) -> dict:
     """The statistics of ``store``'s current generation (CacheStore.stats)."""
-    g = store.view.refresh()
-    meta = g.meta.buf
+    gen = store.view.refresh()
+    meta = gen.meta.buf
     items_mem, bytes_mem, committed = struct.unpack_from("QQQ", meta, MetaLayout.ITEMS_MEM)
     items_disk, bytes_disk, bytes_disk_raw = struct.unpack_from("QQQ", meta, MetaLayout.ITEMS_DISK)
     counters = np.ndarray((MAX_SLOTS, len(COUNTER_NAMES)), np.uint64, meta, MetaLayout.COUNTERS).sum(axis=0)
@@ -56,7 +56,7 @@ def cache_stats(store: Measured) -> dict:
         **{name: int(n) for name, n in zip(COUNTER_NAMES, counters)},
         **claims.read_counts(store.claims.path),  # computed, claim_waits, claim_timeouts (NOTE [claims])
         "capacity_bytes": store.capacity_bytes, "committed_bytes": committed,
-        "shm_bytes": store.shm_bytes() if g.gen != DEAD_GEN else 0,  # not the cache made again
+        "shm_bytes": store.shm_bytes() if gen.gen != DEAD_GEN else 0,  # not the cache made again
         # the training loops' waits for batches, per rank (NOTE [stall counts])
         **stall.stats_keys(stall.stall_path(store.meta_path)),
     }

@@ -448,8 +448,8 @@ class CacheStore:
     def clear(self) -> None:
         """Drop every item: a new generation in new segments; old mappings stay valid for readers."""
         with self.locked():
-            g = self.view.refresh()
-            self.writer.create_generation(self.view.root, g.gen + 1, self.capacity_bytes, g.index.capacity)
+            gen = self.view.refresh()
+            self.writer.create_generation(self.view.root, gen.gen + 1, self.capacity_bytes, gen.index.capacity)
             # The spill files go after the new generation is published: a reader whose read of
             # them fails then sees the generation moved on - a plain miss, not damage to report.
             # (Writers wait for our lock, so nothing of the new generation is in them yet.) The
@@ -461,7 +461,7 @@ class CacheStore:
                 shutil.rmtree(self.read_meta()["spill_path"], ignore_errors=True)
             if _CRASH_TESTS:
                 crash_point("cleared_before_unlink")
-            unlink_segments(self.ns, self.view.segment_name(f"g{g.gen}", ""))
+            unlink_segments(self.ns, self.view.segment_name(f"g{gen.gen}", ""))
             self.view.refresh()
         codec.clear_decoders()  # the old generation's layouts are gone: free their decoders
 

@@ -218,64 +218,64 @@ class CacheView:
             self._proc_gen = -1  # counters live in the new meta: re-read our slot's totals
         self._epoch = epoch
 
-    def class_data(self, g: Generation, cls: int) -> tuple:
+    def class_data(self, gen: Generation, cls: int) -> tuple:
         """``(segment, read-only view, chunk size, chunks handed out when last checked)`` of size
         class ``cls``, mapped on first use (its class record checked by :meth:`recheck_class`)."""
-        entry = g.data.get(cls)
+        entry = gen.data.get(cls)
         if entry is None:
-            if not (0 < cls < MAX_CLASSES and g.classes.chunk_size(cls)):
-                raise self.corrupt(f"an entry of {g.table.name} names size class {cls}, which holds "
-                                    f"no chunks in {g.meta.name}")
-            seg = Segment.attach(self.segment_name(f"g{g.gen}", f"c{cls}"), kind=KIND_DATA)
-            entry = self.recheck_class(g, cls, (seg, memoryview(seg.buf).toreadonly(), 0, 0))
+            if not (0 < cls < MAX_CLASSES and gen.classes.chunk_size(cls)):
+                raise self.corrupt(f"an entry of {gen.table.name} names size class {cls}, which holds "
+                                    f"no chunks in {gen.meta.name}")
+            seg = Segment.attach(self.segment_name(f"g{gen.gen}", f"c{cls}"), kind=KIND_DATA)
+            entry = self.recheck_class(gen, cls, (seg, memoryview(seg.buf).toreadonly(), 0, 0))
         return entry
 
-    def recheck_class(self, g: Generation, cls: int, entry: tuple) -> tuple:
+    def recheck_class(self, gen: Generation, cls: int, entry: tuple) -> tuple:
         """``entry`` of :meth:`class_data` with the class record read again from meta and checked: a
         chunk size the allocator gives that class, ``bump <= committed``, and committed chunks
         inside the segment. Called when an entry points past what this process saw handed out.
         The bump, not the committed count: a committed chunk above the bump was never written, and
         an entry pointing there would read as a record of zeros."""
         seg, view = entry[:2]
-        chunk, bump, committed = g.classes.get(cls)
+        chunk, bump, committed = gen.classes.get(cls)
         try:
             ok = size_class(chunk) == (cls, chunk)
         except OverflowError:
             ok = False
         if not ok or bump > committed or DATA_OFF + committed * chunk > seg.size:
-            raise self.corrupt(f"the record of size class {cls} in {g.meta.name} is damaged (chunks of "
+            raise self.corrupt(f"the record of size class {cls} in {gen.meta.name} is damaged (chunks of "
                                 f"{chunk} bytes, {bump} handed out of {committed} committed, in "
                                 f"{seg.name} of {seg.size} bytes)")
-        entry = g.data[cls] = (seg, view, chunk, bump)
+        entry = gen.data[cls] = (seg, view, chunk, bump)
         return entry
 
-    def record(self, g: Generation, w0: int, w2: int, w1: int, kb: bytes) -> memoryview:
+    def record(self, gen: Generation, w0: int, w2: int, w1: int, kb: bytes) -> memoryview:
         """The bytes of the in-memory record that entry (w0, w2) points at. The entry is checked
         first with a few int compares: a damaged one (issue 8) names a class, a chunk or a length
         the allocator never handed out, where reading would return zeros or another record."""
         # index.entry_class, entry_chunk and entry_length, inlined (every str key's read comes here;
         # ``test_index`` checks these copies against index's layout)
         cls = w2 >> 48
-        entry = g.data.get(cls) or self.class_data(g, cls)
+        entry = gen.data.get(cls) or self.class_data(gen, cls)
         chunk, n = w2 & LOCATION_MASK, w0 >> 32
         if chunk >= entry[3] or not 16 <= n <= entry[2]:  # 16: _MIN_RECORD, as a constant
-            entry = self.recheck_class(g, cls, entry)  # more may have been handed out since
+            entry = self.recheck_class(gen, cls, entry)  # more may have been handed out since
             if chunk >= entry[3] or not _MIN_RECORD <= n <= entry[2]:
-                raise self.corrupt(f"the entry of key {key_repr(w1, kb)} in {g.table.name} points at "
+                raise self.corrupt(f"the entry of key {key_repr(w1, kb)} in {gen.table.name} points at "
                                     f"{n} bytes in chunk {chunk} of size class {cls}, which has handed "
                                     f"out {entry[3]} chunks of {entry[2]} bytes")
         start = DATA_OFF + chunk * entry[2]
         return entry[1][start:start + n]
 
-    def layout(self, g: Generation, lid: int) -> tuple[bytes, Callable, int]:
+    def layout(self, gen: Generation, lid: int) -> tuple[bytes, Callable, int]:
         """``(layout bytes, decoder, the end of its last leaf)`` of layout ``lid``, checked on
         first use: an id the table never gave out or bytes that are not a layout are damage."""
-        item = g.layouts.get(lid)
+        item = gen.layouts.get(lid)
         if item is None:
-            meta = g.meta.buf
+            meta = gen.meta.buf
             count = WORD.unpack_from(meta, MetaLayout.N_LAYOUTS)[0]
             if lid >= min(count, MetaLayout.MAX_LAYOUTS):
-                raise self.corrupt(f"an entry of {g.table.name} names layout {lid}, but {g.meta.name} "
+                raise self.corrupt(f"an entry of {gen.table.name} names layout {lid}, but {gen.meta.name} "
                                     f"holds {count} layouts (at most {MetaLayout.MAX_LAYOUTS})")
             off = MetaLayout.LAYOUTS + lid * MetaLayout.LAYOUT_BYTES
             n = struct.unpack_from("I", meta, off)[0]
@@ -290,8 +290,8 @@ class CacheView:
             except ShmcacheError:
                 raise
             except UNDECODABLE as exc:
-                raise self.corrupt(f"layout {lid} in {g.meta.name} is damaged ({exc!r})") from None
-            g.layouts[lid] = item
+                raise self.corrupt(f"layout {lid} in {gen.meta.name} is damaged ({exc!r})") from None
+            gen.layouts[lid] = item
         return item
 
     def corrupt(self, what: str, fix: str = "it will drop this cache's contents; they are "
@@ -302,9 +302,9 @@ class CacheView:
                               f"Run `shmcache gc` ({fix})")
 
     def count(self, which: int, n: int = 1) -> None:
-        g = self._gen
+        gen = self._gen
         if self._proc_gen != process_slot.fork_count():
-            if g.gen == DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
+            if gen.gen == DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
                 self._proc_gen = process_slot.fork_count()
                 return
@@ -319,27 +319,27 @@ class CacheView:
             off = MetaLayout.COUNTERS + MetaLayout.COUNTER_ROW * slot
             # the incarnation too: a cache destroyed and made again starts at g1 again, and must
             # not carry on from this process's totals of the one destroyed
-            key = f"{self.ns.root}{self.segment_name(f'g{g.gen}')}+{slot}"
+            key = f"{self.ns.root}{self.segment_name(f'g{gen.gen}')}+{slot}"
             # a total of garbage (a damaged slot) restarts at 0: a stat, not worth failing reads over,
             # and one at the top of the word would overflow on the next count (struct.error)
             self._counters = process_slot.counters(key, lambda: [c if c < 1 << 62 else 0 for c in
-                                                             struct.unpack_from("QQQQ", g.meta.buf, off)])
+                                                             struct.unpack_from("QQQQ", gen.meta.buf, off)])
             self._counter_off = off
             self._proc_gen = process_slot.fork_count()
         self._counters[which] += n
         if self._counter_off >= 0:
-            g.meta.words[(self._counter_off >> 3) + which] = self._counters[which]
+            gen.meta.words[(self._counter_off >> 3) + which] = self._counters[which]
 
-    def find(self, g: Generation, key: Any) -> Found:
+    def find(self, gen: Generation, key: Any) -> Found:
         """The entry of ``key`` (``Found.w0`` == 0 when absent: ``pos`` is then where it would go)."""
         w1, kb = key_bytes(key)
-        index = g.index
+        index = gen.index
         pos, w0, w2 = index.find(w1, not kb)
         # a hash matched: compare the key bytes stored at the end of the record (a spilled record
         # is checked against the key when it is read)
         probes = 0
         while w0 and kb and not w0 & SPILLED:
-            rec = self.record(g, w0, w2, w1, kb)
+            rec = self.record(gen, w0, w2, w1, kb)
             # codec.record_header(rec).key_len and codec.record_key(rec), inlined: a call less per probe
             if _KEY_LEN.unpack_from(rec, 4)[0] == len(kb) and rec[len(rec) - len(kb):] == kb:
                 break
@@ -349,23 +349,23 @@ class CacheView:
             pos, w0, w2 = index.find_from((pos + 1) & index.mask, w1, False)
         return Found(w0, w2, pos, kb, w1)
 
-    def decode(self, g: Generation, w0: int, w2: int, copy: bool, w1: int = 0, kb: bytes = b"") -> Any:
+    def decode(self, gen: Generation, w0: int, w2: int, copy: bool, w1: int = 0, kb: bytes = b"") -> Any:
         if w0 & SPILLED:
-            buf = self.read_spilled(w0, w2, w1, kb, g.gen)
+            buf = self.read_spilled(w0, w2, w1, kb, gen.gen)
             if buf is None:
                 return CORRUPT_RECORD
         else:
-            view = self.record(g, w0, w2, w1, kb)
+            view = self.record(gen, w0, w2, w1, kb)
             buf = bytearray(view) if copy else view
         lid = entry_layout(w0)
         try:  # a damaged record must not decode to a raw exception (issue 8); free unless raised
             if lid == INLINE24:
                 return codec.decode(buf, codec.inline_layout(buf))
-            return self.layout(g, lid)[1](buf)  # a record too short for it raises (codec)
+            return self.layout(gen, lid)[1](buf)  # a record too short for it raises (codec)
         except ShmcacheError:
             raise
         except UNDECODABLE as exc:
-            where = "a spill file" if w0 & SPILLED else self.segment_name(f"g{g.gen}", f"c{entry_class(w2)}")
+            where = "a spill file" if w0 & SPILLED else self.segment_name(f"g{gen.gen}", f"c{entry_class(w2)}")
             raise self.undecodable(f"the record of key {key_repr(w1, kb)} in {where}", exc) from None
 
     def undecodable(self, what: str, exc: Exception) -> CorruptSegment:
@@ -380,10 +380,10 @@ class CacheView:
         # 64: RootLayout.EPOCH, inlined (a constant, not an attribute lookup, on the hot path; every copy of
         # the root's and the entry's layout inlined here is checked by ``test_index``)
         try:  # free in CPython 3.11+ unless raised
-            g = self._gen if WORD.unpack_from(self.root.buf, 64)[0] == self._epoch else self.refresh()
+            gen = self._gen if WORD.unpack_from(self.root.buf, 64)[0] == self._epoch else self.refresh()
         except AttributeError:  # closed in this process (root None): refresh says so, and the fix
-            g = self.refresh()
-        if type(key) is int and 0 <= key < g.index.capacity:
+            gen = self.refresh()
+        if type(key) is int and 0 <= key < gen.index.capacity:
             # the hot path, inlined (a hit of a dataset index costs ~2x a plain row copy): the key
             # sits at its own position (``TableView.lookup_ints``), in memory, with an interned layout whose
             # decoder and data segment this process already has; anything else goes the long way.
@@ -391,7 +391,7 @@ class CacheView:
             # the chunk handed out, the length within the chunk and covering the layout); anything
             # unexpected - a check that fails, bytes that do not decode - takes the long way,
             # which names the damage (NOTE [publish order], Damage).
-            buf = g.index.buf
+            buf = gen.index.buf
             off = TABLE_OFF + ENTRY_BYTES * key
             w0 = WORD.unpack_from(buf, off)[0]  # first, on its own: see TableView.find
             if not w0:  # EMPTY at the key's own position: absent (index.find stops there too)
@@ -401,8 +401,8 @@ class CacheView:
             if w0 & 7 == READY | INT_KEY:  # 7: READY | INT_KEY | SPILLED (and not SPILLED)
                 k, w2 = _QQ.unpack_from(buf, off + 8)
                 # index.entry_class, entry_layout, entry_chunk and entry_length, inlined
-                data = g.data.get(w2 >> 48)
-                layout = g.layouts.get((w0 >> 8) & INLINE24)
+                data = gen.data.get(w2 >> 48)
+                layout = gen.layouts.get((w0 >> 8) & INLINE24)
                 chunk, n = w2 & LOCATION_MASK, w0 >> 32
                 value = MISSING
                 if k == key and data is not None and layout is not None and chunk < data[3] \
@@ -418,13 +418,13 @@ class CacheView:
                         if self._proc_gen == process_slot.forks and self._counter_off >= 0:
                             counters = self._counters
                             counters[0] += 1  # counters[HITS], inlined
-                            g.meta.words[self._counter_off >> 3] = counters[0]
+                            gen.meta.words[self._counter_off >> 3] = counters[0]
                         else:
                             self.count(HITS)
                     return value
         try:
-            w0, w2, _, kb, w1 = self.find(g, key)
-            value = self.decode(g, w0, w2, copy, w1, kb) if w0 else MISSING
+            w0, w2, _, kb, w1 = self.find(gen, key)
+            value = self.decode(gen, w0, w2, copy, w1, kb) if w0 else MISSING
         except FileNotFoundError:  # a clear() elsewhere unlinked a segment we had yet to map
             w0, value = 0, MISSING
         if w0:
@@ -432,7 +432,7 @@ class CacheView:
                 if count:
                     self.count(HITS)
                 return value
-            if self.is_current(g.gen):  # else a clear() dropped the record under us: a plain miss
+            if self.is_current(gen.gen):  # else a clear() dropped the record under us: a plain miss
                 self.count(CORRUPT)
         if count:
             self.count(MISSES)
@@ -488,17 +488,17 @@ class CacheView:
     def lookup_batch(self, keys: Sequence, copy: bool = True, count: bool = True) -> tuple[list, list[int]]:
         """Values for ``keys`` (MISSING where absent) and the positions of the misses; counted as
         hits and misses unless not ``count`` (a claim's re-check, a waiter's poll)."""
-        g = self.refresh()
+        gen = self.refresh()
         values: list = [MISSING] * len(keys)
         missing = []
         for i, key in enumerate(keys):
             try:
-                w0, w2, _, kb, w1 = self.find(g, key)
-                v = self.decode(g, w0, w2, copy, w1, kb) if w0 else MISSING
+                w0, w2, _, kb, w1 = self.find(gen, key)
+                v = self.decode(gen, w0, w2, copy, w1, kb) if w0 else MISSING
             except FileNotFoundError:  # cleared meanwhile
                 v = MISSING
             if v is CORRUPT_RECORD:
-                if self.is_current(g.gen):  # else cleared under us: a plain miss
+                if self.is_current(gen.gen):  # else cleared under us: a plain miss
                     self.count(CORRUPT)
                 v = MISSING
             if v is MISSING:
@@ -514,28 +514,28 @@ class CacheView:
     def batch_layout(self, keys: np.ndarray) -> tuple | None:
         """``(tree, leaves, end of the last leaf)`` of the record of ``keys[0]`` (codec.leaves): the structure a
         vectorised batch of ``keys`` would have. None if that key is not cached with a shared layout."""
-        g = self.refresh()
-        planned = g.columns.get(gather.PLAN)  # a warm batch's layout (gather.Plan)
-        if planned is not None and planned.holds(g.index, int(keys[0])):
+        gen = self.refresh()
+        planned = gen.columns.get(gather.PLAN)  # a warm batch's layout (gather.Plan)
+        if planned is not None and planned.holds(gen.index, int(keys[0])):
             return planned.layout
         try:  # one key: a scalar probe costs a tenth of the vectorised lookup's numpy calls
-            w0 = self.find(g, int(keys[0]))[0]
+            w0 = self.find(gen, int(keys[0]))[0]
         except FileNotFoundError:  # cleared meanwhile
             return None
         lid = entry_layout(w0)
         if not w0 or lid == INLINE24:
             return None
-        columns = self._columns(g, lid)
+        columns = self._columns(gen, lid)
         return None if columns[3] else columns[:3]
 
-    def _columns(self, g: Generation, lid: int) -> tuple:
+    def _columns(self, gen: Generation, lid: int) -> tuple:
         """``(tree, leaves, end of the last leaf, has a list of numbers)`` of layout ``lid`` for
         the batch path (a list of numbers is never a column: ``default_collate`` transposes lists)."""
-        shape = g.columns.get(lid)
+        shape = gen.columns.get(lid)
         if shape is None:
-            raw, _, end, _ = self.layout(g, lid)  # checked there: codec.leaves takes it as sound
+            raw, _, end, _ = self.layout(gen, lid)  # checked there: codec.leaves takes it as sound
             tree, leaves = codec.leaves(raw)
-            shape = g.columns[lid] = (tree, leaves, end, any(leaf.tag == codec.NUMBERS for leaf in leaves))
+            shape = gen.columns[lid] = (tree, leaves, end, any(leaf.tag == codec.NUMBERS for leaf in leaves))
         return shape
 
     def absent_ints(self, keys: np.ndarray) -> np.ndarray:
@@ -547,11 +547,11 @@ class CacheView:
     def all_in_memory(self, keys: np.ndarray) -> bool:
         """True if every int key is cached in memory with one layout and size class: what
         :meth:`gather_ints` needs (checked without copying or counting anything)."""
-        g = self.refresh()
-        planned = g.columns.get(gather.PLAN)  # a warm batch: its plan's checks (gather.planned_chunks)
-        if len(keys) and planned is not None and gather.planned_chunks(planned, g.index.words, keys) is not None:
+        gen = self.refresh()
+        planned = gen.columns.get(gather.PLAN)  # a warm batch: its plan's checks (gather.planned_chunks)
+        if len(keys) and planned is not None and gather.planned_chunks(planned, gen.index.words, keys) is not None:
             return True
-        return len(keys) > 0 and gather.uniform(*g.index.lookup_ints(keys))
+        return len(keys) > 0 and gather.uniform(*gen.index.lookup_ints(keys))
 
     def gather_ints(self, keys: np.ndarray, out: list | None = None):
         """Vectorised batch of int keys that share one layout and one size class, all in memory.
@@ -561,32 +561,32 @@ class CacheView:
         when the batch is not uniform (the caller falls back to :meth:`lookup_batch`). ``out``:
         optional list of arrays, one per leaf, to gather into (e.g. pinned host buffers).
         """
-        g = self.refresh()
+        gen = self.refresh()
         if len(keys) == 0:
             return None
-        planned = g.columns.get(gather.PLAN)  # a warm batch: a few numpy calls (gather.gather_planned)
-        got = planned and gather.gather_planned(planned, g.index.words, keys, out, self._buffers)
+        planned = gen.columns.get(gather.PLAN)  # a warm batch: a few numpy calls (gather.gather_planned)
+        got = planned and gather.gather_planned(planned, gen.index.words, keys, out, self._buffers)
         if got is not None:
             self.count(HITS, len(keys))
             return planned.tree, planned.leaves, got
-        batch = gather.plan(g.index, keys)
+        batch = gather.plan(gen.index, keys)
         if batch is None:
             return None
-        tree, leaves, end, numbers = self._columns(g, batch.layout)
+        tree, leaves, end, numbers = self._columns(gen, batch.layout)
         if numbers:  # never a column (_columns): the caller goes item by item
             return None
         cls, n = batch.cls, batch.length
         try:
-            entry = g.data.get(cls) or self.class_data(g, cls)
+            entry = gen.data.get(cls) or self.class_data(gen, cls)
         except FileNotFoundError:  # cleared meanwhile: the caller's slow path sees misses
             return None
         # the checks of record, for the whole batch at once: every chunk handed out, the one
         # length within a chunk and long enough for the layout (issue 8: never zeros or a neighbour)
         top = int(batch.chunks.max())
         if top >= entry[3] or not end <= n <= entry[2]:  # end: at least a record header (layout)
-            entry = self.recheck_class(g, cls, entry)
+            entry = self.recheck_class(gen, cls, entry)
             if top >= entry[3] or not end <= n <= entry[2]:
-                raise self.corrupt(f"an entry of {g.table.name} in a batch of keys from {int(keys[0])} "
+                raise self.corrupt(f"an entry of {gen.table.name} in a batch of keys from {int(keys[0])} "
                                     f"points at {n} bytes in chunk {top} of size class {cls}, which "
                                     f"has handed out {entry[3]} chunks of {entry[2]} bytes (layout "
                                     f"{batch.layout} needs {end})")
@@ -600,17 +600,17 @@ class CacheView:
                                     exc) from None
         self.count(HITS, len(keys))
         # checked above: the next such batch takes the planned way
-        gather.remember(g.columns, state_word(READY | INT_KEY, batch.layout, n), cls, handed_out, chunk, seg.buf,
+        gather.remember(gen.columns, state_word(READY | INT_KEY, batch.layout, n), cls, handed_out, chunk, seg.buf,
                         (tree, leaves, end))
         return tree, leaves, columns
 
     def __len__(self) -> int:
-        g = self.refresh()
-        meta = g.meta.buf
+        gen = self.refresh()
+        meta = gen.meta.buf
         n = WORD.unpack_from(meta, MetaLayout.ITEMS_MEM)[0] + WORD.unpack_from(meta, MetaLayout.ITEMS_DISK)[0]
-        if n > g.index.capacity:  # every item has an entry: more is garbage (len() cannot return it)
-            raise self.corrupt(f"the item counters in {g.meta.name} say {n} items, in a table of "
-                                f"{g.index.capacity} entries", fix="it recounts them")
+        if n > gen.index.capacity:  # every item has an entry: more is garbage (len() cannot return it)
+            raise self.corrupt(f"the item counters in {gen.meta.name} say {n} items, in a table of "
+                                f"{gen.index.capacity} entries", fix="it recounts them")
         return n
 
     out_matches = staticmethod(gather.out_matches)
