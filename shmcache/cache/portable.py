@@ -19,7 +19,6 @@ from .view import CacheView
 
 __all__ = ["records", "portable"]
 
-_MIN_RECORD = codec.RECORD_HEADER.size
 
 
 def records(view: CacheView):
@@ -64,7 +63,7 @@ def portable(view: CacheView, gen: Generation, w0: int, rec: Any, kb: bytes) -> 
     body = len(rec) - len(kb)
     out = bytearray(body + len(layout) + len(kb))
     codec.RECORD_HEADER.pack_into(out, 0, codec.INLINE, len(kb), len(layout), 0)
-    out[_MIN_RECORD:body] = rec[_MIN_RECORD:body]
+    out[codec.MIN_RECORD_BYTES:body] = rec[codec.MIN_RECORD_BYTES:body]
     out[body:body + len(layout)] = layout
     out[body + len(layout):] = kb
     return out

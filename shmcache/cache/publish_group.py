@@ -29,6 +29,7 @@ from ..base import ordering
 from ..base.faults import ARMED as _CRASH_TESTS
 from ..base.faults import crash_point
 from ..errors import CorruptSegment
+from . import codec
 from .allocator import MAX_CLASSES
 from .generation import GROUP_RECORDS, Generation, GroupIntent, Intent
 from .index import READY, SPILLED, TableView, entry_chunk, entry_class, entry_length
@@ -36,7 +37,6 @@ from .index import READY, SPILLED, TableView, entry_chunk, entry_class, entry_le
 __all__ = ["PublishGroup", "finish", "repair", "impossible", "GROUP_RECORDS"]
 
 log = logging.getLogger("shmcache")
-_MIN_RECORD = 16  # codec.RECORD_HEADER.size
 
 
 class PublishGroup:
@@ -179,7 +179,7 @@ def impossible(g: Generation, ci: GroupIntent) -> str:
         seen.add(pos)
         count[cls] += 1
         size = g.classes.chunk_size(cls) if 0 < cls < MAX_CLASSES else 0
-        if not size or w0 & (READY | SPILLED) != READY or not _MIN_RECORD <= entry_length(w0) <= size:
+        if not size or w0 & (READY | SPILLED) != READY or not codec.MIN_RECORD_BYTES <= entry_length(w0) <= size:
             return f"a record of {entry_length(w0)} bytes in size class {cls} (chunks of {size} bytes), state {w0:#x}"
         now = int(words[pos, 0])
         if now and (ci.phase == 1 or now != w0):

@@ -50,7 +50,6 @@ __all__ = ["repair_intent", "impossible_intent", "collect_garbage", "find_damage
 
 log = logging.getLogger("shmcache")
 
-_MIN_RECORD = codec.RECORD_HEADER.size  # the shortest record
 
 
 class MakesGenerations(Protocol):
@@ -194,7 +193,7 @@ def find_damage(view: CacheView, gen: Generation) -> str:
     mem = ready & ((s0 & np.uint64(SPILLED)) == 0)
     cls = np.minimum(entry_class(w2), np.uint64(MAX_CLASSES)).astype(np.intp)
     n = entry_length(s0)
-    bad = mem & ((entry_chunk(w2) >= handed[cls]) | (n > chunk[cls]) | (n < np.uint64(_MIN_RECORD)))
+    bad = mem & ((entry_chunk(w2) >= handed[cls]) | (n > chunk[cls]) | (n < np.uint64(codec.MIN_RECORD_BYTES)))
     if bad.any() or bad_lid.any():
         pos = int(np.flatnonzero(bad | bad_lid)[0])
         return (f"entry {pos} of {gen.table.name} points where no record is (words "

@@ -62,6 +62,7 @@ from .index import (
     entry_layout,
     entry_length,
     key_bytes,
+    key_from_bytes,
     state_word,
     tier_key,
 )
@@ -627,8 +628,10 @@ CORRUPT_RECORD: Any = object()  # what decode returns for a spilled record that 
 
 def key_repr(w1: int, kb: bytes) -> str:
     """The key of an entry, for messages: ``kb`` is its tagged bytes (empty for int keys)."""
-    if not kb:
-        return str(w1 - (1 << 64) if w1 >> 63 else w1)
-    return repr(kb[1:].decode("utf-8", "surrogatepass") if kb[:1] == b"s" else kb[1:])
+    try:
+        key = key_from_bytes(w1, kb)
+    except ValueError:  # damaged key bytes: shown as they are
+        return repr(kb)
+    return str(key) if isinstance(key, int) else repr(key)
 
 
