@@ -6,7 +6,8 @@ Three classes have it: ``CacheStore`` (shared memory, then a spill tier),
 shmcache.tiers.tiered_store). ``Store`` declares it, so a reader and a type checker can follow a
 call into any of them; ``LocalStore`` adds what only a store of this machine's own memory has
 (its metadata, its lock, export and destroy), which callers reach after checking ``uncached``.
-Typing only: nothing here runs, and this module imports nothing of shmcache.
+Typing only: nothing here runs, and this module imports nothing of shmcache but the
+``IndexedTier`` protocol that ``spill`` is.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from .indexed_tier import IndexedTier
 
 __all__ = ["Store", "LocalStore"]
 
@@ -38,6 +41,11 @@ class Store(Protocol):
 
     @property
     def capacity_bytes(self) -> int: ...
+
+    @property
+    def spill(self) -> IndexedTier | None:
+        """Where records go when shared memory is full (None: nowhere; an import bounds its items by it)."""
+        ...
 
     # reads: ``MISSING`` (store.MISSING) where a key is absent
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any: ...

@@ -46,6 +46,7 @@ import os
 import pwd
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from ..base import memdir, settings
 from ..base.memory import memory_limits
@@ -53,6 +54,9 @@ from ..base.namespace import namespace, resolve_session_name
 from ..base.settings import ENV_MEMORY_DIR, ENV_REMOTE, ENV_SPILL_DIR
 from ..cache.registry import SessionRegistry
 from ..errors import CacheInUse, CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
+
+if TYPE_CHECKING:  # the store's module (and numpy) load only for the commands that open a cache
+    from ..cache.store import CacheStore
 
 __all__ = ["main"]
 
@@ -135,7 +139,7 @@ def _pages(registry: SessionRegistry, session: str, st: dict) -> dict:
             "pages": back.describe(), "huge_pages_would_help": helps}
 
 
-def _attach_spill(store) -> None:
+def _attach_spill(store: CacheStore) -> None:
     """Let stat and gc see spilled items (no-op when the cache never spilled)."""
     from ..tiers.spill.tier import attach_existing
 

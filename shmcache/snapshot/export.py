@@ -18,7 +18,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import zstandard
 
@@ -27,6 +27,7 @@ from ..base.faults import crash_point
 from ..base.progress import progress_bar
 from ..base.trust import Mac, resolve_secret, snapshot_ident
 from ..cache import codec
+from ..cache.store_protocol import LocalStore, Store
 from ..errors import InvalidArgument, SnapshotError
 from . import format as fmt
 from .location import SnapshotLocation, open_location
@@ -63,11 +64,11 @@ class ExportReport:
         return text
 
 
-def export_cache(store: Any, dest: str | os.PathLike, *, overwrite: bool = False, length: int | None = None,
+def export_cache(store: Store, dest: str | os.PathLike, *, overwrite: bool = False, length: int | None = None,
                  segment_bytes: int = fmt.DEFAULT_SEGMENT_BYTES, level: int = 1,
                  progress: bool | None = None, storage_options: dict | None = None,
                  secret: str | bytes | None = None) -> ExportReport:
-    """Write every item of ``store`` (a CacheStore) to a snapshot at ``dest``.
+    """Write every item of ``store`` (a CacheStore, or a TieredStore in front of one) to a snapshot at ``dest``.
 
     ``secret``: the job's (None: ``$SHMCACHE_SECRET``; ``""``: none): with one, every record and
     the manifest carry its MAC (NOTE [record authentication]), so a reader with the same secret
@@ -87,13 +88,13 @@ def export_cache(store: Any, dest: str | os.PathLike, *, overwrite: bool = False
                             f"made), so there is nothing to export; make room in /dev/shm and fill it")
     loc = open_location(dest, storage_options)
     try:
-        return _export(store, loc, overwrite, length, segment_bytes, level, progress, key)
+        return _export(cast(LocalStore, store), loc, overwrite, length, segment_bytes, level, progress, key)
     finally:
         loc.close()
 
 
-def _export(store: Any, loc: SnapshotLocation, overwrite: bool, length: int | None, segment_bytes: int, level: int,
-            progress: bool | None, key: bytes | None) -> ExportReport:
+def _export(store: LocalStore, loc: SnapshotLocation, overwrite: bool, length: int | None, segment_bytes: int,
+            level: int, progress: bool | None, key: bytes | None) -> ExportReport:
     _prepare(loc, overwrite)
     started = time.perf_counter()
     report = ExportReport(loc.url)

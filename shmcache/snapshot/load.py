@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zstandard
@@ -34,6 +34,7 @@ from ..base.namespace import namespace, resolve_session_name
 from ..base.progress import progress_bar
 from ..base.trust import FORGED, PICKLE_HINT, TRAILER_BYTES, resolve_secret, snapshot_ident
 from ..cache.registry import write_json
+from ..cache.store_protocol import LocalStore, Store
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..tiers import records as records
 from ..tiers.tiered_store import key_of_portable, untrusted_problem
@@ -195,7 +196,7 @@ def cache_exists(session: str, name: str) -> bool:
 
 
 @contextlib.contextmanager
-def given_back_on_failure(store: Any, made: bool):
+def given_back_on_failure(store: Store, made: bool):
     """An import into ``store``: if it raises and the import ``made`` the cache, the cache is
     destroyed before the error goes on - its table and segments in /dev/shm given back, not left
     for ``shmcache gc``."""
@@ -204,11 +205,11 @@ def given_back_on_failure(store: Any, made: bool):
     except BaseException:
         if made and not getattr(store, "uncached", False):
             with contextlib.suppress(Exception):
-                store.destroy()
+                cast(LocalStore, store).destroy()  # not uncached: shared memory of its own
         raise
 
 
-def import_into(store: Any, loc: SnapshotLocation, manifest: fmt.Manifest, *, force: bool = False,
+def import_into(store: Store, loc: SnapshotLocation, manifest: fmt.Manifest, *, force: bool = False,
                 threads: int | None = None, progress: bool | None = None, secret: str | bytes | None = None,
                 allow_pickle: bool = False, allow_unsigned: bool = False,
                 indexes: list[np.ndarray] | None = None) -> ImportReport:
@@ -342,7 +343,7 @@ def read_data_file_index(loc: SnapshotLocation, part: fmt.DataFileInfo, number: 
     return index
 
 
-def replace_other_dataset(store: Any, manifest: fmt.Manifest, force: bool) -> bool:
+def replace_other_dataset(store: Store, manifest: fmt.Manifest, force: bool) -> bool:
     """If ``store`` holds another dataset than the snapshot: CacheMismatch, unless ``force``, which
     destroys that cache - its root tombstoned first, as ``shmcache destroy --force`` does - and
     answers True: the caller opens the cache again (a new, empty incarnation) and imports into
@@ -351,8 +352,9 @@ def replace_other_dataset(store: Any, manifest: fmt.Manifest, force: bool) -> bo
     (and their writes raise CacheNotFound) from then on."""
     if getattr(store, "uncached", False):
         return False
+    local = cast(LocalStore, store)  # not uncached: shared memory of its own, metadata and all
     fp = manifest.fingerprint
-    known = store.read_meta().get("fingerprint")
+    known = local.read_meta().get("fingerprint")
     if not (fp and known and known != fp):
         return False
     if not force:
@@ -364,39 +366,40 @@ def replace_other_dataset(store: Any, manifest: fmt.Manifest, force: bool) -> bo
             f"values as theirs)")
     log.warning("cache %s/%s held another dataset (fingerprint %s): destroyed for the import of %s "
                 "(processes still reading it miss from now on)", store.session, store.name, known, fp)
-    store.destroy()
+    local.destroy()
     return True
 
 
-def _bind(store: Any, manifest: fmt.Manifest, force: bool, authenticated: bool = False) -> None:
+def _bind(store: Store, manifest: fmt.Manifest, force: bool, authenticated: bool = False) -> None:
     """Record the snapshot's dataset (fingerprint) and length in the cache, and whether the job's
     secret authenticated that length (wrap(None) bounds one it did not); a cache holding another
     dataset is refused (CacheMismatch): ``force`` replaces it only through
     :func:`replace_other_dataset`, before the store is handed here."""
     if getattr(store, "uncached", False):
         return
+    local = cast(LocalStore, store)  # not uncached: shared memory of its own, metadata and all
     fp = manifest.fingerprint
-    known = store.read_meta().get("fingerprint")
+    known = local.read_meta().get("fingerprint")
     if fp and known and known != fp:
         raise CacheMismatch(
             f"cache {store.session}/{store.name} holds another dataset (fingerprint {known}) than "
             f"the snapshot (fingerprint {fp}, of {manifest.session}/{manifest.name}); import it "
             f"under another name (--name), or pass --force (force=True) to import_snapshot or "
             f"ShmDatasetCache.from_snapshot, which replace that cache")
-    with store.locked():  # the cache's metadata is only ever rewritten under its lock
-        meta = store.read_meta()
+    with local.locked():  # the cache's metadata is only ever rewritten under its lock
+        meta = local.read_meta()
         if fp:
             meta["fingerprint"] = fp
         if manifest.length is not None:
             meta["length"] = manifest.length
             meta["length_authenticated"] = authenticated
-        write_json(store.meta_path, meta)
+        write_json(local.meta_path, meta)
 
 
 class _Job:
     """The work of one import, shared by its threads."""
 
-    def __init__(self, store: Any, loc: SnapshotLocation, report: ImportReport, bar: Any, mac: Any = None,
+    def __init__(self, store: Store, loc: SnapshotLocation, report: ImportReport, bar: Any, mac: Any = None,
                  ident: bytes = b"", allow_pickle: bool = False):
         self.mac, self.ident = mac, ident  # a trust.Mac: every record must carry it
         self.allow_pickle = allow_pickle  # authenticated, or the caller's opt-in

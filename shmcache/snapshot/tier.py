@@ -69,11 +69,13 @@ import zstandard
 from ..base.settings import ENV_SNAPSHOT
 from ..base.trust import FORGED, TRAILER_BYTES, snapshot_ident
 from ..base.urls import mask_url, scrub_secret
+from ..cache.store_protocol import Store
 from ..errors import CacheMismatch, InvalidArgument, RangeNotHonored, SnapshotError
 from ..tiers import assembly
 from ..tiers import counts as tier_counts
 from ..tiers import records as records
 from ..tiers.breaker import Breaker
+from ..tiers.tiered_store import TieredStore
 from . import format as fmt
 from .location import FsspecLocation, LocalLocation, check_stored, open_location, open_regular, with_timeouts
 
@@ -676,7 +678,7 @@ def read_counts(path: str | os.PathLike) -> dict | None:
 # --- wiring ---------------------------------------------------------------------------------------------
 
 
-def open_tier(local: Any, url: str | os.PathLike, registry, options: dict | None = None,
+def open_tier(local: Store, url: str | os.PathLike, registry, options: dict | None = None,
               secret: bytes | None = None) -> SnapshotTier:
     """The snapshot tier at ``url`` of cache ``local`` (a CacheStore or a TieredStore), its
     counters in the cache's counts file when the store is shared. The caller hands it to
@@ -690,8 +692,8 @@ def open_tier(local: Any, url: str | os.PathLike, registry, options: dict | None
                         slot=(lambda: process_slot.slot(registry, session)) if shared else None)
 
 
-def tiered(local: Any, url: str | os.PathLike, name: str, fingerprint: str | None, registry,
-           options: dict | None = None, secret: bytes | None = None, allow_pickle: bool = False) -> Any:
+def tiered(local: Store, url: str | os.PathLike, name: str, fingerprint: str | None, registry,
+           options: dict | None = None, secret: bytes | None = None, allow_pickle: bool = False) -> TieredStore:
     """``local`` (a CacheStore, or a TieredStore already) with the snapshot at ``url`` as its first
     tier: read-only, exact and cheap, it is asked before a remote (assembly.ORDER)."""
     return assembly.assemble(local, [open_tier(local, url, registry, options, secret)], name=name,
@@ -714,7 +716,7 @@ def manifest_of(url: str | os.PathLike, options: dict | None = None, secret: byt
         tier.close()
 
 
-def snapshot_tier(store: Any) -> SnapshotTier | None:
+def snapshot_tier(store: Store) -> SnapshotTier | None:
     """The snapshot tier behind ``store``, if any."""
     for tier in assembly.tiers_of(store):
         if isinstance(tier, SnapshotTier):

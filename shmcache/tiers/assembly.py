@@ -12,8 +12,8 @@ The tiers themselves are made by their layers (``remote.RedisTier`` here, the sn
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+from ..cache.store_protocol import Store
 from . import counts as tier_counts
 from . import remote
 from .protocol import Tier
@@ -31,7 +31,7 @@ def _rank(tier: Tier) -> int:
     return ORDER.index(tier.name) if tier.name in ORDER else len(ORDER)
 
 
-def assemble(local: Any, tiers: Sequence[Tier], *, name: str | None, fingerprint: str | None,
+def assemble(local: Store, tiers: Sequence[Tier], *, name: str | None, fingerprint: str | None,
              allow_pickle: bool = False, registry=None) -> TieredStore:
     """``local`` (a CacheStore, or a TieredStore already) with ``tiers`` behind it too, all in
     ORDER, each bound to the cache's identity (``name``, ``fingerprint``: Tier.bind; the tiers are
@@ -54,7 +54,7 @@ def assemble(local: Any, tiers: Sequence[Tier], *, name: str | None, fingerprint
     return store
 
 
-def _seam_counts(local: Any, registry) -> dict:
+def _seam_counts(local: Store, registry) -> dict:
     if registry is None or local.uncached:
         return {}
     from ..cache import process_slot
@@ -64,12 +64,12 @@ def _seam_counts(local: Any, registry) -> dict:
             "slot": lambda: process_slot.slot(registry, session)}
 
 
-def tiers_of(store: Any) -> list[Tier]:
+def tiers_of(store: Store) -> list[Tier]:
     """The tiers behind ``store``, in the order they are asked (none for a store without tiers)."""
     return store.behind if isinstance(store, TieredStore) else []
 
 
-def bind(store: Any, name: str | None, fingerprint: str | None) -> None:
+def bind(store: Store, name: str | None, fingerprint: str | None) -> None:
     """Tell every tier behind ``store`` the cache's identity (``Tier.bind``): the dataset became known
     after the tiers were opened (a wrap() of a cache opened by name, an import). CacheMismatch from
     a snapshot of another dataset."""
@@ -77,7 +77,7 @@ def bind(store: Any, name: str | None, fingerprint: str | None) -> None:
         tier.bind(name, fingerprint)
 
 
-def stats(store: Any) -> dict:
+def stats(store: Store) -> dict:
     """``store.stats()``: with tiers, the tier keys too (counts.stats_keys, summed over every
     process) - the keys ``shmcache stat --json`` reads from the counts files."""
     return store.stats()

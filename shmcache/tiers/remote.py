@@ -141,6 +141,7 @@ from ..base import settings
 from ..base.settings import ENV_REMOTE, ENV_REMOTE_PASSWORD
 from ..base.trust import ENV_SECRET, FORGED, TRAILER_BYTES, Mac
 from ..base.urls import mask_url, split_userinfo
+from ..cache.store_protocol import Store
 from ..errors import InvalidArgument
 from . import counts as tier_counts
 from .breaker import Breaker
@@ -1094,8 +1095,8 @@ def counts_path(registry, session: str, name: str) -> Path:
     return tier_counts.counts_path(registry, session, name, "remote")
 
 
-def open_tier(local, url: str, fingerprint: str | None, registry, secret: bytes | None = None) -> RedisTier:
-    """The remote tier at ``url`` of cache ``local`` (a CacheStore), its counters in the cache's
+def open_tier(local: Store, url: str, fingerprint: str | None, registry, secret: bytes | None = None) -> RedisTier:
+    """The remote tier at ``url`` of cache ``local`` (any store), its counters in the cache's
     counts file when the store is shared; ``secret``: the job's (trust.resolve_secret). The
     caller hands it to ``assembly.assemble``."""
     from ..cache import process_slot

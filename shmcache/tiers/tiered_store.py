@@ -87,6 +87,7 @@ from ..base.trust import PICKLE_HINT
 from ..cache import codec
 from ..cache.claims import Served
 from ..cache.index import key_bytes, key_from_bytes, tier_key
+from ..cache.indexed_tier import IndexedTier
 from ..cache.store import MISSING
 from ..cache.store_protocol import Store
 from ..errors import ItemTooLarge
@@ -271,7 +272,7 @@ class TieredStore:
         return self.local.capacity_bytes
 
     @property
-    def spill(self):
+    def spill(self) -> IndexedTier | None:
         return self.local.spill
 
     @property

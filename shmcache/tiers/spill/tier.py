@@ -31,6 +31,7 @@ from ...cache import process_slot
 from ...cache.index import LOCATION_MASK, entry_chunk, entry_class, location_word
 from ...cache.indexed_tier import RecordLocation
 from ...cache.registry import SEP
+from ...cache.store import CacheStore
 from ...errors import SpillError, SpillFull
 from ..records import RECORD_HEADER_BYTES
 from .files import SpillStore, check_spill_dir
@@ -51,7 +52,7 @@ def resolve_spill_dir(spill_dir, session_spill_dir: str | None) -> Path:
     return check_spill_dir(chosen)
 
 
-def _spill_path(store, base: Path) -> Path:
+def _spill_path(store: CacheStore, base: Path) -> Path:
     return base / f"{store.ns.prefix}{SEP}{store.session}{SEP}{store.name}"
 
 
@@ -189,7 +190,7 @@ def _drop_shared_files(path: Path, destroy: bool = False) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def attach(store, spill_dir, *, level: int = 1) -> SpillTier:
+def attach(store: CacheStore, spill_dir, *, level: int = 1) -> SpillTier:
     """Turn spilling on for ``store`` (``spill_dir`` None: the session's, then the environment's)."""
     base = resolve_spill_dir(spill_dir, store.registry.get(store.session).spill_dir)
     path = _spill_path(store, base)
@@ -202,14 +203,14 @@ def attach(store, spill_dir, *, level: int = 1) -> SpillTier:
     return tier
 
 
-def attach_existing(store) -> None:
+def attach_existing(store: CacheStore) -> None:
     """Let a reader (``shmcache stat``, ``gc``) see a cache's spill files, if it ever spilled."""
     path = store.read_meta().get("spill_path")
     if path and Path(path).is_dir():
         store.spill_to(_tier(store, Path(path)), record=False)
 
 
-def _tier(store, path: Path, level: int = 1) -> SpillTier:
+def _tier(store: CacheStore, path: Path, level: int = 1) -> SpillTier:
     return SpillTier(path, registry=store.registry, session=store.session, cache=store.name,
                      incarnation=store.incarnation, level=level)
 
