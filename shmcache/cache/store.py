@@ -511,6 +511,11 @@ class CacheStore:
         self.view.spill = tier
 
     @property
+    def claim_timeout_s(self) -> float:
+        """How long a miss waits on another process's claim (NOTE [claims]); 0.0 with claims off."""
+        return self.claims.timeout_s if self.claims.on else 0.0
+
+    @property
     def incarnation(self) -> int:
         """The root's incarnation (module docstring): tells this cache from one made again."""
         return self.view.incarnation
@@ -580,6 +585,7 @@ class UncachedStore:
         self.session, self.name = session, name
         self.capacity_bytes = 0
         self.spill = None
+        self.claim_timeout_s = 0.0  # nothing shared: nothing to wait for
         self._counters = [0, 0, 0]  # hits, misses, rejected
         self._computed = 0
         log.warning("cache %s/%s is not cached: %s; its items are computed from the source", session,

@@ -47,6 +47,12 @@ class Store(Protocol):
         """Where records go when shared memory is full (None: nowhere; an import bounds its items by it)."""
         ...
 
+    @property
+    def claim_timeout_s(self) -> float:
+        """How long a miss waits on another's claim (NOTE [claims]); 0.0 when claims are off or
+        nothing is shared (a remote lease lives as long: NOTE [remote leases])."""
+        ...
+
     # reads: ``MISSING`` (store.MISSING) where a key is absent
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any: ...
 

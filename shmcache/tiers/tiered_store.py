@@ -276,6 +276,10 @@ class TieredStore:
         return self.local.spill
 
     @property
+    def claim_timeout_s(self) -> float:
+        return self.local.claim_timeout_s
+
+    @property
     def meta_path(self):
         return self.local.meta_path
 
@@ -384,8 +388,7 @@ class TieredStore:
         (NOTE [claims]); 0 (no leases) when claims are off, or there is no shared memory."""
         if self._leaser is None or self.local.uncached:
             return 0.0
-        claims = self.local.claims
-        return claims.timeout_s if claims.on else 0.0
+        return self.local.claim_timeout_s
 
     def _leased(self, compute_many: Callable[[list], list], keys: Sequence) -> list:
         """NOTE [remote leases]: take the keys' leases (one round trip), compute the keys whose
