@@ -15,6 +15,8 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from ..base.shm import Segment, word_view
 from .allocator import MAX_CLASSES, ClassTable
 from .index import TableView
@@ -195,6 +197,16 @@ class Generation:
         w, r = self.meta.words, (_GROUP_RECORDS_OFF >> 3) + 2 * i
         w[r], w[r + 1] = cls << 48 | pos, w0
         w[(M.GROUP >> 3) + 1] = i + 1
+
+    def group_record_run(self, i: int, pos: np.ndarray, cls: int, w0: np.ndarray) -> None:
+        """Records ``i`` .. ``i + len(pos) - 1`` of the group, all of size class ``cls``, then the
+        count that makes them part of the intent (one numpy store per word: read under the lock)."""
+        n = len(pos)
+        r = (_GROUP_RECORDS_OFF >> 3) + 2 * i
+        words = np.frombuffer(self.meta.buf, np.uint64, 2 * n, r << 3).reshape(n, 2)
+        words[:, 0] = pos.astype(np.uint64) | np.uint64(cls << 48)
+        words[:, 1] = w0
+        self.meta.words[(M.GROUP >> 3) + 1] = i + n
 
     def group_class(self, j: int, cls: int, bump: int) -> None:
         """Class word ``j``: ``cls`` and its bump before the group, then the count."""

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from ..base import ordering
 from ..base.faults import ARMED as _CRASH_TESTS
 from ..base.faults import crash_point
@@ -257,23 +259,121 @@ class CacheWriter:
                 self.view.count(REJECTED, len(items))
                 return [False] * len(items)
             self.repair(self.view.refresh())
-            out = []
+            out: list = [None] * len(items)
             group = PublishGroup()
             try:
-                for key, enc in items:
+                for run in _runs(items):  # int keys, one layout and length: a run at a time
+                    self._put_run(self.view.refresh(), items, run, group, out)
+                for i, (key, enc) in enumerate(items):
+                    if out[i] is not None:
+                        continue
                     w1, kb = key_bytes(key)
                     try:
-                        out.append(self.put_locked(self.view.refresh(), key, w1, kb, enc, group))  # a grown table
+                        out[i] = self.put_locked(self.view.refresh(), key, w1, kb, enc, group)  # a grown table
                     except ItemTooLarge as exc:  # counted by put_locked; nothing of it was staged
                         if too_large is None:
                             raise
                         too_large.append(exc)
-                        out.append(False)
+                        out[i] = False
                 group.flush()
             except BaseException:
                 group.abandon(self.view.corrupt)  # undone before its fence, finished after
                 raise
             return out
+
+    def _put_run(self, g: Generation, items: Sequence[tuple[Any, codec.Encoded]], run: list[int],
+                 group: PublishGroup, out: list) -> None:
+        """Put ``items[i]`` for ``i`` in ``run`` (int keys, one layout and record length: one size
+        class) as runs of a publish group (NOTE [publish order], "A publish group": the same
+        intent, stores and fences as one record at a time, written over the run with numpy): the
+        table positions by one vectorised probe, the chunks by one bump of the class, the pages
+        by one commit, the bytes by one pwrite (Segment.write_at: no page fault per page). The
+        items it sets ``out[i] = True`` for are stored; the rest go one at a time (put_locked): a
+        key present or whose home entry is taken, a full table, no room (spill or reject), a
+        layout that does not fit the meta segment."""
+        enc = items[run[0]][1]
+        lid = self._intern_layout(g, enc.layout)
+        if lid == INLINE24:
+            return
+        try:
+            keys = np.array([items[i][0] for i in run], np.int64)
+        except OverflowError:  # a key past 64 bits: put_locked says so
+            return
+        nbytes = enc.record_len(0, False)
+        cls, chunk_size = size_class(nbytes)
+        try:
+            self.admission.check_fits(nbytes, chunk_size, g.index.capacity)
+        except (ItemTooLarge, NoRoom):
+            return
+        index = g.index
+        w1 = keys.view(np.uint64)
+        home = index.homes(w1)
+        # an EMPTY home entry is where a probe of the key ends (entries are never emptied): the key
+        # is absent and goes there; any other key of the run goes one at a time
+        _, first = np.unique(home, return_index=True)  # one key per position (and per key)
+        take = np.zeros(len(run), bool)
+        take[first] = True
+        take &= index.words[home, 0] == 0
+        if group:
+            take &= ~np.isin(home, np.fromiter(group.positions, np.uint64, len(group)))
+        picked = np.flatnonzero(take)
+        w0 = state_word(READY | INT_KEY, lid, nbytes)
+        seg = self._class_segment(g, cls, chunk_size)
+        self.view.recheck_class(g, cls, g.data[cls])  # a damaged class record must not place a record
+        for lo in range(0, len(picked), GROUP_RECORDS):
+            part = picked[lo:lo + GROUP_RECORDS]
+            if len(group) + len(part) > GROUP_RECORDS:
+                group.flush()
+            n = len(part)
+            if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + len(group) + n > MAX_LOAD * index.capacity:
+                return  # the table grows first: one at a time
+            _, bump, committed = g.classes.get(cls)
+            bump = group.next_chunk(cls, bump)
+            try:
+                while bump + n > committed:  # a group's commits are fenced with the group
+                    committed = self.admission.commit(g, cls, seg, chunk_size, committed, self.view.spill,
+                                                      fence=False, chunks=bump + n - committed)
+            except NoRoom:
+                return
+            items_, total, _ = g.mem_totals()
+            table_items = g.table_items() + len(group) + n
+            if items_ + len(group) + n > index.capacity or table_items >= index.capacity or \
+                    (total + group.bytes + n * nbytes) >> 63:
+                raise self.view.corrupt(f"the counters in {g.meta.name} are impossible ({items_} items and "
+                                        f"{total} bytes in memory, {table_items - n - len(group)} entries, in a "
+                                        f"table of {index.capacity})", fix="it recounts them")
+            pos = home[part]
+            group.allocate_run(g, pos, w1[part], cls, bump, w0)  # in the group's intent (undo: forget it)
+            if _CRASH_TESTS:
+                crash_point("run_allocated")
+            scratch = self._scratch_for(n * chunk_size).reshape(n, chunk_size)
+            scratch[:, nbytes:] = 0  # the chunks' tails, as a chunk committed and never written
+            flat = memoryview(scratch.reshape(-1))
+            for j, i in enumerate(run[k] for k in part.tolist()):
+                items[i][1].write(flat[j * chunk_size:j * chunk_size + nbytes], lid, b"")
+            start = DATA_OFF + bump * chunk_size
+            if _CRASH_TESTS:  # die with half of the run's bytes written
+                half = (n // 2) * chunk_size
+                seg.write_at(start, flat[:half])
+                crash_point("run_mid_copy")
+                seg.write_at(start + half, flat[half:n * chunk_size])
+            else:
+                seg.write_at(start, flat[:n * chunk_size])
+            index.stage_many(pos, w1[part], np.uint64(cls << 48) + np.arange(bump, bump + n, dtype=np.uint64))
+            if _CRASH_TESTS:
+                crash_point("run_copied")
+            for k in part.tolist():
+                out[run[k]] = True
+            if len(group) >= GROUP_RECORDS:
+                group.flush()
+
+    def _scratch_for(self, nbytes: int) -> np.ndarray:
+        """A private buffer of ``nbytes`` (kept: its pages are already this process's) where a run's
+        records are laid out as their chunks are before one pwrite."""
+        buf = getattr(self, "_scratch", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._scratch = np.empty(max(nbytes, 1 << 20), np.uint8)
+        return buf[:nbytes]
 
     def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded,
                 group: PublishGroup | None = None) -> None:
@@ -437,6 +537,21 @@ def encoded_from_portable(record: Any, key: Any, cache: CacheView) -> codec.Enco
                               f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
                               f"shmcache.tiers.tiered_store.portable_record(...) bytes")
     return codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
+
+
+_RUN_MIN = 8  # records of one layout and length that go as a run (fewer: one at a time)
+
+
+def _runs(items: Sequence[tuple[Any, codec.Encoded]]) -> list[list[int]]:
+    """The positions in ``items`` of each run: at least _RUN_MIN int keys whose values have one
+    layout and one record length (a batch of one dataset's samples, mostly)."""
+    if len(items) < _RUN_MIN:
+        return []
+    by: dict = {}
+    for i, (key, enc) in enumerate(items):
+        if type(key) is int:
+            by.setdefault((enc.layout, enc.body_len), []).append(i)
+    return [run for run in by.values() if len(run) >= _RUN_MIN]
 
 
 def _first_empty(index: TableView, w1: int) -> int:
