@@ -320,10 +320,12 @@ class CacheWriter:
         w0 = state_word(READY | INT_KEY, lid, nbytes)
         seg = self._class_segment(g, cls, chunk_size)
         self.view.recheck_class(g, cls, g.data[cls])  # a damaged class record must not place a record
-        for lo in range(0, len(picked), GROUP_RECORDS):
-            part = picked[lo:lo + GROUP_RECORDS]
-            if len(group) + len(part) > GROUP_RECORDS:
+        lo = 0
+        while lo < len(picked):  # the group's room at a time: groups of GROUP_RECORDS, as one by one
+            if len(group) >= GROUP_RECORDS:
                 group.flush()
+            part = picked[lo:lo + GROUP_RECORDS - len(group)]
+            lo += len(part)
             n = len(part)
             if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + len(group) + n > MAX_LOAD * index.capacity:
                 return  # the table grows first: one at a time

@@ -67,8 +67,11 @@ def test_a_group_killed_anywhere_is_undone_or_finished(point, after, n, present_
         assert group_phase(store) != 0, "the dead writer's group intent should still be there"
         seen = {k: store.lookup(k, count=False) for k in doomed}
         assert all(v is MISSING or same_value(v, value_for(k)) for k, v in seen.items()), point
+        # the earlier groups' keys, published: runs of one layout and length go first
+        # (CacheWriter.put_many), so which keys they are is not the items' order
+        before = {k for k, v in seen.items() if v is not MISSING}
         if given_back:  # undone: nothing of the killed group was ever visible
-            assert [k for k, v in seen.items() if v is not MISSING] == doomed[:present_after]
+            assert len(before) == present_after
 
         if repairer == "writer":  # the next writer, another process, repairs on its way in
             assert clean.run("put", S, C, later, CAP)[0] == 0
@@ -79,7 +82,8 @@ def test_a_group_killed_anywhere_is_undone_or_finished(point, after, n, present_
         stored = len(base) + present_after + (len(later) if repairer == "writer" else 0)
         # an undone group's commit steps stay committed for the next writer (not leaked: below)
         assert check_store(store, universe, slack_steps=64) == []
-        assert [k for k in doomed if store.lookup(k, count=False) is not MISSING] == doomed[:present_after]
+        present = {k for k in doomed if store.lookup(k, count=False) is not MISSING}
+        assert len(present) == present_after and (present == before if given_back else True)
         assert store.stats()["items_mem"] == stored
 
         # the chunks given back are handed out again: every doomed key stored, nothing left over
