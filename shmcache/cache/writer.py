@@ -307,16 +307,7 @@ class CacheWriter:
             return
         index = g.index
         w1 = keys.view(np.uint64)
-        home = index.homes(w1)
-        # an EMPTY home entry is where a probe of the key ends (entries are never emptied): the key
-        # is absent and goes there; any other key of the run goes one at a time
-        _, first = np.unique(home, return_index=True)  # one key per position (and per key)
-        take = np.zeros(len(run), bool)
-        take[first] = True
-        take &= index.words[home, 0] == 0
-        if group:
-            take &= ~np.isin(home, np.fromiter(group.positions, np.uint64, len(group)))
-        picked = np.flatnonzero(take)
+        home, picked = _probe_run(index, w1, group)
         w0 = state_word(READY | INT_KEY, lid, nbytes)
         seg = self._class_segment(g, cls, chunk_size)
         self.view.recheck_class(g, cls, g.data[cls])  # a damaged class record must not place a record
@@ -328,7 +319,15 @@ class CacheWriter:
             lo += len(part)
             n = len(part)
             if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + len(group) + n > MAX_LOAD * index.capacity:
-                return  # the table grows first: one at a time
+                group.flush()  # a table growth copies READY entries only
+                try:
+                    g = self._grow_table(g)
+                except NoRoom:  # the index cannot grow: put_locked rejects them one at a time
+                    return
+                # the rest in the grown table (its homes differ): a growth doubles it, so this
+                # recursion is as deep as the table can double
+                self._put_run(g, items, [i for i in run if out[i] is None], group, out)
+                return
             _, bump, committed = g.classes.get(cls)
             bump = group.next_chunk(cls, bump)
             try:
@@ -539,6 +538,46 @@ def encoded_from_portable(record: Any, key: Any, cache: CacheView) -> codec.Enco
                               f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
                               f"shmcache.tiers.tiered_store.portable_record(...) bytes")
     return codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
+
+
+def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[np.ndarray, np.ndarray]:
+    """``(positions, picked)``: the EMPTY entry each int key word of ``w1`` goes to, as
+    put_locked's probe would find it one key at a time (find, then PublishGroup.probe), for the
+    keys ``picked``; all of them at once, a step along the probe paths per loop. The others go
+    one at a time: a key met earlier in ``w1``, one found in the table (present, or spilled: a
+    corrupt one is rewritten by put_locked). An entry the group or an earlier key of the run
+    took is passed as a taken one (a key READY past an EMPTY entry is never this key: probes
+    stop at EMPTY, and entries are never emptied)."""
+    words, mask = index.words, np.uint64(index.mask)
+    n = len(w1)
+    pos = index.homes(w1)
+    _, first = np.unique(w1, return_index=True)
+    todo = np.sort(first)  # each key once, in the run's order
+    out = np.zeros(n, bool)
+    taken = np.fromiter(group.positions, np.uint64, len(group))
+    want = np.uint64(READY | INT_KEY)
+    for _ in range(index.capacity):  # bounded as find_from is: an EMPTY entry comes first
+        if not len(todo):
+            break
+        p = pos[todo]
+        s0 = words[p, 0]
+        found = ((s0 & np.uint64(3)) == want) & (words[p, 1] == w1[todo])
+        free = (s0 == 0) & ~np.isin(p, taken)
+        if free.any():  # the first key at each free entry takes it; the others go on
+            _, at = np.unique(p[free], return_index=True)
+            claim = np.zeros(len(todo), bool)
+            claim[np.flatnonzero(free)[at]] = True
+            out[todo[claim]] = True
+            taken = np.concatenate([taken, p[claim]])
+        else:
+            claim = free
+        go_on = ~claim & ~found
+        todo = todo[go_on]
+        pos[todo] = (pos[todo] + np.uint64(1)) & mask
+    else:
+        if len(todo):
+            raise index.corrupt()
+    return pos, np.flatnonzero(out)
 
 
 _RUN_MIN = 8  # records of one layout and length that go as a run (fewer: one at a time)
