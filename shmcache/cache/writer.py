@@ -546,8 +546,8 @@ def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[n
     keys ``picked``; all of them at once, a step along the probe paths per loop. The others go
     one at a time: a key met earlier in ``w1``, one found in the table (present, or spilled: a
     corrupt one is rewritten by put_locked), one not placed within _RUN_PROBES entries. An entry
-    the group or an earlier key of the run took is passed as a taken one (a key READY past an EMPTY entry is never this key: probes
-    stop at EMPTY, and entries are never emptied)."""
+    the group or an earlier key of the run took is passed as a taken one (a key READY past an
+    EMPTY entry is never this key: probes stop at EMPTY, and entries are never emptied)."""
     words, mask = index.words, np.uint64(index.mask)
     n = len(w1)
     pos = index.homes(w1)
@@ -577,8 +577,8 @@ def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[n
     return pos, np.flatnonzero(out)
 
 
-_RUN_MIN = 8
-_RUN_PROBES = 4  # steps along the probe paths taken with numpy (a probe takes ~1.5 at 70% load)  # records of one layout and length that go as a run (fewer: one at a time)
+_RUN_MIN = 8  # records of one layout and length that go as a run (fewer: one at a time)
+_RUN_PROBES = 4  # steps along the probe paths taken with numpy (a probe takes ~1.5 at 70% load)
 
 
 def _runs(items: Sequence[tuple[Any, codec.Encoded]]) -> list[list[int]]:
