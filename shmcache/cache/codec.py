@@ -576,25 +576,31 @@ def encode_many(values: Sequence, paths: Sequence[str]) -> list[Encoded | Encode
     the values after it are checked against it leaf by leaf and packed into the same layout -
     the same Encoded ``encode`` gives, byte for byte - at a fraction of its cost."""
     out: list = []
-    shape, flat = None, True
+    shapes: list[_Shape] = []  # the latest first: a batch mixes a few (str lengths, dtypes)
+    flat = True
     for value, path in zip(values, paths):
-        if shape is not None:
+        for shape in shapes:
             enc = _encode_like(value, shape)
             if enc is not None:
                 out.append(enc)
+                break
+        else:
+            try:
+                enc = encode(value, path)
+            except EncodeError as exc:
+                out.append(exc)
                 continue
-        try:
-            enc = encode(value, path)
-        except EncodeError as exc:
-            out.append(exc)
-            continue
-        out.append(enc)
-        if shape is None and flat:
-            shape = _shape_of(value, enc)
-            flat = shape is not None  # a batch of deep values: not walked twice each
-        elif shape is not None:  # another shape: follow the latest (its values' neighbours)
-            shape = _shape_of(value, enc) or shape
+            out.append(enc)
+            if flat:
+                shape = _shape_of(value, enc)
+                if shape is None:
+                    flat = bool(shapes)  # deep values: not walked twice each (unless some were flat)
+                else:
+                    shapes = [shape, *shapes[:_SHAPES - 1]]
     return out
+
+
+_SHAPES = 4  # shapes a batch's encode_many keeps trying
 
 
 class _Shape(NamedTuple):
