@@ -374,6 +374,17 @@ class CacheStore:
                 meta["fingerprint"] = fingerprint
                 write_json(self.meta_path, meta)
 
+    def reserve_entries(self, n: int) -> None:
+        """Size the index for ``n`` items now, as ``table_hint`` sizes a new cache's: wrap() of a
+        dataset of ``n`` items in a cache opened by name before it (its misses then never wait
+        for a table growth, and each dataset index sits at its own entry). Nothing when it holds
+        them already, or when memory has no room for a larger table (it grows as it fills)."""
+        want = _table_capacity(n)
+        if self.view.refresh().index.capacity >= want:
+            return
+        with self.locked():
+            self.writer.grow_table_to(want)
+
     def read_meta(self) -> dict:
         return self.registry.read_cache_meta(self.session, self.name)
 
@@ -666,6 +677,9 @@ class UncachedStore:
 
     def bind_fingerprint(self, fingerprint: str) -> None:
         """Nothing is stored, so nothing can be another dataset's."""
+
+    def reserve_entries(self, n: int) -> None:
+        """No index to size."""
 
     def stats(self) -> dict:
         return stats.uncached_stats(self.session, self.name, self._counters, self._computed)

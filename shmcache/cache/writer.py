@@ -469,6 +469,19 @@ class CacheWriter:
         g.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size, 0)
         return seg
 
+    def grow_table_to(self, capacity: int) -> None:
+        """Grow the index until it has ``capacity`` entries (caller holds the lock): as far as
+        memory has room (NoRoom stops it: the table grows as it fills then)."""
+        g = self.view.refresh()
+        self.repair(g)
+        try:
+            for _ in range(64):  # bounded: each growth doubles it
+                if g.index.capacity >= capacity:
+                    return
+                g = self._grow_table(g)
+        except NoRoom:
+            return
+
     def _grow_table(self, g: Generation) -> Generation:
         """Rebuild the table at twice the size as a new version (caller holds the lock)."""
         cap = g.index.capacity * 2
@@ -551,10 +564,14 @@ def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[n
     words, mask = index.words, np.uint64(index.mask)
     n = len(w1)
     pos = index.homes(w1)
+    taken = np.fromiter(group.positions, np.uint64, len(group))  # at most GROUP_RECORDS
+    if not words[pos, 0].any() and not (pos[:, None] == taken[None, :]).any():
+        by_pos = np.sort(pos)
+        if not (by_pos[1:] == by_pos[:-1]).any():  # each key at its own EMPTY home: all placed
+            return pos, np.arange(n)
     _, first = np.unique(w1, return_index=True)
     todo = np.sort(first)  # each key once, in the run's order
     out = np.zeros(n, bool)
-    taken = np.fromiter(group.positions, np.uint64, len(group))  # at most GROUP_RECORDS
     want = np.uint64(READY | INT_KEY)
     for _ in range(_RUN_PROBES):  # the keys still on their way after these go one at a time
         if not len(todo):

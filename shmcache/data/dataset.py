@@ -521,6 +521,8 @@ class ShmDatasetCache:
             self._tiers_learn(fp)  # a snapshot of another dataset: refused
             self.opened.bind_fingerprint(fp)
             self._fingerprint = fp
+            if table_hint:  # its index sized for it, as a cache made for it is
+                self.opened.reserve_entries(table_hint)
         elif self._fingerprint != fp:
             raise InvalidArgument(
                 f"this ShmDatasetCache already caches another dataset in {self.session}/"
