@@ -311,6 +311,7 @@ class CacheWriter:
         w0 = state_word(READY | INT_KEY, lid, nbytes)
         seg = self._class_segment(g, cls, chunk_size)
         self.view.recheck_class(g, cls, g.data[cls])  # a damaged class record must not place a record
+        gaps, tail = _gaps(enc, chunk_size)
         lo = 0
         while lo < len(picked):  # the group's room at a time: groups of GROUP_RECORDS, as one by one
             if len(group) >= GROUP_RECORDS:
@@ -347,19 +348,25 @@ class CacheWriter:
             group.allocate_run(g, pos, w1[part], cls, bump, w0)  # in the group's intent (undo: forget it)
             if _CRASH_TESTS:
                 crash_point("run_allocated")
-            scratch = self._scratch_for(n * chunk_size).reshape(n, chunk_size)
-            scratch[:, nbytes:] = 0  # the chunks' tails, as a chunk committed and never written
-            flat = memoryview(scratch.reshape(-1))
-            for j, i in enumerate(run[k] for k in part.tolist()):
-                items[i][1].write(flat[j * chunk_size:j * chunk_size + nbytes], lid, b"")
+            # each record's bytes where enc.write would put them, the gaps and the chunk's tail
+            # zeros (as a chunk committed and never written), for one pwritev from the pieces
+            vecs: list = []
+            head = codec.RECORD_HEADER.pack(lid, 0, 0, 0)
+            for i in (run[k] for k in part.tolist()):
+                e = items[i][1]
+                vecs.append(head + e.scalars)
+                for gap, (_, piece) in zip(gaps, e.pieces):
+                    vecs.append(gap)
+                    vecs.append(piece)
+                vecs.append(tail)
             start = DATA_OFF + bump * chunk_size
-            if _CRASH_TESTS:  # die with half of the run's bytes written
-                half = (n // 2) * chunk_size
-                seg.write_at(start, flat[:half])
+            if _CRASH_TESTS:  # die with half of the run's records written
+                half = (n // 2) * (2 + 2 * len(gaps))
+                seg.write_at(start, vecs[:half])
                 crash_point("run_mid_copy")
-                seg.write_at(start + half, flat[half:n * chunk_size])
+                seg.write_at(start + (n // 2) * chunk_size, vecs[half:])
             else:
-                seg.write_at(start, flat[:n * chunk_size])
+                seg.write_at(start, vecs)
             index.stage_many(pos, w1[part], np.uint64(cls << 48) + np.arange(bump, bump + n, dtype=np.uint64))
             if _CRASH_TESTS:
                 crash_point("run_copied")
@@ -367,14 +374,6 @@ class CacheWriter:
                 out[run[k]] = True
             if len(group) >= GROUP_RECORDS:
                 group.flush()
-
-    def _scratch_for(self, nbytes: int) -> np.ndarray:
-        """A private buffer of ``nbytes`` (kept: its pages are already this process's) where a run's
-        records are laid out as their chunks are before one pwrite."""
-        buf = getattr(self, "_scratch", None)
-        if buf is None or len(buf) < nbytes:
-            buf = self._scratch = np.empty(max(nbytes, 1 << 20), np.uint8)
-        return buf[:nbytes]
 
     def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded,
                 group: PublishGroup | None = None) -> None:
@@ -551,6 +550,18 @@ def encoded_from_portable(record: Any, key: Any, cache: CacheView) -> codec.Enco
                               f"a portable record (layout id {lid:#x}, {len(view)} bytes); pass "
                               f"shmcache.tiers.tiered_store.portable_record(...) bytes")
     return codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
+
+
+def _gaps(enc: codec.Encoded, chunk_size: int) -> tuple[list, memoryview]:
+    """The zeros of a run's records (one layout: the same offsets in each): before each piece
+    (after the header and scalars, or the piece before it), and from the end of the last to the
+    end of the chunk."""
+    zeros = memoryview(bytes(chunk_size))
+    end, gaps = codec.RECORD_HEADER.size + len(enc.scalars), []
+    for off, piece in enc.pieces:
+        gaps.append(zeros[:off - end])
+        end = off + memoryview(piece).nbytes
+    return gaps, zeros[:chunk_size - end]
 
 
 def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[np.ndarray, np.ndarray]:
