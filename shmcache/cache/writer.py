@@ -263,7 +263,12 @@ class CacheWriter:
             group = PublishGroup()
             try:
                 for run in _runs(items):  # int keys, one layout and length: a run at a time
-                    self._put_run(self.view.refresh(), items, run, group, out)
+                    try:
+                        self._put_run(self.view.refresh(), items, run, group, out)
+                    except FileNotFoundError:  # a data segment our meta names is gone (as put_locked)
+                        raise self.view.destroyed_under_us() or CorruptSegment(
+                            f"cache {self.view.session}/{self.view.name} lost a data segment; run "
+                            f"`shmcache gc`") from None
                 for i, (key, enc) in enumerate(items):
                     if out[i] is not None:
                         continue
@@ -568,7 +573,7 @@ def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[n
     """``(positions, picked)``: the EMPTY entry each int key word of ``w1`` goes to, as
     put_locked's probe would find it one key at a time (find, then PublishGroup.probe), for the
     keys ``picked``; all of them at once, a step along the probe paths per loop. The others go
-    one at a time: a key met earlier in ``w1``, one found in the table (present, or spilled: a
+    one at a time: a key met earlier in ``w1`` or held by the group, one found in the table (present, or spilled: a
     corrupt one is rewritten by put_locked), one not placed within _RUN_PROBES entries. An entry
     the group or an earlier key of the run took is passed as a taken one (a key READY past an
     EMPTY entry is never this key: probes stop at EMPTY, and entries are never emptied)."""
@@ -576,12 +581,15 @@ def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[n
     n = len(w1)
     pos = index.homes(w1)
     taken = np.fromiter(group.positions, np.uint64, len(group))  # at most GROUP_RECORDS
-    if not words[pos, 0].any() and not (pos[:, None] == taken[None, :]).any():
+    # a key the group holds already (another run of this call) goes one at a time: stored once
+    held = np.fromiter((k for k, kb in group.positions.values() if not kb), np.uint64)
+    again = (w1[:, None] == held[None, :]).any(axis=1)
+    if not again.any() and not words[pos, 0].any() and not (pos[:, None] == taken[None, :]).any():
         by_pos = np.sort(pos)
         if not (by_pos[1:] == by_pos[:-1]).any():  # each key at its own EMPTY home: all placed
             return pos, np.arange(n)
     _, first = np.unique(w1, return_index=True)
-    todo = np.sort(first)  # each key once, in the run's order
+    todo = np.sort(first[~again[first]])  # each key once, in the run's order
     out = np.zeros(n, bool)
     want = np.uint64(READY | INT_KEY)
     for _ in range(_RUN_PROBES):  # the keys still on their way after these go one at a time

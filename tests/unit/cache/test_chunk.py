@@ -236,3 +236,15 @@ def test_an_exception_in_the_middle_of_a_run_undoes_its_group(store, monkeypatch
     assert all(store.lookup(k) is MISSING for k in keys) and len(store) == 20
     assert store.put_many([(k, codec.encode(_row(k))) for k in keys]) == [True] * len(keys)
     assert all(store.lookup(k)["label"] == k for k in keys)
+
+
+def test_a_key_in_two_runs_of_one_call_is_stored_once(store):
+    # key 9 in a run of each layout (the entry after its home is free): the first value stays,
+    # as one at a time
+    other = [9, *range(100, 108)]
+    items = [(k, codec.encode(_row(k))) for k in range(10)]
+    items += [(k, codec.encode(np.full(40, k, np.int64))) for k in other]
+    assert store.put_many(items) == [True] * len(items)
+    assert len(store) == 18 == store.stats()["items_mem"] == len(list(store.view.refresh().index.entries()))
+    assert all(store.lookup(k)["label"] == k for k in range(10))
+    assert all(np.array_equal(store.lookup(k), np.full(40, k, np.int64)) for k in other[1:])
