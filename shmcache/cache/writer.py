@@ -301,7 +301,7 @@ class CacheWriter:
         if lid == INLINE24:
             return
         try:
-            keys = np.array([items[i][0] for i in run], np.int64)
+            keys = np.array([int(items[i][0]) for i in run], np.int64)
         except OverflowError:  # a key past 64 bits: put_locked says so
             return
         nbytes = enc.record_len(0, False)
@@ -624,7 +624,7 @@ def _runs(items: Sequence[tuple[Any, codec.Encoded]]) -> list[list[int]]:
         return []
     by: dict = {}
     for i, (key, enc) in enumerate(items):
-        if type(key) is int:
+        if type(key) is int or isinstance(key, np.integer):  # (a bool is no int key here)
             by.setdefault((enc.layout, enc.body_len), []).append(i)
     return [run for run in by.values() if len(run) >= _RUN_MIN]
 

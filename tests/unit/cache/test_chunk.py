@@ -248,3 +248,12 @@ def test_a_key_in_two_runs_of_one_call_is_stored_once(store):
     assert len(store) == 18 == store.stats()["items_mem"] == len(list(store.view.refresh().index.entries()))
     assert all(store.lookup(k)["label"] == k for k in range(10))
     assert all(np.array_equal(store.lookup(k), np.full(40, k, np.int64)) for k in other[1:])
+
+
+def test_numpy_integer_keys_go_as_a_run_and_read_as_their_ints(store, monkeypatch):
+    runs = _count_runs(monkeypatch)
+    keys = np.arange(300, 340, dtype=np.int64)
+    assert store.put_many([(k, codec.encode(_row(int(k)))) for k in keys]) == [True] * len(keys)
+    assert len(runs) == 1 and all(store.lookup(int(k))["label"] == k for k in keys)
+    assert store.put_many([(int(k), codec.encode(_row(0))) for k in keys]) == [True] * len(keys)  # present
+    assert len(store) == len(keys)
