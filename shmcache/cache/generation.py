@@ -206,7 +206,7 @@ class Generation:
         words = np.frombuffer(self.meta.buf, np.uint64, 2 * n, r << 3).reshape(n, 2)
         words[:, 0] = pos.astype(np.uint64) | np.uint64(cls << 48)
         words[:, 1] = w0
-        self.meta.words[(M.GROUP >> 3) + 1] = i + n
+        self.meta.words[(MetaLayout.GROUP >> 3) + 1] = i + n
 
     def group_class(self, j: int, cls: int, bump: int) -> None:
         """Class word ``j``: ``cls`` and its bump before the group, then the count."""

@@ -324,7 +324,7 @@ class CacheWriter:
             part = picked[lo:lo + GROUP_RECORDS - len(group)]
             lo += len(part)
             n = len(part)
-            if _Q.unpack_from(g.meta.buf, M.TABLE_ITEMS)[0] + len(group) + n > MAX_LOAD * index.capacity:
+            if g.table_items() + len(group) + n > MAX_LOAD * index.capacity:
                 group.flush()  # a table growth copies READY entries only
                 try:
                     g = self._grow_table(g)
