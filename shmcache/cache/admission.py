@@ -172,8 +172,9 @@ class Admission:
             raise NoRoom  # /dev/shm was full a moment ago: don't ask the kernel on every miss
         meta = g.meta.buf
         used = _Q.unpack_from(meta, M.COMMITTED)[0]
-        step = max(commit_step_chunks(chunk_size), chunks)
+        step = commit_step_chunks(chunk_size)
         keep = shm_free = 0
+        step = max(step, chunks)  # a run's chunks in one step where there is room
         if spill is not None and spill.accepting:  # one statvfs, when spilling only
             shm_total, shm_free = _shm_space(self.shm_root)
             keep = index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))

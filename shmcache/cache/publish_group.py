@@ -105,8 +105,9 @@ class PublishGroup:
             g.group_begin()
         assert g is self.g, "a group is published before its table grows"
         assert len(self.positions) + n <= GROUP_RECORDS, "a run fits in its group"
-        g.group_record_run(len(self.positions), pos, cls, np.full(n, w0, np.uint64))
-        self.positions.update(zip(pos.tolist(), zip(w1.tolist(), [b""] * n)))
+        at = pos.tolist()
+        g.group_record_run(len(self.positions), at, cls, w0)
+        self.positions.update(zip(at, zip(w1.tolist(), [b""] * n)))
         b = self.bumps.get(cls)
         if b is None:
             g.group_class(len(self.bumps), cls, chunk)
