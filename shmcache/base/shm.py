@@ -43,6 +43,7 @@ MAGIC = 0x31484341434D4853  # b"SHMCACH1" little-endian
 VERSION = 1
 HEADER_BYTES = 64
 PAGE = mmap.PAGESIZE
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 # magic u64, version u32, kind u32, size u64, ready u64 (native order: 8-byte aligned stores)
 _HEADER = struct.Struct("QIIQQ")
 _READY = 0x5245414459  # "READY"
@@ -239,6 +240,36 @@ class Segment:
             if os.fstat(fd).st_ino != self._inode:  # replaced by name: never touch another object
                 raise FileNotFoundError(errno.ENOENT, "shared-memory segment was replaced", self.name)
             _fallocate(fd, offset, length, self.name)
+        finally:
+            os.close(fd)
+
+    def write_at(self, offset: int, buffers) -> None:
+        """Copy ``buffers`` (bytes-like objects, one after the other) into the segment from
+        ``offset`` with pwritev, for a range that ``commit`` backed: the kernel copies straight
+        from them into the object's pages, with none of the page faults a first store through
+        this mapping takes on each 4 KiB page (tmpfs: ~4-5 us a page, more than the copy) and no
+        copy in between (a run of a publish group's records, CacheWriter.put_many)."""
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+        try:
+            fd = self._open(self.name)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "shared-memory segment was removed", self.name) from None
+        try:
+            if os.fstat(fd).st_ino != self._inode:  # replaced by name: never touch another object
+                raise FileNotFoundError(errno.ENOENT, "shared-memory segment was replaced", self.name)
+            i = 0
+            while i < len(views):  # IOV_MAX buffers a call; a short write (a signal) goes on
+                batch = views[i:i + _IOV_MAX]
+                n = os.pwritev(fd, batch, offset)
+                if n <= 0:  # bounded: a call that copies nothing would loop for ever
+                    raise OSError(errno.EIO, f"pwritev into segment {self.name} copied nothing")
+                offset += n
+                for v in batch:
+                    if n < v.nbytes:
+                        views[i] = v[n:]
+                        break
+                    n -= v.nbytes
+                    i += 1
         finally:
             os.close(fd)
 

@@ -158,17 +158,20 @@ class Admission:
         return min(self.capacity_bytes, shm_total) if self.sizing() == SIZED else shm_total
 
     def commit(self, g: Generation, cls: int, seg: Segment, chunk_size: int, committed: int,
-               spill: IndexedTier | None, fence: bool = True) -> int:
+               spill: IndexedTier | None, fence: bool = True, chunks: int = 1) -> int:
         """Commit more chunks of class ``cls`` within the cap; raise NoRoom when there is no room
         (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling).
         ``fence=False``: a chunk of put_records, whose fence A comes before it moves the bump
-        (NOTE [publish order], "A publish group")."""
+        (NOTE [publish order], "A publish group"). ``chunks``: commit at least that many in this
+        step where there is room (a run of a group's records: one fallocate for all of them); the
+        caller asks again while it has fewer."""
         if time.monotonic() < self._shm_full_until:
             raise NoRoom  # /dev/shm was full a moment ago: don't ask the kernel on every miss
         meta = g.meta.buf
         used = WORD.unpack_from(meta, MetaLayout.COMMITTED)[0]
         step = commit_step_chunks(chunk_size)
         keep = shm_free = 0
+        step = max(step, chunks)  # a run's chunks in one step where there is room
         if spill is not None and spill.accepting:  # one statvfs, when spilling only
             shm_total, shm_free = _shm_space(self.shm_root)
             keep = index_reserve(min(self.capacity_bytes, shm_total or self.capacity_bytes))
@@ -199,7 +202,7 @@ class Admission:
         room = min(room, (seg.size - DATA_OFF) // chunk_size - committed)
         if room < 1 and self.raise_auto_cap():
             self._shm_full_until = 0.0
-            return self.commit(g, cls, seg, chunk_size, committed, spill, fence)
+            return self.commit(g, cls, seg, chunk_size, committed, spill, fence, chunks)
         if room < 1:
             if keep:
                 self.log_memory_full(f"memory is full ({used / 2**20:.1f} MiB committed; "

@@ -73,7 +73,7 @@ import marshal
 import pickle
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -81,7 +81,7 @@ import numpy as np
 from ..base import trees
 from ..errors import EncodeError
 
-__all__ = ["Encoded", "encode", "decode", "decoder_for", "register_type", "register_namedtuple",
+__all__ = ["Encoded", "encode", "encode_many", "decode", "decoder_for", "register_type", "register_namedtuple",
            "registered_namedtuples", "RECORD_HEADER", "MIN_RECORD_BYTES", "RecordHeader",
            "record_header", "record_key", "inline_layout", "LayoutCheck", "check_layout",
            "INLINE", "ALIGN", "NUMBERS", "MIN_NUMBERS", "Leaf", "MAX_DECODERS", "cached_decoders",
@@ -566,6 +566,154 @@ def encode(value: Any, path: str = "") -> Encoded:
         for t, v in b.scalars
     )
     return Encoded(layout, pos, scalars, pieces, tuple(b.pickled))
+
+
+def encode_many(values: Sequence, paths: Sequence[str]) -> list[Encoded | EncodeError]:
+    """``encode`` of each of ``values`` (``paths``: what each error names), where a value that
+    cannot be encoded gives its EncodeError in its place. A batch of one dataset's samples
+    mostly shares one shape: a flat one (a leaf, or a dict of leaves: numbers, str, bytes, None,
+    arrays, numpy scalars, registered types such as tensors) is walked once with ``encode`` and
+    the values after it are checked against it leaf by leaf and packed into the same layout -
+    the same Encoded ``encode`` gives, byte for byte - at a fraction of its cost."""
+    out: list = []
+    shapes: list[_Shape] = []  # the latest first: a batch mixes a few (str lengths, dtypes)
+    flat = True
+    for value, path in zip(values, paths):
+        for shape in shapes:
+            enc = _encode_like(value, shape)
+            if enc is not None:
+                out.append(enc)
+                break
+        else:
+            try:
+                enc = encode(value, path)
+            except EncodeError as exc:
+                out.append(exc)
+                continue
+            out.append(enc)
+            if flat:
+                shape = _shape_of(value, enc)
+                if shape is None:
+                    flat = bool(shapes)  # deep values: not walked twice each (unless some were flat)
+                else:
+                    shapes = [shape, *shapes[:_SHAPES - 1]]
+    return out
+
+
+_SHAPES = 4  # shapes a batch's encode_many keeps trying
+
+
+class _Shape(NamedTuple):
+    """A flat value's shape (``_shape_of``): what ``_encode_like`` checks a value against."""
+
+    keys: tuple | None  # a dict's keys in order, or None for a single leaf
+    leaves: tuple  # per leaf: (check, data): check says it is the same, data its bytes
+    first: Encoded  # the value it was taken from: its layout and offsets are shared
+
+
+def _shape_of(value: Any, enc: Encoded) -> _Shape | None:
+    """The shape of ``value`` (encoded as ``enc``) when it is flat and stored without pickle."""
+    if enc.pickled:
+        return None
+    if type(value) is dict:
+        if not all(type(k) in (str, int) for k in value):
+            return None
+        keys, leaves = tuple(value), value.values()
+    else:
+        keys, leaves = None, (value,)
+    specs = []
+    for x in leaves:
+        spec = _leaf_spec(x)
+        if spec is None:
+            return None
+        specs.append(spec)
+    return _Shape(keys, tuple(specs), enc)
+
+
+def _leaf_spec(x: Any) -> tuple | None:
+    """``(kind, what must match)`` of a leaf the builder stores without pickle, or None."""
+    tp = type(x)
+    if tp is int:
+        return (_INT, None) if -(1 << 63) <= x < (1 << 63) else None
+    if tp is float:
+        return (_FLOAT, None)
+    if tp is bool:
+        return (_BOOL, None)
+    if x is None:
+        return (_NONE, None)
+    if tp is str:
+        return (_STR, len(x.encode("utf-8", "surrogatepass")))
+    if tp is bytes:
+        return (_BYTES, len(x))
+    if tp is np.ndarray:
+        return None if x.dtype.hasobject or x.dtype.fields is not None else (_ARRAY, (x.dtype, x.shape))
+    if isinstance(x, np.generic):
+        return None if x.dtype.hasobject or x.dtype.fields is not None else (_NPSCALAR, (tp, x.dtype))
+    ext = _EXT_TO.get(tp)
+    if ext is not None:
+        parts = ext[1](x)
+        if parts is not None:
+            return (_EXT, (tp, parts[0], tuple(parts[1]), memoryview(parts[2]).nbytes))
+    return None
+
+
+def _encode_like(value: Any, shape: _Shape) -> Encoded | None:
+    """``value`` packed into ``shape``'s layout when every leaf matches it (else None: encode it)."""
+    if shape.keys is None:
+        leaves = (value,)
+    elif type(value) is dict and tuple(value) == shape.keys:
+        leaves = value.values()
+    else:
+        return None
+    scalars, var, arrays = [], [], []
+    for x, (kind, want) in zip(leaves, shape.leaves):
+        tp = type(x)
+        if kind == _ARRAY:
+            if tp is not np.ndarray or x.dtype != want[0] or x.shape != want[1]:
+                return None
+            arr = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+            arrays.append(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8))
+        elif kind == _INT:
+            if tp is not int or not -(1 << 63) <= x < (1 << 63):
+                return None
+            scalars.append(_I64.pack(x))
+        elif kind == _STR:
+            if tp is not str:
+                return None
+            b = x.encode("utf-8", "surrogatepass")
+            if len(b) != want:
+                return None
+            var.append(b)
+        elif kind == _FLOAT:
+            if tp is not float:
+                return None
+            scalars.append(_F64.pack(x))
+        elif kind == _BOOL:
+            if tp is not bool:
+                return None
+            scalars.append(_U64.pack(int(x)))
+        elif kind == _NONE:
+            if x is not None:
+                return None
+        elif kind == _BYTES:
+            if tp is not bytes or len(x) != want:
+                return None
+            var.append(x)
+        elif kind == _NPSCALAR:
+            if tp is not want[0] or x.dtype != want[1]:
+                return None
+            arrays.append(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+        else:  # _EXT
+            if tp is not want[0]:
+                return None
+            parts = _EXT_TO[tp][1](x)
+            if parts is None or parts[0] != want[1] or tuple(parts[1]) != want[2] or \
+                    memoryview(parts[2]).nbytes != want[3]:
+                return None
+            arrays.append(parts[2])
+    first = shape.first
+    pieces = [(off, data) for (off, _), data in zip(first.pieces, (*var, *arrays))]
+    return Encoded(first.layout, first.body_len, b"".join(scalars), pieces)
 
 
 # --- decoding ------------------------------------------------------------------------------------

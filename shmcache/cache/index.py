@@ -176,6 +176,10 @@ class TableView:
             return w1
         return ((w1 * _FIB) & _M64) >> self.shift
 
+    def homes(self, w1: np.ndarray) -> np.ndarray:
+        """:meth:`home` of each uint64 key word in ``w1`` (a run of a publish group)."""
+        return np.where(w1 < np.uint64(self.capacity), w1, (w1 * np.uint64(_FIB)) >> np.uint64(self.shift))
+
     def find(self, w1: int, int_key: bool) -> tuple[int, int, int]:
         """``(position, w0, w2)`` of the READY entry whose key word is ``w1``, or of the EMPTY
         entry where it would go (w0 == 0). str/bytes keys may match several hashes in theory: the
@@ -230,6 +234,17 @@ class TableView:
     def ready(self, pos: int, w0: int) -> None:
         """The second half: w0 in one aligned store, after a fence that follows :meth:`stage`."""
         self._store[(TABLE_OFF + ENTRY_BYTES * pos) >> 3] = w0
+
+    def stage_many(self, pos: np.ndarray, w1: np.ndarray, w2: np.ndarray) -> None:
+        """:meth:`stage` of many EMPTY entries at once (a run of a publish group): readers stop at
+        their EMPTY w0, so the order of these stores does not matter."""
+        self.words[pos, 1] = w1
+        self.words[pos, 2] = w2
+
+    def ready_many(self, pos: np.ndarray, w0: np.ndarray) -> None:
+        """:meth:`ready` of many entries, after the group's fence B: numpy stores each aligned
+        uint64 element with one 8-byte store (never a zeroing first, as struct.pack_into does)."""
+        self.words[pos, 0] = w0
 
     def entries(self):
         """Every READY entry as ``(w0, w1, w2)`` (for rebuilding and for gc)."""

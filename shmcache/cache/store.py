@@ -41,6 +41,16 @@ NOTE [publish order]
       3. each class's bump moves past the group's records; a fence (B);
       4. every entry's state word READY, the totals assigned, the group intent cleared.
 
+    A run (``put_many``'s records with int keys, one layout and one length: a batch of one
+    dataset's samples; CacheWriter._put_run) is a stretch of a group written with numpy over
+    the run: the same words, the same fences. Its records are noted in the group intent in one
+    go (the count word last), its chunks are the next ones of its class in a row, its bytes go
+    into them with one pwrite of the class's segment (Segment.write_at: the kernel's copy, no
+    page fault per page of the writer's mapping; ordered by fence A as any store), its entries'
+    w1 and w2 staged together; a group's READY words are one numpy assignment (one aligned
+    8-byte store per word, TableView.ready_many). The repair cannot tell a run from records put
+    one at a time.
+
     The repair: in phase 1 nothing is reachable and no bump moved, so it forgets the staged w1
     and w2 and clears the intent (every chunk free again; commit steps stay committed for the
     next writer); in phase 2 every record is whole and fenced, so it finishes steps 3-4 (all
@@ -361,6 +371,17 @@ class CacheStore:
                 meta["fingerprint"] = fingerprint
                 write_json(self.meta_path, meta)
 
+    def reserve_entries(self, n: int) -> None:
+        """Size the index for ``n`` items now, as ``table_hint`` sizes a new cache's: wrap() of a
+        dataset of ``n`` items in a cache opened by name before it (its misses then never wait
+        for a table growth, and each dataset index sits at its own entry). Nothing when it holds
+        them already, or when memory has no room for a larger table (it grows as it fills)."""
+        want = _table_capacity(n)
+        if self.view.refresh().index.capacity >= want:
+            return
+        with self.locked():
+            self.writer.grow_table_to(want)
+
     def read_meta(self) -> dict:
         return self.registry.read_cache_meta(self.session, self.name)
 
@@ -660,6 +681,9 @@ class UncachedStore:
 
     def bind_fingerprint(self, fingerprint: str) -> None:
         """Nothing is stored, so nothing can be another dataset's."""
+
+    def reserve_entries(self, n: int) -> None:
+        """No index to size."""
 
     def stats(self) -> dict:
         return stats.uncached_stats(self.session, self.name, self._counters, self._computed)

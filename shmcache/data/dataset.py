@@ -521,6 +521,8 @@ class ShmDatasetCache:
             self._tiers_learn(fp)  # a snapshot of another dataset: refused
             self.opened.bind_fingerprint(fp)
             self._fingerprint = fp
+            if table_hint:  # its index sized for it, as a cache made for it is
+                self.opened.reserve_entries(table_hint)
         elif self._fingerprint != fp:
             raise InvalidArgument(
                 f"this ShmDatasetCache already caches another dataset in {self.session}/"
@@ -580,15 +582,10 @@ class ShmDatasetCache:
         lock (``store.put_many``): what can never fit or finds the cache destroyed is served
         anyway, said once per cache, as with ``put_computed``. A value that cannot be encoded raises
         EncodeError after the others are stored: one such sample loses only itself."""
-        items, failed = [], None
-        for key, value in pairs:
-            try:
-                items.append((key, self.encode(key, value)))
-            except EncodeError as exc:
-                failed = failed or exc
+        items, failed = self.encode_many(pairs)
         self.put_encoded(store, items)
         if failed is not None:
-            raise failed
+            raise failed[1]
 
     def put_encoded(self, store: Store, items: list) -> None:
         """``_put_many`` of values encoded already (``(key, codec.Encoded)`` pairs)."""
@@ -603,6 +600,19 @@ class ShmDatasetCache:
     def encode(self, key: Any, value: Any) -> codec.Encoded:
         """``value`` encoded for ``key``, warned about once per cache when it had to be pickled."""
         return self._warned(codec.encode(value, f"the value of key {key!r}"))
+
+    def encode_many(self, pairs: list) -> tuple[list, tuple | None]:
+        """``encode`` of ``(key, value)`` pairs (codec.encode_many: a batch of one shape packed
+        into one layout): ``([(key, Encoded), ...], (key, EncodeError) of the first value that
+        cannot be encoded, or None)``; those values are left out."""
+        encs = codec.encode_many([value for _, value in pairs], [f"the value of key {key!r}" for key, _ in pairs])
+        items, failed = [], None
+        for (key, _), enc in zip(pairs, encs):
+            if isinstance(enc, EncodeError):
+                failed = failed or (key, enc)
+            else:
+                items.append((key, self._warned(enc)))
+        return items, failed
 
     def _warned(self, enc: codec.Encoded) -> codec.Encoded:
         """``enc``, warned about once per cache when it had to be pickled."""

@@ -51,6 +51,8 @@ class DatasetCache(Protocol):
 
     def encode(self, key: Any, value: Any) -> codec.Encoded: ...
 
+    def encode_many(self, pairs: list) -> tuple[list, tuple | None]: ...
+
     def get_batch(self, keys: Sequence, fn: Callable | None = None, out: Any = None, *,
                   fn_many: Callable | None = None) -> Any: ...
 
@@ -352,15 +354,10 @@ class CachedDataset(Dataset):
     def _store_many(self, store: Store, pairs: list) -> None:
         """Store computed samples; one that cannot be encoded raises after the others are
         stored (it loses only itself, as when they were stored one miss at a time)."""
-        items, failed = [], None
-        for i, value in pairs:
-            try:
-                items.append((i, self.cache.encode(i, value)))
-            except EncodeError as exc:
-                failed = failed or EncodeError(f"sample {i} of {type(self.dataset).__name__}: {exc}")
+        items, failed = self.cache.encode_many(pairs)
         self.cache.put_encoded(store, items)
         if failed is not None:
-            raise failed from None
+            raise EncodeError(f"sample {failed[0]} of {type(self.dataset).__name__}: {failed[1]}") from None
 
     def get_batch(self, indices: Sequence, fn: Callable | None = None, out: Any = None) -> Any:
         """A collated batch (the vectorised path), misses computed from the dataset (or ``fn``).

@@ -297,6 +297,9 @@ class TieredStore:
     def bind_fingerprint(self, fingerprint: str) -> None:
         self.local.bind_fingerprint(fingerprint)
 
+    def reserve_entries(self, n: int) -> None:
+        self.local.reserve_entries(n)
+
     def put_records(self, items: Sequence[tuple[Any, Any]]) -> list[bool]:
         return self.local.put_records(items)  # an import: into shared memory only, not offered
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from _procs_util import Zygote, crash_env, status_of, wait_for
-from _shmcheck import check_store, gc_json, group_phase, reader_saw_no_harm, same_value, value_for
+from _shmcheck import check_store, fixed_value, gc_json, group_phase, reader_saw_no_harm, same_value, value_for
 
 from shmcache.cache import process_slot
 from shmcache.cache.generation import GROUP_RECORDS
@@ -67,8 +67,11 @@ def test_a_group_killed_anywhere_is_undone_or_finished(point, after, n, present_
         assert group_phase(store) != 0, "the dead writer's group intent should still be there"
         seen = {k: store.lookup(k, count=False) for k in doomed}
         assert all(v is MISSING or same_value(v, value_for(k)) for k, v in seen.items()), point
+        # the earlier groups' keys, published: runs of one layout and length go first
+        # (CacheWriter.put_many), so which keys they are is not the items' order
+        before = {k for k, v in seen.items() if v is not MISSING}
         if given_back:  # undone: nothing of the killed group was ever visible
-            assert [k for k, v in seen.items() if v is not MISSING] == doomed[:present_after]
+            assert len(before) == present_after
 
         if repairer == "writer":  # the next writer, another process, repairs on its way in
             assert clean.run("put", S, C, later, CAP)[0] == 0
@@ -79,13 +82,76 @@ def test_a_group_killed_anywhere_is_undone_or_finished(point, after, n, present_
         stored = len(base) + present_after + (len(later) if repairer == "writer" else 0)
         # an undone group's commit steps stay committed for the next writer (not leaked: below)
         assert check_store(store, universe, slack_steps=64) == []
-        assert [k for k in doomed if store.lookup(k, count=False) is not MISSING] == doomed[:present_after]
+        present = {k for k in doomed if store.lookup(k, count=False) is not MISSING}
+        assert len(present) == present_after and (present == before if given_back else True)
         assert store.stats()["items_mem"] == stored
 
         # the chunks given back are handed out again: every doomed key stored, nothing left over
         status, res = clean.run("put_records", S, C, doomed, CAP)
         assert status == 0 and res["stored"] == n, (status, res)
         assert check_store(store, universe) == []
+        assert store.stats()["items_mem"] == stored + n - present_after
+        stop.touch()
+        assert clean.wait(reader, 30) == 0
+    reader_saw_no_harm(reader_out)
+    store.destroy()
+
+
+# A run: int keys whose values have one layout and length, admitted with numpy over the run
+# (CacheWriter.put_many: one intent write, one pwrite of its chunks, one stage of its entries).
+# point, crash_after, records put, keys present once repaired, chunks given back, who repairs
+RUN_CASES = [
+    ("run_allocated", 0, N, 0, N, "gc"),  # the run in the intent, nothing copied
+    ("run_mid_copy", 0, N, 0, N, "writer"),  # half of its chunks written
+    ("run_copied", 0, N, 0, N, "gc"),  # copied and staged, not fenced
+    ("group_fenced", 0, N, 0, N, "writer"),
+    ("group_publishing", 15, N, N, 0, "gc"),  # 15 entries READY, 25 not: finished
+    ("run_copied", 1, GROUP_RECORDS + N, GROUP_RECORDS, N, "writer"),  # the run's 2nd group
+]
+
+
+def _fixed(k):
+    return fixed_value(k, 3000)
+
+
+@pytest.mark.parametrize("ordering", ["default", "membarrier"])
+@pytest.mark.parametrize("point,after,n,present_after,given_back,repairer", RUN_CASES)
+def test_a_run_killed_anywhere_is_undone_or_finished(point, after, n, present_after, given_back, repairer,
+                                                     ordering, tmp_path, capsys):
+    extra = {"SHMCACHE_ORDERING": "membarrier"} if ordering == "membarrier" else {}
+    store = CacheStore(S, C, capacity_bytes=CAP)
+    base = list(range(60))
+    for k in base:
+        assert store.put(k, _fixed(k))
+    doomed, later = list(range(100, 100 + n)), [900]  # each at its own home entry: one run
+    universe = base + doomed + later
+    stop, ready = tmp_path / "stop", tmp_path / "reader.ready"
+    with Zygote(tmp_path / "crashing", env=crash_env(point, after, **extra)) as crashing, \
+            Zygote(tmp_path / "clean", env=crash_env(**extra)) as clean:
+        reader, reader_out = clean.spawn("reader", S, C, CAP, universe, str(stop), str(ready), "fixed:3000")
+        wait_for(ready.exists, 30, "the reader to start")
+        status, _ = crashing.run("put_records", S, C, doomed, CAP, "fixed:3000")
+        assert status == -9, f"the writer should die at {point!r}, but it ended with {status_of(status)}"
+        assert group_phase(store) != 0, "the dead writer's group intent should still be there"
+        seen = {k: store.lookup(k, count=False) for k in doomed}
+        assert all(v is MISSING or same_value(v, _fixed(k)) for k, v in seen.items()), point
+        if given_back:  # undone: nothing of the killed group was ever visible
+            assert [k for k, v in seen.items() if v is not MISSING] == doomed[:present_after]
+
+        if repairer == "writer":
+            assert clean.run("put", S, C, later, CAP, "fixed:3000")[0] == 0
+            assert gc_json(capsys)["reclaimed_entries"] == 0
+        else:
+            assert gc_json(capsys)["reclaimed_entries"] == given_back
+        assert group_phase(store) == 0
+        stored = len(base) + present_after + (len(later) if repairer == "writer" else 0)
+        assert check_store(store, universe, _fixed, slack_steps=64) == []
+        assert [k for k in doomed if store.lookup(k, count=False) is not MISSING] == doomed[:present_after]
+        assert store.stats()["items_mem"] == stored
+
+        status, res = clean.run("put_records", S, C, doomed, CAP, "fixed:3000")
+        assert status == 0 and res["stored"] == n, (status, res)
+        assert check_store(store, universe, _fixed) == []
         assert store.stats()["items_mem"] == stored + n - present_after
         stop.touch()
         assert clean.wait(reader, 30) == 0

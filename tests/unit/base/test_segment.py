@@ -135,3 +135,16 @@ def test_close_is_idempotent_and_leaves_the_object(name):
     again = Segment.attach(name)
     assert again.size == PAGE
     again.close()
+
+
+def test_write_at_copies_many_buffers_in_order_past_one_call_of_them(name):
+    # more buffers than one pwritev takes (IOV_MAX), of every size and kind, some empty
+    import numpy as np
+
+    a = Segment.create(name, 64 * PAGE, kind=3, commit=64 * PAGE)
+    bufs = [bytes([i % 251]) * (i % 7) if i % 3 else np.full(i % 11, i % 13, np.uint8) for i in range(3000)]
+    want = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+    a.write_at(PAGE + 5, bufs)
+    assert bytes(a.buf[PAGE + 5:PAGE + 5 + len(want)]) == want
+    assert a.buf[PAGE + 5 + len(want)] == 0  # nothing past them
+    a.unlink()

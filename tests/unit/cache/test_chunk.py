@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shmcache.base.shm import Segment
 from shmcache.cache import codec
 from shmcache.cache.generation import GROUP_RECORDS, Intent, MetaLayout
 from shmcache.cache.index import key_bytes
@@ -145,3 +146,114 @@ def test_an_impossible_group_intent_moves_nothing_and_gc_drops_the_cache(store, 
     store.collect_garbage(report)
     assert "impossible" in report["dropped"]
     assert len(store) == 0 and store.put(99, _value(99)) and np.array_equal(store.lookup(99), _value(99))
+
+
+# --- runs: int keys of one layout and length, admitted with numpy over the run (CacheWriter.put_many)
+
+
+def _row(k):
+    """A dataset row: one layout and length for every k (a run)."""
+    return {"img": np.full((16, 16, 3), k % 251, np.int64), "label": k, "name": f"r{k % 10}"}
+
+
+def _count_runs(monkeypatch) -> list:
+    """The sizes of the byte ranges that runs pwrite (Segment.write_at): a run was taken."""
+    real, sizes = Segment.write_at, []
+
+    def write_at(self, offset, buffers):
+        sizes.append(sum(memoryview(b).nbytes for b in buffers))
+        return real(self, offset, buffers)
+
+    monkeypatch.setattr(Segment, "write_at", write_at)
+    return sizes
+
+
+def test_a_run_of_one_layout_reads_back_right(store, monkeypatch):
+    runs = _count_runs(monkeypatch)
+    keys = list(range(200)) + [2**40 + k for k in range(20)] + [-5 - k for k in range(20)]  # hashed homes too
+    items = [(k, codec.encode(_row(k))) for k in keys]
+    assert store.put_many(items) == [True] * len(keys)
+    assert len(store) == len(keys) == store.stats()["items_mem"]
+    # runs (a hashed key whose home another key of the run takes goes one at a time)
+    assert runs and sum(runs) >= 200 * codec.encode(_row(0)).body_len
+    for k in keys:
+        got = store.lookup(k)
+        assert np.array_equal(got["img"], _row(k)["img"]) and got["label"] == k and got["name"] == _row(k)["name"]
+    g = store.view.refresh()
+    assert g.group_phase() == 0 and g.intent().phase == 0
+    # stored once: a second put of the same run finds every key present
+    assert store.put_many(items) == [True] * len(keys) and len(store) == len(keys)
+
+
+def test_a_group_mixing_layouts_keys_and_repeats_falls_back_one_at_a_time(store, monkeypatch):
+    runs = _count_runs(monkeypatch)
+    mixed = {k: (_row(k) if k % 3 else _value(k)) for k in range(120)}  # two layouts, one of them a run
+    keys = list(mixed) + ["s1", b"b2", 7, 7, 12]  # str/bytes keys, repeats
+    values = {**mixed, "s1": _row(1), b"b2": _row(2)}
+    items = [(k, codec.encode(values[k])) for k in keys]
+    store.put(30, _row(999))  # present already: the run leaves it as it is (stored once)
+    out = store.put_many(items)
+    assert out == [True] * len(items)
+    assert len(store) == len(values) == store.stats()["items_mem"]
+    for k, v in values.items():
+        got = store.lookup(k)
+        want = _row(999) if k == 30 else v
+        if isinstance(want, dict):
+            assert np.array_equal(got["img"], want["img"]) and got["label"] == want["label"], k
+        else:
+            assert np.array_equal(got, want), k
+    assert store.view.refresh().group_phase() == 0
+    assert len(runs) == 1  # the 80 rows: one run; the rest one at a time
+
+
+def test_a_run_that_outgrows_the_table_and_the_group_is_stored(store):
+    keys = list(range(5000, 5000 + 3 * GROUP_RECORDS + 5))  # several groups, past the table's first size
+    items = [(k, codec.encode(_row(k))) for k in keys]
+    assert store.put_many(items) == [True] * len(keys)
+    assert all(store.lookup(k)["label"] == k for k in keys)
+    assert store.stats()["items_mem"] == len(keys)
+
+
+def test_an_exception_in_the_middle_of_a_run_undoes_its_group(store, monkeypatch):
+    store.put_many([(k, codec.encode(_row(k))) for k in range(20)])
+    g = store.view.refresh()
+    before = _bumps(g)
+    real, calls = Segment.write_at, [0]
+
+    def write_at(self, offset, buffers):
+        calls[0] += 1
+        if calls[0] == 1:  # the run's records half written
+            real(self, offset, buffers[:len(buffers) // 2])
+            raise KeyboardInterrupt
+        return real(self, offset, buffers)
+
+    monkeypatch.setattr(Segment, "write_at", write_at)
+    keys = list(range(100, 160))  # one run, one group
+    with pytest.raises(KeyboardInterrupt):
+        store.put_many([(k, codec.encode(_row(k))) for k in keys])
+    monkeypatch.undo()
+    assert g.group_phase() == 0 and _bumps(g) == before
+    assert all(store.lookup(k) is MISSING for k in keys) and len(store) == 20
+    assert store.put_many([(k, codec.encode(_row(k))) for k in keys]) == [True] * len(keys)
+    assert all(store.lookup(k)["label"] == k for k in keys)
+
+
+def test_a_key_in_two_runs_of_one_call_is_stored_once(store):
+    # key 9 in a run of each layout (the entry after its home is free): the first value stays,
+    # as one at a time
+    other = [9, *range(100, 108)]
+    items = [(k, codec.encode(_row(k))) for k in range(10)]
+    items += [(k, codec.encode(np.full(40, k, np.int64))) for k in other]
+    assert store.put_many(items) == [True] * len(items)
+    assert len(store) == 18 == store.stats()["items_mem"] == len(list(store.view.refresh().index.entries()))
+    assert all(store.lookup(k)["label"] == k for k in range(10))
+    assert all(np.array_equal(store.lookup(k), np.full(40, k, np.int64)) for k in other[1:])
+
+
+def test_numpy_integer_keys_go_as_a_run_and_read_as_their_ints(store, monkeypatch):
+    runs = _count_runs(monkeypatch)
+    keys = np.arange(300, 340, dtype=np.int64)
+    assert store.put_many([(k, codec.encode(_row(int(k)))) for k in keys]) == [True] * len(keys)
+    assert len(runs) == 1 and all(store.lookup(int(k))["label"] == k for k in keys)
+    assert store.put_many([(int(k), codec.encode(_row(0))) for k in keys]) == [True] * len(keys)  # present
+    assert len(store) == len(keys)

@@ -620,3 +620,42 @@ def test_a_batch_of_samples_with_number_lists_is_collated_as_default_collate_doe
         assert torch.equal(got["x"], want["x"])
     finally:
         cache.close()
+
+
+# --- encode_many: a batch of one flat shape packed into the first value's layout
+
+
+def _same_encoded(a: codec.Encoded, b: codec.Encoded) -> bool:
+    def raw(piece):
+        return bytes(memoryview(piece).cast("B"))
+
+    return (a.layout == b.layout and a.body_len == b.body_len and bytes(a.scalars) == bytes(b.scalars)
+            and [off for off, _ in a.pieces] == [off for off, _ in b.pieces]
+            and [raw(p) for _, p in a.pieces] == [raw(p) for _, p in b.pieces] and a.pickled == b.pickled)
+
+
+def test_encode_many_gives_what_encode_gives_for_every_value():
+    import torch
+
+    rows = [{"label": np.int64(i), "img": np.full((4, 4, 3), i, np.uint8), "text": np.str_(f"row {i}")}
+            for i in range(30)]  # "row 9" and "row 10": two shapes in one batch
+    rows += [{"label": torch.tensor(i), "img": torch.full((2, 3), float(i)), "name": f"r{i}"} for i in range(5)]
+    rows += [np.arange(6) + i for i in range(4)] + [np.arange(6).reshape(2, 3)[:, ::2] + i for i in range(3)]
+    rows += [{"a": 1, "b": 2.5, "c": True, "d": None, "e": b"xy", "f": np.float32(i)} for i in range(4)]
+    rows += [{"a": 2**70}, {"a": 1}, {"a": "é"}, {"a": "e"}, {"a": True}, {"a": 1.0}, {"b": 1}, [1, 2]]
+    rows += [{"a": [[1, 2], [3, 4]] * 10}, {"a": [[1, 2], [3, 4]] * 10}]  # deep: encoded each
+    many = codec.encode_many(rows, [f"row {i}" for i in range(len(rows))])
+    assert len(many) == len(rows)
+    for value, enc in zip(rows, many):
+        assert _same_encoded(enc, codec.encode(value)), value
+        n = enc.record_len(0, True)
+        buf = bytearray(n)
+        enc.write(memoryview(buf), codec.INLINE, b"")
+        assert_same(codec.decode(buf, enc.layout), value)
+
+
+def test_encode_many_gives_a_value_that_cannot_be_encoded_its_error_in_its_place():
+    rows = [{"x": np.zeros(3)}, {"x": lambda: 0}, {"x": np.ones(3)}]
+    many = codec.encode_many(rows, ["first", "second", "third"])
+    assert isinstance(many[1], EncodeError) and "second" in str(many[1])
+    assert _same_encoded(many[0], codec.encode(rows[0])) and _same_encoded(many[2], codec.encode(rows[2]))

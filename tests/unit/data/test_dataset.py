@@ -89,6 +89,18 @@ def test_wrapped_map_dataset_equals_the_source():
         assert st["hits"] == 200 + 3 + 3 and st["misses"] == 197  # the 3 probes were stored by wrap
 
 
+def test_a_cache_named_before_its_dataset_gets_an_index_sized_for_it():
+    # as one wrap() makes for the dataset: misses never wait for a table growth (issue 31)
+    src = FixedDataset(5000, 64)
+    with _cache(name="sized") as cache:
+        ds = cache.wrap(src)
+        assert cache.store.view.refresh().index.capacity * 0.7 >= 5000
+        batches = list(DataLoader(ds, batch_size=64, shuffle=True))
+        assert cache.stats()["items_mem"] == 5000 and len(batches) == 79
+        for i in (0, 1234, 4999):
+            assert_same(ds[i], src[i])
+
+
 def test_second_pass_reads_the_cache_not_the_source():
     src = FixedDataset(50, 64)
     with _cache() as cache:
