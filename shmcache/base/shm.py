@@ -99,6 +99,9 @@ class Segment:
             except (AttributeError, OSError):  # no THP in this kernel: base pages, as without
                 pass
         self.words = word_view(self.buf)  # single-store writes of shared words (see word_view)
+        # hugetlbfs takes no write(2): write_at copies through the mapping there (and wherever
+        # a pwritev is refused as unsupported)
+        self._no_pwrite = back.fs == "hugetlbfs"
 
     # --- creation and attachment -----------------------------------------------------------
 
@@ -250,6 +253,9 @@ class Segment:
         this mapping takes on each 4 KiB page (tmpfs: ~4-5 us a page, more than the copy) and no
         copy in between (a run of a publish group's records, CacheWriter.put_many)."""
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+        if self._no_pwrite:
+            self._copy_in(offset, views)
+            return
         try:
             fd = self._open(self.name)
         except FileNotFoundError:
@@ -260,7 +266,15 @@ class Segment:
             i = 0
             while i < len(views):  # IOV_MAX buffers a call; a short write (a signal) goes on
                 batch = views[i:i + _IOV_MAX]
-                n = os.pwritev(fd, batch, offset)
+                try:
+                    n = os.pwritev(fd, batch, offset)
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                        raise
+                    # hugetlbfs takes no write(2): through the mapping, now and from now on
+                    self._no_pwrite = True
+                    self._copy_in(offset, views[i:])
+                    return
                 if n <= 0:  # bounded: a call that copies nothing would loop for ever
                     raise OSError(errno.EIO, f"pwritev into segment {self.name} copied nothing")
                 offset += n
@@ -272,6 +286,12 @@ class Segment:
                     i += 1
         finally:
             os.close(fd)
+
+    def _copy_in(self, offset: int, views: list) -> None:
+        """``write_at``'s copy through the mapping, for a file system without write(2)."""
+        for v in views:
+            self.buf[offset:offset + v.nbytes] = v
+            offset += v.nbytes
 
     # --- teardown ----------------------------------------------------------------------------
 

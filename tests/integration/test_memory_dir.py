@@ -389,3 +389,74 @@ def memdir_backing_is_base(where: str) -> bool:
     from shmcache.base import memdir
 
     return memdir.backing(None if where == "/dev/shm" else where).page_size == mmap.PAGESIZE
+
+
+HTLB_SCRIPT = r"""
+import os, subprocess, sys
+MOUNT, PY = sys.argv[1], sys.executable
+ENV = {**os.environ, "SHMCACHE_MEMORY_DIR": MOUNT}
+WRITE = '''
+import numpy as np, torch
+from shmcache import ShmDatasetCache
+class Rows(torch.utils.data.Dataset):
+    def __len__(self): return 300
+    def __getitem__(self, i): return np.full(3000, i % 251, np.uint8), i
+    def __getitems__(self, keys): return [self[i] for i in keys]
+c = ShmDatasetCache(session="htlb-pages", name="c", size=16)
+ds = c.wrap(Rows())
+c.warmup(ds, progress=False)  # a batch of misses: one run of records of one layout
+got = ds.get_batch(list(range(300)))
+assert all(int(got[0][i][0]) == i % 251 for i in range(300)) and got[1].tolist() == list(range(300))
+st = c.stats()
+print(st["items_mem"], st["rejected"])
+'''
+READ = '''
+from shmcache import ShmDatasetCache
+c = ShmDatasetCache(session="htlb-pages", name="c", create=False)
+print(sum(int(c.get(i)[0][0]) == i % 251 for i in range(300)))
+'''
+out = []
+for code, env in ((WRITE, ENV), (READ, {k: v for k, v in os.environ.items() if k != "SHMCACHE_MEMORY_DIR"})):
+    p = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    if p.returncode:
+        sys.exit("rc %d: %s" % (p.returncode, p.stderr[-3000:]))
+    out.append(p.stdout.strip())
+subprocess.run([PY, "-m", "shmcache", "destroy", "htlb-pages"], env=ENV, timeout=60, check=True, capture_output=True)
+print(" | ".join(out))
+"""
+
+
+@pytest.fixture
+def huge_pages():
+    """Huge pages reserved for the test (vm.nr_hugepages raised, then put back)."""
+    knob = Path("/proc/sys/vm/nr_hugepages")
+    if os.geteuid() != 0:
+        pytest.skip("needs root: reserves huge pages and mounts a hugetlbfs in a private mount namespace")
+    old = int(knob.read_text())
+    try:
+        knob.write_text(str(old + 64))
+        if int(knob.read_text()) < old + 32:
+            pytest.skip("the kernel could not reserve 32 huge pages here (memory too fragmented)")
+        yield
+    finally:
+        knob.write_text(str(old))
+
+
+def test_a_hugetlbfs_with_pages_holds_a_batch_of_misses(tmp_path, huge_pages):
+    """A hugetlbfs takes no write(2): a batch of misses admitted as one run (written with pwritev
+    on tmpfs) must still land in its pages, be read back by another process without the
+    variable, and leave the mount empty after destroy."""
+    mount = tmp_path / "htlb"
+    mount.mkdir()
+    script = tmp_path / "htlb.py"
+    script.write_text(HTLB_SCRIPT)
+    inner = (f"mount -t hugetlbfs none {mount} || exit 99; {sys.executable} {script} {mount}; rc=$?; "
+             f"ls -A {mount}/shmcache-{os.getuid()} 2>/dev/null; exit $rc")
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode == 99:
+        pytest.skip(f"cannot mount a hugetlbfs here: {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "300 0 | 300", proc.stdout  # all admitted into its pages, all read back
+    assert lines[1:] == [], proc.stdout  # destroy left nothing in the mount
