@@ -23,11 +23,13 @@ NOTE [segment lifecycle]
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import stat
 import struct
+from collections.abc import Iterator
 
 import posix_ipc
 
@@ -235,14 +237,22 @@ class Segment:
 
     def commit(self, offset: int, length: int) -> None:
         """Back ``[offset, offset+length)`` with real pages before anything touches it (no SIGBUS)."""
+        with self._own_fd() as fd:
+            _fallocate(fd, offset, length, self.name)
+
+    @contextlib.contextmanager
+    def _own_fd(self) -> Iterator[int]:
+        """A descriptor of this segment's object, opened again by name (mmap keeps its own) and
+        closed after; FileNotFoundError if the name is gone or names another object now (never
+        touch another object)."""
         try:
             fd = self._open(self.name)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "shared-memory segment was removed", self.name) from None
         try:
-            if os.fstat(fd).st_ino != self._inode:  # replaced by name: never touch another object
+            if os.fstat(fd).st_ino != self._inode:
                 raise FileNotFoundError(errno.ENOENT, "shared-memory segment was replaced", self.name)
-            _fallocate(fd, offset, length, self.name)
+            yield fd
         finally:
             os.close(fd)
 
@@ -256,13 +266,7 @@ class Segment:
         if self._no_pwrite:
             self._copy_in(offset, views)
             return
-        try:
-            fd = self._open(self.name)
-        except FileNotFoundError:
-            raise FileNotFoundError(errno.ENOENT, "shared-memory segment was removed", self.name) from None
-        try:
-            if os.fstat(fd).st_ino != self._inode:  # replaced by name: never touch another object
-                raise FileNotFoundError(errno.ENOENT, "shared-memory segment was replaced", self.name)
+        with self._own_fd() as fd:
             i = 0
             while i < len(views):  # IOV_MAX buffers a call; a short write (a signal) goes on
                 batch = views[i:i + _IOV_MAX]
@@ -284,8 +288,6 @@ class Segment:
                         break
                     n -= v.nbytes
                     i += 1
-        finally:
-            os.close(fd)
 
     def _copy_in(self, offset: int, views: list) -> None:
         """``write_at``'s copy through the mapping, for a file system without write(2)."""
