@@ -173,7 +173,7 @@ from ..errors import CacheMismatch, CacheNotFound, CorruptSegment, InvalidArgume
 from . import claims, codec, gather, portable, process_slot, repair, stats
 from .admission import MIN_CAPACITY, Admission, initial_capacity, log_no_memory
 from .generation import AUTO_NONE, DESTROYED, KIND_ROOT, MISSES, REJECTED, RootLayout, split_epoch
-from .index import MAX_LOAD, MIN_TABLE
+from .index import MAX_LOAD, MIN_TABLE, TableView
 from .indexed_tier import IndexedTier
 from .registry import SEP, SessionRegistry, unlink_segments, write_json
 from .stats import STAT_KEYS
@@ -323,7 +323,7 @@ class CacheStore:
             # a generation number this root never named: a handle still mapping the lost one must
             # see the epoch word change, never new segments under the names it maps lazily
             gen = split_epoch(_Q.unpack_from(root.buf, R.EPOCH)[0])[0] + 1
-            self.writer.create_generation(root, gen, capacity, _table_capacity(table_hint))
+            self.writer.create_generation(root, gen, capacity, _table_capacity(table_hint, capacity))
         if root is not None:
             self._check_fingerprint(fingerprint)
             return root
@@ -352,7 +352,7 @@ class CacheStore:
             root.words[R.INCARNATION >> 3] = secrets.randbits(32)
             root.words[R.SIZING >> 3] = sizing
             self.view.adopt(root)
-            self.writer.create_generation(root, 1, capacity, _table_capacity(table_hint))
+            self.writer.create_generation(root, 1, capacity, _table_capacity(table_hint, capacity))
         except BaseException:
             # no room, or interrupted: take back what this attempt made, json last (we hold the
             # lock, and the epoch word was never published, so nobody attached any of it)
@@ -379,7 +379,7 @@ class CacheStore:
         dataset of ``n`` items in a cache opened by name before it (its misses then never wait
         for a table growth, and each dataset index sits at its own entry). Nothing when it holds
         them already, or when memory has no room for a larger table (it grows as it fills)."""
-        want = _table_capacity(n)
+        want = _table_capacity(n, self.capacity_bytes)
         if self.view.refresh().index.capacity >= want:
             return
         with self.locked():
@@ -694,6 +694,12 @@ class UncachedStore:
         """Nothing to release."""
 
 
-def _table_capacity(hint: int) -> int:
+def _table_capacity(hint: int, capacity_bytes: int) -> int:
+    """Entries of an index sized up front for ``hint`` items: no more than take an eighth of the
+    cap (a dataset's len() may be past what the cap holds: its index would take the cap, or all of
+    /dev/shm, and leave no room for data; the index grows as it fills)."""
     want = max(MIN_TABLE, int(hint / MAX_LOAD) + 1)
-    return 1 << (want - 1).bit_length()
+    entries = 1 << (want - 1).bit_length()
+    while entries > MIN_TABLE and TableView.bytes_for(entries) > capacity_bytes // 8:
+        entries //= 2
+    return entries
