@@ -597,7 +597,7 @@ def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[n
             break
         p = pos[todo]
         s0 = words[p, 0]
-        found = ((s0 & np.uint64(3)) == want) & (words[p, 1] == w1[todo])
+        found = ((s0 & want) == want) & (words[p, 1] == w1[todo])
         free = (s0 == 0) & ~(p[:, None] == taken[None, :]).any(axis=1)
         if free.any():  # the first key at each free entry takes it; the others go on
             _, at = np.unique(p[free], return_index=True)
