@@ -623,9 +623,13 @@ def _runs(items: Sequence[tuple[Any, codec.Encoded]]) -> list[list[int]]:
     if len(items) < _RUN_MIN:
         return []
     by: dict = {}
+    seen: set = set()  # a key's first item only: runs go first, and its first value is the one stored
     for i, (key, enc) in enumerate(items):
         if type(key) is int or isinstance(key, np.integer):  # (a bool is no int key here)
-            by.setdefault((enc.layout, enc.body_len), []).append(i)
+            k = int(key)
+            if k not in seen:
+                seen.add(k)
+                by.setdefault((enc.layout, enc.body_len), []).append(i)
     return [run for run in by.values() if len(run) >= _RUN_MIN]
 
 
