@@ -262,7 +262,17 @@ class Segment:
             i = 0
             while i < len(views):  # IOV_MAX buffers a call; a short write (a signal) goes on
                 batch = views[i:i + _IOV_MAX]
-                n = os.pwritev(fd, batch, offset)
+                try:
+                    n = os.pwritev(fd, batch, offset)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    # a file system with no write() (hugetlbfs: a session's memory directory on
+                    # Kubernetes' HugePages): through the mapping, as one record at a time is
+                    for v in views[i:]:
+                        self.buf[offset:offset + v.nbytes] = v
+                        offset += v.nbytes
+                    return
                 if n <= 0:  # bounded: a call that copies nothing would loop for ever
                     raise OSError(errno.EIO, f"pwritev into segment {self.name} copied nothing")
                 offset += n

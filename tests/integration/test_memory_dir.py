@@ -389,3 +389,48 @@ def memdir_backing_is_base(where: str) -> bool:
     from shmcache.base import memdir
 
     return memdir.backing(None if where == "/dev/shm" else where).page_size == mmap.PAGESIZE
+
+
+# --- a hugetlbfs with huge pages: a batch's misses go as a run (Segment.write_at) ---------------
+
+HTLB_RUN = r"""
+import json, sys
+import numpy as np
+from shmcache import ShmDatasetCache
+from shmcache.base.namespace import namespace
+from shmcache.cache.registry import SessionRegistry
+c = ShmDatasetCache(session="mem-htlb-run", name="c", size=64)
+try:
+    c.get_batch(list(range(64)), lambda k: np.full(100, k))  # one layout and length: a run
+    st = c.stats()
+    res = {"items_mem": st["items_mem"], "right": all(int(c.get(k)[0]) == k for k in range(64))}
+finally:
+    c.close()
+    SessionRegistry(namespace()).destroy("mem-htlb-run", force=True)
+with open(sys.argv[1], "w") as f:
+    json.dump(res, f)
+"""
+
+
+def _free_huge_pages() -> int:
+    with open("/proc/meminfo") as f:
+        return next((int(line.split()[1]) for line in f if line.startswith("HugePages_Free:")), 0)
+
+
+def test_a_batch_of_misses_is_stored_in_a_hugetlbfs_with_pages(tmp_path):
+    """hugetlbfs has no write(): pwritev into it is EINVAL. A run (a batch's misses of one layout,
+    CacheWriter.put_many) raised that OSError out of get_batch; it goes through the mapping there."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1): mounts a hugetlbfs in a private mount namespace")
+    if _free_huge_pages() < 48:
+        pytest.skip("needs 48 free huge pages (vm.nr_hugepages): none reserved here")
+    htlb, script, out = tmp_path / "htlb", tmp_path / "run.py", tmp_path / "result.json"
+    htlb.mkdir()
+    script.write_text(HTLB_RUN)
+    inner = f"mount -t hugetlbfs none {htlb} || exit 99; exec {sys.executable} {script} {out}"
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "SHMCACHE_MEMORY_DIR": str(htlb)})
+    if proc.returncode == 99 or "unshare failed" in proc.stderr:
+        pytest.skip(f"cannot mount a hugetlbfs here: {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 0, f"the scenario failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+    assert json.loads(out.read_text()) == {"items_mem": 64, "right": True}
