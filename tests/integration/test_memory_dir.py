@@ -434,3 +434,22 @@ def test_a_batch_of_misses_is_stored_in_a_hugetlbfs_with_pages(tmp_path):
         pytest.skip(f"cannot mount a hugetlbfs here: {proc.stderr.strip()[-300:]}")
     assert proc.returncode == 0, f"the scenario failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     assert json.loads(out.read_text()) == {"items_mem": 64, "right": True}
+
+
+def test_hugetlbfs_has_no_write_so_write_at_goes_through_the_mapping_there(tmp_path):
+    """The premise of Segment.write_at's fallback, where no huge page is needed to see it: a
+    pwritev into a file of a hugetlbfs is EINVAL (the errno the fallback takes for it)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1): mounts a hugetlbfs in a private mount namespace")
+    htlb, script = tmp_path / "htlb", tmp_path / "pwritev.py"
+    htlb.mkdir()
+    script.write_text("import errno, os, sys\n"
+                      "fd = os.open(os.path.join(sys.argv[1], 'f'), os.O_RDWR | os.O_CREAT, 0o600)\n"
+                      "try:\n    os.pwritev(fd, [b'abc'], 0)\n    print('written')\n"
+                      "except OSError as exc:\n    print(errno.errorcode[exc.errno])\n")
+    inner = f"mount -t hugetlbfs none {htlb} || exit 99; exec {sys.executable} {script} {htlb}"
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner], capture_output=True,
+                          text=True, timeout=60)
+    if proc.returncode == 99 or "unshare failed" in proc.stderr:
+        pytest.skip(f"cannot mount a hugetlbfs here: {proc.stderr.strip()[-300:]}")
+    assert proc.stdout.split() == ["EINVAL"], (proc.stdout, proc.stderr[-2000:])
