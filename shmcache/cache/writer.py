@@ -629,7 +629,9 @@ def _runs(items: Sequence[tuple[Any, codec.Encoded]]) -> list[list[int]]:
             k = int(key)
             if k not in seen:
                 seen.add(k)
-                by.setdefault((enc.layout, enc.body_len), []).append(i)
+                # and one form: a portable record's body is its scalars, a codec value's in pieces
+                # (a run's records are written from the offsets of its first: _gaps)
+                by.setdefault((enc.layout, enc.body_len, len(enc.scalars), len(enc.pieces)), []).append(i)
     return [run for run in by.values() if len(run) >= _RUN_MIN]
 
 

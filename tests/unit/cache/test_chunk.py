@@ -274,3 +274,16 @@ def test_a_key_put_before_its_run_keeps_its_first_value(store):
     assert np.array_equal(store.lookup(300), np.full(40, 300, np.int64))
     assert all(store.lookup(k)["label"] == k for k in (*range(5), *range(6, 10), *range(301, 310)))
     assert len(store) == 10 + 10 + 10 == store.stats()["items_mem"]
+
+
+def test_a_run_of_records_from_a_tier_and_from_the_codec_reads_back_right(store):
+    # one layout and length, two forms (put_many takes both): a portable record's body is one
+    # piece, a codec's value its pieces; a run writes each record from its own, never the other's
+    items = [(k, encoded_from_portable(portable_record(codec.encode(_row(k)), k), k, store.view)) for k in range(8)]
+    items += [(k, codec.encode(_row(k))) for k in range(8, 20)]
+    items += [(k, encoded_from_portable(portable_record(codec.encode(_row(k)), k), k, store.view))
+              for k in range(20, 30)]
+    assert store.put_many(items) == [True] * len(items)
+    for k in range(30):
+        got = store.lookup(k)
+        assert np.array_equal(got["img"], _row(k)["img"]) and got["label"] == k and got["name"] == _row(k)["name"], k
