@@ -695,11 +695,11 @@ class UncachedStore:
 
 
 def _table_capacity(hint: int, capacity_bytes: int) -> int:
-    """Entries of an index sized up front for ``hint`` items: no more than take an eighth of the
-    cap (a dataset's len() may be past what the cap holds: its index would take the cap, or all of
-    /dev/shm, and leave no room for data; the index grows as it fills)."""
+    """Entries of an index sized up front for ``hint`` items: no more than take half the cap (all
+    of a dataset's items, spilled ones too, where that fits; a len() past it would make an index
+    of the whole cap, or of all of /dev/shm, and leave no room for data: it grows as it fills)."""
     want = max(MIN_TABLE, int(hint / MAX_LOAD) + 1)
     entries = 1 << (want - 1).bit_length()
-    while entries > MIN_TABLE and TableView.bytes_for(entries) > capacity_bytes // 8:
+    while entries > MIN_TABLE and TableView.bytes_for(entries) > capacity_bytes // 2:
         entries //= 2
     return entries

@@ -282,9 +282,10 @@ finish({"bad": bad, "items_mem": st["items_mem"], "used": used}, "s31")
 def test_a_dataset_of_a_huge_len_does_not_size_the_index_past_the_caches_cap(tmp_path, monkeypatch,
                                                                              opened_by_name):
     """size=8 (MiB), 64 MiB /dev/shm, a dataset of len() 10**12: wrap() sized the index for all of
-    it (reserve_entries), doubling it until /dev/shm had no room - 24 MiB of index for a cache of
-    8 MiB, which then admitted nothing. The index may grow as it fills; sized up front, never past
-    a share of the cap."""
+    it - in a cache opened by name (reserve_entries) doubling it until /dev/shm had no room, 24 MiB
+    of index for a cache of 8 MiB; in one it made, an index that could not be made (served
+    uncached). Either way nothing was admitted. Sized up front, it stays within half the cap (it
+    grows as it fills)."""
     monkeypatch.setenv("OPENED_BY_NAME", opened_by_name)
     res, log = _in_small_shm(tmp_path, HUGE_LEN, item=1 << 10)
     assert res["bad"] == 0
