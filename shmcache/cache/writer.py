@@ -632,6 +632,11 @@ def _runs(items: Sequence[tuple[Any, codec.Encoded]]) -> list[list[int]]:
                 # and one form: a portable record's body is its scalars, a codec value's in pieces
                 # (a run's records are written from the offsets of its first: _gaps)
                 by.setdefault((enc.layout, enc.body_len, len(enc.scalars), len(enc.pieces)), []).append(i)
+        elif type(key) not in (str, bytes) and not isinstance(key, bool):  # a 0-d int array or tensor
+            try:
+                seen.add(int(key))  # the int key it stands for (key_bytes), stored first
+            except Exception:  # noqa: BLE001 - no int: put_locked says what the key is not
+                pass
     return [run for run in by.values() if len(run) >= _RUN_MIN]
 
 

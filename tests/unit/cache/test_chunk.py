@@ -264,15 +264,16 @@ def test_a_key_put_before_its_run_keeps_its_first_value(store):
     # place of its first value (a short group of another layout, or a run that comes later), as
     # one at a time
     first = np.full(41, -1, np.int64)  # a layout of its own: one at a time
-    items = [(5, codec.encode(first))] + [(k, codec.encode(_row(k))) for k in range(10)]
+    items = [(5, codec.encode(first)), (np.array(7), codec.encode(first))]  # a 0-d array: key 7
+    items += [(k, codec.encode(_row(k))) for k in range(10)]
     # key 300 first in a run of the value layout (second), then in a run of rows (first)
     items += [(300, codec.encode(np.full(40, 300, np.int64)))]
     items += [(k, codec.encode(_row(k))) for k in (300, *range(301, 310))]
     items += [(k, codec.encode(np.full(40, k, np.int64))) for k in range(400, 410)]
     assert store.put_many(items) == [True] * len(items)
-    assert np.array_equal(store.lookup(5), first)
+    assert np.array_equal(store.lookup(5), first) and np.array_equal(store.lookup(7), first)
     assert np.array_equal(store.lookup(300), np.full(40, 300, np.int64))
-    assert all(store.lookup(k)["label"] == k for k in (*range(5), *range(6, 10), *range(301, 310)))
+    assert all(store.lookup(k)["label"] == k for k in (0, 1, 2, 3, 4, 6, 8, 9, *range(301, 310)))
     assert len(store) == 10 + 10 + 10 == store.stats()["items_mem"]
 
 
