@@ -46,7 +46,8 @@ NOTE [publish order]
     the run: the same words, the same fences. Its records are noted in the group intent in one
     go (the count word last), its chunks are the next ones of its class in a row, its bytes go
     into them with one pwrite of the class's segment (Segment.write_at: the kernel's copy, no
-    page fault per page of the writer's mapping; ordered by fence A as any store), its entries'
+    page fault per page of the writer's mapping; through the mapping on a hugetlbfs, which has
+    no write(); ordered by fence A as any store), its entries'
     w1 and w2 staged together; a group's READY words are one numpy assignment (one aligned
     8-byte store per word, TableView.ready_many). The repair cannot tell a run from records put
     one at a time.
