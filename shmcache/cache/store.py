@@ -47,10 +47,9 @@ NOTE [publish order]
     go (the count word last), its chunks are the next ones of its class in a row, its bytes go
     into them with one pwrite of the class's segment (Segment.write_at: the kernel's copy, no
     page fault per page of the writer's mapping; through the mapping on a hugetlbfs, which has
-    no write(); ordered by fence A as any store), its entries'
-    w1 and w2 staged together; a group's READY words are one numpy assignment (one aligned
-    8-byte store per word, TableView.ready_many). The repair cannot tell a run from records put
-    one at a time.
+    no write(); ordered by fence A as any store), its entries' w1 and w2 staged together; a
+    group's READY words are one numpy assignment (one aligned 8-byte store per word,
+    TableView.ready_many). The repair cannot tell a run from records put one at a time.
 
     The repair: in phase 1 nothing is reachable and no bump moved, so it forgets the staged w1
     and w2 and clears the intent (every chunk free again; commit steps stay committed for the
