@@ -263,6 +263,10 @@ class Segment:
         this mapping takes on each 4 KiB page (tmpfs: ~4-5 us a page, more than the copy) and no
         copy in between (a run of a publish group's records, CacheWriter.put_many)."""
         views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+        end = offset + sum(v.nbytes for v in views)
+        if offset < HEADER_BYTES or end > self.size:  # a pwritev past the end grows the object
+            raise ValueError(f"write_at of bytes {offset}..{end} of segment {self.name}: past its "
+                             f"{self.size} bytes or over its header (a writer's bug: nothing written)")
         if self._no_pwrite:
             self._copy_in(offset, views)
             return

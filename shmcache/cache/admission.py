@@ -46,7 +46,8 @@ NOTE [memory limits]
       /dev/shm keeps 4 MiB: ~45,000 spilled items; a cache of 4 GiB or more keeps 256 MiB: ~2.9
       million; more when the index was already large when memory filled). Beyond that, and when
       others fill /dev/shm meanwhile, new items are rejected (counted, said once). ``wrap()`` of a
-      map-style dataset sizes the index for all its items up front: it never grows.
+      map-style dataset sizes the index for all its items up front (within half the cap): it
+      never grows.
 """
 
 from __future__ import annotations

@@ -607,6 +607,7 @@ class _Shape(NamedTuple):
     """A flat value's shape (``_shape_of``): what ``_encode_like`` checks a value against."""
 
     keys: tuple | None  # a dict's keys in order, or None for a single leaf
+    key_types: tuple  # their types: 1.0, True and a str subclass equal 1 and "a" but encode otherwise
     leaves: tuple  # per leaf: (check, data): check says it is the same, data its bytes
     first: Encoded  # the value it was taken from: its layout and offsets are shared
 
@@ -621,13 +622,14 @@ def _shape_of(value: Any, enc: Encoded) -> _Shape | None:
         keys, leaves = tuple(value), value.values()
     else:
         keys, leaves = None, (value,)
+    key_types = tuple(map(type, keys or ()))
     specs = []
     for x in leaves:
         spec = _leaf_spec(x)
         if spec is None:
             return None
         specs.append(spec)
-    return _Shape(keys, tuple(specs), enc)
+    return _Shape(keys, key_types, tuple(specs), enc)
 
 
 def _leaf_spec(x: Any) -> tuple | None:
@@ -661,7 +663,7 @@ def _encode_like(value: Any, shape: _Shape) -> Encoded | None:
     """``value`` packed into ``shape``'s layout when every leaf matches it (else None: encode it)."""
     if shape.keys is None:
         leaves = (value,)
-    elif type(value) is dict and tuple(value) == shape.keys:
+    elif type(value) is dict and tuple(value) == shape.keys and tuple(map(type, value)) == shape.key_types:
         leaves = value.values()
     else:
         return None

@@ -46,10 +46,10 @@ NOTE [publish order]
     the run: the same words, the same fences. Its records are noted in the group intent in one
     go (the count word last), its chunks are the next ones of its class in a row, its bytes go
     into them with one pwrite of the class's segment (Segment.write_at: the kernel's copy, no
-    page fault per page of the writer's mapping; ordered by fence A as any store), its entries'
-    w1 and w2 staged together; a group's READY words are one numpy assignment (one aligned
-    8-byte store per word, TableView.ready_many). The repair cannot tell a run from records put
-    one at a time.
+    page fault per page of the writer's mapping; through the mapping on a hugetlbfs, which has
+    no write(); ordered by fence A as any store), its entries' w1 and w2 staged together; a
+    group's READY words are one numpy assignment (one aligned 8-byte store per word,
+    TableView.ready_many). The repair cannot tell a run from records put one at a time.
 
     The repair: in phase 1 nothing is reachable and no bump moved, so it forgets the staged w1
     and w2 and clears the intent (every chunk free again; commit steps stay committed for the
@@ -172,7 +172,7 @@ from ..errors import CacheMismatch, CacheNotFound, CorruptSegment, InvalidArgume
 from . import claims, codec, gather, portable, process_slot, repair, stats
 from .admission import MIN_CAPACITY, Admission, initial_capacity, log_no_memory
 from .generation import AUTO_NONE, DESTROYED, KIND_ROOT, MISSES, REJECTED, RootLayout, split_epoch
-from .index import MAX_LOAD, MIN_TABLE
+from .index import MAX_LOAD, MIN_TABLE, TableView
 from .indexed_tier import IndexedTier
 from .registry import SEP, SessionRegistry, unlink_segments, write_json
 from .stats import STAT_KEYS
@@ -320,7 +320,7 @@ class CacheStore:
             # a generation number this root never named: a handle still mapping the lost one must
             # see the epoch word change, never new segments under the names it maps lazily
             gen = split_epoch(WORD.unpack_from(root.buf, RootLayout.EPOCH)[0])[0] + 1
-            self.writer.create_generation(root, gen, capacity, _table_capacity(table_hint))
+            self.writer.create_generation(root, gen, capacity, _table_capacity(table_hint, capacity))
         if root is not None:
             self._check_fingerprint(fingerprint)
             return root
@@ -349,7 +349,7 @@ class CacheStore:
             root.words[RootLayout.INCARNATION >> 3] = secrets.randbits(32)
             root.words[RootLayout.SIZING >> 3] = sizing
             self.view.adopt(root)
-            self.writer.create_generation(root, 1, capacity, _table_capacity(table_hint))
+            self.writer.create_generation(root, 1, capacity, _table_capacity(table_hint, capacity))
         except BaseException:
             # no room, or interrupted: take back what this attempt made, json last (we hold the
             # lock, and the epoch word was never published, so nobody attached any of it)
@@ -376,7 +376,7 @@ class CacheStore:
         dataset of ``n`` items in a cache opened by name before it (its misses then never wait
         for a table growth, and each dataset index sits at its own entry). Nothing when it holds
         them already, or when memory has no room for a larger table (it grows as it fills)."""
-        want = _table_capacity(n)
+        want = _table_capacity(n, self.capacity_bytes)
         if self.view.refresh().index.capacity >= want:
             return
         with self.locked():
@@ -698,6 +698,12 @@ class UncachedStore:
         """Nothing to release."""
 
 
-def _table_capacity(hint: int) -> int:
+def _table_capacity(hint: int, capacity_bytes: int) -> int:
+    """Entries of an index sized up front for ``hint`` items: no more than take half the cap (all
+    of a dataset's items, spilled ones too, where that fits; a len() past it would make an index
+    of the whole cap, or of all of /dev/shm, and leave no room for data: it grows as it fills)."""
     want = max(MIN_TABLE, int(hint / MAX_LOAD) + 1)
-    return 1 << (want - 1).bit_length()
+    entries = 1 << (want - 1).bit_length()
+    while entries > MIN_TABLE and TableView.bytes_for(entries) > capacity_bytes // 2:
+        entries //= 2
+    return entries

@@ -596,7 +596,7 @@ def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[n
             break
         p = pos[todo]
         s0 = words[p, 0]
-        found = ((s0 & np.uint64(3)) == want) & (words[p, 1] == w1[todo])
+        found = ((s0 & want) == want) & (words[p, 1] == w1[todo])
         free = (s0 == 0) & ~(p[:, None] == taken[None, :]).any(axis=1)
         if free.any():  # the first key at each free entry takes it; the others go on
             _, at = np.unique(p[free], return_index=True)
@@ -622,9 +622,20 @@ def _runs(items: Sequence[tuple[Any, codec.Encoded]]) -> list[list[int]]:
     if len(items) < _RUN_MIN:
         return []
     by: dict = {}
+    seen: set = set()  # a key's first item only: runs go first, and its first value is the one stored
     for i, (key, enc) in enumerate(items):
         if type(key) is int or isinstance(key, np.integer):  # (a bool is no int key here)
-            by.setdefault((enc.layout, enc.body_len), []).append(i)
+            k = int(key)
+            if k not in seen:
+                seen.add(k)
+                # and one form: a portable record's body is its scalars, a codec value's in pieces
+                # (a run's records are written from the offsets of its first: _gaps)
+                by.setdefault((enc.layout, enc.body_len, len(enc.scalars), len(enc.pieces)), []).append(i)
+        elif type(key) not in (str, bytes) and not isinstance(key, bool):  # a 0-d int array or tensor
+            try:
+                seen.add(int(key))  # the int key it stands for (key_bytes), stored first
+            except Exception:  # noqa: BLE001 - no int: put_locked says what the key is not
+                pass
     return [run for run in by.values() if len(run) >= _RUN_MIN]
 
 

@@ -148,3 +148,19 @@ def test_write_at_copies_many_buffers_in_order_past_one_call_of_them(name):
     assert bytes(a.buf[PAGE + 5:PAGE + 5 + len(want)]) == want
     assert a.buf[PAGE + 5 + len(want)] == 0  # nothing past them
     a.unlink()
+
+
+@pytest.mark.parametrize("offset,length", [(4 * PAGE - 4, 8), (4 * PAGE, 1), (8 * PAGE, PAGE), (0, 8), (-8, 8)])
+def test_write_at_never_writes_past_the_segment_nor_over_its_header(name, offset, length):
+    # pwritev past the object's end would grow it (pages no commit counted, a size the header
+    # does not say); over the header it would destroy the segment: both refused, nothing written
+    a = Segment.create(name, 4 * PAGE, kind=3, commit=4 * PAGE)
+    path = "/dev/shm/" + name.lstrip("/")
+    head = bytes(a.buf[:HEADER_BYTES])
+    with pytest.raises(ValueError, match="past|header"):
+        a.write_at(offset, [b"\xee" * length])
+    assert os.stat(path).st_size == 4 * PAGE
+    assert bytes(a.buf[:HEADER_BYTES]) == head and not any(a.buf[HEADER_BYTES:])
+    a.write_at(4 * PAGE - 8, [b"\xee" * 8])  # the last bytes are its own
+    assert bytes(a.buf[4 * PAGE - 8:]) == b"\xee" * 8
+    a.unlink()

@@ -257,3 +257,34 @@ def test_numpy_integer_keys_go_as_a_run_and_read_as_their_ints(store, monkeypatc
     assert len(runs) == 1 and all(store.lookup(int(k))["label"] == k for k in keys)
     assert store.put_many([(int(k), codec.encode(_row(0))) for k in keys]) == [True] * len(keys)  # present
     assert len(store) == len(keys)
+
+
+def test_a_key_put_before_its_run_keeps_its_first_value(store):
+    # runs go before the items left one at a time: a key's later copy in a run must not take the
+    # place of its first value (a short group of another layout, or a run that comes later), as
+    # one at a time
+    first = np.full(41, -1, np.int64)  # a layout of its own: one at a time
+    items = [(5, codec.encode(first)), (np.array(7), codec.encode(first))]  # a 0-d array: key 7
+    items += [(k, codec.encode(_row(k))) for k in range(10)]
+    # key 300 first in a run of the value layout (second), then in a run of rows (first)
+    items += [(300, codec.encode(np.full(40, 300, np.int64)))]
+    items += [(k, codec.encode(_row(k))) for k in (300, *range(301, 310))]
+    items += [(k, codec.encode(np.full(40, k, np.int64))) for k in range(400, 410)]
+    assert store.put_many(items) == [True] * len(items)
+    assert np.array_equal(store.lookup(5), first) and np.array_equal(store.lookup(7), first)
+    assert np.array_equal(store.lookup(300), np.full(40, 300, np.int64))
+    assert all(store.lookup(k)["label"] == k for k in (0, 1, 2, 3, 4, 6, 8, 9, *range(301, 310)))
+    assert len(store) == 10 + 10 + 10 == store.stats()["items_mem"]
+
+
+def test_a_run_of_records_from_a_tier_and_from_the_codec_reads_back_right(store):
+    # one layout and length, two forms (put_many takes both): a portable record's body is one
+    # piece, a codec's value its pieces; a run writes each record from its own, never the other's
+    items = [(k, encoded_from_portable(portable_record(codec.encode(_row(k)), k), k, store.view)) for k in range(8)]
+    items += [(k, codec.encode(_row(k))) for k in range(8, 20)]
+    items += [(k, encoded_from_portable(portable_record(codec.encode(_row(k)), k), k, store.view))
+              for k in range(20, 30)]
+    assert store.put_many(items) == [True] * len(items)
+    for k in range(30):
+        got = store.lookup(k)
+        assert np.array_equal(got["img"], _row(k)["img"]) and got["label"] == k and got["name"] == _row(k)["name"], k

@@ -659,3 +659,72 @@ def test_encode_many_gives_a_value_that_cannot_be_encoded_its_error_in_its_place
     many = codec.encode_many(rows, ["first", "second", "third"])
     assert isinstance(many[1], EncodeError) and "second" in str(many[1])
     assert _same_encoded(many[0], codec.encode(rows[0])) and _same_encoded(many[2], codec.encode(rows[2]))
+
+
+class _Key(str):
+    """A str subclass: equal to its str, but encode pickles a dict keyed by it."""
+
+
+def test_encode_many_keeps_a_dict_keyed_by_equal_keys_of_another_type_as_encode_does():
+    # 1.0, True and np.int64(1) equal the key 1, _Key("a") equals "a": a dict keyed by them must
+    # not be packed into the layout of one keyed by 1 or "a" (read back, its keys would change)
+    for first, other in (({1: np.arange(3)}, {1.0: np.arange(3)}), ({1: 2}, {True: 3}),
+                         ({1: 2.5}, {np.int64(1): 3.5}), ({"a": 1}, {_Key("a"): 2})):
+        many = codec.encode_many([first, other], ["first", "other"])
+        assert _same_encoded(many[1], codec.encode(other)), other
+        enc = many[1]
+        buf = bytearray(enc.record_len(0, True))
+        enc.write(memoryview(buf), codec.INLINE, b"")
+        got = codec.decode(buf, enc.layout)
+        assert [type(k) for k in got] == [type(k) for k in other]
+
+
+def _leaf(r):
+    import torch
+
+    kind = r.randrange(9)
+    if kind == 0:
+        return r.choice([0, -1, 2**63 - 1, -2**63, 2**63, True, False, 1.5, -0.0, None])
+    if kind == 1:
+        return r.choice(["", "a", "ab", "é", "\udc80", b"", b"ab", _Key("a")])
+    if kind == 2:
+        arr = np.zeros(r.choice([(), (3,), (2, 3), (0,)]),
+                       dtype=r.choice(["<i4", ">i4", "<f2", "?", "<U2", "S3", ">f8", "M8[s]", "V4"]))
+        return arr[:, ::2] if arr.ndim == 2 and r.random() < 0.5 else arr
+    if kind == 3:
+        return r.choice([np.int64(3), np.int32(3), np.float32(1), np.bool_(True), np.str_("ab"),
+                         np.float16(2), np.uint64(2**64 - 1)])
+    if kind == 4:
+        t = torch.zeros(r.choice([(), (3,), (2, 3)]),
+                        dtype=r.choice([torch.float32, torch.bool, torch.float16, torch.bfloat16, torch.uint8]))
+        if t.dtype.is_floating_point and r.random() < 0.5:
+            t.requires_grad_(True)
+        return t.t() if t.ndim == 2 and r.random() < 0.5 else t
+    if kind == 5:
+        return r.choice([(1, 2), [1, 2, 3, 4, 5, 6, 7, 8], torch.nn.Parameter(torch.zeros(2))])
+    return r.choice([1, "a", np.int64(1), 2.0])
+
+
+def _sample(r):
+    if r.random() < 0.3:
+        return _leaf(r)
+    return {r.choice(["a", "b", 1, 2, 1.0, True, _Key("a"), np.int64(1)]): _leaf(r) for _ in range(r.randrange(1, 4))}
+
+
+def test_encode_many_gives_encodes_bytes_for_generated_batches():
+    # batches of samples drawn from two generators of one seed each: mostly one shape, with the
+    # leaves and keys that differ from it in type, dtype, byte order, length or contiguity
+    import random
+
+    for seed in range(1500):
+        r = random.Random(seed)
+        batch = [_sample(random.Random(r.choice([2 * seed, 2 * seed + 1]))) if r.random() < 0.7 else _sample(r)
+                 for _ in range(6)]
+        many = codec.encode_many(batch, ["sample"] * len(batch))
+        for value, enc in zip(batch, many):
+            try:
+                want = codec.encode(value, "sample")
+            except EncodeError as exc:
+                assert isinstance(enc, EncodeError), (seed, value, exc)
+                continue
+            assert _same_encoded(enc, want), (seed, value)
