@@ -158,7 +158,7 @@ class Admission:
         shm_total = memory_limits(shm_root=self.shm_root).shm_total or self.capacity_bytes
         return min(self.capacity_bytes, shm_total) if self.sizing() == SIZED else shm_total
 
-    def commit(self, g: Generation, cls: int, seg: Segment, chunk_size: int, committed: int,
+    def commit(self, gen: Generation, cls: int, seg: Segment, chunk_size: int, committed: int,
                spill: IndexedTier | None, fence: bool = True, chunks: int = 1) -> int:
         """Commit more chunks of class ``cls`` within the cap; raise NoRoom when there is no room
         (NOTE [memory limits]: the session's automatic cap, and the index's reserve when spilling).
@@ -168,7 +168,7 @@ class Admission:
         caller asks again while it has fewer."""
         if time.monotonic() < self._shm_full_until:
             raise NoRoom  # /dev/shm was full a moment ago: don't ask the kernel on every miss
-        meta = g.meta.buf
+        meta = gen.meta.buf
         used = WORD.unpack_from(meta, MetaLayout.COMMITTED)[0]
         step = commit_step_chunks(chunk_size)
         keep = shm_free = 0
@@ -203,7 +203,7 @@ class Admission:
         room = min(room, (seg.size - DATA_OFF) // chunk_size - committed)
         if room < 1 and self.raise_auto_cap():
             self._shm_full_until = 0.0
-            return self.commit(g, cls, seg, chunk_size, committed, spill, fence, chunks)
+            return self.commit(gen, cls, seg, chunk_size, committed, spill, fence, chunks)
         if room < 1:
             if keep:
                 self.log_memory_full(f"memory is full ({used / 2**20:.1f} MiB committed; "
@@ -223,8 +223,8 @@ class Admission:
         except SharedMemoryFull as exc:
             self.log_shm_full(exc, spill)
             raise NoRoom from None
-        g.classes.set_committed(cls, committed + step)
-        g.meta.words[MetaLayout.COMMITTED >> 3] = used + step * chunk_size
+        gen.classes.set_committed(cls, committed + step)
+        gen.meta.words[MetaLayout.COMMITTED >> 3] = used + step * chunk_size
         if fence:
             ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)
         if auto:

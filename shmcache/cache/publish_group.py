@@ -46,7 +46,7 @@ class PublishGroup:
     holds the cache's lock from the first ``allocate`` to ``flush``)."""
 
     def __init__(self):
-        self.g: Generation | None = None
+        self.gen: Generation | None = None
         self.positions: dict[int, tuple[int, bytes]] = {}  # table position -> its key (w1, key bytes)
         self.bumps: dict[int, list[int]] = {}  # class -> [its bump before the group, its next chunk]
         self.bytes = 0
@@ -77,40 +77,40 @@ class PublishGroup:
         b = self.bumps.get(cls)
         return bump if b is None else b[1]
 
-    def allocate(self, g: Generation, pos: int, w1: int, kb: bytes, cls: int, chunk: int, w0: int) -> None:
+    def allocate(self, gen: Generation, pos: int, w1: int, kb: bytes, cls: int, chunk: int, w0: int) -> None:
         """Note a record in the intent before its bytes are written: entry ``pos`` gets key
         ``w1``/``kb``, ``w0`` and chunk ``chunk`` of class ``cls`` (from :meth:`next_chunk`)."""
         if not self.positions:
-            self.g = g
-            g.group_begin()
-        assert g is self.g, "a group is published before its table grows"
-        g.group_record(len(self.positions), pos, cls, w0)
+            self.gen = gen
+            gen.group_begin()
+        assert gen is self.gen, "a group is published before its table grows"
+        gen.group_record(len(self.positions), pos, cls, w0)
         self.positions[pos] = (w1, kb)
         b = self.bumps.get(cls)
         if b is None:
-            g.group_class(len(self.bumps), cls, chunk)
+            gen.group_class(len(self.bumps), cls, chunk)
             self.bumps[cls] = [chunk, chunk + 1]
         else:
             b[1] += 1
         self.bytes += entry_length(w0)
 
-    def allocate_run(self, g: Generation, pos: np.ndarray, w1: np.ndarray, cls: int, chunk: int,
+    def allocate_run(self, gen: Generation, pos: np.ndarray, w1: np.ndarray, cls: int, chunk: int,
                      w0: int) -> None:
         """:meth:`allocate` of a run of records of one size class and one state word ``w0`` (one
         layout, one length, int keys): entries ``pos`` get keys ``w1`` and chunks ``chunk``,
         ``chunk + 1``, ... (from :meth:`next_chunk`), noted in the intent with numpy in one go."""
         n = len(pos)
         if not self.positions:
-            self.g = g
-            g.group_begin()
-        assert g is self.g, "a group is published before its table grows"
+            self.gen = gen
+            gen.group_begin()
+        assert gen is self.gen, "a group is published before its table grows"
         assert len(self.positions) + n <= GROUP_RECORDS, "a run fits in its group"
         at = pos.tolist()
-        g.group_record_run(len(self.positions), at, cls, w0)
+        gen.group_record_run(len(self.positions), at, cls, w0)
         self.positions.update(zip(at, zip(w1.tolist(), [b""] * n)))
         b = self.bumps.get(cls)
         if b is None:
-            g.group_class(len(self.bumps), cls, chunk)
+            gen.group_class(len(self.bumps), cls, chunk)
             self.bumps[cls] = [chunk, chunk + n]
         else:
             b[1] += n
@@ -120,14 +120,14 @@ class PublishGroup:
         """Publish the group's records (steps 2-5); nothing to do when it has none."""
         if not self.positions:
             return
-        g, n = self.g, len(self.positions)
-        items, total, _ = g.mem_totals()
-        table_items = g.table_items()
+        gen, n = self.gen, len(self.positions)
+        items, total, _ = gen.mem_totals()
+        table_items = gen.table_items()
         ordering.fence()  # A: bytes, w1 and w2, committed counts, class and layout records
         if _CRASH_TESTS:
             crash_point("group_fenced")
-        g.group_publishing(items + n, total + self.bytes, table_items + n)
-        finish(g)
+        gen.group_publishing(items + n, total + self.bytes, table_items + n)
+        finish(gen)
         self.positions.clear()
         self.bumps.clear()
         self.bytes = 0
@@ -135,23 +135,23 @@ class PublishGroup:
     def abandon(self, corrupt: Callable[..., CorruptSegment]) -> None:
         """After an exception in the middle of a group: what a repair would do (undo it before its
         fence, finish it after)."""
-        if self.positions and self.g.group_phase():
-            repair(self.g, corrupt, dead=False)
+        if self.positions and self.gen.group_phase():
+            repair(self.gen, corrupt, dead=False)
         self.positions.clear()
         self.bumps.clear()
         self.bytes = 0
 
 
-def finish(g: Generation) -> None:
+def finish(gen: Generation) -> None:
     """Steps 3-5 of a group in phase 2 (its writer, or the repair of a dead one)."""
-    ci = g.group_intent()
+    ci = gen.group_intent()
     count = Counter(cls for _, cls, _ in ci.records)
     for cls, bump in ci.classes:
-        g.classes.set_bump(cls, bump + count[cls])
+        gen.classes.set_bump(cls, bump + count[cls])
     if _CRASH_TESTS:
         crash_point("group_bumped")
     ordering.fence()  # B: the bumps before the entries that point below them
-    index = g.index
+    index = gen.index
     if _CRASH_TESTS:  # one record at a time, to die between two of them
         for pos, _, w0 in ci.records:
             crash_point("group_publishing")
@@ -161,62 +161,62 @@ def finish(g: Generation) -> None:
         index.ready_many(rec[:, 0], rec[:, 2])
     if _CRASH_TESTS:
         crash_point("group_published")
-    g.apply_totals(Intent(2, 0, 0, 0, ci.items, ci.total, 0, ci.table_items))
-    g.group_end()
+    gen.apply_totals(Intent(2, 0, 0, 0, ci.items, ci.total, 0, ci.table_items))
+    gen.group_end()
 
 
-def repair(g: Generation, corrupt: Callable[..., CorruptSegment], dead: bool = True) -> int:
+def repair(gen: Generation, corrupt: Callable[..., CorruptSegment], dead: bool = True) -> int:
     """Undo (phase 1) or finish (phase 2) the group in generation ``g``'s intent (caller holds the
     lock); the number of chunks given back. ``corrupt``: the view's ``corrupt``, for an intent no
     writer can leave (damage: touch nothing; gc drops the generation)."""
-    ci = g.group_intent()
-    wrong = impossible(g, ci)
+    ci = gen.group_intent()
+    wrong = impossible(gen, ci)
     if wrong:
-        raise corrupt(f"the group intent record in {g.meta.name} is impossible: {wrong}")
+        raise corrupt(f"the group intent record in {gen.meta.name} is impossible: {wrong}")
     if ci.phase == 1:  # nothing published, no bump moved: forget the words staged in EMPTY entries
         for pos, _, _ in ci.records:
-            g.index.stage(pos, 0, 0)
-        g.group_end()
+            gen.index.stage(pos, 0, 0)
+        gen.group_end()
         reclaimed = len(ci.records)
     else:
-        finish(g)
+        finish(gen)
         reclaimed = 0
     if dead:
-        log.info("cache %s: repaired a publish group of %d records left by a dead writer (%s)", g.meta.name,
+        log.info("cache %s: repaired a publish group of %d records left by a dead writer (%s)", gen.meta.name,
                  len(ci.records), "gave its chunks back" if reclaimed else "published them")
     return reclaimed
 
 
-def impossible(g: Generation, ci: GroupIntent) -> str:
+def impossible(gen: Generation, ci: GroupIntent) -> str:
     """Why the group intent cannot be one a writer left (NOTE [publish order]), or "". Phase 1:
     no entry of it filled and no bump moved; phase 2: its classes' bumps where they were or past
     its records, its entries EMPTY or holding its w0, their staged chunks those it took, the
     totals the current ones or its records more."""
     if ci.phase not in (1, 2):
         return f"phase {ci.phase} (a writer writes 1 or 2)"
-    if g.intent().phase:
+    if gen.intent().phase:
         return "the record intent is in use too (a writer uses one at a time)"
-    n, n_cls = g.group_counts()
+    n, n_cls = gen.group_counts()
     if n > GROUP_RECORDS or n_cls > n or (ci.phase == 2 and not n):
         return f"{n} records in {n_cls} size classes in phase {ci.phase} (at most {GROUP_RECORDS} records)"
-    words, count, seen = g.index.words, Counter(), set()
+    words, count, seen = gen.index.words, Counter(), set()
     for pos, cls, w0 in ci.records:
-        if pos >= g.index.capacity or pos in seen:
-            return f"table position {pos} (twice, or past the table's {g.index.capacity} entries)"
+        if pos >= gen.index.capacity or pos in seen:
+            return f"table position {pos} (twice, or past the table's {gen.index.capacity} entries)"
         seen.add(pos)
         count[cls] += 1
-        size = g.classes.chunk_size(cls) if 0 < cls < MAX_CLASSES else 0
+        size = gen.classes.chunk_size(cls) if 0 < cls < MAX_CLASSES else 0
         if not size or w0 & (READY | SPILLED) != READY or not codec.MIN_RECORD_BYTES <= entry_length(w0) <= size:
             return f"a record of {entry_length(w0)} bytes in size class {cls} (chunks of {size} bytes), state {w0:#x}"
         now = int(words[pos, 0])
         if now and (ci.phase == 1 or now != w0):
-            return f"entry {pos} of {g.table.name} holds {now:#x} in phase {ci.phase}"
+            return f"entry {pos} of {gen.table.name} holds {now:#x} in phase {ci.phase}"
     olds = {}
     for cls, old in ci.classes:
         if cls in olds or cls not in count:
             return f"a class word for size class {cls}, which holds none of its records or another word"
         olds[cls] = old
-        _, bump, committed = g.classes.get(cls)
+        _, bump, committed = gen.classes.get(cls)
         if ci.phase == 1:  # no bump moves before phase 2
             ok = bump == old
         else:  # where it was, or past the group's records; committed for all of them
@@ -233,11 +233,11 @@ def impossible(g: Generation, ci: GroupIntent) -> str:
         w2 = int(words[pos, 2])
         located.add(w2)
         if entry_class(w2) != cls or not olds[cls] <= entry_chunk(w2) < olds[cls] + count[cls]:
-            return f"entry {pos} of {g.table.name} locates its record at {w2:#x}, not in the group's chunks"
+            return f"entry {pos} of {gen.table.name} locates its record at {w2:#x}, not in the group's chunks"
     if len(located) != n:
         return "two of its entries locate the same chunk"
-    now_items, now_total, _ = g.mem_totals()
-    now_table = g.table_items()
+    now_items, now_total, _ = gen.mem_totals()
+    now_table = gen.table_items()
     most = sum(entry_length(w0) for _, _, w0 in ci.records)
     if not (0 <= ci.items - now_items <= n and 0 <= ci.table_items - now_table <= n
             and 0 <= ci.total - now_total <= most):

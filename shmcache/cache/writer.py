@@ -189,37 +189,37 @@ class CacheWriter:
                 return False
             if _CRASH_TESTS:
                 crash_point("locked")
-            g = self.view.refresh()
-            self.repair(g)
-            return self.put_locked(g, key, w1, kb, enc)
+            gen = self.view.refresh()
+            self.repair(gen)
+            return self.put_locked(gen, key, w1, kb, enc)
 
-    def put_locked(self, g: Generation, key: Any, w1: int, kb: bytes, enc: codec.Encoded,
+    def put_locked(self, gen: Generation, key: Any, w1: int, kb: bytes, enc: codec.Encoded,
                     group: PublishGroup | None = None) -> bool:
         """The body of ``put`` (and of each item of ``put_records``, with its ``group``: PublishGroup);
         the caller holds the lock."""
-        w0, w2, pos, _, _ = self.view.find(g, key)
+        w0, w2, pos, _, _ = self.view.find(gen, key)
         if group is not None and not w0 and pos in group:  # the group took that entry
-            pos = group.probe(g.index, pos, w1, kb)
+            pos = group.probe(gen.index, pos, w1, kb)
             if pos < 0:
                 return True  # twice in this put_records: stored once
         if w0 and w0 & SPILLED and self.view.spill is not None and self.view.read_spilled(w0, w2, w1, kb) is None:
             if group is not None:
                 group.flush()  # one intent record in use at a time
-            return self._spill(g, pos, w1, kb, enc, replace=True)  # a corrupt record
+            return self._spill(gen, pos, w1, kb, enc, replace=True)  # a corrupt record
         if w0:
             return True  # another process stored it first: stored once
-        if group is not None and WORD.unpack_from(g.meta.buf, MetaLayout.TABLE_ITEMS)[0] + len(group) + 1 > \
-                MAX_LOAD * g.index.capacity:
+        if group is not None and WORD.unpack_from(gen.meta.buf, MetaLayout.TABLE_ITEMS)[0] + len(group) + 1 > \
+                MAX_LOAD * gen.index.capacity:
             group.flush()  # a table growth copies READY entries only
-        if WORD.unpack_from(g.meta.buf, MetaLayout.TABLE_ITEMS)[0] + 1 > MAX_LOAD * g.index.capacity:
+        if WORD.unpack_from(gen.meta.buf, MetaLayout.TABLE_ITEMS)[0] + 1 > MAX_LOAD * gen.index.capacity:
             try:
-                g = self._grow_table(g)
+                gen = self._grow_table(gen)
             except NoRoom:  # the index cannot grow: nothing more is admitted, not even to disk
                 self.view.count(REJECTED)
                 return False
-            w0, _, pos, _, _ = self.view.find(g, key)
+            w0, _, pos, _, _ = self.view.find(gen, key)
         try:
-            self._insert(g, pos, w1, kb, enc, group)
+            self._insert(gen, pos, w1, kb, enc, group)
             return True
         except FileNotFoundError:  # a data segment our meta names is gone: not by clear(), we lock
             raise self.view.destroyed_under_us() or CorruptSegment(
@@ -233,7 +233,7 @@ class CacheWriter:
             pass
         if group is not None and self.view.spill is not None:
             group.flush()  # one intent record in use at a time
-        if self._spill(g, pos, w1, kb, enc):
+        if self._spill(gen, pos, w1, kb, enc):
             return True
         self.view.count(REJECTED)
         return False
@@ -285,7 +285,7 @@ class CacheWriter:
                 raise
             return out
 
-    def _put_run(self, g: Generation, items: Sequence[tuple[Any, codec.Encoded]], run: list[int],
+    def _put_run(self, gen: Generation, items: Sequence[tuple[Any, codec.Encoded]], run: list[int],
                  group: PublishGroup, out: list) -> None:
         """Put ``items[i]`` for ``i`` in ``run`` (int keys, one layout and record length: one size
         class) as runs of a publish group (NOTE [publish order], "A publish group": the same
@@ -296,7 +296,7 @@ class CacheWriter:
         key present or whose home entry is taken, a full table, no room (spill or reject), a
         layout that does not fit the meta segment."""
         enc = items[run[0]][1]
-        lid = self._intern_layout(g, enc.layout)
+        lid = self._intern_layout(gen, enc.layout)
         if lid == INLINE24:
             return
         try:
@@ -306,15 +306,15 @@ class CacheWriter:
         nbytes = enc.record_len(0, False)
         cls, chunk_size = size_class(nbytes)
         try:
-            self.admission.check_fits(nbytes, chunk_size, g.index.capacity)
+            self.admission.check_fits(nbytes, chunk_size, gen.index.capacity)
         except (ItemTooLarge, NoRoom):
             return
-        index = g.index
+        index = gen.index
         w1 = keys.view(np.uint64)
         home, picked = _probe_run(index, w1, group)
         w0 = state_word(READY | INT_KEY, lid, nbytes)
-        seg = self._class_segment(g, cls, chunk_size)
-        self.view.recheck_class(g, cls, g.data[cls])  # a damaged class record must not place a record
+        seg = self._class_segment(gen, cls, chunk_size)
+        self.view.recheck_class(gen, cls, gen.data[cls])  # a damaged class record must not place a record
         gaps, tail = _gaps(enc, chunk_size)
         lo = 0
         while lo < len(picked):  # the group's room at a time: groups of GROUP_RECORDS, as one by one
@@ -323,33 +323,33 @@ class CacheWriter:
             part = picked[lo:lo + GROUP_RECORDS - len(group)]
             lo += len(part)
             n = len(part)
-            if g.table_items() + len(group) + n > MAX_LOAD * index.capacity:
+            if gen.table_items() + len(group) + n > MAX_LOAD * index.capacity:
                 group.flush()  # a table growth copies READY entries only
                 try:
-                    g = self._grow_table(g)
+                    gen = self._grow_table(gen)
                 except NoRoom:  # the index cannot grow: put_locked rejects them one at a time
                     return
                 # the rest in the grown table (its homes differ): a growth doubles it, so this
                 # recursion is as deep as the table can double
-                self._put_run(g, items, [i for i in run if out[i] is None], group, out)
+                self._put_run(gen, items, [i for i in run if out[i] is None], group, out)
                 return
-            _, bump, committed = g.classes.get(cls)
+            _, bump, committed = gen.classes.get(cls)
             bump = group.next_chunk(cls, bump)
             try:
                 while bump + n > committed:  # a group's commits are fenced with the group
-                    committed = self.admission.commit(g, cls, seg, chunk_size, committed, self.view.spill,
+                    committed = self.admission.commit(gen, cls, seg, chunk_size, committed, self.view.spill,
                                                       fence=False, chunks=bump + n - committed)
             except NoRoom:
                 return
-            items_, total, _ = g.mem_totals()
-            table_items = g.table_items() + len(group) + n
+            items_, total, _ = gen.mem_totals()
+            table_items = gen.table_items() + len(group) + n
             if items_ + len(group) + n > index.capacity or table_items >= index.capacity or \
                     (total + group.bytes + n * nbytes) >> 63:
-                raise self.view.corrupt(f"the counters in {g.meta.name} are impossible ({items_} items and "
+                raise self.view.corrupt(f"the counters in {gen.meta.name} are impossible ({items_} items and "
                                         f"{total} bytes in memory, {table_items - n - len(group)} entries, in a "
                                         f"table of {index.capacity})", fix="it recounts them")
             pos = home[part]
-            group.allocate_run(g, pos, w1[part], cls, bump, w0)  # in the group's intent (undo: forget it)
+            group.allocate_run(gen, pos, w1[part], cls, bump, w0)  # in the group's intent (undo: forget it)
             if _CRASH_TESTS:
                 crash_point("run_allocated")
             # each record's bytes where enc.write would put them, the gaps and the chunk's tail
@@ -379,37 +379,37 @@ class CacheWriter:
             if len(group) >= GROUP_RECORDS:
                 group.flush()
 
-    def _insert(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded,
+    def _insert(self, gen: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded,
                 group: PublishGroup | None = None) -> None:
         """Allocate, copy and publish a record at EMPTY entry ``pos`` (NOTE [publish order]); with
         a ``group`` (put_records), allocate and copy it and stage its entry: the group publishes."""
-        lid = self._intern_layout(g, enc.layout)
+        lid = self._intern_layout(gen, enc.layout)
         nbytes = enc.record_len(len(kb), lid == INLINE24)
         cls, chunk_size = size_class(nbytes)
-        self.admission.check_fits(nbytes, chunk_size, g.index.capacity)  # ItemTooLarge, NoRoom
-        seg = self._class_segment(g, cls, chunk_size)
-        self.view.recheck_class(g, cls, g.data[cls])  # a damaged class record must not place this record
-        chunk_size_, bump, committed = g.classes.get(cls)
+        self.admission.check_fits(nbytes, chunk_size, gen.index.capacity)  # ItemTooLarge, NoRoom
+        seg = self._class_segment(gen, cls, chunk_size)
+        self.view.recheck_class(gen, cls, gen.data[cls])  # a damaged class record must not place this record
+        chunk_size_, bump, committed = gen.classes.get(cls)
         if group is not None:  # the group's bumps move when it is published
             bump = group.next_chunk(cls, bump)
         if bump >= committed:  # a group's commits are fenced with the group (PublishGroup)
-            committed = self.admission.commit(g, cls, seg, chunk_size, committed, self.view.spill,
+            committed = self.admission.commit(gen, cls, seg, chunk_size, committed, self.view.spill,
                                               fence=group is None)
-        items, total, _ = g.mem_totals()
-        items, total, table_items = items + 1, total + nbytes, g.table_items()
+        items, total, _ = gen.mem_totals()
+        items, total, table_items = items + 1, total + nbytes, gen.table_items()
         if group is not None:
             items, total, table_items = items + len(group), total + group.bytes, table_items + len(group)
-        if items > g.index.capacity or table_items >= g.index.capacity or total >> 63:
-            raise self.view.corrupt(f"the counters in {g.meta.name} are impossible ({items - 1} items and "
+        if items > gen.index.capacity or table_items >= gen.index.capacity or total >> 63:
+            raise self.view.corrupt(f"the counters in {gen.meta.name} are impossible ({items - 1} items and "
                                 f"{total - nbytes} bytes in memory, {table_items} entries, in a "
-                                f"table of {g.index.capacity})", fix="it recounts them")
+                                f"table of {gen.index.capacity})", fix="it recounts them")
         w0 = state_word(READY | (0 if kb else INT_KEY), lid, nbytes)
         if group is not None:
-            group.allocate(g, pos, w1, kb, cls, bump, w0)  # in the group's intent (undo: forget it)
+            group.allocate(gen, pos, w1, kb, cls, bump, w0)  # in the group's intent (undo: forget it)
         else:
             intent = Intent(1, pos, cls, bump, items, total, 0, table_items + 1)
-            g.begin(intent)  # phase 1: allocating (undo restores the bump)
-            g.classes.set_bump(cls, bump + 1)
+            gen.begin(intent)  # phase 1: allocating (undo restores the bump)
+            gen.classes.set_bump(cls, bump + 1)
         if _CRASH_TESTS:
             crash_point("allocated")
         start = DATA_OFF + bump * chunk_size
@@ -419,7 +419,7 @@ class CacheWriter:
                 crash_point("mid_copy")
             enc.write(mv[start:start + nbytes], lid if lid != INLINE24 else codec.INLINE, kb)
         if group is not None:
-            g.index.stage(pos, w1, location_word(cls, bump))
+            gen.index.stage(pos, w1, location_word(cls, bump))
             if _CRASH_TESTS:
                 crash_point("group_copied")
             if len(group) >= GROUP_RECORDS:
@@ -427,40 +427,40 @@ class CacheWriter:
             return
         if _CRASH_TESTS:
             crash_point("before_publish")
-        g.index.publish(pos, w0, w1, location_word(cls, bump))
-        g.published()  # phase 2: published (redo the totals)
+        gen.index.publish(pos, w0, w1, location_word(cls, bump))
+        gen.published()  # phase 2: published (redo the totals)
         if _CRASH_TESTS:
             crash_point("after_publish")
-        g.apply_totals(intent)
-        g.end()
+        gen.apply_totals(intent)
+        gen.end()
 
-    def repair(self, g: Generation) -> int:
+    def repair(self, gen: Generation) -> int:
         """Undo or finish the last writer's work if it died mid-way (repair.repair_intent)."""
-        return repair.repair_intent(self.view, g)
+        return repair.repair_intent(self.view, gen)
 
-    def _intern_layout(self, g: Generation, layout: bytes) -> int:
-        cache = g.layouts
+    def _intern_layout(self, gen: Generation, layout: bytes) -> int:
+        cache = gen.layouts
         for lid, (raw, *_) in cache.items():
             if raw == layout:
                 return lid
-        n = WORD.unpack_from(g.meta.buf, MetaLayout.N_LAYOUTS)[0]
+        n = WORD.unpack_from(gen.meta.buf, MetaLayout.N_LAYOUTS)[0]
         if n > MetaLayout.MAX_LAYOUTS:
-            raise self.view.corrupt(f"{g.meta.name} counts {n} layouts, more than its {MetaLayout.MAX_LAYOUTS} slots")
+            raise self.view.corrupt(f"{gen.meta.name} counts {n} layouts, more than its {MetaLayout.MAX_LAYOUTS} slots")
         for lid in range(n):
-            if self.view.layout(g, lid)[0] == layout:
+            if self.view.layout(gen, lid)[0] == layout:
                 return lid
         if n >= MetaLayout.MAX_LAYOUTS or len(layout) > MetaLayout.LAYOUT_BYTES - 4:
             return INLINE24
         off = MetaLayout.LAYOUTS + n * MetaLayout.LAYOUT_BYTES
-        struct.pack_into("I", g.meta.buf, off, len(layout))
-        g.meta.buf[off + 4:off + 4 + len(layout)] = layout
-        g.meta.words[MetaLayout.N_LAYOUTS >> 3] = n + 1  # after the bytes: readers never see it half-made
+        struct.pack_into("I", gen.meta.buf, off, len(layout))
+        gen.meta.buf[off + 4:off + 4 + len(layout)] = layout
+        gen.meta.words[MetaLayout.N_LAYOUTS >> 3] = n + 1  # after the bytes: readers never see it half-made
         return n
 
-    def _class_segment(self, g: Generation, cls: int, chunk_size: int) -> Segment:
-        if g.classes.chunk_size(cls):
-            return self.view.class_data(g, cls)[0]
-        name = self.view.segment_name(f"g{g.gen}", f"c{cls}")
+    def _class_segment(self, gen: Generation, cls: int, chunk_size: int) -> Segment:
+        if gen.classes.chunk_size(cls):
+            return self.view.class_data(gen, cls)[0]
+        name = self.view.segment_name(f"g{gen.gen}", f"c{cls}")
         self.view.ns.unlink_segment(name)  # debris of a writer that died before registering the class
         try:
             virtual = self.admission.data_segment_bytes()
@@ -468,28 +468,28 @@ class CacheWriter:
         except SharedMemoryFull as exc:
             self.admission.log_shm_full(exc, self.view.spill)
             raise NoRoom from None
-        g.classes.create(cls, chunk_size)
-        g.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size, 0)
+        gen.classes.create(cls, chunk_size)
+        gen.data[cls] = (seg, memoryview(seg.buf).toreadonly(), chunk_size, 0)
         return seg
 
     def grow_table_to(self, capacity: int) -> None:
         """Grow the index until it has ``capacity`` entries (caller holds the lock): as far as
         memory has room (NoRoom stops it: the table grows as it fills then)."""
-        g = self.view.refresh()
-        self.repair(g)
+        gen = self.view.refresh()
+        self.repair(gen)
         try:
             for _ in range(64):  # bounded: each growth doubles it
-                if g.index.capacity >= capacity:
+                if gen.index.capacity >= capacity:
                     return
-                g = self._grow_table(g)
+                gen = self._grow_table(gen)
         except NoRoom:
             return
 
-    def _grow_table(self, g: Generation) -> Generation:
+    def _grow_table(self, gen: Generation) -> Generation:
         """Rebuild the table at twice the size as a new version (caller holds the lock)."""
-        cap = g.index.capacity * 2
-        version = g.version + 1
-        name = self.view.segment_name(f"g{g.gen}", f"t{version}")
+        cap = gen.index.capacity * 2
+        version = gen.version + 1
+        name = self.view.segment_name(f"g{gen.gen}", f"t{version}")
         self.view.ns.unlink_segment(name)
         size = TableView.bytes_for(cap)
         try:
@@ -499,21 +499,21 @@ class CacheWriter:
             raise NoRoom from None
         TableView.init(table.buf, cap)
         new = TableView(table.buf)
-        for w0, w1, w2 in g.index.entries():
+        for w0, w1, w2 in gen.index.entries():
             pos = _first_empty(new, w1)  # keys are unique: the first EMPTY slot on its path
             new.publish(pos, w0, w1, w2, fence=False)  # unreachable until the epoch word names it
         table.close()
-        old = g.table
+        old = gen.table
         if _CRASH_TESTS:
             crash_point("table_built")
         ordering.fence()  # every entry of the new table before the epoch word names it
-        self.view.root.words[RootLayout.EPOCH >> 3] = epoch_of(g.gen, version)  # publish: one store
+        self.view.root.words[RootLayout.EPOCH >> 3] = epoch_of(gen.gen, version)  # publish: one store
         old.unlink()
-        g = self.view.refresh()
-        repair.recount_committed(g)
-        return g
+        gen = self.view.refresh()
+        repair.recount_committed(gen)
+        return gen
 
-    def _spill(self, g: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded, *,
+    def _spill(self, gen: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded, *,
                replace: bool = False) -> bool:
         """Write the record to the spill tier and publish where it went at table position ``pos``
         (caller holds the lock): the same intent protocol as a record in memory (NOTE [publish
@@ -522,7 +522,7 @@ class CacheWriter:
         tier = self.view.spill
         if tier is None or not tier.accepting:
             return False
-        lid = self._intern_layout(g, enc.layout)
+        lid = self._intern_layout(gen, enc.layout)
         record = bytearray(enc.record_len(len(kb), lid == INLINE24))
         enc.write(memoryview(record), codec.INLINE if lid == INLINE24 else lid, kb)
         loc = tier.write(tier_key(w1, kb), record)
@@ -530,15 +530,15 @@ class CacheWriter:
             return False
         if _CRASH_TESTS:
             crash_point("spilled")  # record on disk, not yet in the index
-        items, total, raw = g.disk_totals()
+        items, total, raw = gen.disk_totals()
         new = 0 if replace else 1  # a replaced corrupt record is still one item
         intent = Intent(1, pos, SPILL_CLASS, 0, items + new, total + loc.stored, raw + loc.raw,
-                        g.table_items() + new)
-        g.begin(intent)
-        g.index.publish(pos, state_word(READY | SPILLED | (0 if kb else INT_KEY), lid, loc.stored), w1, loc.word)
-        g.published()
-        g.apply_totals(intent)
-        g.end()
+                        gen.table_items() + new)
+        gen.begin(intent)
+        gen.index.publish(pos, state_word(READY | SPILLED | (0 if kb else INT_KEY), lid, loc.stored), w1, loc.word)
+        gen.published()
+        gen.apply_totals(intent)
+        gen.end()
         return True
 
 
