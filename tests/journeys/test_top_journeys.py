@@ -89,12 +89,15 @@ def test_top_live_sorts_and_quits_in_a_terminal(tmp_path):
         subprocess.run([*tmux, "send-keys", "-t", "top", "q"], check=True, timeout=10)
         deadline = time.monotonic() + 30
         while True:
-            dead = subprocess.run([*tmux, "display-message", "-p", "-t", "top", "#{pane_dead} #{pane_dead_status}"],
+            # tmux marks the pane dead when its terminal closes and records the exit status only
+            # once it has reaped the process: wait for the status (or the signal) too
+            dead = subprocess.run([*tmux, "display-message", "-p", "-t", "top",
+                                   "#{pane_dead} status=#{pane_dead_status} signal=#{pane_dead_signal}"],
                                   capture_output=True, text=True, timeout=10).stdout.split()
-            if dead[:1] == ["1"]:
+            if dead[:1] == ["1"] and dead[1:] != ["status=", "signal="]:
                 break
-            assert time.monotonic() < deadline, "top did not quit on q"
+            assert time.monotonic() < deadline, f"top did not quit on q: {dead}"
             time.sleep(0.1)
-        assert dead == ["1", "0"]  # quit, exit status 0
+        assert dead == ["1", "status=0", "signal="]  # quit, exit status 0
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True, timeout=10)
