@@ -495,3 +495,44 @@ def test_every_read_of_a_closed_handle_says_it_was_closed(shm_namespace, end):
     for read in reads:
         with pytest.raises(InvalidArgument, match="was closed in this process; open it again"):
             read()
+
+
+@pytest.mark.parametrize("when", ["create", "label", "fingerprint"])
+def test_a_forced_destroy_while_the_metadata_is_written_says_the_session_went_away(shm_namespace, monkeypatch, when):
+    """`destroy --force` waits 10 s for a cache lock whose holder is busy, then renames the
+    session's directory away and removes it (SessionRegistry.destroy): a handle that holds the
+    lock and is about to write the cache's metadata finds no directory (seen once in the destroy
+    stress run). That is the session going away, said as such, never a raw FileNotFoundError.
+    The hook does what destroy does after its wait, without the 10 s."""
+    import shutil
+
+    from shmcache.cache import store as store_module
+    from shmcache.cache.registry import SessionRegistry, unlink_segments
+
+    real = store_module.write_json
+    armed = [when == "create"]
+
+    def destroyed_first(path, data):
+        if armed[0]:
+            armed[0] = False
+            registry = SessionRegistry()
+            session_dir, prefix = registry.session_dir("gone"), registry.segment_prefix("gone")
+            doomed = session_dir.with_name(".gone.tmp-destroy-test")
+            session_dir.rename(doomed)
+            unlink_segments(registry.ns, prefix)
+            shutil.rmtree(doomed)
+        return real(path, data)
+
+    monkeypatch.setattr(store_module, "write_json", destroyed_first)
+    if when == "create":
+        with pytest.raises((SessionNotFound, CacheNotFound), match="destroyed while"):
+            CacheStore("gone", "c", capacity_bytes=8 << 20)
+        return
+    store = CacheStore("gone", "c", capacity_bytes=8 << 20)
+    armed[0] = True
+    with pytest.raises((SessionNotFound, CacheNotFound), match="destroyed while"):
+        if when == "label":
+            store.record_label("a dataset")
+        else:
+            store.bind_fingerprint("f" * 16)
+    store.close()
