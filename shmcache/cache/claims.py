@@ -74,6 +74,7 @@ NOTE [claims]
 
 from __future__ import annotations
 
+import bisect
 import copy
 import errno
 import fcntl
@@ -252,6 +253,29 @@ class Claims:
         if self._fd >= 0:
             fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_UNLCK, 0, _LOCKS_OFF + bucket, 1, 0))
         self._held.discard(bucket)
+
+    def release_many(self, buckets: list[int]) -> None:
+        """Release ``buckets`` (each taken by ``take``, none twice) with one unlock of the range
+        from the lowest to the highest, split only where another claim of this process (another
+        thread's, an outer miss's) lies between: unlocking a byte nobody of ours holds is a no-op."""
+        if not buckets:
+            return
+        ours = sorted(buckets)
+        mine = set(ours)
+        # sorted() copies the set in one C call: other threads add to it as we read (no thread lock)
+        others = [b for b in sorted(self._held) if b not in mine] if len(self._held) > len(mine) else []
+        if self._fd >= 0:
+            start = ours[0]
+            for lo, hi in zip(ours, ours[1:]):
+                k = bisect.bisect_right(others, lo)
+                if k < len(others) and others[k] < hi:  # another claim of ours between: keep it
+                    self._unlock(start, lo)
+                    start = hi
+            self._unlock(start, ours[-1])
+        self._held -= mine
+
+    def _unlock(self, first: int, last: int) -> None:
+        fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_UNLCK, 0, _LOCKS_OFF + first, last - first + 1, 0))
 
     def wait(self, bucket: int, look: Callable[[], Any], missing: Any) -> tuple[int, Any]:
         """Wait for another process's claim on ``bucket`` (NOTE [claims]): ``(TAKEN, missing)``
@@ -565,16 +589,22 @@ def _release(claims: Claims, bucket: int) -> None:
 
 
 def _release_all(claims: Claims, buckets: list[int]) -> None:
-    """Release ``buckets``; an interrupt (Ctrl-C) half-way releases the rest too, then goes on
-    (a release is idempotent; so is each caller's retry of this call, made for an interrupt
-    that lands as it begins)."""
+    """Release ``buckets`` (a few unlocks: ``Claims.release_many``); an interrupt (Ctrl-C)
+    half-way releases them again, then goes on (a release is idempotent; so is each caller's
+    retry of this call, made for an interrupt that lands as it begins)."""
     try:
-        for bucket in buckets:
-            _release(claims, bucket)
+        _release_many(claims, buckets)
     except BaseException:
-        for bucket in buckets:
-            _release(claims, bucket)
+        _release_many(claims, buckets)
         raise
+
+
+def _release_many(claims: Claims, buckets: list[int]) -> None:
+    try:
+        claims.release_many(buckets)
+    except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
+        for bucket in buckets:
+            claims.forget(bucket)
 
 
 def _rows(path: Path, slot: Callable[[], int] | None = None) -> SlotRows:

@@ -79,6 +79,7 @@ _WORD = WORD
 _QQ = struct.Struct("QQ")
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.record_header, inlined)
 _MIN_RECORD = codec.RECORD_HEADER.size
+_PROBED_MIN = 8  # lookup_batch: a batch of this many int keys is probed vectorised first
 # what decoding damaged bytes raises (marshal, struct, numpy, pickle, utf-8): CorruptSegment instead
 UNDECODABLE = (ValueError, TypeError, OverflowError, IndexError, KeyError, EOFError, struct.error,
                RecursionError, pickle.UnpicklingError)
@@ -463,20 +464,8 @@ class CacheView:
         return root is not None and split_epoch(WORD.unpack_from(root.buf, RootLayout.EPOCH)[0])[0] == gen
 
     def look_many(self, keys: list, copy: bool) -> list:
-        """A claim's re-check of ``keys`` (values, MISSING where absent; nothing counted): int keys
-        by one vectorised probe first, and only those present decoded."""
-        try:
-            ints = np.fromiter(keys, np.int64, len(keys)) if all(type(k) is int for k in keys) else None
-        except OverflowError:
-            ints = None
-        if ints is None:
-            return self.lookup_batch(keys, copy, count=False)[0]
-        present = np.flatnonzero(self.refresh().index.lookup_ints(ints)[0]).tolist()
-        out = [MISSING] * len(keys)
-        if present:
-            for j, value in zip(present, self.lookup_batch([keys[j] for j in present], copy, count=False)[0]):
-                out[j] = value
-        return out
+        """A claim's re-check of ``keys`` (values, MISSING where absent; nothing counted)."""
+        return self.lookup_batch(keys, copy, count=False)[0]
 
     def count_misses(self, n: int = 1) -> None:
         """Count ``n`` items computed from the source without a lookup (warm-up) as misses: every
@@ -491,8 +480,42 @@ class CacheView:
 
     def lookup_batch(self, keys: Sequence, copy: bool = True, count: bool = True) -> tuple[list, list[int]]:
         """Values for ``keys`` (MISSING where absent) and the positions of the misses; counted as
-        hits and misses unless not ``count`` (a claim's re-check, a waiter's poll)."""
+        hits and misses unless not ``count`` (a claim's re-check, a waiter's poll). A batch of int
+        keys is probed by one vectorised lookup first and only the keys present are read one by
+        one: the misses of a cold batch cost no probe each."""
         gen = self.refresh()
+        probed = _PROBED_MIN <= len(keys) and self._probe_ints(gen, keys)
+        if not probed:
+            values, missing = self._lookup_each(gen, keys, copy)
+        else:
+            present, missing = probed
+            values = [MISSING] * len(keys)
+            if present:
+                got, lost = self._lookup_each(gen, [keys[j] for j in present], copy)
+                for j, value in zip(present, got):
+                    values[j] = value
+                if lost:  # present when probed, gone or damaged since
+                    missing = sorted(missing + [present[i] for i in lost])
+        if count:
+            self.count(HITS, len(keys) - len(missing))
+            if missing:
+                self.count(MISSES, len(missing))
+        return values, missing
+
+    def _probe_ints(self, gen: Generation, keys: Sequence) -> tuple[list[int], list[int]] | None:
+        """The positions of ``keys`` present in the index and absent from it, by one vectorised
+        lookup, if every key is an int64; else None."""
+        if not all(type(k) is int for k in keys):
+            return None
+        try:
+            ints = np.fromiter(keys, np.int64, len(keys))
+        except OverflowError:
+            return None
+        w0 = gen.index.lookup_ints(ints)[0]
+        return np.flatnonzero(w0).tolist(), np.flatnonzero(w0 == 0).tolist()
+
+    def _lookup_each(self, gen: Generation, keys: Sequence, copy: bool) -> tuple[list, list[int]]:
+        """``lookup_batch`` key by key, nothing counted but damage."""
         values: list = [MISSING] * len(keys)
         missing = []
         for i, key in enumerate(keys):
@@ -509,10 +532,6 @@ class CacheView:
                 missing.append(i)
             else:
                 values[i] = v
-        if count:
-            self.count(HITS, len(keys) - len(missing))
-            if missing:
-                self.count(MISSES, len(missing))
         return values, missing
 
     def batch_layout(self, keys: np.ndarray) -> tuple | None:

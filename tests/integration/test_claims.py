@@ -426,3 +426,52 @@ def test_claim_timeout_and_switches(monkeypatch):
     store = CacheStore("race", "switch")
     assert not store.claims.on
     store.close()
+
+
+def test_a_batch_releases_its_claims_in_one_call_and_never_a_claim_of_another_thread(monkeypatch):
+    """A batch takes each key's claim (one fcntl each) but releases them with one unlock of the
+    range they span, split only around a claim another thread of this process holds between
+    them (a claim is a byte of the claims file; unlocking a byte nobody holds is a no-op)."""
+    import fcntl
+
+    cache = ShmDatasetCache(session="race", name="release", size=16)
+    claims = cache.store.claims
+    calls = []
+
+    class Counting:  # the claims module's fcntl, counted
+        def __getattr__(self, name):
+            return getattr(fcntl, name)
+
+        @staticmethod
+        def fcntl(fd, cmd, arg):
+            calls.append(cmd)
+            return fcntl.fcntl(fd, cmd, arg)
+
+    try:
+        claims._ready()
+        keys = list(range(1000, 1200))
+        buckets = sorted({claims.bucket(k) for k in keys})
+        between = next(b for b in range(buckets[0] + 1, buckets[-1]) if b not in buckets)
+        monkeypatch.setattr(claims_mod, "fcntl", Counting())
+        got = cache.store.fill_batch(keys, lambda ks: [k * 2 for k in ks],
+                                     lambda pairs: [cache.store.put(k, v) for k, v in pairs])
+        assert got == [k * 2 for k in keys]
+        assert len(calls) == len(buckets) + 1, f"{len(buckets)} claims taken, {len(calls) - len(buckets)} unlocks"
+        assert claims.held == frozenset()
+
+        # another thread of ours holds a claim between the batch's: it stays held
+        assert claims.take(between) == claims_mod.TAKEN
+        calls.clear()
+        keys = list(range(2000, 2200))
+        cache.store.fill_batch(keys, lambda ks: [k * 2 for k in ks],
+                               lambda pairs: [cache.store.put(k, v) for k, v in pairs])
+        assert claims.held == frozenset({between})
+        other = claims_mod.Claims(claims.path, lambda: 0)  # another open file description: another holder
+        monkeypatch.undo()
+        other._ready()
+        assert other.take(between) == claims_mod.BUSY
+        assert all(other.take(claims.bucket(k)) == claims_mod.TAKEN for k in keys[:20])
+        other.close()
+        claims.release(between)
+    finally:
+        cache.close()
