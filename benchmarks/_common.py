@@ -46,6 +46,31 @@ class FreeSource:
         return self.item
 
 
+INSIDE_NAMESPACE = "--inside-namespace"
+
+
+def in_huge_tmpfs(script: str, argv: list[str], size: str) -> int:
+    """Run ``script`` again (argv: ``INSIDE_NAMESPACE <mount> argv...``) in a private mount
+    namespace (``unshare -m``) with a tmpfs ``huge=within_size`` of ``size`` mounted for it:
+    nothing of the machine's changes. Needs root."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        print("needs root and unshare(1): the huge-page tmpfs is mounted in a private mount namespace",
+              file=sys.stderr)
+        return 2
+    mnt = tempfile.mkdtemp(prefix="shmcache-bench-huge-")
+    try:
+        inner = (f"mount -t tmpfs -o size={size},huge=within_size tmpfs {mnt} && "
+                 f"exec {sys.executable} {script} {INSIDE_NAMESPACE} {mnt} {' '.join(argv)}")
+        return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner]).returncode
+    finally:
+        os.rmdir(mnt)
+
+
 def median(values: Iterable[float]) -> float:
     vals = [v for v in values if v is not None]
     return float(np.median(vals)) if vals else float("nan")

@@ -5,7 +5,9 @@ short string) in the ``numpy``, ``torch`` or ``python`` format, read by ``DataLo
 shuffle=True, num_workers=W)``: the unwrapped epoch (HF's own ``__getitems__``: one Arrow read per batch), then a
 fresh cache's cold epoch and its warm epoch, in the same run; reported as ratios to the unwrapped
 epoch (> 1: faster than no cache), the median of ``--rounds``, and the cache's bytes per row against
-the row's payload.
+the row's payload. Also the DataLoader's own floor: the same rows, already made, served from a
+Python list by ``__getitems__`` (no work at all) - the most any cache can gain with that many
+workers (``floor x``: the unwrapped epoch over that one).
 
     pip install datasets   # not a dependency of shmcache
     PYTHONPATH=$PWD python benchmarks/bench_hf.py [--rows 5000] [--rounds 3] [--formats numpy torch python]
@@ -37,6 +39,22 @@ def _table(rows: int):
         "img": rng.integers(0, 256, (rows, 32, 32, 3), dtype=np.uint8),
         "text": [f"row {i}" for i in range(rows)],
     }, features=features)
+
+
+class Ready:
+    """The rows already made, served from a list (map-style, with ``__getitems__``): the floor."""
+
+    def __init__(self, rows: list):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return self.rows[i]
+
+    def __getitems__(self, keys: list) -> list:
+        return [self.rows[i] for i in keys]
 
 
 def _epoch(ds, workers: int) -> float:
@@ -71,13 +89,15 @@ def main() -> None:
     print(f"{args.rows} rows (label, 32x32x3 uint8 image, str), DataLoader(batch_size=64, shuffle=True); "
           f"median of {args.rounds} rounds; ratios: the unwrapped epoch's time over the cached one's")
     print(f"{'format':<8}{'workers':>8}{'plain s':>9}{'cold s':>8}{'warm s':>8}{'cold x':>8}{'warm x':>8}"
-          f"{'bytes/row':>11}")
+          f"{'floor x':>8}{'bytes/row':>11}")
     for fmt in args.formats:
         hf = base.with_format(fmt) if fmt != "python" else base
+        ready = Ready([hf[i] for i in range(len(hf))])
         for workers in args.workers:
-            plain, cold, warm, per_row = [], [], [], 0.0
+            plain, cold, warm, floor, per_row = [], [], [], [], 0.0
             for r in range(args.rounds):
                 plain.append(_epoch(hf, workers))
+                floor.append(_epoch(ready, workers))
                 cache = ShmDatasetCache(session="bench-hf", name=f"{fmt}-{workers}-{r}", size=2048)
                 ds = cache.wrap(hf, fingerprint=f"hf-{fmt}-{workers}-{r}")
                 cold.append(_epoch(ds, workers))
@@ -86,8 +106,9 @@ def main() -> None:
                 per_row = st["bytes_mem"] / max(1, st["items_mem"])
                 cache.store.destroy()
                 cache.close()
-            p, c, w = median(plain), median(cold), median(warm)
-            print(f"{fmt:<8}{workers:>8}{p:>9.2f}{c:>8.2f}{w:>8.2f}{p / c:>8.2f}{p / w:>8.2f}{per_row:>11.0f}")
+            p, c, w, f = median(plain), median(cold), median(warm), median(floor)
+            print(f"{fmt:<8}{workers:>8}{p:>9.2f}{c:>8.2f}{w:>8.2f}{p / c:>8.2f}{p / w:>8.2f}{p / f:>8.2f}"
+                  f"{per_row:>11.0f}")
     print(f"payload per row: {32 * 32 * 3} bytes of pixels + a label and a short string")
 
 

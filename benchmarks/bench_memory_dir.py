@@ -26,7 +26,6 @@ import json
 import mmap
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,31 +34,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, environment_line  # noqa: E402
+from _common import INSIDE_NAMESPACE as INSIDE  # noqa: E402
+from _common import environment, environment_line, in_huge_tmpfs  # noqa: E402
 
 BATCH = 256
-INSIDE = "--inside-namespace"
-
-
-def _reexec(argv: list[str]) -> int:
-    """Run this script again in a private mount namespace with a huge-page tmpfs mounted."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        print("needs root and unshare(1): the huge-page tmpfs is mounted in a private mount namespace",
-              file=sys.stderr)
-        return 2
-    mnt = tempfile.mkdtemp(prefix="shmcache-bench-huge-")
-    try:
-        inner = (f"mount -t tmpfs -o size=4g,huge=within_size tmpfs {mnt} && "
-                 f"exec {sys.executable} {Path(__file__).resolve()} {INSIDE} {mnt} {' '.join(argv)}")
-        return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner]).returncode
-    finally:
-        os.rmdir(mnt)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if INSIDE not in argv:
-        return _reexec(argv)
+        return in_huge_tmpfs(str(Path(__file__).resolve()), argv, "4g")
     i = argv.index(INSIDE)
     mount = argv[i + 1]
     del argv[i:i + 2]
