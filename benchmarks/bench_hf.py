@@ -7,7 +7,9 @@ fresh cache's cold epoch and its warm epoch, in the same run; reported as ratios
 epoch (> 1: faster than no cache), the median of ``--rounds``, and the cache's bytes per row against
 the row's payload. Also the DataLoader's own floor: the same rows, already made, served from a
 Python list by ``__getitems__`` (no work at all) - the most any cache can gain with that many
-workers (``floor x``: the unwrapped epoch over that one).
+workers (``floor x``: the unwrapped epoch over that one). And per format, what admission
+costs a row in this process: ``encode`` (``encode_many`` of a batch of 64 rows, best of 5) against
+the dataset's own ``__getitems__`` of the same rows.
 
     pip install datasets   # not a dependency of shmcache
     PYTHONPATH=$PWD python benchmarks/bench_hf.py [--rows 5000] [--rounds 3] [--formats numpy torch python]
@@ -39,6 +41,22 @@ def _table(rows: int):
         "img": rng.integers(0, 256, (rows, 32, 32, 3), dtype=np.uint8),
         "text": [f"row {i}" for i in range(rows)],
     }, features=features)
+
+
+def _encode_cost(cache_cls, hf, fmt: str) -> None:
+    import timeit
+
+    keys = list(range(64))
+    rows = hf.__getitems__(keys)
+    pairs = list(zip(keys, rows))
+    cache = cache_cls(session="bench-hf", name=f"encode-{fmt}", size=64)
+    try:
+        enc = min(timeit.repeat(lambda: cache.encode_many(pairs), number=20, repeat=5)) / 20 / 64
+        fetch = min(timeit.repeat(lambda: hf.__getitems__(keys), number=5, repeat=5)) / 5 / 64
+    finally:
+        cache.store.destroy()
+        cache.close()
+    print(f"  {fmt}: encode {enc * 1e6:.1f} us a row, the dataset's __getitems__ {fetch * 1e6:.1f} us a row")
 
 
 class Ready:
@@ -106,6 +124,8 @@ def main() -> None:
                 per_row = st["bytes_mem"] / max(1, st["items_mem"])
                 cache.store.destroy()
                 cache.close()
+            if workers == args.workers[0]:
+                _encode_cost(cache_cls=ShmDatasetCache, hf=hf, fmt=fmt)
             p, c, w, f = median(plain), median(cold), median(warm), median(floor)
             print(f"{fmt:<8}{workers:>8}{p:>9.2f}{c:>8.2f}{w:>8.2f}{p / c:>8.2f}{p / w:>8.2f}{p / f:>8.2f}"
                   f"{per_row:>11.0f}")

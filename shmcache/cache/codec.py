@@ -74,6 +74,7 @@ import pickle
 import re
 import struct
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -467,31 +468,35 @@ _INT_DTYPES = tuple(np.dtype(t) for t in ("<u1", "<i1", "<u2", "<i2", "<u4", "<i
 
 def _numbers(x: list) -> np.ndarray | None:
     """``x`` as a C-contiguous array when it is a list of at least MIN_NUMBERS Python ints (not
-    bools) or floats, alone or in rectangular nested lists (NOTE [record format]); else None."""
-    rows, shape = [x], [len(x)]
-    while type(rows[0][0]) is list:  # a level of lists: every item a list of one length
-        n = len(rows[0][0])
-        if not n or not all(type(r) is list and len(r) == n for row in rows for r in row):
+    bools) or floats, alone or in rectangular nested lists (NOTE [record format]); else None.
+    Every check is a C-level pass (``set(map(...))``): a 32x32x3 image of ints took 350 us a row
+    checked item by item in Python, more than reading it."""
+    level, shape = x, [len(x)]
+    while type(level[0]) is list:  # a level of lists: every item a list of one length
+        n = len(level[0])
+        if not n or set(map(type, level)) != _LIST_TYPE or set(map(len, level)) != {n}:
             return None
-        rows = [r for row in rows for r in row]
+        level = list(chain.from_iterable(level))
         shape.append(n)
-    count = len(rows) * shape[-1]
-    if count < MIN_NUMBERS:
+    if len(level) < MIN_NUMBERS:
         return None
-    kinds = {type(v) for row in rows for v in row}
-    if kinds == {int}:
+    kinds = set(map(type, level))
+    if kinds == _INT_TYPE:
         try:
-            arr = np.array(x, dtype=np.int64)
+            arr = np.array(level, dtype=np.int64)
         except OverflowError:  # beyond 64 bits: a node per number, as before
             return None
         lo, hi = (int(arr.min()), int(arr.max()))
         dtype = next(d for d in _INT_DTYPES if np.iinfo(d).min <= lo and hi <= np.iinfo(d).max)
         arr = arr.astype(dtype)
-    elif kinds == {float}:
-        arr = np.array(x, dtype="<f8")
+    elif kinds == _FLOAT_TYPE:
+        arr = np.array(level, dtype="<f8")
     else:
         return None
-    return arr if arr.shape == tuple(shape) else None
+    return arr.reshape(shape)
+
+
+_LIST_TYPE, _INT_TYPE, _FLOAT_TYPE = {list}, {int}, {float}
 
 
 def _unsupported(x: Any) -> str:
