@@ -18,7 +18,9 @@ NOTE [claims]
     aside); 2. re-check the claimed ones (one vectorised probe for int keys: someone may have
     published them meanwhile); 3. compute the rest in ONE call (the dataset's ``__getitems__``
     where it has one) and publish them in one ``put_many`` (one lock hold, a chunk at a time:
-    NOTE [publish order]); 4. release them. Only then 5. poll the keys set aside: found ones are
+    NOTE [publish order]); 4. release them (one unlock of the range of bytes they span, split
+    only around a byte another claim of this process holds: unlocking a byte that no claim of
+    ours holds changes nothing). Only then 5. poll the keys set aside: found ones are
     served (``claim_waits``), free ones claimed and taken through 2-4; the whole batch's wait is
     bounded by one ``claim_timeout_s``, then what is left is computed without claims
     (``claim_timeouts``, one per key). A key twice in a batch (a sampler drawing with
