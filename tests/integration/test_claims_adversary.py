@@ -266,3 +266,31 @@ def test_an_uncached_cache_counts_what_it_computed(tmp_path):
 
     res, _ = _in_small_shm(tmp_path, UNCACHED, item=64 << 10)
     assert res["computed"] == res["source"], res
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "one_key"])
+def test_a_batch_released_beside_another_threads_claim_keeps_it(tmp_path, batch):
+    """A process misses 40 keys (10 ms each, under their claims) in one thread while another of
+    its threads misses batch after batch of other keys; a second process misses the same 40
+    keys just behind it, so it waits on the first one's claims. A batch released its claims
+    with one unlock of the range they span, split around the claims this process held when it
+    began - a claim another thread took a moment later, inside that range, was unlocked with
+    them (NOTE [claims]: its bucket stays in the set of what the process holds): the second
+    process took it and computed the key again. Each key is computed once."""
+    from shmcache.cache.store import CacheStore
+
+    count_path = str(tmp_path / "computed")
+    store = CacheStore("adv", "beside", capacity_bytes=32 << 20)
+    store.claims._ready()
+    keys = _claims_adversary._distinct_buckets(store.claims, range(5000, 5100))[:40]
+    store.close()
+    ctx = multiprocessing.get_context("fork")
+    claimed = ctx.Value("i", 0)
+    results = _run(ctx, _claims_adversary.thread_beside_batches,
+                   lambda r: (r, keys, batch, count_path, claimed), 2)
+    assert all(r["wrong"] == 0 and r["held"] == 0 and r["claim_timeouts"] == 0 for r in results), results
+    filler = next(r for r in results if r["rank"] == 0)["filled"]
+    assert filler >= 20, results  # the other thread's batches ran while the keys were computed
+    with open(count_path, "rb") as f:
+        made = f.read().count(b"k")
+    assert made == len(keys), f"{made} computations of {len(keys)} keys ({results})"
