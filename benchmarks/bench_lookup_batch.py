@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -28,7 +29,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args(argv)
-    os.environ["SHMCACHE_DIR"] = tempfile.mkdtemp(prefix="bench-lookup-batch-")
+    os.environ["SHMCACHE_DIR"] = where = tempfile.mkdtemp(prefix="bench-lookup-batch-")
     import shmcache
     from shmcache.cache.store import CacheStore
 
@@ -59,6 +60,7 @@ def main(argv=None) -> int:
         print_table(["batch of 256", "lookup_batch / lookup() one by one"], rows)
     finally:
         store.destroy()
+        shutil.rmtree(where, ignore_errors=True)
     return 0
 
 
