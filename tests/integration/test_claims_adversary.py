@@ -294,3 +294,44 @@ def test_a_batch_released_beside_another_threads_claim_keeps_it(tmp_path, batch)
     with open(count_path, "rb") as f:
         made = f.read().count(b"k")
     assert made == len(keys), f"{made} computations of {len(keys)} keys ({results})"
+
+
+def _miss_in_child(store, key) -> None:
+    got = store.fill(key, lambda k: k * 2, lambda k, v: store.put(k, v))
+    os._exit(0 if got == key * 2 and not store.claims.held else 1)
+
+
+def test_a_fork_while_another_thread_releases_a_batch_leaves_the_child_free_to_claim():
+    """A take and a batch's release share a thread lock in the process (NOTE [claims]): a
+    DataLoader worker forked while another thread of the parent held it must not inherit it held
+    (its first miss would wait forever for a thread it does not have)."""
+    import threading
+
+    from shmcache.cache.store import CacheStore
+
+    store = CacheStore("adv", "forked", capacity_bytes=16 << 20)
+    try:
+        store.fill(1, lambda k: k * 2, lambda k, v: store.put(k, v))  # the claims file opened
+        held, done = threading.Event(), threading.Event()
+
+        def holder():
+            with store.claims._mutex:
+                held.set()
+                done.wait(30)
+
+        t = threading.Thread(target=holder)
+        t.start()
+        try:
+            assert held.wait(30)
+            p = multiprocessing.get_context("fork").Process(target=_miss_in_child, args=(store, 7))
+            p.start()
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+                p.join()
+            assert p.exitcode == 0, f"the child's miss ended with {p.exitcode} (None or -9: it hung)"
+        finally:
+            done.set()
+            t.join(30)
+    finally:
+        store.close()
