@@ -57,7 +57,11 @@ NOTE [claims]
     share the description (a lock taken twice is one lock), so a process keeps the buckets its
     threads hold in a set: another thread (or a nested miss of the same thread) that finds its
     bucket held in its own process computes without a claim, never waits for itself (two threads
-    that take one bucket at the same instant may both compute: waste only).
+    that take one bucket at the same instant may both compute: waste only). A batch releases its
+    claims with one unlock of the range they span, split around the other buckets in that set; a
+    take locks and records its bucket under a thread lock that this release holds too (else a
+    claim another thread took inside the range meanwhile went with the batch's, and another
+    process computed its key again).
 
     Fork. An inherited descriptor shares the parent's description, so a forked child (a
     DataLoader worker) and its parent would not exclude each other, and a child that kept it would
@@ -172,6 +176,9 @@ class Claims:
         self._row: Any = None  # this process's counter words: a memoryview of the file's row, or a list
         self._mm: mmap.mmap | None = None
         self._held: set[int] = set()  # buckets this process holds (NOTE [claims]: threads)
+        # a take's lock and record vs a batch's range unlock (release_many): re-entrant, for a
+        # signal handler that misses on the thread it interrupted
+        self._mutex = threading.RLock()
         close_in_forked_children(self)
 
     # --- per process -------------------------------------------------------------------------
@@ -183,6 +190,7 @@ class Claims:
             os.close(self._fd)
         self._fd, self._row, self._mm, self._gen = -1, None, None, -1
         self._held = set()
+        self._mutex = threading.RLock()  # held by a thread of the parent's at the fork, maybe
 
     def _open(self) -> None:
         """This process's descriptor of the claims file and its counter row (once per process)."""
@@ -238,10 +246,14 @@ class Claims:
         if bucket in self._held:
             return OURS
         # TAKEN, or nothing held: an interrupt (Ctrl-C) between the lock and its record undoes
-        # both (recorded only once locked: another thread must not take a busy bucket for ours)
+        # both (recorded only once locked: another thread must not take a busy bucket for ours).
+        # Locked and recorded as one step for release_many: a batch's range unlock that read
+        # what we hold before we recorded it would unlock our bucket with its own. The thread
+        # lock inside the try: an interrupt as it is let go undoes the claim too
         try:
-            fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_WRLCK, 0, _LOCKS_OFF + bucket, 1, 0))
-            self._held.add(bucket)
+            with self._mutex:
+                fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_WRLCK, 0, _LOCKS_OFF + bucket, 1, 0))
+                self._held.add(bucket)
         except OSError as exc:
             if exc.errno in _BUSY:
                 return BUSY
@@ -264,17 +276,19 @@ class Claims:
             return
         ours = sorted(buckets)
         mine = set(ours)
-        # sorted() copies the set in one C call: other threads add to it as we read (no thread lock)
-        others = [b for b in sorted(self._held) if b not in mine] if len(self._held) > len(mine) else []
-        if self._fd >= 0:
-            start = ours[0]
-            for lo, hi in zip(ours, ours[1:]):
-                k = bisect.bisect_right(others, lo)
-                if k < len(others) and others[k] < hi:  # another claim of ours between: keep it
-                    self._unlock(start, lo)
-                    start = hi
-            self._unlock(start, ours[-1])
-        self._held -= mine
+        # no take() in between: a claim another thread takes while we read what it holds, inside
+        # our range, would be unlocked with ours (another process computes its key again)
+        with self._mutex:
+            others = [b for b in sorted(self._held) if b not in mine] if len(self._held) > len(mine) else []
+            if self._fd >= 0:
+                start = ours[0]
+                for lo, hi in zip(ours, ours[1:]):
+                    k = bisect.bisect_right(others, lo)
+                    if k < len(others) and others[k] < hi:  # another claim of ours between: keep it
+                        self._unlock(start, lo)
+                        start = hi
+                self._unlock(start, ours[-1])
+            self._held -= mine
 
     def _unlock(self, first: int, last: int) -> None:
         fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_UNLCK, 0, _LOCKS_OFF + first, last - first + 1, 0))

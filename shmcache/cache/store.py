@@ -339,7 +339,7 @@ class CacheStore:
                 f"automatic cap (`shmcache info` shows what limits memory here)"
             )
         # the metadata first: a creator that dies later leaves a cache that stat and gc can see
-        self._write_meta({
+        self.write_meta({
             "session": self.session, "name": self.name, "fingerprint": fingerprint,
             "created": time.time(), "capacity_bytes": capacity,
         })
@@ -369,7 +369,7 @@ class CacheStore:
             meta = self.read_meta()
             if meta.get("fingerprint") is None:
                 meta["fingerprint"] = fingerprint
-                self._write_meta(meta)
+                self.write_meta(meta)
 
     def reserve_entries(self, n: int) -> None:
         """Size the index for ``n`` items now, as ``table_hint`` sizes a new cache's: wrap() of a
@@ -385,9 +385,9 @@ class CacheStore:
     def read_meta(self) -> dict:
         return self.registry.read_cache_meta(self.session, self.name)
 
-    def _write_meta(self, meta: dict) -> None:
-        """Rewrite the cache's metadata (under its lock). A forced destroy does not wait for the
-        lock: the session's directory may be gone under the write, which says so."""
+    def write_meta(self, meta: dict) -> None:
+        """Rewrite the cache's metadata (under its lock: ``locked()``). A forced destroy does not
+        wait for the lock: the session's directory may be gone under the write, which says so."""
         try:
             write_json(self.meta_path, meta)
         except FileNotFoundError:
@@ -404,7 +404,7 @@ class CacheStore:
             meta = self.read_meta()
             if meta and meta.get("label") != label:
                 meta["label"] = label
-                self._write_meta(meta)
+                self.write_meta(meta)
 
     def _check_fingerprint(self, fingerprint: str | None) -> None:
         if fingerprint is None:
@@ -428,7 +428,7 @@ class CacheStore:
                 meta = self.read_meta()
                 if meta.get("spill_path") != tier.where:
                     meta["spill_path"] = tier.where
-                    self._write_meta(meta)
+                    self.write_meta(meta)
         self.spill = tier
 
     def fill(self, key: Any, compute: Callable[[Any], Any], publish: Callable[[Any, Any], Any],

@@ -79,6 +79,7 @@ _WORD = WORD
 _QQ = struct.Struct("QQ")
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.record_header, inlined)
 _MIN_RECORD = codec.RECORD_HEADER.size
+_M64 = (1 << 64) - 1  # an int key's word: the key, two's complement (index.key_bytes)
 _PROBED_MIN = 8  # lookup_batch: a batch of this many int keys is probed vectorised first
 # what decoding damaged bytes raises (marshal, struct, numpy, pickle, utf-8): CorruptSegment instead
 UNDECODABLE = (ValueError, TypeError, OverflowError, IndexError, KeyError, EOFError, struct.error,
@@ -488,31 +489,48 @@ class CacheView:
         if not probed:
             values, missing = self._lookup_each(gen, keys, copy)
         else:
-            present, missing = probed
-            values = [MISSING] * len(keys)
-            if present:
-                got, lost = self._lookup_each(gen, [keys[j] for j in present], copy)
-                for j, value in zip(present, got):
-                    values[j] = value
-                if lost:  # present when probed, gone or damaged since
-                    missing = sorted(missing + [present[i] for i in lost])
+            values, missing = self._read_probed(gen, keys, *probed, copy)
         if count:
             self.count(HITS, len(keys) - len(missing))
             if missing:
                 self.count(MISSES, len(missing))
         return values, missing
 
-    def _probe_ints(self, gen: Generation, keys: Sequence) -> tuple[list[int], list[int]] | None:
-        """The positions of ``keys`` present in the index and absent from it, by one vectorised
-        lookup, if every key is an int64; else None."""
+    def _probe_ints(self, gen: Generation, keys: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
+        """The entries (w0, w2) of ``keys`` by one vectorised lookup (w0 0 where absent), if every
+        key is an int64; else None."""
         if not all(type(k) is int for k in keys):
             return None
         try:
             ints = np.fromiter(keys, np.int64, len(keys))
         except OverflowError:
             return None
-        w0 = gen.index.lookup_ints(ints)[0]
-        return np.flatnonzero(w0).tolist(), np.flatnonzero(w0 == 0).tolist()
+        return gen.index.lookup_ints(ints)
+
+    def _read_probed(self, gen: Generation, keys: Sequence, w0s: np.ndarray, w2s: np.ndarray,
+                     copy: bool) -> tuple[list, list[int]]:
+        """``_lookup_each`` of int ``keys`` whose entries ``_probe_ints`` found: each present one
+        decoded from the entry probed (as ``lookup`` decodes the entry it found), none probed again."""
+        values: list = [MISSING] * len(keys)
+        missing = np.flatnonzero(w0s == 0).tolist()
+        present = np.flatnonzero(w0s)
+        if not len(present):
+            return values, missing
+        lost = []
+        for j, w0, w2 in zip(present.tolist(), w0s[present].tolist(), w2s[present].tolist()):
+            try:
+                v = self.decode(gen, w0, w2, copy, keys[j] & _M64, b"")
+            except FileNotFoundError:  # cleared meanwhile
+                v = MISSING
+            if v is CORRUPT_RECORD:
+                if self.is_current(gen.gen):  # else cleared under us: a plain miss
+                    self.count(CORRUPT)
+                v = MISSING
+            if v is MISSING:
+                lost.append(j)
+            else:
+                values[j] = v
+        return values, sorted(missing + lost) if lost else missing
 
     def _lookup_each(self, gen: Generation, keys: Sequence, copy: bool) -> tuple[list, list[int]]:
         """``lookup_batch`` key by key, nothing counted but damage."""

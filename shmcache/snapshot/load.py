@@ -33,7 +33,6 @@ from ..base.faults import crash_point
 from ..base.namespace import namespace, resolve_session_name
 from ..base.progress import progress_bar
 from ..base.trust import FORGED, PICKLE_HINT, TRAILER_BYTES, resolve_secret, snapshot_ident
-from ..cache.registry import write_json
 from ..cache.store_protocol import LocalStore, Store
 from ..errors import CacheMismatch, InvalidArgument, SnapshotError
 from ..tiers import records as records
@@ -393,7 +392,7 @@ def _bind(store: Store, manifest: fmt.Manifest, force: bool, authenticated: bool
         if manifest.length is not None:
             meta["length"] = manifest.length
             meta["length_authenticated"] = authenticated
-        write_json(local.meta_path, meta)
+        local.write_meta(meta)  # a forced destroy meanwhile: SessionNotFound
 
 
 class _Job:

@@ -291,6 +291,9 @@ class TieredStore:
     def read_meta(self) -> dict:
         return self.local.read_meta()
 
+    def write_meta(self, meta: dict) -> None:
+        self.local.write_meta(meta)
+
     def record_label(self, label: str) -> None:
         self.local.record_label(label)
 

@@ -115,3 +115,83 @@ def nested_holder(q, barrier, keys: list, partner_off: int, count_path: str, cla
         q.put(("ok", {"took": took, "right": right, "pid": os.getpid()}))
     except BaseException:  # noqa: BLE001 - reported to the test
         q.put(("error", traceback.format_exc()))
+
+
+def _distinct_buckets(claims, keys, avoid=frozenset()) -> list:
+    """``keys`` whose buckets differ from each other and from ``avoid``, in their order."""
+    seen, out = set(avoid), []
+    for k in keys:
+        b = claims.bucket(k)
+        if b not in seen:
+            seen.add(b)
+            out.append(k)
+    return out
+
+
+def thread_beside_batches(q, barrier, rank: int, keys: list, batch: bool, count_path: str, claimed) -> None:
+    """Rank 0: one thread misses ``keys`` (4 at a time as a batch, or one by one), computing each
+    for 10 ms under its claims (``claimed``: how many keys it has claimed so far), while another
+    thread of the same process misses batch after batch of other keys (buckets of their own) as
+    fast as it can. Rank 1: misses the same ``keys`` the same way, each once rank 0 has claimed it
+    (so it waits on rank 0's claim). Every computation of ``keys`` is counted (b"k"); reports the
+    wrong values and the claim counters."""
+    try:
+        import threading
+
+        from shmcache.cache.store import CacheStore
+
+        store = CacheStore("adv", "beside", capacity_bytes=32 << 20, claim_timeout_s=60)
+        claims = store.claims
+        claims._ready()
+        mine = {claims.bucket(k) for k in keys}
+
+        def compute_many(ks):
+            if rank == 0:
+                claimed.value = keys.index(ks[-1]) + 1
+            for _ in ks:
+                _claims.count_one(count_path, b"k")
+            time.sleep(0.01)
+            return [_claims.value_for(k) for k in ks]
+
+        def publish_many(pairs):
+            store.put_many(_enc(pairs))
+
+        stop = threading.Event()
+        filled = [0]
+
+        def filler():  # batch after batch of fresh misses whose buckets are none of ``keys``'
+            fresh = 1 << 40
+            while not stop.is_set():
+                ks = _distinct_buckets(claims, range(fresh, fresh + 64), mine)
+                fresh += 64
+                store.fill_batch(ks, lambda b: [0] * len(b), lambda pairs: None)
+                filled[0] += 1
+
+        barrier.wait(timeout=60)
+        side = None
+        if rank == 0:
+            side = threading.Thread(target=filler)
+            side.start()
+        got = []
+        try:
+            for lo in range(0, len(keys), 4 if batch else 1):
+                deadline = time.monotonic() + 30
+                while rank == 1 and claimed.value <= lo and time.monotonic() < deadline:
+                    time.sleep(0.0005)  # right behind rank 0: it holds this key's claim now
+                if batch:
+                    got += store.fill_batch(keys[lo:lo + 4], compute_many, publish_many)
+                else:
+                    got.append(store.fill(keys[lo], lambda k: compute_many([k])[0],
+                                          lambda k, v: publish_many([(k, v)])))
+        finally:
+            stop.set()
+            if side is not None:
+                side.join(30)
+        wrong = sum(not np.array_equal(g, _claims.value_for(k)) for k, g in zip(keys, got))
+        st = store.stats()
+        held = len(claims.held)
+        store.close()
+        q.put(("ok", {"rank": rank, "wrong": wrong, "held": held, "filled": filled[0],
+                      **{k: st[k] for k in ("claim_waits", "claim_timeouts")}}))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put(("error", traceback.format_exc()))

@@ -266,3 +266,72 @@ def test_an_uncached_cache_counts_what_it_computed(tmp_path):
 
     res, _ = _in_small_shm(tmp_path, UNCACHED, item=64 << 10)
     assert res["computed"] == res["source"], res
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "one_key"])
+def test_a_batch_released_beside_another_threads_claim_keeps_it(tmp_path, batch):
+    """A process misses 40 keys (10 ms each, under their claims) in one thread while another of
+    its threads misses batch after batch of other keys; a second process misses the same 40
+    keys just behind it, so it waits on the first one's claims. A batch released its claims
+    with one unlock of the range they span, split around the claims this process held when it
+    began - a claim another thread took a moment later, inside that range, was unlocked with
+    them (NOTE [claims]: its bucket stays in the set of what the process holds): the second
+    process took it and computed the key again. Each key is computed once."""
+    from shmcache.cache.store import CacheStore
+
+    count_path = str(tmp_path / "computed")
+    store = CacheStore("adv", "beside", capacity_bytes=32 << 20)
+    store.claims._ready()
+    keys = _claims_adversary._distinct_buckets(store.claims, range(5000, 5100))[:40]
+    store.close()
+    ctx = multiprocessing.get_context("fork")
+    claimed = ctx.Value("i", 0)
+    results = _run(ctx, _claims_adversary.thread_beside_batches,
+                   lambda r: (r, keys, batch, count_path, claimed), 2)
+    assert all(r["wrong"] == 0 and r["held"] == 0 and r["claim_timeouts"] == 0 for r in results), results
+    filler = next(r for r in results if r["rank"] == 0)["filled"]
+    assert filler >= 20, results  # the other thread's batches ran while the keys were computed
+    with open(count_path, "rb") as f:
+        made = f.read().count(b"k")
+    assert made == len(keys), f"{made} computations of {len(keys)} keys ({results})"
+
+
+def _miss_in_child(store, key) -> None:
+    got = store.fill(key, lambda k: k * 2, lambda k, v: store.put(k, v))
+    os._exit(0 if got == key * 2 and not store.claims.held else 1)
+
+
+def test_a_fork_while_another_thread_releases_a_batch_leaves_the_child_free_to_claim():
+    """A take and a batch's release share a thread lock in the process (NOTE [claims]): a
+    DataLoader worker forked while another thread of the parent held it must not inherit it held
+    (its first miss would wait forever for a thread it does not have)."""
+    import threading
+
+    from shmcache.cache.store import CacheStore
+
+    store = CacheStore("adv", "forked", capacity_bytes=16 << 20)
+    try:
+        store.fill(1, lambda k: k * 2, lambda k, v: store.put(k, v))  # the claims file opened
+        held, done = threading.Event(), threading.Event()
+
+        def holder():
+            with store.claims._mutex:
+                held.set()
+                done.wait(30)
+
+        t = threading.Thread(target=holder)
+        t.start()
+        try:
+            assert held.wait(30)
+            p = multiprocessing.get_context("fork").Process(target=_miss_in_child, args=(store, 7))
+            p.start()
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+                p.join()
+            assert p.exitcode == 0, f"the child's miss ended with {p.exitcode} (None or -9: it hung)"
+        finally:
+            done.set()
+            t.join(30)
+    finally:
+        store.close()

@@ -536,3 +536,45 @@ def test_a_forced_destroy_while_the_metadata_is_written_says_the_session_went_aw
         else:
             store.bind_fingerprint("f" * 16)
     store.close()
+
+
+def test_a_forced_destroy_while_a_snapshot_import_binds_the_cache_says_the_session_went_away(shm_namespace, tmp_path):
+    """The same race in a snapshot import: it records the snapshot's dataset (fingerprint,
+    length) in the cache's metadata under the cache lock too, and a `destroy --force` that
+    removes the session's directory there raised a raw FileNotFoundError (the fix above covered
+    the store's own writes only). The destroy is made as the import reads the metadata it is
+    about to rewrite, under the lock."""
+    import shutil
+
+    from shmcache import ShmDatasetCache
+    from shmcache.cache.registry import SessionRegistry, unlink_segments
+    from shmcache.snapshot.load import import_into, read_manifest
+
+    src = ShmDatasetCache(session="src", name="c", size=16)
+    for i in range(4):
+        src.put(i, np.full(8, i, np.uint8))
+    src.export(tmp_path / "snap")
+    src.close()
+    loc, manifest = read_manifest(tmp_path / "snap")
+    store = CacheStore("gone", "c", capacity_bytes=8 << 20)
+    read_meta, reads = store.read_meta, []
+
+    def read_then_destroyed():
+        meta = read_meta()
+        reads.append(1)
+        if len(reads) == 2:  # the read under the lock, just before the write
+            registry = SessionRegistry()
+            session_dir, prefix = registry.session_dir("gone"), registry.segment_prefix("gone")
+            doomed = session_dir.with_name(".gone.tmp-destroy-test")
+            session_dir.rename(doomed)
+            unlink_segments(registry.ns, prefix)
+            shutil.rmtree(doomed)
+        return meta
+
+    store.read_meta = read_then_destroyed
+    try:
+        with pytest.raises((SessionNotFound, CacheNotFound), match="destroyed while"):
+            import_into(store, loc, manifest, allow_unsigned=True)
+        assert len(reads) == 2
+    finally:
+        store.close()
