@@ -288,7 +288,7 @@ class Claims:
                         self._unlock(start, lo)
                         start = hi
                 self._unlock(start, ours[-1])
-            self._held -= mine
+            self._held.difference_update(mine)
 
     def _unlock(self, first: int, last: int) -> None:
         fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_UNLCK, 0, _LOCKS_OFF + first, last - first + 1, 0))
