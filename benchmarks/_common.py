@@ -46,6 +46,32 @@ class FreeSource:
         return self.item
 
 
+def private_namespace(prefix: str) -> str:
+    """Point $SHMCACHE_DIR at a fresh directory of this run's (unless the caller set one), and on
+    the way out (atexit: a normal end, an exception, sys.exit) destroy every session made there -
+    their shared memory too - and remove the directory: a benchmark leaves nothing behind."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if "SHMCACHE_DIR" in os.environ:
+        return os.environ["SHMCACHE_DIR"]
+    where = os.environ["SHMCACHE_DIR"] = tempfile.mkdtemp(prefix=prefix)
+
+    def clean() -> None:
+        try:
+            from shmcache.cache.registry import SessionRegistry
+
+            registry = SessionRegistry()
+            for info in registry.list():
+                registry.destroy(info.name, force=True)
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
+
+    atexit.register(clean)
+    return where
+
+
 INSIDE_NAMESPACE = "--inside-namespace"
 
 

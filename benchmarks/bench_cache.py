@@ -29,12 +29,11 @@ import mmap
 import os
 import platform
 import sys
-import tempfile
 import time
 
 import numpy as np
 import torch
-from _common import print_table  # noqa: E402  (benchmarks/ is on sys.path: the script's folder)
+from _common import print_table, private_namespace  # noqa: E402  (benchmarks/ is on sys.path: the script's folder)
 
 from shmcache import ShmDatasetCache
 from shmcache.cache.registry import SessionRegistry
@@ -156,7 +155,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sets, few repeats")
     args = p.parse_args(argv)
-    os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="shmcache-bench-"))
+    private_namespace("shmcache-bench-")
     print(env_line())
     rows: list = []
     if args.quick:

@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import FreeSource as Free  # noqa: E402
-from _common import environment, environment_line, median  # noqa: E402
+from _common import environment, environment_line, median, private_namespace  # noqa: E402
 
 
 def main() -> None:
@@ -28,7 +27,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--n", type=int, default=2000)
     args = ap.parse_args()
-    os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="bench-claims-"))
+    private_namespace("bench-claims-")
     from shmcache import ShmDatasetCache
 
     total = args.n * args.rounds + 8

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +30,17 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, environment_line, fmt_rate, fmt_ratio, fmt_s, median, p90, print_table  # noqa: E402
+from _common import (  # noqa: E402
+    environment,
+    environment_line,
+    fmt_rate,
+    fmt_ratio,
+    fmt_s,
+    median,
+    p90,
+    print_table,
+    private_namespace,
+)
 
 from shmcache import ShmDatasetCache  # noqa: E402
 from shmcache.cache.registry import SessionRegistry  # noqa: E402
@@ -176,7 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes, 2 passes: a few seconds")
     p.add_argument("--no-workers", action="store_true", help="skip the num_workers=2 rows")
     args = p.parse_args(argv)
-    os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="shmcache-bench-"))
+    private_namespace("shmcache-bench-")
     repeats = 2 if args.quick else 7
     sizes = [("3KB", (32, 32, 3), 2048 if args.quick else 20480),
              ("150KB", (224, 224, 3), 512 if args.quick else 1536)]

@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import environment, environment_line, median  # noqa: E402
+from _common import environment, environment_line, median, private_namespace  # noqa: E402
 
 
 def _table(rows: int):
@@ -99,7 +98,7 @@ def main() -> None:
         import datasets  # noqa: F401
     except ImportError:
         sys.exit("bench_hf.py needs Hugging Face datasets: pip install datasets")
-    os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="bench-hf-"))
+    private_namespace("bench-hf-")
     from shmcache import ShmDatasetCache
 
     base = _table(args.rows)

@@ -31,7 +31,7 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_snapshot as snap  # noqa: E402
-from _common import environment, environment_line, print_table  # noqa: E402
+from _common import environment, environment_line, print_table, private_namespace  # noqa: E402
 
 
 def _shm_file(total: int):
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="shmcache-bench-"))
+    private_namespace("shmcache-bench-")
     print(environment_line(environment()))
     rounds = 3 if args.quick else 7
     with tempfile.TemporaryDirectory(prefix="shmcache-parts-", dir="/tmp") as tmp_name:

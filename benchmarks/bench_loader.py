@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from _common import print_table  # noqa: E402
+from _common import print_table, private_namespace  # noqa: E402
 from datasets import PhotoCrops  # noqa: E402
 
 from shmcache import PrefetchRing, ShmDatasetCache  # noqa: E402
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="shmcache-bench-"))
+    private_namespace("shmcache-bench-")
     n = 256 if args.quick else 1024
     epochs = 2 if args.quick else 3
     source = PhotoCrops(n, size=64)

@@ -19,9 +19,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import private_namespace  # noqa: E402
 
 from shmcache.cache.registry import SessionRegistry
 from shmcache.cache.store import CacheStore
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="shmcache-bench-"))
+    private_namespace("shmcache-bench-")
     n = 200 if args.quick else 1000
     payload = n * 224 * 224 * 3
     session = f"bench-mem-{os.getpid()}"

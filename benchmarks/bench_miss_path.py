@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import FreeSource as Free  # noqa: E402
-from _common import environment, environment_line, median  # noqa: E402
+from _common import environment, environment_line, median, private_namespace  # noqa: E402
 
 PATHS = ("warmup", "get_batch", "__getitems__", "ds[i]", "put per item")
 
@@ -54,7 +53,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--n", type=int, default=20000)
     args = ap.parse_args()
-    os.environ.setdefault("SHMCACHE_DIR", tempfile.mkdtemp(prefix="bench-miss-"))
+    private_namespace("bench-miss-")
     from shmcache import ShmDatasetCache
 
     n = args.n
