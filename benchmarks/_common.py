@@ -48,17 +48,22 @@ class FreeSource:
 
 def private_namespace(prefix: str) -> str:
     """Point $SHMCACHE_DIR at a fresh directory of this run's (unless the caller set one), and on
-    the way out (atexit: a normal end, an exception, sys.exit) destroy every session made there -
-    their shared memory too - and remove the directory: a benchmark leaves nothing behind."""
+    the way out (atexit: a normal end, an exception, sys.exit, SIGTERM - a `timeout`) destroy every
+    session made there - their shared memory too - and remove the directory: a benchmark leaves
+    nothing behind. Only the process that made it cleans (not a forked DataLoader worker)."""
     import atexit
     import shutil
+    import signal
     import tempfile
 
     if "SHMCACHE_DIR" in os.environ:
         return os.environ["SHMCACHE_DIR"]
     where = os.environ["SHMCACHE_DIR"] = tempfile.mkdtemp(prefix=prefix)
+    owner = os.getpid()
 
     def clean() -> None:
+        if os.getpid() != owner:
+            return
         try:
             from shmcache.cache.registry import SessionRegistry
 
@@ -68,7 +73,12 @@ def private_namespace(prefix: str) -> str:
         finally:
             shutil.rmtree(where, ignore_errors=True)
 
+    def terminated(signum, frame) -> None:
+        raise SystemExit(128 + signum)  # atexit runs on the way out
+
     atexit.register(clean)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, terminated)
     return where
 
 
