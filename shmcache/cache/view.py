@@ -518,14 +518,7 @@ class CacheView:
             return values, missing
         lost = []
         for j, w0, w2 in zip(present.tolist(), w0s[present].tolist(), w2s[present].tolist()):
-            try:
-                v = self.decode(gen, w0, w2, copy, keys[j] & _M64, b"")
-            except FileNotFoundError:  # cleared meanwhile
-                v = MISSING
-            if v is CORRUPT_RECORD:
-                if self.is_current(gen.gen):  # else cleared under us: a plain miss
-                    self.count(CORRUPT)
-                v = MISSING
+            v = self._read_entry(gen, w0, w2, copy, keys[j] & _M64, b"")
             if v is MISSING:
                 lost.append(j)
             else:
@@ -539,18 +532,27 @@ class CacheView:
         for i, key in enumerate(keys):
             try:
                 w0, w2, _, kb, w1 = self.find(gen, key)
-                v = self.decode(gen, w0, w2, copy, w1, kb) if w0 else MISSING
             except FileNotFoundError:  # cleared meanwhile
-                v = MISSING
-            if v is CORRUPT_RECORD:
-                if self.is_current(gen.gen):  # else cleared under us: a plain miss
-                    self.count(CORRUPT)
-                v = MISSING
+                w0 = 0
+            v = self._read_entry(gen, w0, w2, copy, w1, kb) if w0 else MISSING
             if v is MISSING:
                 missing.append(i)
             else:
                 values[i] = v
         return values, missing
+
+    def _read_entry(self, gen: Generation, w0: int, w2: int, copy: bool, w1: int, kb: bytes) -> Any:
+        """The value of an entry found in ``gen``, or MISSING: cleared meanwhile, or damaged
+        (counted, unless a clear() dropped the record under us: a plain miss then)."""
+        try:
+            v = self.decode(gen, w0, w2, copy, w1, kb)
+        except FileNotFoundError:  # cleared meanwhile
+            return MISSING
+        if v is CORRUPT_RECORD:
+            if self.is_current(gen.gen):
+                self.count(CORRUPT)
+            return MISSING
+        return v
 
     def batch_layout(self, keys: np.ndarray) -> tuple | None:
         """``(tree, leaves, end of the last leaf)`` of the record of ``keys[0]`` (codec.leaves): the structure a

@@ -497,6 +497,21 @@ def test_every_read_of_a_closed_handle_says_it_was_closed(shm_namespace, end):
             read()
 
 
+def _destroyed_as_force_does(session: str) -> None:
+    """What `destroy --force` does once its wait for a busy cache lock (10 s) is over: the
+    session's directory renamed away and removed, its segments unlinked (SessionRegistry.destroy)."""
+    import shutil
+
+    from shmcache.cache.registry import SessionRegistry, unlink_segments
+
+    registry = SessionRegistry()
+    session_dir, prefix = registry.session_dir(session), registry.segment_prefix(session)
+    doomed = session_dir.with_name(f".{session}.tmp-destroy-test")
+    session_dir.rename(doomed)
+    unlink_segments(registry.ns, prefix)
+    shutil.rmtree(doomed)
+
+
 @pytest.mark.parametrize("when", ["create", "label", "fingerprint"])
 def test_a_forced_destroy_while_the_metadata_is_written_says_the_session_went_away(shm_namespace, monkeypatch, when):
     """`destroy --force` waits 10 s for a cache lock whose holder is busy, then renames the
@@ -504,10 +519,8 @@ def test_a_forced_destroy_while_the_metadata_is_written_says_the_session_went_aw
     lock and is about to write the cache's metadata finds no directory (seen once in the destroy
     stress run). That is the session going away, said as such, never a raw FileNotFoundError.
     The hook does what destroy does after its wait, without the 10 s."""
-    import shutil
 
     from shmcache.cache import store as store_module
-    from shmcache.cache.registry import SessionRegistry, unlink_segments
 
     real = store_module.write_json
     armed = [when == "create"]
@@ -515,12 +528,7 @@ def test_a_forced_destroy_while_the_metadata_is_written_says_the_session_went_aw
     def destroyed_first(path, data):
         if armed[0]:
             armed[0] = False
-            registry = SessionRegistry()
-            session_dir, prefix = registry.session_dir("gone"), registry.segment_prefix("gone")
-            doomed = session_dir.with_name(".gone.tmp-destroy-test")
-            session_dir.rename(doomed)
-            unlink_segments(registry.ns, prefix)
-            shutil.rmtree(doomed)
+            _destroyed_as_force_does("gone")
         return real(path, data)
 
     monkeypatch.setattr(store_module, "write_json", destroyed_first)
@@ -544,10 +552,8 @@ def test_a_forced_destroy_while_a_snapshot_import_binds_the_cache_says_the_sessi
     removes the session's directory there raised a raw FileNotFoundError (the fix above covered
     the store's own writes only). The destroy is made as the import reads the metadata it is
     about to rewrite, under the lock."""
-    import shutil
 
     from shmcache import ShmDatasetCache
-    from shmcache.cache.registry import SessionRegistry, unlink_segments
     from shmcache.snapshot.load import import_into, read_manifest
 
     src = ShmDatasetCache(session="src", name="c", size=16)
@@ -563,12 +569,7 @@ def test_a_forced_destroy_while_a_snapshot_import_binds_the_cache_says_the_sessi
         meta = read_meta()
         reads.append(1)
         if len(reads) == 2:  # the read under the lock, just before the write
-            registry = SessionRegistry()
-            session_dir, prefix = registry.session_dir("gone"), registry.segment_prefix("gone")
-            doomed = session_dir.with_name(".gone.tmp-destroy-test")
-            session_dir.rename(doomed)
-            unlink_segments(registry.ns, prefix)
-            shutil.rmtree(doomed)
+            _destroyed_as_force_does("gone")
         return meta
 
     store.read_meta = read_then_destroyed
