@@ -471,11 +471,16 @@ def _numbers(x: list) -> np.ndarray | None:
     bools) or floats, alone or in rectangular nested lists (NOTE [record format]); else None.
     Every check is a C-level pass (``set(map(...))``): a 32x32x3 image of ints took 350 us a row
     checked item by item in Python, more than reading it."""
-    level, shape = x, [len(x)]
+    level, shape, firsts = x, [len(x)], {id(x)}
     while type(level[0]) is list:  # a level of lists: every item a list of one length
         n = len(level[0])
-        if not n or set(map(type, level)) != _LIST_TYPE or set(map(len, level)) != {n}:
+        # a list that holds itself ([x, x]) made each level twice the last, until memory ran out:
+        # the loop goes on only while level[0] is a list, so an endless one meets a first item
+        # again (a rectangular nesting never has one list at two depths); numpy takes _MAX_DIMS
+        if not n or len(shape) >= _MAX_DIMS or id(level[0]) in firsts or \
+                set(map(type, level)) != _LIST_TYPE or set(map(len, level)) != {n}:
             return None
+        firsts.add(id(level[0]))
         level = list(chain.from_iterable(level))
         shape.append(n)
     if len(level) < MIN_NUMBERS:
@@ -497,6 +502,7 @@ def _numbers(x: list) -> np.ndarray | None:
 
 
 _LIST_TYPE, _INT_TYPE, _FLOAT_TYPE = {list}, {int}, {float}
+_MAX_DIMS = 32  # numpy's arrays have at most 32 dimensions (64 since numpy 2): deeper, a node per item
 
 
 def _unsupported(x: Any) -> str:
