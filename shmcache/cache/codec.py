@@ -46,7 +46,7 @@ NOTE [record format]
     them all, floats as float64 - and decoded with ``tolist()``: the same nested lists of the same
     Python numbers, at the numbers' own size (a row of 3,072 pixel ints took 71 KB as one node per
     number). Anything else (mixed types, ragged nesting, ints beyond 64 bits, empty lists, nestings
-    deeper than 32 levels, a list that holds itself) keeps a node per item. Such a leaf is not
+    deeper than 32 levels) keeps a node per item (a list that holds itself: pickled whole). Such a leaf is not
     gathered as a column (``default_collate`` transposes lists): a batch of them goes item by item.
     A layout from outside holds at most MAX_LAYOUT_NUMBERS numbers in such lists: each becomes a
     Python object when decoded.

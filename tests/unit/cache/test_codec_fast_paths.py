@@ -209,3 +209,18 @@ def test_a_tensor_subclass_keeps_its_type():
     t = torch.arange(4.).as_subclass(MyTensor)
     got = record_roundtrip(t)
     assert type(got) is MyTensor and torch.equal(got.as_subclass(torch.Tensor), t.as_subclass(torch.Tensor))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+                                   torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+def test_the_fast_way_writes_what_the_general_way_writes(dtype):
+    """The same meta, shape and bytes (so the same layout: a batch of both kinds is gathered as one)
+    for a contiguous tensor as for a strided view of the same values, which the general way takes."""
+    from shmcache.data.tensors import _tensor_to_parts
+
+    t = (torch.arange(24) % 7 - 3).to(dtype).reshape(2, 3, 4)
+    strided = torch.stack([t, t], -1)[..., 0]
+    assert t.is_contiguous() and not strided.is_contiguous()
+    fast, general = _tensor_to_parts(t), _tensor_to_parts(strided)
+    assert fast[:2] == general[:2] and bytes(fast[2]) == bytes(general[2])
+    assert codec.encode({"x": t}).layout == codec.encode({"x": strided}).layout
