@@ -45,10 +45,11 @@ NOTE [record format]
     dtype, shape, offset)`` stored as an array - ints in the narrowest of uint8 ... int64 that holds
     them all, floats as float64 - and decoded with ``tolist()``: the same nested lists of the same
     Python numbers, at the numbers' own size (a row of 3,072 pixel ints took 71 KB as one node per
-    number). Anything else (mixed types, ragged nesting, ints beyond 64 bits, empty lists) keeps a
-    node per item. Such a leaf is not gathered as a column (``default_collate`` transposes lists):
-    a batch of them goes item by item. A layout from outside holds at most MAX_LAYOUT_NUMBERS
-    numbers in such lists: each becomes a Python object when decoded.
+    number). Anything else (mixed types, ragged nesting, ints beyond 64 bits, empty lists, nestings
+    deeper than 32 levels) keeps a node per item (a list that holds itself: pickled whole). Such a leaf is not
+    gathered as a column (``default_collate`` transposes lists): a batch of them goes item by item.
+    A layout from outside holds at most MAX_LAYOUT_NUMBERS numbers in such lists: each becomes a
+    Python object when decoded.
 
     A namedtuple (issue 30) is a node ``("N", qualname, field names, children)``: its class is
     never looked up by the names a record carries (no import, no attribute of a module): decoding
@@ -471,11 +472,16 @@ def _numbers(x: list) -> np.ndarray | None:
     bools) or floats, alone or in rectangular nested lists (NOTE [record format]); else None.
     Every check is a C-level pass (``set(map(...))``): a 32x32x3 image of ints took 350 us a row
     checked item by item in Python, more than reading it."""
-    level, shape = x, [len(x)]
+    level, shape, firsts = x, [len(x)], {id(x)}
     while type(level[0]) is list:  # a level of lists: every item a list of one length
         n = len(level[0])
-        if not n or set(map(type, level)) != _LIST_TYPE or set(map(len, level)) != {n}:
+        # a list that holds itself ([x, x]) made each level twice the last, until memory ran out:
+        # the loop goes on only while level[0] is a list, so an endless one meets a first item
+        # again (a rectangular nesting never has one list at two depths); numpy takes _MAX_DIMS
+        if not n or len(shape) >= _MAX_DIMS or id(level[0]) in firsts or \
+                set(map(type, level)) != _LIST_TYPE or set(map(len, level)) != {n}:
             return None
+        firsts.add(id(level[0]))
         level = list(chain.from_iterable(level))
         shape.append(n)
     if len(level) < MIN_NUMBERS:
@@ -497,6 +503,7 @@ def _numbers(x: list) -> np.ndarray | None:
 
 
 _LIST_TYPE, _INT_TYPE, _FLOAT_TYPE = {list}, {int}, {float}
+_MAX_DIMS = 32  # numpy's arrays have at most 32 dimensions (64 since numpy 2): deeper, a node per item
 
 
 def _unsupported(x: Any) -> str:

@@ -32,7 +32,10 @@ def _tensor_to_parts(t: torch.Tensor):
     meta = _FAST_METAS.get(t.dtype)
     if meta is not None and t.is_cpu and not t.requires_grad and t.layout == torch.strided and \
             not t.is_nested and not t.is_conj() and not t.is_neg() and t.is_contiguous() and t.numel():
-        return meta, tuple(t.shape), t.numpy().reshape(-1).view(np.uint8)
+        try:
+            return meta, tuple(t.shape), t.numpy().reshape(-1).view(np.uint8)
+        except ValueError:  # more dimensions than numpy takes (64; 32 before numpy 2): the general way
+            pass
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
         return None  # pickled instead
     t = t.detach()
