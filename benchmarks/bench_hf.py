@@ -42,13 +42,15 @@ def _table(rows: int):
     }, features=features)
 
 
-def _encode_cost(cache_cls, hf, fmt: str) -> None:
+def _encode_cost(hf, fmt: str) -> None:
     import timeit
+
+    from shmcache import ShmDatasetCache
 
     keys = list(range(64))
     rows = hf.__getitems__(keys)
     pairs = list(zip(keys, rows))
-    cache = cache_cls(session="bench-hf", name=f"encode-{fmt}", size=64)
+    cache = ShmDatasetCache(session="bench-hf", name=f"encode-{fmt}", size=64)
     try:
         enc = min(timeit.repeat(lambda: cache.encode_many(pairs), number=20, repeat=5)) / 20 / 64
         fetch = min(timeit.repeat(lambda: hf.__getitems__(keys), number=5, repeat=5)) / 5 / 64
@@ -124,7 +126,7 @@ def main() -> None:
                 cache.store.destroy()
                 cache.close()
             if workers == args.workers[0]:
-                _encode_cost(cache_cls=ShmDatasetCache, hf=hf, fmt=fmt)
+                _encode_cost(hf, fmt)
             p, c, w, f = median(plain), median(cold), median(warm), median(floor)
             print(f"{fmt:<8}{workers:>8}{p:>9.2f}{c:>8.2f}{w:>8.2f}{p / c:>8.2f}{p / w:>8.2f}{p / f:>8.2f}"
                   f"{per_row:>11.0f}")

@@ -58,24 +58,24 @@ class Items:
         return [self[k] for k in keys]
 
 
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--items", type=int, default=3_000_000)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--no-private", action="store_true", help="skip the private-array yardstick (its RAM)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if INSIDE_NAMESPACE not in argv:
-        p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-        p.add_argument("--items", type=int, default=3_000_000)
-        p.add_argument("--rounds", type=int, default=15)
-        p.add_argument("--no-private", action="store_true", help="skip the private-array yardstick (its RAM)")
-        args = p.parse_args(argv)  # checked here, before the namespace: --help and typos say so at once
+        args = _parser().parse_args(argv)  # checked here, before the namespace: --help and typos say so at once
         size = f"{int((args.items + SMALL) * 3200 * 1.3) // 2**30 + 2}g"
         return in_huge_tmpfs(str(Path(__file__).resolve()), argv, size)
     i = argv.index(INSIDE_NAMESPACE)
     mount = argv[i + 1]
     del argv[i:i + 2]
-    p = argparse.ArgumentParser()
-    p.add_argument("--items", type=int, default=3_000_000)
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--no-private", action="store_true")
-    args = p.parse_args(argv)
+    args = _parser().parse_args(argv)
     os.environ["SHMCACHE_DIR"] = tempfile.mkdtemp(prefix="shmcache-bench-ns-")  # a namespace of its own
     os.environ.pop("SHMCACHE_MEMORY_DIR", None)
     from shmcache import ShmDatasetCache
