@@ -6,6 +6,8 @@ yardstick, measured in the same run, interleaved, best of rounds, reported as ra
     python benchmarks/bench_batch.py --quick --against /tmp/base --runs 3
         # before / after: this script run alternately with another checkout's shmcache
         # (PYTHONPATH=/tmp/base) and with this one's, each ratio's median over the runs side by side
+    python benchmarks/bench_batch.py --against-numpy-copy --runs 3
+        # the same, numpy's copies (SHMCACHE_NATIVE=0) against the compiled row copy (base.rowcopy)
 
 Items ``(uint8 HWC image, int label)``: 3 KB (32x32x3, 50,000 of them) and 150 KB (224x224x3,
 2,000), random batches of 256 from a list of batches cycled through (so no batch is cache-warm
@@ -198,9 +200,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the numbers here")
     p.add_argument("--against", metavar="TREE", help="another checkout (its root): run this script alternately "
                    "with its shmcache and with this one's, and print each ratio of both side by side")
+    p.add_argument("--against-numpy-copy", action="store_true",
+                   help="the same, against this checkout with SHMCACHE_NATIVE=0 (numpy's copies, not the compiled "
+                        "row copy)")
     p.add_argument("--runs", type=int, default=3, help="with --against: runs of each (default 3)")
     args = p.parse_args(argv)
-    if args.against:
+    if args.against or args.against_numpy_copy:
         return against(args)
     made = None
     if "SHMCACHE_DIR" not in os.environ:  # a namespace of its own, removed at the end
@@ -291,17 +296,20 @@ def verdict(value: float, target: float | None) -> str:
 
 
 def against(args) -> int:
-    """Run this script alternately with ``args.against``'s shmcache and this checkout's (PYTHONPATH),
-    ``args.runs`` times each, and print each ratio's median over the runs of both."""
+    """Run this script alternately with ``args.against``'s shmcache (or this checkout's with
+    SHMCACHE_NATIVE=0) and this checkout's (PYTHONPATH), ``args.runs`` times each, and print each
+    ratio's median over the runs of both."""
     here = str(Path(__file__).resolve().parents[1])
-    trees = {"before": str(Path(args.against).resolve()), "now": here}
+    before = here if args.against_numpy_copy else str(Path(args.against).resolve())
+    trees = {"before": before, "now": here}
+    extra = {"before": {"SHMCACHE_NATIVE": "0"} if args.against_numpy_copy else {}, "now": {}}
     got: dict[str, list[dict]] = {name: [] for name in trees}
     print(environment_line(environment()))
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
         for run in range(args.runs):
             for name, tree in (trees.items() if run % 2 == 0 else reversed(list(trees.items()))):
                 path = os.path.join(tmp, f"{name}-{run}.json")
-                env = dict(os.environ, PYTHONPATH=tree)
+                env = dict(os.environ, PYTHONPATH=tree, **extra[name])
                 cmd = [sys.executable, __file__, "--json", path] + (["--quick"] if args.quick else [])
                 subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, cwd=tree)
                 got[name].append(json.loads(Path(path).read_text()))
@@ -311,7 +319,8 @@ def against(args) -> int:
         now = statistics.median(r["ratios"][name] for r in got["now"])
         rows.append((name, f"{before:.2f}", f"{now:.2f}", verdict(now, target)))
     print(f"{args.runs} runs of each, alternating; medians of each run's same-run ratio")
-    print_table(("ratio (speed / yardstick's speed unless said)", f"before ({trees['before']})", "now", "target"),
+    label = "SHMCACHE_NATIVE=0" if args.against_numpy_copy else trees["before"]
+    print_table(("ratio (speed / yardstick's speed unless said)", f"before ({label})", "now", "target"),
                 rows)
     for name in trees:
         for size in ("3 KB", "150 KB"):

@@ -30,6 +30,8 @@ SHMCACHE_CRASH_AFTER     ... and how many of them to pass first
 SHMCACHE_CLAIMS          "0", "false", "no", "off": misses compute without claims (``claims``)
 SHMCACHE_CLAIM_TIMEOUT_S the longest a miss waits for another process's claim, s (default 10;
                          ``claims``)
+SHMCACHE_NATIVE          "0", "false", "no", "off": the batch gather copies with numpy, not the
+                         compiled row copy (``rowcopy``, at import)
 RANK, LOCAL_RANK,        torchrun's, which the launcher sets for each worker as torchrun does:
 WORLD_SIZE,              the torch layer reads them (``NodeAffineSampler``; a warm-up's bar and
 LOCAL_WORLD_SIZE         offsets; a worker's name)
@@ -43,7 +45,7 @@ from collections.abc import Mapping
 
 __all__ = ["PREFIX", "ENV_DIR", "ENV_SESSION", "ENV_SIZE_MB", "ENV_SPILLING", "ENV_SPILL_DIR", "ENV_REMOTE",
            "ENV_MEMORY_DIR", "ENV_REMOTE_PASSWORD", "ENV_SNAPSHOT", "ENV_SECRET", "ENV_MAX_ITEM_MB", "ENV_RDZV_TOKEN",
-           "ENV_ORDERING",
+           "ENV_ORDERING", "ENV_NATIVE",
            "ENV_CRASH_AT", "ENV_CRASH_AFTER", "ENV_CLAIMS", "ENV_CLAIM_TIMEOUT_S", "ENV_RANK", "ENV_LOCAL_RANK",
            "ENV_WORLD_SIZE", "ENV_LOCAL_WORLD_SIZE", "get", "flag", "without_ours"]
 
@@ -65,6 +67,7 @@ ENV_CRASH_AT = "SHMCACHE_CRASH_AT"
 ENV_CRASH_AFTER = "SHMCACHE_CRASH_AFTER"
 ENV_CLAIMS = "SHMCACHE_CLAIMS"  # "0": misses compute without claims (NOTE [claims])
 ENV_CLAIM_TIMEOUT_S = "SHMCACHE_CLAIM_TIMEOUT_S"  # the longest wait for another's claim
+ENV_NATIVE = "SHMCACHE_NATIVE"  # "0": the batch gather without the compiled row copy (rowcopy)
 # torchrun's, which the launcher sets for each worker like torchrun and the torch layer reads
 ENV_RANK = "RANK"
 ENV_LOCAL_RANK = "LOCAL_RANK"

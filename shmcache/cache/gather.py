@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..base import rowcopy
 from ..base.shm import WORD
 from . import codec, process_slot
 from .allocator import DATA_OFF
@@ -237,6 +238,9 @@ def gather_rows(rows: np.ndarray, offset: int, chunks: np.ndarray, dst: np.ndarr
     chunk = rows.shape[1]
     if not nbytes:  # an empty field: nothing to copy
         return
+    if rowcopy.NATIVE:  # a memcpy per row, straight into dst
+        rowcopy.gather(rows, offset, chunk, nbytes, chunks, dst)
+        return
     if nbytes >= LOOP_BYTES:
         column = rows[:, offset:offset + nbytes]
         for i, c in enumerate(chunks.tolist()):
@@ -276,6 +280,7 @@ class Field(NamedTuple):
     item: np.dtype  # what numpy copies a row as: the dtype of a scalar, else V<nbytes> (one memcpy)
     items: np.ndarray  # one item per chunk handed out: the field (a view over the class segment)
     rows: np.ndarray | None  # the same bytes as (chunks, nbytes) uint8 rows, for fields copied row by row
+    records: np.ndarray  # every chunk handed out, whole: (chunks, chunk size) uint8 (rowcopy's source)
 
 
 class Plan:
@@ -350,7 +355,8 @@ def _field(buf, handed_out: int, chunk: int, leaf: codec.Leaf) -> Field:
     else:
         items = np.ndarray((handed_out,), item, buf, offset, (chunk,))
     rows = np.ndarray((handed_out, nbytes), np.uint8, buf, offset, (chunk, 1)) if nbytes >= LOOP_BYTES else None
-    return Field(leaf.offset, nbytes, dtype, shape, item, items, rows)
+    records = np.ndarray((handed_out, chunk), np.uint8, buf, DATA_OFF)
+    return Field(leaf.offset, nbytes, dtype, shape, item, items, rows, records)
 
 
 def gather_planned(plan: Plan, words: np.ndarray, keys: np.ndarray, out: list | None,
@@ -424,7 +430,10 @@ def _new_column(f: Field, chunks: np.ndarray, n: int, buffers: BatchBuffers) -> 
 def _copy_rows(f: Field, chunks: np.ndarray, dst: np.ndarray) -> None:
     """Rows ``chunks`` of ``f`` into ``dst`` (C-contiguous, as many bytes as the batch's field):
     a fancy index and one copy, or one copy per row for fields of ``LOOP_BYTES`` and more (no
-    temporary as large as the batch)."""
+    temporary as large as the batch); with rowcopy, one memcpy per row, straight into ``dst``."""
+    if rowcopy.NATIVE:
+        rowcopy.gather(f.records, f.offset, f.records.shape[1], f.nbytes, chunks, dst)
+        return
     n = len(chunks)
     if f.rows is not None:
         rows, flat = f.rows, np.ndarray((n, f.nbytes), np.uint8, dst)

@@ -48,7 +48,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ..base import memdir, settings
+from ..base import memdir, rowcopy, settings
 from ..base.memory import memory_limits
 from ..base.namespace import namespace, resolve_session_name
 from ..base.settings import ENV_MEMORY_DIR, ENV_REMOTE, ENV_SPILL_DIR
@@ -372,6 +372,7 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         "memory_dir": memory_dir, "memory_dir_total_bytes": mem_total, "memory_dir_free_bytes": mem_free,
         "memory_dir_pages": memdir.backing(memory_dir).describe() if memory_dir else None,
         "thp_shmem_enabled": memdir.shmem_enabled(),
+        "batch_copy": "compiled" if rowcopy.NATIVE else f"numpy: {rowcopy.unavailable_reason()}",
         "sessions": len(registry.list()),
         "segments": sum(len(ns.owned_segments(d)) for d in [None, *registry.memory_dirs()]),
         "remotes": _remotes(registry),
@@ -388,6 +389,8 @@ def cmd_info(args, registry: SessionRegistry) -> int:
          else "not set: new sessions in /dev/shm ($SHMCACHE_MEMORY_DIR, shmcache new --memory-dir)"),
         ("huge pages (shmem THP)", f"shmem_enabled {info['thp_shmem_enabled']}; a tmpfs mount's huge= "
                                    f"decides for its files (`shmcache stat` shows each cache's pages)"),
+        ("batch copy", "compiled: a batch's rows are copied out of shared memory in one pass" if rowcopy.NATIVE
+         else f"numpy, two passes: {rowcopy.unavailable_reason()}"),
         ("MemAvailable", _size(lim.mem_available)),
         ("cgroup memory limit", f"{_size(lim.cgroup_limit)} ({_size(lim.cgroup_free)} free; "
                                 f"{lim.cgroup_file})" if lim.cgroup_limit else "no limit"),

@@ -98,6 +98,12 @@ def _own_names(tree: ast.Module) -> set[str]:
     return own
 
 
+def _own_extension(path: Path, node: ast.ImportFrom, name: str) -> bool:
+    """``from . import _x`` in ``x.py``, with ``_x.c`` beside it: the compiled half of the module
+    that wraps it (base/rowcopy.py and _rowcopy.c), which only that wrapper may import."""
+    return node.level == 1 and not node.module and name == f"_{path.stem}" and (path.parent / f"{name}.c").exists()
+
+
 def reach_ins(path: Path, allowed: frozenset[str] | set[str] = frozenset()) -> list[tuple[int, str, str]]:
     """(line, private name, the code) for each reach-in of one module (``allowed``: names that
     are public where this module uses them: THIRD_PARTY)."""
@@ -130,7 +136,7 @@ def reach_ins(path: Path, allowed: frozenset[str] | set[str] = frozenset()) -> l
             if any(_private(p) for p in (node.module or "").split(".")) and node.module not in allowed:
                 found.append((node.lineno, node.module, f"from {source} import ..."))
             found += [(node.lineno, a.name, f"from {source} import {a.name}") for a in node.names
-                      if _private(a.name) and a.name not in allowed]
+                      if _private(a.name) and a.name not in allowed and not _own_extension(path, node, a.name)]
     return sorted(found)
 
 

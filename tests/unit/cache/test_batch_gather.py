@@ -14,6 +14,8 @@ import torch
 from shmcache import ShmDatasetCache
 from shmcache.cache import gather
 
+pytestmark = pytest.mark.usefixtures("row_copy")  # each test with both row copies (conftest)
+
 # (image shape, keys): 3 KB records (scratch), 12 KB ones past SCRATCH_BYTES (units of 256 bytes),
 # an odd size whose unit is under MIN_UNIT (a fancy index), fields past LOOP_BYTES (a row loop)
 SHAPES = [((32, 32, 3), 256), ((64, 64, 3), 256), ((1001,), 300), ((5, 4099), 120), ((96, 96, 3), 100)]

@@ -22,6 +22,8 @@ from shmcache.cache import gather
 from shmcache.cache.index import SPILLED
 from shmcache.errors import CorruptSegment, InvalidArgument
 
+pytestmark = pytest.mark.usefixtures("row_copy")  # each test with both row copies (conftest)
+
 S, C, N = "plan", "c", 64
 SHAPE = (16, 16, 3)  # 768-byte images: small records, as the 3 KB benchmark's
 

@@ -1,0 +1,112 @@
+/* shmcache.base._rowcopy: copy rows out of a strided source in one pass (see rowcopy.py).
+ *
+ * numpy has no gather from a strided source into a given buffer: np.take copies a source that is
+ * not C-contiguous whole first, and a fancy index makes a temporary that a second copy then moves
+ * into the destination. This is the one loop numpy lacks, a memcpy per row, nothing else: it knows
+ * no cache format. Every row is checked against the source's bounds before anything is copied
+ * (a bad index raises and writes nothing), and the copy runs without the GIL (a pin-memory thread
+ * gathers next to the main thread). The exported buffers stay held for the whole call, so the
+ * mapping under the source cannot be closed while it is read.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+static int
+index_format_ok(const Py_buffer *rows)
+{
+    /* 8-byte signed integers: numpy's intp and int64 on the 64-bit hosts shmcache runs on */
+    const char *f = rows->format ? rows->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    return rows->itemsize == 8 && (strcmp(f, "l") == 0 || strcmp(f, "q") == 0 || strcmp(f, "n") == 0);
+}
+
+static PyObject *
+gather(PyObject *module, PyObject *args)
+{
+    PyObject *src_obj, *rows_obj, *dst_obj;
+    Py_ssize_t offset, stride, nbytes;
+    Py_buffer src, rows, dst;
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTuple(args, "OnnnOO:gather", &src_obj, &offset, &stride, &nbytes, &rows_obj, &dst_obj))
+        return NULL;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_SIMPLE) < 0)
+        return NULL;
+    /* strided: the chunk column of the gather plan's (n, 3) words is read in place */
+    if (PyObject_GetBuffer(rows_obj, &rows, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&rows);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (!index_format_ok(&rows) || rows.ndim != 1) {
+        PyErr_Format(PyExc_TypeError, "gather: row indices must be one dimension of 8-byte integers (intp), "
+                     "not %d of format '%s'", rows.ndim, rows.format ? rows.format : "B");
+        goto done;
+    }
+    const Py_ssize_t n = rows.shape[0], step = rows.strides[0];
+    if (offset < 0 || stride <= 0 || nbytes < 0 || offset > src.len || nbytes > src.len - offset) {
+        PyErr_Format(PyExc_ValueError, "gather: offset %zd, stride %zd and row of %zd bytes do not fit a source "
+                     "of %zd bytes", offset, stride, nbytes, src.len);
+        goto done;
+    }
+    if (nbytes && n > dst.len / nbytes) {
+        PyErr_Format(PyExc_ValueError, "gather: %zd rows of %zd bytes do not fit a destination of %zd bytes",
+                     n, nbytes, dst.len);
+        goto done;
+    }
+    /* the last row whose bytes end inside the source: offset + r * stride + nbytes <= len */
+    const Py_ssize_t last = (src.len - offset - nbytes) / stride;
+#define ROW(i) (*(const Py_ssize_t *)((const char *)rows.buf + (i) * step))
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (ROW(i) < 0 || ROW(i) > last) {
+            PyErr_Format(PyExc_IndexError, "gather: row %zd (at %zd) is outside the source's %zd rows",
+                         ROW(i), i, last + 1);
+            goto done;
+        }
+    }
+    const char *from = (const char *)src.buf + offset;
+    char *to = (char *)dst.buf;
+    Py_ssize_t moved = -1;  /* a row that changed past the bounds since the check: another thread's */
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_ssize_t r = ROW(i);
+        if (r < 0 || r > last) {
+            moved = i;
+            break;
+        }
+        memcpy(to + i * nbytes, from + r * stride, (size_t)nbytes);
+    }
+    Py_END_ALLOW_THREADS
+#undef ROW
+    if (moved >= 0) {
+        PyErr_Format(PyExc_RuntimeError, "gather: the row index at %zd changed during the copy", moved);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"gather", gather, METH_VARARGS,
+     "gather(src, offset, stride, nbytes, rows, dst): dst's row i = src[offset + rows[i] * stride:][:nbytes]."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rowcopy", NULL, -1, methods};
+
+PyMODINIT_FUNC
+PyInit__rowcopy(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,43 @@
+"""Rows copied out of a strided source in one pass: the batch gather's copy (issue 27).
+
+A column of a batch is ``nbytes`` at ``offset`` within rows ``rows[i]`` of a class segment's
+chunks (``stride`` bytes each). numpy has no such gather into a given buffer: ``np.take`` first
+copies a source that is not C-contiguous whole, and a fancy index makes a temporary that a second
+copy moves into the destination. The compiled loop (``_rowcopy.c``: a memcpy per row, bounds
+checked before the first byte moves, without the GIL) copies each row once, straight into the
+destination. It is built at install where a C compiler is present; without it, or with
+``SHMCACHE_NATIVE=0``, ``NATIVE`` is False and the callers (``cache.gather``) take numpy's ways,
+which give the same bytes.
+"""
+
+from __future__ import annotations
+
+from . import settings
+
+__all__ = ["NATIVE", "gather", "unavailable_reason"]
+
+try:
+    from . import _rowcopy
+except ImportError:  # no C compiler at install, or a source checkout never built
+    _rowcopy = None
+    _why = ("not built at install (no C compiler or Python headers there): reinstall shmcache where both are "
+            "present (apt install gcc python3-dev)")
+else:
+    _why = ""
+if _rowcopy is not None and settings.get(settings.ENV_NATIVE, "1").strip().lower() in ("0", "false", "no", "off"):
+    _why = f"turned off by {settings.ENV_NATIVE}: unset it for the one-pass copy"
+
+NATIVE = _rowcopy is not None and not _why
+
+
+def unavailable_reason() -> str:
+    """Why the compiled row copy is not used, and what to do ('' when it is used)."""
+    return _why
+
+
+def gather(src, offset: int, stride: int, nbytes: int, rows, dst) -> None:
+    """Row ``i`` of ``dst`` (C-contiguous, writable, at least ``len(rows) * nbytes`` bytes) =
+    ``nbytes`` of ``src`` (a contiguous buffer) from ``offset + rows[i] * stride``, for each
+    ``i``; ``rows``: a 1-D intp array (any stride). IndexError, with nothing copied, for a row
+    whose bytes end past ``src``. Only where ``NATIVE``."""
+    _rowcopy.gather(src, offset, stride, nbytes, rows, dst)
