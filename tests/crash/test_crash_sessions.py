@@ -264,6 +264,8 @@ def test_a_write_overtaken_by_a_forced_destroy_and_a_new_cache_lands_nowhere(wha
         assert b.lookup(0) is MISSING and b.lookup(7) is MISSING and len(b) == 1
         assert same_value(b.lookup(1), value_for(1))
         assert b.stats()["items_mem"] == 1
+        mine = (b.view.segment_name("root"), b.view.segment_name(""))
+        assert [n for n in shm_namespace.owned_segments() if not n.startswith(mine)] == []
         assert res.get("raised") in ("SessionNotFound", "CacheNotFound"), res
         assert "destroyed while" in res["message"], res
     finally:
