@@ -300,10 +300,11 @@ def op_hold_cache_lock(session, cache, cap, held_path):
 def op_write_across_a_reincarnation(session, cache, cap, what, stopped_path):
     """A write that a forced destroy and a new cache of the same name overtake: this process opens
     the cache, puts key 0, then starts one write (``what``: "label", "fingerprint", "meta" - a
-    metadata write - or "put") and, holding the cache lock inside it, stops itself (SIGSTOP) after
+    metadata write - "put" or "put_many") and, holding the cache lock inside it, stops itself (SIGSTOP) after
     touching ``stopped_path``; the test destroys the session, makes the cache again and SIGCONTs
     it. Returns what the write did: its result, or the error it raised."""
     import shmcache.cache.store as store_module
+    from shmcache.cache import codec
 
     s = _store(session, cache, cap)
     s.put(0, value_for(0))
@@ -312,14 +313,14 @@ def op_write_across_a_reincarnation(session, cache, cap, what, stopped_path):
         _touch(stopped_path)
         os.kill(os.getpid(), signal.SIGSTOP)
 
-    if what == "put":
-        put_locked = s.writer.put_locked
+    if what in ("put", "put_many"):
+        repair = s.writer.repair
 
-        def stopped_put_locked(*args, **kw):  # under the lock, refreshed and repaired
+        def stopped_repair(*args, **kw):  # under the lock, the generation mapped, before the write
             stop_here()
-            return put_locked(*args, **kw)
+            return repair(*args, **kw)
 
-        s.writer.put_locked = stopped_put_locked
+        s.writer.repair = stopped_repair
     else:
         real = store_module.write_json
 
@@ -336,8 +337,10 @@ def op_write_across_a_reincarnation(session, cache, cap, what, stopped_path):
         elif what == "meta":
             with s.locked():
                 s.write_meta({**s.read_meta(), "label": "A's stale label", "spill_path": "/nowhere/a"})
-        else:
+        elif what == "put":
             return {"stored": s.put(7, value_for(7))}
+        else:
+            return {"stored": s.put_many([(k, codec.encode(value_for(k))) for k in (7, 8, 9)])}
     except Exception as exc:
         return {"raised": type(exc).__name__, "message": str(exc)}
     finally:
