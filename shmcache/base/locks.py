@@ -185,6 +185,24 @@ class FlockLock:
                 self._close_fd()  # closing drops the flock
         self._thread_lock.release()
 
+    def held_directory(self) -> int:
+        """A descriptor (O_DIRECTORY; the caller closes it) of the directory holding the file this
+        process holds locked, checked to name that file still. What is written relative to it
+        (``dir_fd``) goes beside the lock held, never into a directory made since at the same path
+        (its session destroyed with force while we held the lock, and made again). FileNotFoundError
+        when the file is gone from there or replaced."""
+        if not self._holds or self._pid != os.getpid():
+            raise RuntimeError(f"{self.what} is not held by this process")
+        fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            there, held = os.stat(self.path.name, dir_fd=fd), os.fstat(self._fd)
+            if (there.st_dev, there.st_ino) != (held.st_dev, held.st_ino):
+                raise FileNotFoundError(errno.ENOENT, "the lock file held was replaced", str(self.path))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def __enter__(self) -> FlockLock:
         self.acquire()
         return self

@@ -48,6 +48,14 @@ NOTE [record format]
     number). Anything else (mixed types, ragged nesting, ints beyond 64 bits, empty lists, nestings
     deeper than 32 levels) keeps a node per item (a list that holds itself: pickled whole). Such a leaf is not
     gathered as a column (``default_collate`` transposes lists): a batch of them goes item by item.
+    One container in many places (``v = [v, v]`` thirty times: the same row twice at each level,
+    a few objects that pickle stores once) would be written out at each place: 2**30 rows. The
+    encoder writes a shared container again at each place while those writes come to at most
+    MAX_LAYOUT_NODES items (a list of numbers counting one per MIN_NUMBERS) and a list of numbers
+    at most MAX_LAYOUT_NUMBERS numbers (``[[0] * 16] * 16`` stays an array); past that it stops
+    and pickles the value whole, as it does a list that holds itself. (It tells a container met
+    before by its id, tracked only in a value past MAX_LAYOUT_NODES items - walked again then,
+    tracking from the start: a sample's few containers cost no lookup.)
     A layout from outside holds at most MAX_LAYOUT_NUMBERS numbers in such lists: each becomes a
     Python object when decoded.
 
@@ -385,12 +393,47 @@ class Encoded:
         return end + len(key)
 
 
+class _Repeated(Exception):
+    """The value holds one container in so many places that writing it out at each would take
+    more than MAX_LAYOUT_NODES items, or a list of numbers more than MAX_LAYOUT_NUMBERS (NOTE
+    [record format]): ``encode`` pickles it whole, which stores each object once."""
+
+
+class _Untracked(Exception):
+    """A walk went past _UNTRACKED items without tracking its containers: ``encode`` walks the
+    value again, tracking them (a sample's few containers cost nothing more)."""
+
+
+_UNTRACKED = 1 << 16  # items walked before containers are tracked: MAX_LAYOUT_NODES (defined below)
+
+
 class _Builder:
     def __init__(self):
         self.scalars: list[tuple[str, Any]] = []
         self.var: list[tuple[int, bytes]] = []  # (index in var list, bytes) -> offsets fixed later
         self.arrays: list[np.ndarray] = []
         self.pickled: list[str] = []
+        # the items walked (a list of numbers: one per MIN_NUMBERS of them); past ``untracked``,
+        # each container's (``track``); those walked again because a container was met before
+        self.walked, self.untracked, self.again = 0, _UNTRACKED, 0
+        self.under: dict[int, int] | None = None  # tracked: items under each container, by id
+
+    def tracked(self) -> _Builder:
+        """This builder, tracking every container from the first (for a walk again)."""
+        self.untracked, self.under = -1, {}
+        return self
+
+    def track(self, x: Any) -> None:
+        """Container ``x`` is walked past the untracked items: _Untracked if untracked (walk again,
+        tracked); _Repeated if ``x`` was met before and such walks again come to more than
+        MAX_LAYOUT_NODES items."""
+        if self.under is None:
+            raise _Untracked
+        again = self.under.get(id(x))
+        if again is not None:
+            self.again += again
+            if self.again > MAX_LAYOUT_NODES:
+                raise _Repeated
 
     def node(self, x: Any, path: str) -> tuple:
         tp = type(x)
@@ -418,19 +461,49 @@ class _Builder:
             self.var.append((len(self.var), x))
             return (_BYTES, len(self.var) - 1, len(x))
         if tp is tuple:
-            return (_TUPLE, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
+            start = self.walked  # (a container: counted, as below)
+            self.walked = start + len(x)
+            if self.walked > self.untracked:
+                self.track(x)
+            node = (_TUPLE, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
+            if self.under is not None:
+                self.under[id(x)] = self.walked - start
+            return node
         if tp is list:
+            start = self.walked  # items walked, under each container too: to bound those
+            self.walked = start + len(x)  # walked again (_Repeated; tracked past _UNTRACKED)
+            if self.walked > self.untracked:
+                self.track(x)
             arr = _numbers(x) if len(x) > 1 else None
             if arr is not None:
                 self.arrays.append(arr.reshape(-1).view(np.uint8))
-                return (_NUMBERS, arr.dtype.str, tuple(arr.shape), len(self.arrays) - 1)
-            return (_LIST, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
+                self.walked += arr.size // MIN_NUMBERS  # (its repeats are bounded in _numbers)
+                node = (_NUMBERS, arr.dtype.str, tuple(arr.shape), len(self.arrays) - 1)
+            else:
+                node = (_LIST, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
+            if self.under is not None:
+                self.under[id(x)] = self.walked - start
+            return node
         if isinstance(x, tuple) and (named := _named_fields(tp)) is not None \
                 and len(x) == len(named[1]) and not getattr(x, "__dict__", None):
             register_namedtuple(tp)
-            return (_NAMED, *named, tuple(self.node(v, f"{path}.{f}") for f, v in zip(named[1], x)))
+            start = self.walked
+            self.walked = start + len(x)
+            if self.walked > self.untracked:
+                self.track(x)
+            node = (_NAMED, *named, tuple(self.node(v, f"{path}.{f}") for f, v in zip(named[1], x)))
+            if self.under is not None:
+                self.under[id(x)] = self.walked - start
+            return node
         if tp is dict and all(type(k) in (str, int) for k in x):
-            return (_DICT, tuple((k, self.node(v, f"{path}[{k!r}]")) for k, v in x.items()))
+            start = self.walked
+            self.walked = start + len(x)
+            if self.walked > self.untracked:
+                self.track(x)
+            node = (_DICT, tuple((k, self.node(v, f"{path}[{k!r}]")) for k, v in x.items()))
+            if self.under is not None:
+                self.under[id(x)] = self.walked - start
+            return node
         if tp is np.ndarray and not x.dtype.hasobject and x.dtype.fields is None:
             # (ascontiguousarray would turn a 0-d array into shape (1,))
             arr = x if x.flags.c_contiguous else np.ascontiguousarray(x)
@@ -481,6 +554,10 @@ def _numbers(x: list) -> np.ndarray | None:
         if not n or len(shape) >= _MAX_DIMS or id(level[0]) in firsts or \
                 set(map(type, level)) != _LIST_TYPE or set(map(len, level)) != {n}:
             return None
+        # one row in many places ([v, v] thirty levels deep: 2**30 rows, a few in memory) is
+        # pickled whole, past MAX_LAYOUT_NUMBERS numbers; distinct rows are as many as memory holds
+        if len(level) * n > MAX_LAYOUT_NUMBERS and len(set(map(id, level))) < len(level):
+            raise _Repeated
         firsts.add(id(level[0]))
         level = list(chain.from_iterable(level))
         shape.append(n)
@@ -554,10 +631,18 @@ def encode(value: Any, path: str = "") -> Encoded:
     """Encode ``value``; raises EncodeError (naming ``path``) if it cannot be stored."""
     b = _Builder()
     try:
-        tree = b.node(value, path)
+        try:
+            tree = b.node(value, path)
+        except _Untracked:  # a large value: walked again, tracking its containers
+            b = _Builder().tracked()
+            tree = b.node(value, path)
     except RecursionError:  # nested deeper than the layout walks can go: the whole value is pickled
         b = _Builder()
         tree = b.pickle_node(value, path)
+    except _Repeated:  # written out at each place it holds a shared container: too large, pickled
+        b = _Builder()  # whole (pickle stores each object once), named so in the pickled warning
+        tree = b.pickle_node(value, path)
+        b.pickled = [f"{name} holding one container in many places" for name in b.pickled]
     scalar_off = [16 + 8 * i for i in range(len(b.scalars))]
     pos = 16 + 8 * len(b.scalars)
     var_off = []

@@ -812,13 +812,16 @@ def retire_root(name: str) -> None:
     root.close()
 
 
-def _write_json(path: Path, data: dict) -> None:
-    """Write ``path`` atomically (temporary file + rename), mode 0600."""
+def _write_json(path: Path, data: dict, *, dir_fd: int | None = None) -> None:
+    """Write ``path`` atomically (temporary file + rename), mode 0600. With ``dir_fd`` (a
+    directory's descriptor: FlockLock.held_directory) ``path``'s name in that directory, wherever
+    the path leads now."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    src, dst = (tmp.name, path.name) if dir_fd is not None else (tmp, path)
+    fd = os.open(src, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
-    os.rename(tmp, path)
+    os.rename(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 write_json = _write_json

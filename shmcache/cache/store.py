@@ -127,6 +127,12 @@ NOTE [publish order]
     CacheNotFound. A reader that compared the word just before the tombstone returns a value that
     was current when it looked (as with ``clear()``). An opener that finds a tombstoned root under
     the lock finishes the dead destroy (unlinks it) and makes a new incarnation.
+    A write a forced destroy overtook (it waits 10 s for a busy lock, then goes on without it, and
+    the session and cache may be made again at once) must not land in the new incarnation: its
+    segments carry the old incarnation's names; its metadata is written relative to the directory
+    of the lock file it holds (``write_meta``: FlockLock.held_directory), the one renamed away and
+    removed; and a put that finds its root tombstoned when it is done (CacheWriter._check_not_overtaken)
+    removes what it made under its incarnation's names and raises CacheNotFound, as the next would.
 
     Opening. The root is made READY-last (NOTE [segment lifecycle]), then its capacity and incarnation words,
     then the first generation, and its epoch word is published last. So an opener attaches the
@@ -154,6 +160,7 @@ NOTE [publish order]
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import shutil
 import time
@@ -387,9 +394,15 @@ class CacheStore:
 
     def write_meta(self, meta: dict) -> None:
         """Rewrite the cache's metadata (under its lock: ``locked()``). A forced destroy does not
-        wait for the lock: the session's directory may be gone under the write, which says so."""
+        wait for the lock: the session's directory may be gone under the write, or made again
+        with a new cache of this name (NOTE [publish order], Destroying). So it is written beside
+        the lock file held, never by name: in a directory gone, the write fails and says so."""
         try:
-            write_json(self.meta_path, meta)
+            where = self.lock.held_directory()
+            try:
+                write_json(self.meta_path, meta, dir_fd=where)
+            finally:
+                os.close(where)
         except FileNotFoundError:
             raise SessionNotFound(f"session {self.session!r} was destroyed while cache {self.name!r} "
                                   f"was being written in this process (`shmcache destroy --force`?); "

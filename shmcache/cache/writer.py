@@ -162,6 +162,15 @@ class CacheWriter:
             self.lock.release()
             raise
 
+    def _check_not_overtaken(self) -> None:
+        """After a write, under the lock: CacheNotFound if a destroy tombstoned the root meanwhile
+        (a forced one goes on without a lock whose holder is busy). The write went nowhere the
+        cache made since can see (NOTE [publish order], Destroying); what it made under this
+        incarnation's names (a data segment) is debris, removed."""
+        if self.view.tombstoned():
+            unlink_segments(self.view.ns, self.view.segment_name(""))
+            raise self.view.destroyed()
+
     def create_generation(self, root: Segment, gen: int, capacity: int, cap: int) -> None:
         """Make the meta and table (``cap`` entries) of ``gen`` and publish it (caller holds the
         lock). Leftovers of an attempt whose process died are removed first."""
@@ -191,7 +200,9 @@ class CacheWriter:
                 crash_point("locked")
             gen = self.view.refresh()
             self.repair(gen)
-            return self.put_locked(gen, key, w1, kb, enc)
+            stored = self.put_locked(gen, key, w1, kb, enc)
+            self._check_not_overtaken()
+            return stored
 
     def put_locked(self, gen: Generation, key: Any, w1: int, kb: bytes, enc: codec.Encoded,
                     group: PublishGroup | None = None) -> bool:
@@ -283,6 +294,7 @@ class CacheWriter:
             except BaseException:
                 group.abandon(self.view.corrupt)  # undone before its fence, finished after
                 raise
+            self._check_not_overtaken()
             return out
 
     def _put_run(self, gen: Generation, items: Sequence[tuple[Any, codec.Encoded]], run: list[int],

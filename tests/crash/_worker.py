@@ -297,6 +297,57 @@ def op_hold_cache_lock(session, cache, cap, held_path):
     return {}
 
 
+def op_write_across_a_reincarnation(session, cache, cap, what, stopped_path):
+    """A write that a forced destroy and a new cache of the same name overtake: this process opens
+    the cache, puts key 0, then starts one write (``what``: "label", "fingerprint", "meta" - a
+    metadata write - "put" or "put_many") and, holding the cache lock inside it, stops itself (SIGSTOP) after
+    touching ``stopped_path``; the test destroys the session, makes the cache again and SIGCONTs
+    it. Returns what the write did: its result, or the error it raised."""
+    import shmcache.cache.store as store_module
+    from shmcache.cache import codec
+
+    s = _store(session, cache, cap)
+    s.put(0, value_for(0))
+
+    def stop_here():
+        _touch(stopped_path)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    if what in ("put", "put_many"):
+        repair = s.writer.repair
+
+        def stopped_repair(*args, **kw):  # under the lock, the generation mapped, before the write
+            stop_here()
+            return repair(*args, **kw)
+
+        s.writer.repair = stopped_repair
+    else:
+        real = store_module.write_json
+
+        def stopped_write_json(path, data, *args, **kw):  # the metadata read, about to be written
+            stop_here()
+            return real(path, data, *args, **kw)
+
+        store_module.write_json = stopped_write_json
+    try:
+        if what == "label":
+            s.record_label("A's stale label")
+        elif what == "fingerprint":
+            s.bind_fingerprint("a" * 16)
+        elif what == "meta":
+            with s.locked():
+                s.write_meta({**s.read_meta(), "label": "A's stale label", "spill_path": "/nowhere/a"})
+        elif what == "put":
+            return {"stored": s.put(7, value_for(7))}
+        else:
+            return {"stored": s.put_many([(k, codec.encode(value_for(k))) for k in (7, 8, 9)])}
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    finally:
+        s.close()
+    return {"raised": None}
+
+
 def op_hold_registry_lock(held_path):
     from shmcache.cache.registry import SessionRegistry
 

@@ -222,3 +222,51 @@ def test_create_attach_destroy_cycles_with_random_kills_stay_flat(cycles, tmp_pa
         f"files left after destroying every session: {_files(shm_namespace.root)}"
     assert list((shm_namespace.root / "sessions").iterdir()) == [], \
         f"directories left: {list((shm_namespace.root / 'sessions').iterdir())}"
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("what", ["label", "fingerprint", "meta", "put", "put_many"])
+def test_a_write_overtaken_by_a_forced_destroy_and_a_new_cache_lands_nowhere(what, tmp_path, shm_namespace,
+                                                                             monkeypatch):
+    """Process A is inside a write of cache job/c, holding its lock (stopped there: SIGSTOP); B
+    destroys the session with force and makes job/c again, then A goes on. A's metadata write
+    went by name into the new session's directory: B's cache took A's label, fingerprint or
+    spill folder. A's write must say the cache went away, and B's cache hold only B's values.
+    (destroy --force waits 10 s for a busy cache lock before it goes on without it: shortened
+    here to 0.2 s; the rest of the destroy is the real one.)"""
+    from functools import partialmethod
+
+    hold = SessionRegistry._hold_cache_locks
+    monkeypatch.setattr(SessionRegistry, "_hold_cache_locks", partialmethod(hold, timeout_s=0.2))
+    session, stopped = "job", tmp_path / "stopped"
+    with Procs(tmp_path / "p") as procs:
+        a = procs.start("write_across_a_reincarnation", session, "c", CAP, what, str(stopped))
+        try:
+            wait_for(lambda: stopped.exists() or a.poll() is not None, 60, "A to be inside its write")
+            wait_for(lambda: a.poll() is not None or _state(a.pid) == "T", 10, "A to stop")
+            assert a.poll() is None, procs.finish(a)
+            SessionRegistry().destroy(session, force=True)
+            b = CacheStore(session, "c", capacity_bytes=CAP, fingerprint="b" * 16)
+            b.record_label("B's label")
+            assert b.put(1, value_for(1))
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        status, res = procs.finish(a, 30)
+    try:
+        assert status == 0, res
+        meta = b.read_meta()
+        assert (meta.get("label"), meta.get("fingerprint"), meta.get("spill_path")) == \
+            ("B's label", "b" * 16, None), meta
+        assert all(b.lookup(k) is MISSING for k in (0, 7, 8, 9)) and len(b) == 1
+        assert same_value(b.lookup(1), value_for(1))
+        assert b.stats()["items_mem"] == 1
+        mine = (b.view.segment_name("root"), b.view.segment_name(""))
+        assert [n for n in shm_namespace.owned_segments() if not n.startswith(mine)] == []
+        assert res.get("raised") in ("SessionNotFound", "CacheNotFound"), res
+        assert "destroyed while" in res["message"], res
+    finally:
+        b.close()

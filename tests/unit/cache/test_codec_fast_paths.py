@@ -113,6 +113,80 @@ def test_a_list_that_holds_itself_is_pickled_not_flattened_forever():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-2000:]
 
 
+_SHARED = r"""
+import pickle, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+from shmcache.cache import codec
+
+def same(a, b, memo):
+    # a == b of the same types, each pair of containers compared once (== walks a shared one per place)
+    if type(a) is not type(b):
+        return False
+    if type(a) in (list, tuple, dict):
+        if (id(a), id(b)) in memo:
+            return True
+        memo.add((id(a), id(b)))
+        if type(a) is dict:
+            return list(a) == list(b) and all(same(a[k], b[k], memo) for k in a)
+        return len(a) == len(b) and all(same(x, y, memo) for x, y in zip(a, b))
+    return a == b
+
+def nest(leaf, depth, kinds):
+    v = leaf
+    for i in range(depth):
+        kind = kinds[i % len(kinds)]
+        v = [v, v] if kind == "list" else (v, v) if kind == "tuple" else {"a": v, 1: v}
+    return v
+
+row = [1, 2, 3]
+cases = {
+    "list": nest(row, 30, ["list"]),
+    "list of 16 floats": nest([0.5] * 16, 30, ["list"]),
+    "list of str": nest(["s"] * 16, 30, ["list"]),
+    "tuple": nest(tuple(row), 30, ["tuple"]),
+    "dict": nest(row, 30, ["dict"]),
+    "mix": nest(row, 30, ["list", "dict", "tuple"]),
+    "dict of lists": nest([1] * 16, 30, ["dict", "list"]),
+    "wide": [[1.0] * 1000] * (1 << 20),
+    "wide dict": dict.fromkeys(map(str, range(1 << 15)), [7] * 10000),
+}
+for name, value in cases.items():
+    real = len(pickle.dumps(value, protocol=5)) + 4096  # the sharing kept, a record's header and layout
+    enc = codec.encode(value)
+    n = enc.record_len(0, True)
+    assert n < real, (name, n, real)
+    buf = bytearray(n)
+    enc.write(memoryview(buf), codec.INLINE, b"")
+    got = codec.decode(buf, enc.layout)
+    assert same(got, value, set()), name
+    many = codec.encode_many([value, value], [name, name])
+    assert all(type(e) is codec.Encoded and e.record_len(0, True) < real for e in many), name
+print("ok")
+"""
+
+
+def test_shared_rows_nested_deep_are_encoded_by_their_real_size():
+    """``v = [v, v]`` thirty times over a row (the same list twice at each level: pickle stores it
+    once) was flattened into 2**30 rows by the list-of-numbers path, and walked into 2**30 nodes
+    by the general one (tuples, dicts, mixes): the process hung and took all memory. Such a value
+    is pickled whole, as a list that holds itself is: its real size, the same values and types
+    back. Run in a child bounded in memory and time, so that a regression fails, not hangs."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SHARED], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_few_shared_rows_stay_on_the_fast_path():
+    """``[[0] * 16] * 16`` (one row object, sixteen times) and a dict whose values are one list
+    are small however shared: stored as before, one array per list of numbers, nothing pickled."""
+    row = [1] * 16
+    for value in ([row] * 16, _nested(row, 6), {"a": row, "b": row, "c": [row, row]}, [(), ()] * 8):
+        enc = codec.encode(value)
+        assert enc.pickled == (), value
+        assert _exact(record_roundtrip(value)) == _exact(value) if type(value) is list else \
+            record_roundtrip(value) == value
+
+
 def test_lists_of_numbers_through_the_cache_a_wrapped_dataset_and_a_fresh_process():
     from shmcache import ShmDatasetCache
 

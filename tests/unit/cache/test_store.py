@@ -525,11 +525,11 @@ def test_a_forced_destroy_while_the_metadata_is_written_says_the_session_went_aw
     real = store_module.write_json
     armed = [when == "create"]
 
-    def destroyed_first(path, data):
+    def destroyed_first(path, data, **kw):
         if armed[0]:
             armed[0] = False
             _destroyed_as_force_does("gone")
-        return real(path, data)
+        return real(path, data, **kw)
 
     monkeypatch.setattr(store_module, "write_json", destroyed_first)
     if when == "create":
