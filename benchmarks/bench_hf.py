@@ -9,7 +9,8 @@ the row's payload. Also the DataLoader's own floor: the same rows, already made,
 Python list by ``__getitems__`` (no work at all) - the most any cache can gain with that many
 workers (``floor x``: the unwrapped epoch over that one). And per format, what admission
 costs a row in this process: ``encode`` (``encode_many`` of a batch of 64 rows, best of 5) against
-the dataset's own ``__getitems__`` of the same rows.
+the dataset's own ``__getitems__`` of the same rows; and what the kernel alone takes to admit a
+row's bytes (``_write_floor``), with the cold epoch that leaves at most (0 workers).
 
     pip install datasets   # not a dependency of shmcache
     PYTHONPATH=$PWD python benchmarks/bench_hf.py [--rows 5000] [--rounds 3] [--formats numpy torch python]
@@ -58,6 +59,29 @@ def _encode_cost(hf, fmt: str) -> None:
         cache.store.destroy()
         cache.close()
     print(f"  {fmt}: encode {enc * 1e6:.1f} us a row, the dataset's __getitems__ {fetch * 1e6:.1f} us a row")
+
+
+def _write_floor(row_bytes: int, rows: int = 2048) -> float:
+    """Seconds a row that the kernel alone takes to admit ``row_bytes`` into shared memory, as the
+    cache's writer does it (a batch of 64 rows: one ``posix_fallocate`` of fresh tmpfs pages, one
+    ``pwritev``), best of 3: what any shared-memory cache pays on a cold epoch."""
+    import tempfile
+
+    pieces = [bytes(row_bytes)] * 64
+    best = float("inf")
+    for _ in range(3):
+        fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="bench-hf-floor-")
+        os.unlink(path)
+        try:
+            os.ftruncate(fd, rows * row_bytes)
+            t = time.perf_counter()
+            for start in range(0, rows, 64):
+                os.posix_fallocate(fd, start * row_bytes, 64 * row_bytes)
+                os.pwritev(fd, pieces, start * row_bytes)
+            best = min(best, (time.perf_counter() - t) / rows)
+        finally:
+            os.close(fd)
+    return best
 
 
 class Ready:
@@ -130,6 +154,11 @@ def main() -> None:
             p, c, w, f = median(plain), median(cold), median(warm), median(floor)
             print(f"{fmt:<8}{workers:>8}{p:>9.2f}{c:>8.2f}{w:>8.2f}{p / c:>8.2f}{p / w:>8.2f}{p / f:>8.2f}"
                   f"{per_row:>11.0f}")
+            if workers == 0:
+                write = _write_floor(round(per_row))
+                print(f"  {fmt}: the kernel's part of admitting a row ({per_row:.0f} bytes into fresh tmpfs pages): "
+                      f"{write * 1e6:.1f} us, so no shared-memory cache's cold epoch with 0 workers passes "
+                      f"{p / (p + args.rows * write):.2f}x here")
     print(f"payload per row: {32 * 32 * 3} bytes of pixels + a label and a short string")
 
 

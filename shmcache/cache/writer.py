@@ -45,14 +45,12 @@ from .generation import (
     epoch_of,
 )
 from .index import (
-    ENTRY_BYTES,
     INLINE24,
     INT_KEY,
     MAX_LOAD,
     MAX_RECORD,
     READY,
     SPILLED,
-    TABLE_OFF,
     TableView,
     key_bytes,
     location_word,
@@ -510,10 +508,7 @@ class CacheWriter:
             self.admission.log_shm_full(exc, self.view.spill)
             raise NoRoom from None
         TableView.init(table.buf, cap)
-        new = TableView(table.buf)
-        for w0, w1, w2 in gen.index.entries():
-            pos = _first_empty(new, w1)  # keys are unique: the first EMPTY slot on its path
-            new.publish(pos, w0, w1, w2, fence=False)  # unreachable until the epoch word names it
+        _rehash(gen.index, TableView(table.buf))
         table.close()
         old = gen.table
         if _CRASH_TESTS:
@@ -651,12 +646,29 @@ def _runs(items: Sequence[tuple[Any, codec.Encoded]]) -> list[list[int]]:
     return [run for run in by.values() if len(run) >= _RUN_MIN]
 
 
-def _first_empty(index: TableView, w1: int) -> int:
-    pos = index.home(w1)
-    for _ in range(index.capacity):  # bounded, as every probe of shared memory is
-        if not WORD.unpack_from(index.buf, TABLE_OFF + ENTRY_BYTES * pos)[0]:
-            return pos
-        pos = (pos + 1) & index.mask
-    raise index.corrupt()
+def _rehash(old: TableView, new: TableView) -> None:
+    """Every READY entry of ``old`` into the empty, larger table ``new``, which no reader can reach
+    yet (a growth: one fence before its epoch word covers all entries). Keys are unique, so each
+    goes to the first EMPTY entry on its probe path; all at once, a step along the paths per
+    loop: at each EMPTY entry the first key there takes it, the others go on. An entry taken stays
+    taken, so no key has an EMPTY entry between its home and its place (what find relies on)."""
+    words = old.words[(old.words[:, 0] & np.uint64(READY)) != 0]  # a copy: the live entries
+    dst, mask = new.words, np.uint64(new.mask)
+    pos = new.homes(words[:, 1])
+    todo = np.arange(len(words))
+    for _ in range(new.capacity):  # bounded: a loop places at least one key while any is left
+        if not len(todo):
+            return
+        p = pos[todo]
+        free = np.flatnonzero(dst[p, 0] == 0)
+        _, first = np.unique(p[free], return_index=True)
+        placed = todo[free[first]]
+        dst[pos[placed], 1:] = words[placed, 1:]
+        dst[pos[placed], 0] = words[placed, 0]
+        left = np.ones(len(todo), bool)
+        left[free[first]] = False
+        todo = todo[left]
+        pos[todo] = (pos[todo] + np.uint64(1)) & mask
+    raise new.corrupt()
 
 

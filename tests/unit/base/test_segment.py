@@ -150,6 +150,21 @@ def test_write_at_copies_many_buffers_in_order_past_one_call_of_them(name):
     a.unlink()
 
 
+def test_write_at_in_one_call_counts_bytes_not_items(name):
+    # below IOV_MAX buffers: one pwritev; buffers of wider items (int64, float32) count by bytes
+    import numpy as np
+
+    a = Segment.create(name, 16 * PAGE, kind=3, commit=16 * PAGE)
+    bufs = [b"head", np.arange(5, dtype=np.int64), b"", memoryview(np.ones(3, np.float32)), np.zeros(0, np.int64),
+            bytearray(b"tail")]
+    want = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+    a.write_at(PAGE, bufs)
+    assert bytes(a.buf[PAGE:PAGE + len(want) + 1]) == want + b"\0"
+    with pytest.raises(ValueError, match="past"):  # counted in bytes: 8 int64s are 64 of them
+        a.write_at(16 * PAGE - 63, [np.arange(8, dtype=np.int64)])
+    a.unlink()
+
+
 @pytest.mark.parametrize("offset,length", [(4 * PAGE - 4, 8), (4 * PAGE, 1), (8 * PAGE, PAGE), (0, 8), (-8, 8)])
 def test_write_at_never_writes_past_the_segment_nor_over_its_header(name, offset, length):
     # pwritev past the object's end would grow it (pages no commit counted, a size the header

@@ -230,6 +230,29 @@ def test_growth_keeps_every_key_and_readers_holding_old_store_objects_keep_readi
         s.close()
 
 
+def test_a_growth_places_every_entry_on_its_probe_path_with_no_empty_entry_before_it(shm_namespace):
+    # str and bytes keys first (hashed homes, colliding and wrapping around the table's end), then
+    # ints past the capacity and dataset indices: several growths, each rebuilding all at once
+    s = CacheStore("idx", "rehash", capacity_bytes=64 << 20)
+    first = s.view.refresh().index.capacity
+    keys = [f"s{i}" for i in range(first // 2)] + [f"b{i}".encode() for i in range(first // 4)]
+    keys += [2**40 + 7 * i for i in range(first)] + list(range(3 * first))
+    for k in keys:
+        s.put(k, repr(k))
+    index = s.view.refresh().index
+    assert index.capacity >= 4 * first, "the table never grew"
+    words = index.words
+    live = np.flatnonzero(words[:, 0] & np.uint64(READY))
+    assert len(live) == len(keys)
+    home = index.homes(words[live, 1]).astype(np.int64)
+    for pos, h in zip(live.tolist(), home.tolist()):  # find stops at the first EMPTY entry on the path
+        path = np.arange(h, h + ((pos - h) % index.capacity) + 1) % index.capacity
+        assert (words[path, 0] != 0).all(), f"an EMPTY entry between home {h} and entry {pos}"
+    for k in keys:
+        assert s.lookup(k) == repr(k), k
+    s.close()
+
+
 def test_table_hint_sizes_the_table_so_dataset_indices_never_grow_it():
     s = CacheStore("idx", "hinted", capacity_bytes=64 << 20, table_hint=5000)
     cap = s.view.refresh().index.capacity
