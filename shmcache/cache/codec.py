@@ -801,7 +801,7 @@ def _encode_like(value: Any, shape: _Shape) -> Encoded | None:
         elif kind == _NPSCALAR:
             if tp is not want[0] or x.dtype != want[1]:
                 return None
-            arrays.append(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
+            arrays.append(x.tobytes())  # its bytes, as the builder's 0-d array holds them: one C call
         else:  # _EXT
             if tp is not want[0]:
                 return None
