@@ -74,6 +74,74 @@ def test_bad_arguments_are_refused_by_name(args, error, match):
         rowcopy.gather(*args)
 
 
+@native
+@pytest.mark.parametrize("overlaps", ["the source", "the row indices"])
+def test_a_destination_that_overlaps_the_source_or_the_indices_is_refused(overlaps):
+    """memcpy of overlapping bytes is undefined, and row by row the copy would read rows it wrote
+    itself (or indices it overwrote) where numpy's fancy index reads them all first: refused,
+    with nothing written."""
+    mem = np.arange(96, dtype=np.uint8)
+    if overlaps == "the source":
+        src, rows, dst = mem[:64], np.array([1, 0, 2], np.intp), mem[4:28]
+    else:
+        src, rows, dst = np.arange(64, dtype=np.uint8), mem[72:88].view(np.intp), mem[64:80]
+        rows[:] = [3, 1]  # row 0's copy would overwrite rows[0], not rows[1]
+    before = mem.copy()
+    with pytest.raises(ValueError, match="overlaps"):
+        rowcopy.gather(src, 0, 8, 8, rows, dst)
+    assert (mem == before).all()
+
+
+# A child that loads _rowcopy.c built with AddressSanitizer and UBSan (-fno-sanitize-recover: the
+# first finding aborts it) and runs the arguments at the edges: every row's last byte at the end
+# of the source, indices misaligned, strided backwards or not at all, bounds that overflow.
+_SANITIZED = """
+import importlib.util, sys
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+spec = importlib.util.spec_from_file_location("_rowcopy", sys.argv[1])
+rc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rc)
+src = np.arange(93, dtype=np.uint8)  # row 10's 12 bytes from 1 + 10 * 8 end at its last byte
+for rows in (np.array([0, 10, 5], np.intp), np.array([5, 0, 10], np.intp)[::-1],
+             np.zeros(25, np.uint8)[1:25].view(np.intp), np.zeros(36, np.uint8)[3:27].view(np.intp)):
+    rows[...] = [0, 10, 5]
+    dst = np.zeros(3 * 12, np.uint8)
+    rc.gather(src, 1, 8, 12, rows, dst)
+    assert dst.tobytes() == b"".join(src[1 + r * 8:13 + r * 8].tobytes() for r in (0, 10, 5))
+dst = np.zeros(3 * 12, np.uint8)
+rc.gather(src, 1, 8, 12, as_strided(np.array([10], np.intp), (3,), (0,)), dst)
+assert dst.tobytes() == src[81:93].tobytes() * 3
+for bad in ((2**62, 8, 8), (0, 2**62, 8), (0, 8, 2**62), (0, 2**63 - 1, 1)):
+    try:
+        rc.gather(src, *bad, np.array([11, 2**61], np.intp), np.zeros(64, np.uint8))
+    except (IndexError, ValueError):
+        pass
+mem = np.zeros(96, np.uint8)
+for s, d in ((mem[:64], mem[8:32]), (mem[8:72], mem[:24]), (mem, mem)):
+    try:
+        rc.gather(s, 0, 8, 8, np.array([1, 0, 2], np.intp), d)
+    except ValueError:
+        pass
+print("clean")
+"""
+
+
+def test_the_c_is_clean_under_address_and_undefined_behaviour_sanitizers(tmp_path):
+    cc = shutil.which("gcc")
+    asan = cc and subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not asan or not os.path.isabs(asan):
+        pytest.skip("no gcc with AddressSanitizer's runtime here")
+    so = tmp_path / "_rowcopy.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-g", "-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                    "-I", sysconfig.get_paths()["include"], str(Path(rowcopy.__file__).with_name("_rowcopy.c")),
+                    "-o", str(so)], check=True, timeout=120)
+    env = {**os.environ, "LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0", "PYTHONMALLOC": "malloc"}
+    done = subprocess.run([sys.executable, "-c", _SANITIZED, str(so)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
+
+
 def _run(code: str, **env) -> str:
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
                           check=True, timeout=60).stdout
