@@ -168,17 +168,38 @@ def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present():
     assert rowcopy.NATIVE, f"the compiled row copy was not built: {rowcopy.unavailable_reason()}"
 
 
-def test_these_tests_pass_where_it_was_not_built(tmp_path):
-    """An install without a C compiler runs this file too: its tests must skip or pass there.
-    shmcache is copied without the built extension, first on the path of a child pytest (and of
-    the processes it starts), with no compiler named."""
-    if os.environ.get("ROWCOPY_UNBUILT_CHILD"):
-        pytest.skip("the child run itself")
+def _unbuilt(tmp_path: Path) -> Path:
+    """A copy of shmcache without the built extension, for a child's PYTHONPATH."""
     pkg = Path(rowcopy.__file__).parents[1]
     shutil.copytree(pkg, tmp_path / "shmcache", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "CC": str(tmp_path / "no-compiler"), "ROWCOPY_UNBUILT_CHILD": "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k",
-                           "not sanitizers"],
+    return tmp_path
+
+
+def _pytest_unbuilt(tmp_path: Path, cc: str, select: str) -> subprocess.CompletedProcess:
+    """This file's tests ``select`` in a child pytest whose shmcache (and its children's) was not
+    built, with ``CC`` set to ``cc``."""
+    env = {**os.environ, "PYTHONPATH": str(_unbuilt(tmp_path)), "CC": cc, "ROWCOPY_UNBUILT_CHILD": "1"}
+    return subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", select],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_these_tests_pass_where_it_was_not_built(tmp_path):
+    """An install without a C compiler runs this file too: its tests must skip or pass there."""
+    if os.environ.get("ROWCOPY_UNBUILT_CHILD"):
+        pytest.skip("the child run itself")
+    done = _pytest_unbuilt(tmp_path, str(tmp_path / "no-compiler"), "not sanitizers")
     assert done.returncode == 0 and " failed" not in done.stdout, done.stdout[-4000:]
     assert "not built at install" in done.stdout  # the skips say why: it ran without the extension
+
+
+@pytest.mark.parametrize("flags", ["", " -O2"])
+def test_the_build_guard_fails_an_unbuilt_install_whatever_flags_cc_carries(tmp_path, flags):
+    """CC may name the compiler with flags (``gcc -O2``, ``ccache gcc``), as setuptools takes it:
+    the guard must still see a compiler and fail, not skip."""
+    if os.environ.get("ROWCOPY_UNBUILT_CHILD"):
+        pytest.skip("the child run itself")
+    gcc = shutil.which("gcc")
+    if not gcc or not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        pytest.skip("no gcc or Python headers here")
+    done = _pytest_unbuilt(tmp_path, gcc + flags, "ci_builds")
+    assert "1 failed" in done.stdout and "was not built" in done.stdout, done.stdout[-4000:]
