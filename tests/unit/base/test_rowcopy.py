@@ -5,6 +5,7 @@ with ``SHMCACHE_NATIVE=0``, and built wherever CI can build it."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -160,7 +161,9 @@ def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on():
 def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present():
     """An install on a machine that can build it must: a failed build would quietly leave every
     batch on numpy's two-pass copy (the extension is optional, so pip says nothing)."""
-    can = shutil.which(os.environ.get("CC", "cc")) and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()
+    # the compiler setuptools runs: $CC, else Python's own; either may carry flags ("ccache gcc")
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc") or ["cc"]
+    can = shutil.which(cc[0]) and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()
     if not can:
         pytest.skip("no C compiler or Python headers here: the install runs on numpy's copy")
     if "turned off" in rowcopy.unavailable_reason():
