@@ -329,6 +329,29 @@ def test_a_planted_reach_in_is_reported(tmp_path):
     assert any("lists 3 use(s) of '_SECRET' but 2 remain" in p for p in gone), gone
 
 
+def test_only_a_compiled_module_beside_its_wrapper_is_exempt(tmp_path):
+    """``from . import _x`` in ``x.py`` passes only for the compiled half of ``x`` (``_x.c``): a
+    ``_x.c`` beside a Python module ``_x`` (or a package ``_x``, or a name ``_x`` that the
+    package's ``__init__`` binds, which the import returns first) would hide that reach-in."""
+    root = _plant(tmp_path, {
+        "low/__init__.py": "_wrap = object()\n",
+        "low/fast.py": "from . import _fast\n",  # the real thing: _fast.c and nothing else
+        "low/_fast.c": "/* compiled */\n",
+        "low/store.py": "from . import _store\n",
+        "low/_store.py": "SECRET = 1\n",
+        "low/_store.c": "",
+        "low/table.py": "from . import _table\n",
+        "low/_table/__init__.py": "",
+        "low/_table.c": "",
+        "low/wrap.py": "from . import _wrap\n",
+        "low/_wrap.c": "",
+    })
+    text = "\n".join(reach_in_report(root, {}))
+    for name in ("store", "table", "wrap"):
+        assert f"planted/low/{name}.py:1: `from . import _{name}`" in text, text
+    assert "fast.py" not in text, text
+
+
 def test_a_planted_cycle_is_reported(tmp_path):
     root = _plant(tmp_path, {
         "a.py": "from . import b\n",
