@@ -100,8 +100,15 @@ def _own_names(tree: ast.Module) -> set[str]:
 
 def _own_extension(path: Path, node: ast.ImportFrom, name: str) -> bool:
     """``from . import _x`` in ``x.py``, with ``_x.c`` beside it: the compiled half of the module
-    that wraps it (base/rowcopy.py and _rowcopy.c), which only that wrapper may import."""
-    return node.level == 1 and not node.module and name == f"_{path.stem}" and (path.parent / f"{name}.c").exists()
+    that wraps it (base/rowcopy.py and _rowcopy.c), which only that wrapper may import. Only if
+    nothing else answers to ``_x`` there: a Python module or package of that name, or a name the
+    package's ``__init__`` binds (``from . import`` returns that first)."""
+    here = path.parent
+    if not (node.level == 1 and not node.module and name == f"_{path.stem}" and (here / f"{name}.c").exists()):
+        return False
+    init = here / "__init__.py"
+    bound = init.exists() and name in _own_names(ast.parse(init.read_text(encoding="utf-8")))
+    return not ((here / f"{name}.py").exists() or (here / name).exists() or bound)
 
 
 def reach_ins(path: Path, allowed: frozenset[str] | set[str] = frozenset()) -> list[tuple[int, str, str]]:
