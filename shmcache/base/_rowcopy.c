@@ -80,8 +80,9 @@ gather(PyObject *module, PyObject *args)
         goto done;
     }
     /* the indices' bytes: from the lowest to the highest index (a negative step walks backwards) */
-    const char *lo = (const char *)rows.buf + (n && step < 0 ? (n - 1) * step : 0);
-    const Py_ssize_t span = n ? (n - 1) * (step < 0 ? -step : step) + 8 : 0;
+    const char *first = (const char *)rows.buf, *end = first + (n ? (n - 1) * step : 0);
+    const char *lo = first < end ? first : end;
+    const Py_ssize_t span = n ? (first < end ? end - first : first - end) + 8 : 0;
     if (overlap((const char *)dst.buf, n * nbytes, (const char *)src.buf, src.len)
         || overlap((const char *)dst.buf, n * nbytes, lo, span)) {
         PyErr_SetString(PyExc_ValueError, "gather: the destination overlaps the source or the row indices: "

@@ -113,6 +113,8 @@ for rows in (np.array([0, 10, 5], np.intp), np.array([5, 0, 10], np.intp)[::-1],
 dst = np.zeros(3 * 12, np.uint8)
 rc.gather(src, 1, 8, 12, as_strided(np.array([10], np.intp), (3,), (0,)), dst)
 assert dst.tobytes() == src[81:93].tobytes() * 3
+rc.gather(src, 1, 8, 12, as_strided(np.array([10], np.intp), (1,), (-2**63,)), dst)  # one index: any stride
+assert dst[:12].tobytes() == src[81:93].tobytes()
 for bad in ((2**62, 8, 8), (0, 2**62, 8), (0, 8, 2**62), (0, 2**63 - 1, 1)):
     try:
         rc.gather(src, *bad, np.array([11, 2**61], np.intp), np.zeros(64, np.uint8))
