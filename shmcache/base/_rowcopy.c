@@ -5,11 +5,14 @@
  * into the destination. This is the one loop numpy lacks, a memcpy per row, nothing else: it knows
  * no cache format. Every row is checked against the source's bounds before anything is copied
  * (a bad index raises and writes nothing), and the copy runs without the GIL (a pin-memory thread
- * gathers next to the main thread). The exported buffers stay held for the whole call, so the
- * mapping under the source cannot be closed while it is read.
+ * gathers next to the main thread). The exported buffers stay held for the whole call: an mmap
+ * passed as the source cannot be closed while it is read (BufferError); an array over one does not
+ * pin it, which is why shm.Segment never unmaps. A destination that overlaps the source or the
+ * indices is refused: memcpy of overlapping bytes is undefined, and numpy reads every row first.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 
 static int
@@ -20,6 +23,22 @@ index_format_ok(const Py_buffer *rows)
     if (*f == '@' || *f == '=' || *f == '<')
         f++;
     return rows->itemsize == 8 && (strcmp(f, "l") == 0 || strcmp(f, "q") == 0 || strcmp(f, "n") == 0);
+}
+
+/* one index, read whatever its alignment (a view of a byte buffer may start anywhere) */
+static inline Py_ssize_t
+row_at(const char *at)
+{
+    Py_ssize_t r;
+    memcpy(&r, at, sizeof r);
+    return r;
+}
+
+/* whether [a, a + na) and [b, b + nb) share a byte */
+static int
+overlap(const char *a, Py_ssize_t na, const char *b, Py_ssize_t nb)
+{
+    return na > 0 && nb > 0 && (uintptr_t)a < (uintptr_t)b + (size_t)nb && (uintptr_t)b < (uintptr_t)a + (size_t)na;
 }
 
 static PyObject *
@@ -60,9 +79,19 @@ gather(PyObject *module, PyObject *args)
                      n, nbytes, dst.len);
         goto done;
     }
+    /* the indices' bytes: from the lowest to the highest index (a negative step walks backwards) */
+    const char *first = (const char *)rows.buf, *end = first + (n ? (n - 1) * step : 0);
+    const char *lo = first < end ? first : end;
+    const Py_ssize_t span = n ? (first < end ? end - first : first - end) + 8 : 0;
+    if (overlap((const char *)dst.buf, n * nbytes, (const char *)src.buf, src.len)
+        || overlap((const char *)dst.buf, n * nbytes, lo, span)) {
+        PyErr_SetString(PyExc_ValueError, "gather: the destination overlaps the source or the row indices: "
+                        "gather into a buffer of its own");
+        goto done;
+    }
     /* the last row whose bytes end inside the source: offset + r * stride + nbytes <= len */
     const Py_ssize_t last = (src.len - offset - nbytes) / stride;
-#define ROW(i) (*(const Py_ssize_t *)((const char *)rows.buf + (i) * step))
+#define ROW(i) row_at((const char *)rows.buf + (i) * step)
     for (Py_ssize_t i = 0; i < n; i++) {
         if (ROW(i) < 0 || ROW(i) > last) {
             PyErr_Format(PyExc_IndexError, "gather: row %zd (at %zd) is outside the source's %zd rows",

@@ -39,5 +39,6 @@ def gather(src, offset: int, stride: int, nbytes: int, rows, dst) -> None:
     """Row ``i`` of ``dst`` (C-contiguous, writable, at least ``len(rows) * nbytes`` bytes) =
     ``nbytes`` of ``src`` (a contiguous buffer) from ``offset + rows[i] * stride``, for each
     ``i``; ``rows``: a 1-D intp array (any stride). IndexError, with nothing copied, for a row
-    whose bytes end past ``src``. Only where ``NATIVE``."""
+    whose bytes end past ``src``; ValueError for a ``dst`` that overlaps ``src`` or ``rows``. Only
+    where ``NATIVE``."""
     _rowcopy.gather(src, offset, stride, nbytes, rows, dst)

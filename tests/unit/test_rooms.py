@@ -100,8 +100,15 @@ def _own_names(tree: ast.Module) -> set[str]:
 
 def _own_extension(path: Path, node: ast.ImportFrom, name: str) -> bool:
     """``from . import _x`` in ``x.py``, with ``_x.c`` beside it: the compiled half of the module
-    that wraps it (base/rowcopy.py and _rowcopy.c), which only that wrapper may import."""
-    return node.level == 1 and not node.module and name == f"_{path.stem}" and (path.parent / f"{name}.c").exists()
+    that wraps it (base/rowcopy.py and _rowcopy.c), which only that wrapper may import. Only if
+    nothing else answers to ``_x`` there: a Python module or package of that name, or a name the
+    package's ``__init__`` binds (``from . import`` returns that first)."""
+    here = path.parent
+    if not (node.level == 1 and not node.module and name == f"_{path.stem}" and (here / f"{name}.c").exists()):
+        return False
+    init = here / "__init__.py"
+    bound = init.exists() and name in _own_names(ast.parse(init.read_text(encoding="utf-8")))
+    return not ((here / f"{name}.py").exists() or (here / name).exists() or bound)
 
 
 def reach_ins(path: Path, allowed: frozenset[str] | set[str] = frozenset()) -> list[tuple[int, str, str]]:
@@ -327,6 +334,29 @@ def test_a_planted_reach_in_is_reported(tmp_path):
     # a known entry that is gone fails too, so the list only shrinks
     gone = reach_in_report(root, {"high.user": {"_SECRET": 3, "_inner": 2, "torch.utils.data._utils": 1}})
     assert any("lists 3 use(s) of '_SECRET' but 2 remain" in p for p in gone), gone
+
+
+def test_only_a_compiled_module_beside_its_wrapper_is_exempt(tmp_path):
+    """``from . import _x`` in ``x.py`` passes only for the compiled half of ``x`` (``_x.c``): a
+    ``_x.c`` beside a Python module ``_x`` (or a package ``_x``, or a name ``_x`` that the
+    package's ``__init__`` binds, which the import returns first) would hide that reach-in."""
+    root = _plant(tmp_path, {
+        "low/__init__.py": "_wrap = object()\n",
+        "low/fast.py": "from . import _fast\n",  # the real thing: _fast.c and nothing else
+        "low/_fast.c": "/* compiled */\n",
+        "low/store.py": "from . import _store\n",
+        "low/_store.py": "SECRET = 1\n",
+        "low/_store.c": "",
+        "low/table.py": "from . import _table\n",
+        "low/_table/__init__.py": "",
+        "low/_table.c": "",
+        "low/wrap.py": "from . import _wrap\n",
+        "low/_wrap.c": "",
+    })
+    text = "\n".join(reach_in_report(root, {}))
+    for name in ("store", "table", "wrap"):
+        assert f"planted/low/{name}.py:1: `from . import _{name}`" in text, text
+    assert "fast.py" not in text, text
 
 
 def test_a_planted_cycle_is_reported(tmp_path):

@@ -5,6 +5,7 @@ with ``SHMCACHE_NATIVE=0``, and built wherever CI can build it."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -74,6 +75,76 @@ def test_bad_arguments_are_refused_by_name(args, error, match):
         rowcopy.gather(*args)
 
 
+@native
+@pytest.mark.parametrize("overlaps", ["the source", "the row indices"])
+def test_a_destination_that_overlaps_the_source_or_the_indices_is_refused(overlaps):
+    """memcpy of overlapping bytes is undefined, and row by row the copy would read rows it wrote
+    itself (or indices it overwrote) where numpy's fancy index reads them all first: refused,
+    with nothing written."""
+    mem = np.arange(96, dtype=np.uint8)
+    if overlaps == "the source":
+        src, rows, dst = mem[:64], np.array([1, 0, 2], np.intp), mem[4:28]
+    else:
+        src, rows, dst = np.arange(64, dtype=np.uint8), mem[72:88].view(np.intp), mem[64:80]
+        rows[:] = [3, 1]  # row 0's copy would overwrite rows[0], not rows[1]
+    before = mem.copy()
+    with pytest.raises(ValueError, match="overlaps"):
+        rowcopy.gather(src, 0, 8, 8, rows, dst)
+    assert (mem == before).all()
+
+
+# A child that loads _rowcopy.c built with AddressSanitizer and UBSan (-fno-sanitize-recover: the
+# first finding aborts it) and runs the arguments at the edges: every row's last byte at the end
+# of the source, indices misaligned, strided backwards or not at all, bounds that overflow.
+_SANITIZED = """
+import importlib.util, sys
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+spec = importlib.util.spec_from_file_location("_rowcopy", sys.argv[1])
+rc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rc)
+src = np.arange(93, dtype=np.uint8)  # row 10's 12 bytes from 1 + 10 * 8 end at its last byte
+for rows in (np.array([0, 10, 5], np.intp), np.array([5, 0, 10], np.intp)[::-1],
+             np.zeros(25, np.uint8)[1:25].view(np.intp), np.zeros(36, np.uint8)[3:27].view(np.intp)):
+    rows[...] = [0, 10, 5]
+    dst = np.zeros(3 * 12, np.uint8)
+    rc.gather(src, 1, 8, 12, rows, dst)
+    assert dst.tobytes() == b"".join(src[1 + r * 8:13 + r * 8].tobytes() for r in (0, 10, 5))
+dst = np.zeros(3 * 12, np.uint8)
+rc.gather(src, 1, 8, 12, as_strided(np.array([10], np.intp), (3,), (0,)), dst)
+assert dst.tobytes() == src[81:93].tobytes() * 3
+rc.gather(src, 1, 8, 12, as_strided(np.array([10], np.intp), (1,), (-2**63,)), dst)  # one index: any stride
+assert dst[:12].tobytes() == src[81:93].tobytes()
+for bad in ((2**62, 8, 8), (0, 2**62, 8), (0, 8, 2**62), (0, 2**63 - 1, 1)):
+    try:
+        rc.gather(src, *bad, np.array([11, 2**61], np.intp), np.zeros(64, np.uint8))
+    except (IndexError, ValueError):
+        pass
+mem = np.zeros(96, np.uint8)
+for s, d in ((mem[:64], mem[8:32]), (mem[8:72], mem[:24]), (mem, mem)):
+    try:
+        rc.gather(s, 0, 8, 8, np.array([1, 0, 2], np.intp), d)
+    except ValueError:
+        pass
+print("clean")
+"""
+
+
+def test_the_c_is_clean_under_address_and_undefined_behaviour_sanitizers(tmp_path):
+    cc = shutil.which("gcc")
+    asan = cc and subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not asan or not os.path.isabs(asan):
+        pytest.skip("no gcc with AddressSanitizer's runtime here")
+    so = tmp_path / "_rowcopy.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-g", "-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                    "-I", sysconfig.get_paths()["include"], str(Path(rowcopy.__file__).with_name("_rowcopy.c")),
+                    "-o", str(so)], check=True, timeout=120)
+    env = {**os.environ, "LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0", "PYTHONMALLOC": "malloc"}
+    done = subprocess.run([sys.executable, "-c", _SANITIZED, str(so)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
+
+
 def _run(code: str, **env) -> str:
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
                           check=True, timeout=60).stdout
@@ -83,7 +154,8 @@ def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on():
     out = _run("from shmcache.base import rowcopy; print(rowcopy.NATIVE); print(rowcopy.unavailable_reason())",
                SHMCACHE_NATIVE="0")
     assert out.splitlines()[0] == "False"
-    assert "SHMCACHE_NATIVE" in out and ("unset it" in out or "not built" in out)
+    # an install without the compiled copy says that instead: there is nothing to turn on
+    assert ("SHMCACHE_NATIVE" in out and "unset it" in out) or "not built" in out
     info = _run("from shmcache.cli import main; main(['info', '--json'])", SHMCACHE_NATIVE="0")
     assert '"batch_copy": "numpy: ' in info
 
@@ -91,9 +163,48 @@ def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on():
 def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present():
     """An install on a machine that can build it must: a failed build would quietly leave every
     batch on numpy's two-pass copy (the extension is optional, so pip says nothing)."""
-    can = shutil.which(os.environ.get("CC", "cc")) and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()
+    # the compiler setuptools runs: $CC, else Python's own; either may carry flags ("ccache gcc")
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc") or ["cc"]
+    can = shutil.which(cc[0]) and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()
     if not can:
         pytest.skip("no C compiler or Python headers here: the install runs on numpy's copy")
     if "turned off" in rowcopy.unavailable_reason():
         pytest.skip("turned off by SHMCACHE_NATIVE in this run")
     assert rowcopy.NATIVE, f"the compiled row copy was not built: {rowcopy.unavailable_reason()}"
+
+
+def _unbuilt(tmp_path: Path) -> Path:
+    """A copy of shmcache without the built extension, for a child's PYTHONPATH."""
+    pkg = Path(rowcopy.__file__).parents[1]
+    shutil.copytree(pkg, tmp_path / "shmcache", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    return tmp_path
+
+
+def _pytest_unbuilt(tmp_path: Path, cc: str, select: str) -> subprocess.CompletedProcess:
+    """This file's tests ``select`` in a child pytest whose shmcache (and its children's) was not
+    built, with ``CC`` set to ``cc``."""
+    env = {**os.environ, "PYTHONPATH": str(_unbuilt(tmp_path)), "CC": cc, "ROWCOPY_UNBUILT_CHILD": "1"}
+    return subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", select],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_these_tests_pass_where_it_was_not_built(tmp_path):
+    """An install without a C compiler runs this file too: its tests must skip or pass there."""
+    if os.environ.get("ROWCOPY_UNBUILT_CHILD"):
+        pytest.skip("the child run itself")
+    done = _pytest_unbuilt(tmp_path, str(tmp_path / "no-compiler"), "not sanitizers")
+    assert done.returncode == 0 and " failed" not in done.stdout, done.stdout[-4000:]
+    assert "not built at install" in done.stdout  # the skips say why: it ran without the extension
+
+
+@pytest.mark.parametrize("flags", ["", " -O2"])
+def test_the_build_guard_fails_an_unbuilt_install_whatever_flags_cc_carries(tmp_path, flags):
+    """CC may name the compiler with flags (``gcc -O2``, ``ccache gcc``), as setuptools takes it:
+    the guard must still see a compiler and fail, not skip."""
+    if os.environ.get("ROWCOPY_UNBUILT_CHILD"):
+        pytest.skip("the child run itself")
+    gcc = shutil.which("gcc")
+    if not gcc or not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        pytest.skip("no gcc or Python headers here")
+    done = _pytest_unbuilt(tmp_path, gcc + flags, "ci_builds")
+    assert "1 failed" in done.stdout and "was not built" in done.stdout, done.stdout[-4000:]
