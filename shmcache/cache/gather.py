@@ -3,6 +3,8 @@ one size class is copied out of the class segment's chunks (chunk k at ``k x chu
 ``np.take(mode="clip")``, straight into ``out=`` buffers when given:
 small records whole through a per-thread scratch, then field by field; larger fields one take
 each, in units that divide both the chunk and the field, or a copy per row for large fields.
+Where the compiled row copy is built (``base.rowcopy``), a field is one call of it instead: a
+memcpy per row, straight from the chunks into the column.
 
 The read side (``CacheView.gather_ints``) maps the generation, checks the batch's entries as a
 reader checks one (NOTE [publish order], Damage) and counts the hits; this module finds the
@@ -381,7 +383,8 @@ def gather_planned(plan: Plan, words: np.ndarray, keys: np.ndarray, out: list | 
 
     Each field is then copied straight from the class segment with one fancy index (into ``out=``
     by way of it and one ``np.copyto``: numpy has no gather from a strided source into ``out=``),
-    a field of ``LOOP_BYTES`` or more one row at a time (:func:`_copy_rows`).
+    a field of ``LOOP_BYTES`` or more one row at a time (:func:`_copy_rows`); with the compiled
+    row copy, every field into ``out=`` in one pass.
     """
     n = len(keys)
     chunks = planned_chunks(plan, words, keys)
