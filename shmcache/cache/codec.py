@@ -448,7 +448,8 @@ class _Builder:
         if tp is bool:
             self.scalars.append((_BOOL, x))
             return (_BOOL, len(self.scalars) - 1)
-        if isinstance(x, np.generic) and not x.dtype.hasobject and x.dtype.fields is None:
+        # an empty str_/bytes_ scalar has a dtype of no bytes (<U0, |S0), which no record holds
+        if isinstance(x, np.generic) and not x.dtype.hasobject and x.dtype.fields is None and x.dtype.itemsize:
             self.arrays.append(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
             return (_NPSCALAR, x.dtype.str, (), len(self.arrays) - 1)
         if x is None:
@@ -747,7 +748,8 @@ def _leaf_spec(x: Any) -> tuple | None:
     if tp is np.ndarray:
         return None if x.dtype.hasobject or x.dtype.fields is not None else (_ARRAY, (x.dtype, x.shape))
     if isinstance(x, np.generic):
-        return None if x.dtype.hasobject or x.dtype.fields is not None else (_NPSCALAR, (tp, x.dtype))
+        return None if x.dtype.hasobject or x.dtype.fields is not None or not x.dtype.itemsize else \
+            (_NPSCALAR, (tp, x.dtype))
     ext = _EXT_TO.get(tp)
     if ext is not None:
         parts = ext[1](x)
