@@ -51,8 +51,9 @@ _NBYTES = operator.attrgetter("nbytes")
 
 
 def _byte_views(buffers) -> list[memoryview]:
-    """``buffers`` as non-empty byte memoryviews (write_at's slow paths)."""
-    return [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    """``buffers`` as non-empty byte memoryviews (write_at's slow paths). The empty ones are left
+    out before the cast: memoryview casts no view with a 0 in its shape (np.zeros((0, 3)))."""
+    return [v.cast("B") for v in map(memoryview, buffers) if v.nbytes]
 
 
 # magic u64, version u32, kind u32, size u64, ready u64 (native order: 8-byte aligned stores)

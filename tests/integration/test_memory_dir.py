@@ -460,3 +460,47 @@ def test_a_hugetlbfs_with_pages_holds_a_batch_of_misses(tmp_path, huge_pages):
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "300 0 | 300", proc.stdout  # all admitted into its pages, all read back
     assert lines[1:] == [], proc.stdout  # destroy left nothing in the mount
+
+
+WRITE_AT_SCRIPT = r"""
+import os, sys
+import numpy as np
+from shmcache.base.shm import Segment
+MOUNT, SIZE = sys.argv[1], int(sys.argv[2])
+odd = [np.array(5), np.array([1j, 2j]), np.arange(3, dtype=">i8"), np.full(2, 1.5, np.float16), bytearray(b"xyz"),
+       memoryview(np.arange(12, dtype=np.int16).reshape(3, 4)), b"", np.zeros((0, 3)), np.zeros((2, 0), np.int64)]
+name = f"{MOUNT}/shmcache-write-at-{os.getpid()}"
+seg = Segment.create(name, SIZE, kind=3, commit=SIZE)
+out = []
+for many in (False, True):  # one pwritev (or copy), then more buffers than IOV_MAX
+    bufs = odd * (300 if many else 1)
+    want = b"".join(memoryview(b).tobytes() for b in bufs)
+    seg.write_at(4096 + 3, bufs)
+    out.append(bytes(seg.buf[4096:4096 + 3 + len(want) + 1]) == bytes(3) + want + b"\0")
+try:  # past the end: refused, nothing written, the object not grown
+    seg.write_at(SIZE - 8, [b"\xee" * 4] * 3)
+    out.append("taken")
+except ValueError:
+    out.append(not any(seg.buf[SIZE - 8:]) and os.stat(name).st_size == SIZE)
+seg.unlink()
+print(out)
+"""
+
+
+@pytest.mark.parametrize("fs", ["hugetlbfs", "tmpfs huge=always"])
+def test_write_at_writes_the_same_bytes_on_a_huge_page_mount(tmp_path, huge_pages, fs):
+    """hugetlbfs takes no write(2) (write_at copies through the mapping), a huge=always tmpfs takes
+    pwritev into 2 MiB pages: buffers of any kind and shape, few or more than IOV_MAX, land as
+    their concatenation there too, and a write past the end is refused on both."""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    script = tmp_path / "write_at.py"
+    script.write_text(WRITE_AT_SCRIPT)
+    how = "-t hugetlbfs none" if fs == "hugetlbfs" else "-t tmpfs -o size=16m,huge=always tmpfs"
+    inner = f"mount {how} {mount} || exit 99; {sys.executable} {script} {mount} {4 * pmd_size()}"
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode == 99:
+        pytest.skip(f"cannot mount {fs} here: {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    assert proc.stdout.strip() == "[True, True, True]", proc.stdout

@@ -165,6 +165,26 @@ def test_write_at_in_one_call_counts_bytes_not_items(name):
     a.unlink()
 
 
+@pytest.mark.parametrize("many", [False, True])
+def test_write_at_takes_the_same_buffers_past_one_call_of_them(name, many):
+    # one pwritev, or IOV_MAX buffers a call (and the copy through a hugetlbfs mapping, in
+    # tests/integration/test_memory_dir.py): each takes what the other takes (0-d arrays,
+    # complex, big-endian, float16, structured, 2-D memoryviews, empty arrays of any shape) and
+    # writes exactly their concatenation
+    import numpy as np
+
+    odd = [np.array(5), np.array([1j, 2j]), np.arange(3, dtype=">i8"), np.full(2, 1.5, np.float16),
+           np.ones(2, [("a", "<i4"), ("b", ">f8")]), np.array([True]), memoryview(b"abcdefgh").cast("i"),
+           memoryview(np.arange(12, dtype=np.int16).reshape(3, 4)), bytearray(b"xyz"), b"", np.zeros((0, 3)),
+           np.zeros((2, 0), np.int64)]
+    bufs = odd * (300 if many else 1)
+    want = b"".join(memoryview(b).tobytes() for b in bufs)
+    a = Segment.create(name, 64 * PAGE, kind=3, commit=64 * PAGE)
+    a.write_at(PAGE + 3, bufs)
+    assert bytes(a.buf[PAGE:PAGE + 3 + len(want) + 1]) == bytes(3) + want + b"\0"
+    a.unlink()
+
+
 @pytest.mark.parametrize("offset,length", [(4 * PAGE - 4, 8), (4 * PAGE, 1), (8 * PAGE, PAGE), (0, 8), (-8, 8)])
 def test_write_at_never_writes_past_the_segment_nor_over_its_header(name, offset, length):
     # pwritev past the object's end would grow it (pages no commit counted, a size the header
