@@ -253,6 +253,87 @@ def test_a_growth_places_every_entry_on_its_probe_path_with_no_empty_entry_befor
     s.close()
 
 
+_GROWTH_READER = r"""
+import os, sys, time
+from shmcache.cache.store import MISSING, CacheStore
+stop, ready = sys.argv[1], sys.argv[2]
+keys = [f"s{i}" for i in range(300)] + [b"b%d" % i for i in range(300)] + [2**40 + 7 * i for i in range(300)]
+s = CacheStore("idx", "live", create=False)
+passes = missed = wrong = 0
+caps = set()
+deadline = time.monotonic() + 120  # bounded: the writer stops it long before
+open(ready, "w").close()
+while time.monotonic() < deadline and not (os.path.exists(stop) and passes >= 2):
+    caps.add(s.view.refresh().index.capacity)
+    for k in keys:
+        got = s.lookup(k)
+        missed += got is MISSING
+        wrong += got is not MISSING and got != repr(k)
+    passes += 1
+s.close()
+print(passes, missed, wrong, len(caps))
+"""
+
+
+def test_a_reader_in_another_process_misses_no_key_while_the_table_grows(shm_namespace, tmp_path):
+    # str, bytes and hashed int keys, then enough more keys for several growths (each placing all
+    # entries at once): the reader, reading the first keys all along, never misses one nor reads a
+    # wrong value, and sees the table at more than one size while it reads
+    import subprocess
+    import sys
+    import time
+
+    s = CacheStore("idx", "live", capacity_bytes=64 << 20)
+    first = [f"s{i}" for i in range(300)] + [b"b%d" % i for i in range(300)] + [2**40 + 7 * i for i in range(300)]
+    for k in first:
+        s.put(k, repr(k))
+    script, stop, ready = tmp_path / "reader.py", tmp_path / "stop", tmp_path / "ready"
+    script.write_text(_GROWTH_READER)
+    proc = subprocess.Popen([sys.executable, str(script), str(stop), str(ready)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start = s.view.refresh().index.capacity
+        for i in range(12000):
+            s.put(f"more-{i}" if i % 2 else 2**41 + i, i)
+        assert s.view.refresh().index.capacity >= 8 * start, "the table never grew"
+        stop.touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    passes, missed, wrong, sizes = map(int, out.split())
+    assert (missed, wrong) == (0, 0), out
+    assert sizes >= 2, f"the reader never read during a growth: {out}"
+    for k in first:
+        assert s.lookup(k) == repr(k), k
+    s.close()
+
+
+def test_a_growth_keeps_spilled_entries_where_find_reaches_them(tmp_path):
+    # a 1 MiB cache that spills: most entries carry SPILLED when the table grows (three times)
+    from shmcache import ShmDatasetCache
+
+    (tmp_path / "spill").mkdir()
+    c = ShmDatasetCache(session="grow-spilled", name="c", size=1, spilling=True, spill_dir=tmp_path / "spill")
+    keys = [f"s{i}" for i in range(500)] + [b"b%d" % i for i in range(300)] + [2**40 + 7 * i for i in range(300)]
+    keys += list(range(2000))
+    first = c.store.view.refresh().index.capacity
+    for i, k in enumerate(keys):
+        c.put(k, np.full(3000, i % 251, np.uint8))
+    index = c.store.view.refresh().index
+    spilled = (index.words[:, 0] & np.uint64(SPILLED)) != 0
+    assert index.capacity >= 8 * first and spilled.sum() > len(keys) // 2, (index.capacity, spilled.sum())
+    for i, k in enumerate(keys):
+        got = c.get(k, lambda k: None)
+        assert got is not None and got.shape == (3000,) and (got == i % 251).all(), k
+    c.close()
+
+
 def test_table_hint_sizes_the_table_so_dataset_indices_never_grow_it():
     s = CacheStore("idx", "hinted", capacity_bytes=64 << 20, table_hint=5000)
     cap = s.view.refresh().index.capacity
