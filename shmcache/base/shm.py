@@ -282,33 +282,36 @@ class Segment:
             self._copy_in(offset, _byte_views(buffers))
             return
         with self._own_fd() as fd:
-            if len(sizes) <= _IOV_MAX:  # the common case: one call copies it all
-                try:
-                    if os.pwritev(fd, buffers, offset) == end - offset:
-                        return
-                except OSError as exc:
-                    if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                        raise
-                    # hugetlbfs takes no write(2): through the mapping, now and from now on
-                    self._no_pwrite = True
-                    self._copy_in(offset, _byte_views(buffers))
-                    return
-            # more than IOV_MAX buffers, or a short write (a signal): again, from the start, in
-            # steps that go on where the last stopped (rewriting what was copied is harmless)
-            views = _byte_views(buffers)
-            i = 0
-            while i < len(views):
-                batch = views[i:i + _IOV_MAX]
-                n = os.pwritev(fd, batch, offset)
-                if n <= 0:  # bounded: a call that copies nothing would loop for ever
-                    raise OSError(errno.EIO, f"pwritev into segment {self.name} copied nothing")
-                offset += n
-                for v in batch:
-                    if n < v.nbytes:
-                        views[i] = v[n:]
-                        break
-                    n -= v.nbytes
-                    i += 1
+            try:
+                self._pwrite_all(fd, offset, buffers, len(sizes), end - offset)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                # hugetlbfs takes no write(2): through the mapping (all of it again: the same
+                # bytes), now and from now on
+                self._no_pwrite = True
+                self._copy_in(offset, _byte_views(buffers))
+
+    def _pwrite_all(self, fd: int, offset: int, buffers, count: int, nbytes: int) -> None:
+        """``write_at``'s pwritev of ``count`` buffers, ``nbytes`` in all, at ``offset``."""
+        if count <= _IOV_MAX and os.pwritev(fd, buffers, offset) == nbytes:
+            return  # the common case: one call copies it all
+        # more than IOV_MAX buffers, or a short write (a signal): again, from the start, in steps
+        # that go on where the last stopped (rewriting what was copied is harmless)
+        views = _byte_views(buffers)
+        i = 0
+        while i < len(views):
+            batch = views[i:i + _IOV_MAX]
+            n = os.pwritev(fd, batch, offset)
+            if n <= 0:  # bounded: a call that copies nothing would loop for ever
+                raise OSError(errno.EIO, f"pwritev into segment {self.name} copied nothing")
+            offset += n
+            for v in batch:
+                if n < v.nbytes:
+                    views[i] = v[n:]
+                    break
+                n -= v.nbytes
+                i += 1
 
     def _copy_in(self, offset: int, views: list) -> None:
         """``write_at``'s copy through the mapping, for a file system without write(2)."""
