@@ -272,9 +272,9 @@ class Segment:
         from them into the object's pages, with none of the page faults a first store through
         this mapping takes on each 4 KiB page (tmpfs: ~4-5 us a page, more than the copy) and no
         copy in between (a run of a publish group's records, CacheWriter.put_many)."""
+        buffers = list(buffers)  # counted, then written: an iterator would be read once
         # the byte count without a Python step per buffer (a run has ~8 a record): every loop in C
-        sizes = list(map(_NBYTES, map(memoryview, buffers)))
-        end = offset + sum(sizes)
+        end = offset + sum(map(_NBYTES, map(memoryview, buffers)))
         if offset < HEADER_BYTES or end > self.size:  # a pwritev past the end grows the object
             raise ValueError(f"write_at of bytes {offset}..{end} of segment {self.name}: past its "
                              f"{self.size} bytes or over its header (a writer's bug: nothing written)")
@@ -283,7 +283,7 @@ class Segment:
             return
         with self._own_fd() as fd:
             try:
-                self._pwrite_all(fd, offset, buffers, len(sizes), end - offset)
+                self._pwrite_all(fd, offset, buffers, end - offset)
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
@@ -292,9 +292,9 @@ class Segment:
                 self._no_pwrite = True
                 self._copy_in(offset, _byte_views(buffers))
 
-    def _pwrite_all(self, fd: int, offset: int, buffers, count: int, nbytes: int) -> None:
-        """``write_at``'s pwritev of ``count`` buffers, ``nbytes`` in all, at ``offset``."""
-        if count <= _IOV_MAX and os.pwritev(fd, buffers, offset) == nbytes:
+    def _pwrite_all(self, fd: int, offset: int, buffers: list, nbytes: int) -> None:
+        """``write_at``'s pwritev of ``buffers``, ``nbytes`` in all, at ``offset``."""
+        if len(buffers) <= _IOV_MAX and os.pwritev(fd, buffers, offset) == nbytes:
             return  # the common case: one call copies it all
         # more than IOV_MAX buffers, or a short write (a signal): again, from the start, in steps
         # that go on where the last stopped (rewriting what was copied is harmless)

@@ -303,7 +303,9 @@ class Plan:
         self.handed_out = handed_out
         self.layout = layout  # (tree, leaves, end of the last leaf): what CacheStore.batch_layout returns
         self.tree, self.leaves = layout[0], layout[1]
-        self.fields = [None if leaf.tag == "n" else _field(buf, handed_out, chunk, leaf) for leaf in self.leaves]
+        records = np.ndarray((handed_out, chunk), np.uint8, buf, DATA_OFF)  # every field's rowcopy source
+        self.fields = [None if leaf.tag == "n" else _field(buf, handed_out, chunk, leaf, records)
+                       for leaf in self.leaves]
         self._w0_bytes = np.array([w0], np.uint64).tobytes()
         # the entry words a batch must have, less what it must be below: (w0, key, chunk) - (w0, key,
         # class << 48) < (1, 1, handed_out), row by row (gather_planned)
@@ -343,7 +345,7 @@ def remember(columns: dict, w0: int, cls: int, handed_out: int, chunk: int, buf,
         columns[PLAN] = Plan(w0, cls, handed_out, chunk, buf, layout)
 
 
-def _field(buf, handed_out: int, chunk: int, leaf: codec.Leaf) -> Field:
+def _field(buf, handed_out: int, chunk: int, leaf: codec.Leaf, records: np.ndarray) -> Field:
     """Leaf ``leaf`` of every chunk handed out, over the class segment ``buf`` (views: nothing is
     copied). A field of one scalar is an item of its dtype; a larger one an opaque item of its
     bytes (``V<nbytes>``): numpy then copies each with one memcpy, where an item of many small
@@ -357,7 +359,6 @@ def _field(buf, handed_out: int, chunk: int, leaf: codec.Leaf) -> Field:
     else:
         items = np.ndarray((handed_out,), item, buf, offset, (chunk,))
     rows = np.ndarray((handed_out, nbytes), np.uint8, buf, offset, (chunk, 1)) if nbytes >= LOOP_BYTES else None
-    records = np.ndarray((handed_out, chunk), np.uint8, buf, DATA_OFF)
     return Field(leaf.offset, nbytes, dtype, shape, item, items, rows, records)
 
 

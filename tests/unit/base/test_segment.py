@@ -185,6 +185,14 @@ def test_write_at_takes_the_same_buffers_past_one_call_of_them(name, many):
     a.unlink()
 
 
+def test_write_at_takes_buffers_from_any_iterable(name):
+    # a generator is read once: counted and written from the same buffers, never nothing written
+    a = Segment.create(name, 4 * PAGE, kind=3, commit=4 * PAGE)
+    a.write_at(PAGE, (bytes([i]) * 3 for i in range(1, 4)))
+    assert bytes(a.buf[PAGE:PAGE + 10]) == b"\x01\x01\x01\x02\x02\x02\x03\x03\x03\0"
+    a.unlink()
+
+
 @pytest.mark.parametrize("offset,length", [(4 * PAGE - 4, 8), (4 * PAGE, 1), (8 * PAGE, PAGE), (0, 8), (-8, 8)])
 def test_write_at_never_writes_past_the_segment_nor_over_its_header(name, offset, length):
     # pwritev past the object's end would grow it (pages no commit counted, a size the header
