@@ -24,7 +24,7 @@ except ImportError:  # no C compiler at install, or a source checkout never buil
             "present (apt install gcc python3-dev)")
 else:
     _why = ""
-if _rowcopy is not None and settings.get(settings.ENV_NATIVE, "1").strip().lower() in ("0", "false", "no", "off"):
+if _rowcopy is not None and settings.turned_off(settings.ENV_NATIVE):
     _why = f"turned off by {settings.ENV_NATIVE}: unset it for the one-pass copy"
 
 NATIVE = _rowcopy is not None and not _why

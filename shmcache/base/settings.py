@@ -47,7 +47,7 @@ __all__ = ["PREFIX", "ENV_DIR", "ENV_SESSION", "ENV_SIZE_MB", "ENV_SPILLING", "E
            "ENV_MEMORY_DIR", "ENV_REMOTE_PASSWORD", "ENV_SNAPSHOT", "ENV_SECRET", "ENV_MAX_ITEM_MB", "ENV_RDZV_TOKEN",
            "ENV_ORDERING", "ENV_NATIVE",
            "ENV_CRASH_AT", "ENV_CRASH_AFTER", "ENV_CLAIMS", "ENV_CLAIM_TIMEOUT_S", "ENV_RANK", "ENV_LOCAL_RANK",
-           "ENV_WORLD_SIZE", "ENV_LOCAL_WORLD_SIZE", "get", "flag", "without_ours"]
+           "ENV_WORLD_SIZE", "ENV_LOCAL_WORLD_SIZE", "get", "flag", "turned_off", "without_ours"]
 
 PREFIX = "SHMCACHE_"
 ENV_DIR = "SHMCACHE_DIR"
@@ -75,6 +75,7 @@ ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 
 _TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 def get(name: str, default: str | None = None) -> str | None:
@@ -85,6 +86,11 @@ def get(name: str, default: str | None = None) -> str | None:
 def flag(name: str) -> bool:
     """Whether the variable is set to 1, true, yes or on (any case, spaces around ignored)."""
     return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def turned_off(name: str) -> bool:
+    """Whether an on-by-default variable is set to 0, false, no or off (any case, spaces ignored)."""
+    return os.environ.get(name, "").strip().lower() in _FALSE
 
 
 def without_ours(environ: Mapping[str, str]) -> dict[str, str]:

@@ -165,12 +165,7 @@ class Claims:
         self.path = Path(path)
         self._slot = slot  # this process's liveness slot in the session (its counter row)
         self.timeout_s = _timeout(timeout_s)
-        self.on = SUPPORTED and settings.get(settings.ENV_CLAIMS, "1").strip().lower() not in (
-            "0",
-            "false",
-            "no",
-            "off",
-        )
+        self.on = SUPPORTED and not settings.turned_off(settings.ENV_CLAIMS)
         self._fd = -1
         self._gen = -1  # process_slot.fork_count() when the descriptor and row were made
         self._row: Any = None  # this process's counter words: a memoryview of the file's row, or a list

@@ -46,6 +46,18 @@ def test_flag(monkeypatch, value, on):
     assert settings.flag(settings.ENV_SPILLING) is on
 
 
+@pytest.mark.parametrize(("value", "off"), [("0", True), (" False ", True), ("NO", True), ("off", True),
+                                            ("1", False), ("", False), ("maybe", False)])
+def test_turned_off(monkeypatch, value, off):
+    monkeypatch.setenv(settings.ENV_CLAIMS, value)
+    assert settings.turned_off(settings.ENV_CLAIMS) is off
+
+
+def test_turned_off_unset_is_on(monkeypatch):
+    monkeypatch.delenv(settings.ENV_NATIVE, raising=False)
+    assert settings.turned_off(settings.ENV_NATIVE) is False
+
+
 def test_flag_unset_is_off(monkeypatch):
     monkeypatch.delenv(settings.ENV_SPILLING, raising=False)
     assert settings.flag(settings.ENV_SPILLING) is False
