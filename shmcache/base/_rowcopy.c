@@ -9,6 +9,12 @@
  * passed as the source cannot be closed while it is read (BufferError); an array over one does not
  * pin it, which is why shm.Segment never unmaps. A destination that overlaps the source or the
  * indices is refused: memcpy of overlapping bytes is undefined, and numpy reads every row first.
+ *
+ * match() is the other loop a warm batch spends numpy calls on: it compares each key's three
+ * words of a table with what the caller expects, fused into one pass (cache.gather.planned_chunks
+ * says what is expected and why; this file only compares words). The first word of each row is
+ * loaded on its own with acquire order, before the other two and before any later read of the
+ * data it guards (the reader's side of NOTE [publish order]).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -126,9 +132,98 @@ done:
     return result;
 }
 
+/* 8-byte integers, as index_format_ok; unsigned too (the table's words) */
+static int
+word_format_ok(const Py_buffer *b, int is_unsigned)
+{
+    const char *f = b->format ? b->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    if (b->itemsize != 8)
+        return 0;
+    return is_unsigned ? (strcmp(f, "L") == 0 || strcmp(f, "Q") == 0 || strcmp(f, "N") == 0) : index_format_ok(b);
+}
+
+static PyObject *
+match(PyObject *module, PyObject *args)
+{
+    PyObject *words_obj, *keys_obj, *chunks_obj;
+    unsigned long long first, base, limit;
+    Py_buffer words, keys, chunks;
+    PyObject *result = NULL;
+
+    if (!PyArg_ParseTuple(args, "OOKKKO:match", &words_obj, &keys_obj, &first, &base, &limit, &chunks_obj))
+        return NULL;
+    if (PyObject_GetBuffer(words_obj, &words, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(keys_obj, &keys, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&words);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(chunks_obj, &chunks, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&keys);
+        PyBuffer_Release(&words);
+        return NULL;
+    }
+    if (!word_format_ok(&words, 1) || words.ndim != 2 || words.shape[1] != 3 || (uintptr_t)words.buf % 8) {
+        PyErr_SetString(PyExc_TypeError, "match: words must be an aligned, C-contiguous (rows, 3) array of uint64");
+        goto done;
+    }
+    if (!index_format_ok(&keys) || keys.ndim != 1 || !index_format_ok(&chunks) || chunks.ndim != 1) {
+        PyErr_SetString(PyExc_TypeError, "match: keys and chunks must be one dimension of 8-byte integers");
+        goto done;
+    }
+    const Py_ssize_t n = keys.shape[0], step = keys.strides[0], capacity = words.shape[0];
+    if (chunks.shape[0] < n) {
+        PyErr_Format(PyExc_ValueError, "match: %zd keys, room for %zd chunks", n, chunks.shape[0]);
+        goto done;
+    }
+    if (overlap((const char *)chunks.buf, n * 8, (const char *)words.buf, words.len)) {
+        PyErr_SetString(PyExc_ValueError, "match: chunks overlaps the words: give it a buffer of its own");
+        goto done;
+    }
+    const uint64_t *w = (const uint64_t *)words.buf;
+    const char *k_at = (const char *)keys.buf;
+    char *to = (char *)chunks.buf;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_ssize_t k = row_at(k_at + i * step);
+        if (k < 0 || k >= capacity) {
+            ok = 0;
+            break;
+        }
+        const uint64_t *row = w + 3 * k;
+        if (__atomic_load_n(row, __ATOMIC_ACQUIRE) != first
+            || __atomic_load_n(row + 1, __ATOMIC_RELAXED) != (uint64_t)k) {
+            ok = 0;
+            break;
+        }
+        /* below base, the difference wraps around to a huge number: refused with the rest */
+        const uint64_t c = __atomic_load_n(row + 2, __ATOMIC_RELAXED) - base;
+        if (c >= limit) {
+            ok = 0;
+            break;
+        }
+        const Py_ssize_t chunk = (Py_ssize_t)c;
+        memcpy(to + i * 8, &chunk, sizeof chunk);
+    }
+    Py_END_ALLOW_THREADS
+    result = ok ? Py_True : Py_False;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&chunks);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&words);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(src, offset, stride, nbytes, rows, dst): dst's row i = src[offset + rows[i] * stride:][:nbytes]."},
+    {"match", match, METH_VARARGS,
+     "match(words, keys, first, base, limit, chunks): True if each row keys[i] of words is (first, keys[i], "
+     "base + c) with c < limit (chunks[i] = c); False at the first that is not."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,13 +8,17 @@ checked before the first byte moves, without the GIL) copies each row once, stra
 destination. It is built at install where a C compiler is present; without it, or with
 ``SHMCACHE_NATIVE=0``, ``NATIVE`` is False and the callers (``cache.gather``) take numpy's ways,
 which give the same bytes.
+
+The same module compares a batch's table entries with what the caller expects in one pass
+(``match``): the warm batch's checks (``cache.gather.planned_chunks``), one call where numpy
+needs eight.
 """
 
 from __future__ import annotations
 
 from . import settings
 
-__all__ = ["NATIVE", "gather", "unavailable_reason"]
+__all__ = ["NATIVE", "gather", "match", "unavailable_reason"]
 
 try:
     from . import _rowcopy
@@ -42,3 +46,13 @@ def gather(src, offset: int, stride: int, nbytes: int, rows, dst) -> None:
     whose bytes end past ``src``; ValueError for a ``dst`` that overlaps ``src`` or ``rows``. Only
     where ``NATIVE``."""
     _rowcopy.gather(src, offset, stride, nbytes, rows, dst)
+
+
+def match(words, keys, first: int, base: int, limit: int, chunks) -> bool:
+    """True if, for each ``i``, row ``keys[i]`` of ``words`` (an aligned, C-contiguous ``(rows,
+    3)`` uint64 array) is ``(first, keys[i], base + c)`` with ``0 <= c < limit``; then
+    ``chunks[i] = c`` (``chunks``: a C-contiguous intp array of at least ``len(keys)``). False at
+    the first key that is negative, past the rows or whose words differ (``chunks`` then holds
+    what came before it). Word 0 of each row is loaded first, with acquire order. ``first``,
+    ``base`` and ``limit`` are below 2**64. Only where ``NATIVE``."""
+    return _rowcopy.match(words, keys, first, base, limit, chunks)

@@ -325,6 +325,14 @@ class Plan:
             local.ok = np.empty(want.shape, np.bool_)
         return want[:n], local.words[:n], local.ok[:n]
 
+    def chunks(self, n: int) -> np.ndarray:
+        """This thread's intp array of ``n`` for the chunks of a batch (the compiled checks')."""
+        local = self._local
+        chunks = getattr(local, "chunks", None)
+        if chunks is None or len(chunks) < n:
+            chunks = local.chunks = np.empty(max(n, 256), np.intp)
+        return chunks[:n]
+
     def holds(self, index: TableView, key: int) -> bool:
         """True if int ``key`` sits at its own position with the plan's state word (a scalar
         probe: w0 first, then the key word), so a batch from it has the plan's layout."""
@@ -405,6 +413,9 @@ def planned_chunks(plan: Plan, words: np.ndarray, keys: np.ndarray) -> np.ndarra
     """The chunks (intp) of the batch of int64 ``keys`` if every entry is exactly what ``plan``
     expects (the checks of :func:`gather_planned`), else None."""
     n = len(keys)
+    if rowcopy.NATIVE:  # the same checks, fused into one compiled pass over the keys
+        chunks = plan.chunks(n)
+        return chunks if rowcopy.match(words, keys, plan.w0, plan.base, plan.handed_out, chunks) else None
     try:
         s0 = words[keys, 0]  # first, in its own gather
     except IndexError:

@@ -93,6 +93,75 @@ def test_a_destination_that_overlaps_the_source_or_the_indices_is_refused(overla
     assert (mem == before).all()
 
 
+def _table(keys=(3, 0, 7), first=0x51, base=5 << 48, limit=10) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A table of 8 rows whose rows ``keys`` hold (first, key, base + chunk): chunk 2 * key % limit."""
+    words = np.zeros((8, 3), np.uint64)
+    keys = np.array(keys, np.int64)
+    words[keys, 0], words[keys, 1], words[keys, 2] = first, keys, base + 2 * keys % limit
+    return words, keys, np.full(len(keys), -1, np.intp)
+
+
+@native
+def test_match_gives_each_keys_chunk_when_every_row_is_as_expected():
+    words, keys, chunks = _table()
+    assert rowcopy.match(words, keys, 0x51, 5 << 48, 10, chunks) is True
+    assert chunks.tolist() == [6, 0, 4]
+    strided = np.repeat(keys, 2)[::2]  # keys read in place at any stride
+    assert rowcopy.match(words, strided, 0x51, 5 << 48, 10, chunks) is True and chunks.tolist() == [6, 0, 4]
+    assert rowcopy.match(words, keys[:0], 0x51, 5 << 48, 10, chunks[:0]) is True
+
+
+@native
+@pytest.mark.parametrize("change", ["first word", "key word", "chunk at the limit", "chunk below base",
+                                    "another class", "negative key", "key past the rows"])
+def test_match_is_false_for_any_row_that_differs(change):
+    """The planned batch's checks (cache.gather.planned_chunks): any difference sends the batch the
+    long way, which names damage; never an exception, never a chunk of another row."""
+    words, keys, chunks = _table()
+    if change == "first word":
+        words[7, 0] ^= 1
+    elif change == "key word":
+        words[7, 1] = 6
+    elif change == "chunk at the limit":
+        words[7, 2] = (5 << 48) + 10
+    elif change == "chunk below base":
+        words[7, 2] = (5 << 48) - 1
+    elif change == "another class":
+        words[7, 2] = (6 << 48) + 1
+    elif change == "negative key":
+        keys[2] = -1  # numpy would wrap it to row 7, which holds key 7
+    else:
+        keys[2] = 8
+    assert rowcopy.match(words, keys, 0x51, 5 << 48, 10, chunks) is False
+
+
+@native
+@pytest.mark.parametrize(("change", "error", "match"), [
+    ("words of int64", TypeError, "uint64"), ("words of 2 columns", TypeError, "uint64"),
+    ("misaligned words", TypeError, "aligned"), ("keys of int32", TypeError, "8-byte integers"),
+    ("chunks too short", ValueError, "room for 2"), ("chunks over the words", ValueError, "overlaps"),
+    ("read-only chunks", ValueError, "read-only"),
+])
+def test_match_refuses_bad_arguments_by_name(change, error, match):
+    words, keys, chunks = _table()
+    if change == "words of int64":
+        words = words.view(np.int64)
+    elif change == "words of 2 columns":
+        words = np.zeros((8, 2), np.uint64)
+    elif change == "misaligned words":
+        words = np.zeros(8 * 24 + 4, np.uint8)[4:].view(np.uint64).reshape(8, 3)
+    elif change == "keys of int32":
+        keys = keys.astype(np.int32)
+    elif change == "chunks too short":
+        chunks = chunks[:2]
+    elif change == "chunks over the words":
+        chunks = words[:1].reshape(-1).view(np.intp)
+    else:
+        chunks.flags.writeable = False
+    with pytest.raises(error, match=match):
+        rowcopy.match(words, keys, 0x51, 5 << 48, 10, chunks)
+
+
 # A child that loads _rowcopy.c built with AddressSanitizer and UBSan (-fno-sanitize-recover: the
 # first finding aborts it) and runs the arguments at the edges: every row's last byte at the end
 # of the source, indices misaligned, strided backwards or not at all, bounds that overflow.
@@ -126,6 +195,13 @@ for s, d in ((mem[:64], mem[8:32]), (mem[8:72], mem[:24]), (mem, mem)):
         rc.gather(s, 0, 8, 8, np.array([1, 0, 2], np.intp), d)
     except ValueError:
         pass
+words = np.zeros((8, 3), np.uint64)
+words[[3, 7], 0], words[[3, 7], 1], words[[3, 7], 2] = 9, [3, 7], [2, 5]
+chunks = np.zeros(4, np.intp)
+for keys in (np.array([7, 3], np.int64), np.array([7], np.int64), np.array([3, 7, -2**63, 2**63 - 1], np.int64),
+             np.zeros(25, np.uint8)[1:25].view(np.int64)):
+    rc.match(words, keys, 9, 0, 6, chunks)
+assert rc.match(words, np.array([7, 3], np.int64), 9, 0, 6, chunks) and chunks[:2].tolist() == [5, 2]
 print("clean")
 """
 
