@@ -81,14 +81,31 @@ def flatten_like(tree: Any, spec: Any, unlike: Callable[[str, Any, str], Excepti
     otherwise, raises ``unlike(path, what tree holds there, what the spec has there)``."""
     if spec is LEAF:
         return [tree]
+    leaves: list = []
+    _flatten_into(tree, spec, unlike, path, (), leaves)
+    return leaves
+
+
+def _flatten_into(tree: Any, spec: tuple, unlike: Callable, path: str, at: tuple, leaves: list) -> None:
+    """flatten_like's walk: ``at`` is the way down from ``path`` (keys and positions), spelt out
+    only in an error (a batch's ``out=`` is flattened on every call)."""
     kind, aux, children = spec
     if kind == "map":
-        keys = list(aux[1])
-        if not isinstance(tree, dict) or set(tree) != set(keys):
-            raise unlike(path, tree, f"a dict with keys {keys}")
-        return [leaf for k, c in zip(keys, children)
-                for leaf in flatten_like(tree[k], c, unlike, f"{path}[{k!r}]")]
-    if not isinstance(tree, (tuple, list)) or len(tree) != len(children):
-        raise unlike(path, tree, f"a sequence of {len(children)} fields")
-    return [leaf for i, (t, c) in enumerate(zip(tree, children))
-            for leaf in flatten_like(t, c, unlike, f"{path}[{i}]")]
+        keys = aux[1]
+        if not isinstance(tree, dict) or len(tree) != len(keys) or any(k not in tree for k in keys):
+            raise unlike(_spelt(path, at), tree, f"a dict with keys {list(keys)}")
+        pairs = ((k, tree[k], c) for k, c in zip(keys, children))
+    elif not isinstance(tree, (tuple, list)) or len(tree) != len(children):
+        raise unlike(_spelt(path, at), tree, f"a sequence of {len(children)} fields")
+    else:
+        pairs = zip(range(len(children)), tree, children)
+    for k, t, c in pairs:
+        if c is LEAF:
+            leaves.append(t)
+        else:
+            _flatten_into(t, c, unlike, path, (*at, k), leaves)
+
+
+def _spelt(path: str, at: tuple) -> str:
+    """``path`` and the way down ``at``: ``out[0]['img']``."""
+    return path + "".join(f"[{k!r}]" for k in at)

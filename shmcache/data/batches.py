@@ -66,9 +66,15 @@ def _out_leaves(leaves: list) -> tuple[list, list, list]:
                                       f"{t.device}; gather on the host and copy, or use PrefetchRing")
             if t.requires_grad:
                 t = t.detach()
-            arrays.append(t.view(torch.uint8).numpy() if t.dtype == torch.bfloat16 else t.numpy())
-            dtypes.append(str(t.dtype).removeprefix("torch."))
-            shapes.append(tuple(t.shape))
+            dtype = t.dtype
+            if dtype is torch.bfloat16:
+                arrays.append(t.view(torch.uint8).numpy())
+                shapes.append(tuple(t.shape))
+            else:
+                arr = t.numpy()
+                arrays.append(arr)
+                shapes.append(arr.shape)  # the tensor's: numpy's own tuple, no torch.Size made
+            dtypes.append(_TORCH_NAMES.get(dtype) or str(dtype).removeprefix("torch."))
         elif isinstance(t, np.ndarray):
             arrays.append(t)
             dtypes.append(None)
@@ -77,6 +83,10 @@ def _out_leaves(leaves: list) -> tuple[list, list, list]:
             raise InvalidArgument(f"out= holds a {type(t).__name__}; give tensors or arrays shaped "
                                   f"like the batch")
     return arrays, dtypes, shapes
+
+
+# torch dtype -> the name out_matches compares (str(dtype) less "torch."), looked up once per leaf
+_TORCH_NAMES = {d: str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def _described(value: Any) -> str:

@@ -84,3 +84,12 @@ def test_flatten_like_matches_a_dict_by_key_and_names_the_place_it_differs():
         trees.flatten_like({"a": 1, "b": [1]}, spec, _unlike)
     with pytest.raises(ValueError, match=r"out is list where the batch has a dict with keys \['a', 'b'\]"):
         trees.flatten_like([1, 2], spec, _unlike)
+
+
+def test_flatten_like_names_a_place_deep_inside_and_a_dict_with_other_keys():
+    spec, _ = codec.leaves(codec.encode(({"img": 1, "lab": (2, 3)}, 4)).layout)
+    assert trees.flatten_like(({"lab": [7, 8], "img": 6}, 9), spec, _unlike) == [6, 7, 8, 9]
+    with pytest.raises(ValueError, match=r"^out\[0\]\['lab'\] is tuple where the batch has a sequence of 2"):
+        trees.flatten_like(({"lab": (7,), "img": 6}, 9), spec, _unlike)
+    with pytest.raises(ValueError, match=r"^out\[0\] is dict where the batch has a dict with keys \['img', 'lab'\]"):
+        trees.flatten_like(({"lab": (7, 8), "image": 6}, 9), spec, _unlike)
