@@ -94,8 +94,12 @@ def test_a_destination_that_overlaps_the_source_or_the_indices_is_refused(overla
 
 
 def _table(keys=(3, 0, 7), first=0x51, base=5 << 48, limit=10) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A table of 8 rows whose rows ``keys`` hold (first, key, base + chunk): chunk 2 * key % limit."""
-    words = np.zeros((8, 3), np.uint64)
+    """A table of 8 rows whose rows ``keys`` hold (first, key, base + chunk): chunk 2 * key % limit.
+    The rows just outside it (before row 0, after row 7) hold the entries keys -1 and 8 would
+    match: only the bounds checks keep them out (a bound off by one returns their chunk)."""
+    around = np.zeros((10, 3), np.uint64)
+    around[0], around[9] = (first, 2**64 - 1, base + 1), (first, 8, base + 1)
+    words = around[1:9]
     keys = np.array(keys, np.int64)
     words[keys, 0], words[keys, 1], words[keys, 2] = first, keys, base + 2 * keys % limit
     return words, keys, np.full(len(keys), -1, np.intp)
@@ -129,9 +133,9 @@ def test_match_is_false_for_any_row_that_differs(change):
     elif change == "another class":
         words[7, 2] = (6 << 48) + 1
     elif change == "negative key":
-        keys[2] = -1  # numpy would wrap it to row 7, which holds key 7
+        keys[2] = -1  # numpy would wrap it to row 7, which holds key 7; the row before row 0 holds key -1
     else:
-        keys[2] = 8
+        keys[2] = 8  # the row after the last holds key 8
     assert rowcopy.match(words, keys, 0x51, 5 << 48, 10, chunks) is False
 
 
@@ -198,9 +202,12 @@ for s, d in ((mem[:64], mem[8:32]), (mem[8:72], mem[:24]), (mem, mem)):
 words = np.zeros((8, 3), np.uint64)
 words[[3, 7], 0], words[[3, 7], 1], words[[3, 7], 2] = 9, [3, 7], [2, 5]
 chunks = np.zeros(4, np.intp)
-for keys in (np.array([7, 3], np.int64), np.array([7], np.int64), np.array([3, 7, -2**63, 2**63 - 1], np.int64),
-             np.zeros(25, np.uint8)[1:25].view(np.int64)):
+for keys in (np.array([7, 3], np.int64), np.array([7], np.int64), np.zeros(25, np.uint8)[1:25].view(np.int64)):
     rc.match(words, keys, 9, 0, 6, chunks)
+# each edge key the first that fails (one bad key ends the pass): rows 8 and -1 lie just outside
+# the words' allocation; 3 * -2**63 wraps around to row 0, so it alone would touch nothing
+for bad in (8, -1, 2**63 - 1, -2**63, -2**62):
+    assert not rc.match(words, np.array([7, 3, bad], np.int64), 9, 0, 6, chunks)
 assert rc.match(words, np.array([7, 3], np.int64), 9, 0, 6, chunks) and chunks[:2].tolist() == [5, 2]
 print("clean")
 """
