@@ -2,8 +2,8 @@
  *
  * numpy has no gather from a strided source into a given buffer: np.take copies a source that is
  * not C-contiguous whole first, and a fancy index makes a temporary that a second copy then moves
- * into the destination. This is the one loop numpy lacks, a memcpy per row, nothing else: it knows
- * no cache format. Every row is checked against the source's bounds before anything is copied
+ * into the destination. gather() is the one loop numpy lacks, a memcpy per row, nothing else: it
+ * knows no cache format. Every row is checked against the source's bounds before anything is copied
  * (a bad index raises and writes nothing), and the copy runs without the GIL (a pin-memory thread
  * gathers next to the main thread). The exported buffers stay held for the whole call: an mmap
  * passed as the source cannot be closed while it is read (BufferError); an array over one does not

@@ -14,11 +14,12 @@ A warm batch of a single-layout cache takes a shorter way (issue 27): once a bat
 above, its layout, size class and the chunks then handed out are kept as a :class:`Plan` (in the
 generation's ``columns``, so it goes with the generation), and the next batch is looked up,
 checked and copied in a fixed handful of numpy calls (:func:`gather_planned`): every entry's state
-word in one gather, all three words again in another, the checks in one subtract and one compare,
-and each field with one fancy index of a view that strides over the class's chunks. Anything
-that is not exactly the plan's - another layout or length, a spilled entry, a key past the table, a
-chunk past those handed out, another class, a key word that differs - sends the batch the way
-above, which reads the class record again and names any damage.
+word in one gather, all three words again in another, the checks in one subtract and one compare
+(with the compiled row copy: one pass, ``rowcopy.match``), and each field with one fancy index of
+a view that strides over the class's chunks. Anything that is not exactly the plan's - another
+layout or length, a spilled entry, a key past the table, a chunk past those handed out, another
+class, a key word that differs - sends the batch the way above, which reads the class record again
+and names any damage.
 """
 
 from __future__ import annotations
@@ -389,6 +390,10 @@ def gather_planned(plan: Plan, words: np.ndarray, keys: np.ndarray, out: list | 
       ``(w0, key, class << 48)``, compared with ``(1, 1, handed out)`` in one ``np.less``: the
       state word again, every key word equal, every chunk below the chunks handed out when the
       plan was made (a chunk of another class wraps around to a huge number).
+
+    With the compiled row copy (``rowcopy.NATIVE``) the same checks are one pass over the keys
+    (``rowcopy.match``): each entry's state word loaded first, then its other two; a negative key
+    or one past the table is refused there (the long way then probes for it).
 
     Each field is then copied straight from the class segment with one fancy index (into ``out=``
     by way of it and one ``np.copyto``: numpy has no gather from a strided source into ``out=``),
