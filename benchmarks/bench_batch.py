@@ -7,7 +7,8 @@ yardstick, measured in the same run, interleaved, best of rounds, reported as ra
         # before / after: this script run alternately with another checkout's shmcache
         # (PYTHONPATH=/tmp/base) and with this one's, each ratio's median over the runs side by side
     python benchmarks/bench_batch.py --against-numpy-copy --runs 3
-        # the same, numpy's copies (SHMCACHE_NATIVE=0) against the compiled row copy (base.rowcopy)
+        # the same, without the compiled parts (SHMCACHE_NATIVE=0: numpy's copies, the Python hit) against
+        # them (base.rowcopy, cache.hit)
 
 Items ``(uint8 HWC image, int label)``: 3 KB (32x32x3, 50,000 of them) and 150 KB (224x224x3,
 2,000), random batches of 256 from a list of batches cycled through (so no batch is cache-warm
@@ -201,8 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--against", metavar="TREE", help="another checkout (its root): run this script alternately "
                    "with its shmcache and with this one's, and print each ratio of both side by side")
     p.add_argument("--against-numpy-copy", action="store_true",
-                   help="the same, against this checkout with SHMCACHE_NATIVE=0 (numpy's copies, not the compiled "
-                        "row copy)")
+                   help="the same, against this checkout with SHMCACHE_NATIVE=0 (numpy's copies and the Python "
+                        "hit, not the compiled row copy and hit)")
     p.add_argument("--runs", type=int, default=3, help="with --against: runs of each (default 3)")
     args = p.parse_args(argv)
     if args.against or args.against_numpy_copy:

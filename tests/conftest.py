@@ -17,6 +17,7 @@ import pytest
 
 from shmcache.base.namespace import ENV_DIR, ENV_SESSION, ENV_SPILL_DIR, namespace
 from shmcache.base.settings import ENV_MEMORY_DIR
+from shmcache.cache import hit
 
 
 def _children(pid: int) -> set[int]:
@@ -97,3 +98,14 @@ def shm_namespace(tmp_path, monkeypatch):
                 pass
     if problems:
         pytest.fail("; ".join(problems))
+
+
+@pytest.fixture(params=["compiled", "python"])
+def hit_path(request, monkeypatch):
+    """Each test twice: int-key hits through the compiled hot path and through the Python one
+    (what an install without a C compiler, or ``SHMCACHE_NATIVE=0``, runs). hit's NATIVE is read
+    when a view maps a generation: set it before the cache is opened."""
+    if request.param == "compiled" and not hit.NATIVE and "not built" in hit.unavailable_reason():
+        pytest.skip(f"the compiled hit: {hit.unavailable_reason()}")
+    monkeypatch.setattr(hit, "NATIVE", request.param == "compiled")
+    return request.param

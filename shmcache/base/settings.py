@@ -31,7 +31,8 @@ SHMCACHE_CLAIMS          "0", "false", "no", "off": misses compute without claim
 SHMCACHE_CLAIM_TIMEOUT_S the longest a miss waits for another process's claim, s (default 10;
                          ``claims``)
 SHMCACHE_NATIVE          "0", "false", "no", "off": the batch gather copies with numpy, not the
-                         compiled row copy (``rowcopy``, at import)
+                         compiled row copy (``rowcopy``), and an int key's hit takes the Python
+                         hot path, not the compiled one (``cache.hit``); both at import
 RANK, LOCAL_RANK,        torchrun's, which the launcher sets for each worker as torchrun does:
 WORLD_SIZE,              the torch layer reads them (``NodeAffineSampler``; a warm-up's bar and
 LOCAL_WORLD_SIZE         offsets; a worker's name)
@@ -67,7 +68,7 @@ ENV_CRASH_AT = "SHMCACHE_CRASH_AT"
 ENV_CRASH_AFTER = "SHMCACHE_CRASH_AFTER"
 ENV_CLAIMS = "SHMCACHE_CLAIMS"  # "0": misses compute without claims (NOTE [claims])
 ENV_CLAIM_TIMEOUT_S = "SHMCACHE_CLAIM_TIMEOUT_S"  # the longest wait for another's claim
-ENV_NATIVE = "SHMCACHE_NATIVE"  # "0": the batch gather without the compiled row copy (rowcopy)
+ENV_NATIVE = "SHMCACHE_NATIVE"  # "0": no compiled row copy (rowcopy) nor compiled hit (cache.hit)
 # torchrun's, which the launcher sets for each worker like torchrun and the torch layer reads
 ENV_RANK = "RANK"
 ENV_LOCAL_RANK = "LOCAL_RANK"

@@ -17,6 +17,7 @@ counted here, by ``count``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import struct
@@ -30,7 +31,7 @@ import numpy as np
 from ..base.namespace import Namespace
 from ..base.shm import WORD, Segment
 from ..errors import CacheNotFound, CorruptSegment, InvalidArgument, LockTimeout, ShmcacheError
-from . import codec, gather, process_slot
+from . import codec, gather, hit, process_slot
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, size_class
 from .generation import (
     CORRUPT,
@@ -107,6 +108,7 @@ class CacheView:
         self._incarnation = 0  # the root's (NOTE [publish order], Opening)
         self._gen: Generation | None = None
         self._epoch = -1
+        self._hit = None  # the compiled hot path of the mapping of _gen (hit.reader), where built
         self._counters = [0, 0, 0, 0]  # hits, misses, rejected, corrupt: this process's totals
         self._counter_off = -1
         self._proc_gen = -1
@@ -126,6 +128,7 @@ class CacheView:
 
     def close(self) -> None:
         """Forget the generation's mappings and close the root (the store closes the rest)."""
+        self._hit = None
         if self._gen is not None:
             close_generation(self._gen)
             self._gen = None
@@ -194,6 +197,16 @@ class CacheView:
                              f"exist; run `shmcache gc`")
 
     def _map_epoch(self, epoch: int) -> None:
+        self._hit = None  # until the new mapping is made: a lookup meanwhile goes the long way
+        self._map_generation(epoch)
+        gen = self._gen
+        if hit.NATIVE and gen.gen != DEAD_GEN and self.root is not None:
+            self._hit = hit.reader(self.root.buf, epoch, gen.index.buf, gen.index.capacity, gen.meta.buf, gen.data,
+                                   gen.layouts, UNDECODABLE, functools.partial(self.count, HITS))
+            if self._proc_gen == process_slot.fork_count():  # a table growth: the same counters
+                self._aim_hits()
+
+    def _map_generation(self, epoch: int) -> None:
         old = self._gen
         if epoch == DESTROYED:  # tombstoned (NOTE [publish order]): every read is a miss from now on
             self._gen = destroyed_generation()
@@ -313,6 +326,7 @@ class CacheView:
             if gen.gen == DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
                 self._proc_gen = process_slot.fork_count()
+                self._aim_hits()
                 return
             try:
                 slot = process_slot.slot(self.registry, self.session)
@@ -321,6 +335,7 @@ class CacheView:
                             self.session, self.name, exc)
                 self._counters, self._counter_off = [0, 0, 0, 0], -1
                 self._proc_gen = process_slot.fork_count()
+                self._aim_hits()
                 return
             off = MetaLayout.COUNTERS + MetaLayout.COUNTER_ROW * slot
             # the incarnation too: a cache destroyed and made again starts at g1 again, and must
@@ -332,9 +347,18 @@ class CacheView:
                                                              struct.unpack_from("QQQQ", gen.meta.buf, off)])
             self._counter_off = off
             self._proc_gen = process_slot.fork_count()
+            self._aim_hits()
         self._counters[which] += n
         if self._counter_off >= 0:
             gen.meta.words[(self._counter_off >> 3) + which] = self._counters[which]
+
+    def _aim_hits(self) -> None:
+        """Point the compiled hot path's hit counts at this process's counters (what ``count``
+        just set up), or, with no slot, back at ``count``."""
+        compiled = self._hit
+        if compiled is not None:
+            at = self._counter_off
+            compiled.target(self._counters if at >= 0 else None, at + 8 * HITS if at >= 0 else -1)
 
     def find(self, gen: Generation, key: Any) -> Found:
         """The entry of ``key`` (``Found.w0`` == 0 when absent: ``pos`` is then where it would go)."""
@@ -383,6 +407,14 @@ class CacheView:
 
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
+        compiled = self._hit
+        if compiled is not None and copy and count:  # the hot path below in one call (cache.hit)
+            value = compiled.get(key)  # counted there
+            if value is hit.ABSENT:  # EMPTY at the key's own position
+                self.count(MISSES)
+                return MISSING
+            if value is not hit.LONG_WAY:
+                return value
         # 64: RootLayout.EPOCH, inlined (a constant, not an attribute lookup, on the hot path; every copy of
         # the root's and the entry's layout inlined here is checked by ``test_index``)
         try:  # free in CPython 3.11+ unless raised

@@ -52,6 +52,7 @@ from ..base import memdir, rowcopy, settings
 from ..base.memory import memory_limits
 from ..base.namespace import namespace, resolve_session_name
 from ..base.settings import ENV_MEMORY_DIR, ENV_REMOTE, ENV_SPILL_DIR
+from ..cache import hit
 from ..cache.registry import SessionRegistry
 from ..errors import CacheInUse, CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
 
@@ -373,6 +374,7 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         "memory_dir_pages": memdir.backing(memory_dir).describe() if memory_dir else None,
         "thp_shmem_enabled": memdir.shmem_enabled(),
         "batch_copy": "compiled" if rowcopy.NATIVE else f"numpy: {rowcopy.unavailable_reason()}",
+        "single_hit": "compiled" if hit.NATIVE else f"python: {hit.unavailable_reason()}",
         "sessions": len(registry.list()),
         "segments": sum(len(ns.owned_segments(d)) for d in [None, *registry.memory_dirs()]),
         "remotes": _remotes(registry),
@@ -391,6 +393,8 @@ def cmd_info(args, registry: SessionRegistry) -> int:
                                    f"decides for its files (`shmcache stat` shows each cache's pages)"),
         ("batch copy", "compiled: a batch's rows are copied out of shared memory in one pass" if rowcopy.NATIVE
          else f"numpy, two passes: {rowcopy.unavailable_reason()}"),
+        ("single hit", "compiled: an int key's hit (ds[i], cache.get) is one call" if hit.NATIVE
+         else f"Python: {hit.unavailable_reason()}"),
         ("MemAvailable", _size(lim.mem_available)),
         ("cgroup memory limit", f"{_size(lim.cgroup_limit)} ({_size(lim.cgroup_free)} free; "
                                 f"{lim.cgroup_file})" if lim.cgroup_limit else "no limit"),

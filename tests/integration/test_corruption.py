@@ -157,6 +157,24 @@ def test_a_damaged_entry_is_corrupt_segment_then_gc_fixes_it(writer, key, damage
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
+def test_a_warm_reader_meets_a_damaged_entry_with_corrupt_segment(writer, damage, hit_path):
+    """The same damage under a reader that has read the key's class and layout already: its hot
+    path (the compiled one, or Python's) is where the entry is followed, and it must go the long
+    way, which names the damage."""
+    r = reader()
+    try:
+        assert same(r.lookup(5), value(5)) and same(r.lookup(6), value(6))  # warm: mapped, plan-free
+        g = writer.view.refresh()
+        damage(g, entry(g, 5))
+        with pytest.raises(CorruptSegment) as exc:
+            r.lookup(5)
+        assert_corrupt(exc, g.table.name)
+        assert same(r.lookup(6), value(6))
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_entry_in_a_batch_is_corrupt_segment(writer, damage):
     g = writer.view.refresh()
     damage(g, entry(g, 5))

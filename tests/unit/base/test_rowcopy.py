@@ -263,21 +263,28 @@ def _unbuilt(tmp_path: Path) -> Path:
     return tmp_path
 
 
+# the tests of shmcache's compiled parts: this file's (base._rowcopy) and cache._hit's
+COMPILED_TESTS = [__file__, str(Path(__file__).parents[1] / "cache" / "test_hit.py")]
+
+
 def _pytest_unbuilt(tmp_path: Path, cc: str, select: str) -> subprocess.CompletedProcess:
-    """This file's tests ``select`` in a child pytest whose shmcache (and its children's) was not
-    built, with ``CC`` set to ``cc``."""
+    """The tests ``select`` of the compiled parts in a child pytest whose shmcache (and its
+    children's) was not built, with ``CC`` set to ``cc``."""
     env = {**os.environ, "PYTHONPATH": str(_unbuilt(tmp_path)), "CC": cc, "ROWCOPY_UNBUILT_CHILD": "1"}
-    return subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", select],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "pytest", *COMPILED_TESTS, "-q", "-p", "no:cacheprovider",
+                           "-k", select], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_these_tests_pass_where_it_was_not_built(tmp_path):
-    """An install without a C compiler runs this file too: its tests must skip or pass there."""
+    """An install without a C compiler runs the tests of the compiled parts too: they must skip
+    or pass there."""
     if os.environ.get("ROWCOPY_UNBUILT_CHILD"):
         pytest.skip("the child run itself")
     done = _pytest_unbuilt(tmp_path, str(tmp_path / "no-compiler"), "not sanitizers")
     assert done.returncode == 0 and " failed" not in done.stdout, done.stdout[-4000:]
-    assert "not built at install" in done.stdout  # the skips say why: it ran without the extension
+    # the skips say why: each ran without its extension
+    assert "the compiled row copy: not built at install" in done.stdout, done.stdout[-4000:]
+    assert "the compiled hit: not built at install" in done.stdout, done.stdout[-4000:]
 
 
 @pytest.mark.parametrize("flags", ["", " -O2"])
@@ -290,4 +297,6 @@ def test_the_build_guard_fails_an_unbuilt_install_whatever_flags_cc_carries(tmp_
     if not gcc or not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         pytest.skip("no gcc or Python headers here")
     done = _pytest_unbuilt(tmp_path, gcc + flags, "ci_builds")
-    assert "1 failed" in done.stdout and "was not built" in done.stdout, done.stdout[-4000:]
+    assert "2 failed" in done.stdout, done.stdout[-4000:]
+    assert "the compiled row copy was not built" in done.stdout, done.stdout[-4000:]
+    assert "the compiled hit was not built" in done.stdout, done.stdout[-4000:]

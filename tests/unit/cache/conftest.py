@@ -16,3 +16,4 @@ def row_copy(request, monkeypatch):
         pytest.skip(f"the compiled row copy: {rowcopy.unavailable_reason()}")
     monkeypatch.setattr(rowcopy, "NATIVE", request.param == "compiled")
     return request.param
+
