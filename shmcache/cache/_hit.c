@@ -115,8 +115,11 @@ hits_init(Hits *self, PyObject *args, PyObject *kwds)
     if (PyObject_GetBuffer(table, &self->table, PyBUF_SIMPLE) < 0)
         return -1;
     self->have_table = 1;
-    if (PyObject_GetBuffer(meta, &self->meta, PyBUF_SIMPLE) < 0)
+    if (PyObject_GetBuffer(meta, &self->meta, PyBUF_WRITABLE) < 0) { /* each hit is written there */
+        PyErr_Format(PyExc_TypeError, "Hits: the meta segment must be a writable buffer (each hit is counted "
+                     "into it); this %.100s is not", Py_TYPE(meta)->tp_name);
         return -1;
+    }
     self->have_meta = 1;
     if (!PyCallable_Check(count_hit)) {
         PyErr_SetString(PyExc_TypeError, "Hits: count_hit must be callable");

@@ -72,9 +72,10 @@ def reader(root, epoch: int, table, capacity: int, meta, classes: dict, layouts:
            undecodable: tuple[type[BaseException], ...], count_hit: Callable[[], Any]) -> Any:
     """The compiled hot path of one mapping of a generation: the root segment's buffer and the
     ``epoch`` it names for this mapping, the table's buffer and capacity, the meta segment's
-    buffer, and the view's dicts of that generation - ``classes`` (size class -> (segment, view,
-    chunk size, chunks handed out)) and ``layouts`` (layout id -> (bytes, decoder, end of the last
-    leaf, private decoder)), read at each call, never changed.
+    buffer (writable: hits are counted there; TypeError otherwise), and the view's dicts of that
+    generation - ``classes`` (size class -> (segment, view, chunk size, chunks handed out)) and
+    ``layouts`` (layout id -> (bytes, decoder, end of the last leaf, private decoder)), read at
+    each call, never changed.
 
     Its ``get(key)`` answers the value of an int key on the hot path (its record copied into a
     bytearray and decoded), ``ABSENT`` for one whose entry is EMPTY, and ``LONG_WAY`` for anything

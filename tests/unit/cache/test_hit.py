@@ -11,6 +11,7 @@ real cache both ways (the ``hit_path`` fixture).
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import shlex
 import shutil
@@ -241,6 +242,18 @@ def test_a_target_outside_the_meta_segment_is_refused(forged):
         forged.hits.target(forged.counters, 3)
     with pytest.raises(TypeError, match="must be a list"):
         forged.hits.target((0,), 8)
+
+
+@native
+@pytest.mark.parametrize("meta", ["a read-only mapping", "bytes"])
+def test_a_meta_segment_that_cannot_be_written_is_refused(meta):
+    """Each hit is written into the meta segment: a buffer that cannot be written there is refused
+    by name when the reader is made, never written (a read-only mapping faulted at the first hit,
+    SIGSEGV; bytes were changed in place)."""
+    f = Forged()
+    buf = mmap.mmap(-1, 512, prot=mmap.PROT_READ) if meta == "a read-only mapping" else bytes(512)
+    with pytest.raises(TypeError, match="meta segment must be a writable buffer"):
+        hit.reader(f.root, EPOCH, f.table, CAP, buf, f.classes, f.layouts, UNDECODABLE, f.count)
 
 
 # --- through a real cache, both ways ------------------------------------------------------------
