@@ -2,18 +2,19 @@
  *
  * CacheView.lookup's hot path - an int key at its own position in the table, in memory, with a
  * layout and a size class this process has mapped - as one call: a warm ds[i] was three Python
- * calls and some thirty bytecodes of checks around one copy. It makes exactly the checks of that
- * path, in its order (NOTE [publish order]: the root's epoch word, then the entry's state word on
- * its own, with acquire order, before its key and location words and before the record's bytes;
- * the chunk among those handed out, the length within the chunk and covering the layout), and
- * answers None for anything else: the caller then goes the long way, which reads everything
- * again and names any damage. Nothing here knows the entry's bit layout: the shifts and masks
- * come from cache.index through hit.py, and the class and layout tables are the view's own dicts
- * (read here, never changed).
+ * calls and some thirty bytecodes of checks around one copy. It makes the checks of that path, in
+ * its order (NOTE [publish order]: the root's epoch word, then the entry's state word on its own,
+ * with acquire order, before its key and location words and before the record's bytes; the chunk
+ * among those handed out, the length within the chunk and covering the layout), and one more (the
+ * record inside the class segment's mapping). It answers ABSENT where the entry at the key's own
+ * position is EMPTY and LONG_WAY for anything else: the caller then goes the long way, which reads
+ * everything again and names any damage. Nothing here knows the entry's bit layout: the shifts
+ * and masks come from cache.index through hit.py, and the class and layout tables are the view's
+ * own dicts (read here, never changed).
  *
  * A Hits object belongs to one mapping of one generation's table (CacheView._map_epoch makes a new
- * one for each); it holds the root's and the table's buffers for its lifetime (a segment is
- * never unmapped by hand: shm.Segment).
+ * one for each); it holds the root's, the table's and the meta segment's buffers for its lifetime
+ * (a segment is never unmapped by hand: shm.Segment).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
