@@ -247,8 +247,10 @@ static PyObject *read_record(Hits *self, PyObject *cls, PyObject *layout, uint64
 static PyObject *
 hits_get(Hits *self, PyObject *key)
 {
-    if (self->classes == NULL) /* cleared by the cycle collector: never used again */
-        return Py_NewRef(Py_None);
+    if (self->classes == NULL) { /* cleared by the cycle collector (no Python code sees that: PEP 442) */
+        PyErr_SetString(PyExc_ReferenceError, "Hits: cleared by the garbage collector");
+        return NULL;
+    }
     if (!PyLong_CheckExact(key)) /* a bool, an int subclass: the long way */
         return Py_NewRef(self->long_way);
     int overflow;
