@@ -78,6 +78,7 @@ log = logging.getLogger("shmcache")
 # measured ~5% slower (benchmarks: a single ds[i], same sitting), through a name assigned here not.
 _WORD = WORD
 _QQ = struct.Struct("QQ")
+_ABSENT, _LONG_WAY = hit.ABSENT, hit.LONG_WAY  # the compiled hit's other answers, as the hot path's globals
 _KEY_LEN = struct.Struct("<I")  # the key length in a record header (codec.record_header, inlined)
 _MIN_RECORD = codec.RECORD_HEADER.size
 _M64 = (1 << 64) - 1  # an int key's word: the key, two's complement (index.key_bytes)
@@ -109,6 +110,7 @@ class CacheView:
         self._gen: Generation | None = None
         self._epoch = -1
         self._hit = None  # the compiled hot path of the mapping of _gen (hit.reader), where built
+        self._hit_get = None  # its get, bound once
         self._counters = [0, 0, 0, 0]  # hits, misses, rejected, corrupt: this process's totals
         self._counter_off = -1
         self._proc_gen = -1
@@ -128,7 +130,7 @@ class CacheView:
 
     def close(self) -> None:
         """Forget the generation's mappings and close the root (the store closes the rest)."""
-        self._hit = None
+        self._hit = self._hit_get = None
         if self._gen is not None:
             close_generation(self._gen)
             self._gen = None
@@ -197,12 +199,13 @@ class CacheView:
                              f"exist; run `shmcache gc`")
 
     def _map_epoch(self, epoch: int) -> None:
-        self._hit = None  # until the new mapping is made: a lookup meanwhile goes the long way
+        self._hit = self._hit_get = None  # until the new mapping is made: a lookup meanwhile goes the long way
         self._map_generation(epoch)
         gen = self._gen
         if hit.NATIVE and gen.gen != DEAD_GEN and self.root is not None:
             self._hit = hit.reader(self.root.buf, epoch, gen.index.buf, gen.index.capacity, gen.meta.buf, gen.data,
                                    gen.layouts, UNDECODABLE, functools.partial(self.count, HITS))
+            self._hit_get = self._hit.get
             if self._proc_gen == process_slot.fork_count():  # a table growth: the same counters
                 self._aim_hits()
 
@@ -407,13 +410,13 @@ class CacheView:
 
     def lookup(self, key: Any, copy: bool = True, count: bool = True) -> Any:
         """The cached value of ``key``, or ``MISSING``."""
-        compiled = self._hit
-        if compiled is not None and copy and count:  # the hot path below in one call (cache.hit)
-            value = compiled.get(key)  # counted there
-            if value is hit.ABSENT:  # EMPTY at the key's own position
+        get = self._hit_get
+        if get is not None and copy and count:  # the hot path below in one call (cache.hit)
+            value = get(key)  # counted there
+            if value is _ABSENT:  # EMPTY at the key's own position
                 self.count(MISSES)
                 return MISSING
-            if value is not hit.LONG_WAY:
+            if value is not _LONG_WAY:
                 return value
         # 64: RootLayout.EPOCH, inlined (a constant, not an attribute lookup, on the hot path; every copy of
         # the root's and the entry's layout inlined here is checked by ``test_index``)
