@@ -10,8 +10,13 @@ started is still alive.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import sysconfig
 import time
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +114,26 @@ def hit_path(request, monkeypatch):
         pytest.skip(f"the compiled hit: {hit.unavailable_reason()}")
     monkeypatch.setattr(hit, "NATIVE", request.param == "compiled")
     return request.param
+
+
+@pytest.fixture
+def sanitized(tmp_path):
+    """``run(c_file, script, *args)``: ``c_file`` (a compiled part of shmcache) built with
+    AddressSanitizer and UBSan (-fno-sanitize-recover: the first finding aborts), then ``script``
+    run by a child Python with it preloaded, given the built file and ``args``; returns the
+    finished child. Skips where gcc or its AddressSanitizer runtime is missing."""
+    cc = shutil.which("gcc")
+    asan = cc and subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not asan or not os.path.isabs(asan):
+        pytest.skip("no gcc with AddressSanitizer's runtime here")
+
+    def run(c_file: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+        so = tmp_path / f"{c_file.stem}.so"
+        subprocess.run([cc, "-shared", "-fPIC", "-g", "-O1", "-fsanitize=address,undefined",
+                        "-fno-sanitize-recover=all", "-I", sysconfig.get_paths()["include"], str(c_file), "-o",
+                        str(so)], check=True, timeout=120)
+        env = {**os.environ, "LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0", "PYTHONMALLOC": "malloc"}
+        return subprocess.run([sys.executable, "-c", script, str(so), *args], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    return run

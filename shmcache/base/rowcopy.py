@@ -24,14 +24,8 @@ try:
     from . import _rowcopy
 except ImportError:  # no C compiler at install, or a source checkout never built
     _rowcopy = None
-    _why = ("not built at install (no C compiler or Python headers there): reinstall shmcache where both are "
-            "present (apt install gcc python3-dev)")
-else:
-    _why = ""
-if _rowcopy is not None and settings.turned_off(settings.ENV_NATIVE):
-    _why = f"turned off by {settings.ENV_NATIVE}: unset it for the one-pass copy"
-
-NATIVE = _rowcopy is not None and not _why
+_why = settings.native_unavailable(_rowcopy is not None, "the one-pass copy")
+NATIVE = not _why
 
 
 def unavailable_reason() -> str:

@@ -48,7 +48,7 @@ __all__ = ["PREFIX", "ENV_DIR", "ENV_SESSION", "ENV_SIZE_MB", "ENV_SPILLING", "E
            "ENV_MEMORY_DIR", "ENV_REMOTE_PASSWORD", "ENV_SNAPSHOT", "ENV_SECRET", "ENV_MAX_ITEM_MB", "ENV_RDZV_TOKEN",
            "ENV_ORDERING", "ENV_NATIVE",
            "ENV_CRASH_AT", "ENV_CRASH_AFTER", "ENV_CLAIMS", "ENV_CLAIM_TIMEOUT_S", "ENV_RANK", "ENV_LOCAL_RANK",
-           "ENV_WORLD_SIZE", "ENV_LOCAL_WORLD_SIZE", "get", "flag", "turned_off", "without_ours"]
+           "ENV_WORLD_SIZE", "ENV_LOCAL_WORLD_SIZE", "get", "flag", "turned_off", "native_unavailable", "without_ours"]
 
 PREFIX = "SHMCACHE_"
 ENV_DIR = "SHMCACHE_DIR"
@@ -92,6 +92,17 @@ def flag(name: str) -> bool:
 def turned_off(name: str) -> bool:
     """Whether an on-by-default variable is set to 0, false, no or off (any case, spaces ignored)."""
     return os.environ.get(name, "").strip().lower() in _FALSE
+
+
+def native_unavailable(built: bool, what: str) -> str:
+    """Why a compiled part of shmcache is not used, and what to do ('' when it is used): not
+    built at install, or turned off by SHMCACHE_NATIVE (``what``: what unsetting it gives)."""
+    if not built:  # no C compiler at install, or a source checkout never built
+        return ("not built at install (no C compiler or Python headers there): reinstall shmcache where both are "
+                "present (apt install gcc python3-dev)")
+    if turned_off(ENV_NATIVE):
+        return f"turned off by {ENV_NATIVE}: unset it for {what}"
+    return ""
 
 
 def without_ours(environ: Mapping[str, str]) -> dict[str, str]:

@@ -32,14 +32,8 @@ try:
     from . import _hit
 except ImportError:  # no C compiler at install, or a source checkout never built
     _hit = None
-    _why = ("not built at install (no C compiler or Python headers there): reinstall shmcache where both are "
-            "present (apt install gcc python3-dev)")
-else:
-    _why = ""
-if _hit is not None and settings.turned_off(settings.ENV_NATIVE):
-    _why = f"turned off by {settings.ENV_NATIVE}: unset it for the compiled hit"
-
-NATIVE = _hit is not None and not _why
+_why = settings.native_unavailable(_hit is not None, "the compiled hit")
+NATIVE = not _why
 
 # the entry's fields, from index's packers (its one definition of them): where each starts
 _LAYOUT_SHIFT = state_word(0, 1, 0).bit_length() - 1

@@ -213,18 +213,8 @@ print("clean")
 """
 
 
-def test_the_c_is_clean_under_address_and_undefined_behaviour_sanitizers(tmp_path):
-    cc = shutil.which("gcc")
-    asan = cc and subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    if not asan or not os.path.isabs(asan):
-        pytest.skip("no gcc with AddressSanitizer's runtime here")
-    so = tmp_path / "_rowcopy.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-g", "-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-                    "-I", sysconfig.get_paths()["include"], str(Path(rowcopy.__file__).with_name("_rowcopy.c")),
-                    "-o", str(so)], check=True, timeout=120)
-    env = {**os.environ, "LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0", "PYTHONMALLOC": "malloc"}
-    done = subprocess.run([sys.executable, "-c", _SANITIZED, str(so)], env=env, capture_output=True, text=True,
-                          timeout=120)
+def test_the_c_is_clean_under_address_and_undefined_behaviour_sanitizers(sanitized):
+    done = sanitized(Path(rowcopy.__file__).with_name("_rowcopy.c"), _SANITIZED)
     assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
 
 
