@@ -176,8 +176,7 @@ class CacheView:
     def refresh(self) -> Generation:
         """Map the generation and table version the root announces now (if not mapped already)."""
         if self.root is None:
-            raise InvalidArgument(f"cache {self.session}/{self.name} was closed in this process; "
-                                  f"open it again")
+            raise self.closed()
         for _ in range(100):
             epoch = WORD.unpack_from(self.root.buf, RootLayout.EPOCH)[0]
             if epoch == self._epoch and self._gen is not None:
@@ -323,8 +322,14 @@ class CacheView:
         return CorruptSegment(f"cache {self.session}/{self.name}: {what}; its shared memory is damaged. "
                               f"Run `shmcache gc` ({fix})")
 
+    def closed(self) -> InvalidArgument:
+        """The error of a use after ``close()`` in this process."""
+        return InvalidArgument(f"cache {self.session}/{self.name} was closed in this process; open it again")
+
     def count(self, which: int, n: int = 1) -> None:
         gen = self._gen
+        if gen is None:  # not mapped yet, or closed since the caller's checks (another thread: refresh says so)
+            gen = self.refresh()
         if self._proc_gen != process_slot.fork_count():
             if gen.gen == DEAD_GEN:  # a destroyed cache: nothing to count into (no slot is taken)
                 self._counters, self._counter_off = [0, 0, 0, 0], -1

@@ -26,10 +26,11 @@ import pytest
 
 from shmcache.cache import hit
 from shmcache.cache.allocator import DATA_OFF
-from shmcache.cache.generation import RootLayout
+from shmcache.cache.generation import HITS, RootLayout
 from shmcache.cache.index import ENTRY_BYTES, INT_KEY, READY, SPILLED, TABLE_OFF, location_word, state_word
 from shmcache.cache.store import MISSING, CacheStore
 from shmcache.cache.view import UNDECODABLE
+from shmcache.errors import InvalidArgument
 
 native = pytest.mark.skipif("not built" in hit.unavailable_reason(),
                             reason=f"the compiled hit: {hit.unavailable_reason()}")
@@ -366,3 +367,20 @@ def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present():
     if "turned off" in hit.unavailable_reason():
         pytest.skip("turned off by SHMCACHE_NATIVE in this run")
     assert hit.NATIVE, f"the compiled hit was not built: {hit.unavailable_reason()}"
+
+
+@pytest.mark.usefixtures("hit_path")
+def test_a_hit_counted_after_its_cache_was_closed_says_closed():
+    """A lookup that passed its checks as another thread closed the cache counts after the close:
+    that is the close's error (InvalidArgument: open it again), never an AttributeError of the
+    view's innards (seen racing close() against hits in threads, both paths)."""
+    s = CacheStore("hit", "closed", capacity_bytes=8 << 20)
+    try:
+        assert s.put(1, "one") and s.lookup(1) == "one"
+        view = s.view
+        view.close()
+        with pytest.raises(InvalidArgument, match="was closed in this process"):
+            view.count(HITS)
+    finally:
+        s.close()
+        CacheStore("hit", "closed", create=False).destroy()
