@@ -194,7 +194,7 @@ count_one(Hits *self)
     if (self->counters != NULL && self->counter_forks == forks && PyList_GET_SIZE(self->counters) > 0) {
         PyObject *old = PyList_GET_ITEM(self->counters, 0);
         const long long v = PyLong_CheckExact(old) ? PyLong_AsLongLong(old) : -1;
-        if (v >= 0 && v < (1LL << 62)) { /* garbage restarts at 0 in the view's count(): its way */
+        if (v >= 0 && v < (1LL << 62)) { /* a total past that (a damaged slot's): the view's count() */
             PyObject *now = PyLong_FromLongLong(v + 1);
             if (now == NULL)
                 return -1;
