@@ -242,10 +242,12 @@ tuple_at(PyObject *d, uint64_t k)
     return v;
 }
 
-static PyObject *read_record(Hits *self, PyObject *cls, PyObject *layout, uint64_t w0, uint64_t w2);
+static PyObject *read_record(Hits *self, PyObject *cls, PyObject *layout, uint64_t w0, uint64_t w2, int count);
 
+/* get and peek: the value of int ``key`` on the hot path (its hit counted if ``count``), absent,
+   or long_way */
 static PyObject *
-hits_get(Hits *self, PyObject *key)
+hit(Hits *self, PyObject *key, int count)
 {
     if (self->classes == NULL) { /* cleared by the cycle collector (no Python code sees that: PEP 442) */
         PyErr_SetString(PyExc_ReferenceError, "Hits: cleared by the garbage collector");
@@ -281,16 +283,17 @@ hits_get(Hits *self, PyObject *key)
     }
     Py_INCREF(cls); /* held while used: another thread may replace them in the dicts */
     Py_INCREF(layout);
-    PyObject *out = read_record(self, cls, layout, w0, w2);
+    PyObject *out = read_record(self, cls, layout, w0, w2, count);
     Py_DECREF(layout);
     Py_DECREF(cls);
     return out;
 }
 
 /* the value of entry (w0, w2) - its record copied into a bytearray and decoded by the layout's
-   private decoder - or long_way, after the checks of the class and layout records (hits_get) */
+   private decoder, its hit counted if ``count`` - or long_way, after the checks of the class and
+   layout records (hit) */
 static PyObject *
-read_record(Hits *self, PyObject *cls, PyObject *layout, uint64_t w0, uint64_t w2)
+read_record(Hits *self, PyObject *cls, PyObject *layout, uint64_t w0, uint64_t w2, int count)
 {
     const Py_ssize_t chunk_size = item_size(cls, 2), handed_out = item_size(cls, 3), end = item_size(layout, 2);
     const uint64_t chunk = w2 & self->loc_mask, n = w0 >> self->length_shift;
@@ -323,14 +326,28 @@ read_record(Hits *self, PyObject *cls, PyObject *layout, uint64_t w0, uint64_t w
         PyErr_Clear(); /* damaged bytes: the long way reads them again and names them */
         return Py_NewRef(self->long_way);
     }
-    if (count_one(self) < 0) {
+    if (count && count_one(self) < 0) {
         Py_DECREF(value);
         return NULL;
     }
     return value;
 }
 
+static PyObject *
+hits_get(Hits *self, PyObject *key)
+{
+    return hit(self, key, 1);
+}
+
+static PyObject *
+hits_peek(Hits *self, PyObject *key)
+{
+    return hit(self, key, 0);
+}
+
 static PyMethodDef hits_methods[] = {
+    {"peek", (PyCFunction)hits_peek, METH_O,
+     "peek(key): get(key) without counting the hit (a batch counts its hits at once)."},
     {"target", (PyCFunction)hits_target, METH_VARARGS,
      "target(counters, word_at): count each hit into counters[0] and the meta segment's word at word_at (-1: "
      "by count_hit() instead), in this process (a fork undoes it)."},

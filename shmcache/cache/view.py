@@ -110,7 +110,7 @@ class CacheView:
         self._gen: Generation | None = None
         self._epoch = -1
         self._hit = None  # the compiled hot path of the mapping of _gen (hit.reader), where built
-        self._hit_get = None  # its get, bound once
+        self._hit_get = self._hit_peek = None  # its get and peek, bound once
         self._counters = [0, 0, 0, 0]  # hits, misses, rejected, corrupt: this process's totals
         self._counter_off = -1
         self._proc_gen = -1
@@ -130,7 +130,7 @@ class CacheView:
 
     def close(self) -> None:
         """Forget the generation's mappings and close the root (the store closes the rest)."""
-        self._hit = self._hit_get = None
+        self._hit = self._hit_get = self._hit_peek = None
         if self._gen is not None:
             close_generation(self._gen)
             self._gen = None
@@ -198,13 +198,13 @@ class CacheView:
                              f"exist; run `shmcache gc`")
 
     def _map_epoch(self, epoch: int) -> None:
-        self._hit = self._hit_get = None  # until the new mapping is made: a lookup meanwhile goes the long way
+        self._hit = self._hit_get = self._hit_peek = None  # until the new mapping is made: the long way
         self._map_generation(epoch)
         gen = self._gen
         if hit.NATIVE and gen.gen != DEAD_GEN and self.root is not None:
             self._hit = hit.reader(self.root.buf, epoch, gen.index.buf, gen.index.capacity, gen.meta.buf, gen.data,
                                    gen.layouts, UNDECODABLE, functools.partial(self.count, HITS))
-            self._hit_get = self._hit.get
+            self._hit_get, self._hit_peek = self._hit.get, self._hit.peek
             if self._proc_gen == process_slot.fork_count():  # a table growth: the same counters
                 self._aim_hits()
 
@@ -557,8 +557,11 @@ class CacheView:
         if not len(present):
             return values, missing
         lost = []
+        peek = self._hit_peek if copy else None  # the compiled hit, uncounted: the batch counts its hits
         for j, w0, w2 in zip(present.tolist(), w0s[present].tolist(), w2s[present].tolist()):
-            v = self._read_entry(gen, w0, w2, copy, keys[j] & _M64, b"")
+            v = _LONG_WAY if peek is None else peek(keys[j])
+            if v is _LONG_WAY or v is _ABSENT:  # another mapping since the probe, or not the hot path's case
+                v = self._read_entry(gen, w0, w2, copy, keys[j] & _M64, b"")
             if v is MISSING:
                 lost.append(j)
             else:

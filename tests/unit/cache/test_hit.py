@@ -85,6 +85,15 @@ def test_a_hit_is_the_record_decoded_from_a_copy_of_its_own(forged):
 
 
 @native
+def test_peek_is_a_hit_uncounted(forged):
+    forged.hits.target(forged.counters, 8 * 5)
+    assert forged.hits.peek(7) == RECORD and forged.hits.peek(6) is hit.ABSENT
+    assert forged.counters[0] == 0 and int(forged.meta[5]) == 0 and forged.counted == 0
+    _break(forged, "a chunk not handed out")
+    assert forged.hits.peek(7) is hit.LONG_WAY
+
+
+@native
 def test_an_empty_entry_at_the_keys_own_position_is_absent(forged):
     assert forged.hits.get(6) is hit.ABSENT and forged.counted == 0
 
@@ -281,11 +290,14 @@ def test_a_cache_gives_the_same_values_and_counts_both_ways():
                 assert repr(got) == repr(v) and type(got) is type(v)
             assert s.lookup(len(values)) is MISSING  # EMPTY at its own position
             assert s.lookup(10**6) is MISSING  # past the table: probed
+            got, missing = s.lookup_batch(list(range(len(values) + 3)) + [10**6])  # probed, then read
+            assert [repr(g) for g in got[:len(values)]] == [repr(v) for v in values]
+            assert missing == [len(values), len(values) + 1, len(values) + 2, len(values) + 3]
         got = s.lookup(0)
         got[0, 0] = -1  # a copy of its own
         assert s.lookup(0)[0, 0] == 0
         stats = s.stats()
-        assert (stats["hits"], stats["misses"]) == (3 * len(values) + 2, 6)
+        assert (stats["hits"], stats["misses"]) == (3 * 2 * len(values) + 2, 6 + 3 * 4)
     finally:
         s.destroy()
         s.close()
