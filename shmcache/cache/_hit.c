@@ -12,6 +12,9 @@
  * and masks come from cache.index through hit.py, and the class and layout tables are the view's
  * own dicts (read here, never changed).
  *
+ * get() counts the hit into this process's counters (target()); peek() does not, for a batch read
+ * key by key, which counts its hits at once (CacheView.lookup_batch).
+ *
  * A Hits object belongs to one mapping of one generation's table (CacheView._map_epoch makes a new
  * one for each); it holds the root's, the table's and the meta segment's buffers for its lifetime
  * (a segment is never unmapped by hand: shm.Segment).

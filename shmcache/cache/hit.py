@@ -76,7 +76,8 @@ def reader(root, epoch: int, table, capacity: int, meta, classes: dict, layouts:
     else - a decoder that raises one of ``undecodable`` too (the long way names the damage). A
     value's hit is counted: into the target its ``target(counters, word_at)`` set in this process
     (``counters[0] += 1``, then that word of the meta segment: what ``CacheView.count`` does), or
-    else by ``count_hit()``. Only where ``NATIVE``."""
+    else by ``count_hit()``. ``peek(key)`` answers the same without counting (a batch read key by
+    key counts its hits at once). Only where ``NATIVE``."""
     return _hit.Hits(root, RootLayout.EPOCH, epoch, table, TABLE_OFF, ENTRY_BYTES, capacity, DATA_OFF,
                      READY | INT_KEY | SPILLED, READY | INT_KEY, _LAYOUT_SHIFT, INLINE24, _LENGTH_SHIFT,
                      _CLASS_SHIFT, LOCATION_MASK, classes, layouts, undecodable, LONG_WAY, ABSENT, meta, count_hit)
