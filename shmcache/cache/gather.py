@@ -438,8 +438,13 @@ def planned_chunks(plan: Plan, words: np.ndarray, keys: np.ndarray) -> np.ndarra
 
 def _new_column(f: Field, chunks: np.ndarray, n: int, buffers: BatchBuffers) -> np.ndarray:
     """A new column of rows ``chunks`` of ``f``: one fancy index (a memcpy per row) for a small
-    batch; a large one into a recycled buffer (BatchBuffers)."""
+    batch, or the compiled row copy (which asks for each next row ahead: faster from memory the
+    CPU caches do not hold); a large one into a recycled buffer (BatchBuffers)."""
     if n * f.nbytes < BatchBuffers.MIN_BYTES:
+        if rowcopy.NATIVE:
+            col = np.empty((n, *f.shape), f.dtype)
+            _copy_rows(f, chunks, col)
+            return col
         col = f.items[chunks]
         return col if f.item is f.dtype else np.ndarray((n, *f.shape), f.dtype, col)
     dst = buffers.take((n, f.nbytes))

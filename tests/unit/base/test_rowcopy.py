@@ -259,8 +259,11 @@ COMPILED_TESTS = [__file__, str(Path(__file__).parents[1] / "cache" / "test_hit.
 
 def _pytest_unbuilt(tmp_path: Path, cc: str, select: str) -> subprocess.CompletedProcess:
     """The tests ``select`` of the compiled parts in a child pytest whose shmcache (and its
-    children's) was not built, with ``CC`` set to ``cc``."""
-    env = {**os.environ, "PYTHONPATH": str(_unbuilt(tmp_path)), "CC": cc, "ROWCOPY_UNBUILT_CHILD": "1"}
+    children's) was not built, with ``CC`` set to ``cc``. The unbuilt copy goes ahead of the
+    caller's own PYTHONPATH, which may hold the dependencies (a machine where they travel as a
+    folder of wheels): only ``shmcache`` must resolve to the copy."""
+    path = os.pathsep.join(p for p in (str(_unbuilt(tmp_path)), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "CC": cc, "ROWCOPY_UNBUILT_CHILD": "1"}
     return subprocess.run([sys.executable, "-m", "pytest", *COMPILED_TESTS, "-q", "-p", "no:cacheprovider",
                            "-k", select], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 

@@ -78,9 +78,9 @@ def count_calls(fn) -> collections.Counter:
 
 def test_a_warm_batch_takes_a_fixed_handful_of_calls(cache, row_copy):
     """Was: 43 Python / 48 C calls (23 numpy) for get_batch, 53 / 60 (21) with out=; now 26 / 26 (5)
-    and 29 / 41 (5) with numpy's checks, 27 / 23 (1) and 30 / 38 (1) with the compiled ones
-    (rowcopy.match: one call, not numpy's five). The bound leaves a little room, and none of it
-    grows with the batch."""
+    and 29 / 41 (5) with numpy's checks, 31 / 27 (3: the two new columns' np.empty, which the
+    compiled copy fills) and 30 / 38 (1) with the compiled ones (rowcopy.match: one call, not
+    numpy's five). The bound leaves a little room, and none of it grows with the batch."""
     keys = np.random.default_rng(0).permutation(N)[:48]
     out = (torch.empty((48, *SHAPE), dtype=torch.uint8), torch.empty(48, dtype=torch.int64))
     cache.get_batch(keys)  # the long way once: the plan is made
@@ -88,7 +88,7 @@ def test_a_warm_batch_takes_a_fixed_handful_of_calls(cache, row_copy):
     for call in (lambda: cache.get_batch(keys), lambda: cache.get_batch(keys, out=out)):
         call()
         seen = count_calls(call)
-        assert seen["numpy"] <= (2 if row_copy == "compiled" else 7), seen
+        assert seen["numpy"] <= (3 if row_copy == "compiled" else 7), seen
         assert seen["python"] <= 32, seen
         assert seen["C"] <= 45, seen
     check(cache.get_batch(keys), keys.tolist())
