@@ -310,7 +310,9 @@ def against(args) -> int:
         for run in range(args.runs):
             for name, tree in (trees.items() if run % 2 == 0 else reversed(list(trees.items()))):
                 path = os.path.join(tmp, f"{name}-{run}.json")
-                env = dict(os.environ, PYTHONPATH=tree, **extra[name])
+                # the tree ahead of the caller's own path (which may hold the dependencies)
+                path_ = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
+                env = dict(os.environ, PYTHONPATH=path_, **extra[name])
                 cmd = [sys.executable, __file__, "--json", path] + (["--quick"] if args.quick else [])
                 subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, cwd=tree)
                 got[name].append(json.loads(Path(path).read_text()))
