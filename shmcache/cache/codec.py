@@ -666,25 +666,30 @@ def encode(value: Any, path: str = "") -> Encoded:
     return Encoded(layout, pos, scalars, pieces, tuple(b.pickled))
 
 
-def encode_many(values: Sequence, paths: Sequence[str]) -> list[Encoded | EncodeError]:
-    """``encode`` of each of ``values`` (``paths``: what each error names), where a value that
-    cannot be encoded gives its EncodeError in its place. A batch of one dataset's samples
-    mostly shares one shape: a flat one (a leaf, or a dict of leaves: numbers, str, bytes, None,
-    arrays, numpy scalars, registered types such as tensors) is walked once with ``encode`` and
-    the values after it are checked against it leaf by leaf and packed into the same layout -
-    the same Encoded ``encode`` gives, byte for byte - at a fraction of its cost."""
+def encode_many(values: Sequence, paths: Sequence[str], memo: list | None = None) -> list[Encoded | EncodeError]:
+    """``encode`` of each of ``values`` (``paths[i]``: what the error of ``values[i]`` names, read
+    only then), where a value that cannot be encoded gives its EncodeError in its place. A batch
+    of one dataset's samples mostly shares one shape: a flat one (a leaf, or a dict of leaves:
+    numbers, str, bytes, None, arrays, numpy scalars, registered types such as tensors) is walked
+    once with ``encode`` and the values after it are checked against it leaf by leaf and packed
+    into the same layout - the same Encoded ``encode`` gives, byte for byte - at a fraction of its
+    cost. ``memo``: a list the caller keeps between batches of one dataset, holding the shapes
+    seen last (tried first, the latest match first); updated in place."""
     out: list = []
-    shapes: list[_Shape] = []  # the latest first: a batch mixes a few (str lengths, dtypes)
+    # the latest first: a batch mixes a few (str lengths, dtypes)
+    shapes: list[_Shape] = list(memo) if memo is not None else []
     flat = True
-    for value, path in zip(values, paths):
-        for shape in shapes:
+    for i, value in enumerate(values):
+        for j, shape in enumerate(shapes):
             enc = _encode_like(value, shape)
             if enc is not None:
                 out.append(enc)
+                if j:  # the shape that matched is tried first next (most of a batch shares one)
+                    shapes = [shape, *shapes[:j], *shapes[j + 1:]]
                 break
         else:
             try:
-                enc = encode(value, path)
+                enc = encode(value, paths[i])
             except EncodeError as exc:
                 out.append(exc)
                 continue
@@ -695,6 +700,8 @@ def encode_many(values: Sequence, paths: Sequence[str]) -> list[Encoded | Encode
                     flat = bool(shapes)  # deep values: not walked twice each (unless some were flat)
                 else:
                     shapes = [shape, *shapes[:_SHAPES - 1]]
+    if memo is not None:
+        memo[:] = shapes  # one step (another thread's batch may race it: either list is sound)
     return out
 
 
@@ -708,6 +715,7 @@ class _Shape(NamedTuple):
     key_types: tuple  # their types: 1.0, True and a str subclass equal 1 and "a" but encode otherwise
     leaves: tuple  # per leaf: (check, data): check says it is the same, data its bytes
     first: Encoded  # the value it was taken from: its layout and offsets are shared
+    later: tuple  # the specs of the leaves _encode_like converts last (_LATER), in their order
 
 
 def _shape_of(value: Any, enc: Encoded) -> _Shape | None:
@@ -727,7 +735,7 @@ def _shape_of(value: Any, enc: Encoded) -> _Shape | None:
         if spec is None:
             return None
         specs.append(spec)
-    return _Shape(keys, key_types, tuple(specs), enc)
+    return _Shape(keys, key_types, tuple(specs), enc, tuple(spec for spec in specs if spec[0] in _LATER))
 
 
 def _leaf_spec(x: Any) -> tuple | None:
@@ -759,21 +767,22 @@ def _leaf_spec(x: Any) -> tuple | None:
 
 
 def _encode_like(value: Any, shape: _Shape) -> Encoded | None:
-    """``value`` packed into ``shape``'s layout when every leaf matches it (else None: encode it)."""
+    """``value`` packed into ``shape``'s layout when every leaf matches it (else None: encode it).
+    Every leaf is checked before any array or registered type is converted (the costly steps): a
+    batch whose str fields vary in length tries a few shapes a value, and most tries fail."""
     if shape.keys is None:
         leaves = (value,)
     elif type(value) is dict and tuple(value) == shape.keys and tuple(map(type, value)) == shape.key_types:
         leaves = value.values()
     else:
         return None
-    scalars, var, arrays = [], [], []
+    scalars, var, later = [], [], []
     for x, (kind, want) in zip(leaves, shape.leaves):
         tp = type(x)
         if kind == _ARRAY:
             if tp is not np.ndarray or x.dtype != want[0] or x.shape != want[1]:
                 return None
-            arr = x if x.flags.c_contiguous else np.ascontiguousarray(x)
-            arrays.append(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8))
+            later.append(x)
         elif kind == _INT:
             if tp is not int or not -(1 << 63) <= x < (1 << 63):
                 return None
@@ -803,11 +812,20 @@ def _encode_like(value: Any, shape: _Shape) -> Encoded | None:
         elif kind == _NPSCALAR:
             if tp is not want[0] or x.dtype != want[1]:
                 return None
-            arrays.append(x.tobytes())  # its bytes, as the builder's 0-d array holds them: one C call
+            later.append(x)
         else:  # _EXT
             if tp is not want[0]:
                 return None
-            parts = _EXT_TO[tp][1](x)
+            later.append(x)
+    arrays = []  # the leaves in ``later``, in their order, as the bytes the layout holds
+    for x, (kind, want) in zip(later, shape.later):
+        if kind == _ARRAY:
+            arr = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+            arrays.append(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8))
+        elif kind == _NPSCALAR:
+            arrays.append(x.tobytes())  # its bytes, as the builder's 0-d array holds them: one C call
+        else:
+            parts = _EXT_TO[want[0]][1](x)
             if parts is None or parts[0] != want[1] or tuple(parts[1]) != want[2] or \
                     memoryview(parts[2]).nbytes != want[3]:
                 return None
@@ -815,6 +833,9 @@ def _encode_like(value: Any, shape: _Shape) -> Encoded | None:
     first = shape.first
     pieces = [(off, data) for (off, _), data in zip(first.pieces, (*var, *arrays))]
     return Encoded(first.layout, first.body_len, b"".join(scalars), pieces)
+
+
+_LATER = (_ARRAY, _NPSCALAR, _EXT)  # the leaves _encode_like converts after every check passed
 
 
 # --- decoding ------------------------------------------------------------------------------------

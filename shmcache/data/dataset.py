@@ -82,6 +82,22 @@ def _user_stacklevel() -> int:
 
 
 
+class _KeyPaths:
+    """What the error of the i-th of a batch's ``(key, value)`` pairs names, spelt out only for a
+    value that fails (codec.encode_many): a batch's 64 keys are not formatted on every store."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs: list):
+        self.pairs = pairs
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> str:
+        return f"the value of key {self.pairs[i][0]!r}"
+
+
 def _native_hint(types: tuple) -> str:
     """What to return instead of the pickled ``types`` (codec names them: type, and the dtype or
     kind of an array or tensor that is not stored natively)."""
@@ -188,6 +204,7 @@ class ShmDatasetCache:
         self._given_fp: str | None = None  # wrap(fingerprint=...) of the wrap() under way
         self._closed = False
         self._warned_pickle = False  # one warning per cache object when samples are pickled
+        self._shapes: list = []  # the samples' shapes seen last (codec.encode_many's memo)
         self._warned_too_large = False  # one log line per cache object when an item can never fit
         self._warned_gone = False  # one log line per cache object when the cache was destroyed under it
         self._source_len: int | None = None  # len() of the map-style dataset wrapped: export() records it
@@ -605,7 +622,7 @@ class ShmDatasetCache:
         """``encode`` of ``(key, value)`` pairs (codec.encode_many: a batch of one shape packed
         into one layout): ``([(key, Encoded), ...], (key, EncodeError) of the first value that
         cannot be encoded, or None)``; those values are left out."""
-        encs = codec.encode_many([value for _, value in pairs], [f"the value of key {key!r}" for key, _ in pairs])
+        encs = codec.encode_many([value for _, value in pairs], _KeyPaths(pairs), self._shapes)
         items, failed = [], None
         for (key, _), enc in zip(pairs, encs):
             if isinstance(enc, EncodeError):
@@ -793,6 +810,7 @@ class ShmDatasetCache:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["opened"] = None
+        state["_shapes"] = []  # samples of this process, not sent along
         return state
 
     def open_store(self) -> Store:

@@ -730,6 +730,89 @@ def test_encode_many_gives_encodes_bytes_for_generated_batches():
             assert _same_encoded(enc, want), (seed, value)
 
 
+def test_encode_many_with_a_memo_gives_encodes_bytes_across_batches():
+    # one memo through ten batches in a row: the shapes kept from earlier batches (leaves of
+    # other types, dtypes, lengths) must pack a value only where encode gives the same bytes
+    import random
+
+    for seed in range(300):
+        memo: list = []
+        for b in range(10):
+            r = random.Random(seed * 10 + b)
+            batch = [_sample(random.Random(r.choice([seed, seed + 1]))) if r.random() < 0.7 else _sample(r)
+                     for _ in range(4)]
+            many = codec.encode_many(batch, ["sample"] * len(batch), memo)
+            assert len(memo) <= codec._SHAPES
+            for value, enc in zip(batch, many):
+                try:
+                    want = codec.encode(value, "sample")
+                except EncodeError:
+                    assert isinstance(enc, EncodeError), (seed, b, value)
+                    continue
+                assert _same_encoded(enc, want), (seed, b, value)
+
+
+class _OnlyOnFailure:
+    """A batch's paths that may be read for the value at ``bad`` alone."""
+
+    def __init__(self, n: int, bad: int):
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> str:
+        assert i == self.bad, f"the path of value {i} was read, which encoded fine"
+        return f"value {i}"
+
+
+def test_encode_many_walks_no_value_whose_shape_the_memo_holds_and_reads_a_path_only_for_an_error(monkeypatch):
+    rows = [{"label": np.int64(i), "img": np.full((4, 4, 3), i, np.uint8), "text": np.str_(f"row {i}")}
+            for i in range(8, 12)]  # "row 9" and "row 10": two shapes
+    walked = []
+    real = codec.encode
+    monkeypatch.setattr(codec, "encode", lambda value, path="value": walked.append(path) or real(value, path))
+    memo: list = []
+    first = codec.encode_many(rows, [f"row {i}" for i in range(4)], memo)
+    assert len(walked) == 2 and len(memo) == 2  # one walk per shape
+    walked.clear()
+    again = codec.encode_many(rows[::-1] + [{"x": lambda: 0}], _OnlyOnFailure(5, 4), memo)
+    assert walked == ["value 4"]  # only the value no shape holds, which then fails with its path
+    assert isinstance(again[4], EncodeError) and "value 4" in str(again[4])
+    for a, b in zip(first, again[3::-1]):
+        assert _same_encoded(a, b)
+    assert memo[0].leaves[2] == (codec._NPSCALAR, (np.str_, np.dtype("<U5")))  # the latest match first
+
+
+def test_encode_many_converts_no_tensor_of_a_value_that_fails_a_later_leaf(monkeypatch):
+    """A value is checked leaf by leaf before any registered type (a tensor) is taken apart: a
+    batch of str fields of several lengths tries a few shapes a value, and most tries fail."""
+    rows = [{"t": torch.full((2,), float(i)), "s": "x" * (1 + i % 2)} for i in range(6)]
+    tag, to_parts = codec._EXT_TO[torch.Tensor]
+    calls = []
+    monkeypatch.setitem(codec._EXT_TO, torch.Tensor, (tag, lambda t: calls.append(1) or to_parts(t)))
+    memo: list = []
+    codec.encode_many(rows[:2], ["r"] * 2, memo)  # two shapes: "x" and "xx"
+    calls.clear()
+    many = codec.encode_many(rows[2:], ["r"] * 4, memo)
+    assert len(calls) == 4  # one per value: none for a shape whose str length differs
+    for value, enc in zip(rows[2:], many):
+        assert _same_encoded(enc, codec.encode(value))
+
+
+def test_a_pickled_cache_sends_no_sample_it_kept_for_encoding():
+    from shmcache import ShmDatasetCache
+
+    cache = ShmDatasetCache(session="codec", name="memo", size=16)
+    try:
+        cache.encode_many([(0, {"img": np.zeros((64, 64), np.uint8)})])
+        assert cache._shapes
+        assert pickle.loads(pickle.dumps(cache))._shapes == []
+    finally:
+        cache.store.destroy()
+        cache.close()
+
+
 _SCALAR_KINDS = {  # numpy scalars of every kind, four of each (a batch after its first)
     "datetime64": [np.datetime64(i, "s") for i in range(3)] + [np.datetime64("NaT")],
     "timedelta64": [np.timedelta64(i, "ms") for i in range(4)],
