@@ -714,7 +714,7 @@ class _Shape(NamedTuple):
     keys: tuple | None  # a dict's keys in order, or None for a single leaf
     key_types: tuple  # their types: 1.0, True and a str subclass equal 1 and "a" but encode otherwise
     leaves: tuple  # per leaf: (check, data): check says it is the same, data its bytes
-    first: Encoded  # the value it was taken from: its layout and offsets are shared
+    first: Encoded  # the layout and offsets of the value it was taken from (not its bytes)
     later: tuple  # the specs of the leaves _encode_like converts last (_LATER), in their order
 
 
@@ -735,7 +735,9 @@ def _shape_of(value: Any, enc: Encoded) -> _Shape | None:
         if spec is None:
             return None
         specs.append(spec)
-    return _Shape(keys, key_types, tuple(specs), enc, tuple(spec for spec in specs if spec[0] in _LATER))
+    # the value's layout and offsets, none of its data: a memo kept between batches holds no sample
+    first = Encoded(enc.layout, enc.body_len, b"", [(off, None) for off, _ in enc.pieces])
+    return _Shape(keys, key_types, tuple(specs), first, tuple(spec for spec in specs if spec[0] in _LATER))
 
 
 def _leaf_spec(x: Any) -> tuple | None:

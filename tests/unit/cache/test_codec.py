@@ -800,13 +800,21 @@ def test_encode_many_converts_no_tensor_of_a_value_that_fails_a_later_leaf(monke
         assert _same_encoded(enc, codec.encode(value))
 
 
-def test_a_pickled_cache_sends_no_sample_it_kept_for_encoding():
+def test_a_cache_keeps_no_sample_for_encoding_and_pickles_none_of_its_shapes():
+    import gc
+    import weakref
+
     from shmcache import ShmDatasetCache
 
     cache = ShmDatasetCache(session="codec", name="memo", size=16)
     try:
-        cache.encode_many([(0, {"img": np.zeros((64, 64), np.uint8)})])
-        assert cache._shapes
+        img = np.zeros((64, 64), np.uint8)
+        gone = weakref.ref(img)
+        items, _ = cache.encode_many([(0, {"img": img})])
+        assert cache._shapes  # the shape kept for the next batch: not the sample (a video's GBs)
+        del img, items
+        gc.collect()
+        assert gone() is None
         assert pickle.loads(pickle.dumps(cache))._shapes == []
     finally:
         cache.store.destroy()
