@@ -375,6 +375,26 @@ class Encoded:
     def record_len(self, key_len: int, inline: bool) -> int:
         return self.body_len + (len(self.layout) if inline else 0) + key_len
 
+    def buffers(self, layout_id: int, key: bytes) -> list:
+        """The bytes ``write`` puts into a record, as buffers one after the other from its start,
+        the gaps between them as zeros: for one ``pwritev`` (``Segment.write_at``), which copies
+        into the segment's pages without the page fault a first store through a mapping takes on
+        each page."""
+        extra = self.layout if layout_id == INLINE else b""
+        out: list = [RECORD_HEADER.pack(layout_id, len(key), len(extra), 0) + self.scalars]
+        end = RECORD_HEADER.size + len(self.scalars)
+        for off, piece in self.pieces:
+            if off > end:
+                out.append(bytes(off - end))
+            mv = memoryview(piece).cast("B")
+            out.append(mv)
+            end = off + mv.nbytes
+        if self.body_len > end:
+            out.append(bytes(self.body_len - end))
+        out.append(extra)
+        out.append(key)
+        return out
+
     def write(self, dst: memoryview, layout_id: int, key: bytes) -> int:
         """Write the whole record into ``dst`` (at least ``record_len`` bytes); return its length."""
         inline = layout_id == INLINE

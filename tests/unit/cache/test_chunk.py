@@ -206,6 +206,22 @@ def test_a_group_mixing_layouts_keys_and_repeats_falls_back_one_at_a_time(store,
     assert len(runs) == 1  # the 80 rows: one run; the rest one at a time
 
 
+def test_a_large_record_put_on_its_own_is_one_pwritev_and_reads_back(store, monkeypatch):
+    from shmcache.cache.writer import PWRITE_MIN_BYTES
+
+    writes = _count_runs(monkeypatch)
+    big = {"img": np.arange(PWRITE_MIN_BYTES, dtype=np.uint8)[::-1].copy(), "name": "é" * 3, "n": 7}
+    small = {"img": np.arange(PWRITE_MIN_BYTES // 4, dtype=np.uint8), "name": "a", "n": 8}
+    for key, value in ((1, big), ("big", big), (b"\x00b", big), (2, small), ("small", small)):
+        assert store.put(key, value)
+    # the large records (an int key, a str and a bytes key after the body) with one pwritev each
+    # (no page fault on each of their pages), the small ones through the mapping
+    assert len(writes) == 3 and all(n >= PWRITE_MIN_BYTES for n in writes)
+    for key, value in ((1, big), ("big", big), (b"\x00b", big), (2, small), ("small", small)):
+        got = store.lookup(key)
+        assert np.array_equal(got["img"], value["img"]) and got["name"] == value["name"] and got["n"] == value["n"]
+
+
 def test_a_run_that_outgrows_the_table_and_the_group_is_stored(store):
     keys = list(range(5000, 5000 + 3 * GROUP_RECORDS + 5))  # several groups, past the table's first size
     items = [(k, codec.encode(_row(k))) for k in keys]
