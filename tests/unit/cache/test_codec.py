@@ -819,6 +819,42 @@ def test_encode_many_converts_no_tensor_of_a_value_that_fails_a_later_leaf(monke
         assert _same_encoded(enc, codec.encode(value))
 
 
+def test_encode_many_compares_a_values_keys_with_a_kept_shapes_only_once_their_types_match():
+    """A dict keyed by objects whose ``==`` does not give a bool (a tensor of two elements: its
+    truth is ambiguous) is pickled by encode; a shape kept from an earlier batch of int keys must
+    not compare those keys with its own first (the comparison raised)."""
+    memo: list = []
+    codec.encode_many([{0: 1}], ["first"], memo)
+    value = {torch.tensor([0, 1]): 1}
+    want = codec.encode(value, "next")
+    enc, = codec.encode_many([value], ["next"], memo)
+    assert _same_encoded(enc, want)
+
+
+def test_encode_many_with_a_memo_follows_a_type_registered_again_between_batches():
+    """register_type of a type already registered (another tag: a user's handler in place of the
+    first) changes what encode writes; a shape kept from before must not pack a value into the
+    old handler's layout."""
+    class Blob:
+        def __init__(self, raw: bytes):
+            self.raw = raw
+
+    def to_parts(b):
+        return "u8:1", (len(b.raw),), np.frombuffer(b.raw, np.uint8)
+
+    codec.register_type(Blob, "test-blob-1", to_parts, lambda meta, shape, raw: Blob(raw.tobytes()))
+    try:
+        memo: list = []
+        codec.encode_many([Blob(b"ab")], ["first"], memo)
+        codec.register_type(Blob, "test-blob-2", to_parts, lambda meta, shape, raw: Blob(raw.tobytes()))
+        enc, = codec.encode_many([Blob(b"cd")], ["next"], memo)
+        assert _same_encoded(enc, codec.encode(Blob(b"cd")))
+    finally:
+        for tag in ("test-blob-1", "test-blob-2"):
+            codec._EXT_FROM.pop(tag, None)
+        codec._EXT_TO.pop(Blob, None)
+
+
 def test_a_cache_keeps_no_sample_for_encoding_and_pickles_none_of_its_shapes():
     import gc
     import weakref
