@@ -794,7 +794,8 @@ def _encode_like(value: Any, shape: _Shape) -> Encoded | None:
     batch whose str fields vary in length tries a few shapes a value, and most tries fail."""
     if shape.keys is None:
         leaves = (value,)
-    elif type(value) is dict and tuple(value) == shape.keys and tuple(map(type, value)) == shape.key_types:
+    # the keys' types first: then they are str and int, whose == is safe (a tensor's raises)
+    elif type(value) is dict and tuple(map(type, value)) == shape.key_types and tuple(value) == shape.keys:
         leaves = value.values()
     else:
         return None
