@@ -783,8 +783,8 @@ def _leaf_spec(x: Any) -> tuple | None:
     ext = _EXT_TO.get(tp)
     if ext is not None:
         parts = ext[1](x)
-        if parts is not None:
-            return (_EXT, (tp, parts[0], tuple(parts[1]), memoryview(parts[2]).nbytes))
+        if parts is not None:  # the handler too: a type registered again writes another layout
+            return (_EXT, (tp, parts[0], tuple(parts[1]), memoryview(parts[2]).nbytes, ext))
     return None
 
 
@@ -837,7 +837,7 @@ def _encode_like(value: Any, shape: _Shape) -> Encoded | None:
                 return None
             later.append(x)
         else:  # _EXT
-            if tp is not want[0]:
+            if tp is not want[0] or _EXT_TO.get(tp) is not want[4]:
                 return None
             later.append(x)
     arrays = []  # the leaves in ``later``, in their order, as the bytes the layout holds
@@ -848,7 +848,7 @@ def _encode_like(value: Any, shape: _Shape) -> Encoded | None:
         elif kind == _NPSCALAR:
             arrays.append(x.tobytes())  # its bytes, as the builder's 0-d array holds them: one C call
         else:
-            parts = _EXT_TO[want[0]][1](x)
+            parts = want[4][1](x)
             if parts is None or parts[0] != want[1] or tuple(parts[1]) != want[2] or \
                     memoryview(parts[2]).nbytes != want[3]:
                 return None
