@@ -188,6 +188,14 @@ rc.gather(src, 1, 8, 12, as_strided(np.array([10], np.intp), (3,), (0,)), dst)
 assert dst.tobytes() == src[81:93].tobytes() * 3
 rc.gather(src, 1, 8, 12, as_strided(np.array([10], np.intp), (1,), (-2**63,)), dst)  # one index: any stride
 assert dst[:12].tobytes() == src[81:93].tobytes()
+# rows of 256 bytes and more: the next row's first KiB asked for ahead, up to the source's last row
+# (whose last byte ends it), indices walked backwards; rows of 256, 1000 and 1500 bytes
+for stride, nbytes in ((256, 256), (1003, 1000), (1501, 1500)):
+    big = np.arange(3 + 6 * stride, dtype=np.uint32).astype(np.uint8)[:3 + 5 * stride + nbytes]
+    rows = np.array([5, 0, 5, 2, 4, 5], np.intp)[::-1]
+    dst = np.zeros(6 * nbytes, np.uint8)
+    rc.gather(big, 3, stride, nbytes, rows, dst)
+    assert dst.tobytes() == b"".join(big[3 + r * stride:3 + r * stride + nbytes].tobytes() for r in rows)
 for bad in ((2**62, 8, 8), (0, 2**62, 8), (0, 8, 2**62), (0, 2**63 - 1, 1)):
     try:
         rc.gather(src, *bad, np.array([11, 2**61], np.intp), np.zeros(64, np.uint8))
