@@ -688,8 +688,8 @@ def encode(value: Any, path: str = "") -> Encoded:
 
 def encode_many(values: Sequence, paths: Sequence[str], memo: list | None = None) -> list[Encoded | EncodeError]:
     """``encode`` of each of ``values`` (``paths[i]``: what the error of ``values[i]`` names, read
-    only then), where a value that cannot be encoded gives its EncodeError in its place. A batch
-    of one dataset's samples mostly shares one shape: a flat one (a leaf, or a dict of leaves:
+    only for a value no shape packs, which ``encode`` walks), where a value that cannot be
+    encoded gives its EncodeError in its place. A batch of one dataset's samples mostly shares one shape: a flat one (a leaf, or a dict of leaves:
     numbers, str, bytes, None, arrays, numpy scalars, registered types such as tensors) is walked
     once with ``encode`` and the values after it are checked against it leaf by leaf and packed
     into the same layout - the same Encoded ``encode`` gives, byte for byte - at a fraction of its

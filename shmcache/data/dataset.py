@@ -84,7 +84,8 @@ def _user_stacklevel() -> int:
 
 class _KeyPaths:
     """What the error of the i-th of a batch's ``(key, value)`` pairs names, spelt out only for a
-    value that fails (codec.encode_many): a batch's 64 keys are not formatted on every store."""
+    value no kept shape packs (codec.encode_many walks it): a batch's 64 keys are not formatted on
+    every store."""
 
     __slots__ = ("pairs",)
 
