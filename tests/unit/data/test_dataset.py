@@ -89,6 +89,56 @@ def test_wrapped_map_dataset_equals_the_source():
         assert st["hits"] == 200 + 3 + 3 and st["misses"] == 197  # the 3 probes were stored by wrap
 
 
+class _Alternating(Dataset):
+    """Samples of a few flat shapes in turn (the shapes a cache keeps between its batches for
+    codec.encode_many), each unlike the first in one way only: its keys in another order, an
+    array of another dtype, a str of another length, a transposed tensor, a numpy int or a bool
+    where an int was."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int):
+        img = np.random.default_rng(i).integers(0, 255, (4, 4, 3), dtype=np.uint8)
+        t = torch.arange(4.0).reshape(2, 2) + i
+        sample = {"img": img, "s": f"row {i:02d}", "t": t, "lab": i}
+        kind = i % 6
+        if kind == 1:
+            return dict(reversed(sample.items()))
+        if kind == 2:
+            sample["img"] = img.astype(np.float16)
+        elif kind == 3:
+            sample["s"] = f"row {i}!"
+        elif kind == 4:
+            sample["t"] = t.t()
+        elif kind == 5:
+            sample["lab"] = np.int64(i) if i // 6 % 2 else i % 4 == 1
+        return sample
+
+    def __getitems__(self, indices: list) -> list:
+        return [self[i] for i in indices]
+
+
+def _samples(batch: list) -> list:
+    return batch
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_samples_of_alternating_shapes_through_a_dataloader_equal_the_sources(workers):
+    src = _Alternating()
+    order = np.random.default_rng(5).permutation(len(src)).tolist()
+
+    def epoch(ds, workers: int) -> list:
+        return list(DataLoader(ds, batch_size=6, sampler=order, collate_fn=_samples, num_workers=workers))
+
+    want = epoch(src, 0)
+    with _cache(name=f"alternating{workers}") as cache:
+        ds = cache.wrap(src)
+        for n in range(2):  # cold (each batch encoded through the cache's kept shapes), then warm
+            assert_same(epoch(ds, workers), want, f"epoch {n}")
+        assert cache.stats()["items_mem"] == len(src)
+
+
 def test_a_cache_named_before_its_dataset_gets_an_index_sized_for_it():
     # as one wrap() makes for the dataset: misses never wait for a table growth (issue 31)
     src = FixedDataset(5000, 64)
