@@ -689,12 +689,13 @@ def encode(value: Any, path: str = "") -> Encoded:
 def encode_many(values: Sequence, paths: Sequence[str], memo: list | None = None) -> list[Encoded | EncodeError]:
     """``encode`` of each of ``values`` (``paths[i]``: what the error of ``values[i]`` names, read
     only for a value no shape packs, which ``encode`` walks), where a value that cannot be
-    encoded gives its EncodeError in its place. A batch of one dataset's samples mostly shares one shape: a flat one (a leaf, or a dict of leaves:
-    numbers, str, bytes, None, arrays, numpy scalars, registered types such as tensors) is walked
-    once with ``encode`` and the values after it are checked against it leaf by leaf and packed
-    into the same layout - the same Encoded ``encode`` gives, byte for byte - at a fraction of its
-    cost. ``memo``: a list the caller keeps between batches of one dataset, holding the shapes
-    seen last (tried first, the latest match first); updated in place."""
+    encoded gives its EncodeError in its place. A batch of one dataset's samples mostly shares
+    one shape: a flat one (a leaf, or a dict of leaves: numbers, str, bytes, None, arrays, numpy
+    scalars, registered types such as tensors) is walked once with ``encode`` and the values after
+    it are checked against it leaf by leaf and packed into the same layout - the same Encoded
+    ``encode`` gives, byte for byte - at a fraction of its cost. ``memo``: a list the caller keeps
+    between batches of one dataset, holding the shapes seen last (tried first, the latest match
+    first); updated in place."""
     out: list = []
     # the latest first: a batch mixes a few (str lengths, dtypes)
     shapes: list[_Shape] = list(memo) if memo is not None else []
