@@ -226,6 +226,51 @@ def test_the_c_is_clean_under_address_and_undefined_behaviour_sanitizers(sanitiz
     assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
 
 
+# A thread writes an index past the source and back while the copy runs (without the GIL): the
+# next row asked for ahead is read apart from the row copied, and must be checked on its own
+# (UBSan's overflow check aborts on an address computed from such an index).
+_RACED = """
+import importlib.util, random, sys, threading
+import numpy as np
+spec = importlib.util.spec_from_file_location("_rowcopy", sys.argv[1])
+rc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rc)
+src = np.zeros((64, 300), np.uint8)
+src[3] = 7
+rows = np.full(50000, 3, np.intp)
+dst = np.zeros(50000 * 300, np.uint8)
+stop = False
+sys.setswitchinterval(1e-5)
+def flip():
+    r = random.Random(0)
+    while not stop:
+        k = r.randrange(1, len(rows))
+        rows[k] = 2**61
+        rows[k] = 3
+thread = threading.Thread(target=flip)
+thread.start()
+changed = 0
+for _ in range(2000):
+    try:
+        rc.gather(src, 0, 300, 300, rows, dst)
+        assert (dst == 7).all()
+    except RuntimeError:  # the index changed under the copy: said, and nothing outside was read
+        changed += 1
+        if changed == 3:
+            break
+    except IndexError:  # past the source before the copy began
+        pass
+stop = True
+thread.join()
+print("clean" if changed else "no race")
+"""
+
+
+def test_the_next_row_is_asked_for_only_inside_the_source_while_another_thread_changes_it(sanitized):
+    done = sanitized(Path(rowcopy.__file__).with_name("_rowcopy.c"), _RACED)
+    assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
+
+
 def _run(code: str, **env) -> str:
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
                           check=True, timeout=60).stdout
