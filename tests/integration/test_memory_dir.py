@@ -504,3 +504,60 @@ def test_write_at_writes_the_same_bytes_on_a_huge_page_mount(tmp_path, huge_page
         pytest.skip(f"cannot mount {fs} here: {proc.stderr.strip()[-300:]}")
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     assert proc.stdout.strip() == "[True, True, True]", proc.stdout
+
+
+PUT_ONE_SCRIPT = r"""
+import os, sys
+import numpy as np
+from shmcache import ShmDatasetCache
+from shmcache.cache.writer import PWRITE_MIN_BYTES
+real, calls = os.pwritev, [0]
+
+def pwritev(fd, buffers, offset, *a):  # counted: the writer's copies into a data segment
+    calls[0] += 1
+    return real(fd, buffers, offset, *a)
+
+os.pwritev = pwritev
+c = ShmDatasetCache(session=sys.argv[1], name="c", size=16)
+value = np.arange(PWRITE_MIN_BYTES + 4096, dtype=np.uint8) * 7  # one record, put on its own
+c.put(1, value)
+c.close()
+print(calls[0])
+"""
+READ_ONE_SCRIPT = r"""
+import sys
+import numpy as np
+from shmcache import ShmDatasetCache
+from shmcache.cache.writer import PWRITE_MIN_BYTES
+c = ShmDatasetCache(session=sys.argv[1], name="c", create=False)
+print(bool((c.get(1) == np.arange(PWRITE_MIN_BYTES + 4096, dtype=np.uint8) * 7).all()))
+"""
+
+
+def test_a_large_record_put_on_its_own_goes_through_the_mapping_of_a_huge_mount(tmp_path):
+    """A record of PWRITE_MIN_BYTES and more is copied in with one pwritev on base pages (a first
+    store through the mapping faults on each 4 KiB page); on a tmpfs of huge pages the mapping
+    faults once a huge page and the pwritev costs more than it saves (benchmarks/bench_put_one.py):
+    through the mapping there. Either way another process reads it back."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1): mounts tmpfs in a private mount namespace")
+    small, huge = tmp_path / "small", tmp_path / "huge"
+    small.mkdir()
+    huge.mkdir()
+    (tmp_path / "put.py").write_text(PUT_ONE_SCRIPT)
+    (tmp_path / "read.py").write_text(READ_ONE_SCRIPT)
+    py = sys.executable
+    steps = [f"mount -t tmpfs -o size=64m tmpfs {small} || exit 99",
+             f"mount -t tmpfs -o size=64m,huge=within_size tmpfs {huge} || exit 99"]
+    for tag, mount in (("small", small), ("huge", huge)):
+        s = f"put-one-{tag}-{uuid.uuid4().hex[:6]}"
+        steps += [f"SHMCACHE_MEMORY_DIR={mount} {py} {tmp_path / 'put.py'} {s} || exit 1",
+                  f"{py} {tmp_path / 'read.py'} {s} || exit 1",
+                  f"{py} -m shmcache destroy {s} >/dev/null || exit 1"]
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", "; ".join(steps)],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode == 99:
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    # base pages: one pwritev; huge pages: none (through the mapping); both read back whole
+    assert proc.stdout.split() == ["1", "True", "0", "True"], proc.stdout
