@@ -114,6 +114,10 @@ class Segment:
         # hugetlbfs takes no write(2): write_at copies through the mapping there (and wherever
         # a pwritev is refused as unsupported)
         self._no_pwrite = back.fs == "hugetlbfs"
+        # a first store through this mapping faults on each base page, unless the mount gives it
+        # huge pages (hugetlbfs, a tmpfs huge=always/within_size): one fault a huge page there, so
+        # a write_at saves a writer nothing there (a record put on its own: CacheWriter._insert)
+        self.base_pages = back.page_size <= PAGE
 
     # --- creation and attachment -----------------------------------------------------------
 

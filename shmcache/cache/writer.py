@@ -428,9 +428,10 @@ class CacheWriter:
                 mv[start:start + nbytes // 2] = b"\xee" * (nbytes // 2)
             crash_point("mid_copy")
         layout_id = lid if lid != INLINE24 else codec.INLINE
-        if nbytes >= PWRITE_MIN_BYTES:  # one pwritev, as a run's records: no page fault on each page
+        if nbytes >= PWRITE_MIN_BYTES and seg.base_pages:  # one pwritev: no page fault on each page
             seg.write_at(start, enc.buffers(layout_id, kb))
-        else:  # a few pages: opening the segment again to pwrite them costs more than their faults
+        else:  # a few pages (opening the segment again to pwrite them costs more than their
+            # faults), or huge ones (one fault each: the pwritev costs more than it saves)
             with memoryview(seg.buf) as mv:
                 enc.write(mv[start:start + nbytes], layout_id, kb)
         if group is not None:
@@ -625,9 +626,11 @@ def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[n
 
 
 # A record put on its own (_insert) this large is copied in with one pwritev (Segment.write_at);
-# a smaller one through the mapping. A put of one item, same runs (a one-off script, 2026-11-27):
-# 3 KB 30 us through the mapping, 39 us by pwritev (which opens the segment by name each time);
-# equal at 24-32 KiB; 48 KiB 88 -> 76 us, 150 KB 158 -> 110 us, 1 MiB 830 -> 510 us.
+# a smaller one through the mapping, and any on a huge-page mount (Segment.base_pages: one fault
+# a huge page there). A put of one item, pwritev / mapping (benchmarks/bench_put_one.py, results/
+# put_one.md): /dev/shm 1.31x at 4 KiB (pwritev opens the segment by name each time), equal at
+# 24 KiB, 0.88x at 48 KiB, 0.72x at 150 KB, 0.65x at 1 MiB; a huge=within_size tmpfs 1.2x at
+# 48 KiB, 1.06-1.17x at 150 KB, 0.91-1.01x at 1 MiB.
 PWRITE_MIN_BYTES = 32 << 10
 _RUN_MIN = 8  # records of one layout and length that go as a run (fewer: one at a time)
 _RUN_PROBES = 4  # steps along the probe paths taken with numpy (a probe takes ~1.5 at 70% load)
