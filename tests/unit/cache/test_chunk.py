@@ -222,6 +222,28 @@ def test_a_large_record_put_on_its_own_is_one_pwritev_and_reads_back(store, monk
         assert np.array_equal(got["img"], value["img"]) and got["name"] == value["name"] and got["n"] == value["n"]
 
 
+def test_a_large_portable_record_is_pwritten_from_its_own_bytes(store, monkeypatch):
+    # put_records copies a portable record's bytes into shared memory once: the pwritev of a
+    # large one (put on its own: a str key) reads its body where the caller holds it, no copy
+    from shmcache.cache.writer import PWRITE_MIN_BYTES
+
+    real, sent = Segment.write_at, []
+
+    def write_at(self, offset, buffers):
+        sent.append(list(buffers))
+        return real(self, offset, sent[-1])
+
+    monkeypatch.setattr(Segment, "write_at", write_at)
+    value = np.arange(PWRITE_MIN_BYTES, dtype=np.int32)
+    record = portable_record(codec.encode(value), "big")
+    assert store.put_records([("big", record)]) == [True]
+    (bufs,) = sent
+    mine = np.frombuffer(record, np.uint8)
+    body = [b for b in bufs if np.shares_memory(np.frombuffer(b, np.uint8), mine)]
+    assert sum(memoryview(b).nbytes for b in body) >= value.nbytes, [memoryview(b).nbytes for b in bufs]
+    assert np.array_equal(store.lookup("big"), value)
+
+
 def test_a_run_that_outgrows_the_table_and_the_group_is_stored(store):
     keys = list(range(5000, 5000 + 3 * GROUP_RECORDS + 5))  # several groups, past the table's first size
     items = [(k, codec.encode(_row(k))) for k in keys]
