@@ -381,7 +381,9 @@ class Encoded:
         into the segment's pages without the page fault a first store through a mapping takes on
         each page."""
         extra = self.layout if layout_id == INLINE else b""
-        out: list = [RECORD_HEADER.pack(layout_id, len(key), len(extra), 0) + self.scalars]
+        # the scalars a buffer of their own: a portable record's are its whole body, a view of it
+        # (writer.encoded_from_portable), which header + scalars would copy
+        out: list = [RECORD_HEADER.pack(layout_id, len(key), len(extra), 0), self.scalars]
         end = RECORD_HEADER.size + len(self.scalars)
         for off, piece in self.pieces:
             if off > end:
