@@ -215,8 +215,10 @@ def test_a_large_record_put_on_its_own_is_one_pwritev_and_reads_back(store, monk
     for key, value in ((1, big), ("big", big), (b"\x00b", big), (2, small), ("small", small)):
         assert store.put(key, value)
     # the large records (an int key, a str and a bytes key after the body) with one pwritev each
-    # (no page fault on each of their pages), the small ones through the mapping
-    assert len(writes) == 3 and all(n >= PWRITE_MIN_BYTES for n in writes)
+    # (no page fault on each of their pages), the small ones through the mapping; all through
+    # the mapping where /dev/shm has huge pages (tests/integration/test_memory_dir.py)
+    base_pages = store.view.refresh().meta.base_pages
+    assert len(writes) == (3 if base_pages else 0) and all(n >= PWRITE_MIN_BYTES for n in writes)
     for key, value in ((1, big), ("big", big), (b"\x00b", big), (2, small), ("small", small)):
         got = store.lookup(key)
         assert np.array_equal(got["img"], value["img"]) and got["name"] == value["name"] and got["n"] == value["n"]
