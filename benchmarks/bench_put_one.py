@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -73,15 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer puts and rounds (~5 s)")
     args = p.parse_args(argv)
-    rounds = 3 if args.quick else 5
-    os.environ["SHMCACHE_DIR"] = tempfile.mkdtemp(prefix="shmcache-bench-ns-")  # a namespace of its own
+    ns = os.environ["SHMCACHE_DIR"] = tempfile.mkdtemp(prefix="shmcache-bench-ns-")  # a namespace of its own
     os.environ.pop("SHMCACHE_MEMORY_DIR", None)
+    try:
+        _table(mount, args.quick)
+    finally:
+        shutil.rmtree(ns, ignore_errors=True)
+    return 0
+
+
+def _table(mount: str, quick: bool) -> None:
+    rounds = 3 if quick else 5
     print(environment_line(environment()))
     print("| memory | record | mapping | pwritev | pwritev / mapping |")
     print("|---|---:|---:|---:|---:|")
     for where, mnt in (("/dev/shm", None), ("tmpfs huge=within_size", mount)):
         for size in SIZES:
-            n = max(20, min(200, (24 << 20) // size // 2 // (2 if args.quick else 1)))
+            n = max(20, min(200, (24 << 20) // size // 2 // (2 if quick else 1)))
             times: dict[str, list[float]] = {"mapping": [], "pwritev": []}
             ratios = []
             for r in range(rounds):
@@ -92,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
                 ratios.append(got["pwritev"] / got["mapping"])
             print(f"| {where} | {size:,} B | {median(times['mapping']) * 1e6:.0f} us | "
                   f"{median(times['pwritev']) * 1e6:.0f} us | {median(ratios):.2f} |", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
