@@ -85,6 +85,17 @@ def private_namespace(prefix: str) -> str:
 INSIDE_NAMESPACE = "--inside-namespace"
 
 
+def inside_mount(argv: list[str]) -> str | None:
+    """In the script ``in_huge_tmpfs`` runs again: the mount it made, taken out of ``argv`` with
+    its flag; None outside the namespace (the script then runs itself there)."""
+    if INSIDE_NAMESPACE not in argv:
+        return None
+    i = argv.index(INSIDE_NAMESPACE)
+    mount = argv[i + 1]
+    del argv[i:i + 2]
+    return mount
+
+
 def in_huge_tmpfs(script: str, argv: list[str], size: str) -> int:
     """Run ``script`` again (argv: ``INSIDE_NAMESPACE <mount> argv...``) in a private mount
     namespace (``unshare -m``) with a tmpfs ``huge=within_size`` of ``size`` mounted for it:

@@ -34,19 +34,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import INSIDE_NAMESPACE as INSIDE  # noqa: E402
-from _common import environment, environment_line, in_huge_tmpfs  # noqa: E402
+from _common import environment, environment_line, in_huge_tmpfs, inside_mount  # noqa: E402
 
 BATCH = 256
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if INSIDE not in argv:
+    mount = inside_mount(argv)
+    if mount is None:
         return in_huge_tmpfs(str(Path(__file__).resolve()), argv, "4g")
-    i = argv.index(INSIDE)
-    mount = argv[i + 1]
-    del argv[i:i + 2]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer items and rounds (~20 s)")
     p.add_argument("--items", type=int, default=None)

@@ -26,8 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import INSIDE_NAMESPACE as INSIDE  # noqa: E402
-from _common import environment, environment_line, in_huge_tmpfs, median  # noqa: E402
+from _common import environment, environment_line, in_huge_tmpfs, inside_mount, median  # noqa: E402
 
 SIZES = (4 << 10, 24 << 10, 48 << 10, 150_000, 1 << 20)
 
@@ -66,11 +65,9 @@ def _round(mount: str | None, size: int, n: int, how: str, tag: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if INSIDE not in argv:
+    mount = inside_mount(argv)
+    if mount is None:
         return in_huge_tmpfs(str(Path(__file__).resolve()), argv, "1g")
-    i = argv.index(INSIDE)
-    mount = argv[i + 1]
-    del argv[i:i + 2]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer puts and rounds (~5 s)")
     args = p.parse_args(argv)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import INSIDE_NAMESPACE, environment, environment_line, in_huge_tmpfs  # noqa: E402
+from _common import environment, environment_line, in_huge_tmpfs, inside_mount  # noqa: E402
 
 BATCH, SMALL = 256, 10_000
 PATTERNS = 997  # distinct 3 KB patterns the items are made from (item k: pattern k % PATTERNS, its key in front)
@@ -68,13 +68,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if INSIDE_NAMESPACE not in argv:
+    mount = inside_mount(argv)
+    if mount is None:
         args = _parser().parse_args(argv)  # checked here, before the namespace: --help and typos say so at once
         size = f"{int((args.items + SMALL) * 3200 * 1.3) // 2**30 + 2}g"
         return in_huge_tmpfs(str(Path(__file__).resolve()), argv, size)
-    i = argv.index(INSIDE_NAMESPACE)
-    mount = argv[i + 1]
-    del argv[i:i + 2]
     args = _parser().parse_args(argv)
     os.environ["SHMCACHE_DIR"] = tempfile.mkdtemp(prefix="shmcache-bench-ns-")  # a namespace of its own
     os.environ.pop("SHMCACHE_MEMORY_DIR", None)
