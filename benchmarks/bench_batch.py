@@ -311,8 +311,8 @@ def against(args) -> int:
             for name, tree in (trees.items() if run % 2 == 0 else reversed(list(trees.items()))):
                 path = os.path.join(tmp, f"{name}-{run}.json")
                 # the tree ahead of the caller's own path (which may hold the dependencies)
-                path_ = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
-                env = dict(os.environ, PYTHONPATH=path_, **extra[name])
+                pythonpath = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
+                env = dict(os.environ, PYTHONPATH=pythonpath, **extra[name])
                 cmd = [sys.executable, __file__, "--json", path] + (["--quick"] if args.quick else [])
                 subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, cwd=tree)
                 got[name].append(json.loads(Path(path).read_text()))
