@@ -195,14 +195,14 @@ class Generation:
         w[r], w[r + 1] = cls << 48 | pos, w0
         w[(MetaLayout.GROUP >> 3) + 1] = i + 1
 
-    def group_record_run(self, i: int, pos: list[int], cls: int, w0: int) -> None:
-        """Records ``i`` .. ``i + len(pos) - 1`` of the group, all of size class ``cls`` and state
-        word ``w0`` (a run: one layout and length), then the count that makes them part of the
-        intent (two strided stores of the words: the intent is read under the lock only)."""
+    def group_record_run(self, i: int, pos: list[int], cls: int, w0: list[int]) -> None:
+        """Records ``i`` .. ``i + len(pos) - 1`` of the group, all of size class ``cls``, with
+        state words ``w0`` (a run), then the count that makes them part of the intent (two
+        strided stores of the words: the intent is read under the lock only)."""
         n = len(pos)
         w, r = self.meta.words, (_GROUP_RECORDS_OFF >> 3) + 2 * i
         w[r:r + 2 * n:2] = memoryview(array("Q", [cls << 48 | p for p in pos]))
-        w[r + 1:r + 2 * n:2] = memoryview(array("Q", [w0]) * n)
+        w[r + 1:r + 2 * n:2] = memoryview(array("Q", w0))
         w[(MetaLayout.GROUP >> 3) + 1] = i + n
 
     def group_class(self, j: int, cls: int, bump: int) -> None:

@@ -95,10 +95,10 @@ class PublishGroup:
         self.bytes += entry_length(w0)
 
     def allocate_run(self, gen: Generation, pos: np.ndarray, w1: np.ndarray, cls: int, chunk: int,
-                     w0: int) -> None:
-        """:meth:`allocate` of a run of records of one size class and one state word ``w0`` (one
-        layout, one length, int keys): entries ``pos`` get keys ``w1`` and chunks ``chunk``,
-        ``chunk + 1``, ... (from :meth:`next_chunk`), noted in the intent with numpy in one go."""
+                     w0: list[int], nbytes: int) -> None:
+        """:meth:`allocate` of a run of records of one size class (int keys): entries ``pos`` get
+        keys ``w1``, state words ``w0`` and chunks ``chunk``, ``chunk + 1``, ... (from
+        :meth:`next_chunk`), noted in the intent in one go; ``nbytes``: their lengths' sum."""
         n = len(pos)
         if not self.positions:
             self.gen = gen
@@ -114,7 +114,7 @@ class PublishGroup:
             self.bumps[cls] = [chunk, chunk + n]
         else:
             b[1] += n
-        self.bytes += n * entry_length(w0)
+        self.bytes += nbytes
 
     def flush(self) -> None:
         """Publish the group's records (steps 2-5); nothing to do when it has none."""

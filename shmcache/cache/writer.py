@@ -297,35 +297,44 @@ class CacheWriter:
 
     def _put_run(self, gen: Generation, items: Sequence[tuple[Any, codec.Encoded]], run: list[int],
                  group: PublishGroup, out: list) -> None:
-        """Put ``items[i]`` for ``i`` in ``run`` (int keys, one layout and record length: one size
-        class) as runs of a publish group (NOTE [publish order], "A publish group": the same
-        intent, stores and fences as one record at a time, written over the run with numpy): the
-        table positions by one vectorised probe, the chunks by one bump of the class, the pages
-        by one commit, the bytes by one pwrite (Segment.write_at: no page fault per page). The
-        items it sets ``out[i] = True`` for are stored; the rest go one at a time (put_locked): a
-        key present or whose home entry is taken, a full table, no room (spill or reject), a
-        layout that does not fit the meta segment."""
-        enc = items[run[0]][1]
-        lid = self._intern_layout(gen, enc.layout)
-        if lid == INLINE24:
-            return
+        """Put ``items[i]`` for ``i`` in ``run`` (int keys, records of one size class) as runs of a
+        publish group (NOTE [publish order], "A publish group": the same intent, stores and fences
+        as one record at a time, written over the run with numpy): the table positions by one
+        vectorised probe, the chunks by one bump of the class, the pages by one commit, the bytes
+        by one pwrite (Segment.write_at: no page fault per page), each record from its own
+        shape's offsets (``_RunShape``). The items it sets ``out[i] = True`` for are stored; the
+        rest go one at a time (put_locked): a key present or whose home entry is taken, a full
+        table, no room (spill or reject), a layout that does not fit the meta segment."""
+        shapes: dict = {}
+        of: list = []  # each record's _RunShape
+        for i in run:
+            enc = items[i][1]
+            key = (enc.layout, enc.body_len, len(enc.scalars), len(enc.pieces))
+            shape = shapes.get(key)
+            if shape is None:
+                shape = shapes[key] = _RunShape(enc, self._intern_layout(gen, enc.layout))
+            of.append(shape)
+        if any(shape.lid == INLINE24 for shape in shapes.values()):  # the meta segment's layouts are full
+            run, of = [i for i, sh in zip(run, of) if sh.lid != INLINE24], [sh for sh in of if sh.lid != INLINE24]
+            if len(run) < _RUN_MIN:
+                return
         try:
             keys = np.array([int(items[i][0]) for i in run], np.int64)
         except OverflowError:  # a key past 64 bits: put_locked says so
             return
-        nbytes = enc.record_len(0, False)
-        cls, chunk_size = size_class(nbytes)
+        nbytes = [shape.nbytes for shape in of]
+        cls, chunk_size = size_class(max(nbytes))  # one class: _runs
         try:
-            self.admission.check_fits(nbytes, chunk_size, gen.index.capacity)
+            self.admission.check_fits(max(nbytes), chunk_size, gen.index.capacity)
         except (ItemTooLarge, NoRoom):
             return
         index = gen.index
         w1 = keys.view(np.uint64)
         home, picked = _probe_run(index, w1, group)
-        w0 = state_word(READY | INT_KEY, lid, nbytes)
         seg = self._class_segment(gen, cls, chunk_size)
         self.view.recheck_class(gen, cls, gen.data[cls])  # a damaged class record must not place a record
-        gaps, tail = _gaps(enc, chunk_size)
+        for shape in shapes.values():
+            shape.fill(chunk_size)
         lo = 0
         while lo < len(picked):  # the group's room at a time: groups of GROUP_RECORDS, as one by one
             if len(group) >= GROUP_RECORDS:
@@ -351,31 +360,30 @@ class CacheWriter:
                                                       fence=False, chunks=bump + n - committed)
             except NoRoom:
                 return
+            ks = part.tolist()
+            part_bytes = sum(nbytes[k] for k in ks)
             items_, total, _ = gen.mem_totals()
             table_items = gen.table_items() + len(group) + n
             if items_ + len(group) + n > index.capacity or table_items >= index.capacity or \
-                    (total + group.bytes + n * nbytes) >> 63:
+                    (total + group.bytes + part_bytes) >> 63:
                 raise self.view.corrupt(f"the counters in {gen.meta.name} are impossible ({items_} items and "
                                         f"{total} bytes in memory, {table_items - n - len(group)} entries, in a "
                                         f"table of {index.capacity})", fix="it recounts them")
             pos = home[part]
-            group.allocate_run(gen, pos, w1[part], cls, bump, w0)  # in the group's intent (undo: forget it)
+            w0 = [of[k].w0 for k in ks]
+            group.allocate_run(gen, pos, w1[part], cls, bump, w0, part_bytes)  # in the group's intent (undo: forget it)
             if _CRASH_TESTS:
                 crash_point("run_allocated")
             # each record's bytes where enc.write would put them, the gaps and the chunk's tail
             # zeros (as a chunk committed and never written), for one pwritev from the pieces
             vecs: list = []
-            head = codec.RECORD_HEADER.pack(lid, 0, 0, 0)
-            for i in (run[k] for k in part.tolist()):
-                e = items[i][1]
-                vecs.append(head + e.scalars)
-                for gap, (_, piece) in zip(gaps, e.pieces):
-                    vecs.append(gap)
-                    vecs.append(piece)
-                vecs.append(tail)
+            starts: list = []
+            for k in ks:
+                starts.append(len(vecs))
+                of[k].vecs(items[run[k]][1], vecs)
             start = DATA_OFF + bump * chunk_size
             if _CRASH_TESTS:  # die with half of the run's records written
-                half = (n // 2) * (2 + 2 * len(gaps))
+                half = starts[n // 2]
                 seg.write_at(start, vecs[:half])
                 crash_point("run_mid_copy")
                 seg.write_at(start + (n // 2) * chunk_size, vecs[half:])
@@ -384,7 +392,7 @@ class CacheWriter:
             index.stage_many(pos, w1[part], np.uint64(cls << 48) + np.arange(bump, bump + n, dtype=np.uint64))
             if _CRASH_TESTS:
                 crash_point("run_copied")
-            for k in part.tolist():
+            for k in ks:
                 out[run[k]] = True
             if len(group) >= GROUP_RECORDS:
                 group.flush()
@@ -569,6 +577,37 @@ def encoded_from_portable(record: Any, key: Any, cache: CacheView) -> codec.Enco
     return codec.Encoded(bytes(view[body:body + lay_len]), body, view[_MIN_RECORD:body], [])
 
 
+class _RunShape:
+    """What the records of one shape in a run share (one layout, length and form: the same
+    offsets): the layout id, state word and length, and - once the run's chunk size is known
+    (``fill``) - the header, the zeros before each piece and the chunk's tail zeros."""
+
+    __slots__ = ("lid", "nbytes", "w0", "head", "gaps", "tail", "_first")
+
+    def __init__(self, enc: codec.Encoded, lid: int):
+        self.lid = lid
+        self.nbytes = enc.record_len(0, False)
+        self.w0 = state_word(READY | INT_KEY, lid, self.nbytes) if lid != INLINE24 else 0
+        self.head = b""
+        self.gaps: list = []
+        self.tail = memoryview(b"")
+        self._first: codec.Encoded | None = enc
+
+    def fill(self, chunk_size: int) -> None:
+        """The header and zeros of a record in a chunk of ``chunk_size`` (the run's class)."""
+        self.head = codec.RECORD_HEADER.pack(self.lid, 0, 0, 0)
+        self.gaps, self.tail = _gaps(self._first, chunk_size)
+        self._first = None
+
+    def vecs(self, enc: codec.Encoded, out: list) -> None:
+        """``enc``'s record, as its chunk's bytes one after the other, appended to ``out``."""
+        out.append(self.head + enc.scalars)
+        for gap, (_, piece) in zip(self.gaps, enc.pieces):
+            out.append(gap)
+            out.append(piece)
+        out.append(self.tail)
+
+
 def _gaps(enc: codec.Encoded, chunk_size: int) -> tuple[list, memoryview]:
     """The zeros of a run's records (one layout: the same offsets in each): before each piece
     (after the header and scalars, or the piece before it), and from the end of the last to the
@@ -637,8 +676,9 @@ _RUN_PROBES = 4  # steps along the probe paths taken with numpy (a probe takes ~
 
 
 def _runs(items: Sequence[tuple[Any, codec.Encoded]]) -> list[list[int]]:
-    """The positions in ``items`` of each run: at least _RUN_MIN int keys whose values have one
-    layout and one record length (a batch of one dataset's samples, mostly)."""
+    """The positions in ``items`` of each run: at least _RUN_MIN int keys whose records take one
+    size class (a batch of one dataset's samples, mostly: their layouts may differ, as a str
+    field's length does), each key's first item only."""
     if len(items) < _RUN_MIN:
         return []
     by: dict = {}
@@ -648,15 +688,21 @@ def _runs(items: Sequence[tuple[Any, codec.Encoded]]) -> list[list[int]]:
             k = int(key)
             if k not in seen:
                 seen.add(k)
-                # and one form: a portable record's body is its scalars, a codec value's in pieces
-                # (a run's records are written from the offsets of its first: _gaps)
+                # one shape: a layout, a length and one form (a portable record's body is its
+                # scalars, a codec value's in pieces): the offsets _put_run writes each record from
                 by.setdefault((enc.layout, enc.body_len, len(enc.scalars), len(enc.pieces)), []).append(i)
         elif type(key) not in (str, bytes) and not isinstance(key, bool):  # a 0-d int array or tensor
             try:
                 seen.add(int(key))  # the int key it stands for (key_bytes), stored first
             except Exception:  # noqa: BLE001 - no int: put_locked says what the key is not
                 pass
-    return [run for run in by.values() if len(run) >= _RUN_MIN]
+    by_class: dict = {}
+    for (_, body_len, _, _), run in by.items():  # a record of an int key is its body (record_len)
+        try:
+            by_class.setdefault(size_class(body_len)[0], []).extend(run)
+        except OverflowError:  # beyond the largest class: put_locked says so
+            pass
+    return [sorted(run) for run in by_class.values() if len(run) >= _RUN_MIN]
 
 
 def _rehash(old: TableView, new: TableView) -> None:

@@ -61,6 +61,12 @@ def fixed_value(key, size: int = 3000) -> bytes:
     return _pattern(key, size)
 
 
+def row_value(key, size: int = 3000) -> tuple:
+    """Records of one size class whose layouts differ (a str of 1-3 characters beside ``size``
+    bytes): one run of several shapes (CacheWriter._put_run)."""
+    return _pattern(key, size), "n" * (key % 3 + 1)
+
+
 def same_value(a, b) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype

@@ -22,7 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
-from _shmcheck import fixed_value, same_value, value_for
+from _shmcheck import fixed_value, row_value, same_value, value_for
 
 DEADLINE_S = 60.0  # no worker waits longer than this for anything
 
@@ -72,6 +72,8 @@ def barrier(barrier_dir) -> None:
 def _value(key, kind: str):
     if kind == "mixed":
         return value_for(key)
+    if kind.startswith("rows:"):
+        return row_value(key, int(kind.split(":")[1]))
     return fixed_value(key, int(kind.split(":")[1]))
 
 

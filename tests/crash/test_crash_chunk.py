@@ -13,7 +13,16 @@ from __future__ import annotations
 
 import pytest
 from _procs_util import Zygote, crash_env, status_of, wait_for
-from _shmcheck import check_store, fixed_value, gc_json, group_phase, reader_saw_no_harm, same_value, value_for
+from _shmcheck import (
+    check_store,
+    fixed_value,
+    gc_json,
+    group_phase,
+    reader_saw_no_harm,
+    row_value,
+    same_value,
+    value_for,
+)
 
 from shmcache.cache import process_slot
 from shmcache.cache.generation import GROUP_RECORDS
@@ -97,8 +106,9 @@ def test_a_group_killed_anywhere_is_undone_or_finished(point, after, n, present_
     store.destroy()
 
 
-# A run: int keys whose values have one layout and length, admitted with numpy over the run
-# (CacheWriter.put_many: one intent write, one pwrite of its chunks, one stage of its entries).
+# A run: int keys whose records take one size class, admitted with numpy over the run
+# (CacheWriter.put_many: one intent write, one pwrite of its chunks, one stage of its entries):
+# of one layout and length (fixed), or of three layouts and lengths (rows: a str of 1-3 chars).
 # point, crash_after, records put, keys present once repaired, chunks given back, who repairs
 RUN_CASES = [
     ("run_allocated", 0, N, 0, N, "gc"),  # the run in the intent, nothing copied
@@ -114,44 +124,50 @@ def _fixed(k):
     return fixed_value(k, 3000)
 
 
+def _rows(k):
+    return row_value(k, 3000)
+
+
+@pytest.mark.parametrize("kind", ["fixed:3000", "rows:3000"])
 @pytest.mark.parametrize("ordering", ["default", "membarrier"])
 @pytest.mark.parametrize("point,after,n,present_after,given_back,repairer", RUN_CASES)
 def test_a_run_killed_anywhere_is_undone_or_finished(point, after, n, present_after, given_back, repairer,
-                                                     ordering, tmp_path, capsys):
+                                                     ordering, kind, tmp_path, capsys):
+    value = _fixed if kind == "fixed:3000" else _rows
     extra = {"SHMCACHE_ORDERING": "membarrier"} if ordering == "membarrier" else {}
     store = CacheStore(S, C, capacity_bytes=CAP)
     base = list(range(60))
     for k in base:
-        assert store.put(k, _fixed(k))
+        assert store.put(k, value(k))
     doomed, later = list(range(100, 100 + n)), [900]  # each at its own home entry: one run
     universe = base + doomed + later
     stop, ready = tmp_path / "stop", tmp_path / "reader.ready"
     with Zygote(tmp_path / "crashing", env=crash_env(point, after, **extra)) as crashing, \
             Zygote(tmp_path / "clean", env=crash_env(**extra)) as clean:
-        reader, reader_out = clean.spawn("reader", S, C, CAP, universe, str(stop), str(ready), "fixed:3000")
+        reader, reader_out = clean.spawn("reader", S, C, CAP, universe, str(stop), str(ready), kind)
         wait_for(ready.exists, 30, "the reader to start")
-        status, _ = crashing.run("put_records", S, C, doomed, CAP, "fixed:3000")
+        status, _ = crashing.run("put_records", S, C, doomed, CAP, kind)
         assert status == -9, f"the writer should die at {point!r}, but it ended with {status_of(status)}"
         assert group_phase(store) != 0, "the dead writer's group intent should still be there"
         seen = {k: store.lookup(k, count=False) for k in doomed}
-        assert all(v is MISSING or same_value(v, _fixed(k)) for k, v in seen.items()), point
+        assert all(v is MISSING or same_value(v, value(k)) for k, v in seen.items()), point
         if given_back:  # undone: nothing of the killed group was ever visible
             assert [k for k, v in seen.items() if v is not MISSING] == doomed[:present_after]
 
         if repairer == "writer":
-            assert clean.run("put", S, C, later, CAP, "fixed:3000")[0] == 0
+            assert clean.run("put", S, C, later, CAP, kind)[0] == 0
             assert gc_json(capsys)["reclaimed_entries"] == 0
         else:
             assert gc_json(capsys)["reclaimed_entries"] == given_back
         assert group_phase(store) == 0
         stored = len(base) + present_after + (len(later) if repairer == "writer" else 0)
-        assert check_store(store, universe, _fixed, slack_steps=64) == []
+        assert check_store(store, universe, value, slack_steps=64) == []
         assert [k for k in doomed if store.lookup(k, count=False) is not MISSING] == doomed[:present_after]
         assert store.stats()["items_mem"] == stored
 
-        status, res = clean.run("put_records", S, C, doomed, CAP, "fixed:3000")
+        status, res = clean.run("put_records", S, C, doomed, CAP, kind)
         assert status == 0 and res["stored"] == n, (status, res)
-        assert check_store(store, universe, _fixed) == []
+        assert check_store(store, universe, value) == []
         assert store.stats()["items_mem"] == stored + n - present_after
         stop.touch()
         assert clean.wait(reader, 30) == 0

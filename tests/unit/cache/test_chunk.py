@@ -148,7 +148,7 @@ def test_an_impossible_group_intent_moves_nothing_and_gc_drops_the_cache(store, 
     assert len(store) == 0 and store.put(99, _value(99)) and np.array_equal(store.lookup(99), _value(99))
 
 
-# --- runs: int keys of one layout and length, admitted with numpy over the run (CacheWriter.put_many)
+# --- runs: int keys of one size class, admitted with numpy over the run (CacheWriter.put_many)
 
 
 def _row(k):
@@ -183,6 +183,22 @@ def test_a_run_of_one_layout_reads_back_right(store, monkeypatch):
     assert g.group_phase() == 0 and g.intent().phase == 0
     # stored once: a second put of the same run finds every key present
     assert store.put_many(items) == [True] * len(keys) and len(store) == len(keys)
+
+
+def test_a_batch_whose_str_field_varies_in_length_is_one_run(store, monkeypatch):
+    # Hugging Face's rows: "row 9", "row 10", "row 100" - a layout each length, one size class:
+    # one run, each record written from its own layout's offsets
+    runs = _count_runs(monkeypatch)
+    keys = [3, 9, 10, 42, 99, 100, 555, 999, 1000, 4321, 7, 64]
+    rows = {k: {"label": k, "img": np.full((16, 16, 3), k % 251, np.int64), "text": f"row {k}"} for k in keys}
+    items = [(k, codec.encode(rows[k])) for k in keys]
+    assert len({enc.layout for _, enc in items}) == 4
+    assert store.put_many(items) == [True] * len(keys)
+    assert len(runs) == 1 and store.stats()["items_mem"] == len(keys)
+    for k in keys:
+        got = store.lookup(k)
+        assert got["label"] == k and got["text"] == f"row {k}" and np.array_equal(got["img"], rows[k]["img"])
+    assert store.put_many(items) == [True] * len(keys) and len(store) == len(keys)  # present: stored once
 
 
 def test_a_group_mixing_layouts_keys_and_repeats_falls_back_one_at_a_time(store, monkeypatch):
