@@ -569,6 +569,16 @@ def _numbers(x: list) -> np.ndarray | None:
     Every check is a C-level pass (``set(map(...))``): a 32x32x3 image of ints took 350 us a row
     checked item by item in Python, more than reading it."""
     level, shape, firsts = x, [len(x)], {id(x)}
+    # the numbers a rectangular nesting holds: the lengths along its first path multiplied. Past
+    # MAX_LAYOUT_NUMBERS, every level is checked for a list met twice (below) from the first
+    # one on: [v, v] thirty levels deep is found at once, not flattened to 2**21 lists first
+    count, first = len(x), x
+    while count <= MAX_LAYOUT_NUMBERS and type(first[0]) is list and first[0] and len(firsts) < _MAX_DIMS \
+            and id(first[0]) not in firsts:
+        first = first[0]
+        firsts.add(id(first))
+        count *= len(first)
+    many, firsts = count > MAX_LAYOUT_NUMBERS, {id(x)}
     while type(level[0]) is list:  # a level of lists: every item a list of one length
         n = len(level[0])
         # a list that holds itself ([x, x]) made each level twice the last, until memory ran out:
@@ -579,7 +589,7 @@ def _numbers(x: list) -> np.ndarray | None:
             return None
         # one row in many places ([v, v] thirty levels deep: 2**30 rows, a few in memory) is
         # pickled whole, past MAX_LAYOUT_NUMBERS numbers; distinct rows are as many as memory holds
-        if len(level) * n > MAX_LAYOUT_NUMBERS and len(set(map(id, level))) < len(level):
+        if (many or len(level) * n > MAX_LAYOUT_NUMBERS) and len(set(map(id, level))) < len(level):
             raise _Repeated
         firsts.add(id(level[0]))
         level = list(chain.from_iterable(level))

@@ -8,6 +8,7 @@ round-trip - never an error, never a blow-up.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import os
 import struct
@@ -174,6 +175,28 @@ def test_shared_rows_nested_deep_are_encoded_by_their_real_size():
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", _SHARED], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-2000:]
+
+
+def test_one_row_in_a_million_places_is_found_shared_before_it_is_flattened(monkeypatch):
+    """``v = [v, v]`` thirty levels over a row: its first path (v, v[0], ...) says it holds
+    2**30 rows, so its levels are checked for a list met twice from the first one on. It was
+    flattened level by level to 2**21 lists (0.7 s a value in C-level passes) first."""
+    flattened = []
+
+    class Chain:
+        @staticmethod
+        def from_iterable(level):
+            flattened.append(len(level))
+            return itertools.chain.from_iterable(level)
+
+    monkeypatch.setattr(codec, "chain", Chain)
+    value = [1, 2, 3]
+    for _ in range(30):
+        value = [value, value]
+    assert codec.encode(value).pickled == ("list holding one container in many places",)
+    assert sum(flattened) < 64, flattened[-3:]
+    image = [[[k % 7] * 3 for k in range(32)] for _ in range(32)]  # rows of their own: one array
+    assert codec.encode(image).pickled == () and 0 < sum(flattened) < 64 + 32 + 1024
 
 
 def test_a_few_shared_rows_stay_on_the_fast_path():
