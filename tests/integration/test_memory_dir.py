@@ -31,6 +31,7 @@ from shmcache.errors import InvalidArgument, NotOwner
 
 SCRIPT = r"""
 import json, os, subprocess, sys
+from concurrent.futures import ThreadPoolExecutor
 OUT, SMALL, HUGE, HTLB, ADVISE = sys.argv[1:6]
 PY = sys.executable
 ENV = {k: v for k, v in os.environ.items() if k != "SHMCACHE_MEMORY_DIR"}
@@ -89,12 +90,17 @@ for line in open("/proc/self/smaps"):
         hg = hg or "hg" in line.split()
 print(json.dumps({"pmd_kb": pmd_kb, "hg": hg}))
 '''
-result = {"pages_huge": json.loads(run(PAGES, HUGE, "mem-pages-huge", HUGE)),
-          "pages_advise": json.loads(run(PAGES, ADVISE, "mem-pages-advise", ADVISE)),
-          "pages_small": json.loads(run(PAGES, SMALL, "mem-pages-small", SMALL))}
+# sessions of their own, each in its own processes: side by side (each process imports torch)
+def pages(mount, session):
+    return json.loads(run(PAGES, mount, session, mount))
+
+with ThreadPoolExecutor(3) as pool:
+    result = dict(zip(("pages_huge", "pages_advise", "pages_small"),
+                      pool.map(pages, (HUGE, ADVISE, SMALL), ("mem-pages-huge", "mem-pages-advise", "mem-pages-small"))))
 for s in ("mem-pages-huge", "mem-pages-advise", "mem-pages-small"):
     cli("destroy", s)
-for tag, mount in (("small", SMALL), ("huge", HUGE)):
+
+def journey(tag, mount):
     s = "mem-" + tag
     written = run(WRITE, mount, s, "4", "200", "3000").split()
     read = json.loads(run(READ, None, s, "200"))  # no variable: the session says where
@@ -103,7 +109,10 @@ for tag, mount in (("small", SMALL), ("huge", HUGE)):
          "info": cli("info")["out"]}
     r["destroy"] = cli("destroy", s)
     r["after_destroy"] = files(mount)
-    result[tag] = r
+    return r
+
+with ThreadPoolExecutor(2) as pool:
+    result.update(zip(("small", "huge"), pool.map(journey, ("small", "huge"), (SMALL, HUGE))))
 
 # gc: a session whose destroy died after its directory went away leaves segments in the mount
 run(WRITE, SMALL, "mem-gc", "4", "10", "3000")
@@ -509,7 +518,7 @@ def test_write_at_writes_the_same_bytes_on_a_huge_page_mount(tmp_path, huge_page
 PUT_ONE_SCRIPT = r"""
 import os, sys
 import numpy as np
-from shmcache import ShmDatasetCache
+from shmcache.cache.store import CacheStore
 from shmcache.cache.writer import PWRITE_MIN_BYTES
 real, calls = os.pwritev, [0]
 
@@ -518,7 +527,7 @@ def pwritev(fd, buffers, offset, *a):  # counted: the writer's copies into a dat
     return real(fd, buffers, offset, *a)
 
 os.pwritev = pwritev
-c = ShmDatasetCache(session=sys.argv[1], name="c", size=16)
+c = CacheStore(sys.argv[1], "c", capacity_bytes=16 << 20)  # the writer's layer: no torch to import
 value = np.arange(PWRITE_MIN_BYTES + 4096, dtype=np.uint8) * 7  # one record, put on its own
 c.put(1, value)
 c.close()
@@ -527,10 +536,10 @@ print(calls[0])
 READ_ONE_SCRIPT = r"""
 import sys
 import numpy as np
-from shmcache import ShmDatasetCache
+from shmcache.cache.store import CacheStore
 from shmcache.cache.writer import PWRITE_MIN_BYTES
-c = ShmDatasetCache(session=sys.argv[1], name="c", create=False)
-print(bool((c.get(1) == np.arange(PWRITE_MIN_BYTES + 4096, dtype=np.uint8) * 7).all()))
+c = CacheStore(sys.argv[1], "c", create=False)
+print(bool((c.lookup(1) == np.arange(PWRITE_MIN_BYTES + 4096, dtype=np.uint8) * 7).all()))
 """
 
 
