@@ -94,10 +94,10 @@ print(json.dumps({"pmd_kb": pmd_kb, "hg": hg}))
 def pages(mount, session):
     return json.loads(run(PAGES, mount, session, mount))
 
+SESSIONS = ("mem-pages-huge", "mem-pages-advise", "mem-pages-small")
 with ThreadPoolExecutor(3) as pool:
-    result = dict(zip(("pages_huge", "pages_advise", "pages_small"),
-                      pool.map(pages, (HUGE, ADVISE, SMALL), ("mem-pages-huge", "mem-pages-advise", "mem-pages-small"))))
-for s in ("mem-pages-huge", "mem-pages-advise", "mem-pages-small"):
+    result = dict(zip(("pages_huge", "pages_advise", "pages_small"), pool.map(pages, (HUGE, ADVISE, SMALL), SESSIONS)))
+for s in SESSIONS:
     cli("destroy", s)
 
 def journey(tag, mount):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _spill_samples import sample
 
 from shmcache import ShmDatasetCache
 from shmcache.base.shm import Segment
@@ -24,20 +25,13 @@ from shmcache.errors import ItemTooLarge, SharedMemoryFull, SpillError
 from shmcache.tiers.spill import tier as spilling
 
 ITEMS = 400
-ITEM_BYTES = 40_000  # 400 items x 40 KB = 16 MB of payload for a 4 MB cache
-
-
-def sample(i: int):
-    """Deterministic, compressible-ish (token-like) data that encodes its key."""
-    rng = np.random.default_rng(i)
-    return rng.integers(0, 50, ITEM_BYTES // 8, dtype=np.int64), i
 
 
 WORKER = r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
-from test_spilling import sample
+from _spill_samples import sample
 from shmcache.cache.store import CacheStore, MISSING
 from shmcache.tiers.spill import tier as spilling
 session, name, spill_dir, keys = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
@@ -273,7 +267,7 @@ def test_spill_dir_from_the_environment_and_the_session(tmp_path, monkeypatch):
 KILLER = r"""
 import sys
 sys.path.insert(0, {tests!r})
-from test_spilling import sample
+from _spill_samples import sample
 from shmcache.cache.store import CacheStore
 from shmcache.tiers.spill import tier as spilling
 store = CacheStore("kill", "ds", capacity_bytes=1 << 20)
