@@ -41,9 +41,9 @@ NOTE [publish order]
       3. each class's bump moves past the group's records; a fence (B);
       4. every entry's state word READY, the totals assigned, the group intent cleared.
 
-    A run (``put_many``'s records with int keys, one layout and one length: a batch of one
-    dataset's samples; CacheWriter._put_run) is a stretch of a group written with numpy over
-    the run: the same words, the same fences. Its records are noted in the group intent in one
+    A run (``put_many``'s records with int keys, of one size class: a batch of one dataset's
+    samples, whose layouts may differ with a str field's length; CacheWriter._put_run) is a
+    stretch of a group written with numpy over the run: the same words, the same fences. Its records are noted in the group intent in one
     go (the count word last), its chunks are the next ones of its class in a row, its bytes go
     into them with one pwrite of the class's segment (Segment.write_at: the kernel's copy, no
     page fault per page of the writer's mapping; through the mapping on a hugetlbfs, which has

@@ -270,7 +270,7 @@ class CacheWriter:
             out: list = [None] * len(items)
             group = PublishGroup()
             try:
-                for run in _runs(items):  # int keys, one layout and length: a run at a time
+                for run in _runs(items):  # int keys, one size class: a run at a time
                     try:
                         self._put_run(self.view.refresh(), items, run, group, out)
                     except FileNotFoundError:  # a data segment our meta names is gone (as put_locked)
@@ -671,7 +671,7 @@ def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[n
 # 24 KiB, 0.88x at 48 KiB, 0.72x at 150 KB, 0.65x at 1 MiB; a huge=within_size tmpfs 1.2x at
 # 48 KiB, 1.06-1.17x at 150 KB, 0.91-1.01x at 1 MiB.
 PWRITE_MIN_BYTES = 32 << 10
-_RUN_MIN = 8  # records of one layout and length that go as a run (fewer: one at a time)
+_RUN_MIN = 8  # records of one size class that go as a run (fewer: one at a time)
 _RUN_PROBES = 4  # steps along the probe paths taken with numpy (a probe takes ~1.5 at 70% load)
 
 
