@@ -107,12 +107,16 @@ def _fp_of(**state) -> str:
     return fingerprint(Holder(**state), None, [])
 
 
+# past the 100,000 items the fingerprint once stopped at: an edit at EDIT and at the last item
+N, EDIT = 120_000, 110_000
+
+
 def _labels():
-    return [i % 1000 for i in range(300_000)]
+    return [i % 1000 for i in range(N)]
 
 
 def _paths():
-    return [f"/data/train/n{i % 1000:08d}/img_{i}.JPEG" for i in range(300_000)]
+    return [f"/data/train/n{i % 1000:08d}/img_{i}.JPEG" for i in range(N)]
 
 
 def _set(i, v):
@@ -121,22 +125,22 @@ def _set(i, v):
     return edit
 
 
-_P250 = f"/data/train/n{250:08d}/img_250000.JPEG"
+_P_EDIT = f"/data/train/n{EDIT % 1000:08d}/img_{EDIT}.JPEG"
 
 
 @pytest.mark.parametrize("make, edit", [
-    (_labels, _set(250_000, 7)),
-    (_labels, _set(299_999, 7)),
-    (lambda: [float(x) for x in _labels()], _set(250_000, 0.5)),
-    (_paths, _set(250_000, "/data/train/n00000000/other.JPEG")),
-    (lambda: list(zip(_paths(), _labels())), _set(250_000, (_P250, 999))),
-    (lambda: list(zip(_paths(), _labels())), _set(299_999, ("/elsewhere.JPEG", 999))),
-    (lambda: dict(zip(_paths(), _labels())), _set(_P250, 999)),
-    (lambda: {i: [i, i + 1] for i in range(300_000)}, _set(250_000, [0, 0])),
-    (lambda: [[i, [i % 7, str(i)]] for i in range(300_000)], lambda x: x[250_000][1].__setitem__(1, "x")),
-    (lambda: [[i] * (i % 3) for i in range(300_000)], _set(250_000, [1, 2])),
-    (lambda: ["a\0b", "c"] * 150_000, _set(250_000, "a\0bc")),  # a separator inside an item
-    (lambda: np.array(_paths(), dtype=object), _set(250_000, "changed")),
+    (_labels, _set(EDIT, 7)),
+    (_labels, _set(N - 1, 7)),
+    (lambda: [float(x) for x in _labels()], _set(EDIT, 0.5)),
+    (_paths, _set(EDIT, "/data/train/n00000000/other.JPEG")),
+    (lambda: list(zip(_paths(), _labels())), _set(EDIT, (_P_EDIT, 999))),
+    (lambda: list(zip(_paths(), _labels())), _set(N - 1, ("/elsewhere.JPEG", 999))),
+    (lambda: dict(zip(_paths(), _labels())), _set(_P_EDIT, 999)),
+    (lambda: {i: [i, i + 1] for i in range(N)}, _set(EDIT, [0, 0])),
+    (lambda: [[i, [i % 7, str(i)]] for i in range(N)], lambda x: x[EDIT][1].__setitem__(1, "x")),
+    (lambda: [[i] * (i % 3) for i in range(N)], _set(EDIT, [1, 2])),
+    (lambda: ["a\0b", "c"] * (N // 2), _set(EDIT, "a\0bc")),  # a separator inside an item
+    (lambda: np.array(_paths(), dtype=object), _set(EDIT, "changed")),
     (lambda: set(_paths()), lambda x: x.add("one more")),
 ], ids=["ints", "ints-last", "floats", "paths", "path-label-pairs", "pairs-last", "dict-values",
         "dict-of-lists", "nested", "ragged", "nul-in-str", "object-array", "set"])
