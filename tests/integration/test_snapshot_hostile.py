@@ -248,8 +248,13 @@ def _plant(path, what: str) -> None:
             f.truncate(6 * GiB)
 
 
-@pytest.mark.parametrize("what", ["a FIFO", "a link to /dev/zero", "a 6 GiB sparse file"])
-@pytest.mark.parametrize("how", ["import", "read-through"])
+# each file and each way in the default run; the other three pairs with -m slow
+@pytest.mark.parametrize("how, what", [
+    ("import", "a FIFO"), ("read-through", "a link to /dev/zero"), ("import", "a 6 GiB sparse file"),
+    pytest.param("read-through", "a FIFO", marks=pytest.mark.slow),
+    pytest.param("import", "a link to /dev/zero", marks=pytest.mark.slow),
+    pytest.param("read-through", "a 6 GiB sparse file", marks=pytest.mark.slow),
+])
 def test_a_manifest_that_is_not_a_small_regular_file_is_refused_unread(real, tmp_path, what, how):
     """manifest.json as a FIFO hung `shmcache import` and snapshot= for good; linked to /dev/zero
     or a 6 GiB sparse file it was read whole. Now it is opened O_NOFOLLOW|O_NONBLOCK, fstat'ed and

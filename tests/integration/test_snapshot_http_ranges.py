@@ -249,8 +249,12 @@ def test_an_endless_body_costs_the_range_asked_for(served, how):
     assert sum(sent) < 256 * MiB, f"the server sent {sum(sent) >> 20} MiB"
 
 
-@pytest.mark.parametrize("how", ["import", "read-through"])
-@pytest.mark.parametrize("served", ["gzip", "gzip-after-identity"], indirect=True)
+# each body and each way in the default run; the other two pairs with -m slow
+@pytest.mark.parametrize("served, how", [
+    ("gzip", "import"), ("gzip-after-identity", "read-through"),
+    pytest.param("gzip", "read-through", marks=pytest.mark.slow),
+    pytest.param("gzip-after-identity", "import", marks=pytest.mark.slow),
+], indirect=["served"])
 def test_an_encoded_body_is_refused_unread(served, how):
     """A Content-Encoding: gzip body of a few MB inflated past 2.5 GiB (aiohttp decompresses by
     default). Now identity is asked for and an encoded body refused before it is read: a

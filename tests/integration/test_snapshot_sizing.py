@@ -100,7 +100,7 @@ def _shm_bytes() -> int:
     return sum(os.stat(namespace().shm_path(n)).st_blocks * 512 for n in _dst_segments())
 
 
-@pytest.mark.parametrize("how", ["import", "cli", "read-through"])
+@pytest.mark.parametrize("how", ["import", pytest.param("cli", marks=pytest.mark.slow), "read-through"])
 def test_a_sparse_data_file_sizes_nothing_before_its_bytes_are_read(tmp_path, how):
     _sparse(tmp_path / "snap")
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_READER), how, str(tmp_path / "snap")],
