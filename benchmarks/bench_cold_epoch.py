@@ -1,0 +1,108 @@
+"""A cold epoch against the DataLoader's own batched fetch, for any map-style dataset with
+``__getitems__`` (issue 31): where the cache's miss path costs what, by the source's cost an item
+and the item's size.
+
+The source: ``__getitems__(indices)`` gives ``{"x": a row of a ready uint8 array, "y": int}`` per
+index, each item a copy of its row, after spinning the item's cost in Python (``--costs``, us an
+item: the GIL held, as a decoding or transforming dataset holds it). Read by ``DataLoader(ds,
+batch_size=64, shuffle=True, num_workers=W)`` unwrapped, then wrapped in a fresh cache (its cold
+epoch), in the same round, rounds alternating; reported per (size, cost): the medians, the cold
+epoch as a ratio of the unwrapped one (1.00: as fast; > 0.9: the issue's target), and what the
+cache adds an item, ``(cold - plain) / items``. That last column is the miss path's own cost: a
+source slower by ``cost`` an item keeps it, so the ratio reaches 0.9 where ``cost`` is about nine
+times it.
+
+    PYTHONPATH=$PWD python benchmarks/bench_cold_epoch.py [--n 5000] [--rounds 3]
+        [--costs 0 20 100 400] [--sizes 3072 24576] [--workers 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import environment, environment_line, median, private_namespace  # noqa: E402
+
+
+class Source:
+    """A map-style dataset with ``__getitems__`` whose items cost ``cost_us`` each (a Python spin)."""
+
+    def __init__(self, n: int, size: int, cost_us: float):
+        self.rows = np.random.default_rng(0).integers(0, 256, (n, size), dtype=np.uint8)
+        self.cost = cost_us / 1e6
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: list) -> list:
+        until = time.perf_counter() + self.cost * len(indices)
+        while time.perf_counter() < until:  # the dataset's own work, GIL held
+            pass
+        return [{"x": self.rows[i].copy(), "y": int(i)} for i in indices]
+
+
+def _epoch(ds, workers: int) -> float:
+    import torch
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    loader = DataLoader(ds, batch_size=64, shuffle=True, num_workers=workers,
+                        persistent_workers=False, multiprocessing_context="fork" if workers else None)
+    t = time.perf_counter()
+    for _ in loader:
+        pass
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=5000, help="items in the dataset")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--costs", type=float, nargs="+", default=[0, 20, 100, 400], help="us an item")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[3072, 24576], help="bytes an item")
+    ap.add_argument("--workers", type=int, nargs="+", default=[0])
+    args = ap.parse_args()
+    private_namespace("bench-cold-")
+    from shmcache import ShmDatasetCache
+
+    print(environment_line(environment()))
+    print(f"{args.n} items, DataLoader(batch_size=64, shuffle=True); median of {args.rounds} rounds; "
+          f"cold x: the unwrapped epoch's time over the cold one's; added: (cold - plain) / items")
+    print(f"{'size':>7}{'cost us':>9}{'workers':>8}{'plain s':>9}{'cold s':>8}{'cold x':>8}{'added us':>10}")
+    runs = iter(range(1, 1 << 30))
+    for size in args.sizes:
+        for cost in args.costs:
+            src = Source(args.n, size, cost)
+            for workers in args.workers:
+                plain, cold = [], []
+                for r in range(args.rounds):  # which goes first alternates
+                    for what in (("plain", "cold") if r % 2 == 0 else ("cold", "plain")):
+                        if what == "plain":
+                            plain.append(_epoch(src, workers))
+                        else:
+                            cold.append(_cold_epoch(ShmDatasetCache, src, workers, next(runs)))
+                p, c = median(plain), median(cold)
+                print(f"{size:>7}{cost:>9g}{workers:>8}{p:>9.3f}{c:>8.3f}{p / c:>8.2f}"
+                      f"{(c - p) / args.n * 1e6:>10.1f}")
+
+
+def _cold_epoch(cache_type, src: Source, workers: int, run: int) -> float:
+    """One epoch of ``src`` wrapped in a fresh cache, which is destroyed after."""
+    cache = cache_type(session="bench-cold", name=f"c{run}", size=2048)
+    try:
+        return _epoch(cache.wrap(src, fingerprint=f"cold-{run}"), workers)
+    finally:
+        cache.store.destroy()
+        cache.close()
+
+
+if __name__ == "__main__":
+    main()
