@@ -118,6 +118,23 @@ def in_huge_tmpfs(script: str, argv: list[str], size: str) -> int:
         os.rmdir(mnt)
 
 
+def shuffled_epoch(ds, workers: int, batch_size: int = 64) -> float:
+    """Seconds of one ``DataLoader(ds, batch_size, shuffle=True, num_workers=workers)`` epoch
+    (the same order each time: seed 0; forked workers, not kept between epochs)."""
+    import time
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    loader = DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
+                        persistent_workers=False, multiprocessing_context="fork" if workers else None)
+    t = time.perf_counter()
+    for _ in loader:
+        pass
+    return time.perf_counter() - t
+
+
 def median(values: Iterable[float]) -> float:
     vals = [v for v in values if v is not None]
     return float(np.median(vals)) if vals else float("nan")

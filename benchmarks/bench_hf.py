@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import environment, environment_line, median, private_namespace  # noqa: E402
+from _common import shuffled_epoch as _epoch  # noqa: E402
 
 
 def _table(rows: int):
@@ -98,19 +99,6 @@ class Ready:
 
     def __getitems__(self, keys: list) -> list:
         return [self.rows[i] for i in keys]
-
-
-def _epoch(ds, workers: int) -> float:
-    import torch
-    from torch.utils.data import DataLoader
-
-    torch.manual_seed(0)
-    loader = DataLoader(ds, batch_size=64, shuffle=True, num_workers=workers,
-                        persistent_workers=False, multiprocessing_context="fork" if workers else None)
-    t = time.perf_counter()
-    for _ in loader:
-        pass
-    return time.perf_counter() - t
 
 
 def main() -> None:
