@@ -331,7 +331,10 @@ class CacheWriter:
         index = gen.index
         w1 = keys.view(np.uint64)
         home, picked = _probe_run(index, w1, group)
-        seg = self._class_segment(gen, cls, chunk_size)
+        try:
+            seg = self._class_segment(gen, cls, chunk_size)
+        except NoRoom:  # /dev/shm cannot take the class's segment: spill or reject one at a time
+            return
         self.view.recheck_class(gen, cls, gen.data[cls])  # a damaged class record must not place a record
         for shape in shapes.values():
             shape.fill(chunk_size)

@@ -344,3 +344,76 @@ def test_a_run_of_records_from_a_tier_and_from_the_codec_reads_back_right(store)
     for k in range(30):
         got = store.lookup(k)
         assert np.array_equal(got["img"], _row(k)["img"]) and got["label"] == k and got["name"] == _row(k)["name"], k
+
+
+# A run whose size class has no segment yet, on a /dev/shm that is full: the class's segment
+# cannot be made (NoRoom, internal) - the run's records go one at a time, as put_locked's do:
+# rejected, or spilled when spilling is on; put_many never raises NoRoom to its caller.
+_FULL_SHM_RUN = r"""
+import json, os, sys
+import numpy as np
+from shmcache.cache import codec
+from shmcache.cache.store import CacheStore
+from shmcache.tiers.spill.tier import attach
+out, spill = sys.argv[1], sys.argv[2]
+store = CacheStore("chunkfull", "c", capacity_bytes=64 << 20)
+if spill != "-":
+    os.mkdir(spill)
+try:
+    if spill != "-":
+        attach(store, spill)
+    assert store.put(-1, np.zeros(4, np.int64))  # a small class made while there is room
+    with open("/dev/shm/filler", "wb") as f:
+        while True:
+            st = os.statvfs("/dev/shm")
+            free = st.f_bavail * st.f_frsize
+            if free <= 0:
+                break
+            try:
+                f.write(b"\0" * min(1 << 20, free))
+                f.flush()
+            except OSError:
+                break
+    # one size class, a layout each str length: one run, in a class not made yet
+    rows = {k: {"img": np.full(400, k, np.int64), "text": "t" * (k % 5 + 1)} for k in range(16)}
+    try:
+        stored = store.put_many([(k, codec.encode(v)) for k, v in rows.items()])
+    except BaseException as exc:
+        stored = f"{type(exc).__name__}: {exc}"
+    right = [k for k, v in rows.items() if (got := store.lookup(k, count=False)) is not None
+             and isinstance(got, dict) and np.array_equal(got["img"], v["img"]) and got["text"] == v["text"]]
+    st = store.stats()
+    result = {"stored": stored, "right": right, "items_disk": st["items_disk"], "rejected": st["rejected"]}
+finally:
+    if os.path.exists("/dev/shm/filler"):
+        os.unlink("/dev/shm/filler")
+    store.destroy()
+with open(out, "w") as f:
+    json.dump(result, f)
+"""
+
+
+@pytest.mark.parametrize("spilling", [False, True], ids=["rejected", "spilled"])
+def test_a_run_whose_class_segment_cannot_be_made_goes_one_at_a_time(tmp_path, spilling):
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1): mounts a small tmpfs over /dev/shm in a private mount namespace")
+    script, out = tmp_path / "full_shm_run.py", tmp_path / "out.json"
+    script.write_text(_FULL_SHM_RUN)
+    spill = str(tmp_path / "spill") if spilling else "-"
+    inner = f"mount -t tmpfs -o size=8m tmpfs /dev/shm || exit 99; exec {sys.executable} {script} {out} {spill}"
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode == 99:
+        pytest.skip(f"cannot mount a private tmpfs over /dev/shm here: {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    if spilling:
+        assert res["stored"] == [True] * 16 and res["items_disk"] == 16 and res["right"] == list(range(16)), res
+    else:
+        assert res["stored"] == [False] * 16 and res["rejected"] == 16 and res["right"] == [], res
