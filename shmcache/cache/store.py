@@ -43,9 +43,10 @@ NOTE [publish order]
 
     A run (``put_many``'s records with int keys, of one size class: a batch of one dataset's
     samples, whose layouts may differ with a str field's length; CacheWriter._put_run) is a
-    stretch of a group written with numpy over the run: the same words, the same fences. Its records are noted in the group intent in one
-    go (the count word last), its chunks are the next ones of its class in a row, its bytes go
-    into them with one pwrite of the class's segment (Segment.write_at: the kernel's copy, no
+    stretch of a group written with numpy over the run: the same words, the same fences. Its
+    records are noted in the group intent in one go (the count word last), its chunks are the
+    next ones of its class in a row, its bytes go into them with one pwrite of the class's
+    segment, each record from its own layout's offsets (Segment.write_at: the kernel's copy, no
     page fault per page of the writer's mapping; through the mapping on a hugetlbfs, which has
     no write(); ordered by fence A as any store), its entries' w1 and w2 staged together; a
     group's READY words are one numpy assignment (one aligned 8-byte store per word,
