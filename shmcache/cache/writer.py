@@ -604,7 +604,11 @@ class _RunShape:
 
     def vecs(self, enc: codec.Encoded, out: list) -> None:
         """``enc``'s record, as its chunk's bytes one after the other, appended to ``out``."""
-        out.append(self.head + enc.scalars)
+        if len(enc.scalars) <= _JOIN_SCALARS:  # a few numbers: joined costs less than a buffer more
+            out.append(self.head + enc.scalars)
+        else:  # a portable record's whole body (writer.encoded_from_portable): pwritten as it is
+            out.append(self.head)
+            out.append(enc.scalars)
         for gap, (_, piece) in zip(self.gaps, enc.pieces):
             out.append(gap)
             out.append(piece)
@@ -675,6 +679,7 @@ def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[n
 # 48 KiB, 1.06-1.17x at 150 KB, 0.91-1.01x at 1 MiB.
 PWRITE_MIN_BYTES = 32 << 10
 _RUN_MIN = 8  # records of one size class that go as a run (fewer: one at a time)
+_JOIN_SCALARS = 256  # a run's record header and scalars this short go as one buffer (_RunShape.vecs)
 _RUN_PROBES = 4  # steps along the probe paths taken with numpy (a probe takes ~1.5 at 70% load)
 
 
