@@ -656,7 +656,7 @@ def _probe_run(index: TableView, w1: np.ndarray, group: PublishGroup) -> tuple[n
         p = pos[todo]
         s0 = words[p, 0]
         found = ((s0 & want) == want) & (words[p, 1] == w1[todo])
-        free = (s0 == 0) & ~np.isin(p, taken)  # sorted, not a len(p) x len(taken) table
+        free = (s0 == 0) & ~np.isin(p, taken)  # by sorting: no len(p) x len(taken) table of bools
         if free.any():  # the first key at each free entry takes it; the others go on
             _, at = np.unique(p[free], return_index=True)
             claim = np.zeros(len(todo), bool)
