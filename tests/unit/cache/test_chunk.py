@@ -6,6 +6,13 @@ writers: tests/crash/test_crash_chunk.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -416,12 +423,6 @@ with open(out, "w") as f:
 
 @pytest.mark.parametrize("spilling", [False, True], ids=["rejected", "spilled"])
 def test_a_run_whose_class_segment_cannot_be_made_goes_one_at_a_time(tmp_path, spilling):
-    import json
-    import os
-    import shutil
-    import subprocess
-    import sys
-
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1): mounts a small tmpfs over /dev/shm in a private mount namespace")
     script, out = tmp_path / "full_shm_run.py", tmp_path / "out.json"
@@ -444,8 +445,6 @@ def test_a_large_run_probes_in_memory_linear_in_its_keys(store):
     # an import's put_records holds up to 64 MiB of records: 100,000s of small ones, one run. Its
     # probe compared each key still on its way with every entry taken so far (a keys x taken
     # table of bools: 5.9 GB for 200,000 records into a fresh cache); now sorted (np.isin)
-    import tracemalloc
-
     n = 60_000
     items = [(k, codec.encode(np.full(4, k, np.int64))) for k in range(n)]
     tracemalloc.start()
