@@ -117,6 +117,26 @@ def hit_path(request, monkeypatch):
 
 
 @pytest.fixture
+def private_mounts():
+    """``run(steps, timeout)``: the shell command line ``steps`` in a private mount namespace
+    (``unshare -m``, as root), where what it mounts (a small tmpfs, one over /dev/shm, a huge-page
+    mount) is its own and goes with it; returns the finished process. Skips where the machine
+    cannot: not root, no unshare(1), or a mount refused - which ``steps`` says with exit 99
+    (``mount ... || exit 99``)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1): mounts in a private mount namespace")
+
+    def run(steps: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", steps],
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 99 or "unshare failed" in proc.stderr:
+            pytest.skip(f"cannot mount here: {proc.stderr.strip()[-300:]}")
+        return proc
+
+    return run
+
+
+@pytest.fixture
 def sanitized(tmp_path):
     """``run(c_file, script, *args)``: ``c_file`` (a compiled part of shmcache) built with
     AddressSanitizer and UBSan (-fno-sanitize-recover: the first finding aborts), then ``script``

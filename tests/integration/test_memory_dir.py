@@ -451,7 +451,7 @@ def huge_pages():
         knob.write_text(str(old))
 
 
-def test_a_hugetlbfs_with_pages_holds_a_batch_of_misses(tmp_path, huge_pages):
+def test_a_hugetlbfs_with_pages_holds_a_batch_of_misses(tmp_path, huge_pages, private_mounts):
     """A hugetlbfs takes no write(2): a batch of misses admitted as one run (written with pwritev
     on tmpfs) must still land in its pages, be read back by another process without the
     variable, and leave the mount empty after destroy."""
@@ -459,12 +459,8 @@ def test_a_hugetlbfs_with_pages_holds_a_batch_of_misses(tmp_path, huge_pages):
     mount.mkdir()
     script = tmp_path / "htlb.py"
     script.write_text(HTLB_SCRIPT)
-    inner = (f"mount -t hugetlbfs none {mount} || exit 99; {sys.executable} {script} {mount}; rc=$?; "
-             f"ls -A {mount}/shmcache-{os.getuid()} 2>/dev/null; exit $rc")
-    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner],
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode == 99:
-        pytest.skip(f"cannot mount a hugetlbfs here: {proc.stderr.strip()[-300:]}")
+    proc = private_mounts(f"mount -t hugetlbfs none {mount} || exit 99; {sys.executable} {script} {mount}; "
+                          f"rc=$?; ls -A {mount}/shmcache-{os.getuid()} 2>/dev/null; exit $rc", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "300 0 | 300", proc.stdout  # all admitted into its pages, all read back
@@ -497,7 +493,7 @@ print(out)
 
 
 @pytest.mark.parametrize("fs", ["hugetlbfs", "tmpfs huge=always"])
-def test_write_at_writes_the_same_bytes_on_a_huge_page_mount(tmp_path, huge_pages, fs):
+def test_write_at_writes_the_same_bytes_on_a_huge_page_mount(tmp_path, huge_pages, fs, private_mounts):
     """hugetlbfs takes no write(2) (write_at copies through the mapping), a huge=always tmpfs takes
     pwritev into 2 MiB pages: buffers of any kind and shape, few or more than IOV_MAX, land as
     their concatenation there too, and a write past the end is refused on both."""
@@ -506,11 +502,7 @@ def test_write_at_writes_the_same_bytes_on_a_huge_page_mount(tmp_path, huge_page
     script = tmp_path / "write_at.py"
     script.write_text(WRITE_AT_SCRIPT)
     how = "-t hugetlbfs none" if fs == "hugetlbfs" else "-t tmpfs -o size=16m,huge=always tmpfs"
-    inner = f"mount {how} {mount} || exit 99; {sys.executable} {script} {mount} {4 * pmd_size()}"
-    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner],
-                          capture_output=True, text=True, timeout=120)
-    if proc.returncode == 99:
-        pytest.skip(f"cannot mount {fs} here: {proc.stderr.strip()[-300:]}")
+    proc = private_mounts(f"mount {how} {mount} || exit 99; {sys.executable} {script} {mount} {4 * pmd_size()}")
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     assert proc.stdout.strip() == "[True, True, True]", proc.stdout
 
@@ -543,13 +535,11 @@ print(bool((c.lookup(1) == np.arange(PWRITE_MIN_BYTES + 4096, dtype=np.uint8) * 
 """
 
 
-def test_a_large_record_put_on_its_own_goes_through_the_mapping_of_a_huge_mount(tmp_path):
+def test_a_large_record_put_on_its_own_goes_through_the_mapping_of_a_huge_mount(tmp_path, private_mounts):
     """A record of PWRITE_MIN_BYTES and more is copied in with one pwritev on base pages (a first
     store through the mapping faults on each 4 KiB page); on a tmpfs of huge pages the mapping
     faults once a huge page and the pwritev costs more than it saves (benchmarks/bench_put_one.py):
     through the mapping there. Either way another process reads it back."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1): mounts tmpfs in a private mount namespace")
     small, huge = tmp_path / "small", tmp_path / "huge"
     small.mkdir()
     huge.mkdir()
@@ -563,10 +553,7 @@ def test_a_large_record_put_on_its_own_goes_through_the_mapping_of_a_huge_mount(
         steps += [f"SHMCACHE_MEMORY_DIR={mount} {py} {tmp_path / 'put.py'} {s} || exit 1",
                   f"{py} {tmp_path / 'read.py'} {s} || exit 1",
                   f"{py} -m shmcache destroy {s} >/dev/null || exit 1"]
-    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", "; ".join(steps)],
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode == 99:
-        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-300:]}")
+    proc = private_mounts("; ".join(steps), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     # base pages: one pwritev; huge pages: none (through the mapping); both read back whole
     assert proc.stdout.split() == ["1", "True", "0", "True"], proc.stdout

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 
@@ -327,20 +326,12 @@ json.dump(result, open(out, "w"))
 """
 
 
-def test_a_full_disk_during_export_is_a_clean_error_and_no_snapshot(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("needs root: mounts a small tmpfs in a private mount namespace")
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare(1) (util-linux) for a private mount namespace")
+def test_a_full_disk_during_export_is_a_clean_error_and_no_snapshot(tmp_path, private_mounts):
     small, out, script = tmp_path / "small", tmp_path / "result.json", tmp_path / "full.py"
     small.mkdir()
     script.write_text(FULL_DISK)
-    inner = (f"mount -t tmpfs -o size=2m tmpfs {small} || exit 99; "
-             f"exec {sys.executable} {script} {small}/snap {out}")
-    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner],
-                          capture_output=True, text=True, timeout=100)
-    if proc.returncode == 99:
-        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[-300:]}")
+    proc = private_mounts(f"mount -t tmpfs -o size=2m tmpfs {small} || exit 99; "
+                          f"exec {sys.executable} {script} {small}/snap {out}", timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["error"] and "no space left" in result["error"] and "snap" in result["error"]

@@ -7,9 +7,6 @@ writers: tests/crash/test_crash_chunk.py)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 import tracemalloc
 
@@ -175,6 +172,18 @@ def _count_runs(monkeypatch) -> list:
     return sizes
 
 
+def _sent_buffers(monkeypatch) -> list:
+    """The buffers of each Segment.write_at call (a list per call): what the pwritev read from."""
+    real, sent = Segment.write_at, []
+
+    def write_at(self, offset, buffers):
+        sent.append(list(buffers))
+        return real(self, offset, sent[-1])
+
+    monkeypatch.setattr(Segment, "write_at", write_at)
+    return sent
+
+
 def test_a_run_of_one_layout_reads_back_right(store, monkeypatch):
     runs = _count_runs(monkeypatch)
     keys = list(range(200)) + [2**40 + k for k in range(20)] + [-5 - k for k in range(20)]  # hashed homes too
@@ -252,13 +261,7 @@ def test_a_large_portable_record_is_pwritten_from_its_own_bytes(store, monkeypat
     # large one (put on its own: a str key) reads its body where the caller holds it, no copy
     from shmcache.cache.writer import PWRITE_MIN_BYTES
 
-    real, sent = Segment.write_at, []
-
-    def write_at(self, offset, buffers):
-        sent.append(list(buffers))
-        return real(self, offset, sent[-1])
-
-    monkeypatch.setattr(Segment, "write_at", write_at)
+    sent = _sent_buffers(monkeypatch)
     value = np.arange(PWRITE_MIN_BYTES, dtype=np.int32)
     record = portable_record(codec.encode(value), "big")
     assert store.put_records([("big", record)]) == [True]
@@ -272,13 +275,7 @@ def test_a_large_portable_record_is_pwritten_from_its_own_bytes(store, monkeypat
 def test_a_run_of_portable_records_is_pwritten_from_their_own_bytes(store, monkeypatch):
     # an import's or a tier's batch (int keys: a run): each record's body goes to the pwritev as
     # the caller holds it, not copied behind its header first
-    real, sent = Segment.write_at, []
-
-    def write_at(self, offset, buffers):
-        sent.append(list(buffers))
-        return real(self, offset, sent[-1])
-
-    monkeypatch.setattr(Segment, "write_at", write_at)
+    sent = _sent_buffers(monkeypatch)
     values = {k: np.full(1000, k, np.int32) for k in range(12)}
     records = {k: portable_record(codec.encode(v), k) for k, v in values.items()}
     assert store.put_records(list(records.items())) == [True] * 12
@@ -422,17 +419,12 @@ with open(out, "w") as f:
 
 
 @pytest.mark.parametrize("spilling", [False, True], ids=["rejected", "spilled"])
-def test_a_run_whose_class_segment_cannot_be_made_goes_one_at_a_time(tmp_path, spilling):
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1): mounts a small tmpfs over /dev/shm in a private mount namespace")
+def test_a_run_whose_class_segment_cannot_be_made_goes_one_at_a_time(tmp_path, spilling, private_mounts):
     script, out = tmp_path / "full_shm_run.py", tmp_path / "out.json"
     script.write_text(_FULL_SHM_RUN)
     spill = str(tmp_path / "spill") if spilling else "-"
-    inner = f"mount -t tmpfs -o size=8m tmpfs /dev/shm || exit 99; exec {sys.executable} {script} {out} {spill}"
-    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner],
-                          capture_output=True, text=True, timeout=120)
-    if proc.returncode == 99:
-        pytest.skip(f"cannot mount a private tmpfs over /dev/shm here: {proc.stderr.strip()[-300:]}")
+    proc = private_mounts(f"mount -t tmpfs -o size=8m tmpfs /dev/shm || exit 99; "
+                          f"exec {sys.executable} {script} {out} {spill}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     if spilling:
