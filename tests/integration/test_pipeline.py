@@ -66,8 +66,8 @@ def test_sink_loop_over_ring_trains():
     cache.close()
 
 
-def _run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _run(cmd: list[str], timeout: int = 240, tmpdir: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"TMPDIR": str(tmpdir)} if tmpdir else {})}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -93,10 +93,11 @@ def test_example_trains_under_the_launcher_with_one_shared_cache():
 
 
 @pytest.mark.slow  # long (several seconds of real processes); CI runs it (.ci/run: -m slow)
-def test_example_runs_unchanged_under_torchrun():
+def test_example_runs_unchanged_under_torchrun(tmp_path):
     pytest.importorskip("PIL")
+    # torchrun keeps its logs in a folder of its own in $TMPDIR, and leaves it: the test's folder
     r = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              *TRAIN_ARGS, "--tasks", "digits"])
+              *TRAIN_ARGS, "--tasks", "digits"], tmpdir=tmp_path)
     try:
         assert r.returncode == 0, r.stderr[-3000:]
         assert "test accuracy" in r.stdout
