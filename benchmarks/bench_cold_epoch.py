@@ -19,6 +19,7 @@ times it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -65,7 +66,7 @@ def main() -> None:
     print(f"{args.n} items, DataLoader(batch_size=64, shuffle=True); median of {args.rounds} rounds; "
           f"cold x: the unwrapped epoch's time over the cold one's; added: (cold - plain) / items")
     print(f"{'size':>7}{'cost us':>9}{'workers':>8}{'plain s':>9}{'cold s':>8}{'cold x':>8}{'added us':>10}")
-    runs = iter(range(1, 1 << 30))
+    runs = itertools.count(1)
     for size in args.sizes:
         for cost in args.costs:
             src = Source(args.n, size, cost)

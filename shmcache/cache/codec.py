@@ -572,13 +572,13 @@ def _numbers(x: list) -> np.ndarray | None:
     # the numbers a rectangular nesting holds: the lengths along its first path multiplied. Past
     # MAX_LAYOUT_NUMBERS, every level is checked for a list met twice (below) from the first
     # one on: [v, v] thirty levels deep is found at once, not flattened to 2**21 lists first
-    count, first = len(x), x
-    while count <= MAX_LAYOUT_NUMBERS and type(first[0]) is list and first[0] and len(firsts) < _MAX_DIMS \
-            and id(first[0]) not in firsts:
+    count, first, path = len(x), x, {id(x)}
+    while count <= MAX_LAYOUT_NUMBERS and type(first[0]) is list and first[0] and len(path) < _MAX_DIMS \
+            and id(first[0]) not in path:
         first = first[0]
-        firsts.add(id(first))
+        path.add(id(first))
         count *= len(first)
-    many, firsts = count > MAX_LAYOUT_NUMBERS, {id(x)}
+    many = count > MAX_LAYOUT_NUMBERS
     while type(level[0]) is list:  # a level of lists: every item a list of one length
         n = len(level[0])
         # a list that holds itself ([x, x]) made each level twice the last, until memory ran out:
