@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import gc
 import multiprocessing
+import tempfile
 
 import numpy as np
 import pytest
@@ -227,11 +228,15 @@ def _first_error(loader):
 
 
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
-def test_errors_raise_where_the_dataloader_reads_with_their_type(workers):
+def test_errors_raise_where_the_dataloader_reads_with_their_type(workers, tmp_path, monkeypatch):
     """(With workers, torch itself takes 5 s per loader to stop them after the error: slow.)"""
     kw = {"batch_size": 2, "num_workers": workers}
     if workers:
         kw["multiprocessing_context"] = multiprocessing.get_context("fork")
+        # torch terminates the workers still sending a batch when the loader stops at the error,
+        # and each leaves the temporary folder its tensors' descriptors went through (pymp-*,
+        # multiprocessing's resource sharer): in the test's folder, which the forked workers inherit
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     src = Raises()
     want = _first_error(DataLoader(src, **kw))
     assert want[:2] == (3, KeyError)  # items 0..5, then the batch of 6 and 7
