@@ -49,11 +49,12 @@ class FreeSource:
 
 class KernelOnly:
     """The dataset's rows, and for each batch the bytes the cache's records of it would take
-    (``row_bytes`` a row) written into fresh tmpfs pages, as the cache's writer does it (one
-    ``posix_fallocate`` and one ``pwritev`` a batch), and nothing else: the most a shared-memory
-    cache's cold epoch can reach here. An epoch of it counts what the kernel's part costs inside
-    an epoch, not in a loop of its own: those writes also evict the dataset's working set from
-    the CPU's caches. Optimistic for a cache: the bytes come from one buffer the CPU holds."""
+    (``row_bytes`` a row) written into fresh pages where the cache's would go (``/dev/shm``, or
+    ``$SHMCACHE_MEMORY_DIR``) as the cache's writer does it (one ``posix_fallocate`` and one
+    ``pwritev`` a batch), and nothing else: the most a shared-memory cache's cold epoch can reach
+    here. An epoch of it counts what the kernel's part costs inside an epoch, not in a loop of its
+    own: those writes also evict the dataset's working set from the CPU's caches. Optimistic for a
+    cache: the bytes come from one buffer that the CPU's caches hold."""
 
     def __init__(self, dataset, row_bytes: int):
         self.dataset = dataset
@@ -71,7 +72,10 @@ class KernelOnly:
         if self.pid != os.getpid():  # a file of this process's (a forked worker's own)
             import tempfile
 
-            self.fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="bench-kernel-only-")
+            from shmcache.base import settings
+
+            where = settings.get(settings.ENV_MEMORY_DIR) or "/dev/shm"
+            self.fd, path = tempfile.mkstemp(dir=where, prefix="bench-kernel-only-")
             os.unlink(path)  # its pages go when the descriptor does
             self.pid, self.end = os.getpid(), 0
         n = len(rows) * len(self.row)
