@@ -63,6 +63,19 @@ def resource_tracker_started_first():
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def torch_compiler_cache_in_the_run(tmp_path_factory):
+    """torch's first optimizer step (a test's, or a training script's that a test starts) makes
+    its compiler's cache folder, /tmp/torchinductor_<user>, unless $TORCHINDUCTOR_CACHE_DIR names
+    one: this run's own (under pytest's temporary folder), which the processes it starts inherit."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:  # the caller's choice
+        yield
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("torchinductor"))
+    yield
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+
 @pytest.fixture(autouse=True)
 def shm_namespace(tmp_path, monkeypatch):
     root = tmp_path / "shmcache-ns"
