@@ -160,20 +160,9 @@ def _row(k):
     return {"img": np.full((16, 16, 3), k % 251, np.int64), "label": k, "name": f"r{k % 10}"}
 
 
-def _count_runs(monkeypatch) -> list:
-    """The sizes of the byte ranges that runs pwrite (Segment.write_at): a run was taken."""
-    real, sizes = Segment.write_at, []
-
-    def write_at(self, offset, buffers):
-        sizes.append(sum(memoryview(b).nbytes for b in buffers))
-        return real(self, offset, buffers)
-
-    monkeypatch.setattr(Segment, "write_at", write_at)
-    return sizes
-
-
 def _sent_buffers(monkeypatch) -> list:
-    """The buffers of each Segment.write_at call (a list per call): what the pwritev read from."""
+    """The buffers of each Segment.write_at call (a list per call): what the pwritev read from
+    (a run, or a large record put on its own, took one)."""
     real, sent = Segment.write_at, []
 
     def write_at(self, offset, buffers):
@@ -184,14 +173,19 @@ def _sent_buffers(monkeypatch) -> list:
     return sent
 
 
+def _nbytes(buffers: list) -> int:
+    """The bytes one write_at call wrote."""
+    return sum(memoryview(b).nbytes for b in buffers)
+
+
 def test_a_run_of_one_layout_reads_back_right(store, monkeypatch):
-    runs = _count_runs(monkeypatch)
+    runs = _sent_buffers(monkeypatch)
     keys = list(range(200)) + [2**40 + k for k in range(20)] + [-5 - k for k in range(20)]  # hashed homes too
     items = [(k, codec.encode(_row(k))) for k in keys]
     assert store.put_many(items) == [True] * len(keys)
     assert len(store) == len(keys) == store.stats()["items_mem"]
     # runs (a hashed key whose home another key of the run takes goes one at a time)
-    assert runs and sum(runs) >= 200 * codec.encode(_row(0)).body_len
+    assert runs and sum(map(_nbytes, runs)) >= 200 * codec.encode(_row(0)).body_len
     for k in keys:
         got = store.lookup(k)
         assert np.array_equal(got["img"], _row(k)["img"]) and got["label"] == k and got["name"] == _row(k)["name"]
@@ -204,7 +198,7 @@ def test_a_run_of_one_layout_reads_back_right(store, monkeypatch):
 def test_a_batch_whose_str_field_varies_in_length_is_one_run(store, monkeypatch):
     # Hugging Face's rows: "row 9", "row 10", "row 100" - a layout each length, one size class:
     # one run, each record written from its own layout's offsets
-    runs = _count_runs(monkeypatch)
+    runs = _sent_buffers(monkeypatch)
     keys = [3, 9, 10, 42, 99, 100, 555, 999, 1000, 4321, 7, 64]
     rows = {k: {"label": k, "img": np.full((16, 16, 3), k % 251, np.int64), "text": f"row {k}"} for k in keys}
     items = [(k, codec.encode(rows[k])) for k in keys]
@@ -218,7 +212,7 @@ def test_a_batch_whose_str_field_varies_in_length_is_one_run(store, monkeypatch)
 
 
 def test_a_group_mixing_layouts_keys_and_repeats_falls_back_one_at_a_time(store, monkeypatch):
-    runs = _count_runs(monkeypatch)
+    runs = _sent_buffers(monkeypatch)
     mixed = {k: (_row(k) if k % 3 else _value(k)) for k in range(120)}  # two layouts, one of them a run
     keys = list(mixed) + ["s1", b"b2", 7, 7, 12]  # str/bytes keys, repeats
     values = {**mixed, "s1": _row(1), b"b2": _row(2)}
@@ -241,7 +235,7 @@ def test_a_group_mixing_layouts_keys_and_repeats_falls_back_one_at_a_time(store,
 def test_a_large_record_put_on_its_own_is_one_pwritev_and_reads_back(store, monkeypatch):
     from shmcache.cache.writer import PWRITE_MIN_BYTES
 
-    writes = _count_runs(monkeypatch)
+    writes = _sent_buffers(monkeypatch)
     big = {"img": np.arange(PWRITE_MIN_BYTES, dtype=np.uint8)[::-1].copy(), "name": "é" * 3, "n": 7}
     small = {"img": np.arange(PWRITE_MIN_BYTES // 4, dtype=np.uint8), "name": "a", "n": 8}
     for key, value in ((1, big), ("big", big), (b"\x00b", big), (2, small), ("small", small)):
@@ -250,7 +244,7 @@ def test_a_large_record_put_on_its_own_is_one_pwritev_and_reads_back(store, monk
     # (no page fault on each of their pages), the small ones through the mapping; all through
     # the mapping where /dev/shm has huge pages (tests/integration/test_memory_dir.py)
     base_pages = store.view.refresh().meta.base_pages
-    assert len(writes) == (3 if base_pages else 0) and all(n >= PWRITE_MIN_BYTES for n in writes)
+    assert len(writes) == (3 if base_pages else 0) and all(_nbytes(w) >= PWRITE_MIN_BYTES for w in writes)
     for key, value in ((1, big), ("big", big), (b"\x00b", big), (2, small), ("small", small)):
         got = store.lookup(key)
         assert np.array_equal(got["img"], value["img"]) and got["name"] == value["name"] and got["n"] == value["n"]
@@ -332,7 +326,7 @@ def test_a_key_in_two_runs_of_one_call_is_stored_once(store):
 
 
 def test_numpy_integer_keys_go_as_a_run_and_read_as_their_ints(store, monkeypatch):
-    runs = _count_runs(monkeypatch)
+    runs = _sent_buffers(monkeypatch)
     keys = np.arange(300, 340, dtype=np.int64)
     assert store.put_many([(k, codec.encode(_row(int(k)))) for k in keys]) == [True] * len(keys)
     assert len(runs) == 1 and all(store.lookup(int(k))["label"] == k for k in keys)
