@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import posix_ipc
 
 from ..errors import CorruptSegment, NotOwner, SharedMemoryFull
-from . import memdir, ordering
+from . import ahead, memdir, ordering
 from .namespace import segment_dir, segment_path, squatter_error
 
 __all__ = ["Segment", "HEADER_BYTES", "PAGE", "WORD", "word_view"]
@@ -118,6 +118,8 @@ class Segment:
         # huge pages (hugetlbfs, a tmpfs huge=always/within_size): one fault a huge page there, so
         # a write_at saves a writer nothing there (a record put on its own: CacheWriter._insert)
         self.base_pages = back.page_size <= PAGE
+        self._ahead: tuple[int, int, int] | None = None  # commit_ahead's last range and request
+        self._ahead_pause = 0  # commit_ahead's calls left to skip: its last range went unused
 
     # --- creation and attachment -----------------------------------------------------------
 
@@ -250,9 +252,34 @@ class Segment:
     # --- memory ------------------------------------------------------------------------------
 
     def commit(self, offset: int, length: int) -> None:
-        """Back ``[offset, offset+length)`` with real pages before anything touches it (no SIGBUS)."""
+        """Back ``[offset, offset+length)`` with real pages before anything touches it (no SIGBUS);
+        nothing to do for a range inside the last ``commit_ahead``'s once its thread backed it."""
+        asked, self._ahead = self._ahead, None
+        if asked is not None:
+            if asked[0] <= offset and offset + length <= asked[1]:
+                if ahead.backed(asked[2]):
+                    return
+            else:  # another process committed that range (writers that take turns): a walk of its
+                self._ahead_pause = AHEAD_PAUSE  # pages for nothing, so stop asking for a while
         with self._own_fd() as fd:
             _fallocate(fd, offset, length, self.name)
+
+    def commit_ahead(self, offset: int, length: int) -> None:
+        """Back ``[offset, offset+length)`` on a thread of its own (``ahead``), for a ``commit``
+        of it to come: a hint, never an error (a commit backs what this did not). The pages count
+        as the object's from then on (``st_blocks``, /dev/shm's use): a caller asks only for what
+        its cap has room for. Nothing where the compiled part is not built, nor for AHEAD_PAUSE
+        calls after a range that the next commit did not use."""
+        if not ahead.NATIVE or length <= 0:
+            return
+        if self._ahead_pause:
+            self._ahead_pause -= 1
+            return
+        try:
+            with self._own_fd() as fd:
+                self._ahead = (offset, offset + length, ahead.submit(fd, offset, length))
+        except OSError:  # the name is gone, no descriptor left, no thread: the commit will tell
+            self._ahead = None
 
     @contextlib.contextmanager
     def _own_fd(self) -> Iterator[int]:
@@ -373,6 +400,11 @@ def _taken(name: str) -> OSError:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+# commit_ahead's calls skipped after a range the next commit did not use (another process's run
+# committed it: DataLoader workers that take turns), so that a turn-taker walks no pages for nothing
+AHEAD_PAUSE = 16
 
 
 def _fallocate(fd: int, offset: int, length: int, name: str) -> None:

@@ -31,6 +31,14 @@ NOTE [memory limits]
       and SIZING words - to 80% of what is available now plus what the session holds, if that is
       1/8 more. Its data segments are sized for all of /dev/shm (sparse), so a raised cap can be
       committed (Admission.data_segment_bytes).
+    * Pages backed ahead (``commit_ahead``, ``base.ahead``): after a run (a cold batch), the
+      chunks the next run of its class will commit are backed on a thread of their own while
+      the next batch is computed. Only what ``commit`` would now give without asking anyone:
+      within the cap beside what is committed, within the process's allowance of an auto-sized
+      session, never while spilling or while memory was found full. They are the data
+      segment's pages from then on (st_blocks), though not yet committed: a cache holds at most
+      one run's chunks so, which its next commit takes; a process that dies leaves them to go
+      with the segment.
     * Memory full at creation (the automatic cap below one page of data): the cache is made with
       no room for data (RootLayout.SIZING = AUTO_NONE), every item is rejected or spilled, and
       that is said once (log_no_memory). If not even the cache's own segments fit, CacheStore
@@ -230,6 +238,26 @@ class Admission:
         if auto:
             budget[0] = max(0, budget[0] - step * chunk_size)
         return committed + step
+
+    def commit_ahead(self, gen: Generation, cls: int, seg: Segment, chunk_size: int, chunks: int,
+                     spill: IndexedTier | None) -> None:
+        """Have the ``chunks`` chunks of class ``cls`` past its committed ones backed on a thread of
+        their own (``Segment.commit_ahead``) for the ``commit`` of the next run, which then costs
+        nothing: a cold epoch's next batch, computed meanwhile. Only what this handle could commit
+        now without asking anyone: within the cap beside what is committed, within this process's
+        allowance when auto-sized, never while spilling (/dev/shm keeps room for the index) or
+        while memory was found full. Caller holds the lock."""
+        if time.monotonic() < self._shm_full_until or (spill is not None and spill.accepting):
+            return
+        _, _, committed = gen.classes.get(cls)
+        used = WORD.unpack_from(gen.meta.buf, MetaLayout.COMMITTED)[0]
+        room = min((self.capacity_bytes - used) // chunk_size, (seg.size - DATA_OFF) // chunk_size - committed)
+        if self.sizing() != SIZED:  # the session's allowance for this process, while it holds
+            budget = _SESSION_BUDGETS.get((str(self.registry.ns.root), self.session, os.getpid()))
+            room = min(room, budget[0] // chunk_size) if budget and time.monotonic() <= budget[1] else 0
+        n = min(chunks, room)
+        if n > 0:
+            seg.commit_ahead(DATA_OFF + committed * chunk_size, n * chunk_size)
 
     def raise_auto_cap(self) -> bool:
         """An auto-sized cache (size=0) has no room: if the session's cap was set while memory was

@@ -269,10 +269,11 @@ class CacheWriter:
             self.repair(self.view.refresh())
             out: list = [None] * len(items)
             group = PublishGroup()
+            last_run = None
             try:
                 for run in _runs(items):  # int keys, one size class: a run at a time
                     try:
-                        self._put_run(self.view.refresh(), items, run, group, out)
+                        last_run = self._put_run(self.view.refresh(), items, run, group, out) or last_run
                     except FileNotFoundError:  # a data segment our meta names is gone (as put_locked)
                         raise self.view.destroyed_under_us() or CorruptSegment(
                             f"cache {self.view.session}/{self.view.name} lost a data segment; run "
@@ -293,10 +294,12 @@ class CacheWriter:
                 group.abandon(self.view.corrupt)  # undone before its fence, finished after
                 raise
             self._check_not_overtaken()
+            if last_run is not None:  # the next batch's run backed while it is computed
+                self.admission.commit_ahead(*last_run, self.view.spill)
             return out
 
     def _put_run(self, gen: Generation, items: Sequence[tuple[Any, codec.Encoded]], run: list[int],
-                 group: PublishGroup, out: list) -> None:
+                 group: PublishGroup, out: list) -> tuple | None:
         """Put ``items[i]`` for ``i`` in ``run`` (int keys, records of one size class) as runs of a
         publish group (NOTE [publish order], "A publish group": the same intent, stores and fences
         as one record at a time, written over the run with numpy): the table positions by one
@@ -304,7 +307,9 @@ class CacheWriter:
         by one pwrite (Segment.write_at: no page fault per page), each record from its own
         shape's offsets (``_RunShape``). The items it sets ``out[i] = True`` for are stored; the
         rest go one at a time (put_locked): a key present or whose home entry is taken, a full
-        table, no room (spill or reject), a layout that does not fit the meta segment."""
+        table, no room (spill or reject), a layout that does not fit the meta segment. Returns
+        ``(gen, cls, seg, chunk_size, chunks)`` of the run's class once all of it went as runs
+        (for ``Admission.commit_ahead``), else None."""
         shapes: dict = {}
         of: list = []  # each record's _RunShape
         for i in run:
@@ -353,8 +358,7 @@ class CacheWriter:
                     return
                 # the rest in the grown table (its homes differ): a growth doubles it, so this
                 # recursion is as deep as the table can double
-                self._put_run(gen, items, [i for i in run if out[i] is None], group, out)
-                return
+                return self._put_run(gen, items, [i for i in run if out[i] is None], group, out)
             _, bump, committed = gen.classes.get(cls)
             bump = group.next_chunk(cls, bump)
             try:
@@ -399,6 +403,7 @@ class CacheWriter:
                 out[run[k]] = True
             if len(group) >= GROUP_RECORDS:
                 group.flush()
+        return (gen, cls, seg, chunk_size, len(run))
 
     def _insert(self, gen: Generation, pos: int, w1: int, kb: bytes, enc: codec.Encoded,
                 group: PublishGroup | None = None) -> None:

@@ -48,7 +48,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ..base import memdir, rowcopy, settings
+from ..base import ahead, memdir, rowcopy, settings
 from ..base.memory import memory_limits
 from ..base.namespace import namespace, resolve_session_name
 from ..base.settings import ENV_MEMORY_DIR, ENV_REMOTE, ENV_SPILL_DIR
@@ -375,6 +375,7 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         "thp_shmem_enabled": memdir.shmem_enabled(),
         "batch_copy": "compiled" if rowcopy.NATIVE else f"numpy: {rowcopy.unavailable_reason()}",
         "single_hit": "compiled" if hit.NATIVE else f"python: {hit.unavailable_reason()}",
+        "pages_ahead": "compiled" if ahead.NATIVE else f"none: {ahead.unavailable_reason()}",
         "sessions": len(registry.list()),
         "segments": sum(len(ns.owned_segments(d)) for d in [None, *registry.memory_dirs()]),
         "remotes": _remotes(registry),
@@ -395,6 +396,8 @@ def cmd_info(args, registry: SessionRegistry) -> int:
          else f"numpy, two passes: {rowcopy.unavailable_reason()}"),
         ("single hit", "compiled: an int key's hit (ds[i], cache.get) is one call" if hit.NATIVE
          else f"Python: {hit.unavailable_reason()}"),
+        ("pages ahead", "compiled: a cold batch's pages are backed on an idle CPU while the batch is computed"
+         if ahead.NATIVE else f"none, each batch backs its own: {ahead.unavailable_reason()}"),
         ("MemAvailable", _size(lim.mem_available)),
         ("cgroup memory limit", f"{_size(lim.cgroup_limit)} ({_size(lim.cgroup_free)} free; "
                                 f"{lim.cgroup_file})" if lim.cgroup_limit else "no limit"),

@@ -309,8 +309,9 @@ def _unbuilt(tmp_path: Path) -> Path:
     return tmp_path
 
 
-# the tests of shmcache's compiled parts: this file's (base._rowcopy) and cache._hit's
-COMPILED_TESTS = [__file__, str(Path(__file__).parents[1] / "cache" / "test_hit.py")]
+# the tests of shmcache's compiled parts: this file's (base._rowcopy), base._ahead's and cache._hit's
+COMPILED_TESTS = [__file__, str(Path(__file__).with_name("test_ahead.py")),
+                  str(Path(__file__).parents[1] / "cache" / "test_hit.py")]
 
 
 def _pytest_unbuilt(tmp_path: Path, cc: str, select: str) -> subprocess.CompletedProcess:
@@ -334,6 +335,7 @@ def test_these_tests_pass_where_it_was_not_built(tmp_path):
     # the skips say why: each ran without its extension
     assert "the compiled row copy: not built at install" in done.stdout, done.stdout[-4000:]
     assert "the compiled hit: not built at install" in done.stdout, done.stdout[-4000:]
+    assert "pages backed ahead: not built at install" in done.stdout, done.stdout[-4000:]
 
 
 @pytest.mark.parametrize("flags", ["", " -O2"])
@@ -346,6 +348,7 @@ def test_the_build_guard_fails_an_unbuilt_install_whatever_flags_cc_carries(tmp_
     if not gcc or not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         pytest.skip("no gcc or Python headers here")
     done = _pytest_unbuilt(tmp_path, gcc + flags, "ci_builds")
-    assert "2 failed" in done.stdout, done.stdout[-4000:]
+    assert "3 failed" in done.stdout, done.stdout[-4000:]
     assert "the compiled row copy was not built" in done.stdout, done.stdout[-4000:]
     assert "the compiled hit was not built" in done.stdout, done.stdout[-4000:]
+    assert "pages backed ahead were not built" in done.stdout, done.stdout[-4000:]

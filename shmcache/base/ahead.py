@@ -1,0 +1,49 @@
+"""Pages backed ahead of the commit that will need them, on a thread of their own (issue 31).
+
+A cold batch's records go into fresh pages: ``Segment.commit`` (one ``posix_fallocate`` of the
+run's chunks), then one ``pwritev``. Allocating the pages costs about as much as copying the bytes
+into them, on the thread that computes the next batch. ``submit`` hands the range the next run
+will commit to a worker thread of this process (``_ahead.c``: a plain pthread, no GIL, no Python
+object), which backs it while the caller computes; ``Segment.commit`` asks ``backed`` and skips its
+own call for a range backed already. A hint only: a request replaced by a newer one, failed (a
+full /dev/shm) or not done yet leaves the commit to back the range itself, as without it. Built at
+install where a C compiler is present; without it, or with ``SHMCACHE_NATIVE=0``, ``NATIVE`` is
+False and every commit backs its own range.
+"""
+
+from __future__ import annotations
+
+from . import settings
+
+__all__ = ["NATIVE", "backed", "outcome", "submit", "unavailable_reason"]
+
+try:
+    from . import _ahead
+except ImportError:  # no C compiler at install, or a source checkout never built
+    _ahead = None
+_why = settings.native_unavailable(_ahead is not None, "pages backed ahead")
+NATIVE = not _why
+
+
+def unavailable_reason() -> str:
+    """Why pages are not backed ahead, and what to do ('' when they are)."""
+    return _why
+
+
+def submit(fd: int, offset: int, length: int) -> int:
+    """Back ``[offset, offset + length)`` of ``fd``'s file on the worker thread (a duplicate of
+    ``fd``: the caller may close its own at once); the request's number, for ``backed``. OSError
+    if the descriptor cannot be duplicated or the thread started. Only where ``NATIVE``."""
+    return _ahead.submit(fd, offset, length)
+
+
+def outcome(request: int) -> int | None:
+    """None while request ``request`` waits or runs (or after a newer one replaced it, or once
+    it is among the oldest, forgotten); then 0 if it backed its whole range, else the errno of
+    the call that failed."""
+    return _ahead.result(request)
+
+
+def backed(request: int) -> bool:
+    """Whether request ``request`` has backed its whole range."""
+    return _ahead.result(request) == 0

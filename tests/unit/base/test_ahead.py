@@ -1,0 +1,246 @@
+"""Pages backed ahead on a thread of their own (base/_ahead.c, ahead.py): the range is backed, a
+failed or replaced request is never taken for backed, a forked child backs its own, a process
+exits with the worker mid-call, and a segment's commit skips only a range backed for it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import posix_ipc
+import pytest
+
+from shmcache.base import ahead, shm
+from shmcache.base.shm import AHEAD_PAUSE, PAGE, Segment
+
+native = pytest.mark.skipif("not built" in ahead.unavailable_reason(),
+                            reason=f"pages backed ahead: {ahead.unavailable_reason()}")
+MiB = 1 << 20
+
+
+@pytest.fixture
+def shm_file():
+    """A descriptor of a fresh, empty tmpfs file of 64 MiB (sparse), unlinked already."""
+    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="shmcache-test-ahead-")
+    os.unlink(path)
+    os.ftruncate(fd, 64 * MiB)
+    yield fd
+    os.close(fd)
+
+
+def _resident(fd: int) -> int:
+    return os.fstat(fd).st_blocks * 512
+
+
+def _wait_backed(request: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if ahead.backed(request):
+            return True
+        time.sleep(0.001)
+    return False
+
+
+@native
+def test_a_submitted_range_is_backed_by_the_worker(shm_file):
+    request = ahead.submit(shm_file, 4 * MiB, 8 * MiB)
+    assert _wait_backed(request), "the worker did not back the range within 10 s"
+    assert 8 * MiB <= _resident(shm_file) <= 8 * MiB + PAGE, "exactly the range, in pieces"
+    os.pwrite(shm_file, b"x", 4 * MiB)  # the caller's descriptor is its own: still open
+    assert ahead.backed(request) and not ahead.backed(request + 1000), "a request never made is not backed"
+
+
+@native
+def test_a_request_that_fails_is_not_backed(shm_file):
+    read_only = os.open(f"/proc/self/fd/{shm_file}", os.O_RDONLY)
+    try:
+        request = ahead.submit(read_only, 0, MiB)  # posix_fallocate: EBADF
+    finally:
+        os.close(read_only)  # the worker has its own duplicate
+    deadline = time.monotonic() + 10
+    while ahead.outcome(request) is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert ahead.outcome(request) not in (None, 0), "the failed call was not reported"
+    assert not ahead.backed(request) and _resident(shm_file) == 0
+
+
+@native
+def test_bad_arguments_raise_before_anything_is_asked(shm_file):
+    for offset, length in ((-1, PAGE), (0, 0), (0, -PAGE)):
+        with pytest.raises(ValueError, match="range"):
+            ahead.submit(shm_file, offset, length)
+    with pytest.raises(OSError):
+        ahead.submit(10_000, 0, PAGE)  # no such descriptor: nothing to duplicate
+
+
+@native
+def test_a_forked_child_backs_its_own_while_the_parents_worker_is_busy(shm_file):
+    """The fork comes while the parent's worker backs 48 MiB: the child's lock is free (held across
+    the fork, released in both), its own worker starts on its first request, and the parent's
+    request still finishes."""
+    busy = ahead.submit(shm_file, 16 * MiB, 48 * MiB)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports by its exit status only
+        ok = False
+        try:
+            request = ahead.submit(shm_file, 0, MiB)
+            ok = _wait_backed(request) and not ahead.backed(busy)  # the parent's results are not the child's
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child did not back its range within 20 s (a lock held across the fork?)")
+    assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's request was not backed"
+    assert _wait_backed(busy, 20), "the parent's request did not finish after the fork"
+
+
+@native
+def test_a_process_exits_at_once_with_the_worker_mid_call(tmp_path):
+    """The worker is never joined: a process whose last act was a large request exits with status
+    0 and says nothing (no abort at exit), and its pages go with the file."""
+    code = ("import os, tempfile, time\n"
+            "from shmcache.base import ahead\n"
+            "fd, path = tempfile.mkstemp(dir='/dev/shm', prefix='shmcache-test-ahead-exit-')\n"
+            "os.unlink(path)\n"
+            "os.ftruncate(fd, 1 << 30)\n"
+            "ahead.submit(fd, 0, 1 << 30)\n"
+            "time.sleep(0.01)\n"
+            "print('submitted', flush=True)\n")
+    t = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "submitted\n" and out.stderr == "", out
+    assert time.monotonic() - t < 30
+
+
+@pytest.fixture
+def segment(shm_namespace):
+    name = shm_namespace.segment_name("aheadtest", "one")
+    seg = Segment.create(name, 64 * MiB, commit=PAGE)
+    yield seg
+    seg.close()
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def _counting(monkeypatch, module, name: str) -> list:
+    calls: list = []
+    real = getattr(module, name)
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@native
+def test_a_commit_inside_a_backed_range_makes_no_call_and_one_outside_it_does(segment, monkeypatch):
+    falloc = _counting(monkeypatch, shm, "_fallocate")
+    segment.commit_ahead(MiB, 4 * MiB)
+    assert _wait_backed(segment._ahead[2])
+    segment.commit(2 * MiB, 2 * MiB)
+    assert falloc == [], "the range was backed ahead: its commit must not walk the pages again"
+    segment.commit(5 * MiB, MiB)  # nothing asked ahead now (the last ask was used)
+    assert len(falloc) == 1
+    resident = os.stat(shm.segment_path(segment.name)).st_blocks * 512
+    assert 5 * MiB <= resident <= 5 * MiB + 2 * PAGE
+    segment.buf[5 * MiB - 1] = 1  # committed pages are writable
+    segment.buf[6 * MiB - 1] = 1
+
+
+@native
+def test_a_commit_before_the_worker_finished_backs_the_range_itself(segment, monkeypatch):
+    """A request not done (or replaced) is no promise: the commit calls fallocate itself."""
+    falloc = _counting(monkeypatch, shm, "_fallocate")
+    monkeypatch.setattr(shm.ahead, "backed", lambda request: False)  # the worker has not got to it
+    segment.commit_ahead(0, 4 * MiB)
+    segment.commit(0, 4 * MiB)
+    assert len(falloc) == 1
+
+
+@native
+def test_a_range_another_writer_committed_pauses_the_asking(segment, monkeypatch):
+    """Writers that take turns (DataLoader workers): the range one asked for is committed by the
+    other, so its next commit lies elsewhere; it stops asking for AHEAD_PAUSE calls, then asks again."""
+    submits = _counting(monkeypatch, shm.ahead, "submit")
+    segment.commit_ahead(MiB, MiB)
+    segment.commit(2 * MiB, MiB)  # not the range asked for
+    for _ in range(AHEAD_PAUSE):
+        segment.commit_ahead(3 * MiB, MiB)
+    assert len(submits) == 1, "asked again during the pause"
+    segment.commit_ahead(3 * MiB, MiB)
+    assert len(submits) == 2
+
+
+def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on():
+    env = {**os.environ, "SHMCACHE_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", "from shmcache.base import ahead; print(ahead.NATIVE); "
+                          "print(ahead.unavailable_reason())"], env=env, capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.splitlines()[0] == "False"
+    assert ("SHMCACHE_NATIVE" in out and "unset it" in out) or "not built" in out
+    info = subprocess.run([sys.executable, "-m", "shmcache.cli", "info", "--json"], capture_output=True, text=True,
+                          env=env, check=True, timeout=60).stdout
+    assert '"pages_ahead": "none: ' in info
+
+
+_SANITIZED = """
+import importlib.util, os, sys, tempfile, time
+spec = importlib.util.spec_from_file_location("shmcache.base._ahead", sys.argv[1])
+a = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(a)
+fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="shmcache-test-ahead-asan-")
+os.unlink(path)
+os.ftruncate(fd, 8 << 20)
+def wait(r):
+    t = time.monotonic() + 20
+    while a.result(r) is None and time.monotonic() < t:
+        time.sleep(0.001)
+    return a.result(r)
+rs = [a.submit(fd, i << 16, 1 << 16) for i in range(100)]  # most replaced before they start
+assert wait(rs[-1]) == 0
+assert all(a.result(r) in (None, 0) for r in rs)
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if wait(a.submit(fd, 0, 4 << 20)) == 0 else 1)
+assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+for bad in ((-1, 1), (0, 0)):
+    try:
+        a.submit(fd, *bad)
+    except ValueError:
+        pass
+assert wait(a.submit(fd, 0, 8 << 20)) == 0
+print("clean")
+"""
+
+
+@native
+def test_the_c_is_clean_under_address_and_undefined_behaviour_sanitizers(sanitized):
+    done = sanitized(Path(ahead.__file__).with_name("_ahead.c"), _SANITIZED)
+    assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
+
+
+def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present():
+    """An install that can build it must: the extension is optional, so a failed build would
+    quietly leave every cold batch backing its own pages."""
+    import shlex
+    import shutil
+    import sysconfig
+
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc") or ["cc"]
+    if not (shutil.which(cc[0]) and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()):
+        pytest.skip("no C compiler or Python headers here: every commit backs its own pages")
+    if "turned off" in ahead.unavailable_reason():
+        pytest.skip("turned off by SHMCACHE_NATIVE in this run")
+    assert ahead.NATIVE, f"pages backed ahead were not built: {ahead.unavailable_reason()}"

@@ -1,0 +1,90 @@
+"""A cold batch's next pages, backed ahead (Admission.commit_ahead, Segment.commit_ahead): the next
+batch's commit then backs nothing itself, and what is backed ahead stays within the cache's cap
+up to the batch that fills it. The thread itself: tests/unit/base/test_ahead.py."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from shmcache.base import ahead, shm
+from shmcache.cache import codec
+from shmcache.cache.allocator import DATA_OFF
+from shmcache.cache.store import CacheStore
+
+pytestmark = pytest.mark.skipif("not built" in ahead.unavailable_reason(),
+                                reason=f"pages backed ahead: {ahead.unavailable_reason()}")
+MiB = 1 << 20
+ITEM = 24 << 10  # a 24 KB record: Hugging Face's rows in benchmarks/bench_hf.py
+
+
+def _batch(first: int, n: int = 64) -> list:
+    return [(k, codec.encode(np.full(ITEM // 8, k, np.int64))) for k in range(first, first + n)]
+
+
+class _Asked:
+    """Every range asked ahead (the thread's request numbers), waited for on demand."""
+
+    def __init__(self, monkeypatch):
+        self.requests: list[int] = []
+        real = shm.ahead.submit
+
+        def submit(fd, offset, length):
+            request = real(fd, offset, length)
+            self.requests.append(request)
+            return request
+
+        monkeypatch.setattr(shm.ahead, "submit", submit)
+
+    def settle(self) -> None:
+        deadline = time.monotonic() + 20
+        while any(ahead.outcome(r) is None for r in self.requests[-1:]) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert all(ahead.outcome(r) is not None for r in self.requests[-1:]), "the worker did not finish in 20 s"
+
+
+def test_the_next_cold_batch_backs_no_pages_itself(monkeypatch):
+    asked = _Asked(monkeypatch)
+    calls: list = []
+    real = shm._fallocate
+    monkeypatch.setattr(shm, "_fallocate", lambda *a: (calls.append(a), real(*a)))
+    store = CacheStore("ahead", "next", capacity_bytes=64 * MiB)
+    try:
+        assert store.put_many(_batch(0)) == [True] * 64
+        assert len(asked.requests) == 1, "a run's class asks for the next run's chunks"
+        asked.settle()
+        before = len(calls)
+        assert store.put_many(_batch(64)) == [True] * 64
+        assert len(calls) == before, "the second batch's chunks were backed ahead: its commit makes no call"
+        assert all(np.array_equal(store.lookup(k), np.full(ITEM // 8, k, np.int64)) for k in range(128))
+    finally:
+        store.destroy()
+
+
+def test_pages_backed_ahead_stay_within_the_cap_up_to_the_full_cache(monkeypatch):
+    """A sized cache filled by cold batches: after each (its ahead request done), the pages of
+    its data segment are what it committed plus at most one run's, never past its cap; once full,
+    nothing is backed past what it holds."""
+    asked = _Asked(monkeypatch)
+    store = CacheStore("ahead", "cap", capacity_bytes=6 * MiB)
+    try:
+        empty = store.shm_bytes()
+        chunk, stored, first = None, 0, 0
+        while True:
+            done = store.put_many(_batch(first))
+            first += 64
+            stored += sum(done)
+            asked.settle()
+            data = store.shm_bytes() - empty - DATA_OFF  # the class segment's header pages: DATA_OFF
+            if chunk is None:
+                chunk = data // (64 + 64)  # the first batch's chunks and the next batch's, ahead
+            assert data <= store.capacity_bytes, f"{data} bytes of records' pages, past the cap"
+            assert data <= (stored + 64) * chunk, "more than one run's chunks backed ahead"
+            if not all(done):
+                break
+        assert data <= stored * chunk + 64 * chunk and store.stats()["rejected"] > 0
+        assert first < 64 * 20, "the cache never filled"
+    finally:
+        store.destroy()
