@@ -253,14 +253,17 @@ class Segment:
 
     def commit(self, offset: int, length: int) -> None:
         """Back ``[offset, offset+length)`` with real pages before anything touches it (no SIGBUS);
-        nothing to do for a range inside the last ``commit_ahead``'s once its thread backed it."""
+        where it starts at the last ``commit_ahead``'s range and that thread backed it, only the
+        rest past that range."""
         asked, self._ahead = self._ahead, None
         if asked is not None:
-            if asked[0] <= offset and offset + length <= asked[1]:
-                if ahead.backed(asked[2]):
+            start, end, request = asked
+            if offset == start and ahead.backed(request):
+                offset, length = end, offset + length - end
+                if length <= 0:
                     return
-            else:  # another process committed that range (writers that take turns): a walk of its
-                self._ahead_pause = AHEAD_PAUSE  # pages for nothing, so stop asking for a while
+            elif offset > start:  # another process committed the range asked for (writers that take
+                self._ahead_pause = AHEAD_PAUSE  # turns): a walk of its pages for nothing; stop asking a while
         with self._own_fd() as fd:
             _fallocate(fd, offset, length, self.name)
 

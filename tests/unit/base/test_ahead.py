@@ -149,7 +149,7 @@ def test_a_commit_inside_a_backed_range_makes_no_call_and_one_outside_it_does(se
     falloc = _counting(monkeypatch, shm, "_fallocate")
     segment.commit_ahead(MiB, 4 * MiB)
     assert _wait_backed(segment._ahead[2])
-    segment.commit(2 * MiB, 2 * MiB)
+    segment.commit(MiB, 2 * MiB)  # the next run: from where the range asked for starts
     assert falloc == [], "the range was backed ahead: its commit must not walk the pages again"
     segment.commit(5 * MiB, MiB)  # nothing asked ahead now (the last ask was used)
     assert len(falloc) == 1
@@ -157,6 +157,18 @@ def test_a_commit_inside_a_backed_range_makes_no_call_and_one_outside_it_does(se
     assert 5 * MiB <= resident <= 5 * MiB + 2 * PAGE
     segment.buf[5 * MiB - 1] = 1  # committed pages are writable
     segment.buf[6 * MiB - 1] = 1
+
+
+@native
+def test_a_commit_past_the_backed_range_backs_only_the_rest(segment, monkeypatch):
+    """The next run is larger than the last (a batch with fewer records one at a time): the
+    commit backs what lies past the range asked for, and goes on asking."""
+    falloc = _counting(monkeypatch, shm, "_fallocate")
+    segment.commit_ahead(MiB, MiB)
+    assert _wait_backed(segment._ahead[2])
+    segment.commit(MiB, 3 * MiB)
+    assert [(offset, length) for _, offset, length, _ in falloc] == [(2 * MiB, 2 * MiB)]
+    assert segment._ahead_pause == 0, "the same writer went on: no pause"
 
 
 @native
