@@ -32,13 +32,14 @@ NOTE [memory limits]
       1/8 more. Its data segments are sized for all of /dev/shm (sparse), so a raised cap can be
       committed (Admission.data_segment_bytes).
     * Pages backed ahead (``commit_ahead``, ``base.ahead``): after a run (a cold batch), the
-      chunks the next run of its class will commit are backed on a thread of their own while
-      the next batch is computed. Only what ``commit`` would now give without asking anyone:
-      within the cap beside what is committed, within the process's allowance of an auto-sized
-      session, never while spilling or while memory was found full. They are the data
-      segment's pages from then on (st_blocks), though not yet committed: a cache holds at most
-      one run's chunks so, which its next commit takes; a process that dies leaves them to go
-      with the segment.
+      chunks the next run of its class will commit are reserved and backed on a thread of their
+      own while the next batch is computed. Reserved chunks count in the committed total at once
+      (the class record's ``reserved`` word), so the cap holds whichever class or process commits
+      next, and that class's next commit takes them without asking for room. Only what
+      ``commit`` would now give without asking anyone: within the cap, within the process's
+      allowance of an auto-sized session, never while spilling or while memory was found full.
+      A run that never comes leaves them counted (at most one run's chunks a class; gc's
+      recount keeps them), and their pages go with the segment.
     * Memory full at creation (the automatic cap below one page of data): the cache is made with
       no room for data (RootLayout.SIZING = AUTO_NONE), every item is rejected or spilled, and
       that is said once (log_no_memory). If not even the cache's own segments fit, CacheStore
@@ -89,6 +90,9 @@ class NoRoom(Exception):
 # session's caches are summed again (Admission.commit, NOTE [memory limits]). Per process, not
 # per handle: two caches of one process that each trusted their own look would each take the
 # same room. The pid keeps a forked child from trusting its parent's allowance.
+# The most commit_ahead reserves of a class past its committed chunks: a DataLoader batch's run (64
+# rows of 24 KB: 1.6 MB), not an import's batch of thousands whose next may never come
+AHEAD_BYTES = 8 << 20
 _SESSION_BUDGETS: dict[tuple[str, str, int], list] = {}
 
 
@@ -176,6 +180,11 @@ class Admission:
         caller asks again while it has fewer."""
         if time.monotonic() < self._shm_full_until:
             raise NoRoom  # /dev/shm was full a moment ago: don't ask the kernel on every miss
+        # never past the segment's virtual size, whatever the word says
+        reserved = min(gen.classes.reserved(cls), (seg.size - DATA_OFF) // chunk_size) - committed
+        if reserved > 0:  # asked ahead (commit_ahead): in the committed total already, no room to ask
+            return self._commit_reserved(gen, cls, seg, chunk_size, committed, spill, fence,
+                                         min(max(commit_step_chunks(chunk_size), chunks), reserved))
         meta = gen.meta.buf
         used = WORD.unpack_from(meta, MetaLayout.COMMITTED)[0]
         step = commit_step_chunks(chunk_size)
@@ -239,25 +248,52 @@ class Admission:
             budget[0] = max(0, budget[0] - step * chunk_size)
         return committed + step
 
+    def _commit_reserved(self, gen: Generation, cls: int, seg: Segment, chunk_size: int, committed: int,
+                         spill: IndexedTier | None, fence: bool, step: int) -> int:
+        """``commit`` of ``step`` chunks that ``commit_ahead`` reserved: backed (nothing to do where
+        this process's thread backed them already), then committed; the total counts them already."""
+        try:
+            seg.commit(DATA_OFF + committed * chunk_size, step * chunk_size)
+        except SharedMemoryFull as exc:
+            self.log_shm_full(exc, spill)
+            raise NoRoom from None
+        gen.classes.set_committed(cls, committed + step)
+        if fence:
+            ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)
+        return committed + step
+
     def commit_ahead(self, gen: Generation, cls: int, seg: Segment, chunk_size: int, chunks: int,
                      spill: IndexedTier | None) -> None:
-        """Have the ``chunks`` chunks of class ``cls`` past its committed ones backed on a thread of
-        their own (``Segment.commit_ahead``) for the ``commit`` of the next run, which then costs
-        nothing: a cold epoch's next batch, computed meanwhile. Only what this handle could commit
-        now without asking anyone: within the cap beside what is committed, within this process's
-        allowance when auto-sized, never while spilling (/dev/shm keeps room for the index) or
-        while memory was found full. Caller holds the lock."""
+        """Reserve the ``chunks`` chunks of class ``cls`` past its committed ones for the next
+        run's ``commit`` and have their pages backed on a thread of their own meanwhile
+        (``Segment.commit_ahead``): a cold epoch's next batch, computed while they are backed.
+        Reserved chunks count in the committed total at once (``ClassTable.reserved``), so the
+        cap holds whichever class or process commits next; only what ``commit`` would now give
+        without asking anyone: within the cap, within this process's allowance when auto-sized,
+        never while spilling (/dev/shm keeps room for the index) or while memory was found full.
+        Caller holds the lock."""
         if time.monotonic() < self._shm_full_until or (spill is not None and spill.accepting):
             return
         _, _, committed = gen.classes.get(cls)
+        seg_chunks = (seg.size - DATA_OFF) // chunk_size
+        have = max(committed, min(gen.classes.reserved(cls), seg_chunks))
         used = WORD.unpack_from(gen.meta.buf, MetaLayout.COMMITTED)[0]
-        room = min((self.capacity_bytes - used) // chunk_size, (seg.size - DATA_OFF) // chunk_size - committed)
-        if self.sizing() != SIZED:  # the session's allowance for this process, while it holds
+        room = min((self.capacity_bytes - used) // chunk_size, seg_chunks - have)
+        auto = self.sizing() != SIZED
+        if auto:  # the session's allowance for this process, while it holds
             budget = _SESSION_BUDGETS.get((str(self.registry.ns.root), self.session, os.getpid()))
             room = min(room, budget[0] // chunk_size) if budget and time.monotonic() <= budget[1] else 0
-        n = min(chunks, room)
-        if n > 0:
-            seg.commit_ahead(DATA_OFF + committed * chunk_size, n * chunk_size)
+        chunks = min(chunks, max(1, AHEAD_BYTES // chunk_size))  # an import's batch: not all of it again
+        n = min(committed + chunks - have, room)  # the next run's chunks not reserved yet
+        if n > 0:  # the total first: a writer killed between the two leaves it too high (room lost
+            # until a recount), never too low (the cap passed)
+            gen.meta.words[MetaLayout.COMMITTED >> 3] = used + n * chunk_size
+            gen.classes.set_reserved(cls, have + n)
+            if auto:
+                budget[0] -= n * chunk_size
+            have += n
+        if have > committed:
+            seg.commit_ahead(DATA_OFF + committed * chunk_size, (have - committed) * chunk_size)
 
     def raise_auto_cap(self) -> bool:
         """An auto-sized cache (size=0) has no room: if the session's cap was set while memory was

@@ -55,7 +55,8 @@ def commit_step_chunks(chunk_size: int) -> int:
 
 
 class ClassTable:
-    """The per-class allocator records inside the meta segment (one 32-byte record per class)."""
+    """The per-class allocator records inside the meta segment (one 32-byte record per class):
+    chunk size, bump, committed chunks, reserved chunks (``reserved``)."""
 
     def __init__(self, buf, offset: int):
         self.buf = buf
@@ -90,6 +91,15 @@ class ClassTable:
 
     def set_committed(self, cls: int, committed: int) -> None:
         self._words[(self._off(cls) >> 3) + 2] = committed
+
+    def reserved(self, cls: int) -> int:
+        """Chunks counted in the meta's committed total for pages asked ahead
+        (Admission.commit_ahead): those past ``committed`` are the next commit's without room
+        asked again. Writers only, under the lock; 0 in a record written before it existed."""
+        return self._words[(self._off(cls) >> 3) + 3]
+
+    def set_reserved(self, cls: int, chunks: int) -> None:
+        self._words[(self._off(cls) >> 3) + 3] = chunks
 
     def used_classes(self) -> list[int]:
         return [c for c in range(1, MAX_CLASSES) if self.chunk_size(c)]

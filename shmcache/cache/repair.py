@@ -229,7 +229,7 @@ def recount_committed(gen: Generation) -> None:
     total = MetaLayout.SIZE + TableView.bytes_for(gen.index.capacity)
     for cls in gen.classes.used_classes():
         chunk, _, committed = gen.classes.get(cls)
-        total += chunk * committed
+        total += chunk * max(committed, gen.classes.reserved(cls))  # chunks asked ahead count too
     gen.meta.words[MetaLayout.COMMITTED >> 3] = total
 
 

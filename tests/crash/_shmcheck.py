@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from shmcache import cli
+from shmcache.cache.admission import AHEAD_BYTES
 from shmcache.cache.allocator import commit_step_chunks
 from shmcache.cache.generation import MetaLayout
 from shmcache.cache.index import INT_KEY, SPILLED, TableView, key_bytes
@@ -140,7 +141,11 @@ def check_store(store: CacheStore, keys=None, source=value_for, *, after_gc: boo
     expect_committed = MetaLayout.SIZE + TableView.bytes_for(g.index.capacity)
     for cls in g.classes.used_classes():
         chunk, bump, committed_chunks = g.classes.get(cls)
-        expect_committed += committed_chunks * chunk
+        reserved = g.classes.reserved(cls)  # chunks asked ahead count in the total (Admission.commit_ahead)
+        expect_committed += max(committed_chunks, reserved) * chunk
+        if reserved > committed_chunks + max(AHEAD_BYTES // chunk, 1, commit_step_chunks(chunk)):
+            problems.append(f"class {cls}: {reserved - committed_chunks} chunks reserved past its "
+                            f"{committed_chunks} committed, more than one run's")
         chunks = sorted(by_class.pop(cls, []))
         if chunks != list(range(bump)):
             leaked = sorted(set(range(bump)) - set(chunks))
@@ -156,7 +161,7 @@ def check_store(store: CacheStore, keys=None, source=value_for, *, after_gc: boo
         problems.append(f"entries point into unregistered classes {sorted(by_class)}")
     if committed != expect_committed:
         problems.append(f"committed_bytes {committed} != {expect_committed} (meta + current table + "
-                        f"committed chunks): off by {committed - expect_committed}")
+                        f"committed and reserved chunks): off by {committed - expect_committed}")
     if after_gc:
         want = {store.view.segment_name("root"), store.view.segment_name(f"g{g.gen}", "meta"),
                 store.view.segment_name(f"g{g.gen}", f"t{g.version}")}

@@ -20,8 +20,8 @@ MiB = 1 << 20
 ITEM = 24 << 10  # a 24 KB record: Hugging Face's rows in benchmarks/bench_hf.py
 
 
-def _batch(first: int, n: int = 64) -> list:
-    return [(k, codec.encode(np.full(ITEM // 8, k, np.int64))) for k in range(first, first + n)]
+def _batch(first: int, n: int = 64, item: int = ITEM) -> list:
+    return [(k, codec.encode(np.full(item // 8, k, np.int64))) for k in range(first, first + n)]
 
 
 class _Asked:
@@ -64,27 +64,25 @@ def test_the_next_cold_batch_backs_no_pages_itself(monkeypatch):
 
 
 def test_pages_backed_ahead_stay_within_the_cap_up_to_the_full_cache(monkeypatch):
-    """A sized cache filled by cold batches: after each (its ahead request done), the pages of
-    its data segment are what it committed plus at most one run's, never past its cap; once full,
-    nothing is backed past what it holds."""
+    """A sized cache filled by cold batches of two size classes (a segment each, each as large as
+    the cap: only the cap itself bounds their sum): after each batch (its ahead request done),
+    the pages of its data segments are never past its cap, and once full nothing is backed ahead."""
     asked = _Asked(monkeypatch)
-    store = CacheStore("ahead", "cap", capacity_bytes=6 * MiB)
+    store = CacheStore("ahead", "cap", capacity_bytes=8 * MiB)
     try:
         empty = store.shm_bytes()
-        chunk, stored, first = None, 0, 0
-        while True:
-            done = store.put_many(_batch(first))
-            first += 64
-            stored += sum(done)
-            asked.settle()
-            data = store.shm_bytes() - empty - DATA_OFF  # the class segment's header pages: DATA_OFF
-            if chunk is None:
-                chunk = data // (64 + 64)  # the first batch's chunks and the next batch's, ahead
-            assert data <= store.capacity_bytes, f"{data} bytes of records' pages, past the cap"
-            assert data <= (stored + 64) * chunk, "more than one run's chunks backed ahead"
-            if not all(done):
-                break
-        assert data <= stored * chunk + 64 * chunk and store.stats()["rejected"] > 0
-        assert first < 64 * 20, "the cache never filled"
+        first, full = 0, False
+        while not full:
+            for item in (ITEM, 2 * ITEM):
+                done = store.put_many(_batch(first, item=item))
+                first += 64
+                asked.settle()
+                data = store.shm_bytes() - empty - 2 * DATA_OFF  # each class segment's header pages
+                assert data <= store.capacity_bytes, f"{data} bytes of records' pages, past the cap"
+                full = full or not all(done)
+        assert store.stats()["rejected"] > 0 and first < 64 * 40
+        before = len(asked.requests)
+        store.put_many(_batch(first, item=ITEM))
+        assert len(asked.requests) == before, "asked ahead with no room left"
     finally:
         store.destroy()
