@@ -4,6 +4,7 @@ exits with the worker mid-call, and a segment's commit skips only a range backed
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -100,6 +101,42 @@ def test_a_forked_child_backs_its_own_while_the_parents_worker_is_busy(shm_file)
         pytest.fail("the forked child did not back its range within 20 s (a lock held across the fork?)")
     assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's request was not backed"
     assert _wait_backed(busy, 20), "the parent's request did not finish after the fork"
+
+
+@native
+def test_a_forked_child_keeps_no_descriptor_of_the_request_in_the_parents_worker(tmp_path):
+    """The worker's request is a duplicate descriptor of the segment: a child forked while the
+    worker is in its call (a DataLoader worker) inherits that descriptor too, and must close it as
+    it closes a waiting one (else each forked worker keeps the object's pages alive until it exits,
+    after the parent dropped or destroyed it)."""
+    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="shmcache-test-ahead-fork-")
+    os.unlink(path)
+    try:
+        os.ftruncate(fd, 1 << 30)
+        ino = os.fstat(fd).st_ino
+        request = ahead.submit(fd, 0, 1 << 30)
+        deadline = time.monotonic() + 10
+        while _resident(fd) == 0 and time.monotonic() < deadline:  # the worker is in its call
+            time.sleep(0)
+        if ahead.outcome(request) is not None:
+            pytest.skip("the worker backed 1 GiB before the fork: nothing in flight to inherit")
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - reports by its exit status only
+            n = 99
+            try:
+                n = 0
+                for entry in os.listdir("/proc/self/fd"):
+                    with contextlib.suppress(OSError):
+                        n += os.stat(f"/proc/self/fd/{entry}").st_ino == ino
+                n = 50 if ahead.outcome(request) is not None else n  # the ring as it was at the fork
+            finally:
+                os._exit(n)
+        held = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if held == 50:
+            pytest.skip("the worker finished its call before the fork: nothing in flight to inherit")
+        assert held == 1, f"the child held {held} descriptors of the object: its own (the test's) and the worker's"
+    finally:
+        os.close(fd)
 
 
 @native
