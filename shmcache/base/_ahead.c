@@ -13,8 +13,8 @@
  * worker closes each request's descriptor (a dup the caller's submit made, close-on-exec) after its
  * call. Results are kept for the last RESULTS requests, by sequence number. In a forked child the
  * worker does not exist: pthread_atfork holds the lock across the fork, and the child's handler resets
- * the rest (a request still waiting - its descriptor closed -, the worker's flag); the child's next
- * submit starts its own worker.
+ * the rest (a request still waiting and the one in the worker's call - their descriptors closed -,
+ * the worker's flag); the child's next submit starts its own worker.
  * The worker is never joined: at exit the process ends it wherever it is (a fallocate is harmless
  * to cut: pages backed or not, nothing relies on them until a commit says so).
  */
@@ -35,6 +35,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static int started;                     /* the worker runs in this process */
 static int waiting_fd = -1;             /* the waiting request: its descriptor (-1: none), range, number */
+static int running_fd = -1;             /* the request in the worker's call: a forked child closes it */
 static long long waiting_off, waiting_len;
 static unsigned long long waiting_seq;
 static unsigned long long next_seq = 1; /* 0 is never a request's */
@@ -56,14 +57,18 @@ worker(void *unused)
         const long long off = waiting_off, len = waiting_len;
         const unsigned long long seq = waiting_seq;
         waiting_fd = -1;
+        running_fd = fd;
         pthread_mutex_unlock(&lock);
         /* a piece at a time: each call holds the file's inode lock, which a pwritev into the
          * same segment (another process's run) waits for */
         int err = 0;
         for (long long at = off; at < off + len && !err; at += PIECE)
             err = posix_fallocate(fd, (off_t)at, (off_t)(off + len - at < PIECE ? off + len - at : PIECE));
-        close(fd);
+        /* closed under the lock: a child forked in between would inherit it with running_fd set
+         * to a number that another thread of the parent may have opened again by then */
         pthread_mutex_lock(&lock);
+        close(fd);
+        running_fd = -1;
         results[seq % RESULTS].seq = seq;
         results[seq % RESULTS].err = err;
         pthread_mutex_unlock(&lock);
@@ -93,7 +98,9 @@ in_child(void)
     pthread_cond_init(&wake, NULL);
     if (waiting_fd >= 0)
         close(waiting_fd);
-    waiting_fd = -1;
+    if (running_fd >= 0)  /* the duplicate the parent's worker was using at the fork: the child's copy */
+        close(running_fd);
+    waiting_fd = running_fd = -1;
     started = 0;
 }
 
