@@ -29,7 +29,6 @@
 #include <unistd.h>
 
 #define RESULTS 64
-#define PIECE (256LL << 10)  /* bytes backed by one call */
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
@@ -59,11 +58,11 @@ worker(void *unused)
         waiting_fd = -1;
         running_fd = fd;
         pthread_mutex_unlock(&lock);
-        /* a piece at a time: each call holds the file's inode lock, which a pwritev into the
-         * same segment (another process's run) waits for */
-        int err = 0;
-        for (long long at = off; at < off + len && !err; at += PIECE)
-            err = posix_fallocate(fd, (off_t)at, (off_t)(off + len - at < PIECE ? off + len - at : PIECE));
+        /* one call, as the commit it stands in for: a call that fails (ENOSPC: /dev/shm full)
+         * gives back the pages it allocated, so a request that finds no room takes none of what
+         * is left (a DataLoader's batches, another cache); pieces would keep those before the
+         * one that failed. It holds the file's inode lock no longer than that commit would. */
+        const int err = posix_fallocate(fd, (off_t)off, (off_t)len);
         /* closed under the lock: a child forked in between would inherit it with running_fd set
          * to a number that another thread of the parent may have opened again by then */
         pthread_mutex_lock(&lock);

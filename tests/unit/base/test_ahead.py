@@ -50,7 +50,7 @@ def _wait_backed(request: int, within_s: float = 10.0) -> bool:
 def test_a_submitted_range_is_backed_by_the_worker(shm_file):
     request = ahead.submit(shm_file, 4 * MiB, 8 * MiB)
     assert _wait_backed(request), "the worker did not back the range within 10 s"
-    assert 8 * MiB <= _resident(shm_file) <= 8 * MiB + PAGE, "exactly the range, in pieces"
+    assert 8 * MiB <= _resident(shm_file) <= 8 * MiB + PAGE, "exactly the range"
     os.pwrite(shm_file, b"x", 4 * MiB)  # the caller's descriptor is its own: still open
     assert ahead.backed(request) and not ahead.backed(request + 1000), "a request never made is not backed"
 
