@@ -86,3 +86,27 @@ def test_pages_backed_ahead_stay_within_the_cap_up_to_the_full_cache(monkeypatch
         assert len(asked.requests) == before, "asked ahead with no room left"
     finally:
         store.destroy()
+
+
+def test_a_batch_longer_than_the_one_before_does_not_stop_the_asking(monkeypatch):
+    """A run longer than the last one (wrap()'s three probes stored first make the first cold batch
+    61 records, the next 64; an epoch's short last batch) commits past the range asked for it, from
+    the same start: that is no other writer's commit, so it must not pause the asking for
+    AHEAD_PAUSE batches - the third batch's pages are backed ahead as the second's were (measured
+    through ShmDatasetCache.wrap: the first 17 cold batches backed every page themselves)."""
+    asked = _Asked(monkeypatch)
+    calls: list = []
+    real = shm._fallocate
+    monkeypatch.setattr(shm, "_fallocate", lambda *a: (calls.append(a), real(*a)))
+    store = CacheStore("ahead", "longer", capacity_bytes=64 * MiB)
+    try:
+        assert store.put_many(_batch(0, 61)) == [True] * 61
+        asked.settle()
+        assert store.put_many(_batch(61)) == [True] * 64  # 3 chunks past the 61 asked ahead
+        asked.settle()
+        before = len(calls)
+        assert store.put_many(_batch(125)) == [True] * 64
+        assert len(calls) == before, "the third batch's chunks were not asked ahead (a pause after the longer run)"
+        assert all(np.array_equal(store.lookup(k), np.full(ITEM // 8, k, np.int64)) for k in range(189))
+    finally:
+        store.destroy()
