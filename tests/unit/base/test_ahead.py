@@ -20,6 +20,8 @@ from shmcache.base.shm import AHEAD_PAUSE, PAGE, Segment
 
 native = pytest.mark.skipif("not built" in ahead.unavailable_reason(),
                             reason=f"pages backed ahead: {ahead.unavailable_reason()}")
+# a segment asks only where it is on: SHMCACHE_NATIVE=0 turns it off (the module itself still works)
+switched_on = pytest.mark.skipif(not ahead.NATIVE, reason=f"pages backed ahead: {ahead.unavailable_reason()}")
 MiB = 1 << 20
 
 
@@ -181,7 +183,7 @@ def _counting(monkeypatch, module, name: str) -> list:
     return calls
 
 
-@native
+@switched_on
 def test_a_commit_inside_a_backed_range_makes_no_call_and_one_outside_it_does(segment, monkeypatch):
     falloc = _counting(monkeypatch, shm, "_fallocate")
     segment.commit_ahead(MiB, 4 * MiB)
@@ -196,7 +198,7 @@ def test_a_commit_inside_a_backed_range_makes_no_call_and_one_outside_it_does(se
     segment.buf[6 * MiB - 1] = 1
 
 
-@native
+@switched_on
 def test_a_commit_past_the_backed_range_backs_only_the_rest(segment, monkeypatch):
     """The next run is larger than the last (a batch with fewer records one at a time): the
     commit backs what lies past the range asked for, and goes on asking."""
@@ -218,7 +220,7 @@ def test_a_commit_before_the_worker_finished_backs_the_range_itself(segment, mon
     assert len(falloc) == 1
 
 
-@native
+@switched_on
 def test_a_range_another_writer_committed_pauses_the_asking(segment, monkeypatch):
     """Writers that take turns (DataLoader workers): the range one asked for is committed by the
     other, so its next commit lies elsewhere; it stops asking for AHEAD_PAUSE calls, then asks again."""

@@ -14,7 +14,7 @@ from shmcache.cache import codec
 from shmcache.cache.allocator import DATA_OFF
 from shmcache.cache.store import CacheStore
 
-pytestmark = pytest.mark.skipif("not built" in ahead.unavailable_reason(),
+pytestmark = pytest.mark.skipif(not ahead.NATIVE,  # not built, or SHMCACHE_NATIVE=0
                                 reason=f"pages backed ahead: {ahead.unavailable_reason()}")
 MiB = 1 << 20
 ITEM = 24 << 10  # a 24 KB record: Hugging Face's rows in benchmarks/bench_hf.py
