@@ -4,7 +4,7 @@
  * chunks, then one pwritev. The fallocate is ~half of the kernel's part of a miss (allocating a
  * 24 KB record's pages costs as much as copying it) and sits on the thread that computes the next
  * batch. submit() hands the range the NEXT run will commit to one worker thread of this process,
- * which fallocates it while the caller goes on; done() tells the caller's commit that the range is
+ * which fallocates it while the caller goes on; result() tells the caller's commit that the range is
  * backed already, so that commit skips its own call. A Python thread would need the GIL to start
  * the call and again to report it (up to the interpreter's switch interval, 5 ms, each, behind a
  * thread computing a batch): this one is a plain pthread, and no Python object ever crosses to it.
@@ -75,7 +75,7 @@ worker(void *unused)
     return NULL;
 }
 
-/* the lock is held across a fork (the worker holds it only between calls, never during one), so
+/* the lock is held across a fork (the worker holds it only around its calls, never during one), so
  * the child's copy is consistent and free */
 static void
 before_fork(void)
