@@ -235,23 +235,17 @@ class Admission:
                                      f"MiB is full", spill)
             raise NoRoom
         step = min(step, room)
-        try:
-            seg.commit(DATA_OFF + committed * chunk_size, step * chunk_size)
-        except SharedMemoryFull as exc:
-            self.log_shm_full(exc, spill)
-            raise NoRoom from None
-        gen.classes.set_committed(cls, committed + step)
+        self._commit_reserved(gen, cls, seg, chunk_size, committed, spill, fence, step)
         gen.meta.words[MetaLayout.COMMITTED >> 3] = used + step * chunk_size
-        if fence:
-            ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)
         if auto:
             budget[0] = max(0, budget[0] - step * chunk_size)
         return committed + step
 
     def _commit_reserved(self, gen: Generation, cls: int, seg: Segment, chunk_size: int, committed: int,
                          spill: IndexedTier | None, fence: bool, step: int) -> int:
-        """``commit`` of ``step`` chunks that ``commit_ahead`` reserved: backed (nothing to do where
-        this process's thread backed them already), then committed; the total counts them already."""
+        """``step`` chunks past ``committed`` backed (nothing to do where this process's thread
+        backed them already) and committed; the committed total is the caller's (``commit_ahead``
+        counted reserved chunks in it already)."""
         try:
             seg.commit(DATA_OFF + committed * chunk_size, step * chunk_size)
         except SharedMemoryFull as exc:

@@ -45,11 +45,17 @@ class _Asked:
         assert all(ahead.outcome(r) is not None for r in self.requests[-1:]), "the worker did not finish in 20 s"
 
 
-def test_the_next_cold_batch_backs_no_pages_itself(monkeypatch):
-    asked = _Asked(monkeypatch)
+def _fallocate_calls(monkeypatch) -> list:
+    """Every posix_fallocate a commit makes in this process, as it makes it."""
     calls: list = []
     real = shm._fallocate
     monkeypatch.setattr(shm, "_fallocate", lambda *a: (calls.append(a), real(*a)))
+    return calls
+
+
+def test_the_next_cold_batch_backs_no_pages_itself(monkeypatch):
+    asked = _Asked(monkeypatch)
+    calls = _fallocate_calls(monkeypatch)
     store = CacheStore("ahead", "next", capacity_bytes=64 * MiB)
     try:
         assert store.put_many(_batch(0)) == [True] * 64
@@ -95,9 +101,7 @@ def test_a_batch_longer_than_the_one_before_does_not_stop_the_asking(monkeypatch
     AHEAD_PAUSE batches - the third batch's pages are backed ahead as the second's were (measured
     through ShmDatasetCache.wrap: the first 17 cold batches backed every page themselves)."""
     asked = _Asked(monkeypatch)
-    calls: list = []
-    real = shm._fallocate
-    monkeypatch.setattr(shm, "_fallocate", lambda *a: (calls.append(a), real(*a)))
+    calls = _fallocate_calls(monkeypatch)
     store = CacheStore("ahead", "longer", capacity_bytes=64 * MiB)
     try:
         assert store.put_many(_batch(0, 61)) == [True] * 61
