@@ -82,6 +82,11 @@ log = logging.getLogger("shmcache")
 MIN_CAPACITY = MetaLayout.SIZE + PAGE  # a cap below this holds nothing
 
 
+# The most commit_ahead reserves of a class past its committed chunks: a DataLoader batch's run (64
+# rows of 24 KB: 1.6 MB), not an import's batch of thousands whose next may never come
+AHEAD_BYTES = 8 << 20
+
+
 class NoRoom(Exception):
     """The cache (or /dev/shm) has no room for this record (internal: the store spills or rejects)."""
 
@@ -90,9 +95,6 @@ class NoRoom(Exception):
 # session's caches are summed again (Admission.commit, NOTE [memory limits]). Per process, not
 # per handle: two caches of one process that each trusted their own look would each take the
 # same room. The pid keeps a forked child from trusting its parent's allowance.
-# The most commit_ahead reserves of a class past its committed chunks: a DataLoader batch's run (64
-# rows of 24 KB: 1.6 MB), not an import's batch of thousands whose next may never come
-AHEAD_BYTES = 8 << 20
 _SESSION_BUDGETS: dict[tuple[str, str, int], list] = {}
 
 
@@ -183,7 +185,7 @@ class Admission:
         # never past the segment's virtual size, whatever the word says
         reserved = min(gen.classes.reserved(cls), (seg.size - DATA_OFF) // chunk_size) - committed
         if reserved > 0:  # asked ahead (commit_ahead): in the committed total already, no room to ask
-            return self._commit_reserved(gen, cls, seg, chunk_size, committed, spill, fence,
+            return self._back_and_commit(gen, cls, seg, chunk_size, committed, spill, fence,
                                          min(max(commit_step_chunks(chunk_size), chunks), reserved))
         meta = gen.meta.buf
         used = WORD.unpack_from(meta, MetaLayout.COMMITTED)[0]
@@ -235,13 +237,13 @@ class Admission:
                                      f"MiB is full", spill)
             raise NoRoom
         step = min(step, room)
-        self._commit_reserved(gen, cls, seg, chunk_size, committed, spill, fence, step)
+        self._back_and_commit(gen, cls, seg, chunk_size, committed, spill, fence, step)
         gen.meta.words[MetaLayout.COMMITTED >> 3] = used + step * chunk_size
         if auto:
             budget[0] = max(0, budget[0] - step * chunk_size)
         return committed + step
 
-    def _commit_reserved(self, gen: Generation, cls: int, seg: Segment, chunk_size: int, committed: int,
+    def _back_and_commit(self, gen: Generation, cls: int, seg: Segment, chunk_size: int, committed: int,
                          spill: IndexedTier | None, fence: bool, step: int) -> int:
         """``step`` chunks past ``committed`` backed (nothing to do where this process's thread
         backed them already) and committed; the committed total is the caller's (``commit_ahead``
