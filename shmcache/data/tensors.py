@@ -30,12 +30,16 @@ _FAST_METAS = {dtype: f"{str(dtype).removeprefix('torch.')}:{dtype.itemsize}" fo
 
 def _tensor_to_parts(t: torch.Tensor):
     meta = _FAST_METAS.get(t.dtype)
-    if meta is not None and t.is_cpu and not t.requires_grad and t.layout == torch.strided and \
-            not t.is_nested and not t.is_conj() and not t.is_neg() and t.is_contiguous() and t.numel():
+    if meta is not None:
+        # numpy() refuses what the general way below must handle (a tensor off the CPU, with grad,
+        # a conjugate or negative bit, not strided, nested; more dimensions than numpy takes): one
+        # call asks all of that at once, a batch's encoding asks it of every tensor (issue 31)
         try:
-            return meta, tuple(t.shape), t.numpy().reshape(-1).view(np.uint8)
-        except ValueError:  # more dimensions than numpy takes (64; 32 before numpy 2): the general way
-            pass
+            arr = t.numpy()
+        except (RuntimeError, TypeError, ValueError):
+            arr = None
+        if arr is not None and arr.flags.c_contiguous and arr.size:
+            return meta, arr.shape, arr.reshape(-1).view(np.uint8)
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
         return None  # pickled instead
     t = t.detach()
