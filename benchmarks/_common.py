@@ -52,9 +52,11 @@ class KernelOnly:
     (``row_bytes`` a row) written into fresh pages where the cache's would go (``/dev/shm``, or
     ``$SHMCACHE_MEMORY_DIR``) as the cache's writer does it (one ``posix_fallocate`` and one
     ``pwritev`` a batch), and nothing else: the most a shared-memory cache's cold epoch can reach
-    here. An epoch of it counts what the kernel's part costs inside an epoch, not in a loop of its
-    own: those writes also evict the dataset's working set from the CPU's caches. Optimistic for a
-    cache: the bytes come from one buffer that the CPU's caches hold."""
+    here with the kernel's part on the loader's thread (pages backed ahead on an idle CPU,
+    ``shmcache.base.ahead``, take part of it off). An epoch of it counts what the kernel's part
+    costs inside an epoch, not in a loop of its own: those writes also evict the dataset's working
+    set from the CPU's caches. Optimistic for a cache: the bytes come from one buffer that the
+    CPU's caches hold."""
 
     def __init__(self, dataset, row_bytes: int):
         self.dataset = dataset

@@ -5,7 +5,7 @@
  * 24 KB record's pages costs as much as copying it) and sits on the thread that computes the next
  * batch. submit() hands the range the NEXT run will commit to one worker thread of this process,
  * which fallocates it while the caller goes on; result() tells the caller's commit that the range is
- * backed already, so that commit skips its own call. A Python thread would need the GIL to start
+ * backed already, so that commit backs only what lies past it. A Python thread would need the GIL to start
  * the call and again to report it (up to the interpreter's switch interval, 5 ms, each, behind a
  * thread computing a batch): this one is a plain pthread, and no Python object ever crosses to it.
  *

@@ -4,8 +4,8 @@ A cold batch's records go into fresh pages: ``Segment.commit`` (one ``posix_fall
 run's chunks), then one ``pwritev``. Allocating the pages costs about as much as copying the bytes
 into them, on the thread that computes the next batch. ``submit`` hands the range the next run
 will commit to a worker thread of this process (``_ahead.c``: a plain pthread, no GIL, no Python
-object), which backs it while the caller computes; ``Segment.commit`` asks ``backed`` and skips its
-own call for a range backed already. A hint only: a request replaced by a newer one, failed (a
+object), which backs it while the caller computes; ``Segment.commit`` asks ``backed`` and backs
+only what lies past a range backed already. A hint only: a request replaced by a newer one, failed (a
 full /dev/shm) or not done yet leaves the commit to back the range itself, as without it. Built at
 install where a C compiler is present; without it, or with ``SHMCACHE_NATIVE=0``, ``NATIVE`` is
 False and every commit backs its own range.

@@ -171,13 +171,17 @@ def segment(shm_namespace):
         pass
 
 
-def _counting(monkeypatch, module, name: str) -> list:
+def _counting(monkeypatch, module, name: str, results: list | None = None) -> list:
+    """Each call of ``module.name`` from now on, by its arguments (and its result in ``results``)."""
     calls: list = []
     real = getattr(module, name)
 
     def spy(*args):
         calls.append(args)
-        return real(*args)
+        got = real(*args)
+        if results is not None:
+            results.append(got)
+        return got
 
     monkeypatch.setattr(module, name, spy)
     return calls
@@ -185,9 +189,10 @@ def _counting(monkeypatch, module, name: str) -> list:
 
 @switched_on
 def test_a_commit_inside_a_backed_range_makes_no_call_and_one_outside_it_does(segment, monkeypatch):
-    falloc = _counting(monkeypatch, shm, "_fallocate")
+    falloc, requests = _counting(monkeypatch, shm, "_fallocate"), []
+    _counting(monkeypatch, shm.ahead, "submit", requests)
     segment.commit_ahead(MiB, 4 * MiB)
-    assert _wait_backed(segment._ahead[2])
+    assert _wait_backed(requests[-1])
     segment.commit(MiB, 2 * MiB)  # the next run: from where the range asked for starts
     assert falloc == [], "the range was backed ahead: its commit must not walk the pages again"
     segment.commit(5 * MiB, MiB)  # nothing asked ahead now (the last ask was used)
@@ -202,12 +207,14 @@ def test_a_commit_inside_a_backed_range_makes_no_call_and_one_outside_it_does(se
 def test_a_commit_past_the_backed_range_backs_only_the_rest(segment, monkeypatch):
     """The next run is larger than the last (a batch with fewer records one at a time): the
     commit backs what lies past the range asked for, and goes on asking."""
-    falloc = _counting(monkeypatch, shm, "_fallocate")
+    falloc, requests = _counting(monkeypatch, shm, "_fallocate"), []
+    _counting(monkeypatch, shm.ahead, "submit", requests)
     segment.commit_ahead(MiB, MiB)
-    assert _wait_backed(segment._ahead[2])
+    assert _wait_backed(requests[-1])
     segment.commit(MiB, 3 * MiB)
     assert [(offset, length) for _, offset, length, _ in falloc] == [(2 * MiB, 2 * MiB)]
-    assert segment._ahead_pause == 0, "the same writer went on: no pause"
+    segment.commit_ahead(4 * MiB, MiB)
+    assert len(requests) == 2, "the same writer went on: asking must not pause"
 
 
 @native
