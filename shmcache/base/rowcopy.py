@@ -9,6 +9,9 @@ destination. It is built at install where a C compiler is present; without it, o
 ``SHMCACHE_NATIVE=0``, ``NATIVE`` is False and the callers (``cache.gather``) take numpy's ways,
 which give the same bytes.
 
+``write_all`` is the writer's loop: a run of records pwritten from their buffers, each buffer taken
+once (``shm.Segment.write_at``).
+
 The same module compares a batch's table entries with what the caller expects in one pass
 (``match``): the warm batch's checks (``cache.gather.planned_chunks``), one call where numpy
 needs eight.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from . import settings
 
-__all__ = ["NATIVE", "gather", "match", "unavailable_reason"]
+__all__ = ["NATIVE", "gather", "match", "unavailable_reason", "write_all"]
 
 try:
     from . import _rowcopy
@@ -50,3 +53,10 @@ def match(words, keys, first: int, base: int, limit: int, chunks) -> bool:
     what came before it). Word 0 of each row is loaded first, with acquire order. ``first``,
     ``base`` and ``limit`` are below 2**64. Only where ``NATIVE``."""
     return _rowcopy.match(words, keys, first, base, limit, chunks)
+
+
+def write_all(fd: int, offset: int, buffers, end: int) -> int:
+    """pwritev of every one of ``buffers`` (contiguous bytes-like objects, one after the other) at
+    ``offset`` of ``fd``, going on after a short write; the bytes written. ValueError, with nothing
+    written, where they would end past ``end``; OSError as pwritev's. Only where ``NATIVE``."""
+    return _rowcopy.write_all(fd, offset, buffers, end)

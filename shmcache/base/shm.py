@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import posix_ipc
 
 from ..errors import CorruptSegment, NotOwner, SharedMemoryFull
-from . import ahead, memdir, ordering
+from . import ahead, memdir, ordering, rowcopy
 from .namespace import segment_dir, segment_path, squatter_error
 
 __all__ = ["Segment", "HEADER_BYTES", "PAGE", "WORD", "word_view"]
@@ -307,7 +307,19 @@ class Segment:
         this mapping takes on each 4 KiB page (tmpfs: ~4-5 us a page, more than the copy) and no
         copy in between (a run of a publish group's records, CacheWriter.put_many)."""
         buffers = list(buffers)  # counted, then written: an iterator would be read once
-        # the byte count without a Python step per buffer (a run has ~8 a record): every loop in C
+        if rowcopy.NATIVE and not self._no_pwrite and offset >= HEADER_BYTES:
+            # each buffer taken once, counted and written in C (a run has ~8 a record)
+            try:
+                with self._own_fd() as fd:
+                    rowcopy.write_all(fd, offset, buffers, self.size)
+                return
+            except ValueError:  # past the end (nothing written): said below, as without it
+                pass
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                self._no_pwrite = True  # hugetlbfs takes no write(2): through the mapping, as below
+        # the byte count without a Python step per buffer: every loop in C
         end = offset + sum(map(_NBYTES, map(memoryview, buffers)))
         if offset < HEADER_BYTES or end > self.size:  # a pwritev past the end grows the object
             raise ValueError(f"write_at of bytes {offset}..{end} of segment {self.name}: past its "

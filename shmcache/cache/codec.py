@@ -88,8 +88,21 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..base import trees
+from ..base import settings, trees
 from ..errors import EncodeError
+
+try:
+    from . import _codec
+except ImportError:  # no C compiler at install, or a source checkout never built
+    _codec = None
+_why = settings.native_unavailable(_codec is not None, "the compiled pack")
+PACK_NATIVE = not _why  # encode_many packs a batch's flat values in C (_codec.c; see _native_spec)
+
+
+def pack_unavailable_reason() -> str:
+    """Why the compiled pack is not used, and what to do ('' when it is used)."""
+    return _why
+
 
 __all__ = ["Encoded", "encode", "encode_many", "decode", "decoder_for", "register_type", "register_namedtuple",
            "registered_namedtuples", "RECORD_HEADER", "MIN_RECORD_BYTES", "RecordHeader",
@@ -714,7 +727,11 @@ def encode_many(values: Sequence, paths: Sequence[str], memo: list | None = None
     flat = True
     for i, value in enumerate(values):
         for j, shape in enumerate(shapes):
-            enc = _encode_like(value, shape)
+            # compiled (None: not this shape), in Python where the C cannot view an array as
+            # bytes (NotImplemented) or the shape has no spec
+            enc = NotImplemented if shape.native is None else _codec.pack(value, shape.native)
+            if enc is NotImplemented:
+                enc = _encode_like(value, shape)
             if enc is not None:
                 out.append(enc)
                 if j:  # the shape that matched is tried first next (most of a batch shares one)
@@ -749,6 +766,7 @@ class _Shape(NamedTuple):
     leaves: tuple  # per leaf: (check, data): check says it is the same, data its bytes
     first: Encoded  # the layout and offsets of the value it was taken from (not its bytes)
     later: tuple  # the specs of the leaves _encode_like converts last (_LATER), in their order
+    native: tuple | None  # what the compiled pack takes (_native_spec); None: _encode_like packs it
 
 
 def _shape_of(value: Any, enc: Encoded) -> _Shape | None:
@@ -770,7 +788,19 @@ def _shape_of(value: Any, enc: Encoded) -> _Shape | None:
         specs.append(spec)
     # the value's layout and offsets, none of its data: a memo kept between batches holds no sample
     first = Encoded(enc.layout, enc.body_len, b"", [(off, None) for off, _ in enc.pieces])
-    return _Shape(keys, key_types, tuple(specs), first, tuple(spec for spec in specs if spec[0] in _LATER))
+    return _Shape(keys, key_types, tuple(specs), first, tuple(spec for spec in specs if spec[0] in _LATER),
+                  _native_spec(keys, key_types, specs, first))
+
+
+def _native_spec(keys: tuple | None, key_types: tuple, specs: list, first: Encoded) -> tuple | None:
+    """A flat shape as ``_codec.pack`` takes it (``_codec.c`` names the order), or None where
+    ``_encode_like`` packs it: no compiled pack, or more leaves than it holds. The C makes _encode_like's checks in its
+    order and builds the same Encoded; it knows no rule of the format: the layout, the pieces'
+    offsets and what each leaf must match come from here."""
+    if not PACK_NATIVE or len(specs) > _PACK_LEAVES or any(kind not in _PACKED for kind, _ in specs):
+        return None
+    return (keys, key_types, "".join(kind for kind, _ in specs).encode(), tuple(want for _, want in specs),
+            first.layout, first.body_len, tuple(off for off, _ in first.pieces), Encoded, np.ndarray, _EXT_TO)
 
 
 def _leaf_spec(x: Any) -> tuple | None:
@@ -872,6 +902,8 @@ def _encode_like(value: Any, shape: _Shape) -> Encoded | None:
 
 
 _LATER = (_ARRAY, _NPSCALAR, _EXT)  # the leaves _encode_like converts after every check passed
+_PACKED = (_INT, _FLOAT, _BOOL, _NONE, _STR, _BYTES, *_LATER)  # the leaves _codec.c packs: all
+_PACK_LEAVES = 64  # its MAX_LEAVES
 
 
 # --- decoding ------------------------------------------------------------------------------------

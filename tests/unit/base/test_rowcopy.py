@@ -4,6 +4,7 @@ with ``SHMCACHE_NATIVE=0``, and built wherever CI can build it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import shutil
@@ -166,6 +167,54 @@ def test_match_refuses_bad_arguments_by_name(change, error, match):
         rowcopy.match(words, keys, 0x51, 5 << 48, 10, chunks)
 
 
+# --- write_all: a run's records pwritten from their buffers (shm.Segment.write_at)
+
+
+@native
+def test_write_all_writes_every_buffer_in_order_past_one_call_of_them(tmp_path):
+    # more buffers than one pwritev takes (IOV_MAX), of every kind and size, some empty
+    bufs = [bytes([i % 251]) * (i % 7) if i % 3 else np.full(i % 11, i % 13, np.uint8) for i in range(3000)]
+    bufs += [memoryview(np.ones(3, np.float32)), np.arange(5, dtype=np.int64), bytearray(b"tail")]
+    want = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+    path = tmp_path / "f"
+    path.write_bytes(bytes(9))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert rowcopy.write_all(fd, 5, bufs, 5 + len(want)) == len(want)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(5) + want
+
+
+@native
+@pytest.mark.parametrize(("bufs", "offset", "end", "error", "match"), [
+    ([b"abc", b"de"], 4, 8, ValueError, "end past 8"),  # one byte too many: the file would grow
+    ([b"abc"], -1, 8, ValueError, "past"),
+    ([b"abc", np.arange(8, dtype=np.uint8)[::2]], 0, 64, ValueError, "contiguous"),
+    ([b"abc", 7], 0, 64, TypeError, "bytes-like"),
+])
+def test_write_all_refuses_before_it_writes_anything(tmp_path, bufs, offset, end, error, match):
+    path = tmp_path / "f"
+    path.write_bytes(b"\xee" * 8)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with pytest.raises(error, match=match):
+            rowcopy.write_all(fd, offset, bufs, end)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"\xee" * 8
+
+
+@native
+def test_write_all_says_pwritevs_error():
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(OSError) as err:
+        rowcopy.write_all(w, 0, [b"x"], 64)
+    assert err.value.errno == errno.EBADF
+
+
 # A child that loads _rowcopy.c built with AddressSanitizer and UBSan (-fno-sanitize-recover: the
 # first finding aborts it) and runs the arguments at the edges: every row's last byte at the end
 # of the source, indices misaligned, strided backwards or not at all, bounds that overflow.
@@ -217,6 +266,18 @@ for keys in (np.array([7, 3], np.int64), np.array([7], np.int64), np.zeros(25, n
 for bad in (8, -1, 2**63 - 1, -2**63, -2**62):
     assert not rc.match(words, np.array([7, 3, bad], np.int64), 9, 0, 6, chunks)
 assert rc.match(words, np.array([7, 3], np.int64), 9, 0, 6, chunks) and chunks[:2].tolist() == [5, 2]
+# write_all: past IOV_MAX buffers, empty ones among them, the last byte at the end; then one past it
+import os, tempfile
+with tempfile.TemporaryFile() as f:
+    bufs = [bytes([i % 251]) * (i % 5) for i in range(2500)] + [np.arange(7, dtype=np.uint8)]
+    n = sum(map(len, bufs))
+    assert rc.write_all(f.fileno(), 3, bufs, 3 + n) == n
+    try:
+        rc.write_all(f.fileno(), 4, bufs, 3 + n)
+    except ValueError:
+        pass
+    os.lseek(f.fileno(), 0, 0)
+    assert os.read(f.fileno(), n + 10) == bytes(3) + b"".join(bytes(b) for b in bufs)
 print("clean")
 """
 
@@ -309,9 +370,11 @@ def _unbuilt(tmp_path: Path) -> Path:
     return tmp_path
 
 
-# the tests of shmcache's compiled parts: this file's (base._rowcopy), base._ahead's and cache._hit's
+# the tests of shmcache's compiled parts: this file's (base._rowcopy), base._ahead's, cache._hit's and
+# cache._codec's
 COMPILED_TESTS = [__file__, str(Path(__file__).with_name("test_ahead.py")),
-                  str(Path(__file__).parents[1] / "cache" / "test_hit.py")]
+                  str(Path(__file__).parents[1] / "cache" / "test_hit.py"),
+                  str(Path(__file__).parents[1] / "cache" / "test_codec_native.py")]
 
 
 def _pytest_unbuilt(tmp_path: Path, cc: str, select: str) -> subprocess.CompletedProcess:
@@ -336,6 +399,7 @@ def test_these_tests_pass_where_it_was_not_built(tmp_path):
     assert "the compiled row copy: not built at install" in done.stdout, done.stdout[-4000:]
     assert "the compiled hit: not built at install" in done.stdout, done.stdout[-4000:]
     assert "pages backed ahead: not built at install" in done.stdout, done.stdout[-4000:]
+    assert "the compiled pack: not built at install" in done.stdout, done.stdout[-4000:]
 
 
 @pytest.mark.parametrize("flags", ["", " -O2"])
@@ -348,7 +412,8 @@ def test_the_build_guard_fails_an_unbuilt_install_whatever_flags_cc_carries(tmp_
     if not gcc or not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         pytest.skip("no gcc or Python headers here")
     done = _pytest_unbuilt(tmp_path, gcc + flags, "ci_builds")
-    assert "3 failed" in done.stdout, done.stdout[-4000:]
+    assert "4 failed" in done.stdout, done.stdout[-4000:]
     assert "the compiled row copy was not built" in done.stdout, done.stdout[-4000:]
     assert "the compiled hit was not built" in done.stdout, done.stdout[-4000:]
     assert "pages backed ahead were not built" in done.stdout, done.stdout[-4000:]
+    assert "the compiled pack was not built" in done.stdout, done.stdout[-4000:]
