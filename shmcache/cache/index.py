@@ -27,9 +27,22 @@ import struct
 
 import numpy as np
 
-from ..base import ordering
+from ..base import ordering, settings
 from ..base.shm import WORD, word_view
 from ..errors import CorruptSegment, InvalidKey
+
+try:
+    from . import _index
+except ImportError:  # no C compiler at install, or a source checkout never built
+    _index = None
+_why = settings.native_unavailable(_index is not None, "the one-pass batch probe")
+PROBE_NATIVE = not _why  # lookup_ints probes a batch in one compiled pass (_index.c)
+
+
+def probe_unavailable_reason() -> str:
+    """Why the compiled batch probe is not used, and what to do ('' when it is used)."""
+    return _why
+
 
 __all__ = ["TableView", "key_bytes", "key_hash", "tier_key", "READY", "INT_KEY", "SPILLED", "INLINE24",
            "ENTRY_BYTES", "TABLE_OFF", "MAX_LOAD", "MIN_TABLE", "LOCATION_MASK", "FLAG_BITS", "MAX_RECORD",
@@ -257,6 +270,12 @@ class TableView:
         """Vectorised lookup of int64 ``keys``: ``(w0, w2)`` arrays, w0 == 0 where a key is absent."""
         w = self.words
         k = keys.astype(np.uint64, copy=False)
+        if PROBE_NATIVE:  # the same probe in one pass (_index.c), every home row asked for first
+            k = np.ascontiguousarray(k)
+            w0, w2 = np.empty(len(k), np.uint64), np.empty(len(k), np.uint64)
+            if not _index.lookup_ints(w, k, _FIB, self.shift, READY | INT_KEY, w0, w2):
+                raise self.corrupt()
+            return w0, w2
         cap = np.uint64(self.capacity)
         if len(k) and k.max() < cap:  # dataset indices: each at its own position, one probe
             s0 = w[k, 0]  # state words first, in their own gather

@@ -52,7 +52,7 @@ from ..base import ahead, memdir, rowcopy, settings
 from ..base.memory import memory_limits
 from ..base.namespace import namespace, resolve_session_name
 from ..base.settings import ENV_MEMORY_DIR, ENV_REMOTE, ENV_SPILL_DIR
-from ..cache import codec, hit
+from ..cache import codec, hit, index
 from ..cache.registry import SessionRegistry
 from ..errors import CacheInUse, CacheNotFound, InvalidArgument, SessionInUse, ShmcacheError
 
@@ -377,6 +377,7 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         "single_hit": "compiled" if hit.NATIVE else f"python: {hit.unavailable_reason()}",
         "pages_ahead": "compiled" if ahead.NATIVE else f"none: {ahead.unavailable_reason()}",
         "batch_encode": "compiled" if codec.PACK_NATIVE else f"python: {codec.pack_unavailable_reason()}",
+        "batch_probe": "compiled" if index.PROBE_NATIVE else f"numpy: {index.probe_unavailable_reason()}",
         "sessions": len(registry.list()),
         "segments": sum(len(ns.owned_segments(d)) for d in [None, *registry.memory_dirs()]),
         "remotes": _remotes(registry),
@@ -401,6 +402,8 @@ def cmd_info(args, registry: SessionRegistry) -> int:
          if ahead.NATIVE else f"none, each batch backs its own: {ahead.unavailable_reason()}"),
         ("batch encode", "compiled: a cold batch's samples of one shape are packed one call each"
          if codec.PACK_NATIVE else f"Python: {codec.pack_unavailable_reason()}"),
+        ("batch probe", "compiled: a batch's keys are looked up in the index in one pass"
+         if index.PROBE_NATIVE else f"numpy: {index.probe_unavailable_reason()}"),
         ("MemAvailable", _size(lim.mem_available)),
         ("cgroup memory limit", f"{_size(lim.cgroup_limit)} ({_size(lim.cgroup_free)} free; "
                                 f"{lim.cgroup_file})" if lim.cgroup_limit else "no limit"),

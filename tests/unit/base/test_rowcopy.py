@@ -370,11 +370,11 @@ def _unbuilt(tmp_path: Path) -> Path:
     return tmp_path
 
 
-# the tests of shmcache's compiled parts: this file's (base._rowcopy), base._ahead's, cache._hit's and
-# cache._codec's
+# the tests of shmcache's compiled parts: this file's (base._rowcopy), base._ahead's, cache._hit's,
+# cache._codec's and cache._index's
 COMPILED_TESTS = [__file__, str(Path(__file__).with_name("test_ahead.py")),
-                  str(Path(__file__).parents[1] / "cache" / "test_hit.py"),
-                  str(Path(__file__).parents[1] / "cache" / "test_codec_native.py")]
+                  *(str(Path(__file__).parents[1] / "cache" / name)
+                    for name in ("test_hit.py", "test_codec_native.py", "test_index_native.py"))]
 
 
 def _pytest_unbuilt(tmp_path: Path, cc: str, select: str) -> subprocess.CompletedProcess:
@@ -400,6 +400,7 @@ def test_these_tests_pass_where_it_was_not_built(tmp_path):
     assert "the compiled hit: not built at install" in done.stdout, done.stdout[-4000:]
     assert "pages backed ahead: not built at install" in done.stdout, done.stdout[-4000:]
     assert "the compiled pack: not built at install" in done.stdout, done.stdout[-4000:]
+    assert "the compiled batch probe: not built at install" in done.stdout, done.stdout[-4000:]
 
 
 @pytest.mark.parametrize("flags", ["", " -O2"])
@@ -412,8 +413,9 @@ def test_the_build_guard_fails_an_unbuilt_install_whatever_flags_cc_carries(tmp_
     if not gcc or not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         pytest.skip("no gcc or Python headers here")
     done = _pytest_unbuilt(tmp_path, gcc + flags, "ci_builds")
-    assert "4 failed" in done.stdout, done.stdout[-4000:]
+    assert "5 failed" in done.stdout, done.stdout[-4000:]
     assert "the compiled row copy was not built" in done.stdout, done.stdout[-4000:]
     assert "the compiled hit was not built" in done.stdout, done.stdout[-4000:]
     assert "pages backed ahead were not built" in done.stdout, done.stdout[-4000:]
     assert "the compiled pack was not built" in done.stdout, done.stdout[-4000:]
+    assert "the compiled batch probe was not built" in done.stdout, done.stdout[-4000:]
