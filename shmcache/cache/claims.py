@@ -94,6 +94,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..base import settings
 from ..base.locks import close_in_forked_children
 from ..errors import InvalidArgument
@@ -234,6 +236,46 @@ class Claims:
     def bucket(self, key: Any) -> int:
         w1 = key & _M64 if type(key) is int else key_bytes(key)[0]
         return ((w1 * _FIB) & _M64) >> _BUCKET_SHIFT  # Fibonacci hashing: the top 16 bits
+
+    def buckets(self, keys: Sequence) -> list[int]:
+        """``bucket`` of each of ``keys``: a batch of int keys in one numpy pass."""
+        if all(type(k) is int for k in keys):
+            try:
+                w1 = np.fromiter(keys, np.int64, len(keys)).view(np.uint64)  # key & _M64, as bucket
+            except OverflowError:  # a key past 64 bits: one at a time
+                pass
+            else:
+                return ((w1 * np.uint64(_FIB)) >> np.uint64(_BUCKET_SHIFT)).tolist()  # mod 2**64, as bucket
+        return [self.bucket(key) for key in keys]
+
+    def take_many(self, buckets: Sequence[int], positions: Sequence[int], held: list[int]) -> tuple[list, list]:
+        """``take`` of ``buckets[j]`` for each ``j`` of ``positions``, under one hold of the thread
+        lock: ``(mine, busy)``, the positions whose claim is ours now (taken, or this process's
+        already) and those another process holds. Each bucket is appended to ``held`` before it
+        is taken and removed again unless taken: the caller releases ``held`` whatever happens
+        (an interrupt between a lock and its record undoes both). OSError where the lock itself
+        fails (ENOLCK, a descriptor closed under us)."""
+        mine: list[int] = []
+        busy: list[int] = []
+        own, fd, pack = self._held, self._fd, _FLOCK.pack
+        with self._mutex:  # as take: recorded only once locked
+            for j in positions:
+                bucket = buckets[j]
+                if bucket in own:
+                    mine.append(j)
+                    continue
+                held.append(bucket)
+                try:
+                    fcntl.fcntl(fd, _SETLK, pack(_WRLCK, 0, _LOCKS_OFF + bucket, 1, 0))
+                except OSError as exc:
+                    held.pop()
+                    if exc.errno in _BUSY:
+                        busy.append(j)
+                        continue
+                    raise
+                own.add(bucket)
+                mine.append(j)
+        return mine, busy
 
     def take(self, bucket: int) -> int:
         """TAKEN (ours now), BUSY (another process holds it) or OURS (this process holds it)."""
@@ -459,7 +501,7 @@ def fill_batch(
     if claims is None or not claims.usable():
         _compute(claims, keys, list(range(len(keys))), out, compute_many, publish_many)
         return out
-    buckets = [claims.bucket(key) for key in keys]
+    buckets = claims.buckets(keys)
     todo: list[int] = list(range(len(keys)))
     deadline, delay, first = 0.0, FIRST_SLEEP_S, True
     while todo:
@@ -473,14 +515,7 @@ def fill_batch(
         # keys would wait claim_timeout_s); releasing one not taken is harmless
         try:
             try:
-                for j in todo:
-                    held.append(buckets[j])
-                    got = claims.take(buckets[j])
-                    if got != TAKEN:
-                        held.pop()
-                        (busy if got == BUSY else mine).append(j)
-                    else:
-                        mine.append(j)
+                mine, busy = claims.take_many(buckets, todo, held)
             except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
                 failed = exc
             if failed is None and held:

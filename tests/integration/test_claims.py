@@ -475,3 +475,16 @@ def test_a_batch_releases_its_claims_in_one_call_and_never_a_claim_of_another_th
         claims.release(between)
     finally:
         cache.close()
+
+
+def test_a_batchs_buckets_are_each_keys_bucket():
+    """``Claims.buckets`` hashes a batch of int keys in one numpy pass: the same bucket as
+    ``bucket`` for each, negative keys and keys past 63 bits (one at a time) included."""
+    cache = ShmDatasetCache(session="race", name="buckets", size=16)
+    claims = cache.store.claims
+    try:
+        for keys in ([0, 1, 2**16, -1, -2**63, 2**63 - 1, 12345678901], [5, 2**63, 7], [1, "a", b"b", 3],
+                     []):
+            assert claims.buckets(keys) == [claims.bucket(k) for k in keys], keys
+    finally:
+        cache.close()
