@@ -144,21 +144,20 @@ class PublishGroup:
 
 def finish(gen: Generation) -> None:
     """Steps 3-5 of a group in phase 2 (its writer, or the repair of a dead one)."""
-    ci = gen.group_intent()
-    count = Counter(cls for _, cls, _ in ci.records)
+    ci = gen.group_intent(records=False)
+    pos, cls_of, w0 = gen.group_records()
     for cls, bump in ci.classes:
-        gen.classes.set_bump(cls, bump + count[cls])
+        gen.classes.set_bump(cls, bump + int(np.count_nonzero(cls_of == np.uint64(cls))))
     if _CRASH_TESTS:
         crash_point("group_bumped")
     ordering.fence()  # B: the bumps before the entries that point below them
     index = gen.index
     if _CRASH_TESTS:  # one record at a time, to die between two of them
-        for pos, _, w0 in ci.records:
+        for p, w in zip(pos.tolist(), w0.tolist()):
             crash_point("group_publishing")
-            index.ready(pos, w0)  # the same word again where a dead writer published it already
-    elif ci.records:  # the same stores, one numpy assignment (TableView.ready_many)
-        rec = np.array(ci.records, np.uint64)
-        index.ready_many(rec[:, 0], rec[:, 2])
+            index.ready(p, w)  # the same word again where a dead writer published it already
+    elif len(pos):  # the same stores, one numpy assignment (TableView.ready_many)
+        index.ready_many(pos, w0)
     if _CRASH_TESTS:
         crash_point("group_published")
     gen.apply_totals(Intent(2, 0, 0, 0, ci.items, ci.total, 0, ci.table_items))
