@@ -557,6 +557,8 @@ def _repeats(keys: Sequence) -> dict[int, int]:
     first: dict = {}
     again = {}
     try:
+        if len(set(keys)) == len(keys):  # most batches (a sampler without replacement): one C pass
+            return again
         for j, key in enumerate(keys):
             at = first.setdefault(key, j)
             if at != j:
