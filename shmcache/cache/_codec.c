@@ -91,7 +91,12 @@ convert(char k, PyObject *x, PyObject *want, PyObject **data)
         *data = PyObject_CallMethodNoArgs(x, s_tobytes);
         return *data == NULL ? -1 : 1;
     }
-    PyObject *parts = PyObject_CallOneArg(PyTuple_GET_ITEM(PyTuple_GET_ITEM(want, 4), 1), x);
+    PyObject *ext = PyTuple_GET_ITEM(want, 4); /* register_type's (tag, to_parts) */
+    if (!PyTuple_Check(ext) || PyTuple_GET_SIZE(ext) < 2) {
+        PyErr_SetString(PyExc_TypeError, "pack: a registered type's entry is not register_type's (tag, to_parts)");
+        return -1;
+    }
+    PyObject *parts = PyObject_CallOneArg(PyTuple_GET_ITEM(ext, 1), x);
     if (parts == NULL)
         return -1;
     PyObject *tag = NULL, *dims = NULL, *dims_t = NULL, *buf = NULL, *mv = NULL;
