@@ -39,7 +39,9 @@ def _tensor_to_parts(t: torch.Tensor):
         except (RuntimeError, TypeError, ValueError):
             arr = None
         if arr is not None and arr.flags.c_contiguous and arr.size:
-            return meta, arr.shape, arr.reshape(-1).view(np.uint8)
+            # the array itself: the codec takes any C-contiguous buffer as its bytes (a flat
+            # uint8 view of it cost two numpy calls a tensor, 0.3 us)
+            return meta, arr.shape, arr
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
         return None  # pickled instead
     t = t.detach()
