@@ -129,6 +129,33 @@ def test_a_handler_that_raises_raises_out_of_the_batch_as_in_python(monkeypatch)
 
 
 @native
+def test_a_handler_runs_once_a_value_when_an_array_beside_it_goes_to_python(packed):
+    """A registered type's handler is user code, often costly (a tensor copied off its device) and
+    not always pure: the C must not call it for a value whose later array it then hands to Python
+    (NotImplemented), which converts every later leaf again and so calls the handler a second time."""
+    calls = []
+
+    class Blob:
+        def __init__(self, raw: bytes):
+            self.raw = raw
+
+    def to_parts(b):
+        calls.append(b.raw)
+        return "u8:1", (len(b.raw),), np.frombuffer(b.raw, np.uint8)
+
+    codec.register_type(Blob, "test-pack-once", to_parts, lambda meta, shape, raw: Blob(raw.tobytes()))
+    try:
+        rows = [{"b": Blob(b"ab"), "a": np.arange(4)}, {"b": Blob(b"cd"), "a": np.arange(8)[::2]}]  # strided
+        many = codec.encode_many(rows, ["r"] * 2)
+        assert calls.count(b"cd") == 1, calls  # as _encode_like alone calls it
+        assert packed == [NotImplemented]  # the C could not view the strided array: Python packed it
+        assert _same(many[1], codec.encode(rows[1]))
+    finally:
+        codec._EXT_FROM.pop("test-pack-once", None)
+        codec._EXT_TO.pop(Blob, None)
+
+
+@native
 def test_a_handler_that_empties_the_sample_it_converts_leaves_the_pack_sound():
     """A registered type's handler is user code: one that clears the dict being packed (its leaves
     then have no other owner) must not leave the C reading freed leaves (ASan, below)."""
