@@ -164,6 +164,7 @@ pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *leaves[MAX_LEAVES];
     PyObject *var[MAX_LEAVES]; /* str and bytes leaves' bytes (new references) */
     Py_ssize_t later[MAX_LEAVES]; /* the leaves converted once all matched (codec._LATER), in order */
+    PyObject *views[MAX_LEAVES] = {NULL}; /* the byte views of the arrays among them (new references) */
     long long numbers[MAX_LEAVES];
     Py_ssize_t nleaves = 0, nvar = 0, nlater = 0, nnumbers = 0;
     PyObject *result = Py_None, *scalars = NULL, *pieces = NULL, *enc = NULL;
@@ -290,6 +291,19 @@ pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "pack: the spec's offsets do not match its leaves");
         goto fail;
     }
+    /* the arrays' byte views first (numpy's buffer, no user code): an array Python must convert is
+     * known before any handler runs, as Python then converts every later leaf again (a handler
+     * would run twice for one value) */
+    for (Py_ssize_t j = 0; j < nlater; j++) {
+        if (kind[later[j]] != 'a')
+            continue;
+        if ((views[j] = byte_view(leaves[later[j]])) == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            result = Py_NotImplemented;
+            goto done;
+        }
+    }
     pieces = PyList_New(nvar + nlater);
     if (pieces == NULL)
         goto fail;
@@ -297,6 +311,9 @@ pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *data;
         if (j < nvar) {
             data = Py_NewRef(var[j]);
+        } else if (views[j - nvar] != NULL) {
+            data = views[j - nvar]; /* taken */
+            views[j - nvar] = NULL;
         } else {
             const Py_ssize_t i = later[j - nvar];
             const int got = convert(kind[i], leaves[i], PyTuple_GET_ITEM(wants, i), &data);
@@ -340,6 +357,8 @@ out:
     Py_XDECREF(pieces);
     for (Py_ssize_t j = 0; j < nvar; j++)
         Py_DECREF(var[j]);
+    for (Py_ssize_t j = 0; j < nlater; j++)
+        Py_XDECREF(views[j]);
     for (Py_ssize_t j = 0; j < nleaves; j++)
         Py_DECREF(leaves[j]);
     return result;
