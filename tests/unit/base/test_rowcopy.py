@@ -192,6 +192,10 @@ def test_write_all_writes_every_buffer_in_order_past_one_call_of_them(tmp_path):
     ([b"abc"], -1, 8, ValueError, "past"),
     ([b"abc", np.arange(8, dtype=np.uint8)[::2]], 0, 64, ValueError, "contiguous"),
     ([b"abc", 7], 0, 64, TypeError, "bytes-like"),
+    # an end below the offset: end - offset overflows a long long (signed overflow, undefined) and
+    # came out a large positive room, so a pwritev at 2**62 was tried (tmpfs takes it: a huge sparse file)
+    ([b"abc"], 2**62, -2**63, ValueError, "past"),
+    ([b"abc"], 8, 0, ValueError, "past"),
 ])
 def test_write_all_refuses_before_it_writes_anything(tmp_path, bufs, offset, end, error, match):
     path = tmp_path / "f"
@@ -285,6 +289,30 @@ print("clean")
 def test_the_c_is_clean_under_address_and_undefined_behaviour_sanitizers(sanitized):
     done = sanitized(Path(rowcopy.__file__).with_name("_rowcopy.c"), _SANITIZED)
     assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
+
+
+# write_all's bounds at the edges of a long long: an end below the offset, an offset at the top
+# (the message's offset + total must not overflow either)
+_WRITE_EDGES = """
+import importlib.util, sys, tempfile
+spec = importlib.util.spec_from_file_location("_rowcopy", sys.argv[1])
+rc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rc)
+with tempfile.TemporaryFile() as f:
+    for offset, end in ((2**62, -2**63), (2**63 - 1, 2**63 - 1), (2**63 - 2, 2**63 - 1), (0, -1)):
+        try:
+            rc.write_all(f.fileno(), offset, [b"abc"], end)
+            raise SystemExit(f"{offset}, {end}: written")
+        except ValueError:
+            pass
+print("clean")
+"""
+
+
+@native
+def test_write_alls_bounds_at_the_edges_of_a_long_long_are_clean_under_the_sanitizers(sanitized):
+    done = sanitized(Path(rowcopy.__file__).with_name("_rowcopy.c"), _WRITE_EDGES)
+    assert done.returncode == 0 and done.stdout == "clean\n", (done.stdout, done.stderr[-3000:])
 
 
 # A thread writes indices past the source and back while the copy runs (without the GIL): the
