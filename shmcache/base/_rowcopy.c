@@ -280,8 +280,12 @@ write_all(PyObject *module, PyObject *args)
             total += views[taken].len;
         }
     }
-    if (offset < 0 || total > end - offset) {
-        PyErr_Format(PyExc_ValueError, "bytes %lld..%lld end past %lld", offset, offset + total, end);
+    /* end < offset first: end - offset must not overflow (an end of -2**63 would come out a room
+     * of nearly 2**64 bytes); the message's last byte in unsigned arithmetic for the same reason */
+    if (offset < 0 || end < offset || total > end - offset) {
+        PyErr_Format(PyExc_ValueError, "write_all: bytes %lld..%llu end past %lld (a pwritev past a segment's end "
+                     "grows it): write fewer bytes or at a lower offset", offset,
+                     (unsigned long long)offset + (unsigned long long)total, end);
         goto done;
     }
     static long iov_max;
