@@ -488,3 +488,50 @@ def test_a_batchs_buckets_are_each_keys_bucket():
             assert claims.buckets(keys) == [claims.bucket(k) for k in keys], keys
     finally:
         cache.close()
+
+
+def test_an_interrupt_before_a_batchs_lock_leaves_no_bucket_to_release_that_another_thread_then_takes(monkeypatch):
+    """A signal's handler runs at a call: one that raises (Ctrl-C) as ``take_many`` packs the lock
+    of a bucket it has put in ``held`` but not locked yet leaves the thread lock at once; another
+    thread of ours may take that bucket before the batch's ``finally`` releases ``held``, and that
+    release must not unlock the other thread's claim (another process would compute its key too)."""
+    import threading
+
+    cache = ShmDatasetCache(session="race", name="intrheld", size=16)
+    claims = cache.store.claims
+    other = None
+    try:
+        claims._ready()
+        bucket = claims.bucket(4242)
+        real = claims_mod._FLOCK
+
+        class Interrupted:  # the lock's argument packed: the call at which the handler runs (once)
+            landed = False
+
+            @classmethod
+            def pack(cls, *args):
+                if not cls.landed:
+                    cls.landed = True
+                    raise KeyboardInterrupt
+                return real.pack(*args)
+
+        monkeypatch.setattr(claims_mod, "_FLOCK", Interrupted)
+        held: list[int] = []
+        with pytest.raises(KeyboardInterrupt):
+            claims.take_many([bucket], [0], held)
+        monkeypatch.setattr(claims_mod, "_FLOCK", real)
+        got = []
+        taker = threading.Thread(target=lambda: got.append(claims.take(bucket)))  # before the finally below
+        taker.start()
+        taker.join()
+        assert got == [claims_mod.TAKEN]
+        claims_mod._release_all(claims, held)  # fill_batch's finally
+        assert bucket in claims.held, "the other thread's claim was dropped from its account"
+        other = claims_mod.Claims(claims.path, lambda: 0)  # another open file description: another process
+        other._ready()
+        assert other.take(bucket) == claims_mod.BUSY, "the other thread's claim was unlocked"
+        claims.release(bucket)
+    finally:
+        if other is not None:
+            other.close()
+        cache.close()
