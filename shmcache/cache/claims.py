@@ -264,14 +264,22 @@ class Claims:
                 if bucket in own:
                     mine.append(j)
                     continue
-                held.append(bucket)
                 try:
+                    held.append(bucket)
                     fcntl.fcntl(fd, _SETLK, pack(_WRLCK, 0, _LOCKS_OFF + bucket, 1, 0))
                 except OSError as exc:
                     held.pop()
                     if exc.errno in _BUSY:
                         busy.append(j)
                         continue
+                    raise
+                except BaseException:
+                    # an interrupt before the lock or as it returns: undone here, under the thread
+                    # lock. Left in held, it would be released once we let go of the thread lock,
+                    # after another thread of ours may have taken it (its claim unlocked with ours)
+                    if held and held[-1] == bucket:
+                        fcntl.fcntl(fd, _SETLK, pack(_UNLCK, 0, _LOCKS_OFF + bucket, 1, 0))
+                        held.pop()
                     raise
                 own.add(bucket)
                 mine.append(j)
