@@ -70,6 +70,21 @@ def test_the_compiled_probe_finds_what_numpys_finds(seed, monkeypatch):
 
 
 @native
+@pytest.mark.parametrize("dtype", [np.uint64, np.int64, ">u8"])
+def test_keys_at_an_odd_address_are_probed_as_numpy_probes_them(dtype, monkeypatch):
+    """uint64 keys are taken as they are (astype(copy=False), ascontiguousarray): a view at an odd
+    address of a byte buffer stays at it, and the C, which loads 8-byte words, refused it
+    (TypeError) where numpy's probe answers."""
+    r = random.Random(7)
+    t = _table(16, [3, 9, 2**40], r)
+    raw = bytearray(8 * 4 + 1)
+    keys = np.frombuffer(raw, dtype, offset=1, count=4)
+    keys[:] = [3, 9, 2**40, 5]
+    (g0, g2), (w0, w2) = _both(t, keys, monkeypatch)
+    assert g0.tolist() == w0.tolist() and g2.tolist() == w2.tolist()
+
+
+@native
 @pytest.mark.parametrize("capacity", [0, 1, 8])
 def test_a_table_with_no_empty_entry_is_damage_both_ways(capacity, monkeypatch):
     buf = bytearray(TABLE_OFF + max(capacity, 1) * ENTRY_BYTES)
