@@ -278,7 +278,10 @@ class Claims:
                     # lock. Left in held, it would be released once we let go of the thread lock,
                     # after another thread of ours may have taken it (its claim unlocked with ours)
                     if held and held[-1] == bucket:
-                        fcntl.fcntl(fd, _SETLK, pack(_UNLCK, 0, _LOCKS_OFF + bucket, 1, 0))
+                        try:
+                            fcntl.fcntl(fd, _SETLK, pack(_UNLCK, 0, _LOCKS_OFF + bucket, 1, 0))
+                        except OSError:  # the descriptor closed under us: its locks went with it
+                            pass
                         held.pop()
                     raise
                 own.add(bucket)
