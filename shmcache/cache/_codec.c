@@ -75,18 +75,15 @@ byte_view(PyObject *arr)
     return bytes;
 }
 
-/* the bytes of a later leaf ``x`` of kind ``k`` (checked against ``want``) into *data: 1 (*data NULL:
- * an array Python converts), 0 where a handler's parts differ from the shape's (not this shape),
- * -1 on error. A numpy scalar's bytes as tobytes() gives them (the builder's 0-d array holds the
- * same); a registered type's buffer as its handler gives it (the handler runs, as in Python). */
+/* the bytes of a later leaf ``x`` of kind ``k`` other than an array (pack views those first),
+ * checked against ``want``, into *data: 1, 0 where a handler's parts differ from the shape's (not
+ * this shape), -1 on error. A numpy scalar's bytes as tobytes() gives them (the builder's 0-d
+ * array holds the same); a registered type's buffer as its handler gives it (the handler runs, as
+ * in Python). */
 static int
 convert(char k, PyObject *x, PyObject *want, PyObject **data)
 {
     *data = NULL;
-    if (k == 'a') {
-        *data = byte_view(x);
-        return *data == NULL && PyErr_Occurred() ? -1 : 1;
-    }
     if (k == 'g') {
         *data = PyObject_CallMethodNoArgs(x, s_tobytes);
         return *data == NULL ? -1 : 1;
@@ -321,10 +318,6 @@ pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 goto fail;
             if (got == 0)
                 goto done; /* a handler that gave other parts: not this shape */
-            if (data == NULL) {
-                result = Py_NotImplemented;
-                goto done;
-            }
         }
         PyObject *pair = PyTuple_Pack(2, PyTuple_GET_ITEM(offsets, j), data);
         Py_DECREF(data);
