@@ -7,9 +7,11 @@ batch), then a fresh cache's cold epoch and its warm epoch, in the same run; rep
 the unwrapped epoch (> 1: faster than no cache), the median of ``--rounds``, and the cache's bytes
 per row against the row's payload. ``own x``: a cold epoch with no pages backed ahead (each batch's
 commit backs its own pages in line, as without the compiled ``base.ahead``), the baseline of that
-part. Also the DataLoader's own floor: the same rows, already made, served from a Python list by
-``__getitems__`` (no work at all) - the most any cache can gain with that many workers (``floor
-x``: the unwrapped epoch over that one). And per format, what admission costs a row in this
+part; ``py x``: a cold epoch with the cold batch's compiled encode, probe and run write off (their
+Python in their place, as with ``SHMCACHE_NATIVE=0``), the baseline of those. Also the
+DataLoader's own floor: the same rows, already made, served from a Python list by ``__getitems__``
+(no work at all) - the most any cache can gain with that many workers (``floor x``: the unwrapped
+epoch over that one). And per format, what admission costs a row in this
 process: ``encode`` (``encode_many`` of a batch of 64 rows, best of 5) against the dataset's own
 ``__getitems__`` of the same rows; and what the kernel alone takes to admit a row's bytes
 (``_write_floor``); and ``kernel x``: the unwrapped epoch over one that only adds the kernel's part
@@ -90,19 +92,34 @@ def _write_floor(row_bytes: int, rows: int = 2048) -> float:
     return best
 
 
-def _cold_backing_own_pages(hf, fmt: str, workers: int, r: int) -> float:
-    """A cold epoch with no pages backed ahead (``own x``): each batch's commit backs its own, as
-    where the compiled part is not built (``base.ahead``)."""
-    from shmcache import ShmDatasetCache
-    from shmcache.base import ahead
+def _switches(which: str) -> list:
+    """The (module, flag) switches of a compiled part, as ``SHMCACHE_NATIVE=0`` leaves them: ``own``
+    the pages backed ahead (``base.ahead``); ``py`` the cold batch's compiled encode, probe and
+    run write (``cache._codec``, ``cache._index``, ``rowcopy.write_all``)."""
+    from shmcache.base import ahead, rowcopy
+    from shmcache.cache import codec, index
 
-    cache = ShmDatasetCache(session="bench-hf", name=f"own-{fmt}-{workers}-{r}", size=2048)
-    ds = cache.wrap(hf, fingerprint=f"hf-own-{fmt}-{workers}-{r}")
-    was, ahead.NATIVE = ahead.NATIVE, False  # the forked workers inherit it
+    if which == "own":
+        return [(ahead, "NATIVE")]
+    return [(codec, "PACK_NATIVE"), (index, "PROBE_NATIVE"), (rowcopy, "NATIVE")]
+
+
+def _cold_without(which: str, hf, fmt: str, workers: int, r: int) -> float:
+    """A cold epoch with the compiled parts ``which`` names off (``_switches``): ``own x`` and
+    ``py x``, each the baseline of its part in the same rounds."""
+    from shmcache import ShmDatasetCache
+
+    switches = _switches(which)
+    was = [getattr(module, flag) for module, flag in switches]
+    for module, flag in switches:  # before the cache: its encoder's shapes are made with it off
+        setattr(module, flag, False)  # the forked workers inherit it
+    cache = ShmDatasetCache(session="bench-hf", name=f"{which}-{fmt}-{workers}-{r}", size=2048)
     try:
+        ds = cache.wrap(hf, fingerprint=f"hf-{which}-{fmt}-{workers}-{r}")
         return _epoch(ds, workers)
     finally:
-        ahead.NATIVE = was
+        for (module, flag), value in zip(switches, was):
+            setattr(module, flag, value)
         cache.store.destroy()
         cache.close()
 
@@ -142,16 +159,17 @@ def main() -> None:
     print(f"{args.rows} rows (label, 32x32x3 uint8 image, str), DataLoader(batch_size=64, shuffle=True); "
           f"median of {args.rounds} rounds; ratios: the unwrapped epoch's time over the cached one's")
     print(f"{'format':<8}{'workers':>8}{'plain s':>9}{'cold s':>8}{'warm s':>8}{'cold x':>8}{'own x':>7}"
-          f"{'warm x':>8}{'floor x':>8}{'kernel x':>9}{'bytes/row':>11}")
+          f"{'py x':>6}{'warm x':>8}{'floor x':>8}{'kernel x':>9}{'bytes/row':>11}")
     for fmt in args.formats:
         hf = base.with_format(fmt) if fmt != "python" else base
         ready = Ready([hf[i] for i in range(len(hf))])
         for workers in args.workers:
-            plain, cold, own, warm, floor, kernel, per_row = [], [], [], [], [], [], 0.0
+            plain, cold, own, py, warm, floor, kernel, per_row = [], [], [], [], [], [], [], 0.0
             for r in range(args.rounds):
                 plain.append(_epoch(hf, workers))
                 floor.append(_epoch(ready, workers))
-                own.append(_cold_backing_own_pages(hf, fmt, workers, r))
+                own.append(_cold_without("own", hf, fmt, workers, r))
+                py.append(_cold_without("py", hf, fmt, workers, r))
                 cache = ShmDatasetCache(session="bench-hf", name=f"{fmt}-{workers}-{r}", size=2048)
                 ds = cache.wrap(hf, fingerprint=f"hf-{fmt}-{workers}-{r}")
                 cold.append(_epoch(ds, workers))
@@ -167,7 +185,7 @@ def main() -> None:
                 _encode_cost(hf, fmt)
             p, c, w, f, k = median(plain), median(cold), median(warm), median(floor), median(kernel)
             print(f"{fmt:<8}{workers:>8}{p:>9.2f}{c:>8.2f}{w:>8.2f}{p / c:>8.2f}{p / median(own):>7.2f}"
-                  f"{p / w:>8.2f}{p / f:>8.2f}{p / k:>9.2f}{per_row:>11.0f}")
+                  f"{p / median(py):>6.2f}{p / w:>8.2f}{p / f:>8.2f}{p / k:>9.2f}{per_row:>11.0f}")
             if workers == 0:
                 write = _write_floor(round(per_row))
                 print(f"  {fmt}: the kernel's part of admitting a row ({per_row:.0f} bytes into fresh tmpfs pages): "
