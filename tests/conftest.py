@@ -10,6 +10,7 @@ started is still alive.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -147,6 +148,43 @@ def private_mounts():
         return proc
 
     return run
+
+
+class CompiledPart:
+    """The checks every optional compiled part of shmcache shares (``compiled_part``): each part's
+    own tests call them with its flag, its reason and what ``shmcache info`` says of it."""
+
+    @staticmethod
+    def turned_off_by_env(probe: str, info: str) -> None:
+        """``probe`` (Python that prints the part's flag, then its reason) run with
+        ``SHMCACHE_NATIVE=0``: the flag False, the reason saying how to turn it on (or that it was
+        not built); ``shmcache info --json`` then holds ``info``."""
+        env = {**os.environ, "SHMCACHE_NATIVE": "0"}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True,
+                             timeout=60).stdout
+        assert out.splitlines()[0] == "False", out
+        assert ("SHMCACHE_NATIVE" in out and "unset it" in out) or "not built" in out, out
+        shown = subprocess.run([sys.executable, "-m", "shmcache.cli", "info", "--json"], env=env,
+                               capture_output=True, text=True, check=True, timeout=60).stdout
+        assert info in shown, shown
+
+    @staticmethod
+    def built_where_it_can(native: bool, reason: str, not_built: str, without: str) -> None:
+        """An install on a machine that can build the part must: the extension is optional, so a
+        failed build would quietly leave ``without``. Fails with ``not_built`` and the reason
+        (test_rowcopy's unbuilt-install tests look for that message)."""
+        # the compiler setuptools runs: $CC, else Python's own; either may carry flags ("ccache gcc")
+        cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc") or ["cc"]
+        if not (shutil.which(cc[0]) and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()):
+            pytest.skip(f"no C compiler or Python headers here: {without}")
+        if "turned off" in reason:
+            pytest.skip("turned off by SHMCACHE_NATIVE in this run")
+        assert native, f"{not_built}: {reason}"
+
+
+@pytest.fixture
+def compiled_part() -> type[CompiledPart]:
+    return CompiledPart
 
 
 @pytest.fixture

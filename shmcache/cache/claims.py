@@ -252,9 +252,9 @@ class Claims:
         """``take`` of ``buckets[j]`` for each ``j`` of ``positions``, under one hold of the thread
         lock: ``(mine, busy)``, the positions whose claim is ours now (taken, or this process's
         already) and those another process holds. Each bucket is appended to ``held`` before it
-        is taken and removed again unless taken: the caller releases ``held`` whatever happens
-        (an interrupt between a lock and its record undoes both). OSError where the lock itself
-        fails (ENOLCK, a descriptor closed under us)."""
+        is taken and removed again unless taken, so the caller releases ``held`` whatever
+        happens after; an interrupt (Ctrl-C) as a bucket is taken is undone here, under the
+        thread lock. OSError where the lock itself fails (ENOLCK, a descriptor closed under us)."""
         mine: list[int] = []
         busy: list[int] = []
         own, fd, pack = self._held, self._fd, _FLOCK.pack

@@ -794,9 +794,9 @@ def _shape_of(value: Any, enc: Encoded) -> _Shape | None:
 
 def _native_spec(keys: tuple | None, key_types: tuple, specs: list, first: Encoded) -> tuple | None:
     """A flat shape as ``_codec.pack`` takes it (``_codec.c`` names the order), or None where
-    ``_encode_like`` packs it: no compiled pack, or more leaves than it holds. The C makes _encode_like's checks in its
-    order and builds the same Encoded; it knows no rule of the format: the layout, the pieces'
-    offsets and what each leaf must match come from here."""
+    ``_encode_like`` packs it: no compiled pack, or more leaves than it holds. The C makes
+    _encode_like's checks in its order and builds the same Encoded; it knows no rule of the
+    format: the layout, the pieces' offsets and what each leaf must match come from here."""
     if not PACK_NATIVE or len(specs) > _PACK_LEAVES or any(kind not in _PACKED for kind, _ in specs):
         return None
     return (keys, key_types, "".join(kind for kind, _ in specs).encode(), tuple(want for _, want in specs),

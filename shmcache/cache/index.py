@@ -267,7 +267,9 @@ class TableView:
             yield int(w[i, 0]), int(w[i, 1]), int(w[i, 2])
 
     def lookup_ints(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Vectorised lookup of int64 ``keys``: ``(w0, w2)`` arrays, w0 == 0 where a key is absent."""
+        """Vectorised lookup of int64 ``keys``: ``(w0, w2)`` arrays, w0 == 0 where a key is absent;
+        in one compiled pass where built (``_index.c``), else by numpy's passes below (the same
+        probe: the tests compare them)."""
         w = self.words
         k = keys.astype(np.uint64, copy=False)
         if PROBE_NATIVE:  # the same probe in one pass (_index.c), every home row asked for first

@@ -241,16 +241,9 @@ def test_a_range_another_writer_committed_pauses_the_asking(segment, monkeypatch
     assert len(submits) == 2
 
 
-def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on():
-    env = {**os.environ, "SHMCACHE_NATIVE": "0"}
-    out = subprocess.run([sys.executable, "-c", "from shmcache.base import ahead; print(ahead.NATIVE); "
-                          "print(ahead.unavailable_reason())"], env=env, capture_output=True, text=True,
-                         check=True, timeout=60).stdout
-    assert out.splitlines()[0] == "False"
-    assert ("SHMCACHE_NATIVE" in out and "unset it" in out) or "not built" in out
-    info = subprocess.run([sys.executable, "-m", "shmcache.cli", "info", "--json"], capture_output=True, text=True,
-                          env=env, check=True, timeout=60).stdout
-    assert '"pages_ahead": "none: ' in info
+def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on(compiled_part):
+    compiled_part.turned_off_by_env("from shmcache.base import ahead; print(ahead.NATIVE); "
+                                    "print(ahead.unavailable_reason())", '"pages_ahead": "none: ')
 
 
 _SANITIZED = """
@@ -289,16 +282,8 @@ def test_the_c_is_clean_under_address_and_undefined_behaviour_sanitizers(sanitiz
     assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
 
 
-def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present():
+def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present(compiled_part):
     """An install that can build it must: the extension is optional, so a failed build would
     quietly leave every cold batch backing its own pages."""
-    import shlex
-    import shutil
-    import sysconfig
-
-    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc") or ["cc"]
-    if not (shutil.which(cc[0]) and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()):
-        pytest.skip("no C compiler or Python headers here: every commit backs its own pages")
-    if "turned off" in ahead.unavailable_reason():
-        pytest.skip("turned off by SHMCACHE_NATIVE in this run")
-    assert ahead.NATIVE, f"pages backed ahead were not built: {ahead.unavailable_reason()}"
+    compiled_part.built_where_it_can(ahead.NATIVE, ahead.unavailable_reason(), "pages backed ahead were not built",
+                                     "every commit backs its own pages")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -363,32 +362,16 @@ def test_the_next_row_is_asked_for_only_inside_the_source_while_another_thread_c
     assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
 
 
-def _run(code: str, **env) -> str:
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                          check=True, timeout=60).stdout
+def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on(compiled_part):
+    compiled_part.turned_off_by_env("from shmcache.base import rowcopy; print(rowcopy.NATIVE); "
+                                    "print(rowcopy.unavailable_reason())", '"batch_copy": "numpy: ')
 
 
-def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on():
-    out = _run("from shmcache.base import rowcopy; print(rowcopy.NATIVE); print(rowcopy.unavailable_reason())",
-               SHMCACHE_NATIVE="0")
-    assert out.splitlines()[0] == "False"
-    # an install without the compiled copy says that instead: there is nothing to turn on
-    assert ("SHMCACHE_NATIVE" in out and "unset it" in out) or "not built" in out
-    info = _run("from shmcache.cli import main; main(['info', '--json'])", SHMCACHE_NATIVE="0")
-    assert '"batch_copy": "numpy: ' in info
-
-
-def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present():
+def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present(compiled_part):
     """An install on a machine that can build it must: a failed build would quietly leave every
     batch on numpy's two-pass copy (the extension is optional, so pip says nothing)."""
-    # the compiler setuptools runs: $CC, else Python's own; either may carry flags ("ccache gcc")
-    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc") or ["cc"]
-    can = shutil.which(cc[0]) and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()
-    if not can:
-        pytest.skip("no C compiler or Python headers here: the install runs on numpy's copy")
-    if "turned off" in rowcopy.unavailable_reason():
-        pytest.skip("turned off by SHMCACHE_NATIVE in this run")
-    assert rowcopy.NATIVE, f"the compiled row copy was not built: {rowcopy.unavailable_reason()}"
+    compiled_part.built_where_it_can(rowcopy.NATIVE, rowcopy.unavailable_reason(),
+                                     "the compiled row copy was not built", "the install runs on numpy's copy")
 
 
 def _unbuilt(tmp_path: Path) -> Path:

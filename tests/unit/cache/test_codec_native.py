@@ -6,29 +6,19 @@ leaves, compared with ``encode``.)"""
 
 from __future__ import annotations
 
-import os
-import shlex
-import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_codec import _same_encoded as _same  # this folder's codec tests: the one comparison
 
 from shmcache.cache import codec
 
 native = pytest.mark.skipif(not codec.PACK_NATIVE, reason=f"the compiled pack: {codec.pack_unavailable_reason()}")
 
 
-def _same(a: codec.Encoded, b: codec.Encoded) -> bool:
-    def raw(piece):
-        return bytes(memoryview(piece).cast("B"))
-
-    return (a.layout == b.layout and a.body_len == b.body_len and bytes(a.scalars) == bytes(b.scalars)
-            and [off for off, _ in a.pieces] == [off for off, _ in b.pieces]
-            and [raw(p) for _, p in a.pieces] == [raw(p) for _, p in b.pieces] and a.pickled == b.pickled)
 
 
 @pytest.fixture
@@ -261,26 +251,13 @@ def test_the_handler_that_empties_its_sample_is_clean_under_the_sanitizers(sanit
     assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
 
 
-def _run(code: str, **env) -> str:
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                          check=True, timeout=60).stdout
+def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on(compiled_part):
+    compiled_part.turned_off_by_env("from shmcache.cache import codec; print(codec.PACK_NATIVE); "
+                                    "print(codec.pack_unavailable_reason())", '"batch_encode": "python: ')
 
 
-def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on():
-    out = _run("from shmcache.cache import codec; print(codec.PACK_NATIVE); print(codec.pack_unavailable_reason())",
-               SHMCACHE_NATIVE="0")
-    assert out.splitlines()[0] == "False"
-    assert ("SHMCACHE_NATIVE" in out and "unset it" in out) or "not built" in out
-    info = _run("from shmcache.cli import main; main(['info', '--json'])", SHMCACHE_NATIVE="0")
-    assert '"batch_encode": "python: ' in info
-
-
-def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present():
+def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present(compiled_part):
     """As the row copy (test_rowcopy, whose unbuilt-install tests run this file too): a failed
     build would quietly leave every cold batch's encode in Python."""
-    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc") or ["cc"]
-    if not (shutil.which(cc[0]) and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()):
-        pytest.skip("no C compiler or Python headers here: the install packs in Python")
-    if "turned off" in codec.pack_unavailable_reason():
-        pytest.skip("turned off by SHMCACHE_NATIVE in this run")
-    assert codec.PACK_NATIVE, f"the compiled pack was not built: {codec.pack_unavailable_reason()}"
+    compiled_part.built_where_it_can(codec.PACK_NATIVE, codec.pack_unavailable_reason(),
+                                     "the compiled pack was not built", "the install packs in Python")

@@ -13,11 +13,6 @@ from __future__ import annotations
 import gc
 import mmap
 import os
-import shlex
-import shutil
-import subprocess
-import sys
-import sysconfig
 import weakref
 from pathlib import Path
 
@@ -359,26 +354,16 @@ def test_the_c_is_clean_under_address_and_undefined_behaviour_sanitizers(sanitiz
     assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
 
 
-def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on():
-    out = subprocess.run([sys.executable, "-c", "from shmcache.cache import hit; print(hit.NATIVE); "
-                          "print(hit.unavailable_reason())"], env={**os.environ, "SHMCACHE_NATIVE": "0"},
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-    assert out.splitlines()[0] == "False"
-    assert ("SHMCACHE_NATIVE" in out and "unset it" in out) or "not built" in out
-    info = subprocess.run([sys.executable, "-m", "shmcache.cli", "info", "--json"], capture_output=True, text=True,
-                          env={**os.environ, "SHMCACHE_NATIVE": "0"}, check=True, timeout=60).stdout
-    assert '"single_hit": "python: ' in info
+def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on(compiled_part):
+    compiled_part.turned_off_by_env("from shmcache.cache import hit; print(hit.NATIVE); "
+                                    "print(hit.unavailable_reason())", '"single_hit": "python: ')
 
 
-def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present():
+def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present(compiled_part):
     """As the row copy (test_rowcopy, whose unbuilt-install tests run this file too): a failed
     build would quietly leave every hit on the Python path."""
-    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc") or ["cc"]
-    if not (shutil.which(cc[0]) and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()):
-        pytest.skip("no C compiler or Python headers here: the install runs the Python hot path")
-    if "turned off" in hit.unavailable_reason():
-        pytest.skip("turned off by SHMCACHE_NATIVE in this run")
-    assert hit.NATIVE, f"the compiled hit was not built: {hit.unavailable_reason()}"
+    compiled_part.built_where_it_can(hit.NATIVE, hit.unavailable_reason(), "the compiled hit was not built",
+                                     "the install runs the Python hot path")
 
 
 def test_a_hit_counted_after_its_cache_was_closed_says_closed():

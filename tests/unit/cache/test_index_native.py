@@ -5,14 +5,8 @@ absent, hashed or negative, and the same error for a table with no EMPTY entry; 
 
 from __future__ import annotations
 
-import os
 import random
-import shlex
-import shutil
 import struct
-import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -139,26 +133,13 @@ def test_the_c_is_clean_under_address_and_undefined_behaviour_sanitizers(sanitiz
     assert done.returncode == 0 and done.stdout == "clean\n", done.stderr[-3000:]
 
 
-def _run(code: str, **env) -> str:
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                          check=True, timeout=60).stdout
+def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on(compiled_part):
+    compiled_part.turned_off_by_env("from shmcache.cache import index; print(index.PROBE_NATIVE); "
+                                    "print(index.probe_unavailable_reason())", '"batch_probe": "numpy: ')
 
 
-def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on():
-    out = _run("from shmcache.cache import index; print(index.PROBE_NATIVE); print(index.probe_unavailable_reason())",
-               SHMCACHE_NATIVE="0")
-    assert out.splitlines()[0] == "False"
-    assert ("SHMCACHE_NATIVE" in out and "unset it" in out) or "not built" in out
-    info = _run("from shmcache.cli import main; main(['info', '--json'])", SHMCACHE_NATIVE="0")
-    assert '"batch_probe": "numpy: ' in info
-
-
-def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present():
+def test_ci_builds_it_where_a_compiler_and_pythons_headers_are_present(compiled_part):
     """As the row copy (test_rowcopy, whose unbuilt-install tests run this file too): a failed
     build would quietly leave every batch's probe on numpy's passes."""
-    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc") or ["cc"]
-    if not (shutil.which(cc[0]) and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()):
-        pytest.skip("no C compiler or Python headers here: the install probes with numpy")
-    if "turned off" in index.probe_unavailable_reason():
-        pytest.skip("turned off by SHMCACHE_NATIVE in this run")
-    assert index.PROBE_NATIVE, f"the compiled batch probe was not built: {index.probe_unavailable_reason()}"
+    compiled_part.built_where_it_can(index.PROBE_NATIVE, index.probe_unavailable_reason(),
+                                     "the compiled batch probe was not built", "the install probes with numpy")
