@@ -289,27 +289,16 @@ class Claims:
         return mine, busy
 
     def take(self, bucket: int) -> int:
-        """TAKEN (ours now), BUSY (another process holds it) or OURS (this process holds it)."""
-        # no thread lock: two threads of ours that both take one bucket both compute (waste only)
-        if bucket in self._held:
-            return OURS
-        # TAKEN, or nothing held: an interrupt (Ctrl-C) between the lock and its record undoes
-        # both (recorded only once locked: another thread must not take a busy bucket for ours).
-        # Locked and recorded as one step for release_many: a batch's range unlock that read
-        # what we hold before we recorded it would unlock our bucket with its own. The thread
-        # lock inside the try: an interrupt as it is let go undoes the claim too
+        """TAKEN (ours now), BUSY (another process holds it) or OURS (this process holds it):
+        ``take_many`` of one bucket, whose lock and record it shares."""
+        held: list[int] = []
         try:
-            with self._mutex:
-                fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_WRLCK, 0, _LOCKS_OFF + bucket, 1, 0))
-                self._held.add(bucket)
-        except OSError as exc:
-            if exc.errno in _BUSY:
-                return BUSY
+            _, busy = self.take_many((bucket,), (0,), held)
+            return BUSY if busy else TAKEN if held else OURS
+        except BaseException:  # an interrupt once it was recorded (take_many undoes one before)
+            for b in held:
+                _release(self, b)
             raise
-        except BaseException:
-            _release(self, bucket)
-            raise
-        return TAKEN
 
     def release(self, bucket: int) -> None:
         if self._fd >= 0:

@@ -375,6 +375,8 @@ def inline_layout(buf) -> bytes:
 class Encoded:
     """A value ready to be written: its layout bytes, body length and the pieces to copy."""
 
+    # _codec.c's pack makes one without __init__ and sets each slot by name: a slot added here
+    # must be set there too
     __slots__ = ("layout", "body_len", "scalars", "pieces", "pickled")
 
     def __init__(self, layout: bytes, body_len: int, scalars: bytes, pieces: list,

@@ -173,18 +173,16 @@ class Generation:
         """The group intent as written (counts clamped to its slots: gc judges the rest); its
         ``records`` empty unless asked for (``group_records`` gives them as arrays)."""
         buf = self.meta.buf
-        phase, n, n_cls, items, total, table_items = GROUP_HEAD.unpack_from(buf, MetaLayout.GROUP)
-        n, n_cls = min(n, GROUP_RECORDS), min(n_cls, GROUP_RECORDS)
-        recs = struct.unpack_from(f"{2 * n}Q", buf, _GROUP_RECORDS_OFF) if records else ()
-        cls_words = struct.unpack_from(f"{n_cls}Q", buf, _GROUP_CLASSES_OFF)
-        return GroupIntent(phase, items, total, table_items,
-                           [(recs[i] & _M48, recs[i] >> 48, recs[i + 1]) for i in range(0, len(recs), 2)],
-                           [(c >> 48, c & _M48) for c in cls_words])
+        phase, _, n_cls, items, total, table_items = GROUP_HEAD.unpack_from(buf, MetaLayout.GROUP)
+        cls_words = struct.unpack_from(f"{min(n_cls, GROUP_RECORDS)}Q", buf, _GROUP_CLASSES_OFF)
+        recs = list(zip(*(a.tolist() for a in self.group_records()))) if records else []
+        return GroupIntent(phase, items, total, table_items, recs, [(c >> 48, c & _M48) for c in cls_words])
 
     def group_records(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The group intent's records as ``group_intent`` reads them (the count clamped), as
-        arrays: ``(table positions, classes, w0s)``. A group's finish reads its records so: a
-        tuple per record cost about 40 us a group of 64 (a cold batch)."""
+        """The group intent's records (the count clamped to its slots) as arrays: ``(table
+        positions, classes, w0s)``, in the order they were allocated; ``group_intent`` lists them
+        from here. A group's finish reads them so: a tuple per record cost about 40 us a group of
+        64 (a cold batch)."""
         n = min(self.meta.words[(MetaLayout.GROUP >> 3) + 1], GROUP_RECORDS)
         recs = np.frombuffer(self.meta.buf, np.uint64, 2 * n, _GROUP_RECORDS_OFF).copy()
         return recs[0::2] & np.uint64(_M48), recs[0::2] >> np.uint64(48), recs[1::2]

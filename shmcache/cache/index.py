@@ -273,9 +273,7 @@ class TableView:
         w = self.words
         k = keys.astype(np.uint64, copy=False)
         if PROBE_NATIVE:  # the same probe in one pass (_index.c), every home row asked for first
-            k = np.ascontiguousarray(k)
-            if not k.flags.aligned:  # uint64 keys viewed at an odd address (the C loads 8-byte words)
-                k = k.copy()
+            k = np.require(k, requirements=("C", "A"))  # the C loads aligned 8-byte words, in order
             w0, w2 = np.empty(len(k), np.uint64), np.empty(len(k), np.uint64)
             if not _index.lookup_ints(w, k, _FIB, self.shift, READY | INT_KEY, w0, w2):
                 raise self.corrupt()
