@@ -5,7 +5,10 @@ run's chunks), then one ``pwritev``. Allocating the pages costs about as much as
 into them, on the thread that computes the next batch. ``submit`` hands the range the next run
 will commit to a worker thread of this process (``_ahead.c``: a plain pthread, no GIL, no Python
 object), which backs it while the caller computes; ``Segment.commit`` asks ``backed`` and backs
-only what lies past a range backed already. A hint only: a request replaced by a newer one, failed (a
+only what lies past a range backed already. Where the kernel can (``MADV_POPULATE_WRITE``),
+the thread also maps the backed range with every page present and writable, and ``copy_into``
+copies a run's records through that mapping (``Segment.write_at``: memcpy, about a third of a
+pwritev's time) - off the caller's thread, the page-table work goes with the allocation. A hint only: a request replaced by a newer one, failed (a
 full /dev/shm) or not done yet leaves the commit to back the range itself, as without it. Built at
 install where a C compiler is present; without it, or with ``SHMCACHE_NATIVE=0``, ``NATIVE`` is
 False and every commit backs its own range.
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from . import settings
 
-__all__ = ["NATIVE", "backed", "outcome", "submit", "unavailable_reason"]
+__all__ = ["NATIVE", "backed", "copy_into", "outcome", "submit", "unavailable_reason"]
 
 try:
     from . import _ahead
@@ -23,6 +26,9 @@ except ImportError:  # no C compiler at install, or a source checkout never buil
     _ahead = None
 _why = settings.native_unavailable(_ahead is not None, "pages backed ahead")
 NATIVE = not _why
+# Segment.write_at copies into a range backed ahead through the thread's mapping of it (copy_into);
+# a benchmark's baseline turns it off (benchmarks/bench_cold_epoch.py, ``pw x``): pwritev, as before
+COPY_MAPPED = NATIVE
 
 
 def unavailable_reason() -> str:
@@ -47,3 +53,11 @@ def outcome(request: int) -> int | None:
 def backed(request: int) -> bool:
     """Whether request ``request`` has backed its whole range."""
     return _ahead.result(request) == 0
+
+
+def copy_into(request: int, offset: int, buffers: list, end: int) -> bool:
+    """Copy ``buffers`` (one after the other) to file offset ``offset`` through the mapping the
+    thread made for ``request``: True if it has one and the bytes lie inside the request's range,
+    else False and nothing copied (the caller pwrites them). ValueError, nothing copied, if they
+    would end past ``end``. Only where ``NATIVE``."""
+    return _ahead.copy_into(request, offset, buffers, end)

@@ -119,6 +119,7 @@ class Segment:
         # a write_at saves a writer nothing there (a record put on its own: CacheWriter._insert)
         self.base_pages = back.page_size <= PAGE
         self._ahead: tuple[int, int, int] | None = None  # commit_ahead's last range and request
+        self._mapped: tuple[int, int, int] | None = None  # the last such range a commit used: write_at's
         self._ahead_pause = 0  # commit_ahead's calls left to skip: its last range went unused
 
     # --- creation and attachment -----------------------------------------------------------
@@ -259,6 +260,7 @@ class Segment:
         if asked is not None:
             start, end, request = asked
             if offset == start and ahead.backed(request):
+                self._mapped = asked  # write_at copies into it through the thread's mapping, if made
                 offset, length = end, offset + length - end
                 if length <= 0:
                     return
@@ -302,11 +304,21 @@ class Segment:
 
     def write_at(self, offset: int, buffers) -> None:
         """Copy ``buffers`` (bytes-like objects, one after the other) into the segment from
-        ``offset`` with pwritev, for a range that ``commit`` backed: the kernel copies straight
+        ``offset``, for a range that ``commit`` backed: inside a range backed ahead, through the
+        mapping the ``ahead`` thread made of it (``ahead.copy_into``); else with pwritev: the kernel copies straight
         from them into the object's pages, with none of the page faults a first store through
         this mapping takes on each 4 KiB page (tmpfs: ~4-5 us a page, more than the copy) and no
         copy in between (a run of a publish group's records, CacheWriter.put_many)."""
         buffers = list(buffers)  # counted, then written: an iterator would be read once
+        mapped = self._mapped
+        if mapped is not None and mapped[0] <= offset < mapped[1] and offset >= HEADER_BYTES and ahead.COPY_MAPPED:
+            # in a range backed ahead: through the mapping its thread made, with every page present
+            # (no fault, no syscall), if it made one and the bytes lie inside the range
+            try:
+                if ahead.copy_into(mapped[2], offset, buffers, self.size):
+                    return
+            except ValueError:  # past the end (nothing copied): said below, as without it
+                pass
         if rowcopy.NATIVE and not self._no_pwrite and offset >= HEADER_BYTES:
             # each buffer taken once, counted and written in C (a run has ~8 a record)
             try:

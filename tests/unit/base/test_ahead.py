@@ -1,6 +1,9 @@
 """Pages backed ahead on a thread of their own (base/_ahead.c, ahead.py): the range is backed, a
 failed or replaced request is never taken for backed, a forked child backs its own, a process
-exits with the worker mid-call, and a segment's commit skips only a range backed for it."""
+exits with the worker mid-call, and a segment's commit skips only a range backed for it. The
+worker's mapping of a backed range: bytes copied through it land only inside the range, it goes
+once a newer request comes or unused after a while (an unlinked file's pages with it), a forked
+child keeps none, and a segment's write goes through it only inside the range backed for it."""
 
 from __future__ import annotations
 
@@ -159,6 +162,145 @@ def test_a_process_exits_at_once_with_the_worker_mid_call(tmp_path):
     assert time.monotonic() - t < 30
 
 
+def _kernel_at_least(major: int, minor: int) -> bool:
+    release = os.uname().release.split("-")[0].split(".")
+    return (int(release[0]), int(release[1])) >= (major, minor)
+
+
+# the worker maps a backed range only where the kernel has MADV_POPULATE_WRITE
+mapping = pytest.mark.skipif(not _kernel_at_least(5, 14), reason="MADV_POPULATE_WRITE needs Linux 5.14: "
+                             "no mapping is made, the copies go by pwritev")
+
+
+def _mappings_of(fd: int, pid: str = "self") -> int:
+    """How many mappings of ``fd``'s file ``pid`` has (its /proc maps, by inode)."""
+    ino = os.fstat(fd).st_ino
+    with open(f"/proc/{pid}/maps") as maps:
+        return sum(1 for line in maps if len(f := line.split()) >= 5 and f[4] == str(ino))
+
+
+def _mapped(request: int, offset: int) -> bool:
+    """Whether the worker keeps a mapping for ``request`` (a copy of nothing at ``offset``)."""
+    return ahead.copy_into(request, offset, [], 1 << 40)
+
+
+@native
+@mapping
+def test_bytes_go_through_the_workers_mapping_only_inside_the_range_backed(shm_file):
+    lo = 3 * PAGE + 100  # not page-aligned: the mapping starts at the page below
+    request = ahead.submit(shm_file, lo, MiB)
+    assert _wait_backed(request)
+    assert ahead.copy_into(request, lo, [b"abc", memoryview(b"defg"), bytearray(b"h")], 64 * MiB)
+    assert os.pread(shm_file, 8, lo) == b"abcdefgh"
+    end = lo + MiB
+    assert ahead.copy_into(request, end - 3, [b"xyz"], 64 * MiB), "the range's last bytes"
+    assert os.pread(shm_file, 3, end - 3) == b"xyz"
+    before = os.pread(shm_file, MiB + 2 * PAGE, lo - PAGE)
+    for offset, data in ((lo - 1, b"12"), (end - 2, b"123"), (end, b"1")):  # starts before, ends past, outside
+        assert not ahead.copy_into(request, offset, [data], 64 * MiB)
+        assert os.pread(shm_file, MiB + 2 * PAGE, lo - PAGE) == before, "nothing copied"
+    assert not ahead.copy_into(request + 1, lo, [b"1"], 64 * MiB), "another request's number"
+    assert not ahead.copy_into(0, lo, [b"1"], 64 * MiB)
+    with pytest.raises(ValueError, match="past"):  # past the segment's end: nothing copied
+        ahead.copy_into(request, lo + 8, [b"12345"], lo + 12)
+    with pytest.raises(TypeError):
+        ahead.copy_into(request, lo + 8, [b"12", 3], 64 * MiB)
+    assert os.pread(shm_file, 8, lo + 8) == bytes(8), "a refused copy copied nothing"
+
+
+@native
+@mapping
+def test_a_newer_request_takes_the_place_of_the_last_ones_mapping(shm_file):
+    first = ahead.submit(shm_file, 0, MiB)
+    assert _wait_backed(first) and _mapped(first, 0) and _mappings_of(shm_file) == 1
+    second = ahead.submit(shm_file, 4 * MiB, MiB)
+    assert _wait_backed(second) and _mapped(second, 4 * MiB)
+    assert not _mapped(first, 0), "the last request's range was used or passed over by now"
+    assert _mappings_of(shm_file) == 1, "one mapping kept at a time"
+
+
+@native
+@mapping
+def test_an_unused_mapping_goes_and_an_unlinked_files_pages_with_it():
+    """A cache destroyed (its segments unlinked) after the last batch asked ahead: the worker's
+    mapping must not keep the file's pages for as long as the process lives."""
+    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="shmcache-test-ahead-keep-")
+    os.unlink(path)
+    try:
+        os.ftruncate(fd, 16 * MiB)
+        request = ahead.submit(fd, 0, 8 * MiB)
+        assert _wait_backed(request) and _mapped(request, 0)
+        ino = os.fstat(fd).st_ino
+    finally:
+        os.close(fd)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open("/proc/self/maps") as maps:
+            if not any(len(f := line.split()) >= 5 and f[4] == str(ino) for line in maps):
+                break
+        time.sleep(0.02)
+    else:
+        pytest.fail("the worker kept its mapping of an unlinked file for 10 s")
+    assert not _mapped(request, 0)
+
+
+@native
+@mapping
+def test_a_forked_child_keeps_no_mapping_of_the_parents_worker(shm_file):
+    request = ahead.submit(shm_file, 0, 4 * MiB)
+    assert _wait_backed(request) and _mappings_of(shm_file) == 1
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - reports by its exit status only
+        code = 99
+        try:
+            code = _mappings_of(shm_file) + (10 if _mapped(request, 0) else 0)
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the child kept the parent's mapping"
+    assert _mapped(request, 0), "the parent's own is still there"
+
+
+@native
+@mapping
+def test_copies_from_threads_while_requests_replace_each_other_land_whole(shm_file):
+    """Two threads copy into whatever request is newest while the main thread keeps asking for new
+    ranges: the worker unmaps a replaced mapping only once no copy is in it (else a copy would
+    fault, or land nowhere), and every copy said done is in the file."""
+    import threading
+
+    newest, done, stop = [(0, 0)], [], threading.Event()
+
+    def copier(tag: int) -> None:
+        n = 0
+        while not stop.is_set():
+            request, lo = newest[0]
+            data = bytes([tag, n % 251 + 1]) * (PAGE // 2)
+            if request and ahead.copy_into(request, lo + tag * PAGE, [data[:100], data[100:]], 64 * MiB):
+                done.append((lo + tag * PAGE, data))
+            n += 1
+
+    threads = [threading.Thread(target=copier, args=(t,)) for t in (1, 2)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(200):
+            lo = (i % 32) * MiB
+            request = ahead.submit(shm_file, lo, MiB)
+            _wait_backed(request, 5)
+            newest[0] = (request, lo)
+            time.sleep(0.001)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert done, "no copy went through a mapping"
+    last = {}
+    for offset, data in done:  # the last copy to each offset is what the file holds
+        last[offset] = data
+    for offset, data in last.items():
+        assert os.pread(shm_file, len(data), offset) == data
+
+
 @pytest.fixture
 def segment(shm_namespace):
     name = shm_namespace.segment_name("aheadtest", "one")
@@ -241,6 +383,34 @@ def test_a_range_another_writer_committed_pauses_the_asking(segment, monkeypatch
     assert len(submits) == 2
 
 
+@switched_on
+@mapping
+def test_a_run_written_inside_a_range_backed_ahead_goes_through_the_mapping(segment, monkeypatch):
+    """No pwritev for a run in the range backed for it (the thread's mapping), one outside it or
+    with the mapping's copy turned off (a benchmark's baseline); the bytes the same each way."""
+    pwrites = _counting(monkeypatch, shm.rowcopy, "write_all")
+    requests: list = []
+    _counting(monkeypatch, shm.ahead, "submit", requests)
+    segment.commit_ahead(MiB, 4 * MiB)
+    assert _wait_backed(requests[-1])
+    segment.commit(MiB, 2 * MiB)
+    run = [b"head", memoryview(bytes(range(256)) * 64), bytearray(b"tail")]
+    segment.write_at(MiB + 8, run)
+    assert pwrites == [], "inside the range backed ahead: through the mapping"
+    whole = b"".join(bytes(b) for b in run)
+    assert bytes(segment.buf[MiB + 8:MiB + 8 + len(whole)]) == whole
+    segment.commit(6 * MiB, MiB)
+    segment.write_at(6 * MiB, run)
+    assert len(pwrites) == 1, "outside it: pwritev"
+    monkeypatch.setattr(shm.ahead, "COPY_MAPPED", False)
+    segment.write_at(2 * MiB, run)
+    assert len(pwrites) == 2, "the mapping's copy off: pwritev"
+    assert bytes(segment.buf[6 * MiB:6 * MiB + len(whole)]) == whole == \
+        bytes(segment.buf[2 * MiB:2 * MiB + len(whole)])
+    with pytest.raises(ValueError, match="past"):
+        segment.write_at(segment.size - 4, [b"12345678"])
+
+
 def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on(compiled_part):
     compiled_part.turned_off_by_env("from shmcache.base import ahead; print(ahead.NATIVE); "
                                     "print(ahead.unavailable_reason())", '"pages_ahead": "none: ')
@@ -272,6 +442,19 @@ for bad in ((-1, 1), (0, 0)):
     except ValueError:
         pass
 assert wait(a.submit(fd, 0, 8 << 20)) == 0
+r = a.submit(fd, 4096 + 10, 1 << 20)
+assert wait(r) == 0
+assert a.copy_into(r, 4096 + 10, [b"x" * 5000, memoryview(b"y" * 3)], 8 << 20)
+assert not a.copy_into(r, 4096 + 9, [b"x"], 8 << 20) and not a.copy_into(r + 1, 4096 + 10, [b"x"], 8 << 20)
+for bad in ((r, 4096, [b"xx"], 4097), (r, -1, [b"x"], 10)):
+    try:
+        a.copy_into(*bad)
+    except ValueError:
+        pass
+for i in range(50):  # copies into a mapping the worker replaces meanwhile
+    r2 = a.submit(fd, (i % 4) << 20, 1 << 20)
+    a.copy_into(r2, (i % 4) << 20, [b"z" * 4096], 8 << 20)
+time.sleep(1.5)  # MAP_KEEP_S: the last mapping goes unused
 print("clean")
 """
 
