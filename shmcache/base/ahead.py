@@ -5,13 +5,14 @@ run's chunks), then one ``pwritev``. Allocating the pages costs about as much as
 into them, on the thread that computes the next batch. ``submit`` hands the range the next run
 will commit to a worker thread of this process (``_ahead.c``: a plain pthread, no GIL, no Python
 object), which backs it while the caller computes; ``Segment.commit`` asks ``backed`` and backs
-only what lies past a range backed already. Where the kernel can (``MADV_POPULATE_WRITE``),
-the thread also maps the backed range with every page present and writable, and ``copy_into``
-copies a run's records through that mapping (``Segment.write_at``: memcpy, about a third of a
-pwritev's time) - off the caller's thread, the page-table work goes with the allocation. A hint only: a request replaced by a newer one, failed (a
-full /dev/shm) or not done yet leaves the commit to back the range itself, as without it. Built at
-install where a C compiler is present; without it, or with ``SHMCACHE_NATIVE=0``, ``NATIVE`` is
-False and every commit backs its own range.
+only what lies past a range backed already. Where the kernel can (``MADV_POPULATE_WRITE``,
+Linux 5.14), the thread also maps the backed range with every page present and writable, and
+``copy_into`` copies a run's records through that mapping (``Segment.write_at``: a memcpy, about
+a third of a pwritev's time, the page-table work done on that thread with the allocation). A hint
+only: a request replaced by a newer one, failed (a full /dev/shm) or not done yet leaves the
+commit to back the range itself, and the write to pwrite it, as without it. Built at install
+where a C compiler is present; without it, or with ``SHMCACHE_NATIVE=0``, ``NATIVE`` is False
+and every commit backs its own range.
 """
 
 from __future__ import annotations
