@@ -8,7 +8,10 @@ the unwrapped epoch (> 1: faster than no cache), the median of ``--rounds``, and
 per row against the row's payload. ``own x``: a cold epoch with no pages backed ahead (each batch's
 commit backs its own pages in line, as without the compiled ``base.ahead``), the baseline of that
 part; ``py x``: a cold epoch with the cold batch's compiled encode, probe and run write off (their
-Python in their place, as with ``SHMCACHE_NATIVE=0``), the baseline of those. Also the
+Python in their place, as with ``SHMCACHE_NATIVE=0``), the baseline of those; ``noput x``: a cold
+epoch that does all of the miss path but the put (each batch's probes, claims and encode; nothing
+stored, so every epoch is cold): the most a cold epoch can reach here while its put runs on the
+loader's thread at all. Also the
 DataLoader's own floor: the same rows, already made, served from a Python list by ``__getitems__``
 (no work at all) - the most any cache can gain with that many workers (``floor x``: the unwrapped
 epoch over that one). And per format, what admission costs a row in this
@@ -106,9 +109,22 @@ def _switches(which: str) -> list:
 
 def _cold_without(which: str, hf, fmt: str, workers: int, r: int) -> float:
     """A cold epoch with the compiled parts ``which`` names off (``_switches``): ``own x`` and
-    ``py x``, each the baseline of its part in the same rounds."""
+    ``py x``, each the baseline of its part in the same rounds; ``noput``: with the put of each
+    batch's computed misses skipped (``noput x``)."""
     from shmcache import ShmDatasetCache
 
+    if which == "noput":
+        real = ShmDatasetCache.put_encoded
+        ShmDatasetCache.put_encoded = lambda self, store, items: None  # the forked workers inherit it
+        try:
+            cache = ShmDatasetCache(session="bench-hf", name=f"{which}-{fmt}-{workers}-{r}", size=2048)
+            try:
+                return _epoch(cache.wrap(hf, fingerprint=f"hf-{which}-{fmt}-{workers}-{r}"), workers)
+            finally:
+                cache.store.destroy()
+                cache.close()
+        finally:
+            ShmDatasetCache.put_encoded = real
     switches = _switches(which)
     was = [getattr(module, flag) for module, flag in switches]
     for module, flag in switches:  # before the cache: its encoder's shapes are made with it off
@@ -159,17 +175,18 @@ def main() -> None:
     print(f"{args.rows} rows (label, 32x32x3 uint8 image, str), DataLoader(batch_size=64, shuffle=True); "
           f"median of {args.rounds} rounds; ratios: the unwrapped epoch's time over the cached one's")
     print(f"{'format':<8}{'workers':>8}{'plain s':>9}{'cold s':>8}{'warm s':>8}{'cold x':>8}{'own x':>7}"
-          f"{'py x':>6}{'warm x':>8}{'floor x':>8}{'kernel x':>9}{'bytes/row':>11}")
+          f"{'py x':>6}{'noput x':>8}{'warm x':>8}{'floor x':>8}{'kernel x':>9}{'bytes/row':>11}")
     for fmt in args.formats:
         hf = base.with_format(fmt) if fmt != "python" else base
         ready = Ready([hf[i] for i in range(len(hf))])
         for workers in args.workers:
-            plain, cold, own, py, warm, floor, kernel, per_row = [], [], [], [], [], [], [], 0.0
+            plain, cold, own, py, noput, warm, floor, kernel, per_row = [], [], [], [], [], [], [], [], 0.0
             for r in range(args.rounds):
                 plain.append(_epoch(hf, workers))
                 floor.append(_epoch(ready, workers))
                 own.append(_cold_without("own", hf, fmt, workers, r))
                 py.append(_cold_without("py", hf, fmt, workers, r))
+                noput.append(_cold_without("noput", hf, fmt, workers, r))
                 cache = ShmDatasetCache(session="bench-hf", name=f"{fmt}-{workers}-{r}", size=2048)
                 ds = cache.wrap(hf, fingerprint=f"hf-{fmt}-{workers}-{r}")
                 cold.append(_epoch(ds, workers))
@@ -185,7 +202,7 @@ def main() -> None:
                 _encode_cost(hf, fmt)
             p, c, w, f, k = median(plain), median(cold), median(warm), median(floor), median(kernel)
             print(f"{fmt:<8}{workers:>8}{p:>9.2f}{c:>8.2f}{w:>8.2f}{p / c:>8.2f}{p / median(own):>7.2f}"
-                  f"{p / median(py):>6.2f}{p / w:>8.2f}{p / f:>8.2f}{p / k:>9.2f}{per_row:>11.0f}")
+                  f"{p / median(py):>6.2f}{p / median(noput):>8.2f}{p / w:>8.2f}{p / f:>8.2f}{p / k:>9.2f}{per_row:>11.0f}")
             if workers == 0:
                 write = _write_floor(round(per_row))
                 print(f"  {fmt}: the kernel's part of admitting a row ({per_row:.0f} bytes into fresh tmpfs pages): "
