@@ -400,3 +400,22 @@ def test_a_cache_destroyed_and_made_again_at_once_has_the_room_it_had(tmp_path):
         f"/dev/shm had {res['base'] >> 20} MiB free before the cache, {res['left'] >> 20} MiB after it was "
         f"destroyed and closed: its pages are kept (pages ahead native: {res['native']})")
     assert res["stored_new"] == 1280, res
+
+
+CLEARED_AND_REFILLED = DESTROYED_AND_MADE_AGAIN.replace(
+    "old.destroy()\nold.close()\ndel old\n", "old.clear()  # a new generation: the last one's segments unlinked\n"
+).replace('new = CacheStore("again", "c", capacity_bytes=40 << 20)', "new = old")
+
+
+def test_a_cache_cleared_and_filled_again_at_once_has_the_room_it_had(tmp_path):
+    """The same with clear() (a new generation, the last one's segments unlinked) and the same
+    handle filling it again at once: everything fits (SHMCACHE_NATIVE=0: all 1,280 stored). The
+    worker's mapping keeps the last generation's data segment whole (measured: 17 MiB free after
+    the clear, 640 stored)."""
+    assert "old.clear()" in CLEARED_AND_REFILLED and "new = old" in CLEARED_AND_REFILLED
+    res, log = _in_small_shm(tmp_path, CLEARED_AND_REFILLED, shm_size="48m", item=24 << 10)
+    assert res["stored_old"] == 1280, res
+    assert res["left"] >= res["base"] - (1 << 20), (
+        f"/dev/shm had {res['base'] >> 20} MiB free before the cache, {res['left'] >> 20} MiB after it was "
+        f"cleared: the last generation's pages are kept (pages ahead native: {res['native']})")
+    assert res["stored_new"] == 1280, res
