@@ -16,17 +16,18 @@
  * any other mapping would fault on each 4 KiB page. One such mapping is kept at a time, for the
  * request it was made for: the worker unmaps it once a newer request comes, or after MAP_KEEP_S
  * unused, never while a copy_into copies (map_users; the copy runs with the GIL held and the
- * worker never needs it). A mapping keeps its file's pages alive after the file is unlinked (a
- * cache destroyed meanwhile): for MAP_KEEP_S at most, where the worker gets a CPU.
+ * worker never needs it). A mapping keeps its whole file alive after the file is unlinked: this
+ * process's unlinks (a cache destroyed, cleared, collected) call release() first, which unmaps
+ * it at once and has the worker drop the mapping of a request under way; another process's
+ * destroy waits for MAP_KEEP_S (where the worker gets a CPU) or the next request.
  *
  * One request waits at a time: a newer one replaces it (its descriptor is closed unused). The
  * worker closes each request's descriptor (a dup the caller's submit made, close-on-exec) after its
  * call. Results are kept for the last RESULTS requests, by sequence number. In a forked child the
  * worker does not exist: pthread_atfork holds the lock across the fork, and the child's handler resets
  * the rest (a request still waiting and the one in the worker's call - their descriptors closed -,
- * the mappings the parent's worker made, the worker's flag); the child's next submit starts its own
- * worker. A mapping the parent's worker made but had not yet recorded at the fork stays in the
- * child, unused, until it exits.
+ * the worker's flag); the child's next submit starts its own worker. The worker's mappings are
+ * MADV_DONTFORK, made so under the lock: no child has one.
  * The worker is never joined: at exit the process ends it wherever it is (a fallocate is harmless
  * to cut: pages backed or not, nothing relies on them until a commit says so).
  */
@@ -59,8 +60,6 @@ static unsigned long long waiting_seq;
 static unsigned long long next_seq = 1; /* 0 is never a request's */
 static struct { unsigned long long seq; int err; } results[RESULTS];  /* err: 0 backed, else errno */
 static pthread_cond_t unused;  /* map_users dropped to 0 */
-static char *running_map;               /* the mapping the worker populates now: a forked child unmaps it */
-static size_t running_map_len;
 /* the mapping of the last request backed: its address and length, the file offset it starts at
  * (page-aligned), the request's range [map_lo, map_hi) and number, the copies in it now, when made */
 static char *map_addr;
@@ -69,6 +68,7 @@ static long long map_file_off, map_lo, map_hi;
 static unsigned long long map_seq;
 static int map_users;
 static struct timespec map_born;
+static unsigned long long map_floor;   /* release(): a request numbered below keeps no mapping */
 static int map_tried, map_works = 1;    /* MADV_POPULATE_WRITE: stop trying where it is refused */
 
 /* the mapping made for the last request, detached for the caller to unmap (NULL if none): waits
@@ -99,18 +99,21 @@ populated(int fd, long long off, long long len, long long *file_off, size_t *map
     pthread_mutex_unlock(&lock);
     if (!works)
         return NULL;
+    /* made and marked MADV_DONTFORK under the lock, which a fork takes first (before_fork): no
+     * child ever inherits it, wherever the worker is (a DataLoader forks its workers at any
+     * moment; an inherited mapping would keep the whole file in the child as long as it lives) */
+    pthread_mutex_lock(&lock);
     char *addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)start);
+    if (addr != MAP_FAILED && madvise(addr, size, MADV_DONTFORK)) {
+        munmap(addr, size);
+        addr = MAP_FAILED;
+    }
+    pthread_mutex_unlock(&lock);
     if (addr == MAP_FAILED)
         return NULL;
-    pthread_mutex_lock(&lock);
-    running_map = addr;
-    running_map_len = size;
-    pthread_mutex_unlock(&lock);
     const int failed = madvise(addr, size, MADV_POPULATE_WRITE);
     const int why = errno;
     pthread_mutex_lock(&lock);
-    running_map = NULL;
-    running_map_len = 0;
     if (!map_tried) {
         map_tried = 1;
         map_works = !(failed && why == EINVAL);  /* EINVAL: this kernel has no MADV_POPULATE_WRITE */
@@ -187,6 +190,12 @@ worker(void *unused)
         running_fd = -1;
         results[seq % RESULTS].seq = seq;
         results[seq % RESULTS].err = err;
+        if (addr != NULL && seq < map_floor) {  /* release() came while it was made: not kept */
+            pthread_mutex_unlock(&lock);
+            munmap(addr, size);
+            pthread_mutex_lock(&lock);
+            addr = NULL;
+        }
         if (addr != NULL) {
             map_addr = addr;
             map_len = size;
@@ -232,12 +241,8 @@ in_child(void)
     /* only the forking thread lives on: the worker is gone, and no thread waits on the condition */
     pthread_mutex_unlock(&lock);
     init_conditions();
-    if (map_addr != NULL)  /* the parent's mappings, copied into this child: no worker here unmaps them */
-        munmap(map_addr, map_len);
-    if (running_map != NULL)
-        munmap(running_map, running_map_len);
-    map_addr = running_map = NULL;
-    map_len = running_map_len = 0;
+    map_addr = NULL;  /* the parent's mappings: MADV_DONTFORK, not in this child */
+    map_len = 0;
     map_seq = 0;
     map_users = 0;
     if (waiting_fd >= 0)
@@ -374,11 +379,29 @@ done:
     return result;
 }
 
+/* release(): the worker's mapping unmapped now, and one under way not kept (see above) */
+static PyObject *
+release(PyObject *module, PyObject *unused_arg)
+{
+    (void)module;
+    (void)unused_arg;
+    size_t len;
+    pthread_mutex_lock(&lock);
+    map_floor = next_seq;
+    char *addr = detach_map(&len);  /* a copy_into holds the GIL, as this call does: none runs */
+    pthread_mutex_unlock(&lock);
+    if (addr != NULL)
+        munmap(addr, len);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"submit", submit, METH_VARARGS,
      "submit(fd, offset, length) -> request number: posix_fallocate a dup of fd's range on the worker thread."},
     {"copy_into", copy_into, METH_VARARGS,
      "copy_into(request, offset, buffers, end) -> True if copied through the request's mapping, else False."},
+    {"release", release, METH_NOARGS,
+     "release(): unmap the worker's mapping now (a file of this process is unlinked), and drop one under way."},
     {"result", result, METH_O,
      "result(request) -> None while it is not done (or replaced, or too old), else 0 (backed) or the errno."},
     {NULL, NULL, 0, NULL},

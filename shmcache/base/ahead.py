@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from . import settings
 
-__all__ = ["NATIVE", "backed", "copy_into", "outcome", "submit", "unavailable_reason"]
+__all__ = ["NATIVE", "backed", "copy_into", "outcome", "release", "submit", "unavailable_reason"]
 
 try:
     from . import _ahead
@@ -62,3 +62,11 @@ def copy_into(request: int, offset: int, buffers: list, end: int) -> bool:
     else False and nothing copied (the caller pwrites them). ValueError, nothing copied, if they
     would end past ``end``. Only where ``NATIVE``."""
     return _ahead.copy_into(request, offset, buffers, end)
+
+
+def release() -> None:
+    """A file of this process's was unlinked (a cache destroyed, cleared, collected): the thread's
+    mapping, which keeps its whole file's pages for as long as it exists, is unmapped now, and the
+    mapping of a request under way is not kept. The next run in a range backed ahead is pwritten."""
+    if _ahead is not None:
+        _ahead.release()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidArgument, NotOwner
-from . import settings
+from . import ahead, settings
 from .settings import ENV_DIR, ENV_SESSION, ENV_SIZE_MB, ENV_SPILL_DIR, ENV_SPILLING
 
 __all__ = [
@@ -135,15 +135,16 @@ class Namespace:
         """Unlink segment ``name`` if it is a file of ours; True if it was removed.
 
         The owner is checked with lstat first: /dev/shm is sticky, so once a file is ours nobody
-        else can replace it before the unlink."""
+        else can replace it before the unlink. The pages it backed ahead are let go (ahead.release)."""
         path = self.shm_path(name)
         if not _ours(path):
             return False
         try:
             os.unlink(path)
-            return True
         except FileNotFoundError:
             return False
+        ahead.release()  # its mapping would keep the file's pages after the unlink
+        return True
 
     @property
     def sessions_dir(self) -> Path:

@@ -380,15 +380,17 @@ class Segment:
     # --- teardown ----------------------------------------------------------------------------
 
     def unlink(self) -> bool:
-        """Unlink the name if it still refers to our inode (see NOTE [segment lifecycle])."""
+        """Unlink the name if it still refers to our inode (see NOTE [segment lifecycle]); the
+        pages backed ahead are let go (``ahead.release``: its mapping would keep the file's pages)."""
         path = _path(self.name)
         try:
             if os.lstat(path).st_ino != self._inode:
                 return False
             os.unlink(path)
-            return True
         except FileNotFoundError:
             return False
+        ahead.release()
+        return True
 
     def close(self) -> None:
         """Nothing to release by hand: the mapping goes with the last reference to it (see the

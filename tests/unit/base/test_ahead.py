@@ -246,6 +246,23 @@ def test_an_unused_mapping_goes_and_an_unlinked_files_pages_with_it():
 
 @native
 @mapping
+def test_release_unmaps_at_once_and_keeps_no_mapping_of_a_request_under_way(shm_file):
+    """What this process's unlinks call (a cache destroyed or cleared, then made again at once in
+    a tight /dev/shm): the mapping goes now, not after MAP_KEEP_S, and so does one being made."""
+    request = ahead.submit(shm_file, 0, 4 * MiB)
+    assert _wait_backed(request) and _mappings_of(shm_file) == 1
+    ahead.release()
+    assert _mappings_of(shm_file) == 0 and not _mapped(request, 0)
+    under_way = ahead.submit(shm_file, 8 * MiB, 48 * MiB)
+    ahead.release()  # before the worker is done with it (48 MiB: milliseconds)
+    assert _wait_backed(under_way, 20), "released, it is still backed"
+    assert _mappings_of(shm_file) == 0 and not _mapped(under_way, 8 * MiB)
+    after = ahead.submit(shm_file, 0, MiB)
+    assert _wait_backed(after) and _mapped(after, 0), "a request after the release is mapped again"
+
+
+@native
+@mapping
 def test_a_forked_child_keeps_no_mapping_of_the_parents_worker(shm_file):
     request = ahead.submit(shm_file, 0, 4 * MiB)
     assert _wait_backed(request) and _mappings_of(shm_file) == 1
@@ -493,6 +510,11 @@ for bad in ((r, 4096, [b"xx"], 4097), (r, -1, [b"x"], 10)):
 for i in range(50):  # copies into a mapping the worker replaces meanwhile
     r2 = a.submit(fd, (i % 4) << 20, 1 << 20)
     a.copy_into(r2, (i % 4) << 20, [b"z" * 4096], 8 << 20)
+r3 = a.submit(fd, 0, 4 << 20)
+a.release()  # under way, or done: either way not kept
+assert wait(r3) == 0 and not a.copy_into(r3, 0, [], 8 << 20)
+r4 = a.submit(fd, 4 << 20, 1 << 20)
+assert wait(r4) == 0
 time.sleep(1.5)  # MAP_KEEP_S: the last mapping goes unused
 print("clean")
 """
