@@ -202,7 +202,8 @@ def main() -> None:
                 _encode_cost(hf, fmt)
             p, c, w, f, k = median(plain), median(cold), median(warm), median(floor), median(kernel)
             print(f"{fmt:<8}{workers:>8}{p:>9.2f}{c:>8.2f}{w:>8.2f}{p / c:>8.2f}{p / median(own):>7.2f}"
-                  f"{p / median(py):>6.2f}{p / median(noput):>8.2f}{p / w:>8.2f}{p / f:>8.2f}{p / k:>9.2f}{per_row:>11.0f}")
+                  f"{p / median(py):>6.2f}{p / median(noput):>8.2f}{p / w:>8.2f}{p / f:>8.2f}{p / k:>9.2f}"
+                  f"{per_row:>11.0f}")
             if workers == 0:
                 write = _write_floor(round(per_row))
                 print(f"  {fmt}: the kernel's part of admitting a row ({per_row:.0f} bytes into fresh tmpfs pages): "
