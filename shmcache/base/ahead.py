@@ -17,9 +17,12 @@ and every commit backs its own range.
 
 from __future__ import annotations
 
+import os
+
 from . import settings
 
-__all__ = ["NATIVE", "backed", "copy_into", "outcome", "release", "submit", "unavailable_reason"]
+__all__ = ["NATIVE", "backed", "copy_into", "mapping_unavailable_reason", "outcome", "release", "submit",
+           "unavailable_reason"]
 
 try:
     from . import _ahead
@@ -27,14 +30,33 @@ except ImportError:  # no C compiler at install, or a source checkout never buil
     _ahead = None
 _why = settings.native_unavailable(_ahead is not None, "pages backed ahead")
 NATIVE = not _why
+
+
+def _kernel_release() -> tuple[int, int]:
+    try:
+        major, minor = os.uname().release.split("-")[0].split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:  # not numbers: say it can, the thread finds out on its first try
+        return (99, 0)
+
+
+# MADV_POPULATE_WRITE came in Linux 5.14: before it, the thread backs pages but maps none present
+_MAP_WHY = "" if _kernel_release() >= (5, 14) else \
+    f"mapping pages present (MADV_POPULATE_WRITE) needs Linux 5.14; this is {os.uname().release}"
 # Segment.write_at copies into a range backed ahead through the thread's mapping of it (copy_into);
 # a benchmark's baseline turns it off (benchmarks/bench_cold_epoch.py, ``pw x``): pwritev, as before
-COPY_MAPPED = NATIVE
+COPY_MAPPED = NATIVE and not _MAP_WHY
 
 
 def unavailable_reason() -> str:
     """Why pages are not backed ahead, and what to do ('' when they are)."""
     return _why
+
+
+def mapping_unavailable_reason() -> str:
+    """Why a run's records are pwritten into pages backed ahead rather than copied through the
+    thread's mapping of them ('' where they are copied: built, on, and a kernel that can)."""
+    return _why or _MAP_WHY
 
 
 def submit(fd: int, offset: int, length: int) -> int:

@@ -376,6 +376,8 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         "batch_copy": "compiled" if rowcopy.NATIVE else f"numpy: {rowcopy.unavailable_reason()}",
         "single_hit": "compiled" if hit.NATIVE else f"python: {hit.unavailable_reason()}",
         "pages_ahead": "compiled" if ahead.NATIVE else f"none: {ahead.unavailable_reason()}",
+        "pages_ahead_copy": "mapped" if not ahead.mapping_unavailable_reason()
+        else f"pwritev: {ahead.mapping_unavailable_reason()}",
         "batch_encode": "compiled" if codec.PACK_NATIVE else f"python: {codec.pack_unavailable_reason()}",
         "batch_probe": "compiled" if index.PROBE_NATIVE else f"numpy: {index.probe_unavailable_reason()}",
         "sessions": len(registry.list()),
@@ -398,7 +400,10 @@ def cmd_info(args, registry: SessionRegistry) -> int:
          else f"numpy, two passes: {rowcopy.unavailable_reason()}"),
         ("single hit", "compiled: an int key's hit (ds[i], cache.get) is one call" if hit.NATIVE
          else f"Python: {hit.unavailable_reason()}"),
-        ("pages ahead", "compiled: a cold batch's pages are backed on an idle CPU while the batch is computed"
+        ("pages ahead", ("compiled: a cold batch's pages are backed on an idle CPU while the batch is computed"
+                         + ("; its records copied in through that thread's mapping of them"
+                            if not ahead.mapping_unavailable_reason()
+                            else f"; its records pwritten: {ahead.mapping_unavailable_reason()}"))
          if ahead.NATIVE else f"none, each batch backs its own: {ahead.unavailable_reason()}"),
         ("batch encode", "compiled: a cold batch's samples of one shape are packed one call each"
          if codec.PACK_NATIVE else f"Python: {codec.pack_unavailable_reason()}"),

@@ -467,6 +467,27 @@ def test_a_run_written_inside_a_range_backed_ahead_goes_through_the_mapping(segm
         segment.write_at(segment.size - 4, [b"12345678"])
 
 
+@pytest.mark.parametrize("native", ["", "0"])
+def test_info_says_whether_a_runs_records_go_through_the_mapping(native):
+    """A fresh CLI process, as a user runs it: ``pages_ahead_copy`` is "mapped" where the part is
+    built and on and the kernel can map pages present, else "pwritev: " and why."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "SHMCACHE_NATIVE"}
+    if native:
+        env["SHMCACHE_NATIVE"] = native
+    out = subprocess.run([sys.executable, "-m", "shmcache", "info", "--json"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    said = json.loads(out.stdout)["pages_ahead_copy"]
+    if native == "0":
+        assert said.startswith("pwritev: ") and "SHMCACHE_NATIVE" in said
+    elif ahead.NATIVE and _kernel_at_least(5, 14):
+        assert said == "mapped"
+    else:
+        assert said.startswith("pwritev: ") and len(said) > len("pwritev: ")
+
+
 def test_shmcache_native_0_turns_it_off_and_says_how_to_turn_it_on(compiled_part):
     compiled_part.turned_off_by_env("from shmcache.base import ahead; print(ahead.NATIVE); "
                                     "print(ahead.unavailable_reason())", '"pages_ahead": "none: ')
