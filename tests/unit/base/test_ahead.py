@@ -480,8 +480,8 @@ def test_info_says_whether_a_runs_records_go_through_the_mapping(native):
                          env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     said = json.loads(out.stdout)["pages_ahead_copy"]
-    if native == "0":
-        assert said.startswith("pwritev: ") and "SHMCACHE_NATIVE" in said
+    if native == "0":  # the reason where it is built; an install that is not says that first
+        assert said.startswith("pwritev: ") and ("SHMCACHE_NATIVE" in said or "not built" in said)
     elif ahead.NATIVE and _kernel_at_least(5, 14):
         assert said == "mapped"
     else:
