@@ -386,36 +386,26 @@ finish({"native": ahead.NATIVE, "base": base, "left": left, "stored_old": stored
 """
 
 
-def test_a_cache_destroyed_and_made_again_at_once_has_the_room_it_had(tmp_path):
-    """A cache of 30 MiB in a 48 MiB /dev/shm, destroyed (every handle closed) and made again at
-    once with the same size, then warmed up with the same 30 MiB in one put_many (a warm-up, an
-    import). Destroying gives /dev/shm its pages back at once, so everything fits again (with
-    SHMCACHE_NATIVE=0: all 1,280 stored). The worker's mapping of the last range asked ahead keeps
-    the destroyed segment's file alive - all of its pages, not only the range's - until a newer
-    request or MAP_KEEP_S, later still where its SCHED_IDLE thread gets no CPU (measured: 17 MiB
-    free after the destroy, 640 of 1,280 stored, 640 rejected)."""
-    res, log = _in_small_shm(tmp_path, DESTROYED_AND_MADE_AGAIN, shm_size="48m", item=24 << 10)
-    assert res["stored_old"] == 1280, res
-    assert res["left"] >= res["base"] - (1 << 20), (
-        f"/dev/shm had {res['base'] >> 20} MiB free before the cache, {res['left'] >> 20} MiB after it was "
-        f"destroyed and closed: its pages are kept (pages ahead native: {res['native']})")
-    assert res["stored_new"] == 1280, res
-
-
 CLEARED_AND_REFILLED = DESTROYED_AND_MADE_AGAIN.replace(
     "old.destroy()\nold.close()\ndel old\n", "old.clear()  # a new generation: the last one's segments unlinked\n"
 ).replace('new = CacheStore("again", "c", capacity_bytes=40 << 20)', "new = old")
 
 
-def test_a_cache_cleared_and_filled_again_at_once_has_the_room_it_had(tmp_path):
-    """The same with clear() (a new generation, the last one's segments unlinked) and the same
-    handle filling it again at once: everything fits (SHMCACHE_NATIVE=0: all 1,280 stored). The
-    worker's mapping keeps the last generation's data segment whole (measured: 17 MiB free after
-    the clear, 640 stored)."""
+@pytest.mark.parametrize("script, done", [(DESTROYED_AND_MADE_AGAIN, "destroyed and closed"),
+                                          (CLEARED_AND_REFILLED, "cleared")], ids=["destroyed", "cleared"])
+def test_a_cache_destroyed_or_cleared_and_filled_again_at_once_has_the_room_it_had(tmp_path, script, done):
+    """A cache of 30 MiB in a 48 MiB /dev/shm, destroyed (every handle closed) and made again at
+    once with the same size - or cleared (a new generation, the last one's segments unlinked) and
+    filled again by the same handle -, then warmed up with the same 30 MiB in one put_many (a
+    warm-up, an import). Unlinking gives /dev/shm its pages back at once, so everything fits again
+    (with SHMCACHE_NATIVE=0: all 1,280 stored). The pages-ahead worker's mapping of the last range
+    asked for kept the old segment's file alive - all of its pages, not only the range's - until a
+    newer request or MAP_KEEP_S, later still where its SCHED_IDLE thread gets no CPU (measured
+    before ahead.release: 17 MiB free after the destroy or clear, 640 of 1,280 stored)."""
     assert "old.clear()" in CLEARED_AND_REFILLED and "new = old" in CLEARED_AND_REFILLED
-    res, log = _in_small_shm(tmp_path, CLEARED_AND_REFILLED, shm_size="48m", item=24 << 10)
+    res, log = _in_small_shm(tmp_path, script, shm_size="48m", item=24 << 10)
     assert res["stored_old"] == 1280, res
     assert res["left"] >= res["base"] - (1 << 20), (
         f"/dev/shm had {res['base'] >> 20} MiB free before the cache, {res['left'] >> 20} MiB after it was "
-        f"cleared: the last generation's pages are kept (pages ahead native: {res['native']})")
+        f"{done}: its pages are kept (pages ahead native: {res['native']})")
     assert res["stored_new"] == 1280, res
