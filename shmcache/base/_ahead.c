@@ -94,16 +94,11 @@ populated(int fd, long long off, long long len, long long *file_off, size_t *map
     const long page = sysconf(_SC_PAGESIZE);
     const long long start = off - off % page;
     const size_t size = (size_t)(off + len - start);
-    pthread_mutex_lock(&lock);
-    const int works = map_works;
-    pthread_mutex_unlock(&lock);
-    if (!works)
-        return NULL;
     /* made and marked MADV_DONTFORK under the lock, which a fork takes first (before_fork): no
      * child ever inherits it, wherever the worker is (a DataLoader forks its workers at any
      * moment; an inherited mapping would keep the whole file in the child as long as it lives) */
     pthread_mutex_lock(&lock);
-    char *addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)start);
+    char *addr = map_works ? mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)start) : MAP_FAILED;
     if (addr != MAP_FAILED && madvise(addr, size, MADV_DONTFORK)) {
         munmap(addr, size);
         addr = MAP_FAILED;
@@ -148,7 +143,7 @@ worker(void *unused)
     pthread_mutex_lock(&lock);
     for (;;) {
         while (waiting_fd < 0) {
-            if (map_addr != NULL && !map_users && expired()) {  /* unused for MAP_KEEP_S: let it go */
+            if (map_addr != NULL && expired()) {  /* unused for MAP_KEEP_S: let it go (after a copy in it) */
                 size_t len;
                 char *old = detach_map(&len);
                 pthread_mutex_unlock(&lock);

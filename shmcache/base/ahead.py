@@ -87,7 +87,7 @@ def copy_into(request: int, offset: int, buffers: list, end: int) -> bool:
 
 
 def release() -> None:
-    """A file of this process's was unlinked (a cache destroyed, cleared, collected): the thread's
+    """This process unlinked a file (a cache destroyed, cleared, collected): the thread's
     mapping, which keeps its whole file's pages for as long as it exists, is unmapped now, and the
     mapping of a request under way is not kept. The next run in a range backed ahead is pwritten."""
     if _ahead is not None:
