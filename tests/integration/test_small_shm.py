@@ -409,3 +409,27 @@ def test_a_cache_destroyed_or_cleared_and_filled_again_at_once_has_the_room_it_h
         f"/dev/shm had {res['base'] >> 20} MiB free before the cache, {res['left'] >> 20} MiB after it was "
         f"{done}: its pages are kept (pages ahead native: {res['native']})")
     assert res["stored_new"] == 1280, res
+
+
+# the same, in a process of one CPU (a container of one CPU, or every core computing: a DataLoader
+# worker per core): the ahead worker, SCHED_IDLE, runs only where that CPU has nothing else to do,
+# so the request the last batch asked for may still wait - its descriptor a duplicate of the class
+# segment's - when the cache is destroyed or cleared
+ONE_CPU = "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before the worker: it inherits it\n"
+
+
+@pytest.mark.parametrize("script, done", [(DESTROYED_AND_MADE_AGAIN, "destroyed and closed"),
+                                          (CLEARED_AND_REFILLED, "cleared")], ids=["destroyed", "cleared"])
+def test_on_one_cpu_a_cache_destroyed_or_cleared_and_filled_again_at_once_has_the_room_it_had(tmp_path, script,
+                                                                                              done):
+    """As above, on one CPU. ahead.release() unmaps the worker's mapping and has the worker drop the
+    mapping of a request under way, but a request that is still waiting (or in the worker's call)
+    holds a duplicate descriptor of the unlinked class segment: the whole file (30 MiB) stays until
+    the worker, which gets that CPU only when the main thread leaves it, takes and closes it - and it
+    then still backs the dead file's range first."""
+    res, log = _in_small_shm(tmp_path, ONE_CPU + script, shm_size="48m", item=24 << 10)
+    assert res["stored_old"] == 1280, res
+    assert res["left"] >= res["base"] - (1 << 20), (
+        f"/dev/shm had {res['base'] >> 20} MiB free before the cache, {res['left'] >> 20} MiB after it was "
+        f"{done}: its pages are kept (pages ahead native: {res['native']})")
+    assert res["stored_new"] == 1280, res
