@@ -261,6 +261,55 @@ def test_release_unmaps_at_once_and_keeps_no_mapping_of_a_request_under_way(shm_
     assert _wait_backed(after) and _mapped(after, 0), "a request after the release is mapped again"
 
 
+_RELEASED_ON_ONE_CPU = """
+import os, sys, tempfile, time
+from shmcache.base import ahead
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before the worker starts: it inherits it
+
+def held(ino):  # this process's descriptors and mappings of the file (the caller's own closed)
+    n = 0
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            n += os.stat(f"/proc/self/fd/{entry}").st_ino == ino
+        except OSError:
+            pass
+    with open("/proc/self/maps") as maps:
+        return n + sum(1 for line in maps if len(f := line.split()) >= 5 and f[4] == str(ino))
+
+kept = []
+for pause in [0.0] * 5 + [0.0002, 0.0005, 0.001, 0.002, 0.004] * 3:
+    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="shmcache-test-ahead-released-")
+    os.ftruncate(fd, 64 << 20)
+    ino = os.fstat(fd).st_ino
+    request = ahead.submit(fd, 0, 48 << 20)  # the last batch asked ahead
+    os.close(fd)  # the cache's handle closed
+    if pause:
+        time.sleep(pause)  # the worker gets the CPU a while: in its call, or done
+    os.unlink(path)  # a destroy: Namespace.unlink_segment, then
+    ahead.release()
+    kept.append(held(ino))
+    while ahead.outcome(request) is None and held(ino):  # the next file's request is not this one's
+        time.sleep(0.001)
+print(kept)
+"""
+
+
+@native
+def test_on_one_cpu_release_leaves_no_descriptor_or_mapping_of_the_unlinked_file():
+    """A destroy's release(): what it promises is that the unlinked file's pages go at once (a cache
+    made again at once finds its room). On one CPU (a container of one CPU, or every core computing)
+    the SCHED_IDLE worker runs only when the main thread leaves the CPU: the last request asked for
+    still waits when the cache is destroyed, and its descriptor - a duplicate of the class segment's -
+    keeps the whole file until the worker gets the CPU, takes the request, backs 48 MiB of the dead
+    file and closes it; one in the worker's call keeps its descriptor and its mapping, not yet
+    dropped, the same way (measured: every release right after the request left the file held)."""
+    out = subprocess.run([sys.executable, "-c", _RELEASED_ON_ONE_CPU], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kept = eval(out.stdout)  # noqa: S307 - the list the script printed
+    assert kept == [0] * len(kept), (f"after release(), this process still held the unlinked file {kept} times "
+                                     f"(each try: descriptors and mappings of it; the first 5 released at once)")
+
+
 @native
 @mapping
 def test_a_forked_child_keeps_no_mapping_of_the_parents_worker(shm_file):
