@@ -8,6 +8,7 @@ child keeps none, and a segment's write goes through it only inside the range ba
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -305,7 +306,7 @@ def test_on_one_cpu_release_leaves_no_descriptor_or_mapping_of_the_unlinked_file
     dropped, the same way (measured: every release right after the request left the file held)."""
     out = subprocess.run([sys.executable, "-c", _RELEASED_ON_ONE_CPU], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
-    kept = eval(out.stdout)  # noqa: S307 - the list the script printed
+    kept = json.loads(out.stdout)  # the list the script printed
     assert kept == [0] * len(kept), (f"after release(), this process still held the unlinked file {kept} times "
                                      f"(each try: descriptors and mappings of it; the first 5 released at once)")
 
