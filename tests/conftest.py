@@ -131,6 +131,22 @@ def hit_path(request, monkeypatch):
 
 
 @pytest.fixture
+def huge_pages():
+    """Huge pages reserved for the test (vm.nr_hugepages raised, then put back)."""
+    knob = Path("/proc/sys/vm/nr_hugepages")
+    if os.geteuid() != 0:
+        pytest.skip("needs root: reserves huge pages and mounts a hugetlbfs in a private mount namespace")
+    old = int(knob.read_text())
+    try:
+        knob.write_text(str(old + 64))
+        if int(knob.read_text()) < old + 32:
+            pytest.skip("the kernel could not reserve 32 huge pages here (memory too fragmented)")
+        yield
+    finally:
+        knob.write_text(str(old))
+
+
+@pytest.fixture
 def private_mounts():
     """``run(steps, timeout)``: the shell command line ``steps`` in a private mount namespace
     (``unshare -m``, as root), where what it mounts (a small tmpfs, one over /dev/shm, a huge-page

@@ -16,10 +16,12 @@
  * any other mapping would fault on each 4 KiB page. One such mapping is kept at a time, for the
  * request it was made for: the worker unmaps it once a newer request comes, or after MAP_KEEP_S
  * unused, never while a copy_into copies (map_users; the copy runs with the GIL held and the
- * worker never needs it). A mapping keeps its whole file alive after the file is unlinked: this
- * process's unlinks (a cache destroyed, cleared, collected) call release() first, which unmaps
- * it at once and has the worker drop the mapping of a request under way; another process's
- * destroy waits for MAP_KEEP_S (where the worker gets a CPU) or the next request.
+ * worker never needs it). A mapping, like a request's descriptor, keeps its whole file alive after
+ * the file is unlinked: this process's unlinks (a cache destroyed, cleared, collected) call
+ * release(), which unmaps it, drops a waiting request and waits for the one in the worker's call;
+ * another process's destroy waits for MAP_KEEP_S (where the worker gets a CPU) or the next
+ * request. A hugetlbfs file is not mapped (it maps whole huge pages only): its runs are copied
+ * as Segment.write_at copies them there.
  *
  * One request waits at a time: a newer one replaces it (its descriptor is closed unused). The
  * worker closes each request's descriptor (a dup the caller's submit made, close-on-exec) after its
@@ -41,11 +43,15 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
 
 #define RESULTS 64
 #define MAP_KEEP_S 1  /* a mapping no copy_into used within this long is unmapped (see above) */
+#define RELEASE_WAIT_S 2  /* release() waits this long at most for the worker's call to end */
+#define HUGETLBFS_MAGIC_ 0x958458f6  /* statfs f_type: mapped in huge pages only (no 4 KiB range) */
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  /* Linux 5.14; an older kernel says EINVAL: no mapping, as before */
 #endif
@@ -53,6 +59,8 @@
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake;  /* init_conditions: CLOCK_MONOTONIC */
 static int started;                     /* the worker runs in this process */
+static pthread_t worker_thread;         /* it, once started: release() raises its priority for a while */
+static int boosted;                     /* release() raised it: the worker goes back to SCHED_IDLE */
 static int waiting_fd = -1;             /* the waiting request: its descriptor (-1: none), range, number */
 static int running_fd = -1;             /* the request in the worker's call: a forked child closes it */
 static long long waiting_off, waiting_len;
@@ -60,6 +68,8 @@ static unsigned long long waiting_seq;
 static unsigned long long next_seq = 1; /* 0 is never a request's */
 static struct { unsigned long long seq; int err; } results[RESULTS];  /* err: 0 backed, else errno */
 static pthread_cond_t unused;  /* map_users dropped to 0 */
+static pthread_cond_t quiet;   /* the worker's call ended (running_fd back to -1), or its unmapping */
+static int unmapping;          /* the worker unmaps a mapping it detached (the lock let go meanwhile) */
 /* the mapping of the last request backed: its address and length, the file offset it starts at
  * (page-aligned), the request's range [map_lo, map_hi) and number, the copies in it now, when made */
 static char *map_addr;
@@ -89,16 +99,23 @@ detach_map(size_t *len)
 /* [off, off + len) of fd mapped and every page of it present and writable; NULL if the kernel
  * cannot (no MADV_POPULATE_WRITE, a file system that maps no such range): the copy goes by pwritev */
 static char *
-populated(int fd, long long off, long long len, long long *file_off, size_t *map_len_out)
+populated(int fd, long long off, long long len, unsigned long long seq, long long *file_off, size_t *map_len_out)
 {
     const long page = sysconf(_SC_PAGESIZE);
     const long long start = off - off % page;
     const size_t size = (size_t)(off + len - start);
+    struct statfs fs;
+    /* hugetlbfs maps whole huge pages only: a range of base pages would be mapped, then neither
+     * marked nor unmapped (EINVAL) - kept, and inherited, for the process's life */
+    if (fstatfs(fd, &fs) || fs.f_type == HUGETLBFS_MAGIC_)
+        return NULL;
     /* made and marked MADV_DONTFORK under the lock, which a fork takes first (before_fork): no
      * child ever inherits it, wherever the worker is (a DataLoader forks its workers at any
      * moment; an inherited mapping would keep the whole file in the child as long as it lives) */
     pthread_mutex_lock(&lock);
-    char *addr = map_works ? mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)start) : MAP_FAILED;
+    /* not for a request made before a release(): its file may be unlinked, and the caller waits */
+    char *addr = map_works && seq >= map_floor
+        ? mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)start) : MAP_FAILED;
     if (addr != MAP_FAILED && madvise(addr, size, MADV_DONTFORK)) {
         munmap(addr, size);
         addr = MAP_FAILED;
@@ -146,9 +163,12 @@ worker(void *unused)
             if (map_addr != NULL && expired()) {  /* unused for MAP_KEEP_S: let it go (after a copy in it) */
                 size_t len;
                 char *old = detach_map(&len);
+                unmapping = 1;
                 pthread_mutex_unlock(&lock);
                 munmap(old, len);
                 pthread_mutex_lock(&lock);
+                unmapping = 0;
+                pthread_cond_broadcast(&quiet);
                 continue;
             }
             if (map_addr != NULL) {
@@ -166,7 +186,7 @@ worker(void *unused)
         running_fd = fd;
         /* a newer request: the last one's range was used, or passed over, by now */
         size_t old_len;
-        char *old = detach_map(&old_len);
+        char *old = detach_map(&old_len);  /* unmapped inside the call: running_fd is set */
         pthread_mutex_unlock(&lock);
         if (old != NULL)
             munmap(old, old_len);
@@ -177,20 +197,25 @@ worker(void *unused)
         const int err = posix_fallocate(fd, (off_t)off, (off_t)len);
         long long file_off = 0;
         size_t size = 0;
-        char *addr = err ? NULL : populated(fd, off, len, &file_off, &size);
-        /* closed under the lock: a child forked in between would inherit it with running_fd set
-         * to a number that another thread of the parent may have opened again by then */
+        char *addr = err ? NULL : populated(fd, off, len, seq, &file_off, &size);
         pthread_mutex_lock(&lock);
-        close(fd);
-        running_fd = -1;
-        results[seq % RESULTS].seq = seq;
-        results[seq % RESULTS].err = err;
         if (addr != NULL && seq < map_floor) {  /* release() came while it was made: not kept */
             pthread_mutex_unlock(&lock);
             munmap(addr, size);
             pthread_mutex_lock(&lock);
             addr = NULL;
         }
+        /* closed under the lock: a child forked in between would inherit it with running_fd set
+         * to a number that another thread of the parent may have opened again by then */
+        close(fd);
+        running_fd = -1;
+        pthread_cond_broadcast(&quiet);  /* a release() waiting for this call: nothing of it is left */
+        if (boosted) {  /* release() raised it to wait for this call: idle again */
+            boosted = 0;
+            pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
+        }
+        results[seq % RESULTS].seq = seq;
+        results[seq % RESULTS].err = err;
         if (addr != NULL) {
             map_addr = addr;
             map_len = size;
@@ -212,8 +237,9 @@ init_conditions(void)
     pthread_condattr_init(&attr);
     pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
     pthread_cond_init(&wake, &attr);
-    pthread_condattr_destroy(&attr);
     pthread_cond_init(&unused, NULL);
+    pthread_cond_init(&quiet, &attr);
+    pthread_condattr_destroy(&attr);
 }
 
 /* the lock is held across a fork (the worker holds it only around its calls, never during one), so
@@ -236,6 +262,7 @@ in_child(void)
     /* only the forking thread lives on: the worker is gone, and no thread waits on the condition */
     pthread_mutex_unlock(&lock);
     init_conditions();
+    boosted = unmapping = 0;
     map_addr = NULL;  /* the parent's mappings: MADV_DONTFORK, not in this child */
     map_len = 0;
     map_seq = 0;
@@ -273,6 +300,8 @@ submit(PyObject *module, PyObject *args)
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         pthread_attr_setstacksize(&attr, 64 << 10);
         err = pthread_create(&thread, &attr, worker, NULL);
+        if (err == 0)
+            worker_thread = thread;
         pthread_attr_destroy(&attr);
         started = err == 0;
     }
@@ -374,19 +403,45 @@ done:
     return result;
 }
 
-/* release(): the worker's mapping unmapped now, and one under way not kept (see above) */
+/* release(): this process unlinked a file, and nothing of the worker's may keep one alive: its
+ * mapping is unmapped, the waiting request dropped (its descriptor closed: never backed), and the
+ * request in its call waited for (its descriptor held; no mapping made of it, map_floor) - without
+ * the GIL, and with the worker raised from SCHED_IDLE meanwhile (a CPU that computes would leave
+ * it waiting for long), RELEASE_WAIT_S at most. */
 static PyObject *
 release(PyObject *module, PyObject *unused_arg)
 {
     (void)module;
     (void)unused_arg;
     size_t len;
+    char *addr;
+    int dropped;
+    Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&lock);
     map_floor = next_seq;
-    char *addr = detach_map(&len);  /* a copy_into holds the GIL, as this call does: none runs */
+    addr = detach_map(&len);  /* after a copy another thread began since this one let the GIL go */
+    dropped = waiting_fd;
+    waiting_fd = -1;
+    if ((running_fd >= 0 || unmapping) && started) {
+        const struct sched_param normal = {0};
+        boosted = pthread_setschedparam(worker_thread, SCHED_OTHER, &normal) == 0;
+        struct timespec until;
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        until.tv_sec += RELEASE_WAIT_S;
+        while ((running_fd >= 0 || unmapping) && pthread_cond_timedwait(&quiet, &lock, &until) == 0)
+            ;
+        if (boosted && running_fd < 0) {  /* an unmapping waited for: the worker's call won't reset it */
+            boosted = 0;
+            const struct sched_param idle = {0};
+            pthread_setschedparam(worker_thread, SCHED_IDLE, &idle);
+        }
+    }
     pthread_mutex_unlock(&lock);
+    if (dropped >= 0)
+        close(dropped);
     if (addr != NULL)
         munmap(addr, len);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 

@@ -435,22 +435,6 @@ print(" | ".join(out))
 """
 
 
-@pytest.fixture
-def huge_pages():
-    """Huge pages reserved for the test (vm.nr_hugepages raised, then put back)."""
-    knob = Path("/proc/sys/vm/nr_hugepages")
-    if os.geteuid() != 0:
-        pytest.skip("needs root: reserves huge pages and mounts a hugetlbfs in a private mount namespace")
-    old = int(knob.read_text())
-    try:
-        knob.write_text(str(old + 64))
-        if int(knob.read_text()) < old + 32:
-            pytest.skip("the kernel could not reserve 32 huge pages here (memory too fragmented)")
-        yield
-    finally:
-        knob.write_text(str(old))
-
-
 def test_a_hugetlbfs_with_pages_holds_a_batch_of_misses(tmp_path, huge_pages, private_mounts):
     """A hugetlbfs takes no write(2): a batch of misses admitted as one run (written with pwritev
     on tmpfs) must still land in its pages, be read back by another process without the

@@ -250,14 +250,15 @@ def test_an_unused_mapping_goes_and_an_unlinked_files_pages_with_it():
 @mapping
 def test_release_unmaps_at_once_and_keeps_no_mapping_of_a_request_under_way(shm_file):
     """What this process's unlinks call (a cache destroyed or cleared, then made again at once in
-    a tight /dev/shm): the mapping goes now, not after MAP_KEEP_S, and so does one being made."""
+    a tight /dev/shm): the mapping goes now, not after MAP_KEEP_S, and so does one being made; a
+    request still waiting is dropped (never backed), one in the worker's call waited for."""
     request = ahead.submit(shm_file, 0, 4 * MiB)
     assert _wait_backed(request) and _mappings_of(shm_file) == 1
     ahead.release()
     assert _mappings_of(shm_file) == 0 and not _mapped(request, 0)
     under_way = ahead.submit(shm_file, 8 * MiB, 48 * MiB)
     ahead.release()  # before the worker is done with it (48 MiB: milliseconds)
-    assert _wait_backed(under_way, 20), "released, it is still backed"
+    assert ahead.outcome(under_way) in (None, 0), "dropped while it waited, or backed in the call waited for"
     assert _mappings_of(shm_file) == 0 and not _mapped(under_way, 8 * MiB)
     after = ahead.submit(shm_file, 0, MiB)
     assert _wait_backed(after) and _mapped(after, 0), "a request after the release is mapped again"
@@ -336,17 +337,10 @@ with open("/proc/self/maps") as maps:
 """
 
 
-def _free_huge_pages() -> int:
-    with open("/proc/meminfo") as info:
-        for line in info:
-            if line.startswith("HugePages_Free:"):
-                return int(line.split()[1])
-    return 0
-
-
 @native
 @mapping
-def test_on_hugetlbfs_the_workers_mapping_of_a_range_at_a_huge_page_is_never_kept_after_release(tmp_path):
+def test_on_hugetlbfs_the_workers_mapping_of_a_range_at_a_huge_page_is_never_kept_after_release(tmp_path,
+                                                                                                 huge_pages):
     """A session's memory directory may be a hugetlbfs (memdir.py), and a put_many's run asks ahead
     there as on /dev/shm. populated() aligns its mapping to the base page (sysconf): a range from a
     huge page's start maps, but is not a whole number of huge pages, and hugetlbfs splits no huge
@@ -357,8 +351,6 @@ def test_on_hugetlbfs_the_workers_mapping_of_a_range_at_a_huge_page_is_never_kep
     madvise(DONTFORK) and munmap of 2 MiB + 1 MiB + 12 KiB both EINVAL, the mapping left)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1): mounts a hugetlbfs in a private mount namespace")
-    if _free_huge_pages() < 4:
-        pytest.skip("needs 4 free huge pages (vm.nr_hugepages): none are reserved here")
     where = tmp_path / "huge"
     where.mkdir()
     inner = 'mount -t hugetlbfs none "$1" || exit 99; exec "$0" -c "$2" "$1"'
@@ -672,8 +664,8 @@ def test_info_says_whether_a_runs_records_go_through_the_mapping(native):
     said = json.loads(out.stdout)["pages_ahead_copy"]
     if native == "0":  # the reason where it is built; an install that is not says that first
         assert said.startswith("pwritev: ") and ("SHMCACHE_NATIVE" in said or "not built" in said)
-    elif ahead.NATIVE and _kernel_at_least(5, 14):
-        assert said == "mapped"
+    elif "not built" not in ahead.unavailable_reason() and _kernel_at_least(5, 14):  # (this process may run
+        assert said == "mapped"  # with SHMCACHE_NATIVE=0: the child does not)
     else:
         assert said.startswith("pwritev: ") and len(said) > len("pwritev: ")
 
@@ -722,8 +714,8 @@ for i in range(50):  # copies into a mapping the worker replaces meanwhile
     r2 = a.submit(fd, (i % 4) << 20, 1 << 20)
     a.copy_into(r2, (i % 4) << 20, [b"z" * 4096], 8 << 20)
 r3 = a.submit(fd, 0, 4 << 20)
-a.release()  # under way, or done: either way not kept
-assert wait(r3) == 0 and not a.copy_into(r3, 0, [], 8 << 20)
+a.release()  # dropped while it waited, or waited for in the worker's call: either way not kept
+assert a.result(r3) in (None, 0) and not a.copy_into(r3, 0, [], 8 << 20)
 r4 = a.submit(fd, 4 << 20, 1 << 20)
 assert wait(r4) == 0
 time.sleep(1.5)  # MAP_KEEP_S: the last mapping goes unused
