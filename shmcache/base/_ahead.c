@@ -18,7 +18,8 @@
  * unused, never while a copy_into copies (map_users; the copy runs with the GIL held and the
  * worker never needs it). A mapping, like a request's descriptor, keeps its whole file alive after
  * the file is unlinked: this process's unlinks (a cache destroyed, cleared, collected) call
- * release(), which unmaps it, drops a waiting request and waits for the one in the worker's call;
+ * release(), which unmaps it, drops a waiting request and waits a while for the one in the
+ * worker's call (RELEASE_WAIT_NS);
  * another process's destroy waits for MAP_KEEP_S (where the worker gets a CPU) or the next
  * request. A hugetlbfs file is not mapped (it maps whole huge pages only): its runs are copied
  * as Segment.write_at copies them there.
@@ -50,7 +51,12 @@
 
 #define RESULTS 64
 #define MAP_KEEP_S 1  /* a mapping no copy_into used within this long is unmapped (see above) */
-#define RELEASE_WAIT_S 2  /* release() waits this long at most for the worker's call to end */
+/* release() waits this long at most for the worker's call to end: enough for its largest call
+ * (AHEAD_BYTES backed and mapped present: ~10 ms) once it has a CPU - the one the waiting caller
+ * leaves, or the priority release() gives it where the process may raise it (root, CAP_SYS_NICE;
+ * an unprivileged thread cannot leave SCHED_IDLE). On a host whose every CPU computes otherwise,
+ * that call ends later, and the file with it: release() does not hold its caller's lock that long */
+#define RELEASE_WAIT_NS 200000000L
 #define HUGETLBFS_MAGIC_ 0x958458f6  /* statfs f_type: mapped in huge pages only (no 4 KiB range) */
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  /* Linux 5.14; an older kernel says EINVAL: no mapping, as before */
@@ -406,8 +412,8 @@ done:
 /* release(): this process unlinked a file, and nothing of the worker's may keep one alive: its
  * mapping is unmapped, the waiting request dropped (its descriptor closed: never backed), and the
  * request in its call waited for (its descriptor held; no mapping made of it, map_floor) - without
- * the GIL, and with the worker raised from SCHED_IDLE meanwhile (a CPU that computes would leave
- * it waiting for long), RELEASE_WAIT_S at most. */
+ * the GIL, and with the worker raised from SCHED_IDLE meanwhile where the process may, for
+ * RELEASE_WAIT_NS at most (see there). */
 static PyObject *
 release(PyObject *module, PyObject *unused_arg)
 {
@@ -427,7 +433,9 @@ release(PyObject *module, PyObject *unused_arg)
         boosted = pthread_setschedparam(worker_thread, SCHED_OTHER, &normal) == 0;
         struct timespec until;
         clock_gettime(CLOCK_MONOTONIC, &until);
-        until.tv_sec += RELEASE_WAIT_S;
+        until.tv_nsec += RELEASE_WAIT_NS;
+        until.tv_sec += until.tv_nsec / 1000000000L;
+        until.tv_nsec %= 1000000000L;
         while ((running_fd >= 0 || unmapping) && pthread_cond_timedwait(&quiet, &lock, &until) == 0)
             ;
         if (boosted && running_fd < 0) {  /* an unmapping waited for: the worker's call won't reset it */
