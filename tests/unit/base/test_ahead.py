@@ -427,9 +427,13 @@ took = time.monotonic() - t
 os.waitpid(pid, 0)
 spent = int(os.read(r, 100))
 ok = os.pread(fd, 4 * MiB, 4096) == bytes(4 * MiB)
-time.sleep(0.2)
-with open("/proc/self/maps") as maps:
-    left = sum(1 for line in maps if len(f := line.split()) >= 5 and f[4] == str(os.fstat(fd).st_ino))
+deadline = time.monotonic() + 5  # the worker unmaps it once the copy is out (a CPU permitting)
+while True:
+    with open("/proc/self/maps") as maps:
+        left = sum(1 for line in maps if len(f := line.split()) >= 5 and f[4] == str(os.fstat(fd).st_ino))
+    if not left or time.monotonic() > deadline:
+        break
+    time.sleep(0.01)
 print(json.dumps({"copied": done, "took": round(took, 2), "worker_ticks_in_1s": spent, "right": ok,
                   "mapping_left": left}))
 """
