@@ -4,7 +4,6 @@ real terminal (tmux: send-keys, capture-pane)."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -68,8 +67,8 @@ def test_top_once_sees_a_starved_rank_waiting(tmp_path):
 def test_top_live_sorts_and_quits_in_a_terminal(tmp_path):
     e = env()
     run([LOOP, "timed", 0.0, 0.0], tmp_path, e)
-    sock = f"shmcache-top-{os.getpid()}"
-    tmux = ["tmux", "-L", sock]
+    # a socket of the test's own (-S): tmux -L leaves its socket file in /tmp/tmux-UID after kill-server
+    tmux = ["tmux", "-S", str(tmp_path / "tmux.sock")]
     command = " ".join(shlex.quote(a) for a in [
         "env", f"SHMCACHE_DIR={e['SHMCACHE_DIR']}", f"PYTHONPATH={e.get('PYTHONPATH', '')}", "TERM=xterm",
         sys.executable, "-m", "shmcache", "top", "--interval", "0.2"])
