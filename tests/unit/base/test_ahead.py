@@ -174,9 +174,10 @@ mapping = pytest.mark.skipif(not _kernel_at_least(5, 14), reason="MADV_POPULATE_
                              "no mapping is made, the copies go by pwritev")
 
 
-def _mappings_of(fd: int, pid: str = "self") -> int:
-    """How many mappings of ``fd``'s file ``pid`` has (its /proc maps, by inode)."""
-    ino = os.fstat(fd).st_ino
+def _mappings_of(fd: int | None, pid: str = "self", *, ino: int | None = None) -> int:
+    """How many mappings of ``fd``'s file (or of inode ``ino``: its descriptor closed) ``pid`` has
+    (its /proc maps, by inode)."""
+    ino = os.fstat(fd).st_ino if ino is None else ino
     with open(f"/proc/{pid}/maps") as maps:
         return sum(1 for line in maps if len(f := line.split()) >= 5 and f[4] == str(ino))
 
@@ -237,9 +238,8 @@ def test_an_unused_mapping_goes_and_an_unlinked_files_pages_with_it():
         os.close(fd)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        with open("/proc/self/maps") as maps:
-            if not any(len(f := line.split()) >= 5 and f[4] == str(ino) for line in maps):
-                break
+        if not _mappings_of(None, ino=ino):
+            break
         time.sleep(0.02)
     else:
         pytest.fail("the worker kept its mapping of an unlinked file for 10 s")
