@@ -533,6 +533,10 @@ def test_copies_from_threads_while_requests_replace_each_other_land_whole(shm_fi
             n += 1
 
     threads = [threading.Thread(target=copier, args=(t,)) for t in (1, 2)]
+    # the GIL passed every 0.1 ms, not 5: the main thread asks for its next range at once, not
+    # after two copiers' turns each time (what made this test take ~10 s), and copies cut in more often
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
     for t in threads:
         t.start()
     try:
@@ -546,6 +550,7 @@ def test_copies_from_threads_while_requests_replace_each_other_land_whole(shm_fi
         stop.set()
         for t in threads:
             t.join(30)
+        sys.setswitchinterval(was)
     assert done, "no copy went through a mapping"
     last = {}
     for offset, data in done:  # the last copy to each offset is what the file holds
