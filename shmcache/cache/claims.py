@@ -493,7 +493,8 @@ def fill_batch(
     value), ...])``, then released; only then does it wait for the keys other processes hold,
     polling them with ``look_many`` and taking and computing what they leave, within one
     ``claim_timeout_s`` for the whole batch. A key met twice (a sampler drawing with replacement)
-    is computed once; its other positions get their own copy."""
+    is computed once; its other positions get their own copy. A batch computed in more than one
+    call serves what the earlier calls returned as the cache holds it (``_detach``)."""
     again = _repeats(keys)
     if again:
         return _fill_repeats(claims, keys, again, look_many, missing, compute_many, publish_many)
@@ -501,6 +502,15 @@ def fill_batch(
     if claims is None or not claims.usable():
         _compute(claims, keys, list(range(len(keys))), out, compute_many, publish_many)
         return out
+    computed: list[int] = []  # positions an earlier call of compute_many filled (_detach)
+
+    def compute(positions: list[int]) -> None:
+        if computed and positions:  # the source is called again for this batch
+            _detach(keys, computed, out, look_many, missing)
+            computed.clear()
+        _compute(claims, keys, positions, out, compute_many, publish_many)
+        computed.extend(positions)
+
     buckets = claims.buckets(keys)
     todo: list[int] = list(range(len(keys)))
     deadline, delay, first = 0.0, FIRST_SLEEP_S, True
@@ -522,11 +532,11 @@ def fill_batch(
                 mine = _found(claims, keys, mine, out, look_many, missing)  # published meanwhile?
                 claims.holding()  # its misses are nested (NOTE [claims]: a cycle costs one timeout)
                 try:
-                    _compute(claims, keys, mine, out, compute_many, publish_many)  # published before the release
+                    compute(mine)  # published before the release
                 finally:
                     claims.done()
             elif failed is None:  # nothing taken: another thread of ours (or an outer miss) holds them
-                _compute(claims, keys, mine, out, compute_many, publish_many)
+                compute(mine)
         finally:
             try:
                 _release_all(claims, held)
@@ -536,7 +546,7 @@ def fill_batch(
         if failed is not None:
             log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, failed)
             claims.on = False
-            _compute(claims, keys, todo, out, compute_many, publish_many)
+            compute(todo)
             return out
         if not busy:
             break
@@ -544,7 +554,7 @@ def fill_batch(
             deadline, first = claims.wait_deadline(), False
         elif time.monotonic() >= deadline:  # stopped or very slow holders: compute without the claims
             claims.count(CLAIM_TIMEOUTS, len(busy))
-            _compute(claims, keys, busy, out, compute_many, publish_many)
+            compute(busy)
             break
         time.sleep(delay)
         delay = min(delay * 2, MAX_SLEEP_S)
@@ -582,6 +592,22 @@ def _fill_repeats(claims: Claims | None, keys: Sequence, again: dict[int, int], 
     for j, value in zip(rest, look_many([keys[j] for j in rest])):
         out[j] = copy.deepcopy(out[again[j]]) if value is missing else value
     return out
+
+
+def _detach(keys: Sequence, positions: list[int], out: list, look_many: Callable, missing: Any) -> None:
+    """Before the source is called again for one batch (its keys were claimed in turns): the
+    values its earlier calls returned for ``positions``, as the cache stored them, else a deep copy
+    (not stored: a full cache; left as they are if they cannot be copied). torch calls
+    ``__getitems__`` once a batch and collates before the next call, so a source may hand out
+    views of one buffer that its next call fills again (issue 31)."""
+    for j, value in zip(positions, look_many([keys[j] for j in positions])):
+        if value is not missing:
+            out[j] = value
+            continue
+        try:
+            out[j] = copy.deepcopy(out[j])
+        except Exception:  # noqa: BLE001 - an object that cannot be copied is served as it is
+            pass
 
 
 def _found(claims: Claims, keys: Sequence, positions: list[int], out: list, look_many: Callable,

@@ -17,7 +17,9 @@ NOTE [record format]
     one layout, so each process compiles a decoder for it once, and a batch of them can be gathered
     field by field with one vectorised copy (store.CacheStore.gather_ints). Layouts are interned per cache in a
     shared table; the record carries only the id. Everything starts 64-byte aligned: the chunk does,
-    and arrays sit at 64-byte offsets inside it.
+    and arrays sit at 64-byte offsets inside it. A layout nests at most MAX_NESTING containers: its
+    decoders recurse a level at a time, so a value nested deeper is pickled whole (the unpickler
+    keeps its own stack): any reader's stack decodes what any writer's stored.
 
     A layout from outside this user's shared memory (a tier, a snapshot) is data from a stranger:
     ``check_layout`` walks it (marshal builds plain values, it never runs code) and refuses any
@@ -126,6 +128,10 @@ _TUPLE, _LIST, _DICT = "TLD"
 _NAMED = "N"  # a namedtuple: (N, qualname, field names, children); NOTE [record format]
 NUMBERS = _NUMBERS = "l"  # a (nested) list of Python ints or floats, stored as an array: (l, dtype, shape, offset)
 MIN_NUMBERS = 16  # a list of fewer numbers keeps a node per number (a pair, a short box)
+# containers nested deeper than this: the value is pickled whole (``_TooDeep``). Its layout's
+# decoder and checks recurse a level at a time, so a bound the encoder's stack set would fail to
+# decode from a deeper stack; 64 levels leave any caller hundreds of frames (a sample nests a few)
+MAX_NESTING = 64
 
 # Extension types (torch.Tensor): tag -> (type, to_parts, from_parts)
 _EXT_TO: dict[type, tuple[str, Callable]] = {}
@@ -436,6 +442,12 @@ class _Repeated(Exception):
     [record format]): ``encode`` pickles it whole, which stores each object once."""
 
 
+class _TooDeep(Exception):
+    """The value nests containers deeper than MAX_NESTING: ``encode`` pickles it whole, which any
+    stack reads back (the unpickler keeps its own stack; a layout's decoder recurses a level at a
+    time, so a nesting the encoder's stack could walk failed to decode from a deeper one)."""
+
+
 class _Untracked(Exception):
     """A walk went past _UNTRACKED items without tracking its containers: ``encode`` walks the
     value again, tracking them (a sample's few containers cost nothing more)."""
@@ -454,6 +466,7 @@ class _Builder:
         # each container's (``track``); those walked again because a container was met before
         self.walked, self.untracked, self.again = 0, _UNTRACKED, 0
         self.under: dict[int, int] | None = None  # tracked: items under each container, by id
+        self.depth = 0  # containers around the node walked now (MAX_NESTING)
 
     def tracked(self) -> _Builder:
         """This builder, tracking every container from the first (for a walk again)."""
@@ -471,6 +484,13 @@ class _Builder:
             self.again += again
             if self.again > MAX_LAYOUT_NODES:
                 raise _Repeated
+
+    def enter(self) -> None:
+        """A container's children are walked next: one level deeper (an exception leaves the
+        count as it is: the value is walked again by a new builder, or pickled)."""
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise _TooDeep
 
     def node(self, x: Any, path: str) -> tuple:
         tp = type(x)
@@ -503,7 +523,9 @@ class _Builder:
             self.walked = start + len(x)
             if self.walked > self.untracked:
                 self.track(x)
+            self.enter()
             node = (_TUPLE, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
+            self.depth -= 1
             if self.under is not None:
                 self.under[id(x)] = self.walked - start
             return node
@@ -518,7 +540,9 @@ class _Builder:
                 self.walked += arr.size // MIN_NUMBERS  # (its repeats are bounded in _numbers)
                 node = (_NUMBERS, arr.dtype.str, tuple(arr.shape), len(self.arrays) - 1)
             else:
+                self.enter()
                 node = (_LIST, tuple(self.node(v, f"{path}[{i}]") for i, v in enumerate(x)))
+                self.depth -= 1
             if self.under is not None:
                 self.under[id(x)] = self.walked - start
             return node
@@ -529,7 +553,9 @@ class _Builder:
             self.walked = start + len(x)
             if self.walked > self.untracked:
                 self.track(x)
+            self.enter()
             node = (_NAMED, *named, tuple(self.node(v, f"{path}.{f}") for f, v in zip(named[1], x)))
+            self.depth -= 1
             if self.under is not None:
                 self.under[id(x)] = self.walked - start
             return node
@@ -538,7 +564,9 @@ class _Builder:
             self.walked = start + len(x)
             if self.walked > self.untracked:
                 self.track(x)
+            self.enter()
             node = (_DICT, tuple((k, self.node(v, f"{path}[{k!r}]")) for k, v in x.items()))
+            self.depth -= 1
             if self.under is not None:
                 self.under[id(x)] = self.walked - start
             return node
@@ -684,9 +712,10 @@ def encode(value: Any, path: str = "") -> Encoded:
         except _Untracked:  # a large value: walked again, tracking its containers
             b = _Builder().tracked()
             tree = b.node(value, path)
-    except RecursionError:  # nested deeper than the layout walks can go: the whole value is pickled
+    except (_TooDeep, RecursionError):  # nested deeper than MAX_NESTING (or this stack): pickled whole
         b = _Builder()
         tree = b.pickle_node(value, path)
+        b.pickled = [f"{name} nested deeper than {MAX_NESTING} containers" for name in b.pickled]
     except _Repeated:  # written out at each place it holds a shared container: too large, pickled
         b = _Builder()  # whole (pickle stores each object once), named so in the pickled warning
         tree = b.pickle_node(value, path)

@@ -107,6 +107,9 @@ def _native_hint(types: tuple) -> str:
         return ("what is stored natively is dense numeric arrays and strided tensors of a numeric "
                 "dtype: split object or structured arrays into numeric arrays (or a list), and make "
                 "nested, sparse or quantized tensors dense (t.to_dense(), t.dequantize(), padding)")
+    if all(" nested deeper than " in t for t in types):  # containers only: their depth is the problem
+        return (f"nest a sample's containers at most {codec.MAX_NESTING} deep (a tree as flat lists of "
+                f"its nodes, or arrays)")
     return ("return numpy arrays or tensors from the dataset or transform (np.asarray(x), "
             "torch.as_tensor(x))")
 

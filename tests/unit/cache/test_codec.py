@@ -250,6 +250,42 @@ def test_deep_nesting_roundtrips():
     assert_same(record_roundtrip(value), value)
 
 
+def _nested(levels: int, leaf: object = 7) -> list:
+    value: object = leaf
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def _with_frames_left(frames: int, fn):
+    """``fn()`` called where only about ``frames`` more Python frames fit under the recursion limit."""
+    depth = 0
+    f = sys._getframe()
+    while f is not None:
+        depth, f = depth + 1, f.f_back
+
+    def down(n: int):
+        return fn() if n <= 0 else down(n - 1)
+
+    return down(sys.getrecursionlimit() - depth - frames)
+
+
+def test_nesting_past_max_nesting_is_pickled_whole_and_decodes_from_any_stack():
+    """A layout's decoder recurses a level at a time: past MAX_NESTING containers the value is
+    pickled whole (the unpickler keeps its own stack), whatever room the encoder's stack had - a
+    nesting stored natively because the writer's stack could walk it failed to decode from a
+    deeper one (a DataLoader under a training framework), read as damage."""
+    native, past, far = _nested(codec.MAX_NESTING), _nested(codec.MAX_NESTING + 1), _nested(300)
+    assert not codec.encode(native).pickled
+    assert codec.encode(past).pickled == (f"list nested deeper than {codec.MAX_NESTING} containers",)
+    assert codec.encode(far).pickled
+    for value in (native, past, far):  # each read back with ~200 frames left: 2 a level would not fit 300
+        enc = codec.encode(value)
+        buf = bytearray(enc.record_len(0, True))
+        enc.write(memoryview(buf), codec.INLINE, b"")
+        assert _with_frames_left(200, lambda b=buf, e=enc: codec.decode(b, e.layout)) == value
+
+
 def test_dict_key_order_and_non_string_keys_roundtrip():
     value = {"b": 1, "a": 2, 10: 3, -1: 4}
     got = record_roundtrip(value)

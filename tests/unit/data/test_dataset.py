@@ -4,6 +4,7 @@ capacity as users see it, pickling, and bad arguments at every public entry poin
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -15,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from shmcache import ShmDatasetCache
+from shmcache.cache import codec
 from shmcache.cache.store import STAT_KEYS
 from shmcache.errors import CacheMismatch, EncodeError, InvalidArgument, ItemTooLarge, ShmcacheError
 
@@ -622,6 +624,8 @@ def test_samples_that_fall_back_to_pickle_warn_once_per_cache_naming_the_type_an
     (lambda: np.zeros(2, dtype=[("x", "i4"), ("y", "f4")]), "numpy.ndarray of a structured dtype"),
     (lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]), "torch.Tensor (nested)"),
     (lambda: torch.zeros(3, 3).to_sparse(), "torch.Tensor (sparse"),
+    (lambda: functools.reduce(lambda v, _: [v], range(codec.MAX_NESTING + 1), 0),
+     f"dict nested deeper than {codec.MAX_NESTING} containers"),
 ])
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_the_pickle_warning_names_what_is_unsupported(make, named):
@@ -886,8 +890,10 @@ def test_values_nested_too_deep_for_the_layout_are_pickled_or_refused_clearly():
             value = 1
             for _ in range(depth):
                 value = [value]
-            if storable:
-                assert cache.put(depth, value) and cache[depth] == value
+            if storable:  # pickled whole: past codec.MAX_NESTING containers (said once)
+                with pytest.warns(UserWarning, match=f"nested deeper than {codec.MAX_NESTING} containers"):
+                    assert cache.put(depth, value)
+                assert cache[depth] == value
             else:
                 with pytest.raises(EncodeError, match=f"key {depth}"):
                     cache.put(depth, value)
