@@ -36,8 +36,15 @@ NOTE [claims]
     at 2: the holder died, or published nothing - a full cache, an error). The whole wait is
     bounded by ``claim_timeout_s`` (CLAIM_TIMEOUT_S, or $SHMCACHE_CLAIM_TIMEOUT_S): then it
     computes and publishes without the claim (counted ``claim_timeouts``): a stopped holder
-    (SIGSTOP, a debugger) or a very slow sample costs one timeout, never a hang. Two keys in one
-    bucket wait for each other the same way: a bounded wait, never a wrong value. So does a holder
+    (SIGSTOP, a debugger) or a very slow sample costs one timeout, never a hang - one a STUCK_S
+    (30 s), not one per batch that meets one of the keys it holds: a holder writes its liveness
+    slot into its bucket's owner word once the lock is its own; a wait that times out marks the
+    holders of its buckets stuck in this process for STUCK_S; the misses of any bucket whose owner
+    word names a stuck holder compute at once, without the claim (counted ``claim_timeouts`` too),
+    until this process takes one of that holder's buckets (it let go). An owner word read as it
+    changes names the wrong holder at worst: a wait made or a computation made twice, never a
+    wrong value. Two keys in one bucket wait for each other the same way: a bounded wait, never a
+    wrong value. So does a holder
     whose computation misses other keys (a ``fn`` that reads this cache or another): a cycle of
     such holders costs one ``claim_timeout_s`` in all, then each computes - not one per nested
     miss: the misses of a thread computing under claims share the deadline its first wait set
@@ -72,7 +79,9 @@ NOTE [claims]
     Also in the file, at offset 0: the claim counters, a slot rows file's rows of ROW_WORDS words
     (COUNTER_NAMES, then a spare word; NOTE [slot rows]); ``stats()`` sums them. They count since
     the cache was made (a clear() keeps them). The locks are on bytes of their own, past the rows
-    (a lock is on a range of the file, not on its contents). The file goes with its cache
+    (a lock is on a range of the file, not on its contents); past those, from a page boundary,
+    each bucket's owner word (u16: the liveness slot + 1 of the process that last took it; the
+    file grows to hold them on first use). The file goes with its cache
     (destroy, drop, gc of a cache whose metadata is gone); nothing is in /dev/shm. Without OFD
     locks (not Linux) claims are off: every miss computes, as before. ``SHMCACHE_CLAIMS=0`` turns
     them off too (benchmarks).
@@ -124,12 +133,17 @@ log = logging.getLogger("shmcache")
 
 BUCKETS = 1 << 16  # one byte each: at most this many claims on one inode's lock list at once
 CLAIM_TIMEOUT_S = 10.0  # the longest a miss waits for another process's claim (NOTE [claims])
+# after a wait for a holder timed out, misses of the buckets it holds compute without waiting for
+# this long (NOTE [claims]): a stopped holder costs one timeout, not one per batch meeting its keys
+STUCK_S = 30.0
 FIRST_SLEEP_S, MAX_SLEEP_S = 50e-6, 5e-3
 
 COUNTER_NAMES = ("computed", "claim_waits", "claim_timeouts")
 COMPUTED, CLAIM_WAITS, CLAIM_TIMEOUTS = 0, 1, 2
 ROW_WORDS = 4  # a spare word per row
 _LOCKS_OFF = MAX_SLOTS * ROW_WORDS * 8  # past the counter rows: bucket b is the byte at _LOCKS_OFF + b
+# past the lock bytes (a page boundary): bucket b's holder, as its liveness slot + 1, a u16 (0: none known)
+_OWNERS_OFF = _LOCKS_OFF + BUCKETS
 
 SUPPORTED = hasattr(fcntl, "F_OFD_SETLK")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", 0)
@@ -173,6 +187,9 @@ class Claims:
         self._row: Any = None  # this process's counter words: a memoryview of the file's row, or a list
         self._mm: mmap.mmap | None = None
         self._held: set[int] = set()  # buckets this process holds (NOTE [claims]: threads)
+        self._owners: np.ndarray | None = None  # the file's owner words (_OWNERS_OFF), mapped
+        self._me = 0  # this process's owner word: its liveness slot + 1 (0: it has none)
+        self._stuck: dict[int, float] = {}  # owner word -> until when its buckets' misses do not wait
         # a take's lock and record vs a batch's range unlock (release_many): re-entrant, for a
         # signal handler that misses on the thread it interrupted
         self._mutex = threading.RLock()
@@ -186,7 +203,9 @@ class Claims:
         if self._fd >= 0:
             os.close(self._fd)
         self._fd, self._row, self._mm, self._gen = -1, None, None, -1
+        self._owners, self._me = None, 0  # the mapping is the same file's: made again with our slot
         self._held = set()
+        self._stuck = {}
         self._mutex = threading.RLock()  # held by a thread of the parent's at the fork, maybe
 
     def _open(self) -> None:
@@ -198,6 +217,7 @@ class Claims:
         fd, mm = rows.open()
         self._fd, self._mm, self._gen = fd, mm, process_slot.fork_count()
         self._row = rows.row_in(mm, fd)  # no slot: a row of process memory
+        self._owners, self._me = _owner_words(fd, self._slot)
 
     def _ready(self) -> bool:
         if self._gen != process_slot.fork_count():
@@ -257,7 +277,7 @@ class Claims:
         thread lock. OSError where the lock itself fails (ENOLCK, a descriptor closed under us)."""
         mine: list[int] = []
         busy: list[int] = []
-        own, fd, pack = self._held, self._fd, _FLOCK.pack
+        own, fd, pack, owners = self._held, self._fd, _FLOCK.pack, self._owners
         with self._mutex:  # as take: recorded only once locked
             for j in positions:
                 bucket = buckets[j]
@@ -286,6 +306,10 @@ class Claims:
                     raise
                 own.add(bucket)
                 mine.append(j)
+                if owners is not None:  # who holds it, for a waiter whose wait times out (stuck)
+                    if self._stuck:  # its last holder let go of it: not stuck
+                        self._stuck.pop(int(owners[bucket]), None)
+                    owners[bucket] = self._me
         return mine, busy
 
     def take(self, bucket: int) -> int:
@@ -329,6 +353,36 @@ class Claims:
 
     def _unlock(self, first: int, last: int) -> None:
         fcntl.fcntl(self._fd, _SETLK, _FLOCK.pack(_UNLCK, 0, _LOCKS_OFF + first, last - first + 1, 0))
+
+    def timed_out(self, buckets: Sequence[int]) -> None:
+        """A wait for the holders of ``buckets`` timed out: the misses of every bucket those
+        holders hold compute without waiting for STUCK_S, or until this process takes one of
+        their buckets (``stuck``; NOTE [claims]: a holder stopped in a debugger costs one timeout,
+        not one a batch that meets one of its keys)."""
+        if self._owners is None:
+            return
+        until = time.monotonic() + STUCK_S
+        for bucket in buckets:
+            owner = int(self._owners[bucket])
+            if owner and owner != self._me:
+                self._stuck[owner] = until
+
+    def has_stuck(self) -> bool:
+        return bool(self._stuck)
+
+    def stuck(self, bucket: int) -> bool:
+        """Whether ``bucket``'s holder, as its owner word says, is one a wait of this process
+        timed out on within STUCK_S (``timed_out``): its misses compute without waiting."""
+        if not self._stuck or self._owners is None:
+            return False
+        owner = int(self._owners[bucket])
+        until = self._stuck.get(owner)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        self._stuck.pop(owner, None)  # (another thread may have dropped it too)
+        return False
 
     def wait(self, bucket: int, look: Callable[[], Any], missing: Any) -> tuple[int, Any]:
         """Wait for another process's claim on ``bucket`` (NOTE [claims]): ``(TAKEN, missing)``
@@ -375,6 +429,7 @@ class Claims:
         if self._fd >= 0 and self._gen == process_slot.fork_count():
             os.close(self._fd)  # drops every claim of this process on the file
         self._fd, self._gen, self._row = -1, -1, None
+        self._owners, self._me = None, 0  # (the mapping goes with its last view)
         self._held = set()
 
 
@@ -436,13 +491,17 @@ def fill(
     try:
         try:
             got = claims.take(bucket)
-            if got == BUSY:
+            if got == BUSY and claims.stuck(bucket):  # its holder kept it past a whole wait lately
+                got = TIMED_OUT
+                claims.count(CLAIM_TIMEOUTS)
+            elif got == BUSY:
                 got, value = claims.wait(bucket, look, missing)
                 if got == FOUND:  # published by the holder while we waited
                     claims.count(CLAIM_WAITS)
                     return value
                 if got == TIMED_OUT:  # a stopped or very slow holder: compute without the claim
                     claims.count(CLAIM_TIMEOUTS)
+                    claims.timed_out((bucket,))
         except OSError as exc:  # the lock itself failed (ENOLCK, a descriptor closed under us)
             log.warning("cache claims %s cannot be taken (%s): misses compute without claims", claims.path, exc)
             claims.on = False
@@ -548,12 +607,20 @@ def fill_batch(
             claims.on = False
             compute(todo)
             return out
+        if busy and claims.has_stuck():  # keys whose holders kept them past a whole wait lately:
+            stuck = [j for j in busy if claims.stuck(buckets[j])]  # computed now, without waiting
+            if stuck:
+                claims.count(CLAIM_TIMEOUTS, len(stuck))
+                compute(stuck)
+                skipped = set(stuck)
+                busy = [j for j in busy if j not in skipped]
         if not busy:
             break
         if first:
             deadline, first = claims.wait_deadline(), False
         elif time.monotonic() >= deadline:  # stopped or very slow holders: compute without the claims
             claims.count(CLAIM_TIMEOUTS, len(busy))
+            claims.timed_out([buckets[j] for j in busy])
             compute(busy)
             break
         time.sleep(delay)
@@ -679,6 +746,22 @@ def _release_many(claims: Claims, buckets: list[int]) -> None:
     except OSError:  # the descriptor closed under us (close() in another thread): dropped anyway
         for bucket in buckets:
             claims.forget(bucket)
+
+
+def _owner_words(fd: int, slot: Callable[[], int]) -> tuple[np.ndarray | None, int]:
+    """The claims file's owner words (``_OWNERS_OFF``: a u16 a bucket, the file grown to hold
+    them), mapped, and this process's word (its liveness slot + 1); ``(None, 0)`` where they
+    cannot be had: waits then never learn who is stuck (each costs its own timeout, as before)."""
+    try:
+        me = slot() + 1
+        if not 0 < me <= MAX_SLOTS:
+            return None, 0
+        if os.fstat(fd).st_size < _OWNERS_OFF + 2 * BUCKETS:
+            os.ftruncate(fd, _OWNERS_OFF + 2 * BUCKETS)  # two at once grow it to one size: harmless
+        mm = mmap.mmap(fd, 2 * BUCKETS, offset=_OWNERS_OFF)
+    except Exception:  # noqa: BLE001 - no slot, no room: claims work on without it
+        return None, 0
+    return np.frombuffer(mm, np.uint16), me
 
 
 def _rows(path: Path, slot: Callable[[], int] | None = None) -> SlotRows:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import _claims
 import numpy as np
@@ -540,3 +541,28 @@ def test_an_interrupt_before_a_batchs_lock_leaves_no_bucket_to_release_that_anot
         if other is not None:
             other.close()
         cache.close()
+
+
+def test_a_holder_a_wait_timed_out_on_is_not_waited_for_again_until_it_lets_go(tmp_path):
+    """NOTE [claims], who waits: a wait that timed out marks its bucket's holder (by the owner
+    word it wrote) stuck, so a miss of another bucket it holds computes at once; once this
+    process takes one of that holder's buckets (it let go), its buckets are waited for again."""
+    path = tmp_path / "one.claims"
+    waiter = claims_mod.Claims(path, lambda: 3, timeout_s=0.2)  # two open file descriptions:
+    holder = claims_mod.Claims(path, lambda: 5, timeout_s=0.2)  # two holders, as two processes
+    try:
+        assert waiter.usable() and holder.usable()
+        first, second, third = 11, 22, 33
+        assert [holder.take(b) for b in (first, second, third)] == [claims_mod.TAKEN] * 3
+        assert waiter.take(first) == claims_mod.BUSY and not waiter.stuck(first)
+        start = time.monotonic()
+        assert waiter.wait(first, lambda: None, None)[0] == claims_mod.TIMED_OUT
+        assert time.monotonic() - start >= 0.2
+        waiter.timed_out([first])
+        assert waiter.stuck(second) and waiter.stuck(third)  # the same holder's other buckets
+        holder.release(second)
+        assert waiter.take(second) == claims_mod.TAKEN  # it let go of one: not stuck any more
+        assert not waiter.stuck(third) and not waiter.stuck(first)
+    finally:
+        waiter.close()
+        holder.close()

@@ -7,13 +7,14 @@ serve too: the same values, or the dataset's own again - never an error about th
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import _cold_misses as _cold
 import pytest
-from _cold_misses import ReusedBuffer
+from _cold_misses import Fresh, ReusedBuffer
 from _workers import HERE
 from torch.utils.data import DataLoader, Dataset
 
@@ -108,12 +109,37 @@ def test_a_deeply_nested_sample_stored_natively_is_read_back_from_a_deeper_stack
 _HOLDER = """
 import sys
 sys.path.insert(0, {here!r})
-from _cold_misses import ReusedBuffer
+import _cold_misses
 from shmcache import ShmDatasetCache
 
-ds = ShmDatasetCache(name="reused", size=16).wrap(ReusedBuffer())
+ds = ShmDatasetCache(name={name!r}, size=16).wrap(getattr(_cold_misses, {cls!r})())
 ds.__getitems__({keys!r})  # blocks in the source, holding the claims of these keys
 """
+
+
+def _start_holder(tmp_path, cls: str, name: str, keys: list) -> subprocess.Popen:
+    """A process that computes ``keys`` of ``cls`` in cache ``name`` and blocks there, holding
+    their claims; returned once it holds them."""
+    ready = tmp_path / "holding"
+    env = {**os.environ, _cold.ENV_HOLD: ",".join(map(str, keys)), _cold.ENV_READY: str(ready),
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER.format(here=HERE, name=name, cls=cls, keys=keys)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    try:
+        while not ready.exists():
+            assert holder.poll() is None, f"the holder exited: {holder.communicate()[1][-2000:]}"
+            assert time.monotonic() < deadline, f"the holder never began computing keys {keys}"
+            time.sleep(0.02)
+    except BaseException:
+        _stop_holder(holder)
+        raise
+    return holder
+
+
+def _stop_holder(holder: subprocess.Popen) -> None:
+    holder.kill()  # a stopped one too
+    holder.communicate(timeout=30)
 
 
 def test_a_cold_batch_computed_in_two_calls_serves_each_sample_as_computed(tmp_path, monkeypatch):
@@ -128,17 +154,8 @@ def test_a_cold_batch_computed_in_two_calls_serves_each_sample_as_computed(tmp_p
     is right: it was encoded before the second call). The cache should serve what it stored (or
     a copy) for samples of an earlier call, or call the source once a batch."""
     monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", "0.5")  # the holder is waited for half a second
-    ready = tmp_path / "holding"
-    env = {**os.environ, _cold.ENV_HOLD: "5,6", _cold.ENV_READY: str(ready),
-           "PYTHONPATH": os.pathsep.join(sys.path)}
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER.format(here=HERE, keys=[5, 6])], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    holder = _start_holder(tmp_path, "ReusedBuffer", "reused", [5, 6])
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert holder.poll() is None, f"the holder exited: {holder.communicate()[1][-2000:]}"
-            assert time.monotonic() < deadline, "the holder never began computing keys 5 and 6"
-            time.sleep(0.02)
         source = ReusedBuffer()
         ds = ShmDatasetCache(name="reused", size=16).wrap(source)
         order = [5, 6, 10, 11, 12, 13]
@@ -146,5 +163,62 @@ def test_a_cold_batch_computed_in_two_calls_serves_each_sample_as_computed(tmp_p
         assert batch[:, 0].tolist() == order, "the cold batch served other samples than its keys'"
         assert [int(ds[i][0]) for i in order] == order  # what was stored
     finally:
-        holder.kill()
-        holder.communicate(timeout=30)
+        _stop_holder(holder)
+
+
+def test_a_stopped_holder_costs_a_cold_epoch_one_claim_timeout_not_one_per_batch(tmp_path, monkeypatch):
+    """Defect: NOTE [claims] says a stopped holder (SIGSTOP, a debugger) "costs one timeout, never
+    a hang". A process stopped while it computes a batch holds that batch's claims until it goes
+    on; another process's cold epoch meets those keys spread over its own batches (shuffled: a
+    holder's batch of B keys lands in up to B of them), and each such batch waits its own full
+    claim_timeout_s (fill_batch sets a deadline per call; nothing remembers that the bucket's
+    holder did not move last time): 16 held keys, 16 batches, 16 timeouts - with the default
+    10 s and a batch of 256 over a large dataset, most of an hour an epoch for one rank paused
+    in a debugger. The writer's lock already has the remedy: after one full wait on a stuck
+    lock, writes stop waiting for it for a while (writer.write_locked)."""
+    timeout_s = 0.5
+    monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", str(timeout_s))
+    held = list(range(1, 64, 4))  # one in each batch of 4 below (none that wrap() probes: 0, 32, 63)
+    holder = _start_holder(tmp_path, "Fresh", "fresh", held)
+    try:
+        holder.send_signal(signal.SIGSTOP)  # paused in a debugger, holding its claims
+        source = Fresh()
+        ds = ShmDatasetCache(name="fresh", size=16).wrap(source)
+        start = time.monotonic()
+        got = [int(v[0]) for batch in DataLoader(ds, batch_size=4, collate_fn=list) for v in batch]
+        took = time.monotonic() - start
+        assert got == list(range(64))
+        assert took < 4 * timeout_s, (
+            f"a cold epoch of 16 batches took {took:.1f} s behind one stopped holder of claim_timeout_s="
+            f"{timeout_s} s: {took / timeout_s:.0f} timeouts, one per batch that met one of its keys")
+    finally:
+        _stop_holder(holder)
+
+
+def test_a_stopped_holder_costs_single_key_misses_one_timeout_until_stuck_s_passes(tmp_path, monkeypatch):
+    """The same for ``ds[i]`` (one key a miss, ``claims.fill``): the first miss of a stopped
+    holder's keys waits claim_timeout_s, the others compute at once (each counted as a claim
+    timeout); once STUCK_S has passed, a miss of its keys waits again (it may have moved on)."""
+    from shmcache.cache import claims
+
+    timeout_s = 0.5
+    monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", str(timeout_s))
+    monkeypatch.setattr(claims, "STUCK_S", 3.0)
+    held = [1, 5, 9, 13, 17, 21]
+    holder = _start_holder(tmp_path, "Fresh", "single", held)
+    try:
+        holder.send_signal(signal.SIGSTOP)
+        cache = ShmDatasetCache(name="single", size=16)
+        ds = cache.wrap(Fresh())
+        start = time.monotonic()
+        assert [int(ds[i][0]) for i in held[:4]] == held[:4]
+        took = time.monotonic() - start
+        assert timeout_s <= took < 2.5 * timeout_s, f"4 misses of a stopped holder's keys took {took:.2f} s"
+        assert cache.stats()["claim_timeouts"] == 4
+        marked = start + timeout_s  # when the first wait timed out
+        time.sleep(max(0.0, marked + 3.0 - time.monotonic()) + 1.0)  # STUCK_S passed: it is waited for again
+        start = time.monotonic()
+        assert int(ds[held[4]][0]) == held[4]
+        assert time.monotonic() - start >= timeout_s
+    finally:
+        _stop_holder(holder)

@@ -169,8 +169,14 @@ def test_the_three_users_files_keep_their_layout(tmp_path):
     """Old and new processes share these files: sizes, offsets and row widths are fixed."""
     c = claims.Claims(tmp_path / "c.claims", lambda: 2)
     c.count(claims.COMPUTED, 3)
-    assert os.path.getsize(tmp_path / "c.claims") == MAX_SLOTS * 4 * 8
+    # the rows, then a byte a bucket to lock (no contents), then from a page a u16 owner word a bucket
+    assert claims._OWNERS_OFF == MAX_SLOTS * 4 * 8 + claims.BUCKETS
+    assert os.path.getsize(tmp_path / "c.claims") == claims._OWNERS_OFF + 2 * claims.BUCKETS
     assert np.fromfile(tmp_path / "c.claims", np.uint64)[2 * 4 + claims.COMPUTED] == 3
+    assert c.take(7) == claims.TAKEN
+    owners = np.fromfile(tmp_path / "c.claims", np.uint16)[claims._OWNERS_OFF // 2:]
+    assert owners[7] == 2 + 1 and np.count_nonzero(owners) == 1  # its slot + 1
+    c.release(7)
     assert claims.read_counts(tmp_path / "c.claims")["computed"] == 3
     assert claims.read_counts(tmp_path / "missing.claims") == dict.fromkeys(claims.COUNTER_NAMES, 0)
     c.close()
