@@ -70,15 +70,13 @@ def _deeper(frames: int, fn):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_deeply_nested_sample_stored_natively_is_read_back_from_a_deeper_stack(num_workers):
-    """Defect: a sample nested a few hundred levels deep is encoded natively (a layout node per
-    level) when the stack that stores it has room to walk it, but decoding it walks the layout
-    recursively too (nested closures, two frames a level), so from a deeper stack - the DataLoader
-    of a training loop a framework calls, a worker - the warm read hits the recursion limit, and
-    the cache reports the record as damaged (CorruptSegment: "its bytes are damaged. Clear the
-    cache"), which clearing cannot fix: the value is stored the same way again. The cold epoch
-    served it; the warm one raises. A nesting past a fixed bound should be stored so that any
-    stack reads it (pickle loads it without recursion), or a read that cannot decode it should
-    compute it again, never call it damage."""
+    """A sample nested a few hundred levels deep was encoded natively (a layout node per level)
+    when the stack that stored it had room to walk it, but its decoder recurses a level at a time
+    too, so from a deeper stack - the DataLoader of a training loop a framework calls - the warm
+    read hit the recursion limit and the cache called the record damaged (CorruptSegment: "its
+    bytes are damaged. Clear the cache"), which clearing could not fix. Past codec.MAX_NESTING
+    containers a value is now pickled whole (the unpickler keeps its own stack); within it, any
+    stack with room for the dataset's own reads decodes it."""
     depth = _native_depth() - 20  # stored natively from here, with room to spare
     cache = ShmDatasetCache(size=16)
     source = Trees(depth)
@@ -143,16 +141,13 @@ def _stop_holder(holder: subprocess.Popen) -> None:
 
 
 def test_a_cold_batch_computed_in_two_calls_serves_each_sample_as_computed(tmp_path, monkeypatch):
-    """Defect: a cold batch whose keys another process holds (claims: it computes them, here a
-    slow or stopped holder) is computed in two calls of the dataset's ``__getitems__``: the keys
-    this process claimed first, then - after the wait - the ones the holder left. Samples that
-    the first call returned are served after the second call ran. torch's fetcher calls
-    ``__getitems__`` once a batch and collates before the next call, so a source that returns
-    views of one reused buffer (valid until its next call) is right under torch; through the
-    cache, the first call's samples are overwritten by the second's before they are collated:
-    the batch serves key 5's and 6's values at the positions of keys 10 and 11 (what was stored
-    is right: it was encoded before the second call). The cache should serve what it stored (or
-    a copy) for samples of an earlier call, or call the source once a batch."""
+    """A cold batch whose keys another process holds (claims: here a stopped holder) is computed
+    in two calls of the dataset's ``__getitems__``: the keys this process claimed first, then -
+    after the wait - the ones the holder left. torch calls ``__getitems__`` once a batch and
+    collates before the next call, so a source may return views of one reused buffer (valid until
+    its next call); through the cache the first call's samples were overwritten by the second's
+    before they were collated (keys 5's and 6's values at the positions of keys 10 and 11; what
+    was stored was right). The earlier call's samples are now served as the cache stored them."""
     monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", "0.5")  # the holder is waited for half a second
     holder = _start_holder(tmp_path, "ReusedBuffer", "reused", [5, 6])
     try:
@@ -167,15 +162,13 @@ def test_a_cold_batch_computed_in_two_calls_serves_each_sample_as_computed(tmp_p
 
 
 def test_a_stopped_holder_costs_a_cold_epoch_one_claim_timeout_not_one_per_batch(tmp_path, monkeypatch):
-    """Defect: NOTE [claims] says a stopped holder (SIGSTOP, a debugger) "costs one timeout, never
-    a hang". A process stopped while it computes a batch holds that batch's claims until it goes
-    on; another process's cold epoch meets those keys spread over its own batches (shuffled: a
-    holder's batch of B keys lands in up to B of them), and each such batch waits its own full
-    claim_timeout_s (fill_batch sets a deadline per call; nothing remembers that the bucket's
-    holder did not move last time): 16 held keys, 16 batches, 16 timeouts - with the default
-    10 s and a batch of 256 over a large dataset, most of an hour an epoch for one rank paused
-    in a debugger. The writer's lock already has the remedy: after one full wait on a stuck
-    lock, writes stop waiting for it for a while (writer.write_locked)."""
+    """NOTE [claims]: a stopped holder (SIGSTOP, a debugger) "costs one timeout, never a hang". A
+    process stopped while it computes a batch holds that batch's claims until it goes on; another
+    process's cold epoch meets those keys spread over its own batches, and each such batch waited
+    its own full claim_timeout_s: 16 held keys, 16 batches, 16 timeouts (with the default 10 s
+    and batches of 256 over a large dataset, most of an hour an epoch behind one process paused
+    in a debugger). The holder of a bucket a wait timed out on is now marked stuck (the claims
+    file's owner words), and misses of its other buckets compute at once for STUCK_S."""
     timeout_s = 0.5
     monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", str(timeout_s))
     held = list(range(1, 64, 4))  # one in each batch of 4 below (none that wrap() probes: 0, 32, 63)
