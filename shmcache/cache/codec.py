@@ -570,9 +570,12 @@ class _Builder:
             if self.under is not None:
                 self.under[id(x)] = self.walked - start
             return node
-        if tp is np.ndarray and not x.dtype.hasobject and x.dtype.fields is None:
+        if (tp is np.ndarray or tp is np.memmap) and not x.dtype.hasobject and x.dtype.fields is None:
+            # a memmap (np.load(..., mmap_mode="r")[i]) is an array of a file's bytes: stored as
+            # one, and read back as a plain ndarray (a copy of its values; no file behind it).
             # (ascontiguousarray would turn a 0-d array into shape (1,))
-            arr = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+            arr = x if tp is np.ndarray else x.view(np.ndarray)
+            arr = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
             self.arrays.append(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8))
             return (_ARRAY, arr.dtype.str, tuple(arr.shape), len(self.arrays) - 1)
         ext = _EXT_TO.get(tp)

@@ -14,6 +14,7 @@ import time
 
 import _cold_misses as _cold
 import pytest
+import torch
 from _cold_misses import Fresh, ReusedBuffer
 from _workers import HERE
 from torch.utils.data import DataLoader, Dataset
@@ -215,3 +216,43 @@ def test_a_stopped_holder_costs_single_key_misses_one_timeout_until_stuck_s_pass
         assert time.monotonic() - start >= timeout_s
     finally:
         _stop_holder(holder)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")  # torch, of the source's rows
+def test_rows_of_a_memory_mapped_npy_file_are_stored_as_arrays(tmp_path, num_workers):
+    """``np.load(path, mmap_mode="r")[i]`` is an ``np.memmap``: it was pickled (with the pickle
+    warning), a common way to read a large .npy dataset. It is stored as an array and read back
+    as a plain ndarray of the same values, cold and warm, by the batch path and item by item."""
+    import warnings
+
+    import numpy as np
+
+    path = tmp_path / "rows.npy"
+    np.save(path, np.arange(40 * 6, dtype=np.float32).reshape(40, 2, 3))
+
+    class Rows(Dataset):
+        def __init__(self):
+            self.rows = np.load(path, mmap_mode="r")
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return {"x": self.rows[i], "y": int(i)}
+
+    source = Rows()
+    assert type(source[3]["x"]) is np.memmap
+    want = torch.from_numpy(np.array(source.rows))
+    cache = ShmDatasetCache(size=16)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*stored with pickle")
+        ds = cache.wrap(source)
+        for _ in range(2):  # cold, then warm
+            got = [b for b in DataLoader(ds, batch_size=8, shuffle=True, num_workers=num_workers)]
+            xs = torch.cat([b["x"] for b in got])
+            ys = torch.cat([b["y"] for b in got])
+            assert torch.equal(xs, want[ys])
+    assert cache.stats()["items_mem"] == 40
+    one = ds[5]["x"]
+    assert type(one) is np.ndarray and one.dtype == np.float32 and np.array_equal(one, source.rows[5])
