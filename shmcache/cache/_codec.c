@@ -26,7 +26,7 @@
 
 /* the spec's items (codec._native_spec) */
 enum { S_KEYS, S_KEY_TYPES, S_KINDS, S_WANTS, S_LAYOUT, S_BODY_LEN, S_OFFSETS, S_ENCODED, S_NDARRAY, S_EXT_TO,
-       S_ITEMS };
+       S_MEMMAP, S_ITEMS };
 #define MAX_LEAVES 64 /* codec gives no spec to a wider shape */
 
 static PyObject *s_layout, *s_body_len, *s_scalars, *s_pieces, *s_pickled, *s_dtype, *s_shape, *s_cast, *s_B,
@@ -143,8 +143,9 @@ pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *keys = PyTuple_GET_ITEM(spec, S_KEYS), *key_types = PyTuple_GET_ITEM(spec, S_KEY_TYPES);
     PyObject *kinds_obj = PyTuple_GET_ITEM(spec, S_KINDS), *wants = PyTuple_GET_ITEM(spec, S_WANTS);
     PyObject *ndarray = PyTuple_GET_ITEM(spec, S_NDARRAY), *ext_to = PyTuple_GET_ITEM(spec, S_EXT_TO);
+    PyObject *memmap = PyTuple_GET_ITEM(spec, S_MEMMAP); /* np.memmap: an ndarray of a file's bytes */
     if (!PyBytes_CheckExact(kinds_obj) || !PyTuple_CheckExact(wants) || !PyType_Check(ndarray) || !PyDict_Check(ext_to)
-        || !PyType_Check(PyTuple_GET_ITEM(spec, S_ENCODED))) {
+        || !PyType_Check(memmap) || !PyType_Check(PyTuple_GET_ITEM(spec, S_ENCODED))) {
         PyErr_SetString(PyExc_TypeError, "pack: a spec of the wrong types");
         return NULL;
     }
@@ -193,7 +194,8 @@ pack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyObject *x = leaves[i], *want = PyTuple_GET_ITEM(wants, i);
         switch (kind[i]) {
         case 'a': { /* an ndarray of the shape's dtype and shape: (dtype, shape) */
-            if (Py_TYPE(x) != (PyTypeObject *)ndarray || !PyTuple_CheckExact(want) || PyTuple_GET_SIZE(want) != 2)
+            if ((Py_TYPE(x) != (PyTypeObject *)ndarray && Py_TYPE(x) != (PyTypeObject *)memmap)
+                || !PyTuple_CheckExact(want) || PyTuple_GET_SIZE(want) != 2)
                 goto done;
             int eq = attr_is(x, s_dtype, PyTuple_GET_ITEM(want, 0));
             if (eq > 0)

@@ -834,7 +834,8 @@ def _native_spec(keys: tuple | None, key_types: tuple, specs: list, first: Encod
     if not PACK_NATIVE or len(specs) > _PACK_LEAVES or any(kind not in _PACKED for kind, _ in specs):
         return None
     return (keys, key_types, "".join(kind for kind, _ in specs).encode(), tuple(want for _, want in specs),
-            first.layout, first.body_len, tuple(off for off, _ in first.pieces), Encoded, np.ndarray, _EXT_TO)
+            first.layout, first.body_len, tuple(off for off, _ in first.pieces), Encoded, np.ndarray, _EXT_TO,
+            np.memmap)
 
 
 def _leaf_spec(x: Any) -> tuple | None:
@@ -852,7 +853,7 @@ def _leaf_spec(x: Any) -> tuple | None:
         return (_STR, len(x.encode("utf-8", "surrogatepass")))
     if tp is bytes:
         return (_BYTES, len(x))
-    if tp is np.ndarray:
+    if tp is np.ndarray or tp is np.memmap:  # (a memmap is stored as an array: _Builder.node)
         return None if x.dtype.hasobject or x.dtype.fields is not None else (_ARRAY, (x.dtype, x.shape))
     if isinstance(x, np.generic):
         return None if x.dtype.hasobject or x.dtype.fields is not None or not x.dtype.itemsize else \
@@ -880,7 +881,7 @@ def _encode_like(value: Any, shape: _Shape) -> Encoded | None:
     for x, (kind, want) in zip(leaves, shape.leaves):
         tp = type(x)
         if kind == _ARRAY:
-            if tp is not np.ndarray or x.dtype != want[0] or x.shape != want[1]:
+            if (tp is not np.ndarray and tp is not np.memmap) or x.dtype != want[0] or x.shape != want[1]:
                 return None
             later.append(x)
         elif kind == _INT:

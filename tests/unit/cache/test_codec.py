@@ -690,6 +690,32 @@ def test_encode_many_gives_what_encode_gives_for_every_value():
         assert_same(codec.decode(buf, enc.layout), value)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_rows_of_a_memmap_are_packed_as_arrays_and_decode_as_ndarrays(tmp_path, monkeypatch, native):
+    """np.load(path, mmap_mode="r")[i] is an np.memmap: packed with a batch's shape like an
+    ndarray (it went to encode one value at a time, 10x the cost, or was pickled), the same bytes,
+    read back as a plain ndarray of its values."""
+    monkeypatch.setattr(codec, "PACK_NATIVE", native and codec.PACK_NATIVE)
+    np.save(tmp_path / "a.npy", np.arange(8 * 2 * 3, dtype=np.int16).reshape(8, 2, 3))
+    rows = np.load(tmp_path / "a.npy", mmap_mode="r")
+    values = [{"x": rows[i], "i": i} for i in range(8)] + [rows[:, 1], rows[2:4]]
+    assert all(type(v["x"]) is np.memmap for v in values[:8])
+    calls = []
+    real = codec.encode
+    monkeypatch.setattr(codec, "encode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    many = codec.encode_many(values, [""] * len(values))
+    assert len(calls) <= 3, "each memmap row was encoded on its own, not packed with the batch's shape"
+    for value, enc in zip(values, many):
+        assert _same_encoded(enc, real(value)) and not enc.pickled
+        buf = bytearray(enc.record_len(0, True))
+        enc.write(memoryview(buf), codec.INLINE, b"")
+        got = codec.decode(buf, enc.layout)
+        if isinstance(value, dict):
+            assert type(got["x"]) is np.ndarray and np.array_equal(got["x"], value["x"]) and got["i"] == value["i"]
+        else:
+            assert type(got) is np.ndarray and got.dtype == value.dtype and np.array_equal(got, value)
+
+
 def test_encode_many_gives_a_value_that_cannot_be_encoded_its_error_in_its_place():
     rows = [{"x": np.zeros(3)}, {"x": lambda: 0}, {"x": np.ones(3)}]
     many = codec.encode_many(rows, ["first", "second", "third"])
