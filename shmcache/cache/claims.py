@@ -41,11 +41,12 @@ NOTE [claims]
     slot into its bucket's owner word once the lock is its own; a wait that times out marks the
     holders of its buckets stuck in this process for STUCK_S; the misses of any bucket whose owner
     word names a stuck holder compute at once, without the claim (counted ``claim_timeouts`` too),
-    until this process takes one of that holder's buckets (it let go). An owner word read as it
-    changes names the wrong holder at worst: a wait made or a computation made twice, never a
-    wrong value. Two keys in one bucket wait for each other the same way: a bounded wait, never a
-    wrong value. So does a holder
-    whose computation misses other keys (a ``fn`` that reads this cache or another): a cycle of
+    while that holder keeps the bucket the wait timed out on (``F_OFD_GETLK``, and its owner word
+    still names it): one that went on, or died and left its slot to another process, is waited
+    for again. An owner word read as it changes names the wrong holder at worst: a wait made or a
+    computation made twice, never a wrong value. Two keys in one bucket wait for each other the
+    same way: a bounded wait, never a wrong value. So does a holder whose computation misses
+    other keys (a ``fn`` that reads this cache or another): a cycle of
     such holders costs one ``claim_timeout_s`` in all, then each computes - not one per nested
     miss: the misses of a thread computing under claims share the deadline its first wait set
     (``Claims.wait_deadline``; a batch's computation misses key after key). A claim never
@@ -79,10 +80,12 @@ NOTE [claims]
     Also in the file, at offset 0: the claim counters, a slot rows file's rows of ROW_WORDS words
     (COUNTER_NAMES, then a spare word; NOTE [slot rows]); ``stats()`` sums them. They count since
     the cache was made (a clear() keeps them). The locks are on bytes of their own, past the rows
-    (a lock is on a range of the file, not on its contents); past those, from a page boundary,
-    each bucket's owner word (u16: the liveness slot + 1 of the process that last took it; the
-    file grows to hold them on first use). The file goes with its cache
-    (destroy, drop, gc of a cache whose metadata is gone); nothing is in /dev/shm. Without OFD
+    (a lock is on a range of the file, not on its contents); from _OWNERS_OFF (128 KiB, a page
+    boundary with pages of up to 64 KiB) each bucket's owner word (u16: the liveness slot + 1 of
+    the process that last took it). The file grows to hold them on first use, backed (never a
+    hole, whose first store would be a SIGBUS on a full mount; never shrunk under a mapping). The
+    file goes with its cache (destroy, drop, gc of a cache whose metadata is gone); nothing is in
+    /dev/shm. Without OFD
     locks (not Linux) claims are off: every miss computes, as before. ``SHMCACHE_CLAIMS=0`` turns
     them off too (benchmarks).
 """
@@ -107,8 +110,9 @@ import numpy as np
 
 from ..base import settings
 from ..base.locks import close_in_forked_children
+from ..base.owned_file import grow
 from ..errors import InvalidArgument
-from . import process_slot
+from . import codec, process_slot
 from .index import key_bytes
 from .registry import MAX_SLOTS
 from .slot_rows import SlotRows
@@ -142,11 +146,14 @@ COUNTER_NAMES = ("computed", "claim_waits", "claim_timeouts")
 COMPUTED, CLAIM_WAITS, CLAIM_TIMEOUTS = 0, 1, 2
 ROW_WORDS = 4  # a spare word per row
 _LOCKS_OFF = MAX_SLOTS * ROW_WORDS * 8  # past the counter rows: bucket b is the byte at _LOCKS_OFF + b
-# past the lock bytes (a page boundary): bucket b's holder, as its liveness slot + 1, a u16 (0: none known)
-_OWNERS_OFF = _LOCKS_OFF + BUCKETS
+# past the lock bytes, at a page boundary with 4 to 64 KiB pages (an mmap's offset is one): bucket
+# b's holder, as its liveness slot + 1, a u16 (0: none known)
+_OWNERS_OFF = 128 << 10
+assert _OWNERS_OFF >= _LOCKS_OFF + BUCKETS
 
 SUPPORTED = hasattr(fcntl, "F_OFD_SETLK")
 _SETLK = getattr(fcntl, "F_OFD_SETLK", 0)
+_GETLK = getattr(fcntl, "F_OFD_GETLK", 0)
 # struct flock (Linux, 64-bit off_t): l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
 _FLOCK = struct.Struct("hhqqi4x")
 _BUSY = (errno.EAGAIN, errno.EACCES)
@@ -189,7 +196,9 @@ class Claims:
         self._held: set[int] = set()  # buckets this process holds (NOTE [claims]: threads)
         self._owners: np.ndarray | None = None  # the file's owner words (_OWNERS_OFF), mapped
         self._me = 0  # this process's owner word: its liveness slot + 1 (0: it has none)
-        self._stuck: dict[int, float] = {}  # owner word -> until when its buckets' misses do not wait
+        # a stuck holder's owner word -> (until when its buckets' misses do not wait, the bucket a
+        # wait timed out on: while the holder keeps it, it is stuck)
+        self._stuck: dict[int, tuple[float, int]] = {}
         # a take's lock and record vs a batch's range unlock (release_many): re-entrant, for a
         # signal handler that misses on the thread it interrupted
         self._mutex = threading.RLock()
@@ -307,8 +316,6 @@ class Claims:
                 own.add(bucket)
                 mine.append(j)
                 if owners is not None:  # who holds it, for a waiter whose wait times out (stuck)
-                    if self._stuck:  # its last holder let go of it: not stuck
-                        self._stuck.pop(int(owners[bucket]), None)
                     owners[bucket] = self._me
         return mine, busy
 
@@ -356,33 +363,44 @@ class Claims:
 
     def timed_out(self, buckets: Sequence[int]) -> None:
         """A wait for the holders of ``buckets`` timed out: the misses of every bucket those
-        holders hold compute without waiting for STUCK_S, or until this process takes one of
-        their buckets (``stuck``; NOTE [claims]: a holder stopped in a debugger costs one timeout,
-        not one a batch that meets one of its keys)."""
+        holders hold compute without waiting, for STUCK_S or until the holder lets go of the
+        bucket waited on (``stuck``; NOTE [claims]: a holder stopped in a debugger costs one
+        timeout, not one a batch that meets one of its keys)."""
         if self._owners is None:
             return
         until = time.monotonic() + STUCK_S
         for bucket in buckets:
             owner = int(self._owners[bucket])
             if owner and owner != self._me:
-                self._stuck[owner] = until
+                self._stuck[owner] = (until, bucket)
 
     def has_stuck(self) -> bool:
         return bool(self._stuck)
 
     def stuck(self, bucket: int) -> bool:
         """Whether ``bucket``'s holder, as its owner word says, is one a wait of this process
-        timed out on within STUCK_S (``timed_out``): its misses compute without waiting."""
+        timed out on (``timed_out``) that still holds the bucket of that wait, within STUCK_S: its
+        misses compute without waiting. A holder that let go of that bucket (it went on, or died
+        and another process took its slot) is waited for again."""
         if not self._stuck or self._owners is None:
             return False
         owner = int(self._owners[bucket])
-        until = self._stuck.get(owner)
-        if until is None:
+        mark = self._stuck.get(owner)
+        if mark is None:
             return False
-        if time.monotonic() < until:
+        until, witness = mark
+        if time.monotonic() < until and int(self._owners[witness]) == owner and self._locked(witness):
             return True
         self._stuck.pop(owner, None)  # (another thread may have dropped it too)
         return False
+
+    def _locked(self, bucket: int) -> bool:
+        """Whether another open file description (another process) holds ``bucket``'s lock."""
+        try:
+            got = fcntl.fcntl(self._fd, _GETLK, _FLOCK.pack(_WRLCK, 0, _LOCKS_OFF + bucket, 1, 0))
+        except OSError:  # the descriptor closed under us: nothing is known to wait for
+            return False
+        return _FLOCK.unpack(got)[0] != _UNLCK
 
     def wait(self, bucket: int, look: Callable[[], Any], missing: Any) -> tuple[int, Any]:
         """Wait for another process's claim on ``bucket`` (NOTE [claims]): ``(TAKEN, missing)``
@@ -663,16 +681,16 @@ def _fill_repeats(claims: Claims | None, keys: Sequence, again: dict[int, int], 
 
 def _detach(keys: Sequence, positions: list[int], out: list, look_many: Callable, missing: Any) -> None:
     """Before the source is called again for one batch (its keys were claimed in turns): the
-    values its earlier calls returned for ``positions``, as the cache stored them, else a deep copy
-    (not stored: a full cache; left as they are if they cannot be copied). torch calls
-    ``__getitems__`` once a batch and collates before the next call, so a source may hand out
-    views of one buffer that its next call fills again (issue 31)."""
+    values its earlier calls returned for ``positions``, as the cache stored them, else a copy of
+    their own (``codec.own_copy``: not stored, a full cache; left as they are if they cannot be
+    copied). torch calls ``__getitems__`` once a batch and collates before the next call, so a
+    source may hand out views of one buffer that its next call fills again (issue 31)."""
     for j, value in zip(positions, look_many([keys[j] for j in positions])):
         if value is not missing:
             out[j] = value
             continue
         try:
-            out[j] = copy.deepcopy(out[j])
+            out[j] = codec.own_copy(out[j])
         except Exception:  # noqa: BLE001 - an object that cannot be copied is served as it is
             pass
 
@@ -756,8 +774,7 @@ def _owner_words(fd: int, slot: Callable[[], int]) -> tuple[np.ndarray | None, i
         me = slot() + 1
         if not 0 < me <= MAX_SLOTS:
             return None, 0
-        if os.fstat(fd).st_size < _OWNERS_OFF + 2 * BUCKETS:
-            os.ftruncate(fd, _OWNERS_OFF + 2 * BUCKETS)  # two at once grow it to one size: harmless
+        grow(fd, _OWNERS_OFF, 2 * BUCKETS)  # backed: a store into a hole of a full mount is a SIGBUS
         mm = mmap.mmap(fd, 2 * BUCKETS, offset=_OWNERS_OFF)
     except Exception:  # noqa: BLE001 - no slot, no room: claims work on without it
         return None, 0

@@ -77,6 +77,7 @@ process encodes such a value or decodes a record that holds one - and only then.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import hashlib
 import keyword
@@ -1426,6 +1427,21 @@ def check(record: Any, layout: bytes) -> None:
 def decode(record: Any, layout: bytes) -> Any:
     """Decode one record (a buffer starting at the record header)."""
     return decoder_for(layout)(record)
+
+
+def own_copy(value: Any) -> Any:
+    """``value`` as the cache gives it back, in memory of its own: each array or tensor a copy of
+    its own elements (of a view: not the whole buffer it views, as ``copy.deepcopy`` copies a
+    tensor's storage), the rest rebuilt; what cannot be encoded, deep-copied. For a value kept
+    past the moment its source may write over the buffer it lies in (claims: a batch computed in
+    two calls)."""
+    try:
+        enc = encode(value)
+    except EncodeError:
+        return copy.deepcopy(value)
+    buf = bytearray(enc.record_len(0, True))
+    enc.write(memoryview(buf), INLINE, b"")
+    return decode(buf, enc.layout)
 
 
 # --- layout introspection for the vectorised batch path ----------------------------------------

@@ -409,7 +409,17 @@ class TieredStore:
         if all(granted):
             return list(compute_many(keys))
         out: list = [None] * len(keys)
-        self._compute_into(out, keys, [i for i, g in enumerate(granted) if g], compute_many)
+        computed: list[int] = []  # what earlier calls of compute_many filled
+
+        def compute_into(idx: list[int]) -> None:
+            if idx and computed:  # the source is called again for this batch: what it returned
+                for i in computed:  # before is kept as a copy of its own (claims._detach: a source
+                    out[i] = codec.own_copy(out[i])  # may fill one buffer again each call)
+                computed.clear()
+            self._compute_into(out, keys, idx, compute_many)
+            computed.extend(idx)
+
+        compute_into([i for i, g in enumerate(granted) if g])
         waiting = [i for i, g in enumerate(granted) if not g]
         found: list = []  # (i, value, record): another node's values, admitted below
         deadline = time.monotonic() + ttl
@@ -432,9 +442,9 @@ class TieredStore:
                     ours.append(i)
                 else:
                     still.append(i)
-            self._compute_into(out, keys, ours, compute_many)
+            compute_into(ours)
             waiting = still
-        self._compute_into(out, keys, waiting, compute_many)  # timed out: computed here
+        compute_into(waiting)  # timed out: computed here
         self._admit_many([(keys[i], record) for i, _, record in found])
         for i, value, _ in found:
             out[i] = Served(value)

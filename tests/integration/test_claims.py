@@ -545,8 +545,9 @@ def test_an_interrupt_before_a_batchs_lock_leaves_no_bucket_to_release_that_anot
 
 def test_a_holder_a_wait_timed_out_on_is_not_waited_for_again_until_it_lets_go(tmp_path):
     """NOTE [claims], who waits: a wait that timed out marks its bucket's holder (by the owner
-    word it wrote) stuck, so a miss of another bucket it holds computes at once; once this
-    process takes one of that holder's buckets (it let go), its buckets are waited for again."""
+    word it wrote) stuck, so a miss of another bucket it holds computes at once; once that holder
+    lets go of the bucket the wait timed out on, its buckets are waited for again - not when this
+    process takes a bucket it let go of before (owner words keep naming their last holder)."""
     path = tmp_path / "one.claims"
     waiter = claims_mod.Claims(path, lambda: 3, timeout_s=0.2)  # two open file descriptions:
     holder = claims_mod.Claims(path, lambda: 5, timeout_s=0.2)  # two holders, as two processes
@@ -561,8 +562,144 @@ def test_a_holder_a_wait_timed_out_on_is_not_waited_for_again_until_it_lets_go(t
         waiter.timed_out([first])
         assert waiter.stuck(second) and waiter.stuck(third)  # the same holder's other buckets
         holder.release(second)
-        assert waiter.take(second) == claims_mod.TAKEN  # it let go of one: not stuck any more
+        assert waiter.take(second) == claims_mod.TAKEN  # a bucket it let go of: still stuck
+        waiter.release(second)
+        assert waiter.stuck(third) and waiter.stuck(first)
+        holder.release(first)  # the bucket the wait timed out on: it went on
         assert not waiter.stuck(third) and not waiter.stuck(first)
     finally:
         waiter.close()
         holder.close()
+
+
+
+_MAKER = """
+import os, signal, sys
+from pathlib import Path
+from shmcache.cache import claims
+
+hits = 0
+
+def breakpoints(frame, event, arg):  # a debugger's breakpoints around open_owned's ftruncate
+    global hits
+    if event in ("c_call", "c_return") and arg is os.ftruncate and frame.f_code.co_name == "open_owned":
+        hits += 1
+        Path({marks!r}, str(hits)).touch()
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+sys.setprofile(breakpoints)
+c = claims.Claims({path!r}, lambda: 1)
+c.usable()
+sys.setprofile(None)
+c.close()
+"""
+
+_MAPPER = """
+import sys
+from shmcache.cache import claims
+
+c = claims.Claims({path!r}, lambda: 2)
+assert c.usable() and c.take(7) == claims.TAKEN  # the owner words mapped and written
+c.release(7)
+print("mapped", flush=True)
+sys.stdin.readline()
+assert c.take(8) == claims.TAKEN
+c.release(8)
+c.close()
+"""
+
+
+def _at_breakpoint(proc: subprocess.Popen, mark) -> bool:
+    """Wait until ``proc`` made ``mark`` and stopped (True), or exited without making it (False)."""
+    deadline = time.monotonic() + 60
+    while True:
+        if mark.exists():
+            with open(f"/proc/{proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return True
+        elif proc.poll() is not None:
+            assert proc.returncode == 0, proc.communicate()[1][-2000:]
+            return False
+        assert time.monotonic() < deadline, f"the maker never reached breakpoint {mark.name}"
+        time.sleep(0.01)
+
+
+def test_a_process_making_the_claims_file_never_shrinks_it_under_another_processs_owner_words(tmp_path):
+    """Defect: the claims file has two sizes now: open_owned grows a short file to its rows (32 KiB,
+    "two makers at once truncate to one size: harmless"), then _owner_words grows it past the
+    owner words. A process that found the file empty (fstat) and truncates it to the rows' size
+    after another process grew it and mapped its owner words (two processes starting cold on a
+    new cache at once, one descheduled between fstat and ftruncate: here a debugger's breakpoint)
+    shrinks the file under that mapping; the other process's next claim writes its owner word
+    past the end of the file: SIGBUS, the process dies (every process that mapped the words, until
+    the shrinker grows the file again). Growing must never shrink the file."""
+    path = str(tmp_path / "new.claims")
+    marks = tmp_path / "breakpoints"
+    marks.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    maker = subprocess.Popen([sys.executable, "-c", _MAKER.format(path=path, marks=str(marks))], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    mapper = None
+    try:
+        stopped = _at_breakpoint(maker, marks / "1")  # it found the file empty: about to truncate it
+        mapper = subprocess.Popen([sys.executable, "-c", _MAPPER.format(path=path)], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert mapper.stdout.readline() == "mapped\n", mapper.communicate(timeout=60)[1][-2000:]
+        if stopped:
+            maker.send_signal(signal.SIGCONT)
+            _at_breakpoint(maker, marks / "2")  # truncated: stopped before it grows the file again
+        out, err = mapper.communicate("go\n", timeout=60)
+        assert mapper.returncode == 0, (
+            f"a process that had mapped the claims file's owner words died ({mapper.returncode}: "
+            f"{signal.Signals(-mapper.returncode).name if mapper.returncode < 0 else err[-2000:]}) on its "
+            f"next claim: another process making the file at once truncated it to {os.path.getsize(path)} bytes")
+    finally:
+        for proc in (maker, mapper):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+            if proc is not None:
+                proc.communicate(timeout=30)
+
+
+_FULL_MOUNT = r"""
+import errno, os, sys
+from shmcache.cache import claims
+
+mount = sys.argv[1]
+c = claims.Claims(os.path.join(mount, "cache.claims"), lambda: 1)
+assert c.usable() and c.take(7) == claims.TAKEN  # the file made, its rows and owner words mapped
+c.release(7)
+fd = os.open(os.path.join(mount, "filler"), os.O_WRONLY | os.O_CREAT)  # something else fills the mount
+try:
+    while True:
+        os.write(fd, b"\0" * 4096)
+except OSError as exc:
+    assert exc.errno == errno.ENOSPC, exc
+os.close(fd)
+far = (8 * 4096) // 2  # a bucket whose owner word is on a page of the file nobody wrote yet
+print("taken" if c.take(far) == claims.TAKEN else "busy", flush=True)
+c.release(far)
+c.close()
+"""
+
+
+def test_a_claim_on_a_full_mount_is_a_claim_not_a_crash(tmp_path, private_mounts):
+    """Defect: the owner words are 128 KiB of the claims file grown with ftruncate (a hole) and
+    mapped; a claim writes its bucket's word, and the first write to a page of the hole needs a
+    page of the file system. The claims file lives in the session's private directory (by default
+    $XDG_RUNTIME_DIR/shmcache or /tmp/shmcache-<uid>: often a tmpfs, small and shared); once
+    something else filled it, the first claim of a bucket on one of the 32 pages nobody wrote yet
+    - at any point of a run - kills the process with SIGBUS (shm.py: the reason segments are
+    posix_fallocate'd before anything touches them). The claim should go on (or claims turn off)
+    with the mount full; the counter rows at the start of the file are a hole too."""
+    mount = tmp_path / "private"
+    mount.mkdir()
+    script = tmp_path / "full.py"
+    script.write_text(_FULL_MOUNT)
+    proc = private_mounts(f"mount -t tmpfs -o size=1m tmpfs {mount} || exit 99; {sys.executable} {script} {mount}",
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "taken", (
+        f"a claim with the claims file's mount full ended with {proc.returncode} "
+        f"({signal.Signals(-proc.returncode).name if proc.returncode < 0 else ''}"
+        f"{'SIGBUS' if proc.returncode == 128 + signal.SIGBUS else ''}): {proc.stderr[-2000:]}")

@@ -10,12 +10,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import _cold_misses as _cold
 import pytest
 import torch
-from _cold_misses import Fresh, ReusedBuffer
+from _cold_misses import Fresh, ReusedBuffer, Rows
 from _workers import HERE
 from torch.utils.data import DataLoader, Dataset
 
@@ -111,19 +112,24 @@ sys.path.insert(0, {here!r})
 import _cold_misses
 from shmcache import ShmDatasetCache
 
-ds = ShmDatasetCache(name={name!r}, size=16).wrap(getattr(_cold_misses, {cls!r})())
+ds = ShmDatasetCache(name={name!r}, size=16).wrap(getattr(_cold_misses, {cls!r})(*{args!r}))
+for keys in {first!r}:  # computed, published and released first (the buckets' owner words name us)
+    ds.__getitems__(keys)
 ds.__getitems__({keys!r})  # blocks in the source, holding the claims of these keys
 """
 
 
-def _start_holder(tmp_path, cls: str, name: str, keys: list) -> subprocess.Popen:
-    """A process that computes ``keys`` of ``cls`` in cache ``name`` and blocks there, holding
-    their claims; returned once it holds them."""
-    ready = tmp_path / "holding"
+def _start_holder(tmp_path, cls: str, name: str, keys: list, args: tuple = (),
+                  first: list = ()) -> subprocess.Popen:
+    """A process that computes ``keys`` of ``cls(*args)`` in cache ``name`` and blocks there,
+    holding their claims (after computing each batch of ``first``: lists of keys); returned once
+    it holds them."""
+    ready = tmp_path / f"holding-{'-'.join(map(str, keys))}"
     env = {**os.environ, _cold.ENV_HOLD: ",".join(map(str, keys)), _cold.ENV_READY: str(ready),
            "PYTHONPATH": os.pathsep.join(sys.path)}
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER.format(here=HERE, name=name, cls=cls, keys=keys)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    script = _HOLDER.format(here=HERE, name=name, cls=cls, keys=keys, args=tuple(args), first=list(first))
+    holder = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     try:
         while not ready.exists():
@@ -256,3 +262,159 @@ def test_rows_of_a_memory_mapped_npy_file_are_stored_as_arrays(tmp_path, num_wor
     assert cache.stats()["items_mem"] == 40
     one = ds[5]["x"]
     assert type(one) is np.ndarray and one.dtype == np.float32 and np.array_equal(one, source.rows[5])
+
+
+def _sharing_a_bucket(key: int, avoid: set) -> int:
+    """Another key in ``key``'s claim bucket (claims.Claims.bucket), not in ``avoid``: in a dataset
+    of more samples than BUCKETS (65536) every bucket holds several keys."""
+    from shmcache.cache import claims
+
+    c = claims.Claims.__new__(claims.Claims)  # bucket() reads nothing of the instance
+    want = c.bucket(key)
+    return next(k for k in range(1000, 1 << 24) if k not in avoid and c.bucket(k) == want)
+
+
+@pytest.mark.parametrize("how", ["batch", "one_key"])
+def test_a_stopped_holder_stays_stuck_when_this_process_takes_a_bucket_it_let_go_of_long_before(
+        tmp_path, monkeypatch, how):
+    """Defect: NOTE [claims] ends a holder's stuck mark "when this process takes one of that
+    holder's buckets (it let go)". But a bucket's owner word keeps naming its last holder long after
+    it released it: every bucket a process ever claimed names it until another takes it. A holder
+    that computed a while before it stopped (a debugger) named thousands of buckets; the waiter's
+    next batch takes one of them for a key of its own (a dataset of more samples than the 65536
+    buckets: every bucket holds several keys; or a key the cache did not keep) and forgets that the
+    holder is stopped - so its next batch meeting a key the holder still holds waits a whole
+    claim_timeout_s again: one timeout per batch, the cost 7e266f7 set out to remove. Here each
+    batch of 4 has one key the stopped holder holds and the others share buckets with keys it
+    computed (and released) before it stopped; ``one_key``: the same keys one ``ds[i]`` at a time."""
+    timeout_s = 1.0
+    monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", str(timeout_s))
+    n = 1 << 24
+    order = list(range(1, 33))  # 8 batches of 4 (wrap() probes 0, n // 2 and n - 1)
+    held = order[::4]  # one in each batch
+    before = [_sharing_a_bucket(k, set(order)) for k in order if k not in held]
+    holder = _start_holder(tmp_path, "Fresh", "stale", held, args=(n,), first=[before])
+    try:
+        holder.send_signal(signal.SIGSTOP)  # paused in a debugger, holding its claims
+        ds = ShmDatasetCache(name="stale", size=16).wrap(Fresh(n))
+        start = time.monotonic()
+        if how == "batch":
+            got = [int(v[0]) for i in range(0, len(order), 4) for v in ds.__getitems__(order[i:i + 4])]
+        else:
+            got = [int(ds[i][0]) for i in order]
+        took = time.monotonic() - start
+        assert got == order
+        assert took < 4 * timeout_s, (
+            f"a cold pass of 8 batches ({how}) took {took:.1f} s behind one stopped holder of claim_timeout_s="
+            f"{timeout_s} s: {took / timeout_s:.0f} timeouts - the stuck mark went each time a batch took a "
+            f"bucket the holder had released before it stopped")
+    finally:
+        _stop_holder(holder)
+
+
+_GATED = """
+import sys
+sys.path.insert(0, {here!r})
+import _cold_misses
+from shmcache import ShmDatasetCache
+
+ds = ShmDatasetCache(name={name!r}, size=16).wrap(_cold_misses.Gated())
+for key in {keys!r}:  # one batch a key, each computed once the test lets it go (go-<key>)
+    ds.__getitems__([key])
+"""
+
+
+def _start_gated(gates, name: str, keys: list) -> subprocess.Popen:
+    """A process that computes ``keys`` of ``Gated`` in cache ``name``, one batch each, each
+    holding its claim until the test makes ``gates/go-<key>``; returned once it holds the first."""
+    env = {**os.environ, _cold.ENV_GATES: str(gates), "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", _GATED.format(here=HERE, name=name, keys=keys)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _await(proc, gates / f"ready-{keys[0]}")
+    except BaseException:
+        _stop_holder(proc)
+        raise
+    return proc
+
+
+def _await(proc: subprocess.Popen, path) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert proc.poll() is None, f"the holder exited: {proc.communicate()[1][-2000:]}"
+        assert time.monotonic() < deadline, f"the holder never made {path.name}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("how", ["resumed", "replaced"])
+def test_a_holder_that_went_on_after_a_timeout_is_waited_for_again(tmp_path, monkeypatch, how):
+    """Defect: a wait that timed out marks its holder stuck (by its owner word: its liveness slot)
+    for STUCK_S (30 s), "until this process takes one of that holder's buckets (it let go)". The
+    waiter rarely does: the bucket it waited on holds a key it then computed and published itself,
+    so it never claims that bucket again. So when the holder goes on - ``resumed``: SIGCONT after a
+    debugger's pause, it publishes and claims its next batch; ``replaced``: SIGKILLed, and a new
+    process of the session (a restarted job, the next epoch's DataLoader worker) takes its free
+    liveness slot - each of its healthy claims that the waiter meets within STUCK_S is computed
+    again at once instead of waited for: a second computation of a sample that another process is
+    about to publish (two jobs cold on one cache meet each other's keys batch after batch). The
+    waiter should wait for a holder that let go of the bucket it timed out on."""
+    monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", "5")  # far more than the healthy holder takes a sample (1 s)
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    first, second = 5, 9
+    holder = _start_gated(gates, "went-on", [first, second] if how == "resumed" else [first])
+    other = None
+    try:
+        holder.send_signal(signal.SIGSTOP)  # paused in a debugger, holding the claim of ``first``
+        cache = ShmDatasetCache(name="went-on", size=16)
+        source = _cold.Gated()
+        ds = cache.wrap(source)
+        assert int(ds[first][0]) == first  # waits claim_timeout_s, then computes it: the holder is stuck
+        assert source.calls == [first] and cache.stats()["claim_timeouts"] == 1
+        owners, bucket = cache.store.claims._owners, cache.store.claims.bucket
+        stuck_word = int(owners[bucket(first)])
+        if how == "resumed":
+            (gates / f"go-{first}").touch()
+            holder.send_signal(signal.SIGCONT)  # it publishes ``first`` and claims ``second``
+        else:
+            _stop_holder(holder)  # its claim goes with it; a new process of the session takes its slot
+            other = _start_gated(gates, "went-on", [second])
+        _await(other or holder, gates / f"ready-{second}")
+        assert int(owners[bucket(second)]) == stuck_word, "the holder of the second key has another slot"
+        threading.Timer(1.0, (gates / f"go-{second}").touch).start()  # a healthy holder: 1 s a sample
+        assert int(ds[second][0]) == second
+        assert source.calls == [first], (
+            f"key {second} was computed here again at once while a healthy process held its claim (it "
+            f"published it a second later): its slot was marked stuck by the wait for key {first}")
+    finally:
+        (gates / f"go-{second}").touch()
+        _stop_holder(holder)
+        if other is not None:
+            _stop_holder(other)
+
+
+def test_a_batch_computed_in_two_calls_keeps_no_copy_of_a_whole_batch_per_sample(tmp_path, monkeypatch):
+    """Defect: before a batch's second call of the source (some keys claimed by another process at
+    first), claims._detach replaces the first call's samples by what the cache stored, else by
+    ``copy.deepcopy`` of each - and a torch tensor's deepcopy copies its whole storage. A source
+    that makes a batch as one tensor and hands out its rows (``list(batch)``, ``batch.unbind(0)``:
+    views of one storage, no reused buffer needed) then gets, for each sample of its first call
+    the cache did not keep (a full cache - the usual state once the dataset outgrows it - or a
+    sample too large, as here), a private copy of that call's whole batch: B samples, B copies of
+    a B-sample batch (256 images of 600 KiB: 40 GiB for one batch). Here 3 samples of 20 MiB are
+    served holding 3 copies of their 60 MiB batch. A copy of the sample itself would do."""
+    monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", "0.5")
+    width = 5 << 20  # float32s: 20 MiB a sample, more than the cache of 16 MiB can ever hold
+    holder = _start_holder(tmp_path, "Rows", "rows", [5, 40], args=(64, width))  # (a batch: one key is not)
+    try:
+        ds = ShmDatasetCache(name="rows", size=16).wrap(Rows(64, width))
+        order = [1, 2, 3, 5]  # 1-3 computed in one call, 5 (held) in a second once the wait timed out
+        got = ds.__getitems__(order)
+        assert [float(v[0]) for v in got] == [float(i) for i in order]
+        samples = sum(v.nbytes for v in got)
+        held = sum({v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in got}.values())
+        assert held <= 1.5 * samples, (
+            f"the batch's {len(order)} samples ({samples >> 20} MiB) hold {held >> 20} MiB: each sample of "
+            f"the first call was deep-copied with the whole batch it was a row of")
+    finally:
+        _stop_holder(holder)

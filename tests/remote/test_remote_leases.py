@@ -240,3 +240,43 @@ def test_a_served_answer_is_returned_neither_counted_nor_published():
         assert published == [2]
     finally:
         store.close()
+
+
+def test_a_batch_computed_in_two_calls_behind_leases_serves_and_stores_each_sample_as_computed(
+        redis_server, monkeypatch):
+    """Defect: 8cb4a94 made a batch computed in more than one call of the source (claims: some
+    keys held by another process at first) serve the earlier calls' samples as stored, else a deep
+    copy (claims._detach): a source may hand out views of one buffer that its next call fills
+    again (torch calls ``__getitems__`` once a batch). Behind a remote tier's leases the batch's
+    one call of ``compute_many`` is itself split (TieredStore._leased): the keys whose lease is
+    ours are computed first, the keys another node leases once their leases expire or the wait
+    times out - a second call of the source, with the first call's values kept as they were. A
+    buffer-reusing source's first rows then hold the second call's samples: served wrong, and
+    stored wrong (published after the whole call: in shared memory and offered to Redis, for every
+    node to read)."""
+    monkeypatch.setenv("SHMCACHE_CLAIM_TIMEOUT_S", "0.5")
+    cache = ShmDatasetCache(session="s", name="reused", remote=redis_server.url)
+    tier = cache.store.behind[0]
+    r = redis.Redis(port=redis_server.port, password=PASSWORD)
+    buf = np.zeros((8, 64), np.int64)
+
+    def reused(keys):  # a fast loader: the batch read into one buffer, its rows handed out
+        for row, k in enumerate(keys):
+            buf[row] = k * 7 + 1
+        return [buf[row] for row in range(len(keys))]
+
+    def one(k):
+        raise AssertionError(f"key {k} computed one at a time")
+
+    try:
+        keys = [10, 11, 12, 13]
+        for k in keys[2:]:  # another node computes these (its leases live)
+            r.set(tier.lease_prefix + portable_key(k), b"another node")
+        batch = cache.get_batch(keys, fn=one, fn_many=reused)
+        want = [k * 7 + 1 for k in keys]
+        served, stored = batch[:, 0].tolist(), [int(cache.get(k)[0]) for k in keys]
+        assert (served, stored) == (want, want), (
+            f"keys {keys} (values {want}) were served {served} and stored {stored}")
+    finally:
+        r.close()
+        cache.close()

@@ -169,8 +169,8 @@ def test_the_three_users_files_keep_their_layout(tmp_path):
     """Old and new processes share these files: sizes, offsets and row widths are fixed."""
     c = claims.Claims(tmp_path / "c.claims", lambda: 2)
     c.count(claims.COMPUTED, 3)
-    # the rows, then a byte a bucket to lock (no contents), then from a page a u16 owner word a bucket
-    assert claims._OWNERS_OFF == MAX_SLOTS * 4 * 8 + claims.BUCKETS
+    # the rows, then a byte a bucket to lock (no contents), then from 128 KiB a u16 owner word a bucket
+    assert MAX_SLOTS * 4 * 8 + claims.BUCKETS <= claims._OWNERS_OFF == 128 << 10
     assert os.path.getsize(tmp_path / "c.claims") == claims._OWNERS_OFF + 2 * claims.BUCKETS
     assert np.fromfile(tmp_path / "c.claims", np.uint64)[2 * 4 + claims.COMPUTED] == 3
     assert c.take(7) == claims.TAKEN
@@ -216,3 +216,16 @@ def test_a_reader_never_opens_what_a_writer_would_refuse(tmp_path, what):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["None", "None"]
+
+
+def test_the_claims_owner_words_start_on_a_page_of_every_page_size_linux_uses():
+    """Defect: the owner words are mapped on their own (mmap with offset=_OWNERS_OFF), and an
+    mmap's offset must be a multiple of the page size (mmap.ALLOCATIONGRANULARITY). _OWNERS_OFF is
+    96 KiB (the 32 KiB of rows, then 64 KiB of lock bytes): a page boundary with 4 KiB pages, not
+    with the 64 KiB pages of many aarch64 kernels (memdir.py: "often 64 KiB on aarch64"; Grace,
+    RHEL). There the mmap raises, _owner_words gives up silently, no holder is ever marked stuck,
+    and a stopped holder costs a claim_timeout_s per batch again. The words should start at a
+    multiple of 64 KiB (or be mapped with the file from offset 0)."""
+    assert claims._OWNERS_OFF % (64 << 10) == 0, (
+        f"the owner words start at {claims._OWNERS_OFF} bytes: not a page boundary with 64 KiB pages, "
+        f"where their mmap is refused")
