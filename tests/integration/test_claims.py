@@ -625,7 +625,7 @@ def _at_breakpoint(proc: subprocess.Popen, mark) -> bool:
 
 
 def test_a_process_making_the_claims_file_never_shrinks_it_under_another_processs_owner_words(tmp_path):
-    """Defect: the claims file has two sizes now: open_owned grows a short file to its rows (32 KiB,
+    """Review, fixed: the claims file has two sizes now: open_owned grows a short file to its rows (32 KiB,
     "two makers at once truncate to one size: harmless"), then _owner_words grows it past the
     owner words. A process that found the file empty (fstat) and truncates it to the rows' size
     after another process grew it and mapped its owner words (two processes starting cold on a
@@ -685,7 +685,7 @@ c.close()
 
 
 def test_a_claim_on_a_full_mount_is_a_claim_not_a_crash(tmp_path, private_mounts):
-    """Defect: the owner words are 128 KiB of the claims file grown with ftruncate (a hole) and
+    """Review, fixed: the owner words are 128 KiB of the claims file grown with ftruncate (a hole) and
     mapped; a claim writes its bucket's word, and the first write to a page of the hole needs a
     page of the file system. The claims file lives in the session's private directory (by default
     $XDG_RUNTIME_DIR/shmcache or /tmp/shmcache-<uid>: often a tmpfs, small and shared); once

@@ -277,7 +277,7 @@ def _sharing_a_bucket(key: int, avoid: set) -> int:
 @pytest.mark.parametrize("how", ["batch", "one_key"])
 def test_a_stopped_holder_stays_stuck_when_this_process_takes_a_bucket_it_let_go_of_long_before(
         tmp_path, monkeypatch, how):
-    """Defect: NOTE [claims] ends a holder's stuck mark "when this process takes one of that
+    """Review, fixed: NOTE [claims] ends a holder's stuck mark "when this process takes one of that
     holder's buckets (it let go)". But a bucket's owner word keeps naming its last holder long after
     it released it: every bucket a process ever claimed names it until another takes it. A holder
     that computed a while before it stopped (a debugger) named thousands of buckets; the waiter's
@@ -348,7 +348,7 @@ def _await(proc: subprocess.Popen, path) -> None:
 
 @pytest.mark.parametrize("how", ["resumed", "replaced"])
 def test_a_holder_that_went_on_after_a_timeout_is_waited_for_again(tmp_path, monkeypatch, how):
-    """Defect: a wait that timed out marks its holder stuck (by its owner word: its liveness slot)
+    """Review, fixed: a wait that timed out marks its holder stuck (by its owner word: its liveness slot)
     for STUCK_S (30 s), "until this process takes one of that holder's buckets (it let go)". The
     waiter rarely does: the bucket it waited on holds a key it then computed and published itself,
     so it never claims that bucket again. So when the holder goes on - ``resumed``: SIGCONT after a
@@ -394,7 +394,7 @@ def test_a_holder_that_went_on_after_a_timeout_is_waited_for_again(tmp_path, mon
 
 
 def test_a_batch_computed_in_two_calls_keeps_no_copy_of_a_whole_batch_per_sample(tmp_path, monkeypatch):
-    """Defect: before a batch's second call of the source (some keys claimed by another process at
+    """Review, fixed: before a batch's second call of the source (some keys claimed by another process at
     first), claims._detach replaces the first call's samples by what the cache stored, else by
     ``copy.deepcopy`` of each - and a torch tensor's deepcopy copies its whole storage. A source
     that makes a batch as one tensor and hands out its rows (``list(batch)``, ``batch.unbind(0)``:

@@ -244,7 +244,7 @@ def test_a_served_answer_is_returned_neither_counted_nor_published():
 
 def test_a_batch_computed_in_two_calls_behind_leases_serves_and_stores_each_sample_as_computed(
         redis_server, monkeypatch):
-    """Defect: 8cb4a94 made a batch computed in more than one call of the source (claims: some
+    """Review, fixed: 8cb4a94 made a batch computed in more than one call of the source (claims: some
     keys held by another process at first) serve the earlier calls' samples as stored, else a deep
     copy (claims._detach): a source may hand out views of one buffer that its next call fills
     again (torch calls ``__getitems__`` once a batch). Behind a remote tier's leases the batch's

@@ -219,7 +219,7 @@ def test_a_reader_never_opens_what_a_writer_would_refuse(tmp_path, what):
 
 
 def test_the_claims_owner_words_start_on_a_page_of_every_page_size_linux_uses():
-    """Defect: the owner words are mapped on their own (mmap with offset=_OWNERS_OFF), and an
+    """Review, fixed: the owner words are mapped on their own (mmap with offset=_OWNERS_OFF), and an
     mmap's offset must be a multiple of the page size (mmap.ALLOCATIONGRANULARITY). _OWNERS_OFF is
     96 KiB (the 32 KiB of rows, then 64 KiB of lock bytes): a page boundary with 4 KiB pages, not
     with the 64 KiB pages of many aarch64 kernels (memdir.py: "often 64 KiB on aarch64"; Grace,
