@@ -716,10 +716,11 @@ def encode(value: Any, path: str = "") -> Encoded:
         except _Untracked:  # a large value: walked again, tracking its containers
             b = _Builder().tracked()
             tree = b.node(value, path)
-    except (_TooDeep, RecursionError):  # nested deeper than MAX_NESTING (or this stack): pickled whole
+    except (_TooDeep, RecursionError) as exc:  # nested deeper than MAX_NESTING (or this stack): pickled whole
         b = _Builder()
         tree = b.pickle_node(value, path)
-        b.pickled = [f"{name} nested deeper than {MAX_NESTING} containers" for name in b.pickled]
+        deep = f"{MAX_NESTING} containers" if isinstance(exc, _TooDeep) else "this stack walks"
+        b.pickled = [f"{name} nested deeper than {deep}" for name in b.pickled]
     except _Repeated:  # written out at each place it holds a shared container: too large, pickled
         b = _Builder()  # whole (pickle stores each object once), named so in the pickled warning
         tree = b.pickle_node(value, path)

@@ -22,7 +22,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from shmcache import ShmDatasetCache
 from shmcache.cache import codec
-from shmcache.errors import EncodeError
 
 
 def _nested(depth: int) -> list:
@@ -31,22 +30,6 @@ def _nested(depth: int) -> list:
     for _ in range(depth - 1):
         value = [value]
     return value
-
-
-def _native_depth() -> int:
-    """The deepest nesting ``codec.encode`` stores natively (not pickled) from this stack."""
-    lo, hi = 16, sys.getrecursionlimit()
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        try:
-            native = not codec.encode(_nested(mid)).pickled
-        except EncodeError:  # too deep even to pickle
-            native = False
-        if not native:
-            hi = mid - 1
-        else:
-            lo = mid
-    return lo
 
 
 class Trees(Dataset):
@@ -71,7 +54,9 @@ def _deeper(frames: int, fn):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_a_deeply_nested_sample_stored_natively_is_read_back_from_a_deeper_stack(num_workers):
+@pytest.mark.parametrize("depth", [codec.MAX_NESTING - 1, 400], ids=["deepest-native", "pickled"])
+@pytest.mark.filterwarnings("ignore:.*stored with pickle:UserWarning")
+def test_a_deeply_nested_sample_stored_natively_is_read_back_from_a_deeper_stack(num_workers, depth):
     """A sample nested a few hundred levels deep was encoded natively (a layout node per level)
     when the stack that stored it had room to walk it, but its decoder recurses a level at a time
     too, so from a deeper stack - the DataLoader of a training loop a framework calls - the warm
@@ -79,9 +64,9 @@ def test_a_deeply_nested_sample_stored_natively_is_read_back_from_a_deeper_stack
     bytes are damaged. Clear the cache"), which clearing could not fix. Past codec.MAX_NESTING
     containers a value is now pickled whole (the unpickler keeps its own stack); within it, any
     stack with room for the dataset's own reads decodes it."""
-    depth = _native_depth() - 20  # stored natively from here, with room to spare
+    source = Trees(depth)  # a dict around ``depth`` lists: the deepest stored natively, or far past it
+    assert bool(codec.encode(source[0]).pickled) == (depth >= codec.MAX_NESTING)
     cache = ShmDatasetCache(size=16)
-    source = Trees(depth)
     ds = cache.wrap(source)
     for i in range(len(source)):  # a warm-up from a plain loop: every sample stored, as computed
         assert ds[i] == source[i]
