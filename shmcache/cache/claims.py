@@ -250,6 +250,11 @@ class Claims:
         """The buckets this process holds now (a test's view: none once a miss has returned)."""
         return frozenset(self._held)
 
+    def owner_word(self, bucket: int) -> int:
+        """The owner word the last holder of ``bucket`` wrote (its liveness slot + 1; 0 where none
+        was written, or the words cannot be had): a test's view of who a stuck mark names."""
+        return 0 if self._owners is None else int(self._owners[bucket])
+
     def forget(self, bucket: int) -> None:
         """Drop ``bucket`` from what this process holds without unlocking it: its descriptor is
         closed already (``close()`` in another thread), which dropped the lock."""

@@ -356,8 +356,8 @@ def test_a_holder_that_went_on_after_a_timeout_is_waited_for_again(tmp_path, mon
         ds = cache.wrap(source)
         assert int(ds[first][0]) == first  # waits claim_timeout_s, then computes it: the holder is stuck
         assert source.calls == [first] and cache.stats()["claim_timeouts"] == 1
-        owners, bucket = cache.store.claims._owners, cache.store.claims.bucket
-        stuck_word = int(owners[bucket(first)])
+        claims = cache.store.claims
+        stuck_word = claims.owner_word(claims.bucket(first))
         if how == "resumed":
             (gates / f"go-{first}").touch()
             holder.send_signal(signal.SIGCONT)  # it publishes ``first`` and claims ``second``
@@ -365,7 +365,7 @@ def test_a_holder_that_went_on_after_a_timeout_is_waited_for_again(tmp_path, mon
             _stop_holder(holder)  # its claim goes with it; a new process of the session takes its slot
             other = _start_gated(gates, "went-on", [second])
         _await(other or holder, gates / f"ready-{second}")
-        assert int(owners[bucket(second)]) == stuck_word, "the holder of the second key has another slot"
+        assert claims.owner_word(claims.bucket(second)) == stuck_word, "the holder of the second key has another slot"
         threading.Timer(1.0, (gates / f"go-{second}").touch).start()  # a healthy holder: 1 s a sample
         assert int(ds[second][0]) == second
         assert source.calls == [first], (
