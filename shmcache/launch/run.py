@@ -66,9 +66,9 @@ Options (torchrun's spellings are accepted too, with ``-`` or ``_``)::
                             ?socket=K:PATH for its own node K's server, which it reaches over
                             that Unix socket, never over TCP. Each
                             server stops with the job: on success, failure, Ctrl-C, and when
-                            its launcher is killed (see NOTE [remote rendezvous] in
-                            NOTE [remote rendezvous]). Several nodes need a job token,
-                            the same on every node, in $SHMCACHE_RDZV_TOKEN (16 characters or
+                            its launcher is killed (see NOTE [launcher shutdown]). Several
+                            nodes need a job token, the same on every node, in
+                            $SHMCACHE_RDZV_TOKEN (16 characters or
                             more; e.g. export SHMCACHE_RDZV_TOKEN=$(python3 -c 'import secrets;
                             print(secrets.token_hex(32))') once, before starting the launchers):
                             only launchers that prove they hold it join the exchange. Every

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+import shmcache
 from shmcache.cache.registry import SessionRegistry
 from shmcache.launch import main
 
@@ -313,6 +315,21 @@ def test_help_is_the_manual(capsys):
     assert "Usage:\n\n    python -m shmcache.launch [options] script.py" in out  # the layout stays
     assert "run a module, as python -m" in out
 
+
+
+def test_manual_cites_notes_where_they_are(capsys):
+    """Each NOTE the manual sends a reader to is defined in the file it names: the manual once sent
+    readers of --remote spawn to 'NOTE [remote rendezvous] in NOTE [remote rendezvous]'."""
+    assert main(["-h"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # a citation may wrap across lines
+    root = Path(shmcache.__file__).resolve().parent.parent
+    cited = re.findall(r"NOTE \[([^\]]+)\](?: in ([^\s),;]+))?", out)
+    assert cited
+    for note, where in cited:
+        assert where != "NOTE", f"NOTE [{note}] is cited 'in NOTE [...]', not in a file"
+        files = [root / where] if where else list((root / "shmcache").rglob("*.py"))
+        assert any(f.is_file() and re.search(rf"^\s*NOTE \[{re.escape(note)}\]\s*$", f.read_text(), re.M)
+                   for f in files), f"NOTE [{note}] cited by the manual is not defined in {where or 'shmcache/'}"
 
 def test_launcher_does_not_import_torch():
     code = "import sys, shmcache.launch; print('torch' in sys.modules)"
