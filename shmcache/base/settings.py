@@ -84,14 +84,32 @@ def get(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
+def _switch(name: str) -> bool | None:
+    """An on/off variable: True (1, true, yes, on), False (0, false, no, off: any case, spaces
+    around ignored) or None (unset or empty). Any other word is refused rather than taken as the
+    default: SHMCACHE_SPILLING=enabled meant on, and silently off it filled the cache instead."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return None
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    from ..errors import InvalidArgument  # (errors imports nothing of shmcache's)
+
+    raise InvalidArgument(f"{name}={raw!r} is neither on nor off: set it to one of {', '.join(_TRUE)} or one of "
+                          f"{', '.join(_FALSE)}, or unset it")
+
+
 def flag(name: str) -> bool:
-    """Whether the variable is set to 1, true, yes or on (any case, spaces around ignored)."""
-    return os.environ.get(name, "").strip().lower() in _TRUE
+    """Whether the variable is set to 1, true, yes or on; unset, empty or 0, false, no, off: False.
+    Raises InvalidArgument for any other value."""
+    return _switch(name) is True
 
 
 def turned_off(name: str) -> bool:
-    """Whether an on-by-default variable is set to 0, false, no or off (any case, spaces ignored)."""
-    return os.environ.get(name, "").strip().lower() in _FALSE
+    """Whether an on-by-default variable is set to 0, false, no or off; unset, empty or 1, true,
+    yes, on: False. Raises InvalidArgument for any other value."""
+    return _switch(name) is False
 
 
 def native_unavailable(built: bool, what: str) -> str:

@@ -9,6 +9,7 @@ import pytest
 
 import shmcache
 from shmcache.base import settings
+from shmcache.errors import InvalidArgument
 
 PKG = Path(shmcache.__file__).resolve().parent
 
@@ -39,7 +40,7 @@ def test_get_reads_at_the_call(monkeypatch):
 
 @pytest.mark.parametrize(("value", "on"), [
     ("1", True), ("true", True), (" Yes ", True), ("ON", True),
-    ("0", False), ("", False), ("no", False), ("2", False),
+    ("0", False), ("", False), ("no", False), (" ", False),
 ])
 def test_flag(monkeypatch, value, on):
     monkeypatch.setenv(settings.ENV_SPILLING, value)
@@ -47,11 +48,20 @@ def test_flag(monkeypatch, value, on):
 
 
 @pytest.mark.parametrize(("value", "off"), [("0", True), (" False ", True), ("NO", True), ("off", True),
-                                            ("1", False), ("", False), ("maybe", False)])
+                                            ("1", False), ("", False), ("Yes", False)])
 def test_turned_off(monkeypatch, value, off):
     monkeypatch.setenv(settings.ENV_CLAIMS, value)
     assert settings.turned_off(settings.ENV_CLAIMS) is off
 
+
+
+@pytest.mark.parametrize("read", [settings.flag, settings.turned_off])
+@pytest.mark.parametrize("value", ["2", "maybe", "enabled", "-1"])
+def test_an_on_off_variable_refuses_other_words(monkeypatch, read, value):
+    """Not taken as the default: SHMCACHE_SPILLING=enabled would silently not spill."""
+    monkeypatch.setenv(settings.ENV_SPILLING, value)
+    with pytest.raises(InvalidArgument, match=re.escape(f"SHMCACHE_SPILLING={value!r}")):
+        read(settings.ENV_SPILLING)
 
 def test_turned_off_unset_is_on(monkeypatch):
     monkeypatch.delenv(settings.ENV_NATIVE, raising=False)

@@ -1,0 +1,118 @@
+"""A new user's first hour, each step a fresh process as typed from the README: what the README
+says a step prints or counts is what it prints or counts, and a setting given a value that means
+nothing is refused, naming the values that mean something, never taken silently as one of them.
+
+Every process runs in the test's ``$SHMCACHE_DIR`` (the conftest's), which the conftest empties."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from _journey import env, run
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+
+
+def test_the_quick_starts_table_names_the_caches_the_example_makes(tmp_path):
+    """The quick start shows what `examples/train.py` prints, cache names included, and a user
+    copies those names into `shmcache destroy default --cache NAME` or `name=`. Names are
+    deterministic (NOTE [fingerprint]), so the table can be right; it named the digits' cache
+    `Digits-fe6b8264f8c8`, a name the example no longer makes."""
+    quick_start = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    shown = dict(re.findall(r"^default\s+((?:PhotoCrops|Digits))-(\w+)\s", quick_start, re.M))
+    assert set(shown) == {"PhotoCrops", "Digits"}, quick_start
+    # the datasets exactly as examples/train.py makes and wraps them (its defaults: 1,024 crops of 32 px)
+    script = textwrap.dedent(f"""\
+        import json, sys
+        sys.path.insert(0, {str(ROOT / "examples")!r})
+        from datasets import Digits, PhotoCrops
+        from shmcache import ShmDatasetCache
+        names = {{}}
+        for source in (PhotoCrops(1024, size=32), Digits()):
+            cache = ShmDatasetCache(session="quick")
+            cache.wrap(source)
+            names[type(source).__name__] = cache.name.split("-", 1)[1]
+            cache.close()
+        print(json.dumps(names))
+    """)
+    made = json.loads(run(["-c", script], tmp_path, env()).strip().splitlines()[-1])
+    assert made == shown, f"README's quick start shows {shown}, the example makes {made}"
+
+
+GET = textwrap.dedent("""\
+    import json, sys, time
+    from shmcache import ShmDatasetCache
+
+    def slow(key):
+        time.sleep(0.02)
+        return key * key
+
+    cache = ShmDatasetCache(session="pair", name="squares")
+    go = float(sys.argv[1])
+    time.sleep(max(0.0, go - time.time()))  # both processes start their gets together
+    assert [cache.get(k, slow) for k in range(40)] == [k * k for k in range(40)]
+    cache.close()
+""")
+
+
+def test_misses_counts_every_read_that_did_not_find_its_item_as_the_readme_says(tmp_path):
+    """`cache.get(key, fn)` from two processes at once: one computes each key, the other waits for
+    its value. The README defined `misses` as the reads that computed their item from the source,
+    but a read that waited is a miss too (`misses` 80 here, `computed` 40): the definition must say
+    so, and the numbers must add up as it says."""
+    import time
+
+    (tmp_path / "get.py").write_text(GET)
+    go = str(time.time() + 3.0)
+    procs = [subprocess.Popen([sys.executable, "get.py", go], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=90)
+            assert p.returncode == 0, err
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    st = json.loads(run(["-m", "shmcache", "stat", "pair", "--json"], tmp_path, env()))[0]
+    assert st["computed"] + st["claim_waits"] == st["misses"], st  # what a miss is, counted
+    assert st["hits"] + st["misses"] == 80, st
+    bullet = " ".join(README.split("- **`stats()`**", 1)[1].split("\n- ", 1)[0].split())
+    misses = bullet.split("`misses` (", 1)[1].split("),", 1)[0]
+    assert "claim_waits" in misses, f"the README's `misses` leaves out the reads that waited: {misses!r}"
+
+
+CONSTRUCT = textwrap.dedent("""\
+    from shmcache import ShmDatasetCache
+    cache = ShmDatasetCache(session="flags", name="c", size=4)
+    cache.get(1, lambda k: k)
+    cache.close()
+    print("made")
+""")
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("SHMCACHE_SPILLING", "enabled"),  # meant on, taken as off: nothing spills, the cache just fills up
+    ("SHMCACHE_SPILLING", "2"),
+    ("SHMCACHE_CLAIMS", "disabled"),  # meant off, taken as on
+    ("SHMCACHE_NATIVE", "none"),  # meant off, taken as on
+])
+def test_an_on_off_variable_set_to_nonsense_is_refused_naming_the_values(tmp_path, variable, value):
+    """The README's variables that switch something: SHMCACHE_SIZE_MB=2GB, SHMCACHE_ORDERING=x and
+    SHMCACHE_CLAIM_TIMEOUT_S=abc are refused, naming what they take; the on/off ones took any
+    other word as their default, silently (SHMCACHE_SPILLING=enabled: not spilling)."""
+    e = env()
+    e[variable] = value
+    e["SHMCACHE_SPILL_DIR"] = str(tmp_path)  # so that spilling, were it on, could start
+    done = subprocess.run([sys.executable, "-c", CONSTRUCT], cwd=tmp_path, env=e, capture_output=True, text=True,
+                          timeout=90)
+    assert done.returncode != 0, f"{variable}={value!r} was taken as a setting: {done.stdout}{done.stderr}"
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"{variable}={value!r}" in last and "1, true, yes, on" in last and "0, false, no, off" in last, last
