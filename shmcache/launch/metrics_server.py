@@ -1,6 +1,7 @@
 """The launcher's ``--metrics-port``: ``/metrics`` of the node (every cache of the namespace, as
 ``shmcache stat --prometheus`` prints it, read on each scrape) served from a daemon thread of the
-launcher while the job runs; and the job's closing summary per cache of its session.
+launcher while the job runs; and the job's closing summary per cache of its session that the job
+used, counted over the job only (its counters less their reading at the start: ``reading``).
 
 The server binds ``--metrics-addr`` (default 127.0.0.1: only this machine can scrape it). To let
 a Prometheus server on another machine scrape it, bind an address it can reach (``--metrics-addr
@@ -16,7 +17,7 @@ from ..cache.registry import SessionRegistry
 from ..errors import InvalidArgument
 from ..tiers.node_stats import node_rows
 
-__all__ = ["start", "summary"]
+__all__ = ["start", "reading", "summary"]
 
 
 def start(registry: SessionRegistry, host: str, port: int) -> Any:
@@ -35,10 +36,27 @@ def stop(server: Any) -> None:
     server.server_close()
 
 
-def summary(registry: SessionRegistry, session: str) -> list[str]:
-    """One line per cache of ``session`` for the end of the job: hit ratio, stall share (of every
-    rank's loop), values computed, and bytes served (hits times the average item size: an estimate,
-    there is no counter of bytes)."""
+# what the closing summary counts of a job: these counters less their reading when it started
+_COUNTED = ("hits", "misses", "computed", "stall_seconds", "loop_seconds")
+
+
+def reading(registry: SessionRegistry, session: str) -> dict[str, dict]:
+    """The counters of each cache of ``session`` now (the launcher's, before its job starts), for
+    ``summary`` to subtract: the session outlives the job, and so do its caches' counters."""
+    try:
+        rows = node_rows(registry, session)
+    except Exception:  # noqa: BLE001 - no reading: the summary counts what the caches hold (as before)
+        return {}
+    return {st["name"]: {k: st[k] for k in _COUNTED} for st in rows if "error" not in st}
+
+
+def summary(registry: SessionRegistry, session: str, before: dict[str, dict] | None = None) -> list[str]:
+    """One line per cache of ``session`` that the job used, for the end of the job: hit ratio,
+    stall share (of every rank's loop), values computed, and bytes served (hits times the average
+    item size: an estimate, there is no counter of bytes) - in the job, the counters less their
+    ``reading`` at its start (``before``). A cache whose counters did not move is left out (a
+    warm rerun's summary said `hit ratio 50%` and listed the caches of earlier jobs); one whose
+    counters went back (cleared, or destroyed and made again, in the job) counts from zero."""
     lines = []
     try:
         rows = node_rows(registry, session)
@@ -48,11 +66,19 @@ def summary(registry: SessionRegistry, session: str) -> list[str]:
         if "error" in st:
             lines.append(f"cache {st['session']}/{st['name']}: {st['error']}")
             continue
-        looked = st["hits"] + st["misses"]
-        ratio = f"{st['hits'] / looked:.1%}" if looked else "-"
-        stall = f"{st['stall_share']:.1%}" if st["loop_seconds"] else "not measured"
-        served = st["hits"] * st["avg_item_bytes"]
-        lines.append(f"cache {st['session']}/{st['name']}: hit ratio {ratio} ({st['hits']} hits, "
-                     f"{st['misses']} misses), stall share {stall}, computed {st['computed']}, "
+        was = (before or {}).get(st["name"])
+        got = {k: st[k] for k in _COUNTED}
+        if was is not None:
+            moved = {k: got[k] - was[k] for k in _COUNTED}
+            if not any(moved[k] for k in ("hits", "misses", "computed")):
+                continue  # the job never read it
+            if min(moved.values()) >= 0:
+                got = moved
+        looked = got["hits"] + got["misses"]
+        ratio = f"{got['hits'] / looked:.1%}" if looked else "-"
+        stall = f"{got['stall_seconds'] / got['loop_seconds']:.1%}" if got["loop_seconds"] > 0 else "not measured"
+        served = got["hits"] * st["avg_item_bytes"]
+        lines.append(f"cache {st['session']}/{st['name']}: hit ratio {ratio} ({got['hits']} hits, "
+                     f"{got['misses']} misses), stall share {stall}, computed {got['computed']}, "
                      f"served ~{served / 2**20:.1f} MiB from the cache")
     return lines

@@ -238,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: cannot prepare the session: {exc}", file=sys.stderr)
         return 1
     server = None
+    before = metrics_server.reading(registry, plan.session)  # the closing summary counts this job only
     try:
         if plan.metrics_port is not None:
             server = metrics_server.start(registry, plan.metrics_addr, plan.metrics_port)
@@ -258,8 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if server is not None:
             metrics_server.stop(server)
-        # the job's closing summary per cache of its session, read before a --destroy-session
-        closing = metrics_server.summary(registry, plan.session)
+        # the job's closing summary per cache of its session it used, read before a --destroy-session
+        closing = metrics_server.summary(registry, plan.session, before)
         slot.release()
         registry.mark_used(plan.session)  # `shmcache gc --idle-for` counts from the job's end
         if plan.destroy_session:

@@ -150,3 +150,49 @@ def test_a_validation_split_of_the_training_type_is_not_called_an_earlier_versio
                           timeout=90)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
     assert "earlier version" not in done.stderr and "destroy" not in done.stderr, done.stderr
+
+
+EPOCH = textwrap.dedent("""\
+    import sys
+    import numpy as np
+    from torch.utils.data import DataLoader, Dataset
+    from shmcache import ShmDatasetCache
+
+    class Items(Dataset):
+        def __init__(self, n):
+            self.n = n
+        def __len__(self):
+            return self.n
+        def __getitem__(self, i):
+            return np.full(16, i, dtype=np.int64)
+
+    n = int(sys.argv[1])
+    ds = ShmDatasetCache(name=f"items{n}").wrap(Items(n))
+    for batch in DataLoader(ds, batch_size=10, shuffle=True):
+        pass
+""")
+
+
+def test_the_launchers_closing_summary_counts_this_job_only(tmp_path):
+    """The session outlives the job (the README's quick start: "run it again and epoch 1 is warm
+    too"), and so do its counters. The closing summary of a second, warm run said `hit ratio 50.0%
+    (100 hits, 100 misses) ... computed 100` of a job that computed nothing and missed nothing,
+    and listed every other cache of the session too, jobs' ago included: a new user reads that
+    the cache did not work. It sums up this job: what its processes read and computed."""
+    (tmp_path / "epoch.py").write_text(EPOCH)
+    launch = ["-m", "shmcache.launch", "--session", "job"]
+
+    def closing(args) -> dict:
+        done = subprocess.run([sys.executable, *launch, "epoch.py", *args], cwd=tmp_path, env=env(),
+                              capture_output=True, text=True, timeout=90)
+        assert done.returncode == 0, done.stderr
+        return {ln.split(":", 2)[1].strip(): ln for ln in done.stderr.splitlines()
+                if ln.startswith("shmcache.launch: cache job/")}
+
+    first = closing(["100"])  # fills items100 (wrap()'s 3 probes stored first: 97 misses)
+    assert set(first) == {"cache job/items100"} and "(3 hits, 97 misses)" in first["cache job/items100"], first
+    closing(["30"])  # another cache of the session, another job
+    again = closing(["100"])  # warm: every read a hit; computed: wrap()'s 4 probe reads only
+    assert set(again) == {"cache job/items100"}, f"a cache this job never opened is summed up: {again}"
+    line = again["cache job/items100"]
+    assert "hit ratio 100.0% (100 hits, 0 misses)" in line and "computed 4," in line, line
