@@ -474,6 +474,7 @@ class CachedIterableDataset(IterableDataset):
                 continue  # already yielded from the cache in this pass
             value = self.transform(sample) if self.transform is not None else sample
             store.count_computed()
+            store.count_misses()  # not in the cache: computed, as a warm-up's items count
             self.cache.put_computed(store, f"{stream}:{i}", value)
             yield value
         store.put(marker, count)  # only after a full pass

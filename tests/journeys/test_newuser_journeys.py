@@ -196,3 +196,33 @@ def test_the_launchers_closing_summary_counts_this_job_only(tmp_path):
     assert set(again) == {"cache job/items100"}, f"a cache this job never opened is summed up: {again}"
     line = again["cache job/items100"]
     assert "hit ratio 100.0% (100 hits, 0 misses)" in line and "computed 4," in line, line
+
+
+STREAM = textwrap.dedent("""\
+    import json
+    import torch
+    from torch.utils.data import IterableDataset
+    from shmcache import ShmDatasetCache
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return (torch.tensor([i, i * i]) for i in range(50))
+
+    cache = ShmDatasetCache(session="stream")
+    ds = cache.wrap(Stream())
+    assert [int(x[0]) for x in ds] == list(range(50))  # records
+    first = cache.stats()
+    assert [int(x[0]) for x in ds] == list(range(50))  # replays
+    second = cache.stats()
+    print(json.dumps({k: [first[k], second[k]] for k in ("hits", "misses", "computed")}))
+""")
+
+
+def test_an_iterable_datasets_recording_pass_counts_its_misses(tmp_path):
+    """`cache.wrap(iterable)` records the first pass and replays later ones (README, Iterable
+    datasets). The recording pass computed 50 items and counted 0 misses: `shmcache stat`, `top`
+    and the launcher's summary showed a cold first epoch as 0 misses (hit ratio '-', then 100%).
+    Each item the pass computes is a miss, as a warm-up's are."""
+    counts = json.loads(run(["-c", STREAM], tmp_path, env()).strip().splitlines()[-1])
+    assert counts["computed"] == [50, 50], counts
+    assert counts["misses"] == [50, 50] and counts["hits"] == [0, 50], counts
