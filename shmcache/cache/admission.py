@@ -70,7 +70,7 @@ from ..base.memory import memory_limits
 from ..base.shm import PAGE, WORD, Segment
 from ..errors import ItemTooLarge, SharedMemoryFull
 from .allocator import DATA_OFF, commit_step_chunks
-from .generation import AUTO, AUTO_NONE, SIZED, Generation, MetaLayout, RootLayout
+from .generation import AUTO, AUTO_NONE, SIZED, Generation, MetaLayout, RootLayout, split_epoch
 from .index import MAX_RECORD, TableView
 from .indexed_tier import IndexedTier
 from .registry import SessionRegistry
@@ -320,10 +320,17 @@ class Admission:
         self.log_memory_full(str(exc), spill)
 
     def log_memory_full(self, why: str, spill: IndexedTier | None, fix: str = "") -> None:
-        """Say once that memory is full, what happens to new items now, and ``fix`` if any."""
+        """Say once that memory is full, what happens to new items now, and ``fix`` if any: once
+        per cache, generation and cap, not once per process (RootLayout.SAID_FULL: a job of 8
+        ranks with 8 DataLoader workers each said it 64 times)."""
         if self._shm_full_logged:
             return
         self._shm_full_logged = True
+        gen = split_epoch(WORD.unpack_from(self._root.buf, RootLayout.EPOCH)[0])[0]
+        mark = hash((gen, self.capacity_bytes)) & ((1 << 63) - 1) | 1  # ints hash alike in every process
+        if WORD.unpack_from(self._root.buf, RootLayout.SAID_FULL)[0] == mark:
+            return  # another process of this cache said it
+        self._root.words[RootLayout.SAID_FULL >> 3] = mark
         if spill is not None and spill.accepting:
             then = f"new items go to disk (spill files in {spill.where})"
         else:

@@ -20,6 +20,10 @@ class RootLayout:
     CAPACITY = 72  # the cap in bytes (NOTE [memory limits])
     INCARNATION = 80  # a random word drawn when the root is made (NOTE [publish order], Opening)
     SIZING = 88  # how the cap was set: SIZED, AUTO or AUTO_NONE
+    # the generation and cap at which a process said that the cache stopped growing in memory
+    # (Admission.log_memory_full): the other processes of the job then do not say it again. A hint
+    # only: two processes that say it at the same moment both do. Zero in a root made before it.
+    SAID_FULL = 96
 
 
 # The root's tombstone: whoever removes a cache writes DESTROYED into its epoch word before

@@ -226,3 +226,33 @@ def test_an_iterable_datasets_recording_pass_counts_its_misses(tmp_path):
     counts = json.loads(run(["-c", STREAM], tmp_path, env()).strip().splitlines()[-1])
     assert counts["computed"] == [50, 50], counts
     assert counts["misses"] == [50, 50] and counts["hits"] == [0, 50], counts
+
+
+FULL = textwrap.dedent("""\
+    import numpy as np
+    from torch.utils.data import DataLoader, Dataset
+    from shmcache import ShmDatasetCache
+
+    class Big(Dataset):
+        def __len__(self):
+            return 400
+        def __getitem__(self, i):
+            return np.full(8192, i % 251, dtype=np.uint8)
+
+    ds = ShmDatasetCache(size=1).wrap(Big())
+    for batch in DataLoader(ds, batch_size=20, num_workers=2):
+        pass
+""")
+
+
+def test_a_full_cache_says_so_once_per_job_not_once_per_process(tmp_path):
+    """README, When memory is full: "one log line says so, naming the cap and the fix". A job of 2
+    ranks with 2 DataLoader workers each said it 4 times (each process once); 8 GPUs with 8
+    workers each would say it 64 times. Once per cache: every process reads the same cap."""
+    (tmp_path / "full.py").write_text(FULL)
+    done = subprocess.run([sys.executable, "-m", "shmcache.launch", "--nproc", "2", "--session", "full", "full.py"],
+                          cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = [ln for ln in done.stderr.splitlines() if "stops growing in memory" in ln]
+    assert len(said) == 1, "\n".join(said)
+    assert "size=1 MiB" in said[0], said[0]
