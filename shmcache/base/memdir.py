@@ -47,8 +47,8 @@ _THP = "/sys/kernel/mm/transparent_hugepage"
 def mount_fix(path: str | os.PathLike) -> str:
     """How to give ``path`` a memory filesystem (for the messages)."""
     return (f"mount one there (`mount -t tmpfs -o size=16g,huge=within_size tmpfs {path}`; Docker "
-            f"`--tmpfs {path}:size=16g`; Kubernetes an emptyDir of medium: Memory), or unset "
-            f"${ENV_MEMORY_DIR} to use /dev/shm")
+            f"`--tmpfs {path}:size=16g`; Kubernetes an emptyDir of medium: Memory), or name none "
+            f"(--memory-dir, memory_dir=, ${ENV_MEMORY_DIR}) to use /dev/shm")
 
 
 def private_path(directory: str) -> str:

@@ -256,3 +256,30 @@ def test_a_full_cache_says_so_once_per_job_not_once_per_process(tmp_path):
     said = [ln for ln in done.stderr.splitlines() if "stops growing in memory" in ln]
     assert len(said) == 1, "\n".join(said)
     assert "size=1 MiB" in said[0], said[0]
+
+
+def test_a_memory_directory_given_on_the_command_line_is_not_refused_as_the_variable(tmp_path):
+    """`shmcache new NAME --memory-dir DIR` with DIR on a disk is refused (right), with the fix
+    'or unset $SHMCACHE_MEMORY_DIR to use /dev/shm' - a variable the user never set. The fix names
+    where a memory directory can come from."""
+    on_disk = tmp_path / "cache"
+    on_disk.mkdir()
+    if _on_tmpfs(on_disk):
+        pytest.skip(f"{tmp_path} is on a tmpfs here: no disk directory to name")
+    e = env()
+    e.pop("SHMCACHE_MEMORY_DIR", None)
+    done = subprocess.run([sys.executable, "-m", "shmcache", "new", "disk", "--memory-dir", str(on_disk)],
+                          cwd=tmp_path, env=e, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "not in memory" in done.stderr, done.stderr
+    assert "unset $SHMCACHE_MEMORY_DIR" not in done.stderr, done.stderr
+    assert "--memory-dir" in done.stderr and "/dev/shm" in done.stderr, done.stderr
+
+
+def _on_tmpfs(path: Path) -> bool:
+    """Whether ``path`` lies on a tmpfs (the longest mount point of /proc/mounts above it)."""
+    best, fs = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _, point, kind = line.split()[:3]
+        if str(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+            best, fs = point, kind
+    return fs == "tmpfs"
