@@ -283,3 +283,42 @@ def _on_tmpfs(path: Path) -> bool:
         if str(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
             best, fs = point, kind
     return fs == "tmpfs"
+
+
+WARM_SPLIT = textwrap.dedent("""\
+    import json, os, sys, time
+    from pathlib import Path
+    import numpy as np
+    from torch.utils.data import Dataset
+    from shmcache import ShmDatasetCache
+
+    class Slow(Dataset):
+        def __len__(self):
+            return 300
+        def __getitem__(self, i):
+            time.sleep(0.01)  # a decode
+            return np.full(16, i, dtype=np.int64)
+
+    cache = ShmDatasetCache(session="warm")
+    ds = cache.wrap(Slow())
+    here = Path(sys.argv[1])
+    (here / f"ready-{os.environ['RANK']}").touch()
+    deadline = time.monotonic() + 60
+    while len(list(here.glob("ready-*"))) < 2 and time.monotonic() < deadline:  # warm up together
+        time.sleep(0.01)
+    computed = cache.warmup(ds, progress=False)
+    (here / f"computed-{os.environ['RANK']}").write_text(json.dumps(computed))
+""")
+
+
+def test_two_ranks_warming_up_a_small_dataset_split_the_work(tmp_path):
+    """README: `cache.warmup(ds)` - "ranks split the work": each local rank starts at its own
+    offset. But a warm-up claims 256 misses at a time, so over 300 items the first rank to claim
+    took 256 of them (its offset's 150 and the other rank's first 106) and the other rank
+    computed 44 and waited: no faster than one process. Each rank's batches stay within its share."""
+    (tmp_path / "warm.py").write_text(WARM_SPLIT)
+    done = subprocess.run([sys.executable, "-m", "shmcache.launch", "--nproc", "2", "--session", "warm", "warm.py",
+                           str(tmp_path)], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    computed = [json.loads((tmp_path / f"computed-{rank}").read_text()) for rank in (0, 1)]
+    assert sum(computed) == 297 and max(computed) <= 200, computed  # (wrap() stored its 3 probes)
