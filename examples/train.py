@@ -170,10 +170,14 @@ def main() -> int:
     p.add_argument("--depth", type=int, default=2, help="prefetch ring depth")
     p.add_argument("--lr", type=float, default=1e-2)
     args = p.parse_args()
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = sorted(set(tasks) - {"photos", "digits"})
+    if unknown or not tasks:  # before any process trains: a typo must not end in a job that did nothing
+        p.error(f"--tasks {args.tasks!r}: {'unknown task ' + ', '.join(unknown) if unknown else 'no task'}; "
+                f"give photos, digits or photos,digits")
     rank, world, device = setup()
     if rank == 0:
         print(f"{world} process(es) on {device}, session {os.environ.get('SHMCACHE_SESSION', 'default')!r}")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
 
     if "photos" in tasks:
         photos = PhotoCrops(args.photos, size=32)

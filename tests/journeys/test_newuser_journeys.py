@@ -322,3 +322,16 @@ def test_two_ranks_warming_up_a_small_dataset_split_the_work(tmp_path):
     assert done.returncode == 0, done.stderr
     computed = [json.loads((tmp_path / f"computed-{rank}").read_text()) for rank in (0, 1)]
     assert sum(computed) == 297 and max(computed) <= 200, computed  # (wrap() stored its 3 probes)
+
+
+@pytest.mark.parametrize("tasks", ["foo", "digit", ","])
+def test_the_examples_tasks_refuse_a_task_it_does_not_have(tmp_path, tasks):
+    """`examples/train.py --tasks foo` (a typo: `digit`) trained nothing and exited 0: a job that
+    did nothing looked like one that worked. It must say which task is unknown and what it takes,
+    before any process trains."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--tasks", tasks], cwd=tmp_path,
+                          env=env(), capture_output=True, text=True, timeout=90)
+    assert done.returncode == 2, f"--tasks {tasks!r} exited {done.returncode}: {done.stdout}{done.stderr}"
+    last = done.stderr.strip().splitlines()[-1]
+    assert repr(tasks) in last and "photos, digits or photos,digits" in last, last
+    assert "process(es)" not in done.stdout, done.stdout  # refused before it set anything up
