@@ -198,6 +198,9 @@ class RunOutcome:
             _signal_name(signo) + (f" after {at_s:.1f} s" if at_s >= 0.05 else "")
             for signo, at_s in w.signals_sent
         )
+        if w.returncode >= 0:  # it exited on its own: a handler of the signal's, or a failure of its own
+            # meanwhile - which, the launcher cannot tell (its output can)
+            return f"exited with {_describe(w.returncode)} after the launcher sent {sent}"
         return f"terminated by launcher ({sent}): {_describe(w.returncode)}"
 
 

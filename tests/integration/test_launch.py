@@ -430,6 +430,21 @@ def test_failing_rank_stops_the_others(tmp_path, launcher):
     assert wait_gone([*pids, child], timeout_s=2) == []
 
 
+def test_a_rank_that_exits_with_a_code_after_sigterm_is_not_called_terminated(tmp_path, launcher):
+    """A rank that exits 1 once the launcher's SIGTERM came (its handler's exit, as torchelastic's
+    raises; or a failure of its own at the same moment) was summed up as "terminated by launcher
+    (SIGTERM): exit code 1", which reads as the launcher's doing. The summary says what is known:
+    it exited with that code after the launcher sent the signal."""
+    proc = launcher("--nproc", "2", "--shutdown-timeout", str(LONG_GRACE_S), str(SCRIPTS / "behave.py"),
+                    str(tmp_path), "term-exit1", "raise")
+    pids = read_pids(tmp_path, "pid", 2)
+    code, err, _ = finish(proc, timeout_s=LONG_GRACE_S + SLACK_S)
+    assert code == 1, err
+    assert summary_lines(err)[0] == f"shmcache.launch: rank 1 (pid {pids[1]}) failed first: exit code 1", err
+    assert f"rank 0 (pid {pids[0]}): exited with exit code 1 after the launcher sent SIGTERM" in err, err
+    assert "terminated by launcher" not in err, err
+
+
 def test_failing_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, launcher):
     grace_s = 1.0
     proc = launcher("--nproc", "2", "--shutdown-timeout", str(grace_s),

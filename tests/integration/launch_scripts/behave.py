@@ -6,6 +6,7 @@ Every rank first writes its PID to OUTDIR/pid-<RANK> (after installing any signa
 so a test that sees the file can rely on it). Actions:
     sleep        sleep for a minute (the launcher must stop it)
     ignore-term  ignore SIGTERM, then sleep (the launcher must SIGKILL it)
+    term-exit1   exit 1 from a SIGTERM handler (as torchelastic's raises), else sleep
     ignore-int   ignore SIGINT (writing OUTDIR/got-int-<RANK> when one comes), then sleep
     with-child   start a `sleep 60` child in its process group (its PID in OUTDIR/child-<RANK>),
                  then sleep: the launcher must stop the child too
@@ -44,6 +45,8 @@ def main() -> None:
     action = actions[rank]
     if action == "ignore-term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if action == "term-exit1":
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
     if action == "ignore-int":  # the file is the test's handshake: the forwarded signal arrived
         signal.signal(signal.SIGINT, lambda *_: write_atomically(os.path.join(out_dir, f"got-int-{rank}"), "1"))
     if action in ("with-child", "leave-child"):
