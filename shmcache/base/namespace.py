@@ -184,8 +184,15 @@ def namespace(root: str | os.PathLike | None = None, *, create: bool = True) -> 
     """The namespace at ``root``, else the one in force now (``$SHMCACHE_DIR`` or a per-user
     default); its directory is created mode 0700 (``create=False``, for a read-only look: left
     missing if it is, checked if it is there)."""
+    from_env = root is None
     raw = root if root is not None else settings.get(ENV_DIR)
     root = Path(raw).expanduser() if raw else _default_root()
+    if from_env and raw and not root.is_absolute():
+        # each process would take it from its own working directory: a warm-up script started in
+        # one directory and a training script in another would each have a namespace of its own
+        raise InvalidArgument(f"${ENV_DIR}={raw} is a relative path, which each process would take from its "
+                              f"own working directory (another namespace, other caches); give an absolute "
+                              f"one, e.g. ${ENV_DIR}={Path(raw).expanduser().absolute()}")
     root = root.absolute()
     if create or os.path.lexists(root):
         _ensure_private_dir(root)

@@ -335,3 +335,21 @@ def test_the_examples_tasks_refuse_a_task_it_does_not_have(tmp_path, tasks):
     last = done.stderr.strip().splitlines()[-1]
     assert repr(tasks) in last and "photos, digits or photos,digits" in last, last
     assert "process(es)" not in done.stdout, done.stdout  # refused before it set anything up
+
+
+def test_a_relative_shmcache_dir_is_refused_not_taken_from_each_working_directory(tmp_path):
+    """`export SHMCACHE_DIR=.shm`, then a warm-up script run in one directory and the training
+    script in another: each process took the path from its own working directory, so each had a
+    namespace (and caches) of its own, and the training epoch computed everything again, silently.
+    A relative path is refused, naming the absolute one it would have been here."""
+    for where in ("one", "two"):
+        (tmp_path / where).mkdir()
+    e = env()
+    e["SHMCACHE_DIR"] = ".shm"
+    for args in (["-m", "shmcache", "ls"], ["-c", CONSTRUCT]):
+        done = subprocess.run([sys.executable, *args], cwd=tmp_path / "one", env=e, capture_output=True, text=True,
+                              timeout=90)
+        assert done.returncode != 0, f"{args}: {done.stdout}{done.stderr}"
+        last = done.stderr.strip().splitlines()[-1]
+        assert "$SHMCACHE_DIR=.shm is a relative path" in last and str(tmp_path / "one" / ".shm") in last, last
+    assert not (tmp_path / "one" / ".shm").exists() and not (tmp_path / "two" / ".shm").exists()
