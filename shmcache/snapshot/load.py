@@ -146,6 +146,7 @@ def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str 
     take (None: IMPORT_TIMEOUT_S, 60 s); past it the import fails, giving back the cache it made."""
     from ..cache.store import CacheStore
 
+    records.max_item_bytes()  # a bad $SHMCACHE_MAX_ITEM_MB: refused before anything is read or made
     loc, manifest = read_manifest(src, storage_options, timeout_s)
     key = resolve_secret(secret)
     fmt.authenticate(manifest, key, allow_unsigned, loc.where(fmt.MANIFEST))  # before a cache is made

@@ -353,3 +353,18 @@ def test_a_relative_shmcache_dir_is_refused_not_taken_from_each_working_director
         last = done.stderr.strip().splitlines()[-1]
         assert "$SHMCACHE_DIR=.shm is a relative path" in last and str(tmp_path / "one" / ".shm") in last, last
     assert not (tmp_path / "one" / ".shm").exists() and not (tmp_path / "two" / ".shm").exists()
+
+
+def test_an_import_with_a_bad_max_item_size_is_refused_before_it_makes_anything(tmp_path):
+    """`SHMCACHE_MAX_ITEM_MB=1GB shmcache import SNAPSHOT`: the import made its session and cache,
+    then failed on the variable and left the session behind. The variable is checked first."""
+    run(["-c", CONSTRUCT], tmp_path, env())  # cache flags/c, one item
+    run(["-m", "shmcache", "export", "flags", "c", str(tmp_path / "snap")], tmp_path, env())
+    e = env()
+    e["SHMCACHE_MAX_ITEM_MB"] = "1GB"
+    done = subprocess.run([sys.executable, "-m", "shmcache", "import", str(tmp_path / "snap"), "--session", "imp"],
+                          cwd=tmp_path, env=e, capture_output=True, text=True, timeout=90)
+    assert done.returncode != 0
+    assert "$SHMCACHE_MAX_ITEM_MB='1GB'" in done.stderr, done.stderr
+    listed = json.loads(run(["-m", "shmcache", "ls", "--json"], tmp_path, env()))
+    assert [s for s in listed if s["session"] == "imp"] == [], listed
