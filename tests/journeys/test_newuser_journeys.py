@@ -118,41 +118,8 @@ def test_an_on_off_variable_set_to_nonsense_is_refused_naming_the_values(tmp_pat
     assert f"{variable}={value!r}" in last and "1, true, yes, on" in last and "0, false, no, off" in last, last
 
 
-TRAIN_AND_VAL = textwrap.dedent("""\
-    import numpy as np
-    from torch.utils.data import Dataset
-    from shmcache import ShmDatasetCache
-
-    class Split(Dataset):
-        def __init__(self, n):
-            self.n = n
-        def __len__(self):
-            return self.n
-        def __getitem__(self, i):
-            return np.full(16, i, dtype=np.int64)
-
-    train = ShmDatasetCache(session="tv").wrap(Split(300))
-    val = ShmDatasetCache(session="tv").wrap(Split(50))
-    for i in range(50):
-        assert int(train[i][0]) == i and int(val[i][0]) == i
-    print("ok")
-""")
-
-
-def test_a_validation_split_of_the_training_type_is_not_called_an_earlier_version_to_drop(tmp_path):
-    """The common script: train and validation splits of one dataset class, wrapped one after the
-    other. The second wrap made its cache and logged that 'the Split dataset changed' and that the
-    cache of an 'earlier version' - the training split's, open in this very process - should be
-    dropped with `shmcache destroy tv --cache ...`: advice that throws away the cache in use. A
-    cache that a live process has open is in use, not left behind."""
-    (tmp_path / "tv.py").write_text(TRAIN_AND_VAL)
-    done = subprocess.run([sys.executable, "tv.py"], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                          timeout=90)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
-    assert "earlier version" not in done.stderr and "destroy" not in done.stderr, done.stderr
-
-
-EPOCH = textwrap.dedent("""\
+# a map-style dataset of n items, item i sixteen int64s of i (each script below starts with it)
+ITEMS = textwrap.dedent("""\
     import sys
     import numpy as np
     from torch.utils.data import DataLoader, Dataset
@@ -165,7 +132,31 @@ EPOCH = textwrap.dedent("""\
             return self.n
         def __getitem__(self, i):
             return np.full(16, i, dtype=np.int64)
+""")
 
+TRAIN_AND_VAL = ITEMS + textwrap.dedent("""\
+    train = ShmDatasetCache(session="tv").wrap(Items(300))
+    val = ShmDatasetCache(session="tv").wrap(Items(50))
+    for i in range(50):
+        assert int(train[i][0]) == i and int(val[i][0]) == i
+    print("ok")
+""")
+
+
+def test_a_validation_split_of_the_training_type_is_not_called_an_earlier_version_to_drop(tmp_path):
+    """The common script: train and validation splits of one dataset class, wrapped one after the
+    other. The second wrap made its cache and logged that 'the Items dataset changed' and that the
+    cache of an 'earlier version' - the training split's, open in this very process - should be
+    dropped with `shmcache destroy tv --cache ...`: advice that throws away the cache in use. A
+    cache that a live process has open is in use, not left behind."""
+    (tmp_path / "tv.py").write_text(TRAIN_AND_VAL)
+    done = subprocess.run([sys.executable, "tv.py"], cwd=tmp_path, env=env(), capture_output=True, text=True,
+                          timeout=90)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert "earlier version" not in done.stderr and "destroy" not in done.stderr, done.stderr
+
+
+EPOCH = ITEMS + textwrap.dedent("""\
     n = int(sys.argv[1])
     ds = ShmDatasetCache(name=f"items{n}").wrap(Items(n))
     for batch in DataLoader(ds, batch_size=10, shuffle=True):
