@@ -48,7 +48,8 @@ __all__ = ["PREFIX", "ENV_DIR", "ENV_SESSION", "ENV_SIZE_MB", "ENV_SPILLING", "E
            "ENV_MEMORY_DIR", "ENV_REMOTE_PASSWORD", "ENV_SNAPSHOT", "ENV_SECRET", "ENV_MAX_ITEM_MB", "ENV_RDZV_TOKEN",
            "ENV_ORDERING", "ENV_NATIVE",
            "ENV_CRASH_AT", "ENV_CRASH_AFTER", "ENV_CLAIMS", "ENV_CLAIM_TIMEOUT_S", "ENV_RANK", "ENV_LOCAL_RANK",
-           "ENV_WORLD_SIZE", "ENV_LOCAL_WORLD_SIZE", "get", "flag", "turned_off", "native_unavailable", "without_ours"]
+           "ENV_WORLD_SIZE", "ENV_LOCAL_WORLD_SIZE", "get", "flag", "turned_off", "SWITCHES", "check_switches",
+           "native_unavailable", "without_ours"]
 
 PREFIX = "SHMCACHE_"
 ENV_DIR = "SHMCACHE_DIR"
@@ -112,13 +113,37 @@ def turned_off(name: str) -> bool:
     return _switch(name) is False
 
 
+SWITCHES = (ENV_SPILLING, ENV_CLAIMS, ENV_NATIVE)  # the on/off variables
+
+
+def check_switches(skip: tuple[str, ...] = ()) -> None:
+    """Refuse (InvalidArgument) an on/off variable of ``SWITCHES`` set to any other word, ``skip``
+    aside: the entry points call it first (``ShmDatasetCache``, the command line, the launcher),
+    so the refusal is one clean error there - not a traceback in ``import shmcache`` (NATIVE is
+    read at import), nor a store that cannot open inside ``shmcache gc`` (CLAIMS), which gc took
+    for a cache gone meanwhile and repaired nothing, nor N ranks dying after the launcher started
+    them."""
+    for name in SWITCHES:
+        if name not in skip:
+            _switch(name)
+
+
 def native_unavailable(built: bool, what: str) -> str:
     """Why a compiled part of shmcache is not used, and what to do ('' when it is used): not
-    built at install, or turned off by SHMCACHE_NATIVE (``what``: what unsetting it gives)."""
+    built at install, or turned off by SHMCACHE_NATIVE (``what``: what unsetting it gives). A
+    SHMCACHE_NATIVE of any other word is not raised here, at import, where nothing can report
+    it (the command line, `shmcache destroy` included, died in its imports): it turns the
+    compiled part off, naming the word, and ``check_switches`` refuses it at each entry point."""
     if not built:  # no C compiler at install, or a source checkout never built
         return ("not built at install (no C compiler or Python headers there): reinstall shmcache where both are "
                 "present (apt install gcc python3-dev)")
-    if turned_off(ENV_NATIVE):
+    from ..errors import InvalidArgument
+
+    try:
+        off = turned_off(ENV_NATIVE)
+    except InvalidArgument as exc:
+        return str(exc)
+    if off:
         return f"turned off by {ENV_NATIVE}: unset it for {what}"
     return ""
 

@@ -61,6 +61,7 @@ NOTE [memory limits]
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -321,22 +322,34 @@ class Admission:
 
     def log_memory_full(self, why: str, spill: IndexedTier | None, fix: str = "") -> None:
         """Say once that memory is full, what happens to new items now, and ``fix`` if any: once
-        per cache, generation and cap, not once per process (RootLayout.SAID_FULL: a job of 8
-        ranks with 8 DataLoader workers each said it 64 times)."""
+        per cache, generation, cap, spilling and job, not once per process (RootLayout.SAID_FULL: a
+        job of 8 ranks with 8 DataLoader workers each said it 64 times)."""
         if self._shm_full_logged:
             return
         self._shm_full_logged = True
         gen = split_epoch(WORD.unpack_from(self._root.buf, RootLayout.EPOCH)[0])[0]
-        mark = hash((gen, self.capacity_bytes)) & ((1 << 63) - 1) | 1  # ints hash alike in every process
+        spilling = spill is not None and spill.accepting
+        # the job too: the session and its full cache outlive the job, and a later job (or one that
+        # spills now) must be told; a stable digest, as str's hash differs from process to process
+        said = f"{gen}:{self.capacity_bytes}:{spilling}:{_job()}".encode()
+        mark = int.from_bytes(hashlib.blake2b(said, digest_size=8).digest(), "little") | 1
         if WORD.unpack_from(self._root.buf, RootLayout.SAID_FULL)[0] == mark:
-            return  # another process of this cache said it
+            return  # another process of this job said it
         self._root.words[RootLayout.SAID_FULL >> 3] = mark
-        if spill is not None and spill.accepting:
+        if spilling:
             then = f"new items go to disk (spill files in {spill.where})"
         else:
             then = ("new items are served from the source, not cached, and counted as rejected; "
                     f"{fix + ', or ' if fix else ''}spilling=True would keep them on disk")
         log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)
+
+
+def _job() -> str:
+    """Who counts as one job for a log line said once (RootLayout.SAID_FULL): the launcher's (or
+    torchrun's) run id, which its ranks and their DataLoader workers share, else this process's
+    group - a script and its DataLoader workers; a shell gives each command line a group of its own."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"run {run_id}" if run_id not in ("", "none") else f"pgid {os.getpgid(0)}"
 
 
 def _shm_space(root: str) -> tuple[int, int]:

@@ -20,9 +20,10 @@ class RootLayout:
     CAPACITY = 72  # the cap in bytes (NOTE [memory limits])
     INCARNATION = 80  # a random word drawn when the root is made (NOTE [publish order], Opening)
     SIZING = 88  # how the cap was set: SIZED, AUTO or AUTO_NONE
-    # the generation and cap at which a process said that the cache stopped growing in memory
-    # (Admission.log_memory_full): the other processes of the job then do not say it again. A hint
-    # only: two processes that say it at the same moment both do. Zero in a root made before it.
+    # a digest of the generation, cap, spilling and job at which a process said that the cache
+    # stopped growing in memory (Admission.log_memory_full): the other processes of the job then do
+    # not say it again; a later job, or one that spills, does. A hint only: two processes that say
+    # it at the same moment both do. Zero in a root made before it.
     SAID_FULL = 96
 
 

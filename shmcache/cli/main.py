@@ -615,6 +615,7 @@ _LOOKING = ("stat", "top", "ls", "info", "export", "destroy")
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        settings.check_switches()  # SHMCACHE_CLAIMS=disabled: every store refused to open, and gc skipped them all
         return args.func(args, SessionRegistry(namespace(create=args.command not in _LOOKING)))
     except InvalidArgument as exc:
         print(f"shmcache {args.command}: error: {exc}", file=sys.stderr)

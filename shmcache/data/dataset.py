@@ -162,6 +162,7 @@ class ShmDatasetCache:
                  snapshot_options: dict | None = None, secret: str | bytes | None = None,
                  allow_pickle: bool = False, create: bool = True,
                  memory_dir: str | os.PathLike | None = None):
+        settings.check_switches()  # each on/off variable, first: the user's code reads the refusal here
         self.session = resolve_session_name(session)
         self._secret = resolve_secret(secret)  # travels to DataLoader workers with the cache
         if not isinstance(allow_pickle, bool):

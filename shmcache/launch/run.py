@@ -376,6 +376,10 @@ def _plan(parser: _Parser, argv: list[str]) -> LaunchPlan:
         parser.error("the script to run is missing: put it after the options, e.g. "
                      "`--nproc 2 train.py` (or `-m package.module`)")
     command = _worker_command(parser, args, script_argv)
+    try:  # what every rank would refuse, before any starts (--spilling sets SHMCACHE_SPILLING=1 for them)
+        settings.check_switches(skip=(ENV_SPILLING,) if args.spilling else ())
+    except InvalidArgument as exc:
+        parser.error(str(exc))
     session = _session_name(parser, args.session)
     master_addr, master_port, run_id = _rendezvous(parser, args)
     spill_dir = _spill_dir(parser, args.spill_dir) if args.spill_dir else None

@@ -1,0 +1,149 @@
+"""What a review of the day's changes broke: an on/off variable set to a word it does not take
+must be refused where the user reads it (the command line, the launcher, before any rank starts),
+never as a traceback at import nor as a `shmcache gc` that silently repairs nothing; and a full
+cache's one log line (RootLayout.SAID_FULL) must still reach a later job, or one that now spills.
+
+Every process runs in the test's ``$SHMCACHE_DIR`` (the conftest's), which the conftest empties."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from _journey import env, run
+
+from shmcache.cache.generation import MetaLayout
+from shmcache.cache.store import CacheStore
+
+MADE = textwrap.dedent("""\
+    from shmcache import ShmDatasetCache
+    cache = ShmDatasetCache(session="sw", name="c", size=4)
+    for k in range(20):
+        cache.get(k, lambda k: k * k)
+    cache.close()
+""")
+
+
+def _bad(variable: str, value: str) -> dict:
+    e = env()
+    e[variable] = value
+    return e
+
+
+@pytest.mark.parametrize("command", [["ls"], ["stat", "sw"], ["gc"], ["destroy", "sw", "--cache", "c"]])
+@pytest.mark.parametrize(("variable", "value"), [("SHMCACHE_NATIVE", "none"), ("SHMCACHE_CLAIMS", "disabled")])
+def test_the_command_line_refuses_a_nonsense_switch_cleanly(tmp_path, variable, value, command):
+    """`export SHMCACHE_NATIVE=none` (meant off), then `shmcache ls` or `shmcache destroy`, the
+    cleanup a user reaches for: every command died in `import shmcache.cli` with a traceback
+    (NATIVE is read at import). With SHMCACHE_CLAIMS=disabled, `shmcache stat` listed every cache
+    as an error and `shmcache gc` repaired no cache and said so nowhere (each store's opening
+    raised, which gc takes for 'gone meanwhile'). Each command says what is wrong and exits 2."""
+    run(["-c", MADE], tmp_path, env())
+    done = subprocess.run([sys.executable, "-m", "shmcache", *command], cwd=tmp_path, env=_bad(variable, value),
+                          capture_output=True, text=True, timeout=90)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, f"{command} exited {done.returncode}: {done.stdout}{done.stderr}"
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"shmcache {command[0]}: error: {variable}={value!r}"), last
+    assert json.loads(run(["-m", "shmcache", "stat", "sw", "--json"], tmp_path, env()))[0]["name"] == "c"
+
+
+def test_gc_with_a_nonsense_claims_switch_does_not_pass_over_a_damaged_cache(tmp_path):
+    """gc's whole point: a cache whose counters a killed writer left wrong is recounted. With
+    SHMCACHE_CLAIMS=disabled in the environment (the job's, exported) it said '0 ... reclaimed',
+    exited 0 and recounted nothing: every cache's opening raised on the variable, which gc took for
+    a cache gone meanwhile. It must refuse (and recount once the variable is fixed)."""
+    run(["-c", MADE], tmp_path, env())
+    store = CacheStore("sw", "c", create=False)
+    try:
+        struct.pack_into("Q", store.view.refresh().meta.buf, MetaLayout.ITEMS_MEM, (1 << 63) + 12345)
+    finally:
+        store.close()
+    done = subprocess.run([sys.executable, "-m", "shmcache", "gc"], cwd=tmp_path,
+                          env=_bad("SHMCACHE_CLAIMS", "disabled"), capture_output=True, text=True, timeout=90)
+    assert done.returncode != 0, f"gc passed over the damaged cache and exited 0: {done.stdout}{done.stderr}"
+    assert "recounted" in run(["-m", "shmcache", "gc"], tmp_path, env())
+
+
+NOTE_START = textwrap.dedent("""\
+    import pathlib, sys
+    pathlib.Path(sys.argv[1], "started").touch()
+""")
+
+
+@pytest.mark.parametrize(("variable", "value"), [("SHMCACHE_NATIVE", "none"), ("SHMCACHE_CLAIMS", "disabled"),
+                                                 ("SHMCACHE_SPILLING", "enabled")])
+def test_the_launcher_refuses_a_nonsense_switch_before_any_rank_starts(tmp_path, variable, value):
+    """The launcher passed SHMCACHE_CLAIMS=disabled on to its ranks, which each died with the
+    same traceback once they had started (and SHMCACHE_NATIVE=none killed the launcher in its
+    imports, with a traceback). The launcher checks what its ranks would refuse, first."""
+    (tmp_path / "note.py").write_text(NOTE_START)
+    done = subprocess.run([sys.executable, "-m", "shmcache.launch", "--nproc", "2", "--session", "sw", "note.py",
+                           str(tmp_path)], cwd=tmp_path, env=_bad(variable, value), capture_output=True, text=True,
+                          timeout=120)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, f"exited {done.returncode}: {done.stderr}"
+    assert f"{variable}={value!r}" in done.stderr.strip().splitlines()[-1], done.stderr
+    assert not (tmp_path / "started").exists(), "a rank started"
+
+
+def test_the_launchers_spilling_option_overrides_a_nonsense_spilling_variable(tmp_path):
+    """`--spilling` sets SHMCACHE_SPILLING=1 for the ranks: a word in the launcher's own variable
+    is then none of theirs, and the job runs."""
+    (tmp_path / "note.py").write_text(NOTE_START)
+    done = subprocess.run([sys.executable, "-m", "shmcache.launch", "--spilling", "--spill-dir", str(tmp_path),
+                           "--session", "sw", "note.py", str(tmp_path)], cwd=tmp_path,
+                          env=_bad("SHMCACHE_SPILLING", "enabled"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "started").exists()
+
+
+FILL = textwrap.dedent("""\
+    import sys
+    import numpy as np
+    from shmcache import ShmDatasetCache
+
+    spill = sys.argv[1] == "spill"
+    cache = ShmDatasetCache(session="full", name="big", size=1, spilling=spill,
+                            spill_dir=sys.argv[2] if spill else None)
+    ds = cache.wrap([np.full(8192, i % 251, np.uint8) for i in range(300)])
+    for i in range(300):
+        ds[i]
+    cache.close()
+""")
+
+
+def _said(done: subprocess.CompletedProcess) -> list[str]:
+    assert done.returncode == 0, done.stderr
+    return [ln for ln in done.stderr.splitlines() if "stops growing in memory" in ln]
+
+
+def test_a_full_cache_that_now_spills_says_where_new_items_go(tmp_path):
+    """A first run filled the 1 MiB cache and said 'new items are served from the source ...
+    spilling=True would keep them on disk'. The user reruns with spilling=True, as told: new items
+    go to disk now, which the log line says - but RootLayout.SAID_FULL (same generation, same
+    cap) kept it quiet, and the run spilled 200 items without a word of where."""
+    (tmp_path / "fill.py").write_text(FILL)
+    (tmp_path / "spill").mkdir()
+    first = _said(subprocess.run([sys.executable, "fill.py", "memory", ""], cwd=tmp_path, env=env(),
+                                 capture_output=True, text=True, timeout=90))
+    assert len(first) == 1 and "spilling=True would keep them on disk" in first[0], first
+    second = _said(subprocess.run([sys.executable, "fill.py", "spill", str(tmp_path / "spill")], cwd=tmp_path,
+                                  env=env(), capture_output=True, text=True, timeout=90))
+    assert len(second) == 1 and "new items go to disk" in second[0], second
+
+
+def test_a_later_job_on_a_full_cache_is_told_it_is_full(tmp_path):
+    """RootLayout.SAID_FULL was meant to quiet 'the other processes of the job'; it quieted every
+    later job too: the session outlives the job, and the cache stays full. Tomorrow's job on it
+    rejected 200 items a pass (served from the source, its epochs cold) and never said why."""
+    (tmp_path / "fill.py").write_text(FILL)
+    for job in ("today", "tomorrow"):
+        done = subprocess.run([sys.executable, "-m", "shmcache.launch", "--session", "full", "fill.py", "memory",
+                               ""], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+        said = _said(done)
+        assert len(said) == 1 and "size=1 MiB" in said[0], f"{job}'s job: {said}"
