@@ -38,6 +38,7 @@ def stop(server: Any) -> None:
 
 # what the closing summary counts of a job: these counters less their reading when it started
 _COUNTED = ("hits", "misses", "computed", "stall_seconds", "loop_seconds")
+_OF_GENERATION = ("hits", "misses")  # in the generation's meta: zero again after clear(); the others per cache
 
 
 def reading(registry: SessionRegistry, session: str) -> dict[str, dict]:
@@ -47,7 +48,8 @@ def reading(registry: SessionRegistry, session: str) -> dict[str, dict]:
         rows = node_rows(registry, session)
     except Exception:  # noqa: BLE001 - no reading: the summary counts what the caches hold (as before)
         return {}
-    return {st["name"]: {k: st[k] for k in _COUNTED} for st in rows if "error" not in st}
+    return {st["name"]: {k: st[k] for k in (*_COUNTED, "incarnation", "generation")}
+            for st in rows if "error" not in st}
 
 
 def summary(registry: SessionRegistry, session: str, before: dict[str, dict] | None = None) -> list[str]:
@@ -69,11 +71,15 @@ def summary(registry: SessionRegistry, session: str, before: dict[str, dict] | N
         was = (before or {}).get(st["name"])
         got = {k: st[k] for k in _COUNTED}
         if was is not None:
-            moved = {k: got[k] - was[k] for k in _COUNTED}
-            if not any(moved[k] for k in ("hits", "misses", "computed")):
+            # a counter of another incarnation (destroyed and made again in the job), or of another
+            # generation (cleared), is not the job's to subtract: the new one started at zero
+            same_cache = was["incarnation"] == st["incarnation"]
+            same_gen = same_cache and was["generation"] == st["generation"]
+            for k in _COUNTED:
+                base = was[k] if (same_gen if k in _OF_GENERATION else same_cache) else 0
+                got[k] -= base if got[k] >= base else 0  # one that went back anyway counts from zero
+            if not any(got[k] for k in ("hits", "misses", "computed")):
                 continue  # the job never read it
-            if min(moved.values()) >= 0:
-                got = moved
         looked = got["hits"] + got["misses"]
         ratio = f"{got['hits'] / looked:.1%}" if looked else "-"
         stall = f"{got['stall_seconds'] / got['loop_seconds']:.1%}" if got["loop_seconds"] > 0 else "not measured"

@@ -15,8 +15,8 @@ __all__ = ["cache_rows", "node_rows"]
 
 
 def cache_rows(registry: SessionRegistry, session: str) -> list[dict]:
-    """One row per cache of ``session``: its ``stats()`` keys, ``label``,
-    ``in_use``, ``last_opened``, ``idle_s``; a cache that cannot be opened is ``session``, ``name``
+    """One row per cache of ``session``: its ``stats()`` keys, ``label``, ``incarnation``,
+    ``generation``, ``in_use``, ``last_opened``, ``idle_s``; a cache that cannot be opened is ``session``, ``name``
     and ``error``."""
     from ..cache.store import CacheStore  # numpy, no torch
     from .spill.tier import attach_existing
@@ -32,6 +32,9 @@ def cache_rows(registry: SessionRegistry, session: str) -> list[dict]:
             attach_existing(store)  # spilled items counted (no-op when the cache never spilled)
             st = store.stats()
             st["label"] = store.read_meta().get("label")  # wrap(label=), else the dataset's repr
+            # which cache and generation these counters are of: hits and misses start again at zero
+            # in a new generation (clear()), every counter in a new incarnation (destroyed, made again)
+            st["incarnation"], st["generation"] = store.view.incarnation, store.view.refresh().gen
         finally:
             store.close()
         last = registry.cache_last_opened(session, name)  # None: open in a live process now

@@ -8,6 +8,7 @@ Every process runs in the test's ``$SHMCACHE_DIR`` (the conftest's), which the c
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -147,3 +148,58 @@ def test_a_later_job_on_a_full_cache_is_told_it_is_full(tmp_path):
                                ""], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
         said = _said(done)
         assert len(said) == 1 and "size=1 MiB" in said[0], f"{job}'s job: {said}"
+
+
+EPOCHS = textwrap.dedent("""\
+    import os, subprocess, sys
+    import numpy as np
+    from torch.utils.data import Dataset
+    from shmcache import ShmDatasetCache
+
+    class Items(Dataset):
+        def __len__(self):
+            return 100
+        def __getitem__(self, i):
+            return np.full(16, i, dtype=np.int64)
+
+    cache = ShmDatasetCache(name="items")
+    ds = cache.wrap(Items())
+    if sys.argv[1] == "clear":
+        cache.clear()  # a fresh start: every item computed again
+    elif sys.argv[1] == "remake":  # destroyed (here, by the job itself) and made again
+        cache.close()
+        subprocess.run([sys.executable, "-m", "shmcache", "destroy", os.environ["SHMCACHE_SESSION"], "--cache",
+                        "items"], check=True)
+        cache = ShmDatasetCache(name="items")
+        ds = cache.wrap(Items())
+    for epoch in range(int(sys.argv[2])):
+        for i in range(100):
+            ds[i]
+""")
+
+
+@pytest.mark.parametrize("how", ["clear", "remake"])
+def test_the_closing_summary_of_a_job_that_starts_its_cache_afresh(tmp_path, how):
+    """The closing summary subtracts each cache's counters at the job's start. A job that clears
+    its cache (`cache.clear()`: a new generation, new hit and miss counters) or destroys it and
+    makes it again (a new incarnation: every counter new) then reads two epochs: about 100
+    misses, 100 hits, 100 computed. Its summary subtracted the earlier generation's counters from
+    the new one's: `(97 hits, 3 misses) ... computed 104` after a clear, `(100 hits, 0 misses)
+    ... computed 0` after a remake - a job that computed everything summed up as one that
+    computed nothing. Counters of another generation or incarnation are not the job's to subtract."""
+    (tmp_path / "epochs.py").write_text(EPOCHS)
+
+    def closing(*args: str) -> tuple[int, int, int]:
+        done = subprocess.run([sys.executable, "-m", "shmcache.launch", "--session", "job", "epochs.py", *args],
+                              cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith("shmcache.launch: cache job/items")]
+        assert len(lines) == 1, done.stderr
+        got = re.search(r"\((\d+) hits, (\d+) misses\).* computed (\d+),", lines[0])
+        assert got, lines[0]
+        return int(got[1]), int(got[2]), int(got[3])
+
+    first = closing("keep", "1")
+    assert first[0] + first[1] == 100 and first[1] >= 90, first
+    hits, misses, computed = closing(how, "2")
+    assert hits + misses == 200 and 97 <= misses <= 100 and 97 <= computed <= 104, (hits, misses, computed)
