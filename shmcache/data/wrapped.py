@@ -459,14 +459,16 @@ class CachedIterableDataset(IterableDataset):
             self._pending = None
             for i in range(total):
                 value = store.lookup(f"{stream}:{i}", self.cache.copy)
-                if value is MISSING:
-                    yield from self._record(store, stream, marker, skip=i)
+                if value is MISSING:  # its lookup counted its miss
+                    yield from self._record(store, stream, marker, skip=i, counted=True)
                     return
                 yield value
             return
         yield from self._record(store, stream, marker, skip=0)
 
-    def _record(self, store: Store, stream: str, marker: str, skip: int):
+    def _record(self, store: Store, stream: str, marker: str, skip: int, counted: bool = False):
+        """Record the stream from item ``skip`` on (``counted``: item ``skip``'s miss was counted by
+        the replay's lookup that found it missing)."""
         count = 0
         for i, sample in enumerate(self._source()):
             count = i + 1
@@ -474,7 +476,8 @@ class CachedIterableDataset(IterableDataset):
                 continue  # already yielded from the cache in this pass
             value = self.transform(sample) if self.transform is not None else sample
             store.count_computed()
-            store.count_misses()  # not in the cache: computed, as a warm-up's items count
+            if not (counted and i == skip):
+                store.count_misses()  # not in the cache: computed, as a warm-up's items count
             self.cache.put_computed(store, f"{stream}:{i}", value)
             yield value
         store.put(marker, count)  # only after a full pass

@@ -203,3 +203,33 @@ def test_the_closing_summary_of_a_job_that_starts_its_cache_afresh(tmp_path, how
     assert first[0] + first[1] == 100 and first[1] >= 90, first
     hits, misses, computed = closing(how, "2")
     assert hits + misses == 200 and 97 <= misses <= 100 and 97 <= computed <= 104, (hits, misses, computed)
+
+
+STREAM_TOO_BIG = textwrap.dedent("""\
+    import json
+    import numpy as np
+    from torch.utils.data import IterableDataset
+    from shmcache import ShmDatasetCache
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return (np.full(16384, i % 251, np.uint8) for i in range(100))
+
+    cache = ShmDatasetCache(session="stream", size=1)  # holds about half of the stream
+    ds = cache.wrap(Stream())
+    for x in ds:
+        pass
+    for x in ds:  # replays what the cache holds, then records the rest again
+        pass
+    print(json.dumps(cache.stats()))
+""")
+
+
+def test_a_replay_that_records_again_counts_each_miss_once(tmp_path):
+    """README: `misses` counts the reads that computed their item plus those that waited for
+    another process's (claim_waits). A replay that finds item k missing (the cache was full) looks
+    it up - a miss - and records the rest from k, counting item k's miss again: misses 149 for 148
+    computed. Each item is one miss."""
+    st = json.loads(run(["-c", STREAM_TOO_BIG], tmp_path, env()).strip().splitlines()[-1])
+    assert st["rejected"] > 0, st  # the cache was full: the replay did record again
+    assert st["misses"] == st["computed"] + st["claim_waits"], st
