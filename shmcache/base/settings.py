@@ -4,12 +4,13 @@ The launcher writes some of these for its workers (with the same names from here
 them as the defaults of its arguments. Each is read when it is needed - at the call, so a test or a
 program may set one at run time - except two read once, when their module is imported:
 ``SHMCACHE_ORDERING`` (the fences of ``ordering``) and ``SHMCACHE_CRASH_AT``/``_AFTER`` (the
-crash points of ``faults``).
+crash points of ``faults``). The on/off ones (``SWITCHES``) take 1, true, yes, on or 0, false, no,
+off; any other word is refused at each entry point (``check_switches``).
 
 ======================== ===================================================================
 variable                 meaning (read by)
 ======================== ===================================================================
-SHMCACHE_DIR             the namespace's directory (``namespace``)
+SHMCACHE_DIR             the namespace's directory, an absolute path (``namespace``)
 SHMCACHE_SESSION         the session of ``session="auto"`` (``namespace``; the launcher sets it)
 SHMCACHE_SIZE_MB         the default ``size=`` of caches, MiB (data/; the launcher's --size)
 SHMCACHE_SPILLING        "1", "true", "yes", "on": the default ``spilling=True`` (the launcher's --spilling)
