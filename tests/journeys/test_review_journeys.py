@@ -20,13 +20,16 @@ from _journey import env, run
 from shmcache.cache.generation import MetaLayout
 from shmcache.cache.store import CacheStore
 
-MADE = textwrap.dedent("""\
-    from shmcache import ShmDatasetCache
-    cache = ShmDatasetCache(session="sw", name="c", size=4)
-    for k in range(20):
-        cache.get(k, lambda k: k * k)
-    cache.close()
-""")
+
+def _made() -> None:
+    """Cache sw/c with 20 items, made here (the commands under test run in processes of their own;
+    a script that made it through ShmDatasetCache would import torch first: a second a case)."""
+    store = CacheStore("sw", "c", capacity_bytes=4 << 20)
+    try:
+        for k in range(20):
+            store.put(k, k * k)
+    finally:
+        store.close()
 
 
 def _bad(variable: str, value: str) -> dict:
@@ -43,7 +46,7 @@ def test_the_command_line_refuses_a_nonsense_switch_cleanly(tmp_path, variable, 
     (NATIVE is read at import). With SHMCACHE_CLAIMS=disabled, `shmcache stat` listed every cache
     as an error and `shmcache gc` repaired no cache and said so nowhere (each store's opening
     raised, which gc takes for 'gone meanwhile'). Each command says what is wrong and exits 2."""
-    run(["-c", MADE], tmp_path, env())
+    _made()
     done = subprocess.run([sys.executable, "-m", "shmcache", *command], cwd=tmp_path, env=_bad(variable, value),
                           capture_output=True, text=True, timeout=90)
     assert "Traceback" not in done.stderr, done.stderr
@@ -58,7 +61,7 @@ def test_gc_with_a_nonsense_claims_switch_does_not_pass_over_a_damaged_cache(tmp
     SHMCACHE_CLAIMS=disabled in the environment (the job's, exported) it said '0 ... reclaimed',
     exited 0 and recounted nothing: every cache's opening raised on the variable, which gc took for
     a cache gone meanwhile. It must refuse (and recount once the variable is fixed)."""
-    run(["-c", MADE], tmp_path, env())
+    _made()
     store = CacheStore("sw", "c", create=False)
     try:
         struct.pack_into("Q", store.view.refresh().meta.buf, MetaLayout.ITEMS_MEM, (1 << 63) + 12345)
