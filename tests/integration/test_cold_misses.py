@@ -180,6 +180,7 @@ def test_a_stopped_holder_costs_a_cold_epoch_one_claim_timeout_not_one_per_batch
         _stop_holder(holder)
 
 
+@pytest.mark.slow  # ~6 s of timeouts; the batch's test of the same rule stays in the default run
 def test_a_stopped_holder_costs_single_key_misses_one_timeout_until_stuck_s_passes(tmp_path, monkeypatch):
     """The same for ``ds[i]`` (one key a miss, ``claims.fill``): the first miss of a stopped
     holder's keys waits claim_timeout_s, the others compute at once (each counted as a claim
@@ -331,7 +332,7 @@ def _await(proc: subprocess.Popen, path) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("how", ["resumed", "replaced"])
+@pytest.mark.parametrize("how", ["resumed", pytest.param("replaced", marks=pytest.mark.slow)])  # slow: ~8 s
 def test_a_holder_that_went_on_after_a_timeout_is_waited_for_again(tmp_path, monkeypatch, how):
     """Review, fixed: a wait that timed out marks its holder stuck (by its owner word: its liveness slot)
     for STUCK_S (30 s), "until this process takes one of that holder's buckets (it let go)". The

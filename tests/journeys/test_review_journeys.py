@@ -126,6 +126,7 @@ def _said(done: subprocess.CompletedProcess) -> list[str]:
     return [ln for ln in done.stderr.splitlines() if "stops growing in memory" in ln]
 
 
+@pytest.mark.slow  # two launches (~3 s); a later job's warning is checked in the default run
 def test_a_full_cache_that_now_spills_says_where_new_items_go(tmp_path):
     """A first run filled the 1 MiB cache and said 'new items are served from the source ...
     spilling=True would keep them on disk'. The user reruns with spilling=True, as told: new items
@@ -181,7 +182,7 @@ EPOCHS = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("how", ["clear", "remake"])
+@pytest.mark.parametrize("how", ["clear", pytest.param("remake", marks=pytest.mark.slow)])  # slow: a launch, ~4 s
 def test_the_closing_summary_of_a_job_that_starts_its_cache_afresh(tmp_path, how):
     """The closing summary subtracts each cache's counters at the job's start. A job that clears
     its cache (`cache.clear()`: a new generation, new hit and miss counters) or destroys it and
