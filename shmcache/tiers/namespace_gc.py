@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..base import settings
 from ..cache.registry import GcReport, IdleCache, IdleSession, SessionRegistry
 from ..cache.store import CacheStore
 from ..errors import CacheNotFound, CorruptSegment, LockTimeout, ShmcacheError
@@ -54,7 +55,10 @@ def collect_garbage(registry: SessionRegistry, idle_for_s: float | None = None,
                     cache_idle_for_s: float | None = None) -> GcResult:
     """``shmcache gc`` on ``registry``'s namespace; ``idle_for_s``: first destroy the sessions
     nobody used for that long (NOTE [session lifecycle], last use); ``cache_idle_for_s``: then
-    drop the caches no process opened for that long (NOTE [cache use])."""
+    drop the caches no process opened for that long (NOTE [cache use]). An on/off variable set to
+    a word it does not take is refused first (InvalidArgument): each cache's opening would raise
+    on it, and a cache that does not open is taken for one gone meanwhile - recounting nothing."""
+    settings.check_switches()
     idle = registry.destroy_idle(idle_for_s) if idle_for_s is not None else []
     idle_caches = registry.drop_idle_caches(cache_idle_for_s) if cache_idle_for_s is not None else []
     result = GcResult(registry.gc(), idle, idle_caches=idle_caches)

@@ -73,6 +73,27 @@ def test_gc_with_a_nonsense_claims_switch_does_not_pass_over_a_damaged_cache(tmp
     assert "recounted" in run(["-m", "shmcache", "gc"], tmp_path, env())
 
 
+def test_gc_called_from_python_refuses_a_nonsense_claims_switch(monkeypatch):
+    """The library call behind `shmcache gc` (tiers.namespace_gc.collect_garbage) took every cache
+    that would not open under SHMCACHE_CLAIMS=disabled for one gone meanwhile and recounted nothing,
+    silently: only the command line checked the switches first."""
+    from shmcache.cache.registry import SessionRegistry
+    from shmcache.errors import InvalidArgument
+    from shmcache.tiers.namespace_gc import collect_garbage
+
+    _made()
+    store = CacheStore("sw", "c", create=False)
+    try:
+        struct.pack_into("Q", store.view.refresh().meta.buf, MetaLayout.ITEMS_MEM, (1 << 63) + 12345)
+    finally:
+        store.close()
+    monkeypatch.setenv("SHMCACHE_CLAIMS", "disabled")
+    with pytest.raises(InvalidArgument, match="SHMCACHE_CLAIMS"):
+        collect_garbage(SessionRegistry())
+    monkeypatch.delenv("SHMCACHE_CLAIMS")
+    assert collect_garbage(SessionRegistry()).recounted, "the damaged cache was not recounted once the switch is fixed"
+
+
 NOTE_START = textwrap.dedent("""\
     import pathlib, sys
     pathlib.Path(sys.argv[1], "started").touch()
