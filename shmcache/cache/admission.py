@@ -329,19 +329,27 @@ class Admission:
         self._shm_full_logged = True
         gen = split_epoch(WORD.unpack_from(self._root.buf, RootLayout.EPOCH)[0])[0]
         spilling = spill is not None and spill.accepting
-        # the job too: the session and its full cache outlive the job, and a later job (or one that
-        # spills now) must be told; a stable digest, as str's hash differs from process to process
-        said = f"{gen}:{self.capacity_bytes}:{spilling}:{_job()}".encode()
-        mark = int.from_bytes(hashlib.blake2b(said, digest_size=8).digest(), "little") | 1
-        if WORD.unpack_from(self._root.buf, RootLayout.SAID_FULL)[0] == mark:
+        if not self.first_to_say(RootLayout.SAID_FULL, f"{gen}:{self.capacity_bytes}:{spilling}"):
             return  # another process of this job said it
-        self._root.words[RootLayout.SAID_FULL >> 3] = mark
         if spilling:
             then = f"new items go to disk (spill files in {spill.where})"
         else:
             then = ("new items are served from the source, not cached, and counted as rejected; "
                     f"{fix + ', or ' if fix else ''}spilling=True would keep them on disk")
         log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)
+
+
+    def first_to_say(self, word: int, notice: str) -> bool:
+        """Whether this process is the first of its job to say ``notice`` about this cache (root
+        word ``word``: RootLayout.SAID_FULL, SAID_NOTICE), marking it said. The job is in the
+        mark: the session and its cache outlive the job, and a later job must be told again; a
+        stable digest, as str's hash differs from process to process. A hint, never a lock."""
+        said = f"{notice}:{_job()}".encode()
+        mark = int.from_bytes(hashlib.blake2b(said, digest_size=8).digest(), "little") | 1
+        if WORD.unpack_from(self._root.buf, word)[0] == mark:
+            return False
+        self._root.words[word >> 3] = mark
+        return True
 
 
 def _job() -> str:

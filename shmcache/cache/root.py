@@ -25,6 +25,10 @@ class RootLayout:
     # not say it again; a later job, or one that spills, does. A hint only: two processes that say
     # it at the same moment both do. Zero in a root made before it.
     SAID_FULL = 96
+    # the same for the last other notice a process said once for its job (a sample stored with
+    # pickle, one too large to cache: the dataset layer's, CacheStore.first_to_say): notices of
+    # different texts take turns, each then said again - a hint only, as SAID_FULL
+    SAID_NOTICE = 104
 
 
 # The root's tombstone: whoever removes a cache writes DESTROYED into its epoch word before

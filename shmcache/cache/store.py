@@ -463,6 +463,11 @@ class CacheStore:
         """``n`` values computed for this cache on a path without claims (an iterable's pass)."""
         self.claims.count(claims.COMPUTED, n)
 
+    def first_to_say(self, notice: str) -> bool:
+        """Whether this process is the first of its job to say ``notice`` about this cache (marked
+        said: RootLayout.SAID_NOTICE): a warning said once per job, not once per process."""
+        return self.writer.admission.first_to_say(RootLayout.SAID_NOTICE, notice)
+
     def portable_records(self):
         """Every item of the current generation as ``(portable key, portable record)``, lock-free
         (portable.records, which says what a damaged or cleared one gives)."""
@@ -688,6 +693,9 @@ class UncachedStore:
 
     def count_computed(self, n: int = 1) -> None:
         self._computed += n
+
+    def first_to_say(self, notice: str) -> bool:
+        return True  # nothing shared: each process says it
 
     def batch_layout(self, keys: np.ndarray) -> None:
         return None

@@ -208,9 +208,11 @@ class ShmDatasetCache:
         self._fingerprint: str | None = None
         self._given_fp: str | None = None  # wrap(fingerprint=...) of the wrap() under way
         self._closed = False
-        self._warned_pickle = False  # one warning per cache object when samples are pickled
+        # a warning of samples stored with pickle, of an item that can never fit: checked once
+        # per cache object, said once per job (Store.first_to_say: not by each rank and worker)
+        self._warned_pickle = False
         self._shapes: list = []  # the samples' shapes seen last (codec.encode_many's memo)
-        self._warned_too_large = False  # one log line per cache object when an item can never fit
+        self._warned_too_large = False
         self._warned_gone = False  # one log line per cache object when the cache was destroyed under it
         self._source_len: int | None = None  # len() of the map-style dataset wrapped: export() records it
         self.last_import = None  # from_snapshot(): what the import stored (snapshot.load.ImportReport)
@@ -582,9 +584,9 @@ class ShmDatasetCache:
 
     def put_computed(self, store: Store, key: Any, value: Any, enc: codec.Encoded | None = None,
                      explicit: bool = False) -> bool:
-        """``store.put``, warning once per cache when a sample had to be pickled. A value the
+        """``store.put``, warning once per job when a sample had to be pickled. A value the
         cache computed for its caller (``explicit=False``) that can never fit is served anyway,
-        like every other overflow: counted as rejected (by the store) and said once per cache."""
+        like every other overflow: counted as rejected (by the store) and said once per job."""
         enc = self.encode(key, value) if enc is None else self._warned(enc)
         try:
             return store.put(key, None, encoded=enc)
@@ -602,7 +604,7 @@ class ShmDatasetCache:
     def _put_many(self, store: Store, pairs: list) -> None:
         """Store the values a miss path computed (``(key, value)`` pairs) under one hold of the
         lock (``store.put_many``): what can never fit or finds the cache destroyed is served
-        anyway, said once per cache, as with ``put_computed``. A value that cannot be encoded raises
+        anyway, said once, as with ``put_computed``. A value that cannot be encoded raises
         EncodeError after the others are stored: one such sample loses only itself."""
         items, failed = self.encode_many(pairs)
         self.put_encoded(store, items)
@@ -620,7 +622,7 @@ class ShmDatasetCache:
             self._say_too_large(too_large[0])
 
     def encode(self, key: Any, value: Any) -> codec.Encoded:
-        """``value`` encoded for ``key``, warned about once per cache when it had to be pickled."""
+        """``value`` encoded for ``key``, warned about once per job when it had to be pickled."""
         return self._warned(codec.encode(value, f"the value of key {key!r}"))
 
     def encode_many(self, pairs: list) -> tuple[list, tuple | None]:
@@ -637,7 +639,7 @@ class ShmDatasetCache:
         return items, failed
 
     def _warned(self, enc: codec.Encoded) -> codec.Encoded:
-        """``enc``, warned about once per cache when it had to be pickled."""
+        """``enc``, warned about once per job when it had to be pickled."""
         if enc.pickled and not self._warned_pickle:
             self._warn_pickled(enc.pickled)
         return enc
@@ -645,8 +647,9 @@ class ShmDatasetCache:
     def _say_too_large(self, exc: ItemTooLarge) -> None:
         if not self._warned_too_large:
             self._warned_too_large = True
-            log.warning("%s; such items are served from the source, not cached, and counted as "
-                        "rejected (said once per cache)", exc)
+            if self.opened is None or self.opened.first_to_say("an item too large"):
+                log.warning("%s; such items are served from the source, not cached, and counted as "
+                            "rejected (said once per job)", exc)
 
     def _say_gone(self, exc: CacheNotFound) -> None:
         if not self._warned_gone:  # reads miss (counted), values come from the source
@@ -656,10 +659,12 @@ class ShmDatasetCache:
 
     def _warn_pickled(self, types: tuple) -> None:
         self._warned_pickle = True
+        if self.opened is not None and not self.opened.first_to_say(f"pickled {types}"):
+            return
         warnings.warn(
             f"cache {self.session}/{self.name}: samples holding {', '.join(types)} are stored with "
             f"pickle: slower to store and read than arrays, often larger, and never zero-copy or "
-            f"gathered as a batch; {_native_hint(types)} (warned once per cache)",
+            f"gathered as a batch; {_native_hint(types)} (warned once per job)",
             UserWarning, stacklevel=_user_stacklevel())
 
     def __getitem__(self, key):

@@ -258,3 +258,45 @@ def test_a_replay_that_records_again_counts_each_miss_once(tmp_path):
     st = json.loads(run(["-c", STREAM_TOO_BIG], tmp_path, env()).strip().splitlines()[-1])
     assert st["rejected"] > 0, st  # the cache was full: the replay did record again
     assert st["misses"] == st["computed"] + st["claim_waits"], st
+
+
+
+
+PICKLED = textwrap.dedent("""\
+    from shmcache import ShmDatasetCache
+
+    cache = ShmDatasetCache(session="notes", name="sets")
+    ds = cache.wrap([{i, i + 1} for i in range(40)])  # a set: stored with pickle
+    [ds[i] for i in range(40)]
+    cache.close()
+""")
+TOO_LARGE = textwrap.dedent("""\
+    import numpy as np
+    from shmcache import ShmDatasetCache
+
+    cache = ShmDatasetCache(session="notes", name="big", size=1)
+    ds = cache.wrap([np.full(300_000, i, np.int64) for i in range(8)])  # 2.4 MB each
+    [ds[i] for i in range(8)]
+    cache.close()
+""")
+
+
+@pytest.mark.parametrize(("script", "said"), [
+    (PICKLED, "are stored with pickle"),
+    pytest.param(TOO_LARGE, "served from the source, not cached", marks=pytest.mark.slow)])  # the same rule
+def test_a_warning_about_the_samples_is_said_once_per_job(tmp_path, script, said):
+    """Samples stored with pickle, or too large to cache, were warned about once per cache object:
+    once in every process (8 ranks with 8 DataLoader workers each said it 64 times). Two ranks of
+    a job say it once; a later job is told again."""
+    def ranks(job: str, n: int) -> str:
+        e = env()
+        e["TORCHELASTIC_RUN_ID"] = job
+        procs = [subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=e, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(n)]
+        out = [p.communicate(timeout=90)[1] for p in procs]
+        assert all(p.returncode == 0 for p in procs), out
+        return "".join(out)
+
+    out = ranks("job-a", 2)
+    assert out.count(said) == 1, out
+    assert ranks("job-b", 1).count(said) == 1, "a later job was not told"
