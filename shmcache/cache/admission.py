@@ -353,11 +353,36 @@ class Admission:
 
 
 def _job() -> str:
-    """Who counts as one job for a log line said once (RootLayout.SAID_FULL): the launcher's (or
-    torchrun's) run id, which its ranks and their DataLoader workers share, else this process's
-    group - a script and its DataLoader workers; a shell gives each command line a group of its own."""
+    """Who counts as one job for a log line said once (Admission.first_to_say): the launcher's (or
+    torchrun's) run id, which its ranks and their DataLoader workers share; else, under torchrun's
+    static rendezvous (run id "none"), its agent: the parent of this process group's leader (each
+    rank leads a group of its own, its workers in it); else this process's group - a script and
+    its DataLoader workers, as a shell gives each command line a group of its own."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return f"run {run_id}" if run_id not in ("", "none") else f"pgid {os.getpgid(0)}"
+    if run_id not in ("", "none"):
+        return f"run {run_id}"
+    pgid = os.getpgid(0)
+    if run_id == "none":
+        agent = _parent(pgid)
+        if agent is not None:
+            return f"agent {agent}"
+    return f"pgid {pgid}"
+
+
+def _parent(pid: int) -> str | None:
+    """``"<ppid>@<its start time>"`` of process ``pid`` (the start time tells a reused pid apart),
+    or None where /proc does not say."""
+    try:
+        ppid = _stat_fields(pid)[1]
+        return f"{ppid}@{_stat_fields(int(ppid))[19]}"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields from the state on (the name in parentheses may hold anything)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rpartition(b")")[2].decode().split()
 
 
 def _shm_space(root: str) -> tuple[int, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -300,3 +301,26 @@ def test_a_warning_about_the_samples_is_said_once_per_job(tmp_path, script, said
     out = ranks("job-a", 2)
     assert out.count(said) == 1, out
     assert ranks("job-b", 1).count(said) == 1, "a later job was not told"
+
+
+@pytest.mark.parametrize("rerun", [False, pytest.param(True, marks=pytest.mark.slow)])  # 3 s a torchrun
+def test_a_warning_is_said_once_by_the_ranks_of_a_plain_torchrun(tmp_path, rerun):
+    """torchrun's static rendezvous (a fixed --master-port) gives every rank the run id "none" and
+    a process group of its own, so each rank counted as a job and said the warning again. The
+    ranks of one torchrun are one job; the next torchrun is told again."""
+    (tmp_path / "rank.py").write_text(PICKLED)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def torchrun() -> str:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--master-port", str(port), str(tmp_path / "rank.py")], cwd=tmp_path, env=env(),
+                              capture_output=True, text=True, timeout=90)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    said = torchrun()
+    assert said.count("are stored with pickle") == 1, said
+    if rerun:
+        assert torchrun().count("are stored with pickle") == 1, "the next torchrun was not told"
