@@ -98,11 +98,12 @@ _FP_CHARS = 12  # of the fingerprint in a default name
 
 def say_earlier_versions(registry: Any, session: str, name: str) -> None:
     """Cache ``name`` (a default name) was just made: if the session holds caches of the same
-    dataset type under another fingerprint - the dataset changed - say which ones stay behind in
-    shared memory, their size and how to drop them (NOTE [cache use]). Not one that a live process
-    has open: that one is in use, not left behind - most often another dataset of the type in the
-    same job (the training split, wrapped before its validation split), which the advice to drop
-    it would throw away."""
+    dataset type under another fingerprint - the dataset changed, or it is another dataset of the
+    type - say which ones stay in shared memory, their size and how to drop them (NOTE [cache
+    use]). Not one that a live process has open: that one is in use, not left behind - most often
+    another dataset of the type in the same job (the training split, wrapped before its validation
+    split), which the advice to drop it would throw away. One nobody has open may be either (the
+    training script's cache when the evaluation script runs after it): the line says both."""
     base = name[:-_FP_CHARS]
     for other in registry.cache_names(session):
         if other == name or not other.startswith(base) or len(other) != len(name):
@@ -110,12 +111,13 @@ def say_earlier_versions(registry: Any, session: str, name: str) -> None:
         last = registry.cache_last_opened(session, other)
         if last is None:  # open in a live process now
             continue
-        log.warning("cache %s/%s is new: the %s dataset changed (its length, attributes, code, "
-                    "transform or samples differ), and the cache of an earlier version, %s/%s "
-                    "(%.1f MiB of shared memory, last opened %s), stays in memory; drop it with `shmcache "
-                    "destroy %s --cache %s`, or every cache no process opened for a day with "
-                    "`shmcache gc --cache-idle-for 1d`", session, name, base[:-1], session, other,
-                    registry.cache_shm_bytes(session, other) / 2**20, _ago(time.time() - last), session, other)
+        log.warning("cache %s/%s is new: a %s dataset of another length, attributes, code, transform "
+                    "or samples; %s/%s, of the same type (%.1f MiB of shared memory, last opened %s), "
+                    "stays in memory: if it is an earlier version of this dataset, drop it with `shmcache "
+                    "destroy %s --cache %s`, or every cache no process opened for a day with `shmcache gc "
+                    "--cache-idle-for 1d`; if it is another dataset you still use (another split), keep it",
+                    session, name, base[:-1], session, other, registry.cache_shm_bytes(session, other) / 2**20,
+                    _ago(time.time() - last), session, other)
 
 
 def _ago(seconds: float) -> str:

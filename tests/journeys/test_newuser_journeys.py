@@ -156,6 +156,29 @@ def test_a_validation_split_of_the_training_type_is_not_called_an_earlier_versio
     assert "earlier version" not in done.stderr and "destroy" not in done.stderr, done.stderr
 
 
+ONE_SPLIT = ITEMS + textwrap.dedent("""\
+    ds = ShmDatasetCache(session="tv").wrap(Items(int(sys.argv[1])))
+    assert int(ds[3][0]) == 3
+""")
+
+
+def test_an_eval_script_after_the_training_script_is_not_told_the_dataset_changed(tmp_path):
+    """The training script ran and exited; an evaluation script then wraps the validation split of
+    the same class. Nobody has the training cache open, so nothing tells it from an earlier version
+    of the validation split - and the log said as fact that 'the Items dataset changed' and that
+    the training cache was 'the cache of an earlier version' to drop. It may be either: the
+    line says what it would be in each case."""
+    (tmp_path / "split.py").write_text(ONE_SPLIT)
+    run(["split.py", "300"], tmp_path, env())  # the training script, done
+    done = subprocess.run([sys.executable, "split.py", "50"], cwd=tmp_path, env=env(), capture_output=True,
+                          text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    said = [ln for ln in done.stderr.splitlines() if "tv/Items-" in ln]
+    assert len(said) == 1, done.stderr
+    assert "dataset changed" not in said[0] and "if it is an earlier version" in said[0], said[0]
+    assert "keep it" in said[0], said[0]
+
+
 EPOCH = ITEMS + textwrap.dedent("""\
     n = int(sys.argv[1])
     ds = ShmDatasetCache(name=f"items{n}").wrap(Items(n))
