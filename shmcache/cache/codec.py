@@ -506,10 +506,16 @@ class _Builder:
         if tp is bool:
             self.scalars.append((_BOOL, x))
             return (_BOOL, len(self.scalars) - 1)
-        # an empty str_/bytes_ scalar has a dtype of no bytes (<U0, |S0), which no record holds
         if isinstance(x, np.generic) and not x.dtype.hasobject and x.dtype.fields is None and x.dtype.itemsize:
             self.arrays.append(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
             return (_NPSCALAR, x.dtype.str, (), len(self.arrays) - 1)
+        if (tp is np.str_ or tp is np.bytes_) and not x.dtype.itemsize:
+            # an empty one (a Hugging Face numpy-format text cell) has a dtype of no bytes (<U0,
+            # |S0), which no record holds: stored as one NUL character of its kind, which numpy
+            # drops when it reads the scalar back - np.str_('') again, of dtype <U0
+            one = np.zeros(1, x.dtype.str[:-1] + "1")
+            self.arrays.append(one.view(np.uint8))
+            return (_NPSCALAR, one.dtype.str, (), len(self.arrays) - 1)
         if x is None:
             return (_NONE,)
         if tp is str:

@@ -41,7 +41,7 @@ def read_probes(
 ) -> tuple[list[Probe], Probe | None]:
     """The probes of ``indices``, and a second read of the first one (None if that raised): each
     read bounded by ``timeout_s`` (PROBE_TIMEOUT_S by default)."""
-    from .wrapped import compute_item
+    from .wrapped import compute_sample
 
     timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
     results: queue.Queue = queue.Queue()
@@ -54,7 +54,7 @@ def read_probes(
             if abandoned.is_set() or (n == len(indices) and first_raised):
                 return  # (no second read of a sample that raised)
             try:
-                results.put((compute_item(dataset, transform, i), None))
+                results.put((compute_sample(dataset, transform, i), None))
             except Exception as exc:  # noqa: BLE001 - handed to the caller (who defers it)
                 results.put((None, exc))
                 first_raised = first_raised or n == 0

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..cache.store import MISSING
 from ..errors import CacheMismatch, InvalidArgument
-from .wrapped import CachedDataset, compute_item, same_sample
+from .wrapped import CachedDataset, compute_sample, same_sample
 
 __all__ = ["VerifyReport", "verify_sample"]
 
@@ -88,7 +88,7 @@ def verify_sample(
             value = store.lookup(i, True, count=False)
             if value is not MISSING:  # dropped meanwhile (a clear): nothing to compare
                 report.checked += 1
-                if not same_sample(value, compute_item(wrapped.dataset, wrapped.transform, i)):
+                if not same_sample(value, compute_sample(wrapped.dataset, wrapped.transform, i)):
                     report.stale.append(i)
             bar.update(1)
     finally:

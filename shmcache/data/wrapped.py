@@ -91,6 +91,32 @@ def compute_item(dataset, transform, index):
     return transform(sample) if transform is not None else sample
 
 
+def compute_sample(dataset, transform, index: int):
+    """Sample ``index`` as the cache keeps it: read as torch's DataLoader reads it, through the
+    dataset's own ``__getitems__`` where it has one (one index, or a batch: ``_compute_many``).
+    Its rows can differ from its ``dataset[i]``: Hugging Face's numpy format gives a float64
+    column as np.float64 from ``ds[i]`` and as np.float32 in a batch, its pandas format a one-row
+    DataFrame against a dict. Whatever a cache keeps serves every batch, so every value it
+    computes - wrap()'s probes, a single miss, a recomputation to verify - is such a row."""
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is None:
+        return compute_item(dataset, transform, index)
+    sample = batch_rows(dataset, getitems([index]), 1)[0]
+    return transform(sample) if transform is not None else sample
+
+
+def batch_rows(dataset: Any, got: Any, n: int) -> list:
+    """``got``, what ``dataset.__getitems__`` returned for ``n`` indices, if it is a list of ``n``
+    samples (torch's contract), else InvalidArgument."""
+    if not isinstance(got, list) or len(got) != n:
+        raise InvalidArgument(
+            f"{type(dataset).__name__}.__getitems__ of {n} indices returned "
+            f"{type(got).__name__}{f' of {len(got)}' if isinstance(got, list) else ''}, not a list "
+            f"of {n} samples (torch's contract): a wrapped dataset caches its samples one by "
+            f"one; return one sample per index from __getitems__, and batch-level work in collate_fn")
+    return got
+
+
 def compute_each(compute: Callable[[Any], Any], keys: list, keep: Callable[[list], Any]) -> list:
     """``[compute(k) for k in keys]``, a batch's misses one by one. When one raises (a broken
     sample, Ctrl-C) the values computed before it are kept first (``keep(pairs)``: stored and
@@ -203,15 +229,18 @@ class CachedDataset(Dataset):
 
     def _compute(self, i: int) -> Any:
         try:
-            return compute_item(self.dataset, self.transform, int(i))
+            return compute_sample(self.dataset, self.transform, int(i))
         except Exception as exc:
-            add_note(exc, f"(shmcache: raised by {self._stage(i)}, computed on a cache miss)")
+            add_note(exc, f"(shmcache: raised by {self._stage(i, read=True)}, computed on a cache miss)")
             raise
 
-    def _stage(self, i: Any) -> str:
+    def _stage(self, i: Any, read: bool = False) -> str:
+        """Where sample ``i`` was computed, for a note on what it raised: ``read``, by
+        compute_sample (through the dataset's own __getitems__ where it has one)."""
         what = "its transform on " if self.transform is not None else ""
-        return (f"{what}{type(self.dataset).__name__}[{i!r}] wrapped in cache "
-                f"{self.cache.session}/{self.cache.name}")
+        name = type(self.dataset).__name__
+        how = f"{name}.__getitems__([{i!r}])" if read and hasattr(self.dataset, "__getitems__") else f"{name}[{i!r}]"
+        return f"{what}{how} wrapped in cache {self.cache.session}/{self.cache.name}"
 
     def _compute_many(self, keys: list[int], keep: Callable[[list], Any] | None = None) -> list:
         """The samples of ``keys`` computed from the source: by its own ``__getitems__`` where it
@@ -228,12 +257,7 @@ class CachedDataset(Dataset):
             add_note(exc, f"(shmcache: raised by {type(self.dataset).__name__}.__getitems__({keys!r}) "
                           f"wrapped in cache {self.cache.session}/{self.cache.name}, on cache misses)")
             raise
-        if not isinstance(got, list) or len(got) != len(keys):
-            raise InvalidArgument(
-                f"{type(self.dataset).__name__}.__getitems__ of {len(keys)} indices returned "
-                f"{type(got).__name__}{f' of {len(got)}' if isinstance(got, list) else ''}, not a list "
-                f"of {len(keys)} samples (torch's contract): a wrapped dataset caches its samples one by "
-                f"one; return one sample per index from __getitems__, and batch-level work in collate_fn")
+        got = batch_rows(self.dataset, got, len(keys))
         return got if self.transform is None else [self.transform(x) for x in got]
 
     def _store_computed(self, store: Store, i: int, value: Any) -> None:

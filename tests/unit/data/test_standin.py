@@ -222,6 +222,10 @@ def test_getitems_datasets_keep_torchs_contract_and_compute_misses_by_their_own_
     src = WithGetitems()
     with _cache() as cache:
         ds = cache.wrap(src)
+        # wrap()'s probes (0, n/2, n-1, and 0 again) are read as the DataLoader reads: a row of
+        # __getitems__, which can differ from the dataset's own ds[i] (Hugging Face's formats)
+        assert src.batches == [[0], [4], [7], [0]]
+        src.batches.clear()
         got = ds.__getitems__([1, 3, 5])
         assert isinstance(got, list) and len(got) == 3
         assert_same(got, [src[i] for i in (1, 3, 5)])
