@@ -86,6 +86,13 @@ class NoSource:
             f"itself so that missing items are computed")
 
 
+def _own_fingerprint(dataset: Any) -> str | None:
+    """The digest a dataset keeps of itself and moves when it changes in place (Hugging Face's
+    ``Dataset._fingerprint``: ``set_transform``, ``set_format`` and the like move it), or None."""
+    fp = getattr(dataset, "_fingerprint", None)
+    return fp if isinstance(fp, str) else None
+
+
 def compute_item(dataset, transform, index):
     sample = dataset[index]
     return transform(sample) if transform is not None else sample
@@ -169,6 +176,8 @@ class CachedDataset(Dataset):
         self.transform = transform
         self._len = len(dataset)
         self._len_said = False  # a length changed since wrap() was said (once)
+        self._own_fp = _own_fingerprint(dataset)
+        self._change_said = False  # a change in place since wrap() was said (once)
         # what a non-int index means, by its type: "dataset" (its own meaning: passed through,
         # uncached) or "cache" (the dataset refused it: a batch gathered from the cache)
         self._index_kinds: dict[type, str] = {}
@@ -181,7 +190,19 @@ class CachedDataset(Dataset):
         # the DataLoader's samplers ask each epoch: one len() of the source notices it grew
         if not self._len_said:
             self._check_len()
+        if self._own_fp is not None and not self._change_said:
+            self._check_changed()
         return self._len
+
+    def _check_changed(self) -> None:
+        if _own_fingerprint(self.dataset) != self._own_fp:
+            self._change_said = True
+            warnings.warn(
+                f"{type(self.dataset).__name__} changed in place since it was wrapped (its own fingerprint "
+                f"moved: set_transform, set_format, ...): the wrapped dataset still serves what cache "
+                f"{self.cache.session}/{self.cache.name} holds of it as it was; wrap it again "
+                f"(cache.wrap(dataset)) after it changes - its new version gets a cache of its own",
+                UserWarning, stacklevel=3)
 
     def _check_len(self) -> None:
         try:
