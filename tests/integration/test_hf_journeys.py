@@ -134,6 +134,13 @@ def test_pandas_format_rows_stay_dicts(cache):
     _assert_same_epochs(want, epochs)
 
 
+def _nullable_ints():
+    """A torch-format int64 column with one None (row 1): HF reads it in the dtype of its batch."""
+    values = [None if i == 1 else i for i in range(ROWS)]
+    hf = datasets.Dataset.from_dict({"v": values}, features=datasets.Features({"v": datasets.Value("int64")}))
+    return hf.with_format("torch")
+
+
 @pytest.mark.xfail(strict=True, reason="HF gives a nullable int column the dtype of the batch it is read in "
                    "(float32 with NaN if the batch holds a None, else int64); a cache keeps one value per row, "
                    "so a reshuffled warm batch mixes both and default_collate's shared-memory stack in a worker "
@@ -145,9 +152,7 @@ def test_torch_format_nullable_int_column_reshuffled_with_workers_does_not_crash
     # to the desired output type Long". What would fix it: nothing the cache can keep per row;
     # the README could tell HF users to cast such a column (cast_column(c, Value("float32")))
     # before wrap(), or wrap() could warn when two probe reads of one row differ in dtype.
-    values = [None if i == 1 else i for i in range(ROWS)]
-    hf = datasets.Dataset.from_dict({"v": values}, features=datasets.Features({"v": datasets.Value("int64")}))
-    hf = hf.with_format("torch")
+    hf = _nullable_ints()
 
     def loader(ds, seed):
         return DataLoader(ds, batch_size=4, num_workers=2, shuffle=True, generator=torch.Generator().manual_seed(seed))
@@ -296,9 +301,7 @@ def test_an_hf_table_changed_in_place_after_wrap_is_not_served_silently_stale(ca
                    "replaced?'); verify could compare such rows by value across dtypes, or recompute a "
                    "sample within the batch that cached it")
 def test_verify_does_not_call_an_hf_table_with_a_nullable_int_column_stale(cache):
-    values = [None if i == 1 else i for i in range(ROWS)]
-    hf = datasets.Dataset.from_dict({"v": values}, features=datasets.Features({"v": datasets.Value("int64")}))
-    ds = cache.wrap(hf.with_format("torch"))
+    ds = cache.wrap(_nullable_ints())
     _read(DataLoader(ds, batch_size=4))
     report = cache.verify_sample(ds, fraction=1.0, raise_on_stale=False)
     assert report.ok, str(report)

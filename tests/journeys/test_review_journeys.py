@@ -33,6 +33,16 @@ def _made() -> None:
         store.close()
 
 
+def _damaged() -> None:
+    """Cache sw/c (``_made``) with the item counter a killed writer could leave: gc recounts it."""
+    _made()
+    store = CacheStore("sw", "c", create=False)
+    try:
+        struct.pack_into("Q", store.view.refresh().meta.buf, MetaLayout.ITEMS_MEM, (1 << 63) + 12345)
+    finally:
+        store.close()
+
+
 def _bad(variable: str, value: str) -> dict:
     e = env()
     e[variable] = value
@@ -62,12 +72,7 @@ def test_gc_with_a_nonsense_claims_switch_does_not_pass_over_a_damaged_cache(tmp
     SHMCACHE_CLAIMS=disabled in the environment (the job's, exported) it said '0 ... reclaimed',
     exited 0 and recounted nothing: every cache's opening raised on the variable, which gc took for
     a cache gone meanwhile. It must refuse (and recount once the variable is fixed)."""
-    _made()
-    store = CacheStore("sw", "c", create=False)
-    try:
-        struct.pack_into("Q", store.view.refresh().meta.buf, MetaLayout.ITEMS_MEM, (1 << 63) + 12345)
-    finally:
-        store.close()
+    _damaged()
     done = subprocess.run([sys.executable, "-m", "shmcache", "gc"], cwd=tmp_path,
                           env=_bad("SHMCACHE_CLAIMS", "disabled"), capture_output=True, text=True, timeout=90)
     assert done.returncode != 0, f"gc passed over the damaged cache and exited 0: {done.stdout}{done.stderr}"
@@ -82,12 +87,7 @@ def test_gc_called_from_python_refuses_a_nonsense_claims_switch(monkeypatch):
     from shmcache.errors import InvalidArgument
     from shmcache.tiers.namespace_gc import collect_garbage
 
-    _made()
-    store = CacheStore("sw", "c", create=False)
-    try:
-        struct.pack_into("Q", store.view.refresh().meta.buf, MetaLayout.ITEMS_MEM, (1 << 63) + 12345)
-    finally:
-        store.close()
+    _damaged()
     monkeypatch.setenv("SHMCACHE_CLAIMS", "disabled")
     with pytest.raises(InvalidArgument, match="SHMCACHE_CLAIMS"):
         collect_garbage(SessionRegistry())
