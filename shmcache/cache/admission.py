@@ -341,7 +341,7 @@ class Admission:
 
     def first_to_say(self, word: int, notice: str) -> bool:
         """Whether this process is the first of its job to say ``notice`` about this cache (root
-        word ``word``: RootLayout.SAID_FULL, SAID_NOTICE), marking it said. The job is in the
+        word ``word``: RootLayout.SAID_FULL, root.NOTICE_WORDS), marking it said. The job is in the
         mark: the session and its cache outlive the job, and a later job must be told again; a
         stable digest, as str's hash differs from process to process. A hint, never a lock."""
         said = f"{notice}:{_job()}".encode()

@@ -8,7 +8,7 @@ builds on the epoch word, and neither needs the other for it.
 
 from __future__ import annotations
 
-__all__ = ["RootLayout", "DESTROYED", "epoch_of", "split_epoch"]
+__all__ = ["RootLayout", "NOTICE_WORDS", "DESTROYED", "epoch_of", "split_epoch"]
 
 
 class RootLayout:
@@ -25,10 +25,17 @@ class RootLayout:
     # not say it again; a later job, or one that spills, does. A hint only: two processes that say
     # it at the same moment both do. Zero in a root made before it.
     SAID_FULL = 96
-    # the same for the last other notice a process said once for its job (a sample stored with
-    # pickle, one too large to cache: the dataset layer's, CacheStore.first_to_say): notices of
-    # different texts take turns, each then said again - a hint only, as SAID_FULL
-    SAID_NOTICE = 104
+    # the same for the dataset layer's notices said once per job (CacheStore.first_to_say), a word
+    # each (NOTICE_WORDS): a sample stored with pickle, an item too large to cache. One word for
+    # both made every process that met both (one sample pickled and too large) find the other's
+    # mark and say both again. Notices of one kind but other texts (other pickled types) take
+    # turns in their word, each then said again - a hint only, as SAID_FULL
+    SAID_PICKLED = 104
+    SAID_TOO_LARGE = 112
+
+
+# the kinds of notice a store says once per job (Store.first_to_say) -> their root word
+NOTICE_WORDS = {"pickled": RootLayout.SAID_PICKLED, "too large": RootLayout.SAID_TOO_LARGE}
 
 
 # The root's tombstone: whoever removes a cache writes DESTROYED into its epoch word before

@@ -183,6 +183,7 @@ from .generation import AUTO_NONE, DESTROYED, KIND_ROOT, MISSES, REJECTED, RootL
 from .index import MAX_LOAD, MIN_TABLE, TableView
 from .indexed_tier import IndexedTier
 from .registry import SEP, SessionRegistry, unlink_segments, write_json
+from .root import NOTICE_WORDS
 from .stats import STAT_KEYS
 from .view import MISSING, CacheView
 from .writer import CacheWriter
@@ -463,10 +464,11 @@ class CacheStore:
         """``n`` values computed for this cache on a path without claims (an iterable's pass)."""
         self.claims.count(claims.COMPUTED, n)
 
-    def first_to_say(self, notice: str) -> bool:
-        """Whether this process is the first of its job to say ``notice`` about this cache (marked
-        said: RootLayout.SAID_NOTICE): a warning said once per job, not once per process."""
-        return self.writer.admission.first_to_say(RootLayout.SAID_NOTICE, notice)
+    def first_to_say(self, kind: str, notice: str) -> bool:
+        """Whether this process is the first of its job to say ``notice``, of ``kind`` (a key of
+        root.NOTICE_WORDS), about this cache, marking it said: a warning said once per job, not
+        once per process."""
+        return self.writer.admission.first_to_say(NOTICE_WORDS[kind], notice)
 
     def portable_records(self):
         """Every item of the current generation as ``(portable key, portable record)``, lock-free
@@ -694,7 +696,7 @@ class UncachedStore:
     def count_computed(self, n: int = 1) -> None:
         self._computed += n
 
-    def first_to_say(self, notice: str) -> bool:
+    def first_to_say(self, kind: str, notice: str) -> bool:
         return True  # nothing shared: each process says it
 
     def batch_layout(self, keys: np.ndarray) -> None:

@@ -64,9 +64,10 @@ class Store(Protocol):
 
     def count_computed(self, n: int = 1) -> None: ...
 
-    def first_to_say(self, notice: str) -> bool:
-        """Whether this process is the first of its job to say ``notice`` (a warning said once per
-        job: marked said in the cache's root; True where nothing is shared)."""
+    def first_to_say(self, kind: str, notice: str) -> bool:
+        """Whether this process is the first of its job to say ``notice`` of ``kind`` ("pickled",
+        "too large"): a warning said once per job, marked said in the cache's root, a word per
+        kind; True where nothing is shared."""
         ...
 
     # the vectorised batch path (gather.plan, gather.columns): int keys of one layout, all in memory

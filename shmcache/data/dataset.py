@@ -647,7 +647,11 @@ class ShmDatasetCache:
     def _say_too_large(self, exc: ItemTooLarge) -> None:
         if not self._warned_too_large:
             self._warned_too_large = True
-            if self.opened is None or self.opened.first_to_say("an item too large"):
+            # marked said for the job only where it is shown: a rank whose logging is off (as on
+            # every rank but the first in many training scripts) would take it from the others
+            if not log.isEnabledFor(logging.WARNING):
+                return
+            if self.opened is None or self.opened.first_to_say("too large", "an item too large"):
                 log.warning("%s; such items are served from the source, not cached, and counted as "
                             "rejected (said once per job)", exc)
 
@@ -659,7 +663,7 @@ class ShmDatasetCache:
 
     def _warn_pickled(self, types: tuple) -> None:
         self._warned_pickle = True
-        if self.opened is not None and not self.opened.first_to_say(f"pickled {types}"):
+        if self.opened is not None and not self.opened.first_to_say("pickled", f"{types}"):
             return
         warnings.warn(
             f"cache {self.session}/{self.name}: samples holding {', '.join(types)} are stored with "

@@ -87,10 +87,53 @@ class NoSource:
 
 
 def _own_fingerprint(dataset: Any) -> str | None:
-    """The digest a dataset keeps of itself and moves when it changes in place (Hugging Face's
-    ``Dataset._fingerprint``: ``set_transform``, ``set_format`` and the like move it), or None."""
-    fp = getattr(dataset, "_fingerprint", None)
-    return fp if isinstance(fp, str) else None
+    """The digests a dataset keeps of itself and moves when it changes in place (Hugging Face's
+    ``Dataset._fingerprint``: ``set_transform``, ``set_format`` and the like move it), its own and
+    those of the datasets it reads (a Subset's ``dataset``, a ConcatDataset's ``datasets``: a
+    random_split of a table changes with the table), or None when none keeps one."""
+    found: list[str] = []
+    _fingerprints(dataset, found, _FP_DEPTH, [_FP_MANY])
+    return "|".join(found) if found else None
+
+
+# the levels of inner datasets looked at, and the most datasets looked at in all: each epoch's
+# len() asks until a change is said, and a ConcatDataset of thousands of shards is no reason to
+# walk them all
+_FP_DEPTH, _FP_MANY = 3, 64
+
+
+def _fingerprints(dataset: Any, found: list, depth: int, budget: list) -> None:
+    if budget[0] <= 0:
+        return
+    budget[0] -= 1
+    try:
+        fp = getattr(dataset, "_fingerprint", None)
+        inner = getattr(dataset, "dataset", None) if depth else None
+        many = getattr(dataset, "datasets", None) if depth else None
+    except Exception:  # noqa: BLE001 - asked for a warning only (a __getattr__ raising KeyError): none
+        return
+    if isinstance(fp, str):
+        found.append(fp)
+    if not depth:
+        return
+    if isinstance(many, dict):  # (StackDataset's of named datasets)
+        many = list(many.values())
+    inners = [inner] if inner is not None else []
+    if isinstance(many, (list, tuple)):
+        inners += list(many[:_FP_MANY])
+    for d in inners:
+        if d is not dataset and not isinstance(d, (str, bytes, int, float)):
+            _fingerprints(d, found, depth - 1, budget)
+
+
+def own_getitems(dataset: Any) -> Callable | None:
+    """The dataset's own ``__getitems__`` (its batch hook), or None: also where asking raises
+    something else than AttributeError (a ``__getattr__`` that serves columns and raises KeyError
+    for any other name) - it then reads one index at a time, as it did."""
+    try:
+        return getattr(dataset, "__getitems__", None)
+    except Exception:  # noqa: BLE001 - no hook to be found
+        return None
 
 
 def compute_item(dataset, transform, index):
@@ -105,7 +148,7 @@ def compute_sample(dataset, transform, index: int):
     column as np.float64 from ``ds[i]`` and as np.float32 in a batch, its pandas format a one-row
     DataFrame against a dict. Whatever a cache keeps serves every batch, so every value it
     computes - wrap()'s probes, a single miss, a recomputation to verify - is such a row."""
-    getitems = getattr(dataset, "__getitems__", None)
+    getitems = own_getitems(dataset)
     if getitems is None:
         return compute_item(dataset, transform, index)
     sample = batch_rows(dataset, getitems([index]), 1)[0]
@@ -114,7 +157,10 @@ def compute_sample(dataset, transform, index: int):
 
 def batch_rows(dataset: Any, got: Any, n: int) -> list:
     """``got``, what ``dataset.__getitems__`` returned for ``n`` indices, if it is a list of ``n``
-    samples (torch's contract), else InvalidArgument."""
+    samples (torch's contract) - or a tuple of them, which torch's DataLoader collates alike - else
+    InvalidArgument."""
+    if type(got) is tuple:
+        got = list(got)
     if not isinstance(got, list) or len(got) != n:
         raise InvalidArgument(
             f"{type(dataset).__name__}.__getitems__ of {n} indices returned "
@@ -195,11 +241,13 @@ class CachedDataset(Dataset):
         return self._len
 
     def _check_changed(self) -> None:
-        if _own_fingerprint(self.dataset) != self._own_fp:
+        now = _own_fingerprint(self.dataset)
+        if now is not None and now != self._own_fp:  # (None: it cannot say now, nothing to compare)
             self._change_said = True
             warnings.warn(
-                f"{type(self.dataset).__name__} changed in place since it was wrapped (its own fingerprint "
-                f"moved: set_transform, set_format, ...): the wrapped dataset still serves what cache "
+                f"{type(self.dataset).__name__} (or a dataset it reads) changed in place since it was wrapped "
+                f"(its own fingerprint moved: set_transform, set_format, ...): the wrapped dataset still serves "
+                f"what cache "
                 f"{self.cache.session}/{self.cache.name} holds of it as it was; wrap it again "
                 f"(cache.wrap(dataset)) after it changes - its new version gets a cache of its own",
                 UserWarning, stacklevel=3)
@@ -260,14 +308,16 @@ class CachedDataset(Dataset):
         compute_sample (through the dataset's own __getitems__ where it has one)."""
         what = "its transform on " if self.transform is not None else ""
         name = type(self.dataset).__name__
-        how = f"{name}.__getitems__([{i!r}])" if read and hasattr(self.dataset, "__getitems__") else f"{name}[{i!r}]"
+        # as compute_sample reads it: a hook set to None (torch's fetcher checks its truth) is none
+        batched = read and own_getitems(self.dataset) is not None
+        how = f"{name}.__getitems__([{i!r}])" if batched else f"{name}[{i!r}]"
         return f"{what}{how} wrapped in cache {self.cache.session}/{self.cache.name}"
 
     def _compute_many(self, keys: list[int], keep: Callable[[list], Any] | None = None) -> list:
         """The samples of ``keys`` computed from the source: by its own ``__getitems__`` where it
         has one (torch's contract: a list of samples, in order), else one by one - then, when one
         raises, ``keep(pairs)`` is given those computed before it (``compute_each``)."""
-        getitems = getattr(self.dataset, "__getitems__", None)
+        getitems = own_getitems(self.dataset)
         if getitems is None or len(keys) < 2:
             if keep is not None:
                 return compute_each(self._compute, keys, keep)
@@ -412,7 +462,7 @@ class CachedDataset(Dataset):
         """
         # fn_many only where the source computes a batch in one call: one by one, the cache's
         # get_batch keeps what was computed before a sample raises
-        many = None if fn or getattr(self.dataset, "__getitems__", None) is None else self._compute_many
+        many = None if fn or own_getitems(self.dataset) is None else self._compute_many
         return self.cache.get_batch(self._indices(indices), fn=fn or self._compute, out=out, fn_many=many)
 
     def __getstate__(self) -> dict:

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..base import settings
+from ..base.namespace import validate_name
 from ..cache.registry import GcReport, IdleCache, IdleSession, SessionRegistry
 from ..cache.store import CacheStore
-from ..errors import CacheNotFound, CorruptSegment, LockTimeout, ShmcacheError
+from ..errors import CacheNotFound, CorruptSegment, InvalidArgument, LockTimeout, ShmcacheError
 from .spill.tier import attach_existing, remove_orphans
 
 __all__ = ["GcResult", "collect_garbage"]
@@ -73,6 +74,10 @@ def collect_garbage(registry: SessionRegistry, idle_for_s: float | None = None,
 def _collect_cache(registry: SessionRegistry, session: str, name: str, result: GcResult) -> None:
     cache = f"{session}/{name}"
     try:
+        validate_name(name, "cache")
+    except InvalidArgument:  # a stray file of the session's caches directory, no cache of ours
+        return
+    try:
         store = CacheStore(session, name, ns=registry.ns, create=False, lock_timeout_s=10)
     except CorruptSegment as exc:  # a segment header is damaged: the cache cannot open
         try:
@@ -82,6 +87,10 @@ def _collect_cache(registry: SessionRegistry, session: str, name: str, result: G
             return
         result.dropped.append({"cache": cache, "reason": str(exc)})
         return
+    except InvalidArgument:
+        # a setting that fails every cache's opening (SHMCACHE_CLAIM_TIMEOUT_S=soon), not a cache
+        # gone: taken for one, gc passed over every cache and repaired nothing, exit 0
+        raise
     except ShmcacheError:  # gone meanwhile, or never made: the registry's gc handles it
         return
     done: dict = {}

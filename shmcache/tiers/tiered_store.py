@@ -460,8 +460,8 @@ class TieredStore:
     def count_computed(self, n: int = 1) -> None:
         self.local.count_computed(n)
 
-    def first_to_say(self, notice: str) -> bool:
-        return self.local.first_to_say(notice)
+    def first_to_say(self, kind: str, notice: str) -> bool:
+        return self.local.first_to_say(kind, notice)
 
     def _admit(self, key: Any, record: Buffer, tier: Tier) -> Any:
         """A tier's record as a value (``_decoded``), stored in shared memory too (within its cap)."""

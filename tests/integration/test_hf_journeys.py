@@ -305,3 +305,65 @@ def test_verify_does_not_call_an_hf_table_with_a_nullable_int_column_stale(cache
     _read(DataLoader(ds, batch_size=4))
     report = cache.verify_sample(ds, fraction=1.0, raise_on_stale=False)
     assert report.ok, str(report)
+
+
+@pytest.mark.xfail(strict=True, reason="_check_changed takes any move of HF's _fingerprint for a change, and "
+                   "formatted_as() (set_format there and back) moves it twice with the table as it was; fix: at "
+                   "a moved fingerprint, recompute the probes (0, n/2, n-1: compute_sample) and say it only when "
+                   "one differs from what the cache holds (then remember the new fingerprint either way)")
+def test_a_table_read_in_another_format_for_a_moment_is_not_said_changed(cache):
+    """`with hf.formatted_as("numpy"): labels = hf["label"]` (class weights, after wrap()) sets the
+    format and sets it back: the table is what it was, but its fingerprint moved, and the epoch's
+    len() said it 'changed in place' and to wrap it again - a new cache, computed once more, the
+    old one left in memory, for nothing."""
+    import warnings
+
+    hf = datasets.Dataset.from_dict({"x": [[float(i)] * 3 for i in range(ROWS)], "label": [i % 3 for i in range(ROWS)]})
+    hf.set_format("torch")
+    ds = cache.wrap(hf)
+    with hf.formatted_as("numpy"):
+        weights = np.bincount(hf["label"])
+    assert weights.sum() == ROWS and hf.format["type"] == "torch"
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _read(DataLoader(ds, batch_size=4))
+    assert not [str(w.message) for w in said if "changed in place" in str(w.message)]
+
+
+@pytest.mark.xfail(strict=True, reason="as verify_sample's: verify= recomputes a hit alone (__getitems__([i])), "
+                   "HF types a nullable int column by its batch, and the warm epoch raises CacheMismatch")
+def test_verify_on_reads_does_not_stop_training_on_an_unchanged_nullable_int_table():
+    """verify= (a share of hits recomputed as they are read) on a torch-format table with a None in
+    an int column: the cold epoch cached row 0 from a batch holding the None (float32), the warm
+    epoch recomputed it alone (int64) and raised CacheMismatch out of the training loop, telling the
+    user to drop a cache that was right."""
+    c = ShmDatasetCache(session="hfj", name="verify-nullable", size=16, verify=1.0)
+    try:
+        ds = c.wrap(_nullable_ints())
+        _read(DataLoader(ds, batch_size=4))
+        _read(DataLoader(ds, batch_size=4))
+    finally:
+        c.store.destroy()
+        c.close()
+
+
+def test_an_hf_table_changed_in_place_under_a_subset_is_not_served_silently_stale(cache):
+    """random_split (torch's Subset) of an HF table, wrapped; then set_transform on the table (a
+    notebook cell run again). The wrapped table was said changed; the wrapped Subset of it served
+    the old rows, mixed with fresh ones, without a word: only the wrapped object's own
+    _fingerprint was looked at, and a Subset has none."""
+    import warnings
+
+    from torch.utils.data import Subset
+
+    hf = datasets.Dataset.from_dict({"x": list(range(ROWS))})
+    part = Subset(hf, list(range(ROWS - 1)))
+    ds = cache.wrap(part)
+    _read(DataLoader(ds, batch_size=4, collate_fn=_samples))  # the cold epoch: untransformed rows cached
+    hf.set_transform(lambda b: {"x": [v * 10 for v in b["x"]]})
+    want = _read(DataLoader(part, batch_size=4, collate_fn=_samples))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got = _read(DataLoader(ds, batch_size=4, collate_fn=_samples))
+    assert any("changed in place" in str(w.message) for w in said) or \
+        all(_same(g, w) for g, w in zip(got, want)), (got, want)

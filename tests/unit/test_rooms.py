@@ -37,6 +37,10 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
         "_size": "fsspec's AsyncFileSystem names its coroutines with an underscore (its async API)",
         "_call_s3": "s3fs's coroutine for one S3 call, the same API: a ranged GetObject read bounded",
     },
+    "data.wrapped": {
+        "_fingerprint": "Hugging Face datasets' Dataset._fingerprint: the digest a table moves when it changes in "
+                        "place (set_transform, set_format), read to say so",
+    },
     "data.torch_private": {  # NOTE [collated batch]: recognise torch's own fetcher and collate, nothing else
         "torch.utils.data._utils.collate": "default_collate_fn_map: torch documents registering there",
         "_MapDatasetFetcher": "the same fetcher's class",

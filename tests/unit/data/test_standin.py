@@ -244,6 +244,22 @@ def test_getitems_that_breaks_torchs_contract_is_refused_clearly():
             ds.__getitems__([1, 2])
 
 
+
+def test_getitems_that_returns_a_tuple_of_samples_is_read_as_torch_reads_it():
+    """A ``__getitems__`` returning a tuple of one sample per index: torch's DataLoader collates it
+    as it does a list, and before the day's change the wrapped ds[i] read it fine. Since every
+    value is read through __getitems__, every ds[i] raised 'returned tuple, not a list of 1
+    samples ... return one sample per index' - which it did."""
+    class Tuples(WithGetitems):
+        def __getitems__(self, indices):
+            return tuple(super().__getitems__(indices))
+
+    with _cache() as cache:
+        ds = cache.wrap(Tuples())
+        assert_same(ds[1], Tuples()[1])
+        assert_same(list(DataLoader(ds, batch_size=3)), list(DataLoader(Tuples(), batch_size=3)))
+
+
 # --- probes at wrap() ---------------------------------------------------------------------------
 
 
@@ -321,6 +337,23 @@ def test_a_dataset_that_raises_fails_where_the_dataloader_reads_with_its_own_err
             list(DataLoader(Raises(), batch_size=2))
 
 
+
+class RaisesOneByOne(Raises):
+    __getitems__ = None  # torch's fetcher then reads it one index at a time (it checks the hook's truth)
+
+
+def test_the_note_on_an_error_names_the_call_that_raised():
+    """A dataset that opts out of batched reads (``__getitems__ = None``) is read by ``ds[i]``,
+    and its error's note said ``RaisesOneByOne.__getitems__([2])``: a call that was never made,
+    which sent the user to a method the class does not have."""
+    with _cache() as cache:
+        ds = cache.wrap(RaisesOneByOne())
+        with pytest.raises(ValueError, match="bad sample 2") as info:
+            ds[2]
+        if sys.version_info >= (3, 11):
+            assert any("RaisesOneByOne[2]" in n for n in info.value.__notes__), info.value.__notes__
+
+
 # --- a dataset that grows ------------------------------------------------------------------------
 
 
@@ -345,3 +378,54 @@ def test_a_dataset_that_grows_after_wrap_is_said_once():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             len(ds)  # said once
+
+
+class Columns(Dataset):
+    """Its columns reachable as attributes (``ds.labels``) through ``__getattr__``, which raises
+    KeyError, not AttributeError, for any other name - as many such classes do."""
+
+    def __init__(self):
+        self.columns = {"labels": np.arange(6)}
+
+    def __getattr__(self, name):
+        return self.__dict__["columns"][name]
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return self.labels[i]
+
+
+class FingerprintOfFiles(Dataset):
+    """A fingerprint of itself computed from its files when asked (the files went away later)."""
+
+    def __init__(self, folder: Path):
+        self.folder = str(folder)
+
+    @property
+    def _fingerprint(self) -> str:
+        return str(Path(self.folder, "index").stat().st_mtime_ns)
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return float(i)
+
+
+def test_the_check_for_a_dataset_changed_in_place_never_breaks_wrap_nor_an_epoch(tmp_path):
+    """wrap() asks every dataset for ``_fingerprint`` (Hugging Face's), and each epoch's len()
+    asks again: a ``__getattr__`` that raises KeyError for a name it lacks broke wrap() (it read
+    its items fine before; asked for ``__getitems__`` the same way, its batch misses broke), and a
+    ``_fingerprint`` that raised once its files were gone broke the DataLoader's len() - a check
+    for a warning raising into the training loop."""
+    with _cache() as cache:
+        ds = cache.wrap(Columns())
+        assert int(ds[3]) == 3 and len(ds) == 6
+        assert torch.cat(list(DataLoader(ds, batch_size=4))).tolist() == list(range(6))
+    with _cache() as cache:
+        (tmp_path / "index").touch()
+        ds = cache.wrap(FingerprintOfFiles(tmp_path))
+        (tmp_path / "index").unlink()
+        assert len(list(DataLoader(ds, batch_size=None))) == 6
