@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import multiprocessing
 import os
 import time
 
@@ -353,30 +354,37 @@ class Admission:
 
 
 def _job() -> str:
-    """Who counts as one job for a log line said once (Admission.first_to_say): the launcher's (or
-    torchrun's) run id, which its ranks and their DataLoader workers share; else, under torchrun's
-    static rendezvous (run id "none"), its agent: the parent of this process group's leader (each
-    rank leads a group of its own, its workers in it); else this process's group - a script and
-    its DataLoader workers, as a shell gives each command line a group of its own."""
+    """Who counts as one job for a log line said once (Admission.first_to_say). Under a launcher
+    (ours, torchrun: $TORCHELASTIC_RUN_ID set) each rank leads a process group of its own, its
+    DataLoader workers in it, and the group leader's parent is that launch's launcher (torchrun's
+    agent): the run id and that process - a run id alone is a name the user may fix for every
+    launch (--rdzv-id 456, torchrun's static "none"). Else a script: this process, or the one
+    whose DataLoader worker (a multiprocessing child) this is - each run told again, whatever
+    shell, Makefile or sweep driver runs it (they share one process group)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if run_id not in ("", "none"):
-        return f"run {run_id}"
-    pgid = os.getpgid(0)
-    if run_id == "none":
-        agent = _parent(pgid)
-        if agent is not None:
-            return f"agent {agent}"
-    return f"pgid {pgid}"
+    if run_id:
+        return f"run {run_id} launcher {_started(_parent_pid(os.getpgid(0)))}"
+    parent = multiprocessing.parent_process()
+    return f"process {_started(parent.pid if parent is not None else os.getpid())}"
 
 
-def _parent(pid: int) -> str | None:
-    """``"<ppid>@<its start time>"`` of process ``pid`` (the start time tells a reused pid apart),
-    or None where /proc does not say."""
+def _parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid``, or None where /proc does not say."""
     try:
-        ppid = _stat_fields(pid)[1]
-        return f"{ppid}@{_stat_fields(int(ppid))[19]}"
+        return int(_stat_fields(pid)[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _started(pid: int | None) -> str:
+    """``"<pid>@<its start time>"`` (the start time tells a reused pid apart; none where /proc does
+    not say it)."""
+    if pid is None:
+        return "?"
+    try:
+        return f"{pid}@{_stat_fields(pid)[19]}"
+    except (OSError, IndexError, UnicodeDecodeError):
+        return str(pid)
 
 
 def _stat_fields(pid: int) -> list[str]:

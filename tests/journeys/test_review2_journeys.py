@@ -40,9 +40,6 @@ def _script(args: list, e: dict) -> str:
     return done.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="_job() is the process group without a launcher's run id: the runs of a "
-                   "shell script, a Makefile or a sweep driver share it; fix: the job is this process (or, in a "
-                   "DataLoader worker, multiprocessing.parent_process()), pid and start time")
 def test_the_second_run_of_a_script_is_told_again(tmp_path):
     """`python train.py --lr 0.1; python train.py --lr 0.01` in a shell script (no job control: one
     process group), a Makefile, CI step or a sweep driver's subprocess.run: each run is a job of its
@@ -69,9 +66,6 @@ def test_two_notices_of_one_job_are_each_said_once(tmp_path):
 
 
 @pytest.mark.slow  # two torchruns, 3 s each
-@pytest.mark.xfail(strict=True, reason="_job() takes a launcher's run id for the job, and --rdzv-id is a name the "
-                   "user gives, the same at every launch; fix: the run id and torchrun's agent (the parent of the "
-                   "rank: the rank is this process or its multiprocessing.parent_process()), pid and start time")
 def test_the_next_torchrun_with_the_tutorials_fixed_rdzv_id_is_told_again(tmp_path):
     """PyTorch's multinode tutorial launches with a fixed `--rdzv-id=456` (c10d rendezvous), and a
     script launched that way every day is one run id every day: each launch after the first said
