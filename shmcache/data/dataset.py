@@ -72,6 +72,22 @@ _NOT_USERS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (
     os.path.dirname(os.path.abspath(__file__)), sys.modules[DataLoader.__module__].__file__))
 
 
+def _shown(category: type, text: str, stacklevel: int) -> bool:
+    """Whether ``warnings.warn(text, category, stacklevel)`` called by this function's caller would
+    pass the warnings filters now (the first that matches decides, as the warnings module's own
+    matching does); True where a frame cannot be found, which warn() would report anyway."""
+    try:
+        frame = sys._getframe(stacklevel)  # stacklevel 1 is the caller's own frame
+    except ValueError:
+        return True
+    module, lineno = frame.f_globals.get("__name__", "<string>"), frame.f_lineno
+    for action, message, cat, mod, line in warnings.filters:
+        if ((message is None or message.match(text)) and issubclass(category, cat)
+                and (mod is None or mod.match(module)) and (line == 0 or line == lineno)):
+            return action != "ignore"
+    return warnings.defaultaction != "ignore"
+
+
 def _user_stacklevel() -> int:
     """The ``stacklevel`` of a warning raised by this function's caller that names the user's line:
     the first frame outside shmcache and torch.utils.data (the last frame if there is none)."""
@@ -663,13 +679,17 @@ class ShmDatasetCache:
 
     def _warn_pickled(self, types: tuple) -> None:
         self._warned_pickle = True
+        text = (f"cache {self.session}/{self.name}: samples holding {', '.join(types)} are stored with "
+                f"pickle: slower to store and read than arrays, often larger, and never zero-copy or "
+                f"gathered as a batch; {_native_hint(types)} (warned once per job)")
+        level = _user_stacklevel()
+        # marked said for the job only where it is shown: a rank whose warnings are off (as on every
+        # rank but the first in many training scripts) would take it from the others
+        if not _shown(UserWarning, text, level):
+            return
         if self.opened is not None and not self.opened.first_to_say("pickled", f"{types}"):
             return
-        warnings.warn(
-            f"cache {self.session}/{self.name}: samples holding {', '.join(types)} are stored with "
-            f"pickle: slower to store and read than arrays, often larger, and never zero-copy or "
-            f"gathered as a batch; {_native_hint(types)} (warned once per job)",
-            UserWarning, stacklevel=_user_stacklevel())
+        warnings.warn(text, UserWarning, stacklevel=level)
 
     def __getitem__(self, key):
         return self.get(key)

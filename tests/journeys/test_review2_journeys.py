@@ -99,10 +99,7 @@ SILENCED = "import logging, warnings\nwarnings.filterwarnings('ignore')\nlogging
 
 
 @pytest.mark.parametrize(("script", "said"), [
-    pytest.param(PICKLED, "are stored with pickle", marks=pytest.mark.xfail(
-        strict=True, reason="_warn_pickled marks the notice said before knowing this process shows the warning: a "
-        "rank whose warnings are silenced wins the race, and no rank says it; fix: mark only where the warnings "
-        "filter that applies to the user's frame (_user_stacklevel) is not 'ignore'")),
+    (PICKLED, "are stored with pickle"),
     (TOO_LARGE, "served from the source, not cached")])
 def test_a_silenced_rank_does_not_take_the_notice_from_the_job(tmp_path, script, said):
     """Rank 1 (warnings and logging off, as on every rank but the first in many training scripts)
