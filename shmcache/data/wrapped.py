@@ -242,15 +242,36 @@ class CachedDataset(Dataset):
 
     def _check_changed(self) -> None:
         now = _own_fingerprint(self.dataset)
-        if now is not None and now != self._own_fp:  # (None: it cannot say now, nothing to compare)
-            self._change_said = True
-            warnings.warn(
-                f"{type(self.dataset).__name__} (or a dataset it reads) changed in place since it was wrapped "
-                f"(its own fingerprint moved: set_transform, set_format, ...): the wrapped dataset still serves "
-                f"what cache "
-                f"{self.cache.session}/{self.cache.name} holds of it as it was; wrap it again "
-                f"(cache.wrap(dataset)) after it changes - its new version gets a cache of its own",
-                UserWarning, stacklevel=3)
+        if now is None or now == self._own_fp:  # (None: it cannot say now, nothing to compare)
+            return
+        # a fingerprint moves for what changes nothing, too (HF's formatted_as(): a format set and
+        # set back): said only where a probe sample (as wrap() reads them) differs from the cache's
+        self._own_fp = now
+        if self._probes_unchanged():
+            return
+        self._change_said = True
+        warnings.warn(
+            f"{type(self.dataset).__name__} (or a dataset it reads) changed in place since it was wrapped "
+            f"(its own fingerprint moved and item 0, n/2 or n-1 differs: set_transform, set_format, ...): the "
+            f"wrapped dataset still serves what cache {self.cache.session}/{self.cache.name} holds of it as "
+            f"it was; wrap it again (cache.wrap(dataset)) after it changes - its new version gets a cache of "
+            f"its own", UserWarning, stacklevel=3)
+
+    def _probes_unchanged(self) -> bool:
+        """Items 0, n/2 and n-1 (wrap()'s probes) computed now equal the cache's copies: False where
+        one differs, cannot be computed, or none is cached to compare with."""
+        n, compared = self._len, 0
+        try:
+            for i in sorted({0, n // 2, n - 1}) if n else ():
+                held = self.cache.store.lookup(i, True, count=False)
+                if held is MISSING:
+                    continue
+                if not same_sample(held, compute_sample(self.dataset, self.transform, i)):
+                    return False
+                compared += 1
+        except Exception:  # noqa: BLE001 - it cannot say: said changed, as its fingerprint is
+            return False
+        return compared > 0
 
     def _check_len(self) -> None:
         try:

@@ -307,10 +307,6 @@ def test_verify_does_not_call_an_hf_table_with_a_nullable_int_column_stale(cache
     assert report.ok, str(report)
 
 
-@pytest.mark.xfail(strict=True, reason="_check_changed takes any move of HF's _fingerprint for a change, and "
-                   "formatted_as() (set_format there and back) moves it twice with the table as it was; fix: at "
-                   "a moved fingerprint, recompute the probes (0, n/2, n-1: compute_sample) and say it only when "
-                   "one differs from what the cache holds (then remember the new fingerprint either way)")
 def test_a_table_read_in_another_format_for_a_moment_is_not_said_changed(cache):
     """`with hf.formatted_as("numpy"): labels = hf["label"]` (class weights, after wrap()) sets the
     format and sets it back: the table is what it was, but its fingerprint moved, and the epoch's
