@@ -111,8 +111,8 @@ def say_earlier_versions(registry: Any, session: str, name: str) -> None:
         last = registry.cache_last_opened(session, other)
         if last is None:  # open in a live process now
             continue
-        log.warning("cache %s/%s is new: a %s dataset of another length, attributes, code, transform "
-                    "or samples; %s/%s, of the same type (%.1f MiB of shared memory, last opened %s), "
+        log.warning("cache %s/%s is new: a dataset of type %s with another length, attributes, code, "
+                    "transform or samples; %s/%s, of the same type (%.1f MiB of shared memory, last opened %s), "
                     "stays in memory: if it is an earlier version of this dataset, drop it with `shmcache "
                     "destroy %s --cache %s`, or every cache no process opened for a day with `shmcache gc "
                     "--cache-idle-for 1d`; if it is another dataset you still use (another split), keep it",
