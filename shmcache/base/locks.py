@@ -118,8 +118,11 @@ class FlockLock:
         self.reopened = 0  # times the file at ``path`` was found replaced (see acquire)
         close_in_forked_children(self)
 
-    def _new_thread_lock(self) -> threading.Lock | threading.RLock:
-        return threading.RLock() if self.reentrant else threading.Lock()
+    def _new_thread_lock(self) -> threading.RLock:
+        # an RLock whatever ``reentrant`` says: it knows whether this thread owns it (_is_owned),
+        # so acquire can undo a take that a Ctrl-C cut short (a non-reentrant lock refuses a
+        # second hold of its thread itself, in acquire)
+        return threading.RLock()
 
     def after_fork_in_child(self) -> None:
         if self._fd >= 0:
@@ -143,7 +146,20 @@ class FlockLock:
         deadline = time.monotonic() + timeout
         if self._pid != os.getpid():
             self._enter_this_process()
-        if not self._thread_lock.acquire(timeout=max(timeout, 0)):
+        thread_lock = self._thread_lock
+        owned = thread_lock._is_owned()  # by this thread: a nested hold (or a signal handler's)
+        if owned and not self.reentrant:
+            raise LockTimeout(f"{self.what} is held by this very thread already (a nested hold of a "
+                              f"lock that is not reentrant): it would wait for itself")
+        try:
+            took = thread_lock.acquire(timeout=max(timeout, 0))
+        except BaseException:
+            # a Ctrl-C is raised as the call returns, the lock taken (or as the wait, with nothing
+            # taken: then this thread does not own it, or owned it before and still does once)
+            if owned or thread_lock._is_owned():
+                thread_lock.release()
+            raise
+        if not took:
             raise LockTimeout(f"timed out after {timeout:.1f}s waiting for {self.what} (another thread holds it)")
         if self._holds:  # reentrant, and this thread holds the flock already
             self._holds += 1
@@ -174,16 +190,26 @@ class FlockLock:
         except BaseException:
             if not self.keep_open:
                 self._close_fd()
+            elif self._fd >= 0:
+                # a Ctrl-C raised as the flock call returned, with the lock taken: no hold is
+                # recorded, so let it go (no other hold of this process is on it: _holds is 0;
+                # after a timeout, unlocking what is not held changes nothing)
+                with contextlib.suppress(OSError):
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
             raise
 
     def release(self) -> None:
         self._holds -= 1
-        if not self._holds:
-            if self.keep_open:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-            else:
-                self._close_fd()  # closing drops the flock
-        self._thread_lock.release()
+        try:
+            if not self._holds:
+                if self.keep_open:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+                else:
+                    self._close_fd()  # closing drops the flock
+        finally:
+            # a Ctrl-C that arrives during the unlock is raised as it returns: the thread lock
+            # must go all the same, or every later hold in this process waits for "another thread"
+            self._thread_lock.release()
 
     def held_directory(self) -> int:
         """A descriptor (O_DIRECTORY; the caller closes it) of the directory holding the file this

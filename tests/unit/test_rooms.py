@@ -37,6 +37,10 @@ THIRD_PARTY: dict[str, dict[str, str]] = {
         "_size": "fsspec's AsyncFileSystem names its coroutines with an underscore (its async API)",
         "_call_s3": "s3fs's coroutine for one S3 call, the same API: a ranged GetObject read bounded",
     },
+    "base.locks": {
+        "_is_owned": "threading.RLock's own test of its owner (threading.Condition's too): a hold that a Ctrl-C "
+                     "cut short is undone only where this thread took it",
+    },
     "data.wrapped": {
         "_fingerprint": "Hugging Face datasets' Dataset._fingerprint: the digest a table moves when it changes in "
                         "place (set_transform, set_format), read to say so",

@@ -283,9 +283,10 @@ def test_registry_lock_is_reentrant_within_a_thread_and_keeps_no_descriptor(tmp_
 
 
 def test_a_cache_lock_is_not_reentrant(tmp_path):
-    """A cache's lock taken twice by one thread times out (a bug, never a silent nested hold)."""
+    """A cache's lock taken twice by one thread is refused (a bug, never a silent nested hold),
+    saying so - at once: it would only wait for itself."""
     lock = FlockLock(tmp_path / "c.lock", what="the cache lock")
     with lock:
-        with pytest.raises(LockTimeout, match="another thread holds it"):
+        with pytest.raises(LockTimeout, match="held by this very thread already"):
             lock.acquire(timeout_s=0.05)
     lock.close()
