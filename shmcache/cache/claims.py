@@ -131,6 +131,7 @@ __all__ = [
     "read_counts",
     "Served",
     "SUPPORTED",
+    "timeout_setting",
 ]
 
 log = logging.getLogger("shmcache")
@@ -474,6 +475,12 @@ def _forget_thread_state() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_thread_state)
+
+
+def timeout_setting() -> float:
+    """$SHMCACHE_CLAIM_TIMEOUT_S (else CLAIM_TIMEOUT_S), InvalidArgument naming the fix if it is no
+    number of seconds: every store's opening reads it (``shmcache gc`` checks it first)."""
+    return _timeout(None)
 
 
 def _timeout(given: float | None) -> float:

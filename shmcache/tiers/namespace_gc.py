@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..base import settings
 from ..base.namespace import validate_name
+from ..cache import claims
 from ..cache.registry import GcReport, IdleCache, IdleSession, SessionRegistry
 from ..cache.store import CacheStore
 from ..errors import CacheNotFound, CorruptSegment, InvalidArgument, LockTimeout, ShmcacheError
@@ -56,10 +57,12 @@ def collect_garbage(registry: SessionRegistry, idle_for_s: float | None = None,
                     cache_idle_for_s: float | None = None) -> GcResult:
     """``shmcache gc`` on ``registry``'s namespace; ``idle_for_s``: first destroy the sessions
     nobody used for that long (NOTE [session lifecycle], last use); ``cache_idle_for_s``: then
-    drop the caches no process opened for that long (NOTE [cache use]). An on/off variable set to
-    a word it does not take is refused first (InvalidArgument): each cache's opening would raise
-    on it, and a cache that does not open is taken for one gone meanwhile - recounting nothing."""
+    drop the caches no process opened for that long (NOTE [cache use]). A setting that every
+    cache's opening reads and refuses (an on/off variable set to another word, a claim timeout
+    that is no number) is refused first (InvalidArgument): a cache that does not open is taken
+    for one gone meanwhile - gc would recount nothing."""
     settings.check_switches()
+    claims.timeout_setting()  # SHMCACHE_CLAIM_TIMEOUT_S=soon: the same
     idle = registry.destroy_idle(idle_for_s) if idle_for_s is not None else []
     idle_caches = registry.drop_idle_caches(cache_idle_for_s) if cache_idle_for_s is not None else []
     result = GcResult(registry.gc(), idle, idle_caches=idle_caches)
@@ -87,10 +90,6 @@ def _collect_cache(registry: SessionRegistry, session: str, name: str, result: G
             return
         result.dropped.append({"cache": cache, "reason": str(exc)})
         return
-    except InvalidArgument:
-        # a setting that fails every cache's opening (SHMCACHE_CLAIM_TIMEOUT_S=soon), not a cache
-        # gone: taken for one, gc passed over every cache and repaired nothing, exit 0
-        raise
     except ShmcacheError:  # gone meanwhile, or never made: the registry's gc handles it
         return
     done: dict = {}
