@@ -7,9 +7,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from shmcache.base.namespace import ENV_DIR
+
+# a script whose samples are stored with pickle (a set each): the warning said once per job
+PICKLED = textwrap.dedent("""\
+    from shmcache import ShmDatasetCache
+
+    cache = ShmDatasetCache(session="notes", name="sets")
+    ds = cache.wrap([{i, i + 1} for i in range(40)])  # a set: stored with pickle
+    [ds[i] for i in range(40)]
+    cache.close()
+""")
 
 
 def env(shm_dir: Path | str | None = None) -> dict:

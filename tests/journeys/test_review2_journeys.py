@@ -11,16 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from _journey import env
-
-PICKLED = textwrap.dedent("""\
-    from shmcache import ShmDatasetCache
-
-    cache = ShmDatasetCache(session="notes", name="sets")
-    ds = cache.wrap([{i, i + 1} for i in range(40)])  # a set: stored with pickle
-    [ds[i] for i in range(40)]
-    cache.close()
-""")
+from _journey import PICKLED, env
 
 BOTH = textwrap.dedent("""\
     import numpy as np

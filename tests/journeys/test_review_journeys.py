@@ -16,7 +16,7 @@ import sys
 import textwrap
 
 import pytest
-from _journey import env, run
+from _journey import PICKLED, env, run
 
 from shmcache.cache.generation import MetaLayout
 from shmcache.cache.store import CacheStore
@@ -263,14 +263,6 @@ def test_a_replay_that_records_again_counts_each_miss_once(tmp_path):
 
 
 
-PICKLED = textwrap.dedent("""\
-    from shmcache import ShmDatasetCache
-
-    cache = ShmDatasetCache(session="notes", name="sets")
-    ds = cache.wrap([{i, i + 1} for i in range(40)])  # a set: stored with pickle
-    [ds[i] for i in range(40)]
-    cache.close()
-""")
 TOO_LARGE = textwrap.dedent("""\
     import numpy as np
     from shmcache import ShmDatasetCache
