@@ -339,7 +339,6 @@ class Admission:
                     f"{fix + ', or ' if fix else ''}spilling=True would keep them on disk")
         log.warning("cache %s/%s stops growing in memory: %s; %s", self.session, self.name, why, then)
 
-
     def first_to_say(self, word: int, notice: str) -> bool:
         """Whether this process is the first of its job to say ``notice`` about this cache (root
         word ``word``: RootLayout.SAID_FULL, root.NOTICE_WORDS), marking it said. The job is in the

@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..base import settings
-from ..base.namespace import validate_name
 from ..cache import claims
 from ..cache.registry import GcReport, IdleCache, IdleSession, SessionRegistry
 from ..cache.store import CacheStore
-from ..errors import CacheNotFound, CorruptSegment, InvalidArgument, LockTimeout, ShmcacheError
+from ..errors import CacheNotFound, CorruptSegment, LockTimeout, ShmcacheError
 from .spill.tier import attach_existing, remove_orphans
 
 __all__ = ["GcResult", "collect_garbage"]
@@ -76,10 +75,6 @@ def collect_garbage(registry: SessionRegistry, idle_for_s: float | None = None,
 
 def _collect_cache(registry: SessionRegistry, session: str, name: str, result: GcResult) -> None:
     cache = f"{session}/{name}"
-    try:
-        validate_name(name, "cache")
-    except InvalidArgument:  # a stray file of the session's caches directory, no cache of ours
-        return
     try:
         store = CacheStore(session, name, ns=registry.ns, create=False, lock_timeout_s=10)
     except CorruptSegment as exc:  # a segment header is damaged: the cache cannot open
