@@ -91,7 +91,7 @@ SILENCED = "import logging, warnings\nwarnings.filterwarnings('ignore')\nlogging
 
 @pytest.mark.parametrize(("script", "said"), [
     (PICKLED, "are stored with pickle"),
-    (TOO_LARGE, "served from the source, not cached")])
+    pytest.param(TOO_LARGE, "served from the source, not cached", marks=pytest.mark.slow)])  # logging's rule
 def test_a_silenced_rank_does_not_take_the_notice_from_the_job(tmp_path, script, said):
     """Rank 1 (warnings and logging off, as on every rank but the first in many training scripts)
     met the pickled or too-large samples first - wrap()'s probes race on every rank - and marked the

@@ -274,9 +274,9 @@ TOO_LARGE = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize(("script", "said"), [
-    (PICKLED, "are stored with pickle"),
-    pytest.param(TOO_LARGE, "served from the source, not cached", marks=pytest.mark.slow)])  # the same rule
+@pytest.mark.slow  # two ranks and a later job, 3 s a case; the default run: test_review2_journeys' two notices
+@pytest.mark.parametrize(("script", "said"), [(PICKLED, "are stored with pickle"),
+                                              (TOO_LARGE, "served from the source, not cached")])
 def test_a_warning_about_the_samples_is_said_once_per_job(tmp_path, script, said):
     """Samples stored with pickle, or too large to cache, were warned about once per cache object:
     once in every process (8 ranks with 8 DataLoader workers each said it 64 times). Two ranks of
@@ -295,7 +295,8 @@ def test_a_warning_about_the_samples_is_said_once_per_job(tmp_path, script, said
     assert ranks("job-b", 1).count(said) == 1, "a later job was not told"
 
 
-@pytest.mark.parametrize("rerun", [False, pytest.param(True, marks=pytest.mark.slow)])  # 3 s a torchrun
+@pytest.mark.slow  # 3 s a torchrun; a launch's ranks as one job: test_review2_journeys' two notices
+@pytest.mark.parametrize("rerun", [False, True])
 def test_a_warning_is_said_once_by_the_ranks_of_a_plain_torchrun(tmp_path, rerun):
     """torchrun's static rendezvous (a fixed --master-port) gives every rank the run id "none" and
     a process group of its own, so each rank counted as a job and said the warning again. The
