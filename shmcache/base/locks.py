@@ -42,6 +42,9 @@ __all__ = ["FlockLock", "LivenessSlot", "SharedHold", "slot_is_alive", "flock_wi
            "close_in_forked_children", "unless_held"]
 
 DEFAULT_TIMEOUT_S = 60.0
+# close() waits this long for another thread's hold (a put under the lock takes ms); one that waits
+# for the file lock still (a stopped holder elsewhere) closes the descriptor itself when it ends
+_CLOSE_WAIT_S = 1.0
 _REOPEN = threading.Lock()
 _HOLDERS_OF_DESCRIPTORS: weakref.WeakSet = weakref.WeakSet()
 
@@ -114,6 +117,7 @@ class FlockLock:
         self._fd = -1
         self._pid = -1
         self._holds = 0  # this process's nested holds (at most 1 unless reentrant)
+        self._close_on_release = False  # close() came during a hold: its last release closes (close)
         self._thread_lock = self._new_thread_lock()  # flock does not exclude threads sharing one fd
         self.reopened = 0  # times the file at ``path`` was found replaced (see acquire)
         close_in_forked_children(self)
@@ -128,6 +132,7 @@ class FlockLock:
         if self._fd >= 0:
             os.close(self._fd)  # our copy only: the parent's descriptor keeps its lock
         self._fd, self._pid, self._holds = -1, -1, 0  # the next acquire opens this process's own
+        self._close_on_release = False
         self._thread_lock = self._new_thread_lock()
 
     def _enter_this_process(self) -> None:
@@ -137,7 +142,7 @@ class FlockLock:
             if self._pid != os.getpid():
                 if self._fd >= 0:  # inherited: closing our copy leaves the parent's lock alone
                     os.close(self._fd)
-                self._fd, self._holds = -1, 0
+                self._fd, self._holds, self._close_on_release = -1, 0, False
                 self._thread_lock = self._new_thread_lock()
                 self._pid = os.getpid()
 
@@ -188,7 +193,8 @@ class FlockLock:
                 self._fd = _open_lock_file(self.path)
                 self.reopened += 1
         except BaseException:
-            if not self.keep_open:
+            if not self.keep_open or self._close_on_release:  # (closed meanwhile: close)
+                self._close_on_release = False
                 self._close_fd()
             elif self._fd >= 0:
                 # a Ctrl-C raised as the flock call returned, with the lock taken: no hold is
@@ -202,9 +208,10 @@ class FlockLock:
         self._holds -= 1
         try:
             if not self._holds:
-                if self.keep_open:
+                if self.keep_open and not self._close_on_release:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
                 else:
+                    self._close_on_release = False
                     self._close_fd()  # closing drops the flock
         finally:
             # a Ctrl-C that arrives during the unlock is raised as it returns: the thread lock
@@ -242,9 +249,32 @@ class FlockLock:
         self._fd = -1
 
     def close(self) -> None:
-        if self._fd >= 0 and self._pid == os.getpid():
-            os.close(self._fd)
-        self._fd, self._pid = -1, -1
+        """Close the descriptor (its cache is closed). A hold in progress in this process keeps it,
+        and so the file lock, until its release closes it: another thread's put (waited for up to
+        _CLOSE_WAIT_S: a write under the lock takes ms), or the put of this very thread that a signal
+        handler closing the cache interrupted (a preemption handler: close, exit). Closed under the
+        hold, the file lock went mid-write, and the put's release failed on descriptor -1."""
+        if self._pid != os.getpid():  # inherited, or closed already: nothing of this process's
+            self._fd, self._pid = -1, -1
+            return
+        thread_lock = self._thread_lock
+        if thread_lock._is_owned():  # this thread holds it, or is taking it: we are its signal handler
+            self._close_on_release = True
+            return
+        try:
+            took = thread_lock.acquire(timeout=min(max(self.timeout_s, 0), _CLOSE_WAIT_S))
+        except BaseException:  # a Ctrl-C raised as the call returns, the lock taken (see acquire)
+            if thread_lock._is_owned():
+                thread_lock.release()
+            raise
+        if not took:
+            self._close_on_release = True  # another thread holds it still: its release closes
+            return
+        try:
+            self._close_fd()
+            self._pid = -1
+        finally:
+            thread_lock.release()
 
 
 def _held_elsewhere(what: str, path: Path, timeout_s: float) -> LockTimeout:

@@ -66,6 +66,7 @@ import logging
 import multiprocessing
 import os
 import time
+from pathlib import Path
 
 from ..base import memdir, ordering
 from ..base.memory import memory_limits
@@ -354,17 +355,44 @@ class Admission:
 
 def _job() -> str:
     """Who counts as one job for a log line said once (Admission.first_to_say). Under a launcher
-    (ours, torchrun: $TORCHELASTIC_RUN_ID set) each rank leads a process group of its own, its
-    DataLoader workers in it, and the group leader's parent is that launch's launcher (torchrun's
+    (ours, torchrun: $TORCHELASTIC_RUN_ID set) each rank leads a session of its own, its
+    DataLoader workers in it, and the session leader's parent is that launch's launcher (torchrun's
     agent): the run id and that process - a run id alone is a name the user may fix for every
     launch (--rdzv-id 456, torchrun's static "none"). Else a script: this process, or the one
-    whose DataLoader worker (a multiprocessing child) this is - each run told again, whatever
-    shell, Makefile or sweep driver runs it (they share one process group)."""
+    whose multiprocessing children this is, however deep (a DataLoader worker of a rank that
+    torch.multiprocessing.spawn started) - each run told again, whatever shell, Makefile or sweep
+    driver runs it (they share one process group)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id:
-        return f"run {run_id} launcher {_started(_parent_pid(os.getpgid(0)))}"
+        # the session's leader, not the process group's: a group a worker makes stays in the session
+        return f"run {run_id} launcher {_started(_parent_pid(os.getsid(0)))}"
     parent = multiprocessing.parent_process()
-    return f"process {_started(parent.pid if parent is not None else os.getpid())}"
+    return f"process {_started(_script_of(parent.pid) if parent is not None else os.getpid())}"
+
+
+def _script_of(pid: int) -> int:
+    """The script's process above multiprocessing child ``pid``: up from ``pid`` while it is a
+    multiprocessing child itself (its parent, multiprocessing.parent_process, is known only to
+    ``pid``: /proc tells the rest, by its command line)."""
+    for _ in range(16):  # a bound, never reached: no tree of processes is that deep
+        parent = _parent_pid(pid)
+        if parent is None or parent <= 1 or not _multiprocessing_child(pid, parent):
+            return pid
+        pid = parent
+    return pid
+
+
+def _multiprocessing_child(pid: int, parent: int) -> bool:
+    """Whether process ``pid`` was started by multiprocessing in ``parent``: spawned (its command
+    line says so), forked by the forkserver (which is the forkserver's own, the forkserver itself
+    a child so spawned), or forked (the parent's command line, as a DataLoader worker's)."""
+    try:
+        mine = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"--multiprocessing-fork" in mine or b"from multiprocessing.forkserver import main" in mine:
+            return True
+        return mine == Path(f"/proc/{parent}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _parent_pid(pid: int) -> int | None:

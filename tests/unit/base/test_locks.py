@@ -290,3 +290,55 @@ def test_a_cache_lock_is_not_reentrant(tmp_path):
         with pytest.raises(LockTimeout, match="held by this very thread already"):
             lock.acquire(timeout_s=0.05)
     lock.close()
+
+
+@LOCK_CLASSES
+def test_close_under_another_threads_hold_keeps_the_lock_until_its_release(tmp_path, Lock):
+    """The main thread closes the cache (``FlockLock.close``) while a PrefetchRing's producer
+    thread stores a miss under the lock: the descriptor was closed under the hold, so another
+    process could take the lock mid-write, and the producer's release then failed (ValueError:
+    descriptor -1). The hold in progress keeps the file lock; its release lets it go."""
+    path = tmp_path / "cache.lock"
+    lock = Lock(path, timeout_s=5)
+    held, go, errors = threading.Event(), threading.Event(), []
+
+    def put():
+        lock.acquire()
+        held.set()
+        go.wait(10)
+        try:
+            lock.release()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    producer = threading.Thread(target=put)
+    producer.start()
+    try:
+        assert held.wait(10)
+        closer = threading.Thread(target=lock.close)
+        closer.start()
+        time.sleep(0.1)
+        assert slot_is_alive(path), "the file lock was let go under the producer's hold"
+    finally:
+        go.set()
+        producer.join(10)
+        closer.join(10)
+    assert not errors, errors
+    assert not slot_is_alive(path)
+
+
+@LOCK_CLASSES
+def test_close_by_the_holding_thread_keeps_the_lock_until_its_release(tmp_path, Lock):
+    """A signal handler closing the cache runs on the thread whose put holds the lock: the close
+    must not wait for that thread (itself), nor drop the file lock under the put it interrupted;
+    the put's release lets it go and closes the descriptor."""
+    path = tmp_path / "cache.lock"
+    lock = Lock(path, timeout_s=5)
+    lock.acquire()
+    started = time.monotonic()
+    lock.close()
+    assert time.monotonic() - started < 0.5
+    assert slot_is_alive(path), "the file lock was let go under this thread's hold"
+    lock.release()
+    assert not slot_is_alive(path)
+    assert lock._fd == -1
