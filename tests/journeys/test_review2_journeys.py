@@ -69,6 +69,7 @@ def test_the_next_torchrun_with_the_tutorials_fixed_rdzv_id_is_told_again(tmp_pa
         port = s.getsockname()[1]
     e = env()
     e.pop("TORCHELASTIC_RUN_ID", None)
+    e["TMPDIR"] = str(tmp_path)  # torchrun leaves its log directory (torchelastic_*) in it
     args = ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "456", tmp_path / "rank.py"]
     assert _script(args, e).count("are stored with pickle") == 1

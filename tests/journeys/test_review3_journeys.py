@@ -108,6 +108,7 @@ def test_the_workers_of_ranks_started_by_torch_multiprocessing_spawn_are_one_job
     (tmp_path / "ddp.py").write_text(MP_SPAWN_SCRIPT)
     e = env()
     e.pop("TORCHELASTIC_RUN_ID", None)
+    e["TMPDIR"] = str(tmp_path)  # torch.multiprocessing.spawn's error files (pytorch-errorfile-*) go there
     done = subprocess.run([sys.executable, "ddp.py"], cwd=tmp_path, env=e, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr

@@ -306,9 +306,12 @@ def test_a_warning_is_said_once_by_the_ranks_of_a_plain_torchrun(tmp_path, rerun
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
 
+    e = env()
+    e["TMPDIR"] = str(tmp_path)  # torchrun leaves its log directory (torchelastic_*) in it
+
     def torchrun() -> str:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               "--master-port", str(port), str(tmp_path / "rank.py")], cwd=tmp_path, env=env(),
+                               "--master-port", str(port), str(tmp_path / "rank.py")], cwd=tmp_path, env=e,
                               capture_output=True, text=True, timeout=90)
         assert done.returncode == 0, done.stderr
         return done.stderr
