@@ -70,6 +70,7 @@ from pathlib import Path
 
 from ..base import memdir, ordering
 from ..base.memory import memory_limits
+from ..base.procs import parent_pid, started
 from ..base.shm import PAGE, WORD, Segment
 from ..errors import ItemTooLarge, SharedMemoryFull
 from .allocator import DATA_OFF, commit_step_chunks
@@ -365,9 +366,9 @@ def _job() -> str:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id:
         # the session's leader, not the process group's: a group a worker makes stays in the session
-        return f"run {run_id} launcher {_started(_parent_pid(os.getsid(0)))}"
+        return f"run {run_id} launcher {started(parent_pid(os.getsid(0)))}"
     parent = multiprocessing.parent_process()
-    return f"process {_started(_script_of(parent.pid) if parent is not None else os.getpid())}"
+    return f"process {started(_script_of(parent.pid) if parent is not None else os.getpid())}"
 
 
 def _script_of(pid: int) -> int:
@@ -375,7 +376,7 @@ def _script_of(pid: int) -> int:
     multiprocessing child itself (its parent, multiprocessing.parent_process, is known only to
     ``pid``: /proc tells the rest, by its command line)."""
     for _ in range(16):  # a bound, never reached: no tree of processes is that deep
-        parent = _parent_pid(pid)
+        parent = parent_pid(pid)
         if parent is None or parent <= 1 or not _multiprocessing_child(pid, parent):
             return pid
         pid = parent
@@ -393,31 +394,6 @@ def _multiprocessing_child(pid: int, parent: int) -> bool:
         return mine == Path(f"/proc/{parent}/cmdline").read_bytes()
     except OSError:
         return False
-
-
-def _parent_pid(pid: int) -> int | None:
-    """The parent of process ``pid``, or None where /proc does not say."""
-    try:
-        return int(_stat_fields(pid)[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _started(pid: int | None) -> str:
-    """``"<pid>@<its start time>"`` (the start time tells a reused pid apart; none where /proc does
-    not say it)."""
-    if pid is None:
-        return "?"
-    try:
-        return f"{pid}@{_stat_fields(pid)[19]}"
-    except (OSError, IndexError, UnicodeDecodeError):
-        return str(pid)
-
-
-def _stat_fields(pid: int) -> list[str]:
-    """/proc/PID/stat's fields from the state on (the name in parentheses may hold anything)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rpartition(b")")[2].decode().split()
 
 
 def _shm_space(root: str) -> tuple[int, int]:

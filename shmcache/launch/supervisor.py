@@ -88,6 +88,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from ..base.procs import start_time
 from ..errors import LaunchError
 
 __all__ = [
@@ -562,7 +563,7 @@ def launch_directory(prefix: str = LAUNCH_DIR_PREFIX) -> Iterator[str]:
     it by path (redis-server's socket, the error files)."""
     path = tempfile.mkdtemp(prefix=prefix, dir=_private_parent(tempfile.gettempdir()))
     with open(os.path.join(path, LAUNCHER_FILE), "x") as f:
-        f.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+        f.write(f"{os.getpid()} {start_time(os.getpid())}\n")
     try:
         guard: _Guard | None = _Guard(remove_dir=path)
     except OSError:  # no guard: the directory is still removed on every way out but SIGKILL
@@ -636,21 +637,12 @@ def remove_stale_launch_directories(tmpdir: str | None = None) -> list[str]:
             pid = int(pid_text)
         except (OSError, ValueError):
             continue
-        if _start_time(pid) == start_text:
+        if start_time(pid) == start_text:
             continue  # its launcher runs
         shutil.rmtree(entry.path, ignore_errors=True)
         if not os.path.lexists(entry.path):
             removed.append(entry.path)
     return removed
-
-
-def _start_time(pid: int) -> str:
-    """When process ``pid`` started (clock ticks since boot), or "" if there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return ""
 
 
 class _ParentDeathSignal:
