@@ -32,10 +32,12 @@ class RootLayout:
     # turns in their word, each then said again - a hint only, as SAID_FULL
     SAID_PICKLED = 104
     SAID_TOO_LARGE = 112
+    SAID_REPLAYED = 120  # a stream replayed in another epoch's order (data.stream)
 
 
 # the kinds of notice a store says once per job (Store.first_to_say) -> their root word
-NOTICE_WORDS = {"pickled": RootLayout.SAID_PICKLED, "too large": RootLayout.SAID_TOO_LARGE}
+NOTICE_WORDS = {"pickled": RootLayout.SAID_PICKLED, "too large": RootLayout.SAID_TOO_LARGE,
+                "replayed": RootLayout.SAID_REPLAYED}
 
 
 # The root's tombstone: whoever removes a cache writes DESTROYED into its epoch word before

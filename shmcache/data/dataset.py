@@ -54,7 +54,8 @@ from .arguments import (
 from .batches import as_int_keys, copy_into, gather
 from .fingerprint import fingerprint, given_fingerprint, length_or_none
 from .probes import read_probes, same_value
-from .wrapped import CachedDataset, CachedIterableDataset, NoSource, compute_each, keep_computed, same_sample
+from .stream import CachedIterableDataset, check_reshuffle
+from .wrapped import CachedDataset, NoSource, compute_each, keep_computed, same_sample
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
 
@@ -113,6 +114,13 @@ class _KeyPaths:
 
     def __getitem__(self, i: int) -> str:
         return f"the value of key {self.pairs[i][0]!r}"
+
+
+def _iterable(dataset: Any) -> bool:
+    """Whether wrap() takes ``dataset`` as a stream: an IterableDataset, or an iterable with no
+    ``__getitem__``."""
+    return isinstance(dataset, IterableDataset) or (not hasattr(dataset, "__getitem__")
+                                                    and isinstance(dataset, Iterable))
 
 
 def _native_hint(types: tuple) -> str:
@@ -321,14 +329,17 @@ class ShmDatasetCache:
     # --- wrapping datasets ----------------------------------------------------------------------
 
     def wrap(self, dataset: Any, transform: Callable | None = None, *, label: str | None = None,
-             fingerprint: str | None = None):
+             fingerprint: str | None = None, reshuffle: bool | None = None):
         """A dataset that reads through this cache: map-style or iterable, same items as ``dataset``.
         ``dataset=None``: the cache alone (imported from a snapshot), with no source behind it.
         ``label``: what `shmcache stat` shows to tell this cache from others (default: the
         dataset's ``repr``, cut to 80 characters; its class name where the repr is Python's own).
         ``fingerprint``: the identity of the dataset's contents, given by the caller (a version,
         a hash of its file list): wrap() then reads no sample (NOTE [fingerprint] is skipped:
-        the caller answers for it naming these contents and no others)."""
+        the caller answers for it naming these contents and no others).
+        ``reshuffle`` (an iterable dataset only): a replayed epoch in an order drawn from the epoch
+        (True), in the recorded order (False), or in the recorded order said once per job where the
+        source's order may follow its epoch (None; data.stream.CachedIterableDataset)."""
         if dataset is None:
             return self._wrap_without_source(transform)
         if transform is not None and not callable(transform):
@@ -338,17 +349,17 @@ class ShmDatasetCache:
         if fingerprint is not None and (not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= 256):
             raise InvalidArgument(f"fingerprint must be a non-empty str (a version or a hash of the "
                                   f"dataset's contents, at most 256 characters), got {fingerprint!r:.80}")
+        reshuffle = check_reshuffle(reshuffle, _iterable(dataset))
         self._given_fp = fingerprint
-        wrapped = self._wrap(dataset, transform)
+        wrapped = self._wrap(dataset, transform, reshuffle)
         store = self.opened
         if store is not None and not store.uncached:
             store.record_label(label_of(dataset, label))
         return wrapped
 
-    def _wrap(self, dataset: Any, transform: Callable | None):
-        if isinstance(dataset, IterableDataset) or (not hasattr(dataset, "__getitem__")
-                                                    and isinstance(dataset, Iterable)):
-            return self._wrap_iterable(dataset, transform)
+    def _wrap(self, dataset: Any, transform: Callable | None, reshuffle: bool | None = None):
+        if _iterable(dataset):
+            return self._wrap_iterable(dataset, transform, reshuffle)
         if not hasattr(dataset, "__getitem__") or length_or_none(dataset) is None:
             raise InvalidArgument(
                 f"wrap() takes a map-style dataset (with __getitem__ and __len__) or an iterable "
@@ -524,7 +535,8 @@ class ShmDatasetCache:
                             segment_bytes=segment_bytes or snapshot_format.DEFAULT_SEGMENT_BYTES,
                             progress=progress, storage_options=storage_options, secret=self._secret or "")
 
-    def _wrap_iterable(self, dataset: Iterable, transform: Callable | None) -> CachedIterableDataset:
+    def _wrap_iterable(self, dataset: Iterable, transform: Callable | None,
+                       reshuffle: bool | None) -> CachedIterableDataset:
         """With a name, the stream is not read here. Without one, its first 16 items name the
         cache (with the dataset's attributes, NOTE [fingerprint]); they are read from the
         iterator the first pass then goes on with, so a stream that cannot be read twice (a
@@ -532,7 +544,7 @@ class ShmDatasetCache:
         one_shot = isinstance(dataset, Iterator)  # (calling iter() would open a stream)
         if self.name is not None or self._fingerprint is not None or self._given_fp is not None:
             self._bind(dataset, transform, [], table_hint=0)
-            return CachedIterableDataset(self, dataset, transform, one_shot=one_shot)
+            return CachedIterableDataset(self, dataset, transform, one_shot=one_shot, reshuffle=reshuffle)
         if one_shot:
             raise InvalidArgument(
                 f"wrap() of a one-shot iterator ({type(dataset).__name__}) needs a name: without "
@@ -545,7 +557,7 @@ class ShmDatasetCache:
         samples = [codec.encode(transform(x) if transform else x) for x in head]
         self._bind(dataset, transform, samples, table_hint=0)
         # the first pass of this process starts with them
-        return CachedIterableDataset(self, dataset, transform, pending=(os.getpid(), head, it))
+        return CachedIterableDataset(self, dataset, transform, pending=(os.getpid(), head, it), reshuffle=reshuffle)
 
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
         given = self._given_fp
@@ -679,15 +691,21 @@ class ShmDatasetCache:
 
     def _warn_pickled(self, types: tuple) -> None:
         self._warned_pickle = True
-        text = (f"cache {self.session}/{self.name}: samples holding {', '.join(types)} are stored with "
-                f"pickle: slower to store and read than arrays, often larger, and never zero-copy or "
-                f"gathered as a batch; {_native_hint(types)} (warned once per job)")
+        self.say_once("pickled", f"{types}", (
+            f"cache {self.session}/{self.name}: samples holding {', '.join(types)} are stored with "
+            f"pickle: slower to store and read than arrays, often larger, and never zero-copy or "
+            f"gathered as a batch; {_native_hint(types)} (warned once per job)"))
+
+    def say_once(self, kind: str, mark: str, text: str) -> None:
+        """``text`` as a UserWarning at the user's line, said once per job about this cache: by
+        the first process of the job to say the notice of ``kind`` (a key of root.NOTICE_WORDS)
+        marked ``mark``."""
         level = _user_stacklevel()
         # marked said for the job only where it is shown: a rank whose warnings are off (as on every
         # rank but the first in many training scripts) would take it from the others
         if not _shown(UserWarning, text, level):
             return
-        if self.opened is not None and not self.opened.first_to_say("pickled", f"{types}"):
+        if self.opened is not None and not self.opened.first_to_say(kind, mark):
             return
         warnings.warn(text, UserWarning, stacklevel=level)
 

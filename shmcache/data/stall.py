@@ -30,7 +30,8 @@ def _cache_of(obj: Any) -> Any:
     """The ShmDatasetCache behind ``obj``: itself, a wrapped dataset's, or through ``.dataset``
     (a DataLoader, a Subset), a few links deep; None when there is none."""
     from .dataset import ShmDatasetCache
-    from .wrapped import CachedDataset, CachedIterableDataset
+    from .stream import CachedIterableDataset
+    from .wrapped import CachedDataset
 
     for _ in range(4):
         if obj is None:

@@ -1,26 +1,23 @@
-"""The wrapped datasets: ``CachedDataset`` (map-style) and ``CachedIterableDataset``, what
-``ShmDatasetCache.wrap`` returns. Items come from the cache, computed once by any process; a
-DataLoader batch of a CachedDataset is gathered already collated (shmcache.data.collate).
+"""The wrapped map-style dataset: ``CachedDataset``, what ``ShmDatasetCache.wrap`` returns for
+one (an iterable's is ``data.stream``). Items come from the cache, computed once by any process;
+a DataLoader batch is gathered already collated (shmcache.data.collate).
 """
 
 from __future__ import annotations
 
-import itertools
-import os
 import pickle
 import random
 import secrets
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, get_worker_info
 
-from ..base import settings
 from ..cache import codec
 from ..cache.claims import Served
 from ..cache.store import MISSING
@@ -29,7 +26,7 @@ from ..errors import CacheMismatch, EncodeError, InvalidArgument, ItemNotCached
 from .batches import as_int64, integer_array, plain_ints
 from .collate import Collated, collates_by_default, gather_collated, register_live
 
-__all__ = ["CachedDataset", "CachedIterableDataset", "DatasetCache"]
+__all__ = ["CachedDataset", "DatasetCache"]
 
 
 class DatasetCache(Protocol):
@@ -55,6 +52,8 @@ class DatasetCache(Protocol):
 
     def get_batch(self, keys: Sequence, fn: Callable | None = None, out: Any = None, *,
                   fn_many: Callable | None = None) -> Any: ...
+
+    def say_once(self, kind: str, mark: str, text: str) -> None: ...
 
 _VERIFY_RNG = random.Random()  # its own: verify= must not shift the user's seeded random streams
 
@@ -512,89 +511,3 @@ def _picklable(tp: type) -> bool:
     except Exception:  # noqa: BLE001 - a class pickle cannot find by its name
         return False
     return True
-
-
-class CachedIterableDataset(IterableDataset):
-    """An iterable dataset: the first full pass records, later passes replay from the cache.
-
-    Each stream (rank x DataLoader worker) records its own sequence under its own keys, with a
-    completion marker written only after a full pass; a pass that was cut short, or finds an item
-    missing, reads the source again and fills the gaps.
-
-    DataLoader workers: each worker gets its own copy of the dataset and records what *its* copy
-    yields, under its own keys (``RANK.<worker id>of<num_workers>``). An unsharded stream is thus
-    read, yielded and stored once per worker (what PyTorch does with any IterableDataset), so
-    shard it in the source's ``__iter__`` with ``torch.utils.data.get_worker_info()`` (for example
-    ``itertools.islice(items, info.id, None, info.num_workers)``); a different ``num_workers`` (or
-    world size) records anew.
-    """
-
-    def __init__(self, cache: DatasetCache, dataset: Iterable, transform: Callable | None,
-                 one_shot: bool = False, pending: tuple[int, list, Any] | None = None):
-        self.cache = cache
-        self.dataset = dataset
-        self.transform = transform
-        self._one_shot = one_shot  # a plain iterator: one pass of the source, ever
-        self._pending = pending  # pid, the items wrap() read, their iterator
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_pending"] = None  # the items wrap() read belong to this process's first pass
-        return state
-
-    def _source(self):
-        """The source for a recording pass: the items wrap() read, then the rest of their
-        iterator (first pass in this process), else a fresh iterator of the dataset."""
-        pending, self._pending = self._pending, None
-        # not in a DataLoader worker, even a forked one that inherited it: a worker opens its own
-        # iterator (a source that shards by get_worker_info() must see the worker)
-        if pending is not None and pending[0] == os.getpid() and get_worker_info() is None:
-            return itertools.chain(pending[1], pending[2])
-        if self._one_shot:
-            if getattr(self, "_consumed", False):
-                raise InvalidArgument(
-                    f"the one-shot iterator ({type(self.dataset).__name__}) wrapped as "
-                    f"{self.cache.session}/{self.cache.name} was read once already, and the cache "
-                    f"does not hold all of it (the first pass stopped early, or the cache was "
-                    f"full), so it cannot be replayed; wrap a re-iterable dataset (an "
-                    f"IterableDataset or a container), or finish the first pass")
-            self._consumed = True
-        return iter(self.dataset)
-
-    def _stream(self) -> str:
-        info = get_worker_info()
-        worker = f"{info.id}of{info.num_workers}" if info is not None else "main"
-        return f"{settings.get(settings.ENV_RANK, '0')}.{worker}"
-
-    def __iter__(self):
-        store = self.cache.open_store()
-        stream = self._stream()
-        marker = f"__stream__:{stream}"
-        total = store.lookup(marker, count=False)
-        if total is not MISSING:
-            self._pending = None
-            for i in range(total):
-                value = store.lookup(f"{stream}:{i}", self.cache.copy)
-                if value is MISSING:  # its lookup counted its miss
-                    yield from self._record(store, stream, marker, skip=i, counted=True)
-                    return
-                yield value
-            return
-        yield from self._record(store, stream, marker, skip=0)
-
-    def _record(self, store: Store, stream: str, marker: str, skip: int, counted: bool = False):
-        """Record the stream from item ``skip`` on (``counted``: item ``skip``'s miss was counted by
-        the replay's lookup that found it missing)."""
-        count = 0
-        for i, sample in enumerate(self._source()):
-            count = i + 1
-            if i < skip:
-                continue  # already yielded from the cache in this pass
-            value = self.transform(sample) if self.transform is not None else sample
-            store.count_computed()
-            if not (counted and i == skip):
-                store.count_misses()  # not in the cache: computed, as a warm-up's items count
-            self.cache.put_computed(store, f"{stream}:{i}", value)
-            yield value
-        store.put(marker, count)  # only after a full pass
-

@@ -251,30 +251,48 @@ def test_a_warm_up_script_and_a_training_script_give_the_unwrapped_batches(tmp_p
         subprocess.run([sys.executable, "-m", "shmcache", "destroy", "hfjourney"], capture_output=True, timeout=60)
 
 
-@pytest.mark.xfail(strict=True, reason="a wrapped iterable replays its first pass: an HF stream shuffled per epoch "
-                   "(IterableDataset.shuffle + set_epoch) is served in epoch 0's order every epoch, with no word; "
-                   "wrap() could warn when the source has set_epoch (HF: when it is shuffled, it._shuffling)")
 def test_an_hf_stream_reshuffled_each_epoch_is_not_silently_frozen(cache):
     # streaming=True tables are IterableDatasets; their shuffle() draws a new order for each
-    # epoch that set_epoch() names (HF's Trainer calls it). The cache records epoch 0 and replays
-    # it: the model sees one order for the whole run. Either the order follows set_epoch, or
-    # wrap() says that it will not.
+    # epoch that set_epoch() names (HF's Trainer calls it). The cache recorded epoch 0 and replayed
+    # it, without a word: the model saw one order for the whole run. Now the default says so once
+    # the epoch moves, and reshuffle=True replays each epoch in an order of its own.
     import warnings
 
-    stream = datasets.Dataset.from_dict({"x": list(range(12))}).to_iterable_dataset(num_shards=1)
-    stream = stream.shuffle(seed=0, buffer_size=6)
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        ds = cache.wrap(stream)
-    warned = any("epoch" in str(w.message) for w in said)
-    orders = []
+    def stream():
+        return datasets.Dataset.from_dict({"x": list(range(12))}).to_iterable_dataset(num_shards=1).shuffle(
+            seed=0, buffer_size=6)
+
+    def epochs(ds, source) -> tuple[list, list]:
+        orders, said = [], []
+        for epoch in (0, 1, 2):
+            source.set_epoch(epoch)  # as HF's examples do: on the stream, not on the wrapper
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                orders.append([int(s["x"]) for s in DataLoader(ds, batch_size=None)])
+            said += [str(w.message) for w in caught if "epoch" in str(w.message)]
+        return orders, said
+
+    plain = stream()
+    want = []
     for epoch in (0, 1):
-        stream.set_epoch(epoch)
-        want = [int(s["x"]) for s in DataLoader(stream, batch_size=None)]
-        got = [int(s["x"]) for s in DataLoader(ds, batch_size=None)]
-        orders.append((got, want))
-    assert orders[0][1] != orders[1][1]  # (HF reshuffles: the test is about the cache)
-    assert warned or all(got == want for got, want in orders), orders
+        plain.set_epoch(epoch)
+        want.append([int(s["x"]) for s in DataLoader(plain, batch_size=None)])
+    assert want[0] != want[1]  # (HF reshuffles: the test is about the cache)
+
+    source = stream()
+    orders, said = epochs(cache.wrap(source), source)
+    assert orders[0] == want[0] and orders[1] == orders[2] == orders[0]  # the default keeps the recorded order
+    assert len(said) == 1 and "reshuffle=True" in said[0], said  # and says so, once
+
+    again = ShmDatasetCache(session="hfj", name="reshuffled", size=16)
+    try:
+        source = stream()
+        orders, said = epochs(again.wrap(source, reshuffle=True), source)
+        assert not said and orders[0] == want[0], said  # recorded in the stream's own epoch-0 order
+        assert all(sorted(o) == list(range(12)) for o in orders) and len({tuple(o) for o in orders}) == 3, orders
+    finally:
+        again.store.destroy()
+        again.close()
 
 
 def _said_or_fresh_after_a_change(cache, hf, source) -> None:

@@ -1,0 +1,231 @@
+"""``CachedIterableDataset``, what ``ShmDatasetCache.wrap`` returns for an iterable dataset: the
+first full pass of each stream records, later passes replay - in the recorded order, or, with
+``wrap(reshuffle=True)``, in an order drawn from the epoch - and a source whose order follows
+its epoch (``set_epoch``) is never replayed in another epoch's order without a word.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import zlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..base import settings
+from ..cache.store import MISSING
+from ..cache.store_protocol import Store
+from ..errors import InvalidArgument
+from .wrapped import DatasetCache
+
+__all__ = ["CachedIterableDataset", "check_reshuffle"]
+
+_NO_EPOCH = -1  # in the epoch tensor and a stream's marker: none was set, none is known
+
+
+def check_reshuffle(reshuffle: Any, iterable: bool) -> bool | None:
+    """``wrap(reshuffle=)`` checked: None, True or False, for an iterable dataset only."""
+    if reshuffle is None:
+        return None
+    if not isinstance(reshuffle, bool):
+        raise InvalidArgument(f"reshuffle must be True or False (or None, the default), got {reshuffle!r:.80}")
+    if not iterable:
+        raise InvalidArgument("reshuffle= is for an iterable dataset (a stream); a map-style dataset is shuffled "
+                              "by the DataLoader's sampler: DataLoader(ds, shuffle=True) reshuffles each epoch")
+    return reshuffle
+
+
+class CachedIterableDataset(IterableDataset):
+    """An iterable dataset: the first full pass records, later passes replay from the cache.
+
+    Each stream (rank x DataLoader worker) records its own sequence under its own keys, with a
+    completion marker written only after a full pass, that names the epoch it was read in; a
+    pass that was cut short, or finds an item missing, reads the source again and fills the gaps.
+
+    DataLoader workers: each worker gets its own copy of the dataset and records what *its* copy
+    yields, under its own keys (``RANK.<worker id>of<num_workers>``). An unsharded stream is thus
+    read, yielded and stored once per worker (what PyTorch does with any IterableDataset), so
+    shard it in the source's ``__iter__`` with ``torch.utils.data.get_worker_info()`` (for example
+    ``itertools.islice(items, info.id, None, info.num_workers)``); a different ``num_workers`` (or
+    world size) records anew.
+
+    Epochs: the epoch of a pass is the source's own (a public int ``epoch``, as Hugging Face's
+    ``IterableDataset`` has), else the one ``set_epoch`` last gave the wrapper. A source whose
+    order may follow its epoch (it has ``set_epoch``), replayed in a later epoch:
+    - ``reshuffle=True``: each epoch in an order of its own, drawn from the epoch (the same epoch
+      the same order), each item once;
+    - ``reshuffle=False``: the recorded order, quietly;
+    - ``None`` (the default): the recorded order, said once per job.
+    Where the cache lacks items of the recorded pass (too large, or the cache full), such an
+    epoch is read from the source in its own order, not filled in: the recorded positions are
+    another epoch's.
+    """
+
+    def __init__(self, cache: DatasetCache, dataset: Iterable, transform: Callable | None,
+                 one_shot: bool = False, pending: tuple[int, list, Any] | None = None,
+                 reshuffle: bool | None = None):
+        self.cache = cache
+        self.dataset = dataset
+        self.transform = transform
+        self.reshuffle = reshuffle
+        self._one_shot = one_shot  # a plain iterator: one pass of the source, ever
+        self._pending = pending  # pid, the items wrap() read, their iterator
+        # set_epoch's epoch, in shared memory: a persistent DataLoader worker, started before the
+        # next set_epoch, holds a copy of this object made then, and reads the epoch from here
+        self._epoch = torch.full((), _NO_EPOCH, dtype=torch.int64).share_memory_()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_pending"] = None  # the items wrap() read belong to this process's first pass
+        return state
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next passes are (what HF's Trainer and a training loop call before each
+        epoch), passed on to the source's own ``set_epoch``: a first pass reads the source in
+        that epoch's order; with ``reshuffle=True``, a replay's order is drawn from it."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or not 0 <= epoch < 1 << 62:
+            raise InvalidArgument(f"set_epoch() takes the epoch as an int >= 0, got {epoch!r:.80}")
+        self._epoch.fill_(int(epoch))
+        theirs = _source_set_epoch(self.dataset)
+        if theirs is not None:
+            theirs(int(epoch))
+
+    def _epoch_now(self) -> int | None:
+        """This pass's epoch: the source's own when it tells it (it decides its order), else
+        set_epoch's; None when neither is known."""
+        try:
+            theirs = getattr(self.dataset, "epoch", None)
+        except Exception:  # noqa: BLE001 - a dataset's __getattr__ may raise anything: no epoch of its own
+            theirs = None
+        if isinstance(theirs, (int, np.integer)) and not isinstance(theirs, bool) and theirs >= 0:
+            return int(theirs)
+        own = int(self._epoch)
+        return own if own != _NO_EPOCH else None
+
+    def _source(self):
+        """The source for a recording pass: the items wrap() read, then the rest of their
+        iterator (first pass in this process), else a fresh iterator of the dataset."""
+        pending, self._pending = self._pending, None
+        # not in a DataLoader worker, even a forked one that inherited it: a worker opens its own
+        # iterator (a source that shards by get_worker_info() must see the worker)
+        if pending is not None and pending[0] == os.getpid() and get_worker_info() is None:
+            return itertools.chain(pending[1], pending[2])
+        if self._one_shot:
+            if getattr(self, "_consumed", False):
+                raise InvalidArgument(
+                    f"the one-shot iterator ({type(self.dataset).__name__}) wrapped as "
+                    f"{self.cache.session}/{self.cache.name} was read once already, and the cache "
+                    f"does not hold all of it (the first pass stopped early, or the cache was "
+                    f"full), so it cannot be replayed; wrap a re-iterable dataset (an "
+                    f"IterableDataset or a container), or finish the first pass")
+            self._consumed = True
+        return iter(self.dataset)
+
+    def _stream(self) -> str:
+        info = get_worker_info()
+        worker = f"{info.id}of{info.num_workers}" if info is not None else "main"
+        return f"{settings.get(settings.ENV_RANK, '0')}.{worker}"
+
+    def __iter__(self):
+        store = self.cache.open_store()
+        stream = self._stream()
+        marker = f"__stream__:{stream}"
+        epoch = self._epoch_now()
+        if self.reshuffle and epoch is None:  # said at the first pass, not after a whole epoch
+            raise InvalidArgument(
+                f"wrap(reshuffle=True) of {type(self.dataset).__name__} needs the epoch of each pass, "
+                f"and neither the wrapped dataset nor its source was given one: call "
+                f"ds.set_epoch(epoch) on the wrapped dataset before each epoch")
+        recorded = _recorded(store.lookup(marker, count=False))
+        if recorded is None:
+            yield from self._record(store, stream, marker, epoch, skip=0)
+            return
+        self._pending = None
+        total, at = recorded
+        # another epoch than the recorded one (or one not known then), of a source whose order may
+        # follow its epoch, or that the user asked to be reshuffled
+        if epoch is not None and epoch != at and (self.reshuffle or _source_set_epoch(self.dataset) is not None):
+            yield from self._replay_moved(store, stream, marker, epoch, total, at)
+            return
+        for i in range(total):
+            value = store.lookup(f"{stream}:{i}", self.cache.copy)
+            if value is MISSING:  # its lookup counted its miss
+                yield from self._record(store, stream, marker, epoch, skip=i, counted=True)
+                return
+            yield value
+
+    def _replay_moved(self, store: Store, stream: str, marker: str, epoch: int, total: int, at: int | None):
+        """A replay in epoch ``epoch`` of a pass recorded in epoch ``at`` of a source whose order
+        may follow its epoch: the recorded items in an order drawn from the epoch (reshuffle),
+        else in the recorded order. A recorded pass the cache does not hold whole is this epoch's
+        source read in its own order (its positions are the recorded epoch's), nothing stored."""
+        keys = [f"{stream}:{i}" for i in range(total)]
+        if not all(store.contains(k) for k in keys):
+            yield from self._read_through(store)
+            return
+        if self.reshuffle:
+            order = np.random.default_rng([epoch, zlib.crc32(stream.encode())]).permutation(total)
+        else:
+            order = range(total)
+            if self.reshuffle is None:
+                self.cache.say_once("replayed", f"{marker}:{at}", (
+                    f"cache {self.cache.session}/{self.cache.name}: epoch {epoch} of the stream "
+                    f"{type(self.dataset).__name__} is replayed in the order the cache recorded in "
+                    f"{'epoch ' + str(at) if at is not None else 'its first pass'}; if the source "
+                    f"reorders each epoch (set_epoch: a shuffled Hugging Face stream), wrap it with "
+                    f"reshuffle=True to replay each epoch in an order drawn from the epoch, or "
+                    f"reshuffle=False to keep the recorded order without this warning (warned once per job)"))
+        for n, i in enumerate(order):
+            value = store.lookup(keys[i], self.cache.copy)
+            if value is MISSING:  # cleared since the check above: the rest as the source gives it
+                yield from self._record(store, stream, marker, epoch, skip=n, counted=True)
+                return
+            yield value
+
+    def _read_through(self, store: Store):
+        """A pass of the source as it is now, each item computed and counted, none stored."""
+        for sample in self._source():
+            store.count_computed()
+            store.count_misses()
+            yield self.transform(sample) if self.transform is not None else sample
+
+    def _record(self, store: Store, stream: str, marker: str, epoch: int | None, skip: int,
+                counted: bool = False):
+        """Record the stream from item ``skip`` on (``counted``: item ``skip``'s miss was counted by
+        the replay's lookup that found it missing), the marker naming the pass's ``epoch``."""
+        count = 0
+        for i, sample in enumerate(self._source()):
+            count = i + 1
+            if i < skip:
+                continue  # already yielded from the cache in this pass
+            value = self.transform(sample) if self.transform is not None else sample
+            store.count_computed()
+            if not (counted and i == skip):
+                store.count_misses()  # not in the cache: computed, as a warm-up's items count
+            self.cache.put_computed(store, f"{stream}:{i}", value)
+            yield value
+        store.put(marker, (count, _NO_EPOCH if epoch is None else epoch))  # only after a full pass
+
+
+def _recorded(marker: Any) -> tuple[int, int | None] | None:
+    """``(items, epoch)`` of a stream's marker (the epoch None where it was not known, or the
+    marker was written before markers named it: a bare count); None for no marker."""
+    if marker is MISSING:
+        return None
+    if isinstance(marker, tuple) and len(marker) == 2:
+        total, at = marker
+        return int(total), (None if at == _NO_EPOCH else int(at))
+    return int(marker), None
+
+
+def _source_set_epoch(dataset: Any) -> Callable | None:
+    """The source's own ``set_epoch``, where it has one: its order may follow its epoch."""
+    try:
+        theirs = getattr(dataset, "set_epoch", None)
+    except Exception:  # noqa: BLE001 - a dataset's __getattr__ may raise anything: none
+        return None
+    return theirs if callable(theirs) else None
