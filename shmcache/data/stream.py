@@ -172,7 +172,7 @@ class CachedIterableDataset(IterableDataset):
         else:
             order = range(total)
             if self.reshuffle is None:
-                self.cache.say_once("replayed", f"{marker}:{at}", (
+                self.cache.say_once("replayed", "another epoch's order", (  # one mark: not per stream
                     f"cache {self.cache.session}/{self.cache.name}: epoch {epoch} of the stream "
                     f"{type(self.dataset).__name__} is replayed in the order the cache recorded in "
                     f"{'epoch ' + str(at) if at is not None else 'its first pass'}; if the source "
