@@ -82,16 +82,22 @@ def test_a_stream_reordered_each_epoch_is_said_when_its_replay_keeps_the_first_o
         assert src.passes == 1
 
 
+def _epochs(ds, set_epoch, n: int) -> list[list[int]]:
+    """A pass of ``ds`` in each of ``n`` epochs, told by ``set_epoch``; none says anything."""
+    orders = []
+    for epoch in range(n):
+        set_epoch(epoch)
+        got, said = _said(lambda: _pass(ds))
+        assert sorted(got) == list(range(N)) and not said, (epoch, said)
+        orders.append(got)
+    return orders
+
+
 def test_reshuffle_replays_each_epoch_in_an_order_of_its_own():
     src = EpochShuffled()
     with _cache("reshuffled") as cache:
         ds = cache.wrap(src, reshuffle=True)
-        orders = []
-        for epoch in range(4):
-            ds.set_epoch(epoch)  # passed on to the source: the first pass is read in epoch 0's order
-            got, said = _said(lambda: _pass(ds))
-            assert sorted(got) == list(range(N)) and not said, (epoch, said)
-            orders.append(got)
+        orders = _epochs(ds, ds.set_epoch, 4)  # passed on to the source: recorded in epoch 0's order
         assert src.passes == 1 and src.epoch == 3
         assert orders[0] == _pass(EpochShuffled())  # recorded as the source gave it
         assert len({tuple(o) for o in orders}) == 4, orders
@@ -103,11 +109,7 @@ def test_reshuffle_follows_the_sources_own_epoch():
     """The user calls set_epoch on the source (as HF's examples do), not on the wrapper."""
     src = EpochShuffled()
     with _cache("theirs") as cache:
-        ds = cache.wrap(src, reshuffle=True)
-        orders = []
-        for epoch in range(3):
-            src.set_epoch(epoch)
-            orders.append(_pass(ds))
+        orders = _epochs(cache.wrap(src, reshuffle=True), src.set_epoch, 3)
         assert len({tuple(o) for o in orders}) == 3 and src.passes == 1
 
 
