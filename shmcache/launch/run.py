@@ -99,7 +99,8 @@ Each process gets, on top of the launcher's own environment (torchrun's set for 
     TORCHELASTIC_RESTART_COUNT=0, TORCHELASTIC_MAX_RESTARTS=0, TORCHELASTIC_USE_AGENT_STORE=False
     (rank 0 hosts the rendezvous store: there is no torchrun agent), TORCHELASTIC_ERROR_FILE
     (where torch's ``@record`` writes an exception, which the failure summary then quotes),
-    SHMCACHE_SESSION, and, unless already set, OMP_NUM_THREADS=1 and
+    SHMCACHE_SESSION, SHMCACHE_LAUNCH (which launch a process belongs to: see launch.sharers),
+    and, unless already set, OMP_NUM_THREADS=1 and
     TORCH_NCCL_ASYNC_ERROR_HANDLING=1. With the options above: SHMCACHE_SIZE_MB,
     SHMCACHE_SPILLING=1, SHMCACHE_SPILL_DIR, SHMCACHE_REMOTE, SHMCACHE_SECRET (--remote spawn).
     The launcher reads SHMCACHE_SESSION, SHMCACHE_SPILL_DIR and SHMCACHE_DIR (the namespace: see
@@ -185,6 +186,7 @@ from .rendezvous import (
     new_secret,
     rendezvous_port,
 )
+from .sharers import ENV_LAUNCH, Sharers, launch_mark
 from .supervisor import FORWARDED_SIGNALS, RunOutcome, WorkerSpec, launch_directory, run_workers
 
 __all__ = ["main"]
@@ -239,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     server = None
     before = metrics_server.reading(registry, plan.session)  # the closing summary counts this job only
+    sharers = Sharers(registry, plan.session, launch_mark(os.getpid()), os.getpid())  # other jobs' reads count too
+    sharers.start()
     try:
         if plan.metrics_port is not None:
             server = metrics_server.start(registry, plan.metrics_addr, plan.metrics_port)
@@ -261,6 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_server.stop(server)
         # the job's closing summary per cache of its session it used, read before a --destroy-session
         closing = metrics_server.summary(registry, plan.session, before)
+        others = sharers.stop()
+        if others and closing:
+            closing.append(_shared_line(plan.session, others))
         slot.release()
         registry.mark_used(plan.session)  # `shmcache gc --idle-for` counts from the job's end
         if plan.destroy_session:
@@ -637,12 +644,21 @@ def _destroy_session(registry: SessionRegistry, session: str) -> None:
         print(f"{PROG}: warning: could not destroy session {session!r}: {exc}", file=sys.stderr)
 
 
+def _shared_line(session: str, pids: list[int]) -> str:
+    """The closing summary's word on processes outside the job that used its session meanwhile."""
+    shown = ", ".join(map(str, pids[:8])) + (f" and {len(pids) - 8} more" if len(pids) > 8 else "")
+    return (f"session {session} was also used by {len(pids)} process{'es' if len(pids) > 1 else ''} "
+            f"outside this job while it ran (pid{'s' if len(pids) > 1 else ''} {shown}): the counts above "
+            f"include their reads (a cache's counters are the session's, not the job's)")
+
+
 def _worker_specs(plan: LaunchPlan, error_dir: str, extra_env: dict[str, str]) -> list[WorkerSpec]:
     specs = []
     for local_rank in range(plan.nproc):
         error_file = os.path.join(error_dir, f"error-{local_rank}.json")
         env = {**os.environ, **_rank_env(plan, local_rank), **plan.shmcache_env, **extra_env,
-               "TORCHELASTIC_ERROR_FILE": error_file}
+               "TORCHELASTIC_ERROR_FILE": error_file,
+               ENV_LAUNCH: launch_mark(os.getpid())}  # the job's processes, to Sharers
         env.pop(ENV_RDZV_TOKEN, None)  # the launchers' business: a worker never needs it
         rank = plan.node_rank * plan.nproc + local_rank
         specs.append(WorkerSpec(rank=rank, argv=plan.command, env=env, error_file=error_file))
