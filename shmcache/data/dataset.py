@@ -10,7 +10,6 @@ loads lazily where a process meets a tensor). Its arguments are checked in shmca
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import sys
@@ -54,7 +53,7 @@ from .arguments import (
 from .batches import as_int_keys, copy_into, gather
 from .fingerprint import fingerprint, given_fingerprint, length_or_none
 from .probes import read_probes, same_value
-from .stream import CachedIterableDataset, check_reshuffle
+from .stream import CachedIterableDataset, check_reshuffle, read_head
 from .wrapped import CachedDataset, NoSource, compute_each, keep_computed, same_sample
 
 __all__ = ["ShmDatasetCache", "CachedDataset", "CachedIterableDataset"]
@@ -552,12 +551,12 @@ class ShmDatasetCache:
                 f"can share; give ShmDatasetCache(name=...) (the stream is then not read until the "
                 f"first pass), or wrap a re-iterable dataset (an IterableDataset or a container)"
             )
-        it = iter(dataset)
-        head = list(itertools.islice(it, 16))
+        head, it, at = read_head(dataset, 16)
         samples = [codec.encode(transform(x) if transform else x) for x in head]
         self._bind(dataset, transform, samples, table_hint=0)
-        # the first pass of this process starts with them
-        return CachedIterableDataset(self, dataset, transform, pending=(os.getpid(), head, it), reshuffle=reshuffle)
+        # the first pass of this process starts with them (if it is in the epoch they were read in)
+        return CachedIterableDataset(self, dataset, transform, pending=(os.getpid(), head, it, at),
+                                     reshuffle=reshuffle)
 
     def _bind(self, dataset, transform, samples, table_hint: int) -> None:
         given = self._given_fp

@@ -12,6 +12,8 @@ NOTE [fingerprint]
       when there is no file to read), so an edit of ``__getitem__`` is another dataset, while a
       copy of the code at another path, or on another machine, is the same one;
     - its length;
+    - not its epoch: the attributes ``epoch`` and ``_epoch`` of a dataset whose class has
+      ``set_epoch`` (a run resumed in a later epoch reads the same data);
     - its plain-data attributes (file lists, label arrays): numbers, str, bytes, arrays, tensors
       (any dtype) and lists, tuples, dicts and sets of them, hashed completely (an edit anywhere in
       a 1.28M-item list of paths changes the name): homogeneous runs of numbers, str and bytes in
@@ -19,7 +21,8 @@ NOTE [fingerprint]
       path, offset, size and modification time, so a 100 GB image file is not read). Python
       objects in attributes (a wrapped dataset, a Subset's source) count by type and attributes,
       the same way; objects without a ``__dict__`` (file handles, database environments, locks)
-      are skipped: their state differs from process to process. Private attributes count too
+      are skipped: their state differs from process to process, and so are fsspec filesystems
+      and dicts of them (their tokens hash the process id). Private attributes count too
       (``self._items``), except plain numbers: ``self._pid``, ``self._rank`` or a call counter
       would give every process its own cache;
     - the transform by what it does: a function's code, constants, defaults and the plain data it
@@ -81,6 +84,7 @@ _CHUNK = 1 << 16  # items of a list hashed in one bulk step (bounds the temporar
 _CRC_FROM = 16 << 20  # arrays this large are hashed by crc32 per chunk (3x blake2b's speed here)
 _CRC_CHUNK = 64 << 20
 _ROW_MAX = 16  # tuples up to this length, in a list of them, are hashed column by column
+_EPOCH_ATTRS = ("epoch", "_epoch")  # not hashed where the dataset's class has set_epoch
 _COMPOSE_MAX = 256  # a list attribute this short is checked for callables (Compose([...]))
 
 
@@ -93,8 +97,11 @@ def fingerprint(dataset: Any, transform: Callable | None, samples: Sequence[code
     digest.class_source(tp)
     attrs = getattr(dataset, "__dict__", None)
     if isinstance(attrs, dict):
+        # a dataset's epoch (set_epoch's: HF's stream keeps it in a tensor) is where a pass is, not
+        # what it holds: a run resumed at epoch 2 must find the cache its epoch-0 warm-up made
+        epoch = _EPOCH_ATTRS if callable(getattr(type(dataset), "set_epoch", None)) else ()
         digest.data({k: v for k, v in attrs.items()
-                     if not (isinstance(k, str) and k.startswith("_") and _is_number(v))})
+                     if not (isinstance(k, str) and k.startswith("_") and _is_number(v)) and k not in epoch})
     if transform is not None:
         h.update(b"|transform")
         digest.function(transform)
@@ -192,6 +199,8 @@ class _Digest:
             self._array(value, depth)
         elif isinstance(value, torch.Tensor):
             self._tensor(value)
+        elif _filesystems(value):  # process state (fsspec's tokens hash the pid), not data
+            h.update(b"filesystems")
         elif isinstance(value, dict):
             h.update(f"{{{len(value)}".encode())
             keys = _sorted_keys(value)
@@ -392,6 +401,20 @@ def _class_source_digest_cached(tp: type) -> bytes:
                 h.update(name.encode())
                 code.code(fn.__code__)
     return h.digest()
+
+
+def _filesystems(value: Any) -> bool:
+    """Whether ``value`` is an fsspec filesystem, or a dict of them (fsspec's instance cache,
+    which Hugging Face's IterableDataset keeps as an attribute for its DataLoader workers): its
+    tokens, the cache's keys and an attribute of each instance, hash the process id, so hashed they
+    would name another cache in every process (NOTE [fingerprint]: process state is skipped)."""
+    fsspec = sys.modules.get("fsspec")  # not imported: none of its objects exist
+    base = getattr(fsspec, "AbstractFileSystem", None)
+    if base is None:
+        return False
+    if isinstance(value, dict):
+        return bool(value) and all(isinstance(v, base) for v in value.values())
+    return isinstance(value, base)
 
 
 def _sorted_keys(d: dict) -> list:

@@ -22,7 +22,7 @@ from ..cache.store_protocol import Store
 from ..errors import InvalidArgument
 from .wrapped import DatasetCache
 
-__all__ = ["CachedIterableDataset", "check_reshuffle"]
+__all__ = ["CachedIterableDataset", "check_reshuffle", "read_head"]
 
 _NO_EPOCH = -1  # in the epoch tensor and a stream's marker: none was set, none is known
 
@@ -66,17 +66,23 @@ class CachedIterableDataset(IterableDataset):
     """
 
     def __init__(self, cache: DatasetCache, dataset: Iterable, transform: Callable | None,
-                 one_shot: bool = False, pending: tuple[int, list, Any] | None = None,
+                 one_shot: bool = False, pending: tuple[int, list, Any, int | None] | None = None,
                  reshuffle: bool | None = None):
         self.cache = cache
         self.dataset = dataset
         self.transform = transform
         self.reshuffle = reshuffle
         self._one_shot = one_shot  # a plain iterator: one pass of the source, ever
-        self._pending = pending  # pid, the items wrap() read, their iterator
+        self._pending = pending  # pid, the items wrap() read, their iterator, the epoch they were read in
         # set_epoch's epoch, in shared memory: a persistent DataLoader worker, started before the
         # next set_epoch, holds a copy of this object made then, and reads the epoch from here
-        self._epoch = torch.full((), _NO_EPOCH, dtype=torch.int64).share_memory_()
+        self._epoch = torch.full((), _NO_EPOCH, dtype=torch.int64)
+        try:
+            self._epoch.share_memory_()
+        except RuntimeError:  # /dev/shm full: the cache serves the source then, and so must wrap()
+            pass  # (a persistent worker then keeps the epoch it started with)
+        # the epoch wrap() read those items in: a first pass in another epoch opens its own
+        self._pending_epoch = pending[3] if pending is not None else None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -97,12 +103,9 @@ class CachedIterableDataset(IterableDataset):
     def _epoch_now(self) -> int | None:
         """This pass's epoch: the source's own when it tells it (it decides its order), else
         set_epoch's; None when neither is known."""
-        try:
-            theirs = getattr(self.dataset, "epoch", None)
-        except Exception:  # noqa: BLE001 - a dataset's __getattr__ may raise anything: no epoch of its own
-            theirs = None
-        if isinstance(theirs, (int, np.integer)) and not isinstance(theirs, bool) and theirs >= 0:
-            return int(theirs)
+        theirs = _source_epoch(self.dataset)
+        if theirs is not None:
+            return theirs
         own = int(self._epoch)
         return own if own != _NO_EPOCH else None
 
@@ -112,7 +115,8 @@ class CachedIterableDataset(IterableDataset):
         pending, self._pending = self._pending, None
         # not in a DataLoader worker, even a forked one that inherited it: a worker opens its own
         # iterator (a source that shards by get_worker_info() must see the worker)
-        if pending is not None and pending[0] == os.getpid() and get_worker_info() is None:
+        if pending is not None and pending[0] == os.getpid() and get_worker_info() is None and not self._moved_since(
+                self._pending_epoch):
             return itertools.chain(pending[1], pending[2])
         if self._one_shot:
             if getattr(self, "_consumed", False):
@@ -124,6 +128,11 @@ class CachedIterableDataset(IterableDataset):
                     f"IterableDataset or a container), or finish the first pass")
             self._consumed = True
         return iter(self.dataset)
+
+    def _moved_since(self, epoch: int | None) -> bool:
+        """Whether the source's order may differ from the one it had in ``epoch``: it has
+        set_epoch and the epoch moved (a run resumed at epoch 3 after wrap() read epoch 0's items)."""
+        return self._epoch_now() != epoch and _source_set_epoch(self.dataset) is not None
 
     def _stream(self) -> str:
         info = get_worker_info()
@@ -140,31 +149,53 @@ class CachedIterableDataset(IterableDataset):
                 f"wrap(reshuffle=True) of {type(self.dataset).__name__} needs the epoch of each pass, "
                 f"and neither the wrapped dataset nor its source was given one: call "
                 f"ds.set_epoch(epoch) on the wrapped dataset before each epoch")
-        recorded = _recorded(store.lookup(marker, count=False))
+        recorded = _recorded(store.lookup(marker, count=False), stream)
         if recorded is None:
-            yield from self._record(store, stream, marker, epoch, skip=0)
+            yield from self._record(store, self._keys_of(stream, epoch), marker, epoch, skip=0)
             return
         self._pending = None
-        total, at = recorded
+        total, at, keys, whole = recorded
         # another epoch than the recorded one (or one not known then), of a source whose order may
         # follow its epoch, or that the user asked to be reshuffled
         if epoch is not None and epoch != at and (self.reshuffle or _source_set_epoch(self.dataset) is not None):
-            yield from self._replay_moved(store, stream, marker, epoch, total, at)
+            yield from self._replay_moved(store, stream, keys, marker, epoch, total, at, whole)
             return
         for i in range(total):
-            value = store.lookup(f"{stream}:{i}", self.cache.copy)
+            value = store.lookup(f"{keys}:{i}", self.cache.copy)
             if value is MISSING:  # its lookup counted its miss
-                yield from self._record(store, stream, marker, epoch, skip=i, counted=True)
+                yield from self._record(store, keys, marker, epoch, skip=i, counted=True)
                 return
             yield value
 
-    def _replay_moved(self, store: Store, stream: str, marker: str, epoch: int, total: int, at: int | None):
+    def _keys_of(self, stream: str, epoch: int | None) -> str:
+        """Where a recording pass in ``epoch`` puts its items: under the stream's name, or, for a
+        source whose order may follow its epoch, the stream's in that epoch (``0.main@3``). A pass
+        cut short leaves its epoch's positions behind, and a put keeps what is there: a whole pass
+        in another epoch under the same keys recorded two epochs' positions, an item twice and
+        another lost in every replay."""
+        if epoch is None or _source_set_epoch(self.dataset) is None:
+            return stream
+        return f"{stream}@{epoch}"
+
+    def _replay_moved(self, store: Store, stream: str, recorded: str, marker: str, epoch: int, total: int,
+                      at: int | None, whole: bool):
         """A replay in epoch ``epoch`` of a pass recorded in epoch ``at`` of a source whose order
         may follow its epoch: the recorded items in an order drawn from the epoch (reshuffle),
         else in the recorded order. A recorded pass the cache does not hold whole is this epoch's
-        source read in its own order (its positions are the recorded epoch's), nothing stored."""
-        keys = [f"{stream}:{i}" for i in range(total)]
-        if not all(store.contains(k) for k in keys):
+        source read in its own order (its positions are the recorded epoch's), nothing stored.
+        ``whole``: the recording pass stored every item (its marker says so), so only a clear()
+        since can have taken one, and the replay meets it; else each is looked for first."""
+        def key(i) -> str:
+            return f"{recorded}:{i}"
+
+        if not whole and not all(store.contains(key(i)) for i in range(total)):
+            if self.reshuffle and _source_set_epoch(self.dataset) is None:  # its own order: one for all epochs
+                self.cache.say_once("replayed", "not reshuffled", (
+                    f"cache {self.cache.session}/{self.cache.name}: wrap(reshuffle=True): epoch {epoch} of the "
+                    f"stream {type(self.dataset).__name__} is read from the source in its own order, the same "
+                    f"each epoch, as the cache lacks items of it (too large for the cache, or the cache was "
+                    f"full): give the cache a size= that holds the whole stream, or shuffle after the cache "
+                    f"(warned once per job)"))
             yield from self._read_through(store)
             return
         if self.reshuffle:
@@ -172,7 +203,9 @@ class CachedIterableDataset(IterableDataset):
         else:
             order = range(total)
             if self.reshuffle is None:
-                self.cache.say_once("replayed", "another epoch's order", (  # one mark: not per stream
+                # one mark for every stream of the cache: a mark per stream (worker, rank) had
+                # each overwrite the others' in the one root word, and say it again every epoch
+                self.cache.say_once("replayed", "recorded order", (
                     f"cache {self.cache.session}/{self.cache.name}: epoch {epoch} of the stream "
                     f"{type(self.dataset).__name__} is replayed in the order the cache recorded in "
                     f"{'epoch ' + str(at) if at is not None else 'its first pass'}; if the source "
@@ -180,9 +213,19 @@ class CachedIterableDataset(IterableDataset):
                     f"reshuffle=True to replay each epoch in an order drawn from the epoch, or "
                     f"reshuffle=False to keep the recorded order without this warning (warned once per job)"))
         for n, i in enumerate(order):
-            value = store.lookup(keys[i], self.cache.copy)
+            value = store.lookup(key(i), self.cache.copy)
             if value is MISSING:  # cleared since the check above: the rest as the source gives it
-                yield from self._record(store, stream, marker, epoch, skip=n, counted=True)
+                # (its positions are this epoch's, not those this pass yielded: items n.. of this
+                # epoch may repeat some of those and miss others - the rest of them went with the
+                # clear - so it is said; the pass keeps its length, as ranks of a job must)
+                self.cache.say_once("replayed", "cleared", (
+                    f"cache {self.cache.session}/{self.cache.name} was cleared during epoch {epoch} of the "
+                    f"stream {type(self.dataset).__name__}, replayed in an order other than the source's: "
+                    f"the rest of this epoch is read from the source, and may repeat items the epoch gave "
+                    f"already and miss others (warned once per job)"))
+                # no marker after it: the clear took the recorded pass's, and the next pass records whole
+                yield from self._record(store, self._keys_of(stream, epoch), marker, epoch, skip=n, counted=True,
+                                        mark=False)
                 return
             yield value
 
@@ -193,11 +236,13 @@ class CachedIterableDataset(IterableDataset):
             store.count_misses()
             yield self.transform(sample) if self.transform is not None else sample
 
-    def _record(self, store: Store, stream: str, marker: str, epoch: int | None, skip: int,
-                counted: bool = False):
-        """Record the stream from item ``skip`` on (``counted``: item ``skip``'s miss was counted by
-        the replay's lookup that found it missing), the marker naming the pass's ``epoch``."""
-        count = 0
+    def _record(self, store: Store, keys: str, marker: str, epoch: int | None, skip: int,
+                counted: bool = False, mark: bool = True):
+        """Record the stream under ``keys`` (``_keys_of``) from item ``skip`` on (``counted``: item
+        ``skip``'s miss was counted by the replay's lookup that found it missing), then (``mark``)
+        the marker: the pass's length, its ``epoch``, its keys, and whether every item it put is
+        stored (the items before ``skip`` were found)."""
+        count, whole = 0, True
         for i, sample in enumerate(self._source()):
             count = i + 1
             if i < skip:
@@ -206,20 +251,54 @@ class CachedIterableDataset(IterableDataset):
             store.count_computed()
             if not (counted and i == skip):
                 store.count_misses()  # not in the cache: computed, as a warm-up's items count
-            self.cache.put_computed(store, f"{stream}:{i}", value)
+            whole = self.cache.put_computed(store, f"{keys}:{i}", value) and whole
             yield value
-        store.put(marker, (count, _NO_EPOCH if epoch is None else epoch))  # only after a full pass
+        if mark:  # only after a full pass
+            store.put(marker, (count, _NO_EPOCH if epoch is None else epoch, keys, whole))
 
 
-def _recorded(marker: Any) -> tuple[int, int | None] | None:
-    """``(items, epoch)`` of a stream's marker (the epoch None where it was not known, or the
-    marker was written before markers named it: a bare count); None for no marker."""
+def _recorded(marker: Any, stream: str) -> tuple[int, int | None, str, bool] | None:
+    """``(items, epoch, keys, whole)`` of ``stream``'s marker: the epoch None where it was not
+    known; the keys the stream's own, and ``whole`` False (not known), where the marker was
+    written before markers named them (a bare count, or fewer fields); None for no marker."""
     if marker is MISSING:
         return None
-    if isinstance(marker, tuple) and len(marker) == 2:
-        total, at = marker
-        return int(total), (None if at == _NO_EPOCH else int(at))
-    return int(marker), None
+    if isinstance(marker, tuple) and 2 <= len(marker) <= 4:
+        total, at, keys, whole = (*marker, stream, False)[:4] if len(marker) == 2 else (*marker, False)[:4]
+        return int(total), (None if at == _NO_EPOCH else int(at)), str(keys), whole is True
+    return int(marker), None, stream, False
+
+
+def read_head(dataset: Iterable, n: int) -> tuple[list, Any, int | None]:
+    """An unnamed wrap's first ``n`` items of ``dataset`` (what names its cache), the iterator
+    they came from, and the epoch they were read in. A source whose order follows its epoch is
+    read in epoch 0, its epoch then put back: the name must not depend on where a run starts (a
+    run resumed at epoch 2 must find the cache its epoch-0 warm-up made)."""
+    theirs, at = _source_set_epoch(dataset), _source_epoch(dataset)
+    if theirs is None or not at:  # no epoch to move, or epoch 0 (or one not known) already
+        it = iter(dataset)
+        return list(itertools.islice(it, n)), it, at
+    theirs(0)
+    try:
+        it = iter(dataset)
+        return list(itertools.islice(it, n)), it, 0
+    finally:
+        theirs(at)
+
+
+def _source_epoch(dataset: Any) -> int | None:
+    """The source's own epoch, where it tells it: a public ``epoch`` that is an int >= 0 (HF's
+    stream's, a numpy int, a 0-d integer tensor); None where it has none of those."""
+    try:
+        theirs = getattr(dataset, "epoch", None)
+    except Exception:  # noqa: BLE001 - a dataset's __getattr__ may raise anything: no epoch of its own
+        return None
+    if (isinstance(theirs, torch.Tensor) and theirs.numel() == 1 and not theirs.is_floating_point()
+            and not theirs.is_complex() and theirs.dtype != torch.bool):
+        theirs = int(theirs)  # an epoch shared with persistent workers, as HF's stream keeps its own
+    if isinstance(theirs, (int, np.integer)) and not isinstance(theirs, bool) and theirs >= 0:
+        return int(theirs)
+    return None
 
 
 def _source_set_epoch(dataset: Any) -> Callable | None:

@@ -249,3 +249,27 @@ def test_the_replayed_order_is_said_once_by_a_job_with_workers(tmp_path):
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("reshuffle=True") == 1, done.stderr
+
+
+def test_a_replay_cleared_midway_records_the_next_epoch_whole():
+    """A clear() during a reshuffled replay: the rest of that epoch comes from the source (said),
+    and no marker is left for a pass whose first items are not in the cache - the next epoch
+    records whole, the one after replays. (A marker there made every later epoch a read of the
+    source, never cached again.)"""
+    src = EpochShuffled()
+    with _cache("cleared") as cache:
+        ds = cache.wrap(src, reshuffle=True)
+        ds.set_epoch(0)
+        _pass(ds)
+        ds.set_epoch(1)
+        it = iter(ds)
+        got = [int(next(it)) for _ in range(5)]
+        cache.clear()
+        _, said = _said(lambda: got.extend(int(x) for x in it))
+        assert len(got) == N and any("was cleared during epoch 1" in w for w in said), said
+        ds.set_epoch(2)
+        assert sorted(_pass(ds)) == list(range(N))
+        passes = src.passes
+        for epoch in (3, 4):
+            ds.set_epoch(epoch)
+            assert sorted(_pass(ds)) == list(range(N)) and src.passes == passes, "not replayed from the cache"
