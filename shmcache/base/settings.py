@@ -47,7 +47,7 @@ from collections.abc import Mapping
 
 __all__ = ["PREFIX", "ENV_DIR", "ENV_SESSION", "ENV_SIZE_MB", "ENV_SPILLING", "ENV_SPILL_DIR", "ENV_REMOTE",
            "ENV_MEMORY_DIR", "ENV_REMOTE_PASSWORD", "ENV_SNAPSHOT", "ENV_SECRET", "ENV_MAX_ITEM_MB", "ENV_RDZV_TOKEN",
-           "ENV_ORDERING", "ENV_NATIVE",
+           "ENV_LAUNCH", "ENV_ORDERING", "ENV_NATIVE",
            "ENV_CRASH_AT", "ENV_CRASH_AFTER", "ENV_CLAIMS", "ENV_CLAIM_TIMEOUT_S", "ENV_RANK", "ENV_LOCAL_RANK",
            "ENV_WORLD_SIZE", "ENV_LOCAL_WORLD_SIZE", "get", "flag", "turned_off", "SWITCHES", "check_switches",
            "native_unavailable", "without_ours"]
@@ -65,6 +65,7 @@ ENV_SNAPSHOT = "SHMCACHE_SNAPSHOT"
 ENV_SECRET = "SHMCACHE_SECRET"  # the job's record secret (made per job by --remote spawn unless set)
 ENV_MAX_ITEM_MB = "SHMCACHE_MAX_ITEM_MB"  # the largest value from an unauthenticated source, MiB
 ENV_RDZV_TOKEN = "SHMCACHE_RDZV_TOKEN"
+ENV_LAUNCH = "SHMCACHE_LAUNCH"  # set by the launcher in its processes: which launch they are (launch.sharers)
 ENV_ORDERING = "SHMCACHE_ORDERING"
 ENV_CRASH_AT = "SHMCACHE_CRASH_AT"
 ENV_CRASH_AFTER = "SHMCACHE_CRASH_AFTER"

@@ -160,6 +160,7 @@ from ..base import memdir, settings
 from ..base.locks import LivenessSlot
 from ..base.namespace import SHM_ROOT, resolve_session_name
 from ..base.settings import (
+    ENV_LAUNCH,
     ENV_MEMORY_DIR,
     ENV_RDZV_TOKEN,
     ENV_REMOTE,
@@ -186,7 +187,7 @@ from .rendezvous import (
     new_secret,
     rendezvous_port,
 )
-from .sharers import ENV_LAUNCH, Sharers, launch_mark
+from .sharers import Sharers, launch_mark
 from .supervisor import FORWARDED_SIGNALS, RunOutcome, WorkerSpec, launch_directory, run_workers
 
 __all__ = ["main"]

@@ -18,11 +18,11 @@ from __future__ import annotations
 import threading
 
 from ..base.procs import start_time, started
+from ..base.settings import ENV_LAUNCH
 from ..cache.registry import SessionRegistry
 
-__all__ = ["ENV_LAUNCH", "LOOK_S", "Sharers", "launch_mark"]
+__all__ = ["LOOK_S", "Sharers", "launch_mark"]
 
-ENV_LAUNCH = "SHMCACHE_LAUNCH"
 LOOK_S = 0.5
 _ENVIRON_MAX = 1 << 20  # a process's environment read at most this far (Linux caps argv + env near 2 MiB)
 
