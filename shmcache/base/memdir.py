@@ -34,7 +34,7 @@ from .namespace import SHM_ROOT, make_private_dir
 from .settings import ENV_MEMORY_DIR
 
 __all__ = ["TMPFS_MAGIC", "HUGETLBFS_MAGIC", "Backing", "backing", "private_dir", "private_path", "pmd_size",
-           "mount_fix", "space", "shmem_enabled"]
+           "mount_fix", "refusal", "space", "shmem_enabled"]
 
 TMPFS_MAGIC = 0x01021994
 HUGETLBFS_MAGIC = 0x958458F6
@@ -61,8 +61,51 @@ def private_dir(directory: str | os.PathLike) -> str:
     """The private directory of this user's segments in memory directory ``directory``
     (``<directory>/shmcache-<uid>``, made mode 0700): checked as described above.
 
-    Raises InvalidArgument (missing, not a directory, not a memory filesystem) or NotOwner (a
-    symlink; another user's directory; one others can write into without the sticky bit)."""
+    Raises InvalidArgument (missing, not a directory, not a memory filesystem, read-only, not
+    writable by you) or NotOwner (a symlink; another user's directory; one others can write into
+    without the sticky bit)."""
+    path = _checked(directory)
+    private = Path(private_path(os.path.normpath(path)))
+    fix = f"name another memory directory (${ENV_MEMORY_DIR}, --memory-dir, memory_dir=)"
+    if os.path.islink(private):  # even one of ours: it would lead out of the memory filesystem
+        raise NotOwner(f"shmcache's directory in the memory directory, {private}, is a symlink (to "
+                       f"{os.readlink(private)}); shmcache does not follow one there. Remove it "
+                       f"(rm {private}), or {fix}")
+    try:
+        make_private_dir(private, "shmcache's directory in the memory directory", fix)
+    except NotOwner:
+        raise
+    except PermissionError:  # a root's mount of mode 0755: not a squat, no room of ours
+        raise InvalidArgument(
+            f"cannot make shmcache's directory {private}: memory directory {path} is not writable by "
+            f"you (uid {os.getuid()}); `chmod 1777 {path}` as its owner (as /dev/shm is; a tmpfs: mount "
+            f"it with mode=1777), or {fix}") from None
+    return str(private)
+
+
+def refusal(directory: str | os.PathLike) -> str | None:
+    """Why ``private_dir`` would refuse ``directory`` (its message), or None: the checks alone,
+    nothing made (``shmcache info``)."""
+    try:
+        _checked(directory)
+    except (InvalidArgument, NotOwner) as exc:
+        return str(exc)
+    private = private_path(os.path.normpath(Path(directory).expanduser().absolute()))
+    try:
+        st = os.lstat(private)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot look at {private}: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return (f"{private} is not a directory of yours (uid {st.st_uid}, mode {st.st_mode:o}): a squat; "
+                f"remove it, or name another memory directory")
+    return None
+
+
+def _checked(directory: str | os.PathLike) -> Path:
+    """``directory`` as an absolute path, checked (``private_dir``'s refusals, but the private
+    directory's own)."""
     path = Path(directory).expanduser().absolute()
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
@@ -83,6 +126,7 @@ def private_dir(directory: str | os.PathLike) -> str:
     try:
         st = os.fstat(fd)
         magic = _fs_magic(fd)
+        read_only = bool(os.fstatvfs(fd).f_flag & os.ST_RDONLY)
     finally:
         os.close(fd)
     if magic not in (TMPFS_MAGIC, HUGETLBFS_MAGIC):
@@ -91,6 +135,11 @@ def private_dir(directory: str | os.PathLike) -> str:
             f"memory directory {path} is on {fs}, not in memory (tmpfs or hugetlbfs): segments there "
             f"would be paged to that disk, and a full disk under a mapping kills the process "
             f"(SIGBUS); {mount_fix(path)}")
+    if read_only:
+        raise InvalidArgument(
+            f"memory directory {path} is read-only (its mount is ro: a container's volume mounted :ro?); "
+            f"shmcache writes its segments there: mount it read-write (`mount -o remount,rw {path}`), "
+            f"or name another (--memory-dir, memory_dir=, ${ENV_MEMORY_DIR}; none: /dev/shm)")
     uid = os.getuid()
     if st.st_uid not in (uid, 0):
         raise NotOwner(
@@ -102,14 +151,7 @@ def private_dir(directory: str | os.PathLike) -> str:
             f"the sticky bit: anyone could rename your segments' directory away and plant another; "
             f"`chmod +t {path}` (as /dev/shm and /tmp are, 1777; a Kubernetes emptyDir is 0777: do it in "
             f"an initContainer), `chmod go-w {path}`, or name another")
-    private = Path(private_path(os.path.normpath(path)))
-    fix = f"name another memory directory (${ENV_MEMORY_DIR}, --memory-dir, memory_dir=)"
-    if os.path.islink(private):  # even one of ours: it would lead out of the memory filesystem
-        raise NotOwner(f"shmcache's directory in the memory directory, {private}, is a symlink (to "
-                       f"{os.readlink(private)}); shmcache does not follow one there. Remove it "
-                       f"(rm {private}), or {fix}")
-    make_private_dir(private, "shmcache's directory in the memory directory", fix)
-    return str(private)
+    return path
 
 
 def _fs_magic(fd: int) -> int:
@@ -221,18 +263,41 @@ def shmem_enabled() -> str:
 
 
 def space(directory: str) -> tuple[int, int]:
-    """``(total, free)`` bytes of the filesystem of ``directory`` (statvfs); a hugetlbfs mounted
-    without size= reports none, and has its pool of huge pages of its size (nr_hugepages, free)."""
+    """``(total, free)`` bytes of the filesystem of ``directory`` (statvfs). A hugetlbfs has its
+    pool of huge pages of its size (nr_hugepages; free: free_hugepages less those promised to a
+    mapping already, resv_hugepages), within its size= if it has one; a tmpfs mounted without a
+    limit (size=0) reports no blocks and holds what memory does (MemTotal, MemAvailable)."""
     st = os.statvfs(directory)
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    if total == 0 and backing(directory).huge == "hugetlbfs":
+    back = backing(directory)
+    if back.huge == "hugetlbfs":
         pool = Path("/sys/kernel/mm/hugepages", f"hugepages-{st.f_bsize >> 10}kB")
         try:
-            total = int((pool / "nr_hugepages").read_text()) * st.f_bsize
-            free = int((pool / "free_hugepages").read_text()) * st.f_bsize
+            pages = int((pool / "nr_hugepages").read_text())
+            usable = int((pool / "free_hugepages").read_text()) - int((pool / "resv_hugepages").read_text())
         except (OSError, ValueError):
-            pass
+            return total, free
+        pool_total, pool_free = pages * st.f_bsize, max(0, usable) * st.f_bsize
+        return (pool_total, pool_free) if total == 0 else (min(total, pool_total), min(free, pool_free))
+    if total == 0 and back.fs == "tmpfs":
+        memory = _meminfo()
+        total, free = memory.get("MemTotal", 0), memory.get("MemAvailable", 0)
     return total, free
+
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo's fields, in bytes."""
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                fields = rest.split()
+                if fields and fields[0].isdigit():
+                    out[name] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
 
 
 def pmd_size() -> int:

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .memdir import space
+from .memdir import backing, space
 from .namespace import SHM_ROOT
 
 __all__ = ["MemoryLimits", "memory_limits"]
@@ -23,11 +23,15 @@ class MemoryLimits:
     shm_total: int | None
     shm_free: int | None
     cgroup_file: str | None = None  # the file the binding cgroup limit was read from
+    # the shared memory is a hugetlbfs's pool: memory set aside, in neither MemAvailable nor (unless
+    # cgroup v2 charges it: memory_hugetlb_accounting) the memory cgroup; the pool alone bounds it
+    huge_pool: bool = False
 
     @property
     def available(self) -> int:
         """The smallest of the limits that apply: what the cache can really use."""
-        known = [v for v in (self.mem_available, self.cgroup_free, self.shm_free) if v is not None]
+        limits = (self.shm_free,) if self.huge_pool else (self.mem_available, self.cgroup_free, self.shm_free)
+        known = [v for v in limits if v is not None]
         return max(0, min(known)) if known else 0
 
     def auto_capacity(self, held: int = 0) -> int:
@@ -149,4 +153,19 @@ def memory_limits(proc_self: str = "/proc/self", shm_root: str = SHM_ROOT) -> Me
         shm_total, shm_free = space(shm_root)
     except OSError:
         shm_total = shm_free = None
-    return MemoryLimits(_mem_available(), limit, free, shm_total, shm_free, source)
+    pool = backing(shm_root).huge == "hugetlbfs" and not _hugetlb_charged(proc_self)
+    return MemoryLimits(_mem_available(), limit, free, shm_total, shm_free, source, huge_pool=pool)
+
+
+def _hugetlb_charged(proc_self: str) -> bool:
+    """Whether the memory cgroup charges huge pages of hugetlbfs (a cgroup2 mount with the
+    memory_hugetlb_accounting option, Linux 6.6+): then its limit bounds them too."""
+    try:
+        text = Path(proc_self, "mountinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        fs = line.partition(" - ")[2].split()
+        if len(fs) >= 3 and fs[0] == "cgroup2" and "memory_hugetlb_accounting" in fs[2].split(","):
+            return True
+    return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import pwd
 import re
@@ -143,12 +144,34 @@ class Namespace:
             os.unlink(path)
         except FileNotFoundError:
             return False
+        except OSError as exc:  # a mount remounted read-only since (EROFS), an immutable file: kept,
+            if exc.errno not in (errno.EROFS, errno.EPERM, errno.EACCES):  # the rest of a gc goes on
+                raise
+            _say_kept(path, exc)
+            return False
         ahead.release()  # its mapping would keep the file's pages after the unlink
         return True
 
     @property
     def sessions_dir(self) -> Path:
         return self.root / "sessions"
+
+
+_KEPT_SAID: set[str] = set()  # directories whose segments could not be removed, said once each
+
+
+def _say_kept(path: Path, exc: OSError) -> None:
+    """Say once per directory that a segment there could not be removed, and what to do."""
+    where = str(path.parent)
+    if where in _KEPT_SAID:
+        return
+    _KEPT_SAID.add(where)
+    how = (f"make its filesystem writable again (`mount -o remount,rw` on its mount: `findmnt -T {where}` "
+           f"names it)" if exc.errno == errno.EROFS
+           else f"check its permissions and attributes (`lsattr {path}`)")
+    logging.getLogger("shmcache").warning(
+        "cannot remove shared-memory segment %s: %s; its memory stays taken until it is removed: %s, "
+        "then run `shmcache gc`", path, "read-only file system" if exc.errno == errno.EROFS else exc.strerror, how)
 
 
 def _ours(path: str | os.PathLike) -> bool:

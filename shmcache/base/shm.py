@@ -28,6 +28,7 @@ import errno
 import mmap
 import operator
 import os
+import platform
 import stat
 import struct
 from collections.abc import Iterator
@@ -48,6 +49,9 @@ HEADER_BYTES = 64
 PAGE = mmap.PAGESIZE
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16
 _NBYTES = operator.attrgetter("nbytes")
+# mmap(2)'s MAP_NORESERVE (Python 3.11 lacks the name): 0x4000 in asm-generic, x86-64 and aarch64;
+# other architectures number it otherwise (ppc64, mips, sparc), and go without it
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if platform.machine() in ("x86_64", "aarch64") else 0)
 
 
 def _byte_views(buffers) -> list[memoryview]:
@@ -77,9 +81,7 @@ def word_view(buf) -> memoryview:
 def _shm_hint(directory: str | None = None) -> str:
     root = directory or "/dev/shm"
     try:
-        st = os.statvfs(root)
-        free = st.f_bavail * st.f_frsize
-        total = st.f_blocks * st.f_frsize
+        total, free = memdir.space(root)  # a hugetlbfs's pool, a tmpfs without a limit: memory's
         where = f"{root} has {free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB"
     except OSError:
         where = f"{root} is not available"
@@ -103,8 +105,12 @@ class Segment:
         self.size = size
         self.kind = kind
         self._inode = os.fstat(fd).st_ino
-        self.buf = mmap.mmap(fd, size)
         back = memdir.backing(segment_dir(name))
+        # a shared mapping of a hugetlbfs file reserves huge pages for ALL of it at mmap (its
+        # sparse virtual size: a cap, or the whole pool); never asked for: each range is backed
+        # by posix_fallocate before anything touches it, which says ENOSPC when the pool is short
+        flags = mmap.MAP_SHARED | (_MAP_NORESERVE if back.fs == "hugetlbfs" else 0)
+        self.buf = mmap.mmap(fd, size, flags=flags)
         if back.advise and size >= memdir.pmd_size():  # huge pages where the mount gives them when asked
             try:
                 self.buf.madvise(mmap.MADV_HUGEPAGE)
@@ -135,6 +141,8 @@ class Segment:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
         except posix_ipc.ExistentialError:
             raise _taken(name) from None
+        except OSError as exc:
+            raise _no_file(exc, name) from None
         try:
             os.fchmod(shm.fd, 0o600)
             os.ftruncate(shm.fd, size)
@@ -164,6 +172,8 @@ class Segment:
             fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except FileExistsError:
             raise _taken(name) from None
+        except OSError as exc:
+            raise _no_file(exc, name) from None
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
@@ -425,6 +435,18 @@ def _taken(name: str) -> OSError:
     happens under the cache's lock) a segment of ours."""
     return _squat(name) or FileExistsError(
         errno.EEXIST, "shared-memory segment exists already (run `shmcache gc`)", _path(name))
+
+
+def _no_file(exc: OSError, name: str) -> OSError:
+    """Why ``name`` could not be created: a mount out of files (its nr_inodes=, or a quota) is as
+    full as one out of bytes (SharedMemoryFull: the item is rejected, never an error out of put)."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return exc
+    root = segment_dir(name) or "/dev/shm"
+    return SharedMemoryFull(
+        f"no room in {root} for another segment ({name}): {exc.strerror} - it has no file (inode) left "
+        f"(`df -i {root}`); free some there (`shmcache gc`, `shmcache destroy`), or give that mount more "
+        f"(nr_inodes=)")
 
 
 def _round_up(n: int, m: int) -> int:

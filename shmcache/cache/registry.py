@@ -650,10 +650,14 @@ class SessionRegistry:
                 lock.close()
                 continue
             try:
-                if not _root_in_use(root):
-                    unlink_segments(self.ns, f"{prefix}{cache}{SEP}")
-                    path.unlink(missing_ok=True)
-                    removed.append(f"{session}/{cache}")
+                # a process that holds the cache open (NOTE [cache use]) maps a root that this
+                # process cannot see - its memory directory mounted over since, another mount
+                # namespace's tmpfs at the same path: in use, whatever this process finds there
+                with unless_held(self.cache_use_path(session, cache)) as free:
+                    if free and not _root_in_use(root):
+                        unlink_segments(self.ns, f"{prefix}{cache}{SEP}")
+                        path.unlink(missing_ok=True)
+                        removed.append(f"{session}/{cache}")
             finally:
                 lock.release()
                 lock.close()

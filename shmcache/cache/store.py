@@ -334,10 +334,16 @@ class CacheStore:
             self._check_fingerprint(fingerprint)
             return root
         if not create:
+            known = self.registry.cache_names(self.session)
+            if self.name in known:  # its metadata, no root: not made yet, or made where we cannot see
+                where = self.registry.segment_dir(self.session) or "/dev/shm"
+                raise CacheNotFound(
+                    f"cache {self.session}/{self.name} has no shared memory in {where} as this process sees "
+                    f"it: its creator has not finished it or died (`shmcache gc` forgets it then), or its "
+                    f"memory is where this process cannot see it - the memory directory mounted over since, "
+                    f"or another mount namespace's (a container's) tmpfs at that path; look from there")
             raise CacheNotFound(
-                f"no cache {self.name!r} in session {self.session!r} (caches: "
-                f"{', '.join(self.registry.cache_names(self.session)) or 'none'})"
-            )
+                f"no cache {self.name!r} in session {self.session!r} (caches: {', '.join(known) or 'none'})")
         unlink_segments(self.ns, self.view.base + SEP)  # debris of an earlier incarnation of this cache
         # size=0: the session's automatic cap (NOTE [memory limits])
         sizing, capacity = initial_capacity(self.registry, self.session, capacity_bytes)

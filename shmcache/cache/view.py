@@ -30,7 +30,7 @@ import numpy as np
 
 from ..base.namespace import Namespace
 from ..base.shm import WORD, Segment
-from ..errors import CacheNotFound, CorruptSegment, InvalidArgument, LockTimeout, ShmcacheError
+from ..errors import CacheNotFound, CorruptSegment, InvalidArgument, LockTimeout, SessionNotFound, ShmcacheError
 from . import codec, gather, hit, process_slot
 from .allocator import DATA_OFF, MAX_CLASSES, ClassTable, size_class
 from .generation import (
@@ -160,6 +160,17 @@ class CacheView:
         return None if same else self.destroyed()
 
     def destroyed(self) -> CacheNotFound:
+        try:  # its memory directory unmounted or removed under it: no destroy, say what happened
+            self.registry.check_memory_dir(self.session)
+        except SessionNotFound:  # the session itself is gone: destroyed
+            pass
+        except ShmcacheError as exc:
+            return CacheNotFound(f"cache {self.session}/{self.name} lost its shared memory: {exc}; it was "
+                                 f"unmounted or removed while this process used the cache. Mount it again "
+                                 f"and open the cache again (a new ShmDatasetCache), or `shmcache destroy "
+                                 f"{self.session}` and make the session elsewhere")
+        except OSError:  # its session.json unreadable: say what a destroy does
+            pass
         return CacheNotFound(f"cache {self.session}/{self.name} was destroyed while this process used it "
                              f"(`shmcache destroy --force`, or `shmcache import --force` replacing it?); open it again "
                              f"(a new ShmDatasetCache) to use the cache made since")

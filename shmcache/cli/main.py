@@ -356,7 +356,10 @@ def cmd_info(args, registry: SessionRegistry) -> int:
     from .. import __version__
 
     memory_dir, mem_total, mem_free, new_lim = settings.get(ENV_MEMORY_DIR) or None, None, None, lim
-    if memory_dir:
+    # what a session made now would be told (a disk, a directory gone, a read-only mount): no space,
+    # no pages and no cap are shown for a directory no session can be made in
+    refused = memdir.refusal(memory_dir) if memory_dir else None
+    if memory_dir and not refused:
         try:
             mem_total, mem_free = memdir.space(memory_dir)
             new_lim = memory_limits(shm_root=memory_dir)
@@ -367,11 +370,12 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         "shm_total_bytes": lim.shm_total, "shm_free_bytes": lim.shm_free,
         "mem_available_bytes": lim.mem_available, "cgroup_limit_bytes": lim.cgroup_limit,
         "cgroup_free_bytes": lim.cgroup_free, "cgroup_limit_file": lim.cgroup_file,
-        "auto_capacity_bytes": new_lim.auto_capacity(),
+        "auto_capacity_bytes": None if refused else new_lim.auto_capacity(),
         "spill_dir": spill, "spill_free_bytes": spill_free,
         "shm_pages": memdir.backing().describe(),
         "memory_dir": memory_dir, "memory_dir_total_bytes": mem_total, "memory_dir_free_bytes": mem_free,
-        "memory_dir_pages": memdir.backing(memory_dir).describe() if memory_dir else None,
+        "memory_dir_pages": memdir.backing(memory_dir).describe() if memory_dir and not refused else None,
+        "memory_dir_error": refused,
         "thp_shmem_enabled": memdir.shmem_enabled(),
         "batch_copy": "compiled" if rowcopy.NATIVE else f"numpy: {rowcopy.unavailable_reason()}",
         "single_hit": "compiled" if hit.NATIVE else f"python: {hit.unavailable_reason()}",
@@ -391,8 +395,9 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         ("version", info["version"]), ("namespace", f"{ns.root}  ($SHMCACHE_DIR)"),
         ("segment prefix", f"/dev/shm/{ns.prefix}+..."),
         ("/dev/shm", f"{_size(lim.shm_free)} free of {_size(lim.shm_total)}; {info['shm_pages']}"),
-        ("memory dir", f"{memory_dir}  ({_size(mem_free)} free of {_size(mem_total)}; {info['memory_dir_pages']}; "
-                       f"$SHMCACHE_MEMORY_DIR, for new sessions)" if memory_dir
+        ("memory dir", f"{memory_dir}  (refused for new sessions: {refused})" if refused
+         else f"{memory_dir}  ({_size(mem_free)} free of {_size(mem_total)}; {info['memory_dir_pages']}; "
+              f"$SHMCACHE_MEMORY_DIR, for new sessions)" if memory_dir
          else "not set: new sessions in /dev/shm ($SHMCACHE_MEMORY_DIR, shmcache new --memory-dir)"),
         ("huge pages (shmem THP)", f"shmem_enabled {info['thp_shmem_enabled']}; a tmpfs mount's huge= "
                                    f"decides for its files (`shmcache stat` shows each cache's pages)"),
@@ -412,8 +417,11 @@ def cmd_info(args, registry: SessionRegistry) -> int:
         ("MemAvailable", _size(lim.mem_available)),
         ("cgroup memory limit", f"{_size(lim.cgroup_limit)} ({_size(lim.cgroup_free)} free; "
                                 f"{lim.cgroup_file})" if lim.cgroup_limit else "no limit"),
-        ("automatic cap (size=0)", f"{_size(new_lim.auto_capacity())}  (80% of the smallest above, for a "
-                                   f"session made now: in {'the memory dir' if memory_dir else '/dev/shm'})"),
+        ("automatic cap (size=0)", "none: a session made now is refused (memory dir, above)" if refused
+         else f"{_size(new_lim.auto_capacity())}  (80% of the memory dir's free huge pages - its pool, which "
+              f"MemAvailable and the cgroup do not count - for a session made now)" if new_lim.huge_pool
+         else f"{_size(new_lim.auto_capacity())}  (80% of the smallest above, for a "
+              f"session made now: in {'the memory dir' if memory_dir else '/dev/shm'})"),
         ("spill dir", f"{spill}  ({_size(spill_free)} free)" if spill else "not set ($SHMCACHE_SPILL_DIR)"),
         ("sessions / segments", f"{info['sessions']} / {info['segments']}"),
     ]
