@@ -202,7 +202,7 @@ _WORKERS = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])  # spawn shares any tensor
 def test_persistent_workers_replay_each_epoch_in_its_own_order(tmp_path, start):
     (tmp_path / "train.py").write_text(_WORKERS)
     done = subprocess.run([sys.executable, str(tmp_path / "train.py"), start], capture_output=True, text=True,

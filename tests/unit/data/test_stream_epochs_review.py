@@ -142,7 +142,7 @@ _ONCE = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("kind", ["workers", "hf"])
+@pytest.mark.parametrize("kind", [pytest.param("workers", marks=pytest.mark.slow), "hf"])  # workers: test_stream_epochs
 def test_the_default_says_a_frozen_replay_once_per_job_with_dataloader_workers(tmp_path, kind):
     """The word's mark named the stream ("__stream__:0.0of2:0"): two workers (or ranks) each wrote
     their own mark into the one root word, overwriting the other's, so each worker said it again
@@ -312,7 +312,7 @@ _RESUME = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("kind", ["plain", "hf"])
+@pytest.mark.parametrize("kind", [pytest.param("plain", marks=pytest.mark.slow), "hf"])  # 3 s each: HF by default
 def test_a_run_resumed_at_a_later_epoch_finds_the_cache_its_warm_up_made(tmp_path, kind):
     """A warm-up script read the stream in epoch 0 into cache "resumed"; the training run resumed
     at epoch 2 (source.set_epoch(2), then wrap): the fingerprint hashed the source's epoch (HF's
@@ -350,7 +350,7 @@ def test_an_hf_stream_is_one_dataset_in_every_process(tmp_path):
     assert len(names) == 1, names
 
 
-@pytest.mark.parametrize("kind", ["plain", "hf"])
+@pytest.mark.parametrize("kind", [pytest.param("plain", marks=pytest.mark.slow), "hf"])  # 3 s each: HF by default
 def test_an_unnamed_cache_of_a_run_resumed_at_a_later_epoch_is_its_warm_ups(tmp_path, kind):
     """The same without a name: wrap() names the cache after the stream's first 16 items, read in
     the source's epoch of the moment - a run resumed at epoch 2 read epoch 2's and got a cache of
