@@ -214,43 +214,6 @@ def test_persistent_workers_replay_each_epoch_in_its_own_order(tmp_path, start):
     assert np.all([len(o) == 40 for o in orders])
 
 
-_SAID = textwrap.dedent("""\
-    import random
-    from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-    from shmcache import ShmDatasetCache
-
-    class Shuffled(IterableDataset):
-        def __init__(self):
-            self.epoch = 0
-        def set_epoch(self, epoch):
-            self.epoch = epoch
-        def __iter__(self):
-            info = get_worker_info()
-            order = list(range(40))
-            random.Random(self.epoch).shuffle(order)
-            return iter(order[info.id::info.num_workers])
-
-    if __name__ == "__main__":
-        cache = ShmDatasetCache(session="epochs", name="said", size=16)
-        src = Shuffled()
-        ds = cache.wrap(src)
-        for epoch in range(3):
-            src.set_epoch(epoch)  # a fresh pair of workers each epoch: they copy the source's epoch
-            assert sorted(int(x) for x in DataLoader(ds, batch_size=None, num_workers=2)) == list(range(40))
-        cache.store.destroy()
-        cache.close()
-""")
-
-
-def test_the_replayed_order_is_said_once_by_a_job_with_workers(tmp_path):
-    """Each worker replays a stream of its own: the notice is the job's, not each stream's."""
-    (tmp_path / "train.py").write_text(_SAID)
-    done = subprocess.run([sys.executable, str(tmp_path / "train.py")], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stderr.count("reshuffle=True") == 1, done.stderr
-
-
 def test_a_replay_cleared_midway_records_the_next_epoch_whole():
     """A clear() during a reshuffled replay: the rest of that epoch comes from the source (said),
     and no marker is left for a pass whose first items are not in the cache - the next epoch

@@ -18,40 +18,16 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from test_stream_epochs import EpochShuffled, N, _said  # noqa: E402 - a sibling: the sources and the word
 from torch.utils.data import IterableDataset
 
 from shmcache import ShmDatasetCache
-
-N = 24
-
-
-class EpochShuffled(IterableDataset):
-    """A stream in an order of its epoch's own, told by set_epoch (its ``epoch`` public)."""
-
-    def __init__(self, n: int = N):
-        self.n = n
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        order = list(range(self.n))
-        random.Random(self.epoch).shuffle(order)
-        return iter(order)
 
 
 def _pass(ds) -> list[int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return [int(x) for x in ds]
-
-
-def _said(fn) -> tuple[object, list[str]]:
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        out = fn()
-    return out, [str(w.message) for w in said]
 
 
 @pytest.mark.parametrize("reshuffle", [None, False, True])
@@ -105,7 +81,9 @@ def test_a_clear_from_another_process_mid_replay_of_another_epoch_loses_nothing_
         assert sorted(got) == list(range(N)) or said, (sorted(got), said)
 
 
-_ONCE = textwrap.dedent("""\
+# the sources of the scripts below: a stream in an order of its epoch's own (sharded by DataLoader
+# worker), and Hugging Face's shuffled stream
+_SOURCES = textwrap.dedent("""\
     import random, sys
     from torch.utils.data import DataLoader, IterableDataset, get_worker_info
     from shmcache import ShmDatasetCache
@@ -119,13 +97,15 @@ _ONCE = textwrap.dedent("""\
             order = list(range(40))
             random.Random(self.epoch).shuffle(order)
             info = get_worker_info()
-            return iter(order[info.id::info.num_workers])
+            return iter(order if info is None else order[info.id::info.num_workers])
 
     def hf():
         import datasets
         return datasets.Dataset.from_dict({"x": list(range(40))}).to_iterable_dataset(num_shards=4).shuffle(
             seed=0, buffer_size=8)
+""")
 
+_ONCE = _SOURCES + textwrap.dedent("""\
     if __name__ == "__main__":
         kind, start = sys.argv[1], sys.argv[2]
         cache = ShmDatasetCache(session="review", name="once", size=16)
@@ -142,7 +122,7 @@ _ONCE = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("kind", [pytest.param("workers", marks=pytest.mark.slow), "hf"])  # workers: test_stream_epochs
+@pytest.mark.parametrize("kind", ["workers", "hf"])
 def test_the_default_says_a_frozen_replay_once_per_job_with_dataloader_workers(tmp_path, kind):
     """The word's mark named the stream ("__stream__:0.0of2:0"): two workers (or ranks) each wrote
     their own mark into the one root word, overwriting the other's, so each worker said it again
@@ -278,26 +258,7 @@ def test_wrap_of_a_stream_on_a_full_dev_shm_serves_the_source(tmp_path):
     assert done.returncode == 0 and "SERVED" in done.stdout, done.stderr[-3000:]
 
 
-_RESUME = textwrap.dedent("""\
-    import random, sys
-    from torch.utils.data import IterableDataset
-    from shmcache import ShmDatasetCache
-
-    class EpochShuffled(IterableDataset):
-        def __init__(self):
-            self.epoch = 0
-        def set_epoch(self, epoch):
-            self.epoch = epoch
-        def __iter__(self):
-            order = list(range(40))
-            random.Random(self.epoch).shuffle(order)
-            return iter(order)
-
-    def hf():
-        import datasets
-        return datasets.Dataset.from_dict({"x": list(range(40))}).to_iterable_dataset(num_shards=4).shuffle(
-            seed=0, buffer_size=8)
-
+_RESUME = _SOURCES + textwrap.dedent("""\
     if __name__ == "__main__":
         kind, epoch, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
         source = hf() if kind == "hf" else EpochShuffled()
