@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidArgument, NotOwner
+from .cgroups import hugetlb_limit
 from .namespace import SHM_ROOT, make_private_dir
 from .settings import ENV_MEMORY_DIR
 
@@ -66,35 +67,40 @@ def private_dir(directory: str | os.PathLike) -> str:
     without the sticky bit)."""
     path = _checked(directory)
     private = Path(private_path(os.path.normpath(path)))
-    fix = f"name another memory directory (${ENV_MEMORY_DIR}, --memory-dir, memory_dir=)"
     if os.path.islink(private):  # even one of ours: it would lead out of the memory filesystem
         raise NotOwner(f"shmcache's directory in the memory directory, {private}, is a symlink (to "
                        f"{os.readlink(private)}); shmcache does not follow one there. Remove it "
-                       f"(rm {private}), or {fix}")
+                       f"(rm {private}), or {_FIX}")
     try:
-        make_private_dir(private, "shmcache's directory in the memory directory", fix)
+        make_private_dir(private, "shmcache's directory in the memory directory", _FIX)
     except NotOwner:
         raise
     except PermissionError:  # a root's mount of mode 0755: not a squat, no room of ours
-        raise InvalidArgument(
-            f"cannot make shmcache's directory {private}: memory directory {path} is not writable by "
-            f"you (uid {os.getuid()}); `chmod 1777 {path}` as its owner (as /dev/shm is; a tmpfs: mount "
-            f"it with mode=1777), or {fix}") from None
+        raise InvalidArgument(_not_writable(path, private)) from None
     return str(private)
+
+
+_FIX = f"name another memory directory (${ENV_MEMORY_DIR}, --memory-dir, memory_dir=)"
+
+
+def _not_writable(path: Path, private: str | os.PathLike) -> str:
+    return (f"cannot make shmcache's directory {private}: memory directory {path} is not writable by "
+            f"you (uid {os.getuid()}); `chmod 1777 {path}` as its owner (as /dev/shm is; a tmpfs: mount "
+            f"it with mode=1777), or {_FIX}")
 
 
 def refusal(directory: str | os.PathLike) -> str | None:
     """Why ``private_dir`` would refuse ``directory`` (its message), or None: the checks alone,
     nothing made (``shmcache info``)."""
     try:
-        _checked(directory)
+        path = _checked(directory)
     except (InvalidArgument, NotOwner) as exc:
         return str(exc)
-    private = private_path(os.path.normpath(Path(directory).expanduser().absolute()))
+    private = private_path(os.path.normpath(path))
     try:
         st = os.lstat(private)
-    except FileNotFoundError:
-        return None
+    except FileNotFoundError:  # made at the first session: one the user may make
+        return None if os.access(path, os.W_OK | os.X_OK) else _not_writable(path, private)
     except OSError as exc:
         return f"cannot look at {private}: {exc.strerror}"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
@@ -265,8 +271,9 @@ def shmem_enabled() -> str:
 def space(directory: str) -> tuple[int, int]:
     """``(total, free)`` bytes of the filesystem of ``directory`` (statvfs). A hugetlbfs has its
     pool of huge pages of its size (nr_hugepages; free: free_hugepages less those promised to a
-    mapping already, resv_hugepages), within its size= if it has one; a tmpfs mounted without a
-    limit (size=0) reports no blocks and holds what memory does (MemTotal, MemAvailable)."""
+    mapping already, resv_hugepages), within its size= if it has one and the hugetlb cgroup's
+    limit; a tmpfs mounted without a limit (size=0) reports no blocks and holds what memory does
+    (MemTotal, MemAvailable)."""
     st = os.statvfs(directory)
     total, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     back = backing(directory)
@@ -278,6 +285,9 @@ def space(directory: str) -> tuple[int, int]:
         except (OSError, ValueError):
             return total, free
         pool_total, pool_free = pages * st.f_bsize, max(0, usable) * st.f_bsize
+        limit, limit_free = hugetlb_limit(st.f_bsize)  # a container's share of the pool (hugepages-2Mi)
+        if limit is not None:
+            pool_total, pool_free = min(pool_total, limit), min(pool_free, limit_free)
         return (pool_total, pool_free) if total == 0 else (min(total, pool_total), min(free, pool_free))
     if total == 0 and back.fs == "tmpfs":
         memory = _meminfo()

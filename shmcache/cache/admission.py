@@ -240,8 +240,8 @@ class Admission:
                 self.log_memory_full(f"its automatic cap (size=0) of {self.capacity_bytes / 2**20:.1f} "
                                      f"MiB is full", spill)
             raise NoRoom
-        step = min(step, room)
-        self._back_and_commit(gen, cls, seg, chunk_size, committed, spill, fence, step)
+        step = self._back_and_commit(gen, cls, seg, chunk_size, committed, spill, fence,
+                                     min(step, room)) - committed  # fewer where the memory is short
         gen.meta.words[MetaLayout.COMMITTED >> 3] = used + step * chunk_size
         if auto:
             budget[0] = max(0, budget[0] - step * chunk_size)
@@ -251,12 +251,19 @@ class Admission:
                          spill: IndexedTier | None, fence: bool, step: int) -> int:
         """``step`` chunks past ``committed`` backed (nothing to do where this process's thread
         backed them already) and committed; the committed total is the caller's (``commit_ahead``
-        counted reserved chunks in it already)."""
-        try:
-            seg.commit(DATA_OFF + committed * chunk_size, step * chunk_size)
-        except SharedMemoryFull as exc:
-            self.log_shm_full(exc, spill)
-            raise NoRoom from None
+        counted reserved chunks in it already). Fewer where the memory has no room for all of
+        them (a run of a group's records: what fits of it, the caller asks again for the rest); a
+        refused fallocate on hugetlbfs keeps the pages it took, which a smaller step then uses."""
+        while True:
+            try:
+                seg.commit(DATA_OFF + committed * chunk_size, step * chunk_size)
+                break
+            except SharedMemoryFull as exc:
+                if step > 1:
+                    step //= 2
+                    continue
+                self.log_shm_full(exc, spill)
+                raise NoRoom from None
         gen.classes.set_committed(cls, committed + step)
         if fence:
             ordering.fence()  # the committed count before the bump that relies on it (ClassTable.get)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -418,3 +420,176 @@ def test_destroy_and_gc_on_a_mount_made_read_only_say_so_and_go_on(tmp_path, pri
         assert out[step]["rc"] == 0 and "Traceback" not in out[step]["err"], out
         assert "read-only" in out[step]["err"] and "shmcache gc" in out[step]["err"], out  # what to do
     assert out["gc_rw"] == 0 and out["destroy_b"] == 0 and out["left"] == [], out  # writable: all reclaimed
+
+
+CLEAR_FULL = r"""
+import json, os, subprocess, sys
+import numpy as np
+from shmcache.cache.store import CacheStore
+MOUNT = sys.argv[1]
+os.environ["SHMCACHE_MEMORY_DIR"] = MOUNT
+c = CacheStore("clearfull", "c", capacity_bytes=64 << 20)  # a cap larger than the mount: the mount fills
+out = {"stored": sum(bool(c.put(i, np.full(50000, 1, np.uint8))) for i in range(400))}
+st = os.statvfs(MOUNT)
+out["free"] = st.f_bavail * st.f_frsize
+try:
+    c.clear()
+    out["clear"] = "ok"
+except Exception as exc:
+    out["clear"] = f"{type(exc).__name__}: {exc}"[:600]
+out["put_after"] = bool(c.put(1000, np.full(50000, 2, np.uint8)))
+c.close()
+env = {k: v for k, v in os.environ.items() if k != "SHMCACHE_MEMORY_DIR"}
+subprocess.run([sys.executable, "-m", "shmcache", "destroy", "clearfull"], env=env, check=True, capture_output=True)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "clear() makes the new generation's meta and index before it removes the old one's segments; on a "
+    "mount the cache filled that raises SharedMemoryFull, and only `shmcache destroy` empties it. Removing "
+    "the old generation first needs an epoch state 'cleared' that writers respect (NOTE [publish order]): "
+    "not built"))
+def test_clear_of_a_cache_that_filled_its_memory_dir_frees_it(tmp_path, private_mounts):
+    """clear() is how a user empties a cache that filled its memory: it made the new generation's
+    meta and index before removing the old one's segments, so on a mount the cache had filled it
+    raised SharedMemoryFull ("no room ... for ... g2+meta") and the cache stayed full for good (a
+    hugetlbfs pool taken by the cache, a Docker /dev/shm of 64 MiB, a Kubernetes emptyDir)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    script = tmp_path / "clear.py"
+    script.write_text(CLEAR_FULL)
+    proc = private_mounts(f"mount -t tmpfs -o size=8m,mode=1777 none {mount} || exit 99; "
+                          f"exec {sys.executable} {script} {mount}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 0 < out["stored"] < 400 and out["free"] < 1 << 20, out  # the mount filled
+    assert out["clear"] == "ok", out
+    assert out["put_after"], out
+
+
+HTLB_CGROUP_LIMIT = r"""
+set -e
+M={mount}; CG={cg}
+mount -t hugetlbfs none $M || exit 99
+mount -t cgroup -o hugetlb none $CG || exit 99  # a v1 hugetlb hierarchy (bound to cgroup2 here: skip)
+mkdir $CG/shmcache-test
+set +e
+echo $((8 << 20)) > $CG/shmcache-test/hugetlb.{size}.limit_in_bytes || rc=1
+[ -z "$rc" ] && \
+  sh -c "echo \$\$ > $CG/shmcache-test/cgroup.procs && SHMCACHE_MEMORY_DIR=$M {python} -m shmcache info --json"
+rc=$?
+rmdir $CG/shmcache-test; umount $CG
+# the hierarchy is killed at the unmount only once its child is gone: a second mount and unmount
+sleep 0.3; mount -t cgroup -o hugetlb none $CG && umount $CG
+umount $M
+exit $rc
+"""
+
+
+def test_the_automatic_cap_on_a_hugetlbfs_is_within_the_hugetlb_cgroup_limit(tmp_path, huge_pages, private_mounts):
+    """A container's huge pages are limited by the hugetlb cgroup (Kubernetes: resources.limits.hugepages-2Mi
+    sets hugetlb.2MB.max of the pod), not by the pool of the node: a page past the limit is refused
+    (posix_fallocate: ENOSPC). The automatic cap (size=0) and `shmcache info` took the node's pool
+    alone: a pod of 8 MiB of huge pages on a node with 128 MiB of them got a cap of 102 MiB, and its
+    "full" said "has 120 MiB free of 128 MiB"."""
+    mount, cg = tmp_path / "htlb", tmp_path / "cg"
+    mount.mkdir()
+    cg.mkdir()
+    kb = int(Path("/proc/meminfo").read_text().split("Hugepagesize:")[1].split()[0])  # the mount's default pages
+    size = f"{kb >> 20}GB" if kb >= 1 << 20 else f"{kb >> 10}MB" if kb >= 1 << 10 else f"{kb}KB"  # 2MB: the kernel's
+    script = tmp_path / "cg.sh"
+    script.write_text(HTLB_CGROUP_LIMIT.format(mount=mount, cg=cg, size=size, python=sys.executable))
+    proc = private_mounts(f"sh {script}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout)
+    assert info["memory_dir_free_bytes"] <= 8 << 20, info["memory_dir_free_bytes"]
+    assert 0 < info["auto_capacity_bytes"] <= 8 << 20, info["auto_capacity_bytes"]
+
+
+GROUP_ON_HTLB = r"""
+import json, os, subprocess, sys
+import numpy as np
+from shmcache.cache import codec
+from shmcache.cache.store import CacheStore
+MOUNT = sys.argv[1]
+os.environ["SHMCACHE_MEMORY_DIR"] = MOUNT
+c = CacheStore("group", "c", capacity_bytes=64 << 20)  # a cap larger than the mount: the mount fills
+stored = c.put_many([(i, codec.encode(np.full(100000, i % 251, np.uint8), "v")) for i in range(200)])
+private = os.path.join(MOUNT, "shmcache-%d" % os.getuid())
+seg = next(f for f in os.listdir(private) if f.endswith("+c209"))  # the size class of 100 KB records
+out = {"stored": sum(stored), "backed": os.stat(os.path.join(private, seg)).st_blocks * 512,
+       "kept": sum(1 for i in range(200) if c.contains(i))}
+c.close()
+env = {k: v for k, v in os.environ.items() if k != "SHMCACHE_MEMORY_DIR"}
+subprocess.run([sys.executable, "-m", "shmcache", "destroy", "group"], env=env, check=True, capture_output=True)
+print(json.dumps(out))
+"""
+
+
+def test_a_group_larger_than_a_hugetlbfs_has_left_stores_what_fits(tmp_path, huge_pages, private_mounts):
+    """A group of records (put_many: a DataLoader batch's misses, an import) backs its run of
+    chunks with one posix_fallocate; where the mount had less room, the run was refused whole. On a
+    hugetlbfs a refused fallocate keeps the huge pages it took before it failed: a mount of 16 MiB
+    (5 pages left after the root, meta and index) took 200 records of 100 KB and stored none, its
+    last 10 MiB kept in the class's segment for nothing (`shmcache import` of a snapshot larger than
+    the pool: "imported 0 of 400 items")."""
+    mount = tmp_path / "htlb"
+    mount.mkdir()
+    script = tmp_path / "group.py"
+    script.write_text(GROUP_ON_HTLB)
+    proc = private_mounts(f"mount -t hugetlbfs -o size=16M none {mount} || exit 99; "
+                          f"exec {sys.executable} {script} {mount}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["stored"] == out["kept"], out
+    # 5 pages of 2 MiB hold 100 records of 100 KB; the pages the class's segment took hold records
+    assert out["stored"] >= 80 and out["stored"] * 100000 > out["backed"] - (2 << 20), out
+
+
+INFO_NOT_WRITABLE = r"""
+import contextlib, io, json, os, sys
+from shmcache.base import memdir
+from shmcache.cli.main import main
+from shmcache.errors import InvalidArgument
+MOUNT, NOBODY_NS = sys.argv[1], sys.argv[2]
+os.environ["SHMCACHE_MEMORY_DIR"] = MOUNT
+with contextlib.redirect_stdout(io.StringIO()):
+    main(["info", "--json"])  # as root: every module it uses is loaded before the uid drops
+os.environ["SHMCACHE_DIR"] = NOBODY_NS
+os.setgid(65534)
+os.setuid(65534)  # nobody, in a root's mount of mode 0755
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf):
+    main(["info", "--json"])
+info = json.loads(buf.getvalue())
+try:
+    memdir.private_dir(MOUNT)
+    made = "made"
+except InvalidArgument as exc:
+    made = str(exc)
+print(json.dumps({"error": info["memory_dir_error"], "auto": info["auto_capacity_bytes"], "session": made}))
+"""
+
+
+def test_info_says_a_mount_you_cannot_write_into_would_be_refused(tmp_path, private_mounts):
+    """`shmcache info` run by a user in a root's tmpfs of mode 0755 showed its free space and an
+    automatic cap for a session made now, with no error - and a session made now is refused there
+    ("not writable by you")."""
+    mount = Path("/dev/shm") / f"shmcache-test-{uuid.uuid4().hex[:8]}"  # a path nobody can walk to
+    mount.mkdir(mode=0o755)
+    public = Path(tempfile.mkdtemp(prefix="shmcache-test-"))  # nobody's namespace (pytest's tmp_path: 0700)
+    public.chmod(0o1777)
+    script = tmp_path / "info_nobody.py"
+    script.write_text(INFO_NOT_WRITABLE)
+    try:
+        proc = private_mounts(f"mount -t tmpfs -o size=8m,mode=0755 tmpfs {mount} || exit 99; "
+                              f"exec {sys.executable} {script} {mount} {public / 'ns'}")
+    finally:
+        mount.rmdir()
+        shutil.rmtree(public)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "not writable by you" in out["session"], out  # a session is refused ...
+    assert out["error"] and "not writable by you" in out["error"], out  # ... and info says so
+    assert out["auto"] is None, out
