@@ -243,6 +243,7 @@ class CachedIterableDataset(IterableDataset):
         the marker: the pass's length, its ``epoch``, its keys, and whether every item it put is
         stored (the items before ``skip`` were found)."""
         count, whole = 0, True
+        first = skip > 0  # item 0 is in the cache: found by this pass's replay, or stored below
         for i, sample in enumerate(self._source()):
             count = i + 1
             if i < skip:
@@ -251,9 +252,14 @@ class CachedIterableDataset(IterableDataset):
             store.count_computed()
             if not (counted and i == skip):
                 store.count_misses()  # not in the cache: computed, as a warm-up's items count
-            whole = self.cache.put_computed(store, f"{keys}:{i}", value) and whole
+            stored = self.cache.put_computed(store, f"{keys}:{i}", value)
+            first, whole = first or (i == 0 and stored), whole and stored
             yield value
-        if mark:  # only after a full pass
+        # a clear() (another process's too) during the pass took what was stored before it, the marker
+        # of the pass it replayed included: item 0, stored or found, says whether one came. No marker
+        # then: one would name items that are gone, and a replay in another epoch never fills them in
+        # (it reads the source, each epoch from then on); the next pass records whole
+        if mark and not (first and not store.contains(f"{keys}:0")):  # only after a full pass
             store.put(marker, (count, _NO_EPOCH if epoch is None else epoch, keys, whole))
 
 

@@ -8,22 +8,24 @@ in it too, and nothing in the counters tells them apart. ``Sharers`` looks, whil
 at the processes attached to the session, and keeps those that are not the launch's: a process
 of the launch carries ``$SHMCACHE_LAUNCH`` (this launcher, for good: its pid and start time) in
 the environment it was started with, which its DataLoader workers and subprocesses inherit, and
-which /proc shows whatever process group, session or parent it has since. The summary then says
-that its counts include theirs. A look a second (``LOOK_S``): a process attached for less than that
-may go unseen.
+which /proc shows whatever process group, session or parent it has since - or descends from the
+launcher (a process that set its title with setproctitle shows the title in place of that
+environment). The summary then says that its counts include theirs. A look a second
+(``LOOK_S``): a process attached for less than that may go unseen.
 """
 
 from __future__ import annotations
 
 import threading
 
-from ..base.procs import start_time, started
+from ..base.procs import parent_pid, start_time, started
 from ..base.settings import ENV_LAUNCH
 from ..cache.registry import SessionRegistry
 
 __all__ = ["LOOK_S", "Sharers", "launch_mark"]
 
 LOOK_S = 0.5
+_ANCESTORS_MAX = 64  # a parent chain followed at most this far (a loop in a hostile /proc ends)
 _ENVIRON_MAX = 1 << 20  # a process's environment read at most this far (Linux caps argv + env near 2 MiB)
 
 
@@ -72,10 +74,21 @@ class Sharers:
 
     def _of_launch(self, pid: int) -> bool:
         """Whether process ``pid`` was started with this launch's mark in its environment (one
-        entry of the NUL-separated list /proc/PID/environ holds)."""
+        entry of the NUL-separated list /proc/PID/environ holds), or descends from the launcher: a
+        process that set its title (setproctitle) shows the title there, not its environment."""
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 environ = f.read(_ENVIRON_MAX)
-        except OSError:  # gone, or another user's: not this launch's
-            return False
-        return self._needle in environ.split(b"\0")
+        except OSError:  # gone, or another user's: not this launch's by its environment
+            environ = b""
+        return self._needle in environ.split(b"\0") or self._descends(pid)
+
+    def _descends(self, pid: int) -> bool:
+        """Whether the launcher is an ancestor of ``pid`` (its rank's, a worker's parent chain)."""
+        for _ in range(_ANCESTORS_MAX):
+            pid = parent_pid(pid)
+            if pid is None or pid <= 1:  # (a launcher that is a container's pid 1 has every orphan as its
+                return False                 # child: its processes are known by their environment only)
+            if pid == self._own_pid:
+                return True
+        return False

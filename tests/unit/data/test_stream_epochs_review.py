@@ -323,3 +323,94 @@ def test_an_unnamed_cache_of_a_run_resumed_at_a_later_epoch_is_its_warm_ups(tmp_
     assert [x for x in warm.splitlines() if x.startswith("NAME")] == [
         x for x in resumed.splitlines() if x.startswith("NAME")], (warm, resumed)
     assert "COMPUTED 40" in resumed, resumed
+
+
+@pytest.mark.parametrize("reshuffle", [None, True])
+def test_a_clear_from_another_process_mid_recording_pass_is_not_a_whole_recording(reshuffle):
+    """`shmcache clear` (another process) after the 6th item of the recording pass in epoch 0: the
+    pass went on putting items 6.. and then wrote its marker saying every put stored its item
+    (``whole``), though the clear took items 0..5. Epoch 1, trusting ``whole``, skipped the check
+    of each key and met the missing items mid-replay: with reshuffle=True some items twice and
+    others never; in either case "the cache was cleared during epoch 1", which it was not. (Before
+    ``whole``, the check found the gap and read epoch 1 from the source, each item once - and so
+    every epoch after it: the marker stayed, and the cache was never used again.)"""
+    name = f"clearrec{reshuffle}"
+    with ShmDatasetCache(session="review", name=name, size=16) as cache:
+        ds = cache.wrap(EpochShuffled(), reshuffle=reshuffle)
+        ds.set_epoch(0)
+        got = []
+        for k, x in enumerate(ds):
+            got.append(int(x))
+            if k == 5:
+                done = subprocess.run([sys.executable, "-c", _CLEAR.format(name=name)], capture_output=True,
+                                      text=True, timeout=60)
+                assert done.returncode == 0, done.stderr[-2000:]
+        assert sorted(got) == list(range(N))
+        for epoch in (1, 2, 3, 4):
+            ds.set_epoch(epoch)
+            hits = cache.stats()["hits"]
+            got, said = _said(lambda: [int(x) for x in ds])
+            assert sorted(got) == list(range(N)), (epoch, sorted(got))
+            assert not [s for s in said if "was cleared during" in s], (epoch, said)
+        assert cache.stats()["hits"] - hits == N  # cached again: the last epoch a replay, not the source
+        cache.store.destroy()
+
+
+def test_a_clear_mid_replay_of_the_recorded_epoch_is_not_a_whole_recording():
+    """Epoch 0 recorded, then read again in epoch 0 (an evaluation pass, set_epoch not called),
+    `shmcache clear` after its 6th item: the pass recorded items 6.. again and wrote a marker
+    saying every item was stored, though items 0..5 went with the clear. Epoch 1 (reshuffle=True)
+    trusted it: a clear "during epoch 1" said, and items of epoch 1 twice and lost. A marker that
+    says the items are not all stored is no better: every later epoch read the source, never cached
+    again (a replay in another epoch does not fill in another epoch's positions)."""
+    name = "clearsame"
+    with ShmDatasetCache(session="review", name=name, size=16) as cache:
+        ds = cache.wrap(EpochShuffled(), reshuffle=True)
+        ds.set_epoch(0)
+        assert sorted(_pass(ds)) == list(range(N))
+        got = []
+        for k, x in enumerate(ds):
+            got.append(int(x))
+            if k == 5:
+                done = subprocess.run([sys.executable, "-c", _CLEAR.format(name=name)], capture_output=True,
+                                      text=True, timeout=60)
+                assert done.returncode == 0, done.stderr[-2000:]
+        assert sorted(got) == list(range(N))
+        for epoch in (1, 2, 3):
+            ds.set_epoch(epoch)
+            hits = cache.stats()["hits"]
+            got, said = _said(lambda: [int(x) for x in ds])
+            assert sorted(got) == list(range(N)), (epoch, sorted(got))
+            assert not [s for s in said if "was cleared during" in s], (epoch, said)
+        assert cache.stats()["hits"] - hits == N  # cached again: the last epoch a replay, not the source
+        cache.store.destroy()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a stream's marker cannot be replaced (a put keeps what is there): one that says a pass was not "
+    "whole makes every later epoch of a set_epoch source a read of the source, though the refusal "
+    "(a lock timeout) was passing; telling a passing refusal from a lasting one (an item too large) "
+    "or a marker per recording is not built"))
+def test_one_put_rejected_once_in_the_recording_pass_does_not_end_caching_for_good():
+    """One put of the recording pass in epoch 0 refused once (the write lock held past its timeout
+    by a stopped process, here simulated): the marker says the pass is not whole, and every later
+    epoch of a set_epoch source finds the item missing and reads the source - for the rest of the
+    run, though the cache has room and the lock is free again. Not fixed on this branch (the
+    marker cannot be replaced: put keeps what is there)."""
+    with ShmDatasetCache(session="review", name="refused", size=16) as cache:
+        refused = []
+
+        def put_computed(store, key, value, *args, **kwargs):
+            if key.endswith(":3") and not refused:
+                refused.append(key)
+                return False
+            return type(cache).put_computed(cache, store, key, value, *args, **kwargs)
+
+        cache.put_computed = put_computed
+        ds = cache.wrap(EpochShuffled())
+        for epoch in range(5):
+            ds.set_epoch(epoch)
+            hits = cache.stats()["hits"]
+            assert sorted(_pass(ds)) == list(range(N)), epoch
+        assert refused and cache.stats()["hits"] - hits == N  # the last epoch a replay
+        cache.store.destroy()
