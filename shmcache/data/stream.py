@@ -2,6 +2,22 @@
 first full pass of each stream records, later passes replay - in the recorded order, or, with
 ``wrap(reshuffle=True)``, in an order drawn from the epoch - and a source whose order follows
 its epoch (``set_epoch``) is never replayed in another epoch's order without a word.
+
+NOTE [stream records]
+    A stream is a rank and a DataLoader worker (``0.1of2``; ``0.main`` without workers). A pass
+    records item i under ``<keys>:i``, where ``<keys>`` is the stream, or the stream in the
+    pass's epoch (``0.main@3``) for a source with ``set_epoch``: a put keeps what is there, so
+    two epochs' passes under one set of keys would mix their positions. After a whole pass, and
+    only then, the stream's marker ``__stream__:<stream>`` is put: ``(items, epoch, keys, whole)``
+    (epoch -1: not known; ``whole``: every item of the pass is stored). It is never replaced (a
+    put keeps it): no marker is put for a pass a ``clear()`` ran into (its item 0 gone at its end,
+    or re-recorded after a clear met mid-replay), so the next pass records whole. A replay reads
+    the marker's keys: in the recorded epoch (or with no epoch known) in order, filling a missing
+    item from the source at the same position; in another epoch of a source with ``set_epoch``
+    (or with reshuffle=True), in an order drawn from the epoch if reshuffle, else in the recorded
+    order - and where the recording is not whole, that epoch is the source's own pass, nothing
+    stored (its positions are not the recorded epoch's). A bare count (an older marker) is items
+    under the stream's keys in an unknown epoch, not whole.
 """
 
 from __future__ import annotations
@@ -43,8 +59,8 @@ class CachedIterableDataset(IterableDataset):
     """An iterable dataset: the first full pass records, later passes replay from the cache.
 
     Each stream (rank x DataLoader worker) records its own sequence under its own keys, with a
-    completion marker written only after a full pass, that names the epoch it was read in; a
-    pass that was cut short, or finds an item missing, reads the source again and fills the gaps.
+    completion marker written only after a full pass (NOTE [stream records]); a pass that was cut
+    short, or finds an item missing, reads the source again and fills the gaps.
 
     DataLoader workers: each worker gets its own copy of the dataset and records what *its* copy
     yields, under its own keys (``RANK.<worker id>of<num_workers>``). An unsharded stream is thus
