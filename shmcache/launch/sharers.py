@@ -10,8 +10,8 @@ of the launch carries ``$SHMCACHE_LAUNCH`` (this launcher, for good: its pid and
 the environment it was started with, which its DataLoader workers and subprocesses inherit, and
 which /proc shows whatever process group, session or parent it has since - or descends from the
 launcher (a process that set its title with setproctitle shows the title in place of that
-environment). The summary then says that its counts include theirs. A look a second
-(``LOOK_S``): a process attached for less than that may go unseen.
+environment). The summary then says that its counts include theirs. A look every ``LOOK_S``
+(half a second): a process attached for less than that may go unseen.
 """
 
 from __future__ import annotations
