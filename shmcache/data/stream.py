@@ -282,13 +282,24 @@ class CachedIterableDataset(IterableDataset):
 def _recorded(marker: Any, stream: str) -> tuple[int, int | None, str, bool] | None:
     """``(items, epoch, keys, whole)`` of ``stream``'s marker: the epoch None where it was not
     known; the keys the stream's own, and ``whole`` False (not known), where the marker was
-    written before markers named them (a bare count, or fewer fields); None for no marker."""
+    written before markers named them (a bare count, or fewer fields); a later version's fields
+    past these four are not read. None for no marker, or one of no shape known here: the stream is
+    then recorded again, and replayed by whoever can read its marker."""
     if marker is MISSING:
         return None
-    if isinstance(marker, tuple) and 2 <= len(marker) <= 4:
-        total, at, keys, whole = (*marker, stream, False)[:4] if len(marker) == 2 else (*marker, False)[:4]
-        return int(total), (None if at == _NO_EPOCH else int(at)), str(keys), whole is True
-    return int(marker), None, stream, False
+    if isinstance(marker, int) and not isinstance(marker, bool):
+        marker = (marker, _NO_EPOCH)
+    if not isinstance(marker, tuple) or len(marker) < 2:
+        return None
+    total, at, keys, whole = (*marker, stream, False)[:4] if len(marker) == 2 else (*marker, False)[:4]
+    if not (_count(total) and (at == _NO_EPOCH or _count(at)) and isinstance(keys, str)):
+        return None
+    return total, (None if at == _NO_EPOCH else at), keys, whole is True
+
+
+def _count(value: Any) -> bool:
+    """A plain int >= 0 (a marker's field)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_head(dataset: Iterable, n: int) -> tuple[list, Any, int | None]:

@@ -236,3 +236,23 @@ def test_a_replay_cleared_midway_records_the_next_epoch_whole():
         for epoch in (3, 4):
             ds.set_epoch(epoch)
             assert sorted(_pass(ds)) == list(range(N)) and src.passes == passes, "not replayed from the cache"
+
+
+@pytest.mark.parametrize("marker", [5, (5, -1), (5, -1, "0.main"), (5, -1, "0.main", True),
+                                    (5, -1, "0.main", True, "a later field")])
+def test_a_marker_of_every_known_shape_replays(marker):
+    """Markers an older version wrote (a bare count, 2 and 3 fields) and one a later version may
+    write (more fields) replay the stream; one of no known shape records it again, no error."""
+    with _cache("shapes") as cache:
+        store = cache.store
+        for i in range(5):
+            store.put(f"0.main:{i}", i * 10)
+        store.put("__stream__:0.main", marker)
+        assert [int(x) for x in cache.wrap(NoEpoch(), reshuffle=False)] == [0, 10, 20, 30, 40]
+
+
+@pytest.mark.parametrize("marker", ["5", (5,), ("5", -1), (5, "x"), (5, -1, 7), (True, -1)])
+def test_a_marker_of_no_known_shape_records_the_stream_again(marker):
+    with _cache("noshape") as cache:
+        cache.store.put("__stream__:0.main", marker)
+        assert [int(x) for x in cache.wrap(NoEpoch(), reshuffle=False)] == list(range(N))
