@@ -68,6 +68,7 @@ class ImportReport:
     imported: int = 0  # now in the cache (or were already: put keeps what is there)
     spilled: int = 0  # of those, in spill files (the cap was reached with spilling on)
     rejected: int = 0  # not stored: the cap was reached and spilling is off (or /dev/shm is full)
+    memory_full: str = ""  # why, where it was the shared memory and not the cap: where, how much
     damaged: int = 0  # records that failed their checks: skipped
     forged: int = 0  # records without the job's MAC (a signed snapshot, read with the secret): skipped
     pickled: int = 0  # records holding a pickled object, not authenticated: refused unread
@@ -88,7 +89,11 @@ class ImportReport:
                 f"{self.src} ({self.bytes / 2**20:.1f} MiB in {self.seconds:.1f} s, {rate:.0f} MiB/s)")
         if self.spilled:
             text += f"; {self.spilled} of them spilled to disk (shared memory was full)"
-        if self.rejected:
+        if self.rejected and self.memory_full:
+            text += (f"; {self.rejected} did not fit ({self.memory_full}, and the cache does not spill): free "
+                     f"room there (`shmcache gc`, or `shmcache destroy` of sessions no longer used; `shmcache "
+                     f"info` shows it), give that mount more, or spilling=True (--spilling --spill-dir DIR)")
+        elif self.rejected:
             text += (f"; {self.rejected} did not fit (the cache's cap is reached and it does not spill): "
                      f"give it a larger size= (MiB), or spilling=True (--spilling --spill-dir DIR)")
         if self.damaged:
@@ -132,6 +137,21 @@ def read_manifest(src: str | os.PathLike, storage_options: dict | None = None,
     except OSError as exc:
         raise loc.error(exc, "read", fmt.MANIFEST) from None
     return loc, fmt.Manifest.from_json(data, loc.where(fmt.MANIFEST))
+
+
+def _memory_full(session: str, stats: dict) -> str:
+    """Why an import's items did not fit where it is the shared memory, not the cap: the cache
+    committed well under its cap (a cap larger than the mount, or the mount shared) - "" else."""
+    cap, used = stats.get("capacity_bytes", 0), stats.get("committed_bytes", 0)
+    if not cap or used >= cap - cap // 10:
+        return ""
+    from ..cache.registry import SessionRegistry
+
+    try:
+        where = SessionRegistry(namespace()).memory_root(session)
+    except Exception:  # noqa: BLE001 - a message's detail: the session's record unreadable
+        where = "the shared memory"
+    return (f"{where} is full: the cache holds {used / 2**20:.1f} MiB of its cap of {cap / 2**20:.0f} MiB")
 
 
 def import_snapshot(src: str | os.PathLike, *, session: str = "auto", name: str | None = None,
@@ -248,8 +268,11 @@ def import_into(store: Store, loc: SnapshotLocation, manifest: fmt.Manifest, *, 
                 fut.result()  # the first error (a data file that changed under us, a dead store) raises
     finally:
         job.bar.close()
-    report.spilled = max(0, store.stats().get("items_disk", 0) - spilled_before)
+    stats = store.stats()
+    report.spilled = max(0, stats.get("items_disk", 0) - spilled_before)
     report.seconds = time.perf_counter() - started
+    if report.rejected:
+        report.memory_full = _memory_full(store.session, stats)
     if report.rejected or report.damaged or report.forged or report.pickled or report.duplicates \
             or report.overlapping:
         log.warning("%s", report)

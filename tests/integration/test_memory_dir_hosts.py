@@ -593,3 +593,39 @@ def test_info_says_a_mount_you_cannot_write_into_would_be_refused(tmp_path, priv
     assert "not writable by you" in out["session"], out  # a session is refused ...
     assert out["error"] and "not writable by you" in out["error"], out  # ... and info says so
     assert out["auto"] is None, out
+
+
+IMPORT_INTO_SMALL = r"""
+import json, os, subprocess, sys
+import numpy as np
+from shmcache import ShmDatasetCache
+MOUNT, SNAP = sys.argv[1], sys.argv[2]
+src = ShmDatasetCache(session="exp", name="big", size=64)  # in /dev/shm: the snapshot's source
+ds = src.wrap([np.full(200_000, i % 251, np.uint8) for i in range(60)])  # 12 MB of samples
+[ds[i] for i in range(60)]
+src.export(SNAP)
+src.store.destroy()
+src.close()
+os.environ["SHMCACHE_MEMORY_DIR"] = MOUNT  # a mount of 8 MiB under a cap of 64 MiB: the mount fills
+dst = ShmDatasetCache.from_snapshot(SNAP, session="imp", size=64)
+out = {"report": str(dst.last_import), "rejected": dst.last_import.rejected}
+dst.store.destroy()
+dst.close()
+print(json.dumps(out))
+"""
+
+
+def test_an_import_the_memory_dir_is_too_small_for_says_so_not_the_cap(tmp_path, private_mounts):
+    """An import into a cache whose cap is larger than its mount: the items that did not fit were
+    said to be over "the cache's cap ... give it a larger size=" - advice that makes it worse; the
+    mount, not the cap, was full (the review of adv-mem2 saw it with 8 free huge pages)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    script = tmp_path / "imp.py"
+    script.write_text(IMPORT_INTO_SMALL)
+    proc = private_mounts(f"mount -t tmpfs -o size=8m,mode=1777 none {mount} || exit 99; "
+                          f"exec {sys.executable} {script} {mount} {tmp_path / 'snap'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["rejected"] > 0, out
+    assert "larger size=" not in out["report"] and str(mount) in out["report"], out["report"]
