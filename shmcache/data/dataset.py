@@ -339,6 +339,7 @@ class ShmDatasetCache:
         ``reshuffle`` (an iterable dataset only): a replayed epoch in an order drawn from the epoch
         (True), in the recorded order (False), or in the recorded order said once per job where the
         source's order may follow its epoch (None; data.stream.CachedIterableDataset)."""
+        reshuffle = check_reshuffle(reshuffle, _iterable(dataset))  # (wrap(None) is map-style)
         if dataset is None:
             return self._wrap_without_source(transform)
         if transform is not None and not callable(transform):
@@ -348,7 +349,6 @@ class ShmDatasetCache:
         if fingerprint is not None and (not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= 256):
             raise InvalidArgument(f"fingerprint must be a non-empty str (a version or a hash of the "
                                   f"dataset's contents, at most 256 characters), got {fingerprint!r:.80}")
-        reshuffle = check_reshuffle(reshuffle, _iterable(dataset))
         self._given_fp = fingerprint
         wrapped = self._wrap(dataset, transform, reshuffle)
         store = self.opened

@@ -175,6 +175,8 @@ def test_reshuffle_is_for_streams():
     with _cache("mapstyle") as cache:
         with pytest.raises(InvalidArgument, match="sampler"):
             cache.wrap(list(range(10)), reshuffle=True)
+        with pytest.raises(InvalidArgument, match="sampler"):  # was taken and ignored
+            cache.wrap(None, reshuffle=True)
         with pytest.raises(InvalidArgument, match="reshuffle"):
             cache.wrap(EpochShuffled(), reshuffle="yes")
 
