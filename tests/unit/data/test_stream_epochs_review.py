@@ -273,7 +273,10 @@ _RESUME = _SOURCES + textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("kind", [pytest.param("plain", marks=pytest.mark.slow), "hf"])  # 3 s each: HF by default
+# slow: 4-8 s each; by default the unnamed resumed run covers both (its name is the fingerprint, made
+# in two processes at two epochs)
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["plain", "hf"])
 def test_a_run_resumed_at_a_later_epoch_finds_the_cache_its_warm_up_made(tmp_path, kind):
     """A warm-up script read the stream in epoch 0 into cache "resumed"; the training run resumed
     at epoch 2 (source.set_epoch(2), then wrap): the fingerprint hashed the source's epoch (HF's
@@ -295,6 +298,7 @@ def _run(tmp_path, kind: str, epoch: int, name: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_an_hf_stream_is_one_dataset_in_every_process(tmp_path):
     """A warm-up script and a training script (the same epoch, nothing resumed) wrapping the same
     Hugging Face stream: its ``_IterableDataset__hffs_cache`` attribute (HF keeps fsspec's
