@@ -56,6 +56,18 @@ print(json.dumps(out))
 """
 
 
+def _in_mount(private_mounts, mount, options: str, program: str, *args: str, timeout: float = 120) -> dict:
+    """``program`` (Python) as ``python SCRIPT MOUNT *args`` in a private mount namespace where
+    ``mount -t ... options`` is mounted at ``mount`` (made here); its last line of output, as JSON."""
+    mount.mkdir()
+    script = mount.with_suffix(".py")
+    script.write_text(program)
+    proc = private_mounts(f"mount {options} {mount} || exit 99; exec {sys.executable} {script} {mount} "
+                          f"{' '.join(args)}", timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_a_hugetlbfs_holds_what_its_pool_has_room_for(tmp_path, huge_pages, private_mounts):
     """A shared mapping of a hugetlbfs file reserves huge pages for all of it at mmap; a data
     segment's size is virtual (a cache's cap, the whole pool for size=0), its pages backed as
@@ -64,15 +76,8 @@ def test_a_hugetlbfs_holds_what_its_pool_has_room_for(tmp_path, huge_pages, priv
     MiB of the pool for a few KB of records, until none was left (a few classes cached, the rest
     rejected "cannot map segment ... give the cache a smaller size="), and those pages stayed
     reserved, unusable by anyone, for as long as the session lived."""
-    mount = tmp_path / "htlb"
-    mount.mkdir()
-    script = tmp_path / "pool.py"
-    script.write_text(HTLB_POOL)
-    proc = private_mounts(f"mount -t hugetlbfs none {mount} || exit 99; exec {sys.executable} {script} {mount}",
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["auto"] == 16 and out["sized"] == 16, (out, proc.stderr[-2000:])  # 1.1 MiB in a pool of 64+ MiB
+    out = _in_mount(private_mounts, tmp_path / "htlb", "-t hugetlbfs none", HTLB_POOL)
+    assert out["auto"] == 16 and out["sized"] == 16, out  # 1.1 MiB in a pool of 64+ MiB
     assert out["auto_read"] == 16 and out["sized_read"] == 16, out
     assert out["reserved_pages"] == 0, out  # no page of the pool kept from others for nothing
     assert out["left"] == [], out
@@ -106,12 +111,7 @@ def test_info_counts_huge_pages_promised_to_another_program_as_taken(tmp_path, h
     """HugePages_Free counts pages reserved for another program's mapping (HugePages_Rsvd): they are
     not free for a cache. `shmcache info` (and the automatic cap, and "full") counted them free."""
     mount = tmp_path / "htlb"
-    mount.mkdir()
-    script = tmp_path / "info.py"
-    script.write_text(HTLB_INFO)
-    proc = private_mounts(f"mount -t hugetlbfs none {mount} || exit 99; exec {sys.executable} {script} {mount}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _in_mount(private_mounts, mount, "-t hugetlbfs none", HTLB_INFO)
     assert out["reserved_pages"] >= 8, out
     usable = (out["free_pages"] - out["reserved_pages"]) * out["page"]
     assert out["said_free"] == usable, out
@@ -143,13 +143,8 @@ def test_a_tmpfs_mounted_without_a_size_limit_is_as_large_as_memory(tmp_path, pr
     cache there got no memory ("0.0 MiB free of 0.0 MiB ... in Docker raise --shm-size") and `info`
     said 0 B; its bound is memory's (MemAvailable, the cgroup), as for any tmpfs."""
     mount = tmp_path / "unlimited"
-    mount.mkdir()
-    script = tmp_path / "unlimited.py"
-    script.write_text(UNLIMITED)
-    proc = private_mounts(f"mount -t tmpfs -o size=0 tmpfs {mount} || exit 99; exec {sys.executable} {script} {mount}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["put"] is True and out["cap"] > 1 << 20, (out, proc.stderr[-2000:])
+    out = _in_mount(private_mounts, mount, "-t tmpfs -o size=0 tmpfs", UNLIMITED)
+    assert out["put"] is True and out["cap"] > 1 << 20, out
     assert out["total"] > 0 and out["free"] > 0 and out["auto"] > 1 << 20, out
 
 
@@ -201,13 +196,7 @@ def test_gc_keeps_a_cache_in_use_whose_mount_was_mounted_over(tmp_path, private_
     that holds it open (NOTE [cache use]): `shmcache stat` then said "no caches in session" while
     the process kept putting into it."""
     mount = tmp_path / "mnt"
-    mount.mkdir()
-    script = tmp_path / "over.py"
-    script.write_text(OVER_MOUNT)
-    proc = private_mounts(f"mount -t tmpfs -o size=8m tmpfs {mount} || exit 99; "
-                          f"exec {sys.executable} {script} {mount} {shm_namespace.root}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _in_mount(private_mounts, mount, "-t tmpfs -o size=8m tmpfs", OVER_MOUNT, str(shm_namespace.root))
     assert out["value"] == "kept", out
     assert out["meta_kept"], out
     assert "1 caches that were never made forgotten" not in out["gc"], out
@@ -335,13 +324,7 @@ def test_the_automatic_cap_on_a_hugetlbfs_is_its_pool_not_the_memory_cgroup(tmp_
     automatic cap (size=0), "full" and raise_auto_cap took the smallest of the pool, MemAvailable and
     the memory cgroup: a pod of 16 MiB of memory and a pool of 128 MiB got a cap of 12.8 MiB."""
     mount = tmp_path / "htlb"
-    mount.mkdir()
-    script = tmp_path / "cg.py"
-    script.write_text(HTLB_CGROUP)
-    proc = private_mounts(f"mount -t hugetlbfs none {mount} || exit 99; "
-                          f"exec {sys.executable} {script} {mount} {tmp_path / 'fake'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _in_mount(private_mounts, mount, "-t hugetlbfs none", HTLB_CGROUP, str(tmp_path / "fake"))
     assert out["cgroup"] == 16 << 20 and out["pool_free"] > 32 << 20, out
     assert out["available"] == out["pool_free"], out
 
@@ -409,13 +392,7 @@ def test_destroy_and_gc_on_a_mount_made_read_only_say_so_and_go_on(tmp_path, pri
     its segments kept), and so did every `shmcache gc` after it - which then cleaned nothing else
     anywhere - until the mount was writable again."""
     mount = tmp_path / "mnt"
-    mount.mkdir()
-    script = tmp_path / "ro_later.py"
-    script.write_text(READ_ONLY_LATER)
-    proc = private_mounts(f"mount -t tmpfs -o size=8m tmpfs {mount} || exit 99; "
-                          f"exec {sys.executable} {script} {mount}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _in_mount(private_mounts, mount, "-t tmpfs -o size=8m tmpfs", READ_ONLY_LATER)
     for step in ("destroy", "gc"):
         assert out[step]["rc"] == 0 and "Traceback" not in out[step]["err"], out
         assert "read-only" in out[step]["err"] and "shmcache gc" in out[step]["err"], out  # what to do
@@ -456,13 +433,7 @@ def test_clear_of_a_cache_that_filled_its_memory_dir_frees_it(tmp_path, private_
     raised SharedMemoryFull ("no room ... for ... g2+meta") and the cache stayed full for good (a
     hugetlbfs pool taken by the cache, a Docker /dev/shm of 64 MiB, a Kubernetes emptyDir)."""
     mount = tmp_path / "small"
-    mount.mkdir()
-    script = tmp_path / "clear.py"
-    script.write_text(CLEAR_FULL)
-    proc = private_mounts(f"mount -t tmpfs -o size=8m,mode=1777 none {mount} || exit 99; "
-                          f"exec {sys.executable} {script} {mount}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _in_mount(private_mounts, mount, "-t tmpfs -o size=8m,mode=1777 none", CLEAR_FULL)
     assert 0 < out["stored"] < 400 and out["free"] < 1 << 20, out  # the mount filled
     assert out["clear"] == "ok", out
     assert out["put_after"], out
@@ -535,13 +506,7 @@ def test_a_group_larger_than_a_hugetlbfs_has_left_stores_what_fits(tmp_path, hug
     last 10 MiB kept in the class's segment for nothing (`shmcache import` of a snapshot larger than
     the pool: "imported 0 of 400 items")."""
     mount = tmp_path / "htlb"
-    mount.mkdir()
-    script = tmp_path / "group.py"
-    script.write_text(GROUP_ON_HTLB)
-    proc = private_mounts(f"mount -t hugetlbfs -o size=16M none {mount} || exit 99; "
-                          f"exec {sys.executable} {script} {mount}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _in_mount(private_mounts, mount, "-t hugetlbfs -o size=16M none", GROUP_ON_HTLB)
     assert out["stored"] == out["kept"], out
     # 5 pages of 2 MiB hold 100 records of 100 KB; the pages the class's segment took hold records
     assert out["stored"] >= 80 and out["stored"] * 100000 > out["backed"] - (2 << 20), out
@@ -620,12 +585,7 @@ def test_an_import_the_memory_dir_is_too_small_for_says_so_not_the_cap(tmp_path,
     said to be over "the cache's cap ... give it a larger size=" - advice that makes it worse; the
     mount, not the cap, was full (the review of adv-mem2 saw it with 8 free huge pages)."""
     mount = tmp_path / "small"
-    mount.mkdir()
-    script = tmp_path / "imp.py"
-    script.write_text(IMPORT_INTO_SMALL)
-    proc = private_mounts(f"mount -t tmpfs -o size=8m,mode=1777 none {mount} || exit 99; "
-                          f"exec {sys.executable} {script} {mount} {tmp_path / 'snap'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _in_mount(private_mounts, mount, "-t tmpfs -o size=8m,mode=1777 none", IMPORT_INTO_SMALL,
+                    str(tmp_path / "snap"))
     assert out["rejected"] > 0, out
     assert "larger size=" not in out["report"] and str(mount) in out["report"], out["report"]

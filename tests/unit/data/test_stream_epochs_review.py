@@ -329,6 +329,29 @@ def test_an_unnamed_cache_of_a_run_resumed_at_a_later_epoch_is_its_warm_ups(tmp_
     assert "COMPUTED 40" in resumed, resumed
 
 
+def _pass_cleared_at(ds, name: str, k: int) -> None:
+    """A pass of ``ds`` with `shmcache clear` (another process) after its item ``k``: each item once."""
+    got = []
+    for n, x in enumerate(ds):
+        got.append(int(x))
+        if n == k:
+            done = subprocess.run([sys.executable, "-c", _CLEAR.format(name=name)], capture_output=True,
+                                  text=True, timeout=60)
+            assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(got) == list(range(N))
+
+
+def _cached_again(cache, ds, epochs) -> None:
+    """``ds`` in each of ``epochs``: each item once, no clear said, and the last epoch a replay."""
+    for epoch in epochs:
+        ds.set_epoch(epoch)
+        hits = cache.stats()["hits"]
+        got, said = _said(lambda: [int(x) for x in ds])
+        assert sorted(got) == list(range(N)), (epoch, sorted(got))
+        assert not [s for s in said if "was cleared during" in s], (epoch, said)
+    assert cache.stats()["hits"] - hits == N  # cached again: the last epoch a replay, not the source
+
+
 @pytest.mark.parametrize("reshuffle", [None, True])
 def test_a_clear_from_another_process_mid_recording_pass_is_not_a_whole_recording(reshuffle):
     """`shmcache clear` (another process) after the 6th item of the recording pass in epoch 0: the
@@ -342,21 +365,8 @@ def test_a_clear_from_another_process_mid_recording_pass_is_not_a_whole_recordin
     with ShmDatasetCache(session="review", name=name, size=16) as cache:
         ds = cache.wrap(EpochShuffled(), reshuffle=reshuffle)
         ds.set_epoch(0)
-        got = []
-        for k, x in enumerate(ds):
-            got.append(int(x))
-            if k == 5:
-                done = subprocess.run([sys.executable, "-c", _CLEAR.format(name=name)], capture_output=True,
-                                      text=True, timeout=60)
-                assert done.returncode == 0, done.stderr[-2000:]
-        assert sorted(got) == list(range(N))
-        for epoch in (1, 2, 3, 4):
-            ds.set_epoch(epoch)
-            hits = cache.stats()["hits"]
-            got, said = _said(lambda: [int(x) for x in ds])
-            assert sorted(got) == list(range(N)), (epoch, sorted(got))
-            assert not [s for s in said if "was cleared during" in s], (epoch, said)
-        assert cache.stats()["hits"] - hits == N  # cached again: the last epoch a replay, not the source
+        _pass_cleared_at(ds, name, 5)
+        _cached_again(cache, ds, (1, 2, 3, 4))
         cache.store.destroy()
 
 
@@ -372,21 +382,8 @@ def test_a_clear_mid_replay_of_the_recorded_epoch_is_not_a_whole_recording():
         ds = cache.wrap(EpochShuffled(), reshuffle=True)
         ds.set_epoch(0)
         assert sorted(_pass(ds)) == list(range(N))
-        got = []
-        for k, x in enumerate(ds):
-            got.append(int(x))
-            if k == 5:
-                done = subprocess.run([sys.executable, "-c", _CLEAR.format(name=name)], capture_output=True,
-                                      text=True, timeout=60)
-                assert done.returncode == 0, done.stderr[-2000:]
-        assert sorted(got) == list(range(N))
-        for epoch in (1, 2, 3):
-            ds.set_epoch(epoch)
-            hits = cache.stats()["hits"]
-            got, said = _said(lambda: [int(x) for x in ds])
-            assert sorted(got) == list(range(N)), (epoch, sorted(got))
-            assert not [s for s in said if "was cleared during" in s], (epoch, said)
-        assert cache.stats()["hits"] - hits == N  # cached again: the last epoch a replay, not the source
+        _pass_cleared_at(ds, name, 5)
+        _cached_again(cache, ds, (1, 2, 3))
         cache.store.destroy()
 
 
