@@ -83,6 +83,7 @@ def test_the_closing_summary_says_which_processes_outside_the_job_shared_its_ses
     assert len(said) == 1 and f"pid {other.pid})" in said[0] and "1 process" in said[0], err
 
 
+@pytest.mark.slow  # the job's own ranks and workers: the test above counts them out too (1 process)
 def test_a_job_alone_is_not_said_to_share_its_session(tmp_path):
     (tmp_path / "items.py").write_text(ITEMS)
     (tmp_path / "job.py").write_text(JOB)

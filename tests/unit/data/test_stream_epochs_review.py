@@ -52,7 +52,7 @@ _CLEAR = ("from shmcache import ShmDatasetCache\n"
           "c = ShmDatasetCache(session='review', name={name!r})\nc.clear()\nc.close()\n")
 
 
-@pytest.mark.parametrize("reshuffle", [None, True])
+@pytest.mark.parametrize("reshuffle", [pytest.param(None, marks=pytest.mark.slow), True])  # slow: as True, unshuffled
 def test_a_clear_from_another_process_mid_replay_of_another_epoch_loses_nothing_silently(reshuffle):
     """A replay in epoch 1 of a pass recorded in epoch 0, `shmcache clear` (another process) after
     its 6th item: the replay went on with `_record(skip=6)` - the source's epoch 1 pass without
@@ -122,7 +122,7 @@ _ONCE = _SOURCES + textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("kind", ["workers", "hf"])
+@pytest.mark.parametrize("kind", ["workers", pytest.param("hf", marks=pytest.mark.slow)])  # hf: 2.5 s
 def test_the_default_says_a_frozen_replay_once_per_job_with_dataloader_workers(tmp_path, kind):
     """The word's mark named the stream ("__stream__:0.0of2:0"): two workers (or ranks) each wrote
     their own mark into the one root word, overwriting the other's, so each worker said it again
@@ -352,7 +352,7 @@ def _cached_again(cache, ds, epochs) -> None:
     assert cache.stats()["hits"] - hits == N  # cached again: the last epoch a replay, not the source
 
 
-@pytest.mark.parametrize("reshuffle", [None, True])
+@pytest.mark.parametrize("reshuffle", [pytest.param(None, marks=pytest.mark.slow), True])  # slow: as True, unshuffled
 def test_a_clear_from_another_process_mid_recording_pass_is_not_a_whole_recording(reshuffle):
     """`shmcache clear` (another process) after the 6th item of the recording pass in epoch 0: the
     pass went on putting items 6.. and then wrote its marker saying every put stored its item
