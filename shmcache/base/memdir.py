@@ -35,7 +35,7 @@ from .namespace import SHM_ROOT, make_private_dir
 from .settings import ENV_MEMORY_DIR
 
 __all__ = ["TMPFS_MAGIC", "HUGETLBFS_MAGIC", "Backing", "backing", "private_dir", "private_path", "pmd_size",
-           "mount_fix", "refusal", "space", "shmem_enabled"]
+           "meminfo", "mount_fix", "refusal", "space", "shmem_enabled"]
 
 TMPFS_MAGIC = 0x01021994
 HUGETLBFS_MAGIC = 0x958458F6
@@ -290,13 +290,14 @@ def space(directory: str) -> tuple[int, int]:
             pool_total, pool_free = min(pool_total, limit), min(pool_free, limit_free)
         return (pool_total, pool_free) if total == 0 else (min(total, pool_total), min(free, pool_free))
     if total == 0 and back.fs == "tmpfs":
-        memory = _meminfo()
+        memory = meminfo()
         total, free = memory.get("MemTotal", 0), memory.get("MemAvailable", 0)
     return total, free
 
 
-def _meminfo() -> dict[str, int]:
-    """/proc/meminfo's fields, in bytes."""
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo's fields, in bytes (none where it cannot be read): MemAvailable for the
+    automatic cap (base.memory), MemTotal for a tmpfs without a size limit."""
     out = {}
     try:
         with open("/proc/meminfo") as f:

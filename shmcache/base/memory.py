@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cgroups import cgroup_limits
-from .memdir import backing, space
+from .memdir import backing, meminfo, space
 from .namespace import SHM_ROOT
 
 __all__ = ["MemoryLimits", "memory_limits"]
@@ -40,17 +40,6 @@ class MemoryLimits:
         return int((self.available + held) * 0.8)
 
 
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def memory_limits(proc_self: str = "/proc/self", shm_root: str = SHM_ROOT) -> MemoryLimits:
     """The limits now; ``shm_root``: where the shared memory lives (/dev/shm, or a session's memory
     directory: its filesystem's size and free space are the ``shm_`` fields)."""
@@ -60,7 +49,7 @@ def memory_limits(proc_self: str = "/proc/self", shm_root: str = SHM_ROOT) -> Me
     except OSError:
         shm_total = shm_free = None
     pool = backing(shm_root).huge == "hugetlbfs" and not _hugetlb_charged(proc_self)
-    return MemoryLimits(_mem_available(), limit, free, shm_total, shm_free, source, huge_pool=pool)
+    return MemoryLimits(meminfo().get("MemAvailable"), limit, free, shm_total, shm_free, source, huge_pool=pool)
 
 
 def _hugetlb_charged(proc_self: str) -> bool:
